@@ -1,0 +1,170 @@
+"""Torch reference attention over the paged KV cache: the CPU path and the kernels' oracle.
+
+Sequences with short queries (decode, speculative verification) are gathered into one padded batch
+and run as a single SDPA call; long queries (prefill chunks) run one SDPA call each. Everything that
+depends only on the step's shapes is computed once in `prepare` and reused by all layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specfleet.engine.attention.base import AttentionMetadata
+
+# Queries up to this many rows are batched together (padded); longer ones run alone.
+SHORT_QUERY_MAX = 16
+
+
+@dataclass
+class _Short:
+    batch: int
+    qmax: int
+    kmax: int
+    query_rows: torch.Tensor | None  # [batch * qmax] rows of the flat query; None: identity
+    key_slots: torch.Tensor  # [batch * kmax] slots to gather
+    mask: torch.Tensor | None  # [batch, 1, qmax, kmax] bool, True = attend; None: attend to all
+    out_src: torch.Tensor | None  # [n] rows of the padded output holding real queries
+    out_dst: torch.Tensor | None  # [n] rows of the flat output they go to
+
+
+@dataclass
+class _Long:
+    row_start: int
+    row_end: int
+    key_slots: torch.Tensor  # [seq_len]
+    mask: torch.Tensor | None  # [q, seq_len] bool; None: plain causal (no cached prefix)
+
+
+@dataclass
+class _State:
+    short: _Short | None
+    longs: list[_Long]
+    write_rows: torch.Tensor | None  # rows whose slot is >= 0, when some are padding
+
+
+def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The slots of a sequence's first `length` tokens, from its block table row(s)."""
+    offsets = torch.arange(block_size, dtype=torch.int64, device=block_table.device)
+    slots = block_table.to(torch.int64).unsqueeze(-1) * block_size + offsets
+    return slots.flatten(-2)[..., :length]
+
+
+class TorchAttentionBackend:
+    name = "torch"
+
+    def prepare(self, meta: AttentionMetadata) -> None:
+        device = meta.slot_mapping.device
+        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
+        starts = [0]
+        for q in qlens:
+            starts.append(starts[-1] + q)
+        short_ids = [b for b, q in enumerate(qlens) if q <= SHORT_QUERY_MAX]
+        long_ids = [b for b, q in enumerate(qlens) if q > SHORT_QUERY_MAX]
+
+        longs = []
+        for b in long_ids:
+            q, s = qlens[b], slens[b]
+            key_slots = _slots_for(meta.block_tables[b, : -(-s // meta.block_size)], s, meta.block_size)
+            mask = None
+            if s != q:
+                i = torch.arange(q, device=device).unsqueeze(1)
+                j = torch.arange(s, device=device).unsqueeze(0)
+                mask = j <= (s - q) + i
+            longs.append(_Long(starts[b], starts[b + 1], key_slots, mask))
+
+        short = None
+        if short_ids:
+            short = self._prepare_short(meta, short_ids, starts, device)
+
+        write_rows = None
+        if bool((meta.slot_mapping < 0).any()):
+            write_rows = torch.nonzero(meta.slot_mapping >= 0).flatten()
+        meta.backend_state = _State(short, longs, write_rows)
+
+    def _prepare_short(self, meta, ids, starts, device) -> _Short:
+        qlens = [meta.query_lens_cpu[b] for b in ids]
+        slens = [meta.seq_lens_cpu[b] for b in ids]
+        batch, qmax, kmax = len(ids), max(qlens), max(slens)
+        nblocks = -(-kmax // meta.block_size)
+        tables = meta.block_tables[ids, :nblocks] if len(ids) != meta.num_seqs else meta.block_tables[:, :nblocks]
+        key_slots = _slots_for(tables, kmax, meta.block_size).reshape(-1)
+
+        uniform = all(q == qmax for q in qlens) and all(s == kmax for s in slens)
+        mask = None
+        if not (uniform and qmax == 1):
+            q_len = torch.tensor(qlens, device=device).view(-1, 1, 1)
+            s_len = torch.tensor(slens, device=device).view(-1, 1, 1)
+            i = torch.arange(qmax, device=device).view(1, -1, 1)
+            j = torch.arange(kmax, device=device).view(1, 1, -1)
+            # Padded query rows (i >= q_len) see key 0 only, so they stay finite; they are dropped.
+            mask = ((j <= s_len - q_len + i) & (i < q_len)) | (j == 0)
+            mask = mask.unsqueeze(1)
+
+        contiguous = ids == list(range(ids[0], ids[0] + len(ids))) and all(q == qmax for q in qlens)
+        if contiguous:
+            first = starts[ids[0]]
+            rows = torch.arange(first, first + batch * qmax, device=device)
+            identity = first == 0 and batch * qmax == starts[-1]
+            return _Short(batch, qmax, kmax, None if identity else rows, key_slots, mask,
+                          None, None if identity else rows)
+        query_rows, out_src, out_dst = [], [], []
+        for n, (b, q) in enumerate(zip(ids, qlens)):
+            for i in range(qmax):
+                query_rows.append(starts[b] + min(i, q - 1))
+            out_src.extend(n * qmax + i for i in range(q))
+            out_dst.extend(range(starts[b], starts[b] + q))
+        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
+        return _Short(batch, qmax, kmax, as_tensor(query_rows), key_slots, mask, as_tensor(out_src),
+                      as_tensor(out_dst))
+
+    def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
+        state: _State = meta.backend_state
+        slots = meta.slot_mapping
+        if state.write_rows is not None:
+            slots, key, value = slots[state.write_rows], key[state.write_rows], value[state.write_rows]
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+    def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        state: _State = meta.backend_state
+        num_heads, head_dim = query.shape[-2:]
+        num_kv_heads = k_cache.shape[-2]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        gqa = num_heads != num_kv_heads
+
+        short = state.short
+        if short is not None and not state.longs and short.query_rows is None:
+            return self._short(query, k_flat, v_flat, short, scale, gqa)
+
+        out = torch.empty_like(query)
+        for part in state.longs:
+            q = query[part.row_start : part.row_end].transpose(0, 1).unsqueeze(0)
+            k = k_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
+            v = v_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=part.mask, is_causal=part.mask is None, scale=scale, enable_gqa=gqa
+            )
+            out[part.row_start : part.row_end] = o.squeeze(0).transpose(0, 1)
+        if short is not None:
+            o = self._short(query.index_select(0, short.query_rows), k_flat, v_flat, short, scale, gqa)
+            if short.out_src is not None:
+                o = o.index_select(0, short.out_src)
+            out.index_copy_(0, short.out_dst, o)
+        return out
+
+    @staticmethod
+    def _short(query, k_flat, v_flat, short: _Short, scale: float, gqa: bool) -> torch.Tensor:
+        num_heads, head_dim = query.shape[-2:]
+        num_kv_heads = k_flat.shape[-2]
+        q = query.view(short.batch, short.qmax, num_heads, head_dim).transpose(1, 2)
+        k = k_flat.index_select(0, short.key_slots).view(short.batch, short.kmax, num_kv_heads, head_dim)
+        v = v_flat.index_select(0, short.key_slots).view(short.batch, short.kmax, num_kv_heads, head_dim)
+        o = F.scaled_dot_product_attention(
+            q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=short.mask, scale=scale, enable_gqa=gqa
+        )
+        return o.transpose(1, 2).reshape(short.batch * short.qmax, num_heads, head_dim)

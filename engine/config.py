@@ -1,0 +1,98 @@
+"""Engine configuration: one frozen object validated at start, plus the live knobs the tuner turns."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SPECULATIVE_METHODS = ("none", "ngram", "draft")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "bundled://smollm2-135m-instruct"
+    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
+    device: str = "auto"
+    max_model_len: int | None = None  # None: the model's own context length
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_fraction / kv_cache_gib
+    kv_cache_gib: float | None = None  # CPU: KV memory to allocate (default 2 GiB)
+    kv_cache_memory_fraction: float = 0.9  # CUDA: fraction of free device memory for weights + KV
+    enable_prefix_caching: bool = True
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    # Ceilings fixed at start: the live knobs may move anywhere below them.
+    max_num_seqs_limit: int | None = None  # None: max(max_num_seqs, 256)
+    max_num_batched_tokens_limit: int | None = None  # None: max(max_num_batched_tokens, 8192)
+    attention_backend: str = "auto"  # auto | torch | triton
+    speculative_method: str = "none"  # none | ngram | draft
+    num_speculative_tokens: int = 0
+    max_num_speculative_tokens: int = 8  # ceiling for the live k
+    draft_model: str | None = None
+    prompt_lookup_min: int = 1
+    prompt_lookup_max: int = 4
+    seed: int = 0
+    compile: bool = False  # torch.compile the per-layer dense parts
+
+    def __post_init__(self) -> None:
+        positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+            raise ValueError(f"block_size={self.block_size} must be a power of two between 1 and 256")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise ValueError(f"max_model_len={self.max_model_len} must be >= 1")
+        if self.num_kv_blocks is not None and self.num_kv_blocks < 1:
+            raise ValueError(f"num_kv_blocks={self.num_kv_blocks} must be >= 1")
+        if not 0 < self.kv_cache_memory_fraction <= 1:
+            raise ValueError(f"kv_cache_memory_fraction={self.kv_cache_memory_fraction} must be in (0, 1]")
+        if self.max_num_seqs > self.seqs_limit:
+            raise ValueError(f"max_num_seqs={self.max_num_seqs} exceeds max_num_seqs_limit={self.seqs_limit}")
+        if self.max_num_batched_tokens > self.batched_tokens_limit:
+            raise ValueError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} exceeds "
+                f"max_num_batched_tokens_limit={self.batched_tokens_limit}"
+            )
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method={self.speculative_method!r} is not one of {SPECULATIVE_METHODS}")
+        if self.speculative_method == "draft" and not self.draft_model:
+            raise ValueError("speculative_method='draft' needs draft_model (a model source URI)")
+        if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
+            raise ValueError(
+                f"num_speculative_tokens={self.num_speculative_tokens} must be between 0 and "
+                f"max_num_speculative_tokens={self.max_num_speculative_tokens}"
+            )
+        if self.speculative_method == "none" and self.num_speculative_tokens:
+            raise ValueError("num_speculative_tokens > 0 needs speculative_method 'ngram' or 'draft'")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError(
+                f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
+                "must satisfy 1 <= min <= max"
+            )
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, torch, triton")
+
+    @property
+    def seqs_limit(self) -> int:
+        return self.max_num_seqs_limit or max(self.max_num_seqs, 256)
+
+    @property
+    def batched_tokens_limit(self) -> int:
+        return self.max_num_batched_tokens_limit or max(self.max_num_batched_tokens, 8192)
+
+
+@dataclass
+class LiveConfig:
+    """The knobs that change between steps (admin API, tuner). Checked by the engine before applying."""
+
+    num_speculative_tokens: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "num_speculative_tokens": self.num_speculative_tokens,
+            "max_num_seqs": self.max_num_seqs,
+            "max_num_batched_tokens": self.max_num_batched_tokens,
+        }

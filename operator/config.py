@@ -1,0 +1,49 @@
+"""Operator-wide settings, read once from the environment the Helm chart sets."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+DEFAULT_ENGINE_IMAGE = "ghcr.io/specfleet/engine:0.1.0-cuda"
+DEFAULT_ENGINE_CPU_IMAGE = "ghcr.io/specfleet/engine:0.1.0"
+
+
+@dataclass(frozen=True)
+class OperatorConfig:
+    engine_image: str = DEFAULT_ENGINE_IMAGE  # pods with resources.gpus > 0
+    engine_cpu_image: str = DEFAULT_ENGINE_CPU_IMAGE  # pods with resources.gpus == 0
+    prometheus_url: str = ""  # default for spec.autotune.prometheusURL
+    reconcile_interval_seconds: float = 30.0  # the level-based timer; events also trigger a reconcile
+    model_downloader_image: str = ""  # empty: the engine image runs the hf:// download step
+
+    def __post_init__(self) -> None:
+        if self.reconcile_interval_seconds <= 0:
+            raise ValueError(
+                f"reconcile interval {self.reconcile_interval_seconds!r}s must be > 0; "
+                "set SPECFLEET_RECONCILE_INTERVAL to a positive number of seconds"
+            )
+
+    @classmethod
+    def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
+        env = os.environ if env is None else env
+        interval = env.get("SPECFLEET_RECONCILE_INTERVAL", "30")
+        try:
+            seconds = float(interval)
+        except ValueError:
+            raise ValueError(
+                f"SPECFLEET_RECONCILE_INTERVAL={interval!r} is not a number; set it to seconds, e.g. 30"
+            ) from None
+        return cls(
+            engine_image=env.get("SPECFLEET_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
+            engine_cpu_image=env.get("SPECFLEET_ENGINE_CPU_IMAGE", DEFAULT_ENGINE_CPU_IMAGE),
+            prometheus_url=env.get("SPECFLEET_PROMETHEUS_URL", ""),
+            reconcile_interval_seconds=seconds,
+            model_downloader_image=env.get("SPECFLEET_MODEL_DOWNLOADER_IMAGE", ""),
+        )
+
+    def image_for(self, gpus: int, override: str | None) -> str:
+        if override:
+            return override
+        return self.engine_image if gpus > 0 else self.engine_cpu_image

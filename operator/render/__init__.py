@@ -1,0 +1,19 @@
+"""Pure renderers: InferenceService -> Kubernetes manifest dicts. No I/O, deterministic names."""
+
+from .deployment import engine_args, render_deployment
+from .model_source import resolve_source
+from .network import render_pdb, render_service, render_servicemonitor, wants_pdb
+from .secret import new_admin_token, read_admin_token, render_secret
+
+__all__ = [
+    "engine_args",
+    "new_admin_token",
+    "read_admin_token",
+    "render_deployment",
+    "render_pdb",
+    "render_secret",
+    "render_service",
+    "render_servicemonitor",
+    "resolve_source",
+    "wants_pdb",
+]

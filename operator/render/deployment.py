@@ -1,0 +1,193 @@
+"""The engine Deployment: one pod template per InferenceService, a pure function of its spec.
+
+Tuned values (k, batch limits) never enter the template: the tuner pushes them to running pods through
+the admin API, so tuning causes no rollout. A spec change does, as users expect.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from ..config import OperatorConfig
+from ..inference_service import InferenceService
+from ..resources import (
+    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_KEY,
+    ENGINE_CONTAINER,
+    ENGINE_PORT,
+    admin_secret_name,
+    common_labels,
+    selector_labels,
+)
+from ..spec import InferenceServiceSpec
+from .common import child_metadata
+from .model_source import DownloadSettings, ResolvedSource, resolve_source
+
+RUN_AS_USER = 1000
+PROBE_PERIOD_SECONDS = 10
+# Time past the engine's drain timeout for the kubelet to wait before SIGKILL (preStop, exit, flush).
+GRACE_MARGIN_SECONDS = 15
+
+CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
+    "allowPrivilegeEscalation": False,
+    "readOnlyRootFilesystem": True,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
+
+def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | None) -> list[str]:
+    """The engine command line, from the spec alone (the pod contract in docs/operator.md)."""
+    method = spec.speculative.method
+    args = [
+        "--model", model_uri,
+        "--port", str(ENGINE_PORT),
+        "--max-num-seqs", str(spec.batching.max_num_seqs),
+        "--max-num-batched-tokens", str(spec.batching.max_num_batched_tokens),
+        "--block-size", str(spec.engine.block_size),
+        "--max-model-len", str(spec.model.max_model_len),
+        "--dtype", spec.model.dtype,
+        "--speculative-method", method,
+        "--num-speculative-tokens", str(spec.speculative.num_speculative_tokens if method != "none" else 0),
+        "--kv-cache-memory-fraction", str(spec.engine.kv_cache_memory_fraction),
+        "--drain-timeout", str(spec.engine.drain_timeout_seconds),
+    ]
+    if draft_uri is not None:
+        args += ["--draft-model", draft_uri]
+    if not spec.engine.prefix_caching:
+        args.append("--no-prefix-caching")
+    if spec.engine.tensor_parallel_size > 1:
+        args += ["--tensor-parallel-size", str(spec.engine.tensor_parallel_size)]
+    return args + list(spec.engine.extra_args)
+
+
+def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+    r = spec.resources
+    requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
+    limits: dict[str, Any] = {"memory": r.memory}
+    if r.gpus > 0:
+        requests[r.gpu_resource_name] = str(r.gpus)
+        limits[r.gpu_resource_name] = str(r.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _probes(spec: InferenceServiceSpec) -> dict[str, Any]:
+    def http(path: str, period: int, failures: int) -> dict[str, Any]:
+        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
+                "timeoutSeconds": 5, "failureThreshold": failures}
+
+    startup_failures = max(1, math.ceil(spec.engine.startup_timeout_seconds / PROBE_PERIOD_SECONDS))
+    return {
+        # /health answers while the model loads; the startup probe gives loading its own budget.
+        "startupProbe": http("/health", PROBE_PERIOD_SECONDS, startup_failures),
+        "livenessProbe": http("/health", PROBE_PERIOD_SECONDS, 3),
+        "readinessProbe": http("/ready", 5, 2),
+    }
+
+
+def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+    return [
+        {"name": "tmp", "emptyDir": {}},
+        {"name": "cache", "emptyDir": {}},
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+    ]
+
+
+def _env(isvc: InferenceService) -> list[dict[str, Any]]:
+    return [
+        {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
+            "name": admin_secret_name(isvc.name), "key": ADMIN_TOKEN_KEY}}},
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "XDG_CACHE_HOME", "value": "/cache"},
+        {"name": "HF_HOME", "value": "/cache/hf"},
+        {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
+        {"name": "HF_HUB_OFFLINE", "value": "1"},
+        {"name": "SPECFLEET_SERVICE_NAME", "value": isvc.name},
+    ]
+
+
+def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    spec = isvc.spec
+    image = config.image_for(spec.resources.gpus, spec.engine.image)
+    download = DownloadSettings(
+        image=config.model_downloader_image or image,
+        image_pull_policy=spec.engine.image_pull_policy,
+        security_context=CONTAINER_SECURITY_CONTEXT,
+        hf_token_secret=spec.model.hf_token_secret,
+    )
+    model = resolve_source(spec.model.source, "model", download)
+    draft_model = spec.speculative.draft_model
+    draft = resolve_source(draft_model.source, "draft", download) if draft_model else ResolvedSource("")
+    container = {
+        "name": ENGINE_CONTAINER,
+        "image": image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["python", "-m", "specfleet.engine"],
+        "args": engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None),
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "env": _env(isvc),
+        "resources": _resources(spec),
+        **_probes(spec),
+        "securityContext": CONTAINER_SECURITY_CONTEXT,
+        "volumeMounts": [
+            {"name": "tmp", "mountPath": "/tmp"},
+            {"name": "cache", "mountPath": "/cache"},
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            *model.mounts,
+            *draft.mounts,
+        ],
+    }
+    sched = spec.scheduling
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": False,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": spec.engine.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "securityContext": {
+            "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [container],
+        "volumes": [*_volumes(spec), *model.volumes, *draft.volumes],
+    }
+    init = [*model.init_containers, *draft.init_containers]
+    if init:
+        pod["initContainers"] = init
+    optional = {
+        "nodeSelector": dict(sched.node_selector),
+        "tolerations": [dict(t) for t in sched.tolerations],
+        "affinity": dict(sched.affinity),
+        "priorityClassName": sched.priority_class_name,
+        "runtimeClassName": sched.runtime_class_name,
+    }
+    pod.update({key: value for key, value in optional.items() if value})
+    return pod
+
+
+def render_deployment(isvc: InferenceService, config: OperatorConfig | None = None) -> dict[str, Any]:
+    config = config or OperatorConfig()
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": child_metadata(isvc, isvc.name),
+        "spec": {
+            "replicas": isvc.spec.replicas,
+            "selector": {"matchLabels": selector_labels(isvc.name)},
+            # Never drop below the ready count during a rollout; surge one pod at a time.
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "progressDeadlineSeconds": isvc.spec.engine.startup_timeout_seconds + 300,
+            "revisionHistoryLimit": 5,
+            "template": {
+                "metadata": {
+                    "labels": common_labels(isvc.name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ENGINE_PORT),
+                        "prometheus.io/path": "/metrics",
+                        "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER,
+                    },
+                },
+                "spec": _pod_spec(isvc, config),
+            },
+        },
+    }

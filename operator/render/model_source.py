@@ -1,0 +1,101 @@
+"""Model source URIs -> what the engine pod needs: the URI the engine is given, volumes, init steps.
+
+- `bundled://NAME` and `file:///abs/path` pass through unchanged (the image carries the model).
+- `pvc://CLAIM/PATH` mounts the claim read-only at /models/<role> and passes `file:///models/<role>/PATH`.
+- `hf://ORG/NAME[@REV]` adds an init container that downloads the snapshot into an emptyDir, which the
+  engine then mounts read-only and reads as `file:///models/<role>`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+MODELS_ROOT = "/models"
+Role = Literal["model", "draft"]
+
+DOWNLOAD_SCRIPT = (
+    "import sys\n"
+    "from huggingface_hub import snapshot_download\n"
+    "repo, revision, dest = sys.argv[1:4]\n"
+    "print(f'downloading {repo}@{revision or \"main\"} into {dest}', flush=True)\n"
+    "snapshot_download(repo_id=repo, revision=revision or None, local_dir=dest)\n"
+    "print('download complete', flush=True)\n"
+)
+
+
+@dataclass(frozen=True)
+class ResolvedSource:
+    engine_uri: str
+    volumes: list[dict[str, Any]] = field(default_factory=list)
+    mounts: list[dict[str, Any]] = field(default_factory=list)  # on the engine container
+    init_containers: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class DownloadSettings:
+    image: str
+    image_pull_policy: str
+    security_context: dict[str, Any]
+    hf_token_secret: str | None = None
+
+
+def split_pvc(uri: str) -> tuple[str, str]:
+    claim, _, path = uri.removeprefix("pvc://").partition("/")
+    return claim, path.strip("/")
+
+
+def split_hf(uri: str) -> tuple[str, str]:
+    repo, _, revision = uri.removeprefix("hf://").partition("@")
+    return repo, revision
+
+
+def resolve_source(uri: str, role: Role, download: DownloadSettings) -> ResolvedSource:
+    mount_path = f"{MODELS_ROOT}/{role}"
+    if uri.startswith("pvc://"):
+        claim, path = split_pvc(uri)
+        volume = f"{role}-pvc"
+        return ResolvedSource(
+            engine_uri=f"file://{mount_path}/{path}" if path else f"file://{mount_path}",
+            volumes=[{"name": volume, "persistentVolumeClaim": {"claimName": claim, "readOnly": True}}],
+            mounts=[{"name": volume, "mountPath": mount_path, "readOnly": True}],
+        )
+    if uri.startswith("hf://"):
+        repo, revision = split_hf(uri)
+        volume = f"{role}-download"
+        return ResolvedSource(
+            engine_uri=f"file://{mount_path}",
+            volumes=[{"name": volume, "emptyDir": {}}],
+            mounts=[{"name": volume, "mountPath": mount_path, "readOnly": True}],
+            init_containers=[_download_container(role, repo, revision, volume, mount_path, download)],
+        )
+    return ResolvedSource(engine_uri=uri)
+
+
+def _download_container(
+    role: Role, repo: str, revision: str, volume: str, mount_path: str, download: DownloadSettings
+) -> dict[str, Any]:
+    env: list[dict[str, Any]] = [
+        {"name": "HOME", "value": "/tmp"},
+        {"name": "HF_HOME", "value": "/cache/hf"},
+        {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+    ]
+    if download.hf_token_secret:
+        env.append({
+            "name": "HF_TOKEN",
+            "valueFrom": {"secretKeyRef": {"name": download.hf_token_secret, "key": "HF_TOKEN"}},
+        })
+    return {
+        "name": f"download-{role}",
+        "image": download.image,
+        "imagePullPolicy": download.image_pull_policy,
+        "command": ["python", "-c", DOWNLOAD_SCRIPT, repo, revision, mount_path],
+        "env": env,
+        "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
+        "securityContext": download.security_context,
+        "volumeMounts": [
+            {"name": volume, "mountPath": mount_path},
+            {"name": "cache", "mountPath": "/cache"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }

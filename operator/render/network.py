@@ -1,0 +1,57 @@
+"""The Service clients reach the engines through, its PodDisruptionBudget and its ServiceMonitor."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..inference_service import InferenceService
+from ..resources import ENGINE_PORT, selector_labels
+from .common import child_metadata
+
+
+def render_service(isvc: InferenceService) -> dict[str, Any]:
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": child_metadata(isvc, isvc.name),
+        "spec": {
+            "type": "ClusterIP",
+            "selector": selector_labels(isvc.name),
+            "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
+        },
+    }
+
+
+def wants_pdb(isvc: InferenceService) -> bool:
+    """A PDB only makes sense with more than one replica: with one it would block every node drain."""
+    return isvc.spec.replicas > 1
+
+
+def render_pdb(isvc: InferenceService) -> dict[str, Any] | None:
+    """At most one engine pod voluntarily evicted at a time; None when `wants_pdb` is false."""
+    if not wants_pdb(isvc):
+        return None
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": child_metadata(isvc, isvc.name),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": selector_labels(isvc.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict[str, Any]:
+    """Prometheus Operator scrape config; the reconcile applies it only when that CRD is installed."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": child_metadata(isvc, isvc.name),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(isvc.name)},
+            "namespaceSelector": {"matchNames": [isvc.namespace]},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+        },
+    }

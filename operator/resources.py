@@ -1,0 +1,48 @@
+"""Names the operator and its tests share: the API group, labels, ports and child object names."""
+
+from __future__ import annotations
+
+GROUP = "serving.specfleet.io"
+VERSION = "v1alpha1"
+API_VERSION = f"{GROUP}/{VERSION}"
+KIND = "InferenceService"
+LIST_KIND = "InferenceServiceList"
+PLURAL = "inferenceservices"
+SINGULAR = "inferenceservice"
+SHORT_NAMES = ("isvc",)
+
+FIELD_MANAGER = "specfleet-operator"
+ENGINE_PORT = 8000
+ENGINE_CONTAINER = "engine"
+ADMIN_TOKEN_KEY = "token"
+ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
+
+LABEL_ISVC = f"{GROUP}/inferenceservice"
+LABEL_NAME = "app.kubernetes.io/name"
+LABEL_INSTANCE = "app.kubernetes.io/instance"
+LABEL_COMPONENT = "app.kubernetes.io/component"
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY = "specfleet-operator"
+
+
+def admin_secret_name(isvc_name: str) -> str:
+    return f"{isvc_name}-admin"
+
+
+def selector_labels(isvc_name: str) -> dict[str, str]:
+    """Labels the Deployment, Service, PDB and ServiceMonitor select pods by; never change them."""
+    return {LABEL_ISVC: isvc_name}
+
+
+def common_labels(isvc_name: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "specfleet-engine",
+        LABEL_INSTANCE: isvc_name,
+        LABEL_COMPONENT: "inference-server",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        **selector_labels(isvc_name),
+    }
+
+
+def endpoint(isvc_name: str, namespace: str) -> str:
+    return f"http://{isvc_name}.{namespace}.svc:{ENGINE_PORT}/v1"

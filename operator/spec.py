@@ -1,0 +1,238 @@
+"""The InferenceService spec as pydantic models: the one source of truth for the CRD's spec schema.
+
+`crds/inferenceservice.yaml` is generated from these classes (`python -m specfleet.operator.crd`), so a
+field, default, enum, bound or CEL rule is written once, here. Cross-field rules are written twice on
+purpose, side by side: as a CEL expression the API server enforces (`x-kubernetes-validations`) and as the
+equivalent Python check pydantic runs for `specfleet up` (no API server there); the tests evaluate both on
+the same table of invalid inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic.alias_generators import to_camel
+
+SOURCE_PATTERN = r"^(bundled://[a-z0-9][a-z0-9.-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|hf://[^/@\s]+/[^/@\s]+(@[^\s]+)?)$"
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+
+
+def _quantity_to_str(value: Any) -> Any:
+    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+
+
+# A Kubernetes resource quantity: YAML may write `cpu: 4` or `cpu: "500m"`.
+Quantity = Annotated[
+    str,
+    BeforeValidator(_quantity_to_str),
+    Field(
+        pattern=QUANTITY_PATTERN,
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN},
+    ),
+]
+# [min, max] pairs for the tuner's search space.
+Bounds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
+
+
+def cel(rule: str, message: str) -> dict[str, str]:
+    return {"rule": rule, "message": message}
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+def _default_obj(factory: type[_Spec]) -> Any:
+    """An object field the API server defaults to `{}` so that its own fields' defaults apply."""
+    return Field(default_factory=factory, json_schema_extra={"default": {}})
+
+
+class ModelSource(_Spec):
+    source: str = Field(
+        pattern=SOURCE_PATTERN,
+        max_length=512,
+        description="Model URI: bundled://NAME, pvc://CLAIM/PATH, file:///ABS/PATH or hf://ORG/NAME[@REVISION].",
+    )
+
+
+class ModelSpec(ModelSource):
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
+        "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on GPU."
+    )
+    max_model_len: int = Field(4096, ge=16, le=1048576, description="Longest prompt + output, in tokens.")
+    hf_token_secret: str | None = Field(
+        None,
+        max_length=253,
+        description="Secret (key HF_TOKEN) the hf:// download step reads, for gated models.",
+    )
+
+
+class EngineSpec(_Spec):
+    image: str | None = Field(
+        None, max_length=512, description="Engine image; empty means the operator's default engine image."
+    )
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="KV cache block size in tokens.")
+    kv_cache_memory_fraction: float = Field(0.9, ge=0.05, le=0.99)
+    prefix_caching: bool = True
+    tensor_parallel_size: int = Field(1, ge=1, le=8)
+    drain_timeout_seconds: int = Field(
+        30, ge=0, le=3600, description="How long SIGTERM waits for in-flight requests before exiting."
+    )
+    startup_timeout_seconds: int = Field(
+        900, ge=30, le=7200, description="How long the model may take to load before the pod is restarted."
+    )
+    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
+        default_factory=list, max_length=64, description="Appended to the engine command line as given."
+    )
+
+
+class BatchingSpec(_Spec):
+    max_num_seqs: int = Field(64, ge=1, le=4096, description="Most sequences scheduled in one step.")
+    max_num_batched_tokens: int = Field(2048, ge=16, le=1048576, description="Token budget of one step.")
+
+
+class SpeculativeSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.method != 'draft' || has(self.draftModel)",
+                    "method: draft needs draftModel.source (the small model that proposes tokens)"),
+                cel("self.method == 'draft' || !has(self.draftModel)",
+                    "draftModel is only used with method: draft; set method: draft or remove draftModel"),
+            ]
+        }
+    )
+    method: Literal["none", "ngram", "draft"] = "none"
+    num_speculative_tokens: int = Field(4, ge=0, le=16, description="k: tokens proposed per step (0 = off).")
+    draft_model: ModelSource | None = None
+
+    @model_validator(mode="after")
+    def _draft_model_matches_method(self) -> SpeculativeSpec:
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("speculative.method='draft' needs speculative.draftModel.source")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(
+                f"speculative.draftModel is only used with method 'draft', not {self.method!r}; "
+                "set method: draft or remove draftModel"
+            )
+        return self
+
+
+class ResourcesSpec(_Spec):
+    gpus: int = Field(1, ge=0, le=16, description="GPUs per replica; 0 runs the engine on CPU.")
+    gpu_resource_name: str = Field("nvidia.com/gpu", pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$", max_length=253)
+    cpu: Quantity = "4"
+    memory: Quantity = "16Gi"
+    shm_size: Quantity = Field("1Gi", description="Size of the in-memory /dev/shm volume.")
+
+
+class SchedulingSpec(_Spec):
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
+    affinity: dict[str, Any] = Field(default_factory=dict)
+    priority_class_name: str = Field("", max_length=253)
+    runtime_class_name: str = Field("", max_length=253)
+
+
+class SLOSpec(_Spec):
+    ttft_p95_ms: int = Field(500, ge=1, le=600000, description="Time-to-first-token p95 target.")
+    tpot_p95_ms: int = Field(50, ge=1, le=60000, description="Time-per-output-token p95 target.")
+
+
+class AutotuneBounds(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"self.{name}[0] <= self.{name}[1]", f"bounds.{name} must be [min, max] with min <= max")
+                for name in ("numSpeculativeTokens", "maxNumSeqs", "maxNumBatchedTokens")
+            ]
+        }
+    )
+    num_speculative_tokens: Bounds = [0, 8]
+    max_num_seqs: Bounds = [8, 256]
+    max_num_batched_tokens: Bounds = [512, 8192]
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutotuneBounds:
+        for name, (low, high) in self.model_dump(by_alias=True).items():
+            if low > high:
+                raise ValueError(f"autotune.bounds.{name}={[low, high]} must be [min, max] with min <= max")
+        return self
+
+
+class AutotuneSpec(_Spec):
+    enabled: bool = False
+    interval_seconds: int = Field(30, ge=5, le=3600)
+    prometheus_url: str | None = Field(
+        None,
+        alias="prometheusURL",
+        pattern=r"^https?://",
+        max_length=512,
+        description="Prometheus to read metrics from; empty means the operator's default.",
+    )
+    bounds: AutotuneBounds = _default_obj(AutotuneBounds)
+
+
+_WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
+_TUNED = (
+    ("speculative.numSpeculativeTokens", "numSpeculativeTokens"),
+    ("batching.maxNumSeqs", "maxNumSeqs"),
+    ("batching.maxNumBatchedTokens", "maxNumBatchedTokens"),
+)
+
+
+class InferenceServiceSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.replicas >= 0", "replicas must be >= 0"),
+                cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
+                    "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
+                cel("self.engine.tensorParallelSize == 1 || self.resources.gpus >= self.engine.tensorParallelSize",
+                    "engine.tensorParallelSize needs at least that many resources.gpus"),
+                *[
+                    cel(_WITHIN.format(path=path, b=b),
+                        f"with autotune enabled, {path} must lie inside autotune.bounds.{b}")
+                    for path, b in _TUNED
+                ],
+            ]
+        }
+    )
+    model: ModelSpec
+    engine: EngineSpec = _default_obj(EngineSpec)
+    batching: BatchingSpec = _default_obj(BatchingSpec)
+    speculative: SpeculativeSpec = _default_obj(SpeculativeSpec)
+    replicas: int = Field(1, ge=0, le=1000)
+    resources: ResourcesSpec = _default_obj(ResourcesSpec)
+    scheduling: SchedulingSpec = _default_obj(SchedulingSpec)
+    slo: SLOSpec = _default_obj(SLOSpec)
+    autotune: AutotuneSpec = _default_obj(AutotuneSpec)
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> InferenceServiceSpec:
+        b = self.batching
+        if b.max_num_batched_tokens < b.max_num_seqs:
+            raise ValueError(
+                f"batching.maxNumBatchedTokens={b.max_num_batched_tokens} is below batching.maxNumSeqs="
+                f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
+            )
+        tp = self.engine.tensor_parallel_size
+        if tp > 1 and self.resources.gpus < tp:
+            raise ValueError(f"engine.tensorParallelSize={tp} needs resources.gpus >= {tp}, got {self.resources.gpus}")
+        if self.autotune.enabled:
+            bounds = self.autotune.bounds.model_dump(by_alias=True)
+            values = {
+                "speculative.numSpeculativeTokens": self.speculative.num_speculative_tokens,
+                "batching.maxNumSeqs": b.max_num_seqs,
+                "batching.maxNumBatchedTokens": b.max_num_batched_tokens,
+            }
+            for path, key in _TUNED:
+                low, high = bounds[key]
+                if not low <= values[path] <= high:
+                    raise ValueError(
+                        f"{path}={values[path]} lies outside autotune.bounds.{key}={[low, high]}; "
+                        "change the value or widen the bounds"
+                    )
+        return self

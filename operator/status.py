@@ -1,0 +1,57 @@
+"""The InferenceService status as pydantic models (the CRD's status schema is generated from them).
+
+The operator's reconcile owns `observedGeneration`, `conditions` of type Ready/Progressing/Degraded,
+`replicas`, `readyReplicas`, `selector` and `endpoint`; the tuner owns `status.tuning` and the `Tuned`
+condition. Unknown condition types are kept as they are by whoever writes the list.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+
+class _Status(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Condition(_Status):
+    type: str = Field(max_length=64, description="Ready, Progressing, Degraded or Tuned.")
+    status: Literal["True", "False", "Unknown"]
+    reason: str = Field("", max_length=128, description="CamelCase reason.")
+    message: str = Field("", max_length=4096)
+    last_transition_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    observed_generation: int | None = None
+
+
+class TuningObserved(_Status):
+    acceptance_rate: float | None = None
+    ttft_p95_ms: float | None = None
+    tpot_p95_ms: float | None = None
+    goodput: float | None = None
+    request_rate: float | None = None
+
+
+class TuningStatus(_Status):
+    num_speculative_tokens: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    reason: str | None = Field(None, max_length=4096)
+    observed: TuningObserved | None = None
+
+
+class InferenceServiceStatus(_Status):
+    observed_generation: int | None = None
+    conditions: list[Condition] = Field(
+        default_factory=list,
+        max_length=16,
+        json_schema_extra={"x-kubernetes-list-type": "map", "x-kubernetes-list-map-keys": ["type"]},
+    )
+    replicas: int | None = None
+    ready_replicas: int | None = None
+    selector: str | None = Field(None, description="Label selector of the pods (for the scale subresource).")
+    endpoint: str | None = None
+    tuning: TuningStatus | None = None

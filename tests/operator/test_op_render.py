@@ -1,0 +1,185 @@
+"""Pure renderers: the fields users rely on, on the examples and on edge cases, all valid for Kubernetes."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import yaml
+from isvc_schema_tools import EXAMPLES, REPO, k8s_validate
+from specfleet.operator import InferenceService, load_inference_service
+from specfleet.operator.config import OperatorConfig
+from specfleet.operator.render import (
+    new_admin_token,
+    read_admin_token,
+    render_deployment,
+    render_pdb,
+    render_secret,
+    render_service,
+    render_servicemonitor,
+)
+
+CONFIG = OperatorConfig(engine_image="registry.example/engine:cuda", engine_cpu_image="registry.example/engine:cpu")
+
+
+def isvc_from(name: str, uid: str = "uid-1234", **changes: Any) -> InferenceService:
+    doc = yaml.safe_load((REPO / "examples" / name).read_text())
+    doc["metadata"].update(namespace="team-a", uid=uid, generation=1)
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        node = doc["spec"]
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[leaf] = value
+    return load_inference_service(doc)
+
+
+def engine(deployment: dict[str, Any]) -> dict[str, Any]:
+    return deployment["spec"]["template"]["spec"]["containers"][0]
+
+
+def flag(args: list[str], name: str) -> str:
+    assert args.count(name) == 1, f"{name} appears {args.count(name)} times in {args}"
+    return args[args.index(name) + 1]
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_every_rendered_object_is_valid_kubernetes(path: Any) -> None:
+    isvc = load_inference_service(path)
+    objects = [render_deployment(isvc, CONFIG), render_service(isvc), render_secret(isvc, new_admin_token())]
+    objects += [pdb for pdb in [render_pdb(isvc)] if pdb]
+    for obj in objects:
+        k8s_validate(obj)
+        assert obj["metadata"]["namespace"] == isvc.namespace
+        assert obj["metadata"]["ownerReferences"][0]["controller"] is True
+
+
+def test_cpu_example_runs_the_engine_contract() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml")
+    deployment = render_deployment(isvc, CONFIG)
+    c = engine(deployment)
+    assert c["image"] == "registry.example/engine:cpu"
+    assert c["command"] == ["python", "-m", "specfleet.engine"]
+    args = c["args"]
+    assert flag(args, "--model") == "bundled://smollm2-135m-instruct"
+    assert (flag(args, "--port"), flag(args, "--max-num-seqs"), flag(args, "--max-num-batched-tokens")) == ("8000", "16", "512")
+    assert (flag(args, "--block-size"), flag(args, "--max-model-len"), flag(args, "--dtype")) == ("16", "2048", "float32")
+    assert (flag(args, "--speculative-method"), flag(args, "--num-speculative-tokens")) == ("none", "0")
+    assert "--draft-model" not in args and "--no-prefix-caching" not in args
+    assert not any("gpu" in key for key in c["resources"]["requests"])
+    assert c["resources"]["requests"] == {"cpu": "2", "memory": "4Gi"}
+    assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
+    startup = c["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # the spec's startupTimeoutSeconds
+    token = next(e for e in c["env"] if e["name"] == "SPECFLEET_ADMIN_TOKEN")
+    assert token["valueFrom"]["secretKeyRef"] == {"name": "smollm2-admin", "key": "token"}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] > int(flag(args, "--drain-timeout")) == 20
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    assert deployment["spec"]["template"]["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    assert render_pdb(isvc) is None  # one replica: a PDB would block every drain
+
+
+def test_gpu_hf_example_requests_gpus_schedules_and_downloads() -> None:
+    isvc = isvc_from("llama3-8b-ngram-gpu.yaml")
+    deployment = render_deployment(isvc, CONFIG)
+    pod = deployment["spec"]["template"]["spec"]
+    c = engine(deployment)
+    assert c["image"] == "registry.example/engine:cuda"
+    assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
+    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert (flag(c["args"], "--speculative-method"), flag(c["args"], "--num-speculative-tokens")) == ("ngram", "4")
+    (init,) = pod["initContainers"]
+    assert "meta-llama/Meta-Llama-3.1-8B-Instruct" in init["command"]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}} in init["env"]
+    model_arg = flag(c["args"], "--model")
+    download_dir = init["command"][-1]
+    assert model_arg == f"file://{download_dir}"
+    mount = next(m for m in c["volumeMounts"] if m["mountPath"] == download_dir)
+    assert mount["readOnly"] is True
+    pdb = render_pdb(isvc)
+    assert pdb is not None and pdb["spec"]["maxUnavailable"] == 1
+
+
+def test_hf_revision_is_passed_to_the_download() -> None:
+    isvc = isvc_from("llama3-8b-ngram-gpu.yaml", model__source="hf://org/model@v1.2")
+    init = render_deployment(isvc, CONFIG)["spec"]["template"]["spec"]["initContainers"][0]
+    assert init["command"][-3:-1] == ["org/model", "v1.2"]
+
+
+def test_draft_model_and_pvc_sources_mount_claims_read_only() -> None:
+    isvc = isvc_from("llama3-8b-draft-gpu.yaml")
+    deployment = render_deployment(isvc, CONFIG)
+    pod = deployment["spec"]["template"]["spec"]
+    args = engine(deployment)["args"]
+    assert flag(args, "--speculative-method") == "draft"
+    assert flag(args, "--model") == "file:///models/model/llama-3.1-8b-instruct"
+    assert flag(args, "--draft-model") == "file:///models/draft/llama-3.2-1b-instruct"
+    claims = [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
+    assert claims == [{"claimName": "models", "readOnly": True}] * 2
+    assert "initContainers" not in pod
+
+
+def test_zero_replicas_and_edge_settings() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", replicas=0, engine__prefixCaching=False, engine__extraArgs=["--seed", "7"])
+    deployment = render_deployment(isvc, CONFIG)
+    args = engine(deployment)["args"]
+    assert deployment["spec"]["replicas"] == 0
+    assert "--no-prefix-caching" in args and args[-2:] == ["--seed", "7"]
+    assert render_pdb(isvc) is None
+    k8s_validate(deployment)
+
+
+def test_image_override_and_scheduling_extras() -> None:
+    isvc = isvc_from(
+        "smollm2-cpu.yaml",
+        engine__image="mirror.local/specfleet:dev",
+        scheduling={"priorityClassName": "llm-high", "runtimeClassName": "nvidia",
+                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [{"matchExpressions": [
+                            {"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}},
+    )
+    deployment = render_deployment(isvc, CONFIG)
+    pod = deployment["spec"]["template"]["spec"]
+    assert engine(deployment)["image"] == "mirror.local/specfleet:dev"
+    assert (pod["priorityClassName"], pod["runtimeClassName"]) == ("llm-high", "nvidia")
+    assert pod["affinity"]["nodeAffinity"]["requiredDuringSchedulingIgnoredDuringExecution"]
+    k8s_validate(deployment)
+
+
+def test_rendering_is_deterministic_and_ignores_tuned_status() -> None:
+    isvc = isvc_from("llama3-8b-autotune.yaml")
+    tuned_doc = copy.deepcopy(isvc.model_dump(by_alias=True))
+    tuned_doc["status"] = {"tuning": {"numSpeculativeTokens": 1, "maxNumSeqs": 200}}
+    tuned = load_inference_service(tuned_doc)
+    assert render_deployment(isvc, CONFIG) == render_deployment(tuned, CONFIG)
+    args = engine(render_deployment(isvc, CONFIG))["args"]
+    assert flag(args, "--num-speculative-tokens") == "4"  # the spec's value: tuning goes through the admin API
+
+
+def test_service_selects_the_deployments_pods() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml")
+    service, deployment = render_service(isvc), render_deployment(isvc, CONFIG)
+    pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+    assert service["metadata"]["name"] == "smollm2"
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert service["spec"]["ports"][0]["port"] == 8000
+    monitor = render_servicemonitor(isvc)
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s"}
+
+
+def test_secret_holds_the_token_and_is_immutable() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml")
+    token = new_admin_token()
+    secret = render_secret(isvc, token)
+    assert read_admin_token(secret) == token and secret["immutable"] is True
+    assert secret["metadata"]["name"] == "smollm2-admin"
+    assert new_admin_token() != token
+    with pytest.raises(ValueError, match="too short"):
+        render_secret(isvc, "abc")

@@ -1,0 +1,64 @@
+"""Admin API for the tuner: GET/PATCH /admin/config, bearer token from SPECFLEET_ADMIN_TOKEN.
+
+No token configured: 403 (the admin API is off). Missing or wrong token: 401. A value outside the
+ceilings fixed at start: 400 naming the field and the limit. The response is the config now in force
+(applied by the engine at its next step).
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+from typing import Any
+
+from fastapi import APIRouter, Request
+
+from .errors import APIError
+from .protocol import AdminConfigPatch
+from .state import ServerState, get_state
+
+ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
+logger = logging.getLogger("specfleet.engine.server")
+router = APIRouter(prefix="/admin")
+_FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens")
+
+
+def _authorize(state: ServerState, request: Request) -> None:
+    if not state.admin_token:
+        raise APIError(403, f"the admin API is disabled: set {ADMIN_TOKEN_ENV} to enable it",
+                       code="admin_disabled")
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.admin_token.encode()):
+        raise APIError(401, "missing or wrong admin token: send 'Authorization: Bearer <token>'",
+                       code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+
+
+def _config(state: ServerState) -> dict[str, Any]:
+    return state.engine.live_config().as_dict()
+
+
+@router.get("/config")
+async def get_config(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    _authorize(state, request)
+    return _config(state)
+
+
+@router.patch("/config")
+async def patch_config(body: AdminConfigPatch, request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    _authorize(state, request)
+    changes = body.changes()
+    before = _config(state)
+    try:
+        live = state.engine.update_config(**changes)
+    except ValueError as exc:
+        message = str(exc)
+        param = next((f for f in _FIELDS if f in message), None)
+        raise APIError(400, message, param, "invalid_value") from exc
+    state.metrics.set_live_config(live)
+    after = live.as_dict()
+    logger.info("event=admin_config_update %s", " ".join(
+        f"{k}={before.get(k)}->{after[k]}" for k in _FIELDS if k in changes))
+    return after

@@ -1,0 +1,238 @@
+"""OpenAI routes: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from specfleet.engine.outputs import RequestOutput
+from specfleet.engine.sampling_params import SamplingParams
+
+from . import serving
+from .async_engine import QueueFullError
+from .errors import APIError, error_body
+from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .state import ServerState, get_state
+from .streams import RequestStream
+
+router = APIRouter()
+QUEUE_RETRY_AFTER_S = 1
+DISCONNECT_POLL_S = 0.25
+
+
+def _param_for(message: str, default: str) -> str:
+    for name in ("max_tokens", "min_tokens", "stop_token_ids", "logprobs", "n", "seed", "temperature",
+                 "top_p", "top_k"):
+        if message.startswith(f"{name}=") or f" {name}=" in message:
+            return name
+    return default
+
+
+def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list[int | None]) -> SamplingParams:
+    try:
+        params = body.to_sampling_params()
+    except ValueError as exc:
+        raise APIError(400, str(exc), _param_for(str(exc), "max_tokens"), "invalid_value") from exc
+    limit = state.max_model_len
+    for length in prompt_lens:
+        if length is not None and length >= limit:
+            raise APIError(400, f"the prompt has {length} tokens; the model's context is {limit} tokens "
+                           "and the prompt must leave room for at least one generated token",
+                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
+                           "context_length_exceeded")
+        room = limit - (length or 0)
+        if params.max_tokens is not None and params.max_tokens > room:
+            used = f" minus the prompt's {length}" if length else ""
+            raise APIError(400, f"max_tokens={params.max_tokens} exceeds the model's context of {limit} "
+                           f"tokens{used}", "max_tokens", "context_length_exceeded")
+    return params
+
+
+async def _submit(state: ServerState, ids: list[str], prompts: list[Any], params: SamplingParams,
+                  prompt_param: str) -> list[RequestStream]:
+    streams: list[RequestStream] = []
+    try:
+        for request_id, prompt in zip(ids, prompts, strict=True):
+            streams.append(await state.async_engine.generate(request_id, prompt, params))
+    except QueueFullError as exc:
+        _close(streams)
+        raise APIError(429, f"{exc}; retry later", code="queue_full",
+                       headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from exc
+    except ValueError as exc:
+        _close(streams)
+        param = _param_for(str(exc), prompt_param)
+        code = "context_length_exceeded" if "context" in str(exc) or "long" in str(exc) else "invalid_value"
+        raise APIError(400, str(exc), param, code) from exc
+    except BaseException:
+        _close(streams)
+        raise
+    return streams
+
+
+def _close(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.close()
+
+
+async def _final(stream: RequestStream) -> RequestOutput:
+    last: RequestOutput | None = None
+    async for output in stream:
+        last = output
+    if last is None or not last.finished:
+        raise APIError(503, "the request was aborted before it finished (server draining)", code="aborted",
+                       headers={"Retry-After": "5"})
+    return last
+
+
+async def _collect(request: Request, streams: list[RequestStream]) -> list[RequestOutput]:
+    """All final outputs; aborts everything if the client disconnects while waiting."""
+    task = asyncio.ensure_future(asyncio.gather(*(_final(s) for s in streams)))
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                task.cancel()
+                raise APIError(499, "client disconnected", code="client_closed_request")
+    finally:
+        if not task.done():
+            task.cancel()
+        _close(streams)
+
+
+async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:
+    if len(streams) == 1:
+        async for output in streams[0]:
+            yield 0, output
+        return
+    queue: asyncio.Queue[Any] = asyncio.Queue()
+
+    async def pump(i: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await queue.put((i, output))
+        except BaseException as exc:
+            await queue.put(exc)
+        finally:
+            await queue.put(None)
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        remaining = len(tasks)
+        while remaining:
+            item = await queue.get()
+            if item is None:
+                remaining -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+
+
+def _chunk(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]],
+           include_usage: bool) -> dict[str, Any]:
+    chunk: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+    if include_usage:
+        chunk["usage"] = None
+    return chunk
+
+
+async def _stream_body(state: ServerState, streams: list[RequestStream], rid: str, chat: bool, n: int,
+                       include_usage: bool, logprobs: int | None) -> AsyncIterator[str]:
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    created, model = int(time.time()), state.model_name
+    text = serving.TokenText(state.tokenizer)
+    cursors = serving.StreamState()
+    finals: dict[int, RequestOutput] = {}
+    try:
+        async for p, output in _merge(streams):
+            finals[p] = output
+            choices = []
+            for out in sorted(output.outputs, key=lambda o: o.index):
+                index = p * n + out.index
+                cursor = cursors.cursor(index)
+                choice = (serving.chat_delta(out, cursor, index, logprobs, text) if chat else
+                          serving.completion_delta(out, cursor, index, logprobs is not None, text))
+                if choice is not None:
+                    choices.append(choice)
+            if choices:
+                yield serving.sse(_chunk(kind, rid, created, model, choices, include_usage))
+        if include_usage:
+            yield serving.sse({**_chunk(kind, rid, created, model, [], False),
+                               "usage": serving.usage([finals[p] for p in sorted(finals)])})
+    except Exception as exc:
+        yield serving.sse(error_body(500, f"generation failed: {type(exc).__name__}: {exc}", None, "engine_error"))
+    finally:
+        _close(streams)
+    yield serving.SSE_DONE
+
+
+def _streaming_response(body: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(body, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    state = get_state(request)
+    state.check_accepting()
+    state.check_model(body.model)
+    prompts = body.prompts()
+    params = _sampling_params(state, body, [len(p) if isinstance(p, list) else None for p in prompts])
+    rid = f"cmpl-{uuid.uuid4().hex}"
+    ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    streams = await _submit(state, ids, prompts, params, "prompt")
+    if body.stream:
+        return _streaming_response(_stream_body(state, streams, rid, False, body.n, body.include_usage,
+                                                body.logprobs))
+    finals = await _collect(request, streams)
+    text = serving.TokenText(state.tokenizer)
+    return JSONResponse({
+        "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
+        "choices": serving.completion_choices(finals, body.n, body.logprobs is not None, text),
+        "usage": serving.usage(finals),
+    })
+
+
+@router.post("/v1/chat/completions", response_model=None)
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+    state = get_state(request)
+    state.check_accepting()
+    state.check_model(body.model)
+    try:
+        prompt_ids = list(state.engine.apply_chat_template([m.as_template_dict() for m in body.messages]))
+    except Exception as exc:
+        raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
+                       "messages", "invalid_value") from exc
+    params = _sampling_params(state, body, [len(prompt_ids)])
+    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    streams = await _submit(state, [rid], [prompt_ids], params, "messages")
+    num_logprobs = body.num_logprobs()
+    if body.stream:
+        return _streaming_response(_stream_body(state, streams, rid, True, body.n, body.include_usage,
+                                                num_logprobs))
+    finals = await _collect(request, streams)
+    text = serving.TokenText(state.tokenizer)
+    return JSONResponse({
+        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
+        "choices": serving.chat_choices(finals[0], num_logprobs, text),
+        "usage": serving.usage(finals),
+    })
+
+
+@router.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    state = get_state(request)
+    return {"object": "list", "data": [{
+        "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "specfleet",
+        "max_model_len": state.max_model_len,
+    }]}

@@ -1,0 +1,77 @@
+"""The FastAPI application: OpenAI routes, admin API, health, readiness, metrics, error bodies."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from . import admin, api
+from .async_engine import AsyncEngine
+from .errors import install_error_handlers
+from .metrics import CONTENT_TYPE, ServerMetrics
+from .state import ServerState, get_state
+
+logger = logging.getLogger("specfleet.engine.server")
+
+
+def build_state(engine: Any, *, served_model_name: str | None = None, max_waiting: int = 512,
+                admin_token: str | None = None) -> ServerState:
+    model_name = served_model_name or engine.model_name
+    metrics = ServerMetrics(model_name)
+    token = admin_token if admin_token is not None else os.environ.get(admin.ADMIN_TOKEN_ENV) or None
+    return ServerState(
+        async_engine=AsyncEngine(engine, metrics, max_waiting=max_waiting),
+        metrics=metrics,
+        model_name=model_name,
+        max_model_len=int(engine.max_model_len),
+        tokenizer=engine.tokenizer,
+        admin_token=token,
+    )
+
+
+def create_app(state: ServerState) -> FastAPI:
+    """An app around an already loaded engine. The engine thread starts and stops with the app."""
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.async_engine.start(asyncio.get_running_loop())
+        state.ready = True
+        logger.info("event=ready model=%s max_model_len=%d", state.model_name, state.max_model_len)
+        try:
+            yield
+        finally:
+            state.ready = False
+            state.async_engine.abort_all()
+            state.async_engine.stop()
+
+    app = FastAPI(title="specfleet engine", version="0.1.0", lifespan=lifespan,
+                  description="OpenAI-compatible completions and chat completions, metrics and admin API.")
+    app.state.specfleet = state
+    install_error_handlers(app)
+    app.include_router(api.router)
+    app.include_router(admin.router)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/ready")
+    async def ready(request: Request) -> JSONResponse:
+        s = get_state(request)
+        if s.ready and not s.draining:
+            return JSONResponse({"ready": True, "model": s.model_name})
+        reason = "draining" if s.draining else "loading"
+        return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "5"})
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    return app

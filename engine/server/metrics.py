@@ -1,0 +1,131 @@
+"""Prometheus metrics with exactly the DESIGN.md names, each labelled `model_name`.
+
+Step metrics are fed from `engine.stats` after every step (engine thread); request metrics from the
+front end's timestamps when a request finishes. prometheus-client is thread-safe.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from specfleet.engine.config import LiveConfig
+from specfleet.engine.stats import EngineStats
+
+__all__ = ["CONTENT_TYPE", "ServerMetrics"]
+
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                   10.0, 20.0, 40.0, 80.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+                         0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+
+_COUNTERS = {  # name without _total -> (help, EngineStats attribute)
+    "specfleet_prompt_tokens": ("Prompt tokens computed", "prompt_tokens"),
+    "specfleet_generation_tokens": ("Generated tokens", "generation_tokens"),
+    "specfleet_num_preemptions": ("Requests preempted (recompute)", "num_preemptions"),
+    "specfleet_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
+    "specfleet_prefix_cache_hits": ("Prompt tokens found in the prefix cache", "prefix_cache_hits"),
+    "specfleet_spec_decode_drafts": ("Speculative drafts verified", "num_drafts"),
+    "specfleet_spec_decode_draft_tokens": ("Speculative tokens proposed", "num_draft_tokens"),
+    "specfleet_spec_decode_accepted_tokens": ("Speculative tokens accepted", "num_accepted_tokens"),
+}
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_name = model_name
+        self.registry = registry or CollectorRegistry()
+        r, label = self.registry, ["model_name"]
+
+        def hist(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, label, registry=r, buckets=buckets)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(name, doc, label, registry=r)
+
+        self.ttft = hist("specfleet_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
+        self.tpot = hist("specfleet_time_per_output_token_seconds", "Mean time per output token after the "
+                         "first, per request", TOKEN_LATENCY_BUCKETS)
+        self.itl = hist("specfleet_inter_token_latency_seconds", "Time between streamed outputs",
+                        TOKEN_LATENCY_BUCKETS)
+        self.e2e = hist("specfleet_e2e_request_latency_seconds", "Request latency, arrival to finish",
+                        LATENCY_BUCKETS)
+        self.queue_time = hist("specfleet_request_queue_time_seconds", "Time from arrival to first scheduling",
+                               LATENCY_BUCKETS)
+        self.step_duration = hist("specfleet_step_duration_seconds", "Engine step duration", STEP_BUCKETS)
+        self.batch_size = hist("specfleet_batch_size", "Sequences per engine step", BATCH_BUCKETS)
+        self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
+        self.waiting = gauge("specfleet_num_requests_waiting", "Requests waiting to be scheduled")
+        self.kv_usage = gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
+        self.num_spec_tokens = gauge("specfleet_num_speculative_tokens", "Speculative tokens per step (k)")
+        self.max_num_seqs = gauge("specfleet_max_num_seqs", "Live max_num_seqs")
+        self.max_num_batched_tokens = gauge("specfleet_max_num_batched_tokens", "Live max_num_batched_tokens")
+        self.counters = {
+            attr: Counter(name, doc, label, registry=r) for name, (doc, attr) in _COUNTERS.items()
+        }
+        self.success = Counter("specfleet_request_success", "Finished requests by finish reason",
+                               ["model_name", "finished_reason"], registry=r)
+        self.accepted_per_pos = Counter("specfleet_spec_decode_accepted_tokens_per_pos",
+                                        "Accepted speculative tokens by draft position",
+                                        ["model_name", "position"], registry=r)
+        self._seen: dict[str, int] = {attr: 0 for attr in self.counters}
+        self._seen_per_pos: list[int] = []
+        for reason in ("stop", "length", "abort"):
+            self.success.labels(model_name, reason)
+        for counter in self.counters.values():
+            counter.labels(model_name)
+
+    def observe_step(self, stats: EngineStats, stepped: bool, extra_waiting: int = 0) -> None:
+        """Called by the engine thread after each step (stepped=True) or when it goes idle."""
+        m = self.model_name
+        step = stats.last_step
+        if stepped:
+            self.step_duration.labels(m).observe(step.duration_s)
+            if step.batch_size:
+                self.batch_size.labels(m).observe(step.batch_size)
+        self.running.labels(m).set(step.num_running if stepped else 0)
+        self.waiting.labels(m).set((step.num_waiting if stepped else 0) + extra_waiting)
+        self.kv_usage.labels(m).set(step.kv_cache_usage)
+        for attr, counter in self.counters.items():
+            total = int(getattr(stats, attr, 0) or 0)
+            if total > self._seen[attr]:
+                counter.labels(m).inc(total - self._seen[attr])
+                self._seen[attr] = total
+        for pos, total in enumerate(stats.accepted_per_pos):
+            if pos >= len(self._seen_per_pos):
+                self._seen_per_pos.append(0)
+            if total > self._seen_per_pos[pos]:
+                self.accepted_per_pos.labels(m, str(pos)).inc(total - self._seen_per_pos[pos])
+                self._seen_per_pos[pos] = total
+
+    def set_live_config(self, config: LiveConfig) -> None:
+        m = self.model_name
+        self.num_spec_tokens.labels(m).set(config.num_speculative_tokens)
+        self.max_num_seqs.labels(m).set(config.max_num_seqs)
+        self.max_num_batched_tokens.labels(m).set(config.max_num_batched_tokens)
+
+    def observe_request(
+        self,
+        *,
+        finish_reason: str,
+        ttft: float | None,
+        e2e: float,
+        queue_time: float | None,
+        itls: list[float],
+        tpot: float | None,
+    ) -> None:
+        m = self.model_name
+        self.success.labels(m, finish_reason).inc()
+        self.e2e.labels(m).observe(e2e)
+        if ttft is not None:
+            self.ttft.labels(m).observe(ttft)
+        if queue_time is not None:
+            self.queue_time.labels(m).observe(queue_time)
+        if tpot is not None:
+            self.tpot.labels(m).observe(tpot)
+        for gap in itls:
+            self.itl.labels(m).observe(gap)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

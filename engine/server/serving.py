@@ -1,0 +1,159 @@
+"""Turning cumulative RequestOutputs into OpenAI response bodies and stream chunks (pure functions)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from specfleet.engine.outputs import CompletionOutput, Logprob, RequestOutput
+
+
+def sse(data: dict[str, Any] | str) -> str:
+    payload = data if isinstance(data, str) else json.dumps(data, ensure_ascii=False, separators=(",", ":"))
+    return f"data: {payload}\n\n"
+
+
+SSE_DONE = sse("[DONE]")
+
+
+def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    cached = sum(o.num_cached_tokens for o in outputs)
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    }
+
+
+class TokenText:
+    """Token id -> text for logprobs, cached (tokenizer.decode of one token)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id])
+            self.cache[token_id] = text
+        return text
+
+
+def completion_logprobs(entries: list[Logprob], text: TokenText, offset: int) -> dict[str, Any]:
+    tokens, token_logprobs, top, offsets = [], [], [], []
+    for entry in entries:
+        token = text(entry.token_id)
+        tokens.append(token)
+        token_logprobs.append(entry.logprob)
+        top.append({text(t): lp for t, lp in entry.top.items()} or {token: entry.logprob})
+        offsets.append(offset)
+        offset += len(token)
+    return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
+
+
+def chat_logprobs(entries: list[Logprob], text: TokenText, num_top: int) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        token = text(token_id)
+        return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+
+    content = []
+    for entry in entries:
+        top = sorted(entry.top.items(), key=lambda kv: -kv[1])[:num_top]
+        content.append({**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in top]})
+    return {"content": content}
+
+
+@dataclass
+class ChoiceCursor:
+    """How much of one choice has been streamed so far."""
+
+    text_len: int = 0
+    num_logprobs: int = 0
+    text_offset: int = 0
+    started: bool = False
+    done: bool = False
+
+
+@dataclass
+class StreamState:
+    cursors: dict[int, ChoiceCursor] = field(default_factory=dict)
+
+    def cursor(self, index: int) -> ChoiceCursor:
+        return self.cursors.setdefault(index, ChoiceCursor())
+
+
+def completion_delta(
+    output: CompletionOutput, cursor: ChoiceCursor, index: int, want_logprobs: bool, text: TokenText
+) -> dict[str, Any] | None:
+    """The next chunk choice for a completions stream, or None when nothing new."""
+    delta = output.text[cursor.text_len:]
+    new_logprobs = (output.logprobs or [])[cursor.num_logprobs:] if want_logprobs else []
+    if not delta and not new_logprobs and not (output.finished and not cursor.done):
+        return None
+    choice: dict[str, Any] = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
+    if want_logprobs:
+        choice["logprobs"] = completion_logprobs(new_logprobs, text, cursor.text_offset)
+        cursor.num_logprobs += len(new_logprobs)
+        cursor.text_offset += sum(len(token) for token in choice["logprobs"]["tokens"])
+    cursor.text_len = len(output.text)
+    if output.finished:
+        choice["finish_reason"] = output.finish_reason
+        choice["stop_reason"] = output.stop_reason
+        cursor.done = True
+    return choice
+
+
+def chat_delta(
+    output: CompletionOutput, cursor: ChoiceCursor, index: int, num_logprobs: int | None, text: TokenText
+) -> dict[str, Any] | None:
+    delta_text = output.text[cursor.text_len:]
+    new_logprobs = (output.logprobs or [])[cursor.num_logprobs:] if num_logprobs is not None else []
+    if not delta_text and not new_logprobs and not (output.finished and not cursor.done):
+        return None
+    delta: dict[str, Any] = {"content": delta_text}
+    if not cursor.started:
+        delta["role"] = "assistant"
+        cursor.started = True
+    choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": None}
+    if num_logprobs is not None:
+        choice["logprobs"] = chat_logprobs(new_logprobs, text, num_logprobs)
+        cursor.num_logprobs += len(new_logprobs)
+    cursor.text_len = len(output.text)
+    if output.finished:
+        choice["finish_reason"] = output.finish_reason
+        cursor.done = True
+    return choice
+
+
+def completion_choices(
+    finals: list[RequestOutput], n: int, want_logprobs: bool, text: TokenText
+) -> list[dict[str, Any]]:
+    choices = []
+    for p, final in enumerate(finals):
+        for out in sorted(final.outputs, key=lambda o: o.index):
+            choices.append({
+                "index": p * n + out.index,
+                "text": out.text,
+                "logprobs": completion_logprobs(out.logprobs or [], text, 0) if want_logprobs else None,
+                "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,
+            })
+    return choices
+
+
+def chat_choices(final: RequestOutput, num_logprobs: int | None, text: TokenText) -> list[dict[str, Any]]:
+    choices = []
+    for out in sorted(final.outputs, key=lambda o: o.index):
+        choices.append({
+            "index": out.index,
+            "message": {"role": "assistant", "content": out.text},
+            "logprobs": chat_logprobs(out.logprobs or [], text, num_logprobs) if num_logprobs is not None
+            else None,
+            "finish_reason": out.finish_reason,
+        })
+    return choices

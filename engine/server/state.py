@@ -1,0 +1,49 @@
+"""What the routes share: the engine front end, the served model's facts, readiness and drain state."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from .async_engine import AsyncEngine
+from .errors import APIError
+from .metrics import ServerMetrics
+
+DRAIN_RETRY_AFTER_S = 5
+
+
+@dataclass
+class ServerState:
+    async_engine: AsyncEngine
+    metrics: ServerMetrics
+    model_name: str
+    max_model_len: int
+    tokenizer: Any
+    admin_token: str | None = None
+    ready: bool = False
+    draining: bool = False
+    started: float = field(default_factory=time.time)
+
+    @property
+    def engine(self) -> Any:
+        return self.async_engine.engine
+
+    def check_accepting(self) -> None:
+        """503 + Retry-After while not ready or draining (new work goes to another replica)."""
+        if self.draining:
+            raise APIError(503, "server is shutting down (draining); retry on another replica",
+                           code="draining", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+        if not self.ready:
+            raise APIError(503, "model is not loaded yet", code="not_ready", headers={"Retry-After": "1"})
+
+    def check_model(self, model: str | None) -> None:
+        if model is not None and model != self.model_name:
+            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                           param="model", code="model_not_found")
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.specfleet

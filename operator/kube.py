@@ -1,0 +1,139 @@
+"""A small async Kubernetes REST client for the children the reconcile converges.
+
+kopf talks to the API for the InferenceService itself (watching, status patches, events); this client
+does the rest over the same credentials (`kopf.ConnectionInfo`): GET, create, server-side apply, delete.
+"""
+
+from __future__ import annotations
+
+import json
+import ssl
+from typing import Any
+
+import aiohttp
+
+from .resources import FIELD_MANAGER
+
+# kind -> (apiVersion, plural) for every kind the operator writes.
+KINDS: dict[str, tuple[str, str]] = {
+    "Deployment": ("apps/v1", "deployments"),
+    "Service": ("v1", "services"),
+    "Secret": ("v1", "secrets"),
+    "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
+    "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
+}
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, method: str, path: str, body: str) -> None:
+        try:
+            message = json.loads(body).get("message", body)
+        except (ValueError, AttributeError):
+            message = body
+        super().__init__(f"{method} {path} answered {status}: {message}")
+        self.status = status
+        self.message = message
+
+    @property
+    def retryable(self) -> bool:
+        """Conflicts, throttling and server-side trouble pass; a 4xx about our request will not."""
+        return self.status in (409, 429) or self.status >= 500
+
+
+def object_path(kind: str, namespace: str, name: str | None = None) -> str:
+    api_version, plural = KINDS[kind]
+    prefix = "/api/v1" if api_version == "v1" else f"/apis/{api_version}"
+    path = f"{prefix}/namespaces/{namespace}/{plural}"
+    return f"{path}/{name}" if name else path
+
+
+class KubeClient:
+    def __init__(
+        self,
+        server: str,
+        *,
+        token: str | None = None,
+        ca_path: str | None = None,
+        ca_data: bytes | None = None,
+        insecure: bool = False,
+        cert_path: str | None = None,
+        key_path: str | None = None,
+        timeout_seconds: float = 30.0,
+    ) -> None:
+        self.server = server.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._ssl: ssl.SSLContext | bool = True
+        if server.startswith("https"):
+            context = ssl.create_default_context(cafile=ca_path, cadata=ca_data.decode() if ca_data else None)
+            if insecure:
+                context.check_hostname = False
+                context.verify_mode = ssl.CERT_NONE
+            if cert_path:
+                context.load_cert_chain(cert_path, key_path)
+            self._ssl = context
+        self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
+        self._session: aiohttp.ClientSession | None = None
+
+    @classmethod
+    def from_connection_info(cls, info: Any) -> KubeClient:
+        """From the `kopf.ConnectionInfo` kopf's login produced (token or client-certificate auth)."""
+        token = info.token if getattr(info, "scheme", None) in (None, "Bearer") else None
+        return cls(
+            info.server,
+            token=token,
+            ca_path=info.ca_path,
+            ca_data=info.ca_data,
+            insecure=bool(info.insecure),
+            cert_path=info.certificate_path,
+            key_path=info.private_key_path,
+        )
+
+    async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
+                       params: dict[str, str] | None = None) -> tuple[int, Any]:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
+        data = None if body is None else json.dumps(body)
+        headers = {"Content-Type": content_type} if body is not None else {}
+        async with self._session.request(method, self.server + path, data=data, headers=headers,
+                                         params=params, ssl=self._ssl) as response:
+            text = await response.text()
+            if response.status >= 400:
+                if response.status == 404:
+                    return 404, None
+                raise ApiError(response.status, method, path, text)
+            return response.status, json.loads(text) if text else None
+
+    async def get(self, path: str) -> dict[str, Any] | None:
+        """The object, or None when it does not exist."""
+        return (await self._request("GET", path))[1]
+
+    async def create(self, obj: dict[str, Any]) -> dict[str, Any]:
+        meta = obj["metadata"]
+        status, created = await self._request("POST", object_path(obj["kind"], meta["namespace"]), obj)
+        if status == 404:
+            raise ApiError(404, "POST", object_path(obj["kind"], meta["namespace"]), "namespace or kind not found")
+        return created
+
+    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+        """Server-side apply: converge the fields we render, keep fields others own, force on conflict."""
+        meta = obj["metadata"]
+        path = object_path(obj["kind"], meta["namespace"], meta["name"])
+        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        _, applied = await self._request("PATCH", path, obj, "application/apply-patch+yaml", params)
+        return applied
+
+    async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
+        return (await self._request("PATCH", path, patch, "application/merge-patch+json"))[1]
+
+    async def delete(self, path: str) -> bool:
+        """True if something was deleted, False if it was already gone."""
+        status, _ = await self._request("DELETE", path, {"propagationPolicy": "Background"})
+        return status != 404
+
+    async def has_api(self, group_version: str) -> bool:
+        """Whether the cluster serves an API group version (e.g. monitoring.coreos.com/v1)."""
+        return await self.get(f"/apis/{group_version}") is not None
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()

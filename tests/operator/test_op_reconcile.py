@@ -1,0 +1,174 @@
+"""The reconcile path against the Kubernetes API faked at its HTTP edge: end states, not call sequences."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import yaml
+from fake_kube import FakeKube
+from isvc_schema_tools import REPO
+from specfleet.operator.config import OperatorConfig
+from specfleet.operator.kube import KubeClient
+from specfleet.operator.reconcile import Outcome, Reconciler
+from specfleet.operator.render import read_admin_token
+
+NS = "team-a"
+ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
+DEPLOY = ("/apis/apps/v1", "deployments")
+SERVICE = ("/api/v1", "services")
+SECRET = ("/api/v1", "secrets")
+PDB = ("/apis/policy/v1", "poddisruptionbudgets")
+CONFIG = OperatorConfig(engine_cpu_image="registry.example/engine:cpu")
+
+
+def create_isvc(fake: FakeKube, **spec_changes: Any) -> dict[str, Any]:
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    doc["spec"].update(spec_changes)
+    return fake.put(*ISVC, NS, doc)
+
+
+def update_spec(fake: FakeKube, **spec_changes: Any) -> None:
+    doc = fake.get(*ISVC, NS, "smollm2")
+    assert doc is not None
+    doc = copy.deepcopy(doc)
+    doc["spec"].update(spec_changes)
+    fake.put(*ISVC, NS, doc)
+
+
+def reconcile(fake: FakeKube) -> Outcome:
+    """One pass, as the kopf handler runs it: reconcile, then merge-patch the status subresource."""
+    async def run() -> Outcome:
+        client = KubeClient(fake.url)
+        try:
+            body = await client.get(f"{ISVC[0]}/namespaces/{NS}/{ISVC[1]}/smollm2")
+            assert body is not None
+            outcome = await Reconciler(client, CONFIG).reconcile(body, now="2026-01-01T00:00:00Z")
+            await client.merge_patch(f"{ISVC[0]}/namespaces/{NS}/{ISVC[1]}/smollm2/status", {"status": outcome.status})
+            return outcome
+        finally:
+            await client.close()
+    return asyncio.run(run())
+
+
+def set_deployment_status(fake: FakeKube, ready: int, updated: int | None = None, **extra: Any) -> None:
+    deployment = fake.get(*DEPLOY, NS, "smollm2")
+    assert deployment is not None
+    desired = deployment["spec"]["replicas"]
+    deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"], "replicas": desired,
+                            "updatedReplicas": desired if updated is None else updated, "readyReplicas": ready, **extra}
+    fake.put(*DEPLOY, NS, deployment)
+
+
+def conditions(fake: FakeKube) -> dict[str, tuple[str, str]]:
+    isvc = fake.get(*ISVC, NS, "smollm2")
+    assert isvc is not None
+    return {c["type"]: (c["status"], c["reason"]) for c in isvc["status"]["conditions"]}
+
+
+def test_new_service_creates_owned_children_and_reports_pending(fake_kube: FakeKube) -> None:
+    isvc = create_isvc(fake_kube)
+    outcome = reconcile(fake_kube)
+    uid = isvc["metadata"]["uid"]
+    for kind in (DEPLOY, SERVICE):
+        child = fake_kube.get(*kind, NS, "smollm2")
+        assert child is not None, kind
+        (owner,) = child["metadata"]["ownerReferences"]
+        assert (owner["uid"], owner["kind"], owner["controller"]) == (uid, "InferenceService", True)
+    secret = fake_kube.get(*SECRET, NS, "smollm2-admin")
+    assert secret is not None and secret["metadata"]["ownerReferences"][0]["uid"] == uid
+    assert fake_kube.get(*PDB, NS, "smollm2") is None  # one replica
+    assert conditions(fake_kube)["Ready"] == ("Unknown", "Pending")
+    status = fake_kube.get(*ISVC, NS, "smollm2")["status"]  # type: ignore[index]
+    assert status["endpoint"] == "http://smollm2.team-a.svc:8000/v1"
+    assert status["observedGeneration"] == isvc["metadata"]["generation"]
+    assert status["tuning"]["maxNumSeqs"] == 16
+    assert {e.reason for e in outcome.events} == {"Created"}
+
+
+def test_status_follows_deployment_readiness(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube, replicas=2)
+    reconcile(fake_kube)
+    set_deployment_status(fake_kube, ready=1)
+    reconcile(fake_kube)
+    assert conditions(fake_kube)["Ready"] == ("False", "ReplicasNotReady")
+    assert conditions(fake_kube)["Progressing"] == ("True", "RollingOut")
+    set_deployment_status(fake_kube, ready=2)
+    outcome = reconcile(fake_kube)
+    assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
+    assert conditions(fake_kube)["Progressing"] == ("False", "RolloutComplete")
+    assert conditions(fake_kube)["Degraded"] == ("False", "AsExpected")
+    assert fake_kube.get(*ISVC, NS, "smollm2")["status"]["readyReplicas"] == 2  # type: ignore[index]
+    assert "Ready" in {e.reason for e in outcome.events}
+    set_deployment_status(fake_kube, ready=0, conditions=[
+        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
+         "message": "ReplicaSet has timed out progressing"}])
+    outcome = reconcile(fake_kube)
+    assert conditions(fake_kube)["Degraded"] == ("True", "ProgressDeadlineExceeded")
+    assert any(e.type == "Warning" for e in outcome.events)
+
+
+def test_spec_change_updates_the_deployment_and_second_pass_is_a_no_op(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube)
+    reconcile(fake_kube)
+    before = fake_kube.get(*DEPLOY, NS, "smollm2")
+    update_spec(fake_kube, batching={"maxNumSeqs": 32, "maxNumBatchedTokens": 1024}, replicas=3)
+    outcome = reconcile(fake_kube)
+    after = fake_kube.get(*DEPLOY, NS, "smollm2")
+    assert before is not None and after is not None
+    args = after["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--max-num-seqs") + 1] == "32" and after["spec"]["replicas"] == 3
+    assert after["metadata"]["generation"] == before["metadata"]["generation"] + 1
+    assert "Updated" in {e.reason for e in outcome.events}
+    assert fake_kube.get(*PDB, NS, "smollm2") is not None  # three replicas now
+    again = fake_kube.get(*DEPLOY, NS, "smollm2")
+    outcome = reconcile(fake_kube)
+    assert fake_kube.get(*DEPLOY, NS, "smollm2")["metadata"]["resourceVersion"] == again["metadata"]["resourceVersion"]  # type: ignore[index]
+    assert not {e.reason for e in outcome.events} & {"Created", "Updated"}
+    update_spec(fake_kube, replicas=1)
+    reconcile(fake_kube)
+    assert fake_kube.get(*PDB, NS, "smollm2") is None
+
+
+def test_deleted_children_are_recreated_and_the_token_survives(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube)
+    reconcile(fake_kube)
+    token = read_admin_token(fake_kube.get(*SECRET, NS, "smollm2-admin"))  # type: ignore[arg-type]
+    fake_kube.remove(*DEPLOY, NS, "smollm2")
+    fake_kube.remove(*SERVICE, NS, "smollm2")
+    reconcile(fake_kube)
+    assert fake_kube.get(*DEPLOY, NS, "smollm2") is not None
+    assert fake_kube.get(*SERVICE, NS, "smollm2") is not None
+    reconcile(fake_kube)
+    assert read_admin_token(fake_kube.get(*SECRET, NS, "smollm2-admin")) == token  # type: ignore[arg-type]
+
+
+def test_a_conflict_is_retried(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube)
+    fake_kube.fail_next("PATCH", "/deployments/smollm2", 409)
+    fake_kube.fail_next("POST", "/secrets", 409)
+    reconcile(fake_kube)
+    assert fake_kube.get(*DEPLOY, NS, "smollm2") is not None
+    assert fake_kube.get(*SECRET, NS, "smollm2-admin") is not None
+
+
+def test_the_operator_never_writes_spec(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube)
+    reconcile(fake_kube)
+    set_deployment_status(fake_kube, ready=1)
+    update_spec(fake_kube, replicas=2)
+    reconcile(fake_kube)
+    isvc_writes = [r for r in fake_kube.requests
+                   if r.method in ("PUT", "PATCH", "POST") and "/inferenceservices" in r.path]
+    assert isvc_writes, "expected status writes"
+    for request in isvc_writes:
+        assert request.path.endswith("/status") or "spec" not in (request.body or {}), request
+
+
+def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube, speculative={"method": "draft"})  # the CRD would refuse this; the operator must too
+    outcome = reconcile(fake_kube)
+    assert outcome.invalid and "draftModel" in outcome.invalid
+    assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")
+    assert fake_kube.get(*DEPLOY, NS, "smollm2") is None

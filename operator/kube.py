@@ -52,41 +52,21 @@ class KubeClient:
         self,
         server: str,
         *,
-        token: str | None = None,
-        ca_path: str | None = None,
-        ca_data: bytes | None = None,
-        insecure: bool = False,
-        cert_path: str | None = None,
-        key_path: str | None = None,
+        headers: dict[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
         timeout_seconds: float = 30.0,
     ) -> None:
         self.server = server.rstrip("/")
-        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
-        self._ssl: ssl.SSLContext | bool = True
-        if server.startswith("https"):
-            context = ssl.create_default_context(cafile=ca_path, cadata=ca_data.decode() if ca_data else None)
-            if insecure:
-                context.check_hostname = False
-                context.verify_mode = ssl.CERT_NONE
-            if cert_path:
-                context.load_cert_chain(cert_path, key_path)
-            self._ssl = context
+        self._headers = dict(headers or {})
+        self._ssl: ssl.SSLContext | bool = ssl_context if ssl_context is not None else True
         self._timeout = aiohttp.ClientTimeout(total=timeout_seconds)
         self._session: aiohttp.ClientSession | None = None
 
     @classmethod
     def from_connection_info(cls, info: Any) -> KubeClient:
-        """From the `kopf.ConnectionInfo` kopf's login produced (token or client-certificate auth)."""
-        token = info.token if getattr(info, "scheme", None) in (None, "Bearer") else None
-        return cls(
-            info.server,
-            token=token,
-            ca_path=info.ca_path,
-            ca_data=info.ca_data,
-            insecure=bool(info.insecure),
-            cert_path=info.certificate_path,
-            key_path=info.private_key_path,
-        )
+        """From the `kopf.ConnectionInfo` kopf's login produced: same server, credentials and CA."""
+        context = info.as_ssl_context() if info.server.startswith("https") else None
+        return cls(info.server, headers=info.as_http_headers(), ssl_context=context)
 
     async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
                        params: dict[str, str] | None = None) -> tuple[int, Any]:

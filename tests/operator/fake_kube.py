@@ -87,7 +87,7 @@ class FakeKube:
             return copy.deepcopy(self.objects.get((prefix, plural, namespace, name)))
         return self._call(_get())
 
-    def put(self, prefix: str, plural: str, namespace: str, obj: dict[str, Any]) -> dict[str, Any]:
+    def put(self, prefix: str, plural: str, namespace: str | None, obj: dict[str, Any]) -> dict[str, Any]:
         async def _put() -> dict[str, Any]:
             return self._store((prefix, plural, namespace, obj["metadata"]["name"]), copy.deepcopy(obj))
         return self._call(_put())
@@ -96,6 +96,9 @@ class FakeKube:
         async def _remove() -> None:
             self._delete((prefix, plural, namespace, name))
         self._call(_remove())
+
+    def add_namespace(self, name: str) -> None:
+        self.put("/api/v1", "namespaces", None, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 
     def fail_next(self, method: str, path_contains: str, status: int) -> None:
         self._failures.append((method, path_contains, status))
@@ -161,7 +164,9 @@ class FakeKube:
                          if k[:2] == (prefix, plural) and namespace in (None, k[2])]
                 return web.json_response({"items": items, "metadata": {"resourceVersion": str(next(self._rv))}})
             if request.method == "POST":
-                key = (prefix, plural, namespace, body["metadata"]["name"])
+                meta = body.setdefault("metadata", {})
+                meta.setdefault("name", meta.get("generateName", "obj-") + uuid.uuid4().hex[:5])
+                key = (prefix, plural, namespace, meta["name"])
                 if key in self.objects:
                     return _status(409, f"{plural} {key[3]!r} already exists", "AlreadyExists")
                 return web.json_response(self._store(key, copy.deepcopy(body)), status=201)
@@ -255,8 +260,8 @@ def _parse(path: str) -> tuple[str, str | None, str, str | None, str | None] | N
     namespace = None
     if len(rest) >= 2 and rest[0] == "namespaces":
         namespace, rest = rest[1], rest[2:]
-    if not rest:
-        return None
+    if not rest:  # /api/v1/namespaces/NAME is the Namespace object itself
+        return (prefix, None, "namespaces", namespace, None) if namespace else None
     return prefix, namespace, rest[0], rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
 
 

@@ -26,11 +26,11 @@ DISCONNECT_POLL_S = 0.25
 
 
 def _param_for(message: str, default: str) -> str:
-    for name in ("max_tokens", "min_tokens", "stop_token_ids", "logprobs", "n", "seed", "temperature",
-                 "top_p", "top_k"):
-        if message.startswith(f"{name}=") or f" {name}=" in message:
-            return name
-    return default
+    names = ("max_tokens", "min_tokens", "stop_token_ids", "logprobs", "n", "seed", "temperature", "top_p",
+             "top_k", "stop", "presence_penalty", "frequency_penalty")
+    starts = [name for name in names if message.startswith(f"{name}=")]
+    inside = [name for name in names if f" {name}=" in message]
+    return (starts or inside or [default])[0]
 
 
 def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list[int | None]) -> SamplingParams:
@@ -39,12 +39,13 @@ def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list
     except ValueError as exc:
         raise APIError(400, str(exc), _param_for(str(exc), "max_tokens"), "invalid_value") from exc
     limit = state.max_model_len
+    chat = isinstance(body, ChatCompletionRequest)
     for length in prompt_lens:
         if length is not None and length >= limit:
-            raise APIError(400, f"the prompt has {length} tokens; the model's context is {limit} tokens "
-                           "and the prompt must leave room for at least one generated token",
-                           "messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                           "context_length_exceeded")
+            what = "messages (with the chat template)" if chat else "prompt"
+            raise APIError(400, f"{what} has {length} tokens; the model's context is {limit} tokens and the "
+                           "prompt must leave room for at least one generated token",
+                           "messages" if chat else "prompt", "context_length_exceeded")
         room = limit - (length or 0)
         if params.max_tokens is not None and params.max_tokens > room:
             used = f" minus the prompt's {length}" if length else ""

@@ -97,7 +97,10 @@ class Reconciler:
             "observedGeneration": generation,
             "conditions": merge_conditions(previous.get("conditions") or [], conds, generation, now),
         }
-        return Outcome(status=status, events=[Event("Warning", "InvalidSpec", message)], invalid=message)
+        before = {c.get("type"): c for c in previous.get("conditions") or []}.get("Degraded", {})
+        repeated = before.get("reason") == "InvalidSpec" and before.get("message") == message
+        events = [] if repeated else [Event("Warning", "InvalidSpec", message)]  # once per distinct problem
+        return Outcome(status=status, events=events, invalid=message)
 
     async def _converge_secret(self, isvc: InferenceService, events: list[Event]) -> None:
         """Create the admin token once; afterwards only make sure we own it. Its data is never rewritten."""

@@ -172,3 +172,5 @@ def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
     assert outcome.invalid and "draftModel" in outcome.invalid
     assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
+    assert [e.reason for e in outcome.events] == ["InvalidSpec"]
+    assert reconcile(fake_kube).events == []  # the timer does not repeat the same warning

@@ -73,8 +73,10 @@ class ServerMetrics:
         self._seen_per_pos: list[int] = []
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
-        for counter in self.counters.values():
-            counter.labels(model_name)
+        for metric in (*self.counters.values(), self.ttft, self.tpot, self.itl, self.e2e, self.queue_time,
+                       self.step_duration, self.batch_size, self.running, self.waiting, self.kv_usage,
+                       self.num_spec_tokens, self.max_num_seqs, self.max_num_batched_tokens):
+            metric.labels(model_name)  # every series exists from the first scrape
 
     def observe_step(self, stats: EngineStats, stepped: bool, extra_waiting: int = 0) -> None:
         """Called by the engine thread after each step (stepped=True) or when it goes idle."""

@@ -1,0 +1,253 @@
+"""The engine: requests in, one scheduler step at a time, outputs out.
+
+Not thread-safe except `live_config` / `update_config`: one thread drives add_request, abort and step.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from dataclasses import replace
+
+import torch
+
+from specfleet.engine.block_manager import BlockManager
+from specfleet.engine.config import EngineConfig, LiveConfig
+from specfleet.engine.detokenizer import IncrementalDetokenizer
+from specfleet.engine.loader import LoadedModel, load_model
+from specfleet.engine.model_runner import ModelRunner
+from specfleet.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.scheduler import Scheduler, SchedulerOutput
+from specfleet.engine.sequence import Sequence, Status
+from specfleet.engine.stats import EngineStats, StepStats
+
+log = logging.getLogger("specfleet.engine")
+
+
+class _Request:
+    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], seqs: list[Sequence],
+                 detoks: list[IncrementalDetokenizer]):
+        self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
+        self.seqs, self.detoks = seqs, detoks
+        self.logprobs: list[list[Logprob]] = [[] for _ in seqs]
+        self.metrics = RequestMetrics(arrival_time=time.monotonic())
+
+
+class Engine:
+    def __init__(self, config: EngineConfig | None = None, **kwargs):
+        self.config = config = config or EngineConfig(**kwargs)
+        if kwargs and config is not None:
+            self.config = config = replace(config, **kwargs)
+        loaded: LoadedModel = load_model(config)
+        self.tokenizer, self.model_name, self.max_model_len = loaded.tokenizer, loaded.name, loaded.max_model_len
+        self.eos_token_ids = loaded.eos_token_ids
+        self.kv = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(loaded.model, loaded.num_kv_blocks, config.block_size,
+                                  config.attention_backend, self.eos_token_ids, config.seed)
+        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.stats = EngineStats()
+        self._live = LiveConfig(config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens)
+        self._pending: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._requests: dict[str, _Request] = {}
+        self._seq_ids = itertools.count()
+        log.info("event=engine_ready model=%s blocks=%d block_size=%d max_model_len=%d backend=%s",
+                 self.model_name, loaded.num_kv_blocks, config.block_size, self.max_model_len,
+                 self.runner.attn.name)
+
+    # -- requests ------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+        params = params or SamplingParams()
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already in use")
+        text = prompt if isinstance(prompt, str) else None
+        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        self._check_prompt(ids, params)
+        seqs, detoks = [], []
+        for index in range(params.n):
+            seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params)
+            if params.seed is not None:
+                seq.generator = torch.Generator(device=self.runner.model.device).manual_seed(params.seed + index)
+            seq.parent = seqs[0] if seqs else None
+            seqs.append(seq)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output))
+            self.scheduler.add(seq)
+        self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+
+    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise ValueError("prompt is empty: give at least one token")
+        vocab = self.runner.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(ids) >= self.max_model_len:
+            raise ValueError(
+                f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
+                "shorten the prompt so at least one token can be generated"
+            )
+        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
+            raise ValueError(
+                f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
+                f"minus the prompt's {len(ids)}"
+            )
+        blocks_needed = self.kv.blocks_for(min(self.max_model_len, len(ids) + (params.max_tokens or 0)))
+        if blocks_needed > self.kv.num_blocks:
+            raise ValueError(f"the request needs {blocks_needed} KV blocks, the cache has {self.kv.num_blocks}")
+
+    def apply_chat_template(self, messages: list[dict]) -> list[int]:
+        """Prompt token ids for a conversation, ending with the assistant's turn to speak."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError(f"model {self.model_name!r} has no chat template; use completions instead")
+        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+            ids = ids["input_ids"]
+        return list(ids)
+
+    def abort(self, request_id: str) -> None:
+        req = self._requests.pop(request_id, None)
+        if req is not None:
+            for seq in req.seqs:
+                self.scheduler.finish(seq, "abort")
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests)
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self._requests)
+
+    def kv_blocks_in_use(self) -> int:
+        return sum(1 for r in self.kv.ref_counts if r > 0)
+
+    # -- live configuration -----------------------------------------------------------------------------
+    def live_config(self) -> LiveConfig:
+        with self._lock:
+            return LiveConfig(**{**self._live.as_dict(), **self._pending})
+
+    def update_config(self, **changes: int) -> LiveConfig:
+        limits = {
+            "num_speculative_tokens": (0, self.config.max_num_speculative_tokens if self.config.speculative_method != "none" else 0),
+            "max_num_seqs": (1, self.config.seqs_limit),
+            "max_num_batched_tokens": (1, self.config.batched_tokens_limit),
+        }
+        for name, value in changes.items():
+            if name not in limits:
+                raise ValueError(f"{name} is not a live setting; use one of {sorted(limits)}")
+            low, high = limits[name]
+            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+                why = " (no speculative method configured at start)" if name == "num_speculative_tokens" and not high else ""
+                raise ValueError(f"{name}={value!r} must be an integer between {low} and {high}{why}")
+        with self._lock:
+            self._pending.update(changes)
+        return self.live_config()
+
+    def _apply_pending(self) -> None:
+        with self._lock:
+            if not self._pending:
+                return
+            self._live = LiveConfig(**{**self._live.as_dict(), **self._pending})
+            self._pending.clear()
+        self.scheduler.max_num_seqs = self._live.max_num_seqs
+        self.scheduler.max_num_batched_tokens = self._live.max_num_batched_tokens
+
+    # -- the step -------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        start = time.perf_counter()
+        self._apply_pending()
+        sched = self.scheduler.schedule()
+        if sched.empty:
+            return []
+        self._track_kv_peak()
+        result = self.runner.execute(sched)
+        changed = self.scheduler.update(sched, result.sampled)
+        outputs = self._postprocess(sched, result.logprobs, changed)
+        self._record(sched, changed, time.perf_counter() - start)
+        return outputs
+
+    def _postprocess(self, sched: SchedulerOutput, logprobs, changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+        now = time.monotonic()
+        lp_by_seq = {item.seq.seq_id: lp for item, lp in zip(sched.scheduled, logprobs) if lp}
+        touched: dict[str, _Request] = {}
+        for seq, num_new in changed:
+            req = self._requests.get(seq.request_id)
+            if req is None:
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                req.metrics.first_token_time = req.metrics.first_token_time or now
+            if seq.seq_id in lp_by_seq:
+                req.logprobs[seq.index].extend(lp_by_seq[seq.seq_id])
+            self._check_stop(req, seq, num_new)
+            touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            req.metrics.last_token_time = now
+            finished = all(s.is_finished for s in req.seqs)
+            if finished:
+                req.metrics.finished_time = now
+                del self._requests[req.request_id]
+            outputs.append(self._output(req, finished))
+        return outputs
+
+    def _check_stop(self, req: _Request, seq: Sequence, num_new: int) -> None:
+        params = seq.params
+        for pos in range(seq.num_tokens - num_new, seq.num_tokens):
+            token, produced = seq.token_ids[pos], pos - seq.num_prompt_tokens + 1
+            reason = stop_reason = None
+            if produced >= params.min_tokens:
+                if token in params.stop_token_ids:
+                    reason, stop_reason = "stop", token
+                elif token in self.eos_token_ids and not params.ignore_eos:
+                    reason = "stop"
+            if reason is None and (produced == params.max_tokens or pos + 1 >= self.max_model_len):
+                reason = "length"
+            if reason is not None:
+                del seq.token_ids[pos + 1 :]
+                req.detoks[seq.index].update(seq.output_token_ids)
+                self.scheduler.finish(seq, reason, stop_reason)
+                return
+        matched = req.detoks[seq.index].update(seq.output_token_ids)
+        if matched is not None:
+            self.scheduler.finish(seq, "stop", matched)
+
+    def _output(self, req: _Request, finished: bool) -> RequestOutput:
+        outs = []
+        for seq, detok in zip(req.seqs, req.detoks):
+            lps = req.logprobs[seq.index][: seq.num_output_tokens] if seq.params.logprobs is not None else None
+            outs.append(CompletionOutput(seq.index, detok.visible_text(seq.is_finished), seq.output_token_ids,
+                                         seq.finish_reason, seq.stop_reason, lps))
+        cached = req.seqs[0].num_cached_tokens
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics)
+
+    # -- statistics -------------------------------------------------------------------------------------
+    def _track_kv_peak(self) -> None:
+        allocated = self.kv.num_used_blocks * self.kv.block_size
+        if allocated <= self.stats.peak_kv_slots_allocated:
+            return
+        filled: dict[int, int] = {}
+        bs = self.kv.block_size
+        for seq in self.scheduler.running:
+            n = seq.num_tokens_with_spec
+            for i, block in enumerate(seq.block_table):
+                filled[block] = max(filled.get(block, 0), min(bs, n - i * bs))
+        self.stats.peak_kv_slots_allocated = allocated
+        self.stats.peak_kv_slots_used = sum(filled.values())
+
+    def _record(self, sched: SchedulerOutput, changed: list[tuple[Sequence, int]], duration: float) -> None:
+        step = StepStats(
+            duration_s=duration,
+            batch_size=len(sched.scheduled),
+            num_scheduled_tokens=sched.num_batched_tokens,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=self.kv.usage(),
+            num_preemptions=sched.num_preemptions,
+            prompt_tokens=sched.num_prompt_tokens,
+            generation_tokens=sum(n for _, n in changed),
+        )
+        self.stats.prefix_cache_queries = self.scheduler.prefix_queries
+        self.stats.prefix_cache_hits = self.scheduler.prefix_hits
+        self.stats.add_step(step)

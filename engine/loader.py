@@ -1,0 +1,97 @@
+"""Build what an engine needs from its config: device, dtype, weights, tokenizer, KV cache size."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from specfleet.engine.config import EngineConfig
+from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from specfleet.engine.models.llama import LlamaModel
+
+log = logging.getLogger("specfleet.engine.loader")
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DEFAULT_CPU_KV_GIB = 2.0
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: object
+    name: str
+    max_model_len: int
+    eos_token_ids: set[int]
+    num_kv_blocks: int
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={name!r} but no CUDA device is available")
+    return device
+
+
+def pick_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype={name!r} is not supported; use one of auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def eos_ids(path, hf_config, tokenizer) -> set[int]:
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
+    gen = path / "generation_config.json"
+    if gen.exists():
+        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    for value in sources:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, list):
+            ids.update(v for v in value if isinstance(v, int))
+    return ids
+
+
+def load_model(config: EngineConfig, device: torch.device | None = None) -> LoadedModel:
+    resolved = resolve_model(config.model)
+    device = device or pick_device(config.device)
+    dtype = pick_dtype(config.dtype, device)
+    hf_config = load_hf_config(resolved.path)
+    tokenizer = load_tokenizer(resolved.path)
+    context = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        context = min(context, window)  # attention here is full: stay where that is exact
+    max_model_len = config.max_model_len or context
+    if max_model_len > context:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
+    model = LlamaModel(hf_config, load_state_dict(resolved.path), dtype, device)
+    num_blocks = kv_blocks(config, model, max_model_len, device)
+    return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer),
+                       num_blocks)
+
+
+def kv_blocks(config: EngineConfig, model: LlamaModel, max_model_len: int, device: torch.device) -> int:
+    a = model.args
+    bytes_per_block = 2 * a.num_layers * config.block_size * a.num_kv_heads * a.head_dim * model.embed.element_size()
+    useful = config.seqs_limit * (-(-max_model_len // config.block_size)) + 1
+    if config.num_kv_blocks is not None:
+        return config.num_kv_blocks
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        budget = free - (1 - config.kv_cache_memory_fraction) * total
+        if budget < bytes_per_block * (-(-max_model_len // config.block_size)):
+            raise ValueError(
+                f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} leaves no room for one sequence "
+                f"of max_model_len={max_model_len}; raise it or lower max_model_len"
+            )
+        return int(min(useful, budget // bytes_per_block))
+    gib = config.kv_cache_gib if config.kv_cache_gib is not None else DEFAULT_CPU_KV_GIB
+    return int(max(1, min(useful, gib * 2**30 // bytes_per_block)))

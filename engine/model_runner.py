@@ -1,0 +1,156 @@
+"""The model runner: scheduler output -> batch tensors -> model -> sampled tokens per sequence."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
+from specfleet.engine.models.llama import LlamaModel
+from specfleet.engine.outputs import Logprob
+from specfleet.engine.sampler import SamplingBatch, apply_penalties, logprobs_for, sample
+from specfleet.engine.scheduler import SchedulerOutput
+from specfleet.engine.sequence import Sequence
+
+
+@dataclass
+class ModelRunnerOutput:
+    sampled: list[list[int]]  # [num_scheduled] tokens each sequence gained ([] mid-prefill)
+    logprobs: list[list[Logprob] | None]  # [num_scheduled] one per gained token, when requested
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [num_tokens]
+    positions: torch.Tensor  # [num_tokens]
+    meta: AttentionMetadata
+    sample_rows: list[int]  # flat rows whose logits are needed
+    sample_counts: list[int]  # [num_scheduled] rows each sequence contributes to sample_rows
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, attention_backend: str,
+                 eos_token_ids: set[int], seed: int):
+        self.model = model
+        self.block_size = block_size
+        self.attn = get_attention_backend(attention_backend, model.device)
+        a = model.args
+        shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+        self.kv_caches = [
+            (torch.zeros(shape, dtype=model.dtype, device=model.device),
+             torch.zeros(shape, dtype=model.dtype, device=model.device))
+            for _ in range(a.num_layers)
+        ]
+        self.eos_token_ids = eos_token_ids
+        self.generator = torch.Generator(device=model.device).manual_seed(seed)
+        self.vocab_size = a.vocab_size
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        inputs = self.prepare(sched)
+        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attn)
+        if not inputs.sample_rows:
+            return ModelRunnerOutput([[] for _ in sched.scheduled], [None] * len(sched.scheduled))
+        rows = torch.tensor(inputs.sample_rows, device=hidden.device)
+        logits = self.model.logits(hidden.index_select(0, rows))
+        seqs = [item.seq for item in sched.scheduled if item.sample]
+        return self._sample(sched, seqs, logits)
+
+    def prepare(self, sched: SchedulerOutput) -> BatchInputs:
+        bs = self.block_size
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens, slens, tables, sample_rows, sample_counts = [], [], [], [], []
+        for item in sched.scheduled:
+            seq = item.seq
+            start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            tokens = seq.token_ids[start:end]
+            if len(tokens) < end - start:
+                tokens = tokens + seq.spec_token_ids[: end - start - len(tokens)]
+            ids.extend(tokens)
+            positions.extend(range(start, end))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, end))
+            qlens.append(end - start)
+            slens.append(end)
+            tables.append(table)
+            n = item.num_spec_tokens + 1 if item.sample else 0
+            sample_rows.extend(range(len(ids) - n, len(ids)))
+            sample_counts.append(n)
+        device = self.model.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        starts = [0]
+        for q in qlens:
+            starts.append(starts[-1] + q)
+        meta = AttentionMetadata(
+            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
+            seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
+            block_tables=block_tables,
+            query_lens_cpu=qlens,
+            seq_lens_cpu=slens,
+            block_size=bs,
+        )
+        self.attn.prepare(meta)
+        return BatchInputs(
+            torch.tensor(ids, dtype=torch.int64, device=device),
+            torch.tensor(positions, dtype=torch.int64, device=device),
+            meta, sample_rows, sample_counts,
+        )
+
+    def _sample(self, sched: SchedulerOutput, seqs: list[Sequence], logits: torch.Tensor) -> ModelRunnerOutput:
+        batch = self.sampling_batch(seqs, logits.device)
+        logits = apply_penalties(logits, batch)
+        tokens = sample(logits, batch, self.generator)
+        logprobs = None
+        if batch.num_logprobs is not None:
+            logprobs = logprobs_for(logits, tokens, batch.num_logprobs)
+        token_list = tokens.tolist()
+        sampled, lps, row = [], [], 0
+        for item in sched.scheduled:
+            if not item.sample:
+                sampled.append([])
+                lps.append(None)
+                continue
+            sampled.append([token_list[row]])
+            want = item.seq.params.logprobs
+            lps.append([_trim_top(logprobs[row], want)] if want is not None else None)
+            row += 1
+        return ModelRunnerOutput(sampled, lps)
+
+    def sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        all_greedy = all(p.temperature == 0 for p in params) and not any(s.generator for s in seqs)
+        top_k = top_p = None
+        if any(p.top_k > 0 for p in params):
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=device)
+        if any(p.top_p < 1 for p in params):
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
+        batch = SamplingBatch(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
+            top_k=top_k, top_p=top_p, generators=[s.generator for s in seqs], all_greedy=all_greedy,
+        )
+        if any(p.uses_penalties for p in params):
+            counts = torch.zeros(len(seqs), self.vocab_size, device=device)
+            for row, s in enumerate(seqs):
+                if s.params.uses_penalties and s.num_output_tokens:
+                    out = torch.tensor(s.output_token_ids, device=device)
+                    counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+            batch.output_counts = counts
+            batch.presence = torch.tensor([p.presence_penalty for p in params], device=device)
+            batch.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
+        banned = [(row, sorted(self.eos_token_ids | set(s.params.stop_token_ids)))
+                  for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+        batch.banned = banned or None
+        wanted = [p.logprobs for p in params if p.logprobs is not None]
+        batch.num_logprobs = max(wanted) if wanted else None
+        return batch
+
+
+def _trim_top(lp: Logprob, want: int) -> Logprob:
+    if len(lp.top) <= want:
+        return lp
+    return Logprob(lp.token_id, lp.logprob, dict(list(lp.top.items())[:want]))

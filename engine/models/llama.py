@@ -1,0 +1,142 @@
+"""Llama-family decoder (Llama 2/3, Mistral, Qwen2 with q/k/v bias, SmolLM2) over the paged KV cache.
+
+Written for few ops per layer, since on CPU per-op overhead rivals the weights' memory traffic:
+q/k/v and gate/up are fused into one matmul each, weights are pre-transposed so the output and down
+projections fold the residual add into one `addmm`, and rotary embedding is two multiply-adds with a
+roll over q and k together. cos/sin rows are gathered once per step and shared by every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from specfleet.engine.attention.base import AttentionBackend, AttentionMetadata
+
+
+@dataclass(frozen=True)
+class LlamaArgs:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+
+    @classmethod
+    def from_hf(cls, config) -> LlamaArgs:
+        num_heads = config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // num_heads
+        return cls(
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_layers=config.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
+            head_dim=head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position=config.max_position_embeddings,
+            tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
+            qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
+        )
+
+
+def rope_tables(config, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin tables, [max_position, head_dim], as transformers computes them."""
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        scaling = 1.0
+    else:
+        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+    freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
+    emb = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = emb.cos() * scaling, emb.sin() * scaling
+    half = head_dim // 2
+    # rotate_half(x) * sin == roll(x, half) * cat(-sin_lo, sin_hi)
+    sin_signed = torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+    return cos, sin_signed
+
+
+class LlamaLayer:
+    def __init__(self, args: LlamaArgs, weights: dict[str, torch.Tensor]):
+        self.args = args
+        self.input_norm = weights["input_layernorm.weight"]
+        self.post_norm = weights["post_attention_layernorm.weight"]
+        qkv = torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"], dim=0)
+        self.qkv_t = qkv.t().contiguous()  # [hidden, (H + 2 * KVH) * D]
+        self.qkv_bias = None
+        if args.qkv_bias:
+            self.qkv_bias = torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"], dim=0)
+        self.o_t = weights["self_attn.o_proj.weight"].t().contiguous()  # [H * D, hidden]
+        gate_up = torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], dim=0)
+        self.gate_up_t = gate_up.t().contiguous()  # [hidden, 2 * I]
+        self.down_t = weights["mlp.down_proj.weight"].t().contiguous()  # [I, hidden]
+        self.qk_size = (args.num_heads + args.num_kv_heads) * args.head_dim
+        self.scale = args.head_dim**-0.5
+
+    def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn: AttentionBackend):
+        a = self.args
+        tokens = x.shape[0]
+        h = F.rms_norm(x, (a.hidden_size,), self.input_norm, a.rms_norm_eps)
+        qkv = h @ self.qkv_t if self.qkv_bias is None else torch.addmm(self.qkv_bias, h, self.qkv_t)
+        qk = qkv[:, : self.qk_size].view(tokens, a.num_heads + a.num_kv_heads, a.head_dim)
+        qk = torch.addcmul(qk * cos, qk.roll(a.head_dim // 2, dims=-1), sin)
+        q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
+        v = qkv[:, self.qk_size :].view(tokens, a.num_kv_heads, a.head_dim)
+        attn.write_kv(k, v, k_cache, v_cache, meta)
+        o = attn.forward(q, k_cache, v_cache, meta, self.scale)
+        x = torch.addmm(x, o.reshape(tokens, -1), self.o_t)
+        h = F.rms_norm(x, (a.hidden_size,), self.post_norm, a.rms_norm_eps)
+        gate, up = (h @ self.gate_up_t).chunk(2, dim=-1)
+        return torch.addmm(x, F.silu(gate) * up, self.down_t)
+
+
+class LlamaModel:
+    """Plain tensors, no nn.Module: weights are loaded once and never trained."""
+
+    def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device):
+        self.args = args = LlamaArgs.from_hf(config)
+        state = {k.removeprefix("model."): v.to(device=device, dtype=dtype) for k, v in state.items()}
+        self.embed = state["embed_tokens.weight"]
+        self.norm = state["norm.weight"]
+        lm_head = self.embed if args.tie_word_embeddings or "lm_head.weight" not in state else state["lm_head.weight"]
+        self.lm_head_t = lm_head.t().contiguous()  # [hidden, vocab]
+        self.layers = []
+        for i in range(args.num_layers):
+            prefix = f"layers.{i}."
+            self.layers.append(LlamaLayer(args, {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}))
+        cos, sin = rope_tables(config, args.head_dim, args.max_position)
+        self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
+        self.dtype, self.device = dtype, device
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [num_tokens]
+        positions: torch.Tensor,  # [num_tokens]
+        kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+        meta: AttentionMetadata,
+        attn: AttentionBackend,
+    ) -> torch.Tensor:  # [num_tokens, hidden]
+        x = self.embed.index_select(0, input_ids)
+        cos = self.cos.index_select(0, positions).unsqueeze(1)
+        sin = self.sin.index_select(0, positions).unsqueeze(1)
+        for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
+            x = layer.forward(x, cos, sin, k_cache, v_cache, meta, attn)
+        return x
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
+        h = F.rms_norm(hidden, (self.args.hidden_size,), self.norm, self.args.rms_norm_eps)
+        return (h @ self.lm_head_t).float()

@@ -1,0 +1,174 @@
+"""The scheduler: every sequence's computed tokens catch up with its tokens, within one budget per step.
+
+No prefill or decode phase: a step gives each running sequence what it still lacks (the rest of a
+prompt chunk, one new token, or one token plus k speculative ones), then admits waiting sequences FCFS
+while the token budget, `max_num_seqs` and free KV blocks allow. When blocks run out, the most recently
+arrived running sequence is preempted by recompute: its blocks are freed and it goes back to the front
+of the queue, keeping its output, and its prompt and output are recomputed later (mostly prefix hits).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from specfleet.engine.block_manager import BlockManager
+from specfleet.engine.sequence import Sequence, Status
+
+
+@dataclass
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step, speculative ones included (they come last)
+    num_spec_tokens: int  # of those, speculative tokens to verify
+    sample: bool  # the step reaches the end of the sequence's tokens, so it yields new token(s)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    num_batched_tokens: int = 0
+    num_preemptions: int = 0
+    num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
+
+    @property
+    def empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int):
+        self.kv = block_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0
+
+    # -- queue -------------------------------------------------------------------------------------
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
+        """End a sequence (stop, length, abort) and return its blocks. Safe to call twice."""
+        if seq.status is Status.FINISHED:
+            return
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+        else:
+            self.waiting.remove(seq)
+        self.kv.free_seq(seq)
+        seq.status, seq.finish_reason, seq.stop_reason = Status.FINISHED, reason, stop_reason
+        seq.spec_token_ids = []
+
+    # -- one step ------------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        scheduled_ids: set[int] = set()
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            num_new = min(seq.num_tokens_with_spec - seq.num_computed_tokens, budget)
+            if num_new <= 0:
+                i += 1
+                continue
+            while not self.kv.can_allocate(seq, seq.num_computed_tokens + num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preemptions += 1
+                if victim is seq:
+                    break
+            else:
+                self.kv.allocate(seq, seq.num_computed_tokens + num_new)
+                out.scheduled.append(self._scheduled(out, seq, num_new))
+                scheduled_ids.add(seq.seq_id)
+                budget -= num_new
+                i += 1
+                continue
+            break  # the sequence preempted itself: nothing later in the list can run either
+
+        if not out.num_preemptions:
+            budget = self._admit_waiting(out, budget)
+        out.num_batched_tokens = self.max_num_batched_tokens - budget
+        return out
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+        skipped: list[Sequence] = []
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            parent = seq.parent
+            if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
+                skipped.append(self.waiting.popleft())  # let the sibling compute the shared prompt first
+                continue
+            if parent is not None and parent.status is Status.RUNNING:
+                hits = self.kv.shared_prefix(parent, seq)
+            else:
+                hits = self.kv.lookup_prefix(seq)
+            cached = len(hits) * self.kv.block_size
+            num_new = min(seq.num_tokens - cached, budget)
+            if not self.kv.can_allocate(seq, cached + num_new, hits):
+                break
+            self.kv.allocate(seq, cached + num_new, hits)
+            self.waiting.popleft()
+            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            self.prefix_queries += seq.num_tokens
+            self.prefix_hits += cached
+            seq.status = Status.RUNNING
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.monotonic()
+            self.running.append(seq)
+            out.scheduled.append(self._scheduled(out, seq, num_new))
+            budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
+        return budget
+
+    def _scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> ScheduledSeq:
+        end = seq.num_computed_tokens + num_new
+        out.num_prompt_tokens += max(0, min(end, seq.num_prompt_tokens) - seq.num_computed_tokens)
+        num_spec = max(0, end - seq.num_tokens)
+        if num_spec < len(seq.spec_token_ids):  # the budget cut some proposals: drop them
+            del seq.spec_token_ids[num_spec:]
+        return ScheduledSeq(seq, num_new, num_spec, sample=end >= seq.num_tokens)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.kv.free_seq(seq)
+        seq.status = Status.WAITING
+        seq.num_computed_tokens = 0
+        seq.spec_token_ids = []
+        seq.num_preemptions += 1
+        self.waiting.appendleft(seq)
+
+    # -- after the model ran ---------------------------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Sequence, int]]:
+        """Advance computed tokens, append sampled tokens, trim rejected speculation.
+        Returns the sequences that received new tokens, with how many."""
+        changed = []
+        for item, tokens in zip(out.scheduled, sampled):
+            seq = item.seq
+            if seq.is_finished:  # aborted while the step ran
+                continue
+            seq.num_computed_tokens += item.num_new_tokens
+            if not item.sample:
+                self.kv.cache_full_blocks(seq)
+                continue
+            # Of the k proposals, the first len(tokens) - 1 were accepted; the rest are recomputed.
+            rejected = item.num_spec_tokens - (len(tokens) - 1)
+            seq.num_computed_tokens -= item.num_spec_tokens
+            seq.spec_token_ids = []
+            seq.token_ids.extend(tokens)
+            seq.num_computed_tokens += item.num_spec_tokens - rejected
+            if rejected:
+                self.kv.trim(seq, seq.num_computed_tokens)
+            self.kv.cache_full_blocks(seq)
+            changed.append((seq, len(tokens)))
+        return changed

@@ -39,6 +39,7 @@ def _paged_prefill_kernel(
     BLOCK_N: tl.constexpr,  # context tokens per inner-loop tile
     BLOCK_D: tl.constexpr,  # >= head_dim, power of two
     UPCAST: tl.constexpr,  # do the dots in fp32 (the interpreter's bf16 dot is wrong)
+    PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32 rounding)
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -79,14 +80,14 @@ def _paged_prefill_kernel(
         if UPCAST:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
+        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
         visible = n_ok[None, :] & (n[None, :] <= first_pos + qi[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_new
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
@@ -131,7 +132,8 @@ def paged_prefill_attention(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
         num_kv_heads, head_dim, k_cache.shape[1],
         GROUP=group, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=interpreted, num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        UPCAST=interpreted, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_d <= 64 else 8, num_stages=2,
     )
     return out
 

@@ -1,0 +1,109 @@
+"""SIGTERM drains `python -m specfleet.engine`: /ready false, new requests 503, in-flight finish, exit 0."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from specfleet.engine.server.cli import build_parser, engine_config_kwargs
+
+pytestmark = pytest.mark.slow
+SECRET_PROMPT = "zebra-violet-unicorn says"
+
+
+def test_cli_flags_map_onto_engine_config() -> None:
+    args = build_parser().parse_args([
+        "--model", "file:///models/x", "--max-num-seqs", "12", "--max-num-batched-tokens", "512",
+        "--block-size", "32", "--max-model-len", "4096", "--dtype", "bfloat16", "--speculative-method", "draft",
+        "--num-speculative-tokens", "3", "--draft-model", "file:///models/d", "--no-prefix-caching",
+        "--kv-cache-memory-fraction", "0.5", "--kv-cache-gib", "1.5"])
+    kwargs = engine_config_kwargs(args)
+    assert kwargs["model"] == "file:///models/x" and kwargs["max_num_seqs"] == 12
+    assert kwargs["max_num_batched_tokens"] == 512 and kwargs["block_size"] == 32
+    assert kwargs["max_model_len"] == 4096 and kwargs["dtype"] == "bfloat16"
+    assert kwargs["speculative_method"] == "draft" and kwargs["num_speculative_tokens"] == 3
+    assert kwargs["draft_model"] == "file:///models/d" and kwargs["enable_prefix_caching"] is False
+    assert kwargs["kv_cache_memory_fraction"] == 0.5 and kwargs["kv_cache_gib"] == 1.5
+    from specfleet.engine import EngineConfig
+
+    EngineConfig(**kwargs)  # every flag is a real EngineConfig field
+
+
+def _stream(url: str, results: list[Any], first_chunk: threading.Event) -> None:
+    body = {"prompt": SECRET_PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
+    chunks: list[str] = []
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
+            for line in resp.iter_lines():
+                if line.startswith("data: "):
+                    chunks.append(line[6:])
+                    first_chunk.set()
+        results.append((resp.status_code, chunks))
+    except Exception as exc:  # recorded, asserted below
+        results.append((None, [repr(exc)]))
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path) -> None:
+    pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    log_path = tmp_path / "server.log"
+    cmd = [sys.executable, "-m", "specfleet.engine", "serve", "--model", "bundled://smollm2-135m-instruct",
+           "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1", "--drain-timeout", "90"]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "server did not become ready"
+            try:
+                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.3)
+        results: list[Any] = []
+        started = [threading.Event() for _ in range(4)]
+        threads = [threading.Thread(target=_stream, args=(url, results, ev)) for ev in started]
+        for t in threads:
+            t.start()
+        for ev in started:
+            assert ev.wait(120), "no stream started"
+        proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while httpx.get(f"{url}/ready", timeout=5).status_code != 503:
+            assert time.monotonic() < deadline, "/ready did not turn false"
+            time.sleep(0.05)
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and int(late.headers["retry-after"]) > 0
+        assert late.json()["error"]["code"] == "draining"
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        for t in threads:
+            t.join(120)
+        assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert len(results) == 4
+    for status, chunks in results:
+        assert status == 200, chunks
+        assert chunks[-1] == "[DONE]"
+        assert '"finish_reason":"length"' in chunks[-2]
+    log_text = log_path.read_text()
+    request_lines = [line for line in log_text.splitlines() if "event=request " in line]
+    assert len(request_lines) == 4 and all("finish_reason=length" in line for line in request_lines)
+    assert SECRET_PROMPT not in log_text  # never the prompt in the logs
+    assert "event=drain_done" in log_text

@@ -5,12 +5,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Sequence
 
-from tqdm import tqdm
-
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.llm_engine import Engine
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import SamplingParams
+from tqdm import tqdm
 
 
 class LLM:

@@ -12,7 +12,6 @@ import time
 from dataclasses import replace
 
 import torch
-
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer
@@ -21,7 +20,7 @@ from specfleet.engine.model_runner import ModelRunner
 from specfleet.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
-from specfleet.engine.sequence import Sequence, Status
+from specfleet.engine.sequence import Sequence
 from specfleet.engine.stats import EngineStats, StepStats
 
 log = logging.getLogger("specfleet.engine")

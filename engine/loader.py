@@ -7,7 +7,6 @@ import logging
 from dataclasses import dataclass
 
 import torch
-
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from specfleet.engine.models.llama import LlamaModel

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
 from specfleet.engine.models.llama import LlamaModel
 from specfleet.engine.outputs import Logprob

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from specfleet.engine.attention.base import AttentionMetadata
 
 # Queries up to this many rows are batched together (padded); longer ones run alone.

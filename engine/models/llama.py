@@ -12,7 +12,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from specfleet.engine.attention.base import AttentionBackend, AttentionMetadata
 
 

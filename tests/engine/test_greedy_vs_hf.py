@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from specfleet.engine import LLM, SamplingParams
 
 pytestmark = pytest.mark.slow

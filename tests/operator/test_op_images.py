@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import re
+import tomllib
 
 import pytest
-import tomllib
 from isvc_schema_tools import REPO
 
 DOCKERFILES = ["operator/Dockerfile", "engine/Dockerfile", "engine/Dockerfile.cuda"]

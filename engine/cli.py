@@ -1,0 +1,90 @@
+"""The `specfleet` command: one entry point, each subcommand owned by the part that implements it."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# subcommand -> (module, function taking argv, one-line help)
+COMMANDS = {
+    "serve": ("specfleet.engine.server.cli", "main", "run one engine with the OpenAI-compatible API"),
+    "generate": ("specfleet.engine.cli", "generate_main", "generate from prompts offline and print the text"),
+    "up": ("specfleet.operator.tuner.local", "main", "run an InferenceService YAML as a local fleet"),
+    "operator": ("specfleet.operator.cli", "main", "run the Kubernetes operator (kopf)"),
+    "tune": ("specfleet.operator.tuner.cli", "main", "run the SLO tuner against running engines"),
+}
+BENCHES = {
+    "offline": ("specfleet.bench.offline", "engine vs transformers throughput, single stream, KV waste"),
+    "serve": ("specfleet.bench.serve", "latency and goodput of any OpenAI-compatible server"),
+    "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
+    "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
+}
+DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}
+
+
+def _usage() -> str:
+    lines = ["usage: specfleet <command> [args]", "", "commands:"]
+    lines += [f"  {name:<10} {help_}" for name, (_, _, help_) in COMMANDS.items()]
+    lines += [f"  bench {name:<8} {help_}" for name, (_, help_) in BENCHES.items()]
+    lines += [f"  draft {name:<8} {help_}" for name, (_, help_) in DRAFT.items()]
+    return "\n".join(lines)
+
+
+def _call(module: str, function: str, argv: list[str]) -> int:
+    return int(getattr(importlib.import_module(module), function)(argv) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    command, rest = argv[0], argv[1:]
+    if command in COMMANDS:
+        module, function, _ = COMMANDS[command]
+        return _call(module, function, rest)
+    for group, table in (("bench", BENCHES), ("draft", DRAFT)):
+        if command == group:
+            if not rest or rest[0] not in table:
+                print(f"specfleet {group}: choose one of {', '.join(table)}\n\n{_usage()}", file=sys.stderr)
+                return 2
+            return _call(table[rest[0]][0], "main", rest[1:])
+    print(f"specfleet: unknown command {command!r}\n\n{_usage()}", file=sys.stderr)
+    return 2
+
+
+def generate_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet generate", description="Generate text offline.")
+    parser.add_argument("prompts", nargs="+", help="one or more prompts")
+    parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--raw", action="store_true", help="plain completion instead of the chat template")
+    parser.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"])
+    parser.add_argument("--num-speculative-tokens", type=int, default=0)
+    parser.add_argument("--draft-model", default=None)
+    args = parser.parse_args(argv)
+
+    from specfleet.engine import LLM, SamplingParams
+
+    try:
+        llm = LLM(model=args.model, speculative_method=args.speculative_method,
+                  num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model)
+        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
+        if args.raw:
+            results = llm.generate(args.prompts, params)
+        else:
+            results = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params)
+    except ValueError as exc:
+        print(f"specfleet generate: {exc}", file=sys.stderr)
+        return 2
+    for prompt, result in zip(args.prompts, results):
+        out = result.outputs[0]
+        print(f"### {prompt}\n{out.text}\n[{len(out.token_ids)} tokens, finish_reason={out.finish_reason}]\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -17,7 +17,6 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
-
 from specfleet.kernels.kv_cache import reshape_and_cache
 from specfleet.kernels.paged_decode import paged_decode_attention
 from specfleet.kernels.paged_prefill import paged_prefill_attention

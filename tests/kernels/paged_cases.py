@@ -32,6 +32,8 @@ class PagedCase:
         return torch.tensor(slots, dtype=torch.int64)
 
     def metadata(self) -> AttentionMetadata:
+        from specfleet.engine.attention.base import AttentionMetadata
+
         return AttentionMetadata(
             slot_mapping=self.slot_mapping(), query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
             block_tables=self.block_tables, query_lens_cpu=list(self.query_lens),

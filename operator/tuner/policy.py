@@ -1,0 +1,260 @@
+"""The tuning policy: observations in, one decision with a reason out. No I/O, no clock of its own.
+
+Per interval:
+1. data missing or the source down: hold the last good config and say so (fail static);
+2. no traffic: hold (nothing to learn from an idle service);
+3. cooldown: the rate window still mixes samples from before the last change, so wait;
+4. probation: a change is judged on the first clean window; if goodput or SLO attainment got worse by more
+   than the margin (at a comparable load), revert it and do not retry it at that load for a while;
+5. search: candidates one bounded step away (k +-2 or off, max_num_seqs x2 or /2), scored by predicted
+   goodput (see `goodput.py`, `search.py`); change only if the best beats the config in force by more than
+   the dead band, or if the SLO is missed now and the candidate is predicted to meet it.
+Candidates are always inside the bounds, and a config outside them is moved inside first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .goodput import LoadModel, attainment, fit_step_cost, observed_goodput
+from .search import StepLimits, candidates, score
+from .types import SLO, Decision, Observation, TuneBounds, TunedConfig
+
+
+@dataclass(frozen=True)
+class PolicyParams:
+    slo: SLO
+    bounds: TuneBounds = field(default_factory=TuneBounds)
+    window_s: float = 30.0  # rate window of the observations
+    interval_s: float = 30.0
+    dead_band: float = 0.10  # a change must promise this much more goodput
+    revert_margin: float = 0.05  # a change that lost this much goodput (or attainment) is reverted
+    slo_headroom: float = 0.9  # candidates must keep predicted TPOT p95 under this share of the target
+    taboo_s: float = 600.0  # a reverted config is not retried at a similar load for this long
+    acceptance_ttl_s: float = 300.0  # acceptance measured while k > 0 is trusted this long once k = 0
+    min_demand: float = 0.05  # below this (requests in the system) the service counts as idle
+    limits: StepLimits = field(default_factory=StepLimits)
+
+    @property
+    def cooldown_s(self) -> float:
+        return self.window_s + self.interval_s
+
+
+@dataclass
+class _Probation:
+    previous: TunedConfig
+    tried: TunedConfig
+    baseline_goodput: float | None
+    baseline_attainment: float | None
+    baseline_demand: float | None
+    since: float
+
+
+def _similar(a: float | None, b: float | None, tolerance: float = 0.4) -> bool:
+    if a is None or b is None:
+        return True
+    return abs(a - b) <= tolerance * max(a, b, 1.0)
+
+
+def _distance(a: TunedConfig, b: TunedConfig) -> int:
+    """Knobs that differ: among equally good candidates the one that changes least wins."""
+    return sum(x != y for x, y in zip(a.as_admin().values(), b.as_admin().values(), strict=True))
+
+
+def _directions(before: TunedConfig, after: TunedConfig) -> list[tuple[str, tuple[float, float]]]:
+    """The moves a reverted change made, as value ranges not to try again: raising k from 2 to 4 made
+    things worse, so no k above 2 (at this load) either."""
+    old, new = before.as_admin(), after.as_admin()
+    spans = []
+    for knob, value in new.items():
+        if value > old[knob]:
+            spans.append((knob, (old[knob] + 1, float("inf"))))
+        elif value < old[knob]:
+            spans.append((knob, (float("-inf"), old[knob] - 1)))
+    return spans
+
+
+class Policy:
+    """Stateful across intervals (last good config, probation, taboo list, fitted cost), pure per call."""
+
+    def __init__(self, params: PolicyParams, initial: TunedConfig | None = None) -> None:
+        self.params = params
+        self.current = initial
+        self.last_good = initial
+        self.last_change: float | None = None
+        self.before_change: TunedConfig | None = None
+        self.probation: _Probation | None = None
+        # (knob, [low, high] of values not to try, demand it was judged at, until when)
+        self.taboo: list[tuple[str, tuple[float, float], float | None, float]] = []
+        self.cost_points: deque[tuple[float, float]] = deque(maxlen=40)
+        self.acceptance: tuple[tuple[float, ...], float, float] | None = None  # per_pos, share, time
+
+    def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
+        now = obs.time if obs is not None else (now or 0.0)
+        p = self.params
+        if obs is None or obs.error:
+            return self._hold(now, "missing", f"no observation ({obs.error if obs else 'none'})")
+        if self.current is None:
+            if obs.config is None:
+                return self._hold(now, "missing", "the config in force is unknown (no pod reported it)")
+            self.current = self.last_good = obs.config
+        if not p.bounds.contains(self.current):
+            return self._change(now, p.bounds.clamp(self.current), "change",
+                                f"{self.current.short()} lies outside the bounds {p.bounds}; moved inside",
+                                probation=False)
+        self._learn(obs)
+        demand = obs.demand
+        if demand is None or obs.generation_rate is None or obs.tpot_p95_s is None and obs.ttft_p95_s is None:
+            return self._hold(now, "missing", "latency, throughput or queue metrics missing from the window")
+        if demand < p.min_demand and (obs.request_rate or 0.0) * p.window_s < 1.0:
+            return self._hold(now, "idle", "no traffic in the window; nothing to tune on")
+        if self.last_change is not None and now - self.last_change < p.cooldown_s:
+            left = p.cooldown_s - (now - self.last_change)
+            return self._hold(now, "cooldown", f"cooldown: {left:.0f}s until a window without samples "
+                              "from before the last change")
+        goodput = observed_goodput(obs, p.slo)
+        share = attainment(obs, p.slo)
+        if self.probation is not None:
+            verdict = self._judge(now, obs, goodput, share)
+            if verdict is not None:
+                return verdict
+        return self._search(now, obs, goodput, share)
+
+    # -- steps -------------------------------------------------------------------------------------
+
+    def _judge(self, now: float, obs: Observation, goodput: float | None, share: float | None) -> Decision | None:
+        trial, self.probation = self.probation, None
+        assert trial is not None
+        if not _similar(obs.demand, trial.baseline_demand):
+            self.last_good = self.current
+            return None  # the load moved: the comparison says nothing; search afresh from here
+        lost = (goodput is not None and trial.baseline_goodput is not None
+                and goodput < trial.baseline_goodput * (1.0 - self.params.revert_margin))
+        missed = (share is not None and trial.baseline_attainment is not None
+                  and share < trial.baseline_attainment - self.params.revert_margin)
+        if not (lost or missed):
+            self.last_good = self.current
+            return None
+        self.taboo += [(knob, span, obs.demand, now + self.params.taboo_s)
+                       for knob, span in _directions(trial.previous, trial.tried)]
+        what = (f"goodput {goodput:.1f} < {trial.baseline_goodput:.1f} tok/s before" if lost
+                else f"SLO attainment {share:.0%} < {trial.baseline_attainment:.0%} before")
+        return self._change(now, trial.previous, "revert",
+                            f"reverted {trial.tried.short()}: {what}; back to {trial.previous.short()}",
+                            probation=False, goodput=goodput, share=share)
+
+    def _search(self, now: float, obs: Observation, goodput: float | None, share: float | None) -> Decision:
+        p = self.params
+        assert self.current is not None
+        model = self._model(obs)
+        if model is None:
+            return self._hold(now, "missing", "no step duration or batch size in the window to model step cost")
+        here = score(self.current, self.current, obs, p.slo, model)
+        limit = p.slo.tpot_p95_s * p.slo_headroom
+        options = [score(c, self.current, obs, p.slo, model)
+                   for c in candidates(self.current, obs, p.slo, p.bounds, p.limits)
+                   if c != self.current and not self._tabooed(c, obs.demand, now)]
+        safe = [s for s in options if s.tpot_p95_s is None or s.tpot_p95_s <= limit]
+        tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s
+        best = max(safe, key=lambda s: s.goodput * (1.0 - 0.02 * _distance(s.config, self.current)), default=None)
+        if best is None:  # nothing is predicted to meet the target: move towards it as far as one step goes
+            fastest = min(options, key=lambda s: (s.tpot_p95_s or 0.0, -s.goodput), default=None)
+            if fastest is None or here.tpot_p95_s is None or fastest.tpot_p95_s is None or \
+                    fastest.tpot_p95_s > here.tpot_p95_s * (1.0 - p.dead_band):
+                return self._hold(now, "hold", f"no candidate keeps TPOT p95 under {limit * 1000:.0f} ms or "
+                                  f"lowers it; holding {self.current.short()}", goodput, share)
+            reason = (f"{self.current.short()} -> {fastest.config.short()}: TPOT p95 "
+                      f"{self._ms(obs.tpot_p95_s)} over target {p.slo.tpot_p95_s * 1000:.0f} ms, no config one "
+                      f"step away meets it; predicted {self._ms(fastest.tpot_p95_s)}; "
+                      f"{self._figures(obs, goodput, share)}")
+            return self._change(now, fastest.config, "change", reason, goodput=goodput, share=share,
+                                predicted=fastest.goodput, demand=obs.demand)
+        if here.goodput > 0:
+            gain = best.goodput / here.goodput - 1.0
+        else:
+            gain = float("inf") if best.goodput > 0 else 0.0
+        figures = self._figures(obs, goodput, share)
+        if gain > p.dead_band or (tpot_over and best.goodput >= here.goodput * (1.0 - p.dead_band)):
+            why = (f"TPOT p95 {obs.tpot_p95_s * 1000:.0f} ms over target {p.slo.tpot_p95_s * 1000:.0f} ms"
+                   if tpot_over and gain <= p.dead_band else f"predicted goodput +{gain:.0%}")
+            reason = (f"{self.current.short()} -> {best.config.short()}: {why} "
+                      f"(predicted {best.goodput:.1f} tok/s, TPOT p95 {self._ms(best.tpot_p95_s)}); {figures}")
+            return self._change(now, best.config, "change", reason, goodput=goodput, share=share,
+                                predicted=best.goodput, demand=obs.demand)
+        return self._hold(now, "hold", f"keeping {self.current.short()}: best alternative "
+                          f"{best.config.short()} predicts {gain:+.0%} (dead band {p.dead_band:.0%}); {figures}",
+                          goodput, share)
+
+    def rejected(self, now: float, config: TunedConfig, error: str) -> Decision:
+        """The engines refused `config` (a ceiling the bounds did not know): go back and never retry it."""
+        previous = self.before_change if self.current == config else self.current
+        self.probation = None
+        self.taboo += [(knob, (value, value), None, float("inf")) for knob, value in config.as_admin().items()
+                       if (self.before_change is None or self.before_change.as_admin()[knob] != value)]
+        if previous is None or previous == config:
+            return Decision(now, None, f"engines refused {config.short()}: {error}", "hold")
+        self.current = previous
+        self.last_change = now
+        return Decision(now, previous, f"engines refused {config.short()}: {error}; back to {previous.short()}",
+                        "revert")
+
+    # -- model -------------------------------------------------------------------------------------
+
+    def _learn(self, obs: Observation) -> None:
+        if obs.step_duration_s and obs.batch_size and obs.step_rate:
+            drafted = (obs.draft_token_rate or 0.0) / obs.step_rate
+            prefill = (obs.prompt_rate or 0.0) / obs.step_rate
+            self.cost_points.append((obs.batch_size + drafted + prefill, obs.step_duration_s))
+        if obs.draft_rate and obs.accepted_per_pos and obs.step_rate and obs.batch_size:
+            share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
+            self.acceptance = (tuple(obs.accepted_per_pos), share, obs.time)
+
+    def _model(self, obs: Observation) -> LoadModel | None:
+        cost = fit_step_cost(list(self.cost_points))
+        if cost is None or obs.demand is None:
+            return None
+        per_pos: tuple[float, ...] = ()
+        share = 0.8
+        if self.acceptance is not None:
+            pos, seen_share, seen_at = self.acceptance
+            fresh = (self.current is not None and self.current.num_speculative_tokens > 0) or \
+                obs.time - seen_at <= self.params.acceptance_ttl_s
+            if fresh:
+                per_pos, share = pos, seen_share
+        prefill = (obs.prompt_rate or 0.0) / obs.generation_rate if obs.generation_rate else 0.0
+        return LoadModel(max(obs.demand, 1.0), per_pos, share, prefill, cost)
+
+    def _tabooed(self, config: TunedConfig, demand: float | None, now: float) -> bool:
+        self.taboo = [t for t in self.taboo if t[3] > now]
+        values = config.as_admin()
+        return any(low <= values[knob] <= high and _similar(d, demand) for knob, (low, high), d, _ in self.taboo)
+
+    # -- outputs -----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _ms(seconds: float | None) -> str:
+        return "n/a" if seconds is None else f"{seconds * 1000:.0f} ms"
+
+    def _figures(self, obs: Observation, goodput: float | None, share: float | None) -> str:
+        acc = obs.acceptance_rate
+        return (f"observed goodput {'n/a' if goodput is None else f'{goodput:.1f}'} tok/s, "
+                f"SLO attainment {'n/a' if share is None else f'{share:.0%}'}, "
+                f"TPOT p95 {self._ms(obs.tpot_p95_s)}, TTFT p95 {self._ms(obs.ttft_p95_s)}, "
+                f"in system {obs.demand or 0:.1f}, acceptance {'n/a' if acc is None else f'{acc:.2f}'}")
+
+    def _hold(self, now: float, kind: str, why: str, goodput: float | None = None,
+              share: float | None = None) -> Decision:
+        held = self.current
+        suffix = f"; holding {held.short()} (fail static)" if kind == "missing" and held is not None else ""
+        return Decision(now, None, why + suffix, kind, observed_goodput=goodput, slo_attainment=share)
+
+    def _change(self, now: float, config: TunedConfig, kind: str, reason: str, *, probation: bool = True,
+                goodput: float | None = None, share: float | None = None, predicted: float | None = None,
+                demand: float | None = None) -> Decision:
+        previous = self.before_change = self.current
+        if probation and previous is not None:
+            self.probation = _Probation(previous, config, goodput, share, demand, now)
+        self.current = config
+        self.last_change = now
+        return Decision(now, config, reason, kind, predicted, goodput, share)

@@ -1,0 +1,79 @@
+"""A synthetic engine fleet for policy tests: a config and a load in, an `Observation` out.
+
+Its step cost and acceptance can differ from what the policy's model assumes (that is the point of the
+revert tests); its latencies are spread uniformly around their mean so that p95 and the CDFs are exact.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from specfleet.operator.tuner.types import Observation, TunedConfig
+
+BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
+           1.0, 2.5, 5.0, 10.0, 20.0)
+
+
+def uniform_cdf(mean: float, spread: float = 0.25) -> list[tuple[float, float]]:
+    low, high = mean * (1 - spread), mean * (1 + spread)
+    return [(le, max(0.0, min(1.0, (le - low) / (high - low)))) for le in BUCKETS]
+
+
+@dataclass
+class Plant:
+    demand: float = 1.0  # requests in the system (closed loop)
+    per_pos: tuple[float, ...] = (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
+    proposal_share: float = 1.0
+    c0: float = 0.065
+    c1: float = 0.0022
+    spec_overhead: float = 0.0  # extra seconds per drafted token the model does not know about
+    prefill_tokens_per_request: float = 60.0
+    output_tokens_per_request: float = 64.0
+    noise: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        self.rng = random.Random(self.seed)
+
+    def _jitter(self, value: float) -> float:
+        return value * (1.0 + self.rng.gauss(0.0, self.noise)) if self.noise else value
+
+    def observe(self, t: float, config: TunedConfig | None, running_config: TunedConfig | None = None) -> Observation:
+        cfg = running_config or config
+        assert cfg is not None
+        k = cfg.num_speculative_tokens
+        batch = max(1.0, min(self.demand, cfg.max_num_seqs))
+        waiting = max(0.0, self.demand - cfg.max_num_seqs)
+        drafted = batch * self.proposal_share * k
+        per_seq = 1.0 + self.proposal_share * sum(self.per_pos[:k])
+        prefill_per_step = batch * per_seq * self.prefill_tokens_per_request / self.output_tokens_per_request
+        step = self.c0 + self.c1 * (batch + drafted + prefill_per_step) + self.spec_overhead * drafted
+        step_rate = 1.0 / step
+        gen_rate = batch * per_seq * step_rate
+        prefill = prefill_per_step * step_rate
+        tpot = step / per_seq
+        ttft = step * 2 + waiting / max(batch, 1.0) * step * self.output_tokens_per_request / per_seq
+        drafts = batch * self.proposal_share * step_rate if k else 0.0
+        return Observation(
+            time=t,
+            config=config,
+            pods=2,
+            request_rate=self._jitter(gen_rate / self.output_tokens_per_request),
+            generation_rate=self._jitter(gen_rate),
+            prompt_rate=self._jitter(prefill),
+            running=batch,
+            waiting=waiting,
+            kv_usage=0.2,
+            ttft_p95_s=self._jitter(ttft * 1.225),
+            tpot_p95_s=self._jitter(tpot * 1.225),
+            ttft_cdf=uniform_cdf(self._jitter(ttft)),
+            tpot_cdf=uniform_cdf(self._jitter(tpot)),
+            step_rate=step_rate,
+            step_duration_s=self._jitter(step),
+            batch_size=batch,
+            draft_rate=drafts,
+            draft_token_rate=drafts * k,
+            accepted_rate=drafts * sum(self.per_pos[:k]),
+            accepted_per_pos=tuple(self._jitter(a) for a in self.per_pos[:k]) if k else (),
+        )

@@ -1,0 +1,141 @@
+"""The policy on synthetic observation sequences: the directions it moves, its guardrails, its bounds."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from specfleet.operator.tuner.policy import Policy, PolicyParams
+from specfleet.operator.tuner.types import SLO, Decision, Observation, TuneBounds, TunedConfig
+
+from .plant import Plant
+
+INTERVAL = 10.0
+SLO_CPU = SLO(ttft_p95_s=2.0, tpot_p95_s=0.2)
+PARAMS = PolicyParams(slo=SLO_CPU, bounds=TuneBounds(k=(0, 8), max_num_seqs=(4, 64), max_num_batched_tokens=(256, 4096)),
+                      window_s=INTERVAL, interval_s=INTERVAL)
+
+
+def run(plant: Plant, policy: Policy, start: TunedConfig, steps: int, t0: float = 0.0) -> tuple[TunedConfig, list[Decision]]:
+    """Closed loop: the plant runs the policy's last config; returns the final config and every decision."""
+    config = start
+    decisions = []
+    for i in range(steps):
+        decision = policy.decide(plant.observe(t0 + i * INTERVAL, config))
+        decisions.append(decision)
+        if decision.config is not None:
+            config = decision.config
+    return config, decisions
+
+
+def changes(decisions: list[Decision]) -> list[Decision]:
+    return [d for d in decisions if d.changed]
+
+
+def test_low_load_with_high_acceptance_raises_k() -> None:
+    start = TunedConfig(0, 16, 512)
+    final, decisions = run(Plant(demand=1), Policy(PARAMS), start, 12)
+    assert final.num_speculative_tokens >= 4, [d.reason for d in decisions]
+    first = changes(decisions)[0]
+    assert first.config is not None and first.config.num_speculative_tokens == 2  # bounded step
+    assert "goodput" in first.reason
+
+
+def test_high_load_turns_speculation_off() -> None:
+    start = TunedConfig(4, 64, 2048)
+    final, decisions = run(Plant(demand=48, c1=0.001, per_pos=(0.4, 0.25, 0.15, 0.1)), Policy(PARAMS), start, 6)
+    assert final.num_speculative_tokens == 0, [d.reason for d in decisions]
+    assert len(changes(decisions)) <= 2
+
+
+def test_tpot_over_target_lowers_max_num_seqs() -> None:
+    plant = Plant(demand=64, c1=0.004)  # TPOT at batch 64: ~0.32 s, over the 0.2 s target
+    start = TunedConfig(0, 64, 2048)
+    first = plant.observe(0.0, start)
+    assert first.tpot_p95_s is not None and first.tpot_p95_s > SLO_CPU.tpot_p95_s
+    final, decisions = run(plant, Policy(PARAMS), start, 8)
+    assert final.max_num_seqs < 64, [d.reason for d in decisions]
+    last = plant.observe(100.0, final)
+    assert last.tpot_p95_s is not None and last.tpot_p95_s <= SLO_CPU.tpot_p95_s
+    assert any("TPOT" in d.reason for d in changes(decisions))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_noisy_steady_input_causes_no_change(seed: int) -> None:
+    policy = Policy(PARAMS)
+    settled, _ = run(Plant(demand=2), policy, TunedConfig(0, 16, 512), 20)
+    _, decisions = run(Plant(demand=2, noise=0.05, seed=seed), policy, settled, 30, t0=1000.0)
+    assert changes(decisions) == [], [d.reason for d in changes(decisions)]
+
+
+def test_change_that_made_things_worse_is_reverted_and_not_retried() -> None:
+    # the model expects cheap drafts; this plant charges 100 ms per drafted token
+    plant = Plant(demand=1, spec_overhead=0.1)
+    start = TunedConfig(0, 16, 512)
+    final, decisions = run(plant, Policy(PARAMS), start, 30)
+    kinds = [d.kind for d in changes(decisions)]
+    assert kinds[:2] == ["change", "revert"], [d.reason for d in decisions]
+    assert final == start
+    revert = changes(decisions)[1]
+    assert "reverted" in revert.reason and "goodput" in revert.reason
+    assert len(changes(decisions)) == 2  # no flapping: the reverted config is taboo at this load
+
+
+def test_missing_data_holds_config() -> None:
+    policy = Policy(PARAMS)
+    config, _ = run(Plant(demand=1), policy, TunedConfig(0, 16, 512), 12)
+    down = Observation(time=500.0, config=None, error="Prometheus at http://p:9090 unreachable: refused")
+    decision = policy.decide(down)
+    assert decision.config is None and decision.kind == "missing"
+    assert "unreachable" in decision.reason and config.short() in decision.reason
+    empty = Observation(time=510.0, config=config, running=None)
+    decision = policy.decide(empty)
+    assert decision.config is None and decision.kind == "missing"
+    assert policy.current == config
+
+
+def test_idle_service_holds() -> None:
+    policy = Policy(PARAMS)
+    idle = Observation(time=0.0, config=TunedConfig(0, 16, 512), running=0.0, waiting=0.0, request_rate=0.0,
+                       generation_rate=0.0, tpot_p95_s=None, ttft_p95_s=None)
+    decision = policy.decide(idle)
+    assert decision.kind in {"idle", "missing"} and decision.config is None
+
+
+def test_config_outside_bounds_is_moved_inside() -> None:
+    decision = Policy(PARAMS).decide(Plant(demand=1).observe(0.0, TunedConfig(12, 128, 512)))
+    assert decision.config is not None and PARAMS.bounds.contains(decision.config)
+
+
+def test_refused_config_goes_back_and_is_never_retried() -> None:
+    policy = Policy(PARAMS)
+    tried = policy.decide(Plant(demand=1).observe(0.0, TunedConfig(0, 16, 512))).config
+    assert tried is not None and tried.num_speculative_tokens > 0
+    back = policy.rejected(1.0, tried, "num_speculative_tokens=2 must be between 0 and 0")
+    assert back.config == TunedConfig(0, 16, 512) and "refused" in back.reason
+    _, later = run(Plant(demand=1), policy, TunedConfig(0, 16, 512), 10, t0=100.0)
+    assert all(d.config != tried for d in later)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    demands=st.lists(st.floats(0.0, 200.0), min_size=5, max_size=25),
+    acceptance=st.floats(0.0, 1.0),
+    k_bounds=st.tuples(st.integers(0, 4), st.integers(0, 8)).map(sorted),
+    seq_bounds=st.tuples(st.integers(1, 64), st.integers(1, 256)).map(sorted),
+    missing=st.lists(st.booleans(), min_size=25, max_size=25),
+)
+def test_bounds_never_crossed(demands: list[float], acceptance: float, k_bounds: list[int],
+                              seq_bounds: list[int], missing: list[bool]) -> None:
+    bounds = TuneBounds(k=tuple(k_bounds), max_num_seqs=tuple(seq_bounds), max_num_batched_tokens=(256, 4096))
+    policy = Policy(PolicyParams(slo=SLO_CPU, bounds=bounds, window_s=INTERVAL, interval_s=INTERVAL))
+    config = TunedConfig(k_bounds[1], seq_bounds[1], 4096)
+    for i, demand in enumerate(demands):
+        plant = Plant(demand=demand, per_pos=tuple(acceptance ** (j + 1) for j in range(8)))
+        obs = Observation(time=i * INTERVAL, config=config, error="down") if missing[i] else \
+            plant.observe(i * INTERVAL, config)
+        decision = policy.decide(obs)
+        assert decision.reason
+        if decision.config is not None:
+            assert bounds.contains(decision.config), (decision.config, bounds)
+            config = decision.config

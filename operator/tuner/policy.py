@@ -105,10 +105,10 @@ class Policy:
                                 probation=False)
         self._learn(obs)
         demand = obs.demand
+        if (demand or 0.0) < p.min_demand and (obs.request_rate or 0.0) * p.window_s < 1.0:
+            return self._hold(now, "idle", "no traffic in the window; nothing to tune on")
         if demand is None or obs.generation_rate is None or obs.tpot_p95_s is None and obs.ttft_p95_s is None:
             return self._hold(now, "missing", "latency, throughput or queue metrics missing from the window")
-        if demand < p.min_demand and (obs.request_rate or 0.0) * p.window_s < 1.0:
-            return self._hold(now, "idle", "no traffic in the window; nothing to tune on")
         if self.last_change is not None and now - self.last_change < p.cooldown_s:
             left = p.cooldown_s - (now - self.last_change)
             return self._hold(now, "cooldown", f"cooldown: {left:.0f}s until a window without samples "

@@ -88,7 +88,7 @@ def test_missing_data_holds_config() -> None:
     decision = policy.decide(down)
     assert decision.config is None and decision.kind == "missing"
     assert "unreachable" in decision.reason and config.short() in decision.reason
-    empty = Observation(time=510.0, config=config, running=None)
+    empty = Observation(time=510.0, config=config, running=2.0, request_rate=1.0)  # no latencies
     decision = policy.decide(empty)
     assert decision.config is None and decision.kind == "missing"
     assert policy.current == config

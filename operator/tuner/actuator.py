@@ -1,0 +1,83 @@
+"""Pushes a config to every ready engine through `PATCH /admin/config`, verified with `GET`.
+
+Idempotent: an engine already running the config gets no PATCH, so calling `ensure` every interval is
+cheap and re-tunes a pod that restarted from the spec's values.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+
+import httpx
+
+from .types import TunedConfig
+
+logger = logging.getLogger("specfleet.tuner")
+
+
+class ConfigRefused(Exception):
+    """An engine answered 400: the value is outside a ceiling fixed at its start (e.g. k with method none)."""
+
+
+@dataclass
+class ApplyResult:
+    config: TunedConfig
+    unchanged: list[str] = field(default_factory=list)  # already in force
+    patched: list[str] = field(default_factory=list)  # patched and verified
+    failed: dict[str, str] = field(default_factory=dict)  # url -> error (unreachable, 401, not verified)
+    refused: dict[str, str] = field(default_factory=dict)  # url -> the engine's 400 message
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed and not self.refused
+
+
+class AdminActuator:
+    def __init__(self, token: str, timeout_s: float = 5.0) -> None:
+        if not token:
+            raise ValueError("the admin token is empty; the engines' SPECFLEET_ADMIN_TOKEN is needed to tune them")
+        self._client = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
+
+    async def read(self, url: str) -> TunedConfig:
+        response = await self._client.get(f"{url}/admin/config")
+        _raise_for(response, url)
+        return TunedConfig.from_admin(response.json())
+
+    async def _ensure_one(self, url: str, config: TunedConfig, result: ApplyResult) -> None:
+        try:
+            if await self.read(url) == config:
+                result.unchanged.append(url)
+                return
+            response = await self._client.patch(f"{url}/admin/config", json=config.as_admin())
+            if response.status_code == 400:
+                message = response.json().get("error", {}).get("message", response.text)
+                raise ConfigRefused(message)
+            _raise_for(response, url)
+            now = await self.read(url)
+            if now != config:
+                result.failed[url] = f"PATCH answered but GET reads {now.short()}, not {config.short()}"
+                return
+            result.patched.append(url)
+            logger.info("event=tuner_applied url=%s %s", url, config.short())
+        except ConfigRefused as error:
+            result.refused[url] = str(error)
+        except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as error:
+            result.failed[url] = f"{type(error).__name__}: {error}"
+
+    async def ensure(self, urls: list[str], config: TunedConfig) -> ApplyResult:
+        """Make every engine in `urls` run `config`; report per engine what happened."""
+        result = ApplyResult(config)
+        await asyncio.gather(*(self._ensure_one(u, config, result) for u in urls))
+        return result
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _raise_for(response: httpx.Response, url: str) -> None:
+    if response.status_code in (401, 403):
+        raise RuntimeError(f"{url}/admin/config answered {response.status_code}: the admin token does not match "
+                           "the engine's SPECFLEET_ADMIN_TOKEN (or the engine has none set)")
+    response.raise_for_status()

@@ -1,0 +1,101 @@
+"""`specfleet up -f FILE.yaml [--prometheus-url URL]`: run an InferenceService on this machine.
+
+Starts `spec.replicas` engine processes on loopback, one OpenAI endpoint in front (least outstanding
+requests), the tuner when `spec.autotune.enabled` (or `--tune`), prints every tuner decision, and on
+Ctrl-C / SIGTERM drains and stops everything.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from ..inference_service import InvalidInferenceService, load_inference_service
+from .fleet import LocalFleet
+from .loop import Tick
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specfleet up", description="Run an InferenceService YAML locally: its "
+                                "replicas as engine processes, one OpenAI endpoint, the same tuner.")
+    p.add_argument("-f", "--file", required=True, help="InferenceService YAML (e.g. examples/smollm2-cpu.yaml)")
+    p.add_argument("--host", default="127.0.0.1", help="address of the OpenAI endpoint")
+    p.add_argument("--port", type=int, default=8000, help="port of the OpenAI endpoint (0: any free port)")
+    p.add_argument("--prometheus-url", default=None,
+                   help="read metrics from this Prometheus (it must scrape the engines) instead of scraping them")
+    p.add_argument("--prometheus-selector", default=None,
+                   help='PromQL label matchers for this service\'s series (default: job="<name>")')
+    tune = p.add_mutually_exclusive_group()
+    tune.add_argument("--tune", dest="tune", action="store_true", default=None, help="tune even if autotune is off")
+    tune.add_argument("--no-tune", dest="tune", action="store_false", help="never tune")
+    p.add_argument("--interval", type=float, default=None, help="tuning interval in seconds (default: the spec's)")
+    p.add_argument("--window", type=float, default=None, help="metrics rate window in seconds")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                   help="extra engine argument (repeatable), e.g. --engine-arg=--kv-cache-gib=0.5")
+    return p
+
+
+def print_tick(tick: Tick) -> None:
+    d = tick.decision
+    if d.kind == "cooldown":
+        return
+    applied = ""
+    if tick.applied is not None and (tick.applied.patched or tick.applied.failed):
+        applied = f" [applied to {len(tick.applied.patched)} engine(s)" + (
+            f", failed on {len(tick.applied.failed)}]" if tick.applied.failed else "]")
+    print(f"[tuner] {d.kind}: {d.reason}{applied}", flush=True)
+
+
+async def run(fleet: LocalFleet) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        print(f"starting {fleet.isvc.spec.replicas} engine(s) for {fleet.isvc.name}; logs in {fleet.log_dir}",
+              flush=True)
+        start = asyncio.create_task(fleet.start())
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if start in done:
+            start.result()
+            print(f"serving {fleet.isvc.spec.model.source} at {fleet.url}/v1 over {len(fleet.engine_urls)} engine(s): "
+                  f"{' '.join(fleet.engine_urls)}", flush=True)
+            if fleet.tuner is not None:
+                src = f"Prometheus {fleet.prometheus_url}" if fleet.prometheus_url else "direct /metrics scrape"
+                print(f"tuner on: every {fleet.tuner.policy.params.interval_s:.0f}s from {src}; Ctrl-C stops",
+                      flush=True)
+            await waiter
+        else:
+            start.cancel()
+        print("stopping: draining in-flight requests", flush=True)
+    except (RuntimeError, TimeoutError, ValueError) as error:
+        print(f"specfleet up: {error}", file=sys.stderr)
+        await fleet.stop(drain_timeout_s=0)
+        return 1
+    codes = await fleet.stop()
+    print(f"stopped; engine exit codes {codes}", flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        isvc = load_inference_service(args.file)
+    except (InvalidInferenceService, OSError) as error:
+        print(f"specfleet up: {error}", file=sys.stderr)
+        return 2
+    if isvc.spec.replicas < 1:
+        print(f"specfleet up: {args.file} has spec.replicas={isvc.spec.replicas}; set it to 1 or more",
+              file=sys.stderr)
+        return 2
+    fleet = LocalFleet(isvc, host=args.host, port=args.port, prometheus_url=args.prometheus_url,
+                       prometheus_selector=args.prometheus_selector, tune=args.tune, interval_s=args.interval,
+                       window_s=args.window, engine_extra_args=list(args.engine_arg), on_tick=print_tick)
+    return asyncio.run(run(fleet))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,81 @@
+"""One tuning loop for one service: observe, decide, actuate. The local fleet and the operator share it.
+
+`tick()` runs one interval: read the source, let the policy decide, then make every ready engine run the
+policy's config (a restarted pod is brought back to it), and report what happened.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from ..spec import InferenceServiceSpec
+from .actuator import AdminActuator, ApplyResult
+from .policy import Policy, PolicyParams
+from .sources import Endpoints, Source
+from .types import SLO, Decision, Observation, TuneBounds, TunedConfig
+
+logger = logging.getLogger("specfleet.tuner")
+
+
+def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None,
+                     window_s: float | None = None) -> PolicyParams:
+    """Policy settings from an InferenceService spec: SLO, bounds (k pinned to 0 without a method)."""
+    bounds = spec.autotune.bounds
+    k = tuple(bounds.num_speculative_tokens) if spec.speculative.method != "none" else (0, 0)
+    interval = float(interval_s if interval_s is not None else spec.autotune.interval_seconds)
+    return PolicyParams(
+        slo=SLO(spec.slo.ttft_p95_ms / 1000.0, spec.slo.tpot_p95_ms / 1000.0),
+        bounds=TuneBounds(k=k, max_num_seqs=tuple(bounds.max_num_seqs),  # type: ignore[arg-type]
+                          max_num_batched_tokens=tuple(bounds.max_num_batched_tokens)),  # type: ignore[arg-type]
+        interval_s=interval,
+        window_s=float(window_s if window_s is not None else max(interval, 10.0)),
+    )
+
+
+def spec_config(spec: InferenceServiceSpec) -> TunedConfig:
+    """The config a pod starts with (what the engine's command line says)."""
+    k = spec.speculative.num_speculative_tokens if spec.speculative.method != "none" else 0
+    return TunedConfig(k, spec.batching.max_num_seqs, spec.batching.max_num_batched_tokens)
+
+
+@dataclass
+class Tick:
+    decision: Decision
+    observation: Observation
+    applied: ApplyResult | None
+
+
+class ServiceTuner:
+    def __init__(self, name: str, policy: Policy, source: Source, actuator: AdminActuator,
+                 endpoints: Endpoints) -> None:
+        self.name = name
+        self.policy = policy
+        self.source = source
+        self.actuator = actuator
+        self.endpoints = endpoints
+
+    async def tick(self) -> Tick:
+        obs = await self.source.observe()
+        decision = self.policy.decide(obs)
+        applied = None
+        desired = self.policy.current
+        if desired is not None:
+            urls = await self.endpoints()
+            applied = await self.actuator.ensure(urls, desired)
+            if applied.refused:
+                message = next(iter(applied.refused.values()))
+                decision = self.policy.rejected(obs.time, desired, message)
+                if decision.config is not None:
+                    applied = await self.actuator.ensure(urls, decision.config)
+            if applied.failed:
+                logger.warning("event=tuner_apply_failed service=%s %s", self.name,
+                               " ".join(f"{u}={e!r}" for u, e in applied.failed.items()))
+        if decision.changed:
+            logger.info("event=tuner_decision service=%s kind=%s reason=%r", self.name, decision.kind,
+                        decision.reason)
+        return Tick(decision, obs, applied)
+
+    async def close(self) -> None:
+        await self.source.close()
+        await self.actuator.close()

@@ -1,0 +1,147 @@
+"""One scrape of one engine's /metrics, and the observation two successive scrapes of a fleet make.
+
+The direct-scrape source's arithmetic: counter and histogram deltas over the time between scrapes, summed
+over pods, exactly what PromQL's `sum(rate(x[w]))` and `sum by (le) (rate(x_bucket[w]))` compute.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from .histogram import quantile, subtract, to_cdf
+from .types import Observation, TunedConfig
+
+P = "specfleet_"
+COUNTERS = ("generation_tokens", "prompt_tokens", "spec_decode_drafts", "spec_decode_draft_tokens",
+            "spec_decode_accepted_tokens")
+HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds", "step_duration_seconds",
+              "batch_size", "e2e_request_latency_seconds", "request_queue_time_seconds")
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "num_speculative_tokens",
+          "max_num_seqs", "max_num_batched_tokens")
+
+
+@dataclass
+class Snapshot:
+    time: float
+    counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    requests: float = 0.0  # finished requests, every reason
+    per_pos: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    buckets: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    gauges: dict[str, float] = field(default_factory=dict)
+
+    def config(self) -> TunedConfig | None:
+        try:
+            return TunedConfig(int(self.gauges[P + "num_speculative_tokens"]), int(self.gauges[P + "max_num_seqs"]),
+                               int(self.gauges[P + "max_num_batched_tokens"]))
+        except KeyError:
+            return None
+
+
+def parse_metrics(text: str, time: float) -> Snapshot:
+    """Parse Prometheus text format (every model_name summed) into a snapshot."""
+    snap = Snapshot(time)
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name, labels, value = sample.name, sample.labels, float(sample.value)
+            if not name.startswith(P):
+                continue
+            short = name[len(P):]
+            if short.endswith("_total") and short[:-6] in COUNTERS:
+                snap.counters[short[:-6]] += value
+            elif short == "request_success_total":
+                snap.requests += value
+            elif short == "spec_decode_accepted_tokens_per_pos_total":
+                snap.per_pos[int(labels.get("position", "0"))] += value
+            elif short.endswith("_bucket") and short[:-7] in HISTOGRAMS:
+                snap.buckets[short[:-7]][float(labels["le"])] += value
+            elif short.endswith("_sum") and short[:-4] in HISTOGRAMS:
+                snap.sums[short[:-4]] += value
+            elif short.endswith("_count") and short[:-6] in HISTOGRAMS:
+                snap.counts[short[:-6]] += value
+            elif short in GAUGES:
+                snap.gauges[name] = snap.gauges.get(name, 0.0) + value
+    return snap
+
+
+def _delta(after: float, before: float) -> float:
+    return after - before if after >= before else after  # a restarted pod's counters start over
+
+
+@dataclass
+class _Sums:
+    rates: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    per_pos: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    buckets: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+
+
+def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Observation:
+    """The observation of a fleet from (previous, current) snapshot pairs, one pair per pod."""
+    if not pairs:
+        return Observation(time=now, config=None, error="no engine answered its /metrics scrape")
+    acc = _Sums()
+    configs = set()
+    running = waiting = 0.0
+    kv = 0.0
+    for before, after in pairs:
+        dt = max(after.time - before.time, 1e-6)
+        for name in COUNTERS:
+            acc.rates[name] += _delta(after.counters.get(name, 0.0), before.counters.get(name, 0.0)) / dt
+        acc.rates["requests"] += _delta(after.requests, before.requests) / dt
+        for pos, value in after.per_pos.items():
+            acc.per_pos[pos] += _delta(value, before.per_pos.get(pos, 0.0)) / dt
+        for hist in HISTOGRAMS:
+            delta = subtract(sorted(after.buckets[hist].items()), sorted(before.buckets[hist].items()))
+            for le, count in delta:
+                acc.buckets[hist][le] += count
+            acc.sums[hist] += _delta(after.sums[hist], before.sums[hist]) / dt
+            acc.counts[hist] += _delta(after.counts[hist], before.counts[hist]) / dt
+        configs.add(after.config())
+        running += after.gauges.get(P + "num_requests_running", 0.0)
+        waiting += after.gauges.get(P + "num_requests_waiting", 0.0)
+        kv = max(kv, after.gauges.get(P + "kv_cache_usage_ratio", 0.0))
+    return build_observation(now, acc.rates, acc.per_pos, {h: list(b.items()) for h, b in acc.buckets.items()},
+                             acc.sums, acc.counts, running, waiting, kv,
+                             configs.pop() if len(configs) == 1 else None, len(pairs))
+
+
+def build_observation(now: float, rates: dict[str, float], per_pos: dict[int, float],
+                      buckets: dict[str, list[tuple[float, float]]], sums: dict[str, float],
+                      count_rates: dict[str, float], running: float, waiting: float, kv: float,
+                      config: TunedConfig | None, pods: int) -> Observation:
+    """Shared by both sources: rates per second, bucket counts or rates (any scale), and the histograms'
+    `_sum` and `_count` rates per second (their ratio is the mean)."""
+    def mean(hist: str) -> float | None:
+        count = count_rates.get(hist, 0.0)
+        return sums.get(hist, 0.0) / count if count > 0 else None
+
+    steps = count_rates.get("step_duration_seconds") or None
+    # Little's law: the rate of the latency sums is the mean number of requests in the system (waiting)
+    # over the window, steadier than the gauges' value at one instant.
+    if count_rates.get("e2e_request_latency_seconds", 0.0) > 0:
+        in_system = sums.get("e2e_request_latency_seconds", 0.0)
+        waiting = min(in_system, sums.get("request_queue_time_seconds", 0.0))
+        running = max(0.0, in_system - waiting)
+    drafts = rates.get("spec_decode_drafts", 0.0)
+    positions = [per_pos.get(i, 0.0) / drafts for i in range(max(per_pos, default=-1) + 1)] if drafts > 0 else []
+    tpot, ttft = buckets.get("time_per_output_token_seconds", []), buckets.get("time_to_first_token_seconds", [])
+    return Observation(
+        time=now, config=config, pods=pods,
+        request_rate=rates.get("requests", 0.0),
+        generation_rate=rates.get("generation_tokens", 0.0),
+        prompt_rate=rates.get("prompt_tokens", 0.0),
+        running=running, waiting=waiting, kv_usage=kv,
+        ttft_p95_s=quantile(0.95, ttft), tpot_p95_s=quantile(0.95, tpot),
+        ttft_cdf=to_cdf(ttft), tpot_cdf=to_cdf(tpot),
+        step_rate=steps, step_duration_s=mean("step_duration_seconds"), batch_size=mean("batch_size"),
+        draft_rate=drafts, draft_token_rate=rates.get("spec_decode_draft_tokens", 0.0),
+        accepted_rate=rates.get("spec_decode_accepted_tokens", 0.0),
+        accepted_per_pos=tuple(positions),
+    )

@@ -1,0 +1,153 @@
+"""Where observations come from: Prometheus' HTTP API (PromQL) or a direct scrape of each engine.
+
+Both return the same `Observation`; neither raises on a dead backend: the observation then carries
+`error`, which the policy turns into "hold the last good config" with the error in its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+import httpx
+
+from .snapshot import COUNTERS, HISTOGRAMS, P, Snapshot, build_observation, observe_pairs, parse_metrics
+from .types import Observation, TunedConfig
+
+Endpoints = Callable[[], Awaitable[list[str]]]  # base URLs (http://host:port) of the ready pods
+
+
+class Source(Protocol):
+    async def observe(self) -> Observation: ...
+
+    async def close(self) -> None: ...
+
+
+class ScrapeSource:
+    """Scrapes every endpoint's /metrics each call; rates come from the previous scrape of the same pod."""
+
+    def __init__(self, endpoints: Endpoints, timeout_s: float = 5.0) -> None:
+        self.endpoints = endpoints
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+        self._previous: dict[str, Snapshot] = {}
+
+    async def _scrape(self, url: str) -> Snapshot | None:
+        try:
+            response = await self._client.get(f"{url}/metrics")
+            response.raise_for_status()
+        except httpx.HTTPError:
+            return None
+        return parse_metrics(response.text, time.monotonic())
+
+    async def observe(self) -> Observation:
+        urls = await self.endpoints()
+        snaps = await asyncio.gather(*(self._scrape(u) for u in urls))
+        pairs = []
+        for url, snap in zip(urls, snaps, strict=True):
+            if snap is None:
+                continue
+            before = self._previous.get(url)
+            self._previous[url] = snap
+            if before is not None:
+                pairs.append((before, snap))
+        self._previous = {u: s for u, s in self._previous.items() if u in urls}
+        now = time.monotonic()
+        if not any(s is not None for s in snaps):
+            return Observation(time=now, config=None, error=f"none of {len(urls)} engine(s) answered /metrics")
+        if not pairs:
+            return Observation(time=now, config=None, error="first scrape: rates need a second one")
+        return observe_pairs(pairs, now)
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+class PrometheusSource:
+    """PromQL over the Prometheus HTTP API; `selector` picks the service's series, e.g. `job="smollm2"`."""
+
+    def __init__(self, url: str, selector: str, window_s: float = 30.0, timeout_s: float = 5.0) -> None:
+        self.url = url.rstrip("/")
+        self.selector = selector
+        self.window = f"{max(int(window_s), 2)}s"
+        self._client = httpx.AsyncClient(timeout=timeout_s)
+
+    def _rate(self, metric: str) -> str:
+        return f"sum(rate({metric}{{{self.selector}}}[{self.window}]))"
+
+    def queries(self) -> dict[str, str]:
+        """Every PromQL query one observation runs, by name."""
+        s, w = self.selector, self.window
+        q = {f"rate:{c}": self._rate(f"{P}{c}_total") for c in COUNTERS}
+        q["rate:requests"] = self._rate(f"{P}request_success_total")
+        q["per_pos"] = f"sum by (position) (rate({P}spec_decode_accepted_tokens_per_pos_total{{{s}}}[{w}]))"
+        for h in HISTOGRAMS:
+            q[f"buckets:{h}"] = f"sum by (le) (rate({P}{h}_bucket{{{s}}}[{w}]))"
+            q[f"sum:{h}"] = self._rate(f"{P}{h}_sum")
+            q[f"count:{h}"] = self._rate(f"{P}{h}_count")
+        for h in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
+            q[f"p95:{h}"] = f"histogram_quantile(0.95, sum by (le) (rate({P}{h}_bucket{{{s}}}[{w}])))"
+        q["running"] = f"sum({P}num_requests_running{{{s}}})"
+        q["waiting"] = f"sum({P}num_requests_waiting{{{s}}})"
+        q["kv"] = f"max({P}kv_cache_usage_ratio{{{s}}})"
+        q["pods"] = f"count({P}max_num_seqs{{{s}}})"
+        for g in ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens"):
+            q[f"min:{g}"] = f"min({P}{g}{{{s}}})"
+            q[f"max:{g}"] = f"max({P}{g}{{{s}}})"
+        return q
+
+    async def _query(self, promql: str) -> list[dict[str, Any]]:
+        response = await self._client.get(f"{self.url}/api/v1/query", params={"query": promql})
+        response.raise_for_status()
+        body = response.json()
+        if body.get("status") != "success":
+            raise RuntimeError(f"Prometheus refused {promql!r}: {body.get('error')}")
+        return body["data"]["result"]
+
+    async def observe(self) -> Observation:
+        now = time.monotonic()
+        queries = self.queries()
+        try:
+            results = dict(zip(queries, await asyncio.gather(*(self._query(q) for q in queries.values())),
+                               strict=True))
+        except (httpx.HTTPError, RuntimeError, ValueError) as error:
+            return Observation(time=now, config=None,
+                               error=f"Prometheus at {self.url} unreachable or failing: {error}")
+
+        def scalar(name: str) -> float | None:
+            rows = results[name]
+            if not rows:
+                return None
+            value = float(rows[0]["value"][1])
+            return None if math.isnan(value) else value
+
+        if not scalar("pods"):
+            return Observation(time=now, config=None, error=f"Prometheus has no series for {{{self.selector}}} yet")
+        rates = {c: scalar(f"rate:{c}") or 0.0 for c in COUNTERS}
+        rates["requests"] = scalar("rate:requests") or 0.0
+        per_pos = {int(r["metric"].get("position", 0)): float(r["value"][1]) for r in results["per_pos"]}
+        buckets = {h: [(float(r["metric"]["le"]), float(r["value"][1])) for r in results[f"buckets:{h}"]]
+                   for h in HISTOGRAMS}
+        sums = {h: scalar(f"sum:{h}") or 0.0 for h in HISTOGRAMS}
+        counts = {h: scalar(f"count:{h}") or 0.0 for h in HISTOGRAMS}
+        config = None
+        lows = [scalar(f"min:{g}") for g in ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens")]
+        highs = [scalar(f"max:{g}") for g in ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens")]
+        if None not in lows and lows == highs:
+            config = TunedConfig(*(int(v) for v in lows))  # type: ignore[arg-type]
+        obs = build_observation(now, rates, per_pos, buckets, sums, counts, scalar("running") or 0.0,
+                                scalar("waiting") or 0.0, scalar("kv") or 0.0, config, int(scalar("pods") or 0))
+        # PromQL's own histogram_quantile is the figure operators see on dashboards: report it.
+        return _with_p95(obs, scalar("p95:time_to_first_token_seconds"), scalar("p95:time_per_output_token_seconds"))
+
+    async def close(self) -> None:
+        await self._client.aclose()
+
+
+def _with_p95(obs: Observation, ttft: float | None, tpot: float | None) -> Observation:
+    from dataclasses import replace
+
+    return replace(obs, ttft_p95_s=ttft if ttft is not None else obs.ttft_p95_s,
+                   tpot_p95_s=tpot if tpot is not None else obs.tpot_p95_s)

@@ -88,10 +88,11 @@ def validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"field '{param}' is required", param
     msg = str(first.get("msg", "invalid value"))
     msg = msg.removeprefix("Value error, ")
-    value = first.get("input")
-    shown = repr(value) if not isinstance(value, (dict, list)) or len(repr(value)) < 80 else "(value)"
-    where = f"'{param}'" if param else "request body"
-    return f"invalid {where}={shown}: {msg}" if param else f"invalid request body: {msg}", param
+    if not param:
+        return f"invalid request body: {msg}", None
+    shown = repr(first.get("input"))
+    shown = shown if len(shown) <= 80 else shown[:77] + "..."
+    return f"invalid '{param}'={shown}: {msg}", param
 
 
 def install_error_handlers(app: FastAPI) -> None:

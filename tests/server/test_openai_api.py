@@ -133,3 +133,13 @@ def test_batch_of_prompts_in_one_request(client: Any, model_name: str) -> None:
 def test_health_and_ready(server: Any) -> None:
     assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
     assert httpx.get(f"{server.url}/ready").status_code == 200
+
+
+def test_multibyte_text_streams_intact(client: Any, model_name: str) -> None:
+    messages = [{"role": "user", "content": "Écris « café » et 東京 puis un emoji 🙂 :"}]
+    full = client.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0)
+    chunks = client.chat.completions.create(model=model_name, messages=messages, max_tokens=12, temperature=0,
+                                            stream=True)
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert "\ufffd" not in streamed  # no half-decoded UTF-8 sequences reach the client

@@ -1,0 +1,111 @@
+"""kopf: one tuning loop per InferenceService with `spec.autotune.enabled`.
+
+A timer fires every few seconds for each such service and runs the service's `ServiceTuner` once its
+`autotune.intervalSeconds` have passed. Pods come from the Kubernetes API (ready pods with the service's
+selector label), the admin token from the `NAME-admin` Secret the reconcile creates, metrics from
+`autotune.prometheusURL` (else the operator's default, else a direct scrape of the pods). It writes only
+`status.tuning` and the `Tuned` condition, plus an Event per change; never `spec`.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import time
+from typing import Any
+from urllib.parse import quote
+
+import kopf
+
+from ..handlers import _client, autotune_enabled
+from ..inference_service import InvalidInferenceService, parse_inference_service
+from ..kube import ApiError, KubeClient, object_path
+from ..render.secret import read_admin_token
+from ..resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
+from .actuator import AdminActuator
+from .loop import ServiceTuner, params_from_spec, spec_config
+from .policy import Policy
+from .report import event_for, status_patch
+from .sources import PrometheusSource, ScrapeSource, Source
+
+TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
+# PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
+# matches the labels the Prometheus Operator adds when scraping through our ServiceMonitor.
+SELECTOR_TEMPLATE = os.environ.get("SPECFLEET_PROMETHEUS_SELECTOR", 'namespace="{namespace}",service="{name}"')
+
+
+async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[str]:
+    """http://POD_IP:8000 of each pod of the service whose Ready condition is True."""
+    selector = quote(f"{LABEL_ISVC}={name}")
+    pods = await client.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}") or {}
+    urls = []
+    for pod in pods.get("items", []):
+        status = pod.get("status") or {}
+        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        if ready and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
+            urls.append(f"http://{status['podIP']}:{ENGINE_PORT}")
+    return sorted(urls)
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> ServiceTuner:
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    isvc = parse_inference_service(body, f"{namespace}/{name}")
+    secret = await client.get(object_path("Secret", namespace, admin_secret_name(name)))
+    if secret is None:
+        raise kopf.TemporaryError(f"Secret {admin_secret_name(name)} (admin token) does not exist yet; "
+                                  "the reconcile creates it", delay=10)
+    params = params_from_spec(isvc.spec)
+
+    async def endpoints() -> list[str]:
+        return await ready_pod_urls(client, namespace, name)
+
+    url = isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "")
+    source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
+                                       params.window_s) if url else ScrapeSource(endpoints))
+    return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
+                        AdminActuator(read_admin_token(secret)), endpoints)
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
+            when=autotune_enabled)
+async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
+               logger: logging.Logger, **_: Any) -> None:
+    tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
+    uid, generation = meta["uid"], int(meta.get("generation") or 0)
+    entry = tuners.get(uid)
+    client = _client(memo)
+    if entry is None or entry[1] != generation:  # a spec change resets the loop (new bounds, SLO, ...)
+        if entry is not None:
+            await entry[0].close()
+        try:
+            entry = (await _build(client, body, memo), generation, 0.0)
+        except InvalidInferenceService:
+            return  # the reconcile reports InvalidSpec
+        except ApiError as error:
+            raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
+        tuners[uid] = entry
+    tuner, _, last = entry
+    if time.monotonic() - last < tuner.policy.params.interval_s:
+        return
+    tuners[uid] = (tuner, generation, time.monotonic())
+    tick = await tuner.tick()
+    now = _now()
+    patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now))
+    event = event_for(tick.decision)
+    if event is not None:
+        post = kopf.warn if event[0] == "Warning" else kopf.info
+        post(body, reason=event[1], message=event[2][:1000])
+    logger.debug("tuner tick: %s", tick.decision.reason)
+
+
+@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
+async def forget(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    entry = memo.setdefault("tuners", {}).pop(meta["uid"], None)
+    if entry is not None:
+        await entry[0].close()

@@ -1,0 +1,67 @@
+"""What a tuning interval writes: `status.tuning`, the `Tuned` condition and the Event, as pure functions."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..conditions import Cond, merge_conditions
+from .loop import Tick
+from .types import Decision, TunedConfig
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000.0, 1)
+
+
+def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """`status.tuning`: the config the tuner holds, the last decision's reason and what it observed."""
+    obs, d = tick.observation, tick.decision
+    acc = obs.acceptance_rate
+    previous = previous or {}
+    status: dict[str, Any] = {
+        "reason": d.reason[:4000],
+        "lastDecisionTime": now if d.changed or "lastDecisionTime" not in previous else previous["lastDecisionTime"],
+        "observed": {
+            "acceptanceRate": None if acc is None else round(acc, 4),
+            "ttftP95Ms": _ms(obs.ttft_p95_s),
+            "tpotP95Ms": _ms(obs.tpot_p95_s),
+            "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
+            "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
+        },
+    }
+    if config is not None:
+        status.update({"numSpeculativeTokens": config.num_speculative_tokens, "maxNumSeqs": config.max_num_seqs,
+                       "maxNumBatchedTokens": config.max_num_batched_tokens})
+    return status
+
+
+def tuned_condition(tick: Tick) -> Cond:
+    d, applied = tick.decision, tick.applied
+    if applied is not None and (applied.failed or applied.refused):
+        bad = {**applied.failed, **applied.refused}
+        detail = "; ".join(f"{url}: {err}" for url, err in list(bad.items())[:3])
+        return Cond("Tuned", "False", "ApplyFailed", f"could not apply {applied.config.short()} to "
+                    f"{len(bad)} pod(s): {detail}")
+    if d.kind == "missing":
+        return Cond("Tuned", "False", "MetricsUnavailable", d.reason)
+    if d.kind == "revert":
+        return Cond("Tuned", "True", "Reverted", d.reason)
+    if d.kind == "change":
+        return Cond("Tuned", "True", "ConfigChanged", d.reason)
+    return Cond("Tuned", "True", "Holding" if d.kind != "idle" else "Idle", d.reason)
+
+
+def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
+                 now: str) -> dict[str, Any]:
+    """The status merge patch for one interval (conditions of other types are kept as they are)."""
+    conditions = merge_conditions(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
+    return {"tuning": tuning_status(tick, config, status.get("tuning"), now), "conditions": conditions}
+
+
+def event_for(decision: Decision) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event a decision posts; None when nothing changed."""
+    if decision.kind == "revert":
+        return "Warning", "TuningReverted", decision.reason
+    if decision.changed:
+        return "Normal", "Tuned", decision.reason
+    return None

@@ -1,0 +1,78 @@
+"""The direct-scrape source and the admin actuator against a real engine server process."""
+
+from __future__ import annotations
+
+import asyncio
+
+import httpx
+import pytest
+from specfleet.operator.tuner.actuator import AdminActuator
+from specfleet.operator.tuner.sources import ScrapeSource
+from specfleet.operator.tuner.types import TunedConfig
+
+from .conftest import ADMIN_TOKEN
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 12
+
+
+async def _requests(url: str, n: int) -> int:
+    async with httpx.AsyncClient(timeout=120) as client:
+        bodies = [{"model": "smollm2-135m-instruct", "prompt": f"Count from {i} to 20:", "max_tokens": MAX_TOKENS,
+                   "temperature": 0, "ignore_eos": True} for i in range(n)]
+        responses = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=b) for b in bodies))
+    assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
+    return sum(r.json()["usage"]["completion_tokens"] for r in responses)
+
+
+def test_scrape_source_computes_rates_latencies_and_config(engine_url: str) -> None:
+    async def scenario() -> None:
+        async def endpoints() -> list[str]:
+            return [engine_url]
+
+        source = ScrapeSource(endpoints)
+        first = await source.observe()
+        assert first.error and "second" in first.error  # rates need two scrapes
+        generated = await _requests(engine_url, 3)
+        obs = await source.observe()
+        await source.close()
+        assert obs.error is None and obs.pods == 1
+        assert obs.config == TunedConfig(0, 16, 512)
+        assert obs.request_rate and obs.request_rate > 0
+        assert obs.generation_rate is not None
+        elapsed = obs.time - first.time
+        assert generated * 0.9 <= obs.generation_rate * elapsed <= generated * 1.1  # tokens in the window
+        assert obs.tpot_p95_s is not None and 0 < obs.tpot_p95_s < 5
+        assert obs.ttft_p95_s is not None and obs.tpot_cdf and obs.tpot_cdf[-1][1] == pytest.approx(1.0)
+        assert obs.step_duration_s and obs.batch_size and obs.batch_size >= 1
+        assert obs.demand is not None and obs.demand > 0  # Little's law over the window
+
+    asyncio.run(scenario())
+
+
+def test_actuator_patches_verifies_and_reapplies(engine_url: str) -> None:
+    async def scenario() -> None:
+        actuator = AdminActuator(ADMIN_TOKEN)
+        target = TunedConfig(3, 12, 600)
+        first = await actuator.ensure([engine_url], target)
+        assert first.ok and first.patched == [engine_url]
+        again = await actuator.ensure([engine_url], target)
+        assert again.unchanged == [engine_url] and not again.patched  # idempotent: no PATCH
+        # a restarted pod comes back with the spec's values: the next interval re-applies
+        async with httpx.AsyncClient() as client:
+            reset = await client.patch(f"{engine_url}/admin/config", json=TunedConfig(0, 16, 512).as_admin(),
+                                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            assert reset.status_code == 200
+        healed = await actuator.ensure([engine_url], target)
+        assert healed.patched == [engine_url] and await actuator.read(engine_url) == target
+        refused = await actuator.ensure([engine_url], TunedConfig(99, 12, 600))
+        assert engine_url in refused.refused and "num_speculative_tokens" in refused.refused[engine_url]
+        wrong = AdminActuator("not-the-token-at-all")
+        denied = await wrong.ensure([engine_url], target)
+        assert "admin token" in denied.failed[engine_url]
+        restored = await actuator.ensure([engine_url], TunedConfig(0, 16, 512))
+        assert restored.ok
+        await actuator.close()
+        await wrong.close()
+
+    asyncio.run(scenario())

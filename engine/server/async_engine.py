@@ -151,7 +151,9 @@ class AsyncEngine:
         if self.metrics is None:
             return
         try:
-            self.metrics.observe_step(self.engine.stats, stepped, extra_waiting=self._commands.qsize())
+            # Idle after aborts: the last step's KV usage is stale, the block count is not.
+            idle_kv = None if stepped or self.engine.kv_blocks_in_use() else 0.0
+            self.metrics.observe_step(self.engine.stats, stepped, self._commands.qsize(), idle_kv)
             self.metrics.set_live_config(self.engine.live_config())
         except Exception:  # metrics must never take the engine down
             logger.exception("event=metrics_update_failed")

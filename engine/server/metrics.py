@@ -78,7 +78,8 @@ class ServerMetrics:
                        self.num_spec_tokens, self.max_num_seqs, self.max_num_batched_tokens):
             metric.labels(model_name)  # every series exists from the first scrape
 
-    def observe_step(self, stats: EngineStats, stepped: bool, extra_waiting: int = 0) -> None:
+    def observe_step(self, stats: EngineStats, stepped: bool, extra_waiting: int = 0,
+                     kv_usage: float | None = None) -> None:
         """Called by the engine thread after each step (stepped=True) or when it goes idle."""
         m = self.model_name
         step = stats.last_step
@@ -88,7 +89,7 @@ class ServerMetrics:
                 self.batch_size.labels(m).observe(step.batch_size)
         self.running.labels(m).set(step.num_running if stepped else 0)
         self.waiting.labels(m).set((step.num_waiting if stepped else 0) + extra_waiting)
-        self.kv_usage.labels(m).set(step.kv_cache_usage)
+        self.kv_usage.labels(m).set(step.kv_cache_usage if kv_usage is None else kv_usage)
         for attr, counter in self.counters.items():
             total = int(getattr(stats, attr, 0) or 0)
             if total > self._seen[attr]:

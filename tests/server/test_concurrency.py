@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from typing import Any
 
@@ -19,6 +20,13 @@ PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is
 def _success_count(server: Any, reason: str) -> float:
     metric = server.state.metrics.success.labels(server.state.model_name, reason)
     return metric._value.get()
+
+
+def _kv_usage(server: Any) -> float:
+    text = httpx.get(f"{server.url}/metrics").text
+    match = re.search(r"^specfleet_kv_cache_usage_ratio\{[^}]*\} (\S+)$", text, re.MULTILINE)
+    assert match
+    return float(match.group(1))
 
 
 def test_32_concurrent_streaming_clients_get_correct_output(client: Any, server: Any, model_name: str) -> None:
@@ -81,6 +89,10 @@ def test_disconnecting_clients_free_their_kv_blocks(server: Any, model_name: str
     server.wait_idle(timeout=30)
     assert server.kv_blocks_in_use() == 0
     assert _success_count(server, "abort") - aborted_before == 9
+    deadline = time.monotonic() + 5  # ... and /metrics shows the cache empty once the engine is idle
+    while _kv_usage(server) != 0.0:
+        assert time.monotonic() < deadline, _kv_usage(server)
+        time.sleep(0.1)
 
 
 def test_full_waiting_queue_gets_429_with_retry_after(server: Any, model_name: str) -> None:

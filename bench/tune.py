@@ -1,0 +1,246 @@
+"""`specfleet bench tune`: the tuner against the best static config in hindsight, on a shifting workload.
+
+One local fleet (bundled model); phases of closed-loop load (default: concurrency 1 on input-grounded
+prompts, 32 on chat, 2 on chat). Every static config of the grid (k x max_num_seqs) runs each phase,
+pushed live through the admin API; then the tuner runs the same phases back to back. Goodput is measured
+by the client: output tokens/s of requests whose TTFT and TPOT meet the SLO. Prints progress, writes
+JSON and a PNG timeline, and prints the JSON summary as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+from specfleet.operator import load_inference_service
+from specfleet.operator.tuner.actuator import AdminActuator
+from specfleet.operator.tuner.fleet import LocalFleet
+from specfleet.operator.tuner.types import TunedConfig
+
+GROUNDED = ("Here is a list: {w}. Repeat the list exactly, word for word: {w}")
+WORDS = "red orange yellow green blue indigo violet black white grey brown pink gold silver bronze"
+
+
+@dataclass(frozen=True)
+class Phase:
+    name: str
+    concurrency: int
+    grounded: bool
+    max_tokens: int
+
+
+PHASES = (Phase("grounded-c1", 1, True, 32), Phase("chat-c32", 32, False, 16), Phase("chat-c2", 2, False, 24))
+
+
+def _prompt(phase: Phase, i: int) -> str:
+    if phase.grounded:
+        words = WORDS.split()
+        return GROUNDED.format(w=" ".join(words[i % 5:] + words[:i % 5]))
+    return f"Tell me a short story about a robot named Unit-{i} who learns to cook."
+
+
+def _isvc(args: argparse.Namespace) -> Any:
+    if args.file:
+        return load_inference_service(args.file)
+    return load_inference_service({
+        "apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "bench"},
+        "spec": {"model": {"source": "bundled://smollm2-135m-instruct", "dtype": "float32", "maxModelLen": 1024},
+                 "engine": {"drainTimeoutSeconds": 5},
+                 "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 1024},
+                 "speculative": {"method": "ngram", "numSpeculativeTokens": 0},
+                 "replicas": args.replicas, "resources": {"gpus": 0},
+                 "slo": {"ttftP95Ms": args.ttft_ms, "tpotP95Ms": args.tpot_ms},
+                 "autotune": {"enabled": True, "intervalSeconds": 5,
+                              "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 64],
+                                         "maxNumBatchedTokens": [256, 2048]}}}})
+
+
+async def _one(client: httpx.AsyncClient, url: str, phase: Phase, i: int) -> tuple[float, float, int] | None:
+    body = {"model": "smollm2-135m-instruct", "prompt": _prompt(phase, i), "max_tokens": phase.max_tokens,
+            "temperature": 0, "ignore_eos": True, "stream": True}
+    start = time.monotonic()
+    first = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            if response.status_code != 200:
+                return None
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]" and first is None:
+                    first = time.monotonic()
+    except httpx.HTTPError:
+        return None
+    end = time.monotonic()
+    if first is None:
+        return None
+    return first - start, (end - first) / max(phase.max_tokens - 1, 1), phase.max_tokens
+
+
+async def run_phase(url: str, phase: Phase, seconds: float, slo: tuple[float, float]) -> dict[str, float]:
+    """Closed-loop load for `seconds`; goodput counts requests finished inside the window meeting the SLO."""
+    results: list[tuple[float, float, int]] = []
+    failed = 0
+    deadline = time.monotonic() + seconds
+    started = time.monotonic()
+    async with httpx.AsyncClient(timeout=300) as client:
+        async def worker(w: int) -> None:
+            nonlocal failed
+            i = 0
+            while time.monotonic() < deadline:
+                r = await _one(client, url, phase, w * 10000 + i)
+                i += 1
+                if r is None:
+                    failed += 1
+                elif time.monotonic() <= deadline + 2.0:
+                    results.append(r)
+
+        await asyncio.gather(*(worker(w) for w in range(phase.concurrency)))
+    elapsed = time.monotonic() - started
+    good = [r for r in results if r[0] <= slo[0] and r[1] <= slo[1]]
+    total = len(results) + failed
+    return {"goodput": sum(r[2] for r in good) / elapsed, "throughput": sum(r[2] for r in results) / elapsed,
+            "requests": total, "slo_attainment": len(good) / total if total else 0.0, "seconds": elapsed}
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    isvc = _isvc(args)
+    slo = (isvc.spec.slo.ttft_p95_ms / 1000, isvc.spec.slo.tpot_p95_ms / 1000)
+    fleet = LocalFleet(isvc, tune=False, interval_s=args.interval, window_s=args.window,
+                       engine_extra_args=["--kv-cache-gib", "0.5", "--log-level", "warning"])
+    print(f"starting {isvc.spec.replicas} engine(s); logs in {fleet.log_dir}", flush=True)
+    await fleet.start()
+    admin = AdminActuator(fleet.token)
+    start_config = TunedConfig(0, isvc.spec.batching.max_num_seqs, isvc.spec.batching.max_num_batched_tokens)
+    static: dict[str, dict[str, dict[str, float]]] = {}
+    timeline: list[dict[str, Any]] = []
+    tuner_phases: dict[str, dict[str, float]] = {}
+    changes: dict[str, int] = {}
+    try:
+        for k in args.grid_k:
+            for seqs in args.grid_seqs:
+                config = TunedConfig(k, seqs, max(isvc.spec.batching.max_num_batched_tokens, seqs * (k + 1)))
+                applied = await admin.ensure(fleet.engine_urls, config)
+                if not applied.ok:
+                    raise RuntimeError(f"cannot apply {config.short()}: {applied.failed or applied.refused}")
+                name = f"k={k},seqs={seqs}"
+                static[name] = {}
+                for phase in PHASES:
+                    static[name][phase.name] = await run_phase(fleet.url, phase, args.static_seconds, slo)
+                    print(f"static {name} {phase.name}: goodput {static[name][phase.name]['goodput']:.1f} tok/s "
+                          f"attainment {static[name][phase.name]['slo_attainment']:.0%}", flush=True)
+        await admin.ensure(fleet.engine_urls, start_config)
+        fleet.tuner = fleet._build_tuner()
+        t0 = time.monotonic()
+
+        async def tune_loop(phase_name: list[str]) -> None:
+            while True:
+                await asyncio.sleep(args.interval)
+                tick = await fleet.tick()
+                cfg = fleet.tuner.policy.current if fleet.tuner else None
+                timeline.append({"t": time.monotonic() - t0, "phase": phase_name[0],
+                                 "load": next(p.concurrency for p in PHASES if p.name == phase_name[0]),
+                                 "k": cfg.num_speculative_tokens if cfg else None,
+                                 "max_num_seqs": cfg.max_num_seqs if cfg else None,
+                                 "tpot_p95_ms": None if tick.observation.tpot_p95_s is None
+                                 else tick.observation.tpot_p95_s * 1000, "kind": tick.decision.kind,
+                                 "reason": tick.decision.reason})
+                if tick.decision.changed:
+                    changes[phase_name[0]] = changes.get(phase_name[0], 0) + 1
+                    print(f"  [tuner] {tick.decision.kind}: {tick.decision.reason[:160]}", flush=True)
+
+        current = [PHASES[0].name]
+        loop = asyncio.create_task(tune_loop(current))
+        for phase in PHASES:
+            current[0] = phase.name
+            tuner_phases[phase.name] = await run_phase(fleet.url, phase, args.phase_seconds, slo)
+            print(f"tuner {phase.name}: goodput {tuner_phases[phase.name]['goodput']:.1f} tok/s attainment "
+                  f"{tuner_phases[phase.name]['slo_attainment']:.0%}", flush=True)
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+    finally:
+        await admin.close()
+        await fleet.stop(drain_timeout_s=5)
+    return summarize(static, tuner_phases, changes, timeline)
+
+
+def _overall(per_phase: dict[str, dict[str, float]]) -> float:
+    """Goodput over the whole workload with equal time per phase: the mean of the phases' goodputs."""
+    return sum(p["goodput"] for p in per_phase.values()) / len(per_phase)
+
+
+def summarize(static: dict[str, dict[str, dict[str, float]]], tuner: dict[str, dict[str, float]],
+              changes: dict[str, int], timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    best_name = max(static, key=lambda n: _overall(static[n]))
+    best_static = _overall(static[best_name])
+    tuner_goodput = _overall(tuner)
+    ratios = {p: tuner[p]["goodput"] / max(max(s[p]["goodput"] for s in static.values()), 1e-9) for p in tuner}
+    requests = sum(p["requests"] for p in tuner.values())
+    return {
+        "tuner_goodput": round(tuner_goodput, 2), "best_static_goodput": round(best_static, 2),
+        "best_static_config": best_name, "goodput_ratio": round(tuner_goodput / max(best_static, 1e-9), 3),
+        "per_phase_ratio": {p: round(r, 3) for p, r in ratios.items()},
+        "per_phase_ratio_min": round(min(ratios.values()), 3),
+        "slo_attainment": round(sum(p["slo_attainment"] * p["requests"] for p in tuner.values()) / max(requests, 1), 3),
+        "changes_per_transition_max": max(changes.values(), default=0),
+        "static": static, "tuner": tuner, "timeline": timeline,
+    }
+
+
+def plot(result: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tl = result["timeline"]
+    t = [p["t"] for p in tl]
+    fig, axes = plt.subplots(4, 1, figsize=(9, 8), sharex=True)
+    for ax, key, label in zip(axes, ("load", "k", "max_num_seqs", "tpot_p95_ms"),
+                              ("load (concurrency)", "k", "max_num_seqs", "TPOT p95 (ms)"), strict=True):
+        ax.step(t, [p[key] if p[key] is not None else float("nan") for p in tl], where="post")
+        ax.set_ylabel(label)
+    axes[-1].set_xlabel("seconds into the tuner run")
+    axes[0].set_title(f"specfleet tuner: goodput ratio {result['goodput_ratio']} vs best static "
+                      f"{result['best_static_config']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specfleet bench tune", description=__doc__.splitlines()[0])
+    p.add_argument("-f", "--file", default=None, help="InferenceService YAML (default: a built-in CPU one)")
+    p.add_argument("--replicas", type=int, default=1)
+    p.add_argument("--phase-seconds", type=float, default=60.0, help="tuner run: seconds per phase")
+    p.add_argument("--static-seconds", type=float, default=15.0, help="static grid: seconds per phase per config")
+    p.add_argument("--grid-k", type=int, nargs="+", default=[0, 4])
+    p.add_argument("--grid-seqs", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--interval", type=float, default=4.0, help="tuner interval (s)")
+    p.add_argument("--window", type=float, default=8.0, help="metrics window (s)")
+    p.add_argument("--ttft-ms", type=int, default=6000)
+    p.add_argument("--tpot-ms", type=int, default=400)
+    p.add_argument("--out-dir", default="bench/results", help="where tune.json and tune.png go")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = asyncio.run(bench(args))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(json.dumps(result, indent=2))
+    plot(result, out / "tune.png")
+    print(f"wrote {out / 'tune.json'} and {out / 'tune.png'}", flush=True)
+    summary = {k: v for k, v in result.items() if k not in ("static", "tuner", "timeline")}
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

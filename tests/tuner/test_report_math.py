@@ -1,0 +1,61 @@
+"""Histogram arithmetic against PromQL's rules, and what one interval writes to status and Events."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from specfleet.operator.tuner.actuator import ApplyResult
+from specfleet.operator.tuner.histogram import fraction_below, quantile, subtract, to_cdf
+from specfleet.operator.tuner.loop import Tick
+from specfleet.operator.tuner.report import event_for, status_patch
+from specfleet.operator.tuner.types import Decision, Observation, TunedConfig
+
+BUCKETS = [(0.1, 10.0), (0.2, 50.0), (0.5, 90.0), (math.inf, 100.0)]
+
+
+def test_quantile_interpolates_like_promql() -> None:
+    assert quantile(0.5, BUCKETS) == pytest.approx(0.1 + 0.1 * (50 - 10) / 40)
+    assert quantile(0.95, BUCKETS) == pytest.approx(0.5)  # falls in +Inf: the highest finite bound
+    assert quantile(0.05, BUCKETS) == pytest.approx(0.05)
+    assert quantile(0.5, [(0.1, 0.0), (math.inf, 0.0)]) is None
+
+
+def test_cdf_and_deltas() -> None:
+    cdf = to_cdf(BUCKETS)
+    assert fraction_below(cdf, 0.2) == pytest.approx(0.5)
+    assert fraction_below(cdf, 0.35) == pytest.approx(0.7)
+    assert subtract([(0.1, 5.0), (math.inf, 8.0)], [(0.1, 2.0), (math.inf, 3.0)]) == [(0.1, 3.0), (math.inf, 5.0)]
+    assert subtract([(0.1, 1.0), (math.inf, 1.0)], [(0.1, 2.0), (math.inf, 3.0)]) == [(0.1, 1.0), (math.inf, 1.0)]
+
+
+def _tick(kind: str, config: TunedConfig | None, failed: dict[str, str] | None = None) -> Tick:
+    obs = Observation(time=1.0, config=TunedConfig(0, 16, 512), tpot_p95_s=0.05, ttft_p95_s=0.3,
+                      request_rate=2.0, draft_token_rate=10.0, accepted_rate=6.0)
+    applied = ApplyResult(config or TunedConfig(0, 16, 512), failed=failed or {})
+    return Tick(Decision(1.0, config, f"{kind} because of reasons", kind, observed_goodput=12.5), obs, applied)
+
+
+def test_status_patch_writes_tuning_and_keeps_other_conditions() -> None:
+    config = TunedConfig(2, 16, 512)
+    previous = {"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": ""}]}
+    patch = status_patch(_tick("change", config), config, previous, 3, "2026-01-01T00:00:00Z")
+    tuning = patch["tuning"]
+    assert (tuning["numSpeculativeTokens"], tuning["maxNumSeqs"], tuning["maxNumBatchedTokens"]) == (2, 16, 512)
+    assert tuning["observed"] == {"acceptanceRate": 0.6, "ttftP95Ms": 300.0, "tpotP95Ms": 50.0, "goodput": 12.5,
+                                  "requestRate": 2.0}
+    assert tuning["lastDecisionTime"] == "2026-01-01T00:00:00Z" and "reasons" in tuning["reason"]
+    types = {c["type"]: c for c in patch["conditions"]}
+    assert types["Ready"]["reason"] == "AllReplicasReady"
+    assert types["Tuned"]["status"] == "True" and types["Tuned"]["reason"] == "ConfigChanged"
+    assert event_for(_tick("change", config).decision) == ("Normal", "Tuned", "change because of reasons")
+
+
+def test_missing_data_and_apply_failures_show_in_the_condition() -> None:
+    held = status_patch(_tick("missing", None), TunedConfig(2, 16, 512), {}, 1, "t")
+    assert {c["type"]: c["reason"] for c in held["conditions"]}["Tuned"] == "MetricsUnavailable"
+    assert event_for(_tick("missing", None).decision) is None
+    failed = status_patch(_tick("hold", None, {"http://10.0.0.1:8000": "ConnectError"}), None, {}, 1, "t")
+    cond = {c["type"]: c for c in failed["conditions"]}["Tuned"]
+    assert cond["status"] == "False" and cond["reason"] == "ApplyFailed" and "10.0.0.1" in cond["message"]
+    assert event_for(_tick("revert", TunedConfig(0, 16, 512)).decision)[:2] == ("Warning", "TuningReverted")  # type: ignore[index]

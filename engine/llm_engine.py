@@ -16,11 +16,12 @@ from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer
 from specfleet.engine.loader import LoadedModel, load_model
-from specfleet.engine.model_runner import ModelRunner
+from specfleet.engine.model_runner import ModelRunner, SpecStats
 from specfleet.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
+from specfleet.engine.spec_decode.factory import build_proposer
 from specfleet.engine.stats import EngineStats, StepStats
 
 log = logging.getLogger("specfleet.engine")
@@ -47,6 +48,9 @@ class Engine:
         self.runner = ModelRunner(loaded.model, loaded.num_kv_blocks, config.block_size,
                                   config.attention_backend, self.eos_token_ids, config.seed)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.proposer = build_proposer(config, self.runner, loaded)
+        if self.proposer is not None:
+            self.scheduler.on_release = self.proposer.release
         self.stats = EngineStats()
         self._live = LiveConfig(config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens)
         self._pending: dict[str, int] = {}
@@ -156,6 +160,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self._apply_pending()
+        self._propose()
         sched = self.scheduler.schedule()
         if sched.empty:
             return []
@@ -163,8 +168,35 @@ class Engine:
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result.sampled)
         outputs = self._postprocess(sched, result.logprobs, changed)
-        self._record(sched, changed, time.perf_counter() - start)
+        self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
+
+    def _propose(self) -> None:
+        """Give every decoding sequence up to k proposals to verify in this step (none when k = 0)."""
+        if self.proposer is None:
+            return
+        seqs, ks = [], []
+        for seq in self.scheduler.running:
+            if seq.in_prefill:
+                continue
+            k = self._k_for(seq)
+            if k:
+                seqs.append(seq)
+                ks.append(k)
+        if not seqs:
+            return
+        for seq, proposal in zip(seqs, self.proposer.propose(seqs, ks)):
+            seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
+
+    def _k_for(self, seq: Sequence) -> int:
+        params = seq.params
+        k = self._live.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
+        if not k or params.uses_penalties or seq.num_output_tokens < params.min_tokens:
+            return 0  # penalties and min_tokens depend on each earlier token: verify one at a time
+        room = self.max_model_len - seq.num_tokens - 1
+        if params.max_tokens is not None:
+            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
+        return max(0, min(k, room, self.config.max_num_speculative_tokens))
 
     def _postprocess(self, sched: SchedulerOutput, logprobs, changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         now = time.monotonic()
@@ -235,7 +267,8 @@ class Engine:
         self.stats.peak_kv_slots_allocated = allocated
         self.stats.peak_kv_slots_used = sum(filled.values())
 
-    def _record(self, sched: SchedulerOutput, changed: list[tuple[Sequence, int]], duration: float) -> None:
+    def _record(self, sched: SchedulerOutput, changed: list[tuple[Sequence, int]], spec: SpecStats,
+                duration: float) -> None:
         step = StepStats(
             duration_s=duration,
             batch_size=len(sched.scheduled),
@@ -246,6 +279,10 @@ class Engine:
             num_preemptions=sched.num_preemptions,
             prompt_tokens=sched.num_prompt_tokens,
             generation_tokens=sum(n for _, n in changed),
+            num_drafts=spec.num_drafts,
+            num_draft_tokens=spec.num_draft_tokens,
+            num_accepted_tokens=spec.num_accepted_tokens,
+            accepted_per_pos=spec.accepted_per_pos,
         )
         self.stats.prefix_cache_queries = self.scheduler.prefix_queries
         self.stats.prefix_cache_hits = self.scheduler.prefix_hits

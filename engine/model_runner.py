@@ -2,21 +2,40 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
 from specfleet.engine.models.llama import LlamaModel
 from specfleet.engine.outputs import Logprob
-from specfleet.engine.sampler import SamplingBatch, apply_penalties, logprobs_for, sample
+from specfleet.engine.sampler import SamplingBatch, apply_penalties, logprobs_for, processed_probs, sample
 from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.engine.sequence import Sequence
+from specfleet.engine.spec_decode.rejection import rejection_sample, verify_greedy
+
+
+@dataclass
+class SpecStats:
+    num_drafts: int = 0  # sequences whose proposals were verified
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def add(self, proposed: int, accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += proposed
+        self.num_accepted_tokens += accepted
+        while len(self.accepted_per_pos) < proposed:
+            self.accepted_per_pos.append(0)
+        for pos in range(accepted):
+            self.accepted_per_pos[pos] += 1
 
 
 @dataclass
 class ModelRunnerOutput:
     sampled: list[list[int]]  # [num_scheduled] tokens each sequence gained ([] mid-prefill)
     logprobs: list[list[Logprob] | None]  # [num_scheduled] one per gained token, when requested
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 @dataclass
@@ -53,8 +72,7 @@ class ModelRunner:
             return ModelRunnerOutput([[] for _ in sched.scheduled], [None] * len(sched.scheduled))
         rows = torch.tensor(inputs.sample_rows, device=hidden.device)
         logits = self.model.logits(hidden.index_select(0, rows))
-        seqs = [item.seq for item in sched.scheduled if item.sample]
-        return self._sample(sched, seqs, logits)
+        return self._sample(sched, logits)
 
     def prepare(self, sched: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
@@ -100,25 +118,76 @@ class ModelRunner:
             meta, sample_rows, sample_counts,
         )
 
-    def _sample(self, sched: SchedulerOutput, seqs: list[Sequence], logits: torch.Tensor) -> ModelRunnerOutput:
-        batch = self.sampling_batch(seqs, logits.device)
+    def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
+        """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
+        items = [item for item in sched.scheduled if item.sample]
+        row_seqs = [item.seq for item in items for _ in range(item.num_spec_tokens + 1)]
+        batch = self.sampling_batch(row_seqs, logits.device)
         logits = apply_penalties(logits, batch)
-        tokens = sample(logits, batch, self.generator)
-        logprobs = None
-        if batch.num_logprobs is not None:
-            logprobs = logprobs_for(logits, tokens, batch.num_logprobs)
-        token_list = tokens.tolist()
-        sampled, lps, row = [], [], 0
+        starts, row = [], 0
+        for item in items:
+            starts.append(row)
+            row += item.num_spec_tokens + 1
+        emitted: list[list[int]] = [[] for _ in items]
+        plain = [i for i, item in enumerate(items) if not item.num_spec_tokens]
+        if plain:
+            rows = [starts[i] for i in plain]
+            sub = batch if len(rows) == len(row_seqs) else self.sampling_batch([row_seqs[r] for r in rows], logits.device)
+            for i, token in zip(plain, sample(logits[rows], sub, self.generator).tolist()):
+                emitted[i] = [token]
+        spec = [i for i, item in enumerate(items) if item.num_spec_tokens]
+        if spec:
+            self._verify(items, spec, starts, logits, batch, emitted)
+        return self._collect(sched, items, starts, emitted, logits)
+
+    def _verify(self, items, spec, starts, logits, batch: SamplingBatch, emitted) -> None:
+        greedy = [i for i in spec if items[i].seq.params.temperature == 0]
+        if greedy:
+            argmax = logits.argmax(dim=-1).tolist()
+            for i in greedy:
+                k = items[i].num_spec_tokens
+                emitted[i] = verify_greedy(argmax[starts[i] : starts[i] + k + 1], items[i].seq.spec_token_ids)
+        by_k: dict[int, list[int]] = {}
+        for i in spec:
+            if items[i].seq.params.temperature != 0:
+                by_k.setdefault(items[i].num_spec_tokens, []).append(i)
+        for k, group in by_k.items():
+            rows = [starts[i] + j for i in group for j in range(k + 1)]
+            sub = self.sampling_batch([items[i].seq for i in group for _ in range(k + 1)], logits.device)
+            p = processed_probs(logits[rows], sub).view(len(group), k + 1, -1)
+            seqs = [items[i].seq for i in group]
+            q = None
+            if seqs[0].spec_probs is not None:
+                q = torch.stack([s.spec_probs[:k] for s in seqs])
+            drafts = torch.tensor([s.spec_token_ids for s in seqs], device=logits.device)
+            nxt, accepted = rejection_sample(p, q, drafts, [s.generator for s in seqs], self.generator)
+            for i, s, token, a in zip(group, seqs, nxt.tolist(), accepted.tolist()):
+                emitted[i] = s.spec_token_ids[:a] + [token]
+
+    def _collect(self, sched, items, starts, emitted, logits) -> ModelRunnerOutput:
+        want = [i for i, item in enumerate(items) if item.seq.params.logprobs is not None]
+        per_item_lps: dict[int, list[Logprob]] = {}
+        if want:
+            rows = [starts[i] + j for i in want for j in range(len(emitted[i]))]
+            tokens = torch.tensor([t for i in want for t in emitted[i]], device=logits.device)
+            top = max(items[i].seq.params.logprobs for i in want)
+            lps = iter(logprobs_for(logits[rows], tokens, top))
+            for i in want:
+                per_item_lps[i] = [_trim_top(next(lps), items[i].seq.params.logprobs) for _ in emitted[i]]
+        sampled, logprobs, spec_stats = [], [], SpecStats()
+        index = 0
         for item in sched.scheduled:
             if not item.sample:
                 sampled.append([])
-                lps.append(None)
+                logprobs.append(None)
                 continue
-            sampled.append([token_list[row]])
-            want = item.seq.params.logprobs
-            lps.append([_trim_top(logprobs[row], want)] if want is not None else None)
-            row += 1
-        return ModelRunnerOutput(sampled, lps)
+            tokens = emitted[index]
+            sampled.append(tokens)
+            logprobs.append(per_item_lps.get(index))
+            if item.num_spec_tokens:
+                spec_stats.add(item.num_spec_tokens, len(tokens) - 1)
+            index += 1
+        return ModelRunnerOutput(sampled, logprobs, spec_stats)
 
     def sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
         params = [s.params for s in seqs]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from specfleet.engine.block_manager import BlockManager
@@ -48,6 +49,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
+        self.on_release: Callable[[Sequence], None] | None = None  # a proposer forgets the sequence
 
     # -- queue -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -65,6 +67,8 @@ class Scheduler:
         else:
             self.waiting.remove(seq)
         self.kv.free_seq(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status, seq.finish_reason, seq.stop_reason = Status.FINISHED, reason, stop_reason
         seq.spec_token_ids = []
 
@@ -137,14 +141,18 @@ class Scheduler:
         num_spec = max(0, end - seq.num_tokens)
         if num_spec < len(seq.spec_token_ids):  # the budget cut some proposals: drop them
             del seq.spec_token_ids[num_spec:]
+            if seq.spec_probs is not None:
+                seq.spec_probs = seq.spec_probs[:num_spec] if num_spec else None
         return ScheduledSeq(seq, num_new, num_spec, sample=end >= seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.kv.free_seq(seq)
+        if self.on_release is not None:
+            self.on_release(seq)
         seq.status = Status.WAITING
         seq.num_computed_tokens = 0
-        seq.spec_token_ids = []
+        seq.spec_token_ids, seq.spec_probs = [], None
         seq.num_preemptions += 1
         self.waiting.appendleft(seq)
 
@@ -164,7 +172,7 @@ class Scheduler:
             # Of the k proposals, the first len(tokens) - 1 were accepted; the rest are recomputed.
             rejected = item.num_spec_tokens - (len(tokens) - 1)
             seq.num_computed_tokens -= item.num_spec_tokens
-            seq.spec_token_ids = []
+            seq.spec_token_ids, seq.spec_probs = [], None
             seq.token_ids.extend(tokens)
             seq.num_computed_tokens += item.num_spec_tokens - rejected
             if rejected:

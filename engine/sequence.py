@@ -30,6 +30,7 @@ class Sequence:
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     block_table: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify this step
+    spec_probs: Any = None  # [k, vocab] the draft's distribution for them; None: point mass or greedy
     parent: Sequence | None = None  # n > 1: the sample whose prompt blocks this one shares
     finish_reason: str | None = None
     stop_reason: str | int | None = None

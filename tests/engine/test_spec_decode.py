@@ -1,0 +1,121 @@
+"""Speculative decoding with greedy sampling gives exactly the non-speculative output, n-gram and draft,
+across batching, chunked prefill, preemption and live k changes; every KV block of both models returns."""
+
+from __future__ import annotations
+
+import pytest
+from specfleet.engine import LLM, SamplingParams
+from specfleet.engine.spec_decode.make_draft import truncate_layers
+
+pytestmark = pytest.mark.slow
+
+PASSAGE = (
+    "The scheduler has no prefill or decode phase: each request's computed tokens catch up with its tokens "
+    "within a per-step token budget. Chunked prefill, prefix hits, preemption and speculative tokens all "
+    "follow from that one rule."
+)
+PROMPTS = [
+    f"Repeat this passage word for word.\n\n{PASSAGE}\n\nRepeated:\n{PASSAGE[:40]}",
+    f"Summarise in one sentence: {PASSAGE}\nSummary:",
+    "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n",
+    "The capital of France is",
+]
+N = 40
+
+
+def greedy(k=None, n=N):
+    return SamplingParams(temperature=0, max_tokens=n, ignore_eos=True, num_speculative_tokens=k)
+
+
+def tokens(results):
+    return [r.outputs[0].token_ids for r in results]
+
+
+@pytest.fixture(scope="module")
+def ngram_llm():
+    return LLM(speculative_method="ngram", num_speculative_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def reference(ngram_llm):
+    out = tokens(ngram_llm.generate(PROMPTS, greedy(k=0)))
+    assert ngram_llm.engine.stats.num_drafts == 0, "k=0 must not speculate"
+    return out
+
+
+def test_ngram_single_requests_equal_non_speculative(ngram_llm, reference):
+    before = ngram_llm.engine.stats.num_accepted_tokens
+    for prompt, ref in zip(PROMPTS, reference):
+        assert tokens(ngram_llm.generate([prompt], greedy())) == [ref]
+    assert ngram_llm.engine.stats.num_accepted_tokens - before > N  # the copy task really speculated
+    assert ngram_llm.engine.kv_blocks_in_use() == 0
+
+
+def test_ngram_mixed_batch_only_some_speculate(ngram_llm, reference):
+    params = [greedy(), greedy(k=0), greedy(), greedy(k=0)]
+    assert tokens(ngram_llm.generate(PROMPTS, params)) == reference
+
+
+def test_ngram_chunked_prefill_and_live_k_changes(ngram_llm, reference):
+    engine = ngram_llm.engine
+    engine.update_config(max_num_batched_tokens=24)
+    for i, prompt in enumerate(PROMPTS):
+        engine.add_request(f"live-{i}", prompt, greedy())
+    done, step, ks = {}, 0, [1, 3, 0, 8, 2]
+    while engine.has_unfinished_requests():
+        if step % 5 == 0:
+            engine.update_config(num_speculative_tokens=ks[(step // 5) % len(ks)])
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out.outputs[0].token_ids
+        step += 1
+    engine.update_config(max_num_batched_tokens=2048, num_speculative_tokens=4)
+    assert [done[f"live-{i}"] for i in range(len(PROMPTS))] == reference
+
+
+def test_ngram_preemption_mid_speculation(reference):
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, num_kv_blocks=14, max_num_seqs=4)
+    assert tokens(llm.generate(PROMPTS, greedy())) == reference
+    assert llm.engine.stats.num_preemptions > 0 and llm.engine.stats.num_drafts > 0
+    assert llm.engine.kv_blocks_in_use() == 0
+
+
+def test_draft_model_equals_non_speculative(reference, tmp_path_factory, bundled_path):
+    draft = truncate_layers("bundled://smollm2-135m-instruct", 2, tmp_path_factory.mktemp("draft"))
+    llm = LLM(speculative_method="draft", num_speculative_tokens=3, draft_model=f"file://{draft}",
+              max_num_batched_tokens=64)
+    params = [greedy(), greedy(k=0), greedy(), greedy()]
+    assert tokens(llm.generate(PROMPTS, params)) == reference
+    stats = llm.engine.stats
+    assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_accepted_tokens > 0
+    assert llm.engine.kv_blocks_in_use() == 0
+    assert llm.engine.proposer.blocks_in_use() == 0
+
+
+def test_draft_model_preemption_and_abort(reference, tmp_path_factory):
+    draft = truncate_layers("bundled://smollm2-135m-instruct", 1, tmp_path_factory.mktemp("draft1"))
+    llm = LLM(speculative_method="draft", num_speculative_tokens=2, draft_model=f"file://{draft}",
+              num_kv_blocks=14, max_num_seqs=4)
+    assert tokens(llm.generate(PROMPTS, greedy())) == reference
+    assert llm.engine.stats.num_preemptions > 0
+    engine = llm.engine
+    engine.add_request("gone", PROMPTS[0], greedy())
+    for _ in range(3):
+        engine.step()
+    engine.abort("gone")
+    assert engine.kv_blocks_in_use() == 0 and engine.proposer.blocks_in_use() == 0
+
+
+def test_draft_with_a_different_vocabulary_is_refused(tmp_path):
+    import json
+    import shutil
+
+    draft = truncate_layers("bundled://smollm2-135m-instruct", 1, tmp_path / "d")
+    tok = json.loads((draft / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    first = next(iter(vocab))
+    vocab["zz-not-in-target"] = vocab.pop(first)
+    (draft / "tokenizer.json").write_text(json.dumps(tok))
+    shutil.rmtree(tmp_path / "unused", ignore_errors=True)
+    with pytest.raises(ValueError, match="different tokenizer"):
+        LLM(speculative_method="draft", num_speculative_tokens=2, draft_model=f"file://{draft}")

@@ -99,12 +99,19 @@ async def _collect(request: Request, streams: list[RequestStream]) -> list[Reque
             if done:
                 return task.result()
             if await request.is_disconnected():
+                task.add_done_callback(_consume)
                 task.cancel()
                 raise APIError(499, "client disconnected", code="client_closed_request")
     finally:
         if not task.done():
+            task.add_done_callback(_consume)
             task.cancel()
         _close(streams)
+
+
+def _consume(task: asyncio.Future[Any]) -> None:
+    if not task.cancelled():
+        task.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
 async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, RequestOutput]]:

@@ -109,6 +109,9 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"best_of={self.best_of} is not supported: only best_of == n={self.n}")
         return self
 
+    def default_max_tokens(self) -> int | None:
+        return 16 if self.max_tokens is None else self.max_tokens  # OpenAI: null means the default, 16
+
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: a string, or token ids."""
         prompt: Any = self.prompt

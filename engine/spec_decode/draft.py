@@ -55,7 +55,7 @@ class DraftModelProposer:
                 proposals[i].token_ids.append(token)
                 if dist is not None:
                     probs[i].append(dist[n])
-        for i, sh, _ in active:
+        for i, _, _ in active:
             if probs[i] and len(probs[i]) == len(proposals[i].token_ids):
                 proposals[i].probs = torch.stack(probs[i])
         return proposals

@@ -106,8 +106,8 @@ def _cap(body: Any) -> None:
         value = body.get(key)
         if isinstance(value, int) and not isinstance(value, bool) and value > cap:
             body[key] = cap
-    if "messages" in body and "max_tokens" not in body and "max_completion_tokens" not in body:
-        body["max_tokens"] = 2
+    if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
+        body["max_tokens"] = 2  # chat's default is "up to the context"
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) > 4:
         body["prompt"] = prompt[:4]

@@ -155,7 +155,8 @@ def _chunk(kind: str, rid: str, created: int, model: str, choices: list[dict[str
 
 
 async def _stream_body(state: ServerState, streams: list[RequestStream], rid: str, chat: bool, n: int,
-                       include_usage: bool, logprobs: int | None) -> AsyncIterator[str]:
+                       include_usage: bool, logprobs: int | None, continuous_usage: bool = False
+                       ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     created, model = int(time.time()), state.model_name
     text = serving.TokenText(state.tokenizer)
@@ -173,7 +174,10 @@ async def _stream_body(state: ServerState, streams: list[RequestStream], rid: st
                 if choice is not None:
                     choices.append(choice)
             if choices:
-                yield serving.sse(_chunk(kind, rid, created, model, choices, include_usage))
+                chunk = _chunk(kind, rid, created, model, choices, include_usage)
+                if continuous_usage:
+                    chunk["usage"] = serving.usage([finals[i] for i in sorted(finals)])
+                yield serving.sse(chunk)
         if include_usage:
             yield serving.sse({**_chunk(kind, rid, created, model, [], False),
                                "usage": serving.usage([finals[p] for p in sorted(finals)])})
@@ -201,7 +205,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     streams = await _submit(state, ids, prompts, params, "prompt")
     if body.stream:
         return _streaming_response(_stream_body(state, streams, rid, False, body.n, body.include_usage,
-                                                body.logprobs))
+                                                body.logprobs, body.continuous_usage))
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
     return JSONResponse({
@@ -227,7 +231,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     num_logprobs = body.num_logprobs()
     if body.stream:
         return _streaming_response(_stream_body(state, streams, rid, True, body.n, body.include_usage,
-                                                num_logprobs))
+                                                num_logprobs, body.continuous_usage))
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
     return JSONResponse({

@@ -143,3 +143,12 @@ def test_multibyte_text_streams_intact(client: Any, model_name: str) -> None:
     streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert streamed == full.choices[0].message.content
     assert "\ufffd" not in streamed  # no half-decoded UTF-8 sequences reach the client
+
+
+def test_continuous_usage_stats_count_up(client: Any, model_name: str) -> None:
+    chunks = list(client.completions.create(
+        model=model_name, prompt=PROMPT, max_tokens=4, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    counts = [c.usage.completion_tokens for c in chunks]
+    assert counts == sorted(counts) and counts[-1] == chunks[-1].usage.completion_tokens >= 1
+    assert all(c.usage.prompt_tokens > 0 for c in chunks)

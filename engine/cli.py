@@ -12,7 +12,6 @@ COMMANDS = {
     "generate": ("specfleet.engine.cli", "generate_main", "generate from prompts offline and print the text"),
     "up": ("specfleet.operator.tuner.local", "main", "run an InferenceService YAML as a local fleet"),
     "operator": ("specfleet.operator.cli", "main", "run the Kubernetes operator (kopf)"),
-    "tune": ("specfleet.operator.tuner.cli", "main", "run the SLO tuner against running engines"),
 }
 BENCHES = {
     "offline": ("specfleet.bench.offline", "engine vs transformers throughput, single stream, KV waste"),

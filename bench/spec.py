@@ -1,0 +1,140 @@
+"""`specfleet bench spec`: speculative decoding speedup by method, k and load, in one run.
+
+Workloads: input-grounded (repeat, edit or summarise a given passage or code: the output copies the
+input) and free chat. For each method (n-gram; draft when --draft-model is given) and k in --ks, it runs
+the workload at concurrency 1 (one request at a time) and at --high-concurrency (all at once), and
+reports per-request output tokens/s and acceptance. k=0 on an engine with a method configured is also
+compared with an engine that never configured speculation (k0_overhead_pct).
+Prints a table, writes JSON and a PNG beside it, and ends stdout with the JSON on one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from specfleet.bench.prompts import chat_prompts, grounded_prompts
+from specfleet.engine import LLM, SamplingParams
+
+
+def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int) -> dict:
+    """Per-request tokens/s (output tokens over the request's own latency) and acceptance."""
+    engine = llm.engine
+    stats = engine.stats
+    drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
+    rates, total_tokens, start_all = [], 0, time.perf_counter()
+    for i in range(0, len(prompts), concurrency):
+        wave = prompts[i : i + concurrency]
+        started = time.perf_counter()
+        results = llm.chat([[{"role": "user", "content": p}] for p in wave], params)
+        elapsed = time.perf_counter() - started
+        for r in results:
+            n = len(r.outputs[0].token_ids)
+            total_tokens += n
+            finished = (r.metrics.finished_time - r.metrics.arrival_time) if r.metrics else elapsed
+            rates.append(n / max(finished, 1e-9))
+    drafted, accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
+    return {
+        "tok_s_per_request": statistics.median(rates),
+        "throughput_tok_s": total_tokens / (time.perf_counter() - start_all),
+        "acceptance_rate": accepted / drafted if drafted else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet bench spec", description=__doc__)
+    parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
+    parser.add_argument("--draft-model", default=None, help="a draft model source; omit to skip the draft method")
+    parser.add_argument("--ks", default="0,2,4,8")
+    parser.add_argument("--num-prompts", type=int, default=4, help="prompts per workload at concurrency 1")
+    parser.add_argument("--high-concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--high-max-tokens", type=int, default=48)
+    parser.add_argument("--out", default="bench/results/spec.json")
+    args = parser.parse_args(argv)
+    ks = [int(k) for k in args.ks.split(",")]
+    workloads = {"grounded": grounded_prompts(), "chat": chat_prompts()}
+    methods = {"ngram": {"speculative_method": "ngram"}}
+    if args.draft_model:
+        methods["draft"] = {"speculative_method": "draft", "draft_model": args.draft_model}
+
+    rows = []
+    for method, kwargs in methods.items():
+        llm = LLM(model=args.model, num_speculative_tokens=max(ks), max_num_speculative_tokens=max(8, max(ks)),
+                  max_num_seqs=max(64, args.high_concurrency), **kwargs)
+        for workload, prompts in workloads.items():
+            run(llm, prompts[:1], 0, 1, 8)  # warm up
+            for k in ks:
+                for conc in (1, args.high_concurrency):
+                    sample = prompts[: args.num_prompts] if conc == 1 else (prompts * conc)[:conc]
+                    tokens = args.max_tokens if conc == 1 else args.high_max_tokens
+                    r = run(llm, sample, k, conc, tokens)
+                    rows.append({"method": method, "workload": workload, "k": k, "concurrency": conc, **r})
+                    print(f"{method:6} {workload:9} k={k} conc={conc:3} {r['tok_s_per_request']:8.2f} tok/s/req "
+                          f"acceptance={r['acceptance_rate']}", file=sys.stderr)
+        del llm
+    plain = LLM(model=args.model)
+    base = run(plain, workloads["grounded"][: args.num_prompts], 0, 1, args.max_tokens)
+    k0 = next(r for r in rows if r["method"] == "ngram" and r["workload"] == "grounded" and r["k"] == 0
+              and r["concurrency"] == 1)
+
+    def speedup(method: str, workload: str, conc: int) -> float | None:
+        sel = [r for r in rows if r["method"] == method and r["workload"] == workload and r["concurrency"] == conc]
+        if not sel:
+            return None
+        zero = next(r for r in sel if r["k"] == 0)["tok_s_per_request"]
+        return max(r["tok_s_per_request"] for r in sel) / zero
+
+    def acceptance(method: str, workload: str) -> float | None:
+        vals = [r["acceptance_rate"] for r in rows if r["method"] == method and r["workload"] == workload
+                and r["acceptance_rate"] is not None and r["concurrency"] == 1]
+        return statistics.median(vals) if vals else None
+
+    result = {
+        "ngram_grounded_speedup": speedup("ngram", "grounded", 1),
+        "ngram_chat_speedup": speedup("ngram", "chat", 1),
+        "draft_grounded_speedup": speedup("draft", "grounded", 1),
+        "draft_chat_speedup": speedup("draft", "chat", 1),
+        "high_load_speedup": max(filter(None, [speedup(m, w, args.high_concurrency) for m in methods for w in workloads])),
+        "acceptance_rate": {f"{m}_{w}": acceptance(m, w) for m in methods for w in workloads},
+        "k0_overhead_pct": 100.0 * (base["tok_s_per_request"] / k0["tok_s_per_request"] - 1),
+        "rows": rows,
+    }
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2))
+    plot(rows, ks, out.with_suffix(".png"))
+    print(json.dumps(result))
+    return 0
+
+
+def plot(rows: list[dict], ks: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    series = sorted({(r["method"], r["workload"], r["concurrency"]) for r in rows})
+    for method, workload, conc in series:
+        sel = {r["k"]: r["tok_s_per_request"] for r in rows
+               if (r["method"], r["workload"], r["concurrency"]) == (method, workload, conc)}
+        base = sel.get(0) or 1.0
+        ax.plot(ks, [sel[k] / base for k in ks], marker="o", linestyle="-" if conc == 1 else "--",
+                label=f"{method} / {workload} / concurrency {conc}")
+    ax.axhline(1.0, color="grey", linewidth=0.8)
+    ax.set_xlabel("speculative tokens k")
+    ax.set_ylabel("per-request tokens/s vs k=0")
+    ax.set_title("Speculative decoding speedup by k and load")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -31,7 +31,6 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     seed: int = 0
-    compile: bool = False  # torch.compile the per-layer dense parts
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")

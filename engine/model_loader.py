@@ -116,9 +116,13 @@ def _gguf_to_folder(gguf: Path) -> Path:
         _save_plain(model, tmp)
         tokenizer.save_pretrained(tmp)
         (tmp / "specfleet-converted.json").write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
+        try:
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        except OSError:
+            if not (target / "specfleet-converted.json").exists():  # not a concurrent conversion: a real error
+                raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -178,7 +178,12 @@ async def _stream_body(state: ServerState, streams: list[RequestStream], rid: st
                 if continuous_usage:
                     chunk["usage"] = serving.usage([finals[i] for i in sorted(finals)])
                 yield serving.sse(chunk)
-        if include_usage:
+        cut = [i for i in range(len(streams) * n) if not cursors.cursor(i).done]
+        if cut:  # aborted (drain timeout): say so instead of ending silently
+            empty = {"delta": {}} if chat else {"text": ""}
+            yield serving.sse(_chunk(kind, rid, created, model, [
+                {"index": i, **empty, "logprobs": None, "finish_reason": "abort"} for i in cut], include_usage))
+        if include_usage and finals:
             yield serving.sse({**_chunk(kind, rid, created, model, [], False),
                                "usage": serving.usage([finals[p] for p in sorted(finals)])})
     except Exception as exc:

@@ -52,7 +52,10 @@ class RequestStream:
     def reject(self, exc: BaseException) -> None:
         self.finished = True
         if not self.accepted.done():
-            self.accepted.set_exception(exc)
+            if self.closed:  # nobody waits any more
+                self.accepted.cancel()
+            else:
+                self.accepted.set_exception(exc)
 
     def deliver(self, output: RequestOutput, step_start: float, _step_end: float) -> None:
         if self.finished:

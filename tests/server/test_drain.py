@@ -38,8 +38,8 @@ def test_cli_flags_map_onto_engine_config() -> None:
     EngineConfig(**kwargs)  # every flag is a real EngineConfig field
 
 
-def _stream(url: str, results: list[Any], first_chunk: threading.Event) -> None:
-    body = {"prompt": SECRET_PROMPT, "max_tokens": 24, "ignore_eos": True, "temperature": 0, "stream": True}
+def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_tokens: int) -> None:
+    body = {"prompt": SECRET_PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
     chunks: list[str] = []
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
@@ -52,17 +52,20 @@ def _stream(url: str, results: list[Any], first_chunk: threading.Event) -> None:
         results.append((None, [repr(exc)]))
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path) -> None:
-    pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
+def _serve_under_load(tmp_path: Path, drain_timeout: float, max_tokens: int) -> tuple[int, list[Any], str]:
+    """Start `python -m specfleet.engine`, stream 4 requests, SIGTERM, check the drain window; return
+    (exit code, per-stream (status, SSE payloads), log)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "specfleet.engine", "serve", "--model", "bundled://smollm2-135m-instruct",
-           "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1", "--drain-timeout", "90"]
+           "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1",
+           "--drain-timeout", str(drain_timeout)]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    results: list[Any] = []
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -74,9 +77,8 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path) -> None:
             except httpx.TransportError:
                 pass
             time.sleep(0.3)
-        results: list[Any] = []
         started = [threading.Event() for _ in range(4)]
-        threads = [threading.Thread(target=_stream, args=(url, results, ev)) for ev in started]
+        threads = [threading.Thread(target=_stream, args=(url, results, ev, max_tokens)) for ev in started]
         for t in threads:
             t.start()
         for ev in started:
@@ -92,18 +94,44 @@ def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path) -> None:
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200
         for t in threads:
             t.join(120)
-        assert proc.wait(60) == 0, log_path.read_text()[-3000:]
+        code = proc.wait(60)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+    return code, results, log_path.read_text()
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_0(tmp_path: Path) -> None:
+    pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
+    code, results, log_text = _serve_under_load(tmp_path, drain_timeout=90, max_tokens=24)
+    assert code == 0, log_text[-3000:]
     assert len(results) == 4
     for status, chunks in results:
         assert status == 200, chunks
         assert chunks[-1] == "[DONE]"
         assert '"finish_reason":"length"' in chunks[-2]
-    log_text = log_path.read_text()
     request_lines = [line for line in log_text.splitlines() if "event=request " in line]
     assert len(request_lines) == 4 and all("finish_reason=length" in line for line in request_lines)
     assert SECRET_PROMPT not in log_text  # never the prompt in the logs
     assert "event=drain_done" in log_text
+
+
+def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tmp_path: Path) -> None:
+    pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
+    code, results, log_text = _serve_under_load(tmp_path, drain_timeout=1, max_tokens=400)
+    assert code == 0, log_text[-3000:]
+    assert len(results) == 4
+    for status, chunks in results:
+        assert status == 200 and chunks[-1] == "[DONE]", chunks[-3:]
+        assert not any('"finish_reason":"length"' in c for c in chunks)  # cut short, not finished
+        assert '"finish_reason":"abort"' in chunks[-2]
+    assert "event=drain_timeout aborted=4" in log_text
+    assert sum("finish_reason=abort" in line for line in log_text.splitlines()) == 4
+
+
+def test_invalid_engine_flags_exit_2_before_loading(capsys: pytest.CaptureFixture[str]) -> None:
+    from specfleet.engine.server.cli import main
+
+    assert main(["serve", "--block-size", "3"]) == 2
+    assert "block_size=3" in capsys.readouterr().err

@@ -38,6 +38,10 @@ def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list
         params = body.to_sampling_params()
     except ValueError as exc:
         raise APIError(400, str(exc), _param_for(str(exc), "max_tokens"), "invalid_value") from exc
+    bad = [t for t in params.stop_token_ids if t >= state.vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids contains {bad[0]}: token ids must be in [0, {state.vocab_size})",
+                       "stop_token_ids", "invalid_value")
     limit = state.max_model_len
     chat = isinstance(body, ChatCompletionRequest)
     for length in prompt_lens:

@@ -32,6 +32,7 @@ def build_state(engine: Any, *, served_model_name: str | None = None, max_waitin
         model_name=model_name,
         max_model_len=int(engine.max_model_len),
         tokenizer=engine.tokenizer,
+        vocab_size=len(engine.tokenizer),
         admin_token=token,
     )
 

@@ -22,6 +22,7 @@ class ServerState:
     model_name: str
     max_model_len: int
     tokenizer: Any
+    vocab_size: int
     admin_token: str | None = None
     ready: bool = False
     draining: bool = False

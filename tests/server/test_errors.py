@@ -43,6 +43,8 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
      "presence_penalty"),
     ("empty stop string", "/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop"),
     ("negative stop token", "/v1/completions", {**COMPLETION, "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
+    ("stop token beyond the vocabulary", "/v1/completions", {**COMPLETION, "min_tokens": 1, "stop_token_ids": [10**30]},
+     400, "stop_token_ids"),
     ("min_tokens above max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 5}, 400, "min_tokens"),
     ("unknown field", "/v1/completions", {**COMPLETION, "frobnicate": True}, 400, "frobnicate"),
     ("unsupported logit_bias", "/v1/completions", {**COMPLETION, "logit_bias": {"1": 5}}, 400, "logit_bias"),

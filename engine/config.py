@@ -31,6 +31,7 @@ class EngineConfig:
     prompt_lookup_min: int = 1
     prompt_lookup_max: int = 4
     seed: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -68,6 +69,11 @@ class EngineConfig:
             raise ValueError(
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
                 "must satisfy 1 <= min <= max"
+            )
+        if self.tensor_parallel_size != 1:
+            raise ValueError(
+                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not implemented yet; "
+                "use 1 (one GPU per replica) and scale with replicas"
             )
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, torch, triton")

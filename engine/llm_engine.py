@@ -86,6 +86,8 @@ class Engine:
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in params.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
@@ -206,6 +208,8 @@ class Engine:
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
+            if req.metrics.first_scheduled_time is None:
+                req.metrics.first_scheduled_time = seq.first_scheduled_time
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 req.metrics.first_token_time = req.metrics.first_token_time or now

@@ -63,7 +63,7 @@ def _client(memo: kopf.Memo) -> KubeClient:
 
 
 def _now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)

@@ -46,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-speculative-tokens", type=int, default=8, help="ceiling for the live k")
     p.add_argument("--draft-model", default=None, help="draft model source URI (--speculative-method draft)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (only 1 for now)")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests waiting for their first token beyond which new ones get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -78,6 +79,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "max_num_speculative_tokens": args.max_num_speculative_tokens,
         "draft_model": args.draft_model,
         "seed": args.seed,
+        "tensor_parallel_size": args.tensor_parallel_size,
     }
 
 

@@ -35,6 +35,7 @@ def test_sampling_params_name_the_field(kwargs, words):
         ({"speculative_method": "draft"}, "needs draft_model"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens=9"),
         ({"max_num_seqs": 300, "max_num_seqs_limit": 256}, "max_num_seqs=300"),
+        ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: tensor parallelism is not implemented"),
     ],
 )
 def test_engine_config_names_the_field(kwargs, words):
@@ -75,6 +76,7 @@ def test_engine_rejects_bad_requests_and_leaks_no_blocks():
         ("hi " * 80, SamplingParams(), "model's context is 64"),
         ("hello", SamplingParams(max_tokens=100), "max_tokens=100 exceeds the model's context of 64"),
         ([1, 2, 10**9], SamplingParams(), r"prompt token ids must be in \[0, 49152\)"),
+        ("hello", SamplingParams(stop_token_ids=[10**30], min_tokens=1), r"stop_token_ids must be in \[0, 49152\)"),
     ]
     for prompt, params, words in cases:
         with pytest.raises(ValueError, match=words):

@@ -38,9 +38,11 @@ class _Request:
 
 class Engine:
     def __init__(self, config: EngineConfig | None = None, **kwargs):
-        self.config = config = config or EngineConfig(**kwargs)
-        if kwargs and config is not None:
-            self.config = config = replace(config, **kwargs)
+        if config is None:
+            config = EngineConfig(**kwargs)
+        elif kwargs:
+            config = replace(config, **kwargs)
+        self.config = config
         loaded: LoadedModel = load_model(config)
         self.tokenizer, self.model_name, self.max_model_len = loaded.tokenizer, loaded.name, loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids

@@ -1,10 +1,16 @@
-"""Shared fixtures: the bundled model, loaded once per session."""
+"""Shared fixtures: the bundled model's local folder and a real Prometheus server on loopback."""
 
 from __future__ import annotations
 
 import os
+import shutil
+import subprocess
+import time
+from collections.abc import Callable, Iterator
 
+import httpx
 import pytest
+from specfleet.operator.tuner.fleet import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -16,3 +22,42 @@ def bundled_path():
     from specfleet.engine.model_loader import resolve_model
 
     return resolve_model(BUNDLED).path
+
+
+@pytest.fixture(scope="session")
+def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[[str, list[str]], str]]:
+    """Starts a real Prometheus scraping `targets` every second under `job`; returns its URL."""
+    binary = shutil.which("prometheus")
+    if binary is None:
+        pytest.skip("the prometheus binary is missing: apt-get install -y prometheus (.ci/setup installs it)")
+    procs: list[subprocess.Popen[bytes]] = []
+
+    def start(job: str, targets: list[str]) -> str:
+        workdir = tmp_path_factory.mktemp("prometheus")
+        hosts = ", ".join(f"'{t.removeprefix('http://')}'" for t in targets)
+        (workdir / "prometheus.yml").write_text(
+            "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
+            f"scrape_configs:\n  - job_name: {job}\n    static_configs: [{{targets: [{hosts}]}}]\n")
+        port = free_port()
+        with open(workdir / "prometheus.log", "wb") as log:
+            proc = subprocess.Popen([binary, f"--config.file={workdir / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={workdir / 'data'}",
+                                     f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        procs.append(proc)
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, (workdir / "prometheus.log").read_text()[-2000:]
+            assert time.monotonic() < deadline, "prometheus did not become ready"
+            try:
+                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
+                    return url
+            except httpx.TransportError:
+                pass
+            time.sleep(0.2)
+
+    yield start
+    for proc in procs:
+        proc.terminate()
+        proc.wait(20)

@@ -5,12 +5,7 @@ from __future__ import annotations
 import math
 import pkgutil
 import re
-import shutil
-import socket
-import subprocess
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -41,48 +36,9 @@ def _has_spec_decode() -> bool:
     return any(pkgutil.iter_modules(spec_decode.__path__))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
-def prometheus(server: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    if binary is None:
-        pytest.skip("the prometheus binary is not installed (Debian package 'prometheus'; .ci/setup installs it)")
-    workdir: Path = tmp_path_factory.mktemp("prometheus")
-    target = server.url.removeprefix("http://")
-    (workdir / "prometheus.yml").write_text(
-        "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-        "scrape_configs:\n"
-        f"  - job_name: specfleet-test\n    static_configs: [{{targets: ['{target}']}}]\n")
-    port = _free_port()
-    log = open(workdir / "prometheus.log", "w")
-    proc = subprocess.Popen([binary, f"--config.file={workdir / 'prometheus.yml'}",
-                             f"--storage.tsdb.path={workdir / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-                             "--log.level=warn"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (workdir / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
+def prometheus(server: Any, prometheus_factory) -> str:  # type: ignore[no-untyped-def]
+    return prometheus_factory("specfleet-test", [server.url])
 
 
 def query(prom: str, promql: str) -> list[dict[str, Any]]:

@@ -23,7 +23,8 @@ class _Short:
     qmax: int
     kmax: int
     query_rows: torch.Tensor | None  # [batch * qmax] rows of the flat query; None: identity
-    key_slots: torch.Tensor  # [batch * kmax] slots to gather
+    key_slots: torch.Tensor | None  # [batch * kmax] slots to gather (batch 1)
+    key_blocks: torch.Tensor | None  # [batch * kmax / block_size] whole blocks to gather (batch > 1)
     mask: torch.Tensor | None  # [batch, 1, qmax, kmax] bool, True = attend; None: attend to all
     out_src: torch.Tensor | None  # [n] rows of the padded output holding real queries
     out_dst: torch.Tensor | None  # [n] rows of the flat output they go to
@@ -89,7 +90,11 @@ class TorchAttentionBackend:
         batch, qmax, kmax = len(ids), max(qlens), max(slens)
         nblocks = -(-kmax // meta.block_size)
         tables = meta.block_tables[ids, :nblocks] if len(ids) != meta.num_seqs else meta.block_tables[:, :nblocks]
-        key_slots = _slots_for(tables, kmax, meta.block_size).reshape(-1)
+        if batch == 1:
+            key_slots, key_blocks = _slots_for(tables, kmax, meta.block_size).reshape(-1), None
+        else:  # whole blocks copy faster than single slots; the mask hides each table's tail
+            key_slots, key_blocks = None, tables.reshape(-1).to(torch.int64)
+            kmax = nblocks * meta.block_size
 
         uniform = all(q == qmax for q in qlens) and all(s == kmax for s in slens)
         mask = None
@@ -107,7 +112,7 @@ class TorchAttentionBackend:
             first = starts[ids[0]]
             rows = torch.arange(first, first + batch * qmax, device=device)
             identity = first == 0 and batch * qmax == starts[-1]
-            return _Short(batch, qmax, kmax, None if identity else rows, key_slots, mask,
+            return _Short(batch, qmax, kmax, None if identity else rows, key_slots, key_blocks, mask,
                           None, None if identity else rows)
         query_rows, out_src, out_dst = [], [], []
         for n, (b, q) in enumerate(zip(ids, qlens)):
@@ -116,7 +121,7 @@ class TorchAttentionBackend:
             out_src.extend(n * qmax + i for i in range(q))
             out_dst.extend(range(starts[b], starts[b] + q))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        return _Short(batch, qmax, kmax, as_tensor(query_rows), key_slots, mask, as_tensor(out_src),
+        return _Short(batch, qmax, kmax, as_tensor(query_rows), key_slots, key_blocks, mask, as_tensor(out_src),
                       as_tensor(out_dst))
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
@@ -138,7 +143,7 @@ class TorchAttentionBackend:
 
         short = state.short
         if short is not None and not state.longs and short.query_rows is None:
-            return self._short(query, k_flat, v_flat, short, scale, gqa)
+            return self._short(query, k_cache, v_cache, short, scale, gqa)
 
         out = torch.empty_like(query)
         for part in state.longs:
@@ -150,19 +155,24 @@ class TorchAttentionBackend:
             )
             out[part.row_start : part.row_end] = o.squeeze(0).transpose(0, 1)
         if short is not None:
-            o = self._short(query.index_select(0, short.query_rows), k_flat, v_flat, short, scale, gqa)
+            o = self._short(query.index_select(0, short.query_rows), k_cache, v_cache, short, scale, gqa)
             if short.out_src is not None:
                 o = o.index_select(0, short.out_src)
             out.index_copy_(0, short.out_dst, o)
         return out
 
     @staticmethod
-    def _short(query, k_flat, v_flat, short: _Short, scale: float, gqa: bool) -> torch.Tensor:
+    def _short(query, k_cache, v_cache, short: _Short, scale: float, gqa: bool) -> torch.Tensor:
         num_heads, head_dim = query.shape[-2:]
-        num_kv_heads = k_flat.shape[-2]
+        num_kv_heads = k_cache.shape[-2]
+        shape = (short.batch, short.kmax, num_kv_heads, head_dim)
+        if short.key_blocks is not None:
+            k = k_cache.index_select(0, short.key_blocks).view(shape)
+            v = v_cache.index_select(0, short.key_blocks).view(shape)
+        else:
+            k = k_cache.view(-1, num_kv_heads, head_dim).index_select(0, short.key_slots).view(shape)
+            v = v_cache.view(-1, num_kv_heads, head_dim).index_select(0, short.key_slots).view(shape)
         q = query.view(short.batch, short.qmax, num_heads, head_dim).transpose(1, 2)
-        k = k_flat.index_select(0, short.key_slots).view(short.batch, short.kmax, num_kv_heads, head_dim)
-        v = v_flat.index_select(0, short.key_slots).view(short.batch, short.kmax, num_kv_heads, head_dim)
         o = F.scaled_dot_product_attention(
             q, k.transpose(1, 2), v.transpose(1, 2), attn_mask=short.mask, scale=scale, enable_gqa=gqa
         )

@@ -19,11 +19,12 @@ import triton
 import triton.language as tl
 from specfleet.kernels._launch import is_interpreted, kernel_for, next_pow2, num_sms
 from specfleet.kernels._paged_checks import check_paged_args
+from specfleet.kernels._paged_softmax import NEG as _NEG
+from specfleet.kernels._paged_softmax import attend_paged_range
 from specfleet.kernels.attention_reference import paged_attention_reference
 
 MAX_DECODE_QUERY_LEN = 16  # longer queries belong to the prefill kernel
 _LOG2E = 1.4426950408889634
-_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima: exp2(_NEG - _NEG) stays 1, never NaN
 
 
 @triton.jit
@@ -68,33 +69,11 @@ def _paged_decode_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
-    kv_stride_slot = num_kv_heads * head_dim
-    for start in range(lo, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(block_tables_ptr + seq * stride_bt + n // block_size, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * block_size + n % block_size
-        kv_off = slot[:, None] * kv_stride_slot + kv_head * head_dim + d[None, :]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = n_ok[None, :] & (n[None, :] <= first_pos + qi[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_paged_range(
+        q, qi, first_pos, lo, hi, seq, kv_head, d, d_ok, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+        stride_bt, num_kv_heads, head_dim, block_size, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION)
 
     valid = row_ok[:, None] & d_ok[None, :]
     if SPLIT:

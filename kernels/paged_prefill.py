@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 from specfleet.kernels._launch import is_interpreted, kernel_for, next_pow2
 from specfleet.kernels._paged_checks import check_paged_args
+from specfleet.kernels._paged_softmax import attend_paged_range
 from specfleet.kernels.attention_reference import paged_attention_reference
 
 _LOG2E = 1.4426950408889634
-_NEG = tl.constexpr(-1.0e30)  # finite "minus infinity" for running maxima
 
 
 @triton.jit
@@ -63,32 +63,10 @@ def _paged_prefill_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], _NEG, dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
     hi = tl.minimum(first_pos + (tile + 1) * ROWS, seq_len)  # one past the tile's last row position
-    kv_stride_slot = num_kv_heads * head_dim
-    for start in range(0, hi, BLOCK_N):
-        n = start + tl.arange(0, BLOCK_N)
-        n_ok = n < hi
-        block = tl.load(block_tables_ptr + seq * stride_bt + n // block_size, mask=n_ok, other=0)
-        slot = block.to(tl.int64) * block_size + n % block_size
-        kv_off = slot[:, None] * kv_stride_slot + kv_head * head_dim + d[None, :]
-        kv_mask = n_ok[:, None] & d_ok[None, :]
-        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        s = tl.dot(q, tl.trans(k), input_precision=PRECISION) * qk_scale
-        visible = n_ok[None, :] & (n[None, :] <= first_pos + qi[:, None])
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_new
+    m_i, l_i, acc = attend_paged_range(
+        q, qi, first_pos, 0, hi, seq, kv_head, d, d_ok, k_cache_ptr, v_cache_ptr, block_tables_ptr,
+        stride_bt, num_kv_heads, head_dim, block_size, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION)
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]

@@ -127,7 +127,7 @@ class Engine:
         return len(self._requests)
 
     def kv_blocks_in_use(self) -> int:
-        return sum(1 for r in self.kv.ref_counts if r > 0)
+        return self.kv.num_used_blocks  # referenced blocks; cached free ones are not in use
 
     # -- live configuration -----------------------------------------------------------------------------
     def live_config(self) -> LiveConfig:

@@ -147,7 +147,8 @@ class ModelRunner:
         plain = [i for i, item in enumerate(items) if not item.num_spec_tokens]
         if plain:
             rows = [starts[i] for i in plain]
-            sub = batch if len(rows) == len(row_seqs) else self.sampling_batch([row_seqs[r] for r in rows], logits.device)
+            sub = batch if len(rows) == len(row_seqs) else self.sampling_batch([row_seqs[r] for r in rows], logits.device,
+                                                                                  penalties=False)
             for i, token in zip(plain, sample(logits[rows], sub, self.generator).tolist()):
                 emitted[i] = [token]
         spec = [i for i, item in enumerate(items) if item.num_spec_tokens]
@@ -168,7 +169,8 @@ class ModelRunner:
                 by_k.setdefault(items[i].num_spec_tokens, []).append(i)
         for k, group in by_k.items():
             rows = [starts[i] + j for i in group for j in range(k + 1)]
-            sub = self.sampling_batch([items[i].seq for i in group for _ in range(k + 1)], logits.device)
+            sub = self.sampling_batch([items[i].seq for i in group for _ in range(k + 1)], logits.device,
+                                      penalties=False)
             p = processed_probs(logits[rows], sub).view(len(group), k + 1, -1)
             seqs = [items[i].seq for i in group]
             q = None
@@ -204,7 +206,8 @@ class ModelRunner:
             index += 1
         return ModelRunnerOutput(sampled, logprobs, spec_stats)
 
-    def sampling_batch(self, seqs: list[Sequence], device: torch.device) -> SamplingBatch:
+    def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True) -> SamplingBatch:
+        """Per-row settings; penalties=False skips what `apply_penalties` needs (already applied)."""
         params = [s.params for s in seqs]
         all_greedy = all(p.temperature == 0 for p in params) and not any(s.generator for s in seqs)
         top_k = top_p = None
@@ -216,7 +219,7 @@ class ModelRunner:
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
             top_k=top_k, top_p=top_p, generators=[s.generator for s in seqs], all_greedy=all_greedy,
         )
-        if any(p.uses_penalties for p in params):
+        if penalties and any(p.uses_penalties for p in params):
             counts = torch.zeros(len(seqs), self.vocab_size, device=device)
             for row, s in enumerate(seqs):
                 if s.params.uses_penalties and s.num_output_tokens:
@@ -225,9 +228,10 @@ class ModelRunner:
             batch.output_counts = counts
             batch.presence = torch.tensor([p.presence_penalty for p in params], device=device)
             batch.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
-        banned = [(row, sorted(self.eos_token_ids | set(s.params.stop_token_ids)))
-                  for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
-        batch.banned = banned or None
+        if penalties:
+            banned = [(row, sorted(self.eos_token_ids | set(s.params.stop_token_ids)))
+                      for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+            batch.banned = banned or None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.num_logprobs = max(wanted) if wanted else None
         return batch

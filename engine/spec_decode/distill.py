@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -72,7 +73,7 @@ def train(draft_dir: Path, data: list[tuple[list[int], int]], minutes: float, ba
         optimizer.step()
         steps += 1
         losses.append(float(loss))
-        bar.set_postfix(loss=f"{statistics_mean(losses[-20:]):.3f}")
+        bar.set_postfix(loss=f"{statistics.fmean(losses[-20:]):.3f}")
         bar.update(1)
     bar.close()
     model.eval()
@@ -80,11 +81,7 @@ def train(draft_dir: Path, data: list[tuple[list[int], int]], minutes: float, ba
 
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
     save_file(state, draft_dir / "model.safetensors", metadata={"format": "pt"})
-    return {"steps": steps, "final_loss": statistics_mean(losses[-20:]) if losses else None}
-
-
-def statistics_mean(values: list[float]) -> float:
-    return sum(values) / max(1, len(values))
+    return {"steps": steps, "final_loss": statistics.fmean(losses[-20:]) if losses else None}
 
 
 def agreement(target: str, draft_dir: Path, k: int, max_tokens: int) -> float:

@@ -71,7 +71,10 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
-    model = LlamaModel(hf_config, load_state_dict(resolved.path), dtype, device)
+    if config.quantization and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"quantization={config.quantization!r} runs on the native CPU kernels: it needs "
+                         f"device cpu and dtype float32, not {device.type} {dtype}")
+    model = LlamaModel(hf_config, load_state_dict(resolved.path), dtype, device, quantize=config.quantization)
     num_blocks = kv_blocks(config, model, max_model_len, device)
     return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer),
                        num_blocks)

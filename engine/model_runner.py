@@ -56,7 +56,7 @@ class ModelRunner:
                  eos_token_ids: set[int], seed: int):
         self.model = model
         self.block_size = block_size
-        self.attn = get_attention_backend(attention_backend, model.device)
+        self.attn = get_attention_backend(attention_backend, model.device, model.dtype)
         a = model.args
         shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
         self.kv_caches = [

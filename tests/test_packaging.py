@@ -47,6 +47,7 @@ def test_wheel_builds_and_imports(tmp_path):
     names = zipfile.ZipFile(wheel).namelist()
     for package in FOLDERS.values():
         assert f"{package.replace('.', '/')}/__init__.py" in names
+    assert "specfleet/kernels/cpu/native.cpp" in names  # the native CPU kernels build from it on first use
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)

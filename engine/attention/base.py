@@ -71,8 +71,9 @@ class AttentionBackend(Protocol):
         ...
 
 
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks Triton on CUDA when it imports, the torch reference everywhere else."""
+def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA when it imports; on CPU the native kernels for float32 when they
+    build; the torch reference everywhere else."""
     if name == "auto":
         name = "torch"
         if device.type == "cuda":
@@ -82,12 +83,23 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
                 name = "triton"
             except ImportError:
                 pass
+        elif device.type == "cpu" and dtype == torch.float32:
+            from specfleet.kernels import cpu_native
+
+            if cpu_native.available():
+                name = "native"
     if name == "torch":
         from specfleet.engine.attention.torch_backend import TorchAttentionBackend
 
         return TorchAttentionBackend()
+    if name == "native":
+        if device.type != "cpu" or dtype != torch.float32:
+            raise ValueError(f"attention_backend='native' runs on CPU float32 only, not {device.type} {dtype}")
+        from specfleet.engine.attention.native_backend import NativeAttentionBackend
+
+        return NativeAttentionBackend()
     if name == "triton":
         from specfleet.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend()
-    raise ValueError(f"attention_backend={name!r} is not one of 'auto', 'torch', 'triton'")
+    raise ValueError(f"attention_backend={name!r} is not one of 'auto', 'torch', 'native', 'triton'")

@@ -1,4 +1,4 @@
-"""Torch reference attention over the paged KV cache: the CPU path and the kernels' oracle.
+"""Torch reference attention over the paged KV cache: the kernels' oracle and the fallback CPU path.
 
 Sequences with short queries (decode, speculative verification) are gathered into one padded batch
 and run as a single SDPA call; long queries (prefill chunks) run one SDPA call each. Everything that
@@ -52,37 +52,69 @@ def _slots_for(block_table: torch.Tensor, length: int, block_size: int) -> torch
     return slots.flatten(-2)[..., :length]
 
 
+def split_by_query_len(meta: AttentionMetadata) -> tuple[list[int], list[int], list[int]]:
+    """Sequence indices with short and with long queries, and every sequence's first query row."""
+    starts = [0]
+    for q in meta.query_lens_cpu:
+        starts.append(starts[-1] + q)
+    short_ids = [b for b, q in enumerate(meta.query_lens_cpu) if q <= SHORT_QUERY_MAX]
+    long_ids = [b for b, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
+    return short_ids, long_ids, starts
+
+
+def prepare_longs(meta: AttentionMetadata, long_ids: list[int], starts: list[int]) -> list[_Long]:
+    device = meta.slot_mapping.device
+    longs = []
+    for b in long_ids:
+        q, s = meta.query_lens_cpu[b], meta.seq_lens_cpu[b]
+        key_slots = _slots_for(meta.block_tables[b, : -(-s // meta.block_size)], s, meta.block_size)
+        mask = None
+        if s != q:
+            i = torch.arange(q, device=device).unsqueeze(1)
+            j = torch.arange(s, device=device).unsqueeze(0)
+            mask = j <= (s - q) + i
+        longs.append(_Long(starts[b], starts[b + 1], key_slots, mask))
+    return longs
+
+
+def padding_free_rows(meta: AttentionMetadata) -> torch.Tensor | None:
+    """Rows whose slot is >= 0, when some rows are padding (slot -1); None when all are real."""
+    if bool((meta.slot_mapping < 0).any()):
+        return torch.nonzero(meta.slot_mapping >= 0).flatten()
+    return None
+
+
+def write_kv(key, value, k_cache, v_cache, slots: torch.Tensor, write_rows: torch.Tensor | None) -> None:
+    if write_rows is not None:
+        slots, key, value = slots[write_rows], key[write_rows], value[write_rows]
+    num_kv_heads, head_dim = k_cache.shape[-2:]
+    k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
+    v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+
+
+def forward_longs(query, k_cache, v_cache, longs: list[_Long], scale: float, out: torch.Tensor) -> None:
+    """One SDPA call per long query (a prefill chunk), over its gathered keys, into `out`'s rows."""
+    num_heads, head_dim = query.shape[-2:]
+    num_kv_heads = k_cache.shape[-2]
+    k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+    v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+    for part in longs:
+        q = query[part.row_start : part.row_end].transpose(0, 1).unsqueeze(0)
+        k = k_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
+        v = v_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=part.mask, is_causal=part.mask is None, scale=scale,
+                                           enable_gqa=num_heads != num_kv_heads)
+        out[part.row_start : part.row_end] = o.squeeze(0).transpose(0, 1)
+
+
 class TorchAttentionBackend:
     name = "torch"
 
     def prepare(self, meta: AttentionMetadata) -> None:
-        device = meta.slot_mapping.device
-        qlens, slens = meta.query_lens_cpu, meta.seq_lens_cpu
-        starts = [0]
-        for q in qlens:
-            starts.append(starts[-1] + q)
-        short_ids = [b for b, q in enumerate(qlens) if q <= SHORT_QUERY_MAX]
-        long_ids = [b for b, q in enumerate(qlens) if q > SHORT_QUERY_MAX]
-
-        longs = []
-        for b in long_ids:
-            q, s = qlens[b], slens[b]
-            key_slots = _slots_for(meta.block_tables[b, : -(-s // meta.block_size)], s, meta.block_size)
-            mask = None
-            if s != q:
-                i = torch.arange(q, device=device).unsqueeze(1)
-                j = torch.arange(s, device=device).unsqueeze(0)
-                mask = j <= (s - q) + i
-            longs.append(_Long(starts[b], starts[b + 1], key_slots, mask))
-
-        short = None
-        if short_ids:
-            short = self._prepare_short(meta, short_ids, starts, device)
-
-        write_rows = None
-        if bool((meta.slot_mapping < 0).any()):
-            write_rows = torch.nonzero(meta.slot_mapping >= 0).flatten()
-        meta.backend_state = _State(short, longs, write_rows)
+        short_ids, long_ids, starts = split_by_query_len(meta)
+        longs = prepare_longs(meta, long_ids, starts)
+        short = self._prepare_short(meta, short_ids, starts, meta.slot_mapping.device) if short_ids else None
+        meta.backend_state = _State(short, longs, padding_free_rows(meta))
 
     def _prepare_short(self, meta, ids, starts, device) -> _Short:
         qlens = [meta.query_lens_cpu[b] for b in ids]
@@ -125,35 +157,17 @@ class TorchAttentionBackend:
                       as_tensor(out_dst))
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
-        state: _State = meta.backend_state
-        slots = meta.slot_mapping
-        if state.write_rows is not None:
-            slots, key, value = slots[state.write_rows], key[state.write_rows], value[state.write_rows]
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, key)
-        v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
+        write_kv(key, value, k_cache, v_cache, meta.slot_mapping, meta.backend_state.write_rows)
 
     def forward(self, query, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         state: _State = meta.backend_state
-        num_heads, head_dim = query.shape[-2:]
-        num_kv_heads = k_cache.shape[-2]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        gqa = num_heads != num_kv_heads
-
+        gqa = query.shape[-2] != k_cache.shape[-2]
         short = state.short
         if short is not None and not state.longs and short.query_rows is None:
             return self._short(query, k_cache, v_cache, short, scale, gqa)
 
         out = torch.empty_like(query)
-        for part in state.longs:
-            q = query[part.row_start : part.row_end].transpose(0, 1).unsqueeze(0)
-            k = k_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
-            v = v_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=part.mask, is_causal=part.mask is None, scale=scale, enable_gqa=gqa
-            )
-            out[part.row_start : part.row_end] = o.squeeze(0).transpose(0, 1)
+        forward_longs(query, k_cache, v_cache, state.longs, scale, out)
         if short is not None:
             o = self._short(query.index_select(0, short.query_rows), k_cache, v_cache, short, scale, gqa)
             if short.out_src is not None:

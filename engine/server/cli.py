@@ -39,12 +39,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-seqs-limit", type=int, default=None, help="ceiling for the live max_num_seqs")
     p.add_argument("--max-num-batched-tokens-limit", type=int, default=None,
                    help="ceiling for the live max_num_batched_tokens")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "native", "triton"])
     p.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"])
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="k (default: 4 with a speculative method, else 0)")
     p.add_argument("--max-num-speculative-tokens", type=int, default=8, help="ceiling for the live k")
     p.add_argument("--draft-model", default=None, help="draft model source URI (--speculative-method draft)")
+    p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (native CPU kernels)")
+    p.add_argument("--draft-quantization", default=None, choices=["int8"],
+                   help="quantize the draft's weights to int8: with --draft-model set to the target itself, "
+                        "a cheap proposer that agrees with it on most tokens")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (only 1 for now)")
     p.add_argument("--max-waiting", type=int, default=512,
@@ -78,6 +82,8 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "num_speculative_tokens": k,
         "max_num_speculative_tokens": args.max_num_speculative_tokens,
         "draft_model": args.draft_model,
+        "quantization": args.quantization,
+        "draft_quantization": args.draft_quantization,
         "seed": args.seed,
         "tensor_parallel_size": args.tensor_parallel_size,
     }

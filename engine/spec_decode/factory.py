@@ -20,7 +20,7 @@ def build_proposer(config: EngineConfig, target: ModelRunner, loaded) -> Propose
     from specfleet.engine.spec_decode.draft import DraftModelProposer
 
     draft_config = replace(config, model=config.draft_model, speculative_method="none", num_speculative_tokens=0,
-                           draft_model=None, max_model_len=loaded.max_model_len, num_kv_blocks=loaded.num_kv_blocks)
+                           draft_model=None, quantization=config.draft_quantization, draft_quantization=None, max_model_len=loaded.max_model_len, num_kv_blocks=loaded.num_kv_blocks)
     draft = load_model(draft_config, device=target.model.device)
     check_same_vocabulary(loaded.tokenizer, draft.tokenizer, config.draft_model)
     if draft.model.args.vocab_size != target.model.args.vocab_size:

@@ -92,6 +92,21 @@ def test_draft_model_equals_non_speculative(reference, tmp_path_factory, bundled
     assert llm.engine.proposer.blocks_in_use() == 0
 
 
+def test_int8_copy_of_the_target_is_an_exact_and_useful_draft(reference):
+    """The quantized-copy draft: the target's own weights in int8. Output stays the target's; the draft
+    agrees with it on most tokens (the layer-truncated drafts above agree on few)."""
+    from specfleet.kernels import cpu_native
+
+    if not cpu_native.available():
+        pytest.skip("the int8 draft runs on the native CPU kernels, which did not build here")
+    llm = LLM(speculative_method="draft", num_speculative_tokens=4, draft_model="bundled://smollm2-135m-instruct",
+              draft_quantization="int8")
+    assert tokens(llm.generate(PROMPTS, greedy())) == reference
+    stats = llm.engine.stats
+    assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.6
+    assert llm.engine.kv_blocks_in_use() == 0 and llm.engine.proposer.blocks_in_use() == 0
+
+
 def test_draft_model_preemption_and_abort(reference, tmp_path_factory):
     draft = truncate_layers("bundled://smollm2-135m-instruct", 1, tmp_path_factory.mktemp("draft1"))
     llm = LLM(speculative_method="draft", num_speculative_tokens=2, draft_model=f"file://{draft}",

@@ -36,6 +36,9 @@ def test_sampling_params_name_the_field(kwargs, words):
         ({"speculative_method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens=9"),
         ({"max_num_seqs": 300, "max_num_seqs_limit": 256}, "max_num_seqs=300"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: tensor parallelism is not implemented"),
+        ({"quantization": "int4"}, "quantization='int4' is not one of"),
+        ({"draft_quantization": "int8"}, "draft_quantization needs speculative_method='draft'"),
+        ({"attention_backend": "flash"}, "attention_backend='flash' is not one of auto, torch, native, triton"),
     ],
 )
 def test_engine_config_names_the_field(kwargs, words):

@@ -55,4 +55,4 @@ def test_forward_without_prepare_says_so() -> None:
 
 def test_get_attention_backend_names_it() -> None:
     assert get_attention_backend("triton", torch.device("cpu")).name == "triton"
-    assert get_attention_backend("auto", torch.device("cpu")).name == "torch"
+    assert get_attention_backend("auto", torch.device("cpu"), torch.bfloat16).name == "torch"

@@ -1,0 +1,280 @@
+// specfleet native CPU kernels, compiled on first use by kernels/cpu_native.py and loaded with ctypes.
+//
+// Why they exist: on CPU, a decode step is memory-bound, and MKL's sgemm handles a few rows badly
+// (5 rows cost about 3x one row, although they read the same weights once), while SDPA over a
+// gathered copy of the paged KV cache reads every cached token three times. These kernels read each
+// weight and each cached key/value once per step:
+//   - sf_linear_f32: y = x @ W (+ bias) (+ residual) for a weight packed into 32-column panels, so
+//     each thread streams its panels front to back; up to 8 rows share every weight load.
+//   - sf_linear_i8: the same over int8 weights with one scale per output column (a quantized draft
+//     model reads a quarter of the bytes); x and the accumulation stay float32.
+//   - sf_paged_attention_f32: causal attention of short queries (decode, speculative verification)
+//     over the paged cache in place, one (sequence, kv head) per task, online softmax per block.
+//   - sf_rms_norm_f32, sf_silu_mul_f32: the small elementwise ops of a layer, one pass each.
+//
+// Plain C ABI over raw pointers: the Python side checks shapes, dtypes and contiguity before each
+// call. OpenMP resolves to the libgomp that torch has already loaded (same soname), so these kernels
+// and torch's own ops share one thread pool.
+#include <omp.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+namespace {
+
+typedef float v16 __attribute__((vector_size(64)));
+typedef float v16u __attribute__((vector_size(64), aligned(4)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+typedef int8_t c16u __attribute__((vector_size(16), aligned(1)));
+
+inline v16 load(const float* p) { return *reinterpret_cast<const v16u*>(p); }
+// 16 int8 -> 16 floats. GCC scalarises __builtin_convertvector for this widening, hence intrinsics.
+inline v16 load(const int8_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#elif defined(__AVX2__)
+  const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+  const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8))));
+  return v16{lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+#else
+  return __builtin_convertvector(*reinterpret_cast<const c16u*>(p), v16);
+#endif
+}
+inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
+inline v16 splat(float f) { return v16{} + f; }
+
+inline float hsum(v16 v) {
+  v += __builtin_shuffle(v, i16{8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7});
+  v += __builtin_shuffle(v, i16{4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11});
+  v += __builtin_shuffle(v, i16{2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13});
+  v += __builtin_shuffle(v, i16{1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14});
+  return v[0];
+}
+
+// exp(x) for 16 lanes: Cody-Waite range reduction and the Cephes expf polynomial (about 1 ulp).
+// Inputs below -87 give ~1e-38 instead of 0, which is harmless as a softmax weight.
+inline v16 vexp(v16 x) {
+  x = x < splat(-87.0f) ? splat(-87.0f) : x;
+  x = x > splat(88.0f) ? splat(88.0f) : x;
+  const v16 magic = splat(12582912.0f);  // 1.5 * 2^23: adding it rounds to the nearest integer
+  v16 n = (x * splat(1.44269504088896341f) + magic) - magic;
+  v16 r = x - n * splat(0.693359375f) - n * splat(-2.12194440e-4f);
+  v16 z = r * r;
+  v16 p = splat(1.9875691500e-4f);
+  p = p * r + splat(1.3981999507e-3f);
+  p = p * r + splat(8.3334519073e-3f);
+  p = p * r + splat(4.1665795894e-2f);
+  p = p * r + splat(1.6666665459e-1f);
+  p = p * r + splat(5.0000001201e-1f);
+  p = p * z + r + splat(1.0f);
+  i16 e = (__builtin_convertvector(n, i16) + 127) << 23;
+  return p * reinterpret_cast<v16&>(e);
+}
+
+constexpr int kPanel = 32;  // columns per packed panel: two 16-float vectors
+#ifdef __AVX512F__
+constexpr int kRows = 8;  // 16 accumulators + 2 weight vectors fit in 32 zmm registers
+#else
+constexpr int kRows = 4;
+#endif
+
+// R rows of x against one panel: y[r, 0:cols] = (x[r] @ panel) (* scale) (+ bias) (+ residual).
+template <int R, typename W>
+inline void linear_tile(const float* x, int64_t ldx, int64_t K, const W* w, const float* scale,
+                        const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int cols) {
+  v16 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
+#pragma GCC unroll 2
+  for (int64_t k = 0; k < K; ++k) {
+    const v16 w0 = load(w + k * kPanel), w1 = load(w + k * kPanel + 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; ++r) {
+      const float xv = x[r * ldx + k];
+      a0[r] += xv * w0;
+      a1[r] += xv * w1;
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    v16 b0 = a0[r], b1 = a1[r];
+    if (scale) {
+      b0 *= load(scale);
+      b1 *= load(scale + 16);
+    }
+    if (bias) {
+      b0 += load(bias);
+      b1 += load(bias + 16);
+    }
+    float* yr = y + r * ldy;
+    if (cols == kPanel) {
+      if (res) {
+        b0 += load(res + r * ldr);
+        b1 += load(res + r * ldr + 16);
+      }
+      store(yr, b0);
+      store(yr + 16, b1);
+    } else {
+      float tmp[kPanel];
+      store(tmp, b0);
+      store(tmp + 16, b1);
+      for (int c = 0; c < cols; ++c) yr[c] = res ? tmp[c] + res[r * ldr + c] : tmp[c];
+    }
+  }
+}
+
+template <typename W, int R = kRows>
+inline void linear_rows(int rows, const float* x, int64_t ldx, int64_t K, const W* w, const float* scale,
+                        const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return linear_tile<R>(x, ldx, K, w, scale, bias, res, ldr, y, ldy, cols);
+    return linear_rows<W, R - 1>(rows, x, ldx, K, w, scale, bias, res, ldr, y, ldy, cols);
+  }
+}
+
+// Panels [ceil(N / 32)][K][32]; scale and bias are padded to the panels. Threads split the panels.
+template <typename W>
+void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* panels, const float* scale, int64_t N,
+            const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
+  const int64_t np = (N + kPanel - 1) / kPanel;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t p = 0; p < np; ++p) {
+    const W* w = panels + p * K * kPanel;
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+    const float* s = scale ? scale + p * kPanel : nullptr;
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      linear_rows<W>(rows, x + m0 * ldx, ldx, K, w, s, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
+                     y + m0 * ldy + p * kPanel, ldy, cols);
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+int sf_abi_version() { return 2; }
+
+// y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
+void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
+                   const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
+  linear(x, M, K, ldx, panels, nullptr, N, bias, res, ldr, y, ldy, threads);
+}
+
+// As sf_linear_f32 over int8 panels: W[k, n] = panels[k, n] * scale[n].
+void sf_linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* panels, const float* scale,
+                  int64_t N, const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
+  linear(x, M, K, ldx, panels, scale, N, bias, res, ldr, y, ldy, threads);
+}
+
+// y [M, D] = x * rsqrt(mean(x^2) + eps) * w, the order transformers' RMSNorm uses.
+void sf_rms_norm_f32(const float* x, int64_t M, int64_t D, const float* w, float eps, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * D;
+    float* yr = y + m * D;
+    int64_t d = 0;
+    v16 acc = splat(0.0f);
+    for (; d + 16 <= D; d += 16) {
+      const v16 v = load(xr + d);
+      acc += v * v;
+    }
+    float ss = hsum(acc);
+    for (; d < D; ++d) ss += xr[d] * xr[d];
+    const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + eps);
+    for (d = 0; d + 16 <= D; d += 16) store(yr + d, (load(xr + d) * inv) * load(w + d));
+    for (; d < D; ++d) yr[d] = (xr[d] * inv) * w[d];
+  }
+}
+
+// gate_up [M, 2I] -> y [M, I] = silu(gate) * up.
+void sf_silu_mul_f32(const float* gate_up, int64_t M, int64_t I, float* y) {
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gate_up + m * 2 * I;
+    const float* u = g + I;
+    float* yr = y + m * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      const v16 gv = load(g + i);
+      store(yr + i, gv / (splat(1.0f) + vexp(-gv)) * load(u + i));
+    }
+    for (; i < I; ++i) yr[i] = g[i] / (1.0f + std::exp(-g[i])) * u[i];
+  }
+}
+
+// Causal attention for the sequences listed in `seqs` over the paged cache, read in place.
+// q, out: [tokens, H, D] rows (q row stride ldq); caches: [blocks, BS, KVH, D];
+// sequence b owns rows query_start[b] .. query_start[b + 1], the last tokens of its seq_lens[b].
+// D must be a multiple of 16 (checked by the caller).
+void sf_paged_attention_f32(const float* q, int64_t ldq, const float* k_cache, const float* v_cache,
+                            const int32_t* block_tables, int64_t bt_stride, const int32_t* seqs, int64_t nseqs,
+                            const int32_t* query_start, const int32_t* seq_lens, int64_t H, int64_t KVH,
+                            int64_t D, int64_t BS, float scale, float* out, int threads) {
+  const int64_t G = H / KVH, DV = D / 16;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> qbuf, acc, mx, den, s(BS + 16);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < nseqs * KVH; ++item) {
+      const int64_t b = seqs[item / KVH], h = item % KVH;
+      const int64_t q0 = query_start[b], qlen = query_start[b + 1] - q0, slen = seq_lens[b];
+      const int64_t R = G * qlen;  // row r: query token r / G, head h * G + r % G
+      qbuf.resize(R * D);
+      acc.assign(R * D, 0.0f);
+      mx.assign(R, -INFINITY);
+      den.assign(R, 0.0f);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* src = q + (q0 + r / G) * ldq + (h * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
+      }
+      const int32_t* table = block_tables + b * bt_stride;
+      for (int64_t j = 0; j * BS < slen; ++j) {
+        const int64_t block = table[j], ntok = std::min(BS, slen - j * BS);
+        const float* kb = k_cache + (block * BS * KVH + h) * D;
+        const float* vb = v_cache + (block * BS * KVH + h) * D;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t pos = slen - qlen + r / G;  // this row's position: it sees keys 0 ..= pos
+          const int64_t vis = std::min(ntok, pos - j * BS + 1);
+          if (vis <= 0) continue;
+          const float* qr = qbuf.data() + r * D;
+          float m_blk = -INFINITY;
+          for (int64_t t = 0; t < vis; ++t) {
+            const float* kt = kb + t * KVH * D;
+            v16 a = load(qr) * load(kt);
+            for (int64_t c = 1; c < DV; ++c) a += load(qr + 16 * c) * load(kt + 16 * c);
+            s[t] = hsum(a);
+            m_blk = std::max(m_blk, s[t]);
+          }
+          const float m_new = std::max(mx[r], m_blk);
+          const float corr = std::exp(mx[r] - m_new);  // exp(-inf) = 0 on the first block
+          mx[r] = m_new;
+          float* ar = acc.data() + r * D;
+          float l = den[r] * corr;
+          for (int64_t c = 0; c < DV; ++c) store(ar + 16 * c, load(ar + 16 * c) * corr);
+          for (int64_t t = 0; t < vis; t += 16) {
+            const v16 p = vexp(load(s.data() + t) - m_new);
+            const int64_t n = std::min<int64_t>(16, vis - t);
+            for (int64_t u = 0; u < n; ++u) {
+              const float pu = p[u];
+              l += pu;
+              const float* vt = vb + (t + u) * KVH * D;
+              for (int64_t c = 0; c < DV; ++c) store(ar + 16 * c, load(ar + 16 * c) + pu * load(vt + 16 * c));
+            }
+          }
+          den[r] = l;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* dst = out + ((q0 + r / G) * H + h * G + r % G) * D;
+        const float inv = 1.0f / den[r];
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      }
+    }
+  }
+}
+
+}  // extern "C"

@@ -1,0 +1,274 @@
+"""Native CPU kernels (kernels/cpu/native.cpp): built with g++ on first use, loaded with ctypes.
+
+The build is cached under ``$SPECFLEET_CACHE`` (default ``~/.cache/specfleet``)/native, keyed by the
+source, the flags and the CPU's feature flags (it is compiled with ``-march=native``). When no compiler
+is there, or ``SPECFLEET_NATIVE=0``, `library()` returns None and callers keep their torch paths.
+
+Every wrapper checks dtype, device, shape and contiguity before passing raw pointers on: a wrong
+tensor raises ValueError naming it instead of reading out of bounds.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
+PANEL = 32
+ABI_VERSION = 2
+
+_lock = threading.Lock()
+_lib: ctypes.CDLL | None = None
+_tried = False
+_threads = 0
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SPECFLEET_CACHE", Path.home() / ".cache" / "specfleet")) / "native"
+
+
+def _build() -> Path:
+    compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        raise RuntimeError("no C++ compiler (g++) on PATH")
+    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()
+    target = _cache_dir() / key[:16] / "libspecfleet_cpu.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Concurrent processes (several engines starting at once) each build to a temporary name and
+    # rename atomically, so no process ever loads a half-written library.
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    p, i64, f32, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_int
+    lib.sf_abi_version.restype = i32
+    lib.sf_linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_i8.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, p, i64, i32]
+    lib.sf_rms_norm_f32.argtypes = [p, i64, i64, p, f32, p]
+    lib.sf_silu_mul_f32.argtypes = [p, i64, i64, p]
+    lib.sf_paged_attention_f32.argtypes = [p, i64, p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, f32, p, i32]
+    for fn in ("sf_linear_f32", "sf_linear_i8", "sf_rms_norm_f32", "sf_silu_mul_f32", "sf_paged_attention_f32"):
+        getattr(lib, fn).restype = None
+
+
+def library() -> ctypes.CDLL | None:
+    """The loaded kernels, building them on first call; None when disabled or the build failed."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        _tried = True
+        if os.environ.get("SPECFLEET_NATIVE", "1") == "0":
+            return None
+        try:
+            lib = ctypes.CDLL(str(_build()))
+            _declare(lib)
+            if lib.sf_abi_version() != ABI_VERSION:
+                raise RuntimeError(f"ABI version {lib.sf_abi_version()} != {ABI_VERSION}")
+            _lib = lib
+            num_threads()  # fix the default now, outside any single-threaded section of the engine
+        except (OSError, RuntimeError) as exc:
+            log.warning("native CPU kernels unavailable, using torch ops: %s", exc)
+    return _lib
+
+
+def available() -> bool:
+    return library() is not None
+
+
+def set_num_threads(n: int) -> None:
+    """Threads the native kernels use (default: torch's thread count when first asked)."""
+    global _threads
+    if n < 1:
+        raise ValueError(f"threads={n} must be >= 1")
+    _threads = n
+
+
+def num_threads() -> int:
+    global _threads
+    if _threads == 0:
+        _threads = torch.get_num_threads()
+    return _threads
+
+
+def _lib_or_raise() -> ctypes.CDLL:
+    lib = library()
+    if lib is None:
+        raise RuntimeError("native CPU kernels are not available (see the log for why)")
+    return lib
+
+
+def _check(name: str, t: torch.Tensor, dtype: torch.dtype = torch.float32, dim: int | None = None) -> None:
+    if t.device.type != "cpu" or t.dtype != dtype:
+        raise ValueError(f"{name} must be a CPU {dtype} tensor, got {t.device.type} {t.dtype}")
+    if dim is not None and t.dim() != dim:
+        raise ValueError(f"{name} must have {dim} dims, got shape {tuple(t.shape)}")
+
+
+def _rows(name: str, t: torch.Tensor, cols: int) -> int:
+    """Row stride of a 2-D float32 tensor whose rows are contiguous, each holding `cols` values."""
+    _check(name, t, dim=2)
+    if t.shape[1] != cols or (t.shape[0] > 1 and t.stride(1) != 1) or t.stride(0) < cols:
+        raise ValueError(f"{name} must be [rows, {cols}] with contiguous rows, got shape {tuple(t.shape)} "
+                         f"strides {t.stride()}")
+    return t.stride(0)
+
+
+def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
+    """[K, N] -> [ceil(N / 32), K, 32] contiguous, the last panel zero-padded: each panel is one
+    sequential stream for the kernel."""
+    k, n = weight_t.shape
+    panels = -(-n // PANEL)
+    padded = torch.zeros(k, panels * PANEL, dtype=weight_t.dtype)
+    padded[:, :n] = weight_t
+    return padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
+
+
+def _pad(v: torch.Tensor, n: int) -> torch.Tensor:
+    out = torch.zeros(-(-n // PANEL) * PANEL)
+    out[: v.shape[0]] = v
+    return out
+
+
+class PackedLinear:
+    """``x @ weight_t (+ bias) (+ residual)`` for a fixed [in, out] weight, packed for the native kernel.
+
+    ``quantize="int8"`` stores the weight as int8 with one scale per output column (symmetric,
+    max-abs): a quarter of the bytes, for a quantized draft model. Activations stay float32.
+    """
+
+    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None, quantize: str | None = None):
+        _check("weight_t", weight_t, dim=2)
+        self._lib = _lib_or_raise()
+        self.in_features, self.out_features = weight_t.shape
+        self.scale = None
+        if quantize == "int8":
+            scale = weight_t.abs().amax(dim=0).clamp_min(1e-12) / 127.0
+            q = torch.round(weight_t / scale).clamp_(-127, 127).to(torch.int8)
+            self.panels, self.scale = pack_panels(q), _pad(scale, self.out_features)
+        elif quantize is None:
+            self.panels = pack_panels(weight_t)
+        else:
+            raise ValueError(f"quantize={quantize!r} is not one of None, 'int8'")
+        self.bias = None
+        if bias is not None:
+            _check("bias", bias, dim=1)
+            self.bias = _pad(bias, self.out_features)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        rows = x.shape[0]
+        ldx = _rows("x", x, self.in_features)
+        ldr = 0
+        if residual is not None:
+            ldr = _rows("residual", residual, self.out_features)
+            if residual.shape[0] != rows:
+                raise ValueError(f"residual has {residual.shape[0]} rows, x has {rows}")
+        y = torch.empty(rows, self.out_features)
+        bias = self.bias.data_ptr() if self.bias is not None else None
+        res = residual.data_ptr() if residual is not None else None
+        if self.scale is None:
+            self._lib.sf_linear_f32(x.data_ptr(), rows, self.in_features, ldx, self.panels.data_ptr(),
+                                    self.out_features, bias, res, ldr, y.data_ptr(), self.out_features,
+                                    num_threads())
+        else:
+            self._lib.sf_linear_i8(x.data_ptr(), rows, self.in_features, ldx, self.panels.data_ptr(),
+                                   self.scale.data_ptr(), self.out_features, bias, res, ldr, y.data_ptr(),
+                                   self.out_features, num_threads())
+        return y
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    _check("x", x, dim=2)
+    _check("weight", weight, dim=1)
+    if not x.is_contiguous() or not weight.is_contiguous() or weight.shape[0] != x.shape[1]:
+        raise ValueError(f"rms_norm needs contiguous x [rows, {weight.shape[0]}], got {tuple(x.shape)}")
+    y = torch.empty_like(x)
+    _lib_or_raise().sf_rms_norm_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr())
+    return y
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2 * I] (gate then up) -> [rows, I] = silu(gate) * up."""
+    _check("gate_up", gate_up, dim=2)
+    if not gate_up.is_contiguous() or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be contiguous [rows, 2 * I], got {tuple(gate_up.shape)}")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    y = torch.empty(rows, inter)
+    _lib_or_raise().sf_silu_mul_f32(gate_up.data_ptr(), rows, inter, y.data_ptr())
+    return y
+
+
+def paged_attention(
+    query: torch.Tensor,  # [tokens, H, D], rows may be strided
+    k_cache: torch.Tensor,  # [blocks, BS, KVH, D]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [seqs, max_blocks] int32
+    seqs: torch.Tensor,  # [n] int32: which sequences to compute
+    query_start_loc: torch.Tensor,  # [seqs + 1] int32
+    seq_lens: torch.Tensor,  # [seqs] int32
+    scale: float,
+    out: torch.Tensor,  # [tokens, H, D] contiguous; rows of the listed sequences are written
+) -> torch.Tensor:
+    _check("query", query, dim=3)
+    _check("k_cache", k_cache, dim=4)
+    _check("v_cache", v_cache, dim=4)
+    _check("out", out, dim=3)
+    for name, t in (("block_tables", block_tables), ("seqs", seqs), ("query_start_loc", query_start_loc),
+                    ("seq_lens", seq_lens)):
+        _check(name, t, torch.int32)
+        if not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous")
+    tokens, heads, head_dim = query.shape
+    blocks, block_size, kv_heads, _ = k_cache.shape
+    if head_dim % 16 or heads % kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"unsupported shapes: query {tuple(query.shape)}, caches {tuple(k_cache.shape)} "
+                         "(head_dim must be a multiple of 16, heads a multiple of kv heads)")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
+        raise ValueError("k_cache, v_cache and out must be contiguous")
+    if query.stride(2) != 1 or query.stride(1) != head_dim:
+        raise ValueError(f"query rows must hold [heads, head_dim] contiguously, strides {query.stride()}")
+    if out.shape != query.shape:
+        raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
+    _lib_or_raise().sf_paged_attention_f32(
+        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        block_tables.stride(0), seqs.data_ptr(), seqs.numel(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
+        heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), num_threads(),
+    )
+    return out

@@ -1,9 +1,11 @@
 """`specfleet bench spec`: speculative decoding speedup by method, k and load, in one run.
 
 Workloads: input-grounded (repeat, edit or summarise a given passage or code: the output copies the
-input) and free chat. For each method (n-gram; draft when --draft-model is given) and k in --ks, it runs
+input) and free chat. For each method (n-gram; draft unless --draft-model none) and k in --ks, it runs
 the workload at concurrency 1 (one request at a time) and at --high-concurrency (all at once), and
-reports per-request output tokens/s and acceptance. k=0 on an engine with a method configured is also
+reports per-request output tokens/s (end to end: output tokens over the request's latency, prefill
+included; speedups use this one), per-request decode tokens/s (after the first token: what speculation
+acts on) and acceptance. The default draft is the target's own weights quantized to int8. k=0 on an engine with a method configured is also
 compared with an engine that never configured speculation (k0_overhead_pct).
 Prints a table, writes JSON and a PNG beside it, and ends stdout with the JSON on one line.
 """
@@ -27,7 +29,7 @@ def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int)
     stats = engine.stats
     drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
     params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
-    rates, total_tokens, start_all = [], 0, time.perf_counter()
+    rates, decode_rates, total_tokens, start_all = [], [], 0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         wave = prompts[i : i + concurrency]
         started = time.perf_counter()
@@ -36,52 +38,81 @@ def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int)
         for r in results:
             n = len(r.outputs[0].token_ids)
             total_tokens += n
-            finished = (r.metrics.finished_time - r.metrics.arrival_time) if r.metrics else elapsed
+            m = r.metrics
+            finished = (m.finished_time - m.arrival_time) if m else elapsed
             rates.append(n / max(finished, 1e-9))
+            if m and m.first_token_time and n > 1:
+                decode_rates.append((n - 1) / max(m.finished_time - m.first_token_time, 1e-9))
     drafted, accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
     return {
         "tok_s_per_request": statistics.median(rates),
+        "decode_tok_s_per_request": statistics.median(decode_rates) if decode_rates else None,
         "throughput_tok_s": total_tokens / (time.perf_counter() - start_all),
         "acceptance_rate": accepted / drafted if drafted else None,
     }
 
 
+def sweep(llm: LLM, prompts: list[str], ks: list[int], concurrency: int, max_tokens: int, repeats: int,
+          **labels) -> list[dict]:
+    """Every k `repeats` times, the order of k reversed on each pass so drift on a shared machine
+    falls on all k alike; per k, the median of each figure over the passes."""
+    runs: dict[int, list[dict]] = {k: [] for k in ks}
+    for rep in range(repeats):
+        for k in ks if rep % 2 == 0 else ks[::-1]:
+            runs[k].append(run(llm, prompts, k, concurrency, max_tokens))
+    rows = []
+    for k in ks:
+        row = {**labels, "k": k, "concurrency": concurrency}
+        for key in runs[k][0]:
+            vals = [r[key] for r in runs[k] if r[key] is not None]
+            row[key] = statistics.median(vals) if vals else None
+        print(f"{labels['method']:6} {labels['workload']:9} k={k} conc={concurrency:3} "
+              f"{row['tok_s_per_request']:8.2f} tok/s/req acceptance={row['acceptance_rate']}", file=sys.stderr)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet bench spec", description=__doc__)
     parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
-    parser.add_argument("--draft-model", default=None, help="a draft model source; omit to skip the draft method")
+    parser.add_argument("--draft-model", default="bundled://smollm2-135m-instruct",
+                        help="the draft model source, or 'none' to skip the draft method")
+    parser.add_argument("--draft-quantization", default="int8", help="int8, or 'none' for the draft as stored")
     parser.add_argument("--ks", default="0,2,4,8")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per workload at concurrency 1")
     parser.add_argument("--high-concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--high-max-tokens", type=int, default=48)
+    parser.add_argument("--repeats", type=int, default=2,
+                        help="sweeps over k per cell, alternating the order of k (medians are reported)")
     parser.add_argument("--out", default="bench/results/spec.json")
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
     workloads = {"grounded": grounded_prompts(), "chat": chat_prompts()}
     methods = {"ngram": {"speculative_method": "ngram"}}
-    if args.draft_model:
-        methods["draft"] = {"speculative_method": "draft", "draft_model": args.draft_model}
+    if args.draft_model != "none":
+        quant = None if args.draft_quantization == "none" else args.draft_quantization
+        methods["draft"] = {"speculative_method": "draft", "draft_model": args.draft_model, "draft_quantization": quant}
 
     rows = []
     for method, kwargs in methods.items():
         llm = LLM(model=args.model, num_speculative_tokens=max(ks), max_num_speculative_tokens=max(8, max(ks)),
                   max_num_seqs=max(64, args.high_concurrency), **kwargs)
         for workload, prompts in workloads.items():
-            run(llm, prompts[:1], 0, 1, 8)  # warm up
-            for k in ks:
-                for conc in (1, args.high_concurrency):
-                    sample = prompts[: args.num_prompts] if conc == 1 else (prompts * conc)[:conc]
-                    tokens = args.max_tokens if conc == 1 else args.high_max_tokens
-                    r = run(llm, sample, k, conc, tokens)
-                    rows.append({"method": method, "workload": workload, "k": k, "concurrency": conc, **r})
-                    print(f"{method:6} {workload:9} k={k} conc={conc:3} {r['tok_s_per_request']:8.2f} tok/s/req "
-                          f"acceptance={r['acceptance_rate']}", file=sys.stderr)
+            run(llm, prompts[: args.num_prompts], 0, args.high_concurrency, 16)  # warm up: fault in KV pages
+            for conc in (1, args.high_concurrency):
+                sample = prompts[: args.num_prompts] if conc == 1 else (prompts * conc)[:conc]
+                tokens = args.max_tokens if conc == 1 else args.high_max_tokens
+                rows.extend(sweep(llm, sample, ks, conc, tokens, args.repeats, method=method, workload=workload))
         del llm
-    plain = LLM(model=args.model)
-    base = run(plain, workloads["grounded"][: args.num_prompts], 0, 1, args.max_tokens)
-    k0 = next(r for r in rows if r["method"] == "ngram" and r["workload"] == "grounded" and r["k"] == 0
-              and r["concurrency"] == 1)
+    # k=0 against an engine that never configured speculation: both loaded, runs alternated.
+    plain, ngram_k0 = LLM(model=args.model), LLM(model=args.model, speculative_method="ngram", num_speculative_tokens=0)
+    sample = workloads["grounded"][: args.num_prompts]
+    base, k0 = [], []
+    for _ in range(max(3, args.repeats)):
+        base.append(run(plain, sample, 0, 1, args.max_tokens)["tok_s_per_request"])
+        k0.append(run(ngram_k0, sample, 0, 1, args.max_tokens)["tok_s_per_request"])
+    del plain, ngram_k0
 
     def speedup(method: str, workload: str, conc: int) -> float | None:
         sel = [r for r in rows if r["method"] == method and r["workload"] == workload and r["concurrency"] == conc]
@@ -102,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         "draft_chat_speedup": speedup("draft", "chat", 1),
         "high_load_speedup": max(filter(None, [speedup(m, w, args.high_concurrency) for m in methods for w in workloads])),
         "acceptance_rate": {f"{m}_{w}": acceptance(m, w) for m in methods for w in workloads},
-        "k0_overhead_pct": 100.0 * (base["tok_s_per_request"] / k0["tok_s_per_request"] - 1),
+        "k0_overhead_pct": 100.0 * (statistics.median(base) / statistics.median(k0) - 1),
         "rows": rows,
     }
     out = Path(args.out)

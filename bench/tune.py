@@ -1,7 +1,8 @@
 """`specfleet bench tune`: the tuner against the best static config in hindsight, on a shifting workload.
 
-One local fleet (bundled model); phases of closed-loop load (default: concurrency 1 on input-grounded
-prompts, 32 on chat, 2 on chat). Every static config of the grid (k x max_num_seqs) runs each phase,
+One local fleet (bundled model); phases of closed-loop load through the chat API (default: concurrency 1
+on input-grounded prompts, 32 on chat, 2 on chat; the prompt sets of `specfleet bench spec`, with output
+lengths a user of each would ask for: a copied passage is long, a chat answer under load short). Every static config of the grid (k x max_num_seqs) runs each phase,
 pushed live through the admin API; then the tuner runs the same phases back to back. Goodput is measured
 by the client: output tokens/s of requests whose TTFT and TPOT meet the SLO. Prints progress, writes
 JSON and a PNG timeline, and prints the JSON summary as its last line.
@@ -19,13 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from specfleet.operator import load_inference_service
 from specfleet.operator.tuner.actuator import AdminActuator
 from specfleet.operator.tuner.fleet import LocalFleet
 from specfleet.operator.tuner.types import TunedConfig
-
-GROUNDED = ("Here is a list: {w}. Repeat the list exactly, word for word: {w}")
-WORDS = "red orange yellow green blue indigo violet black white grey brown pink gold silver bronze"
 
 
 @dataclass(frozen=True)
@@ -36,14 +35,15 @@ class Phase:
     max_tokens: int
 
 
-PHASES = (Phase("grounded-c1", 1, True, 32), Phase("chat-c32", 32, False, 16), Phase("chat-c2", 2, False, 24))
+PHASES = (Phase("grounded-c1", 1, True, 128), Phase("chat-c32", 32, False, 48), Phase("chat-c2", 2, False, 96))
+_PROMPTS: dict[bool, list[str]] = {}
 
 
 def _prompt(phase: Phase, i: int) -> str:
-    if phase.grounded:
-        words = WORDS.split()
-        return GROUNDED.format(w=" ".join(words[i % 5:] + words[:i % 5]))
-    return f"Tell me a short story about a robot named Unit-{i} who learns to cook."
+    if phase.grounded not in _PROMPTS:
+        _PROMPTS[phase.grounded] = grounded_prompts() if phase.grounded else chat_prompts()
+    prompts = _PROMPTS[phase.grounded]
+    return prompts[i % len(prompts)]
 
 
 def _isvc(args: argparse.Namespace) -> Any:
@@ -63,12 +63,12 @@ def _isvc(args: argparse.Namespace) -> Any:
 
 
 async def _one(client: httpx.AsyncClient, url: str, phase: Phase, i: int) -> tuple[float, float, int] | None:
-    body = {"model": "smollm2-135m-instruct", "prompt": _prompt(phase, i), "max_tokens": phase.max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}
+    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": _prompt(phase, i)}],
+            "max_tokens": phase.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
     start = time.monotonic()
     first = None
     try:
-        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 return None
             async for line in response.aiter_lines():
@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--phase-seconds", type=float, default=60.0, help="tuner run: seconds per phase")
     p.add_argument("--static-seconds", type=float, default=15.0, help="static grid: seconds per phase per config")
-    p.add_argument("--grid-k", type=int, nargs="+", default=[0, 4])
+    p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument("--grid-seqs", type=int, nargs="+", default=[8, 32])
     p.add_argument("--interval", type=float, default=4.0, help="tuner interval (s)")
     p.add_argument("--window", type=float, default=8.0, help="metrics window (s)")

@@ -56,6 +56,14 @@ class ModelSource(_Spec):
     )
 
 
+class DraftModelSpec(ModelSource):
+    quantization: Literal["none", "int8"] = Field(
+        "none",
+        description="int8: the draft's weights as int8 on the engine's native CPU kernels (CPU pods). With "
+        "source set to the target's own, a cheap draft that agrees with it on most tokens.",
+    )
+
+
 class ModelSpec(ModelSource):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on GPU."
@@ -106,7 +114,7 @@ class SpeculativeSpec(_Spec):
     )
     method: Literal["none", "ngram", "draft"] = "none"
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k: tokens proposed per step (0 = off).")
-    draft_model: ModelSource | None = None
+    draft_model: DraftModelSpec | None = None
 
     @model_validator(mode="after")
     def _draft_model_matches_method(self) -> SpeculativeSpec:

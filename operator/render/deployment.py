@@ -55,6 +55,8 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
     ]
     if draft_uri is not None:
         args += ["--draft-model", draft_uri]
+        if spec.speculative.draft_model is not None and spec.speculative.draft_model.quantization != "none":
+            args += ["--draft-quantization", spec.speculative.draft_model.quantization]
     if not spec.engine.prefix_caching:
         args.append("--no-prefix-caching")
     if spec.engine.tensor_parallel_size > 1:

@@ -1,64 +1,70 @@
 """The goodput model: what a config would do at the load observed now, from what was measured.
 
-Step cost: one engine step costs `t(n) = c0 + c1 * n` seconds for `n` tokens in the forward pass (c0 is
-the weights' memory traffic and per-op overhead, c1 the per-token compute). A decode step with batch `B`
-and `k` speculative tokens processes about `B * (1 + p * k)` tokens, where `p` is the share of
-sequence-steps that carried a proposal (n-gram finds no match on some), and emits `B * (1 + p * E_k)`
-tokens with `E_k = sum_{i<k} a_i`, `a_i` = P(position i accepted) from the per-position counters.
-Prefill rides along at the observed ratio of prompt tokens to output tokens.
+Step cost: one engine step over `n` tokens in the forward pass costs `t(n) = sqrt(c0^2 + (c1 * n)^2)`
+seconds, a smooth roofline: `c0` is the memory-bound floor (the weights' traffic and per-op overhead,
+paid once per step however few tokens it has), `c1` the compute cost per token once the step is
+compute-bound (measured on the bundled 135M model, 2 CPU cores: 18 ms at 1 token, 30 ms at 8, 105 ms
+at 32, 197 ms at 64; c0 = 18 ms, c1 = 3 ms fits within 10%). It is fitted as a line in `n^2`.
+A decode step with batch `B` and `k` speculative tokens processes about `B * (1 + p * k)` tokens, where
+`p` is the share of sequence-steps that carried a proposal (n-gram finds no match on some), and emits
+`B * (1 + p * E_k)` tokens with `E_k = sum_{i<k} a_i`, `a_i` = P(position i accepted) from the
+per-position counters. Prefill rides along at the observed ratio of prompt tokens to output tokens.
 
-Speculation pays while the tokens it adds are cheap next to c0 (memory-bound decode, small batch)
-and costs once `c1 * B * k` dominates (large batch). The model is only used as a ratio against
-the config in force, so its absolute error cancels; each change is then confirmed by measurement.
+Speculation pays below the knee `n = c0 / c1` (memory-bound decode, small batch: verifying k more
+tokens costs little) and costs above it (large batch: every token costs compute). The model is only
+used as a ratio against the config in force, so its absolute error cancels; each change is then
+confirmed by measurement.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .histogram import fraction_below
 from .types import SLO, Observation, TunedConfig
 
-# Prior for c1/c0 when the observed points do not span enough tokens per step to fit a slope: measured
-# for the bundled 135M model on a 2-core CPU (about 65 ms + 2.2 ms per token). GPUs have a smaller ratio,
-# which only makes the prior conservative about speculation there.
-DEFAULT_COST_RATIO = 1 / 30
+# Prior for c1/c0 when the observed points do not span enough tokens per step to fit both: measured for
+# the bundled 135M model on a 2-core CPU (c0 = 18 ms, c1 = 3 ms: the knee at 6 tokens). GPUs have a far
+# smaller ratio (a knee at hundreds of tokens), which only makes the prior conservative about
+# speculation there.
+DEFAULT_COST_RATIO = 1 / 6
 # Prior per-position acceptance before any draft was verified (n-gram on chat text, measured elsewhere).
 PRIOR_ACCEPTANCE = (0.5, 0.35, 0.25, 0.18, 0.13, 0.1, 0.07, 0.05)
 
 
 @dataclass(frozen=True)
 class StepCost:
-    c0: float  # seconds per step, independent of tokens
-    c1: float  # seconds per token
+    c0: float  # seconds per step when memory-bound: the floor
+    c1: float  # seconds per token when compute-bound
 
     def step(self, tokens: float) -> float:
-        return self.c0 + self.c1 * max(tokens, 1.0)
+        return math.hypot(self.c0, self.c1 * max(tokens, 1.0))
 
 
 def fit_step_cost(points: Sequence[tuple[float, float]], prior_ratio: float = DEFAULT_COST_RATIO) -> StepCost | None:
-    """Least squares of step duration on tokens per step; the prior ratio fills in a flat or short history."""
+    """Least squares of squared step duration on squared tokens per step (`t^2 = c0^2 + c1^2 n^2`); the
+    prior ratio fills in a history that spans one regime only."""
     points = [(n, t) for n, t in points if n > 0 and t > 0]
     if not points:
         return None
     ns = [n for n, _ in points]
     if len(points) >= 3 and max(ns) >= 2.0 * min(ns):
-        mean_n = sum(ns) / len(ns)
-        mean_t = sum(t for _, t in points) / len(points)
-        var = sum((n - mean_n) ** 2 for n in ns)
-        slope = sum((n - mean_n) * (t - mean_t) for n, t in points) / var
-        intercept = mean_t - slope * mean_n
+        xs, ys = [n * n for n in ns], [t * t for _, t in points]
+        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
+        var = sum((x - mean_x) ** 2 for x in xs)
+        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
+        intercept = mean_y - slope * mean_x
         if slope > 0 and intercept > 0:
-            return StepCost(intercept, slope)
-        if slope > 0:  # steeper than linear from the origin: tokens are what costs; keep a small floor
-            low_t = min(t for n, t in points if n == min(ns))
-            c0 = 0.1 * low_t
-            return StepCost(c0, max((mean_t - c0) / mean_n, 1e-9))
+            return StepCost(math.sqrt(intercept), math.sqrt(slope))
+        if slope > 0:  # compute-bound at every observed size: the floor lies below the smallest step
+            c1 = math.sqrt(sum(y / x for x, y in zip(xs, ys)) / len(xs))
+            return StepCost(min(c1 * min(ns), min(t for _, t in points)) * 0.5, c1)
     # one regime only: scale the prior through the mean point
     n = sum(ns) / len(ns)
     t = sum(t for _, t in points) / len(points)
-    c0 = t / (1.0 + prior_ratio * n)
+    c0 = t / math.hypot(1.0, prior_ratio * n)
     return StepCost(c0, c0 * prior_ratio)
 
 

@@ -25,7 +25,8 @@ Key = tuple[str, str, str | None, str]  # (api prefix, plural, namespace, name)
 
 DISCOVERY = {
     "/api/v1": [("services", "Service", True, ["status"]), ("secrets", "Secret", True, []),
-                ("events", "Event", True, []), ("namespaces", "Namespace", False, [])],
+                ("events", "Event", True, []), ("namespaces", "Namespace", False, []),
+                ("pods", "Pod", True, ["status"])],
     "/apis/apps/v1": [("deployments", "Deployment", True, ["status", "scale"])],
     "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["status"])],
     "/apis/serving.specfleet.io/v1alpha1": [("inferenceservices", "InferenceService", True, ["status", "scale"])],

@@ -122,6 +122,15 @@ def test_draft_model_and_pvc_sources_mount_claims_read_only() -> None:
     claims = [v["persistentVolumeClaim"] for v in pod["volumes"] if "persistentVolumeClaim" in v]
     assert claims == [{"claimName": "models", "readOnly": True}] * 2
     assert "initContainers" not in pod
+    assert "--draft-quantization" not in args
+
+
+def test_int8_copy_of_the_target_as_draft() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", speculative__method="draft",
+                     speculative__draftModel={"source": "bundled://smollm2-135m-instruct", "quantization": "int8"})
+    args = engine(render_deployment(isvc, CONFIG))["args"]
+    assert flag(args, "--draft-model") == "bundled://smollm2-135m-instruct"
+    assert flag(args, "--draft-quantization") == "int8"
 
 
 def test_zero_replicas_and_edge_settings() -> None:

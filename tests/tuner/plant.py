@@ -1,11 +1,13 @@
 """A synthetic engine fleet for policy tests: a config and a load in, an `Observation` out.
 
-Its step cost and acceptance can differ from what the policy's model assumes (that is the point of the
-revert tests); its latencies are spread uniformly around their mean so that p95 and the CDFs are exact.
+Its step cost is the roofline measured on the bundled model (see operator/tuner/goodput.py) plus an
+optional cost per drafted token the policy's model does not know about, and its acceptance can differ
+from what the policy assumes (that is the point of the revert tests); its latencies are spread uniformly around their mean so that p95 and the CDFs are exact.
 """
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 
@@ -25,8 +27,8 @@ class Plant:
     demand: float = 1.0  # requests in the system (closed loop)
     per_pos: tuple[float, ...] = (0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55)
     proposal_share: float = 1.0
-    c0: float = 0.065
-    c1: float = 0.0022
+    c0: float = 0.018  # the bundled model on 2 CPU cores: 18 ms per step when memory-bound,
+    c1: float = 0.003  # 3 ms per token when compute-bound
     spec_overhead: float = 0.0  # extra seconds per drafted token the model does not know about
     prefill_tokens_per_request: float = 60.0
     output_tokens_per_request: float = 64.0
@@ -48,7 +50,7 @@ class Plant:
         drafted = batch * self.proposal_share * k
         per_seq = 1.0 + self.proposal_share * sum(self.per_pos[:k])
         prefill_per_step = batch * per_seq * self.prefill_tokens_per_request / self.output_tokens_per_request
-        step = self.c0 + self.c1 * (batch + drafted + prefill_per_step) + self.spec_overhead * drafted
+        step = math.hypot(self.c0, self.c1 * (batch + drafted + prefill_per_step)) + self.spec_overhead * drafted
         step_rate = 1.0 / step
         gen_rate = batch * per_seq * step_rate
         prefill = prefill_per_step * step_rate

@@ -4,7 +4,8 @@ Step cost: one engine step over `n` tokens in the forward pass costs `t(n) = sqr
 seconds, a smooth roofline: `c0` is the memory-bound floor (the weights' traffic and per-op overhead,
 paid once per step however few tokens it has), `c1` the compute cost per token once the step is
 compute-bound (measured on the bundled 135M model, 2 CPU cores: 18 ms at 1 token, 30 ms at 8, 105 ms
-at 32, 197 ms at 64; c0 = 18 ms, c1 = 3 ms fits within 10%). It is fitted as a line in `n^2`.
+at 32, 197 ms at 64; c0 = 18 ms, c1 = 3 ms fits within 10%). Prefill chunks are compute-bound and add
+`c1` per prompt token on top.
 A decode step with batch `B` and `k` speculative tokens processes about `B * (1 + p * k)` tokens, where
 `p` is the share of sequence-steps that carried a proposal (n-gram finds no match on some), and emits
 `B * (1 + p * E_k)` tokens with `E_k = sum_{i<k} a_i`, `a_i` = P(position i accepted) from the
@@ -34,38 +35,45 @@ DEFAULT_COST_RATIO = 1 / 6
 PRIOR_ACCEPTANCE = (0.5, 0.35, 0.25, 0.18, 0.13, 0.1, 0.07, 0.05)
 
 
+# Ratios c1/c0 the fit tries, 1e-3 .. 1 (log-spaced).
+RATIOS = tuple(10 ** (e / 10) for e in range(-30, 1))
+
+
 @dataclass(frozen=True)
 class StepCost:
     c0: float  # seconds per step when memory-bound: the floor
     c1: float  # seconds per token when compute-bound
 
-    def step(self, tokens: float) -> float:
-        return math.hypot(self.c0, self.c1 * max(tokens, 1.0))
+    def step(self, decode_tokens: float, prefill_tokens: float = 0.0) -> float:
+        """Decode and verification tokens ride on the floor; prefill chunks are compute-bound."""
+        return math.hypot(self.c0, self.c1 * max(decode_tokens, 1.0)) + self.c1 * max(prefill_tokens, 0.0)
 
 
-def fit_step_cost(points: Sequence[tuple[float, float]], prior_ratio: float = DEFAULT_COST_RATIO) -> StepCost | None:
-    """Least squares of squared step duration on squared tokens per step (`t^2 = c0^2 + c1^2 n^2`); the
-    prior ratio fills in a history that spans one regime only."""
-    points = [(n, t) for n, t in points if n > 0 and t > 0]
-    if not points:
+def fit_step_cost(points: Sequence[tuple[float, float, float]],
+                  prior_ratio: float = DEFAULT_COST_RATIO) -> StepCost | None:
+    """Fit `c0`, `c1` to (decode tokens per step, prefill tokens per step, step seconds) points.
+
+    For each ratio `c1/c0` the scale is a closed-form least squares of relative error (so that 20 ms and
+    200 ms steps weigh alike); the ratio with the least error wins when the points span at least a
+    factor of 2 in decode tokens and it fits clearly better than the prior, else the prior ratio.
+    """
+    pts = [(d, p, t) for d, p, t in points if d > 0 and t > 0]
+    if not pts:
         return None
-    ns = [n for n, _ in points]
-    if len(points) >= 3 and max(ns) >= 2.0 * min(ns):
-        xs, ys = [n * n for n in ns], [t * t for _, t in points]
-        mean_x, mean_y = sum(xs) / len(xs), sum(ys) / len(ys)
-        var = sum((x - mean_x) ** 2 for x in xs)
-        slope = sum((x - mean_x) * (y - mean_y) for x, y in zip(xs, ys)) / var
-        intercept = mean_y - slope * mean_x
-        if slope > 0 and intercept > 0:
-            return StepCost(math.sqrt(intercept), math.sqrt(slope))
-        if slope > 0:  # compute-bound at every observed size: the floor lies below the smallest step
-            c1 = math.sqrt(sum(y / x for x, y in zip(xs, ys)) / len(xs))
-            return StepCost(min(c1 * min(ns), min(t for _, t in points)) * 0.5, c1)
-    # one regime only: scale the prior through the mean point
-    n = sum(ns) / len(ns)
-    t = sum(t for _, t in points) / len(points)
-    c0 = t / math.hypot(1.0, prior_ratio * n)
-    return StepCost(c0, c0 * prior_ratio)
+
+    def fit(ratio: float) -> tuple[float, float]:
+        q = [(math.hypot(1.0, ratio * max(d, 1.0)) + ratio * max(p, 0.0)) / t for d, p, t in pts]
+        c0 = sum(q) / sum(x * x for x in q)
+        return sum((c0 * x - 1.0) ** 2 for x in q), c0
+
+    ratio = prior_ratio
+    decode = [d for d, _, _ in pts]
+    if len(pts) >= 3 and max(decode) >= 2.0 * min(decode):
+        best = min(RATIOS, key=lambda r: fit(r)[0])
+        if fit(best)[0] < 0.8 * fit(prior_ratio)[0]:
+            ratio = best
+    c0 = fit(ratio)[1]
+    return StepCost(c0, c0 * ratio)
 
 
 def expected_accepted(per_pos: Sequence[float], k: int) -> float:
@@ -107,8 +115,7 @@ class LoadModel:
         batch = max(1.0, min(self.demand, float(config.max_num_seqs)))
         p = self.proposal_share if k > 0 else 0.0
         per_seq = 1.0 + p * expected_accepted(self.per_pos, k)
-        tokens = batch * (1.0 + p * k) + batch * per_seq * self.prefill_per_output
-        step = self.cost.step(tokens)
+        step = self.cost.step(batch * (1.0 + p * k), batch * per_seq * self.prefill_per_output)
         return Prediction(config, batch, batch * per_seq / step, step / per_seq, step,
                           max(0.0, self.demand - config.max_num_seqs))
 

@@ -87,7 +87,7 @@ class Policy:
         self.probation: _Probation | None = None
         # (knob, [low, high] of values not to try, demand it was judged at, until when)
         self.taboo: list[tuple[str, tuple[float, float], float | None, float]] = []
-        self.cost_points: deque[tuple[float, float]] = deque(maxlen=40)
+        self.cost_points: deque[tuple[float, float, float]] = deque(maxlen=40)  # (decode, prefill, seconds)
         self.acceptance: tuple[tuple[float, ...], float, float] | None = None  # per_pos, share, time
 
     def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
@@ -205,7 +205,7 @@ class Policy:
         if obs.step_duration_s and obs.batch_size and obs.step_rate:
             drafted = (obs.draft_token_rate or 0.0) / obs.step_rate
             prefill = (obs.prompt_rate or 0.0) / obs.step_rate
-            self.cost_points.append((obs.batch_size + drafted + prefill, obs.step_duration_s))
+            self.cost_points.append((obs.batch_size + drafted, prefill, obs.step_duration_s))
         if obs.draft_rate and obs.accepted_per_pos and obs.step_rate and obs.batch_size:
             share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
             self.acceptance = (tuple(obs.accepted_per_pos), share, obs.time)

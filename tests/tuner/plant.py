@@ -50,7 +50,8 @@ class Plant:
         drafted = batch * self.proposal_share * k
         per_seq = 1.0 + self.proposal_share * sum(self.per_pos[:k])
         prefill_per_step = batch * per_seq * self.prefill_tokens_per_request / self.output_tokens_per_request
-        step = math.hypot(self.c0, self.c1 * (batch + drafted + prefill_per_step)) + self.spec_overhead * drafted
+        step = (math.hypot(self.c0, self.c1 * (batch + drafted)) + self.c1 * prefill_per_step
+                + self.spec_overhead * drafted)
         step_rate = 1.0 / step
         gen_rate = batch * per_seq * step_rate
         prefill = prefill_per_step * step_rate

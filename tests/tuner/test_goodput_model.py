@@ -1,0 +1,50 @@
+"""The goodput model's step-cost fit and its predictions, against known rooflines."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from specfleet.operator.tuner.goodput import DEFAULT_COST_RATIO, LoadModel, StepCost, fit_step_cost
+from specfleet.operator.tuner.types import TunedConfig
+
+
+def roofline(c0: float, c1: float, decode: float, prefill: float) -> float:
+    return math.hypot(c0, c1 * decode) + c1 * prefill
+
+
+@pytest.mark.parametrize("c0, c1", [(0.018, 0.003), (0.010, 0.0001), (0.050, 0.01)])
+def test_fit_recovers_the_roofline_across_regimes(c0: float, c1: float) -> None:
+    rng = random.Random(0)
+    points = []
+    for decode in (1, 2, 4, 8, 16, 32, 64, 128):
+        for prefill in (0.0, 5.0):
+            points.append((decode, prefill, roofline(c0, c1, decode, prefill) * (1 + rng.gauss(0, 0.03))))
+    cost = fit_step_cost(points)
+    assert cost is not None
+    assert cost.c0 == pytest.approx(c0, rel=0.15) and cost.c1 == pytest.approx(c1, rel=0.3)
+
+
+def test_one_regime_uses_the_prior_ratio() -> None:
+    cost = fit_step_cost([(1.0, 0.0, 0.02), (1.1, 0.0, 0.021), (1.0, 0.0, 0.019)])
+    assert cost is not None and cost.c1 / cost.c0 == pytest.approx(DEFAULT_COST_RATIO)
+    assert cost.step(1.05) == pytest.approx(0.02, rel=0.05)
+    assert fit_step_cost([]) is None
+
+
+def test_verification_is_cheap_below_the_knee_and_dear_above_it() -> None:
+    """The point of the roofline: 4 more tokens cost little at batch 1 and a lot at batch 32."""
+    cost = StepCost(0.018, 0.003)
+    assert cost.step(5) / cost.step(1) < 1.3
+    assert cost.step(32 * 5) / cost.step(32) > 4
+
+
+def test_prediction_prefers_speculation_at_low_load_and_not_at_high_load() -> None:
+    per_pos = (0.7, 0.55, 0.45, 0.35)
+    cost = StepCost(0.018, 0.003)
+    low = LoadModel(demand=1.0, per_pos=per_pos, proposal_share=0.9, prefill_per_output=2.0, cost=cost)
+    high = LoadModel(demand=32.0, per_pos=per_pos, proposal_share=0.9, prefill_per_output=0.5, cost=cost)
+    off, on = TunedConfig(0, 32, 1024), TunedConfig(4, 32, 1024)
+    assert low.predict(on).throughput > 1.5 * low.predict(off).throughput
+    assert high.predict(on).throughput < high.predict(off).throughput

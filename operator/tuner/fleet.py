@@ -128,7 +128,7 @@ class LocalFleet:
             selector = self.prometheus_selector or f'job="{self.isvc.name}"'
             source = PrometheusSource(self.prometheus_url, selector, params.window_s)
         else:
-            source = ScrapeSource(ready)
+            source = ScrapeSource(ready, window_s=params.window_s)
         return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token),
                             ready)
 

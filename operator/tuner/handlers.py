@@ -67,7 +67,7 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
 
     url = isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "")
     source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
-                                       params.window_s) if url else ScrapeSource(endpoints))
+                                       params.window_s) if url else ScrapeSource(endpoints, window_s=params.window_s))
     return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
                         AdminActuator(read_admin_token(secret)), endpoints)
 

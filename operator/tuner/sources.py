@@ -26,13 +26,27 @@ class Source(Protocol):
     async def close(self) -> None: ...
 
 
-class ScrapeSource:
-    """Scrapes every endpoint's /metrics each call; rates come from the previous scrape of the same pod."""
+LATENCY = ("time_to_first_token_seconds", "time_per_output_token_seconds")
 
-    def __init__(self, endpoints: Endpoints, timeout_s: float = 5.0) -> None:
+
+class ScrapeSource:
+    """Scrapes every endpoint's /metrics each call; rates and latency histograms are the difference from
+    the newest earlier scrape of the same pod that is at least `window_s` old (the first ones: the oldest
+    there is), like Prometheus' `rate(...[window])`.
+
+    Under a heavy load, requests finish in waves (TTFT and TPOT are recorded when a request finishes), so
+    a window can hold no finished request at all while tokens flow. Then the base moves further back, up
+    to `max_window_factor` windows, so that latency is estimated from the last finished requests instead
+    of being reported missing.
+    """
+
+    def __init__(self, endpoints: Endpoints, timeout_s: float = 5.0, window_s: float = 0.0,
+                 max_window_factor: float = 4.0) -> None:
         self.endpoints = endpoints
+        self.window_s = window_s
+        self.max_window_factor = max_window_factor
         self._client = httpx.AsyncClient(timeout=timeout_s)
-        self._previous: dict[str, Snapshot] = {}
+        self._history: dict[str, list[Snapshot]] = {}
 
     async def _scrape(self, url: str) -> Snapshot | None:
         try:
@@ -42,18 +56,35 @@ class ScrapeSource:
             return None
         return parse_metrics(response.text, time.monotonic())
 
+    def _base(self, history: list[Snapshot], snap: Snapshot) -> Snapshot:
+        """The newest earlier scrape at least a window old; older while no request finished since."""
+        earlier = history[:-1]
+        base = next((s for s in reversed(earlier) if snap.time - s.time >= self.window_s), earlier[0])
+        for older in reversed(earlier[: earlier.index(base) + 1]):
+            if snap.time - older.time > self.max_window_factor * max(self.window_s, 1e-9):
+                break
+            base = older
+            if snap.requests > older.requests:
+                break
+        return base
+
     async def observe(self) -> Observation:
         urls = await self.endpoints()
         snaps = await asyncio.gather(*(self._scrape(u) for u in urls))
         pairs = []
+        horizon = self.max_window_factor * self.window_s
         for url, snap in zip(urls, snaps, strict=True):
             if snap is None:
                 continue
-            before = self._previous.get(url)
-            self._previous[url] = snap
-            if before is not None:
-                pairs.append((before, snap))
-        self._previous = {u: s for u, s in self._previous.items() if u in urls}
+            history = self._history.setdefault(url, [])
+            if history and snap.requests < history[-1].requests:
+                history.clear()  # the pod restarted: its counters began again
+            history.append(snap)
+            beyond = [s for s in history if snap.time - s.time > horizon]
+            history[:] = beyond[-1:] + [s for s in history if snap.time - s.time <= horizon]
+            if len(history) >= 2:
+                pairs.append((self._base(history, snap), snap))
+        self._history = {u: h for u, h in self._history.items() if u in urls}
         now = time.monotonic()
         if not any(s is not None for s in snaps):
             return Observation(time=now, config=None, error=f"none of {len(urls)} engine(s) answered /metrics")
@@ -66,28 +97,34 @@ class ScrapeSource:
 
 
 class PrometheusSource:
-    """PromQL over the Prometheus HTTP API; `selector` picks the service's series, e.g. `job="smollm2"`."""
+    """PromQL over the Prometheus HTTP API; `selector` picks the service's series, e.g. `job="smollm2"`.
 
-    def __init__(self, url: str, selector: str, window_s: float = 30.0, timeout_s: float = 5.0) -> None:
+    When no request finished inside the window (under heavy load they finish in waves), the latency
+    histograms are read again over `max_window_factor` windows, as the scrape source does.
+    """
+
+    def __init__(self, url: str, selector: str, window_s: float = 30.0, timeout_s: float = 5.0,
+                 max_window_factor: float = 4.0) -> None:
         self.url = url.rstrip("/")
         self.selector = selector
         self.window = f"{max(int(window_s), 2)}s"
+        self.long_window = f"{max(int(window_s * max_window_factor), 2)}s"
         self._client = httpx.AsyncClient(timeout=timeout_s)
 
-    def _rate(self, metric: str) -> str:
-        return f"sum(rate({metric}{{{self.selector}}}[{self.window}]))"
+    def _rate(self, metric: str, window: str) -> str:
+        return f"sum(rate({metric}{{{self.selector}}}[{window}]))"
 
-    def queries(self) -> dict[str, str]:
+    def queries(self, window: str | None = None) -> dict[str, str]:
         """Every PromQL query one observation runs, by name."""
-        s, w = self.selector, self.window
-        q = {f"rate:{c}": self._rate(f"{P}{c}_total") for c in COUNTERS}
-        q["rate:requests"] = self._rate(f"{P}request_success_total")
+        s, w = self.selector, window or self.window
+        q = {f"rate:{c}": self._rate(f"{P}{c}_total", w) for c in COUNTERS}
+        q["rate:requests"] = self._rate(f"{P}request_success_total", w)
         q["per_pos"] = f"sum by (position) (rate({P}spec_decode_accepted_tokens_per_pos_total{{{s}}}[{w}]))"
         for h in HISTOGRAMS:
             q[f"buckets:{h}"] = f"sum by (le) (rate({P}{h}_bucket{{{s}}}[{w}]))"
-            q[f"sum:{h}"] = self._rate(f"{P}{h}_sum")
-            q[f"count:{h}"] = self._rate(f"{P}{h}_count")
-        for h in ("time_to_first_token_seconds", "time_per_output_token_seconds"):
+            q[f"sum:{h}"] = self._rate(f"{P}{h}_sum", w)
+            q[f"count:{h}"] = self._rate(f"{P}{h}_count", w)
+        for h in LATENCY:
             q[f"p95:{h}"] = f"histogram_quantile(0.95, sum by (le) (rate({P}{h}_bucket{{{s}}}[{w}])))"
         q["running"] = f"sum({P}num_requests_running{{{s}}})"
         q["waiting"] = f"sum({P}num_requests_waiting{{{s}}})"
@@ -123,6 +160,13 @@ class PrometheusSource:
             value = float(rows[0]["value"][1])
             return None if math.isnan(value) else value
 
+        if scalar("pods") and not any(scalar(f"count:{h}") for h in LATENCY):
+            longer = {k: v for k, v in self.queries(self.long_window).items() if k.split(":", 1)[-1] in LATENCY}
+            try:
+                results.update(zip(longer, await asyncio.gather(*(self._query(q) for q in longer.values())),
+                                   strict=True))
+            except (httpx.HTTPError, RuntimeError, ValueError):
+                pass  # latency stays missing; the rest of the observation holds
         if not scalar("pods"):
             return Observation(time=now, config=None, error=f"Prometheus has no series for {{{self.selector}}} yet")
         rates = {c: scalar(f"rate:{c}") or 0.0 for c in COUNTERS}

@@ -13,12 +13,15 @@ import copy
 import itertools
 import json
 import threading
+import time
 import uuid
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import jsonpatch
+import yaml
 from aiohttp import web
 
 Key = tuple[str, str, str | None, str]  # (api prefix, plural, namespace, name)
@@ -32,6 +35,17 @@ DISCOVERY = {
     "/apis/serving.specfleet.io/v1alpha1": [("inferenceservices", "InferenceService", True, ["status", "scale"])],
 }
 MONITORING = {"/apis/monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True, [])]}
+
+
+def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
+    """Polls `check` until it returns something truthy (returned), or fails naming `what`."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        result = check()
+        if result:
+            return result
+        time.sleep(0.2)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @dataclass
@@ -97,6 +111,16 @@ class FakeKube:
         async def _remove() -> None:
             self._delete((prefix, plural, namespace, name))
         self._call(_remove())
+
+    def write_kubeconfig(self, path: Path, namespace: str) -> Path:
+        """A kubeconfig pointing at this server, with `namespace` as the context's default."""
+        path.write_text(yaml.safe_dump({
+            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+            "users": [{"name": "fake", "user": {"token": "test-token"}}],
+            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
+        }))
+        return path
 
     def add_namespace(self, name: str) -> None:
         self.put("/api/v1", "namespaces", None, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})

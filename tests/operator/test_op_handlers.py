@@ -2,30 +2,17 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import pytest
 import yaml
-from fake_kube import FakeKube
+from fake_kube import FakeKube, wait_for
 from isvc_schema_tools import REPO
 from specfleet.operator.cli import build_parser, main
 
 NS = "team-a"
 ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
 DEPLOY = ("/apis/apps/v1", "deployments")
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 def ready_status(fake: FakeKube) -> str | None:
@@ -41,13 +28,7 @@ def args_of(fake: FakeKube) -> list[str]:
 
 @pytest.fixture
 def kubeconfig(fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
-    path = tmp_path / "kubeconfig"
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": fake_kube.url}}],
-        "users": [{"name": "fake", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": NS}}],
-    }))
+    path = fake_kube.write_kubeconfig(tmp_path / "kubeconfig", NS)
     monkeypatch.setenv("KUBECONFIG", str(path))
     fake_kube.add_namespace(NS)
     monkeypatch.setenv("SPECFLEET_RECONCILE_INTERVAL", "1")

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import base64
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +22,7 @@ import yaml
 from .conftest import ADMIN_TOKEN
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
-from fake_kube import FakeKube  # noqa: E402
+from fake_kube import FakeKube, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -33,27 +32,10 @@ ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
 AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.3)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 @pytest.fixture
 def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
     server = FakeKube().start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": server.url}}],
-        "users": [{"name": "fake", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": NS}}],
-    }))
-    monkeypatch.setenv("KUBECONFIG", str(kubeconfig))
+    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
     server.add_namespace(NS)
     yield server
     server.stop()
@@ -94,12 +76,14 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
 
     args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
     with KopfRunner(args, timeout=120) as runner:
-        wait_for("the spec's k pushed to the ready pod", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3)
-        status = wait_for("status.tuning", tuning)
+        wait_for("the spec's k pushed to the ready pod", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
+                 timeout=60)
+        status = wait_for("status.tuning", tuning, timeout=60)
         # a pod that restarts comes back with its command-line config; the next interval fixes it
         httpx.patch(f"{engine_url}/admin/config", json={"num_speculative_tokens": 0}, headers=AUTH,
                     timeout=10).raise_for_status()
-        wait_for("the config pushed again", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3)
+        wait_for("the config pushed again", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
+                 timeout=60)
 
     assert runner.exception is None, runner.output
     assert status.get("reason"), status  # every interval says why it holds or changes

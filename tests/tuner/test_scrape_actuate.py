@@ -50,6 +50,30 @@ def test_scrape_source_computes_rates_latencies_and_config(engine_url: str) -> N
     asyncio.run(scenario())
 
 
+def test_scrape_window_reaches_back_to_the_last_finished_requests(engine_url: str) -> None:
+    """A window in which no request finished (requests under heavy load finish in waves) takes its latency
+    from the last ones that did, up to max_window_factor windows back; a plain window reports none."""
+    async def scenario() -> None:
+        async def endpoints() -> list[str]:
+            return [engine_url]
+
+        reaching, plain = ScrapeSource(endpoints, window_s=1.0, max_window_factor=30.0), \
+            ScrapeSource(endpoints, window_s=1.0, max_window_factor=1.0)
+        for source in (reaching, plain):
+            await source.observe()
+        await _requests(engine_url, 2)
+        for source in (reaching, plain):
+            assert (await source.observe()).tpot_p95_s is not None
+        await asyncio.sleep(1.2)  # a window with no finished request
+        later = await reaching.observe()
+        assert later.tpot_p95_s is not None and later.ttft_p95_s is not None
+        assert (await plain.observe()).tpot_p95_s is None
+        await reaching.close()
+        await plain.close()
+
+    asyncio.run(scenario())
+
+
 def test_actuator_patches_verifies_and_reapplies(engine_url: str) -> None:
     async def scenario() -> None:
         actuator = AdminActuator(ADMIN_TOKEN)

@@ -49,6 +49,7 @@ class _Probation:
     baseline_attainment: float | None
     baseline_demand: float | None
     since: float
+    probe: bool = False  # a measurement the model could not make (see Policy._probe)
 
 
 def _similar(a: float | None, b: float | None, tolerance: float = 0.4) -> bool:
@@ -135,6 +136,9 @@ class Policy:
                   and share < trial.baseline_attainment - self.params.revert_margin)
         if not (lost or missed):
             self.last_good = self.current
+            if trial.probe:  # measured no worse: the model's case for going back is not to be trusted here
+                self.taboo += [(knob, span, obs.demand, now + self.params.taboo_s)
+                               for knob, span in _directions(trial.tried, trial.previous)]
             return None
         self.taboo += [(knob, span, obs.demand, now + self.params.taboo_s)
                        for knob, span in _directions(trial.previous, trial.tried)]
@@ -158,6 +162,9 @@ class Policy:
         safe = [s for s in options if s.tpot_p95_s is None or s.tpot_p95_s <= limit]
         tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s
         best = max(safe, key=lambda s: s.goodput * (1.0 - 0.02 * _distance(s.config, self.current)), default=None)
+        if not options:
+            return self._hold(now, "hold", f"keeping {self.current.short()}: no other config within the bounds "
+                              "that was not measured worse at this load", goodput, share)
         if best is None:  # nothing is predicted to meet the target: move towards it as far as one step goes
             fastest = min(options, key=lambda s: (s.tpot_p95_s or 0.0, -s.goodput), default=None)
             if fastest is None or here.tpot_p95_s is None or fastest.tpot_p95_s is None or \
@@ -182,9 +189,33 @@ class Policy:
                       f"(predicted {best.goodput:.1f} tok/s, TPOT p95 {self._ms(best.tpot_p95_s)}); {figures}")
             return self._change(now, best.config, "change", reason, goodput=goodput, share=share,
                                 predicted=best.goodput, demand=obs.demand)
+        probe = self._probe(obs, model, now)
+        if probe is not None:
+            reason = (f"{self.current.short()} -> {probe.short()}: probing speculation off: "
+                      f"{min(obs.demand or 0.0, self.current.max_num_seqs):.0f} sequences per step are past the "
+                      f"step cost's knee ({model.cost.c0 / model.cost.c1:.0f} tokens), where what proposing costs "
+                      f"(a draft model's own passes) can outweigh what it saves and the model cannot see it; "
+                      f"kept unless measured goodput drops; {figures}")
+            decision = self._change(now, probe, "change", reason, goodput=goodput, share=share, demand=obs.demand)
+            assert self.probation is not None
+            self.probation.probe = True
+            return decision
         return self._hold(now, "hold", f"keeping {self.current.short()}: best alternative "
                           f"{best.config.short()} predicts {gain:+.0%} (dead band {p.dead_band:.0%}); {figures}",
                           goodput, share)
+
+    def _probe(self, obs: Observation, model: LoadModel, now: float) -> TunedConfig | None:
+        """Speculation off, to be measured, when the model cannot tell: the batch alone fills the step past
+        the knee (compute-bound), so every proposed token costs compute, and the proposer's own cost is
+        invisible to a model of the target's step. Not when k = 0 is already tabooed at this load."""
+        assert self.current is not None
+        if self.current.num_speculative_tokens == 0 or self.params.bounds.k[0] > 0:
+            return None
+        batch = min(obs.demand or 0.0, float(self.current.max_num_seqs))
+        if model.cost.c1 <= 0 or batch < model.cost.c0 / model.cost.c1:
+            return None
+        off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
+        return None if self._tabooed(off, obs.demand, now) else off
 
     def rejected(self, now: float, config: TunedConfig, error: str) -> Decision:
         """The engines refused `config` (a ceiling the bounds did not know): go back and never retry it."""

@@ -48,6 +48,33 @@ def test_high_load_turns_speculation_off() -> None:
     assert len(changes(decisions)) <= 2
 
 
+# An SLO every config meets, so that goodput is throughput and only the probe's measurement decides.
+LOOSE = PolicyParams(slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0), bounds=TuneBounds(k=(0, 8), max_num_seqs=(32, 32)),
+                     window_s=INTERVAL, interval_s=INTERVAL)
+
+
+def test_high_load_probes_speculation_off_when_the_draft_cost_is_invisible() -> None:
+    """A draft model that agrees 95% but costs its own passes: the target-step model calls k=2 a wash at
+    batch 32; the probe measures k=0, keeps it, and does not go back at that load."""
+    plant = Plant(demand=32, per_pos=(0.95, 0.93, 0.92, 0.9), spec_overhead=0.004)
+    final, decisions = run(plant, Policy(LOOSE), TunedConfig(2, 32, 1024), 20)
+    assert final.num_speculative_tokens == 0, [d.reason for d in decisions]
+    moved = changes(decisions)
+    assert len(moved) == 1 and "probing speculation off" in moved[0].reason, [d.reason for d in moved]
+    assert plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(2, 32, 1024)).generation_rate
+
+
+def test_a_probe_that_loses_is_reverted() -> None:
+    """Hardware whose knee lies far above the prior's (GPU-like: compute per token tiny next to the
+    weights' traffic), so speculation still pays at batch 32: the probe loses, is reverted, and is not
+    tried again at that load."""
+    plant = Plant(demand=32, per_pos=(0.9, 0.85, 0.8, 0.75), c0=0.02, c1=0.0001)
+    final, decisions = run(plant, Policy(LOOSE), TunedConfig(2, 32, 1024), 20)
+    kinds = [d.kind for d in changes(decisions)]
+    assert final.num_speculative_tokens >= 2 and kinds[:2] == ["change", "revert"], [d.reason for d in decisions]
+    assert len(kinds) <= 3
+
+
 def test_tpot_over_target_lowers_max_num_seqs() -> None:
     plant = Plant(demand=64, c1=0.004)  # TPOT at batch 64: ~0.32 s, over the 0.2 s target
     start = TunedConfig(0, 64, 2048)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .goodput import LoadModel, attainment, fit_step_cost, observed_goodput
+from .goodput import DEFAULT_COST_RATIO, LoadModel, attainment, fit_step_cost, observed_goodput
 from .search import StepLimits, candidates, score
 from .types import SLO, Decision, Observation, TuneBounds, TunedConfig
 
@@ -89,6 +89,8 @@ class Policy:
         # (knob, [low, high] of values not to try, demand it was judged at, until when)
         self.taboo: list[tuple[str, tuple[float, float], float | None, float]] = []
         self.cost_points: deque[tuple[float, float, float]] = deque(maxlen=40)  # (decode, prefill, seconds)
+        # The same from windows without proposals: the target's own step, free of any proposer's cost.
+        self.plain_cost_points: deque[tuple[float, float, float]] = deque(maxlen=40)
         self.acceptance: tuple[tuple[float, ...], float, float] | None = None  # per_pos, share, time
 
     def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
@@ -193,7 +195,7 @@ class Policy:
         if probe is not None:
             reason = (f"{self.current.short()} -> {probe.short()}: probing speculation off: "
                       f"{min(obs.demand or 0.0, self.current.max_num_seqs):.0f} sequences per step are past the "
-                      f"step cost's knee ({model.cost.c0 / model.cost.c1:.0f} tokens), where what proposing costs "
+                      f"step cost's knee ({self._knee():.0f} tokens), where what proposing costs "
                       f"(a draft model's own passes) can outweigh what it saves and the model cannot see it; "
                       f"kept unless measured goodput drops; {figures}")
             decision = self._change(now, probe, "change", reason, goodput=goodput, share=share, demand=obs.demand)
@@ -204,6 +206,14 @@ class Policy:
                           f"{best.config.short()} predicts {gain:+.0%} (dead band {p.dead_band:.0%}); {figures}",
                           goodput, share)
 
+    def _knee(self) -> float:
+        """Tokens per step where the target's step turns compute-bound, from windows without proposals
+        (with them, a draft's passes would read as compute); the prior's knee until there are some."""
+        plain = fit_step_cost(list(self.plain_cost_points))
+        if plain is None or plain.c1 <= 0:
+            return 1.0 / DEFAULT_COST_RATIO
+        return plain.c0 / plain.c1
+
     def _probe(self, obs: Observation, model: LoadModel, now: float) -> TunedConfig | None:
         """Speculation off, to be measured, when the model cannot tell: the batch alone fills the step past
         the knee (compute-bound), so every proposed token costs compute, and the proposer's own cost is
@@ -212,7 +222,7 @@ class Policy:
         if self.current.num_speculative_tokens == 0 or self.params.bounds.k[0] > 0:
             return None
         batch = min(obs.demand or 0.0, float(self.current.max_num_seqs))
-        if model.cost.c1 <= 0 or batch < model.cost.c0 / model.cost.c1:
+        if batch < self._knee():
             return None
         off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
         return None if self._tabooed(off, obs.demand, now) else off
@@ -237,6 +247,8 @@ class Policy:
             drafted = (obs.draft_token_rate or 0.0) / obs.step_rate
             prefill = (obs.prompt_rate or 0.0) / obs.step_rate
             self.cost_points.append((obs.batch_size + drafted, prefill, obs.step_duration_s))
+            if not drafted:
+                self.plain_cost_points.append((obs.batch_size, prefill, obs.step_duration_s))
         if obs.draft_rate and obs.accepted_per_pos and obs.step_rate and obs.batch_size:
             share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
             self.acceptance = (tuple(obs.accepted_per_pos), share, obs.time)

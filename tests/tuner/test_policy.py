@@ -64,6 +64,15 @@ def test_high_load_probes_speculation_off_when_the_draft_cost_is_invisible() -> 
     assert plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(2, 32, 1024)).generation_rate
 
 
+def test_no_probe_at_low_load_even_when_the_draft_makes_steps_look_compute_bound() -> None:
+    """At batch 1 a draft's passes make the step grow with k as if compute-bound; the knee for probing is
+    taken from windows without proposals, so speculation stays on."""
+    plant = Plant(demand=1, per_pos=(0.95, 0.93, 0.92, 0.9), spec_overhead=0.004)
+    final, decisions = run(plant, Policy(LOOSE), TunedConfig(0, 32, 1024), 20)
+    assert final.num_speculative_tokens >= 2, [d.reason for d in decisions]
+    assert not any("probing" in d.reason for d in changes(decisions))
+
+
 def test_a_probe_that_loses_is_reverted() -> None:
     """Hardware whose knee lies far above the prior's (GPU-like: compute per token tiny next to the
     weights' traffic), so speculation still pays at batch 32: the probe loses, is reverted, and is not

@@ -23,12 +23,16 @@ from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from specfleet.engine import LLM, SamplingParams
 
 
-def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int) -> dict:
-    """Per-request tokens/s (output tokens over the request's own latency) and acceptance."""
+def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int, ignore_eos: bool = False) -> dict:
+    """Per-request tokens/s (output tokens over the request's own latency) and acceptance.
+
+    Requests stop at EOS by default: a grounded answer ends when the copied passage does, and tokens
+    forced past EOS are unrelated free text that would measure chat instead. Greedy output does not
+    depend on k, so every k generates the same tokens."""
     engine = llm.engine
     stats = engine.stats
     drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, num_speculative_tokens=k)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, num_speculative_tokens=k)
     rates, decode_rates, total_tokens, start_all = [], [], 0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         wave = prompts[i : i + concurrency]
@@ -53,13 +57,13 @@ def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int)
 
 
 def sweep(llm: LLM, prompts: list[str], ks: list[int], concurrency: int, max_tokens: int, repeats: int,
-          **labels) -> list[dict]:
+          ignore_eos: bool, **labels) -> list[dict]:
     """Every k `repeats` times, the order of k reversed on each pass so drift on a shared machine
     falls on all k alike; per k, the median of each figure over the passes."""
     runs: dict[int, list[dict]] = {k: [] for k in ks}
     for rep in range(repeats):
         for k in ks if rep % 2 == 0 else ks[::-1]:
-            runs[k].append(run(llm, prompts, k, concurrency, max_tokens))
+            runs[k].append(run(llm, prompts, k, concurrency, max_tokens, ignore_eos))
     rows = []
     for k in ks:
         row = {**labels, "k": k, "concurrency": concurrency}
@@ -83,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--high-concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--high-max-tokens", type=int, default=48)
+    parser.add_argument("--ignore-eos", action="store_true",
+                        help="generate max tokens past EOS (the tail is then free text, not the task)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="sweeps over k per cell, alternating the order of k (medians are reported)")
     parser.add_argument("--out", default="bench/results/spec.json")
@@ -103,15 +109,16 @@ def main(argv: list[str] | None = None) -> int:
             for conc in (1, args.high_concurrency):
                 sample = prompts[: args.num_prompts] if conc == 1 else (prompts * conc)[:conc]
                 tokens = args.max_tokens if conc == 1 else args.high_max_tokens
-                rows.extend(sweep(llm, sample, ks, conc, tokens, args.repeats, method=method, workload=workload))
+                rows.extend(sweep(llm, sample, ks, conc, tokens, args.repeats, args.ignore_eos, method=method,
+                                  workload=workload))
         del llm
     # k=0 against an engine that never configured speculation: both loaded, runs alternated.
     plain, ngram_k0 = LLM(model=args.model), LLM(model=args.model, speculative_method="ngram", num_speculative_tokens=0)
     sample = workloads["grounded"][: args.num_prompts]
     base, k0 = [], []
     for _ in range(max(3, args.repeats)):
-        base.append(run(plain, sample, 0, 1, args.max_tokens)["tok_s_per_request"])
-        k0.append(run(ngram_k0, sample, 0, 1, args.max_tokens)["tok_s_per_request"])
+        base.append(run(plain, sample, 0, 1, args.max_tokens, args.ignore_eos)["tok_s_per_request"])
+        k0.append(run(ngram_k0, sample, 0, 1, args.max_tokens, args.ignore_eos)["tok_s_per_request"])
     del plain, ngram_k0
 
     def speedup(method: str, workload: str, conc: int) -> float | None:

@@ -1,8 +1,9 @@
 """`specfleet bench tune`: the tuner against the best static config in hindsight, on a shifting workload.
 
 One local fleet (bundled model); phases of closed-loop load through the chat API (default: concurrency 1
-on input-grounded prompts, 32 on chat, 2 on chat; the prompt sets of `specfleet bench spec`, with output
-lengths a user of each would ask for: a copied passage is long, a chat answer under load short). Every static config of the grid (k x max_num_seqs) runs each phase,
+on input-grounded prompts, 32 on chat, 2 on chat; the prompt sets of `specfleet bench spec`, with
+max_tokens a user of each would ask for: a copied passage is long, a chat answer under load short;
+requests stop at EOS). Every static config of the grid (k x max_num_seqs) runs each phase,
 pushed live through the admin API; then the tuner runs the same phases back to back. Goodput is measured
 by the client: output tokens/s of requests whose TTFT and TPOT meet the SLO. Prints progress, writes
 JSON and a PNG timeline, and prints the JSON summary as its last line.
@@ -71,23 +72,32 @@ def _isvc(args: argparse.Namespace) -> Any:
 
 
 async def _one(client: httpx.AsyncClient, url: str, phase: Phase, i: int) -> tuple[float, float, int] | None:
+    """One streamed request: (TTFT, TPOT, output tokens). It stops at EOS: a grounded answer ends with the
+    copied passage, and tokens forced past EOS would be unrelated free text."""
     body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": _prompt(phase, i)}],
-            "max_tokens": phase.max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+            "max_tokens": phase.max_tokens, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
     start = time.monotonic()
     first = None
+    tokens = 0
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
             if response.status_code != 200:
                 return None
             async for line in response.aiter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]" and first is None:
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    tokens = int(chunk["usage"]["completion_tokens"])
+                elif first is None:
                     first = time.monotonic()
     except httpx.HTTPError:
         return None
     end = time.monotonic()
-    if first is None:
+    if first is None or tokens < 1:
         return None
-    return first - start, (end - first) / max(phase.max_tokens - 1, 1), phase.max_tokens
+    return first - start, (end - first) / max(tokens - 1, 1), tokens
 
 
 async def run_phase(url: str, phase: Phase, seconds: float, slo: tuple[float, float]) -> dict[str, float]:

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 from specfleet.engine.attention.base import AttentionMetadata
 from specfleet.engine.attention.torch_backend import (
-    _Long,
+    LongQuery,
     forward_longs,
     padding_free_rows,
     prepare_longs,
@@ -26,7 +26,7 @@ from specfleet.kernels import cpu_native
 @dataclass
 class _State:
     short_seqs: torch.Tensor | None  # [n] int32 sequence indices the native kernel computes
-    longs: list[_Long]
+    longs: list[LongQuery]
     write_rows: torch.Tensor | None
 
 

@@ -31,7 +31,7 @@ class _Short:
 
 
 @dataclass
-class _Long:
+class LongQuery:
     row_start: int
     row_end: int
     key_slots: torch.Tensor  # [seq_len]
@@ -41,7 +41,7 @@ class _Long:
 @dataclass
 class _State:
     short: _Short | None
-    longs: list[_Long]
+    longs: list[LongQuery]
     write_rows: torch.Tensor | None  # rows whose slot is >= 0, when some are padding
 
 
@@ -62,7 +62,7 @@ def split_by_query_len(meta: AttentionMetadata) -> tuple[list[int], list[int], l
     return short_ids, long_ids, starts
 
 
-def prepare_longs(meta: AttentionMetadata, long_ids: list[int], starts: list[int]) -> list[_Long]:
+def prepare_longs(meta: AttentionMetadata, long_ids: list[int], starts: list[int]) -> list[LongQuery]:
     device = meta.slot_mapping.device
     longs = []
     for b in long_ids:
@@ -73,7 +73,7 @@ def prepare_longs(meta: AttentionMetadata, long_ids: list[int], starts: list[int
             i = torch.arange(q, device=device).unsqueeze(1)
             j = torch.arange(s, device=device).unsqueeze(0)
             mask = j <= (s - q) + i
-        longs.append(_Long(starts[b], starts[b + 1], key_slots, mask))
+        longs.append(LongQuery(starts[b], starts[b + 1], key_slots, mask))
     return longs
 
 
@@ -92,7 +92,7 @@ def write_kv(key, value, k_cache, v_cache, slots: torch.Tensor, write_rows: torc
     v_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slots, value)
 
 
-def forward_longs(query, k_cache, v_cache, longs: list[_Long], scale: float, out: torch.Tensor) -> None:
+def forward_longs(query, k_cache, v_cache, longs: list[LongQuery], scale: float, out: torch.Tensor) -> None:
     """One SDPA call per long query (a prefill chunk), over its gathered keys, into `out`'s rows."""
     num_heads, head_dim = query.shape[-2:]
     num_kv_heads = k_cache.shape[-2]

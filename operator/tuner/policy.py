@@ -191,17 +191,15 @@ class Policy:
                       f"(predicted {best.goodput:.1f} tok/s, TPOT p95 {self._ms(best.tpot_p95_s)}); {figures}")
             return self._change(now, best.config, "change", reason, goodput=goodput, share=share,
                                 predicted=best.goodput, demand=obs.demand)
-        probe = self._probe(obs, model, now)
+        probe = self._probe(obs, now)
         if probe is not None:
-            reason = (f"{self.current.short()} -> {probe.short()}: probing speculation off: "
-                      f"{min(obs.demand or 0.0, self.current.max_num_seqs):.0f} sequences per step are past the "
-                      f"step cost's knee ({self._knee():.0f} tokens), where what proposing costs "
+            off, batch, knee = probe
+            reason = (f"{self.current.short()} -> {off.short()}: probing speculation off: {batch:.0f} sequences "
+                      f"per step are past the step cost's knee ({knee:.0f} tokens), where what proposing costs "
                       f"(a draft model's own passes) can outweigh what it saves and the model cannot see it; "
                       f"kept unless measured goodput drops; {figures}")
-            decision = self._change(now, probe, "change", reason, goodput=goodput, share=share, demand=obs.demand)
-            assert self.probation is not None
-            self.probation.probe = True
-            return decision
+            return self._change(now, off, "change", reason, goodput=goodput, share=share, demand=obs.demand,
+                                probe=True)
         return self._hold(now, "hold", f"keeping {self.current.short()}: best alternative "
                           f"{best.config.short()} predicts {gain:+.0%} (dead band {p.dead_band:.0%}); {figures}",
                           goodput, share)
@@ -214,18 +212,20 @@ class Policy:
             return 1.0 / DEFAULT_COST_RATIO
         return plain.c0 / plain.c1
 
-    def _probe(self, obs: Observation, model: LoadModel, now: float) -> TunedConfig | None:
+    def _probe(self, obs: Observation, now: float) -> tuple[TunedConfig, float, float] | None:
         """Speculation off, to be measured, when the model cannot tell: the batch alone fills the step past
         the knee (compute-bound), so every proposed token costs compute, and the proposer's own cost is
-        invisible to a model of the target's step. Not when k = 0 is already tabooed at this load."""
+        invisible to a model of the target's step. Not when k = 0 is already tabooed at this load.
+        Returns (config, sequences per step, knee)."""
         assert self.current is not None
         if self.current.num_speculative_tokens == 0 or self.params.bounds.k[0] > 0:
             return None
         batch = min(obs.demand or 0.0, float(self.current.max_num_seqs))
-        if batch < self._knee():
+        knee = self._knee()
+        if batch < knee:
             return None
         off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
-        return None if self._tabooed(off, obs.demand, now) else off
+        return None if self._tabooed(off, obs.demand, now) else (off, batch, knee)
 
     def rejected(self, now: float, config: TunedConfig, error: str) -> Decision:
         """The engines refused `config` (a ceiling the bounds did not know): go back and never retry it."""
@@ -294,10 +294,10 @@ class Policy:
 
     def _change(self, now: float, config: TunedConfig, kind: str, reason: str, *, probation: bool = True,
                 goodput: float | None = None, share: float | None = None, predicted: float | None = None,
-                demand: float | None = None) -> Decision:
+                demand: float | None = None, probe: bool = False) -> Decision:
         previous = self.before_change = self.current
         if probation and previous is not None:
-            self.probation = _Probation(previous, config, goodput, share, demand, now)
+            self.probation = _Probation(previous, config, goodput, share, demand, now, probe)
         self.current = config
         self.last_change = now
         return Decision(now, config, reason, kind, predicted, goodput, share)

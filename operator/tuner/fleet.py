@@ -171,12 +171,12 @@ class LocalFleet:
     async def _tune_forever(self) -> None:
         assert self.tuner is not None
         interval = self.tuner.policy.params.interval_s
-        while True:
-            await asyncio.sleep(interval)
+        while True:  # the first tick at once: the scrape source needs it as the base of its first window
             try:
                 await self.tick()
             except Exception as error:  # noqa: BLE001 - the tuner must outlive one bad interval
                 print(f"[tuner] interval failed: {type(error).__name__}: {error}", flush=True)
+            await asyncio.sleep(interval)
 
     async def stop(self, drain_timeout_s: float | None = None) -> list[int | None]:
         """Stop taking requests, SIGTERM the engines (they finish in-flight work), wait; exit codes."""

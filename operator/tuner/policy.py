@@ -3,12 +3,17 @@
 Per interval:
 1. data missing or the source down: hold the last good config and say so (fail static);
 2. no traffic: hold (nothing to learn from an idle service);
-3. cooldown: the rate window still mixes samples from before the last change, so wait;
-4. probation: a change is judged on the first clean window; if goodput or SLO attainment got worse by more
+3. load shift: the load moved within the window (its figures mix two loads): hold, except that
+   speculation goes off at once when the load rose past the step cost's knee;
+4. cooldown: the rate window still mixes samples from before the last change, so wait;
+5. probation: a change is judged on the first clean window; if goodput or SLO attainment got worse by more
    than the margin (at a comparable load), revert it and do not retry it at that load for a while;
-5. search: candidates one bounded step away (k +-2 or off, max_num_seqs x2 or /2), scored by predicted
+6. search: candidates one bounded step away (k +-4 or off, max_num_seqs x2 or /2), scored by predicted
    goodput (see `goodput.py`, `search.py`); change only if the best beats the config in force by more than
-   the dead band, or if the SLO is missed now and the candidate is predicted to meet it.
+   the dead band, or if the SLO is missed now and the candidate is predicted to meet it;
+7. probes, where the model cannot tell: speculation off past the knee (a proposer's own cost is
+   invisible to it), a longer draft below it (acceptance past the measured positions is a guess); each
+   judged by probation like any change.
 Candidates are always inside the bounds, and a config outside them is moved inside first.
 """
 
@@ -36,9 +41,14 @@ class PolicyParams:
     min_demand: float = 0.05  # below this (requests in the system) the service counts as idle
     limits: StepLimits = field(default_factory=StepLimits)
 
+    up_probe_acceptance: float = 0.5  # raise k as a measurement while its last position is accepted this often
+    shift_hold_s: float | None = None  # hold through a load shift at most this long (default: 2 windows)
+
     @property
     def cooldown_s(self) -> float:
-        return self.window_s + self.interval_s
+        """A change is applied right after the scrape that decided it, so a rate window ending this long
+        later holds only samples taken under it."""
+        return self.window_s
 
 
 @dataclass
@@ -92,6 +102,7 @@ class Policy:
         # The same from windows without proposals: the target's own step, free of any proposer's cost.
         self.plain_cost_points: deque[tuple[float, float, float]] = deque(maxlen=40)
         self.acceptance: tuple[tuple[float, ...], float, float] | None = None  # per_pos, share, time
+        self.shift_since: float | None = None  # when the load was first seen shifting within a window
 
     def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
         now = obs.time if obs is not None else (now or 0.0)
@@ -112,6 +123,9 @@ class Policy:
             return self._hold(now, "idle", "no traffic in the window; nothing to tune on")
         if demand is None or obs.generation_rate is None or obs.tpot_p95_s is None and obs.ttft_p95_s is None:
             return self._hold(now, "missing", "latency, throughput or queue metrics missing from the window")
+        shifted = self._load_shift(now, obs)
+        if shifted is not None:
+            return shifted
         if self.last_change is not None and now - self.last_change < p.cooldown_s:
             left = p.cooldown_s - (now - self.last_change)
             return self._hold(now, "cooldown", f"cooldown: {left:.0f}s until a window without samples "
@@ -200,6 +214,16 @@ class Policy:
                       f"kept unless measured goodput drops; {figures}")
             return self._change(now, off, "change", reason, goodput=goodput, share=share, demand=obs.demand,
                                 probe=True)
+        up = self._probe_up(obs, now)
+        if up is not None:
+            raised, last, tokens, knee = up
+            reason = (f"{self.current.short()} -> {raised.short()}: probing a longer draft: its last position "
+                      f"is still accepted {last:.0%} of the time and the verification step ({tokens:.1f} "
+                      f"tokens) stays under the knee ({knee:.0f} tokens), where more draft tokens cost little "
+                      f"and the model's extrapolation past the measured positions is a guess (best "
+                      f"alternative predicted {gain:+.0%}); kept unless measured goodput drops; {figures}")
+            return self._change(now, raised, "change", reason, goodput=goodput, share=share, demand=obs.demand,
+                                probe=True)
         return self._hold(now, "hold", f"keeping {self.current.short()}: best alternative "
                           f"{best.config.short()} predicts {gain:+.0%} (dead band {p.dead_band:.0%}); {figures}",
                           goodput, share)
@@ -226,6 +250,60 @@ class Policy:
             return None
         off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
         return None if self._tabooed(off, obs.demand, now) else (off, batch, knee)
+
+    def _probe_up(self, obs: Observation, now: float) -> tuple[TunedConfig, float, float, float] | None:
+        """k up by at most one bounded step (as far as the step stays under the knee), to be measured, when the model calls it a wash but cannot know: the
+        drafts are still accepted at their last position (`up_probe_acceptance`), so positions past it
+        are unmeasured, and the verification step stays under the knee (memory-bound: more draft tokens
+        cost little). Returns (config, acceptance at the last position, tokens per step, knee)."""
+        assert self.current is not None
+        k, high = self.current.num_speculative_tokens, self.params.bounds.k[1]
+        acc = obs.accepted_per_pos
+        if k == 0 or k >= high or len(acc) < k or acc[k - 1] < self.params.up_probe_acceptance:
+            return None
+        if not (obs.draft_rate and obs.step_rate and obs.batch_size):
+            return None
+        seqs = self.current.max_num_seqs
+        batch = max(1.0, min(obs.demand or 0.0, float(seqs)))
+        share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
+        knee = self._knee()
+        under = [n for n in range(k + 1, min(high, k + self.params.limits.max_k_step) + 1)
+                 if batch * (1.0 + share * n) <= knee]
+        if not under:
+            return None
+        new_k = under[-1]
+        tokens = batch * (1.0 + share * new_k)
+        up = self.params.bounds.clamp(TunedConfig(new_k, seqs, max(self.current.max_num_batched_tokens,
+                                                                   seqs * (1 + new_k))))
+        return None if self._tabooed(up, obs.demand, now) else (up, acc[k - 1], tokens, knee)
+
+    def _load_shift(self, now: float, obs: Observation) -> Decision | None:
+        """The load moved within the window (the gauges' count now is far from the window's mean): its
+        figures mix two loads, so hold until a window at one load, with one exception that cannot wait:
+        a load that rose past the knee with speculation on, where every proposed token costs compute
+        (at concurrency 32 a draft of 6 cut goodput to 0.4x on 2 CPU cores): speculation goes off now
+        and the search takes over at the first clean window. A shift that outlasts `shift_hold_s` (a
+        window shorter than the requests makes the mean jumpy) is taken as the load."""
+        assert self.current is not None
+        p = self.params
+        before, after = obs.demand, obs.in_system_now
+        if before is None or after is None or abs(after - before) < max(4.0, 0.5 * max(before, after)):
+            self.shift_since = None
+            return None
+        self.shift_since = now if self.shift_since is None else self.shift_since
+        if now - self.shift_since > (p.shift_hold_s if p.shift_hold_s is not None else 2 * p.window_s):
+            return None
+        what = f"load shifting: {after:.0f} requests in the system now against {before:.1f} over the window"
+        batch, knee = min(after, float(self.current.max_num_seqs)), self._knee()
+        off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
+        if self.current.num_speculative_tokens > 0 and p.bounds.k[0] == 0 and batch >= knee and \
+                not self._tabooed(off, after, now):
+            self.probation = None  # the load it would be judged at is gone
+            return self._change(now, off, "change", f"{self.current.short()} -> {off.short()}: {what}; "
+                                f"{batch:.0f} sequences per step are past the step cost's knee ({knee:.0f} "
+                                "tokens), where speculation costs compute: off now, searched afresh at the "
+                                "first window at the new load", probation=False)
+        return self._hold(now, "hold", f"{what}; holding {self.current.short()} until a window at one load")
 
     def rejected(self, now: float, config: TunedConfig, error: str) -> Decision:
         """The engines refused `config` (a ceiling the bounds did not know): go back and never retry it."""

@@ -24,7 +24,9 @@ class Scored:
 
 @dataclass(frozen=True)
 class StepLimits:
-    max_k_step: int = 2  # k moves at most this much per change (turning speculation off is one step)
+    # k moves at most this much per change (turning speculation off is one step): 4 reaches a typical
+    # useful k (4-6) from off in one change, where a load shift leaves a minute or two to win back
+    max_k_step: int = 4
     max_seqs_factor: float = 2.0  # max_num_seqs at most doubles or halves per change
 
 

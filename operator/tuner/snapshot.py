@@ -123,6 +123,7 @@ def build_observation(now: float, rates: dict[str, float], per_pos: dict[int, fl
         return sums.get(hist, 0.0) / count if count > 0 else None
 
     steps = count_rates.get("step_duration_seconds") or None
+    in_system_now = running + waiting  # the gauges, at the window's end
     # Little's law: the rate of the latency sums is the mean number of requests in the system (waiting)
     # over the window, steadier than the gauges' value at one instant.
     if count_rates.get("e2e_request_latency_seconds", 0.0) > 0:
@@ -130,14 +131,17 @@ def build_observation(now: float, rates: dict[str, float], per_pos: dict[int, fl
         waiting = min(in_system, sums.get("request_queue_time_seconds", 0.0))
         running = max(0.0, in_system - waiting)
     drafts = rates.get("spec_decode_drafts", 0.0)
-    positions = [per_pos.get(i, 0.0) / drafts for i in range(max(per_pos, default=-1) + 1)] if drafts > 0 else []
+    # Positions past the k in force were not drafted in this window (their counters only linger from an
+    # earlier, larger k): leave them out rather than report them as never accepted.
+    drafted = max(per_pos, default=-1) + 1 if config is None else config.num_speculative_tokens
+    positions = [per_pos.get(i, 0.0) / drafts for i in range(drafted)] if drafts > 0 else []
     tpot, ttft = buckets.get("time_per_output_token_seconds", []), buckets.get("time_to_first_token_seconds", [])
     return Observation(
         time=now, config=config, pods=pods,
         request_rate=rates.get("requests", 0.0),
         generation_rate=rates.get("generation_tokens", 0.0),
         prompt_rate=rates.get("prompt_tokens", 0.0),
-        running=running, waiting=waiting, kv_usage=kv,
+        running=running, waiting=waiting, in_system_now=in_system_now, kv_usage=kv,
         ttft_p95_s=quantile(0.95, ttft), tpot_p95_s=quantile(0.95, tpot),
         ttft_cdf=to_cdf(ttft), tpot_cdf=to_cdf(tpot),
         step_rate=steps, step_duration_s=mean("step_duration_seconds"), batch_size=mean("batch_size"),

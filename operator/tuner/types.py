@@ -83,6 +83,7 @@ class Observation:
     prompt_rate: float | None = None  # prompt tokens computed/s
     running: float | None = None  # requests in the running batch, summed over pods
     waiting: float | None = None
+    in_system_now: float | None = None  # running + waiting at the window's end (gauges), to see a load shift
     kv_usage: float | None = None  # max over pods
     ttft_p95_s: float | None = None
     tpot_p95_s: float | None = None

@@ -33,6 +33,7 @@ class Plant:
     prefill_tokens_per_request: float = 60.0
     output_tokens_per_request: float = 64.0
     noise: float = 0.0
+    demand_now: float | None = None  # the gauges' count at the window's end, when the load just moved
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -67,6 +68,7 @@ class Plant:
             prompt_rate=self._jitter(prefill),
             running=batch,
             waiting=waiting,
+            in_system_now=self.demand if self.demand_now is None else self.demand_now,
             kv_usage=0.2,
             ttft_p95_s=self._jitter(ttft * 1.225),
             tpot_p95_s=self._jitter(tpot * 1.225),

@@ -9,6 +9,7 @@ from specfleet.operator.tuner.actuator import ApplyResult
 from specfleet.operator.tuner.histogram import fraction_below, quantile, subtract, to_cdf
 from specfleet.operator.tuner.loop import Tick
 from specfleet.operator.tuner.report import event_for, status_patch
+from specfleet.operator.tuner.snapshot import build_observation
 from specfleet.operator.tuner.types import Decision, Observation, TunedConfig
 
 BUCKETS = [(0.1, 10.0), (0.2, 50.0), (0.5, 90.0), (math.inf, 100.0)]
@@ -34,6 +35,21 @@ def _tick(kind: str, config: TunedConfig | None, failed: dict[str, str] | None =
                       request_rate=2.0, draft_token_rate=10.0, accepted_rate=6.0)
     applied = ApplyResult(config or TunedConfig(0, 16, 512), failed=failed or {})
     return Tick(Decision(1.0, config, f"{kind} because of reasons", kind, observed_goodput=12.5), obs, applied)
+
+
+def test_positions_past_the_k_in_force_are_left_out() -> None:
+    """Counters of positions 2 and 3 linger from an earlier k=4 but were not drafted under k=2: reading
+    them as never accepted would tell the tuner that a longer draft gains nothing."""
+    rates = {"spec_decode_drafts": 10.0, "spec_decode_draft_tokens": 20.0, "spec_decode_accepted_tokens": 15.0}
+    per_pos = {0: 8.0, 1: 7.0, 2: 0.0, 3: 0.0}
+
+    def positions(config: TunedConfig | None) -> tuple[float, ...]:
+        obs = build_observation(1.0, rates, per_pos, {}, {}, {}, 3.0, 1.0, 0.1, config, 1)
+        assert obs.in_system_now == 4.0
+        return obs.accepted_per_pos
+
+    assert positions(TunedConfig(2, 8, 512)) == pytest.approx((0.8, 0.7))
+    assert positions(None) == pytest.approx((0.8, 0.7, 0.0, 0.0))  # pods disagree: every position seen
 
 
 def test_status_patch_writes_tuning_and_keeps_other_conditions() -> None:

@@ -1,0 +1,29 @@
+"""`specfleet bench tune`'s bookkeeping: which static configs share a measurement, and the summary's ratios."""
+
+from __future__ import annotations
+
+import pytest
+from specfleet.bench.tune import equivalent_groups, summarize
+from specfleet.operator.tuner.types import TunedConfig
+
+GRID = {f"k={k},seqs={s}": TunedConfig(k, s, 1024) for k in (0, 2) for s in (8, 32)}
+
+
+def test_configs_whose_max_num_seqs_never_binds_share_a_measurement() -> None:
+    assert sorted(equivalent_groups(GRID, 2)) == [["k=0,seqs=8", "k=0,seqs=32"], ["k=2,seqs=8", "k=2,seqs=32"]]
+    assert len(equivalent_groups(GRID, 32)) == 4  # at 32 in flight, 8 sequences per step binds
+    # a different step budget is a different behaviour even when max_num_seqs does not bind
+    assert len(equivalent_groups({"a": TunedConfig(2, 8, 512), "b": TunedConfig(2, 32, 1024)}, 1)) == 2
+
+
+def test_summary_compares_the_tuner_with_the_best_static_overall_and_per_phase() -> None:
+    def p(goodput: float, attainment: float = 1.0) -> dict[str, float]:
+        return {"goodput": goodput, "throughput": goodput, "requests": 10, "slo_attainment": attainment, "seconds": 60}
+
+    static = {"k=0": {"a": p(40), "b": p(400)}, "k=4": {"a": p(100), "b": p(150)}}
+    tuner = {"a": p(95), "b": p(380, 0.9)}
+    out = summarize(static, tuner, {"a": 2, "b": 1}, [])
+    assert out["best_static_config"] == "k=0" and out["best_static_goodput"] == 220
+    assert out["goodput_ratio"] == pytest.approx(237.5 / 220, abs=1e-3)
+    assert out["per_phase_ratio"] == {"a": 0.95, "b": 0.95} and out["per_phase_ratio_min"] == 0.95
+    assert out["slo_attainment"] == pytest.approx(0.95) and out["changes_per_transition_max"] == 2

@@ -143,18 +143,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         grid = {f"k={k},seqs={seqs}": TunedConfig(k, seqs, max(isvc.spec.batching.max_num_batched_tokens,
                                                                  seqs * (k + 1)))
                 for k in args.grid_k for seqs in args.grid_seqs}
-        static = {name: {} for name in grid}
-        for phase in PHASES:
-            for names in equivalent_groups(grid, phase.concurrency):
-                config = grid[names[0]]
-                applied = await admin.ensure(fleet.engine_urls, config)
-                if not applied.ok:
-                    raise RuntimeError(f"cannot apply {config.short()}: {applied.failed or applied.refused}")
-                measured = await run_phase(fleet.url, phase, args.static_seconds * len(names), slo)
-                for name in names:
-                    static[name][phase.name] = measured
-                print(f"static {' = '.join(names)} {phase.name}: goodput {measured['goodput']:.1f} tok/s "
-                      f"attainment {measured['slo_attainment']:.0%}", flush=True)
+        passes = [await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=False)]
         await admin.ensure(fleet.engine_urls, start_config)
         fleet.tuner = fleet._build_tuner()
         t0 = time.monotonic()
@@ -185,10 +174,45 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await loop
+        if args.static_passes > 1:  # again after the tuner, in reverse order: the machine's drift cancels
+            passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=True))
+        static = mean_passes(passes)
     finally:
         await admin.close()
         await fleet.stop(drain_timeout_s=5)
     return summarize(static, tuner_phases, changes, timeline)
+
+
+async def static_pass(fleet: LocalFleet, admin: AdminActuator, grid: dict[str, TunedConfig], seconds: float,
+                      slo: tuple[float, float], reverse: bool) -> dict[str, dict[str, dict[str, float]]]:
+    """Every config of the grid under every phase; configs that behave alike under a phase share one
+    measurement as long as theirs together."""
+    static: dict[str, dict[str, dict[str, float]]] = {name: {} for name in grid}
+    for phase in reversed(PHASES) if reverse else PHASES:
+        groups = equivalent_groups(grid, phase.concurrency)
+        for names in reversed(groups) if reverse else groups:
+            config = grid[names[0]]
+            applied = await admin.ensure(fleet.engine_urls, config)
+            if not applied.ok:
+                raise RuntimeError(f"cannot apply {config.short()}: {applied.failed or applied.refused}")
+            measured = await run_phase(fleet.url, phase, seconds * len(names), slo)
+            for name in names:
+                static[name][phase.name] = measured
+            print(f"static {' = '.join(names)} {phase.name}: goodput {measured['goodput']:.1f} tok/s "
+                  f"attainment {measured['slo_attainment']:.0%}", flush=True)
+    return static
+
+
+def mean_passes(passes: list[dict[str, dict[str, dict[str, float]]]]) -> dict[str, dict[str, dict[str, float]]]:
+    """Each config's figures per phase averaged over the passes (requests summed)."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for name, phases in passes[0].items():
+        out[name] = {}
+        for phase in phases:
+            runs = [p[name][phase] for p in passes]
+            out[name][phase] = {key: sum(r[key] for r in runs) / len(runs) for key in runs[0]}
+            out[name][phase]["requests"] = sum(r["requests"] for r in runs)
+    return out
 
 
 def equivalent_groups(grid: dict[str, TunedConfig], concurrency: int) -> list[list[str]]:
@@ -252,6 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--phase-seconds", type=float, default=60.0, help="tuner run: seconds per phase")
     p.add_argument("--static-seconds", type=float, default=15.0, help="static grid: seconds per phase per config")
+    p.add_argument("--static-passes", type=int, choices=[1, 2], default=2,
+                   help="static grid before the tuner, and (2) again after it in reverse order, averaged")
     p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument("--method", choices=["ngram", "draft"], default="ngram",
                    help="speculative method of the fleet (ignored with --file): ngram (3.5x on grounded "

@@ -37,10 +37,11 @@ class PolicyParams:
     revert_margin: float = 0.05  # a change that lost this much goodput (or attainment) is reverted
     slo_headroom: float = 0.9  # candidates must keep predicted TPOT p95 under this share of the target
     taboo_s: float = 600.0  # a reverted config is not retried at a similar load for this long
-    acceptance_ttl_s: float = 300.0  # acceptance measured while k > 0 is trusted this long once k = 0
+    # acceptance measured while k > 0 is trusted this long once k = 0, and only at a similar load (a load
+    # that moved is often other traffic: grounded prompts at concurrency 1, chat at 32)
+    acceptance_ttl_s: float = 300.0
     min_demand: float = 0.05  # below this (requests in the system) the service counts as idle
     limits: StepLimits = field(default_factory=StepLimits)
-
     up_probe_acceptance: float = 0.5  # raise k as a measurement while its last position is accepted this often
     shift_hold_s: float | None = None  # hold through a load shift at most this long (default: 2 windows)
 
@@ -101,7 +102,8 @@ class Policy:
         self.cost_points: deque[tuple[float, float, float]] = deque(maxlen=40)  # (decode, prefill, seconds)
         # The same from windows without proposals: the target's own step, free of any proposer's cost.
         self.plain_cost_points: deque[tuple[float, float, float]] = deque(maxlen=40)
-        self.acceptance: tuple[tuple[float, ...], float, float] | None = None  # per_pos, share, time
+        # (demand, per_pos, share, time) of recent windows that verified drafts
+        self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = deque(maxlen=16)
         self.shift_since: float | None = None  # when the load was first seen shifting within a window
 
     def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
@@ -252,10 +254,11 @@ class Policy:
         return None if self._tabooed(off, obs.demand, now) else (off, batch, knee)
 
     def _probe_up(self, obs: Observation, now: float) -> tuple[TunedConfig, float, float, float] | None:
-        """k up by at most one bounded step (as far as the step stays under the knee), to be measured, when the model calls it a wash but cannot know: the
-        drafts are still accepted at their last position (`up_probe_acceptance`), so positions past it
-        are unmeasured, and the verification step stays under the knee (memory-bound: more draft tokens
-        cost little). Returns (config, acceptance at the last position, tokens per step, knee)."""
+        """k up, to be measured, when the model calls it a wash but cannot know: the drafts are still
+        accepted at their last position (`up_probe_acceptance`), so positions past it are unmeasured, and
+        the verification step stays under the knee (memory-bound: more draft tokens cost little). As far
+        as one bounded step goes and the step stays under the knee.
+        Returns (config, acceptance at the last position, tokens per step, knee)."""
         assert self.current is not None
         k, high = self.current.num_speculative_tokens, self.params.bounds.k[1]
         acc = obs.accepted_per_pos
@@ -329,20 +332,19 @@ class Policy:
                 self.plain_cost_points.append((obs.batch_size, prefill, obs.step_duration_s))
         if obs.draft_rate and obs.accepted_per_pos and obs.step_rate and obs.batch_size:
             share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
-            self.acceptance = (tuple(obs.accepted_per_pos), share, obs.time)
+            self.acceptance.append((obs.demand, tuple(obs.accepted_per_pos), share, obs.time))
 
     def _model(self, obs: Observation) -> LoadModel | None:
         cost = fit_step_cost(list(self.cost_points))
         if cost is None or obs.demand is None:
             return None
         per_pos: tuple[float, ...] = ()
-        share = 0.8
-        if self.acceptance is not None:
-            pos, seen_share, seen_at = self.acceptance
-            fresh = (self.current is not None and self.current.num_speculative_tokens > 0) or \
-                obs.time - seen_at <= self.params.acceptance_ttl_s
-            if fresh:
+        share = 0.8  # with the prior acceptance (goodput.PRIOR_ACCEPTANCE)
+        for demand, pos, seen_share, seen_at in reversed(self.acceptance):
+            if seen_at == obs.time or (obs.time - seen_at <= self.params.acceptance_ttl_s
+                                       and _similar(demand, obs.demand)):
                 per_pos, share = pos, seen_share
+                break
         prefill = (obs.prompt_rate or 0.0) / obs.generation_rate if obs.generation_rate else 0.0
         return LoadModel(max(obs.demand, 1.0), per_pos, share, prefill, cost)
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from specfleet.bench.tune import equivalent_groups, summarize
+from specfleet.bench.tune import equivalent_groups, mean_passes, summarize
 from specfleet.operator.tuner.types import TunedConfig
 
 GRID = {f"k={k},seqs={s}": TunedConfig(k, s, 1024) for k in (0, 2) for s in (8, 32)}
@@ -27,3 +27,15 @@ def test_summary_compares_the_tuner_with_the_best_static_overall_and_per_phase()
     assert out["goodput_ratio"] == pytest.approx(237.5 / 220, abs=1e-3)
     assert out["per_phase_ratio"] == {"a": 0.95, "b": 0.95} and out["per_phase_ratio_min"] == 0.95
     assert out["slo_attainment"] == pytest.approx(0.95) and out["changes_per_transition_max"] == 2
+
+
+def test_static_passes_are_averaged_per_config_and_phase() -> None:
+    def p(goodput: float, requests: int) -> dict[str, float]:
+        return {"goodput": goodput, "throughput": goodput, "requests": requests, "slo_attainment": 1.0,
+                "seconds": 15.0}
+
+    before = {"k=0": {"a": p(100, 10)}, "k=2": {"a": p(60, 8)}}
+    after = {"k=0": {"a": p(80, 9)}, "k=2": {"a": p(70, 7)}}
+    out = mean_passes([before, after])
+    assert out["k=0"]["a"]["goodput"] == 90 and out["k=0"]["a"]["requests"] == 19
+    assert out["k=2"]["a"]["goodput"] == 65 and out["k=2"]["a"]["seconds"] == 15.0

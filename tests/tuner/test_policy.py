@@ -135,6 +135,27 @@ def test_load_shift_holds_until_a_window_at_one_load() -> None:
     assert "load shifting" not in later.reason
 
 
+def test_acceptance_measured_at_another_load_is_not_assumed() -> None:
+    """Grounded prompts at concurrency 1 accept 95% of drafts; chat at 32 turns speculation off; chat at
+    concurrency 3 is other traffic: the tuner starts from the prior, not from the grounded figures."""
+    policy = Policy(PARAMS)
+    grounded, _ = run(Plant(demand=1, per_pos=(0.95,) * 8), policy, TunedConfig(0, 32, 1024), 12)
+    assert grounded.num_speculative_tokens >= 4
+    off, _ = run(Plant(demand=32, per_pos=(0.2, 0.1)), policy, grounded, 6, t0=200.0)
+    assert off.num_speculative_tokens == 0
+    chat = Plant(demand=3, per_pos=(0.3, 0.2, 0.1, 0.05))
+    _, decisions = run(chat, policy, off, 3, t0=300.0)
+    first = changes(decisions)[0]
+    assert first.config is not None and first.config.num_speculative_tokens <= 2, first.reason
+    # the grounded figures are still there for a load like theirs
+    fresh = Policy(PARAMS)
+    run(Plant(demand=1, per_pos=(0.95,) * 8), fresh, TunedConfig(0, 32, 1024), 12)
+    model = fresh._model(Plant(demand=1.2).observe(140.0, TunedConfig(0, 32, 1024)))
+    assert model is not None and model.per_pos[:2] == pytest.approx((0.95, 0.95))
+    model = fresh._model(chat.observe(140.0, TunedConfig(0, 32, 1024)))
+    assert model is not None and model.per_pos == ()
+
+
 def test_tpot_over_target_lowers_max_num_seqs() -> None:
     plant = Plant(demand=64, c1=0.004)  # TPOT at batch 64: ~0.32 s, over the 0.2 s target
     start = TunedConfig(0, 64, 2048)

@@ -4,7 +4,7 @@ Per interval:
 1. data missing or the source down: hold the last good config and say so (fail static);
 2. no traffic: hold (nothing to learn from an idle service);
 3. load shift: the load moved within the window (its figures mix two loads): hold, except that
-   speculation goes off at once when the load rose past the step cost's knee;
+   speculation goes off at once when the load rose past the step cost's knee, and on when it fell under it;
 4. cooldown: the rate window still mixes samples from before the last change, so wait;
 5. probation: a change is judged on the first clean window; if goodput or SLO attainment got worse by more
    than the margin (at a comparable load), revert it and do not retry it at that load for a while;
@@ -20,7 +20,7 @@ Candidates are always inside the bounds, and a config outside them is moved insi
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .goodput import DEFAULT_COST_RATIO, LoadModel, attainment, fit_step_cost, observed_goodput
 from .search import StepLimits, candidates, score
@@ -221,7 +221,7 @@ class Policy:
             raised, last, tokens, knee = up
             reason = (f"{self.current.short()} -> {raised.short()}: probing a longer draft: its last position "
                       f"is still accepted {last:.0%} of the time and the verification step ({tokens:.1f} "
-                      f"tokens) stays under the knee ({knee:.0f} tokens), where more draft tokens cost little "
+                      f"tokens) is under the knee ({knee:.0f} tokens), where more draft tokens cost little "
                       f"and the model's extrapolation past the measured positions is a guess (best "
                       f"alternative predicted {gain:+.0%}); kept unless measured goodput drops; {figures}")
             return self._change(now, raised, "change", reason, goodput=goodput, share=share, demand=obs.demand,
@@ -254,11 +254,10 @@ class Policy:
         return None if self._tabooed(off, obs.demand, now) else (off, batch, knee)
 
     def _probe_up(self, obs: Observation, now: float) -> tuple[TunedConfig, float, float, float] | None:
-        """k up, to be measured, when the model calls it a wash but cannot know: the drafts are still
-        accepted at their last position (`up_probe_acceptance`), so positions past it are unmeasured, and
-        the verification step stays under the knee (memory-bound: more draft tokens cost little). As far
-        as one bounded step goes and the step stays under the knee.
-        Returns (config, acceptance at the last position, tokens per step, knee)."""
+        """k up one bounded step, to be measured, when the model calls it a wash but cannot know: the
+        drafts are still accepted at their last position (`up_probe_acceptance`), so positions past it
+        are unmeasured, and the verification step is under the knee (memory-bound: more draft tokens
+        cost little). Returns (config, acceptance at the last position, tokens per step now, knee)."""
         assert self.current is not None
         k, high = self.current.num_speculative_tokens, self.params.bounds.k[1]
         acc = obs.accepted_per_pos
@@ -269,13 +268,10 @@ class Policy:
         seqs = self.current.max_num_seqs
         batch = max(1.0, min(obs.demand or 0.0, float(seqs)))
         share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
-        knee = self._knee()
-        under = [n for n in range(k + 1, min(high, k + self.params.limits.max_k_step) + 1)
-                 if batch * (1.0 + share * n) <= knee]
-        if not under:
+        knee, tokens = self._knee(), batch * (1.0 + share * k)
+        if tokens >= knee:
             return None
-        new_k = under[-1]
-        tokens = batch * (1.0 + share * new_k)
+        new_k = min(high, k + self.params.limits.max_k_step)
         up = self.params.bounds.clamp(TunedConfig(new_k, seqs, max(self.current.max_num_batched_tokens,
                                                                    seqs * (1 + new_k))))
         return None if self._tabooed(up, obs.demand, now) else (up, acc[k - 1], tokens, knee)
@@ -306,7 +302,38 @@ class Policy:
                                 f"{batch:.0f} sequences per step are past the step cost's knee ({knee:.0f} "
                                 "tokens), where speculation costs compute: off now, searched afresh at the "
                                 "first window at the new load", probation=False)
+        on = self._speculation_on_at(obs, after, knee, now)
+        if on is not None:
+            config, gain = on
+            self.probation = None
+            return self._change(now, config, "change", f"{self.current.short()} -> {config.short()}: {what}; "
+                                f"{batch:.0f} sequences per step are under the step cost's knee ({knee:.0f} "
+                                f"tokens) with speculation off: predicted goodput {gain:+.0%} at the new load; "
+                                "on now, searched afresh at the first window at the new load", probation=False)
         return self._hold(now, "hold", f"{what}; holding {self.current.short()} until a window at one load")
+
+    def _speculation_on_at(self, obs: Observation, load: float, knee: float,
+                           now: float) -> tuple[TunedConfig, float] | None:
+        """The mirror of turning speculation off on a rise: the load fell under the knee (memory-bound,
+        where drafts are cheap) with k = 0. The k the model predicts best at the new load (acceptance as
+        remembered for such a load, else the prior), if it clears the dead band; None otherwise."""
+        assert self.current is not None
+        p = self.params
+        if self.current.num_speculative_tokens > 0 or p.bounds.k[1] == 0 or load < 1.0 or \
+                min(load, float(self.current.max_num_seqs)) >= knee:
+            return None
+        model = self._model(replace(obs, running=load, waiting=0.0))
+        if model is None:
+            return None
+        here = model.predict(self.current).throughput
+        options = [c for c in candidates(self.current, obs, p.slo, p.bounds, p.limits)
+                   if c.num_speculative_tokens > 0 and c.max_num_seqs == self.current.max_num_seqs
+                   and not self._tabooed(c, load, now)]
+        best = max(options, key=lambda c: model.predict(c).throughput, default=None)
+        if best is None or here <= 0:
+            return None
+        gain = model.predict(best).throughput / here - 1.0
+        return (best, gain) if gain > p.dead_band else None
 
     def rejected(self, now: float, config: TunedConfig, error: str) -> Decision:
         """The engines refused `config` (a ceiling the bounds did not know): go back and never retry it."""

@@ -124,10 +124,20 @@ def test_load_rising_past_the_knee_turns_speculation_off_at_once() -> None:
     assert "load shifting" in decision.reason and "knee" in decision.reason
 
 
-def test_load_shift_holds_until_a_window_at_one_load() -> None:
+def test_load_falling_under_the_knee_turns_speculation_on_at_once() -> None:
     policy = Policy(PARAMS)
     settled, _ = run(Plant(demand=32, per_pos=(0.3, 0.1)), policy, TunedConfig(0, 32, 1024), 6)
-    falling = Plant(demand=32, demand_now=2, per_pos=(0.3, 0.1))
+    assert settled.num_speculative_tokens == 0
+    decision = policy.decide(Plant(demand=32, demand_now=2).observe(500.0, settled))
+    assert decision.config is not None and decision.config.num_speculative_tokens > 0, decision.reason
+    assert "load shifting" in decision.reason and "under the step cost's knee" in decision.reason
+
+
+def test_load_shift_holds_until_a_window_at_one_load() -> None:
+    """48 in the system falling to 12: still past the knee, so nothing to do before a window at 12."""
+    policy = Policy(PARAMS)
+    settled, _ = run(Plant(demand=48, per_pos=(0.3, 0.1)), policy, TunedConfig(0, 32, 1024), 6)
+    falling = Plant(demand=48, demand_now=12, per_pos=(0.3, 0.1))
     held = [policy.decide(falling.observe(500.0 + i * INTERVAL, settled)) for i in range(2)]
     assert all(d.config is None and "load shifting" in d.reason for d in held), [d.reason for d in held]
     # a "shift" that outlasts two windows is the load (a window shorter than the requests makes the mean jumpy)

@@ -105,6 +105,7 @@ class Policy:
         # (demand, per_pos, share, time) of recent windows that verified drafts
         self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = deque(maxlen=16)
         self.shift_since: float | None = None  # when the load was first seen shifting within a window
+        self.load_now_before: float | None = None  # the gauges' count at the previous interval
 
     def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
         now = obs.time if obs is not None else (now or 0.0)
@@ -278,14 +279,17 @@ class Policy:
 
     def _load_shift(self, now: float, obs: Observation) -> Decision | None:
         """The load moved within the window (the gauges' count now is far from the window's mean): its
-        figures mix two loads, so hold until a window at one load, with one exception that cannot wait:
-        a load that rose past the knee with speculation on, where every proposed token costs compute
-        (at concurrency 32 a draft of 6 cut goodput to 0.4x on 2 CPU cores): speculation goes off now
-        and the search takes over at the first clean window. A shift that outlasts `shift_hold_s` (a
-        window shorter than the requests makes the mean jumpy) is taken as the load."""
+        figures mix two loads, so hold until a window at one load, except where the knee decides alone:
+        a load that rose past it with speculation on, where every proposed token costs compute (at
+        concurrency 32 a draft of 6 cut goodput to 0.4x on 2 CPU cores), turns speculation off now; one
+        that fell under it (at this interval and the one before) with speculation off turns it on, if
+        the model predicts a gain at the new load. The search takes over at the first clean window. A
+        shift that outlasts `shift_hold_s` (a window shorter than the requests makes the mean jumpy) is
+        taken as the load."""
         assert self.current is not None
         p = self.params
         before, after = obs.demand, obs.in_system_now
+        previous, self.load_now_before = self.load_now_before, after
         if before is None or after is None or abs(after - before) < max(4.0, 0.5 * max(before, after)):
             self.shift_since = None
             return None
@@ -302,7 +306,9 @@ class Policy:
                                 f"{batch:.0f} sequences per step are past the step cost's knee ({knee:.0f} "
                                 "tokens), where speculation costs compute: off now, searched afresh at the "
                                 "first window at the new load", probation=False)
-        on = self._speculation_on_at(obs, after, knee, now)
+        # on only when the count was low at the previous interval too: under a heavy closed loop requests
+        # finish in waves, and one scrape can land in the trough of one
+        on = None if previous is None else self._speculation_on_at(obs, max(after, previous), knee, now)
         if on is not None:
             config, gain = on
             self.probation = None

@@ -128,7 +128,10 @@ def test_load_falling_under_the_knee_turns_speculation_on_at_once() -> None:
     policy = Policy(PARAMS)
     settled, _ = run(Plant(demand=32, per_pos=(0.3, 0.1)), policy, TunedConfig(0, 32, 1024), 6)
     assert settled.num_speculative_tokens == 0
-    decision = policy.decide(Plant(demand=32, demand_now=2).observe(500.0, settled))
+    falling = Plant(demand=32, demand_now=2)
+    trough = policy.decide(falling.observe(500.0, settled))  # one low count can be a wave's trough
+    assert trough.config is None and "load shifting" in trough.reason, trough.reason
+    decision = policy.decide(falling.observe(500.0 + INTERVAL, settled))
     assert decision.config is not None and decision.config.num_speculative_tokens > 0, decision.reason
     assert "load shifting" in decision.reason and "under the step cost's knee" in decision.reason
 

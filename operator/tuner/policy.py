@@ -12,8 +12,8 @@ Per interval:
    goodput (see `goodput.py`, `search.py`); change only if the best beats the config in force by more than
    the dead band, or if the SLO is missed now and the candidate is predicted to meet it;
 7. probes, where the model cannot tell: speculation off past the knee (a proposer's own cost is
-   invisible to it), a longer draft below it (acceptance past the measured positions is a guess); each
-   judged by probation like any change.
+   invisible to it), a longer draft below it (acceptance past the measured positions is a guess), a
+   shorter one when the last positions are rarely accepted; each judged by probation like any change.
 Candidates are always inside the bounds, and a config outside them is moved inside first.
 """
 
@@ -43,6 +43,7 @@ class PolicyParams:
     min_demand: float = 0.05  # below this (requests in the system) the service counts as idle
     limits: StepLimits = field(default_factory=StepLimits)
     up_probe_acceptance: float = 0.5  # raise k as a measurement while its last position is accepted this often
+    down_probe_acceptance: float = 0.15  # drop, as a measurement, the last positions accepted less often
     shift_hold_s: float | None = None  # hold through a load shift at most this long (default: 2 windows)
 
     @property
@@ -227,6 +228,15 @@ class Policy:
                       f"alternative predicted {gain:+.0%}); kept unless measured goodput drops; {figures}")
             return self._change(now, raised, "change", reason, goodput=goodput, share=share, demand=obs.demand,
                                 probe=True)
+        down = self._probe_down(obs, now)
+        if down is not None:
+            shorter, last = down
+            reason = (f"{self.current.short()} -> {shorter.short()}: probing a shorter draft: its last position "
+                      f"is accepted only {last:.0%} of the time, and what a rarely accepted draft token costs "
+                      f"(a longer verification, the proposer's work) is below what the step-cost model resolves "
+                      f"(best alternative predicted {gain:+.0%}); kept unless measured goodput drops; {figures}")
+            return self._change(now, shorter, "change", reason, goodput=goodput, share=share, demand=obs.demand,
+                                probe=True)
         return self._hold(now, "hold", f"keeping {self.current.short()}: best alternative "
                           f"{best.config.short()} predicts {gain:+.0%} (dead band {p.dead_band:.0%}); {figures}",
                           goodput, share)
@@ -276,6 +286,20 @@ class Policy:
         up = self.params.bounds.clamp(TunedConfig(new_k, seqs, max(self.current.max_num_batched_tokens,
                                                                    seqs * (1 + new_k))))
         return None if self._tabooed(up, obs.demand, now) else (up, acc[k - 1], tokens, knee)
+
+    def _probe_down(self, obs: Observation, now: float) -> tuple[TunedConfig, float] | None:
+        """The mirror of the longer-draft probe: the last positions are rarely accepted (under
+        `down_probe_acceptance`), so drop them, down to the last position accepted more often (at least
+        1, and one bounded step), to be measured. Returns (config, acceptance at the last position)."""
+        assert self.current is not None
+        k, low = self.current.num_speculative_tokens, self.params.bounds.k[0]
+        acc = obs.accepted_per_pos
+        if k <= max(1, low) or len(acc) < k or acc[k - 1] >= self.params.down_probe_acceptance:
+            return None
+        kept = max([i + 1 for i in range(k) if acc[i] >= self.params.down_probe_acceptance], default=1)
+        new_k = max(kept, low, 1, k - self.params.limits.max_k_step)
+        down = TunedConfig(new_k, self.current.max_num_seqs, self.current.max_num_batched_tokens)
+        return None if self._tabooed(down, obs.demand, now) else (down, acc[k - 1])
 
     def _load_shift(self, now: float, obs: Observation) -> Decision | None:
         """The load moved within the window (the gauges' count now is far from the window's mean): its

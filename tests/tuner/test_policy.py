@@ -113,6 +113,17 @@ def test_a_longer_draft_probe_that_loses_is_reverted_and_not_retried() -> None:
     assert kinds == ["change", "revert"] and final.num_speculative_tokens == 2, [d.reason for d in decisions]
 
 
+def test_rarely_accepted_last_positions_are_probed_off() -> None:
+    """Chat at concurrency 2 with k=4: positions 2 and 3 are accepted 10% and 5% of the time, and each
+    drafted token costs 5 ms the step model does not see: the probe drops them and keeps k=2."""
+    plant = Plant(demand=2, per_pos=(0.3, 0.2, 0.1, 0.05), spec_overhead=0.005)
+    final, decisions = run(plant, Policy(DEAF), TunedConfig(4, 32, 1024), 20)
+    moved = changes(decisions)
+    assert len(moved) == 1 and "probing a shorter draft" in moved[0].reason, [d.reason for d in moved]
+    assert final.num_speculative_tokens == 2
+    assert plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(4, 32, 1024)).generation_rate
+
+
 def test_load_rising_past_the_knee_turns_speculation_off_at_once() -> None:
     """The window still holds the low load (1 in the system on average) but 32 requests are in the
     system now: speculation goes off on this interval, before a window at the new load exists."""

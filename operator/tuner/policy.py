@@ -43,7 +43,9 @@ class PolicyParams:
     min_demand: float = 0.05  # below this (requests in the system) the service counts as idle
     limits: StepLimits = field(default_factory=StepLimits)
     up_probe_acceptance: float = 0.5  # raise k as a measurement while its last position is accepted this often
-    down_probe_acceptance: float = 0.15  # drop, as a measurement, the last positions accepted less often
+    # drop, as a measurement, the last positions accepted less often than this, when the last one is
+    # accepted less than two thirds as often (hysteresis: a position near the line is not probed twice)
+    down_probe_acceptance: float = 0.15
     shift_hold_s: float | None = None  # hold through a load shift at most this long (default: 2 windows)
 
     @property
@@ -288,13 +290,14 @@ class Policy:
         return None if self._tabooed(up, obs.demand, now) else (up, acc[k - 1], tokens, knee)
 
     def _probe_down(self, obs: Observation, now: float) -> tuple[TunedConfig, float] | None:
-        """The mirror of the longer-draft probe: the last positions are rarely accepted (under
-        `down_probe_acceptance`), so drop them, down to the last position accepted more often (at least
-        1, and one bounded step), to be measured. Returns (config, acceptance at the last position)."""
+        """The mirror of the longer-draft probe: the last position is rarely accepted (under two thirds
+        of `down_probe_acceptance`), so drop the positions under `down_probe_acceptance` from the end
+        (down to at least 1, and one bounded step), to be measured.
+        Returns (config, acceptance at the last position)."""
         assert self.current is not None
         k, low = self.current.num_speculative_tokens, self.params.bounds.k[0]
         acc = obs.accepted_per_pos
-        if k <= max(1, low) or len(acc) < k or acc[k - 1] >= self.params.down_probe_acceptance:
+        if k <= max(1, low) or len(acc) < k or acc[k - 1] >= self.params.down_probe_acceptance * 2 / 3:
             return None
         kept = max([i + 1 for i in range(k) if acc[i] >= self.params.down_probe_acceptance], default=1)
         new_k = max(kept, low, 1, k - self.params.limits.max_k_step)

@@ -122,6 +122,10 @@ def test_rarely_accepted_last_positions_are_probed_off() -> None:
     assert len(moved) == 1 and "probing a shorter draft" in moved[0].reason, [d.reason for d in moved]
     assert final.num_speculative_tokens == 2
     assert plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(4, 32, 1024)).generation_rate
+    # a last position near the line (12%: under the 15% that decides what to drop, over the 10% that
+    # starts a probe) is left alone, so a kept probe is not followed by another
+    _, decisions = run(Plant(demand=2, per_pos=(0.3, 0.12)), Policy(DEAF), TunedConfig(2, 32, 1024), 10)
+    assert changes(decisions) == [], [d.reason for d in changes(decisions)]
 
 
 def test_load_rising_past_the_knee_turns_speculation_off_at_once() -> None:

@@ -63,7 +63,7 @@ class _Probation:
     baseline_attainment: float | None
     baseline_demand: float | None
     since: float
-    probe: bool = False  # a measurement the model could not make (see Policy._probe)
+    probe: bool = False  # a measurement the model could not make (see Policy._probe_off and the others)
 
 
 def _similar(a: float | None, b: float | None, tolerance: float = 0.4) -> bool:
@@ -211,34 +211,14 @@ class Policy:
                       f"(predicted {best.goodput:.1f} tok/s, TPOT p95 {self._ms(best.tpot_p95_s)}); {figures}")
             return self._change(now, best.config, "change", reason, goodput=goodput, share=share,
                                 predicted=best.goodput, demand=obs.demand)
-        probe = self._probe(obs, now)
-        if probe is not None:
-            off, batch, knee = probe
-            reason = (f"{self.current.short()} -> {off.short()}: probing speculation off: {batch:.0f} sequences "
-                      f"per step are past the step cost's knee ({knee:.0f} tokens), where what proposing costs "
-                      f"(a draft model's own passes) can outweigh what it saves and the model cannot see it; "
-                      f"kept unless measured goodput drops; {figures}")
-            return self._change(now, off, "change", reason, goodput=goodput, share=share, demand=obs.demand,
-                                probe=True)
-        up = self._probe_up(obs, now)
-        if up is not None:
-            raised, last, tokens, knee = up
-            reason = (f"{self.current.short()} -> {raised.short()}: probing a longer draft: its last position "
-                      f"is still accepted {last:.0%} of the time and the verification step ({tokens:.1f} "
-                      f"tokens) is under the knee ({knee:.0f} tokens), where more draft tokens cost little "
-                      f"and the model's extrapolation past the measured positions is a guess (best "
-                      f"alternative predicted {gain:+.0%}); kept unless measured goodput drops; {figures}")
-            return self._change(now, raised, "change", reason, goodput=goodput, share=share, demand=obs.demand,
-                                probe=True)
-        down = self._probe_down(obs, now)
-        if down is not None:
-            shorter, last = down
-            reason = (f"{self.current.short()} -> {shorter.short()}: probing a shorter draft: its last position "
-                      f"is accepted only {last:.0%} of the time, and what a rarely accepted draft token costs "
-                      f"(a longer verification, the proposer's work) is below what the step-cost model resolves "
-                      f"(best alternative predicted {gain:+.0%}); kept unless measured goodput drops; {figures}")
-            return self._change(now, shorter, "change", reason, goodput=goodput, share=share, demand=obs.demand,
-                                probe=True)
+        for probe in (self._probe_off, self._probe_up, self._probe_down):
+            found = probe(obs, now)
+            if found is not None:
+                config, why = found
+                reason = (f"{self.current.short()} -> {config.short()}: {why} (best alternative predicted "
+                          f"{gain:+.0%}); kept unless measured goodput drops; {figures}")
+                return self._change(now, config, "change", reason, goodput=goodput, share=share,
+                                    demand=obs.demand, probe=True)
         return self._hold(now, "hold", f"keeping {self.current.short()}: best alternative "
                           f"{best.config.short()} predicts {gain:+.0%} (dead band {p.dead_band:.0%}); {figures}",
                           goodput, share)
@@ -251,11 +231,11 @@ class Policy:
             return 1.0 / DEFAULT_COST_RATIO
         return plain.c0 / plain.c1
 
-    def _probe(self, obs: Observation, now: float) -> tuple[TunedConfig, float, float] | None:
+    def _probe_off(self, obs: Observation, now: float) -> tuple[TunedConfig, str] | None:
         """Speculation off, to be measured, when the model cannot tell: the batch alone fills the step past
         the knee (compute-bound), so every proposed token costs compute, and the proposer's own cost is
         invisible to a model of the target's step. Not when k = 0 is already tabooed at this load.
-        Returns (config, sequences per step, knee)."""
+        Returns (config, why)."""
         assert self.current is not None
         if self.current.num_speculative_tokens == 0 or self.params.bounds.k[0] > 0:
             return None
@@ -264,13 +244,17 @@ class Policy:
         if batch < knee:
             return None
         off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
-        return None if self._tabooed(off, obs.demand, now) else (off, batch, knee)
+        if self._tabooed(off, obs.demand, now):
+            return None
+        return off, (f"probing speculation off: {batch:.0f} sequences per step are past the step cost's knee "
+                     f"({knee:.0f} tokens), where what proposing costs (a draft model's own passes) can "
+                     "outweigh what it saves and the model cannot see it")
 
-    def _probe_up(self, obs: Observation, now: float) -> tuple[TunedConfig, float, float, float] | None:
+    def _probe_up(self, obs: Observation, now: float) -> tuple[TunedConfig, str] | None:
         """k up one bounded step, to be measured, when the model calls it a wash but cannot know: the
         drafts are still accepted at their last position (`up_probe_acceptance`), so positions past it
         are unmeasured, and the verification step is under the knee (memory-bound: more draft tokens
-        cost little). Returns (config, acceptance at the last position, tokens per step now, knee)."""
+        cost little). Returns (config, why)."""
         assert self.current is not None
         k, high = self.current.num_speculative_tokens, self.params.bounds.k[1]
         acc = obs.accepted_per_pos
@@ -287,13 +271,17 @@ class Policy:
         new_k = min(high, k + self.params.limits.max_k_step)
         up = self.params.bounds.clamp(TunedConfig(new_k, seqs, max(self.current.max_num_batched_tokens,
                                                                    seqs * (1 + new_k))))
-        return None if self._tabooed(up, obs.demand, now) else (up, acc[k - 1], tokens, knee)
+        if self._tabooed(up, obs.demand, now):
+            return None
+        return up, (f"probing a longer draft: its last position is still accepted {acc[k - 1]:.0%} of the "
+                    f"time and the verification step ({tokens:.1f} tokens) is under the knee ({knee:.0f} "
+                    "tokens), where more draft tokens cost little and the model's extrapolation past the "
+                    "measured positions is a guess")
 
-    def _probe_down(self, obs: Observation, now: float) -> tuple[TunedConfig, float] | None:
+    def _probe_down(self, obs: Observation, now: float) -> tuple[TunedConfig, str] | None:
         """The mirror of the longer-draft probe: the last position is rarely accepted (under two thirds
         of `down_probe_acceptance`), so drop the positions under `down_probe_acceptance` from the end
-        (down to at least 1, and one bounded step), to be measured.
-        Returns (config, acceptance at the last position)."""
+        (down to at least 1, and one bounded step), to be measured. Returns (config, why)."""
         assert self.current is not None
         k, low = self.current.num_speculative_tokens, self.params.bounds.k[0]
         acc = obs.accepted_per_pos
@@ -302,7 +290,11 @@ class Policy:
         kept = max([i + 1 for i in range(k) if acc[i] >= self.params.down_probe_acceptance], default=1)
         new_k = max(kept, low, 1, k - self.params.limits.max_k_step)
         down = TunedConfig(new_k, self.current.max_num_seqs, self.current.max_num_batched_tokens)
-        return None if self._tabooed(down, obs.demand, now) else (down, acc[k - 1])
+        if self._tabooed(down, obs.demand, now):
+            return None
+        return down, (f"probing a shorter draft: its last position is accepted only {acc[k - 1]:.0%} of the "
+                      "time, and what a rarely accepted draft token costs (a longer verification, the "
+                      "proposer's work) is below what the step-cost model resolves")
 
     def _load_shift(self, now: float, obs: Observation) -> Decision | None:
         """The load moved within the window (the gauges' count now is far from the window's mean): its

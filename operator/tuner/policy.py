@@ -243,7 +243,7 @@ class Policy:
         knee = self._knee()
         if batch < knee:
             return None
-        off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
+        off = self.current.with_(num_speculative_tokens=0)
         if self._tabooed(off, obs.demand, now):
             return None
         return off, (f"probing speculation off: {batch:.0f} sequences per step are past the step cost's knee "
@@ -260,11 +260,11 @@ class Policy:
         acc = obs.accepted_per_pos
         if k == 0 or k >= high or len(acc) < k or acc[k - 1] < self.params.up_probe_acceptance:
             return None
-        if not (obs.draft_rate and obs.step_rate and obs.batch_size):
+        share = obs.proposal_share
+        if share is None:
             return None
         seqs = self.current.max_num_seqs
         batch = max(1.0, min(obs.demand or 0.0, float(seqs)))
-        share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
         knee, tokens = self._knee(), batch * (1.0 + share * k)
         if tokens >= knee:
             return None
@@ -317,7 +317,7 @@ class Policy:
             return None
         what = f"load shifting: {after:.0f} requests in the system now against {before:.1f} over the window"
         batch, knee = min(after, float(self.current.max_num_seqs)), self._knee()
-        off = TunedConfig(0, self.current.max_num_seqs, self.current.max_num_batched_tokens)
+        off = self.current.with_(num_speculative_tokens=0)
         if self.current.num_speculative_tokens > 0 and p.bounds.k[0] == 0 and batch >= knee and \
                 not self._tabooed(off, after, now):
             self.probation = None  # the load it would be judged at is gone
@@ -382,8 +382,8 @@ class Policy:
             self.cost_points.append((obs.batch_size + drafted, prefill, obs.step_duration_s))
             if not drafted:
                 self.plain_cost_points.append((obs.batch_size, prefill, obs.step_duration_s))
-        if obs.draft_rate and obs.accepted_per_pos and obs.step_rate and obs.batch_size:
-            share = min(1.0, obs.draft_rate / (obs.step_rate * obs.batch_size))
+        share = obs.proposal_share
+        if share is not None and obs.accepted_per_pos:
             self.acceptance.append((obs.demand, tuple(obs.accepted_per_pos), share, obs.time))
 
     def _model(self, obs: Observation) -> LoadModel | None:

@@ -105,6 +105,13 @@ class Observation:
         return self.accepted_rate / self.draft_token_rate
 
     @property
+    def proposal_share(self) -> float | None:
+        """Share of sequence-steps that carried a draft (n-gram finds no match on some)."""
+        if not (self.draft_rate and self.step_rate and self.batch_size):
+            return None
+        return min(1.0, self.draft_rate / (self.step_rate * self.batch_size))
+
+    @property
     def demand(self) -> float | None:
         """Requests in the system (running + waiting): the load the config is serving."""
         if self.running is None:

@@ -17,7 +17,7 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ class Phase:
 
 PHASES = (Phase("grounded-c1", 1, True, 128), Phase("chat-c32", 32, False, 48), Phase("chat-c2", 2, False, 96))
 _PROMPTS: dict[bool, list[str]] = {}
+NO_GUARD = {"speculative_disable_by_batch_size": 0}  # static configs speculate at any batch size
 
 
 def _prompt(phase: Phase, i: int) -> str:
@@ -145,8 +146,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                                                  seqs * (k + 1)))
                 for k in args.grid_k for seqs in args.grid_seqs}
         passes = [await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=False)]
-        await admin.ensure(fleet.engine_urls, start_config)
+        await admin.ensure(fleet.engine_urls, start_config, NO_GUARD)
         fleet.tuner = fleet._build_tuner()
+        if not args.guard:
+            fleet.tuner.policy.params = replace(fleet.tuner.policy.params, guard=False)
         t0 = time.monotonic()
 
         async def tune_loop(phase_name: list[str]) -> None:
@@ -157,6 +160,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                                  "load": next(p.concurrency for p in PHASES if p.name == phase_name[0]),
                                  "k": cfg.num_speculative_tokens if cfg else None,
                                  "max_num_seqs": cfg.max_num_seqs if cfg else None,
+                                 "guard": tick.guard,
                                  "tpot_p95_ms": None if tick.observation.tpot_p95_s is None
                                  else tick.observation.tpot_p95_s * 1000, "kind": tick.decision.kind,
                                  "reason": tick.decision.reason})
@@ -180,7 +184,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await admin.close()
         await fleet.stop(drain_timeout_s=5)
-    return summarize(passes, tuner_phases, changes, timeline)
+    return {**summarize(passes, tuner_phases, changes, timeline), "tuner_guard": args.guard}
 
 
 Static = dict[str, dict[str, dict[str, float]]]  # config -> phase -> figures
@@ -195,7 +199,7 @@ async def static_pass(fleet: LocalFleet, admin: AdminActuator, grid: dict[str, T
         groups = equivalent_groups(grid, phase.concurrency)
         for names in reversed(groups) if reverse else groups:
             config = grid[names[0]]
-            applied = await admin.ensure(fleet.engine_urls, config)
+            applied = await admin.ensure(fleet.engine_urls, config, NO_GUARD)
             if not applied.ok:
                 raise RuntimeError(f"cannot apply {config.short()}: {applied.failed or applied.refused}")
             measured = await run_phase(fleet.url, phase, seconds * len(names), slo)
@@ -310,6 +314,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-seqs", type=int, nargs="+", default=[8, 32])
     p.add_argument("--interval", type=float, default=4.0, help="tuner interval (s)")
     p.add_argument("--window", type=float, default=8.0, help="metrics window (s)")
+    p.add_argument("--no-guard", dest="guard", action="store_false",
+                   help="the tuner leaves speculative_disable_by_batch_size at 0 (to measure what it adds)")
     p.add_argument("--ttft-ms", type=int, default=6000)
     p.add_argument("--tpot-ms", type=int, default=400)
     p.add_argument("--out-dir", default="bench/results", help="where tune.json and tune.png go")

@@ -28,6 +28,9 @@ class EngineConfig:
     speculative_method: str = "none"  # none | ngram | draft
     num_speculative_tokens: int = 0
     max_num_speculative_tokens: int = 8  # ceiling for the live k
+    # Propose nothing in a step whose batch (running sequences plus the waiting ones max_num_seqs leaves
+    # room for) is larger than this: past the step cost's knee every draft token costs compute. 0: never.
+    speculative_disable_by_batch_size: int = 0
     draft_model: str | None = None
     # Weight-only int8 (one scale per output column) on the native CPU kernels: a quarter of the bytes.
     # For the draft it makes a quantized copy of the target a cheap, well-aligned proposer.
@@ -68,6 +71,9 @@ class EngineConfig:
                 f"num_speculative_tokens={self.num_speculative_tokens} must be between 0 and "
                 f"max_num_speculative_tokens={self.max_num_speculative_tokens}"
             )
+        if not isinstance(self.speculative_disable_by_batch_size, int) or self.speculative_disable_by_batch_size < 0:
+            raise ValueError(f"speculative_disable_by_batch_size={self.speculative_disable_by_batch_size!r} must be "
+                             "an integer >= 0 (0: never disable)")
         if self.speculative_method == "none" and self.num_speculative_tokens:
             raise ValueError("num_speculative_tokens > 0 needs speculative_method 'ngram' or 'draft'")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -104,10 +110,12 @@ class LiveConfig:
     num_speculative_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int
+    speculative_disable_by_batch_size: int = 0  # 0: never
 
     def as_dict(self) -> dict[str, int]:
         return {
             "num_speculative_tokens": self.num_speculative_tokens,
             "max_num_seqs": self.max_num_seqs,
             "max_num_batched_tokens": self.max_num_batched_tokens,
+            "speculative_disable_by_batch_size": self.speculative_disable_by_batch_size,
         }

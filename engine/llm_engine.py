@@ -54,7 +54,8 @@ class Engine:
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
         self.stats = EngineStats()
-        self._live = LiveConfig(config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens)
+        self._live = LiveConfig(config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens,
+                                config.speculative_disable_by_batch_size)
         self._pending: dict[str, int] = {}
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -139,6 +140,7 @@ class Engine:
             "num_speculative_tokens": (0, self.config.max_num_speculative_tokens if self.config.speculative_method != "none" else 0),
             "max_num_seqs": (1, self.config.seqs_limit),
             "max_num_batched_tokens": (1, self.config.batched_tokens_limit),
+            "speculative_disable_by_batch_size": (0, self.config.seqs_limit),
         }
         for name, value in changes.items():
             if name not in limits:
@@ -177,7 +179,7 @@ class Engine:
 
     def _propose(self) -> None:
         """Give every decoding sequence up to k proposals to verify in this step (none when k = 0)."""
-        if self.proposer is None:
+        if self.proposer is None or self._speculation_disabled_by_batch():
             return
         seqs, ks = [], []
         for seq in self.scheduler.running:
@@ -191,6 +193,17 @@ class Engine:
             return
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, ks)):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
+
+    def _speculation_disabled_by_batch(self) -> bool:
+        """The batch this step will run (running sequences plus the waiting ones max_num_seqs leaves room
+        for) is larger than `speculative_disable_by_batch_size`: past the step cost's knee a draft token
+        costs as much as a sequence's own, so a load that rose between two tuner intervals gets no drafts
+        from its first step."""
+        limit = self._live.speculative_disable_by_batch_size
+        if not limit:
+            return False
+        sched = self.scheduler
+        return min(len(sched.running) + len(sched.waiting), sched.max_num_seqs) > limit
 
     def _k_for(self, seq: Sequence) -> int:
         params = seq.params

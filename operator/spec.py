@@ -114,6 +114,11 @@ class SpeculativeSpec(_Spec):
     )
     method: Literal["none", "ngram", "draft"] = "none"
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k: tokens proposed per step (0 = off).")
+    disable_by_batch_size: int = Field(
+        0, ge=0, le=4096,
+        description="A step whose batch is larger than this proposes nothing (0 = never). With autotune on, "
+                    "the tuner sets it to the step cost's knee, so a load that rises between two intervals "
+                    "loses no time to drafts.")
     draft_model: DraftModelSpec | None = None
 
     @model_validator(mode="after")

@@ -38,6 +38,7 @@ class TuningStatus(_Status):
     num_speculative_tokens: int | None = None
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
+    speculative_disable_by_batch_size: int | None = None
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
     observed: TuningObserved | None = None

@@ -20,7 +20,7 @@ from .state import ServerState, get_state
 ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
 logger = logging.getLogger("specfleet.engine.server")
 router = APIRouter(prefix="/admin")
-_FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens")
+_FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens", "speculative_disable_by_batch_size")
 
 
 def _authorize(state: ServerState, request: Request) -> None:

@@ -44,6 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--num-speculative-tokens", type=int, default=None,
                    help="k (default: 4 with a speculative method, else 0)")
     p.add_argument("--max-num-speculative-tokens", type=int, default=8, help="ceiling for the live k")
+    p.add_argument("--speculative-disable-by-batch-size", type=int, default=0,
+                   help="propose nothing in a step whose batch is larger than this (0: never)")
     p.add_argument("--draft-model", default=None, help="draft model source URI (--speculative-method draft)")
     p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (native CPU kernels)")
     p.add_argument("--draft-quantization", default=None, choices=["int8"],
@@ -81,6 +83,7 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
         "speculative_method": args.speculative_method,
         "num_speculative_tokens": k,
         "max_num_speculative_tokens": args.max_num_speculative_tokens,
+        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
         "draft_model": args.draft_model,
         "quantization": args.quantization,
         "draft_quantization": args.draft_quantization,

@@ -61,6 +61,8 @@ class ServerMetrics:
         self.num_spec_tokens = gauge("specfleet_num_speculative_tokens", "Speculative tokens per step (k)")
         self.max_num_seqs = gauge("specfleet_max_num_seqs", "Live max_num_seqs")
         self.max_num_batched_tokens = gauge("specfleet_max_num_batched_tokens", "Live max_num_batched_tokens")
+        self.spec_disable_batch = gauge("specfleet_speculative_disable_by_batch_size",
+                                        "Batch size above which a step proposes nothing (0: never)")
         self.counters = {
             attr: Counter(name, doc, label, registry=r) for name, (doc, attr) in _COUNTERS.items()
         }
@@ -75,7 +77,8 @@ class ServerMetrics:
             self.success.labels(model_name, reason)
         for metric in (*self.counters.values(), self.ttft, self.tpot, self.itl, self.e2e, self.queue_time,
                        self.step_duration, self.batch_size, self.running, self.waiting, self.kv_usage,
-                       self.num_spec_tokens, self.max_num_seqs, self.max_num_batched_tokens):
+                       self.num_spec_tokens, self.max_num_seqs, self.max_num_batched_tokens,
+                       self.spec_disable_batch):
             metric.labels(model_name)  # every series exists from the first scrape
 
     def observe_step(self, stats: EngineStats, stepped: bool, extra_waiting: int = 0,
@@ -107,6 +110,7 @@ class ServerMetrics:
         self.num_spec_tokens.labels(m).set(config.num_speculative_tokens)
         self.max_num_seqs.labels(m).set(config.max_num_seqs)
         self.max_num_batched_tokens.labels(m).set(config.max_num_batched_tokens)
+        self.spec_disable_batch.labels(m).set(config.speculative_disable_by_batch_size)
 
     def observe_request(
         self,

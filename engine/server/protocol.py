@@ -188,6 +188,7 @@ class AdminConfigPatch(StrictModel):
     num_speculative_tokens: int | None = Field(default=None, ge=0)
     max_num_seqs: int | None = Field(default=None, ge=1)
     max_num_batched_tokens: int | None = Field(default=None, ge=1)
+    speculative_disable_by_batch_size: int | None = Field(default=None, ge=0)
 
     def changes(self) -> dict[str, int]:
         return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -53,6 +53,8 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
         "--kv-cache-memory-fraction", str(spec.engine.kv_cache_memory_fraction),
         "--drain-timeout", str(spec.engine.drain_timeout_seconds),
     ]
+    if method != "none" and spec.speculative.disable_by_batch_size:
+        args += ["--speculative-disable-by-batch-size", str(spec.speculative.disable_by_batch_size)]
     if draft_uri is not None:
         args += ["--draft-model", draft_uri]
         if spec.speculative.draft_model is not None and spec.speculative.draft_model.quantization != "none":

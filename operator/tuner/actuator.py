@@ -41,35 +41,45 @@ class AdminActuator:
         self._client = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
 
     async def read(self, url: str) -> TunedConfig:
+        return TunedConfig.from_admin(await self.settings(url))
+
+    async def settings(self, url: str) -> dict[str, int]:
+        """Every live setting of one engine, as `GET /admin/config` answers."""
         response = await self._client.get(f"{url}/admin/config")
         _raise_for(response, url)
-        return TunedConfig.from_admin(response.json())
+        return response.json()
 
-    async def _ensure_one(self, url: str, config: TunedConfig, result: ApplyResult) -> None:
+    async def _ensure_one(self, url: str, body: dict[str, int], result: ApplyResult) -> None:
+        def differs(now: dict[str, int]) -> dict[str, int]:
+            return {key: now.get(key) for key, value in body.items() if now.get(key) != value}
+
         try:
-            if await self.read(url) == config:
+            if not differs(await self.settings(url)):
                 result.unchanged.append(url)
                 return
-            response = await self._client.patch(f"{url}/admin/config", json=config.as_admin())
+            response = await self._client.patch(f"{url}/admin/config", json=body)
             if response.status_code == 400:
                 message = response.json().get("error", {}).get("message", response.text)
                 raise ConfigRefused(message)
             _raise_for(response, url)
-            now = await self.read(url)
-            if now != config:
-                result.failed[url] = f"PATCH answered but GET reads {now.short()}, not {config.short()}"
+            wrong = differs(await self.settings(url))
+            if wrong:
+                wanted = {key: body[key] for key in wrong}
+                result.failed[url] = f"PATCH answered but GET reads {wrong}, not {wanted}"
                 return
             result.patched.append(url)
-            logger.info("event=tuner_applied url=%s %s", url, config.short())
+            logger.info("event=tuner_applied url=%s %s", url, " ".join(f"{k}={v}" for k, v in body.items()))
         except ConfigRefused as error:
             result.refused[url] = str(error)
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as error:
             result.failed[url] = f"{type(error).__name__}: {error}"
 
-    async def ensure(self, urls: list[str], config: TunedConfig) -> ApplyResult:
-        """Make every engine in `urls` run `config`; report per engine what happened."""
+    async def ensure(self, urls: list[str], config: TunedConfig, extra: dict[str, int] | None = None) -> ApplyResult:
+        """Make every engine in `urls` run `config` (and the `extra` admin settings, such as
+        `speculative_disable_by_batch_size`); report per engine what happened."""
         result = ApplyResult(config)
-        await asyncio.gather(*(self._ensure_one(u, config, result) for u in urls))
+        body = {**config.as_admin(), **(extra or {})}
+        await asyncio.gather(*(self._ensure_one(u, body, result) for u in urls))
         return result
 
     async def close(self) -> None:

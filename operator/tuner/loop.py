@@ -44,6 +44,7 @@ class Tick:
     decision: Decision
     observation: Observation
     applied: ApplyResult | None
+    guard: int | None = None  # the engines' speculative_disable_by_batch_size (None: not managed)
 
 
 class ServiceTuner:
@@ -60,21 +61,23 @@ class ServiceTuner:
         decision = self.policy.decide(obs)
         applied = None
         desired = self.policy.current
+        guard = self.policy.guard if self.policy.params.guard and self.policy.params.bounds.k[1] > 0 else None
+        extra = None if guard is None else {"speculative_disable_by_batch_size": guard}
         if desired is not None:
             urls = await self.endpoints()
-            applied = await self.actuator.ensure(urls, desired)
+            applied = await self.actuator.ensure(urls, desired, extra)
             if applied.refused:
                 message = next(iter(applied.refused.values()))
                 decision = self.policy.rejected(obs.time, desired, message)
                 if decision.config is not None:
-                    applied = await self.actuator.ensure(urls, decision.config)
+                    applied = await self.actuator.ensure(urls, decision.config, extra)
             if applied.failed:
                 logger.warning("event=tuner_apply_failed service=%s %s", self.name,
                                " ".join(f"{u}={e!r}" for u, e in applied.failed.items()))
         if decision.changed:
             logger.info("event=tuner_decision service=%s kind=%s reason=%r", self.name, decision.kind,
                         decision.reason)
-        return Tick(decision, obs, applied)
+        return Tick(decision, obs, applied, guard)
 
     async def close(self) -> None:
         await self.source.close()

@@ -15,10 +15,15 @@ Per interval:
    invisible to it), a longer draft below it (acceptance past the measured positions is a guess), a
    shorter one when the last positions are rarely accepted; each judged by probation like any change.
 Candidates are always inside the bounds, and a config outside them is moved inside first.
+
+Beside the config, the policy keeps `guard`, the engines' `speculative_disable_by_batch_size`: the rule
+of step 3 for a rise past the knee, applied by the engine at its next step instead of by the tuner at
+its next interval. It follows the load at every settled interval and is not a decision of its own.
 """
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass, field, replace
 
@@ -47,6 +52,7 @@ class PolicyParams:
     # accepted less than two thirds as often (hysteresis: a position near the line is not probed twice)
     down_probe_acceptance: float = 0.15
     shift_hold_s: float | None = None  # hold through a load shift at most this long (default: 2 windows)
+    guard: bool = True  # keep the engines' speculative_disable_by_batch_size at the load-shift rule's batch
 
     @property
     def cooldown_s(self) -> float:
@@ -109,6 +115,7 @@ class Policy:
         self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = deque(maxlen=16)
         self.shift_since: float | None = None  # when the load was first seen shifting within a window
         self.load_now_before: float | None = None  # the gauges' count at the previous interval
+        self.guard = 0  # speculative_disable_by_batch_size for the engines (0: never); see `_guard_at`
 
     def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
         now = obs.time if obs is not None else (now or 0.0)
@@ -132,6 +139,13 @@ class Policy:
         shifted = self._load_shift(now, obs)
         if shifted is not None:
             return shifted
+        decision = self._settled(now, obs)
+        self.guard = self._guard_at(demand, obs.engines)
+        return decision
+
+    def _settled(self, now: float, obs: Observation) -> Decision:
+        """Steps 4-7, at a window of one load."""
+        p = self.params
         if self.last_change is not None and now - self.last_change < p.cooldown_s:
             left = p.cooldown_s - (now - self.last_change)
             return self._hold(now, "cooldown", f"cooldown: {left:.0f}s until a window without samples "
@@ -239,7 +253,7 @@ class Policy:
         assert self.current is not None
         if self.current.num_speculative_tokens == 0 or self.params.bounds.k[0] > 0:
             return None
-        batch = min(obs.demand or 0.0, float(self.current.max_num_seqs))
+        batch = min((obs.demand or 0.0) / obs.engines, float(self.current.max_num_seqs))
         knee = self._knee()
         if batch < knee:
             return None
@@ -264,7 +278,7 @@ class Policy:
         if share is None:
             return None
         seqs = self.current.max_num_seqs
-        batch = max(1.0, min(obs.demand or 0.0, float(seqs)))
+        batch = max(1.0, min((obs.demand or 0.0) / obs.engines, float(seqs)))
         knee, tokens = self._knee(), batch * (1.0 + share * k)
         if tokens >= knee:
             return None
@@ -316,7 +330,7 @@ class Policy:
         if now - self.shift_since > (p.shift_hold_s if p.shift_hold_s is not None else 2 * p.window_s):
             return None
         what = f"load shifting: {after:.0f} requests in the system now against {before:.1f} over the window"
-        batch, knee = min(after, float(self.current.max_num_seqs)), self._knee()
+        batch, knee = min(after / obs.engines, float(self.current.max_num_seqs)), self._knee()
         off = self.current.with_(num_speculative_tokens=0)
         if self.current.num_speculative_tokens > 0 and p.bounds.k[0] == 0 and batch >= knee and \
                 not self._tabooed(off, after, now):
@@ -331,11 +345,27 @@ class Policy:
         if on is not None:
             config, gain = on
             self.probation = None
-            return self._change(now, config, "change", f"{self.current.short()} -> {config.short()}: {what}; "
-                                f"{batch:.0f} sequences per step are under the step cost's knee ({knee:.0f} "
-                                f"tokens) with speculation off: predicted goodput {gain:+.0%} at the new load; "
-                                "on now, searched afresh at the first window at the new load", probation=False)
+            load = max(after, previous or 0.0)
+            decision = self._change(now, config, "change", f"{self.current.short()} -> {config.short()}: "
+                                    f"{what}; {batch:.0f} sequences per step are under the step cost's knee "
+                                    f"({knee:.0f} tokens) with speculation off: predicted goodput {gain:+.0%} "
+                                    "at the new load; on now, searched afresh at the first window at the new "
+                                    "load", probation=False)
+            self.guard = self._guard_at(load, obs.engines)
+            return decision
         return self._hold(now, "hold", f"{what}; holding {self.current.short()} until a window at one load")
+
+    def _guard_at(self, load: float, engines: int) -> int:
+        """`speculative_disable_by_batch_size` at `load` requests in the system, spread over `engines`: one
+        under the smallest batch at which `_load_shift` would turn speculation off (a rise to at least
+        twice the load and 4 more requests, at or past the knee), so the engine does at its next step what
+        the tuner would do at its next interval. 0 (never) when that batch is past max_num_seqs, or with
+        `guard` off."""
+        assert self.current is not None
+        if not self.params.guard or self.params.bounds.k[1] == 0:
+            return 0
+        off_at = max(math.ceil(self._knee()), math.ceil((load + 4) / engines), math.ceil(2 * load / engines))
+        return 0 if off_at > self.current.max_num_seqs else off_at - 1
 
     def _speculation_on_at(self, obs: Observation, load: float, knee: float,
                            now: float) -> tuple[TunedConfig, float] | None:
@@ -345,7 +375,7 @@ class Policy:
         assert self.current is not None
         p = self.params
         if self.current.num_speculative_tokens > 0 or p.bounds.k[1] == 0 or load < 1.0 or \
-                min(load, float(self.current.max_num_seqs)) >= knee:
+                min(load / obs.engines, float(self.current.max_num_seqs)) >= knee:
             return None
         model = self._model(replace(obs, running=load, waiting=0.0))
         if model is None:
@@ -398,7 +428,7 @@ class Policy:
                 per_pos, share = pos, seen_share
                 break
         prefill = (obs.prompt_rate or 0.0) / obs.generation_rate if obs.generation_rate else 0.0
-        return LoadModel(max(obs.demand, 1.0), per_pos, share, prefill, cost)
+        return LoadModel(max(obs.demand / obs.engines, 1.0), per_pos, share, prefill, cost)
 
     def _tabooed(self, config: TunedConfig, demand: float | None, now: float) -> bool:
         self.taboo = [t for t in self.taboo if t[3] > now]

@@ -32,6 +32,8 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
     if config is not None:
         status.update({"numSpeculativeTokens": config.num_speculative_tokens, "maxNumSeqs": config.max_num_seqs,
                        "maxNumBatchedTokens": config.max_num_batched_tokens})
+        if tick.guard is not None:
+            status["speculativeDisableByBatchSize"] = tick.guard
     return status
 
 

@@ -112,6 +112,11 @@ class Observation:
         return min(1.0, self.draft_rate / (self.step_rate * self.batch_size))
 
     @property
+    def engines(self) -> int:
+        """Engines the load is spread over (evenly: the router sends each request to the least busy)."""
+        return max(self.pods, 1)
+
+    @property
     def demand(self) -> float | None:
         """Requests in the system (running + waiting): the load the config is serving."""
         if self.running is None:

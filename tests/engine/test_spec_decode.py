@@ -73,6 +73,30 @@ def test_ngram_chunked_prefill_and_live_k_changes(ngram_llm, reference):
     assert [done[f"live-{i}"] for i in range(len(PROMPTS))] == reference
 
 
+def test_ngram_disable_by_batch_size(ngram_llm, reference):
+    """Above the limit a step proposes nothing; once the batch falls to it, drafts resume; the output is
+    the non-speculative one throughout."""
+    engine = ngram_llm.engine
+    engine.update_config(speculative_disable_by_batch_size=1)
+    try:
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"guard-{i}", prompt, greedy(n=N + 8 * i))  # they finish one by one
+        done, drafts_by_batch = {}, []
+        while engine.has_unfinished_requests():
+            batch = len(engine.scheduler.running) + len(engine.scheduler.waiting)
+            before = engine.stats.num_drafts
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+            drafts_by_batch.append((batch, engine.stats.num_drafts - before))
+    finally:
+        engine.update_config(speculative_disable_by_batch_size=0)
+    assert all(drafts == 0 for batch, drafts in drafts_by_batch if batch > 1)
+    assert sum(drafts for batch, drafts in drafts_by_batch if batch == 1) > 0  # the last one speculated
+    assert [done[f"guard-{i}"][:N] for i in range(len(PROMPTS))] == reference
+    assert engine.kv_blocks_in_use() == 0
+
+
 def test_ngram_preemption_mid_speculation(reference):
     llm = LLM(speculative_method="ngram", num_speculative_tokens=4, num_kv_blocks=14, max_num_seqs=4)
     assert tokens(llm.generate(PROMPTS, greedy())) == reference

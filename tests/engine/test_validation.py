@@ -35,6 +35,7 @@ def test_sampling_params_name_the_field(kwargs, words):
         ({"speculative_method": "draft"}, "needs draft_model"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens=9"),
         ({"max_num_seqs": 300, "max_num_seqs_limit": 256}, "max_num_seqs=300"),
+        ({"speculative_disable_by_batch_size": -1}, "speculative_disable_by_batch_size=-1 must be an integer >= 0"),
         ({"tensor_parallel_size": 2}, "tensor_parallel_size=2: tensor parallelism is not implemented"),
         ({"quantization": "int4"}, "quantization='int4' is not one of"),
         ({"draft_quantization": "int8"}, "draft_quantization needs speculative_method='draft'"),
@@ -94,4 +95,6 @@ def test_engine_rejects_bad_requests_and_leaks_no_blocks():
         engine.update_config(max_num_seqs=0)
     with pytest.raises(ValueError, match="num_speculative_tokens=2 must be an integer between 0 and 0"):
         engine.update_config(num_speculative_tokens=2)
+    with pytest.raises(ValueError, match="speculative_disable_by_batch_size=257 must be an integer between 0 and 256"):
+        engine.update_config(speculative_disable_by_batch_size=257)
     assert engine.update_config(max_num_seqs=8, max_num_batched_tokens=512).max_num_seqs == 8

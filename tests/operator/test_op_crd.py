@@ -59,7 +59,8 @@ def test_names_subresources_and_printer_columns() -> None:
     names = [c["name"] for c in version["additionalPrinterColumns"]]
     assert names == ["Model", "Replicas", "Ready", "K", "MaxSeqs", "TPOT-p95", "Age"]
     tuning = crd_schema()["properties"]["status"]["properties"]["tuning"]["properties"]
-    assert {"numSpeculativeTokens", "maxNumSeqs", "maxNumBatchedTokens", "lastDecisionTime", "reason"} <= set(tuning)
+    assert {"numSpeculativeTokens", "maxNumSeqs", "maxNumBatchedTokens", "speculativeDisableByBatchSize",
+            "lastDecisionTime", "reason"} <= set(tuning)
     assert set(tuning["observed"]["properties"]) == {"acceptanceRate", "ttftP95Ms", "tpotP95Ms", "goodput", "requestRate"}
 
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 import yaml
 from isvc_schema_tools import EXAMPLES, REPO, k8s_validate
+from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 from specfleet.operator import InferenceService, load_inference_service
 from specfleet.operator.config import OperatorConfig
 from specfleet.operator.render import (
@@ -131,6 +132,15 @@ def test_int8_copy_of_the_target_as_draft() -> None:
     args = engine(render_deployment(isvc, CONFIG))["args"]
     assert flag(args, "--draft-model") == "bundled://smollm2-135m-instruct"
     assert flag(args, "--draft-quantization") == "int8"
+
+
+def test_disable_by_batch_size_reaches_the_engine_command_line() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", speculative__method="ngram", speculative__disableByBatchSize=8)
+    args = engine(render_deployment(isvc, CONFIG))["args"]
+    assert flag(args, "--speculative-disable-by-batch-size") == "8"
+    assert engine_config_kwargs(build_parser().parse_args(args))["speculative_disable_by_batch_size"] == 8
+    off = isvc_from("smollm2-cpu.yaml", speculative__disableByBatchSize=8)  # method none: nothing to disable
+    assert "--speculative-disable-by-batch-size" not in engine(render_deployment(off, CONFIG))["args"]
 
 
 def test_zero_replicas_and_edge_settings() -> None:

@@ -52,7 +52,8 @@ def test_wrong_or_missing_token_is_401(server: Any, headers: dict[str, str]) -> 
 
 def test_get_config(server: Any) -> None:
     config = httpx.get(f"{server.url}/admin/config", headers=AUTH).json()
-    assert set(config) == {"num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens"}
+    assert set(config) == {"num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens",
+                           "speculative_disable_by_batch_size"}
 
 
 @pytest.mark.parametrize(("body", "param", "limit"), [
@@ -60,6 +61,8 @@ def test_get_config(server: Any) -> None:
     ({"max_num_seqs": 100000}, "max_num_seqs", "256"),
     ({"max_num_batched_tokens": 10**9}, "max_num_batched_tokens", "8192"),
     ({"max_num_seqs": 0}, "max_num_seqs", "1"),
+    ({"speculative_disable_by_batch_size": 1000}, "speculative_disable_by_batch_size", "256"),
+    ({"speculative_disable_by_batch_size": -1}, "speculative_disable_by_batch_size", "0"),
     ({"max_num_seqs": "many"}, "max_num_seqs", None),
     ({"block_size": 32}, "block_size", None),
 ])
@@ -80,7 +83,7 @@ def test_patch_while_16_requests_stream(server: Any, client: Any, model_name: st
     prompts = ["Count from one to twenty:", "The alphabet is"]
     reference = {p: client.completions.create(model=model_name, prompt=p, max_tokens=16, temperature=0,
                                               extra_body={"ignore_eos": True}).choices[0].text for p in prompts}
-    new = {"num_speculative_tokens": 1, "max_num_seqs": 8}
+    new = {"num_speculative_tokens": 1, "max_num_seqs": 8, "speculative_disable_by_batch_size": 4}
 
     async def scenario() -> tuple[list[tuple[str, str | None]], dict[str, Any], str]:
         started = asyncio.Event()
@@ -113,6 +116,7 @@ def test_patch_while_16_requests_stream(server: Any, client: Any, model_name: st
     assert patched["num_speculative_tokens"] == 1 and patched["max_num_seqs"] == 8
     assert gauge(metrics, "specfleet_num_speculative_tokens") == 1
     assert gauge(metrics, "specfleet_max_num_seqs") == 8
+    assert gauge(metrics, "specfleet_speculative_disable_by_batch_size") == 4
     assert httpx.get(f"{server.url}/admin/config", headers=AUTH).json()["max_num_seqs"] == 8
     assert len(results) == 16
     for i, (text, finish) in enumerate(results):

@@ -34,6 +34,7 @@ class Plant:
     output_tokens_per_request: float = 64.0
     noise: float = 0.0
     demand_now: float | None = None  # the gauges' count at the window's end, when the load just moved
+    pods: int = 1  # engines the demand is spread over evenly; rates and counts are their sums
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -46,27 +47,27 @@ class Plant:
         cfg = running_config or config
         assert cfg is not None
         k = cfg.num_speculative_tokens
-        batch = max(1.0, min(self.demand, cfg.max_num_seqs))
-        waiting = max(0.0, self.demand - cfg.max_num_seqs)
+        batch = max(1.0, min(self.demand / self.pods, cfg.max_num_seqs))  # per engine
+        waiting = max(0.0, self.demand - self.pods * cfg.max_num_seqs)
         drafted = batch * self.proposal_share * k
         per_seq = 1.0 + self.proposal_share * sum(self.per_pos[:k])
         prefill_per_step = batch * per_seq * self.prefill_tokens_per_request / self.output_tokens_per_request
         step = (math.hypot(self.c0, self.c1 * (batch + drafted)) + self.c1 * prefill_per_step
                 + self.spec_overhead * drafted)
-        step_rate = 1.0 / step
+        step_rate = self.pods / step  # summed over the engines, like every rate below
         gen_rate = batch * per_seq * step_rate
         prefill = prefill_per_step * step_rate
         tpot = step / per_seq
-        ttft = step * 2 + waiting / max(batch, 1.0) * step * self.output_tokens_per_request / per_seq
+        ttft = step * 2 + waiting / (self.pods * batch) * step * self.output_tokens_per_request / per_seq
         drafts = batch * self.proposal_share * step_rate if k else 0.0
         return Observation(
             time=t,
             config=config,
-            pods=2,
+            pods=self.pods,
             request_rate=self._jitter(gen_rate / self.output_tokens_per_request),
             generation_rate=self._jitter(gen_rate),
             prompt_rate=self._jitter(prefill),
-            running=batch,
+            running=batch * self.pods,
             waiting=waiting,
             in_system_now=self.demand if self.demand_now is None else self.demand_now,
             kv_usage=0.2,

@@ -86,6 +86,10 @@ def test_tuner_turns_speculation_on_at_low_load_and_off_at_high_load(prometheus_
             fleet.tuner = fleet._build_tuner()
             on = await _phase(fleet, admin, 1, lambda i: GROUNDED, 24, lambda ks: all(k > 0 for k in ks), 100)
             assert on and all(k > 0 for k in on), [t.decision.reason for t in fleet.ticks]
+            # with speculation on, each engine also stops proposing past the batch the tuner would turn it
+            # off at: one request each now, and that rule waits for 4 more requests (2 more each), so >= 2
+            guards = [(await admin.settings(u))["speculative_disable_by_batch_size"] for u in fleet.engine_urls]
+            assert guards == [fleet.tuner.policy.guard] * 2 and guards[0] >= 2, guards
             off = await _phase(fleet, admin, 24, lambda i: f"Write a story about animal number {i}.", 16,
                                lambda ks: all(k == 0 for k in ks), 100)
             assert off and all(k == 0 for k in off), [t.decision.reason for t in fleet.ticks]

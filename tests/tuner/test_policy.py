@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -149,6 +151,55 @@ def test_load_falling_under_the_knee_turns_speculation_on_at_once() -> None:
     decision = policy.decide(falling.observe(500.0 + INTERVAL, settled))
     assert decision.config is not None and decision.config.num_speculative_tokens > 0, decision.reason
     assert "load shifting" in decision.reason and "under the step cost's knee" in decision.reason
+
+
+@pytest.mark.parametrize("pods", [1, 2])
+def test_guard_is_the_rise_rule_moved_into_the_engine(pods: int) -> None:
+    """`guard` (the engines' speculative_disable_by_batch_size) is the largest batch per engine at which
+    the load-shift rule would leave speculation on: one request more per engine and the tuner turns it
+    off, so the engine doing it at its next step anticipates the tuner's next interval and nothing else."""
+    policy = Policy(PARAMS)
+    settled, _ = run(Plant(demand=pods, pods=pods), policy, TunedConfig(0, 32, 1024), 12)
+    assert settled.num_speculative_tokens >= 2 and 0 < policy.guard < 32, policy.guard
+    for load, off in ((policy.guard, False), (policy.guard + 1, True)):
+        probe = copy.deepcopy(policy)
+        decision = probe.decide(Plant(demand=pods, pods=pods, demand_now=load * pods).observe(500.0, settled))
+        turned_off = decision.config is not None and decision.config.num_speculative_tokens == 0
+        assert turned_off == off, (load, decision.reason)
+    held = policy.guard
+    policy.decide(Plant(demand=pods, pods=pods, demand_now=12 * pods).observe(500.0, settled))
+    assert policy.guard == held  # a shifting window says nothing about the load: the guard stays
+
+
+def test_guard_off_where_it_cannot_trip_or_is_not_wanted() -> None:
+    busy = Policy(PARAMS)
+    run(Plant(demand=48, per_pos=(0.3, 0.1)), busy, TunedConfig(0, 32, 1024), 6)
+    assert busy.guard == 0  # the batch cannot reach twice 48
+    unmanaged = Policy(PolicyParams(slo=SLO_CPU, bounds=PARAMS.bounds, window_s=INTERVAL, interval_s=INTERVAL,
+                                    guard=False))
+    run(Plant(demand=1), unmanaged, TunedConfig(0, 32, 1024), 12)
+    assert unmanaged.guard == 0
+
+
+def test_load_falling_sets_the_guard_with_speculation() -> None:
+    policy = Policy(PARAMS)
+    settled, _ = run(Plant(demand=32, per_pos=(0.3, 0.1)), policy, TunedConfig(0, 32, 1024), 6)
+    assert policy.guard == 0
+    falling = Plant(demand=32, demand_now=2)
+    policy.decide(falling.observe(500.0, settled))
+    decision = policy.decide(falling.observe(500.0 + INTERVAL, settled))
+    assert decision.config is not None and decision.config.num_speculative_tokens > 0, decision.reason
+    assert 0 < policy.guard < 32
+
+
+@pytest.mark.parametrize("demand", [2, 6, 24, 64])
+def test_replicas_share_the_load(demand: int) -> None:
+    """Two engines with twice the requests behave like one engine with the load of one: the batch, the
+    knee and the model are per engine, the counts the sources report are sums."""
+    one, two = Policy(PARAMS), Policy(PARAMS)
+    alone, _ = run(Plant(demand=demand / 2), one, TunedConfig(2, 16, 1024), 12)
+    pair, _ = run(Plant(demand=demand, pods=2), two, TunedConfig(2, 16, 1024), 12)
+    assert pair == alone
 
 
 def test_load_shift_holds_until_a_window_at_one_load() -> None:

@@ -34,7 +34,8 @@ def _tick(kind: str, config: TunedConfig | None, failed: dict[str, str] | None =
     obs = Observation(time=1.0, config=TunedConfig(0, 16, 512), tpot_p95_s=0.05, ttft_p95_s=0.3,
                       request_rate=2.0, draft_token_rate=10.0, accepted_rate=6.0)
     applied = ApplyResult(config or TunedConfig(0, 16, 512), failed=failed or {})
-    return Tick(Decision(1.0, config, f"{kind} because of reasons", kind, observed_goodput=12.5), obs, applied)
+    return Tick(Decision(1.0, config, f"{kind} because of reasons", kind, observed_goodput=12.5), obs, applied,
+                guard=7)
 
 
 def test_positions_past_the_k_in_force_are_left_out() -> None:
@@ -58,6 +59,7 @@ def test_status_patch_writes_tuning_and_keeps_other_conditions() -> None:
     patch = status_patch(_tick("change", config), config, previous, 3, "2026-01-01T00:00:00Z")
     tuning = patch["tuning"]
     assert (tuning["numSpeculativeTokens"], tuning["maxNumSeqs"], tuning["maxNumBatchedTokens"]) == (2, 16, 512)
+    assert tuning["speculativeDisableByBatchSize"] == 7
     assert tuning["observed"] == {"acceptanceRate": 0.6, "ttftP95Ms": 300.0, "tpotP95Ms": 50.0, "goodput": 12.5,
                                   "requestRate": 2.0}
     assert tuning["lastDecisionTime"] == "2026-01-01T00:00:00Z" and "reasons" in tuning["reason"]

@@ -89,12 +89,21 @@ def test_actuator_patches_verifies_and_reapplies(engine_url: str) -> None:
             assert reset.status_code == 200
         healed = await actuator.ensure([engine_url], target)
         assert healed.patched == [engine_url] and await actuator.read(engine_url) == target
+        guard = {"speculative_disable_by_batch_size": 6}  # an extra admin setting, verified the same way
+        guarded = await actuator.ensure([engine_url], target, guard)
+        assert guarded.patched == [engine_url]
+        assert (await actuator.ensure([engine_url], target, guard)).unchanged == [engine_url]
+        async with httpx.AsyncClient() as client:
+            now = (await client.get(f"{engine_url}/admin/config",
+                                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})).json()
+        assert now == {**target.as_admin(), **guard}
         refused = await actuator.ensure([engine_url], TunedConfig(99, 12, 600))
         assert engine_url in refused.refused and "num_speculative_tokens" in refused.refused[engine_url]
         wrong = AdminActuator("not-the-token-at-all")
         denied = await wrong.ensure([engine_url], target)
         assert "admin token" in denied.failed[engine_url]
-        restored = await actuator.ensure([engine_url], TunedConfig(0, 16, 512))
+        restored = await actuator.ensure([engine_url], TunedConfig(0, 16, 512),
+                                         {"speculative_disable_by_batch_size": 0})
         assert restored.ok
         await actuator.close()
         await wrong.close()

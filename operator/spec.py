@@ -76,7 +76,16 @@ class ModelSpec(ModelSource):
     )
 
 
+TP_NOT_IMPLEMENTED = ("tensor parallelism is not implemented yet: use 1 (one GPU per replica) and scale "
+                      "with replicas")
+
+
 class EngineSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("self.tensorParallelSize == 1", f"engine.tensorParallelSize: {TP_NOT_IMPLEMENTED}"),
+        ]}
+    )
     image: str | None = Field(
         None, max_length=512, description="Engine image; empty means the operator's default engine image."
     )
@@ -84,7 +93,8 @@ class EngineSpec(_Spec):
     block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="KV cache block size in tokens.")
     kv_cache_memory_fraction: float = Field(0.9, ge=0.05, le=0.99)
     prefix_caching: bool = True
-    tensor_parallel_size: int = Field(1, ge=1, le=8)
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs per replica for one model copy; only 1 "
+                                      "until tensor parallelism lands (the field is kept for it).")
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long SIGTERM waits for in-flight requests before exiting."
     )
@@ -203,8 +213,6 @@ class InferenceServiceSpec(_Spec):
                 cel("self.replicas >= 0", "replicas must be >= 0"),
                 cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
-                cel("self.engine.tensorParallelSize == 1 || self.resources.gpus >= self.engine.tensorParallelSize",
-                    "engine.tensorParallelSize needs at least that many resources.gpus"),
                 *[
                     cel(_WITHIN.format(path=path, b=b),
                         f"with autotune enabled, {path} must lie inside autotune.bounds.{b}")
@@ -232,8 +240,8 @@ class InferenceServiceSpec(_Spec):
                 f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
             )
         tp = self.engine.tensor_parallel_size
-        if tp > 1 and self.resources.gpus < tp:
-            raise ValueError(f"engine.tensorParallelSize={tp} needs resources.gpus >= {tp}, got {self.resources.gpus}")
+        if tp > 1:
+            raise ValueError(f"engine.tensorParallelSize={tp}: {TP_NOT_IMPLEMENTED}")
         if self.autotune.enabled:
             bounds = self.autotune.bounds.model_dump(by_alias=True)
             values = {

@@ -61,8 +61,6 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
             args += ["--draft-quantization", spec.speculative.draft_model.quantization]
     if not spec.engine.prefix_caching:
         args.append("--no-prefix-caching")
-    if spec.engine.tensor_parallel_size > 1:
-        args += ["--tensor-parallel-size", str(spec.engine.tensor_parallel_size)]
     return args + list(spec.engine.extra_args)
 
 

@@ -61,7 +61,7 @@ class ServiceTuner:
         decision = self.policy.decide(obs)
         applied = None
         desired = self.policy.current
-        guard = self.policy.guard if self.policy.params.guard and self.policy.params.bounds.k[1] > 0 else None
+        guard = self.policy.guard if self.policy.manages_guard else None
         extra = None if guard is None else {"speculative_disable_by_batch_size": guard}
         if desired is not None:
             urls = await self.endpoints()

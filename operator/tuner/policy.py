@@ -49,8 +49,10 @@ class PolicyParams:
     limits: StepLimits = field(default_factory=StepLimits)
     up_probe_acceptance: float = 0.5  # raise k as a measurement while its last position is accepted this often
     # drop, as a measurement, the last positions accepted less often than this, when the last one is
-    # accepted less than two thirds as often (hysteresis: a position near the line is not probed twice)
-    down_probe_acceptance: float = 0.15
+    # accepted less than two thirds as often (hysteresis: a position near the line is not probed twice).
+    # Below the break-even: on chat at concurrency 2, k=4 with its last position at 8% measured equal to
+    # k=2, so a probe there measures only noise (and a noisy window reverts it: one change more)
+    down_probe_acceptance: float = 0.08
     shift_hold_s: float | None = None  # hold through a load shift at most this long (default: 2 windows)
     guard: bool = True  # keep the engines' speculative_disable_by_batch_size at the load-shift rule's batch
 
@@ -355,6 +357,10 @@ class Policy:
             return decision
         return self._hold(now, "hold", f"{what}; holding {self.current.short()} until a window at one load")
 
+    @property
+    def manages_guard(self) -> bool:
+        return self.params.guard and self.params.bounds.k[1] > 0
+
     def _guard_at(self, load: float, engines: int) -> int:
         """`speculative_disable_by_batch_size` at `load` requests in the system, spread over `engines`: one
         under the smallest batch at which `_load_shift` would turn speculation off (a rise to at least
@@ -362,7 +368,7 @@ class Policy:
         the tuner would do at its next interval. 0 (never) when that batch is past max_num_seqs, or with
         `guard` off."""
         assert self.current is not None
-        if not self.params.guard or self.params.bounds.k[1] == 0:
+        if not self.manages_guard:
             return 0
         off_at = max(math.ceil(self._knee()), math.ceil((load + 4) / engines), math.ceil(2 * load / engines))
         return 0 if off_at > self.current.max_num_seqs else off_at - 1

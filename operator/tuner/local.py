@@ -43,7 +43,8 @@ def print_tick(tick: Tick) -> None:
         return
     applied = ""
     if tick.applied is not None and (tick.applied.patched or tick.applied.failed):
-        applied = f" [applied to {len(tick.applied.patched)} engine(s)" + (
+        guard = "" if tick.guard is None else f" with speculative_disable_by_batch_size={tick.guard}"
+        applied = f" [{tick.applied.config.short()}{guard} applied to {len(tick.applied.patched)} engine(s)" + (
             f", failed on {len(tick.applied.failed)}]" if tick.applied.failed else "]")
     print(f"[tuner] {d.kind}: {d.reason}{applied}", flush=True)
 

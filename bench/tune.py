@@ -291,6 +291,9 @@ def plot(result: dict[str, Any], path: Path) -> None:
                               ("load (concurrency)", "k", "max_num_seqs", "TPOT p95 (ms)"), strict=True):
         ax.step(t, [p[key] if p[key] is not None else float("nan") for p in tl], where="post")
         ax.set_ylabel(label)
+    guard = [p.get("guard") or float("nan") for p in tl]  # 0: never disables, not drawn
+    axes[0].step(t, guard, where="post", linestyle="--", label="speculation off above (guard)")
+    axes[0].legend(loc="upper right", fontsize="small")
     axes[-1].set_xlabel("seconds into the tuner run")
     axes[0].set_title(f"specfleet tuner: goodput ratio {result['goodput_ratio']} vs best static "
                       f"{result['best_static_config']}")

@@ -4,7 +4,8 @@ One local fleet (bundled model); phases of closed-loop load through the chat API
 on input-grounded prompts, 32 on chat, 2 on chat; the prompt sets of `specfleet bench spec`, with
 max_tokens a user of each would ask for: a copied passage is long, a chat answer under load short;
 requests stop at EOS). Every static config of the grid (k x max_num_seqs) runs each phase,
-pushed live through the admin API; then the tuner runs the same phases back to back. Goodput is measured
+pushed live through the admin API, in two passes (the second in reverse order); a fresh tuner runs the
+same phases back to back before them and again after them, and the two are averaged. Goodput is measured
 by the client: output tokens/s of requests whose TTFT and TPOT meet the SLO. Prints progress, writes
 JSON and a PNG timeline, and prints the JSON summary as its last line.
 """
@@ -40,6 +41,7 @@ class Phase:
 PHASES = (Phase("grounded-c1", 1, True, 128), Phase("chat-c32", 32, False, 48), Phase("chat-c2", 2, False, 96))
 _PROMPTS: dict[bool, list[str]] = {}
 NO_GUARD = {"speculative_disable_by_batch_size": 0}  # static configs speculate at any batch size
+WARM_UP = Phase("warm-up", 4, False, 32)  # before a tuner pass that comes first; not measured
 
 
 def _prompt(phase: Phase, i: int) -> str:
@@ -138,53 +140,79 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     admin = AdminActuator(fleet.token)
     start_config = TunedConfig(0, isvc.spec.batching.max_num_seqs, isvc.spec.batching.max_num_batched_tokens)
     passes: list[Static] = []
+    tuner_passes: list[dict[str, dict[str, float]]] = []
     timeline: list[dict[str, Any]] = []
-    tuner_phases: dict[str, dict[str, float]] = {}
     changes: dict[str, int] = {}
     try:
         grid = {f"k={k},seqs={seqs}": TunedConfig(k, seqs, max(isvc.spec.batching.max_num_batched_tokens,
                                                                  seqs * (k + 1)))
                 for k in args.grid_k for seqs in args.grid_seqs}
-        passes = [await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=False)]
-        await admin.ensure(fleet.engine_urls, start_config, NO_GUARD)
-        fleet.tuner = fleet._build_tuner()
-        if not args.guard:
-            fleet.tuner.policy.params = replace(fleet.tuner.policy.params, guard=False)
-        t0 = time.monotonic()
 
-        async def tune_loop(phase_name: list[str]) -> None:
-            while True:
-                tick = await fleet.tick()
-                cfg = fleet.tuner.policy.current if fleet.tuner else None
-                timeline.append({"t": time.monotonic() - t0, "phase": phase_name[0],
-                                 "load": next(p.concurrency for p in PHASES if p.name == phase_name[0]),
-                                 "k": cfg.num_speculative_tokens if cfg else None,
-                                 "max_num_seqs": cfg.max_num_seqs if cfg else None,
-                                 "guard": tick.guard,
-                                 "tpot_p95_ms": None if tick.observation.tpot_p95_s is None
-                                 else tick.observation.tpot_p95_s * 1000, "kind": tick.decision.kind,
-                                 "reason": tick.decision.reason})
-                if tick.decision.changed:
-                    changes[phase_name[0]] = changes.get(phase_name[0], 0) + 1
-                    print(f"  [tuner] {tick.decision.kind}: {tick.decision.reason[:160]}", flush=True)
-                await asyncio.sleep(args.interval)
+        async def tuner_pass() -> None:
+            await admin.ensure(fleet.engine_urls, start_config, NO_GUARD)
+            tuner_passes.append(await run_tuner(fleet, args, slo, len(tuner_passes) + 1, timeline, changes))
 
-        current = [PHASES[0].name]
-        loop = asyncio.create_task(tune_loop(current))
-        for phase in PHASES:
-            current[0] = phase.name
-            tuner_phases[phase.name] = await run_phase(fleet.url, phase, args.phase_seconds, slo)
-            print(f"tuner {phase.name}: goodput {tuner_phases[phase.name]['goodput']:.1f} tok/s attainment "
-                  f"{tuner_phases[phase.name]['slo_attainment']:.0%}", flush=True)
-        loop.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await loop
-        if args.static_passes > 1:  # again after the tuner, in reverse order: the machine's drift cancels
-            passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=True))
+        async def static_passes() -> None:
+            for reverse in (False, True)[:args.static_passes]:
+                passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=reverse))
+
+        if args.tuner_passes == 2:  # tuner, static, static reversed, tuner: drift that is linear in time cancels
+            await run_phase(fleet.url, WARM_UP, 10.0, slo)
+            await tuner_pass()
+            await static_passes()
+            await tuner_pass()
+        else:  # static, tuner, static reversed
+            passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=False))
+            await tuner_pass()
+            if args.static_passes > 1:
+                passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=True))
     finally:
         await admin.close()
         await fleet.stop(drain_timeout_s=5)
-    return {**summarize(passes, tuner_phases, changes, timeline), "tuner_guard": args.guard}
+    return {**summarize(passes, tuner_passes, changes, timeline), "tuner_guard": args.guard}
+
+
+async def run_tuner(fleet: LocalFleet, args: argparse.Namespace, slo: tuple[float, float], number: int,
+                    timeline: list[dict[str, Any]], changes: dict[str, int]) -> dict[str, dict[str, float]]:
+    """The phases back to back under a fresh tuner (from k=0); appends to the timeline and counts the
+    changes of each transition (keyed "pass N: phase")."""
+    fleet.tuner = fleet._build_tuner()
+    if not args.guard:
+        fleet.tuner.policy.params = replace(fleet.tuner.policy.params, guard=False)
+    t0 = time.monotonic()
+    current = [PHASES[0]]
+    figures: dict[str, dict[str, float]] = {}
+
+    async def tune_loop() -> None:
+        while True:
+            tick = await fleet.tick()
+            cfg = fleet.tuner.policy.current if fleet.tuner else None
+            timeline.append({"pass": number, "t": time.monotonic() - t0, "phase": current[0].name,
+                             "load": current[0].concurrency,
+                             "k": cfg.num_speculative_tokens if cfg else None,
+                             "max_num_seqs": cfg.max_num_seqs if cfg else None,
+                             "guard": tick.guard,
+                             "tpot_p95_ms": None if tick.observation.tpot_p95_s is None
+                             else tick.observation.tpot_p95_s * 1000, "kind": tick.decision.kind,
+                             "reason": tick.decision.reason})
+            if tick.decision.changed:
+                key = f"pass {number}: {current[0].name}"
+                changes[key] = changes.get(key, 0) + 1
+                print(f"  [tuner] {tick.decision.kind}: {tick.decision.reason[:160]}", flush=True)
+            await asyncio.sleep(args.interval)
+
+    loop = asyncio.create_task(tune_loop())
+    try:
+        for phase in PHASES:
+            current[0] = phase
+            figures[phase.name] = await run_phase(fleet.url, phase, args.phase_seconds, slo)
+            print(f"tuner (pass {number}) {phase.name}: goodput {figures[phase.name]['goodput']:.1f} tok/s "
+                  f"attainment {figures[phase.name]['slo_attainment']:.0%}", flush=True)
+    finally:
+        loop.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await loop
+    return figures
 
 
 Static = dict[str, dict[str, dict[str, float]]]  # config -> phase -> figures
@@ -252,9 +280,11 @@ def hindsight_best(passes: list[Static], value: Callable[[dict[str, dict[str, fl
     return " / ".join(names), sum(v for _, v in picks) / len(picks)
 
 
-def summarize(passes: list[Static], tuner: dict[str, dict[str, float]], changes: dict[str, int],
+def summarize(passes: list[Static], tuner_passes: list[dict[str, dict[str, float]]], changes: dict[str, int],
               timeline: list[dict[str, Any]]) -> dict[str, Any]:
+    """The tuner's figures per phase are the mean of its passes, like each static config's."""
     static = mean_passes(passes)
+    tuner = mean_passes([{"tuner": t} for t in tuner_passes])["tuner"]
     best_name, best_static = hindsight_best(passes, _overall)
     tuner_goodput = _overall(tuner)
     per_phase = {p: hindsight_best(passes, lambda figures, p=p: figures[p]["goodput"]) for p in tuner}
@@ -271,10 +301,10 @@ def summarize(passes: list[Static], tuner: dict[str, dict[str, float]], changes:
         "per_phase_ratio_min": round(min(ratios.values()), 3),
         "slo_attainment": round(sum(p["slo_attainment"] * p["requests"] for p in tuner.values()) / max(requests, 1), 3),
         "changes_per_transition_max": max(changes.values(), default=0),
-        "static_passes": len(passes),
+        "static_passes": len(passes), "tuner_passes": len(tuner_passes),
         "goodput_ratio_vs_max": round(tuner_goodput / max(best_max, 1e-9), 3),
         "per_phase_ratio_min_vs_max": round(min(ratios_max.values()), 3),
-        "static": static, "passes": passes, "tuner": tuner, "timeline": timeline,
+        "static": static, "passes": passes, "tuner": tuner, "tuner_by_pass": tuner_passes, "timeline": timeline,
     }
 
 
@@ -284,16 +314,20 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    tl = result["timeline"]
-    t = [p["t"] for p in tl]
     fig, axes = plt.subplots(4, 1, figsize=(9, 8), sharex=True)
-    for ax, key, label in zip(axes, ("load", "k", "max_num_seqs", "tpot_p95_ms"),
-                              ("load (concurrency)", "k", "max_num_seqs", "TPOT p95 (ms)"), strict=True):
-        ax.step(t, [p[key] if p[key] is not None else float("nan") for p in tl], where="post")
-        ax.set_ylabel(label)
-    guard = [p.get("guard") or float("nan") for p in tl]  # 0: never disables, not drawn
-    axes[0].step(t, guard, where="post", linestyle="--", label="speculation off above (guard)")
-    axes[0].legend(loc="upper right", fontsize="small")
+    for number in sorted({p.get("pass", 1) for p in result["timeline"]}):
+        tl = [p for p in result["timeline"] if p.get("pass", 1) == number]
+        t = [p["t"] for p in tl]
+        style = "-" if number == 1 else ":"
+        for ax, key, label in zip(axes, ("load", "k", "max_num_seqs", "tpot_p95_ms"),
+                                  ("load (concurrency)", "k", "max_num_seqs", "TPOT p95 (ms)"), strict=True):
+            ax.step(t, [p[key] if p[key] is not None else float("nan") for p in tl], where="post",
+                    linestyle=style, color="C0", label=f"tuner pass {number}")
+            ax.set_ylabel(label)
+        guard = [p.get("guard") or float("nan") for p in tl]  # 0: never disables, not drawn
+        axes[0].step(t, guard, where="post", linestyle=style, color="C1",
+                     label=f"speculation off above (guard), pass {number}")
+    axes[0].legend(loc="upper right", fontsize="x-small")
     axes[-1].set_xlabel("seconds into the tuner run")
     axes[0].set_title(f"specfleet tuner: goodput ratio {result['goodput_ratio']} vs best static "
                       f"{result['best_static_config']}")
@@ -309,6 +343,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--static-seconds", type=float, default=15.0, help="static grid: seconds per phase per config")
     p.add_argument("--static-passes", type=int, choices=[1, 2], default=2,
                    help="static grid before the tuner, and (2) again after it in reverse order, averaged")
+    p.add_argument("--tuner-passes", type=int, choices=[1, 2], default=2,
+                   help="2: the tuner runs the phases before the static grid and again after it (fresh each "
+                        "time), averaged; 1: once, between the static passes")
     p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument("--method", choices=["ngram", "draft"], default="ngram",
                    help="speculative method of the fleet (ignored with --file): ngram (3.5x on grounded "
@@ -333,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
     (out / "tune.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "tune.png")
     print(f"wrote {out / 'tune.json'} and {out / 'tune.png'}", flush=True)
-    summary = {k: v for k, v in result.items() if k not in ("static", "passes", "tuner", "timeline")}
+    summary = {k: v for k, v in result.items() if k not in ("static", "passes", "tuner", "tuner_by_pass", "timeline")}
     print(json.dumps(summary))
     return 0
 

@@ -23,7 +23,7 @@ def p(goodput: float, attainment: float = 1.0) -> dict[str, float]:
 def test_summary_compares_the_tuner_with_the_best_static_overall_and_per_phase() -> None:
     static = {"k=0": {"a": p(40), "b": p(400)}, "k=4": {"a": p(100), "b": p(150)}}
     tuner = {"a": p(95), "b": p(380, 0.9)}
-    out = summarize([static], tuner, {"a": 2, "b": 1}, [])
+    out = summarize([static], [tuner], {"pass 1: a": 2, "pass 1: b": 1}, [])
     assert out["best_static_config"] == "k=0" and out["best_static_goodput"] == 220
     assert out["goodput_ratio"] == pytest.approx(237.5 / 220, abs=1e-3)
     assert out["per_phase_ratio"] == {"a": 0.95, "b": 0.95} and out["per_phase_ratio_min"] == 0.95
@@ -36,12 +36,12 @@ def test_the_hindsight_best_is_picked_on_one_pass_and_valued_on_the_other() -> N
     delivers; picked on one pass and valued on the other, the best static config is worth 80."""
     first = {"k=2": {"a": p(90)}, "k=4": {"a": p(70)}}
     second = {"k=2": {"a": p(70)}, "k=4": {"a": p(90)}}
-    out = summarize([first, second], {"a": p(76)}, {}, [])
+    out = summarize([first, second], [{"a": p(76)}], {}, [])
     assert out["best_static_goodput"] == 70 and out["best_static_config"] == "k=2 / k=4"
     assert out["per_phase_ratio"] == {"a": pytest.approx(76 / 70, abs=1e-3)}
     assert out["per_phase_ratio_min_vs_max"] == pytest.approx(76 / 80, abs=1e-3)  # against the averaged passes
     # a config best on both passes is valued at its mean
-    out = summarize([first, {"k=2": {"a": p(80)}, "k=4": {"a": p(60)}}], {"a": p(76)}, {}, [])
+    out = summarize([first, {"k=2": {"a": p(80)}, "k=4": {"a": p(60)}}], [{"a": p(76)}], {}, [])
     assert out["best_static_config"] == "k=2" and out["best_static_goodput"] == 85
 
 
@@ -51,3 +51,13 @@ def test_static_passes_are_averaged_per_config_and_phase() -> None:
     out = mean_passes([before, after])
     assert out["k=0"]["a"]["goodput"] == 90 and out["k=0"]["a"]["requests"] == 20
     assert out["k=2"]["a"]["goodput"] == 65 and out["k=2"]["a"]["seconds"] == 60
+
+
+def test_tuner_passes_are_averaged_and_every_transition_counts() -> None:
+    """Two tuner passes (before and after the static grid) measure the same thing twice: their mean per
+    phase is compared, and the worst transition of either pass sets the change count."""
+    static = {"k=0": {"a": p(100)}}
+    out = summarize([static], [{"a": p(110)}, {"a": p(90, 0.8)}], {"pass 1: a": 1, "pass 2: a": 2}, [])
+    assert out["tuner_passes"] == 2 and out["tuner_goodput"] == 100 and out["per_phase_ratio_min"] == 1.0
+    assert out["slo_attainment"] == pytest.approx(0.9) and out["changes_per_transition_max"] == 2
+    assert [t["a"]["goodput"] for t in out["tuner_by_pass"]] == [110, 90]

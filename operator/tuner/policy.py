@@ -359,6 +359,8 @@ class Policy:
 
     @property
     def manages_guard(self) -> bool:
+        """Whether the engines' speculative_disable_by_batch_size is the policy's to set (not with k pinned
+        to 0: there is nothing to disable)."""
         return self.params.guard and self.params.bounds.k[1] > 0
 
     def _guard_at(self, load: float, engines: int) -> int:

@@ -152,20 +152,20 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             await admin.ensure(fleet.engine_urls, start_config, NO_GUARD)
             tuner_passes.append(await run_tuner(fleet, args, slo, len(tuner_passes) + 1, timeline, changes))
 
-        async def static_passes() -> None:
-            for reverse in (False, True)[:args.static_passes]:
-                passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=reverse))
+        async def grid_pass(reverse: bool) -> None:
+            passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=reverse))
 
         if args.tuner_passes == 2:  # tuner, static, static reversed, tuner: drift that is linear in time cancels
             await run_phase(fleet.url, WARM_UP, 10.0, slo)
             await tuner_pass()
-            await static_passes()
-            await tuner_pass()
+            await grid_pass(reverse=False)
         else:  # static, tuner, static reversed
-            passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=False))
+            await grid_pass(reverse=False)
             await tuner_pass()
-            if args.static_passes > 1:
-                passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=True))
+        if args.static_passes > 1:
+            await grid_pass(reverse=True)
+        if args.tuner_passes == 2:
+            await tuner_pass()
     finally:
         await admin.close()
         await fleet.stop(drain_timeout_s=5)

@@ -127,8 +127,8 @@ class SpeculativeSpec(_Spec):
     disable_by_batch_size: int = Field(
         0, ge=0, le=4096,
         description="A step whose batch is larger than this proposes nothing (0 = never). With autotune on, "
-                    "the tuner sets it to the step cost's knee, so a load that rises between two intervals "
-                    "loses no time to drafts.")
+                    "the tuner sets it to the batch at which it would turn speculation off itself (past the "
+                    "step cost's knee), so a load that rises between two intervals loses no time to drafts.")
     draft_model: DraftModelSpec | None = None
 
     @model_validator(mode="after")

@@ -11,13 +11,13 @@ import threading
 import time
 from dataclasses import replace
 
-import torch
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import ModelRunner, SpecStats
 from specfleet.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from specfleet.engine.sampler import sample_seed
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
@@ -79,10 +79,10 @@ class Engine:
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params)
             if params.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.model.device).manual_seed(params.seed + index)
+                seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
             seqs.append(seq)
-            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, ids))
             self.scheduler.add(seq)
         self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
 
@@ -247,25 +247,29 @@ class Engine:
         return outputs
 
     def _check_stop(self, req: _Request, seq: Sequence, num_new: int) -> None:
-        params = seq.params
+        """Take a step's new tokens in order; the first stop condition wins, so that the text, the tokens
+        and finish_reason / stop_reason agree even when one speculative step holds several. As in vLLM:
+        stop tokens and strings count only from `min_tokens` on, and a stop token's text is not output."""
+        params, detok = seq.params, req.detoks[seq.index]
         for pos in range(seq.num_tokens - num_new, seq.num_tokens):
             token, produced = seq.token_ids[pos], pos - seq.num_prompt_tokens + 1
+            active = produced >= params.min_tokens
             reason = stop_reason = None
-            if produced >= params.min_tokens:
-                if token in params.stop_token_ids:
-                    reason, stop_reason = "stop", token
-                elif token in self.eos_token_ids and not params.ignore_eos:
-                    reason = "stop"
-            if reason is None and (produced == params.max_tokens or pos + 1 >= self.max_model_len):
+            if active and token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif active and token in self.eos_token_ids and not params.ignore_eos:
+                reason = "stop"
+            if reason is not None:
+                if params.include_stop_str_in_output:
+                    detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], check_stop=False)
+            elif (matched := detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], active)) is not None:
+                reason, stop_reason = "stop", matched
+            elif produced == params.max_tokens or pos + 1 >= self.max_model_len:
                 reason = "length"
             if reason is not None:
                 del seq.token_ids[pos + 1 :]
-                req.detoks[seq.index].update(seq.output_token_ids)
                 self.scheduler.finish(seq, reason, stop_reason)
                 return
-        matched = req.detoks[seq.index].update(seq.output_token_ids)
-        if matched is not None:
-            self.scheduler.finish(seq, "stop", matched)
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
         outs = []

@@ -137,6 +137,7 @@ class ModelRunner:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
         items = [item for item in sched.scheduled if item.sample]
         row_seqs = [item.seq for item in items for _ in range(item.num_spec_tokens + 1)]
+        raw = logits  # logprobs report the model's own distribution, as vLLM's default does
         batch = self.sampling_batch(row_seqs, logits.device)
         logits = apply_penalties(logits, batch)
         starts, row = [], 0
@@ -153,19 +154,25 @@ class ModelRunner:
                 emitted[i] = [token]
         spec = [i for i, item in enumerate(items) if item.num_spec_tokens]
         if spec:
-            self._verify(items, spec, starts, logits, batch, emitted)
-        return self._collect(sched, items, starts, emitted, logits)
+            self._verify(items, spec, starts, logits, emitted)
+        return self._collect(sched, items, starts, emitted, raw)
 
-    def _verify(self, items, spec, starts, logits, batch: SamplingBatch, emitted) -> None:
-        greedy = [i for i in spec if items[i].seq.params.temperature == 0]
-        if greedy:
-            argmax = logits.argmax(dim=-1).tolist()
-            for i in greedy:
-                k = items[i].num_spec_tokens
-                emitted[i] = verify_greedy(argmax[starts[i] : starts[i] + k + 1], items[i].seq.spec_token_ids)
+    def _verify(self, items, spec, starts, logits, emitted) -> None:
+        """Greedy and seeded rows accept drafts while they equal the target's own choice (its argmax, or
+        its keyed draw); the other sampled rows go through the rejection sampler, grouped by k."""
+        own = [i for i in spec if items[i].seq.params.temperature == 0 or items[i].seq.seed is not None]
+        if own:
+            rows = [starts[i] + j for i in own for j in range(items[i].num_spec_tokens + 1)]
+            sub = self.sampling_batch([items[i].seq for i in own for _ in range(items[i].num_spec_tokens + 1)],
+                                      logits.device, penalties=False,
+                                      offsets=[j for i in own for j in range(items[i].num_spec_tokens + 1)])
+            choices = iter(sample(logits[rows], sub, self.generator).tolist())
+            for i in own:
+                target = [next(choices) for _ in range(items[i].num_spec_tokens + 1)]
+                emitted[i] = verify_greedy(target, items[i].seq.spec_token_ids)
         by_k: dict[int, list[int]] = {}
         for i in spec:
-            if items[i].seq.params.temperature != 0:
+            if i not in own:
                 by_k.setdefault(items[i].num_spec_tokens, []).append(i)
         for k, group in by_k.items():
             rows = [starts[i] + j for i in group for j in range(k + 1)]
@@ -177,7 +184,7 @@ class ModelRunner:
             if seqs[0].spec_probs is not None:
                 q = torch.stack([s.spec_probs[:k] for s in seqs])
             drafts = torch.tensor([s.spec_token_ids for s in seqs], device=logits.device)
-            nxt, accepted = rejection_sample(p, q, drafts, [s.generator for s in seqs], self.generator)
+            nxt, accepted = rejection_sample(p, q, drafts, self.generator)
             for i, s, token, a in zip(group, seqs, nxt.tolist(), accepted.tolist()):
                 emitted[i] = s.spec_token_ids[:a] + [token]
 
@@ -206,10 +213,14 @@ class ModelRunner:
             index += 1
         return ModelRunnerOutput(sampled, logprobs, spec_stats)
 
-    def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True) -> SamplingBatch:
-        """Per-row settings; penalties=False skips what `apply_penalties` needs (already applied)."""
+    def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True,
+                       offsets: list[int] | None = None) -> SamplingBatch:
+        """Per-row settings; penalties=False skips what `apply_penalties` needs (already applied).
+        offsets: [rows] how far past the sequence's current output each row samples (speculative rows)."""
         params = [s.params for s in seqs]
-        all_greedy = all(p.temperature == 0 for p in params) and not any(s.generator for s in seqs)
+        offsets = offsets or [0] * len(seqs)
+        keys = [None if s.seed is None else (s.seed, s.num_output_tokens + o) for s, o in zip(seqs, offsets)]
+        all_greedy = all(p.temperature == 0 for p in params)
         top_k = top_p = None
         if any(p.top_k > 0 for p in params):
             top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=device)
@@ -217,7 +228,7 @@ class ModelRunner:
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
         batch = SamplingBatch(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=top_k, top_p=top_p, generators=[s.generator for s in seqs], all_greedy=all_greedy,
+            top_k=top_k, top_p=top_p, noise_keys=keys, all_greedy=all_greedy,
         )
         if penalties and any(p.uses_penalties for p in params):
             counts = torch.zeros(len(seqs), self.vocab_size, device=device)

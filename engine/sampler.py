@@ -1,7 +1,10 @@
 """Sampling over a batch of logits rows, vectorised: penalties, temperature, top-k, top-p, seeds.
 
-Random draws use the exponential-race form (argmax of p / E with E ~ Exp(1)), so a row with its own
-seed only needs its own noise vector, and every other row shares one draw from the engine's generator.
+Random draws use the exponential-race form (argmax of p / E with E ~ Exp(1)). A seeded request's noise
+for its t-th output token comes from a stream keyed by (its sample's seed, t) alone, so its tokens do not
+depend on the batch it shares, on preemption, or on speculation: verification of a seeded row accepts a
+draft exactly when it equals the token this noise picks from the target's distribution, so speculation on,
+off, or at any k emits the same tokens. Every unseeded row shares one draw from the engine's generator.
 """
 
 from __future__ import annotations
@@ -12,6 +15,29 @@ import torch
 from specfleet.engine.outputs import Logprob
 
 
+NoiseKey = tuple[int, int]  # (a sample's seed, the output position being sampled)
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed` (n > 1 samples differ)."""
+    return _mix64(seed * 0x9E3779B97F4A7C15 + index)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: nearby inputs give unrelated 64-bit seeds."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_noise(key: NoiseKey, vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] Exp(1) noise that depends on `key` only."""
+    generator = torch.Generator(device=device).manual_seed(_mix64(key[0] + 0x632BE59BD9B4E019 * key[1]))
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
+
+
 @dataclass
 class SamplingBatch:
     """Per-row settings for one step; rows are the logits rows that produce tokens."""
@@ -19,7 +45,7 @@ class SamplingBatch:
     temperature: torch.Tensor  # [rows] float32, 0 = greedy
     top_k: torch.Tensor | None  # [rows] int64 (vocab size = off), None when no row uses it
     top_p: torch.Tensor | None  # [rows] float32, None when no row uses it
-    generators: list[torch.Generator | None]  # [rows] a seeded request's own generator
+    noise_keys: list[NoiseKey | None]  # [rows] a seeded row's (sample seed, output position)
     all_greedy: bool
     presence: torch.Tensor | None = None  # [rows] float32
     frequency: torch.Tensor | None = None  # [rows] float32
@@ -70,12 +96,13 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      default: torch.Generator, device: torch.device) -> torch.Tensor:
+def exponential_noise(shape: tuple[int, int], keys: list[NoiseKey | None], default: torch.Generator,
+                      device: torch.device) -> torch.Tensor:
+    """[rows, vocab] Exp(1) noise: keyed rows from their own stream, the others from `default`."""
     noise = torch.empty(shape, device=device).exponential_(generator=default)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
+    for row, key in enumerate(keys):
+        if key is not None:
+            noise[row] = keyed_noise(key, shape[1], device)
     return noise
 
 
@@ -84,7 +111,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, default: torch.Generator)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     probs = processed_probs(logits, batch)
-    noise = exponential_noise(tuple(probs.shape), batch.generators, default, probs.device)
+    noise = exponential_noise(tuple(probs.shape), batch.noise_keys, default, probs.device)
     return (probs / noise).argmax(dim=-1)
 
 

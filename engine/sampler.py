@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from specfleet.engine.outputs import Logprob
 
-
 NoiseKey = tuple[int, int]  # (a sample's seed, the output position being sampled)
 _MASK64 = (1 << 64) - 1
 

@@ -17,8 +17,10 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, prompt_ids: list[int] = ()):
+    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, prompt_ids: list[int] = (),
+                 skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stop = stop
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1
@@ -39,10 +41,10 @@ class IncrementalDetokenizer:
     def update(self, output_ids: list[int], check_stop: bool = True) -> str | None:
         """Take the output so far; returns the stop string that matched, if any. `check_stop=False` grows
         the text without looking for stop strings (before `min_tokens`, as vLLM ignores them there)."""
-        decode = self.tokenizer.decode
+        decode, skip = self.tokenizer.decode, self.skip_special_tokens
         before = len(self.text)
-        prefix = decode(self._ids(output_ids, self.prefix_offset, self.read_offset), skip_special_tokens=True)
-        full = decode(self._ids(output_ids, self.prefix_offset), skip_special_tokens=True)
+        prefix = decode(self._ids(output_ids, self.prefix_offset, self.read_offset), skip_special_tokens=skip)
+        full = decode(self._ids(output_ids, self.prefix_offset), skip_special_tokens=skip)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.context) + len(output_ids)
@@ -60,3 +62,17 @@ class IncrementalDetokenizer:
         if finished or self.stopped is not None or not self.hold:
             return self.text
         return self.text[: max(0, len(self.text) - self.hold)]
+
+
+class TokenText:
+    """Token id -> its text alone (logprobs' decoded_token), cached."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self.cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self.cache.get(token_id)
+        if text is None:
+            text = self.cache[token_id] = self.tokenizer.decode([token_id])
+        return text

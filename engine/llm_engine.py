@@ -13,10 +13,10 @@ from dataclasses import replace
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
-from specfleet.engine.detokenizer import IncrementalDetokenizer
+from specfleet.engine.detokenizer import IncrementalDetokenizer, TokenText
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
-from specfleet.engine.model_runner import ModelRunner, SpecStats
-from specfleet.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
+from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
+from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from specfleet.engine.sampler import sample_seed
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
@@ -32,7 +32,9 @@ class _Request:
                  detoks: list[IncrementalDetokenizer]):
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
         self.seqs, self.detoks = seqs, detoks
-        self.logprobs: list[list[Logprob]] = [[] for _ in seqs]
+        self.logprobs: list[list[PositionLogprobs]] = [[] for _ in seqs]
+        # Position p holds the logprobs of prompt token p (None for the first); filled as prefill runs.
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
 
 
@@ -63,6 +65,7 @@ class Engine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
+        self.token_text = TokenText(self.tokenizer)
         log.info("event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
                  self.model_name, num_blocks, num_blocks if draft else 0, config.block_size, self.max_model_len,
                  self.runner.attn.name)
@@ -74,7 +77,11 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(ids, params)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
+        self._check_request(ids, params)
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         seqs, detoks = [], []
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params)
@@ -82,18 +89,34 @@ class Engine:
                 seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
             seqs.append(seq)
-            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, ids))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, ids,
+                                                 params.skip_special_tokens))
             self.scheduler.add(seq)
-        self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        req = self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as written and after a space (vLLM's two variants), without duplicates."""
+        variants: list[list[int]] = []
+        for word in words:
+            for form in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(form, add_special_tokens=False)
+                if ids and ids not in variants:
+                    variants.append(ids)
+        return variants
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
             raise ValueError("prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+        token_fields = {"stop_token_ids": params.stop_token_ids, "allowed_token_ids": params.allowed_token_ids or [],
+                        "logit_bias": list(params.logit_bias or {})}
+        for name, tokens in token_fields.items():
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+                raise ValueError(f"{name} token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ValueError(
                 f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
@@ -169,11 +192,11 @@ class Engine:
         self._propose()
         sched = self.scheduler.schedule()
         if sched.empty:
-            return self._postprocess(sched, [], [])
+            return self._postprocess(sched, None, [])
         self._track_kv_peak()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result.sampled)
-        outputs = self._postprocess(sched, result.logprobs, changed)
+        outputs = self._postprocess(sched, result, changed)
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
 
@@ -208,17 +231,25 @@ class Engine:
     def _k_for(self, seq: Sequence) -> int:
         params = seq.params
         k = self._live.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        if not k or params.uses_penalties or seq.num_output_tokens < params.min_tokens:
-            return 0  # penalties and min_tokens depend on each earlier token: verify one at a time
+        if not k or params.depends_on_history or seq.num_output_tokens < params.min_tokens:
+            return 0  # penalties, bad words and min_tokens depend on each earlier token: one at a time
         room = self.max_model_len - seq.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(k, room, self.config.max_num_speculative_tokens))
 
-    def _postprocess(self, sched: SchedulerOutput, logprobs, changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, result: ModelRunnerOutput | None,
+                     changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         now = time.monotonic()
-        lp_by_seq = {item.seq.seq_id: lp for item, lp in zip(sched.scheduled, logprobs) if lp}
+        lp_by_seq = {item.seq.seq_id: [lp.decode_with(self.token_text) for lp in lps]
+                     for item, lps in zip(sched.scheduled, result.logprobs if result else []) if lps}
         touched: dict[str, _Request] = {}
+        for item, prompt_lps in zip(sched.scheduled, result.prompt_logprobs if result else []):
+            req = self._requests.get(item.seq.request_id)
+            if prompt_lps is not None and req is not None and req.prompt_logprobs is not None:
+                start, entries = prompt_lps
+                for pos, lp in enumerate(entries, start):
+                    req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or lp.decode_with(self.token_text)
         for seq, num_new in changed:
             req = self._requests.get(seq.request_id)
             if req is None:
@@ -275,10 +306,12 @@ class Engine:
         outs = []
         for seq, detok in zip(req.seqs, req.detoks):
             lps = req.logprobs[seq.index][: seq.num_output_tokens] if seq.params.logprobs is not None else None
+            cumulative = sum(lp.logprob for lp in lps) if lps is not None else None
             outs.append(CompletionOutput(seq.index, detok.visible_text(seq.is_finished), seq.output_token_ids,
-                                         seq.finish_reason, seq.stop_reason, lps))
+                                         seq.finish_reason, seq.stop_reason, lps, cumulative))
         cached = req.seqs[0].num_cached_tokens
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics,
+                             req.prompt_logprobs)
 
     # -- statistics -------------------------------------------------------------------------------------
     def _track_kv_peak(self) -> None:

@@ -131,10 +131,13 @@ class Scheduler:
             if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 skipped.append(self.waiting.popleft())  # let the sibling compute the shared prompt first
                 continue
-            if parent is not None and parent.status is Status.RUNNING:
-                hits = self.kv.shared_prefix(parent, seq)
+            if seq.params.prompt_logprobs is not None:
+                hits = []  # every prompt position must run to yield its logits (vLLM skips the cache too)
             else:
                 hits = self.kv.lookup_prefix(seq)
+                if parent is not None and parent.status is Status.RUNNING:
+                    shared = self.kv.shared_prefix(parent, seq)
+                    hits = shared if len(shared) > len(hits) else hits
             cached = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - cached, budget)
             if self.kv.blocks_for(cached + num_new) > self.kv.num_blocks:  # grew past the cache: never fits

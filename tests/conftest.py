@@ -46,7 +46,7 @@ def tiny_llama(bundled_path, tmp_path_factory: pytest.TempPathFactory):
         for p in model.parameters():
             p.normal_(0, 0.2)
     model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         shutil.copy(bundled_path / name, path / name)
     return f"file://{path}"
 

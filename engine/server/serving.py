@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from specfleet.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from specfleet.engine.detokenizer import TokenText
+from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -29,22 +30,7 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-class TokenText:
-    """Token id -> text for logprobs, cached (tokenizer.decode of one token)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self.cache[token_id] = text
-        return text
-
-
-def completion_logprobs(entries: list[Logprob], text: TokenText, offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: list[PositionLogprobs], text: TokenText, offset: int) -> dict[str, Any]:
     tokens, token_logprobs, top, offsets = [], [], [], []
     for entry in entries:
         token = text(entry.token_id)
@@ -56,7 +42,7 @@ def completion_logprobs(entries: list[Logprob], text: TokenText, offset: int) ->
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[Logprob], text: TokenText, num_top: int) -> dict[str, Any]:
+def chat_logprobs(entries: list[PositionLogprobs], text: TokenText, num_top: int) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         token = text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}

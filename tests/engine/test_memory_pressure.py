@@ -124,7 +124,7 @@ def test_random_mixes_on_tiny_caches_always_make_progress(seed, num_blocks, len_
     sched = Scheduler(kv, max_seqs, budget, max_model_len)
     seqs, ids = [], iter(range(10_000))
     for prompt, n, max_tokens in requests:
-        prompt = prompt[: max(1, min(max_model_len - 1, num_blocks * BS - 1))]  # what _check_prompt admits
+        prompt = prompt[: max(1, min(max_model_len - 1, num_blocks * BS - 1))]  # what _check_request admits
         parent = None
         for _ in range(n):
             seq = _seq(next(ids), prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True), parent)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from specfleet.engine.outputs import CompletionOutput, Logprob
+from specfleet.engine.outputs import CompletionOutput, PositionLogprobs
 from specfleet.engine.server import serving
 from specfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -40,7 +40,7 @@ def test_rejected_bodies(body: dict[str, object]) -> None:
 def test_completion_deltas_concatenate_and_finish_once() -> None:
     text = serving.TokenText(FakeTokenizer())
     cursor = serving.ChoiceCursor()
-    lps = [Logprob(0, -0.1, {0: -0.1}), Logprob(1, -0.2, {1: -0.2}), Logprob(2, -0.3, {2: -0.3})]
+    lps = [PositionLogprobs(0, -0.1, {0: -0.1}), PositionLogprobs(1, -0.2, {1: -0.2}), PositionLogprobs(2, -0.3, {2: -0.3})]
     states = [CompletionOutput(0, "a", [0], None, None, lps[:1]),
               CompletionOutput(0, "a", [0], None, None, lps[:1]),  # nothing new: no chunk
               CompletionOutput(0, "abc", [0, 1, 2], "length", None, lps)]

@@ -229,9 +229,9 @@ def test_acceptance_measured_at_another_load_is_not_assumed() -> None:
     # the grounded figures are still there for a load like theirs
     fresh = Policy(PARAMS)
     run(Plant(demand=1, per_pos=(0.95,) * 8), fresh, TunedConfig(0, 32, 1024), 12)
-    model = fresh._model(Plant(demand=1.2).observe(140.0, TunedConfig(0, 32, 1024)))
+    model = fresh.model(Plant(demand=1.2).observe(140.0, TunedConfig(0, 32, 1024)))
     assert model is not None and model.per_pos[:2] == pytest.approx((0.95, 0.95))
-    model = fresh._model(chat.observe(140.0, TunedConfig(0, 32, 1024)))
+    model = fresh.model(chat.observe(140.0, TunedConfig(0, 32, 1024)))
     assert model is not None and model.per_pos == ()
 
 

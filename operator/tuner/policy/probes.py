@@ -19,7 +19,7 @@ from .load import batch_per_engine, step_tokens
 from .params import PolicyParams
 
 Tabooed = Callable[[TunedConfig, float | None], bool]  # (config, load) -> measured worse there
-Probe = Callable[[TunedConfig, Observation, PolicyParams, float, Tabooed], "tuple[TunedConfig, str] | None"]
+Probe = Callable[[TunedConfig, Observation, PolicyParams, float, Tabooed], tuple[TunedConfig, str] | None]
 
 
 def probe_off(current: TunedConfig, obs: Observation, params: PolicyParams, knee: float,

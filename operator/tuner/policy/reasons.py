@@ -3,7 +3,7 @@ returns the `reason` of one kind of decision (it goes to `status.tuning.reason`,
 
 from __future__ import annotations
 
-from ..types import Observation, TunedConfig
+from ..types import Observation, TuneBounds, TunedConfig
 from .candidates import Scored
 
 
@@ -36,7 +36,7 @@ METRICS_MISSING = "latency, throughput or queue metrics missing from the window"
 NO_STEP_COST = "no step duration or batch size in the window to model step cost"
 
 
-def out_of_bounds(config: TunedConfig, bounds: object) -> str:
+def out_of_bounds(config: TunedConfig, bounds: TuneBounds) -> str:
     return f"{config.short()} lies outside the bounds {bounds}; moved inside"
 
 

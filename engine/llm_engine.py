@@ -18,7 +18,7 @@ from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from specfleet.engine.sampler import sample_seed
-from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
@@ -108,24 +108,24 @@ class Engine:
 
     def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
-            raise ValueError("prompt is empty: give at least one token")
+            raise ParameterError("prompt", "prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+            raise ParameterError("prompt", f"prompt token ids must be in [0, {vocab})")
         token_fields = {"stop_token_ids": params.stop_token_ids, "allowed_token_ids": params.allowed_token_ids or [],
                         "logit_bias": list(params.logit_bias or {})}
         for name, tokens in token_fields.items():
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
-                raise ValueError(f"{name} token ids must be in [0, {vocab})")
+                raise ParameterError(name, f"{name} token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
-                "shorten the prompt so at least one token can be generated"
+            raise ParameterError(
+                "prompt", f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
+                "shorten the prompt so at least one token can be generated", "context_length_exceeded"
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
-                f"minus the prompt's {len(ids)}"
+            raise ParameterError(
+                "max_tokens", f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
+                f"minus the prompt's {len(ids)}", "context_length_exceeded"
             )
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

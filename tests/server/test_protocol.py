@@ -30,8 +30,8 @@ def test_sampling_defaults_and_aliases() -> None:
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params().max_tokens is None
 
 
-@pytest.mark.parametrize("body", [{"prompt": "x", "logit_bias": {}}, {"prompt": "x", "n": 0},
-                                  {"prompt": "x", "echo": True}, {"prompt": []}, {"prompt": "x", "stop": [""]}])
+@pytest.mark.parametrize("body", [{"prompt": "x", "logit_bias": {"x": 1.0}}, {"prompt": "x", "n": 0},
+                                  {"prompt": "x", "min_p": 2}, {"prompt": []}, {"prompt": "x", "stop": [""]}])
 def test_rejected_bodies(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         CompletionRequest(**body)

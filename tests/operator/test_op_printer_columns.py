@@ -8,7 +8,8 @@ import re
 from isvc_schema_tools import crd_schema, load_crd
 from specfleet.operator.status import TuningStatus
 
-KNOBS = ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens", "speculative_disable_by_batch_size")
+# the knobs are the integer fields of the tuning status: a knob added there needs a column
+KNOBS = [name for name, field in TuningStatus.model_fields.items() if field.annotation == int | None]
 
 
 def columns() -> list[dict]:
@@ -20,7 +21,7 @@ def test_every_tuned_knob_has_a_column() -> None:
     for name in KNOBS:
         alias = TuningStatus.model_fields[name].alias or name
         assert f".status.tuning.{alias}" in paths, f"no printer column for status.tuning.{alias}"
-    assert set(KNOBS) <= set(TuningStatus.model_fields), "a knob was renamed: update KNOBS and the columns"
+    assert len(KNOBS) >= 4
 
 
 def test_default_view_stays_narrow_and_wide_adds_the_rest() -> None:

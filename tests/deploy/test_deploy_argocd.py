@@ -43,14 +43,12 @@ def test_health_matches_the_fixture(case: dict[str, Any]) -> None:
 def test_fixtures_cover_every_health_status_and_return() -> None:
     assert {c["healthStatus"]["status"] for c in CASES} == {"Healthy", "Progressing", "Degraded", "Suspended"}
     # every `return hs` in the script is reached by some fixture
-    messages = {c["healthStatus"]["message"] for c in CASES}
     returns = SCRIPT.read_text().count("return hs")
     reached = set()
     for case in CASES:
         obj = yaml.safe_load((FIXTURES / case["inputPath"]).read_text())
         reached.add(_branch(obj))
     assert len(reached) == returns, f"{returns} returns, fixtures reach {sorted(reached)}"
-    assert len(messages) >= returns - 1
 
 
 def _branch(obj: dict[str, Any]) -> int:

@@ -80,3 +80,5 @@ def test_chart_lints_clean_with_monitoring_on() -> None:
 def test_values_schema_rejects_a_bad_monitoring_value() -> None:
     with pytest.raises(helm.HelmError, match="enabled"):
         render({"monitoring": {"prometheusRule": {"enabled": "yes"}}})
+    with pytest.raises(helm.HelmError, match="grafanadashboard"):  # a typo would silently leave it off
+        render({"monitoring": {"grafanadashboard": {"enabled": True}}})

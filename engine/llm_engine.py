@@ -15,13 +15,13 @@ import torch
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer
-from specfleet.engine.loader import LoadedModel, load_model
+from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import ModelRunner, SpecStats
 from specfleet.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
-from specfleet.engine.spec_decode.factory import build_proposer
+from specfleet.engine.spec_decode.factory import build_proposer, load_draft
 from specfleet.engine.stats import EngineStats, StepStats
 
 log = logging.getLogger("specfleet.engine")
@@ -46,11 +46,14 @@ class Engine:
         loaded: LoadedModel = load_model(config)
         self.tokenizer, self.model_name, self.max_model_len = loaded.tokenizer, loaded.name, loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
-        self.kv = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(loaded.model, loaded.num_kv_blocks, config.block_size,
+        draft = load_draft(config, loaded)
+        models = [loaded.model] + ([draft.model] if draft else [])
+        num_blocks = kv_cache_blocks(config, models, self.max_model_len, loaded.model.device)
+        self.kv = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size,
                                   config.attention_backend, self.eos_token_ids, config.seed)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.proposer = build_proposer(config, self.runner, loaded)
+        self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
         self.stats = EngineStats()
@@ -60,8 +63,8 @@ class Engine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
-        log.info("event=engine_ready model=%s blocks=%d block_size=%d max_model_len=%d backend=%s",
-                 self.model_name, loaded.num_kv_blocks, config.block_size, self.max_model_len,
+        log.info("event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
+                 self.model_name, num_blocks, num_blocks if draft else 0, config.block_size, self.max_model_len,
                  self.runner.attn.name)
 
     # -- requests ------------------------------------------------------------------------------------
@@ -101,9 +104,6 @@ class Engine:
                 f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
                 f"minus the prompt's {len(ids)}"
             )
-        blocks_needed = self.kv.blocks_for(min(self.max_model_len, len(ids) + (params.max_tokens or 0)))
-        if blocks_needed > self.kv.num_blocks:
-            raise ValueError(f"the request needs {blocks_needed} KV blocks, the cache has {self.kv.num_blocks}")
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Prompt token ids for a conversation, ending with the assistant's turn to speak."""
@@ -169,7 +169,7 @@ class Engine:
         self._propose()
         sched = self.scheduler.schedule()
         if sched.empty:
-            return []
+            return self._postprocess(sched, [], [])
         self._track_kv_peak()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result.sampled)
@@ -232,6 +232,10 @@ class Engine:
                 req.logprobs[seq.index].extend(lp_by_seq[seq.seq_id])
             self._check_stop(req, seq, num_new)
             touched[req.request_id] = req
+        for seq in sched.finished:  # no room in the cache: ended with "length"
+            if (req := self._requests.get(seq.request_id)) is not None:
+                log.warning("event=finished_no_kv_room request_id=%s tokens=%d", seq.request_id, seq.num_tokens)
+                touched[req.request_id] = req
         outputs = []
         for req in touched.values():
             req.metrics.last_token_time = now

@@ -35,6 +35,16 @@ PRINTER_COLUMNS = [
     {"name": "TPOT-p95", "type": "number", "jsonPath": ".status.tuning.observed.tpotP95Ms",
      "description": "Observed time per output token, p95, in ms"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
+    # -o wide (priority 1): the rest of the config in force and the tuner's state, for SREs
+    {"name": "MaxTokens", "type": "integer", "jsonPath": ".status.tuning.maxNumBatchedTokens", "priority": 1,
+     "description": "max_num_batched_tokens now in force"},
+    {"name": "SpecOffAbove", "type": "integer", "jsonPath": ".status.tuning.speculativeDisableByBatchSize",
+     "priority": 1, "description": "Batch size above which a step proposes nothing (0: never)"},
+    {"name": "TTFT-p95", "type": "number", "jsonPath": ".status.tuning.observed.ttftP95Ms", "priority": 1,
+     "description": "Observed time to first token, p95, in ms"},
+    {"name": "Tuned", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Tuned")].reason', "priority": 1,
+     "description": "The tuner's last outcome (ConfigChanged, Holding, Idle, Reverted, MetricsUnavailable, ...)"},
+    {"name": "LastDecision", "type": "date", "jsonPath": ".status.tuning.lastDecisionTime", "priority": 1},
 ]
 NAME_RULE = {
     "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 63",

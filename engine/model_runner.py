@@ -46,9 +46,9 @@ class SpecStats:
 class ModelRunnerOutput:
     sampled: list[list[int]]  # [num_scheduled] tokens each sequence gained ([] mid-prefill)
     logprobs: list[list[PositionLogprobs] | None]  # [num_scheduled] one per gained token, when requested
+    spec: SpecStats = field(default_factory=SpecStats)
     # [num_scheduled] (first prompt position covered, logprobs of the prompt tokens after it), when requested
     prompt_logprobs: list[tuple[int, list[PositionLogprobs]] | None] = field(default_factory=list)
-    spec: SpecStats = field(default_factory=SpecStats)
 
 
 @dataclass
@@ -247,7 +247,7 @@ class ModelRunner:
             if item.num_spec_tokens:
                 spec_stats.add(item.num_spec_tokens, len(tokens) - 1)
             index += 1
-        return ModelRunnerOutput(sampled, logprobs, spec_stats)
+        return ModelRunnerOutput(sampled, logprobs, spec=spec_stats)
 
     def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True,
                        offsets: list[int] | None = None) -> SamplingBatch:

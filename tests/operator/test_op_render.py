@@ -74,9 +74,15 @@ def test_cpu_example_runs_the_engine_contract() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # the spec's startupTimeoutSeconds
-    token = next(e for e in c["env"] if e["name"] == "SPECFLEET_ADMIN_TOKEN")
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "smollm2-admin", "key": "token"}
     pod = deployment["spec"]["template"]["spec"]
+    # The admin token is a read-only file from the Secret, never an environment variable.
+    assert not any(e["name"] == "SPECFLEET_ADMIN_TOKEN" or "valueFrom" in e for e in c["env"])
+    token_file = next(e["value"] for e in c["env"] if e["name"] == "SPECFLEET_ADMIN_TOKEN_FILE")
+    (mount,) = [m for m in c["volumeMounts"] if token_file.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] is True and volume["secret"]["secretName"] == "smollm2-admin"
+    assert volume["secret"]["items"] == [{"key": "token", "path": token_file.rsplit("/", 1)[1]}]
+    assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsUser"] >= 10000
     assert pod["terminationGracePeriodSeconds"] > int(flag(args, "--drain-timeout")) == 20
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True

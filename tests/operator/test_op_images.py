@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dockerfile_replay import Replay, parse, replay
+from dockerfile_replay import Replay, parse, replay, replayed_pip_args
 from isvc_schema_tools import REPO
 from specfleet.operator import load_inference_service
 from specfleet.operator.cli import OPERATOR_MODULES, OPTIONAL_MODULES
@@ -53,6 +53,15 @@ def test_the_replay_covers_every_dockerfile_in_the_repository() -> None:
     assert DOCKERFILES == ["engine/Dockerfile", "engine/Dockerfile.cuda", "operator/Dockerfile"]
     for name in DOCKERFILES:
         assert parse(REPO / name).pip_installs, f"{name} installs nothing with pip: the replay would prove nothing"
+
+
+def test_the_replay_refuses_what_it_cannot_judge_and_drops_only_unreachable_indexes(tmp_path: Path) -> None:
+    dockerfile = tmp_path / "Dockerfile"
+    dockerfile.write_text("FROM python:3.11-slim\nRUN pip install . \\\n && curl -sSL https://x/install.sh | sh\n")
+    with pytest.raises(ValueError, match="does not know the RUN command 'curl"):
+        parse(dockerfile)
+    assert replayed_pip_args(["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]) == \
+        replayed_pip_args(["--extra-index-url=https://example/simple", "torch==2.13.0"]) == ["torch==2.13.0"]
 
 
 def test_operator_image_loads_every_handler_and_has_no_torch(replays: dict[str, Future[Replay]]) -> None:

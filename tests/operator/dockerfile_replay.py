@@ -152,14 +152,17 @@ def replay(path: Path, repo: Path, workdir: Path) -> Replay:
     pip_env = {**os.environ, **{k: v for k, v in dockerfile.env.items()
                                 if k.startswith("PIP_") and k not in REPLACED_ENV}}
     pip_env.pop("PYTHONPATH", None)
+    steps = []
     for argv in dockerfile.pip_installs:
+        step_started = time.monotonic()
         # -P: the build folder holds an `operator/` folder that would shadow the standard library's.
         command = [str(env_dir / "bin" / "python"), "-P", "-m", "pip", "install", "-q", "--no-compile",
                    *replayed_pip_args(argv)]
         proc = subprocess.run(command, cwd=build, env=pip_env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
             raise RuntimeError(f"{path.name}: `pip install {shlex.join(argv)}` failed:\n{proc.stdout}\n{proc.stderr}")
+        steps.append(f"`pip install {shlex.join(argv)}` {time.monotonic() - step_started:.0f}s")
     seconds = time.monotonic() - started
-    print(f"image replay: {path.name} installed in {seconds:.0f}s ({len(dockerfile.pip_installs)} pip steps)",
+    print(f"image replay: {path.parent.name}/{path.name} installed in {seconds:.0f}s: {'; '.join(steps)}",
           file=sys.stderr)
     return Replay(dockerfile, env_dir, seconds)

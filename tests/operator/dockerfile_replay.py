@@ -44,6 +44,7 @@ class Dockerfile:
     pip_installs: list[list[str]] = field(default_factory=list)  # argv after `pip install`, as written
     apt_packages: list[str] = field(default_factory=list)
     user: str = ""
+    expose: str = ""
     entrypoint: str = ""
     cmd: str = ""
 
@@ -96,7 +97,7 @@ def parse(path: Path) -> Dockerfile:
             dockerfile.copies += [(source, dest) for source in sources]
         elif keyword == "RUN":
             _run_commands(dockerfile, args)
-        elif keyword in ("USER", "ENTRYPOINT", "CMD"):
+        elif keyword in ("USER", "EXPOSE", "ENTRYPOINT", "CMD"):
             setattr(dockerfile, keyword.lower(), args)
     return dockerfile
 

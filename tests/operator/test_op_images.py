@@ -20,6 +20,7 @@ from isvc_schema_tools import REPO
 from specfleet.operator import load_inference_service
 from specfleet.operator.cli import OPERATOR_MODULES, OPTIONAL_MODULES
 from specfleet.operator.render.deployment import RUN_AS_USER, render_deployment
+from specfleet.operator.resources import ENGINE_PORT
 
 DOCKERFILES = sorted(str(p.relative_to(REPO)) for p in REPO.glob("*/Dockerfile*") if p.suffix != ".dockerignore")
 ENGINE_DOCKERFILES = [name for name in DOCKERFILES if name.startswith("engine/")]
@@ -128,6 +129,7 @@ def test_dockerfile_copies_every_package_folder_and_runs_as_the_pods_uid(name: s
 def test_engine_images_keep_their_caches_on_the_pods_emptydir(name: str) -> None:
     dockerfile = parse(REPO / name)
     assert dockerfile.entrypoint == '["python", "-m", "specfleet.engine"]'
+    assert dockerfile.expose == str(ENGINE_PORT) and f'"--port", "{ENGINE_PORT}"' in dockerfile.cmd
     isvc = load_inference_service(REPO / "examples" / "smollm2-cpu.yaml")
     pod = render_deployment(isvc)["spec"]["template"]["spec"]
     (container,) = pod["containers"]

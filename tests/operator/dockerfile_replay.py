@@ -11,6 +11,7 @@ never ignored in silence). Substitutions, each because the real thing cannot be 
 - `--index-url https://download.pytorch.org/...` is dropped: pip's configured index serves torch==2.13.0 as
   the CPU build from local disk, so images that bring their own torch get that CPU torch in the replay;
 - `apt-get` packages are recorded, not installed (the tests assert on them);
+- the pod's /cache emptyDir is a folder inside the venv when the entry point runs;
 - pip's cache stays on and pip writes no .pyc files (`--no-compile`): the images set PIP_NO_CACHE_DIR=1 to
   keep layers small, here both keep CI fast (compiling torch's sources is most of its install time), and
   neither changes what gets installed.
@@ -128,7 +129,9 @@ class Replay:
     def run(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
             timeout: float = 600) -> subprocess.CompletedProcess[str]:
         """Run the venv's python as the image would (its ENV, no repository on sys.path)."""
-        image_env = {k: v for k, v in self.dockerfile.env.items() if k not in REPLACED_ENV}
+        # The pod mounts an emptyDir at /cache; here it is a folder of the venv's, never the host's /cache.
+        image_env = {k: str(self.venv) + v if v.startswith("/cache") else v
+                     for k, v in self.dockerfile.env.items() if k not in REPLACED_ENV}
         full_env = {"PATH": f"{self.venv / 'bin'}:{os.environ['PATH']}", "HOME": str(self.venv),
                     **image_env, **(env or {})}
         return subprocess.run([str(self.python), *args], capture_output=True, text=True, env=full_env,
@@ -147,7 +150,7 @@ def replay(path: Path, repo: Path, workdir: Path) -> Replay:
         if (repo / source).is_dir():
             shutil.copytree(repo / source, target, ignore=ignore)
         else:
-            shutil.copy2(repo / source, target if dest.endswith("/") or target.is_dir() else target)
+            shutil.copy2(repo / source, target)  # into the folder when dest is one (`./`)
     env_dir = workdir / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
     pip_env = {**os.environ, **{k: v for k, v in dockerfile.env.items()

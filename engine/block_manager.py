@@ -8,17 +8,26 @@ cached blocks to the back, so eviction takes the least recently freed cached blo
 
 from __future__ import annotations
 
+import os
 from collections import OrderedDict
 
 from specfleet.engine.sequence import Sequence
+
+# SPECFLEET_KV_DEBUG=1 records, for every slot, which token prefix its K/V was computed from, and checks
+# that a block registered in the prefix cache holds exactly the prefix its hash names (tests turn it on).
+KV_DEBUG = os.environ.get("SPECFLEET_KV_DEBUG", "") not in ("", "0")
 
 
 class NoFreeBlocksError(RuntimeError):
     pass
 
 
+class KVContentError(AssertionError):
+    """Debug mode: a block's K/V was computed from other tokens than the ones it is used or cached for."""
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, debug: bool = KV_DEBUG):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -29,6 +38,8 @@ class BlockManager:
         self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
         # The chained hashes of each sequence's leading full blocks, as far as they were cached.
         self._hashes: dict[int, list[int]] = {}
+        self.debug = debug
+        self._slot_prefix: dict[int, int] = {}  # debug: slot -> hash of the token prefix its K/V encodes
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -88,10 +99,28 @@ class BlockManager:
             seq.block_table.append(self._take_free())
 
     def shared_prefix(self, parent: Sequence, child: Sequence) -> list[int]:
-        """For n > 1: the parent's full, computed prompt blocks, which a sibling sample can adopt."""
-        n = min(len(parent.block_table), (child.num_tokens - 1) // self.block_size,
-                parent.num_computed_tokens // self.block_size)
+        """For n > 1: the parent's full, computed prompt blocks, which a sibling sample can adopt. Only
+        prompt blocks: past the prompt the parent's blocks hold its own samples, not the child's."""
+        bs = self.block_size
+        n = min(len(parent.block_table), (child.num_tokens - 1) // bs, parent.num_computed_tokens // bs,
+                child.num_prompt_tokens // bs)
         return parent.block_table[:n]
+
+    def note_computed(self, seq: Sequence, start: int, tokens: list[int]) -> None:
+        """Debug mode: `tokens` (positions start.. of `seq`) are about to be computed into its slots; check
+        that the slots before `start`, which attention reads, hold its own prefix, then record the new ones."""
+        if not self.debug:
+            return
+        chain = _prefix_chain(seq.token_ids[:start] + list(tokens))
+        for pos in range(start):
+            if self._slot_prefix.get(self._slot(seq, pos)) != chain[pos]:
+                raise KVContentError(f"sequence {seq.seq_id} reads position {pos} from block "
+                                     f"{seq.block_table[pos // self.block_size]}, computed for other tokens")
+        for pos in range(start, start + len(tokens)):
+            self._slot_prefix[self._slot(seq, pos)] = chain[pos]
+
+    def _slot(self, seq: Sequence, pos: int) -> int:
+        return seq.block_table[pos // self.block_size] * self.block_size + pos % self.block_size
 
     def cache_full_blocks(self, seq: Sequence) -> None:
         """Register the sequence's full blocks of verified, computed tokens in the prefix cache."""
@@ -105,10 +134,19 @@ class BlockManager:
             tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
             h = self._chain(hashes[-1] if hashes else None, tokens)
             hashes.append(h)
+            if self.debug:
+                self._check_block(seq, i)
             # A block already registered elsewhere under the same content stays private.
             if self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block], self.block_tokens[block] = h, tokens
                 self.hash_to_block[h] = block
+
+    def _check_block(self, seq: Sequence, index: int) -> None:
+        bs = self.block_size
+        chain = _prefix_chain(seq.token_ids[: (index + 1) * bs])
+        if any(self._slot_prefix.get(self._slot(seq, pos)) != chain[pos] for pos in range(index * bs, (index + 1) * bs)):
+            raise KVContentError(f"block {seq.block_table[index]} would be cached for sequence {seq.seq_id}'s "
+                                 f"tokens {index * bs}..{(index + 1) * bs - 1}, but holds K/V of other tokens")
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the blocks beyond what `num_tokens` tokens need (rejected speculative tokens)."""
@@ -147,3 +185,12 @@ class BlockManager:
             self.free[block] = None
             if self.block_hash[block] is None:
                 self.free.move_to_end(block, last=False)
+
+
+def _prefix_chain(tokens: list[int]) -> list[int]:
+    """Debug mode: one hash per position naming the whole prefix up to it (a token's K/V depends on all)."""
+    chain, h = [], 0
+    for token in tokens:
+        h = hash((h, token))
+        chain.append(h)
+    return chain

@@ -1,9 +1,10 @@
-"""The offline API: `LLM(model=...).generate(prompts, params)`, as in vLLM."""
+"""The offline API: `LLM(model=...).generate(prompts, sampling_params)`, as in vLLM."""
 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.llm_engine import Engine
@@ -11,25 +12,66 @@ from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import SamplingParams
 from tqdm import tqdm
 
+Prompt = str | list[int] | Mapping[str, Any]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": [...]}
+
+# vLLM's speculative_config keys -> EngineConfig fields (the method is read separately).
+SPECULATIVE_CONFIG_FIELDS = {
+    "num_speculative_tokens": "num_speculative_tokens",
+    "model": "draft_model",
+    "quantization": "draft_quantization",
+    "prompt_lookup_min": "prompt_lookup_min",
+    "prompt_lookup_max": "prompt_lookup_max",
+    "disable_by_batch_size": "speculative_disable_by_batch_size",
+}
+SPECULATIVE_METHOD_NAMES = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}
+
+
+def engine_config_from_vllm_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfig:
+    """EngineConfig from `LLM(...)` keyword arguments, accepting vLLM's spellings: gpu_memory_utilization
+    (-> kv_cache_memory_fraction) and speculative_config={"method", "num_speculative_tokens", "model", ...}."""
+    kwargs = dict(kwargs)
+    if "gpu_memory_utilization" in kwargs:
+        kwargs["kv_cache_memory_fraction"] = kwargs.pop("gpu_memory_utilization")
+    spec = kwargs.pop("speculative_config", None)
+    if spec is not None:
+        spec = dict(spec)
+        unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_FIELDS) - {"method"})
+        if unknown:
+            raise ValueError(f"speculative_config keys {unknown} are not supported; use "
+                             f"{sorted(SPECULATIVE_CONFIG_FIELDS) + ['method']}")
+        method = spec.pop("method", None) or ("draft_model" if spec.get("model") else None)
+        if method not in SPECULATIVE_METHOD_NAMES:
+            raise ValueError(f"speculative_config method={method!r} is not supported; use one of "
+                             f"{sorted(SPECULATIVE_METHOD_NAMES)} (a 'model' implies draft_model)")
+        kwargs["speculative_method"] = SPECULATIVE_METHOD_NAMES[method]
+        kwargs.update({SPECULATIVE_CONFIG_FIELDS[k]: v for k, v in spec.items()})
+    return EngineConfig(model=model, **kwargs)
+
 
 class LLM:
     def __init__(self, model: str = "bundled://smollm2-135m-instruct", **kwargs):
-        self.engine = Engine(EngineConfig(model=model, **kwargs))
+        self.engine = Engine(engine_config_from_vllm_kwargs(model, kwargs))
         self._ids = itertools.count()
 
     @property
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
     def generate(
         self,
-        prompts: str | list[int] | Sequence[str | list[int]],
-        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
-        """One result per prompt, in order. A prompt is text or a list of token ids."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        """One result per prompt, in order. A prompt is text, token ids, or a dict with `prompt` or
+        `prompt_token_ids` (vLLM's TextPrompt / TokensPrompt)."""
+        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        prompts = [_prompt(p) for p in prompts]
+        params = sampling_params
         params_list = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
@@ -44,11 +86,12 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]], params: SamplingParams | None = None,
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = False) -> list[RequestOutput]:
         """Chat through the tokenizer's chat template; one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.engine.apply_chat_template(c) for c in conversations], params, use_tqdm)
+        return self.generate([self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted, done = set(ids), {}
@@ -60,3 +103,12 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [done[i] for i in ids]
+
+
+def _prompt(prompt: Prompt) -> str | list[int]:
+    if not isinstance(prompt, Mapping):
+        return prompt if isinstance(prompt, str) else list(prompt)
+    unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
+    if unknown or len(prompt) != 1:
+        raise ValueError(f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+    return prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])

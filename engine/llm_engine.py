@@ -11,17 +11,17 @@ import threading
 import time
 from dataclasses import replace
 
-import torch
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
-from specfleet.engine.detokenizer import IncrementalDetokenizer
-from specfleet.engine.loader import LoadedModel, load_model
-from specfleet.engine.model_runner import ModelRunner, SpecStats
-from specfleet.engine.outputs import CompletionOutput, Logprob, RequestMetrics, RequestOutput
-from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.detokenizer import IncrementalDetokenizer, TokenText
+from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
+from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
+from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from specfleet.engine.sampler import sample_seed
+from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
-from specfleet.engine.spec_decode.factory import build_proposer
+from specfleet.engine.spec_decode.factory import build_proposer, load_draft
 from specfleet.engine.stats import EngineStats, StepStats
 
 log = logging.getLogger("specfleet.engine")
@@ -32,7 +32,9 @@ class _Request:
                  detoks: list[IncrementalDetokenizer]):
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
         self.seqs, self.detoks = seqs, detoks
-        self.logprobs: list[list[Logprob]] = [[] for _ in seqs]
+        self.logprobs: list[list[PositionLogprobs]] = [[] for _ in seqs]
+        # Position p holds the logprobs of prompt token p (None for the first); filled as prefill runs.
+        self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
 
 
@@ -46,11 +48,14 @@ class Engine:
         loaded: LoadedModel = load_model(config)
         self.tokenizer, self.model_name, self.max_model_len = loaded.tokenizer, loaded.name, loaded.max_model_len
         self.eos_token_ids = loaded.eos_token_ids
-        self.kv = BlockManager(loaded.num_kv_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(loaded.model, loaded.num_kv_blocks, config.block_size,
+        draft = load_draft(config, loaded)
+        models = [loaded.model] + ([draft.model] if draft else [])
+        num_blocks = kv_cache_blocks(config, models, self.max_model_len, loaded.model.device)
+        self.kv = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size,
                                   config.attention_backend, self.eos_token_ids, config.seed)
         self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
-        self.proposer = build_proposer(config, self.runner, loaded)
+        self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
         self.stats = EngineStats()
@@ -60,8 +65,9 @@ class Engine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
-        log.info("event=engine_ready model=%s blocks=%d block_size=%d max_model_len=%d backend=%s",
-                 self.model_name, loaded.num_kv_blocks, config.block_size, self.max_model_len,
+        self.token_text = TokenText(self.tokenizer)
+        log.info("event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
+                 self.model_name, num_blocks, num_blocks if draft else 0, config.block_size, self.max_model_len,
                  self.runner.attn.name)
 
     # -- requests ------------------------------------------------------------------------------------
@@ -71,39 +77,56 @@ class Engine:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
         ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
-        self._check_prompt(ids, params)
+        if params.truncate_prompt_tokens is not None:
+            ids = ids[-params.truncate_prompt_tokens :]
+        self._check_request(ids, params)
+        if params.bad_words:
+            params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         seqs, detoks = [], []
         for index in range(params.n):
             seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params)
             if params.seed is not None:
-                seq.generator = torch.Generator(device=self.runner.model.device).manual_seed(params.seed + index)
+                seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
             seqs.append(seq)
-            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, ids,
+                                                 params.skip_special_tokens))
             self.scheduler.add(seq)
-        self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        req = self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        if params.prompt_logprobs is not None:
+            req.prompt_logprobs = [None] * len(ids)
 
-    def _check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+    def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """Each word's tokens as written and after a space (vLLM's two variants), without duplicates."""
+        variants: list[list[int]] = []
+        for word in words:
+            for form in (word.strip(), " " + word.strip()):
+                ids = self.tokenizer.encode(form, add_special_tokens=False)
+                if ids and ids not in variants:
+                    variants.append(ids)
+        return variants
+
+    def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:
-            raise ValueError("prompt is empty: give at least one token")
+            raise ParameterError("prompt", "prompt is empty: give at least one token")
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if any(not isinstance(t, int) or not 0 <= t < vocab for t in params.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be in [0, {vocab})")
+            raise ParameterError("prompt", f"prompt token ids must be in [0, {vocab})")
+        token_fields = {"stop_token_ids": params.stop_token_ids, "allowed_token_ids": params.allowed_token_ids or [],
+                        "logit_bias": list(params.logit_bias or {})}
+        for name, tokens in token_fields.items():
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
+                raise ParameterError(name, f"{name} token ids must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
-            raise ValueError(
-                f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
-                "shorten the prompt so at least one token can be generated"
+            raise ParameterError(
+                "prompt", f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
+                "shorten the prompt so at least one token can be generated", "context_length_exceeded"
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ValueError(
-                f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
-                f"minus the prompt's {len(ids)}"
+            raise ParameterError(
+                "max_tokens", f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
+                f"minus the prompt's {len(ids)}", "context_length_exceeded"
             )
-        blocks_needed = self.kv.blocks_for(min(self.max_model_len, len(ids) + (params.max_tokens or 0)))
-        if blocks_needed > self.kv.num_blocks:
-            raise ValueError(f"the request needs {blocks_needed} KV blocks, the cache has {self.kv.num_blocks}")
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Prompt token ids for a conversation, ending with the assistant's turn to speak."""
@@ -169,11 +192,11 @@ class Engine:
         self._propose()
         sched = self.scheduler.schedule()
         if sched.empty:
-            return []
+            return self._postprocess(sched, None, [])
         self._track_kv_peak()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result.sampled)
-        outputs = self._postprocess(sched, result.logprobs, changed)
+        outputs = self._postprocess(sched, result, changed)
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
 
@@ -208,17 +231,25 @@ class Engine:
     def _k_for(self, seq: Sequence) -> int:
         params = seq.params
         k = self._live.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
-        if not k or params.uses_penalties or seq.num_output_tokens < params.min_tokens:
-            return 0  # penalties and min_tokens depend on each earlier token: verify one at a time
+        if not k or params.depends_on_history or seq.num_output_tokens < params.min_tokens:
+            return 0  # penalties, bad words and min_tokens depend on each earlier token: one at a time
         room = self.max_model_len - seq.num_tokens - 1
         if params.max_tokens is not None:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(k, room, self.config.max_num_speculative_tokens))
 
-    def _postprocess(self, sched: SchedulerOutput, logprobs, changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, result: ModelRunnerOutput | None,
+                     changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         now = time.monotonic()
-        lp_by_seq = {item.seq.seq_id: lp for item, lp in zip(sched.scheduled, logprobs) if lp}
+        lp_by_seq = {item.seq.seq_id: [lp.decode_with(self.token_text) for lp in lps]
+                     for item, lps in zip(sched.scheduled, result.logprobs if result else []) if lps}
         touched: dict[str, _Request] = {}
+        for item, prompt_lps in zip(sched.scheduled, result.prompt_logprobs if result else []):
+            req = self._requests.get(item.seq.request_id)
+            if prompt_lps is not None and req is not None and req.prompt_logprobs is not None:
+                start, entries = prompt_lps
+                for pos, lp in enumerate(entries, start):
+                    req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or lp.decode_with(self.token_text)
         for seq, num_new in changed:
             req = self._requests.get(seq.request_id)
             if req is None:
@@ -232,6 +263,10 @@ class Engine:
                 req.logprobs[seq.index].extend(lp_by_seq[seq.seq_id])
             self._check_stop(req, seq, num_new)
             touched[req.request_id] = req
+        for seq in sched.finished:  # no room in the cache: ended with "length"
+            if (req := self._requests.get(seq.request_id)) is not None:
+                log.warning("event=finished_no_kv_room request_id=%s tokens=%d", seq.request_id, seq.num_tokens)
+                touched[req.request_id] = req
         outputs = []
         for req in touched.values():
             req.metrics.last_token_time = now
@@ -243,34 +278,40 @@ class Engine:
         return outputs
 
     def _check_stop(self, req: _Request, seq: Sequence, num_new: int) -> None:
-        params = seq.params
+        """Take a step's new tokens in order; the first stop condition wins, so that the text, the tokens
+        and finish_reason / stop_reason agree even when one speculative step holds several. As in vLLM:
+        stop tokens and strings count only from `min_tokens` on, and a stop token's text is not output."""
+        params, detok = seq.params, req.detoks[seq.index]
         for pos in range(seq.num_tokens - num_new, seq.num_tokens):
             token, produced = seq.token_ids[pos], pos - seq.num_prompt_tokens + 1
+            active = produced >= params.min_tokens
             reason = stop_reason = None
-            if produced >= params.min_tokens:
-                if token in params.stop_token_ids:
-                    reason, stop_reason = "stop", token
-                elif token in self.eos_token_ids and not params.ignore_eos:
-                    reason = "stop"
-            if reason is None and (produced == params.max_tokens or pos + 1 >= self.max_model_len):
+            if active and token in params.stop_token_ids:
+                reason, stop_reason = "stop", token
+            elif active and token in self.eos_token_ids and not params.ignore_eos:
+                reason = "stop"
+            if reason is not None:
+                if params.include_stop_str_in_output:
+                    detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], check_stop=False)
+            elif (matched := detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], active)) is not None:
+                reason, stop_reason = "stop", matched
+            elif produced == params.max_tokens or pos + 1 >= self.max_model_len:
                 reason = "length"
             if reason is not None:
                 del seq.token_ids[pos + 1 :]
-                req.detoks[seq.index].update(seq.output_token_ids)
                 self.scheduler.finish(seq, reason, stop_reason)
                 return
-        matched = req.detoks[seq.index].update(seq.output_token_ids)
-        if matched is not None:
-            self.scheduler.finish(seq, "stop", matched)
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
         outs = []
         for seq, detok in zip(req.seqs, req.detoks):
             lps = req.logprobs[seq.index][: seq.num_output_tokens] if seq.params.logprobs is not None else None
+            cumulative = sum(lp.logprob for lp in lps) if lps is not None else None
             outs.append(CompletionOutput(seq.index, detok.visible_text(seq.is_finished), seq.output_token_ids,
-                                         seq.finish_reason, seq.stop_reason, lps))
+                                         seq.finish_reason, seq.stop_reason, lps, cumulative))
         cached = req.seqs[0].num_cached_tokens
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics)
+        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics,
+                             req.prompt_logprobs)
 
     # -- statistics -------------------------------------------------------------------------------------
     def _track_kv_peak(self) -> None:

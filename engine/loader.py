@@ -24,7 +24,6 @@ class LoadedModel:
     name: str
     max_model_len: int
     eos_token_ids: set[int]
-    num_kv_blocks: int
 
 
 def pick_device(name: str) -> torch.device:
@@ -75,25 +74,41 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
         raise ValueError(f"quantization={config.quantization!r} runs on the native CPU kernels: it needs "
                          f"device cpu and dtype float32, not {device.type} {dtype}")
     model = LlamaModel(hf_config, load_state_dict(resolved.path), dtype, device, quantize=config.quantization)
-    num_blocks = kv_blocks(config, model, max_model_len, device)
-    return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer),
-                       num_blocks)
+    return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer))
 
 
-def kv_blocks(config: EngineConfig, model: LlamaModel, max_model_len: int, device: torch.device) -> int:
+def bytes_per_block(model: LlamaModel, block_size: int) -> int:
+    """K and V of every layer for one block of `block_size` tokens."""
     a = model.args
-    bytes_per_block = 2 * a.num_layers * config.block_size * a.num_kv_heads * a.head_dim * model.embed.element_size()
-    useful = config.seqs_limit * (-(-max_model_len // config.block_size)) + 1
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * model.embed.element_size()
+
+
+def kv_cache_blocks(config: EngineConfig, models: list[LlamaModel], max_model_len: int, device: torch.device,
+                    mem_get_info=None) -> int:
+    """Blocks for the KV caches of `models` (the target and, with a draft proposer, the draft: one block id
+    addresses a block in each cache, so both are budgeted together from one memory fraction).
+
+    Refuses to start, as vLLM does, when the cache cannot hold one sequence of `max_model_len` tokens: such
+    a sequence would otherwise preempt itself forever and block everything queued behind it."""
+    per_block = sum(bytes_per_block(m, config.block_size) for m in models)
+    per_seq = -(-max_model_len // config.block_size)
+    useful = config.seqs_limit * per_seq + 1  # more blocks than every sequence at full length is waste
     if config.num_kv_blocks is not None:
-        return config.num_kv_blocks
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
+        blocks, source = config.num_kv_blocks, f"num_kv_blocks={config.num_kv_blocks} (--num-kv-blocks)"
+    elif device.type == "cuda":
+        free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
         budget = free - (1 - config.kv_cache_memory_fraction) * total
-        if budget < bytes_per_block * (-(-max_model_len // config.block_size)):
-            raise ValueError(
-                f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} leaves no room for one sequence "
-                f"of max_model_len={max_model_len}; raise it or lower max_model_len"
-            )
-        return int(min(useful, budget // bytes_per_block))
-    gib = config.kv_cache_gib if config.kv_cache_gib is not None else DEFAULT_CPU_KV_GIB
-    return int(max(1, min(useful, gib * 2**30 // bytes_per_block)))
+        blocks = int(min(useful, max(0, budget) // per_block))
+        source = (f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} (--kv-cache-memory-fraction), "
+                  f"{max(0, budget) / 2**30:.2f} GiB for {len(models)} cache(s)")
+    else:
+        gib = config.kv_cache_gib if config.kv_cache_gib is not None else DEFAULT_CPU_KV_GIB
+        blocks = int(max(1, min(useful, gib * 2**30 // per_block)))
+        source = f"kv_cache_gib={gib} (--kv-cache-gib), {len(models)} cache(s)"
+    if blocks < per_seq:
+        raise ValueError(
+            f"the KV cache holds {blocks} blocks of {config.block_size} tokens ({blocks * config.block_size} tokens, "
+            f"from {source}), fewer than one sequence of max_model_len={max_model_len} needs ({per_seq} blocks): "
+            f"give the cache more memory or lower max_model_len (--max-model-len {blocks * config.block_size})"
+        )
+    return blocks

@@ -7,8 +7,15 @@ from dataclasses import dataclass, field
 import torch
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
 from specfleet.engine.models.llama import LlamaModel
-from specfleet.engine.outputs import Logprob
-from specfleet.engine.sampler import SamplingBatch, apply_penalties, logprobs_for, processed_probs, sample
+from specfleet.engine.outputs import PositionLogprobs
+from specfleet.engine.sampler import (
+    SamplingBatch,
+    apply_penalties,
+    build_sampling_batch,
+    logprobs_for,
+    processed_probs,
+    sample,
+)
 from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rejection import rejection_sample, verify_greedy
@@ -38,7 +45,9 @@ class SpecStats:
 @dataclass
 class ModelRunnerOutput:
     sampled: list[list[int]]  # [num_scheduled] tokens each sequence gained ([] mid-prefill)
-    logprobs: list[list[Logprob] | None]  # [num_scheduled] one per gained token, when requested
+    logprobs: list[list[PositionLogprobs] | None]  # [num_scheduled] one per gained token, when requested
+    # [num_scheduled] (first prompt position covered, logprobs of the prompt tokens after it), when requested
+    prompt_logprobs: list[tuple[int, list[PositionLogprobs]] | None] = field(default_factory=list)
     spec: SpecStats = field(default_factory=SpecStats)
 
 
@@ -49,6 +58,7 @@ class BatchInputs:
     meta: AttentionMetadata
     sample_rows: list[int]  # flat rows whose logits are needed
     sample_counts: list[int]  # [num_scheduled] rows each sequence contributes to sample_rows
+    token_starts: list[int]  # [num_scheduled] each sequence's first flat row
 
 
 class ModelRunner:
@@ -83,20 +93,46 @@ class ModelRunner:
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
         inputs = self.prepare(sched)
         hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attn)
-        if not inputs.sample_rows:
-            return ModelRunnerOutput([[] for _ in sched.scheduled], [None] * len(sched.scheduled))
-        rows = torch.tensor(inputs.sample_rows, device=hidden.device)
-        logits = self.model.logits(hidden.index_select(0, rows))
-        return self._sample(sched, logits)
+        if inputs.sample_rows:
+            rows = torch.tensor(inputs.sample_rows, device=hidden.device)
+            out = self._sample(sched, self.model.logits(hidden.index_select(0, rows)))
+        else:
+            out = ModelRunnerOutput([[] for _ in sched.scheduled], [None] * len(sched.scheduled))
+        out.prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden)
+        return out
+
+    def _prompt_logprobs(self, sched: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor):
+        """For requests that asked: the logprob of each prompt token this step's positions predict."""
+        spans = []  # (item index, first position, rows)
+        for i, item in enumerate(sched.scheduled):
+            seq, start = item.seq, item.seq.num_computed_tokens
+            if seq.params.prompt_logprobs is None:
+                continue
+            end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            if end > start:
+                spans.append((i, start, list(range(inputs.token_starts[i], inputs.token_starts[i] + end - start))))
+        result: list[tuple[int, list[PositionLogprobs]] | None] = [None] * len(sched.scheduled)
+        if not spans:
+            return result
+        rows = torch.tensor([r for _, _, rs in spans for r in rs], device=hidden.device)
+        targets = torch.tensor([sched.scheduled[i].seq.token_ids[start + 1 + j] for i, start, rs in spans
+                                for j in range(len(rs))], device=hidden.device)
+        top = max(sched.scheduled[i].seq.params.prompt_logprobs for i, _, _ in spans)
+        lps = iter(logprobs_for(self.model.logits(hidden.index_select(0, rows)), targets, top))
+        for i, start, rs in spans:
+            want = sched.scheduled[i].seq.params.prompt_logprobs
+            result[i] = (start + 1, [_trim_top(next(lps), want) for _ in rs])
+        return result
 
     def prepare(self, sched: SchedulerOutput) -> BatchInputs:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        qlens, slens, tables, sample_rows, sample_counts = [], [], [], [], []
+        qlens, slens, tables, sample_rows, sample_counts, token_starts = [], [], [], [], [], []
         for item in sched.scheduled:
             seq = item.seq
+            token_starts.append(len(ids))
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
             tokens = seq.token_ids[start:end]
             if len(tokens) < end - start:
@@ -130,13 +166,14 @@ class ModelRunner:
         return BatchInputs(
             torch.tensor(ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
-            meta, sample_rows, sample_counts,
+            meta, sample_rows, sample_counts, token_starts,
         )
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
         items = [item for item in sched.scheduled if item.sample]
         row_seqs = [item.seq for item in items for _ in range(item.num_spec_tokens + 1)]
+        raw = logits  # logprobs report the model's own distribution, as vLLM's default does
         batch = self.sampling_batch(row_seqs, logits.device)
         logits = apply_penalties(logits, batch)
         starts, row = [], 0
@@ -153,19 +190,25 @@ class ModelRunner:
                 emitted[i] = [token]
         spec = [i for i, item in enumerate(items) if item.num_spec_tokens]
         if spec:
-            self._verify(items, spec, starts, logits, batch, emitted)
-        return self._collect(sched, items, starts, emitted, logits)
+            self._verify(items, spec, starts, logits, emitted)
+        return self._collect(sched, items, starts, emitted, raw)
 
-    def _verify(self, items, spec, starts, logits, batch: SamplingBatch, emitted) -> None:
-        greedy = [i for i in spec if items[i].seq.params.temperature == 0]
-        if greedy:
-            argmax = logits.argmax(dim=-1).tolist()
-            for i in greedy:
-                k = items[i].num_spec_tokens
-                emitted[i] = verify_greedy(argmax[starts[i] : starts[i] + k + 1], items[i].seq.spec_token_ids)
+    def _verify(self, items, spec, starts, logits, emitted) -> None:
+        """Greedy and seeded rows accept drafts while they equal the target's own choice (its argmax, or
+        its keyed draw); the other sampled rows go through the rejection sampler, grouped by k."""
+        own = [i for i in spec if items[i].seq.params.temperature == 0 or items[i].seq.seed is not None]
+        if own:
+            rows = [starts[i] + j for i in own for j in range(items[i].num_spec_tokens + 1)]
+            sub = self.sampling_batch([items[i].seq for i in own for _ in range(items[i].num_spec_tokens + 1)],
+                                      logits.device, penalties=False,
+                                      offsets=[j for i in own for j in range(items[i].num_spec_tokens + 1)])
+            choices = iter(sample(logits[rows], sub, self.generator).tolist())
+            for i in own:
+                target = [next(choices) for _ in range(items[i].num_spec_tokens + 1)]
+                emitted[i] = verify_greedy(target, items[i].seq.spec_token_ids)
         by_k: dict[int, list[int]] = {}
         for i in spec:
-            if items[i].seq.params.temperature != 0:
+            if i not in own:
                 by_k.setdefault(items[i].num_spec_tokens, []).append(i)
         for k, group in by_k.items():
             rows = [starts[i] + j for i in group for j in range(k + 1)]
@@ -177,13 +220,13 @@ class ModelRunner:
             if seqs[0].spec_probs is not None:
                 q = torch.stack([s.spec_probs[:k] for s in seqs])
             drafts = torch.tensor([s.spec_token_ids for s in seqs], device=logits.device)
-            nxt, accepted = rejection_sample(p, q, drafts, [s.generator for s in seqs], self.generator)
+            nxt, accepted = rejection_sample(p, q, drafts, self.generator)
             for i, s, token, a in zip(group, seqs, nxt.tolist(), accepted.tolist()):
                 emitted[i] = s.spec_token_ids[:a] + [token]
 
     def _collect(self, sched, items, starts, emitted, logits) -> ModelRunnerOutput:
         want = [i for i, item in enumerate(items) if item.seq.params.logprobs is not None]
-        per_item_lps: dict[int, list[Logprob]] = {}
+        per_item_lps: dict[int, list[PositionLogprobs]] = {}
         if want:
             rows = [starts[i] + j for i in want for j in range(len(emitted[i]))]
             tokens = torch.tensor([t for i in want for t in emitted[i]], device=logits.device)
@@ -206,38 +249,12 @@ class ModelRunner:
             index += 1
         return ModelRunnerOutput(sampled, logprobs, spec_stats)
 
-    def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True) -> SamplingBatch:
-        """Per-row settings; penalties=False skips what `apply_penalties` needs (already applied)."""
-        params = [s.params for s in seqs]
-        all_greedy = all(p.temperature == 0 for p in params) and not any(s.generator for s in seqs)
-        top_k = top_p = None
-        if any(p.top_k > 0 for p in params):
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=device)
-        if any(p.top_p < 1 for p in params):
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device)
-        batch = SamplingBatch(
-            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32, device=device),
-            top_k=top_k, top_p=top_p, generators=[s.generator for s in seqs], all_greedy=all_greedy,
-        )
-        if penalties and any(p.uses_penalties for p in params):
-            counts = torch.zeros(len(seqs), self.vocab_size, device=device)
-            for row, s in enumerate(seqs):
-                if s.params.uses_penalties and s.num_output_tokens:
-                    out = torch.tensor(s.output_token_ids, device=device)
-                    counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
-            batch.output_counts = counts
-            batch.presence = torch.tensor([p.presence_penalty for p in params], device=device)
-            batch.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
-        if penalties:
-            banned = [(row, sorted(self.eos_token_ids | set(s.params.stop_token_ids)))
-                      for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
-            batch.banned = banned or None
-        wanted = [p.logprobs for p in params if p.logprobs is not None]
-        batch.num_logprobs = max(wanted) if wanted else None
-        return batch
+    def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True,
+                       offsets: list[int] | None = None) -> SamplingBatch:
+        return build_sampling_batch(seqs, self.vocab_size, self.eos_token_ids, device, penalties, offsets)
 
 
-def _trim_top(lp: Logprob, want: int) -> Logprob:
+def _trim_top(lp: PositionLogprobs, want: int) -> PositionLogprobs:
     if len(lp.top) <= want:
         return lp
-    return Logprob(lp.token_id, lp.logprob, dict(list(lp.top.items())[:want]))
+    return PositionLogprobs(lp.token_id, lp.logprob, dict(list(lp.top.items())[:want]), lp[lp.token_id].rank)

@@ -2,14 +2,37 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 @dataclass
 class Logprob:
-    token_id: int
+    """One token's log-probability under the model's raw distribution, as vLLM's `Logprob`."""
+
     logprob: float
-    top: dict[int, float] = field(default_factory=dict)  # top-N alternatives, token id -> logprob
+    rank: int | None = None  # 1 = the most likely token
+    decoded_token: str | None = None
+
+
+class PositionLogprobs(dict[int, Logprob]):
+    """One position's logprobs in vLLM's shape (token id -> Logprob: the chosen token and the top-N),
+    and by name: `token_id`, `logprob` and `top` (token id -> logprob of the top-N, most likely first)."""
+
+    def __init__(self, token_id: int, logprob: float, top: dict[int, float] | None = None,
+                 rank: int | None = None) -> None:
+        top = top or {}
+        ranks = {t: r for r, t in enumerate(top, 1)}
+        super().__init__({token_id: Logprob(logprob, rank if rank is not None else ranks.get(token_id))})
+        for t, lp in top.items():  # the chosen token first, then the top-N, as vLLM orders them
+            self.setdefault(t, Logprob(lp, ranks[t]))
+        self.token_id, self.logprob, self.top = token_id, logprob, dict(top)
+
+    def decode_with(self, token_text) -> PositionLogprobs:
+        """Fill `decoded_token` with `token_text(token_id) -> str`."""
+        for token, entry in self.items():
+            if entry.decoded_token is None:
+                entry.decoded_token = token_text(token)
+        return self
 
 
 @dataclass
@@ -19,7 +42,8 @@ class CompletionOutput:
     token_ids: list[int]  # cumulative generated tokens
     finish_reason: str | None = None  # None while running; "stop", "length" or "abort" once done
     stop_reason: str | int | None = None  # the stop string or token id that ended it
-    logprobs: list[Logprob] | None = None  # one per generated token when requested
+    logprobs: list[PositionLogprobs] | None = None  # one per generated token when requested
+    cumulative_logprob: float | None = None  # sum of the chosen tokens' logprobs, when requested
 
     @property
     def finished(self) -> bool:
@@ -37,6 +61,7 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
+    prompt_logprobs: list[PositionLogprobs | None] | None = None  # when requested; the first is None
 
 
 @dataclass

@@ -1,7 +1,11 @@
-"""Sampling over a batch of logits rows, vectorised: penalties, temperature, top-k, top-p, seeds.
+"""Sampling over a batch of logits rows, vectorised: logit bias and masks, penalties, temperature, min-p,
+top-k, top-p, seeds.
 
-Random draws use the exponential-race form (argmax of p / E with E ~ Exp(1)), so a row with its own
-seed only needs its own noise vector, and every other row shares one draw from the engine's generator.
+Random draws use the exponential-race form (argmax of p / E with E ~ Exp(1)). A seeded request's noise
+for its t-th output token comes from a stream keyed by (its sample's seed, t) alone, so its tokens do not
+depend on the batch it shares, on preemption, or on speculation: verification of a seeded row accepts a
+draft exactly when it equals the token this noise picks from the target's distribution, so speculation on,
+off, or at any k emits the same tokens. Every unseeded row shares one draw from the engine's generator.
 """
 
 from __future__ import annotations
@@ -9,7 +13,30 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from specfleet.engine.outputs import Logprob
+from specfleet.engine.outputs import PositionLogprobs
+from specfleet.engine.sequence import Sequence
+
+NoiseKey = tuple[int, int]  # (a sample's seed, the output position being sampled)
+_MASK64 = (1 << 64) - 1
+
+
+def sample_seed(seed: int, index: int) -> int:
+    """The seed of sample `index` of a request seeded with `seed` (n > 1 samples differ)."""
+    return _mix64(seed * 0x9E3779B97F4A7C15 + index)
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser: nearby inputs give unrelated 64-bit seeds."""
+    x &= _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_noise(key: NoiseKey, vocab: int, device: torch.device) -> torch.Tensor:
+    """[vocab] Exp(1) noise that depends on `key` only."""
+    generator = torch.Generator(device=device).manual_seed(_mix64(key[0] + 0x632BE59BD9B4E019 * key[1]))
+    return torch.empty(vocab, device=device).exponential_(generator=generator)
 
 
 @dataclass
@@ -19,23 +46,86 @@ class SamplingBatch:
     temperature: torch.Tensor  # [rows] float32, 0 = greedy
     top_k: torch.Tensor | None  # [rows] int64 (vocab size = off), None when no row uses it
     top_p: torch.Tensor | None  # [rows] float32, None when no row uses it
-    generators: list[torch.Generator | None]  # [rows] a seeded request's own generator
+    noise_keys: list[NoiseKey | None]  # [rows] a seeded row's (sample seed, output position)
     all_greedy: bool
+    min_p: torch.Tensor | None = None  # [rows] float32, None when no row uses it
     presence: torch.Tensor | None = None  # [rows] float32
     frequency: torch.Tensor | None = None  # [rows] float32
     output_counts: torch.Tensor | None = None  # [rows, vocab] float32, tokens generated so far
-    banned: list[tuple[int, list[int]]] | None = None  # (row, token ids) masked (min_tokens)
-    num_logprobs: int | None = None  # top logprobs wanted by the most demanding row
+    repetition: torch.Tensor | None = None  # [rows] float32, 1 = off
+    seen: torch.Tensor | None = None  # [rows, vocab] bool, tokens in the prompt or the output
+    bias: torch.Tensor | None = None  # [rows, vocab] float32 added first: logit_bias and the masks
+
+
+def build_sampling_batch(seqs: list[Sequence], vocab: int, eos_token_ids: set[int], device: torch.device,
+                         penalties: bool = True, offsets: list[int] | None = None) -> SamplingBatch:
+    """Rows for `seqs` (a sequence appears once per row it samples). offsets: [rows] how far past the
+    sequence's current output each row samples (speculative rows). penalties=False leaves out what
+    `apply_penalties` needs (already applied to these logits)."""
+    params = [s.params for s in seqs]
+    offsets = offsets or [0] * len(seqs)
+    keys = [None if s.seed is None else (s.seed, s.num_output_tokens + o) for s, o in zip(seqs, offsets)]
+    f32 = dict(dtype=torch.float32, device=device)
+    batch = SamplingBatch(
+        temperature=torch.tensor([p.temperature for p in params], **f32),
+        top_k=(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+               if any(p.top_k > 0 for p in params) else None),
+        top_p=torch.tensor([p.top_p for p in params], **f32) if any(p.top_p < 1 for p in params) else None,
+        noise_keys=keys, all_greedy=all(p.temperature == 0 for p in params),
+        min_p=torch.tensor([p.min_p for p in params], **f32) if any(p.min_p > 0 for p in params) else None,
+    )
+    if not penalties:
+        return batch
+    if any(p.presence_penalty or p.frequency_penalty for p in params):
+        counts = torch.zeros(len(seqs), vocab, device=device)
+        for row, s in enumerate(seqs):
+            if s.num_output_tokens and (s.params.presence_penalty or s.params.frequency_penalty):
+                out = torch.tensor(s.output_token_ids, device=device)
+                counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
+        batch.output_counts = counts
+        batch.presence = torch.tensor([p.presence_penalty for p in params], **f32)
+        batch.frequency = torch.tensor([p.frequency_penalty for p in params], **f32)
+    if any(p.repetition_penalty != 1.0 for p in params):
+        batch.repetition = torch.tensor([p.repetition_penalty for p in params], **f32)
+        batch.seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
+        for row, s in enumerate(seqs):
+            if s.params.repetition_penalty != 1.0:
+                batch.seen[row, torch.tensor(s.token_ids, device=device)] = True
+    rows = [(row, s, o) for row, (s, o) in enumerate(zip(seqs, offsets))
+            if s.params.uses_bias or s.params.bad_words or s.num_output_tokens + o < s.params.min_tokens]
+    if rows:
+        batch.bias = torch.zeros(len(seqs), vocab, **f32)
+        for row, s, offset in rows:
+            _bias_row(batch.bias[row], s, offset, eos_token_ids)
+    return batch
+
+
+def _bias_row(bias: torch.Tensor, seq: Sequence, offset: int, eos_token_ids: set[int]) -> None:
+    params, inf = seq.params, float("inf")
+    if params.allowed_token_ids is not None:
+        bias.fill_(-inf)
+        bias[[t for t in params.allowed_token_ids if t < bias.numel()]] = 0.0
+    for token, value in (params.logit_bias or {}).items():
+        if token < bias.numel():
+            bias[token] += value
+    if seq.num_output_tokens + offset < params.min_tokens:  # no stop before min_tokens
+        bias[sorted(eos_token_ids | set(params.stop_token_ids))] = -inf
+    output = seq.output_token_ids
+    for word in params.bad_words_token_ids or []:  # a word's last token, when the output ends with the rest
+        if len(word) == 1 or (len(output) >= len(word) - 1 and output[len(output) - len(word) + 1 :] == word[:-1]):
+            bias[word[-1]] = -inf
 
 
 def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Bias and masks first, then repetition, frequency and presence penalties (vLLM's order)."""
+    if batch.bias is not None:
+        logits = logits + batch.bias
+    if batch.repetition is not None:
+        penalty = batch.repetition.unsqueeze(1)
+        logits = torch.where(batch.seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     if batch.output_counts is not None:
         counts = batch.output_counts
         logits = logits - counts * batch.frequency.unsqueeze(1) - (counts > 0) * batch.presence.unsqueeze(1)
-    if batch.banned:
-        logits = logits.clone() if batch.output_counts is None else logits
-        for row, token_ids in batch.banned:
-            logits[row, token_ids] = float("-inf")
     return logits
 
 
@@ -59,10 +149,15 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: t
 
 
 def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """The distribution a sampled row draws from: temperature, then top-k/top-p. Greedy rows get a
-    point mass on their argmax."""
+    """The distribution a sampled row draws from: temperature, min-p, then top-k/top-p. Greedy rows get
+    a point mass on their argmax."""
     temperature = batch.temperature.clamp_min(1e-5).unsqueeze(1)
-    probs = apply_top_k_top_p(logits / temperature, batch.top_k, batch.top_p).softmax(dim=-1)
+    logits = logits / temperature
+    if batch.min_p is not None:
+        probs = logits.softmax(dim=-1)
+        threshold = batch.min_p.unsqueeze(1) * probs.max(dim=-1, keepdim=True).values
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    probs = apply_top_k_top_p(logits, batch.top_k, batch.top_p).softmax(dim=-1)
     greedy = batch.temperature == 0
     if bool(greedy.any()):
         point = torch.zeros_like(probs).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
@@ -70,12 +165,13 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      default: torch.Generator, device: torch.device) -> torch.Tensor:
+def exponential_noise(shape: tuple[int, int], keys: list[NoiseKey | None], default: torch.Generator,
+                      device: torch.device) -> torch.Tensor:
+    """[rows, vocab] Exp(1) noise: keyed rows from their own stream, the others from `default`."""
     noise = torch.empty(shape, device=device).exponential_(generator=default)
-    for row, gen in enumerate(generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
+    for row, key in enumerate(keys):
+        if key is not None:
+            noise[row] = keyed_noise(key, shape[1], device)
     return noise
 
 
@@ -84,19 +180,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, default: torch.Generator)
     if batch.all_greedy:
         return logits.argmax(dim=-1)
     probs = processed_probs(logits, batch)
-    noise = exponential_noise(tuple(probs.shape), batch.generators, default, probs.device)
+    noise = exponential_noise(tuple(probs.shape), batch.noise_keys, default, probs.device)
     return (probs / noise).argmax(dim=-1)
 
 
-def logprobs_for(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[Logprob]:
-    """Logprobs of the model's own distribution (before penalties and temperature), as OpenAI reports."""
-    logp = logits.log_softmax(dim=-1)
-    chosen = logp.gather(1, tokens.view(-1, 1)).squeeze(1).tolist()
-    result = []
+def logprobs_for(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[PositionLogprobs]:
+    """Logprobs of the model's own distribution (before bias, penalties and temperature), as vLLM's
+    default reports them: the chosen token with its rank, and the top `num_top`."""
+    logp = logits.float().log_softmax(dim=-1)
+    chosen_t = logp.gather(1, tokens.view(-1, 1))
+    ranks = (logp > chosen_t).sum(dim=1).add(1).tolist()
+    chosen = chosen_t.squeeze(1).tolist()
     if num_top:
         top_vals, top_ids = logp.topk(num_top, dim=-1)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    for row, token in enumerate(tokens.tolist()):
-        top = dict(zip(top_ids[row], top_vals[row])) if num_top else {}
-        result.append(Logprob(token, chosen[row], top))
-    return result
+    return [PositionLogprobs(token, chosen[row], dict(zip(top_ids[row], top_vals[row])) if num_top else {},
+                             ranks[row])
+            for row, token in enumerate(tokens.tolist())]

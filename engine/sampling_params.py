@@ -1,8 +1,21 @@
-"""Per-request sampling parameters, validated once at the boundary."""
+"""Per-request sampling parameters, validated once at the boundary. Names and defaults are vLLM's."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
+
+MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
+
+
+class ParameterError(ValueError):
+    """A request parameter out of its limits: `param` names the field (the server's 400 says which), `code`
+    is OpenAI's error code."""
+
+    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
+        super().__init__(message)
+        self.param, self.code = param, code
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI and vLLM clamp a bias to [-100, 100]
 
 
 @dataclass
@@ -18,46 +31,77 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # number of top logprobs per generated token (0: only the chosen)
+    prompt_logprobs: int | None = None  # top logprobs per prompt token (the first has none)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the prompt or output
+    min_p: float = 0.0  # drop tokens less likely than min_p times the most likely one
+    logit_bias: dict[int, float] | None = None  # token id -> bias added to its logit
+    allowed_token_ids: list[int] | None = None  # sample only among these
+    bad_words: list[str] | None = None  # words never generated (as vLLM: their last token is masked)
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = None  # keep only the prompt's last N tokens
     # Speculative tokens for this request; None follows the engine's live setting, 0 turns it off.
     num_speculative_tokens: int | None = None
+    # bad_words as token ids, with and without a leading space (vLLM's variants); set by the engine.
+    bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
         self.stop_token_ids = list(self.stop_token_ids or [])
+        if isinstance(self.bad_words, str):
+            self.bad_words = [self.bad_words]
+        if self.logit_bias is not None:
+            self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
         self.validate()
 
     def validate(self) -> None:
         if not isinstance(self.n, int) or self.n < 1:
-            raise ValueError(f"n={self.n} must be an integer >= 1")
+            raise ParameterError("n", f"n={self.n} must be an integer >= 1")
         if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0")
+            raise ParameterError("temperature", f"temperature={self.temperature} must be >= 0")
         if not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p={self.top_p} must be in (0, 1]")
+            raise ParameterError("top_p", f"top_p={self.top_p} must be in (0, 1]")
         if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k={self.top_k} must be -1 (disabled) or a positive integer")
+            raise ParameterError("top_k", f"top_k={self.top_k} must be -1 (disabled) or a positive integer")
         if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise ValueError(f"max_tokens={self.max_tokens} must be an integer >= 1")
+            raise ParameterError("max_tokens", f"max_tokens={self.max_tokens} must be an integer >= 1")
         if self.min_tokens < 0:
-            raise ValueError(f"min_tokens={self.min_tokens} must be >= 0")
+            raise ParameterError("min_tokens", f"min_tokens={self.min_tokens} must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise ValueError(f"logprobs={self.logprobs} must be between 0 and 20")
+            raise ParameterError("min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
+                raise ParameterError(name, f"{name}={value} must be between 0 and {MAX_LOGPROBS}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -2.0 <= value <= 2.0:
-                raise ValueError(f"{name}={value} must be between -2 and 2")
+                raise ParameterError(name, f"{name}={value} must be between -2 and 2")
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            raise ParameterError("repetition_penalty", f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ParameterError("min_p", f"min_p={self.min_p} must be between 0 and 1")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
+                raise ParameterError("logit_bias", f"logit_bias[{token}]={bias}: token ids must be >= 0 and biases between "
+                                 f"-{LOGIT_BIAS_LIMIT:g} and {LOGIT_BIAS_LIMIT:g}")
+        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
+            raise ParameterError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids >= 0")
+        if self.bad_words is not None and any(not w or not w.strip() for w in self.bad_words):
+            raise ParameterError("bad_words", "bad_words must not contain empty words")
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
+            raise ParameterError("truncate_prompt_tokens", f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be >= 1")
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
-            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
+            raise ParameterError("num_speculative_tokens", f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
         if any(not s for s in self.stop):
-            raise ValueError("stop must not contain empty strings")
+            raise ParameterError("stop", "stop must not contain empty strings")
 
     @property
     def greedy(self) -> bool:
@@ -65,4 +109,16 @@ class SamplingParams:
 
     @property
     def uses_penalties(self) -> bool:
-        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        """Presence, frequency or repetition penalties: each token's logits depend on the ones before."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def depends_on_history(self) -> bool:
+        """Each token's distribution depends on the tokens just before it, so the engine verifies one
+        token at a time (no speculation): penalties and bad words. min_tokens is the engine's to check."""
+        return self.uses_penalties or bool(self.bad_words)
+
+    @property
+    def uses_bias(self) -> bool:
+        """A fixed additive mask on the logits: logit_bias or allowed_token_ids."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None

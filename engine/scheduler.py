@@ -5,6 +5,9 @@ prompt chunk, one new token, or one token plus k speculative ones), then admits 
 while the token budget, `max_num_seqs` and free KV blocks allow. When blocks run out, the most recently
 arrived running sequence is preempted by recompute: its blocks are freed and it goes back to the front
 of the queue, keeping its output, and its prompt and output are recomputed later (mostly prefix hits).
+A sequence that is alone and still cannot get a block (a cache smaller than its context, which the engine
+refuses at start) first loses its proposals and then finishes with "length": nothing queued may wait on
+it forever.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
+    finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler ("length": no room)
 
     @property
     def empty(self) -> bool:
@@ -76,7 +80,6 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[int] = set()
 
         i = 0
         while i < len(self.running) and budget > 0:
@@ -85,25 +88,40 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
-            while not self.kv.can_allocate(seq, seq.num_computed_tokens + num_new):
-                victim = self.running[-1]
-                self._preempt(victim)
-                out.num_preemptions += 1
-                if victim is seq:
-                    break
-            else:
-                self.kv.allocate(seq, seq.num_computed_tokens + num_new)
-                out.scheduled.append(self._scheduled(out, seq, num_new))
-                scheduled_ids.add(seq.seq_id)
-                budget -= num_new
-                i += 1
-                continue
-            break  # the sequence preempted itself: nothing later in the list can run either
+            num_new = self._make_room(seq, num_new, out)
+            if not num_new:
+                break  # the sequence preempted itself or ended: nothing later in the list can run either
+            self.kv.allocate(seq, seq.num_computed_tokens + num_new)
+            out.scheduled.append(self._scheduled(out, seq, num_new))
+            budget -= num_new
+            i += 1
 
         if not out.num_preemptions:
             budget = self._admit_waiting(out, budget)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
+
+    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> int:
+        """Free blocks for `num_new` more tokens of a running sequence by preempting the latest arrivals;
+        returns how many tokens can now be scheduled (0: `seq` was preempted or finished)."""
+        while not self.kv.can_allocate(seq, seq.num_computed_tokens + num_new):
+            if len(self.running) > 1:
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.num_preemptions += 1
+                if victim is seq:
+                    return 0
+                continue
+            # Alone, so no other sequence holds a block: the cache cannot hold this one's context.
+            if seq.spec_token_ids:
+                seq.spec_token_ids, seq.spec_probs = [], None
+                num_new = min(num_new, seq.num_tokens - seq.num_computed_tokens)
+                if num_new > 0:
+                    continue
+            self.finish(seq, "length")
+            out.finished.append(seq)
+            return 0
+        return num_new
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
         skipped: list[Sequence] = []
@@ -113,12 +131,19 @@ class Scheduler:
             if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
                 skipped.append(self.waiting.popleft())  # let the sibling compute the shared prompt first
                 continue
-            if parent is not None and parent.status is Status.RUNNING:
-                hits = self.kv.shared_prefix(parent, seq)
+            if seq.params.prompt_logprobs is not None:
+                hits = []  # every prompt position must run to yield its logits (vLLM skips the cache too)
             else:
                 hits = self.kv.lookup_prefix(seq)
+                if parent is not None and parent.status is Status.RUNNING:
+                    shared = self.kv.shared_prefix(parent, seq)
+                    hits = shared if len(shared) > len(hits) else hits
             cached = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - cached, budget)
+            if self.kv.blocks_for(cached + num_new) > self.kv.num_blocks:  # grew past the cache: never fits
+                self.finish(seq, "length")
+                out.finished.append(seq)
+                continue
             if not self.kv.can_allocate(seq, cached + num_new, hits):
                 break
             self.kv.allocate(seq, cached + num_new, hits)
@@ -143,6 +168,9 @@ class Scheduler:
             del seq.spec_token_ids[num_spec:]
             if seq.spec_probs is not None:
                 seq.spec_probs = seq.spec_probs[:num_spec] if num_spec else None
+        if self.kv.debug:
+            self.kv.note_computed(seq, seq.num_computed_tokens,
+                                  (seq.token_ids + seq.spec_token_ids)[seq.num_computed_tokens : end])
         return ScheduledSeq(seq, num_new, num_spec, sample=end >= seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:

@@ -37,7 +37,7 @@ class Sequence:
     num_preemptions: int = 0
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
-    generator: Any = None  # torch.Generator for a seeded request
+    seed: int | None = None  # a seeded request's per-sample seed (sampler.sample_seed)
 
     @property
     def num_tokens(self) -> int:

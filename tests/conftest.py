@@ -1,8 +1,12 @@
-"""Shared fixtures: the bundled model's local folder and a real Prometheus server on loopback."""
+"""Shared fixtures: the bundled model's local folder, a tiny random-weight llama with the bundled tokenizer,
+and a real Prometheus server on loopback."""
 
 from __future__ import annotations
 
 import os
+
+# Every block the prefix cache registers is checked against the tokens its K/V was computed from.
+os.environ.setdefault("SPECFLEET_KV_DEBUG", "1")
 import shutil
 import subprocess
 import time
@@ -22,6 +26,29 @@ def bundled_path():
     from specfleet.engine.model_loader import resolve_model
 
     return resolve_model(BUNDLED).path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(bundled_path, tmp_path_factory: pytest.TempPathFactory):
+    """A 2-layer llama with random weights and the bundled tokenizer: an engine in a second, for tests of
+    scheduling and semantics that do not need a model that writes well. Returns a `file://` URI."""
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    path = tmp_path_factory.mktemp("tiny-llama")
+    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
+                         bos_token_id=1, eos_token_id=2)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # weights large enough that sampled and greedy tokens vary
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(bundled_path / name, path / name)
+    return f"file://{path}"
 
 
 @pytest.fixture(scope="session")

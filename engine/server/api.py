@@ -11,7 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from specfleet.engine.outputs import RequestOutput
-from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 from . import serving
 from .async_engine import QueueFullError
@@ -25,19 +25,13 @@ QUEUE_RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 
 
-def _param_for(message: str, default: str) -> str:
-    names = ("max_tokens", "min_tokens", "stop_token_ids", "logprobs", "n", "seed", "temperature", "top_p",
-             "top_k", "stop", "presence_penalty", "frequency_penalty")
-    starts = [name for name in names if message.startswith(f"{name}=")]
-    inside = [name for name in names if f" {name}=" in message]
-    return (starts or inside or [default])[0]
-
-
 def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list[int | None]) -> SamplingParams:
     try:
         params = body.to_sampling_params()
+    except ParameterError as exc:
+        raise APIError(400, str(exc), exc.param, exc.code) from exc
     except ValueError as exc:
-        raise APIError(400, str(exc), _param_for(str(exc), "max_tokens"), "invalid_value") from exc
+        raise APIError(400, str(exc), None, "invalid_value") from exc
     bad = [t for t in params.stop_token_ids if t >= state.vocab_size]
     if bad:
         raise APIError(400, f"stop_token_ids contains {bad[0]}: token ids must be in [0, {state.vocab_size})",
@@ -68,11 +62,12 @@ async def _submit(state: ServerState, ids: list[str], prompts: list[Any], params
         _close(streams)
         raise APIError(429, f"{exc}; retry later", code="queue_full",
                        headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from exc
+    except ParameterError as exc:
+        _close(streams)
+        raise APIError(400, str(exc), prompt_param if exc.param == "prompt" else exc.param, exc.code) from exc
     except ValueError as exc:
         _close(streams)
-        param = _param_for(str(exc), prompt_param)
-        code = "context_length_exceeded" if "context" in str(exc) or "long" in str(exc) else "invalid_value"
-        raise APIError(400, str(exc), param, code) from exc
+        raise APIError(400, str(exc), prompt_param, "invalid_value") from exc
     except BaseException:
         _close(streams)
         raise
@@ -159,8 +154,8 @@ def _chunk(kind: str, rid: str, created: int, model: str, choices: list[dict[str
 
 
 async def _stream_body(state: ServerState, streams: list[RequestStream], rid: str, chat: bool, n: int,
-                       include_usage: bool, logprobs: int | None, continuous_usage: bool = False
-                       ) -> AsyncIterator[str]:
+                       include_usage: bool, logprobs: int | None, continuous_usage: bool = False,
+                       echo: bool = False) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     created, model = int(time.time()), state.model_name
     text = serving.TokenText(state.tokenizer)
@@ -174,7 +169,8 @@ async def _stream_body(state: ServerState, streams: list[RequestStream], rid: st
                 index = p * n + out.index
                 cursor = cursors.cursor(index)
                 choice = (serving.chat_delta(out, cursor, index, logprobs, text) if chat else
-                          serving.completion_delta(out, cursor, index, logprobs is not None, text))
+                          serving.completion_delta(out, cursor, index, logprobs is not None, text,
+                                                   serving.Echo.of(output, text) if echo and not cursor.started else None))
                 if choice is not None:
                     choices.append(choice)
             if choices:
@@ -214,12 +210,12 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     streams = await _submit(state, ids, prompts, params, "prompt")
     if body.stream:
         return _streaming_response(_stream_body(state, streams, rid, False, body.n, body.include_usage,
-                                                body.logprobs, body.continuous_usage))
+                                                body.logprobs, body.continuous_usage, body.echo))
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-        "choices": serving.completion_choices(finals, body.n, body.logprobs is not None, text),
+        "choices": serving.completion_choices(finals, body.n, body.logprobs is not None, text, body.echo),
         "usage": serving.usage(finals),
     })
 
@@ -247,6 +243,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
         "choices": serving.chat_choices(finals[0], num_logprobs, text),
         "usage": serving.usage(finals),
+        **({"prompt_logprobs": serving.prompt_logprobs_json(finals[0].prompt_logprobs)}
+           if finals[0].prompt_logprobs is not None else {}),
     })
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
-from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 MAX_N = 16
 MAX_STOP = 16
@@ -44,6 +44,26 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
     user: str | None = Field(default=None, description="End-user id (accepted, not used)")
+    logit_bias: dict[str, float] | None = Field(default=None, description="Token id (as a string) -> bias")
+    # vLLM's extra sampling fields (the openai client sends them in extra_body)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
+    bad_words: list[str] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.isdigit():
+                raise ValueError(f"logit_bias keys must be token ids, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias[{key}]={bias} must be between -100 and 100")
+        return value
 
     @field_validator("stop")
     @classmethod
@@ -70,7 +90,7 @@ class SamplingFields(StrictModel):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.default_max_tokens()
         if max_tokens is not None and self.min_tokens > max_tokens:
-            raise ValueError(f"min_tokens={self.min_tokens} must be <= max_tokens={max_tokens}")
+            raise ParameterError("min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={max_tokens}")
         return SamplingParams(
             n=self.n,
             temperature=self.temperature,
@@ -86,7 +106,19 @@ class SamplingFields(StrictModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            repetition_penalty=self.repetition_penalty,
+            min_p=self.min_p,
+            logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
+            allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
+            truncate_prompt_tokens=self.truncate_prompt_tokens,
+            prompt_logprobs=self.num_prompt_logprobs(),
         )
+
+    def num_prompt_logprobs(self) -> int | None:
+        return self.prompt_logprobs
 
     @property
     def include_usage(self) -> bool:
@@ -104,7 +136,7 @@ class CompletionRequest(SamplingFields):
     ]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: Literal[False] = Field(default=False, description="echo=true is not supported")
+    echo: bool = Field(default=False, description="Return the prompt before the completion")
     best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="Only best_of == n is supported")
     suffix: None = Field(default=None, description="suffix is not supported")
 
@@ -128,6 +160,12 @@ class CompletionRequest(SamplingFields):
 
     def num_logprobs(self) -> int | None:
         return self.logprobs
+
+    def num_prompt_logprobs(self) -> int | None:
+        """echo with logprobs reports the prompt's tokens too, as OpenAI's legacy completions do."""
+        if self.prompt_logprobs is None and self.echo and self.logprobs is not None:
+            return self.logprobs
+        return self.prompt_logprobs
 
 
 class TextPart(StrictModel):

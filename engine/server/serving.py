@@ -6,7 +6,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
-from specfleet.engine.outputs import CompletionOutput, Logprob, RequestOutput
+from specfleet.engine.detokenizer import TokenText
+from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestOutput
 
 
 def sse(data: dict[str, Any] | str) -> str:
@@ -29,34 +30,44 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-class TokenText:
-    """Token id -> text for logprobs, cached (tokenizer.decode of one token)."""
-
-    def __init__(self, tokenizer: Any) -> None:
-        self.tokenizer = tokenizer
-        self.cache: dict[int, str] = {}
-
-    def __call__(self, token_id: int) -> str:
-        text = self.cache.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self.cache[token_id] = text
-        return text
-
-
-def completion_logprobs(entries: list[Logprob], text: TokenText, offset: int) -> dict[str, Any]:
+def completion_logprobs(entries: list[PositionLogprobs], text: TokenText, offset: int,
+                        echo: Echo | None = None) -> dict[str, Any]:
+    """OpenAI's legacy logprobs; with echo, the prompt's tokens first (the very first has none)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
-    for entry in entries:
-        token = text(entry.token_id)
+    prompt = [(token, lp) for token, lp in zip(echo.token_ids, echo.logprobs)] if echo else []
+    for token_id, entry in prompt + [(e.token_id, e) for e in entries]:
+        token = text(token_id)
         tokens.append(token)
-        token_logprobs.append(entry.logprob)
-        top.append({text(t): lp for t, lp in entry.top.items()} or {token: entry.logprob})
+        token_logprobs.append(entry.logprob if entry else None)
+        top.append(({text(t): lp for t, lp in entry.top.items()} or {token: entry.logprob}) if entry else None)
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
 
 
-def chat_logprobs(entries: list[Logprob], text: TokenText, num_top: int) -> dict[str, Any]:
+@dataclass
+class Echo:
+    """A prompt to repeat before its completion (completions' echo=true)."""
+
+    text: str
+    token_ids: list[int]
+    logprobs: list[PositionLogprobs | None]  # [] unless logprobs were asked for
+
+    @classmethod
+    def of(cls, final: RequestOutput, text: TokenText) -> Echo:
+        prompt = final.prompt if final.prompt is not None else text.tokenizer.decode(final.prompt_token_ids)
+        return cls(prompt, list(final.prompt_token_ids), list(final.prompt_logprobs or []))
+
+
+def prompt_logprobs_json(entries: list[PositionLogprobs | None] | None) -> list[dict[str, Any] | None] | None:
+    """vLLM's `prompt_logprobs` field: per prompt token, token id -> {logprob, rank, decoded_token}."""
+    if entries is None:
+        return None
+    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+                                    for t, lp in e.items()} for e in entries]
+
+
+def chat_logprobs(entries: list[PositionLogprobs], text: TokenText, num_top: int) -> dict[str, Any]:
     def item(token_id: int, logprob: float) -> dict[str, Any]:
         token = text(token_id)
         return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
@@ -88,16 +99,20 @@ class StreamState:
 
 
 def completion_delta(
-    output: CompletionOutput, cursor: ChoiceCursor, index: int, want_logprobs: bool, text: TokenText
+    output: CompletionOutput, cursor: ChoiceCursor, index: int, want_logprobs: bool, text: TokenText,
+    echo: Echo | None = None,
 ) -> dict[str, Any] | None:
-    """The next chunk choice for a completions stream, or None when nothing new."""
-    delta = output.text[cursor.text_len:]
+    """The next chunk choice for a completions stream, or None when nothing new. With echo, the first
+    chunk of each choice starts with the prompt."""
+    echo = echo if not cursor.started else None
+    cursor.started = True
+    delta = (echo.text if echo else "") + output.text[cursor.text_len:]
     new_logprobs = (output.logprobs or [])[cursor.num_logprobs:] if want_logprobs else []
     if not delta and not new_logprobs and not (output.finished and not cursor.done):
         return None
     choice: dict[str, Any] = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
     if want_logprobs:
-        choice["logprobs"] = completion_logprobs(new_logprobs, text, cursor.text_offset)
+        choice["logprobs"] = completion_logprobs(new_logprobs, text, cursor.text_offset, echo)
         cursor.num_logprobs += len(new_logprobs)
         cursor.text_offset += sum(len(token) for token in choice["logprobs"]["tokens"])
     cursor.text_len = len(output.text)
@@ -131,18 +146,22 @@ def chat_delta(
 
 
 def completion_choices(
-    finals: list[RequestOutput], n: int, want_logprobs: bool, text: TokenText
+    finals: list[RequestOutput], n: int, want_logprobs: bool, text: TokenText, echo: bool = False
 ) -> list[dict[str, Any]]:
     choices = []
     for p, final in enumerate(finals):
+        repeat = Echo.of(final, text) if echo else None
         for out in sorted(final.outputs, key=lambda o: o.index):
-            choices.append({
+            choice = {
                 "index": p * n + out.index,
-                "text": out.text,
-                "logprobs": completion_logprobs(out.logprobs or [], text, 0) if want_logprobs else None,
+                "text": (repeat.text if repeat else "") + out.text,
+                "logprobs": completion_logprobs(out.logprobs or [], text, 0, repeat) if want_logprobs else None,
                 "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
-            })
+            }
+            if final.prompt_logprobs is not None:
+                choice["prompt_logprobs"] = prompt_logprobs_json(final.prompt_logprobs)
+            choices.append(choice)
     return choices
 
 

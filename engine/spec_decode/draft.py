@@ -48,7 +48,7 @@ class DraftModelProposer:
                                    self.runner.attn)
             rows = torch.tensor(inputs.sample_rows, device=hidden.device)
             logits = model.logits(hidden.index_select(0, rows))
-            tokens, dist = self._draw(logits, [seqs[i] for i, _ in group])
+            tokens, dist = self._draw(logits, [seqs[i] for i, _ in group], step)
             for n, ((i, sh), token) in enumerate(zip(group, tokens)):
                 sh.num_computed_tokens = sh.num_tokens
                 sh.token_ids.append(token)
@@ -60,23 +60,16 @@ class DraftModelProposer:
                 proposals[i].probs = torch.stack(probs[i])
         return proposals
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], torch.Tensor | None]:
+    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
+        """The draft's token for each sequence at `step` past its output. A seeded sequence draws with the
+        noise the target will use at that position, so a draft close to the target proposes what the
+        target's draw picks (verification of seeded rows accepts only that)."""
         if all(s.params.temperature == 0 for s in seqs):
             return logits.argmax(dim=-1).tolist(), None
-        batch = self.runner.sampling_batch(seqs, logits.device)
+        batch = self.runner.sampling_batch(seqs, logits.device, penalties=False, offsets=[step] * len(seqs))
         dist = processed_probs(logits, batch)
-        gens = [self._generator(s) for s in seqs]
-        noise = exponential_noise(tuple(dist.shape), gens, self.runner.generator, dist.device)
+        noise = exponential_noise(tuple(dist.shape), batch.noise_keys, self.runner.generator, dist.device)
         return (dist / noise).argmax(dim=-1).tolist(), dist
-
-    def _generator(self, seq: Sequence) -> torch.Generator | None:
-        if seq.params.seed is None:
-            return None
-        shadow = self.shadows[seq.seq_id]
-        if shadow.generator is None:
-            shadow.generator = torch.Generator(device=self.runner.model.device).manual_seed(
-                (seq.params.seed + seq.index) ^ 0x5EED)
-        return shadow.generator
 
     def _sync(self, seq: Sequence, k: int) -> _Shadow | None:
         """Bring the shadow's tokens in line with the sequence and reserve slots for k - 1 fed proposals."""

@@ -5,6 +5,9 @@ rows accept proposal x at position i with probability min(1, p_i(x) / q_i(x)); a
 they emit a draw from norm(max(p_i - q_i, 0)), and when all k are accepted a bonus draw from p_k.
 p and q are the *processed* distributions (temperature, top-k, top-p applied alike), so the emitted
 tokens follow the target's distribution exactly. A proposer without q (n-gram) is a point mass.
+
+Seeded rows are not verified here: they accept a draft while it equals the target's own keyed draw
+(`verify_greedy` on those draws; see sampler.py), which keeps their output independent of speculation.
 """
 
 from __future__ import annotations
@@ -14,7 +17,8 @@ from specfleet.engine.sampler import exponential_noise
 
 
 def verify_greedy(target_argmax: list[int], drafts: list[int]) -> list[int]:
-    """target_argmax: [k + 1] the target's choice after each prefix; returns the emitted tokens."""
+    """target_argmax: [k + 1] the target's choice after each prefix (its argmax, or a seeded row's keyed
+    draw); returns the emitted tokens."""
     accepted = 0
     while accepted < len(drafts) and drafts[accepted] == target_argmax[accepted]:
         accepted += 1
@@ -25,7 +29,6 @@ def rejection_sample(
     p: torch.Tensor,  # [batch, k + 1, vocab] target probabilities after each prefix
     q: torch.Tensor | None,  # [batch, k, vocab] draft probabilities, None for a point mass
     drafts: torch.Tensor,  # [batch, k] int64 proposed tokens
-    generators: list[torch.Generator | None],  # [batch] a seeded request's own generator
     default: torch.Generator,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns (next_tokens [batch] int64, num_accepted [batch] int64): the emitted tokens of row b
@@ -36,9 +39,6 @@ def rejection_sample(
     p_draft = p[:, :k].gather(2, drafts.unsqueeze(-1)).squeeze(-1)  # [batch, k]
     ratio = p_draft if q is None else p_draft / q.gather(2, drafts.unsqueeze(-1)).squeeze(-1).clamp_min(1e-20)
     uniform = torch.rand((batch, k), generator=default, device=device)
-    for b, gen in enumerate(generators):
-        if gen is not None:
-            uniform[b] = torch.rand(k, generator=gen, device=device)
     accept = uniform < ratio.clamp(max=1.0)
     num_accepted = accept.long().cumprod(dim=1).sum(dim=1)  # leading run of acceptances
 
@@ -53,5 +53,5 @@ def rejection_sample(
     mass = residual.sum(dim=1, keepdim=True)
     residual = torch.where(mass > 0, residual / mass.clamp_min(1e-20), target)
     dist = torch.where(rejected.unsqueeze(1), residual, target)
-    noise = exponential_noise(tuple(dist.shape), generators, default, device)
+    noise = exponential_noise(tuple(dist.shape), [None] * batch, default, device)
     return (dist / noise).argmax(dim=1), num_accepted

@@ -96,7 +96,7 @@ def test_prefix_cache_hits_match_transformers(hf_reference):
 
 def test_preemption_matches_transformers(hf_reference):
     # 24 blocks of 16 slots hold ~3 of these sequences at once: the rest must be preempted and recomputed.
-    llm = LLM(num_kv_blocks=24, max_num_seqs=8)
+    llm = LLM(num_kv_blocks=24, max_num_seqs=8, max_model_len=24 * 16)
     assert _tokens(llm.generate(PROMPTS, GREEDY)) == hf_reference
     assert llm.engine.stats.num_preemptions > 0
     assert llm.engine.kv_blocks_in_use() == 0

@@ -86,7 +86,7 @@ def test_scheduler_and_blocks_keep_invariants(seed, num_blocks, max_seqs, budget
 @settings(max_examples=80, deadline=None)
 @given(a=st.lists(st.integers(0, 2), min_size=1, max_size=24), b=st.lists(st.integers(0, 2), min_size=1, max_size=24))
 def test_prefix_hits_only_on_identical_full_blocks(a, b):
-    kv = BlockManager(32, BS)
+    kv = BlockManager(32, BS, debug=False)  # blocks filled by hand, not computed
     first = Sequence(0, "a", 0, list(a), len(a), SamplingParams())
     kv.allocate(first, len(a))
     first.num_computed_tokens = len(a)
@@ -102,7 +102,7 @@ def test_prefix_hits_only_on_identical_full_blocks(a, b):
 
 
 def test_lru_eviction_keeps_recent_cached_blocks():
-    kv = BlockManager(4, BS)
+    kv = BlockManager(4, BS, debug=False)  # blocks filled by hand, not computed
     seqs = []
     for i in range(2):  # two sequences, two cached blocks each
         s = Sequence(i, f"r{i}", 0, [i] * 9, 9, SamplingParams())

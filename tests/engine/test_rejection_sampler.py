@@ -26,7 +26,7 @@ def _processed(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     batch = SamplingBatch(temperature=torch.full((rows,), 0.9),
                           top_k=torch.full((rows,), top_k) if top_k else None,
                           top_p=torch.full((rows,), top_p) if top_p < 1 else None,
-                          generators=[None] * rows, all_greedy=False)
+                          noise_keys=[None] * rows, all_greedy=False)
     return processed_probs(logits, batch)
 
 
@@ -46,8 +46,7 @@ def _setup(seed: int, top_k: int, top_p: float, point_mass: bool):
 
 
 def _first_token(p, q, drafts, sampler=rejection_sample):
-    nxt, accepted = sampler(p.expand(DRAWS, K + 1, VOCAB), q, drafts, [None] * DRAWS,
-                            torch.Generator().manual_seed(7))
+    nxt, accepted = sampler(p.expand(DRAWS, K + 1, VOCAB), q, drafts, torch.Generator().manual_seed(7))
     return torch.where(accepted > 0, drafts[:, 0], nxt)
 
 
@@ -60,14 +59,13 @@ def test_first_emitted_token_follows_target(top_k, top_p, point_mass):
 
 def test_bonus_token_after_full_acceptance_follows_target():
     p, q, drafts = _setup(5, 0, 1.0, False)
-    nxt, accepted = rejection_sample(p.expand(DRAWS, K + 1, VOCAB), q, drafts, [None] * DRAWS,
-                                     torch.Generator().manual_seed(11))
+    nxt, accepted = rejection_sample(p.expand(DRAWS, K + 1, VOCAB), q, drafts, torch.Generator().manual_seed(11))
     full = accepted == K
     assert full.sum() > 1000
     assert _chi_square(nxt[full], p[K]) < CRITICAL
 
 
-def accept_if_equal(p, q, drafts, generators, default):
+def accept_if_equal(p, q, drafts, default):
     """A wrong sampler: greedy-style verification applied to sampled rows (accept a draft while it
     equals the target's most likely token, then emit that token)."""
     best = p.argmax(dim=-1)  # [batch, k + 1]

@@ -9,15 +9,16 @@ from specfleet.engine.sampler import (
     apply_top_k_top_p,
     processed_probs,
     sample,
+    sample_seed,
 )
 
 
-def _batch(rows, temperature=1.0, top_k=None, top_p=None, gens=None):
+def _batch(rows, temperature=1.0, top_k=None, top_p=None, keys=None):
     return SamplingBatch(
         temperature=torch.full((rows,), temperature),
         top_k=None if top_k is None else torch.tensor(top_k),
         top_p=None if top_p is None else torch.tensor(top_p, dtype=torch.float32),
-        generators=gens or [None] * rows,
+        noise_keys=keys or [None] * rows,
         all_greedy=temperature == 0,
     )
 
@@ -58,10 +59,21 @@ def test_sampling_frequencies_follow_the_distribution():
 
 def test_seeded_rows_reproduce_regardless_of_batch():
     logits = torch.randn(3, 50)
-    g = lambda: torch.Generator().manual_seed(1234)  # noqa: E731
-    alone = [int(sample(logits[1:2], _batch(1, gens=[g()]), torch.Generator().manual_seed(s))) for s in (1, 2)]
-    in_batch = sample(logits, _batch(3, gens=[None, g(), None]), torch.Generator().manual_seed(99))
+    key = (1234, 5)
+    alone = [int(sample(logits[1:2], _batch(1, keys=[key]), torch.Generator().manual_seed(s))) for s in (1, 2)]
+    in_batch = sample(logits, _batch(3, keys=[None, key, None]), torch.Generator().manual_seed(99))
     assert alone[0] == alone[1] == int(in_batch[1])
+
+
+def test_keyed_draws_follow_the_distribution_and_differ_by_position():
+    target = torch.tensor([0.5, 0.3, 0.2])
+    logits = target.log().repeat(6000, 1)
+    keys = [(sample_seed(7, 0), position) for position in range(6000)]
+    tokens = sample(logits, _batch(6000, keys=keys), torch.Generator().manual_seed(0))
+    freq = torch.bincount(tokens, minlength=3).float() / 6000
+    assert torch.allclose(freq, target, atol=0.03)
+    other = sample(logits, _batch(6000, keys=[(sample_seed(7, 1), p) for p in range(6000)]), torch.Generator())
+    assert 0.3 < float((tokens == other).float().mean()) < 0.45  # n > 1 samples are independent: 0.38
 
 
 def test_penalties_lower_generated_tokens():

@@ -98,7 +98,7 @@ def test_ngram_disable_by_batch_size(ngram_llm, reference):
 
 
 def test_ngram_preemption_mid_speculation(reference):
-    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, num_kv_blocks=14, max_num_seqs=4)
+    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, num_kv_blocks=14, max_num_seqs=4, max_model_len=14 * 16)
     assert tokens(llm.generate(PROMPTS, greedy())) == reference
     assert llm.engine.stats.num_preemptions > 0 and llm.engine.stats.num_drafts > 0
     assert llm.engine.kv_blocks_in_use() == 0
@@ -134,7 +134,7 @@ def test_int8_copy_of_the_target_is_an_exact_and_useful_draft(reference):
 def test_draft_model_preemption_and_abort(reference, tmp_path_factory):
     draft = truncate_layers("bundled://smollm2-135m-instruct", 1, tmp_path_factory.mktemp("draft1"))
     llm = LLM(speculative_method="draft", num_speculative_tokens=2, draft_model=f"file://{draft}",
-              num_kv_blocks=14, max_num_seqs=4)
+              num_kv_blocks=14, max_num_seqs=4, max_model_len=14 * 16)
     assert tokens(llm.generate(PROMPTS, greedy())) == reference
     assert llm.engine.stats.num_preemptions > 0
     engine = llm.engine

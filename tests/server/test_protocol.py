@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from pydantic import ValidationError
-from specfleet.engine.outputs import CompletionOutput, Logprob
+from specfleet.engine.outputs import CompletionOutput, PositionLogprobs
 from specfleet.engine.server import serving
 from specfleet.engine.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -30,8 +30,8 @@ def test_sampling_defaults_and_aliases() -> None:
     assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params().max_tokens is None
 
 
-@pytest.mark.parametrize("body", [{"prompt": "x", "logit_bias": {}}, {"prompt": "x", "n": 0},
-                                  {"prompt": "x", "echo": True}, {"prompt": []}, {"prompt": "x", "stop": [""]}])
+@pytest.mark.parametrize("body", [{"prompt": "x", "logit_bias": {"x": 1.0}}, {"prompt": "x", "n": 0},
+                                  {"prompt": "x", "min_p": 2}, {"prompt": []}, {"prompt": "x", "stop": [""]}])
 def test_rejected_bodies(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         CompletionRequest(**body)
@@ -40,7 +40,7 @@ def test_rejected_bodies(body: dict[str, object]) -> None:
 def test_completion_deltas_concatenate_and_finish_once() -> None:
     text = serving.TokenText(FakeTokenizer())
     cursor = serving.ChoiceCursor()
-    lps = [Logprob(0, -0.1, {0: -0.1}), Logprob(1, -0.2, {1: -0.2}), Logprob(2, -0.3, {2: -0.3})]
+    lps = [PositionLogprobs(0, -0.1, {0: -0.1}), PositionLogprobs(1, -0.2, {1: -0.2}), PositionLogprobs(2, -0.3, {2: -0.3})]
     states = [CompletionOutput(0, "a", [0], None, None, lps[:1]),
               CompletionOutput(0, "a", [0], None, None, lps[:1]),  # nothing new: no chunk
               CompletionOutput(0, "abc", [0, 1, 2], "length", None, lps)]

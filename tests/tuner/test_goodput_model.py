@@ -6,7 +6,8 @@ import math
 import random
 
 import pytest
-from specfleet.operator.tuner.goodput import DEFAULT_COST_RATIO, LoadModel, StepCost, fit_step_cost
+from specfleet.operator.tuner.policy.model import LoadModel, StepCost, fit_step_cost
+from specfleet.operator.tuner.policy.params import ModelParams
 from specfleet.operator.tuner.types import TunedConfig
 
 
@@ -28,7 +29,7 @@ def test_fit_recovers_the_roofline_across_regimes(c0: float, c1: float) -> None:
 
 def test_one_regime_uses_the_prior_ratio() -> None:
     cost = fit_step_cost([(1.0, 0.0, 0.02), (1.1, 0.0, 0.021), (1.0, 0.0, 0.019)])
-    assert cost is not None and cost.c1 / cost.c0 == pytest.approx(DEFAULT_COST_RATIO)
+    assert cost is not None and cost.c1 / cost.c0 == pytest.approx(ModelParams().prior_cost_ratio)
     assert cost.step(1.05) == pytest.approx(0.02, rel=0.05)
     assert fit_step_cost([]) is None
 

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from specfleet.operator.tuner.policy import Policy, PolicyParams
 from specfleet.operator.tuner.types import SLO, Decision, Observation, TuneBounds, TunedConfig
 
-from .plant import Plant
+from .plant import CPU_2CORES, GPU_LIKE, Plant
 
 INTERVAL = 10.0
 SLO_CPU = SLO(ttft_p95_s=2.0, tpot_p95_s=0.2)
@@ -45,7 +45,7 @@ def test_low_load_with_high_acceptance_raises_k() -> None:
 
 def test_high_load_turns_speculation_off() -> None:
     start = TunedConfig(4, 64, 2048)
-    final, decisions = run(Plant(demand=48, c1=0.001, per_pos=(0.4, 0.25, 0.15, 0.1)), Policy(PARAMS), start, 6)
+    final, decisions = run(Plant(demand=48, steps=CPU_2CORES.with_compute(1 / 3), per_pos=(0.4, 0.25, 0.15, 0.1)), Policy(PARAMS), start, 6)
     assert final.num_speculative_tokens == 0, [d.reason for d in decisions]
     assert len(changes(decisions)) <= 2
 
@@ -79,7 +79,7 @@ def test_a_probe_that_loses_is_reverted() -> None:
     """Hardware whose knee lies far above the prior's (GPU-like: compute per token tiny next to the
     weights' traffic), so speculation still pays at batch 32: the probe loses, is reverted, and is not
     tried again at that load."""
-    plant = Plant(demand=32, per_pos=(0.9, 0.85, 0.8, 0.75), c0=0.02, c1=0.0001)
+    plant = Plant(demand=32, per_pos=(0.9, 0.85, 0.8, 0.75), steps=GPU_LIKE)
     final, decisions = run(plant, Policy(LOOSE), TunedConfig(2, 32, 1024), 20)
     kinds = [d.kind for d in changes(decisions)]
     assert final.num_speculative_tokens >= 2 and kinds[:2] == ["change", "revert"], [d.reason for d in decisions]
@@ -93,7 +93,8 @@ DEAF = PolicyParams(slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0), bounds=TuneBounds(
 
 def test_low_load_probes_a_longer_draft_while_its_last_position_is_accepted() -> None:
     """Batch 1, drafts accepted at every position: the probe raises k within a bounded step as far as the
-    verification step stays under the knee (6 tokens for the plant's roofline: k=5), and is kept."""
+    verification step stays under the knee (6 tokens, the prior's: every window carries drafts, so none
+    fits the target's own step: k=5), and is kept."""
     plant = Plant(demand=1, per_pos=(0.9,) * 8)
     final, decisions = run(plant, Policy(DEAF), TunedConfig(1, 32, 1024), 20)
     moved = changes(decisions)
@@ -216,27 +217,30 @@ def test_load_shift_holds_until_a_window_at_one_load() -> None:
 
 def test_acceptance_measured_at_another_load_is_not_assumed() -> None:
     """Grounded prompts at concurrency 1 accept 95% of drafts; chat at 32 turns speculation off; chat at
-    concurrency 3 is other traffic: the tuner starts from the prior, not from the grounded figures."""
+    concurrency 2 is other traffic: the tuner starts from the prior, not from the grounded figures (with
+    them it would step straight to k=4). Concurrency 2, not 3: on the measured step table a draft at
+    batch 3 lands past the 5-token step (21.6 ms -> 30 ms at 8), where every k > 0 loses with chat's
+    acceptance, and the tuner rightly changes nothing there."""
     policy = Policy(PARAMS)
     grounded, _ = run(Plant(demand=1, per_pos=(0.95,) * 8), policy, TunedConfig(0, 32, 1024), 12)
     assert grounded.num_speculative_tokens >= 4
     off, _ = run(Plant(demand=32, per_pos=(0.2, 0.1)), policy, grounded, 6, t0=200.0)
     assert off.num_speculative_tokens == 0
-    chat = Plant(demand=3, per_pos=(0.3, 0.2, 0.1, 0.05))
+    chat = Plant(demand=2, per_pos=(0.3, 0.2, 0.1, 0.05))
     _, decisions = run(chat, policy, off, 3, t0=300.0)
     first = changes(decisions)[0]
     assert first.config is not None and first.config.num_speculative_tokens <= 2, first.reason
     # the grounded figures are still there for a load like theirs
     fresh = Policy(PARAMS)
     run(Plant(demand=1, per_pos=(0.95,) * 8), fresh, TunedConfig(0, 32, 1024), 12)
-    model = fresh._model(Plant(demand=1.2).observe(140.0, TunedConfig(0, 32, 1024)))
+    model = fresh.model(Plant(demand=1.2).observe(140.0, TunedConfig(0, 32, 1024)))
     assert model is not None and model.per_pos[:2] == pytest.approx((0.95, 0.95))
-    model = fresh._model(chat.observe(140.0, TunedConfig(0, 32, 1024)))
+    model = fresh.model(chat.observe(140.0, TunedConfig(0, 32, 1024)))
     assert model is not None and model.per_pos == ()
 
 
 def test_tpot_over_target_lowers_max_num_seqs() -> None:
-    plant = Plant(demand=64, c1=0.004)  # TPOT at batch 64: ~0.32 s, over the 0.2 s target
+    plant = Plant(demand=64)  # TPOT p95 at batch 64: ~0.45 s, over the 0.2 s target
     start = TunedConfig(0, 64, 2048)
     first = plant.observe(0.0, start)
     assert first.tpot_p95_s is not None and first.tpot_p95_s > SLO_CPU.tpot_p95_s

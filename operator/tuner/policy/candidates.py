@@ -1,4 +1,4 @@
-"""Candidate configs one bounded step from the config in force, scored by predicted goodput.
+"""Candidate configs one bounded step from the config in force, scored by predicted goodput, and the pick.
 
 Predictions are ratios against the config in force, applied to what was measured under it: a candidate's
 goodput is the observed throughput times the model's throughput ratio, times the SLO attainment read off
@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .goodput import LoadModel, attainment
-from .types import SLO, Observation, TuneBounds, TunedConfig
+from ..types import SLO, Observation, TuneBounds, TunedConfig
+from .load import step_tokens
+from .model import LoadModel, attainment
+from .params import StepLimits
 
 
 @dataclass(frozen=True)
@@ -20,14 +22,6 @@ class Scored:
     attainment: float  # predicted share of requests meeting the SLO
     tpot_p95_s: float | None  # predicted
     ttft_p95_s: float | None  # predicted
-
-
-@dataclass(frozen=True)
-class StepLimits:
-    # k moves at most this much per change (turning speculation off is one step): 4 reaches a typical
-    # useful k (4-6) from off in one change, where a load shift leaves a minute or two to win back
-    max_k_step: int = 4
-    max_seqs_factor: float = 2.0  # max_num_seqs at most doubles or halves per change
 
 
 def _k_options(current: int, bounds: TuneBounds, limits: StepLimits) -> list[int]:
@@ -40,25 +34,25 @@ def _k_options(current: int, bounds: TuneBounds, limits: StepLimits) -> list[int
 
 def _seqs_options(current: int, bounds: TuneBounds, limits: StepLimits) -> list[int]:
     f = limits.max_seqs_factor
-    raw = {current, round(current / f), round(current * 0.75), round(current * 1.5), round(current * f)}
+    raw = {current, round(current / f), round(current * f), *(round(current * x) for x in limits.seqs_factors)}
     low, high = bounds.max_num_seqs
     return sorted({max(low, min(high, max(1, s))) for s in raw})
 
 
 def batched_tokens_for(k: int, seqs: int, current: TunedConfig, obs: Observation, slo: SLO,
-                       bounds: TuneBounds) -> int:
+                       bounds: TuneBounds, limits: StepLimits) -> int:
     """The step token budget: room for every sequence's decode and draft tokens, grown while TTFT misses
     its target with TPOT to spare (more prefill per step), shrunk while TPOT misses (less prefill)."""
     budget = current.max_num_batched_tokens
-    needed = seqs * (1 + k)
+    needed = round(step_tokens(seqs, k))
     ttft_over = obs.ttft_p95_s is not None and obs.ttft_p95_s > slo.ttft_p95_s
     tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > slo.tpot_p95_s
-    tpot_spare = obs.tpot_p95_s is not None and obs.tpot_p95_s < 0.7 * slo.tpot_p95_s
+    tpot_spare = obs.tpot_p95_s is not None and obs.tpot_p95_s < limits.tpot_spare * slo.tpot_p95_s
     if ttft_over and tpot_spare and (obs.waiting or 0) > 0:
-        budget = int(budget * 1.5)
+        budget = int(budget * limits.budget_grow)
     elif tpot_over and (obs.prompt_rate or 0) > (obs.generation_rate or 0):
-        budget = int(budget * 0.75)
-    budget = max(budget, min(needed, 2 * current.max_num_batched_tokens))
+        budget = int(budget * limits.budget_shrink)
+    budget = max(budget, min(needed, int(limits.budget_room_factor * current.max_num_batched_tokens)))
     low, high = bounds.max_num_batched_tokens
     return max(low, min(high, budget))
 
@@ -68,7 +62,7 @@ def candidates(current: TunedConfig, obs: Observation, slo: SLO, bounds: TuneBou
     out = []
     for k in _k_options(current.num_speculative_tokens, bounds, limits):
         for seqs in _seqs_options(current.max_num_seqs, bounds, limits):
-            tokens = batched_tokens_for(k, seqs, current, obs, slo, bounds)
+            tokens = batched_tokens_for(k, seqs, current, obs, slo, bounds, limits)
             out.append(bounds.clamp(TunedConfig(k, seqs, tokens)))
     return sorted(set(out), key=lambda c: (c.num_speculative_tokens, c.max_num_seqs, c.max_num_batched_tokens))
 
@@ -89,3 +83,20 @@ def score(config: TunedConfig, current: TunedConfig, obs: Observation, slo: SLO,
         None if obs.tpot_p95_s is None else obs.tpot_p95_s * tpot_scale,
         None if obs.ttft_p95_s is None else obs.ttft_p95_s * ttft_scale,
     )
+
+
+def distance(a: TunedConfig, b: TunedConfig) -> int:
+    """Knobs that differ: among equally good candidates the one that changes least wins."""
+    return sum(x != y for x, y in zip(a.as_admin().values(), b.as_admin().values(), strict=True))
+
+
+def best(options: list[Scored], current: TunedConfig, limit_s: float, change_penalty: float) -> Scored | None:
+    """The highest predicted goodput among the candidates predicted to keep TPOT p95 under `limit_s`, each
+    knob changed costing `change_penalty` of it (near-ties go to the smaller change)."""
+    safe = [s for s in options if s.tpot_p95_s is None or s.tpot_p95_s <= limit_s]
+    return max(safe, key=lambda s: s.goodput * (1.0 - change_penalty * distance(s.config, current)), default=None)
+
+
+def fastest(options: list[Scored]) -> Scored | None:
+    """The candidate predicted to lower TPOT most (then the one with more goodput)."""
+    return min(options, key=lambda s: (s.tpot_p95_s or 0.0, -s.goodput), default=None)

@@ -23,19 +23,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .histogram import fraction_below
-from .types import SLO, Observation, TunedConfig
+from ..histogram import fraction_below
+from ..types import SLO, Observation, TunedConfig
+from .load import batch_per_engine, per_engine, step_tokens
+from .params import ModelParams
 
-# Prior for c1/c0 when the observed points do not span enough tokens per step to fit both: measured for
-# the bundled 135M model on a 2-core CPU (c0 = 18 ms, c1 = 3 ms: the knee at 6 tokens). GPUs have a far
-# smaller ratio (a knee at hundreds of tokens), which only makes the prior conservative about
-# speculation there.
-DEFAULT_COST_RATIO = 1 / 6
-# Prior per-position acceptance before any draft was verified (n-gram on chat text, measured elsewhere).
-PRIOR_ACCEPTANCE = (0.5, 0.35, 0.25, 0.18, 0.13, 0.1, 0.07, 0.05)
+DEFAULT = ModelParams()
 
-
-# Ratios c1/c0 the fit tries, 1e-3 .. 1 (log-spaced).
+# Ratios c1/c0 the fit tries, 1e-3 .. 1, ten per decade: from a GPU's knee at a thousand tokens to a
+# step that is compute-bound from its first token; a tenth of a decade is finer than the fit's noise.
 RATIOS = tuple(10 ** (e / 10) for e in range(-30, 1))
 
 
@@ -48,14 +44,19 @@ class StepCost:
         """Decode and verification tokens ride on the floor; prefill chunks are compute-bound."""
         return math.hypot(self.c0, self.c1 * max(decode_tokens, 1.0)) + self.c1 * max(prefill_tokens, 0.0)
 
+    @property
+    def knee(self) -> float:
+        """Tokens per step where the step turns compute-bound."""
+        return self.c0 / self.c1
 
-def fit_step_cost(points: Sequence[tuple[float, float, float]],
-                  prior_ratio: float = DEFAULT_COST_RATIO) -> StepCost | None:
+
+def fit_step_cost(points: Sequence[tuple[float, float, float]], params: ModelParams = DEFAULT) -> StepCost | None:
     """Fit `c0`, `c1` to (decode tokens per step, prefill tokens per step, step seconds) points.
 
     For each ratio `c1/c0` the scale is a closed-form least squares of relative error (so that 20 ms and
     200 ms steps weigh alike); the ratio with the least error wins when the points span at least a
-    factor of 2 in decode tokens and it fits clearly better than the prior, else the prior ratio.
+    factor of 2 in decode tokens and it fits clearly better than the prior, else the prior ratio
+    (`ModelParams.fit_*`).
     """
     pts = [(d, p, t) for d, p, t in points if d > 0 and t > 0]
     if not pts:
@@ -66,58 +67,61 @@ def fit_step_cost(points: Sequence[tuple[float, float, float]],
         c0 = sum(q) / sum(x * x for x in q)
         return sum((c0 * x - 1.0) ** 2 for x in q), c0
 
-    ratio = prior_ratio
+    ratio = prior = params.prior_cost_ratio
     decode = [d for d, _, _ in pts]
-    if len(pts) >= 3 and max(decode) >= 2.0 * min(decode):
+    if len(pts) >= params.fit_min_points and max(decode) >= params.fit_min_span * min(decode):
         best = min(RATIOS, key=lambda r: fit(r)[0])
-        if fit(best)[0] < 0.8 * fit(prior_ratio)[0]:
+        if fit(best)[0] < params.fit_min_gain * fit(prior)[0]:
             ratio = best
     c0 = fit(ratio)[1]
     return StepCost(c0, c0 * ratio)
 
 
-def expected_accepted(per_pos: Sequence[float], k: int) -> float:
-    """E[accepted tokens | a draft of k]; positions beyond those measured decay geometrically."""
+def expected_accepted(per_pos: Sequence[float], k: int, params: ModelParams = DEFAULT) -> float:
+    """E[accepted tokens | a draft of k]; the prior when nothing was measured; positions beyond those
+    measured decay geometrically."""
     if k <= 0:
         return 0.0
     known = [max(0.0, min(1.0, a)) for a in per_pos]
     if not known:
-        known = list(PRIOR_ACCEPTANCE)
+        known = list(params.prior_acceptance)
     while len(known) < k:
         last = known[-1]
-        ratio = known[-1] / known[-2] if len(known) >= 2 and known[-2] > 0 else 0.7
-        known.append(last * min(ratio, 0.9))
+        ratio = known[-1] / known[-2] if len(known) >= 2 and known[-2] > 0 else params.decay_ratio
+        known.append(last * min(ratio, params.max_decay_ratio))
     return sum(known[:k])
 
 
 @dataclass(frozen=True)
 class Prediction:
     config: TunedConfig
-    batch: float  # sequences per step
-    throughput: float  # output tokens/s
+    batch: float  # sequences per step of one engine
+    throughput: float  # output tokens/s of one engine
     tpot_s: float  # mean time per output token
     step_s: float
-    waiting: float  # requests left waiting for a slot
+    waiting: float  # requests left waiting for a slot, per engine
 
 
 @dataclass(frozen=True)
 class LoadModel:
     """Everything about the current load the model needs: demand, acceptance, proposal share, prefill."""
 
-    demand: float  # requests in the system
-    per_pos: tuple[float, ...]  # P(position i accepted | draft)
+    demand: float  # requests in the system, summed over the engines
+    per_pos: tuple[float, ...]  # P(position i accepted | draft); () for the prior
     proposal_share: float  # share of sequence-steps that carried a draft when k > 0
     prefill_per_output: float  # prompt tokens computed per output token (prefill work scales with output)
     cost: StepCost
+    engines: int = 1  # the demand is spread over them evenly; the prediction is per engine
+    params: ModelParams = DEFAULT
 
     def predict(self, config: TunedConfig) -> Prediction:
         k = config.num_speculative_tokens
-        batch = max(1.0, min(self.demand, float(config.max_num_seqs)))
+        batch = max(1.0, batch_per_engine(self.demand, self.engines, config.max_num_seqs))
         p = self.proposal_share if k > 0 else 0.0
-        per_seq = 1.0 + p * expected_accepted(self.per_pos, k)
-        step = self.cost.step(batch * (1.0 + p * k), batch * per_seq * self.prefill_per_output)
+        per_seq = 1.0 + p * expected_accepted(self.per_pos, k, self.params)
+        step = self.cost.step(step_tokens(batch, k, p), batch * per_seq * self.prefill_per_output)
         return Prediction(config, batch, batch * per_seq / step, step / per_seq, step,
-                          max(0.0, self.demand - config.max_num_seqs))
+                          max(0.0, per_engine(self.demand, self.engines) - config.max_num_seqs))
 
 
 def attainment(obs: Observation, slo: SLO, tpot_scale: float = 1.0, ttft_scale: float = 1.0) -> float | None:

@@ -149,3 +149,18 @@ def test_operator_image_entry_point_matches_the_chart() -> None:
     assert dockerfile.pip_installs == [[".[operator]"]], "the operator image installs the `operator` extra"
     chart_uid = re.search(r"runAsUser: (\d+)", (CHART / "templates" / "deployment.yaml").read_text())
     assert chart_uid and int(chart_uid.group(1)) == RUN_AS_USER
+
+
+def test_an_optional_handler_module_is_skipped_only_when_absent(tmp_path: Path,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    from specfleet.operator import cli
+
+    (tmp_path / "sf_broken_plugin").mkdir()
+    (tmp_path / "sf_broken_plugin" / "__init__.py").write_text("import sf_dependency_not_in_the_image\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(cli, "OPERATOR_MODULES", ())
+    monkeypatch.setattr(cli, "OPTIONAL_MODULES", ("sf_absent_plugin.handlers",))
+    assert cli.load_handlers() == []
+    monkeypatch.setattr(cli, "OPTIONAL_MODULES", ("sf_broken_plugin.handlers",))
+    with pytest.raises(ModuleNotFoundError, match="sf_dependency_not_in_the_image"):
+        cli.load_handlers()

@@ -38,7 +38,11 @@ def load_handlers() -> list[str]:
     for name in OPTIONAL_MODULES:
         try:
             found = importlib.util.find_spec(name) is not None
-        except ModuleNotFoundError:
+        except ModuleNotFoundError as exc:
+            # Absent only when its own package is; a dependency missing from the image is an error, not a
+            # reason to run without the tuner.
+            if not (exc.name and (name == exc.name or name.startswith(exc.name + "."))):
+                raise
             found = False
         if found:
             importlib.import_module(name)

@@ -16,6 +16,11 @@ ENGINE_PORT = 8000
 ENGINE_CONTAINER = "engine"
 ADMIN_TOKEN_KEY = "token"
 ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
+# The engine reads its admin token from this file (the Secret mounted read-only), not from the environment.
+ADMIN_TOKEN_FILE_ENV = "SPECFLEET_ADMIN_TOKEN_FILE"
+ADMIN_TOKEN_DIR = "/var/run/secrets/specfleet/admin"
+# The engine's caches (native kernels, converted models, HF, Triton) on the pod's writable emptyDir.
+CACHE_DIR = "/cache"
 
 LABEL_ISVC = f"{GROUP}/inferenceservice"
 LABEL_NAME = "app.kubernetes.io/name"

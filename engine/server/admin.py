@@ -1,4 +1,5 @@
-"""Admin API for the tuner: GET/PATCH /admin/config, bearer token from SPECFLEET_ADMIN_TOKEN.
+"""Admin API for the tuner: GET/PATCH /admin/config, bearer token from the file SPECFLEET_ADMIN_TOKEN_FILE
+names (pods: the mounted admin Secret) or else from SPECFLEET_ADMIN_TOKEN (`specfleet up`).
 
 No token configured: 403 (the admin API is off). Missing or wrong token: 401. A value outside the
 ceilings fixed at start: 400 naming the field and the limit. The response is the config now in force
@@ -9,6 +10,9 @@ from __future__ import annotations
 
 import hmac
 import logging
+import os
+from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -18,14 +22,34 @@ from .protocol import AdminConfigPatch
 from .state import ServerState, get_state
 
 ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
+# A file keeps the token out of the process environment, which child processes inherit and
+# /proc/PID/environ, crash reports and `env` dumps show (checkov CKV_K8S_35).
+ADMIN_TOKEN_FILE_ENV = "SPECFLEET_ADMIN_TOKEN_FILE"
 logger = logging.getLogger("specfleet.engine.server")
 router = APIRouter(prefix="/admin")
 _FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens", "speculative_disable_by_batch_size")
 
 
+def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
+    """The admin token: the file $SPECFLEET_ADMIN_TOKEN_FILE when set, else $SPECFLEET_ADMIN_TOKEN, else None
+    (admin API off). Raises ValueError naming the variable when the file cannot be read or is empty."""
+    env = os.environ if env is None else env
+    path = env.get(ADMIN_TOKEN_FILE_ENV)
+    if not path:
+        return env.get(ADMIN_TOKEN_ENV) or None
+    try:
+        token = Path(path).read_text().strip()
+    except OSError as exc:
+        raise ValueError(f"{ADMIN_TOKEN_FILE_ENV}={path!r} cannot be read ({exc.strerror}); "
+                         "mount the admin Secret there or unset the variable") from None
+    if not token:
+        raise ValueError(f"{ADMIN_TOKEN_FILE_ENV}={path!r} is empty; it must hold the admin token")
+    return token
+
+
 def _authorize(state: ServerState, request: Request) -> None:
     if not state.admin_token:
-        raise APIError(403, f"the admin API is disabled: set {ADMIN_TOKEN_ENV} to enable it",
+        raise APIError(403, f"the admin API is disabled: set {ADMIN_TOKEN_FILE_ENV} or {ADMIN_TOKEN_ENV} to enable it",
                        code="admin_disabled")
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
@@ -25,7 +24,7 @@ def build_state(engine: Any, *, served_model_name: str | None = None, max_waitin
                 admin_token: str | None = None) -> ServerState:
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics(model_name)
-    token = admin_token if admin_token is not None else os.environ.get(admin.ADMIN_TOKEN_ENV) or None
+    token = admin_token if admin_token is not None else admin.token_from_env()
     return ServerState(
         async_engine=AsyncEngine(engine, metrics, max_waiting=max_waiting),
         metrics=metrics,

@@ -13,6 +13,7 @@ from typing import Any
 
 import uvicorn
 
+from .admin import token_from_env
 from .app import build_state, create_app
 from .state import ServerState
 
@@ -156,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             config = EngineConfig(**engine_config_kwargs(args))
+            admin_token = token_from_env()  # a bad token file fails now, not after minutes of loading
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         signal.signal(signal.SIGTERM, previous)
     logger.info("event=model_loaded model=%s load_s=%.1f", engine.model_name, time.monotonic() - started)
-    state = build_state(engine, served_model_name=args.served_model_name, max_waiting=args.max_waiting)
+    state = build_state(engine, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+                        admin_token=admin_token)
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                timeout_graceful_shutdown=5, lifespan="on")

@@ -12,8 +12,10 @@ from typing import Any
 from ..config import OperatorConfig
 from ..inference_service import InferenceService
 from ..resources import (
-    ADMIN_TOKEN_ENV,
+    ADMIN_TOKEN_DIR,
+    ADMIN_TOKEN_FILE_ENV,
     ADMIN_TOKEN_KEY,
+    CACHE_DIR,
     ENGINE_CONTAINER,
     ENGINE_PORT,
     admin_secret_name,
@@ -24,7 +26,8 @@ from ..spec import InferenceServiceSpec
 from .common import child_metadata
 from .model_source import DownloadSettings, ResolvedSource, resolve_source
 
-RUN_AS_USER = 1000
+# The images' USER (tests/operator/test_op_images.py); >= 10000 stays clear of the node's own users.
+RUN_AS_USER = 10000
 PROBE_PERIOD_SECONDS = 10
 # Time past the engine's drain timeout for the kubelet to wait before SIGKILL (preStop, exit, flush).
 GRACE_MARGIN_SECONDS = 15
@@ -88,22 +91,25 @@ def _probes(spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def _volumes(spec: InferenceServiceSpec) -> list[dict[str, Any]]:
+def _volumes(spec: InferenceServiceSpec, isvc_name: str) -> list[dict[str, Any]]:
     return [
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
+        # The token as a read-only file (mode 0440, group fsGroup) instead of an environment variable.
+        {"name": "admin-token", "secret": {"secretName": admin_secret_name(isvc_name), "defaultMode": 0o440,
+                                           "items": [{"key": ADMIN_TOKEN_KEY, "path": ADMIN_TOKEN_KEY}]}},
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
     ]
 
 
 def _env(isvc: InferenceService) -> list[dict[str, Any]]:
     return [
-        {"name": ADMIN_TOKEN_ENV, "valueFrom": {"secretKeyRef": {
-            "name": admin_secret_name(isvc.name), "key": ADMIN_TOKEN_KEY}}},
+        {"name": ADMIN_TOKEN_FILE_ENV, "value": f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}"},
         {"name": "HOME", "value": "/tmp"},
-        {"name": "XDG_CACHE_HOME", "value": "/cache"},
-        {"name": "HF_HOME", "value": "/cache/hf"},
-        {"name": "TRITON_CACHE_DIR", "value": "/cache/triton"},
+        {"name": "XDG_CACHE_HOME", "value": CACHE_DIR},
+        {"name": "HF_HOME", "value": f"{CACHE_DIR}/hf"},
+        {"name": "TRITON_CACHE_DIR", "value": f"{CACHE_DIR}/triton"},
+        {"name": "SPECFLEET_CACHE", "value": f"{CACHE_DIR}/specfleet"},  # the native kernels build here
         {"name": "HF_HUB_OFFLINE", "value": "1"},
         {"name": "SPECFLEET_SERVICE_NAME", "value": isvc.name},
     ]
@@ -134,7 +140,8 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "securityContext": CONTAINER_SECURITY_CONTEXT,
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
-            {"name": "cache", "mountPath": "/cache"},
+            {"name": "cache", "mountPath": CACHE_DIR},
+            {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
             *model.mounts,
             *draft.mounts,
@@ -150,7 +157,7 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [*_volumes(spec), *model.volumes, *draft.volumes],
+        "volumes": [*_volumes(spec, isvc.name), *model.volumes, *draft.volumes],
     }
     init = [*model.init_containers, *draft.init_containers]
     if init:

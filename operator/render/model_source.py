@@ -12,6 +12,9 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 MODELS_ROOT = "/models"
+# model.hfTokenSecret: the Secret key the docs name, mounted read-only for the download step only.
+HF_TOKEN_KEY = "HF_TOKEN"
+HF_TOKEN_DIR = "/var/run/secrets/specfleet/hf-token"
 Role = Literal["model", "draft"]
 
 DOWNLOAD_SCRIPT = (
@@ -63,9 +66,11 @@ def resolve_source(uri: str, role: Role, download: DownloadSettings) -> Resolved
     if uri.startswith("hf://"):
         repo, revision = split_hf(uri)
         volume = f"{role}-download"
+        token = [{"name": f"{role}-hf-token", "secret": {"secretName": download.hf_token_secret, "defaultMode": 0o440,
+                                                         "items": [{"key": HF_TOKEN_KEY, "path": HF_TOKEN_KEY}]}}]
         return ResolvedSource(
             engine_uri=f"file://{mount_path}",
-            volumes=[{"name": volume, "emptyDir": {}}],
+            volumes=[{"name": volume, "emptyDir": {}}, *(token if download.hf_token_secret else [])],
             mounts=[{"name": volume, "mountPath": mount_path, "readOnly": True}],
             init_containers=[_download_container(role, repo, revision, volume, mount_path, download)],
         )
@@ -80,11 +85,15 @@ def _download_container(
         {"name": "HF_HOME", "value": "/cache/hf"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
+    mounts = [
+        {"name": volume, "mountPath": mount_path},
+        {"name": "cache", "mountPath": "/cache"},
+        {"name": "tmp", "mountPath": "/tmp"},
+    ]
     if download.hf_token_secret:
-        env.append({
-            "name": "HF_TOKEN",
-            "valueFrom": {"secretKeyRef": {"name": download.hf_token_secret, "key": "HF_TOKEN"}},
-        })
+        # huggingface_hub reads the token from this file: a Secret file, not an environment variable.
+        env.append({"name": "HF_TOKEN_PATH", "value": f"{HF_TOKEN_DIR}/{HF_TOKEN_KEY}"})
+        mounts.append({"name": f"{role}-hf-token", "mountPath": HF_TOKEN_DIR, "readOnly": True})
     return {
         "name": f"download-{role}",
         "image": download.image,
@@ -93,9 +102,5 @@ def _download_container(
         "env": env,
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": download.security_context,
-        "volumeMounts": [
-            {"name": volume, "mountPath": mount_path},
-            {"name": "cache", "mountPath": "/cache"},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
+        "volumeMounts": mounts,
     }

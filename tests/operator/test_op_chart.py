@@ -55,6 +55,8 @@ def test_chart_renders_valid_least_privilege_objects(values: dict[str, Any] | No
     pod = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert operator_container(objects)["securityContext"]["readOnlyRootFilesystem"] is True
+    assert pod["securityContext"]["runAsUser"] >= 10000  # clear of the node's own users (checkov CKV_K8S_40)
+    assert operator_container(objects)["readinessProbe"]["httpGet"] == {"path": "/healthz", "port": "health"}
 
 
 def test_default_scope_is_the_release_namespace() -> None:

@@ -74,9 +74,15 @@ def test_cpu_example_runs_the_engine_contract() -> None:
     assert c["readinessProbe"]["httpGet"]["path"] == "/ready"
     startup = c["startupProbe"]
     assert startup["periodSeconds"] * startup["failureThreshold"] >= 300  # the spec's startupTimeoutSeconds
-    token = next(e for e in c["env"] if e["name"] == "SPECFLEET_ADMIN_TOKEN")
-    assert token["valueFrom"]["secretKeyRef"] == {"name": "smollm2-admin", "key": "token"}
     pod = deployment["spec"]["template"]["spec"]
+    # The admin token is a read-only file from the Secret, never an environment variable.
+    assert not any(e["name"] == "SPECFLEET_ADMIN_TOKEN" or "valueFrom" in e for e in c["env"])
+    token_file = next(e["value"] for e in c["env"] if e["name"] == "SPECFLEET_ADMIN_TOKEN_FILE")
+    (mount,) = [m for m in c["volumeMounts"] if token_file.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] is True and volume["secret"]["secretName"] == "smollm2-admin"
+    assert volume["secret"]["items"] == [{"key": "token", "path": token_file.rsplit("/", 1)[1]}]
+    assert pod["automountServiceAccountToken"] is False and pod["securityContext"]["runAsUser"] >= 10000
     assert pod["terminationGracePeriodSeconds"] > int(flag(args, "--drain-timeout")) == 20
     assert pod["securityContext"]["runAsNonRoot"] is True
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
@@ -96,7 +102,13 @@ def test_gpu_hf_example_requests_gpus_schedules_and_downloads() -> None:
     assert (flag(c["args"], "--speculative-method"), flag(c["args"], "--num-speculative-tokens")) == ("ngram", "4")
     (init,) = pod["initContainers"]
     assert "meta-llama/Meta-Llama-3.1-8B-Instruct" in init["command"]
-    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf-token", "key": "HF_TOKEN"}}} in init["env"]
+    # The HF token reaches only the download step, as a read-only Secret file huggingface_hub reads.
+    token_path = next(e["value"] for e in init["env"] if e["name"] == "HF_TOKEN_PATH")
+    (mount,) = [m for m in init["volumeMounts"] if token_path == f"{m['mountPath']}/HF_TOKEN"]
+    assert mount["readOnly"] is True and not any("valueFrom" in e for e in init["env"])
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "hf-token" and volume["secret"]["items"][0]["key"] == "HF_TOKEN"
+    assert mount["name"] not in {m["name"] for m in c["volumeMounts"]}  # the engine never sees it
     model_arg = flag(c["args"], "--model")
     download_dir = init["command"][-1]
     assert model_arg == f"file://{download_dir}"

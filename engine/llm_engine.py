@@ -116,7 +116,7 @@ class Engine:
                         "logit_bias": list(params.logit_bias or {})}
         for name, tokens in token_fields.items():
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
-                raise ParameterError(name, f"{name} token ids must be in [0, {vocab})")
+                raise ParameterError(name, f"{name} must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ParameterError(
                 "prompt", f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "

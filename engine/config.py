@@ -4,8 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from specfleet.engine.knobs import LiveConfig
+
+__all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
+
+# The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
+# this tuple. "none" proposes nothing.
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 QUANTIZATIONS = (None, "int8")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 
 
 @dataclass(frozen=True)
@@ -91,8 +98,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {QUANTIZATIONS}")
         if self.draft_quantization and self.speculative_method != "draft":
             raise ValueError("draft_quantization needs speculative_method='draft'")
-        if self.attention_backend not in ("auto", "torch", "native", "triton"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, torch, native, triton")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
 
     @property
     def seqs_limit(self) -> int:
@@ -102,20 +109,7 @@ class EngineConfig:
     def batched_tokens_limit(self) -> int:
         return self.max_num_batched_tokens_limit or max(self.max_num_batched_tokens, 8192)
 
-
-@dataclass
-class LiveConfig:
-    """The knobs that change between steps (admin API, tuner). Checked by the engine before applying."""
-
-    num_speculative_tokens: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    speculative_disable_by_batch_size: int = 0  # 0: never
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "speculative_disable_by_batch_size": self.speculative_disable_by_batch_size,
-        }
+    @property
+    def speculative_tokens_limit(self) -> int:
+        """Ceiling for the live k: none without a speculative method (there is no proposer)."""
+        return self.max_num_speculative_tokens if self.speculative_method != "none" else 0

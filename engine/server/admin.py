@@ -9,18 +9,37 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
+from pydantic import Field, create_model
+from specfleet.engine.knobs import KNOBS
+from specfleet.engine.sampling_params import ParameterError
 
 from .errors import APIError
-from .protocol import AdminConfigPatch
+from .protocol import StrictModel
 from .state import ServerState, get_state
 
 ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
 logger = logging.getLogger("specfleet.engine.server")
 router = APIRouter(prefix="/admin")
-_FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens", "speculative_disable_by_batch_size")
+
+
+class _ConfigPatch(StrictModel):
+    def changes(self) -> dict[str, int]:
+        return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+# The body of PATCH /admin/config: every live knob, optional, at or above its minimum (the ceilings fixed
+# at start are the engine's to check). Derived from the declaration in specfleet.engine.knobs.
+if TYPE_CHECKING:
+    AdminConfigPatch = _ConfigPatch
+else:
+    AdminConfigPatch = create_model(
+        "AdminConfigPatch", __base__=_ConfigPatch,
+        __doc__="The live knobs the tuner may change; each is checked against the ceilings fixed at start.",
+        **{knob.name: (int | None, Field(default=None, ge=knob.minimum)) for knob in KNOBS},
+    )
 
 
 def _authorize(state: ServerState, request: Request) -> None:
@@ -53,12 +72,10 @@ async def patch_config(body: AdminConfigPatch, request: Request) -> dict[str, An
     before = _config(state)
     try:
         live = state.engine.update_config(**changes)
-    except ValueError as exc:
-        message = str(exc)
-        param = next((f for f in _FIELDS if f in message), None)
-        raise APIError(400, message, param, "invalid_value") from exc
+    except ParameterError as exc:
+        raise APIError(400, str(exc), exc.param, exc.code) from exc
     state.metrics.set_live_config(live)
     after = live.as_dict()
     logger.info("event=admin_config_update %s", " ".join(
-        f"{k}={before.get(k)}->{after[k]}" for k in _FIELDS if k in changes))
+        f"{k.name}={before.get(k.name)}->{after[k.name]}" for k in KNOBS if k.name in changes))
     return after

@@ -218,15 +218,3 @@ class ChatCompletionRequest(SamplingFields):
         if not self.logprobs:
             return None
         return self.top_logprobs or 0
-
-
-class AdminConfigPatch(StrictModel):
-    """The live knobs the tuner may change; each is checked against the ceilings fixed at start."""
-
-    num_speculative_tokens: int | None = Field(default=None, ge=0)
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    speculative_disable_by_batch_size: int | None = Field(default=None, ge=0)
-
-    def changes(self) -> dict[str, int]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}

@@ -53,7 +53,7 @@ def camel(snake: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-def _declare(*, help: str, minimum: int, ceiling: str, label: str, default: int | Any = MISSING,  # noqa: A002
+def _declare(*, help: str, minimum: int, ceiling: str, label: str, default: int | Any = MISSING,
              search: tuple[int, int] | None = None, spec_path: str | None = None) -> Any:
     return field(default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path)})
 

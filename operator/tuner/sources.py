@@ -13,7 +13,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
-
 from specfleet.engine.knobs import SEARCHED
 
 from .snapshot import COUNTERS, HISTOGRAMS, P, Snapshot, build_observation, observe_pairs, parse_metrics

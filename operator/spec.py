@@ -271,15 +271,15 @@ class InferenceServiceSpec(_Spec):
             node = getattr(node, part)
         return int(node)
 
-    def _speculates(self, knob: Knob) -> bool:
-        """False for k without a speculative method: the engine has no proposer, so k is pinned to 0."""
-        return knob.name != "num_speculative_tokens" or self.speculative.method != "none"
+    def _pinned(self, knob: Knob) -> bool:
+        """k without a speculative method: the engine has no proposer, so k stays 0."""
+        return knob.name == "num_speculative_tokens" and self.speculative.method == "none"
 
     def start_values(self) -> dict[str, int]:
         """Each searched knob's value at pod start, as the engine's command line sets it."""
-        return {k.name: self._at(k) if self._speculates(k) else 0 for k in SEARCHED}
+        return {k.name: 0 if self._pinned(k) else self._at(k) for k in SEARCHED}
 
     def tuned_bounds(self) -> dict[str, tuple[int, int]]:
         """The tuner's [min, max] per searched knob, from `autotune.bounds`."""
-        return {k.name: (low, high) if self._speculates(k) else (0, 0)
-                for k in SEARCHED for low, high in [getattr(self.autotune.bounds, k.name)]}
+        ranges = {k.name: getattr(self.autotune.bounds, k.name) for k in SEARCHED}
+        return {k.name: (0, 0) if self._pinned(k) else (ranges[k.name][0], ranges[k.name][1]) for k in SEARCHED}

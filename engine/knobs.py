@@ -1,7 +1,7 @@
 """The live knobs, declared once: the fields of `LiveConfig`, each with a `Knob` record of its facts.
 
 Everything that names a knob is derived from this declaration: the engine's limits in `update_config`,
-the admin API's body and validation (`server/admin.py`), the config gauges (`server/metrics.py`), the
+the admin API's body and validation (`server/protocol.py`, `server/admin.py`), the config gauges (`server/metrics.py`), the
 tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`operator/tuner/types.py`), its two readers (PromQL
 in `sources.py`, the direct scrape in `snapshot.py`) and the CRD's `autotune.bounds` (`operator/spec.py`).
 `tests/test_knobs.py` walks the declaration and checks that each of them knows every knob.

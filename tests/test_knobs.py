@@ -63,7 +63,7 @@ def test_engine_limits_come_from_the_declaration() -> None:
 
 
 def test_admin_api_knows_every_knob() -> None:
-    from specfleet.engine.server.admin import AdminConfigPatch
+    from specfleet.engine.server.protocol import AdminConfigPatch
 
     assert list(AdminConfigPatch.model_fields) == NAMES
     assert AdminConfigPatch(**VALUES).changes() == VALUES

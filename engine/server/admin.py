@@ -9,37 +9,19 @@ from __future__ import annotations
 
 import hmac
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter, Request
-from pydantic import Field, create_model
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.sampling_params import ParameterError
 
 from .errors import APIError
-from .protocol import StrictModel
+from .protocol import AdminConfigPatch
 from .state import ServerState, get_state
 
 ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
 logger = logging.getLogger("specfleet.engine.server")
 router = APIRouter(prefix="/admin")
-
-
-class _ConfigPatch(StrictModel):
-    def changes(self) -> dict[str, int]:
-        return {k: v for k, v in self.model_dump().items() if v is not None}
-
-
-# The body of PATCH /admin/config: every live knob, optional, at or above its minimum (the ceilings fixed
-# at start are the engine's to check). Derived from the declaration in specfleet.engine.knobs.
-if TYPE_CHECKING:
-    AdminConfigPatch = _ConfigPatch
-else:
-    AdminConfigPatch = create_model(
-        "AdminConfigPatch", __base__=_ConfigPatch,
-        __doc__="The live knobs the tuner may change; each is checked against the ceilings fixed at start.",
-        **{knob.name: (int | None, Field(default=None, ge=knob.minimum)) for knob in KNOBS},
-    )
 
 
 def _authorize(state: ServerState, request: Request) -> None:

@@ -24,10 +24,11 @@ from typing import Any
 
 import httpx
 from specfleet.bench.prompts import chat_prompts, grounded_prompts
+from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.operator import load_inference_service
 from specfleet.operator.tuner.actuator import AdminActuator
 from specfleet.operator.tuner.fleet import LocalFleet
-from specfleet.operator.tuner.types import TunedConfig
+from specfleet.operator.tuner.types import LiveSettings, TunedConfig
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class Phase:
 
 PHASES = (Phase("grounded-c1", 1, True, 128), Phase("chat-c32", 32, False, 48), Phase("chat-c2", 2, False, 96))
 _PROMPTS: dict[bool, list[str]] = {}
-NO_GUARD = {"speculative_disable_by_batch_size": 0}  # static configs speculate at any batch size
+NO_GUARD = 0  # speculative_disable_by_batch_size of the static configs: they speculate at any batch size
 WARM_UP = Phase("warm-up", 4, False, 32)  # before a tuner pass that comes first; not measured
 
 
@@ -149,7 +150,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                 for k in args.grid_k for seqs in args.grid_seqs}
 
         async def tuner_pass() -> None:
-            await admin.ensure(fleet.engine_urls, start_config, NO_GUARD)
+            await admin.ensure(fleet.engine_urls, LiveSettings(start_config, NO_GUARD))
             tuner_passes.append(await run_tuner(fleet, args, slo, len(tuner_passes) + 1, timeline, changes))
 
         async def grid_pass(reverse: bool) -> None:
@@ -227,7 +228,7 @@ async def static_pass(fleet: LocalFleet, admin: AdminActuator, grid: dict[str, T
         groups = equivalent_groups(grid, phase.concurrency)
         for names in reversed(groups) if reverse else groups:
             config = grid[names[0]]
-            applied = await admin.ensure(fleet.engine_urls, config, NO_GUARD)
+            applied = await admin.ensure(fleet.engine_urls, LiveSettings(config, NO_GUARD))
             if not applied.ok:
                 raise RuntimeError(f"cannot apply {config.short()}: {applied.failed or applied.refused}")
             measured = await run_phase(fleet.url, phase, seconds * len(names), slo)
@@ -347,7 +348,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="2: the tuner runs the phases before the static grid and again after it (fresh each "
                         "time), averaged; 1: once, between the static passes")
     p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
-    p.add_argument("--method", choices=["ngram", "draft"], default="ngram",
+    p.add_argument("--method", choices=[m for m in SPECULATIVE_METHODS if m != "none"], default="ngram",
                    help="speculative method of the fleet (ignored with --file): ngram (3.5x on grounded "
                         "prompts at concurrency 1, 0.4x on chat at 32) or draft, the int8 copy of the "
                         "bundled model (1.6x on chat at concurrency 1, 0.3-0.5x at 32)")

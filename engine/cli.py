@@ -6,6 +6,8 @@ import argparse
 import importlib
 import sys
 
+from specfleet.engine.config import SPECULATIVE_METHODS
+
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS = {
     "serve": ("specfleet.engine.server.cli", "main", "run one engine with the OpenAI-compatible API"),
@@ -61,7 +63,7 @@ def generate_main(argv: list[str]) -> int:
     parser.add_argument("--temperature", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
     parser.add_argument("--raw", action="store_true", help="plain completion instead of the chat template")
-    parser.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"])
+    parser.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS)
     parser.add_argument("--num-speculative-tokens", type=int, default=0)
     parser.add_argument("--draft-model", default=None)
     args = parser.parse_args(argv)

@@ -2,44 +2,67 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
+from specfleet.engine.knobs import LiveConfig
+
+__all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
+
+# The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
+# this tuple. "none" proposes nothing.
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 QUANTIZATIONS = (None, "int8")
+ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+
+
+def _opt(default: Any, help: str, **cli: Any) -> Any:
+    """A field with its help text. `specfleet serve`'s flags are generated from EngineConfig's fields
+    (engine/server/cli.py): `--field-name`, the field's default and type, and these; `cli` may add `choices`,
+    a `flag` spelled otherwise (a bool field then flips its default) and a `cli_default` the CLI resolves."""
+    return field(default=default, metadata={"help": help, **cli})
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str = "bundled://smollm2-135m-instruct"
-    dtype: str = "auto"  # auto: float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"
-    max_model_len: int | None = None  # None: the model's own context length
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # None: derived from kv_cache_memory_fraction / kv_cache_gib
-    kv_cache_gib: float | None = None  # CPU: KV memory to allocate (default 2 GiB)
-    kv_cache_memory_fraction: float = 0.9  # CUDA: fraction of free device memory for weights + KV
-    enable_prefix_caching: bool = True
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    model: str = _opt("bundled://smollm2-135m-instruct", "model source URI")
+    dtype: str = _opt("auto", "auto | float32 | bfloat16 | float16 (auto: float32 on CPU, bfloat16 on CUDA)")
+    device: str = _opt("auto", "auto | cpu | cuda")
+    max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's own)")
+    block_size: int = _opt(16, "KV cache block size in tokens")
+    num_kv_blocks: int | None = _opt(None, "KV cache blocks (default: from --kv-cache-memory-fraction or "
+                                     "--kv-cache-gib)")
+    kv_cache_gib: float | None = _opt(None, "CPU: KV cache size in GiB (default 2)")
+    kv_cache_memory_fraction: float = _opt(0.9, "CUDA: fraction of free device memory for weights + KV")
+    enable_prefix_caching: bool = _opt(True, "turn the prefix cache off", flag="--no-prefix-caching")
+    max_num_seqs: int = _opt(64, "most sequences in one step (live)")
+    max_num_batched_tokens: int = _opt(2048, "token budget of one step (live)")
     # Ceilings fixed at start: the live knobs may move anywhere below them.
-    max_num_seqs_limit: int | None = None  # None: max(max_num_seqs, 256)
-    max_num_batched_tokens_limit: int | None = None  # None: max(max_num_batched_tokens, 8192)
-    attention_backend: str = "auto"  # auto | torch | native | triton
-    speculative_method: str = "none"  # none | ngram | draft
-    num_speculative_tokens: int = 0
-    max_num_speculative_tokens: int = 8  # ceiling for the live k
+    max_num_seqs_limit: int | None = _opt(None, "ceiling for the live max_num_seqs (default: max(max_num_seqs, "
+                                          "256))")
+    max_num_batched_tokens_limit: int | None = _opt(None, "ceiling for the live max_num_batched_tokens "
+                                                    "(default: max(max_num_batched_tokens, 8192))")
+    attention_backend: str = _opt("auto", "attention kernels (auto: triton on CUDA, native on CPU)",
+                                  choices=ATTENTION_BACKENDS)
+    speculative_method: str = _opt("none", "speculative decoding proposer", choices=SPECULATIVE_METHODS)
+    num_speculative_tokens: int = _opt(0, "k (default: 4 with a speculative method, else 0)", cli_default=None)
+    max_num_speculative_tokens: int = _opt(8, "ceiling for the live k")
     # Propose nothing in a step whose batch (running sequences plus the waiting ones max_num_seqs leaves
     # room for) is larger than this: past the step cost's knee every draft token costs compute. 0: never.
-    speculative_disable_by_batch_size: int = 0
-    draft_model: str | None = None
+    speculative_disable_by_batch_size: int = _opt(0, "propose nothing in a step whose batch is larger than this "
+                                                  "(0: never)")
+    draft_model: str | None = _opt(None, "draft model source URI (--speculative-method draft)")
     # Weight-only int8 (one scale per output column) on the native CPU kernels: a quarter of the bytes.
     # For the draft it makes a quantized copy of the target a cheap, well-aligned proposer.
-    quantization: str | None = None
-    draft_quantization: str | None = None
-    prompt_lookup_min: int = 1
-    prompt_lookup_max: int = 4
-    seed: int = 0
-    tensor_parallel_size: int = 1
+    quantization: str | None = _opt(None, "weight-only int8 (native CPU kernels)",
+                                    choices=[q for q in QUANTIZATIONS if q])
+    draft_quantization: str | None = _opt(
+        None, "quantize the draft's weights to int8: with --draft-model set to the target itself, a cheap "
+        "proposer that agrees with it on most tokens", choices=[q for q in QUANTIZATIONS if q])
+    prompt_lookup_min: int = _opt(1, "n-gram proposer: shortest suffix to look up in the prompt")
+    prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
+    seed: int = _opt(0, "seed of the engine's generator, which requests without a seed of their own draw from")
+    tensor_parallel_size: int = _opt(1, "GPUs per engine (only 1 for now)")
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -91,8 +114,8 @@ class EngineConfig:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {QUANTIZATIONS}")
         if self.draft_quantization and self.speculative_method != "draft":
             raise ValueError("draft_quantization needs speculative_method='draft'")
-        if self.attention_backend not in ("auto", "torch", "native", "triton"):
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of auto, torch, native, triton")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
 
     @property
     def seqs_limit(self) -> int:
@@ -102,20 +125,7 @@ class EngineConfig:
     def batched_tokens_limit(self) -> int:
         return self.max_num_batched_tokens_limit or max(self.max_num_batched_tokens, 8192)
 
-
-@dataclass
-class LiveConfig:
-    """The knobs that change between steps (admin API, tuner). Checked by the engine before applying."""
-
-    num_speculative_tokens: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    speculative_disable_by_batch_size: int = 0  # 0: never
-
-    def as_dict(self) -> dict[str, int]:
-        return {
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-            "speculative_disable_by_batch_size": self.speculative_disable_by_batch_size,
-        }
+    @property
+    def speculative_tokens_limit(self) -> int:
+        """Ceiling for the live k: none without a speculative method (there is no proposer)."""
+        return self.max_num_speculative_tokens if self.speculative_method != "none" else 0

@@ -14,6 +14,7 @@ from dataclasses import replace
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TokenText
+from specfleet.engine.knobs import KNOBS
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -59,8 +60,7 @@ class Engine:
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
         self.stats = EngineStats()
-        self._live = LiveConfig(config.num_speculative_tokens, config.max_num_seqs, config.max_num_batched_tokens,
-                                config.speculative_disable_by_batch_size)
+        self._live = LiveConfig(**{knob.name: getattr(config, knob.name) for knob in KNOBS})
         self._pending: dict[str, int] = {}
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
@@ -159,19 +159,14 @@ class Engine:
             return LiveConfig(**{**self._live.as_dict(), **self._pending})
 
     def update_config(self, **changes: int) -> LiveConfig:
-        limits = {
-            "num_speculative_tokens": (0, self.config.max_num_speculative_tokens if self.config.speculative_method != "none" else 0),
-            "max_num_seqs": (1, self.config.seqs_limit),
-            "max_num_batched_tokens": (1, self.config.batched_tokens_limit),
-            "speculative_disable_by_batch_size": (0, self.config.seqs_limit),
-        }
+        limits = {knob.name: (knob.minimum, getattr(self.config, knob.ceiling)) for knob in KNOBS}
         for name, value in changes.items():
             if name not in limits:
-                raise ValueError(f"{name} is not a live setting; use one of {sorted(limits)}")
+                raise ParameterError(name, f"{name} is not a live setting; use one of {sorted(limits)}")
             low, high = limits[name]
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
                 why = " (no speculative method configured at start)" if name == "num_speculative_tokens" and not high else ""
-                raise ValueError(f"{name}={value!r} must be an integer between {low} and {high}{why}")
+                raise ParameterError(name, f"{name}={value!r} must be an integer between {low} and {high}{why}")
         with self._lock:
             self._pending.update(changes)
         return self.live_config()

@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from specfleet.engine.knobs import camel
+
 from .inference_service import InferenceService
 from .resources import LABEL_ISVC, endpoint
 
@@ -100,14 +102,8 @@ def tuning_seed(isvc: InferenceService, current: dict[str, Any] | None) -> dict[
     if isvc.spec.autotune.enabled and current:
         return None  # the tuner's decision stands; it is the only writer while autotune is on
     spec = isvc.spec
-    method = spec.speculative.method
     reason = "autotune is off: values from spec" if not spec.autotune.enabled else "initial values from spec"
-    return {
-        "numSpeculativeTokens": spec.speculative.num_speculative_tokens if method != "none" else 0,
-        "maxNumSeqs": spec.batching.max_num_seqs,
-        "maxNumBatchedTokens": spec.batching.max_num_batched_tokens,
-        "reason": reason,
-    }
+    return {**{camel(name): value for name, value in spec.start_values().items()}, "reason": reason}
 
 
 def build_status(

@@ -9,10 +9,12 @@ the same table of invalid inputs.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from pydantic.alias_generators import to_camel
+from specfleet.engine.config import SPECULATIVE_METHODS
+from specfleet.engine.knobs import SEARCHED, Knob, camel
 
 SOURCE_PATTERN = r"^(bundled://[a-z0-9][a-z0-9.-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|hf://[^/@\s]+/[^/@\s]+(@[^\s]+)?)$"
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
@@ -122,7 +124,7 @@ class SpeculativeSpec(_Spec):
             ]
         }
     )
-    method: Literal["none", "ngram", "draft"] = "none"
+    method: Literal[SPECULATIVE_METHODS] = "none"  # type: ignore[valid-type]
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k: tokens proposed per step (0 = off).")
     disable_by_batch_size: int = Field(
         0, ge=0, le=4096,
@@ -164,25 +166,32 @@ class SLOSpec(_Spec):
     tpot_p95_ms: int = Field(50, ge=1, le=60000, description="Time-per-output-token p95 target.")
 
 
-class AutotuneBounds(_Spec):
+class _AutotuneBounds(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel(f"self.{name}[0] <= self.{name}[1]", f"bounds.{name} must be [min, max] with min <= max")
-                for name in ("numSpeculativeTokens", "maxNumSeqs", "maxNumBatchedTokens")
+                cel(f"self.{k.crd_name}[0] <= self.{k.crd_name}[1]", f"bounds.{k.crd_name} must be [min, max] with min <= max")
+                for k in SEARCHED
             ]
         }
     )
-    num_speculative_tokens: Bounds = [0, 8]
-    max_num_seqs: Bounds = [8, 256]
-    max_num_batched_tokens: Bounds = [512, 8192]
 
     @model_validator(mode="after")
-    def _min_le_max(self) -> AutotuneBounds:
+    def _min_le_max(self) -> _AutotuneBounds:
         for name, (low, high) in self.model_dump(by_alias=True).items():
             if low > high:
                 raise ValueError(f"autotune.bounds.{name}={[low, high]} must be [min, max] with min <= max")
         return self
+
+
+# One [min, max] per searched knob, its default the declaration's (specfleet.engine.knobs).
+if TYPE_CHECKING:
+    AutotuneBounds = _AutotuneBounds
+else:
+    AutotuneBounds = create_model(
+        "AutotuneBounds", __base__=_AutotuneBounds,
+        **{k.name: (Bounds, list(k.search or ())) for k in SEARCHED},
+    )
 
 
 class AutotuneSpec(_Spec):
@@ -199,11 +208,14 @@ class AutotuneSpec(_Spec):
 
 
 _WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
-_TUNED = (
-    ("speculative.numSpeculativeTokens", "numSpeculativeTokens"),
-    ("batching.maxNumSeqs", "maxNumSeqs"),
-    ("batching.maxNumBatchedTokens", "maxNumBatchedTokens"),
-)
+
+
+def _start_path(knob: Knob) -> str:
+    """Where the spec holds a searched knob's start value, as the CRD spells it (`batching.maxNumSeqs`)."""
+    return ".".join(camel(part) for part in (knob.spec_path or "").split("."))
+
+
+_TUNED = tuple((_start_path(k), k.crd_name) for k in SEARCHED)
 
 
 class InferenceServiceSpec(_Spec):
@@ -244,16 +256,30 @@ class InferenceServiceSpec(_Spec):
             raise ValueError(f"engine.tensorParallelSize={tp}: {TP_NOT_IMPLEMENTED}")
         if self.autotune.enabled:
             bounds = self.autotune.bounds.model_dump(by_alias=True)
-            values = {
-                "speculative.numSpeculativeTokens": self.speculative.num_speculative_tokens,
-                "batching.maxNumSeqs": b.max_num_seqs,
-                "batching.maxNumBatchedTokens": b.max_num_batched_tokens,
-            }
-            for path, key in _TUNED:
-                low, high = bounds[key]
-                if not low <= values[path] <= high:
+            for knob, (path, key) in zip(SEARCHED, _TUNED, strict=True):
+                value, (low, high) = self._at(knob), bounds[key]
+                if not low <= value <= high:
                     raise ValueError(
-                        f"{path}={values[path]} lies outside autotune.bounds.{key}={[low, high]}; "
+                        f"{path}={value} lies outside autotune.bounds.{key}={[low, high]}; "
                         "change the value or widen the bounds"
                     )
         return self
+
+    def _at(self, knob: Knob) -> int:
+        node: Any = self
+        for part in (knob.spec_path or "").split("."):
+            node = getattr(node, part)
+        return int(node)
+
+    def _pinned(self, knob: Knob) -> bool:
+        """k without a speculative method: the engine has no proposer, so k stays 0."""
+        return knob.name == "num_speculative_tokens" and self.speculative.method == "none"
+
+    def start_values(self) -> dict[str, int]:
+        """Each searched knob's value at pod start, as the engine's command line sets it."""
+        return {k.name: 0 if self._pinned(k) else self._at(k) for k in SEARCHED}
+
+    def tuned_bounds(self) -> dict[str, tuple[int, int]]:
+        """The tuner's [min, max] per searched knob, from `autotune.bounds`."""
+        ranges = {k.name: getattr(self.autotune.bounds, k.name) for k in SEARCHED}
+        return {k.name: (0, 0) if self._pinned(k) else (ranges[k.name][0], ranges[k.name][1]) for k in SEARCHED}

@@ -7,10 +7,11 @@ condition. Unknown condition types are kept as they are by whoever writes the li
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
+from specfleet.engine.knobs import KNOBS
 
 
 class _Status(BaseModel):
@@ -34,14 +35,21 @@ class TuningObserved(_Status):
     request_rate: float | None = None
 
 
-class TuningStatus(_Status):
-    num_speculative_tokens: int | None = None
-    max_num_seqs: int | None = None
-    max_num_batched_tokens: int | None = None
-    speculative_disable_by_batch_size: int | None = None
+class _TuningStatus(_Status):
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
     observed: TuningObserved | None = None
+
+
+# The value in force of every live knob (specfleet.engine.knobs), then the tuner's last decision.
+_TUNING_KNOBS: dict[str, Any] = {knob.name: (int | None, None) for knob in KNOBS}
+if TYPE_CHECKING:
+    TuningStatus = _TuningStatus
+else:
+    TuningStatus = create_model(
+        "TuningStatus", __base__=_Status,
+        **_TUNING_KNOBS, **{name: (f.annotation, f) for name, f in _TuningStatus.model_fields.items()},
+    )
 
 
 class InferenceServiceStatus(_Status):

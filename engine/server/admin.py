@@ -16,6 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
+from specfleet.engine.knobs import KNOBS
+from specfleet.engine.sampling_params import ParameterError
 
 from .errors import APIError
 from .protocol import AdminConfigPatch
@@ -27,7 +29,6 @@ ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
 ADMIN_TOKEN_FILE_ENV = "SPECFLEET_ADMIN_TOKEN_FILE"
 logger = logging.getLogger("specfleet.engine.server")
 router = APIRouter(prefix="/admin")
-_FIELDS = ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens", "speculative_disable_by_batch_size")
 
 
 def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
@@ -77,12 +78,10 @@ async def patch_config(body: AdminConfigPatch, request: Request) -> dict[str, An
     before = _config(state)
     try:
         live = state.engine.update_config(**changes)
-    except ValueError as exc:
-        message = str(exc)
-        param = next((f for f in _FIELDS if f in message), None)
-        raise APIError(400, message, param, "invalid_value") from exc
+    except ParameterError as exc:
+        raise APIError(400, str(exc), exc.param, exc.code) from exc
     state.metrics.set_live_config(live)
     after = live.as_dict()
     logger.info("event=admin_config_update %s", " ".join(
-        f"{k}={before.get(k)}->{after[k]}" for k in _FIELDS if k in changes))
+        f"{k.name}={before.get(k.name)}->{after[k.name]}" for k in KNOBS if k.name in changes))
     return after

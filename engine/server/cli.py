@@ -8,52 +8,28 @@ import logging
 import signal
 import sys
 import time
+from dataclasses import fields
 from types import FrameType
-from typing import Any
+from typing import Any, get_args, get_type_hints
 
 import uvicorn
+from specfleet.engine.config import EngineConfig
 
 from .admin import token_from_env
 from .app import build_state, create_app
 from .state import ServerState
 
 logger = logging.getLogger("specfleet.engine.server")
+DEFAULT_K = 4  # --num-speculative-tokens when a speculative method is given without it
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet serve", description="Serve one model with the specfleet "
                                 "engine: OpenAI-compatible API, Prometheus /metrics, admin API.")
-    p.add_argument("--model", default="bundled://smollm2-135m-instruct", help="model source URI")
+    add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="name in the API (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    p.add_argument("--device", default="auto", help="auto | cpu | cuda")
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=None)
-    p.add_argument("--kv-cache-gib", type=float, default=None, help="CPU: KV cache size in GiB")
-    p.add_argument("--kv-cache-memory-fraction", type=float, default=0.9, help="CUDA: memory fraction")
-    p.add_argument("--no-prefix-caching", action="store_true")
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--max-num-seqs-limit", type=int, default=None, help="ceiling for the live max_num_seqs")
-    p.add_argument("--max-num-batched-tokens-limit", type=int, default=None,
-                   help="ceiling for the live max_num_batched_tokens")
-    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "native", "triton"])
-    p.add_argument("--speculative-method", default="none", choices=["none", "ngram", "draft"])
-    p.add_argument("--num-speculative-tokens", type=int, default=None,
-                   help="k (default: 4 with a speculative method, else 0)")
-    p.add_argument("--max-num-speculative-tokens", type=int, default=8, help="ceiling for the live k")
-    p.add_argument("--speculative-disable-by-batch-size", type=int, default=0,
-                   help="propose nothing in a step whose batch is larger than this (0: never)")
-    p.add_argument("--draft-model", default=None, help="draft model source URI (--speculative-method draft)")
-    p.add_argument("--quantization", default=None, choices=["int8"], help="weight-only int8 (native CPU kernels)")
-    p.add_argument("--draft-quantization", default=None, choices=["int8"],
-                   help="quantize the draft's weights to int8: with --draft-model set to the target itself, "
-                        "a cheap proposer that agrees with it on most tokens")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs per engine (only 1 for now)")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests waiting for their first token beyond which new ones get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -62,35 +38,30 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field, generated from the field (as vLLM does from its config
+    dataclasses): `--field-name`, its type, default and help text, and the `choices`, `flag` or
+    `cli_default` its metadata adds (see `config._opt`)."""
+    hints = get_type_hints(EngineConfig)
+    group = parser.add_argument_group("engine", "EngineConfig's fields (specfleet.engine.config)")
+    for f in fields(EngineConfig):
+        meta = f.metadata
+        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
+        if hints[f.name] is bool:  # a flag that flips the default
+            group.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
+                               help=meta.get("help"))
+            continue
+        kinds = [t for t in get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
+        group.add_argument(flag, dest=f.name, type=None if kinds[0] is str else kinds[0],
+                           default=meta.get("cli_default", f.default), choices=meta.get("choices"),
+                           help=meta.get("help"))
+
+
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    k = args.num_speculative_tokens
-    if k is None:
-        k = 4 if args.speculative_method != "none" else 0
-    return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_model_len": args.max_model_len,
-        "block_size": args.block_size,
-        "num_kv_blocks": args.num_kv_blocks,
-        "kv_cache_gib": args.kv_cache_gib,
-        "kv_cache_memory_fraction": args.kv_cache_memory_fraction,
-        "enable_prefix_caching": not args.no_prefix_caching,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "max_num_seqs_limit": args.max_num_seqs_limit,
-        "max_num_batched_tokens_limit": args.max_num_batched_tokens_limit,
-        "attention_backend": args.attention_backend,
-        "speculative_method": args.speculative_method,
-        "num_speculative_tokens": k,
-        "max_num_speculative_tokens": args.max_num_speculative_tokens,
-        "speculative_disable_by_batch_size": args.speculative_disable_by_batch_size,
-        "draft_model": args.draft_model,
-        "quantization": args.quantization,
-        "draft_quantization": args.draft_quantization,
-        "seed": args.seed,
-        "tensor_parallel_size": args.tensor_parallel_size,
-    }
+    kwargs = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
+    if kwargs["num_speculative_tokens"] is None:
+        kwargs["num_speculative_tokens"] = DEFAULT_K if kwargs["speculative_method"] != "none" else 0
+    return kwargs
 
 
 class DrainingServer(uvicorn.Server):
@@ -151,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level)
-    from specfleet.engine import Engine, EngineConfig
+    from specfleet.engine import Engine
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped while loading: exit 0
     try:

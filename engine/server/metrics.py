@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from specfleet.engine.config import LiveConfig
+from specfleet.engine.knobs import KNOBS, LiveConfig
 from specfleet.engine.stats import EngineStats
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
@@ -58,11 +58,7 @@ class ServerMetrics:
         self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("specfleet_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
-        self.num_spec_tokens = gauge("specfleet_num_speculative_tokens", "Speculative tokens per step (k)")
-        self.max_num_seqs = gauge("specfleet_max_num_seqs", "Live max_num_seqs")
-        self.max_num_batched_tokens = gauge("specfleet_max_num_batched_tokens", "Live max_num_batched_tokens")
-        self.spec_disable_batch = gauge("specfleet_speculative_disable_by_batch_size",
-                                        "Batch size above which a step proposes nothing (0: never)")
+        self.live = {knob.name: gauge(knob.gauge, knob.help) for knob in KNOBS}  # one gauge per live knob
         self.counters = {
             attr: Counter(name, doc, label, registry=r) for name, (doc, attr) in _COUNTERS.items()
         }
@@ -77,8 +73,7 @@ class ServerMetrics:
             self.success.labels(model_name, reason)
         for metric in (*self.counters.values(), self.ttft, self.tpot, self.itl, self.e2e, self.queue_time,
                        self.step_duration, self.batch_size, self.running, self.waiting, self.kv_usage,
-                       self.num_spec_tokens, self.max_num_seqs, self.max_num_batched_tokens,
-                       self.spec_disable_batch):
+                       *self.live.values()):
             metric.labels(model_name)  # every series exists from the first scrape
 
     def observe_step(self, stats: EngineStats, stepped: bool, extra_waiting: int = 0,
@@ -106,11 +101,8 @@ class ServerMetrics:
                 self._seen_per_pos[pos] = total
 
     def set_live_config(self, config: LiveConfig) -> None:
-        m = self.model_name
-        self.num_spec_tokens.labels(m).set(config.num_speculative_tokens)
-        self.max_num_seqs.labels(m).set(config.max_num_seqs)
-        self.max_num_batched_tokens.labels(m).set(config.max_num_batched_tokens)
-        self.spec_disable_batch.labels(m).set(config.speculative_disable_by_batch_size)
+        for name, value in config.as_dict().items():
+            self.live[name].labels(self.model_name).set(value)
 
     def observe_request(
         self,

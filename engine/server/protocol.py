@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
+from specfleet.engine.knobs import KNOBS
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 MAX_N = 16
@@ -220,13 +221,18 @@ class ChatCompletionRequest(SamplingFields):
         return self.top_logprobs or 0
 
 
-class AdminConfigPatch(StrictModel):
-    """The live knobs the tuner may change; each is checked against the ceilings fixed at start."""
-
-    num_speculative_tokens: int | None = Field(default=None, ge=0)
-    max_num_seqs: int | None = Field(default=None, ge=1)
-    max_num_batched_tokens: int | None = Field(default=None, ge=1)
-    speculative_disable_by_batch_size: int | None = Field(default=None, ge=0)
-
+class _ConfigPatch(StrictModel):
     def changes(self) -> dict[str, int]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
+
+
+# The body of PATCH /admin/config: every live knob (specfleet.engine.knobs), optional, at or above its
+# minimum; the ceilings fixed at start are the engine's to check.
+if TYPE_CHECKING:
+    AdminConfigPatch = _ConfigPatch
+else:
+    AdminConfigPatch = create_model(
+        "AdminConfigPatch", __base__=_ConfigPatch,
+        __doc__="The live knobs the tuner may change; each is checked against the ceilings fixed at start.",
+        **{knob.name: (int | None, Field(default=None, ge=knob.minimum)) for knob in KNOBS},
+    )

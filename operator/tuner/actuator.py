@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 import httpx
 
-from .types import TunedConfig
+from .types import LiveSettings, TunedConfig
 
 logger = logging.getLogger("specfleet.tuner")
 
@@ -74,11 +74,13 @@ class AdminActuator:
         except (httpx.HTTPError, RuntimeError, ValueError, KeyError) as error:
             result.failed[url] = f"{type(error).__name__}: {error}"
 
-    async def ensure(self, urls: list[str], config: TunedConfig, extra: dict[str, int] | None = None) -> ApplyResult:
-        """Make every engine in `urls` run `config` (and the `extra` admin settings, such as
-        `speculative_disable_by_batch_size`); report per engine what happened."""
-        result = ApplyResult(config)
-        body = {**config.as_admin(), **(extra or {})}
+    async def ensure(self, urls: list[str], settings: TunedConfig | LiveSettings) -> ApplyResult:
+        """Make every engine in `urls` run `settings` (a config, or a config with the knobs a policy rule
+        sets, such as the guard); report per engine what happened."""
+        if isinstance(settings, TunedConfig):
+            settings = LiveSettings(settings)
+        result = ApplyResult(settings.config)
+        body = settings.as_admin()
         await asyncio.gather(*(self._ensure_one(u, body, result) for u in urls))
         return result
 

@@ -13,7 +13,7 @@ from ..spec import InferenceServiceSpec
 from .actuator import AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
 from .sources import Endpoints, Source
-from .types import SLO, Decision, Observation, TuneBounds, TunedConfig
+from .types import SLO, Decision, LiveSettings, Observation, TuneBounds, TunedConfig
 
 logger = logging.getLogger("specfleet.tuner")
 
@@ -21,13 +21,10 @@ logger = logging.getLogger("specfleet.tuner")
 def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None,
                      window_s: float | None = None) -> PolicyParams:
     """Policy settings from an InferenceService spec: SLO, bounds (k pinned to 0 without a method)."""
-    bounds = spec.autotune.bounds
-    k = tuple(bounds.num_speculative_tokens) if spec.speculative.method != "none" else (0, 0)
     interval = float(interval_s if interval_s is not None else spec.autotune.interval_seconds)
     return PolicyParams(
         slo=SLO(spec.slo.ttft_p95_ms / 1000.0, spec.slo.tpot_p95_ms / 1000.0),
-        bounds=TuneBounds(k=k, max_num_seqs=tuple(bounds.max_num_seqs),  # type: ignore[arg-type]
-                          max_num_batched_tokens=tuple(bounds.max_num_batched_tokens)),  # type: ignore[arg-type]
+        bounds=TuneBounds(**spec.tuned_bounds()),
         interval_s=interval,
         window_s=float(window_s if window_s is not None else max(interval, 10.0)),
     )
@@ -35,8 +32,7 @@ def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None
 
 def spec_config(spec: InferenceServiceSpec) -> TunedConfig:
     """The config a pod starts with (what the engine's command line says)."""
-    k = spec.speculative.num_speculative_tokens if spec.speculative.method != "none" else 0
-    return TunedConfig(k, spec.batching.max_num_seqs, spec.batching.max_num_batched_tokens)
+    return TunedConfig(**spec.start_values())
 
 
 @dataclass
@@ -62,15 +58,14 @@ class ServiceTuner:
         applied = None
         desired = self.policy.current
         guard = self.policy.guard if self.policy.manages_guard else None
-        extra = None if guard is None else {"speculative_disable_by_batch_size": guard}
         if desired is not None:
             urls = await self.endpoints()
-            applied = await self.actuator.ensure(urls, desired, extra)
+            applied = await self.actuator.ensure(urls, LiveSettings(desired, guard))
             if applied.refused:
                 message = next(iter(applied.refused.values()))
                 decision = self.policy.rejected(obs.time, desired, message)
                 if decision.config is not None:
-                    applied = await self.actuator.ensure(urls, decision.config, extra)
+                    applied = await self.actuator.ensure(urls, LiveSettings(decision.config, guard))
             if applied.failed:
                 logger.warning("event=tuner_apply_failed service=%s %s", self.name,
                                " ".join(f"{u}={e!r}" for u, e in applied.failed.items()))

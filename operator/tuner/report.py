@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from specfleet.engine.knobs import camel
+
 from ..conditions import Cond, merge_conditions
 from .loop import Tick
-from .types import Decision, TunedConfig
+from .types import Decision, LiveSettings, TunedConfig
 
 
 def _ms(seconds: float | None) -> float | None:
@@ -30,10 +32,7 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
         },
     }
     if config is not None:
-        status.update({"numSpeculativeTokens": config.num_speculative_tokens, "maxNumSeqs": config.max_num_seqs,
-                       "maxNumBatchedTokens": config.max_num_batched_tokens})
-        if tick.guard is not None:
-            status["speculativeDisableByBatchSize"] = tick.guard
+        status.update({camel(name): value for name, value in LiveSettings(config, tick.guard).as_admin().items()})
     return status
 
 

@@ -11,17 +11,19 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
+from specfleet.engine.knobs import METRIC_PREFIX, SEARCHED
 
 from .histogram import quantile, subtract, to_cdf
 from .types import Observation, TunedConfig
 
-P = "specfleet_"
+P = METRIC_PREFIX
 COUNTERS = ("generation_tokens", "prompt_tokens", "spec_decode_drafts", "spec_decode_draft_tokens",
             "spec_decode_accepted_tokens")
 HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds", "step_duration_seconds",
               "batch_size", "e2e_request_latency_seconds", "request_queue_time_seconds")
-GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", "num_speculative_tokens",
-          "max_num_seqs", "max_num_batched_tokens")
+# the load gauges, then the config gauge of every searched knob (the config in force)
+CONFIG_GAUGES = tuple(knob.gauge[len(P):] for knob in SEARCHED)
+GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", *CONFIG_GAUGES)
 
 
 @dataclass
@@ -37,8 +39,7 @@ class Snapshot:
 
     def config(self) -> TunedConfig | None:
         try:
-            return TunedConfig(int(self.gauges[P + "num_speculative_tokens"]), int(self.gauges[P + "max_num_seqs"]),
-                               int(self.gauges[P + "max_num_batched_tokens"]))
+            return TunedConfig(**{knob.name: int(self.gauges[knob.gauge]) for knob in SEARCHED})
         except KeyError:
             return None
 

@@ -13,6 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import httpx
+from specfleet.engine.knobs import SEARCHED
 
 from .snapshot import COUNTERS, HISTOGRAMS, P, Snapshot, build_observation, observe_pairs, parse_metrics
 from .types import Observation, TunedConfig
@@ -129,10 +130,10 @@ class PrometheusSource:
         q["running"] = f"sum({P}num_requests_running{{{s}}})"
         q["waiting"] = f"sum({P}num_requests_waiting{{{s}}})"
         q["kv"] = f"max({P}kv_cache_usage_ratio{{{s}}})"
-        q["pods"] = f"count({P}max_num_seqs{{{s}}})"
-        for g in ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens"):
-            q[f"min:{g}"] = f"min({P}{g}{{{s}}})"
-            q[f"max:{g}"] = f"max({P}{g}{{{s}}})"
+        q["pods"] = f"count({SEARCHED[0].gauge}{{{s}}})"  # every pod reports each config gauge once
+        for knob in SEARCHED:
+            q[f"min:{knob.name}"] = f"min({knob.gauge}{{{s}}})"
+            q[f"max:{knob.name}"] = f"max({knob.gauge}{{{s}}})"
         return q
 
     async def _query(self, promql: str) -> list[dict[str, Any]]:
@@ -177,10 +178,10 @@ class PrometheusSource:
         sums = {h: scalar(f"sum:{h}") or 0.0 for h in HISTOGRAMS}
         counts = {h: scalar(f"count:{h}") or 0.0 for h in HISTOGRAMS}
         config = None
-        lows = [scalar(f"min:{g}") for g in ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens")]
-        highs = [scalar(f"max:{g}") for g in ("num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens")]
-        if None not in lows and lows == highs:
-            config = TunedConfig(*(int(v) for v in lows))  # type: ignore[arg-type]
+        lows = {knob.name: scalar(f"min:{knob.name}") for knob in SEARCHED}
+        highs = {knob.name: scalar(f"max:{knob.name}") for knob in SEARCHED}
+        if None not in lows.values() and lows == highs:  # every pod runs the same config
+            config = TunedConfig.from_admin(lows)  # type: ignore[arg-type]
         obs = build_observation(now, rates, per_pos, buckets, sums, counts, scalar("running") or 0.0,
                                 scalar("waiting") or 0.0, scalar("kv") or 0.0, config, int(scalar("pods") or 0))
         # PromQL's own histogram_quantile is the figure operators see on dashboards: report it.

@@ -6,7 +6,10 @@ actuator pushes `TunedConfig`s to engines. Times are seconds, latencies seconds,
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
+
+from specfleet.engine.knobs import RULED, SEARCHED, Knob, check_fields
 
 # A latency distribution as its cumulative histogram: [(upper bound in seconds, fraction <= bound)].
 Cdf = list[tuple[float, float]]
@@ -14,55 +17,103 @@ Cdf = list[tuple[float, float]]
 
 @dataclass(frozen=True)
 class TunedConfig:
+    """One point of the tuner's search space: a value for every searched knob (`knobs.SEARCHED`).
+
+    The fields are written out for the type checker; the import-time check below keeps them equal to the
+    declaration, and every method walks the declaration."""
+
     num_speculative_tokens: int
     max_num_seqs: int
     max_num_batched_tokens: int
 
     def as_admin(self) -> dict[str, int]:
         """The body of `PATCH /admin/config`."""
-        return {
-            "num_speculative_tokens": self.num_speculative_tokens,
-            "max_num_seqs": self.max_num_seqs,
-            "max_num_batched_tokens": self.max_num_batched_tokens,
-        }
+        return {knob.name: getattr(self, knob.name) for knob in SEARCHED}
 
     @classmethod
-    def from_admin(cls, body: dict[str, int]) -> TunedConfig:
-        return cls(int(body["num_speculative_tokens"]), int(body["max_num_seqs"]), int(body["max_num_batched_tokens"]))
+    def from_admin(cls, body: Mapping[str, float]) -> TunedConfig:
+        return cls(**{knob.name: int(body[knob.name]) for knob in SEARCHED})
 
     def with_(self, **changes: int) -> TunedConfig:
         return replace(self, **changes)
 
     def short(self) -> str:
-        return f"k={self.num_speculative_tokens} seqs={self.max_num_seqs} tokens={self.max_num_batched_tokens}"
+        return " ".join(f"{knob.label}={getattr(self, knob.name)}" for knob in SEARCHED)
+
+
+check_fields(TunedConfig, tuple(k.name for k in SEARCHED), "one per searched knob")
 
 
 @dataclass(frozen=True)
+class LiveSettings:
+    """What the tuner makes every engine run: the searched config, plus each knob a policy rule sets
+    rather than searches (`knobs.RULED`; None leaves the engine's own value alone).
+
+    `speculative_disable_by_batch_size` is the guard: set from the load and the step cost's knee every
+    interval, never searched, so it is not part of `TunedConfig` (a guard that moves with the load is not a
+    config change the policy has to put on probation, remember or forbid)."""
+
+    config: TunedConfig
+    speculative_disable_by_batch_size: int | None = None
+
+    def as_admin(self) -> dict[str, int]:
+        """The body of `PATCH /admin/config`."""
+        ruled = {knob.name: getattr(self, knob.name) for knob in RULED}
+        return {**self.config.as_admin(), **{name: value for name, value in ruled.items() if value is not None}}
+
+
+check_fields(LiveSettings, ("config", *(k.name for k in RULED)), "the config, then one per ruled knob")
+
+
+@dataclass(frozen=True, init=False)
 class TuneBounds:
-    """Inclusive [min, max] per knob: the spec's autotune.bounds intersected with the engine's ceilings."""
+    """Inclusive [min, max] per searched knob: the spec's autotune.bounds intersected with the engine's
+    ceilings. Keyword arguments name a knob or its label (`k=(0, 4)`); a knob left out keeps the
+    declaration's default range; an unknown name is refused. Read a range as `bounds.k`,
+    `bounds.max_num_seqs` or `bounds["max_num_seqs"]`."""
 
-    k: tuple[int, int] = (0, 8)
-    max_num_seqs: tuple[int, int] = (8, 256)
-    max_num_batched_tokens: tuple[int, int] = (512, 8192)
+    ranges: tuple[tuple[int, int], ...]  # in the order of knobs.SEARCHED
 
-    def __post_init__(self) -> None:
-        for name in ("k", "max_num_seqs", "max_num_batched_tokens"):
-            low, high = getattr(self, name)
+    def __init__(self, **ranges: tuple[int, int] | list[int]) -> None:
+        given = {_searched(key).name: (int(pair[0]), int(pair[1])) for key, pair in ranges.items()}
+        for knob in SEARCHED:
+            low, high = given.get(knob.name, knob.search or (0, 0))
             if low > high or low < 0:
-                raise ValueError(f"tuner bounds {name}=({low}, {high}) must satisfy 0 <= min <= max")
+                raise ValueError(f"tuner bounds {_key(ranges, knob)}=({low}, {high}) must satisfy 0 <= min <= max")
+        object.__setattr__(self, "ranges", tuple(given.get(k.name, k.search or (0, 0)) for k in SEARCHED))
+
+    def __getitem__(self, name: str) -> tuple[int, int]:
+        return self.ranges[SEARCHED.index(_searched(name))]
+
+    def __getattr__(self, name: str) -> tuple[int, int]:
+        if name.startswith("_") or name == "ranges":
+            raise AttributeError(name)
+        try:
+            return self[name]
+        except KeyError as error:
+            raise AttributeError(str(error)) from None
 
     def clamp(self, config: TunedConfig) -> TunedConfig:
         def c(value: int, pair: tuple[int, int]) -> int:
             return max(pair[0], min(pair[1], value))
 
-        return TunedConfig(
-            c(config.num_speculative_tokens, self.k),
-            c(config.max_num_seqs, self.max_num_seqs),
-            c(config.max_num_batched_tokens, self.max_num_batched_tokens),
-        )
+        return TunedConfig(**{k.name: c(getattr(config, k.name), pair) for k, pair in zip(SEARCHED, self.ranges)})
 
     def contains(self, config: TunedConfig) -> bool:
         return self.clamp(config) == config
+
+
+def _searched(key: str) -> Knob:
+    """A searched knob by name or label; anything else is refused with the list of both."""
+    for knob in SEARCHED:
+        if key in (knob.name, knob.label):
+            return knob
+    known = sorted({*(k.name for k in SEARCHED), *(k.label for k in SEARCHED)})
+    raise KeyError(f"{key!r} is not a searched knob; use one of {known}")
+
+
+def _key(given: Mapping[str, object], knob: Knob) -> str:
+    return knob.label if knob.label in given else knob.name
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import httpx
 import pytest
 from specfleet.operator.tuner.actuator import AdminActuator
 from specfleet.operator.tuner.sources import ScrapeSource
-from specfleet.operator.tuner.types import TunedConfig
+from specfleet.operator.tuner.types import LiveSettings, TunedConfig
 
 from .conftest import ADMIN_TOKEN
 
@@ -90,9 +90,9 @@ def test_actuator_patches_verifies_and_reapplies(engine_url: str) -> None:
         healed = await actuator.ensure([engine_url], target)
         assert healed.patched == [engine_url] and await actuator.read(engine_url) == target
         guard = {"speculative_disable_by_batch_size": 6}  # an extra admin setting, verified the same way
-        guarded = await actuator.ensure([engine_url], target, guard)
+        guarded = await actuator.ensure([engine_url], LiveSettings(target, **guard))
         assert guarded.patched == [engine_url]
-        assert (await actuator.ensure([engine_url], target, guard)).unchanged == [engine_url]
+        assert (await actuator.ensure([engine_url], LiveSettings(target, **guard))).unchanged == [engine_url]
         async with httpx.AsyncClient() as client:
             now = (await client.get(f"{engine_url}/admin/config",
                                     headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})).json()
@@ -102,8 +102,8 @@ def test_actuator_patches_verifies_and_reapplies(engine_url: str) -> None:
         wrong = AdminActuator("not-the-token-at-all")
         denied = await wrong.ensure([engine_url], target)
         assert "admin token" in denied.failed[engine_url]
-        restored = await actuator.ensure([engine_url], TunedConfig(0, 16, 512),
-                                         {"speculative_disable_by_batch_size": 0})
+        restored = await actuator.ensure([engine_url], LiveSettings(TunedConfig(0, 16, 512),
+                                                                    speculative_disable_by_batch_size=0))
         assert restored.ok
         await actuator.close()
         await wrong.close()

@@ -1,0 +1,106 @@
+"""The live knobs, declared once: the fields of `LiveConfig`, each with a `Knob` record of its facts.
+
+Everything that names a knob is derived from this declaration: the engine's limits in `update_config`,
+the admin API's body and validation (`server/protocol.py`, `server/admin.py`), the config gauges (`server/metrics.py`), the
+tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`operator/tuner/types.py`), its two readers (PromQL
+in `sources.py`, the direct scrape in `snapshot.py`) and the CRD's `autotune.bounds` (`operator/spec.py`).
+`tests/test_knobs.py` walks the declaration and checks that each of them knows every knob.
+
+Plain Python on purpose: the operator and the tuner import this module, and they stay free of torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import MISSING, dataclass, field, fields, replace
+from typing import Any
+
+METRIC_PREFIX = "specfleet_"
+KNOB = "knob"  # the dataclass field metadata key that holds a field's `Knob`
+
+
+@dataclass(frozen=True)
+class Knob:
+    """What every part needs to know about one live knob."""
+
+    name: str  # the LiveConfig field, the admin API key, the EngineConfig start value and its `--flag`
+    help: str  # the config gauge's help text
+    minimum: int  # the lowest value the admin API accepts
+    ceiling: str  # the `EngineConfig` attribute, fixed at start, that bounds it from above
+    label: str  # the short name in the tuner's log lines and reasons (`k=2 seqs=32 tokens=1024`)
+    # The tuner's default search range (the CRD's `autotune.bounds` default). None: the tuner does not
+    # search this knob; a policy rule sets it (`LiveSettings`), or nothing does.
+    search: tuple[int, int] | None = None
+    spec_path: str | None = None  # where the InferenceService spec holds its start value (searched knobs)
+
+    @property
+    def gauge(self) -> str:
+        """The Prometheus gauge that reports the value in force."""
+        return METRIC_PREFIX + self.name
+
+    @property
+    def crd_name(self) -> str:
+        """The key in the CRD's camelCase objects (`autotune.bounds`, `status.config`)."""
+        return camel(self.name)
+
+    @property
+    def searched(self) -> bool:
+        return self.search is not None
+
+
+def camel(snake: str) -> str:
+    """`max_num_seqs` -> `maxNumSeqs`, as the CRD's alias generator (pydantic's `to_camel`) spells it."""
+    head, *rest = snake.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _declare(*, help: str, minimum: int, ceiling: str, label: str, default: int | Any = MISSING,
+             search: tuple[int, int] | None = None, spec_path: str | None = None) -> Any:
+    return field(default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path)})
+
+
+@dataclass
+class LiveConfig:
+    """The knobs that change between steps (admin API, tuner). Checked by the engine before applying.
+
+    THE DECLARATION: a new knob is one field here plus its engine semantics (docs/architecture.md,
+    "How to add a tuned knob")."""
+
+    num_speculative_tokens: int = _declare(
+        help="Speculative tokens per step (k)", minimum=0, ceiling="speculative_tokens_limit", label="k",
+        search=(0, 8), spec_path="speculative.num_speculative_tokens")
+    max_num_seqs: int = _declare(
+        help="Live max_num_seqs", minimum=1, ceiling="seqs_limit", label="seqs", search=(8, 256),
+        spec_path="batching.max_num_seqs")
+    max_num_batched_tokens: int = _declare(
+        help="Live max_num_batched_tokens", minimum=1, ceiling="batched_tokens_limit", label="tokens",
+        search=(512, 8192), spec_path="batching.max_num_batched_tokens")
+    # Set by the tuner's load-shift rule (the guard), not searched: 0 never disables.
+    speculative_disable_by_batch_size: int = _declare(
+        help="Batch size above which a step proposes nothing (0: never)", minimum=0, ceiling="seqs_limit",
+        label="guard", default=0)
+
+    def as_dict(self) -> dict[str, int]:
+        return {knob.name: getattr(self, knob.name) for knob in KNOBS}
+
+
+KNOBS: tuple[Knob, ...] = tuple(replace(f.metadata[KNOB], name=f.name) for f in fields(LiveConfig))
+SEARCHED: tuple[Knob, ...] = tuple(k for k in KNOBS if k.searched)  # the tuner's `TunedConfig`
+RULED: tuple[Knob, ...] = tuple(k for k in KNOBS if not k.searched)  # set by a policy rule, if at all
+_BY_NAME = {k.name: k for k in KNOBS}
+
+
+def get_knob(name: str) -> Knob:
+    """The knob called `name`; an unknown name is refused with the list of known ones."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise KeyError(f"{name!r} is not a live knob; use one of {sorted(_BY_NAME)}") from None
+
+
+def check_fields(cls: type, expected: tuple[str, ...], what: str) -> None:
+    """Raise at import when a typed copy of the knobs (a dataclass with one field per knob) has drifted
+    from the declaration; the message says what to add or remove."""
+    have = tuple(f.name for f in fields(cls))
+    if have != expected:
+        raise TypeError(f"{cls.__qualname__} must have the fields {expected} ({what}, from "
+                        f"specfleet.engine.knobs), in that order; it has {have}")

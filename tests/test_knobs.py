@@ -1,0 +1,175 @@
+"""The live knobs are declared once (`specfleet.engine.knobs`): walk the declaration and check that every
+part that names a knob knows each of them: the engine's limits, the admin API, the config gauges, the
+tuner's config, bounds and both readers (the direct scrape and PromQL), the CRD's autotune bounds and the
+tuning status. The expectations come from the declaration, so a part that hard-codes its own list and
+misses a knob fails here."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+from dataclasses import dataclass, fields
+from typing import Any
+
+import pytest
+from pydantic import ValidationError
+from specfleet.engine.config import SPECULATIVE_METHODS, EngineConfig
+from specfleet.engine.knobs import KNOBS, RULED, SEARCHED, LiveConfig, camel, check_fields, get_knob
+from specfleet.operator.crd import model_schema
+from specfleet.operator.spec import AutotuneBounds, InferenceServiceSpec
+from specfleet.operator.status import TuningStatus
+from specfleet.operator.tuner.snapshot import parse_metrics
+from specfleet.operator.tuner.sources import PrometheusSource
+from specfleet.operator.tuner.types import LiveSettings, TuneBounds, TunedConfig
+
+NAMES = [k.name for k in KNOBS]
+# A distinct value per knob, so that a reader that swaps two knobs fails too.
+VALUES = {k.name: k.minimum + 3 + 2 * i for i, k in enumerate(KNOBS)}
+SPEC = {"model": {"source": "bundled://smollm2-135m-instruct"}, "speculative": {"method": "ngram"}}
+
+
+def test_declaration_is_well_formed() -> None:
+    assert NAMES == [f.name for f in fields(LiveConfig)] and len(set(NAMES)) == len(NAMES)
+    assert sorted(SEARCHED + RULED, key=KNOBS.index) == list(KNOBS)
+    assert all(k.searched for k in SEARCHED) and not any(k.searched for k in RULED)
+    engine = EngineConfig(speculative_method="ngram")
+    for knob in KNOBS:
+        assert get_knob(knob.name) is knob
+        assert knob.name in {f.name for f in fields(EngineConfig)}, f"EngineConfig lacks {knob.name}'s start value"
+        assert isinstance(getattr(engine, knob.ceiling), int), f"{knob.name}'s ceiling {knob.ceiling} is not on EngineConfig"
+        assert knob.gauge == f"specfleet_{knob.name}" and knob.help
+        if knob.searched:
+            assert knob.search and knob.minimum <= knob.search[0] <= knob.search[1], knob
+            assert knob.spec_path, f"{knob.name} is searched but the spec has no start value for it"
+    with pytest.raises(KeyError, match="not a live knob"):
+        get_knob("replicas_typo")
+
+
+def test_engine_limits_come_from_the_declaration() -> None:
+    """update_config's limits are (minimum, EngineConfig.<ceiling>) for every knob."""
+    from specfleet.engine.llm_engine import Engine
+    from specfleet.engine.sampling_params import ParameterError
+
+    engine = Engine.__new__(Engine)  # the limits need only the config: no model
+    engine.config = EngineConfig(speculative_method="ngram")
+    for knob in KNOBS:
+        with pytest.raises(ParameterError) as below:
+            engine.update_config(**{knob.name: knob.minimum - 1})
+        assert below.value.param == knob.name
+        high = getattr(engine.config, knob.ceiling)
+        with pytest.raises(ParameterError, match=f"between {knob.minimum} and {high}"):
+            engine.update_config(**{knob.name: high + 1})
+
+
+def test_admin_api_knows_every_knob() -> None:
+    from specfleet.engine.server.protocol import AdminConfigPatch
+
+    assert list(AdminConfigPatch.model_fields) == NAMES
+    assert AdminConfigPatch(**VALUES).changes() == VALUES
+    for knob in KNOBS:
+        assert AdminConfigPatch(**{knob.name: knob.minimum}).changes() == {knob.name: knob.minimum}
+        with pytest.raises(ValidationError):
+            AdminConfigPatch(**{knob.name: knob.minimum - 1})
+    with pytest.raises(ValidationError):
+        AdminConfigPatch(not_a_knob=1)
+    assert LiveConfig(**VALUES).as_dict() == VALUES  # the GET body
+
+
+def _rendered(values: dict[str, int]) -> str:
+    from specfleet.engine.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics("m")
+    metrics.set_live_config(LiveConfig(**values))
+    return metrics.render().decode()
+
+
+def test_gauges_and_both_tuner_readers_know_every_knob() -> None:
+    text = _rendered(VALUES)
+    for knob in KNOBS:
+        assert f"# HELP {knob.gauge} {knob.help}" in text
+        assert f'{knob.gauge}{{model_name="m"}} {float(VALUES[knob.name])}' in text
+    searched = TunedConfig(**{k.name: VALUES[k.name] for k in SEARCHED})
+    # the direct scrape
+    assert parse_metrics(text, 0.0).config() == searched
+    # PromQL: one min and one max query per searched knob, on its gauge; the config read from their answers
+    source = PrometheusSource("http://prometheus.invalid", 'job="x"')
+    queries = source.queries()
+    for knob in SEARCHED:
+        assert queries[f"min:{knob.name}"] == f'min({knob.gauge}{{job="x"}})'
+        assert queries[f"max:{knob.name}"] == f'max({knob.gauge}{{job="x"}})'
+
+    async def answer(promql: str) -> list[dict[str, Any]]:
+        if promql.startswith("count("):
+            return [{"metric": {}, "value": [0, "1"]}]
+        knob = next((k for k in SEARCHED if promql.startswith(("min(" + k.gauge + "{", "max(" + k.gauge + "{"))), None)
+        return [{"metric": {}, "value": [0, str(VALUES[knob.name])]}] if knob else []
+
+    source._query = answer  # type: ignore[method-assign]
+    assert asyncio.run(source.observe()).config == searched
+
+
+def test_tuner_types_know_every_knob() -> None:
+    assert [f.name for f in fields(TunedConfig)] == [k.name for k in SEARCHED]
+    config = TunedConfig(**{k.name: VALUES[k.name] for k in SEARCHED})
+    assert config.as_admin() == {k.name: VALUES[k.name] for k in SEARCHED}
+    assert TunedConfig.from_admin(VALUES) == config
+    assert config.short() == " ".join(f"{k.label}={VALUES[k.name]}" for k in SEARCHED)
+    ruled = {k.name: VALUES[k.name] for k in RULED}
+    assert LiveSettings(config, **ruled).as_admin() == VALUES  # every knob reaches the engines, typed
+    assert LiveSettings(config).as_admin() == config.as_admin()  # None: left as the engine has it
+    bounds = TuneBounds()
+    for knob in SEARCHED:
+        assert bounds[knob.name] == getattr(bounds, knob.label) == knob.search
+        narrow = TuneBounds(**{knob.name: (knob.minimum, knob.minimum)})
+        assert getattr(narrow.clamp(config), knob.name) == knob.minimum
+    with pytest.raises(KeyError, match="not a searched knob"):
+        TuneBounds(not_a_knob=(0, 1))
+
+
+def test_typed_copies_fail_at_import_when_a_knob_is_missing() -> None:
+    @dataclass(frozen=True)
+    class Short:
+        num_speculative_tokens: int
+
+    with pytest.raises(TypeError, match="max_num_seqs"):
+        check_fields(Short, tuple(k.name for k in SEARCHED), "one per searched knob")
+
+
+def test_crd_knows_every_searched_knob() -> None:
+    assert list(AutotuneBounds.model_fields) == [k.name for k in SEARCHED]
+    schema = model_schema(InferenceServiceSpec)
+    bounds = schema["properties"]["autotune"]["properties"]["bounds"]
+    rules = " ".join(r["rule"] for r in bounds["x-kubernetes-validations"])
+    spec_rules = " ".join(r["rule"] for r in schema["x-kubernetes-validations"])
+    for knob in SEARCHED:
+        assert bounds["properties"][knob.crd_name]["default"] == list(knob.search or ())
+        assert f"self.{knob.crd_name}[0] <= self.{knob.crd_name}[1]" in rules
+        assert f"self.autotune.bounds.{knob.crd_name}[0]" in spec_rules
+    spec = InferenceServiceSpec.model_validate(SPEC)
+    assert list(spec.start_values()) == [k.name for k in SEARCHED]
+    assert spec.tuned_bounds() == {k.name: k.search for k in SEARCHED}
+    wide = {k.crd_name: [k.minimum, k.minimum] for k in SEARCHED}
+    for knob in SEARCHED:  # autotune on: each start value must lie inside its bounds (the Python twin of CEL)
+        with pytest.raises(ValidationError, match=f"autotune.bounds.{knob.crd_name}"):
+            InferenceServiceSpec.model_validate({**SPEC, "autotune": {"enabled": True, "bounds": {
+                **{k.crd_name: [0, 1 << 20] for k in SEARCHED}, knob.crd_name: wide[knob.crd_name]}}})
+    status = model_schema(TuningStatus)["properties"]
+    assert all(camel(k.name) in status for k in KNOBS)
+
+
+def test_speculative_methods_have_one_home() -> None:
+    from specfleet.engine.server.cli import build_parser
+
+    schema = model_schema(InferenceServiceSpec)
+    assert tuple(schema["properties"]["speculative"]["properties"]["method"]["enum"]) == SPECULATIVE_METHODS
+    action = next(a for a in build_parser()._actions if a.dest == "speculative_method")
+    assert tuple(action.choices or ()) == SPECULATIVE_METHODS
+
+
+def test_the_operator_and_the_tuner_import_the_declaration_without_torch() -> None:
+    code = ("import sys, specfleet.operator.spec, specfleet.operator.status, specfleet.operator.tuner.loop, "
+            "specfleet.operator.tuner.sources, specfleet.operator.tuner.report; "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr

@@ -44,6 +44,10 @@ def apply_token_bitmask_(
         bitmask = bitmask.clone()
         bitmask[dead] = -1
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
+        if rows is not None:  # xgrammar's indices pick row i of both tensors: spread the mask out first
+            spread = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
+            spread[rows] = bitmask
+            bitmask = spread
         xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
     else:
         apply_token_bitmask_reference_(logits, bitmask, rows)

@@ -31,14 +31,23 @@ class GrammarMatcher:
 
     def accept_tokens(self, tokens: Sequence[int]) -> bool:
         """Advance by all of `tokens`, or by none of them (False) if any is forbidden."""
-        if self.validate_tokens(tokens) < len(tokens):
+        if self._within_rollback(len(tokens)):
+            if self.validate_tokens(tokens) < len(tokens):
+                return False
+            for token in tokens:
+                self.accept_token(token)
+            return True
+        trial = self._m.fork()  # more tokens than rollback reaches: try them on a copy
+        if _advance(trial, tokens) < len(tokens):
             return False
-        for token in tokens:
-            self.accept_token(token)
+        self._m = trial
+        self.num_accepted += len(tokens)
         return True
 
     def validate_tokens(self, tokens: Sequence[int]) -> int:
         """How many leading tokens of `tokens` the grammar accepts from here; the state is unchanged."""
+        if not self._within_rollback(len(tokens)):
+            return _advance(self._m.fork(), tokens)
         n = 0
         for token in tokens:
             if not self.accept_token(token):
@@ -46,6 +55,9 @@ class GrammarMatcher:
             n += 1
         self.rollback(n)
         return n
+
+    def _within_rollback(self, num_tokens: int) -> bool:
+        return self.max_rollback_tokens < 0 or num_tokens <= self.max_rollback_tokens
 
     def rollback(self, num_tokens: int) -> None:
         """Undo the last `num_tokens` accepted tokens."""
@@ -73,6 +85,14 @@ class GrammarMatcher:
     def reset(self) -> None:
         self._m.reset()
         self.num_accepted = 0
+
+
+def _advance(matcher: xgr.GrammarMatcher, tokens: Sequence[int]) -> int:
+    """Accept tokens until one is refused; returns how many were accepted."""
+    for n, token in enumerate(tokens):
+        if not matcher.accept_token(int(token)):
+            return n
+    return len(tokens)
 
 
 def _bit(j: int) -> int:

@@ -1,19 +1,20 @@
 """Grammar engines compared on this machine: compile time and per-token mask cost (fill bitmask).
 
-`python -m specfleet.bench.structured_mask [--backends xgrammar,llguidance,outlines] [--repeats 3]`
+`python -m specfleet.bench.structured_mask [--backends xgrammar,llguidance,outlines] [--repeats 3] [--threads N]`
 
 With the bundled SmolLM2 tokenizer (vocab 49152) and one JSON schema (nested object, enum, array with
 min/max items, string pattern), each backend compiles the schema (cold: a fresh compiler, so no cache),
 then walks the token ids of a valid instance (compact: no whitespace, the same for every backend), filling the allowed-token bitmask before every token: one
 matcher (batch 1), and 32 matchers one step at a time (batch 32, one row each, sequential and with the
-backend's own parallel fill where it has one). Also times the in-place application of a [32, vocab] mask
-to float32 logits. Prints a table and, last, the figures as JSON on one line.
+backend's own parallel fill where it has one). Also times the in-place application of the mask rows
+to float32 logits at batch 1 and 32, with real masks (those met along the instance). Prints a table and, last, the figures as JSON on one line.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -216,18 +217,32 @@ def measure(backend, tokens: list[int], vocab_size: int, repeats: int) -> dict:
     }
 
 
-def apply_cost_us(vocab_size: int, repeats: int = 50) -> dict:
-    from specfleet.engine.structured_output.bitmask import apply_token_bitmask_
+def apply_cost_us(tokenizer, vocab_size: int, tokens: list[int], repeats: int) -> dict:
+    """The in-place application of real masks (those met along the instance) to float32 logits."""
+    from specfleet.engine.structured_output import GrammarBackend, StructuredOutputSpec, apply_token_bitmask_
 
+    backend = GrammarBackend(tokenizer, vocab_size, [tokenizer.eos_token_id])
+    matcher = backend.matcher(StructuredOutputSpec.json_schema(SCHEMA))
+    masks = backend.allocate_bitmask(len(tokens))
+    for row, token in enumerate(tokens):
+        matcher.fill_bitmask(masks, row)
+        matcher.accept_token(token)
+    import xgrammar as xgr
+
+    appliers = {"apply": apply_token_bitmask_,
+                "xgrammar_cpu_kernel_apply": lambda lg, bm: xgr.apply_token_bitmask_inplace(lg, bm, backend="cpu")}
     out = {}
-    for rows in (1, BATCH):
-        logits = torch.randn(rows, vocab_size)
-        bitmask = torch.full((rows, _words(vocab_size)), 0x0F0F0F0F, dtype=torch.int32)
-        apply_token_bitmask_(logits, bitmask)
-        t0 = time.perf_counter()
-        for _ in range(repeats):
-            apply_token_bitmask_(logits, bitmask)
-        out[f"apply_us_batch{rows}"] = 1e6 * (time.perf_counter() - t0) / repeats
+    for name, apply in appliers.items():
+        for rows in (1, BATCH):
+            logits = torch.randn(rows, vocab_size)
+            batches = [masks[[(start + r) % len(tokens) for r in range(rows)]] for start in range(len(tokens))]
+            spent = []
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                for bitmask in batches:
+                    apply(logits, bitmask)
+                spent.append((time.perf_counter() - t0) / len(tokens))
+            out[f"{name}_us_step_batch{rows}"] = 1e6 * statistics.median(spent)
     return out
 
 
@@ -235,16 +250,20 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     tokenizer = _load_tokenizer()
     vocab_size = len(tokenizer)
     tokens = tokenizer.encode(json.dumps(INSTANCE, separators=(",", ":"))) + [tokenizer.eos_token_id]
-    results: dict = {"vocab_size": vocab_size, "tokens": len(tokens), "torch_threads": torch.get_num_threads()}
+    results: dict = {"vocab_size": vocab_size, "tokens": len(tokens), "torch_threads": torch.get_num_threads(),
+                     "load_average_1m": os.getloadavg()[0]}
     for name in args.backends.split(","):
         print(f"measuring {name} ...", flush=True)
         backend = BACKENDS[name](tokenizer, vocab_size)
         results[name] = measure(backend, tokens, vocab_size, args.repeats)
-    results.update(apply_cost_us(vocab_size))
+    results.update(apply_cost_us(tokenizer, vocab_size, tokens, args.repeats))
     print(f"{'backend':<12} {'compile ms':>11} {'fill us b=1':>12} {'step us b=32 seq':>17} {'step us b=32 par':>17}")
     for name in args.backends.split(","):
         r = results[name]
@@ -252,6 +271,9 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name:<12} {r['compile_ms']:>11.1f} {r['fill_us_batch1']:>12.1f} "
             f"{r['fill_us_step_batch32_sequential']:>17.1f} {r['fill_us_step_batch32_parallel']:>17.1f}"
         )
+    for name in ("apply", "xgrammar_cpu_kernel_apply"):
+        print(f"{name} (mask to logits), us a step: batch 1 {results[f'{name}_us_step_batch1']:.1f}, "
+              f"batch {BATCH} {results[f'{name}_us_step_batch32']:.1f}")
     print(json.dumps(results))
     return results
 

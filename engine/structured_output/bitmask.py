@@ -1,15 +1,15 @@
 """Allowed-token bitmasks: int32 rows of ceil(vocab / 32) words, bit j of word w = token 32 * w + j.
 
 The layout is xgrammar's and vLLM's (`[num_rows, ceil(vocab / 32)]`), so a grammar backend fills a row in
-place and the sampler applies it to logits without conversion. `apply_token_bitmask_` runs xgrammar's
-CPU kernel on CPU float32 logits and the torch reference (`apply_token_bitmask_reference_`) elsewhere;
-the tests hold the two equal.
+place and the sampler applies it to logits without conversion. `apply_token_bitmask_` works a word at a
+time (a word of 0 masks 32 logits with one broadcast, a word of -1 is skipped, only mixed words are
+unpacked): on this machine 4x faster than xgrammar's CPU kernel at 32 rows (docs/structured_outputs.md).
+`apply_token_bitmask_reference_` unpacks every bit; the tests hold the two equal.
 """
 
 from __future__ import annotations
 
 import torch
-import xgrammar as xgr
 
 _BIT = torch.arange(32, dtype=torch.int32)
 
@@ -43,14 +43,21 @@ def apply_token_bitmask_(
     if bool(dead.any()):
         bitmask = bitmask.clone()
         bitmask[dead] = -1
-    if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.is_contiguous():
-        if rows is not None:  # xgrammar's indices pick row i of both tensors: spread the mask out first
-            spread = torch.full((logits.shape[0], bitmask.shape[1]), -1, dtype=torch.int32)
-            spread[rows] = bitmask
-            bitmask = spread
-        xgr.apply_token_bitmask_inplace(logits, bitmask, indices=rows, backend="cpu")
-    else:
+    num_rows, words = logits.shape[0], bitmask.shape[1]
+    if logits.shape[1] != 32 * words or not logits.is_contiguous():
         apply_token_bitmask_reference_(logits, bitmask, rows)
+        return dead
+    bitmask = bitmask.to(logits.device)
+    if rows is not None:  # one mask row per logits row, every token allowed where none was given
+        spread = torch.full((num_rows, words), -1, dtype=torch.int32, device=logits.device)
+        spread[torch.tensor(rows, device=logits.device)] = bitmask
+        bitmask = spread
+    by_word = logits.view(num_rows, words, 32)
+    by_word.masked_fill_((bitmask == 0).unsqueeze(-1), float("-inf"))
+    row, word = ((bitmask != 0) & (bitmask != -1)).nonzero(as_tuple=True)
+    if row.numel():
+        forbidden = ((bitmask[row, word].unsqueeze(-1) >> _BIT.to(logits.device)) & 1) == 0  # [mixed, 32]
+        by_word[row, word] = by_word[row, word].masked_fill(forbidden, float("-inf"))
     return dead
 
 

@@ -318,11 +318,12 @@ def test_draft_bitmask_refuses_more_drafts_than_rollback(backend, tokenizer):
 
 # -- applying a mask to logits ------------------------------------------------------------------------
 
-def test_apply_matches_the_reference_and_guards_dead_rows():
+@pytest.mark.parametrize("vocab", [1024, 1000])  # 1000: the last word is partly used (the reference path)
+def test_apply_matches_the_reference_and_guards_dead_rows(vocab):
     gen = torch.Generator().manual_seed(0)
-    vocab = 1000  # not a multiple of 32: the last word is partly used
     logits = torch.randn(6, vocab, generator=gen)
     bitmask = torch.randint(-(2**31), 2**31 - 1, (3, (vocab + 31) // 32), generator=gen, dtype=torch.int32)
+    bitmask[0, :10], bitmask[0, 10:20], bitmask[2, 5:] = 0, -1, 0  # whole words masked and allowed
     bitmask[1] = 0  # a dead end
     indices = [4, 0, 2]
     got, want = logits.clone(), logits.clone()
@@ -336,6 +337,24 @@ def test_apply_matches_the_reference_and_guards_dead_rows():
     allowed = unpack_bitmask(bitmask[[0]], vocab)[0]
     assert torch.isinf(got[4][~allowed]).all() and torch.equal(got[4][allowed], logits[4][allowed])
     assert not got.softmax(dim=-1).isnan().any()
+    assert torch.isinf(got[4, :320]).all() and torch.equal(got[4, 320:640], logits[4, 320:640])
+
+
+def test_apply_without_indices_masks_row_by_row(backend, tokenizer):
+    """Real masks from a walk, applied to a batch at once, equal the reference bit by bit."""
+    spec = StructuredOutputSpec.json_schema(SCHEMAS["string_patterns"])
+    tokens = encode(tokenizer, json.dumps(INSTANCES["string_patterns"]))
+    matcher = backend.matcher(spec)
+    masks = backend.allocate_bitmask(len(tokens))
+    for row, token in enumerate(tokens):
+        matcher.fill_bitmask(masks, row)
+        assert matcher.accept_token(token)
+    logits = torch.randn(len(tokens), VOCAB, generator=torch.Generator().manual_seed(1))
+    got, want = logits.clone(), logits.clone()
+    assert not apply_token_bitmask_(got, masks).any()
+    apply_token_bitmask_reference_(want, masks)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.isfinite(got), unpack_bitmask(masks, VOCAB))
 
 
 def test_apply_checks_shapes():

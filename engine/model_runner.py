@@ -12,6 +12,7 @@ from specfleet.engine.sampler import SamplingBatch, apply_penalties, logprobs_fo
 from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rejection import rejection_sample, verify_greedy
+from specfleet.engine.structured_output.bitmask import apply_token_bitmask_
 
 # On CPU a one-token step is mostly small ops, which lose more to OpenMP overhead than its GEMVs gain
 # from a second thread (measured on 2 cores: 40 ms against 44 ms per SmolLM2 decode step).
@@ -135,6 +136,8 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
+        if sched.grammar_bitmask is not None:  # before everything that reads logits: sampling and verification
+            apply_token_bitmask_(logits, sched.grammar_bitmask)
         items = [item for item in sched.scheduled if item.sample]
         row_seqs = [item.seq for item in items for _ in range(item.num_spec_tokens + 1)]
         batch = self.sampling_batch(row_seqs, logits.device)
@@ -229,8 +232,9 @@ class ModelRunner:
             batch.presence = torch.tensor([p.presence_penalty for p in params], device=device)
             batch.frequency = torch.tensor([p.frequency_penalty for p in params], device=device)
         if penalties:
+            # a structured sequence's min_tokens is in its grammar mask (the engine's grammar_bitmask)
             banned = [(row, sorted(self.eos_token_ids | set(s.params.stop_token_ids)))
-                      for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens]
+                      for row, s in enumerate(seqs) if s.num_output_tokens < s.params.min_tokens and s.grammar is None]
             batch.banned = banned or None
         wanted = [p.logprobs for p in params if p.logprobs is not None]
         batch.num_logprobs = max(wanted) if wanted else None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -23,6 +24,8 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     # Speculative tokens for this request; None follows the engine's live setting, 0 turns it off.
     num_speculative_tokens: int | None = None
+    # A StructuredOutputSpec, or vLLM's dict spelling ({"json": schema} | regex | choice | grammar | json_object)
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -31,6 +34,10 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None:
+            from specfleet.engine.structured_output import spec_from_structured_outputs
+
+            self.structured_outputs = spec_from_structured_outputs(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

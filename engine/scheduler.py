@@ -13,6 +13,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.sequence import Sequence, Status
@@ -32,6 +33,9 @@ class SchedulerOutput:
     num_batched_tokens: int = 0
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
+    # [num_sample_rows, ceil(vocab / 32)] int32 allowed tokens, num_spec_tokens + 1 rows per sampling item;
+    # None when no scheduled sequence is structured
+    grammar_bitmask: Any = None
 
     @property
     def empty(self) -> bool:

@@ -36,8 +36,9 @@ def _param_for(message: str, default: str) -> str:
 def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list[int | None]) -> SamplingParams:
     try:
         params = body.to_sampling_params()
-    except ValueError as exc:
-        raise APIError(400, str(exc), _param_for(str(exc), "max_tokens"), "invalid_value") from exc
+    except ValueError as exc:  # a StructuredOutputError carries the field it is about
+        param = getattr(exc, "param", None) or _param_for(str(exc), "max_tokens")
+        raise APIError(400, str(exc), param, "invalid_value") from exc
     bad = [t for t in params.stop_token_ids if t >= state.vocab_size]
     if bad:
         raise APIError(400, f"stop_token_ids contains {bad[0]}: token ids must be in [0, {state.vocab_size})",
@@ -70,7 +71,7 @@ async def _submit(state: ServerState, ids: list[str], prompts: list[Any], params
                        headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from exc
     except ValueError as exc:
         _close(streams)
-        param = _param_for(str(exc), prompt_param)
+        param = getattr(exc, "param", None) or _param_for(str(exc), prompt_param)
         code = "context_length_exceeded" if "context" in str(exc) or "long" in str(exc) else "invalid_value"
         raise APIError(400, str(exc), param, code) from exc
     except BaseException:

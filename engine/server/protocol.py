@@ -6,6 +6,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.structured_output import spec_from_request
 
 MAX_N = 16
 MAX_STOP = 16
@@ -44,6 +45,12 @@ class SamplingFields(StrictModel):
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
     user: str | None = Field(default=None, description="End-user id (accepted, not used)")
+    # vLLM's structured-output extra body (docs/structured_outputs.md); checked in to_sampling_params
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -86,6 +93,11 @@ class SamplingFields(StrictModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
+            structured_outputs=spec_from_request(
+                response_format=getattr(self, "response_format", None), guided_json=self.guided_json,
+                guided_regex=self.guided_regex, guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
+                structured_outputs=self.structured_outputs,
+            ),
         )
 
     @property
@@ -152,8 +164,17 @@ class ChatMessage(StrictModel):
         return message
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text"] = Field(description="Only plain text responses are supported")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

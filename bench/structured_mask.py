@@ -1,6 +1,7 @@
 """Grammar engines compared on this machine: compile time and per-token mask cost (fill bitmask).
 
-`python -m specfleet.bench.structured_mask [--backends xgrammar,llguidance,outlines] [--repeats 3] [--threads N]`
+`python -m specfleet.bench.structured_mask [--backends xgrammar,llguidance,outlines] [--repeats 3] [--threads N]
+[--engine]` (--engine: also the engine's decode step with and without a JSON schema, at batch 1 and 32)
 
 With the bundled SmolLM2 tokenizer (vocab 49152) and one JSON schema (nested object, enum, array with
 min/max items, string pattern), each backend compiles the schema (cold: a fresh compiler, so no cache),
@@ -246,11 +247,46 @@ def apply_cost_us(tokenizer, vocab_size: int, tokens: list[int], repeats: int) -
     return out
 
 
+def engine_overhead(batches: tuple[int, ...] = (1, BATCH), max_tokens: int = 48) -> dict:
+    """End to end (needs the engine integration): median decode step with and without a JSON schema whose
+    one field is a long free string, so every sequence stays in the grammar for max_tokens tokens with
+    real, mixed masks. Greedy, no speculation, runs alternate A/B/A/B."""
+    from specfleet.engine import LLM, SamplingParams
+
+    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}}, "required": ["story"]}
+    llm = LLM()
+    engine = llm.engine
+    out: dict = {}
+    for batch in batches:
+        medians: dict[str, list[float]] = {"plain": [], "json_schema": []}
+        for _ in range(2):
+            for name in medians:
+                structured = {"json": schema} if name == "json_schema" else None
+                params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
+                                        structured_outputs=structured)
+                for i in range(batch):
+                    engine.add_request(f"{name}-{batch}-{i}-{time.monotonic_ns()}",
+                                       f"Tell story number {i} about a lighthouse keeper, as JSON.", params)
+                steps = []
+                while engine.has_unfinished_requests():
+                    t0 = time.perf_counter()
+                    engine.step()
+                    steps.append(time.perf_counter() - t0)
+                medians[name].append(statistics.median(steps[2:]))
+        plain, structured = (1e3 * statistics.median(v) for v in medians.values())
+        out[f"step_ms_batch{batch}"] = {"plain": plain, "json_schema": structured,
+                                        "overhead_pct": 100 * (structured / plain - 1)}
+        print(f"batch {batch}: decode step {plain:.1f} ms plain, {structured:.1f} ms with a JSON schema "
+              f"({out[f'step_ms_batch{batch}']['overhead_pct']:+.1f}%)", flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--engine", action="store_true", help="also the end-to-end step overhead (loads the model)")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -271,6 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
             f"{name:<12} {r['compile_ms']:>11.1f} {r['fill_us_batch1']:>12.1f} "
             f"{r['fill_us_step_batch32_sequential']:>17.1f} {r['fill_us_step_batch32_parallel']:>17.1f}"
         )
+    if args.engine:
+        results["engine"] = engine_overhead()
     for name in ("apply", "xgrammar_cpu_kernel_apply"):
         print(f"{name} (mask to logits), us a step: batch 1 {results[f'{name}_us_step_batch1']:.1f}, "
               f"batch {BATCH} {results[f'{name}_us_step_batch32']:.1f}")

@@ -24,6 +24,7 @@ from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
 from specfleet.engine.stats import EngineStats, StepStats
+from specfleet.engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("specfleet.engine")
 
@@ -59,6 +60,8 @@ class Engine:
         self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
+        self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
+                                                  config.max_num_speculative_tokens)
         self.stats = EngineStats()
         self._live = LiveConfig(**{knob.name: getattr(config, knob.name) for knob in KNOBS})
         self._pending: dict[str, int] = {}
@@ -91,6 +94,9 @@ class Engine:
             seqs.append(seq)
             detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, ids,
                                                  params.skip_special_tokens))
+        if params.structured_outputs is not None:
+            self.structured.attach(seqs, params.structured_outputs)
+        for seq in seqs:
             self.scheduler.add(seq)
         req = self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
         if params.prompt_logprobs is not None:
@@ -188,6 +194,7 @@ class Engine:
         sched = self.scheduler.schedule()
         if sched.empty:
             return self._postprocess(sched, None, [])
+        sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
         self._track_kv_peak()
         result = self.runner.execute(sched)
         changed = self.scheduler.update(sched, result.sampled)
@@ -211,6 +218,7 @@ class Engine:
             return
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, ks)):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
+            self.structured.filter_proposals(seq)
 
     def _speculation_disabled_by_batch(self) -> bool:
         """The batch this step will run (running sequences plus the waiting ones max_num_seqs leaves room
@@ -257,6 +265,8 @@ class Engine:
             if seq.seq_id in lp_by_seq:
                 req.logprobs[seq.index].extend(lp_by_seq[seq.seq_id])
             self._check_stop(req, seq, num_new)
+            if seq.grammar is not None and not seq.is_finished:
+                self._advance_grammar(req, seq, num_new)
             touched[req.request_id] = req
         for seq in sched.finished:  # no room in the cache: ended with "length"
             if (req := self._requests.get(seq.request_id)) is not None:
@@ -296,6 +306,18 @@ class Engine:
                 del seq.token_ids[pos + 1 :]
                 self.scheduler.finish(seq, reason, stop_reason)
                 return
+
+    def _advance_grammar(self, req: _Request, seq: Sequence, num_new: int) -> None:
+        """The matcher follows the tokens the step kept. A grammar that ended on a stop token that
+        `ignore_eos` let through ends the sequence there."""
+        verdict, end = self.structured.advance(seq, seq.num_tokens - num_new)
+        if verdict == "rejected":
+            log.warning("event=grammar_rejected request_id=%s token=%d", req.request_id, seq.token_ids[end])
+            self.scheduler.finish(seq, "abort")
+        elif verdict == "terminated":
+            del seq.token_ids[end + 1 :]
+            req.detoks[seq.index].update(seq.output_token_ids)
+            self.scheduler.finish(seq, "stop")
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
         outs = []

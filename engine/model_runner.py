@@ -19,6 +19,7 @@ from specfleet.engine.sampler import (
 from specfleet.engine.scheduler import SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rejection import rejection_sample, verify_greedy
+from specfleet.engine.structured_output.bitmask import apply_token_bitmask_
 
 # On CPU a one-token step is mostly small ops, which lose more to OpenMP overhead than its GEMVs gain
 # from a second thread (measured on 2 cores: 40 ms against 44 ms per SmolLM2 decode step).
@@ -171,6 +172,8 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
+        if sched.grammar_bitmask is not None:  # before everything that reads logits: sampling and verification
+            apply_token_bitmask_(logits, sched.grammar_bitmask)
         items = [item for item in sched.scheduled if item.sample]
         row_seqs = [item.seq for item in items for _ in range(item.num_spec_tokens + 1)]
         raw = logits  # logprobs report the model's own distribution, as vLLM's default does

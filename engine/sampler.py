@@ -108,7 +108,8 @@ def _bias_row(bias: torch.Tensor, seq: Sequence, offset: int, eos_token_ids: set
     for token, value in (params.logit_bias or {}).items():
         if token < bias.numel():
             bias[token] += value
-    if seq.num_output_tokens + offset < params.min_tokens:  # no stop before min_tokens
+    if seq.num_output_tokens + offset < params.min_tokens and seq.grammar is None:  # no stop before min_tokens
+        # (a structured sequence's min_tokens is in its grammar mask, which may allow only a stop token)
         bias[sorted(eos_token_ids | set(params.stop_token_ids))] = -inf
     output = seq.output_token_ids
     for word in params.bad_words_token_ids or []:  # a word's last token, when the output ends with the rest

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
@@ -47,6 +48,8 @@ class SamplingParams:
     num_speculative_tokens: int | None = None
     # bad_words as token ids, with and without a leading space (vLLM's variants); set by the engine.
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
+    # A StructuredOutputSpec, or vLLM's dict spelling ({"json": schema} | regex | choice | grammar | json_object)
+    structured_outputs: Any = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -59,6 +62,10 @@ class SamplingParams:
             self.logit_bias = {int(k): float(v) for k, v in self.logit_bias.items()}
         if self.top_k == 0:
             self.top_k = -1
+        if self.structured_outputs is not None:
+            from specfleet.engine.structured_output import spec_from_structured_outputs
+
+            self.structured_outputs = spec_from_structured_outputs(self.structured_outputs)
         self.validate()
 
     def validate(self) -> None:

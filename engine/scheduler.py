@@ -16,6 +16,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.sequence import Sequence, Status
@@ -36,6 +37,9 @@ class SchedulerOutput:
     num_preemptions: int = 0
     num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler ("length": no room)
+    # [num_sample_rows, ceil(vocab / 32)] int32 allowed tokens, num_spec_tokens + 1 rows per sampling item;
+    # None when no scheduled sequence is structured
+    grammar_bitmask: Any = None
 
     @property
     def empty(self) -> bool:

@@ -38,6 +38,8 @@ class Sequence:
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     seed: int | None = None  # a seeded request's per-sample seed (sampler.sample_seed)
+    grammar: Any = None  # GrammarMatcher of a structured request, at the end of token_ids
+    grammar_rows: Any = None  # [len(spec_token_ids) + 1, ceil(vocab / 32)] int32 masks for the proposals
 
     @property
     def num_tokens(self) -> int:

@@ -28,7 +28,7 @@ DISCONNECT_POLL_S = 0.25
 def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list[int | None]) -> SamplingParams:
     try:
         params = body.to_sampling_params()
-    except ParameterError as exc:
+    except ParameterError as exc:  # a StructuredOutputError too: it names the field it is about
         raise APIError(400, str(exc), exc.param, exc.code) from exc
     except ValueError as exc:
         raise APIError(400, str(exc), None, "invalid_value") from exc

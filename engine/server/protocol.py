@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
+from specfleet.engine.structured_output import spec_from_request
 
 MAX_N = 16
 MAX_STOP = 16
@@ -65,6 +66,12 @@ class SamplingFields(StrictModel):
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias[{key}]={bias} must be between -100 and 100")
         return value
+    # vLLM's structured-output extra body (docs/structured_outputs.md); checked in to_sampling_params
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -116,6 +123,11 @@ class SamplingFields(StrictModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             prompt_logprobs=self.num_prompt_logprobs(),
+            structured_outputs=spec_from_request(
+                response_format=getattr(self, "response_format", None), guided_json=self.guided_json,
+                guided_regex=self.guided_regex, guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
+                structured_outputs=self.structured_outputs,
+            ),
         )
 
     def num_prompt_logprobs(self) -> int | None:
@@ -191,8 +203,17 @@ class ChatMessage(StrictModel):
         return message
 
 
+class JsonSchemaFormat(StrictModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    name: str
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(StrictModel):
-    type: Literal["text"] = Field(description="Only plain text responses are supported")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 import torch
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from specfleet.engine.models import model_class
 from specfleet.engine.models.llama import LlamaModel
 
 log = logging.getLogger("specfleet.engine.loader")
@@ -73,7 +74,8 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     if config.quantization and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"quantization={config.quantization!r} runs on the native CPU kernels: it needs "
                          f"device cpu and dtype float32, not {device.type} {dtype}")
-    model = LlamaModel(hf_config, load_state_dict(resolved.path), dtype, device, quantize=config.quantization)
+    cls = model_class(hf_config.architectures)
+    model = cls(hf_config, load_state_dict(resolved.path), dtype, device, quantize=config.quantization)
     return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer))
 
 

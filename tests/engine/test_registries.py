@@ -1,0 +1,43 @@
+"""The registries a contributor extends: each name the config accepts has an entry, and nothing unknown
+falls through to a default."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from specfleet.engine.attention.base import ATTENTION_BACKENDS, get_attention_backend
+from specfleet.engine.config import ATTENTION_BACKENDS as CONFIG_BACKENDS
+from specfleet.engine.config import SPECULATIVE_METHODS, EngineConfig
+from specfleet.engine.models import ARCHITECTURES, model_class
+from specfleet.engine.models.llama import LlamaModel
+from specfleet.engine.spec_decode.factory import PROPOSERS, build_proposer
+
+
+def test_every_configurable_name_has_an_entry():
+    assert set(CONFIG_BACKENDS) == {"auto", *ATTENTION_BACKENDS}
+    assert set(SPECULATIVE_METHODS) == {"none", *PROPOSERS}
+
+
+def test_unknown_names_are_refused_with_the_known_ones():
+    with pytest.raises(ValueError, match="'torch', 'native', 'triton'"):
+        get_attention_backend("flash", torch.device("cpu"))
+    with pytest.raises(ValueError, match="supported: LlamaForCausalLM"):
+        model_class(["GPT2LMHeadModel"])
+    config = EngineConfig()
+    object.__setattr__(config, "speculative_method", "eagle")  # past EngineConfig's own check
+    with pytest.raises(ValueError, match="known: \\['draft', 'ngram'\\]"):
+        build_proposer(config, None, None, 1)
+
+
+def test_registered_architectures_load_the_llama_family_class():
+    assert all(model_class([name]) is LlamaModel for name in ARCHITECTURES)
+    assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
+
+
+def test_model_sources_refuse_an_unknown_scheme_naming_the_known_ones():
+    from specfleet.engine.model_loader import resolve_model
+
+    with pytest.raises(ValueError, match="use bundled://, file://, pvc://, hf://"):
+        resolve_model("s3://bucket/model")
+    with pytest.raises(ValueError, match="expected pvc://<claim>/<path>"):
+        resolve_model("pvc:///x")

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
+from specfleet.bench.prompt_snippets import CODE_SNIPPETS
 
 PASSAGES = [
     "The scheduler has no prefill or decode phase. Each request's computed tokens catch up with its tokens "
@@ -21,22 +21,12 @@ PASSAGES = [
 ]
 
 
-def _code_snippets() -> list[str]:
-    from specfleet.engine import detokenizer, sampling_params
-    from specfleet.engine.spec_decode import ngram
-
-    return [inspect.getsource(m.IncrementalDetokenizer.update) for m in (detokenizer,)] + [
-        inspect.getsource(ngram.ngram_lookup),
-        inspect.getsource(sampling_params.SamplingParams.validate)[:1200],
-    ]
-
-
 def grounded_prompts() -> list[str]:
     tasks = []
     for passage in PASSAGES:
         tasks.append(f"Repeat the following text exactly, word for word.\n\n{passage}")
         tasks.append(f"Rewrite the following text in British spelling, changing nothing else.\n\n{passage}")
-    for code in _code_snippets():
+    for code in CODE_SNIPPETS:
         tasks.append(f"Add a short comment above the first line of this Python code and return the whole code.\n\n{code}")
     return tasks
 

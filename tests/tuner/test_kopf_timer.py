@@ -1,5 +1,5 @@
 """The tuner as the operator runs it: the real kopf timer under KopfRunner, the Kubernetes API faked at its
-edge (tests/operator/fake_kube.py, an HTTP server), one real engine process as the service's ready pod.
+edge (tests/fake_kube.py, an HTTP server), one real engine process as the service's ready pod.
 
 It checks the operator-side wiring the policy tests cannot: the timer builds the service's tuner from the
 spec and the admin Secret, finds the ready pod, pushes the spec's config to it through the admin API,
@@ -10,7 +10,6 @@ pushes it again after the pod lost it (as a restarted pod does), and writes `sta
 from __future__ import annotations
 
 import base64
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -18,11 +17,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from fake_kube import FakeKube, wait_for  # tests/ is on sys.path (rootdir conftest)
 
 from .conftest import ADMIN_TOKEN
-
-sys.path.insert(0, str(Path(__file__).parents[1] / "operator"))
-from fake_kube import FakeKube, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

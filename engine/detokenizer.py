@@ -76,3 +76,19 @@ class TokenText:
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+class TextCursor:
+    """A detokenizer's stand-in in the engine core: it keeps no text, only how many output tokens the
+    engine asked to turn into text, so the server's detokenizer covers the same tokens."""
+
+    __slots__ = ("upto",)
+
+    def __init__(self) -> None:
+        self.upto = 0
+
+    def update(self, output_ids: list[int], check_stop: bool = True) -> None:
+        self.upto = len(output_ids)
+
+    def visible_text(self, finished: bool) -> str:
+        return ""

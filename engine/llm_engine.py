@@ -9,11 +9,12 @@ import itertools
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
-from specfleet.engine.detokenizer import IncrementalDetokenizer, TokenText
+from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
@@ -41,7 +42,11 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    """`text_cursor`, when given, replaces each sample's detokenizer (the engine core's: the server
+    detokenizes and matches stop strings), and logprobs are then left undecoded."""
+
+    def __init__(self, config: EngineConfig | None = None, *, text_cursor: Callable[[], TextCursor] | None = None,
+                 **kwargs):
         if config is None:
             config = EngineConfig(**kwargs)
         elif kwargs:
@@ -68,7 +73,8 @@ class Engine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
-        self.token_text = TokenText(self.tokenizer)
+        self.text_cursor = text_cursor
+        self.token_text = TokenText(self.tokenizer) if text_cursor is None else None
         log.info("event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
                  self.model_name, num_blocks, num_blocks if draft else 0, config.block_size, self.max_model_len,
                  self.runner.attn.name)
@@ -92,8 +98,8 @@ class Engine:
                 seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
             seqs.append(seq)
-            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, ids,
-                                                 params.skip_special_tokens))
+            detoks.append(self.text_cursor() if self.text_cursor is not None else IncrementalDetokenizer(
+                self.tokenizer, params.stop, params.include_stop_str_in_output, ids, params.skip_special_tokens))
         if params.structured_outputs is not None:
             self.structured.attach(seqs, params.structured_outputs)
         for seq in seqs:
@@ -148,6 +154,15 @@ class Engine:
         if req is not None:
             for seq in req.seqs:
                 self.scheduler.finish(seq, "abort")
+
+    def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> None:
+        """End one sample of a request (the server matched a stop string in its text)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        self.scheduler.finish(req.seqs[index], reason)
+        if all(s.is_finished for s in req.seqs):
+            del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -244,7 +259,8 @@ class Engine:
     def _postprocess(self, sched: SchedulerOutput, result: ModelRunnerOutput | None,
                      changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
         now = time.monotonic()
-        lp_by_seq = {item.seq.seq_id: [lp.decode_with(self.token_text) for lp in lps]
+        decode = self.token_text
+        lp_by_seq = {item.seq.seq_id: [lp.decode_with(decode) for lp in lps] if decode else lps
                      for item, lps in zip(sched.scheduled, result.logprobs if result else []) if lps}
         touched: dict[str, _Request] = {}
         for item, prompt_lps in zip(sched.scheduled, result.prompt_logprobs if result else []):
@@ -252,7 +268,7 @@ class Engine:
             if prompt_lps is not None and req is not None and req.prompt_logprobs is not None:
                 start, entries = prompt_lps
                 for pos, lp in enumerate(entries, start):
-                    req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or lp.decode_with(self.token_text)
+                    req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or (lp.decode_with(decode) if decode else lp)
         for seq, num_new in changed:
             req = self._requests.get(seq.request_id)
             if req is None:

@@ -59,15 +59,15 @@ def _authorize(state: ServerState, request: Request) -> None:
                        code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
 
 
-def _config(state: ServerState) -> dict[str, Any]:
-    return state.engine.live_config().as_dict()
+async def _config(state: ServerState) -> dict[str, Any]:
+    return (await state.async_engine.live_config()).as_dict()
 
 
 @router.get("/config")
 async def get_config(request: Request) -> dict[str, Any]:
     state = get_state(request)
     _authorize(state, request)
-    return _config(state)
+    return await _config(state)
 
 
 @router.patch("/config")
@@ -75,9 +75,9 @@ async def patch_config(body: AdminConfigPatch, request: Request) -> dict[str, An
     state = get_state(request)
     _authorize(state, request)
     changes = body.changes()
-    before = _config(state)
+    before = await _config(state)
     try:
-        live = state.engine.update_config(**changes)
+        live = await state.async_engine.update_config(**changes)
     except ParameterError as exc:
         raise APIError(400, str(exc), exc.param, exc.code) from exc
     state.metrics.set_live_config(live)

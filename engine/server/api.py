@@ -10,11 +10,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from specfleet.engine.core.client import EngineDeadError, QueueFullError
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 from . import serving
-from .async_engine import QueueFullError
 from .errors import APIError, error_body
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .state import ServerState, get_state
@@ -58,6 +58,10 @@ async def _submit(state: ServerState, ids: list[str], prompts: list[Any], params
     try:
         for request_id, prompt in zip(ids, prompts, strict=True):
             streams.append(await state.async_engine.generate(request_id, prompt, params))
+    except EngineDeadError as exc:
+        _close(streams)
+        raise APIError(503, f"the engine is down ({exc}); retry on another replica", code="engine_dead",
+                       headers={"Retry-After": "5"}) from exc
     except QueueFullError as exc:
         _close(streams)
         raise APIError(429, f"{exc}; retry later", code="queue_full",

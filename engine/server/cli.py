@@ -68,7 +68,8 @@ class DrainingServer(uvicorn.Server):
     """uvicorn, but SIGTERM drains: /ready false, new requests 503, in-flight ones finish, then exit 0.
 
     The listener stays open during the drain (so late clients get a 503, not a refused connection);
-    a second signal exits at once.
+    a second signal exits at once. A dead engine core ends the server too, with `core_dead` set, so
+    that the process exits non-zero and the pod restarts.
     """
 
     def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
@@ -77,6 +78,13 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.core_dead: str | None = None
+        state.async_engine.on_dead.append(self._core_died)
+
+    def _core_died(self, reason: str) -> None:
+        self.core_dead = reason
+        self.state.ready = False
+        self.should_exit = True
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -122,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
     _configure_logging(args.log_level)
-    from specfleet.engine import Engine
+    from specfleet.engine.core.client import EngineCoreClient
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped while loading: exit 0
     try:
@@ -133,17 +141,28 @@ def main(argv: list[str] | None = None) -> int:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
         started = time.monotonic()
-        engine = Engine(config)
+        try:
+            client = EngineCoreClient(config, log_level=args.log_level)
+        except RuntimeError as exc:
+            logger.error("event=engine_core_start_failed error=%s", exc)
+            return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    logger.info("event=model_loaded model=%s load_s=%.1f", engine.model_name, time.monotonic() - started)
-    state = build_state(engine, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
+    logger.info("event=model_loaded model=%s load_s=%.1f core_pid=%d", client.info.model_name,
+                time.monotonic() - started, client.pid)
+    state = build_state(client, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
                         admin_token=admin_token)
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(uv_config, state, args.drain_timeout)
-    server.run()
+    try:
+        server.run()
+    finally:
+        client.stop()
+    if server.core_dead is not None:
+        logger.error("event=exit reason=engine_core_dead exit_code=1")
+        return 1
     return 0 if server.started else 1
 
 

@@ -13,13 +13,8 @@ pytestmark = pytest.mark.slow
 PROMPT = "List three colors: red,"
 
 
-def _offline(server: Any, params: SamplingParams, prompt: str = PROMPT):
-    """The same request through the server's own engine, stepped in its engine thread while idle."""
-    server.wait_idle()
-    return server.async_engine.call_sync(lambda engine: _run(engine, prompt, params), timeout=120)
-
-
-def _run(engine, prompt, params):
+def _offline(engine: Any, params: SamplingParams, prompt: str = PROMPT):
+    """The same request through an in-process engine with the server's settings."""
     rid = f"offline-{id(params)}"
     engine.add_request(rid, prompt, params)
     while True:
@@ -28,11 +23,11 @@ def _run(engine, prompt, params):
                 return out
 
 
-def test_extra_body_sampling_fields_match_the_engine(client: Any, model_name: str, server: Any) -> None:
+def test_extra_body_sampling_fields_match_the_engine(client: Any, model_name: str, offline_engine: Any) -> None:
     extra = {"repetition_penalty": 1.4, "min_p": 0.05, "bad_words": ["blue"], "top_k": 20}
     resp = client.completions.create(model=model_name, prompt=PROMPT, max_tokens=12, temperature=0,
                                      extra_body=extra)
-    offline = _offline(server, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.4, min_p=0.05,
+    offline = _offline(offline_engine, SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.4, min_p=0.05,
                                               bad_words=["blue"], top_k=20))
     assert resp.choices[0].text == offline.outputs[0].text
     assert "blue" not in resp.choices[0].text

@@ -230,6 +230,9 @@ class EngineCoreClient:
             text, ids = None, list(prompt)
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]
+        vocab = self.info.vocab_size
+        if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):  # before msgpack meets a 2**70
+            raise ParameterError("prompt", f"prompt token ids must be in [0, {vocab})")
         stream = RequestStream(request_id, params.n, self._loop, on_close=self.abort, on_finish=self._finished)
         self.streams[request_id] = stream
         self._pending_adds[request_id] = stream

@@ -175,6 +175,9 @@ class ModelRunner:
         if sched.grammar_bitmask is not None:  # before everything that reads logits: sampling and verification
             apply_token_bitmask_(logits, sched.grammar_bitmask)
         items = [item for item in sched.scheduled if item.sample]
+        if all(_plain_greedy(item) for item in items):  # no per-row settings to build: argmax is the token
+            emitted = [[token] for token in logits.argmax(dim=-1).tolist()]
+            return self._collect(sched, items, list(range(len(items))), emitted, logits)
         row_seqs = [item.seq for item in items for _ in range(item.num_spec_tokens + 1)]
         raw = logits  # logprobs report the model's own distribution, as vLLM's default does
         batch = self.sampling_batch(row_seqs, logits.device)
@@ -255,6 +258,14 @@ class ModelRunner:
     def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True,
                        offsets: list[int] | None = None) -> SamplingBatch:
         return build_sampling_batch(seqs, self.vocab_size, self.eos_token_ids, device, penalties, offsets)
+
+
+def _plain_greedy(item) -> bool:
+    """A greedy row with nothing that changes its logits (bias, masks, penalties, an unmet min_tokens)
+    and no proposals to verify: its token is the argmax, without the sampler's general machinery."""
+    seq, params = item.seq, item.seq.params
+    return (not item.num_spec_tokens and params.temperature == 0 and not params.uses_bias
+            and not params.depends_on_history and seq.num_output_tokens >= params.min_tokens)
 
 
 def _trim_top(lp: PositionLogprobs, want: int) -> PositionLogprobs:

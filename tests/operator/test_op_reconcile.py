@@ -12,8 +12,8 @@ from isvc_schema_tools import REPO
 from specfleet.operator.config import OperatorConfig
 from specfleet.operator.kube import KubeClient
 from specfleet.operator.reconcile import Outcome, Reconciler
-from specfleet.operator.resources import FIELD_MANAGER
 from specfleet.operator.render import read_admin_token
+from specfleet.operator.resources import FIELD_MANAGER
 
 NS = "team-a"
 ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")

@@ -255,6 +255,12 @@ def del_at(obj: dict[str, Any], path: FieldPath) -> None:
         node[:] = [item for item in node if item is not _item(node, last)]
     elif isinstance(node, dict):
         node.pop(last, None)
+        # a map left empty by the removal goes too (its manager owned it only through these fields)
+        for parent, seg in zip(reversed(parents), reversed(path[:-1]), strict=False):
+            if isinstance(seg, str) and isinstance(parent, dict) and parent.get(seg) == {}:
+                parent.pop(seg)
+            else:
+                break
 
 
 def _render_path(path: FieldPath) -> str:

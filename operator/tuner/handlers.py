@@ -23,6 +23,7 @@ from ..inference_service import InvalidInferenceService, parse_inference_service
 from ..kube import ApiError, KubeClient, object_path
 from ..render.secret import read_admin_token
 from ..resources import (
+    ADMIN_PORT,
     ENGINE_PORT,
     GROUP,
     LABEL_ISVC,
@@ -31,7 +32,7 @@ from ..resources import (
     VERSION,
     admin_secret_name,
 )
-from .actuator import AdminActuator
+from .actuator import AdminActuator, admin_on_port
 from .loop import ServiceTuner, params_from_spec, spec_config
 from .policy import Policy
 from .report import event_for, status_patch
@@ -77,7 +78,7 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
                                        params.window_s) if url else ScrapeSource(endpoints, window_s=params.window_s))
     return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
-                        AdminActuator(read_admin_token(secret)), endpoints)
+                        AdminActuator(read_admin_token(secret), admin_url=admin_on_port(ADMIN_PORT)), endpoints)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,

@@ -228,3 +228,53 @@ def test_a_users_secret_of_the_same_name_is_never_adopted(fake_kube: FakeKube) -
     reconcile(fake_kube)
     assert conditions(fake_kube)["Degraded"] == ("False", "AsExpected")
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is not None
+
+
+def test_the_admin_api_has_its_own_port_which_the_service_does_not_expose() -> None:
+    from isvc_schema_tools import k8s_validate
+    from specfleet.engine.server.cli import build_parser
+    from specfleet.operator import load_inference_service
+    from specfleet.operator.render import render_deployment, render_service
+    from specfleet.operator.resources import ADMIN_PORT, ENGINE_PORT
+    from test_op_reconcile import REPO
+
+    isvc = load_inference_service(REPO / "examples" / "smollm2-cpu.yaml")
+    container = render_deployment(isvc, CONFIG)["spec"]["template"]["spec"]["containers"][0]
+    parsed = build_parser().parse_args(container["args"])  # the engine's own parser reads the pod's flags
+    assert (parsed.host, parsed.port, parsed.admin_port) == ("0.0.0.0", ENGINE_PORT, ADMIN_PORT)
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": ENGINE_PORT, "admin": ADMIN_PORT}
+    service = render_service(isvc)
+    assert [p["port"] for p in service["spec"]["ports"]] == [ENGINE_PORT]
+    k8s_validate(service)
+
+
+def test_network_policy_admits_only_the_operator_to_the_admin_port() -> None:
+    from fake_kube import _render_chart
+    from isvc_schema_tools import k8s_validate
+    from specfleet.operator.resources import ADMIN_PORT, ENGINE_PORT
+
+    objects = _render_chart('{"networkPolicy": {"enabled": true}}', "sf", "specfleet-system")
+    (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
+    env = {e["name"]: e.get("value", "") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env["POD_NAMESPACE"] = "specfleet-system"  # the downward API's value
+    config = OperatorConfig.from_env(env)
+    assert config.network_policy and not OperatorConfig.from_env({}).network_policy
+    assert dict(config.operator_pod_labels) == deployment["spec"]["selector"]["matchLabels"]
+    fake = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}, "networkPolicy": {"enabled": True}})).start()
+    try:
+        create_isvc(fake)
+        reconcile(fake, OperatorConfig(**{**config.__dict__, "engine_cpu_image": CONFIG.engine_cpu_image}))
+        policy = fake.get("/apis/networking.k8s.io/v1", "networkpolicies", NS, "smollm2")
+        assert policy is not None and not fake.answered(403)
+        k8s_validate({k: v for k, v in policy.items() if k != "status"} | {"metadata": {"name": "smollm2"}})
+        api_rule, admin_rule = policy["spec"]["ingress"]
+        assert api_rule == {"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}
+        (source,) = admin_rule["from"]
+        assert admin_rule["ports"] == [{"port": ADMIN_PORT, "protocol": "TCP"}]
+        assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "specfleet-system"}
+        pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
+        assert source["podSelector"]["matchLabels"].items() <= pod_labels.items()  # selects the operator's pods
+    finally:
+        fake.stop()
+    with pytest.raises(ValueError, match="POD_NAMESPACE"):
+        OperatorConfig.from_env({"SPECFLEET_NETWORK_POLICY": "true"})

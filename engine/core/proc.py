@@ -257,8 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
-    # Ctrl-C and the server's own SIGTERM are the server's to handle (it drains, then stops the core);
-    # the core starts in its own session, so group signals do not reach it, and ignores SIGINT besides.
+    # Ctrl-C is the server's to handle (it drains, then stops the core with SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return serve(EngineConfig(**json.loads(args.config)), args.input, args.output)
 

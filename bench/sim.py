@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import statistics
 import sys
@@ -280,7 +281,13 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
-    grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 192), ks=(0, 4), prefills=(32, 128, 320), steps=5)
+    # One thread per engine, in the profile and in every fleet: on this shared machine OpenMP's spinning
+    # threads made a 2-thread engine's median step 1643 ms against 140 ms with one (load average 13).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 128), ks=(0, 4), prefills=(32, 128, 320), steps=5)
     started = time.perf_counter()
     points, blocks = measure(MODEL, grid, "ngram", KV_GIB)
     profile = fitted_profile(
@@ -317,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--window", type=float, default=10.0)
     p.add_argument("--only", nargs="*", default=None, help="run only these configurations")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (and in the profile)")
     p.add_argument("--out-dir", default="bench/results")
     return p
 

@@ -233,11 +233,14 @@ class SimEngine:
             steps //= 2
         out = []
         batch = len(seqs)
+        # step j reads j * batch more context tokens than the first: the profile is linear in context
+        base = self.profile.decode_s(batch)
+        per_token = self.profile.context_s_per_token
         context = sum(q.num_computed_tokens for q in seqs)
         for j in range(1, steps + 1):
             if t >= horizon:
                 break
-            d = self.profile.step_s(batch, 0, context + j * batch, 0)
+            d = base + per_token * (context + j * batch)
             out.append(d)
             t += d
         return out

@@ -34,6 +34,7 @@ def _engine(
     kv_gib: float,
     draft_model: str | None,
     draft_quantization: str | None,
+    max_model_len: int,
 ):
     from specfleet.engine.config import EngineConfig
     from specfleet.engine.llm_engine import Engine
@@ -50,6 +51,7 @@ def _engine(
             draft_model=draft_model,
             draft_quantization=draft_quantization,
             enable_prefix_caching=False,
+            max_model_len=max_model_len,
         )
     )
 
@@ -74,11 +76,16 @@ def measure(
     draft_model: str | None = None,
     draft_quantization: str | None = None,
     progress: bool = True,
+    max_model_len: int = 1024,
 ) -> tuple[list[StepPoint], int]:
     """The measured points, and the engine's KV blocks (what a simulated engine gets)."""
     from specfleet.engine.sampling_params import SamplingParams
 
-    engine = _engine(model, method, max(grid.ks), kv_gib, draft_model, draft_quantization)
+    engine = _engine(model, method, max(grid.ks), kv_gib, draft_model, draft_quantization, max_model_len)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("warm-up", [100, 101, 102, 103], warm)  # kernels build on first use: not timed
+    while engine.has_unfinished_requests():
+        engine.step()
     vocab = engine.runner.vocab_size
     points: list[StepPoint] = []
     n = 0

@@ -82,13 +82,14 @@ class LogHistogram:
     """Percentiles of many values (every inter-token gap of a long run) in 1% wide buckets."""
 
     STEP = 0.01
+    _LOG_BASE = math.log1p(STEP)
 
     def __init__(self) -> None:
         self.counts: dict[int, int] = defaultdict(int)
         self.total = 0
 
     def observe(self, value: float, times: int = 1) -> None:
-        key = math.floor(math.log(max(value, 1e-9)) / math.log1p(self.STEP))
+        key = math.floor(math.log(max(value, 1e-9)) / self._LOG_BASE)
         self.counts[key] += times
         self.total += times
 

@@ -19,6 +19,8 @@ position and the share of steps that carry a proposal, and the front end's per-r
 
 from __future__ import annotations
 
+import bisect
+import functools
 import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
@@ -80,13 +82,12 @@ class Profile:
     # -- the model ---------------------------------------------------------------------------------
     def decode_s(self, tokens: float) -> float:
         """D(tokens): interpolated between knots, the last segment's slope beyond them, the first knot below."""
-        xs = self._xs
+        xs, ys = self._curve
         if tokens <= xs[0] or len(xs) == 1:
-            return self.knots[0][1]
-        if tokens >= xs[-1]:
-            (x0, y0), (x1, y1) = self.knots[-2], self.knots[-1]
-            return y1 + (y1 - y0) / (x1 - x0) * (tokens - x1)
-        return float(np.interp(tokens, xs, self._ys))
+            return ys[0]
+        j = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
     def step_s(
         self,
@@ -102,13 +103,9 @@ class Profile:
             + self.draft_s_per_token * draft_tokens
         )
 
-    @property
-    def _xs(self) -> list[float]:
-        return [x for x, _ in self.knots]
-
-    @property
-    def _ys(self) -> list[float]:
-        return [y for _, y in self.knots]
+    @functools.cached_property
+    def _curve(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return tuple(x for x, _ in self.knots), tuple(y for _, y in self.knots)
 
     # -- files ---------------------------------------------------------------------------------------
     def to_json(self) -> dict:

@@ -16,11 +16,10 @@ from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-# The token ids a simulated request is made of (the block manager hashes them, nothing decodes them): a
-# group's shared prefix is negative ids of the group, the rest of a prompt and the output positive ids of
-# the request, so the real prefix cache hits exactly on the shared part. Lengths stay below the stride.
+# The token ids a simulated prompt is made of (the block manager hashes them, nothing decodes them): a
+# group's shared prefix is negative ids of the group, the rest positive ids of the request, so the real
+# prefix cache hits exactly on the shared part. Prompts stay below the stride.
 _STRIDE = 10_000_000
-_OUTPUT = 5_000_000
 
 
 @dataclass(frozen=True)
@@ -51,13 +50,16 @@ class SimRequest:
     def prompt_ids(self, index: int) -> list[int]:
         """The prompt as token ids: the group's shared prefix, then ids unique to request `index`."""
         shared = self.prefix_tokens if self.prefix_group is not None else 0
-        head = [-((self.prefix_group or 0) + 1) * _STRIDE - i for i in range(shared)]
-        return head + [index * _STRIDE + i + 1 for i in range(shared, self.prompt_tokens)]
+        group = -((self.prefix_group or 0) + 1) * _STRIDE
+        return [
+            *range(group, group - shared, -1),
+            *range(index * _STRIDE + shared + 1, index * _STRIDE + self.prompt_tokens + 1),
+        ]
 
 
-def output_id(index: int, position: int) -> int:
-    """The id of request `index`'s output token at `position`."""
-    return index * _STRIDE + _OUTPUT + position
+# Every output token is this id: a block's cache key chains its parent's, so outputs of different requests
+# never collide in the prefix cache however alike their ids.
+OUTPUT_ID = 0
 
 
 def load_trace(path: str | Path) -> list[SimRequest]:

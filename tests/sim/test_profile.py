@@ -53,3 +53,12 @@ def test_roofline_h100_llama3_8b_is_labelled_and_memory_bound_at_batch_one():
     assert roofline_profile("h100-sxm", "llama3-70b", tp=4).decode_s(1) < roofline_profile(
         "h100-sxm", "llama3-70b", tp=2
     ).decode_s(1)
+
+
+def test_default_profile_is_the_bundled_models_cpu_costs():
+    from specfleet.sim.cli import load_profile
+
+    p = load_profile(None)
+    assert p.kind == "measured" and not p.estimate
+    assert p.decode_s(1) == pytest.approx(0.018) and p.decode_s(64) == pytest.approx(0.197)
+    assert load_profile("roofline:h100-sxm:llama3-8b:2").hardware == "2 x h100-sxm"

@@ -82,3 +82,20 @@ def test_lengths_and_rates_parse_or_say_how():
         parse_lengths("uniform:9-3")
     with pytest.raises(ValueError, match="FROM_S:RATE"):
         parse_rates("fast")
+
+
+def test_bench_serve_records_a_trace_the_simulator_reads(tmp_path):
+    from specfleet.bench.serve import CONTEXT, BenchRequest, Result, write_trace
+
+    mix = [BenchRequest(CONTEXT * 2 + "Q1", 8), BenchRequest("Q2", 8), BenchRequest("Q3", 8)]
+    results = [
+        Result(ok=True, output_tokens=8, prompt_tokens=40, sent_s=100.5),
+        Result(ok=True, output_tokens=6, prompt_tokens=5, sent_s=100.0),
+        Result(ok=False, sent_s=100.7),
+    ]
+    write_trace(results, mix, str(tmp_path / "t.jsonl"))
+    trace = load_trace(tmp_path / "t.jsonl")
+    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.prefix_group) for r in trace] == [
+        (0.0, 5, 6, None),
+        (0.5, 40, 8, 2),
+    ]

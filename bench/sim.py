@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
-from specfleet.operator.tuner.fleet import LocalFleet
 from specfleet.sim.fleet import SimFleet
 from specfleet.sim.measure import Grid, measure
 from specfleet.sim.profile import Profile, fit_error, fitted_profile
@@ -182,7 +182,7 @@ def figures(rows: list[dict[str, float]]) -> dict[str, float]:
 
 async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float]:
     """Per-position acceptance and the share of decoding sequence-steps that got a proposal, from /metrics."""
-    from specfleet.operator.tuner.snapshot import parse_metrics
+    from specfleet.tuner.snapshot import parse_metrics
 
     drafts = steps_seqs = 0.0
     per_pos: dict[int, float] = {}

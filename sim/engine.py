@@ -22,7 +22,7 @@ from specfleet.engine.knobs import LiveConfig
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
-from specfleet.operator.tuner.policy.params import ModelParams
+from specfleet.tuner.policy.params import ModelParams
 
 from .metrics import EngineMetrics, LogHistogram
 from .profile import Profile

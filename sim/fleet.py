@@ -19,14 +19,14 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
+from specfleet.fleet.proxy import Backends
 from specfleet.operator.inference_service import InferenceService
-from specfleet.operator.tuner.actuator import ApplyResult
-from specfleet.operator.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
-from specfleet.operator.tuner.policy import Policy
-from specfleet.operator.tuner.proxy import Backends
-from specfleet.operator.tuner.snapshot import Snapshot
-from specfleet.operator.tuner.sources import ScrapeSource
-from specfleet.operator.tuner.types import LiveSettings, Observation
+from specfleet.tuner.actuator import ApplyResult
+from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
+from specfleet.tuner.policy import Policy
+from specfleet.tuner.snapshot import Snapshot
+from specfleet.tuner.sources import ScrapeSource
+from specfleet.tuner.types import LiveSettings, Observation
 
 from .engine import Limits, Record, SimEngine
 from .metrics import LogHistogram

@@ -19,7 +19,7 @@ from specfleet.engine.server.metrics import (
     STEP_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
 )
-from specfleet.operator.tuner.snapshot import Snapshot
+from specfleet.tuner.snapshot import Snapshot
 
 P = METRIC_PREFIX
 

@@ -238,6 +238,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         request_overhead = max(0.0, lone - profile.step_s(0, 8, 0))
         if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
             fleet.tuner = fleet._build_tuner()
+            fleet.ticks.clear()
         rows = await replay(fleet.url, requests, c.copy)
         acceptance, share = await scrape_acceptance(fleet.engine_urls)
         real_decisions = decisions(fleet.ticks)
@@ -287,7 +288,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(args.threads)
-    grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 128), ks=(0, 4), prefills=(32, 128, 320), steps=5)
+    grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 96), ks=(0, 4), prefills=(32, 320), steps=4)
     started = time.perf_counter()
     points, blocks = measure(MODEL, grid, "ngram", KV_GIB)
     profile = fitted_profile(

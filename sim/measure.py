@@ -98,14 +98,17 @@ def measure(
         engine.update_config(num_speculative_tokens=k)
         for context in grid.contexts:
             for batch in grid.batches:
-                params = SamplingParams(max_tokens=grid.steps + 8, temperature=0.0, ignore_eos=True)
+                # nobody may finish inside the timed steps, however many proposals are accepted
+                params = SamplingParams(
+                    max_tokens=(grid.steps + 2) * (k + 1) + 8, temperature=0.0, ignore_eos=True
+                )
                 for _ in range(batch):
                     n += 1
                     engine.add_request(f"p{n}", prompt(context, n), params)
                 while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
                     engine.step()
                 engine.step()  # the first decode step after prefill: proposals start here
-                timed = [_timed(engine) for _ in range(grid.steps)]
+                timed = [p for p in (_timed(engine) for _ in range(grid.steps)) if p.decode_tokens > 0]
                 while engine.has_unfinished_requests():
                     engine.step()
                 mid = statistics.median(p.seconds for p in timed)

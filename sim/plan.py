@@ -3,7 +3,7 @@
 For each engine config of the grid (k x max_num_seqs x max_num_batched_tokens, and tensor parallelism
 when the profile is a roofline that can be re-derived for it), the fewest replicas whose simulated TTFT
 p95 and TPOT p95 meet the SLO are found by doubling then bisection (more replicas never hurt latency
-under least-outstanding routing: the search assumes it). Cost is GPU-seconds over the workload; the
+under least-outstanding routing: the search assumes it). Cost is the GPUs held (replicas x tp); the
 cheapest config wins, ties to the better TPOT p95; the runner-up is the next cheapest config.
 """
 
@@ -236,7 +236,8 @@ def main(argv: list[str] | None = None) -> int:
             f"specfleet plan: no config meets {args.slo} within {args.max_replicas} replicas", file=sys.stderr
         )
         return 1
-    found.sort(key=lambda f: (f.gpu_seconds, f.summary["p95_tpot_ms"] or 0.0))
+    # cost: GPUs held over the same workload; between equals, the lower TPOT p95 (more headroom)
+    found.sort(key=lambda f: (f.replicas * f.candidate.tp, f.summary["p95_tpot_ms"] or 0.0))
     best = found[0]
     runner = next((f for f in found[1:] if f.candidate != best.candidate), None)
     doc = isvc_for(args.model, best.candidate, best.replicas, args.method, slo, args.max_model_len)

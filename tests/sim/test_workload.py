@@ -99,3 +99,17 @@ def test_bench_serve_records_a_trace_the_simulator_reads(tmp_path):
         (0.0, 5, 6, None),
         (0.5, 40, 8, 2),
     ]
+
+
+def test_bench_sim_prompts_keep_the_traces_prefix_structure_in_real_token_ids():
+    from specfleet.bench.sim import real_prompt
+
+    a = SimRequest(0, 300, 4, prefix_group=1, prefix_tokens=256)
+    b = SimRequest(0, 290, 4, prefix_group=1, prefix_tokens=256)
+    c = SimRequest(0, 300, 4, prefix_group=2, prefix_tokens=256)
+    pa, pb, pc = real_prompt(a, 0, False), real_prompt(b, 1, False), real_prompt(c, 2, False)
+    assert pa[:256] == pb[:256] != pc[:256]
+    assert pa[256:270] != pb[256:270]
+    assert (len(pa), len(pb)) == (300, 290) and all(100 <= t < 49000 for t in pa + pc)
+    copy = real_prompt(SimRequest(0, 48, 4), 3, True)
+    assert copy[:12] == copy[12:24]  # the pattern an n-gram proposer can copy from

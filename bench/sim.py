@@ -200,21 +200,34 @@ async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float]:
     )
 
 
-async def overhead(url: str) -> float:
-    """Median TTFT of lone 8-token requests minus the step that computes them: the HTTP/proxy/server path."""
-    ttfts = []
+async def overheads(url: str, profile: Profile) -> tuple[float, float]:
+    """The serving path's costs the profile does not hold, from lone streamed requests (8-token prompt, 17
+    tokens out): per request, TTFT minus the prefill step (HTTP, proxy, tokenizer); per step, TPOT minus a
+    one-token decode step (the serving loop's work outside `Engine.step()`: streaming, detokenising).
+    Medians of 5."""
+    per_request, per_step = [], []
     async with httpx.AsyncClient(timeout=60) as client:
         for i in range(5):
             body = {
                 "model": "smollm2-135m-instruct",
                 "prompt": [200 + i * 10 + j for j in range(8)],
-                "max_tokens": 1,
+                "max_tokens": 17,
                 "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
             }
             start = time.perf_counter()
-            (await client.post(f"{url}/v1/completions", json=body)).raise_for_status()
-            ttfts.append(time.perf_counter() - start)
-    return statistics.median(ttfts)
+            first = None
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                        first = time.perf_counter()
+            end = time.perf_counter()
+            first = first or end
+            per_request.append(first - start - profile.step_s(0, 8, 0))
+            per_step.append((end - first) / 16 - profile.step_s(1, 0, 16))
+    return max(0.0, statistics.median(per_request)), max(0.0, statistics.median(per_step))
 
 
 def decisions(ticks: list[Any]) -> list[str]:
@@ -234,8 +247,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     )
     await fleet.start()
     try:
-        lone = await overhead(fleet.url)
-        request_overhead = max(0.0, lone - profile.step_s(0, 8, 0))
+        request_overhead, step_overhead = await overheads(fleet.url, profile)
         if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
             fleet.tuner = fleet._build_tuner()
             fleet.ticks.clear()
@@ -245,7 +257,9 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     finally:
         await fleet.stop(drain_timeout_s=2)
     real = figures(rows)
-    tuned = profile.with_(request_overhead_s=request_overhead, proposal_share=share)
+    tuned = profile.with_(
+        request_overhead_s=request_overhead, step_overhead_s=step_overhead, proposal_share=share
+    )
     sim_fleet = SimFleet(
         isvc, tuned, tune=c.tune, interval_s=args.interval, window_s=args.window, accepted_per_pos=acceptance
     )
@@ -270,6 +284,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         "sim": sim,
         **errors,
         "request_overhead_ms": round(request_overhead * 1000, 1),
+        "step_overhead_ms": round(step_overhead * 1000, 1),
         "acceptance": [round(a, 3) for a in acceptance],
         "proposal_share": round(share, 3),
     }

@@ -234,7 +234,7 @@ class SimEngine:
         out = []
         batch = len(seqs)
         # step j reads j * batch more context tokens than the first: the profile is linear in context
-        base = self.profile.decode_s(batch)
+        base = self.profile.decode_s(batch) + self.profile.step_overhead_s
         per_token = self.profile.context_s_per_token
         context = sum(q.num_computed_tokens for q in seqs)
         for j in range(1, steps + 1):

@@ -57,6 +57,7 @@ class Profile:
     accepted_per_pos: tuple[float, ...] = ()  # P(position i accepted | a draft)
     proposal_share: float = 1.0  # share of decoding sequence-steps that get a proposal (n-gram: < 1)
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
+    step_overhead_s: float = 0.0  # added to every step: the serving loop's work outside `Engine.step()`
     hardware: str = ""
     model: str = ""
     notes: str = ""
@@ -98,6 +99,7 @@ class Profile:
     ) -> float:
         return (
             self.decode_s(decode_tokens)
+            + self.step_overhead_s
             + self.prefill_s_per_token * prefill_tokens
             + self.context_s_per_token * context_tokens
             + self.draft_s_per_token * draft_tokens

@@ -303,23 +303,31 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(args.threads)
-    grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 96), ks=(0, 4), prefills=(32, 320), steps=4)
-    started = time.perf_counter()
-    points, blocks = measure(MODEL, grid, "ngram", KV_GIB)
-    profile = fitted_profile(
-        "measured-bench-sim",
-        points,
-        num_kv_blocks=blocks,
-        block_size=16,
-        model=MODEL,
-        notes="measured by bench sim at its start",
-    )
-    print(
-        f"profile: {len(points)} points in {time.perf_counter() - started:.0f}s, fit {fit_error(profile)}",
-        flush=True,
-    )
+    if args.profile:  # a profile from an earlier run (the default measures one now, as the figures assume)
+        profile = Profile.load(args.profile)
+    else:
+        grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 96), ks=(0, 4), prefills=(32, 320), steps=4)
+        started = time.perf_counter()
+        points, blocks = measure(MODEL, grid, "ngram", KV_GIB)
+        profile = fitted_profile(
+            "measured-bench-sim",
+            points,
+            num_kv_blocks=blocks,
+            block_size=16,
+            model=MODEL,
+            notes="measured by bench sim at its start",
+        )
+        print(
+            f"profile: {len(points)} points in {time.perf_counter() - started:.0f}s, fit {fit_error(profile)}",
+            flush=True,
+        )
     chosen = [c for c in configs(args.seconds) if not args.only or c.name in args.only]
-    results = [await run_config(c, profile, args) for c in chosen]
+    results = []
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    for c in chosen:  # each configuration's figures are kept as they come: a long run may be cut short
+        results.append(await run_config(c, profile, args))
+        with open(Path(args.out_dir) / "sim-configs.jsonl", "a") as f:
+            f.write(json.dumps(results[-1]) + "\n")
     worst = {key: max(r[key] for r in results) for key in results[0] if key.endswith("_error_pct")}
     tuner = next((r for r in results if "tuner_real" in r), None)
     return {
@@ -340,6 +348,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--window", type=float, default=10.0)
     p.add_argument("--only", nargs="*", default=None, help="run only these configurations")
+    p.add_argument(
+        "--profile", default=None, help="reuse this profile instead of measuring one (iteration only)"
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (and in the profile)")
     p.add_argument("--out-dir", default="bench/results")
     return p

@@ -263,7 +263,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     sim_fleet = SimFleet(
         isvc, tuned, tune=c.tune, interval_s=args.interval, window_s=args.window, accepted_per_pos=acceptance
     )
-    run = sim_fleet.run(requests)
+    run = await asyncio.to_thread(sim_fleet.run, requests)  # its tuner needs an event loop of its own
     s = sim_summarize(run, tuned, {})
     sim = {
         "throughput": s["output_throughput"],

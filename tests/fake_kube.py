@@ -565,7 +565,10 @@ class FakeKube:
             return _status(403, problem, "Forbidden")
         crd = self.crds.get(key[:2])
         if crd is not None:
-            new, errors = crd.admit(new, only_status=sub == "status")
+            # ratcheting (Kubernetes >= 1.30): a write that leaves an invalid spec as it was is not refused for it
+            unchanged = existing is not None and sub is None and crd.admit(copy.deepcopy(existing), False, False)[0].get(
+                "spec") == crd.admit(copy.deepcopy(new), False, False)[0].get("spec")
+            new, errors = crd.admit(new, only_status=sub == "status", validate=not unchanged)
             if errors:
                 return _status(422, f'{crd.kind}.{key[0].split("/")[2]} "{key[3]}" is invalid: ' + "; ".join(errors),
                                "Invalid")

@@ -611,7 +611,7 @@ class FakeKube:
                 return False
             return (path[0] == "status") == (sub == "status") if has_status else True
 
-        applied = {p: v for p, v in flatten(body, keys).items() if in_scope(p)}
+        applied = {p: v for p, v in flatten(body, keys).items() if in_scope(p) and v is not None}  # null: not set
         if existing is None:
             new = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                    "metadata": {"name": key[3]}}

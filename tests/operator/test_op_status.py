@@ -43,7 +43,8 @@ def tuner_writes(fake: FakeKube, reason: str) -> None:
         client = KubeClient(fake.url)
         try:
             await client.apply_status(NS, "smollm2", {
-                "tuning": {"numSpeculativeTokens": 2, "reason": reason},
+                "tuning": {"numSpeculativeTokens": 2, "reason": reason,
+                           "observed": {"acceptanceRate": None, "goodput": 1.5}},  # None: not observed this time
                 "conditions": [{"type": "Tuned", "status": "True", "reason": "Holding", "message": reason}],
             }, TUNER_FIELD_MANAGER)
         finally:

@@ -11,7 +11,6 @@ from typing import Any
 
 import kopf
 import pytest
-from conftest import NS
 from fake_kube import FakeKube, Rbac
 from specfleet.operator import handlers
 from specfleet.operator.config import OperatorConfig
@@ -22,6 +21,7 @@ from test_op_reconcile import (
     CONFIG,
     DEPLOY,
     ISVC,
+    NS,
     SECRET,
     conditions,
     create_isvc,

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from specfleet.engine.knobs import camel
+from specfleet.operator.conditions import Cond, condition_entries
 
-from ..conditions import Cond, condition_entries
 from .loop import Tick
 from .types import Decision, LiveSettings, TunedConfig
 

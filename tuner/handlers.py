@@ -17,12 +17,11 @@ from typing import Any
 from urllib.parse import quote
 
 import kopf
-
-from ..handlers import _client, autotune_enabled
-from ..inference_service import InvalidInferenceService, parse_inference_service
-from ..kube import ApiError, KubeClient, object_path
-from ..render.secret import read_admin_token
-from ..resources import (
+from specfleet.operator.handlers import _client, autotune_enabled
+from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
+from specfleet.operator.kube import ApiError, KubeClient, object_path
+from specfleet.operator.render.secret import read_admin_token
+from specfleet.operator.resources import (
     ADMIN_PORT,
     ENGINE_PORT,
     GROUP,
@@ -32,6 +31,7 @@ from ..resources import (
     VERSION,
     admin_secret_name,
 )
+
 from .actuator import AdminActuator, admin_on_port
 from .loop import ServiceTuner, params_from_spec, spec_config
 from .policy import Policy

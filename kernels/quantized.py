@@ -70,8 +70,8 @@ class QuantTensor:
 
     def select_rows(self, index: torch.Tensor) -> QuantTensor:
         """Output rows in a new order (undoing GGUF's q/k row permutation works on the codes as is)."""
-        return replace(self, codes=self.codes[index], scales=self.scales[index],
-                       mins=None if self.mins is None else self.mins[index])
+        return replace(self, codes=self.codes.index_select(0, index), scales=self.scales.index_select(0, index),
+                       mins=None if self.mins is None else self.mins.index_select(0, index))
 
     @staticmethod
     def cat(parts: Sequence[QuantTensor]) -> QuantTensor | None:

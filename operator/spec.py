@@ -71,6 +71,13 @@ class ModelSpec(ModelSource):
         "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on GPU."
     )
     max_model_len: int = Field(4096, ge=16, le=1048576, description="Longest prompt + output, in tokens.")
+    quantization: Literal["none", "int8", "gguf", "awq", "gptq"] = Field(
+        "none",
+        description="Weights run quantized (--quantization): int8 (the float weights, quantized at load), gguf "
+        "(a GGUF source's Q4_0/Q4_1/Q4_K/Q8_0 tensors as stored), awq or gptq (4-bit checkpoints, also picked "
+        "up from their own config). CPU pods run them on the native kernels; awq and gptq also on GPU. none: "
+        "the float weights, exactly as transformers computes them.",
+    )
     hf_token_secret: str | None = Field(
         None,
         max_length=253,

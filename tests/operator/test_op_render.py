@@ -146,6 +146,19 @@ def test_int8_copy_of_the_target_as_draft() -> None:
     assert flag(args, "--draft-quantization") == "int8"
 
 
+@pytest.mark.parametrize("quantization", ["gguf", "awq", "none"])
+def test_model_quantization_reaches_the_engine_command_line(quantization: str) -> None:
+    from typing import get_args
+
+    from specfleet.engine.config import QUANTIZATIONS
+    from specfleet.operator.spec import ModelSpec
+
+    assert set(get_args(ModelSpec.model_fields["quantization"].annotation)) == {"none", *filter(None, QUANTIZATIONS)}
+    isvc = isvc_from("smollm2-cpu.yaml", model__quantization=quantization)
+    args = engine(render_deployment(isvc, CONFIG))["args"]
+    assert (flag(args, "--quantization") if "--quantization" in args else "none") == quantization
+
+
 def test_disable_by_batch_size_reaches_the_engine_command_line() -> None:
     isvc = isvc_from("smollm2-cpu.yaml", speculative__method="ngram", speculative__disableByBatchSize=8)
     args = engine(render_deployment(isvc, CONFIG))["args"]

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from specfleet.engine.knobs import camel
+from specfleet.operator.conditions import Cond, condition_entries
 
-from ..conditions import Cond, merge_conditions
 from .loop import Tick
 from .types import Decision, LiveSettings, TunedConfig
 
@@ -54,8 +54,9 @@ def tuned_condition(tick: Tick) -> Cond:
 
 def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
                  now: str) -> dict[str, Any]:
-    """The status merge patch for one interval (conditions of other types are kept as they are)."""
-    conditions = merge_conditions(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
+    """The tuner's share of status for one interval: `tuning` and its own `Tuned` condition only (applied
+    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them)."""
+    conditions = condition_entries(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
     return {"tuning": tuning_status(tick, config, status.get("tuning"), now), "conditions": conditions}
 
 

@@ -158,8 +158,11 @@ class StepTimer:
 
 
 def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
-    if threads:
+    if threads:  # on a shared machine 1 thread avoids OpenMP barriers waiting on a descheduled thread
+        from specfleet.kernels import cpu_native
+
         torch.set_num_threads(threads)
+        cpu_native.set_num_threads(threads)
     prompt = "Tell me about the history of Rome."
     out = {}
     for kind in kinds:

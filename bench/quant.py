@@ -172,18 +172,19 @@ def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
             tpots, layers, head = [], [], []
             greedy(llm, [prompt])  # warm-up
             for _ in range(runs):
+                timer.layers = timer.head = 0.0
                 t0 = time.perf_counter()
                 llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
                 t1 = time.perf_counter()
+                prefill_layers, prefill_head = timer.layers, timer.head
                 timer.layers = timer.head = 0.0
                 llm.generate([prompt], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS + 1, ignore_eos=True),
                              use_tqdm=False)
                 t2 = time.perf_counter()
-                decode = (t2 - t1) - (t1 - t0)  # minus the prefill and first token
-                tpots.append(decode / GREEDY_TOKENS * 1e3)
-                steps = GREEDY_TOKENS + 1
-                layers.append(timer.layers / steps * 1e3)
-                head.append(timer.head / steps * 1e3)
+                # The two runs differ only by GREEDY_TOKENS decode steps: their difference is decode alone.
+                tpots.append(((t2 - t1) - (t1 - t0)) / GREEDY_TOKENS * 1e3)
+                layers.append((timer.layers - prefill_layers) / GREEDY_TOKENS * 1e3)
+                head.append((timer.head - prefill_head) / GREEDY_TOKENS * 1e3)
             model = llm.engine.runner.model
             row = {"tpot_ms_p50": round(statistics.median(tpots), 2), "tpot_ms_all": [round(t, 2) for t in tpots],
                    "step_layers_ms": round(statistics.median(layers), 2), "step_head_ms": round(statistics.median(head), 2),

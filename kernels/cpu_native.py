@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 3
+ABI_VERSION = 4
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -80,8 +80,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_abi_version.restype = i32
     lib.sf_linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_i8.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, p, i64, i32]
-    lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, p, p, i64, p, i64, i32]
-    lib.sf_linear_q8g.argtypes = [p, i64, i64, i64, p, p, p, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_q8g.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_rms_norm_f32.argtypes = [p, i64, i64, p, f32, p]
     lib.sf_silu_mul_f32.argtypes = [p, i64, i64, p]
     lib.sf_paged_attention_f32.argtypes = [p, i64, p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, f32, p, i32]
@@ -223,8 +223,12 @@ def pack_quant_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch
     codes = pack_panels(q.codes.t())  # [panels, K, 32], padding columns get code 0
     if q.bits == 4:
         codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    scales = pack_panels(q.scales.t())  # padding columns get scale 0, so they add nothing
-    mins = None if q.mins is None else pack_panels(q.mins.t())
+    # Scales and mins as halfs when that is exact (GGUF's d and m are fp16 in the file): 1 bit per weight
+    # instead of 2 at groups of 32; otherwise (Q4_K's d * sc, AWQ/GPTQ's -z * s) float32.
+    dtype = torch.float16 if all(t is None or torch.equal(t.half().float(), t) for t in (q.scales, q.mins)) \
+        else torch.float32
+    scales = pack_panels(q.scales.t().to(dtype))  # padding columns get scale 0, so they add nothing
+    mins = None if q.mins is None else pack_panels(q.mins.t().to(dtype))
     return codes, scales, mins
 
 
@@ -257,7 +261,8 @@ class QuantLinear:
                 raise ValueError(f"residual has {residual.shape[0]} rows, x has {rows}")
         y = torch.empty(rows, self.out_features)
         self._kernel(x.data_ptr(), rows, self.in_features, ldx, self.codes.data_ptr(), self.scales.data_ptr(),
-                     None if self.mins is None else self.mins.data_ptr(), self.group_size, self.out_features,
+                     None if self.mins is None else self.mins.data_ptr(), int(self.scales.dtype == torch.float16),
+                     self.group_size, self.out_features,
                      None if self.bias is None else self.bias.data_ptr(),
                      None if residual is None else residual.data_ptr(), ldr, y.data_ptr(), self.out_features,
                      num_threads())

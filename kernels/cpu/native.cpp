@@ -48,6 +48,31 @@ inline v16 load(const int8_t* p) {
   return __builtin_convertvector(*reinterpret_cast<const c16u*>(p), v16);
 #endif
 }
+// 16 IEEE halfs (as their bits) -> 16 floats.
+inline v16 load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return v16{lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+#else
+  v16 out;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+      f = std::ldexp(static_cast<float>(man), -24);
+    } else if (exp == 31) {
+      f = man ? NAN : INFINITY;
+    } else {
+      f = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+    }
+    out[i] = (sign ? -f : f);
+  }
+  return out;
+#endif
+}
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
 inline v16 splat(float f) { return v16{} + f; }
 
@@ -185,9 +210,9 @@ inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
 // R rows of x against one grouped-quantized panel. Q4: codes are [K / 2][32] bytes, byte (k / 2, c)
 // holding column c of row k in its low nibble and of row k + 1 in its high nibble; otherwise int8
 // [K][32]. scale and mins are [K / G][32]: W[k, c] = code * scale[k / G, c] (+ mins[k / G, c]).
-template <int R, bool Q4>
-inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* codes, const float* scale,
-                         const float* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
+template <int R, bool Q4, typename S>
+inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* codes, const S* scale,
+                         const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
                          int64_t ldy, int cols) {
   v16 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
@@ -227,19 +252,19 @@ inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* cod
   store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
 }
 
-template <bool Q4, int R = kRows>
-inline void qlinear_rows(int rows, const float* x, int64_t ldx, int64_t K, const void* codes, const float* scale,
-                         const float* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
+template <bool Q4, typename S, int R = kRows>
+inline void qlinear_rows(int rows, const float* x, int64_t ldx, int64_t K, const void* codes, const S* scale,
+                         const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
                          int64_t ldy, int cols) {
   if constexpr (R > 0) {
-    if (rows == R) return qlinear_tile<R, Q4>(x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
-    return qlinear_rows<Q4, R - 1>(rows, x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    if (rows == R) return qlinear_tile<R, Q4, S>(x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return qlinear_rows<Q4, S, R - 1>(rows, x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
   }
 }
 
-template <bool Q4>
-void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* codes, const float* scale,
-             const float* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+template <bool Q4, typename S>
+void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* codes, const S* scale,
+             const S* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
              int64_t ldy, int threads) {
   const int64_t np = (N + kPanel - 1) / kPanel, groups = K / G;
   const int64_t panel_bytes = Q4 ? K / 2 * kPanel : K * kPanel;
@@ -247,12 +272,12 @@ void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* code
   for (int64_t p = 0; p < np; ++p) {
     const void* c = static_cast<const uint8_t*>(codes) + p * panel_bytes;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
-    const float* s = scale + p * groups * kPanel;
-    const float* mn = mins ? mins + p * groups * kPanel : nullptr;
+    const S* s = scale + p * groups * kPanel;
+    const S* mn = mins ? mins + p * groups * kPanel : nullptr;
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-      qlinear_rows<Q4>(rows, x + m0 * ldx, ldx, K, c, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
+      qlinear_rows<Q4, S>(rows, x + m0 * ldx, ldx, K, c, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
                        y + m0 * ldy + p * kPanel, ldy, cols);
     }
   }
@@ -262,7 +287,7 @@ void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* code
 
 extern "C" {
 
-int sf_abi_version() { return 3; }
+int sf_abi_version() { return 4; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -277,18 +302,27 @@ void sf_linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_
 }
 
 // As sf_linear_f32 over 4-bit codes in groups of G input rows (G even, K a multiple of G):
-// W[k, n] = code[k, n] * scale[k / G, n] + mins[k / G, n]; layout in qlinear_tile.
-void sf_linear_q4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const float* scale,
-                  const float* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
-                  int64_t ldy, int threads) {
-  qlinear<true>(x, M, K, ldx, codes, scale, mins, G, N, bias, res, ldr, y, ldy, threads);
+// W[k, n] = code[k, n] * scale[k / G, n] + mins[k / G, n]; layout in qlinear_tile. scale and mins are
+// float32, or IEEE halfs when half_scales (GGUF's own fp16 d and m: a bit per weight less to stream).
+void sf_linear_q4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const void* scale,
+                  const void* mins, int half_scales, int64_t G, int64_t N, const float* bias, const float* res,
+                  int64_t ldr, float* y, int64_t ldy, int threads) {
+  if (half_scales)
+    return qlinear<true>(x, M, K, ldx, codes, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(mins),
+                         G, N, bias, res, ldr, y, ldy, threads);
+  qlinear<true>(x, M, K, ldx, codes, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
+                res, ldr, y, ldy, threads);
 }
 
 // The same over int8 codes (GGUF Q8_0): W[k, n] = code[k, n] * scale[k / G, n] (+ mins[k / G, n]).
-void sf_linear_q8g(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* codes, const float* scale,
-                   const float* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr,
-                   float* y, int64_t ldy, int threads) {
-  qlinear<false>(x, M, K, ldx, codes, scale, mins, G, N, bias, res, ldr, y, ldy, threads);
+void sf_linear_q8g(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* codes, const void* scale,
+                   const void* mins, int half_scales, int64_t G, int64_t N, const float* bias, const float* res,
+                   int64_t ldr, float* y, int64_t ldy, int threads) {
+  if (half_scales)
+    return qlinear<false>(x, M, K, ldx, codes, static_cast<const uint16_t*>(scale),
+                          static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
+  qlinear<false>(x, M, K, ldx, codes, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
+                 res, ldr, y, ldy, threads);
 }
 
 // y [M, D] = x * rsqrt(mean(x^2) + eps) * w, the order transformers' RMSNorm uses.

@@ -47,6 +47,8 @@ def test_gguf_types_match_gguf_dequantize(type_name: str, shape: tuple[int, int]
     assert q.dequantize().equal(reference)  # the decoded codes, scales and mins are exact
     assert (q.dequantize() - torch.from_numpy(w)).abs().max() < 0.3  # and they are a quantization of w
     _check_linear(q, reference, rows)
+    # GGUF's fp16 d and m stream as halfs; Q4_K's d * sc products need float32 to stay exact
+    assert (cpu_native.QuantLinear(q).scales.dtype == torch.float16) == (type_name != "Q4_K")
 
 
 def test_q4_k_packer_is_gguf_q4_k() -> None:

@@ -62,7 +62,9 @@ class EngineConfig:
     prompt_lookup_min: int = _opt(1, "n-gram proposer: shortest suffix to look up in the prompt")
     prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
     seed: int = _opt(0, "seed of the engine's generator, which requests without a seed of their own draw from")
-    tensor_parallel_size: int = _opt(1, "GPUs per engine (only 1 for now)")
+    tensor_parallel_size: int = _opt(
+        1, "ranks one model copy is split over (Megatron-style tensor parallelism): GPUs on CUDA, processes "
+        "sharing the cores on CPU; must divide the attention heads")
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -104,11 +106,11 @@ class EngineConfig:
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
                 "must satisfy 1 <= min <= max"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not implemented yet; "
-                "use 1 (one GPU per replica) and scale with replicas"
-            )
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size={self.tensor_parallel_size} must be >= 1")
+        if self.tensor_parallel_size > 1 and self.quantization:
+            raise ValueError(f"quantization={self.quantization!r} runs on one process; it is not split across "
+                             f"ranks yet: use tensor_parallel_size=1 with it")
         for name in ("quantization", "draft_quantization"):
             if getattr(self, name) not in QUANTIZATIONS:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {QUANTIZATIONS}")

@@ -1,7 +1,8 @@
-"""The tensor-parallel process group: torch.distributed over gloo (CPU) or NCCL (CUDA).
+"""The process group of a split model: torch.distributed over gloo (CPU) or NCCL (CUDA).
 
-Only the collectives of the forward pass run here (an all-reduce after each row-parallel matmul and the
-embedding lookup, an all-gather of the logits). Step commands travel over pipes (workers.py), so an idle
+Only the communication of the forward pass runs here (tensor parallelism: an all-reduce after each
+row-parallel matmul and the embedding lookup, an all-gather of the logits; pipeline parallelism: the hidden
+states sent from stage to stage). Step commands travel over pipes (workers.py), so an idle
 engine never sits in a collective that could time out.
 """
 
@@ -30,8 +31,9 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-class TPGroup:
-    """This process's membership of the group: rank, size, and the two collectives the model needs."""
+class RankGroup:
+    """This process's membership of the group: rank, size, and what the split models need: the two
+    collectives of tensor parallelism, point-to-point sends between pipeline stages."""
 
     def __init__(self, address: GroupAddress, rank: int):
         self.rank, self.size = rank, address.size
@@ -48,6 +50,13 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous())
         return torch.cat(parts, dim=-1)
+
+    def send(self, x: torch.Tensor, to: int) -> None:
+        dist.send(x.contiguous(), dst=to)
+
+    def recv(self, like: torch.Tensor, source: int) -> torch.Tensor:
+        dist.recv(like, src=source)
+        return like
 
     def close(self) -> None:
         if dist.is_initialized():

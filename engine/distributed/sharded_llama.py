@@ -12,7 +12,7 @@ import copy
 from dataclasses import replace
 
 import torch
-from specfleet.engine.distributed.comm import TPGroup
+from specfleet.engine.distributed.comm import RankGroup
 from specfleet.engine.distributed.sharding import ShardPlan, plan, shard_state
 from specfleet.engine.models.llama import LlamaArgs, LlamaModel
 
@@ -38,7 +38,7 @@ class ShardedLlama(LlamaModel):
     """A LlamaModel over one rank's slice; `args.vocab_size` is the whole vocabulary (logits are gathered)."""
 
     def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 group: TPGroup, native: bool | None = None):
+                 group: RankGroup, native: bool | None = None):
         self.plan = p = shard_plan(hf_config, group.size, group.rank)
         head_dim = LlamaArgs.from_hf(hf_config).head_dim
         super().__init__(rank_config(hf_config, p), shard_state(state, p, head_dim), dtype, device, native)
@@ -48,6 +48,10 @@ class ShardedLlama(LlamaModel):
         for layer in self.layers:
             layer.reduce = group.all_reduce
             layer.owns_residual = group.rank == 0
+
+    def describe(self) -> str:
+        return f"heads {self.plan.heads.start}-{self.plan.heads.stop - 1}, KV heads " \
+               f"{self.plan.kv_heads.start}-{self.plan.kv_heads.stop - 1}"
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         start = self.plan.vocab.start

@@ -1,9 +1,11 @@
-"""Tensor-parallel processes: rank 0 is the engine's own process, ranks 1.. are workers it spawns.
+"""Processes of a split model: rank 0 is the engine's own process, ranks 1.. are workers it spawns.
 
-The engine's scheduler runs once, on rank 0. `TPModel` stands where the runner expects a model: each
-`forward` and `logits` call is sent to every worker over a pipe (the step's ids, positions and attention
-metadata, a few KB), then run on rank 0's own slice; the collectives inside the forward pass meet the
-workers' identical calls. Each rank keeps its own paged KV cache with its KV heads, allocated on the
+A model is split either by tensor parallelism (`ShardedLlama`: every rank holds a slice of every layer)
+or by pipeline parallelism (`StageLlama`: every rank holds a run of layers); both at once is not
+supported yet. The engine's scheduler runs once, on rank 0. `SplitModel` stands where the runner expects
+a model: each `forward` call (and with tensor parallelism each `logits` call) is sent to every worker over
+a pipe (the step's ids, positions and attention metadata, a few KB), then run on rank 0's own part; the
+communication inside the forward pass meets the workers' identical calls. Each rank keeps its own paged KV cache with its KV heads, allocated on the
 first step with the block count rank 0 chose. Workers are started with the `spawn` method (a fork would
 copy rank 0's threads and CUDA state) and load and slice the checkpoint themselves.
 
@@ -24,7 +26,8 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
-from specfleet.engine.distributed.comm import GroupAddress, TPGroup, backend_for
+from specfleet.engine.distributed.comm import GroupAddress, RankGroup, backend_for
+from specfleet.engine.distributed.pipeline import StageLlama
 from specfleet.engine.distributed.sharded_llama import ShardedLlama
 
 log = logging.getLogger("specfleet.engine.distributed")
@@ -48,25 +51,27 @@ def _threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def _load_slice(model_path: str, dtype: torch.dtype, device: torch.device, group: TPGroup,
-                native: bool | None) -> ShardedLlama:
+def _load_part(model_path: str, split: str, dtype: torch.dtype, device: torch.device, group: RankGroup,
+               native: bool | None) -> ShardedLlama | StageLlama:
+    """The rank's part of the checkpoint: a tensor-parallel slice or a pipeline stage."""
     from pathlib import Path
 
     from specfleet.engine.model_loader import load_hf_config, load_state_dict
 
     path = Path(model_path)
-    return ShardedLlama(load_hf_config(path), load_state_dict(path), dtype, device, group, native)
+    cls = ShardedLlama if split == "tensor" else StageLlama
+    return cls(load_hf_config(path), load_state_dict(path), dtype, device, group, native)
 
 
-def _worker_main(rank: int, address: GroupAddress, model_path: str, dtype: torch.dtype, device_type: str,
-                 native: bool | None, conn: multiprocessing.connection.Connection) -> None:
+def _worker_main(rank: int, address: GroupAddress, model_path: str, split: str, dtype: torch.dtype,
+                 device_type: str, native: bool | None, conn: multiprocessing.connection.Connection) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     torch.set_num_threads(_threads_per_rank(address.size))
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    group = TPGroup(address, rank)
-    model = _load_slice(model_path, dtype, device, group, native)
+    group = RankGroup(address, rank)
+    model = _load_part(model_path, split, dtype, device, group, native)
     conn.send(("ready", rank))
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     attn = None
@@ -104,14 +109,19 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
                             for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
 
 
-class TPModel:
-    """Rank 0's model: its own ShardedLlama, and the workers driven in lockstep with it."""
+class SplitModel:
+    """Rank 0's model: its own part, and the workers driven in lockstep with it.
 
-    def __init__(self, model_path: str, size: int, dtype: torch.dtype, device: torch.device,
+    split: "tensor" (tensor parallelism over `size` ranks) or "pipeline" (`size` stages)."""
+
+    def __init__(self, model_path: str, split: str, size: int, dtype: torch.dtype, device: torch.device,
                  native: bool | None = None):
+        if split not in ("tensor", "pipeline"):
+            raise ValueError(f"split={split!r} is not 'tensor' or 'pipeline'")
         if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"tensor_parallel_size={size} needs {size} CUDA devices; "
+            raise ValueError(f"{split}_parallel_size={size} needs {size} CUDA devices; "
                              f"{torch.cuda.device_count()} visible")
+        self.split = split
         address = GroupAddress("127.0.0.1", _free_port(), size, backend_for(device))
         ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
@@ -119,23 +129,23 @@ class TPModel:
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
             proc = ctx.Process(target=_worker_main, name=f"specfleet-tp-rank{rank}", daemon=True,
-                               args=(rank, address, model_path, dtype, device.type, native, theirs))
+                               args=(rank, address, model_path, split, dtype, device.type, native, theirs))
             proc.start()
             theirs.close()
             self._procs.append(proc)
             self._conns.append(ours)
         if device.type == "cuda":
             device = torch.device("cuda", 0)
-        self.group = TPGroup(address, 0)
-        self.local = _load_slice(model_path, dtype, device, self.group, native)
+        self.group = RankGroup(address, 0)
+        self.local = _load_part(model_path, split, dtype, device, self.group, native)
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(STARTUP_TIMEOUT_S):
                 raise WorkerDied(self._death(f"rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f}s"))
             conn.recv()
         self.args, self.embed = self.local.args, self.local.embed
         self.dtype, self.device = self.local.dtype, self.local.device
-        log.info("event=tensor_parallel_ready size=%d backend=%s heads_per_rank=%d kv_heads_per_rank=%d",
-                 size, address.backend, len(self.local.plan.heads), len(self.local.plan.kv_heads))
+        log.info("event=split_model_ready split=%s size=%d backend=%s rank0=%s", split, size, address.backend,
+                 self.local.describe())
 
     def _send(self, message: tuple) -> None:
         for conn in self._conns:
@@ -146,7 +156,7 @@ class TPModel:
 
     def _death(self, what: str) -> str:
         dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self._procs, 1) if not p.is_alive()]
-        return f"tensor-parallel worker failure: {what}; {', '.join(dead) or 'all workers still running'}"
+        return f"{self.split}-parallel worker failure: {what}; {', '.join(dead) or 'all workers still running'}"
 
     def _run(self, call, *args):
         try:
@@ -161,7 +171,8 @@ class TPModel:
         return self._run(self.local.forward, input_ids, positions, kv_caches, meta, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        self._send(("logits", hidden.cpu()))
+        if self.split == "tensor":  # vocab-parallel lm_head: every rank computes its shard
+            self._send(("logits", hidden.cpu()))
         return self._run(self.local.logits, hidden)
 
     def close(self) -> None:

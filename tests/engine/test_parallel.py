@@ -1,4 +1,5 @@
-"""Tensor parallelism: the shard plan, the slices, and TP=N engines (processes over gloo) against TP=1."""
+"""Tensor and pipeline parallelism: the shard plan, the slices, the stages, and split engines (processes over
+gloo) against the whole model in one process."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import shutil
 import pytest
 import torch
 from specfleet.engine import LLM, SamplingParams
+from specfleet.engine.distributed.pipeline import stage_layers
 from specfleet.engine.distributed.sharding import plan, shard_state
 from specfleet.engine.distributed.workers import WorkerDied
 
@@ -89,10 +91,11 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=
 LOGPROB_ATOL = 1e-3
 
 
-def _run(model: str, size: int, prompts=PROMPTS, params=GREEDY, **kwargs):
-    llm = LLM(model=model, block_size=4, tensor_parallel_size=size, **kwargs)
+def _run(model: str, size: int, prompts=PROMPTS, params=GREEDY, split="tensor", preempts=False, **kwargs):
+    llm = LLM(model=model, block_size=4, **{f"{split}_parallel_size": size}, **kwargs)
     try:
         outs = [r.outputs[0] for r in llm.generate(prompts, params)]
+        assert (llm.engine.stats.num_preemptions > 0) == preempts
     finally:
         llm.close()
     return [o.token_ids for o in outs], [[next(iter(lp.values())).logprob for lp in o.logprobs] for o in outs]
@@ -131,3 +134,24 @@ def test_a_dead_worker_fails_the_step_with_its_rank_and_exit_code(tmp_path, bund
             llm.generate([[1, 2, 3]], GREEDY)
     finally:
         llm.close()
+
+
+def test_stages_are_equal_runs_of_layers():
+    assert [len(stage_layers(30, 4, s)) for s in range(4)] == [8, 8, 7, 7]
+    assert [stage_layers(30, 4, s).start for s in range(4)] == [0, 8, 16, 23]
+    with pytest.raises(ValueError, match="between 1 and the model's 2 layers"):
+        stage_layers(2, 3, 0)
+
+
+def test_pp2_on_the_bundled_model_equals_pp1_with_speculation_and_prefix_hits():
+    prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is"]
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    one = _run("bundled://smollm2-135m-instruct", 1, prompts)
+    _same(_run("bundled://smollm2-135m-instruct", 2, prompts, split="pipeline", **ngram), one)
+
+
+def test_pp2_equals_pp1_under_preemption(tmp_path, bundled_path):
+    # 3 sequences of up to 35 tokens in blocks of 4 need 27 blocks; 14 force preemption by recompute
+    model = _tiny("qwen2", tmp_path, bundled_path, vocab=49152)
+    tight = {"num_kv_blocks": 14, "max_model_len": 48, "max_num_seqs": 3}
+    _same(_run(model, 2, split="pipeline", preempts=True, **tight), _run(model, 1, preempts=True, **tight))

@@ -76,10 +76,30 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     if quantization and not on_cuda_ok and (device.type != "cpu" or dtype != torch.float32):
         raise ValueError(f"quantization={quantization!r} runs on the native CPU kernels: it needs "
                          f"device cpu and dtype float32, not {device.type} {dtype}")
+    if quantization == "gguf" and resolved.gguf is None:
+        raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or bundled://), not {config.model!r}")
+    cls = model_class(hf_config.architectures)
+    split = ("tensor", config.tensor_parallel_size) if config.tensor_parallel_size > 1 else \
+        ("pipeline", config.pipeline_parallel_size) if config.pipeline_parallel_size > 1 else None
+    if split is not None:
+        if quantization:  # an AWQ/GPTQ checkpoint's own quantization is only known here
+            raise ValueError(f"{split[0]}_parallel_size={split[1]}: quantization={quantization!r} runs in one "
+                             "process; it is not split across ranks yet")
+        if not issubclass(cls, LlamaModel):
+            raise ValueError(f"{split[0]}_parallel_size={split[1]}: architecture {hf_config.architectures} "
+                             "cannot be split yet")
+        from specfleet.engine.distributed.workers import SplitModel
+
+        model = SplitModel(str(resolved.path), split[0], split[1], dtype, device)
+    else:
+        model = cls(hf_config, _state(resolved, hf_config, quantization), dtype, device, quantize=quantization)
+    return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer))
+
+
+def _state(resolved, hf_config, quantization: str | None) -> dict:
+    """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ)."""
     state = load_state_dict(resolved.path)
     if quantization == "gguf":
-        if resolved.gguf is None:
-            raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or bundled://), not {config.model!r}")
         from specfleet.engine.quant.gguf_file import read_quantized
 
         state.update(read_quantized(resolved.gguf, hf_config))
@@ -87,9 +107,7 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
         from specfleet.engine.quant.awq_gptq import quantized_state
 
         state = quantized_state(state, hf_config.quantization_config)
-    cls = model_class(hf_config.architectures)
-    model = cls(hf_config, state, dtype, device, quantize=quantization)
-    return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer))
+    return state
 
 
 def checkpoint_quantization(requested: str | None, hf_config, path) -> str | None:

@@ -13,6 +13,7 @@ from typing import Any
 
 import kopf
 
+from . import metrics
 from .config import OperatorConfig
 from .kube import ApiError, KubeClient
 from .reconcile import Reconciler
@@ -72,6 +73,8 @@ def _now() -> str:
 @kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.reconcile_interval_seconds,
             initial_delay=min(5.0, CONFIG.reconcile_interval_seconds), sharp=False)
 async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+    meta = body["metadata"]
+    metrics.saw_generation(meta["namespace"], meta["name"], int(meta.get("generation") or 0))
     try:
         outcome = await Reconciler(_client(memo), memo.config).reconcile(body, now=_now())
     except ApiError as error:
@@ -86,9 +89,17 @@ async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger:
     except OSError as error:  # connection refused/reset: the API server is restarting
         raise kopf.TemporaryError(f"cannot reach the Kubernetes API: {error}", delay=TEMPORARY_DELAY_SECONDS) from error
     patch.status.update(outcome.status)
+    metrics.reconciled(meta["namespace"], meta["name"], outcome.status)
     for event in outcome.events:
         post = kopf.warn if event.type == "Warning" else kopf.info
         post(body, reason=event.reason, message=event.message)
     if outcome.invalid:
         raise kopf.PermanentError(f"{outcome.invalid}\nFix the spec; the operator retries on the next change.")
     logger.debug("reconciled: %s", {c["type"]: c["status"] for c in outcome.status["conditions"]})
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget_metrics(type: str, meta: kopf.Meta, **_: Any) -> None:  # noqa: A002 - kopf's keyword
+    """A deleted service's series go (the watch's DELETED event: no finalizer needed)."""
+    if type == "DELETED":
+        metrics.forget(meta["namespace"], meta["name"])

@@ -1,0 +1,130 @@
+"""The operator's own metrics (operator/metrics.py), which the InferenceService alerts read instead of a
+kube-state-metrics custom-resource config: the real kopf operator against the fake API server (HTTP),
+its /metrics served by prometheus-client over a real socket and scraped by a real Prometheus, queried
+with the alert rules' own expressions."""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from fake_kube import FakeKube, wait_for
+from isvc_schema_tools import REPO
+
+NS = "team-m"
+ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
+DEPLOY = ("/apis/apps/v1", "deployments")
+RULES = REPO / "deploy" / "monitoring" / "prometheus-rules.yaml"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def metrics_url() -> str:
+    from specfleet.operator import metrics
+
+    port = free_port()
+    metrics.serve(port, addr="127.0.0.1")
+    return f"http://127.0.0.1:{port}"
+
+
+def series(url: str, name: str) -> dict[str, float]:
+    """`{labels}` -> value of every sample of `name` on the operator's /metrics, for service smollm2."""
+    text = httpx.get(f"{url}/metrics", timeout=5).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
+            if f'namespace="{NS}"' in m.group(1) and 'service="smollm2"' in m.group(1)}
+
+
+def alert_expr(name: str) -> str:
+    groups = yaml.safe_load(RULES.read_text())["groups"]
+    return next(r["expr"] for g in groups for r in g["rules"] if r.get("alert") == name)
+
+
+def query(prom: str, promql: str) -> list[dict]:
+    body = httpx.get(f"{prom}/api/v1/query", params={"query": promql}, timeout=10).json()
+    assert body["status"] == "success", body
+    return body["data"]["result"]
+
+
+def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service(
+        fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str,
+        prometheus_factory) -> None:  # type: ignore[no-untyped-def]
+    from kopf.testing import KopfRunner
+
+    monkeypatch.setenv("KUBECONFIG", str(fake_kube.write_kubeconfig(tmp_path / "kubeconfig", NS)))
+    monkeypatch.setenv("SPECFLEET_RECONCILE_INTERVAL", "1")
+    fake_kube.add_namespace(NS)
+    prom = prometheus_factory("specfleet-operator", [metrics_url])
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    fake_kube.put(*ISVC, NS, doc)
+
+    def ready() -> set[str]:
+        return {labels for labels, value in series(metrics_url, "specfleet_inferenceservice_condition").items()
+                if 'type="Ready"' in labels and value == 1}
+
+    args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        wait_for("Ready=Unknown as a series", lambda: any('status="Unknown"' in s for s in ready()))
+        assert series(metrics_url, "specfleet_inferenceservice_generation") == {
+            f'namespace="{NS}",service="smollm2"': 1.0}
+        assert series(metrics_url, "specfleet_inferenceservice_observed_generation") == {
+            f'namespace="{NS}",service="smollm2"': 1.0}
+
+        deployment = fake_kube.get(*DEPLOY, NS, "smollm2")
+        deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
+                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+        fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
+        wait_for("Ready=True as the only Ready series", lambda: len(ready()) == 1 and 'status="True"' in next(iter(ready())))
+
+        # the alert rules' own expressions, on what a real Prometheus scraped from the operator
+        wait_for("the operator's series in Prometheus", lambda: query(
+            prom, f'specfleet_inferenceservice_condition{{namespace="{NS}", type="Ready", status="True"}}'), timeout=30)
+        assert query(prom, alert_expr("SpecfleetOperatorNotReconciling")) == []  # generation 1 reconciled
+        assert query(prom, alert_expr("SpecfleetInferenceServiceDegraded")) == []
+
+        fake_kube.remove(*ISVC, NS, "smollm2")
+        wait_for("the deleted service's series gone", lambda: not series(
+            metrics_url, "specfleet_inferenceservice_generation") and not ready())
+    assert runner.exception is None, runner.output
+
+
+def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
+        fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str) -> None:
+    """The Deployment write is refused (as an admission webhook would): the operator sees generation 2
+    but never reconciles it, which SpecfleetOperatorNotReconciling reads."""
+    from kopf.testing import KopfRunner
+
+    monkeypatch.setenv("KUBECONFIG", str(fake_kube.write_kubeconfig(tmp_path / "kubeconfig", NS)))
+    monkeypatch.setenv("SPECFLEET_RECONCILE_INTERVAL", "1")
+    fake_kube.add_namespace(NS)
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    fake_kube.put(*ISVC, NS, doc)
+    key = f'namespace="{NS}",service="smollm2"'
+    with KopfRunner(["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"], timeout=60):
+        wait_for("generation 1 reconciled", lambda: series(
+            metrics_url, "specfleet_inferenceservice_observed_generation").get(key) == 1.0)
+        for _ in range(1000):  # every write of the Deployment from now on
+            fake_kube.fail_next("PATCH", "/deployments/", status=422)
+        isvc = fake_kube.get(*ISVC, NS, "smollm2")
+        isvc["spec"]["batching"]["maxNumSeqs"] = 8  # type: ignore[index]
+        fake_kube.put(*ISVC, NS, isvc)  # type: ignore[arg-type]
+        wait_for("generation 2 seen", lambda: series(metrics_url, "specfleet_inferenceservice_generation").get(key) == 2.0)
+        assert series(metrics_url, "specfleet_inferenceservice_observed_generation")[key] == 1.0
+        fake_kube.remove(*ISVC, NS, "smollm2")
+
+
+def test_metrics_port_is_checked_before_the_operator_starts(capsys: pytest.CaptureFixture[str]) -> None:
+    from specfleet.operator.cli import main
+
+    assert main(["-n", "a", "--metrics-port", "70000"]) == 2
+    assert "--metrics-port 70000 is not a TCP port" in capsys.readouterr().out
+    assert main(["-n", "a", "--metrics-port", "8080", "--liveness-port", "8080"]) == 2
+    assert "use two ports" in capsys.readouterr().out

@@ -4,7 +4,12 @@ A timer fires every few seconds for each such service and runs the service's `Se
 `autotune.intervalSeconds` have passed. Pods come from the Kubernetes API (ready pods with the service's
 selector label), the admin token from the `NAME-admin` Secret the reconcile creates, metrics from
 `autotune.prometheusURL` (else the operator's default, else a direct scrape of the pods). It writes only
-`status.tuning` and the `Tuned` condition, plus an Event per change; never `spec`.
+`status.tuning` and the `Tuned` condition, plus an Event per change and per transition (frozen, resumed,
+failing static, recovered); never `spec`.
+
+Freeze: `spec.autotune.freeze: true` (in Git) or the annotation `specfleet.io/tuner-freeze: "true"` (a
+`kubectl annotate`, no Git change) holds the config from the next interval on; the annotation is read at
+every tick, so removing it resumes tuning within one interval too.
 """
 
 from __future__ import annotations
@@ -18,15 +23,17 @@ from urllib.parse import quote
 
 import kopf
 
+from .. import metrics
 from ..handlers import _client, autotune_enabled
 from ..inference_service import InvalidInferenceService, parse_inference_service
 from ..kube import ApiError, KubeClient, object_path
 from ..render.secret import read_admin_token
 from ..resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
+from ..spec import FREEZE_ANNOTATION
 from .actuator import AdminActuator
 from .loop import ServiceTuner, params_from_spec, spec_config
 from .policy import Policy
-from .report import event_for, status_patch
+from .report import event_for, status_patch, transition_events
 from .sources import PrometheusSource, ScrapeSource, Source
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
@@ -46,6 +53,22 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[
         if ready and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
             urls.append(f"http://{status['podIP']}:{ENGINE_PORT}")
     return sorted(urls)
+
+
+def frozen_by(body: kopf.Body) -> str | None:
+    """Who froze this service's tuner, or None: the spec field, else the annotation ("true", any case)."""
+    if ((body.get("spec") or {}).get("autotune") or {}).get("freeze"):
+        return "spec.autotune.freeze"
+    value = (body["metadata"].get("annotations") or {}).get(FREEZE_ANNOTATION, "")
+    return f"annotation {FREEZE_ANNOTATION}=true" if str(value).strip().lower() == "true" else None
+
+
+def _restore(tuner: ServiceTuner, status: kopf.Status) -> None:
+    """A rebuilt loop (spec change, operator restart) continues the transitions status last reported, so
+    that lifting a freeze through the spec still posts TuningResumed."""
+    tuner.frozen_by = (status.get("tuning") or {}).get("frozenBy") or None
+    tuner.static = any(c.get("type") == "Tuned" and c.get("reason") == "MetricsUnavailable"
+                       for c in status.get("conditions") or [])
 
 
 def _now() -> str:
@@ -89,18 +112,22 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
             return  # the reconcile reports InvalidSpec
         except ApiError as error:
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
+        _restore(entry[0], status)
         tuners[uid] = entry
     tuner, _, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
         return
     tuners[uid] = (tuner, generation, time.monotonic())
-    tick = await tuner.tick()
+    tick = await tuner.tick(frozen_by(body))
     now = _now()
-    patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now))
-    event = event_for(tick.decision)
-    if event is not None:
-        post = kopf.warn if event[0] == "Warning" else kopf.info
-        post(body, reason=event[1], message=event[2][:1000])
+    update = status_patch(tick, tuner.policy.current, dict(status), generation, now)
+    patch.status.update(update)
+    metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None)
+    metrics.set_conditions(meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"])
+    change = event_for(tick.decision)
+    for kind, reason, message in [*transition_events(tick), *([change] if change else [])]:
+        post = kopf.warn if kind == "Warning" else kopf.info
+        post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
 
 

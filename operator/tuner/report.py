@@ -20,8 +20,11 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
     obs, d = tick.observation, tick.decision
     acc = obs.acceptance_rate
     previous = previous or {}
+    if tick.frozen_by is not None and obs.config is not None:
+        config = obs.config  # frozen, the engines may run a config set by hand: show what they run
     status: dict[str, Any] = {
         "reason": d.reason[:4000],
+        "frozenBy": tick.frozen_by,  # None clears it (a merge patch deletes a null)
         "lastDecisionTime": now if d.changed or "lastDecisionTime" not in previous else previous["lastDecisionTime"],
         "observed": {
             "acceptanceRate": None if acc is None else round(acc, 4),
@@ -43,6 +46,8 @@ def tuned_condition(tick: Tick) -> Cond:
         detail = "; ".join(f"{url}: {err}" for url, err in list(bad.items())[:3])
         return Cond("Tuned", "False", "ApplyFailed", f"could not apply {applied.config.short()} to "
                     f"{len(bad)} pod(s): {detail}")
+    if d.kind == "frozen":
+        return Cond("Tuned", "False", "Frozen", d.reason)
     if d.kind == "missing":
         return Cond("Tuned", "False", "MetricsUnavailable", d.reason)
     if d.kind == "revert":
@@ -66,3 +71,18 @@ def event_for(decision: Decision) -> tuple[str, str, str] | None:
     if decision.changed:
         return "Normal", "Tuned", decision.reason
     return None
+
+
+def transition_events(tick: Tick) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events for what the tuner entered at this interval: frozen or
+    resumed (someone froze or unfroze it), failing static (metrics missing) or recovered. Posted once per
+    transition, beside `event_for`'s Event per change, so `kubectl describe` shows when tuning stopped
+    and started again, and why."""
+    d = tick.decision
+    events = {
+        "frozen": ("Normal", "TuningFrozen", d.reason),
+        "resumed": ("Normal", "TuningResumed", f"freeze lifted; tuning again: {d.reason}"),
+        "static": ("Warning", "TuningStatic", d.reason),
+        "recovered": ("Normal", "TuningRecovered", f"metrics are back; tuning again: {d.reason}"),
+    }
+    return [events[t] for t in tick.transitions]

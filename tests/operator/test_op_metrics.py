@@ -15,7 +15,8 @@ import yaml
 from fake_kube import FakeKube, wait_for
 from isvc_schema_tools import REPO
 
-NS = "team-m"
+NS = "team-a"  # the namespace the API double grants the chart's RBAC in (conftest.py)
+NAME = "metered"  # not a name other tests leave series for in this process's registry
 ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
 DEPLOY = ("/apis/apps/v1", "deployments")
 RULES = REPO / "deploy" / "monitoring" / "prometheus-rules.yaml"
@@ -37,10 +38,10 @@ def metrics_url() -> str:
 
 
 def series(url: str, name: str) -> dict[str, float]:
-    """`{labels}` -> value of every sample of `name` on the operator's /metrics, for service smollm2."""
+    """`{labels}` -> value of every sample of `name` on the operator's /metrics, for service NAME."""
     text = httpx.get(f"{url}/metrics", timeout=5).text
     return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
-            if f'namespace="{NS}"' in m.group(1) and 'service="smollm2"' in m.group(1)}
+            if f'namespace="{NS}"' in m.group(1) and f'service="{NAME}"' in m.group(1)}
 
 
 def alert_expr(name: str) -> str:
@@ -64,6 +65,7 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
     fake_kube.add_namespace(NS)
     prom = prometheus_factory("specfleet-operator", [metrics_url])
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    doc["metadata"]["name"] = NAME
     fake_kube.put(*ISVC, NS, doc)
 
     def ready() -> set[str]:
@@ -74,11 +76,11 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
     with KopfRunner(args, timeout=60) as runner:
         wait_for("Ready=Unknown as a series", lambda: any('status="Unknown"' in s for s in ready()))
         assert series(metrics_url, "specfleet_inferenceservice_generation") == {
-            f'namespace="{NS}",service="smollm2"': 1.0}
+            f'namespace="{NS}",service="{NAME}"': 1.0}
         assert series(metrics_url, "specfleet_inferenceservice_observed_generation") == {
-            f'namespace="{NS}",service="smollm2"': 1.0}
+            f'namespace="{NS}",service="{NAME}"': 1.0}
 
-        deployment = fake_kube.get(*DEPLOY, NS, "smollm2")
+        deployment = fake_kube.get(*DEPLOY, NS, NAME)
         deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
                                 "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
         fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
@@ -91,7 +93,7 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
         for alert in ("SpecfleetOperatorNotReconciling", "SpecfleetInferenceServiceDegraded"):
             assert [r for r in query(prom, alert_expr(alert)) if r["metric"]["namespace"] == NS] == [], alert
 
-        fake_kube.remove(*ISVC, NS, "smollm2")
+        fake_kube.remove(*ISVC, NS, NAME)
         wait_for("the deleted service's series gone", lambda: not series(
             metrics_url, "specfleet_inferenceservice_generation") and not ready())
     assert runner.exception is None, runner.output
@@ -107,19 +109,20 @@ def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
     monkeypatch.setenv("SPECFLEET_RECONCILE_INTERVAL", "1")
     fake_kube.add_namespace(NS)
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    doc["metadata"]["name"] = NAME
     fake_kube.put(*ISVC, NS, doc)
-    key = f'namespace="{NS}",service="smollm2"'
+    key = f'namespace="{NS}",service="{NAME}"'
     with KopfRunner(["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"], timeout=60):
         wait_for("generation 1 reconciled", lambda: series(
             metrics_url, "specfleet_inferenceservice_observed_generation").get(key) == 1.0)
         for _ in range(1000):  # every write of the Deployment from now on
             fake_kube.fail_next("PATCH", "/deployments/", status=422)
-        isvc = fake_kube.get(*ISVC, NS, "smollm2")
+        isvc = fake_kube.get(*ISVC, NS, NAME)
         isvc["spec"]["batching"]["maxNumSeqs"] = 8  # type: ignore[index]
         fake_kube.put(*ISVC, NS, isvc)  # type: ignore[arg-type]
         wait_for("generation 2 seen", lambda: series(metrics_url, "specfleet_inferenceservice_generation").get(key) == 2.0)
         assert series(metrics_url, "specfleet_inferenceservice_observed_generation")[key] == 1.0
-        fake_kube.remove(*ISVC, NS, "smollm2")
+        fake_kube.remove(*ISVC, NS, NAME)
 
 
 def test_metrics_port_is_checked_before_the_operator_starts(capsys: pytest.CaptureFixture[str]) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube, wait_for
+from fake_kube import FakeKube, Rbac, wait_for
 
 from .conftest import ADMIN_TOKEN
 
@@ -33,7 +33,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @pytest.fixture
 def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
-    server = FakeKube().start()
+    server = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})).start()  # the chart's RBAC
     monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
     server.add_namespace(NS)
     yield server
@@ -47,10 +47,11 @@ def k(url: str) -> int:
 def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
         engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     from kopf.testing import KopfRunner
-    from specfleet.operator.tuner import handlers as tuner_handlers
+    from specfleet.tuner import handlers as tuner_handlers
 
     host, port = engine_url.removeprefix("http://").split(":")
     monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))
+    monkeypatch.setattr(tuner_handlers, "ADMIN_PORT", int(port))  # the engine serves its admin API beside it
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     doc["metadata"]["name"] = "frz"
     doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}

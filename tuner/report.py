@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from specfleet.engine.knobs import camel
+from specfleet.operator.conditions import Cond, condition_entries
 
-from ..conditions import Cond, merge_conditions
 from .loop import Tick
 from .types import Decision, LiveSettings, TunedConfig
 
@@ -24,7 +24,6 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
         config = obs.config  # frozen, the engines may run a config set by hand: show what they run
     status: dict[str, Any] = {
         "reason": d.reason[:4000],
-        "frozenBy": tick.frozen_by,  # None clears it (a merge patch deletes a null)
         "lastDecisionTime": now if d.changed or "lastDecisionTime" not in previous else previous["lastDecisionTime"],
         "observed": {
             "acceptanceRate": None if acc is None else round(acc, 4),
@@ -34,6 +33,8 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
             "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
         },
     }
+    if tick.frozen_by is not None:  # left out otherwise: the tuner's next apply drops the field
+        status["frozenBy"] = tick.frozen_by
     if config is not None:
         status.update({camel(name): value for name, value in LiveSettings(config, tick.guard).as_admin().items()})
     return status
@@ -59,8 +60,9 @@ def tuned_condition(tick: Tick) -> Cond:
 
 def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
                  now: str) -> dict[str, Any]:
-    """The status merge patch for one interval (conditions of other types are kept as they are)."""
-    conditions = merge_conditions(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
+    """The tuner's share of status for one interval: `tuning` and its own `Tuned` condition only (applied
+    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them)."""
+    conditions = condition_entries(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
     return {"tuning": tuning_status(tick, config, status.get("tuning"), now), "conditions": conditions}
 
 

@@ -6,9 +6,11 @@ not reconciled, tuner failing static) read these series, so they need nothing bu
 custom-resource config. Every series is labelled `namespace` and `service` (the InferenceService's name,
 which is also its engine Service's name), so it joins the engines' series.
 
-The reconcile sets the generation before it starts and the observed generation and conditions after it
-succeeded, so a reconcile that keeps failing (RBAC, a webhook refusing a child) shows as generation ahead of
-observed generation while the operator runs. The tuner sets its own two series each interval.
+The reconcile sets the generation before it starts and, once it wrote status, the observed generation (the
+generation that status describes: the Deployment controller has seen its rollout, docs/operator.md) and the
+conditions; so a reconcile that keeps failing (the API server erring, timeouts) or a rollout the Deployment
+controller never picks up shows as generation ahead of observed generation while the operator runs. A
+child the API server refuses is not that: it is reported as Degraded. The tuner sets its own two series each interval.
 """
 
 from __future__ import annotations
@@ -46,9 +48,9 @@ def saw_generation(namespace: str, name: str, generation: int) -> None:
 
 
 def reconciled(namespace: str, name: str, status: Mapping[str, Any]) -> None:
-    """After a successful reconcile: the observed generation and every condition of `status`."""
-    if status.get("observedGeneration") is not None:
-        OBSERVED_GENERATION.labels(namespace, name).set(int(status["observedGeneration"]))
+    """After a successful reconcile: the observed generation (0 until a status describes any generation,
+    so that a service whose first rollout is never observed still shows as behind) and every condition."""
+    OBSERVED_GENERATION.labels(namespace, name).set(int(status.get("observedGeneration") or 0))
     set_conditions(namespace, name, status.get("conditions") or [])
 
 

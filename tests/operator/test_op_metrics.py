@@ -75,16 +75,17 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
     args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:
         wait_for("Ready=Unknown as a series", lambda: any('status="Unknown"' in s for s in ready()))
-        assert series(metrics_url, "specfleet_inferenceservice_generation") == {
-            f'namespace="{NS}",service="{NAME}"': 1.0}
-        assert series(metrics_url, "specfleet_inferenceservice_observed_generation") == {
-            f'namespace="{NS}",service="{NAME}"': 1.0}
+        key = f'namespace="{NS}",service="{NAME}"'
+        assert series(metrics_url, "specfleet_inferenceservice_generation") == {key: 1.0}
+        # no status describes generation 1 until the Deployment controller has seen the rollout
+        assert series(metrics_url, "specfleet_inferenceservice_observed_generation") == {key: 0.0}
 
         deployment = fake_kube.get(*DEPLOY, NS, NAME)
         deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
-                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
         fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
         wait_for("Ready=True as the only Ready series", lambda: len(ready()) == 1 and 'status="True"' in next(iter(ready())))
+        assert series(metrics_url, "specfleet_inferenceservice_observed_generation") == {key: 1.0}
 
         # the alert rules' own expressions, on what a real Prometheus scraped from the operator
         wait_for("the operator's series in Prometheus", lambda: query(
@@ -101,8 +102,9 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
 
 def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
         fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str) -> None:
-    """The Deployment write is refused (as an admission webhook would): the operator sees generation 2
-    but never reconciles it, which SpecfleetOperatorNotReconciling reads."""
+    """The API server errs on every Deployment write (503): the operator sees generation 2 but never writes
+    a status for it, which SpecfleetOperatorNotReconciling reads. (A child the API server refuses with a
+    4xx is reported as Degraded instead, with the generation observed.)"""
     from kopf.testing import KopfRunner
 
     monkeypatch.setenv("KUBECONFIG", str(fake_kube.write_kubeconfig(tmp_path / "kubeconfig", NS)))
@@ -113,14 +115,20 @@ def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
     fake_kube.put(*ISVC, NS, doc)
     key = f'namespace="{NS}",service="{NAME}"'
     with KopfRunner(["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"], timeout=60):
+        deployment = wait_for("the Deployment", lambda: fake_kube.get(*DEPLOY, NS, NAME))
+        deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],
+                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
+        fake_kube.put(*DEPLOY, NS, deployment)
         wait_for("generation 1 reconciled", lambda: series(
             metrics_url, "specfleet_inferenceservice_observed_generation").get(key) == 1.0)
         for _ in range(1000):  # every write of the Deployment from now on
-            fake_kube.fail_next("PATCH", "/deployments/", status=422)
+            fake_kube.fail_next("PATCH", "/deployments/", status=503)
         isvc = fake_kube.get(*ISVC, NS, NAME)
         isvc["spec"]["batching"]["maxNumSeqs"] = 8  # type: ignore[index]
         fake_kube.put(*ISVC, NS, isvc)  # type: ignore[arg-type]
         wait_for("generation 2 seen", lambda: series(metrics_url, "specfleet_inferenceservice_generation").get(key) == 2.0)
+        wait_for("a few failed reconciles", lambda: sum(
+            1 for r in fake_kube.requests if r.method == "PATCH" and f"/deployments/{NAME}" in r.path) >= 4, timeout=30)
         assert series(metrics_url, "specfleet_inferenceservice_observed_generation")[key] == 1.0
         fake_kube.remove(*ISVC, NS, NAME)
 

@@ -33,6 +33,9 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
             "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
         },
     }
+    # a figure the window did not have is left out (a null is no number to the API server's schema; left
+    # out of the tuner's apply, the field goes), as when metrics are missing
+    status["observed"] = {key: value for key, value in status["observed"].items() if value is not None}
     if tick.frozen_by is not None:  # left out otherwise: the tuner's next apply drops the field
         status["frozenBy"] = tick.frozen_by
     if config is not None:

@@ -92,7 +92,8 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
             prom, f'specfleet_inferenceservice_condition{{namespace="{NS}", type="Ready", status="True"}}'), timeout=30)
         # (the registry is the process's: other tests' services may be in it, so look at this one only)
         for alert in ("SpecfleetOperatorNotReconciling", "SpecfleetInferenceServiceDegraded"):
-            assert [r for r in query(prom, alert_expr(alert)) if r["metric"]["namespace"] == NS] == [], alert
+            assert [r for r in query(prom, alert_expr(alert))
+                    if (r["metric"]["namespace"], r["metric"]["service"]) == (NS, NAME)] == [], alert
 
         fake_kube.remove(*ISVC, NS, NAME)
         wait_for("the deleted service's series gone", lambda: not series(

@@ -22,20 +22,19 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
     previous = previous or {}
     if tick.frozen_by is not None and obs.config is not None:
         config = obs.config  # frozen, the engines may run a config set by hand: show what they run
+    observed = {
+        "acceptanceRate": None if acc is None else round(acc, 4),
+        "ttftP95Ms": _ms(obs.ttft_p95_s),
+        "tpotP95Ms": _ms(obs.tpot_p95_s),
+        "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
+        "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
+    }
     status: dict[str, Any] = {
         "reason": d.reason[:4000],
         "lastDecisionTime": now if d.changed or "lastDecisionTime" not in previous else previous["lastDecisionTime"],
-        "observed": {
-            "acceptanceRate": None if acc is None else round(acc, 4),
-            "ttftP95Ms": _ms(obs.ttft_p95_s),
-            "tpotP95Ms": _ms(obs.tpot_p95_s),
-            "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
-            "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
-        },
+        # What was not observed is left out (the CRD's fields are numbers, not nullable).
+        "observed": {key: value for key, value in observed.items() if value is not None},
     }
-    # a figure the window did not have is left out (a null is no number to the API server's schema; left
-    # out of the tuner's apply, the field goes), as when metrics are missing
-    status["observed"] = {key: value for key, value in status["observed"].items() if value is not None}
     if tick.frozen_by is not None:  # left out otherwise: the tuner's next apply drops the field
         status["frozenBy"] = tick.frozen_by
     if config is not None:

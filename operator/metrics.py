@@ -41,15 +41,24 @@ TUNER_FROZEN = Gauge("specfleet_tuner_frozen",
 
 _lock = threading.Lock()
 _conditions: dict[tuple[str, str], set[tuple[str, str, str]]] = {}  # service -> label sets set now
+_gone: set[str] = set()  # uids of deleted services: a reconcile still in flight must not bring them back
 
 
-def saw_generation(namespace: str, name: str, generation: int) -> None:
-    GENERATION.labels(namespace, name).set(generation)
+def live(uid: str | None) -> bool:
+    """False once the service with this uid was deleted (a recreated one has a new uid)."""
+    return uid is None or uid not in _gone
 
 
-def reconciled(namespace: str, name: str, status: Mapping[str, Any]) -> None:
+def saw_generation(namespace: str, name: str, generation: int, uid: str | None = None) -> None:
+    if live(uid):
+        GENERATION.labels(namespace, name).set(generation)
+
+
+def reconciled(namespace: str, name: str, status: Mapping[str, Any], uid: str | None = None) -> None:
     """After a successful reconcile: the observed generation (0 until a status describes any generation,
     so that a service whose first rollout is never observed still shows as behind) and every condition."""
+    if not live(uid):
+        return
     OBSERVED_GENERATION.labels(namespace, name).set(int(status.get("observedGeneration") or 0))
     set_conditions(namespace, name, status.get("conditions") or [])
 
@@ -68,13 +77,17 @@ def set_conditions(namespace: str, name: str, conditions: Iterable[Mapping[str, 
         _conditions[(namespace, name)] = {b for b in before if b[0] not in types} | now
 
 
-def tuned(namespace: str, name: str, static_intervals: int, frozen: bool) -> None:
+def tuned(namespace: str, name: str, static_intervals: int, frozen: bool, uid: str | None = None) -> None:
+    if not live(uid):
+        return
     TUNER_STATIC_INTERVALS.labels(namespace, name).set(static_intervals)
     TUNER_FROZEN.labels(namespace, name).set(1 if frozen else 0)
 
 
-def forget(namespace: str, name: str) -> None:
+def forget(namespace: str, name: str, uid: str | None = None) -> None:
     """The InferenceService is gone: drop its series (an alert must not fire for a deleted service)."""
+    if uid is not None:
+        _gone.add(uid)
     with _lock:
         for labels in _conditions.pop((namespace, name), set()):
             CONDITION.remove(namespace, name, *labels)

@@ -133,8 +133,9 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf
     # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
     update = status_patch(tick, tuner.policy.current, dict(status), generation, now)
     await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
-    metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None)
-    metrics.set_conditions(meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"])
+    metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
+    if metrics.live(uid):
+        metrics.set_conditions(meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"])
     change = event_for(tick.decision)
     for kind, reason, message in [*transition_events(tick), *([change] if change else [])]:
         post = kopf.warn if kind == "Warning" else kopf.info

@@ -107,9 +107,9 @@ class EngineCoreClient:
         self._output.bind(output_addr)
         cmd = [sys.executable, "-m", "specfleet.engine.core.proc", "--input", input_addr, "--output", output_addr,
                "--config", json.dumps(asdict(config)), "--log-level", log_level]
-        # Not a new session: on Linux each session is its own CPU autogroup, and a core alone in one got a
-        # fraction of the CPU its OpenMP threads need on a shared host (measured: 4 s decode steps against
-        # 80 ms in the server's group). The core ignores SIGINT, so the terminal's Ctrl-C stays the server's.
+        # Not a new session: on Linux each session is its own CPU autogroup, which would give the core a
+        # separate CPU share from the server's (suspected, not shown, in the slowdown docs/engine_core.md
+        # leaves open). The core ignores SIGINT, so the terminal's Ctrl-C stays the server's.
         self.proc = subprocess.Popen(cmd)
         try:
             ready = self._wait_ready(ready_timeout_s)

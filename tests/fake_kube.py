@@ -3,7 +3,8 @@
 It speaks the subset kopf and specfleet's client use: discovery, list, watch (chunked JSON lines), get,
 create, merge/JSON/apply patches (also on /status), delete and events. It keeps generation and
 resourceVersion like the real server, records every request, and can inject failures (e.g. a 409).
-It runs no controllers: tests set a Deployment's status themselves, as the Deployment controller would.
+It filters list and watch by equality label selectors (`key=value,...`). It runs no controllers: tests set
+a Deployment's status (or an EndpointSlice) themselves, as the Deployment (EndpointSlice) controller would.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ DISCOVERY = {
                 ("pods", "Pod", True, ["status"])],
     "/apis/apps/v1": [("deployments", "Deployment", True, ["status", "scale"])],
     "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["status"])],
+    "/apis/discovery.k8s.io/v1": [("endpointslices", "EndpointSlice", True, [])],
     "/apis/serving.specfleet.io/v1alpha1": [("inferenceservices", "InferenceService", True, ["status", "scale"])],
 }
 MONITORING = {"/apis/monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True, [])]}
@@ -185,8 +187,9 @@ class FakeKube:
             if request.method == "GET" and request.query.get("watch") == "true":
                 return await self._watch(request, prefix, plural, namespace)
             if request.method == "GET":
+                selected = _selector(request.query.get("labelSelector", ""))
                 items = [copy.deepcopy(o) for k, o in self.objects.items()
-                         if k[:2] == (prefix, plural) and namespace in (None, k[2])]
+                         if k[:2] == (prefix, plural) and namespace in (None, k[2]) and selected(o)]
                 return web.json_response({"items": items, "metadata": {"resourceVersion": str(next(self._rv))}})
             if request.method == "POST":
                 meta = body.setdefault("metadata", {})
@@ -236,6 +239,7 @@ class FakeKube:
     async def _watch(self, request: web.Request, prefix: str, plural: str, namespace: str | None) -> web.StreamResponse:
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         since = int(request.query.get("resourceVersion", "0") or 0)
+        selected = _selector(request.query.get("labelSelector", ""))
         for k, obj in self.objects.items():
             if k[:2] == (prefix, plural) and namespace in (None, k[2]) and int(obj["metadata"]["resourceVersion"]) > since:
                 queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(obj)})
@@ -245,6 +249,8 @@ class FakeKube:
         await response.prepare(request)
         try:
             while (event := await queue.get()) is not None:
+                if not selected(event["object"]):
+                    continue
                 await response.write(json.dumps(event).encode() + b"\n")
         except (ConnectionResetError, asyncio.CancelledError):
             pass
@@ -288,6 +294,18 @@ def _parse(path: str) -> tuple[str, str | None, str, str | None, str | None] | N
     if not rest:  # /api/v1/namespaces/NAME is the Namespace object itself
         return (prefix, None, "namespaces", namespace, None) if namespace else None
     return prefix, namespace, rest[0], rest[1] if len(rest) > 1 else None, rest[2] if len(rest) > 2 else None
+
+
+def _selector(expression: str) -> Callable[[dict[str, Any]], bool]:
+    """A label selector of `key=value` terms joined by commas (the only form the fake understands)."""
+    terms = [t.split("=", 1) for t in expression.split(",") if t]
+    if any(len(t) != 2 for t in terms):
+        raise ValueError(f"the fake understands only key=value label selectors, not {expression!r}")
+
+    def selected(obj: dict[str, Any]) -> bool:
+        labels = obj.get("metadata", {}).get("labels") or {}
+        return all(labels.get(k) == v for k, v in terms)
+    return selected
 
 
 def _merge(target: Any, patch: Any) -> Any:

@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"engine": "specfleet.engine", "operator": "specfleet.operator", "kernels": "specfleet.kernels",
-           "bench": "specfleet.bench"}
+           "bench": "specfleet.bench", "router": "specfleet.router"}
 
 
 def _run(code: str, cwd: Path, *flags: str) -> str:

@@ -20,12 +20,13 @@ from .render import (
     new_admin_token,
     render_deployment,
     render_pdb,
+    render_router_children,
     render_secret,
     render_service,
     render_servicemonitor,
 )
 from .render.common import owner_reference
-from .resources import admin_secret_name
+from .resources import admin_secret_name, engines_service_name, router_name
 
 T = TypeVar("T")
 CONFLICT_ATTEMPTS = 4
@@ -76,6 +77,7 @@ class Reconciler:
         children["Deployment"] = await retry_on_conflict(
             lambda: self._apply(render_deployment(isvc, self.config), events), "deployment")
         children["Service"] = await retry_on_conflict(lambda: self._apply(render_service(isvc), events), "service")
+        await self._converge_router(isvc, children, events)
         pdb = render_pdb(isvc)
         if pdb is not None:
             children["PodDisruptionBudget"] = await retry_on_conflict(lambda: self._apply(pdb, events), "pdb")
@@ -126,13 +128,29 @@ class Reconciler:
                 events.append(Event("Normal", "Updated", f"updated {what} to match the spec"))
         return after
 
-    async def _delete_owned(self, kind: str, isvc: InferenceService, events: list[Event]) -> None:
-        path = object_path(kind, isvc.namespace, isvc.name)
+    async def _converge_router(self, isvc: InferenceService, children: dict[str, dict[str, Any]],
+                               events: list[Event]) -> None:
+        """With routing on, the router's RBAC, the engines' headless Service and the router Deployment;
+        with it off, none of them (deleted if this InferenceService owns them)."""
+        wanted = render_router_children(isvc, self.config)
+        for obj in wanted:
+            applied = await retry_on_conflict(lambda obj=obj: self._apply(obj, events), obj["kind"])
+            children[f"Router{obj['kind']}" if obj["kind"] != "Service" else "EnginesService"] = applied
+        if not wanted:
+            name = router_name(isvc.name)
+            for kind, child in (("Deployment", name), ("Service", engines_service_name(isvc.name)),
+                                ("RoleBinding", name), ("Role", name), ("ServiceAccount", name)):
+                await self._delete_owned(kind, isvc, events, child, "routing is disabled")
+
+    async def _delete_owned(self, kind: str, isvc: InferenceService, events: list[Event], name: str | None = None,
+                            why: str = "not needed at this replica count") -> None:
+        name = name or isvc.name
+        path = object_path(kind, isvc.namespace, name)
         existing = await self.client.get(path)
         owners = (existing or {}).get("metadata", {}).get("ownerReferences") or []
         if existing is not None and any(o.get("uid") == isvc.metadata.uid for o in owners):
             await self.client.delete(path)
-            events.append(Event("Normal", "Deleted", f"deleted {kind} {isvc.name} (not needed at this replica count)"))
+            events.append(Event("Normal", "Deleted", f"deleted {kind} {name} ({why})"))
 
 
 def transition_events(previous: dict[str, Any], status: dict[str, Any]) -> list[Event]:

@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import SEARCHED, Knob, camel
+from specfleet.router.policies import DEFAULT_POLICY, POLICIES
 
 SOURCE_PATTERN = r"^(bundled://[a-z0-9][a-z0-9.-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|hf://[^/@\s]+/[^/@\s]+(@[^\s]+)?)$"
 QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
@@ -207,6 +208,25 @@ class AutotuneSpec(_Spec):
     bounds: AutotuneBounds = _default_obj(AutotuneBounds)
 
 
+class RoutingSpec(_Spec):
+    enabled: bool = Field(True, description="Run the fleet router in front of the engines (the Service points at "
+                          "it; the engines get a headless Service). false: the Service spreads requests itself.")
+    policy: Literal[tuple(POLICIES)] = Field(  # type: ignore[valid-type]
+        DEFAULT_POLICY, description="prefix: the engine estimated to hold the longest prefix of the prompt, "
+        "bounded by load; least-loaded: fewest requests in flight; round-robin.")
+    load_factor_percent: int = Field(
+        125, ge=100, le=1000, description="prefix policy: an engine takes a request only while its requests in "
+        "flight stay within this percentage of the mean (consistent hashing with bounded loads).")
+    session_header: str = Field(
+        "x-session-id", max_length=64, pattern=r"^[A-Za-z0-9-]*$",
+        description="Requests with the same value of this header go to the same engine while its load allows "
+        "(prefix policy); empty turns session affinity off.")
+    replicas: int = Field(1, ge=1, le=100, description="Router pods (stateless; each keeps its own prefix index).")
+    queue_timeout_seconds: int = Field(
+        0, ge=0, le=3600, description="How long a request waits for a ready engine before 503 (scale from zero).")
+    image: str | None = Field(None, max_length=512, description="Router image; empty means the operator's own.")
+
+
 _WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
 
 
@@ -242,6 +262,7 @@ class InferenceServiceSpec(_Spec):
     scheduling: SchedulingSpec = _default_obj(SchedulingSpec)
     slo: SLOSpec = _default_obj(SLOSpec)
     autotune: AutotuneSpec = _default_obj(AutotuneSpec)
+    routing: RoutingSpec = _default_obj(RoutingSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:

@@ -29,11 +29,13 @@ Key = tuple[str, str, str | None, str]  # (api prefix, plural, namespace, name)
 
 DISCOVERY = {
     "/api/v1": [("services", "Service", True, ["status"]), ("secrets", "Secret", True, []),
+                ("serviceaccounts", "ServiceAccount", True, []),
                 ("events", "Event", True, []), ("namespaces", "Namespace", False, []),
                 ("pods", "Pod", True, ["status"])],
     "/apis/apps/v1": [("deployments", "Deployment", True, ["status", "scale"])],
     "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["status"])],
     "/apis/discovery.k8s.io/v1": [("endpointslices", "EndpointSlice", True, [])],
+    "/apis/rbac.authorization.k8s.io/v1": [("roles", "Role", True, []), ("rolebindings", "RoleBinding", True, [])],
     "/apis/serving.specfleet.io/v1alpha1": [("inferenceservices", "InferenceService", True, ["status", "scale"])],
 }
 MONITORING = {"/apis/monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True, [])]}

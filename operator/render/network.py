@@ -5,18 +5,24 @@ from __future__ import annotations
 from typing import Any
 
 from ..inference_service import InferenceService
-from ..resources import ENGINE_PORT, selector_labels
+from ..resources import ENGINE_PORT, LABEL_INSTANCE, router_labels, router_selector_labels, selector_labels
 from .common import child_metadata
 
 
 def render_service(isvc: InferenceService) -> dict[str, Any]:
+    """The Service clients use: the router pods with `routing.enabled`, else the engine pods themselves.
+    With the router it carries the router's labels, so the engines' ServiceMonitor does not scrape it."""
+    metadata = child_metadata(isvc, isvc.name)
+    selector = selector_labels(isvc.name)
+    if isvc.spec.routing.enabled:
+        metadata["labels"], selector = router_labels(isvc.name), router_selector_labels(isvc.name)
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(isvc, isvc.name),
+        "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(isvc.name),
+            "selector": selector,
             "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -51,6 +57,9 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
         "metadata": child_metadata(isvc, isvc.name),
         "spec": {
             "selector": {"matchLabels": selector_labels(isvc.name)},
+            # job = the InferenceService's name whichever Service holds the engines (the tuner's PromQL
+            # selects job="<name>"): the client Service without the router, `<name>-engines` with it.
+            "jobLabel": LABEL_INSTANCE,
             "namespaceSelector": {"matchNames": [isvc.namespace]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
         },

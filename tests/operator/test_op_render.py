@@ -16,10 +16,12 @@ from specfleet.operator.render import (
     read_admin_token,
     render_deployment,
     render_pdb,
+    render_router_children,
     render_secret,
     render_service,
     render_servicemonitor,
 )
+from specfleet.router.cli import build_parser as router_parser
 
 CONFIG = OperatorConfig(engine_image="registry.example/engine:cuda", engine_cpu_image="registry.example/engine:cpu")
 
@@ -50,6 +52,7 @@ def test_every_rendered_object_is_valid_kubernetes(path: Any) -> None:
     isvc = load_inference_service(path)
     objects = [render_deployment(isvc, CONFIG), render_service(isvc), render_secret(isvc, new_admin_token())]
     objects += [pdb for pdb in [render_pdb(isvc)] if pdb]
+    objects += render_router_children(isvc, CONFIG)
     for obj in objects:
         k8s_validate(obj)
         assert obj["metadata"]["namespace"] == isvc.namespace
@@ -192,17 +195,56 @@ def test_rendering_is_deterministic_and_ignores_tuned_status() -> None:
     assert flag(args, "--num-speculative-tokens") == "4"  # the spec's value: tuning goes through the admin API
 
 
-def test_service_selects_the_deployments_pods() -> None:
-    isvc = isvc_from("smollm2-cpu.yaml")
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_service_selects_the_deployments_pods_without_the_router() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", routing={"enabled": False})
     service, deployment = render_service(isvc), render_deployment(isvc, CONFIG)
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["metadata"]["name"] == "smollm2"
-    assert service["spec"]["selector"].items() <= pod_labels.items()
-    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert _selects(service["spec"]["selector"], pod_labels)
+    assert _selects(deployment["spec"]["selector"]["matchLabels"], pod_labels)
     assert service["spec"]["ports"][0]["port"] == 8000
     monitor = render_servicemonitor(isvc)
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert _selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     assert monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s"}
+    assert render_router_children(isvc, CONFIG) == []
+
+
+def test_router_stands_between_the_service_and_the_engines() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", routing={"policy": "least-loaded", "loadFactorPercent": 150})
+    service, engines = render_service(isvc), render_deployment(isvc, CONFIG)
+    children = {o["kind"]: o for o in render_router_children(isvc, CONFIG) if o["kind"] != "Service"}
+    (headless,) = [o for o in render_router_children(isvc, CONFIG) if o["kind"] == "Service"]
+    router = children["Deployment"]
+    router_pods = router["spec"]["template"]["metadata"]["labels"]
+    engine_pods = engines["spec"]["template"]["metadata"]["labels"]
+    # clients reach the router pods only; the router finds the engines through the headless Service
+    assert service["metadata"]["name"] == "smollm2" and service["spec"]["ports"][0]["port"] == 8000
+    assert _selects(service["spec"]["selector"], router_pods) and not _selects(service["spec"]["selector"], engine_pods)
+    assert headless["metadata"]["name"] == "smollm2-engines" and headless["spec"]["clusterIP"] == "None"
+    assert _selects(headless["spec"]["selector"], engine_pods) and not _selects(headless["spec"]["selector"], router_pods)
+    assert _selects(router["spec"]["selector"]["matchLabels"], router_pods)
+    # the engines' ServiceMonitor scrapes the headless Service, not the router, with job = the service's name
+    monitor = render_servicemonitor(isvc)
+    assert _selects(monitor["spec"]["selector"]["matchLabels"], headless["metadata"]["labels"])
+    assert not _selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert headless["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "smollm2"
+    # the router's own parser reads back its command line
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    args = router_parser().parse_args(container["args"])
+    assert (args.service, args.namespace, args.policy, args.load_factor, args.block_size, args.port) == (
+        "smollm2-engines", "team-a", "least-loaded", 1.5, 16, 8000)
+    assert container["command"] == ["python", "-m", "specfleet.router"] and container["image"] == CONFIG.router_image
+    # its ServiceAccount may read EndpointSlices in this namespace, and nothing else
+    account = router["spec"]["template"]["spec"]["serviceAccountName"]
+    assert children["ServiceAccount"]["metadata"]["name"] == account == "smollm2-router"
+    assert children["Role"]["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                          "verbs": ["get", "list", "watch"]}]
+    assert children["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
+    assert children["RoleBinding"]["roleRef"]["name"] == children["Role"]["metadata"]["name"]
 
 
 def test_secret_holds_the_token_and_is_immutable() -> None:

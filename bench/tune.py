@@ -25,10 +25,10 @@ from typing import Any
 import httpx
 from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from specfleet.engine.config import SPECULATIVE_METHODS
+from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
-from specfleet.operator.tuner.actuator import AdminActuator
-from specfleet.operator.tuner.fleet import LocalFleet
-from specfleet.operator.tuner.types import LiveSettings, TunedConfig
+from specfleet.tuner.actuator import AdminActuator
+from specfleet.tuner.types import LiveSettings, TunedConfig
 
 
 @dataclass(frozen=True)

@@ -13,9 +13,9 @@ from collections.abc import Callable
 
 import httpx
 import pytest
+from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
-from specfleet.operator.tuner.actuator import AdminActuator
-from specfleet.operator.tuner.fleet import LocalFleet
+from specfleet.tuner.actuator import AdminActuator
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 

@@ -45,7 +45,7 @@ def engine_config(url: str) -> dict[str, int]:
 def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
         engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
     from kopf.testing import KopfRunner
-    from specfleet.operator.tuner import handlers as tuner_handlers
+    from specfleet.tuner import handlers as tuner_handlers
 
     host, port = engine_url.removeprefix("http://").split(":")
     monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))  # pods listen on 8000; this one elsewhere

@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 
 import pytest
-from specfleet.operator.tuner.actuator import ApplyResult
-from specfleet.operator.tuner.histogram import fraction_below, quantile, subtract, to_cdf
-from specfleet.operator.tuner.loop import Tick
-from specfleet.operator.tuner.report import event_for, status_patch
-from specfleet.operator.tuner.snapshot import build_observation
-from specfleet.operator.tuner.types import Decision, Observation, TunedConfig
+from specfleet.tuner.actuator import ApplyResult
+from specfleet.tuner.histogram import fraction_below, quantile, subtract, to_cdf
+from specfleet.tuner.loop import Tick
+from specfleet.tuner.report import event_for, status_patch
+from specfleet.tuner.snapshot import build_observation
+from specfleet.tuner.types import Decision, Observation, TunedConfig
 
 BUCKETS = [(0.1, 10.0), (0.2, 50.0), (0.5, 90.0), (math.inf, 100.0)]
 

@@ -20,14 +20,14 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from specfleet.operator.inference_service import InferenceService
+from specfleet.operator.render.deployment import engine_args
+from specfleet.tuner.actuator import AdminActuator
+from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
+from specfleet.tuner.policy import Policy
+from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
 
-from ..inference_service import InferenceService
-from ..render.deployment import engine_args
-from .actuator import AdminActuator
-from .loop import ServiceTuner, Tick, params_from_spec, spec_config
-from .policy import Policy
 from .proxy import Backends, create_proxy
-from .sources import PrometheusSource, ScrapeSource, Source
 
 
 def free_port(host: str = "127.0.0.1") -> int:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from specfleet.engine.knobs import camel
+from specfleet.operator.conditions import Cond, merge_conditions
 
-from ..conditions import Cond, merge_conditions
 from .loop import Tick
 from .types import Decision, LiveSettings, TunedConfig
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from ..spec import InferenceServiceSpec
+from specfleet.operator.spec import InferenceServiceSpec
+
 from .actuator import AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
 from .sources import Endpoints, Source

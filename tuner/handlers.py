@@ -17,12 +17,12 @@ from typing import Any
 from urllib.parse import quote
 
 import kopf
+from specfleet.operator.handlers import _client, autotune_enabled
+from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
+from specfleet.operator.kube import ApiError, KubeClient, object_path
+from specfleet.operator.render.secret import read_admin_token
+from specfleet.operator.resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
 
-from ..handlers import _client, autotune_enabled
-from ..inference_service import InvalidInferenceService, parse_inference_service
-from ..kube import ApiError, KubeClient, object_path
-from ..render.secret import read_admin_token
-from ..resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
 from .actuator import AdminActuator
 from .loop import ServiceTuner, params_from_spec, spec_config
 from .policy import Policy

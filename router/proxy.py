@@ -93,11 +93,13 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._changed = asyncio.Event()
         self._waiting = 0
+        self.synced = False  # discovery reported at least once: before that, an empty set means "unknown"
 
     # ---- endpoint changes (discovery and the local fleet call this) -------------------------------
     def endpoints_changed(self, removed: list[str] | None = None) -> None:
         for url in removed or []:
             self.policy.forget(url)
+        self.synced = True
         self.metrics.observe_endpoints(self.endpoints)
         self._changed.set()
         self._changed = asyncio.Event()
@@ -242,12 +244,13 @@ def create_app(router: Router) -> web.Application:
         return web.json_response({"status": "ok"})
 
     async def ready(_: web.Request) -> web.Response:
-        n = len(router.endpoints.routable())
+        """Ready once discovery has reported: with no engine ready the router still answers (503 with
+        Retry-After, or queues for scale from zero), which is better than a connection refused."""
         if router.stopping:
             return _error(503, "the router is stopping", 5)
-        if n == 0 and router.queue_timeout_s <= 0:
-            return _error(503, "no engine is ready", 1)
-        return web.json_response({"status": "ready", "engines": n})
+        if not router.synced:
+            return _error(503, "endpoint discovery has not reported yet", 1)
+        return web.json_response({"status": "ready", "engines": len(router.endpoints.routable())})
 
     async def metrics(_: web.Request) -> web.Response:
         router.metrics.observe_endpoints(router.endpoints)

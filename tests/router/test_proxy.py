@@ -152,7 +152,10 @@ def test_503_with_retry_after_when_nothing_is_ready_and_the_queue_from_zero():
                     assert r.status == 503 and r.headers["Retry-After"] == "1"
                     assert "no engine is ready" in (await r.json())["error"]["message"]
                 async with client.get(f"{url}/ready") as r:
-                    assert r.status == 503
+                    assert r.status == 503  # discovery has not reported yet
+                router.endpoints_changed()
+                async with client.get(f"{url}/ready") as r:
+                    assert r.status == 200 and (await r.json())["engines"] == 0
                 # scale from zero: the request waits in the queue until an engine turns ready
                 router.queue_timeout_s = 10.0
                 pending = asyncio.create_task(client.post(f"{url}/v1/completions", json=BODY))

@@ -227,6 +227,32 @@ class RoutingSpec(_Spec):
     image: str | None = Field(None, max_length=512, description="Router image; empty means the operator's own.")
 
 
+class AutoscalingSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+        ]}
+    )
+    enabled: bool = Field(False, description="The tuner decides the replica count between minReplicas and "
+                          "maxReplicas from its goodput model (needs autotune.enabled). Leave it off when an HPA "
+                          "or KEDA drives the scale subresource: two controllers must not both set replicas.")
+    min_replicas: int = Field(1, ge=0, le=1000, description="0 allows scale to zero: the router holds requests "
+                              "(routing.queueTimeoutSeconds) while the first pod starts.")
+    max_replicas: int = Field(1, ge=1, le=1000)
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600, description="A scale-up takes the lowest "
+                                                "recommendation of this window (the HPA's default: 0).")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="A scale-down takes the "
+                                                  "highest recommendation of this window (the HPA's default: 300).")
+    cooldown_seconds: int = Field(60, ge=0, le=3600, description="No replica change this soon after the last one.")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.minReplicas={self.min_replicas} must be <= autoscaling.maxReplicas="
+                             f"{self.max_replicas}")
+        return self
+
+
 _WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
 
 
@@ -243,6 +269,8 @@ class InferenceServiceSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.replicas >= 0", "replicas must be >= 0"),
+                cel("!self.autoscaling.enabled || self.autotune.enabled",
+                    "autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob"),
                 cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
                 *[
@@ -263,6 +291,7 @@ class InferenceServiceSpec(_Spec):
     slo: SLOSpec = _default_obj(SLOSpec)
     autotune: AutotuneSpec = _default_obj(AutotuneSpec)
     routing: RoutingSpec = _default_obj(RoutingSpec)
+    autoscaling: AutoscalingSpec = _default_obj(AutoscalingSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:
@@ -272,6 +301,9 @@ class InferenceServiceSpec(_Spec):
                 f"batching.maxNumBatchedTokens={b.max_num_batched_tokens} is below batching.maxNumSeqs="
                 f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
             )
+        if self.autoscaling.enabled and not self.autotune.enabled:
+            raise ValueError("autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob; "
+                             "turn autotune on, or autoscaling off and let an HPA/KEDA drive the scale subresource")
         tp = self.engine.tensor_parallel_size
         if tp > 1:
             raise ValueError(f"engine.tensorParallelSize={tp}: {TP_NOT_IMPLEMENTED}")

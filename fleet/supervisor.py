@@ -33,7 +33,9 @@ from specfleet.router.proxy import Router, serve
 from specfleet.tuner.actuator import AdminActuator
 from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
 from specfleet.tuner.policy import Policy
+from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaParams, ReplicaPolicy
 from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
+from specfleet.tuner.types import SLO
 
 from .engines import EngineProcess, describe_exit
 
@@ -117,6 +119,17 @@ class LocalFleet:
                              session_header=routing.session_header or None,
                              queue_timeout_s=float(routing.queue_timeout_seconds))
         self.tuner: ServiceTuner | None = None
+        scaling = spec.autoscaling
+        self.replica_policy: ReplicaPolicy | None = None
+        self.replica_decisions: list[ReplicaDecision] = []
+        self._cold_start: float | None = None
+        self.cold_start_s: float | None = None
+        if scaling.enabled:
+            self.replica_policy = ReplicaPolicy(ReplicaParams(
+                scaling.min_replicas, scaling.max_replicas, float(scaling.scale_up_stabilization_seconds),
+                float(scaling.scale_down_stabilization_seconds), float(scaling.cooldown_seconds)),
+                min(max(spec.replicas, scaling.min_replicas), scaling.max_replicas))
+            self.router.on_queue = self._on_queue
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
@@ -154,12 +167,18 @@ class LocalFleet:
         current = self.router.endpoints.get(engine.url)
         if current is not None and (current.ready, current.draining) == (ready, draining):
             return
+        if ready and self._cold_start is not None:
+            self.cold_start_s = time.monotonic() - self._cold_start
+            self._cold_start = None
+            self.say(f"[autoscaler] cold start: engine {engine.index} ready {self.cold_start_s:.1f}s after the "
+                     "first request queued")
         self.router.endpoints.set_state(engine.url, ready=ready, draining=draining)
         self.router.endpoints_changed()
 
     async def start(self, ready_timeout_s: float | None = None) -> None:
         spec = self.isvc.spec
-        for _ in range(spec.replicas):
+        replicas = self.replica_policy.replicas if self.replica_policy is not None else spec.replicas
+        for _ in range(replicas):
             self._new_engine()
         await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
         encode = local_tokenizer(spec.model.source)
@@ -169,7 +188,7 @@ class LocalFleet:
         self._runner = await serve(self.router, self.host, self.port)
         self.router.endpoints_changed()
         self._tasks += [asyncio.create_task(self._supervise()), asyncio.create_task(self._watch_ready())]
-        if self.tuning:
+        if self.tuning or self.replica_policy is not None:
             self.tuner = self._build_tuner()
             self._tasks.append(asyncio.create_task(self._tune_forever()))
 
@@ -283,10 +302,39 @@ class LocalFleet:
         interval = self.tuner.policy.params.interval_s
         while True:  # the first tick at once: the scrape source needs it as the base of its first window
             try:
-                await self.tick()
+                tick = await self.tick()
+                await self.autoscale(tick)
             except Exception as error:  # noqa: BLE001 - the tuner must outlive one bad interval
                 self.say(f"[tuner] interval failed: {type(error).__name__}: {error}")
             await asyncio.sleep(interval)
+
+    async def autoscale(self, tick: Tick) -> ReplicaDecision | None:
+        """The replica knob, from the same observation and goodput model as the tick's config decision."""
+        if self.replica_policy is None or self.tuner is None:
+            return None
+        policy, obs = self.tuner.policy, tick.observation
+        decision = self.replica_policy.decide(time.monotonic(), obs, policy.model(obs) if not obs.error else None,
+                                              policy.current, policy.params.slo, self.router.queued)
+        await self._act(decision)
+        return decision
+
+    def _on_queue(self, waiting: int) -> None:
+        """The router holds a request with no engine ready: with zero replicas, start one now (not at the
+        next tuner interval)."""
+        if self.replica_policy is None or self.replica_policy.replicas > 0 or self.router.stopping:
+            return
+        self._cold_start = time.monotonic()
+        decision = self.replica_policy.decide(time.monotonic(), None, None, None,
+                                              self.tuner.policy.params.slo if self.tuner else SLO(1.0, 1.0), waiting)
+        self._tasks.append(asyncio.create_task(self._act(decision)))
+
+    async def _act(self, decision: ReplicaDecision) -> None:
+        if decision.kind != "hold" or decision.changed:
+            self.replica_decisions.append(decision)
+        if decision.changed or decision.kind in ("stabilizing", "cooldown"):
+            self.say(f"[autoscaler] {decision.kind}: {decision.reason}")
+        if decision.changed:
+            await self.scale_to(decision.replicas)
 
     async def stop(self, drain_timeout_s: float | None = None) -> list[int | None]:
         """Stop taking requests, SIGTERM the engines (they finish in-flight work), wait; exit codes."""

@@ -16,6 +16,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -88,6 +89,7 @@ class Router:
     request_timeout_s: float = 3600.0
     stopping: bool = False
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    on_queue: Callable[[int], None] | None = None  # called with the queue's length when a request starts waiting
 
     def __post_init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -96,6 +98,11 @@ class Router:
         self.synced = False  # discovery reported at least once: before that, an empty set means "unknown"
 
     # ---- endpoint changes (discovery and the local fleet call this) -------------------------------
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a ready engine now."""
+        return self._waiting
+
     def endpoints_changed(self, removed: list[str] | None = None) -> None:
         for url in removed or []:
             self.policy.forget(url)
@@ -110,6 +117,8 @@ class Router:
             return False
         self._waiting += 1
         self.metrics.queued.set(self._waiting)
+        if self.on_queue is not None:
+            self.on_queue(self._waiting)  # e.g. scale from zero
         start = time.monotonic()
         try:
             while not self.endpoints.routable():

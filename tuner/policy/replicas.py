@@ -119,14 +119,18 @@ class ReplicaPolicy:
         idle = demand < 0.5 and (obs.request_rate or 0.0) == 0.0
         if idle:
             return p.min_replicas, f"idle: no request in the system; the floor is minReplicas={p.min_replicas}"
+        share = attainment(obs, slo)
+        missed = share is not None and share < p.min_attainment and (obs.waiting or 0.0) > 0
         if model is None or config is None:
+            if missed:
+                return current + 1, (f"SLO attainment is {share:.2f} with {obs.waiting:.0f} requests waiting "
+                                     "(the goodput model has too few measurements yet)")
             return current, "the goodput model has too few measurements yet: replicas held"
         cap = capacity_per_replica(model, config, slo, p.tpot_margin)
         need = math.ceil(demand / cap)
         what = (f"{demand:.1f} requests in the system at {cap:.0f} per replica (the goodput model's capacity "
                 f"with {config.short()} at TPOT <= {p.tpot_margin:g} x {slo.tpot_p95_s * 1000:.0f} ms)")
-        share = attainment(obs, slo)
-        if need <= current and share is not None and share < p.min_attainment and (obs.waiting or 0.0) > 0:
+        if need <= current and missed:
             return current + 1, f"{what} fit in {current}, but SLO attainment is {share:.2f} with requests waiting"
         if need > current:
             return need, f"{what} need {need} replicas"

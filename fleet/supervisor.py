@@ -31,9 +31,9 @@ from specfleet.router.policies import make_policy
 from specfleet.router.prefix import BlockHasher, stable_hash
 from specfleet.router.proxy import Router, serve
 from specfleet.tuner.actuator import AdminActuator
-from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
+from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, replica_params, spec_config
 from specfleet.tuner.policy import Policy
-from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaParams, ReplicaPolicy
+from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
 from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
 from specfleet.tuner.types import SLO
 
@@ -119,16 +119,12 @@ class LocalFleet:
                              session_header=routing.session_header or None,
                              queue_timeout_s=float(routing.queue_timeout_seconds))
         self.tuner: ServiceTuner | None = None
-        scaling = spec.autoscaling
         self.replica_policy: ReplicaPolicy | None = None
         self.replica_decisions: list[ReplicaDecision] = []
         self._cold_start: float | None = None
         self.cold_start_s: float | None = None
-        if scaling.enabled:
-            self.replica_policy = ReplicaPolicy(ReplicaParams(
-                scaling.min_replicas, scaling.max_replicas, float(scaling.scale_up_stabilization_seconds),
-                float(scaling.scale_down_stabilization_seconds), float(scaling.cooldown_seconds)),
-                min(max(spec.replicas, scaling.min_replicas), scaling.max_replicas))
+        if spec.autoscaling.enabled:
+            self.replica_policy = ReplicaPolicy(replica_params(spec), self.isvc.desired_replicas)
             self.router.on_queue = self._on_queue
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []

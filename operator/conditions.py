@@ -25,7 +25,7 @@ class Cond:
 
 
 def deployment_conditions(isvc: InferenceService, deployment: dict[str, Any] | None) -> list[Cond]:
-    desired = isvc.spec.replicas
+    desired = isvc.desired_replicas
     if deployment is None or "observedGeneration" not in (deployment.get("status") or {}):
         return [
             Cond("Ready", "Unknown", "Pending", "waiting for the Deployment controller to report"),

@@ -4,7 +4,8 @@ A timer fires every few seconds for each such service and runs the service's `Se
 `autotune.intervalSeconds` have passed. Pods come from the Kubernetes API (ready pods with the service's
 selector label), the admin token from the `NAME-admin` Secret the reconcile creates, metrics from
 `autotune.prometheusURL` (else the operator's default, else a direct scrape of the pods). It writes only
-`status.tuning` and the `Tuned` condition, plus an Event per change; never `spec`.
+`status.tuning` and the `Tuned` condition, with autoscaling on `status.autoscaling` (the replica count the
+reconcile renders into the Deployment), plus an Event per change; never `spec`.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from specfleet.operator.render.secret import read_admin_token
 from specfleet.operator.resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
 
 from .actuator import AdminActuator
-from .loop import ServiceTuner, params_from_spec, spec_config
+from .loop import ServiceTuner, params_from_spec, replica_params, spec_config
 from .policy import Policy
-from .report import event_for, status_patch
+from .policy.replicas import ReplicaPolicy
+from .report import autoscaling_status, event_for, scale_event, status_patch
 from .sources import PrometheusSource, ScrapeSource, Source
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
@@ -97,15 +99,39 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
     tick = await tuner.tick()
     now = _now()
     patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now))
-    event = event_for(tick.decision)
-    if event is not None:
-        post = kopf.warn if event[0] == "Warning" else kopf.info
-        post(body, reason=event[1], message=event[2][:1000])
+    events = [event_for(tick.decision)]
+    replicas = _replica_policy(memo, uid, generation, body)
+    if replicas is not None:  # the replica knob, from the same observation and model as the config
+        obs = tick.observation
+        decision = replicas.decide(time.monotonic(), obs, None if obs.error else tuner.policy.model(obs),
+                                   tuner.policy.current, tuner.policy.params.slo)
+        patch.status["autoscaling"] = autoscaling_status(decision, dict(status).get("autoscaling"), now)
+        events.append(scale_event(decision))
+    for event in events:
+        if event is not None:
+            post = kopf.warn if event[0] == "Warning" else kopf.info
+            post(body, reason=event[1], message=event[2][:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
+
+
+def _replica_policy(memo: kopf.Memo, uid: str, generation: int, body: kopf.Body) -> ReplicaPolicy | None:
+    """One replica policy per service with autoscaling on, started from the count in force; reset by a
+    spec change like the tuner."""
+    policies: dict[str, tuple[ReplicaPolicy, int]] = memo.setdefault("replica_policies", {})
+    isvc = parse_inference_service(body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}")
+    if not isvc.spec.autoscaling.enabled:
+        policies.pop(uid, None)
+        return None
+    entry = policies.get(uid)
+    if entry is None or entry[1] != generation:
+        entry = (ReplicaPolicy(replica_params(isvc.spec), isvc.desired_replicas), generation)
+        policies[uid] = entry
+    return entry[0]
 
 
 @kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
 async def forget(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    memo.setdefault("replica_policies", {}).pop(meta["uid"], None)
     entry = memo.setdefault("tuners", {}).pop(meta["uid"], None)
     if entry is not None:
         await entry[0].close()

@@ -13,6 +13,7 @@ from specfleet.operator.spec import InferenceServiceSpec
 
 from .actuator import AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
+from .policy.replicas import ReplicaParams
 from .sources import Endpoints, Source
 from .types import SLO, Decision, LiveSettings, Observation, TuneBounds, TunedConfig
 
@@ -29,6 +30,13 @@ def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None
         interval_s=interval,
         window_s=float(window_s if window_s is not None else max(interval, 10.0)),
     )
+
+
+def replica_params(spec: InferenceServiceSpec) -> ReplicaParams:
+    """The replica knob's settings from `spec.autoscaling` (the cluster's and `specfleet up`'s alike)."""
+    a = spec.autoscaling
+    return ReplicaParams(a.min_replicas, a.max_replicas, float(a.scale_up_stabilization_seconds),
+                         float(a.scale_down_stabilization_seconds), float(a.cooldown_seconds))
 
 
 def spec_config(spec: InferenceServiceSpec) -> TunedConfig:

@@ -8,6 +8,7 @@ from specfleet.engine.knobs import camel
 from specfleet.operator.conditions import Cond, merge_conditions
 
 from .loop import Tick
+from .policy.replicas import ReplicaDecision
 from .types import Decision, LiveSettings, TunedConfig
 
 
@@ -66,3 +67,15 @@ def event_for(decision: Decision) -> tuple[str, str, str] | None:
     if decision.changed:
         return "Normal", "Tuned", decision.reason
     return None
+
+
+def autoscaling_status(decision: ReplicaDecision, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """`status.autoscaling`: the replica count the reconcile renders into the Deployment, and why."""
+    previous = previous or {}
+    return {"replicas": decision.replicas, "reason": decision.reason[:4000],
+            "lastScaleTime": now if decision.changed else previous.get("lastScaleTime")}
+
+
+def scale_event(decision: ReplicaDecision) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event a replica decision posts; None when the count stays."""
+    return ("Normal", "Scaled", decision.reason) if decision.changed else None

@@ -180,7 +180,7 @@ def render_deployment(isvc: InferenceService, config: OperatorConfig | None = No
         "kind": "Deployment",
         "metadata": child_metadata(isvc, isvc.name),
         "spec": {
-            "replicas": isvc.spec.replicas,
+            "replicas": isvc.desired_replicas,
             "selector": {"matchLabels": selector_labels(isvc.name)},
             # Never drop below the ready count during a rollout; surge one pod at a time.
             "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},

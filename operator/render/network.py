@@ -30,7 +30,7 @@ def render_service(isvc: InferenceService) -> dict[str, Any]:
 
 def wants_pdb(isvc: InferenceService) -> bool:
     """A PDB only makes sense with more than one replica: with one it would block every node drain."""
-    return isvc.spec.replicas > 1
+    return isvc.desired_replicas > 1
 
 
 def render_pdb(isvc: InferenceService) -> dict[str, Any] | None:

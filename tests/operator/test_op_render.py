@@ -256,3 +256,18 @@ def test_secret_holds_the_token_and_is_immutable() -> None:
     assert new_admin_token() != token
     with pytest.raises(ValueError, match="too short"):
         render_secret(isvc, "abc")
+
+
+def test_autoscaling_replicas_come_from_the_tuners_status_never_from_a_spec_write() -> None:
+    scaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3}
+    isvc = isvc_from("smollm2-cpu.yaml", replicas=1, autoscaling=scaling, autotune={"enabled": True})
+    assert render_deployment(isvc, CONFIG)["spec"]["replicas"] == 1 and render_pdb(isvc) is None
+    doc = isvc.model_dump(by_alias=True)
+    doc["status"] = {"autoscaling": {"replicas": 2, "reason": "scale-up 1 -> 2: ..."}}
+    scaled = load_inference_service(doc)
+    assert scaled.spec.replicas == 1  # the spec stays what the user (or Git) wrote
+    assert render_deployment(scaled, CONFIG)["spec"]["replicas"] == 2 and render_pdb(scaled) is not None
+    doc["status"]["autoscaling"]["replicas"] = 9  # clamped to maxReplicas
+    assert render_deployment(load_inference_service(doc), CONFIG)["spec"]["replicas"] == 3
+    doc["spec"]["autoscaling"]["enabled"] = False  # off: spec.replicas again (an HPA/KEDA may drive it)
+    assert render_deployment(load_inference_service(doc), CONFIG)["spec"]["replicas"] == 1

@@ -97,3 +97,17 @@ def test_at_most_two_changes_per_load_transition():
 def test_bad_bounds_are_refused_with_the_fields():
     with pytest.raises(ValueError, match="minReplicas=3 must be >= 0 and <= maxReplicas=2"):
         ReplicaParams(min_replicas=3, max_replicas=2)
+
+
+def test_status_and_event_of_a_decision():
+    from specfleet.tuner.report import autoscaling_status, scale_event
+
+    p = policy()
+    up = p.decide(0.0, obs(0.0, 30), MODEL, CONFIG, SLO_)
+    status = autoscaling_status(up, None, "2026-01-01T00:00:00Z")
+    assert status["replicas"] == 2 and status["lastScaleTime"] == "2026-01-01T00:00:00Z"
+    assert status["reason"].startswith("scale-up 1 -> 2:")
+    assert scale_event(up) == ("Normal", "Scaled", up.reason)
+    hold = p.decide(5.0, obs(5.0, 30), MODEL, CONFIG, SLO_)
+    assert autoscaling_status(hold, status, "2026-01-01T00:00:05Z")["lastScaleTime"] == "2026-01-01T00:00:00Z"
+    assert scale_event(hold) is None

@@ -49,8 +49,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | None = None) -> list[str]:
-    """The pod's engine command line, on a loopback port, with ceilings that cover the tuner's bounds."""
+def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | None = None,
+                         admin_port: int | None = None) -> list[str]:
+    """The pod's engine command line, on loopback ports (the admin API on `admin_port`, or beside the API
+    when None), with ceilings that cover the tuner's bounds."""
     spec = isvc.spec
     for name, source in (("model.source", spec.model.source),
                          ("speculative.draftModel.source", (spec.speculative.draft_model or spec.model).source)):
@@ -59,6 +61,11 @@ def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | N
     draft = spec.speculative.draft_model.source if spec.speculative.draft_model else None
     args = engine_args(spec, spec.model.source, draft)
     args[args.index("--port") + 1] = str(port)
+    at = args.index("--admin-port")
+    if admin_port is None:
+        del args[at:at + 2]
+    else:
+        args[at + 1] = str(admin_port)
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at:at + 2]
@@ -107,6 +114,7 @@ class LocalFleet:
     policy: str | None = None  # None: spec.routing.policy (least-loaded with routing disabled)
     say: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
     engines: list[EngineProcess] = field(default_factory=list)
+    admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
     ticks: list[Tick] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -132,6 +140,10 @@ class LocalFleet:
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
         self._env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
 
+    def admin_url(self, engine_url: str) -> str:
+        """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
+        return self.admin_urls.get(engine_url, engine_url)
+
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -151,9 +163,10 @@ class LocalFleet:
     # ---- engines -------------------------------------------------------------------------------------
     def _new_engine(self) -> EngineProcess:
         index = max((e.index for e in self.engines), default=-1) + 1
-        port = free_port()
-        engine = EngineProcess(index, port, local_engine_command(self.isvc, port, self.engine_extra_args),
-                               self._env, self.log_dir / f"engine-{index}.log")  # type: ignore[operator]
+        port, admin_port = free_port(), free_port()
+        command = local_engine_command(self.isvc, port, self.engine_extra_args, admin_port=admin_port)
+        engine = EngineProcess(index, port, command, self._env, self.log_dir / f"engine-{index}.log")  # type: ignore[operator]
+        self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
         engine.start()
         self.engines.append(engine)
         self.router.endpoints.set_state(engine.url, ready=False, draining=False)
@@ -201,7 +214,7 @@ class LocalFleet:
             source = PrometheusSource(self.prometheus_url, selector, params.window_s)
         else:
             source = ScrapeSource(ready, window_s=params.window_s)
-        return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token),
+        return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token, admin_url=self.admin_url),
                             ready)
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:

@@ -22,9 +22,18 @@ from specfleet.operator.handlers import _client, autotune_enabled
 from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
 from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
-from specfleet.operator.resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
+from specfleet.operator.resources import (
+    ADMIN_PORT,
+    ENGINE_PORT,
+    GROUP,
+    LABEL_ISVC,
+    PLURAL,
+    TUNER_FIELD_MANAGER,
+    VERSION,
+    admin_secret_name,
+)
 
-from .actuator import AdminActuator
+from .actuator import AdminActuator, admin_on_port
 from .loop import ServiceTuner, params_from_spec, replica_params, spec_config
 from .policy import Policy
 from .policy.replicas import ReplicaPolicy
@@ -71,12 +80,12 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
                                        params.window_s) if url else ScrapeSource(endpoints, window_s=params.window_s))
     return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
-                        AdminActuator(read_admin_token(secret)), endpoints)
+                        AdminActuator(read_admin_token(secret), admin_url=admin_on_port(ADMIN_PORT)), endpoints)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
             when=autotune_enabled)
-async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
+async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo,
                logger: logging.Logger, **_: Any) -> None:
     tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
@@ -98,15 +107,19 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
     tuners[uid] = (tuner, generation, time.monotonic())
     tick = await tuner.tick()
     now = _now()
-    patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now))
+    # The tuner's share of status (status.tuning, the Tuned condition, with autoscaling status.autoscaling)
+    # under its own field manager: the reconcile's conditions are another manager's entries of the same
+    # list-map, which this cannot touch.
+    share = status_patch(tick, tuner.policy.current, dict(status), generation, now)
     events = [event_for(tick.decision)]
     replicas = _replica_policy(memo, uid, generation, body)
     if replicas is not None:  # the replica knob, from the same observation and model as the config
         obs = tick.observation
         decision = replicas.decide(time.monotonic(), obs, None if obs.error else tuner.policy.model(obs),
                                    tuner.policy.current, tuner.policy.params.slo)
-        patch.status["autoscaling"] = autoscaling_status(decision, dict(status).get("autoscaling"), now)
+        share["autoscaling"] = autoscaling_status(decision, dict(status).get("autoscaling"), now)
         events.append(scale_event(decision))
+    await client.apply_status(meta["namespace"], meta["name"], share, TUNER_FIELD_MANAGER)
     for event in events:
         if event is not None:
             post = kopf.warn if event[0] == "Warning" else kopf.info
@@ -129,8 +142,11 @@ def _replica_policy(memo: kopf.Memo, uid: str, generation: int, body: kopf.Body)
     return entry[0]
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-async def forget(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted service's loop goes with it (an event handler: the timers hold no finalizer)."""
+    if event.get("type") != "DELETED":
+        return
     memo.setdefault("replica_policies", {}).pop(meta["uid"], None)
     entry = memo.setdefault("tuners", {}).pop(meta["uid"], None)
     if entry is not None:

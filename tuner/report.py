@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from specfleet.engine.knobs import camel
-from specfleet.operator.conditions import Cond, merge_conditions
+from specfleet.operator.conditions import Cond, condition_entries
 
 from .loop import Tick
 from .policy.replicas import ReplicaDecision
@@ -21,16 +21,18 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
     obs, d = tick.observation, tick.decision
     acc = obs.acceptance_rate
     previous = previous or {}
+    observed = {
+        "acceptanceRate": None if acc is None else round(acc, 4),
+        "ttftP95Ms": _ms(obs.ttft_p95_s),
+        "tpotP95Ms": _ms(obs.tpot_p95_s),
+        "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
+        "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
+    }
     status: dict[str, Any] = {
         "reason": d.reason[:4000],
         "lastDecisionTime": now if d.changed or "lastDecisionTime" not in previous else previous["lastDecisionTime"],
-        "observed": {
-            "acceptanceRate": None if acc is None else round(acc, 4),
-            "ttftP95Ms": _ms(obs.ttft_p95_s),
-            "tpotP95Ms": _ms(obs.tpot_p95_s),
-            "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
-            "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
-        },
+        # What was not observed is left out (the CRD's fields are numbers, not nullable).
+        "observed": {key: value for key, value in observed.items() if value is not None},
     }
     if config is not None:
         status.update({camel(name): value for name, value in LiveSettings(config, tick.guard).as_admin().items()})
@@ -55,8 +57,9 @@ def tuned_condition(tick: Tick) -> Cond:
 
 def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
                  now: str) -> dict[str, Any]:
-    """The status merge patch for one interval (conditions of other types are kept as they are)."""
-    conditions = merge_conditions(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
+    """The tuner's share of status for one interval: `tuning` and its own `Tuned` condition only (applied
+    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them)."""
+    conditions = condition_entries(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
     return {"tuning": tuning_status(tick, config, status.get("tuning"), now), "conditions": conditions}
 
 

@@ -24,6 +24,7 @@ class ServerState:
     tokenizer: Any
     vocab_size: int
     admin_token: str | None = None
+    admin_port: int | None = None  # the admin API's own port (None: served beside the OpenAI API)
     ready: bool = False
     draining: bool = False
     started: float = field(default_factory=time.time)

@@ -2,7 +2,7 @@
 
 from .deployment import engine_args, render_deployment
 from .model_source import resolve_source
-from .network import render_pdb, render_service, render_servicemonitor, wants_pdb
+from .network import render_network_policy, render_pdb, render_service, render_servicemonitor, wants_pdb
 from .router import (
     render_engines_service,
     render_router_children,
@@ -17,6 +17,7 @@ __all__ = [
     "read_admin_token",
     "render_deployment",
     "render_engines_service",
+    "render_network_policy",
     "render_pdb",
     "render_router_children",
     "render_router_deployment",

@@ -110,6 +110,7 @@ class LocalFleet:
     engine_extra_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     on_tick: Callable[[Tick], None] | None = None
+    freeze_file: Path | None = None  # while this file exists the tuner is frozen (None: LOG_DIR/tuner-freeze)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     policy: str | None = None  # None: spec.routing.policy (least-loaded with routing disabled)
     say: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
@@ -139,6 +140,7 @@ class LocalFleet:
         self._http: httpx.AsyncClient | None = None
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
         self._env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
+        self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
 
     def admin_url(self, engine_url: str) -> str:
         """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
@@ -298,9 +300,20 @@ class LocalFleet:
             engine.terminate()  # the engine finishes its in-flight requests on SIGTERM, then exits
 
     # ---- tuner -----------------------------------------------------------------------------------------
+
+    @property
+    def frozen_by(self) -> str | None:
+        """The local twin of the operator's freeze: spec.autotune.freeze in the YAML, or the freeze file
+        (`touch` it to freeze, remove it to resume; read at every interval)."""
+        if self.isvc.spec.autotune.freeze:
+            return "spec.autotune.freeze"
+        if self.freeze_file is not None and self.freeze_file.exists():
+            return f"freeze file {self.freeze_file}"
+        return None
+
     async def tick(self) -> Tick:
         assert self.tuner is not None, "tuning is off for this fleet"
-        tick = await self.tuner.tick()
+        tick = await self.tuner.tick(self.frozen_by)
         self.ticks.append(tick)
         if self.on_tick is not None:
             self.on_tick(tick)

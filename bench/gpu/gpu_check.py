@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import engine_decode  # noqa: E402
 import kernel_checks  # noqa: E402
+import quant_check  # noqa: E402
 from specfleet.bench import kernels_bench  # noqa: E402
 
 DRY_RUN = os.environ.get("DRY_RUN", "0") == "1"
@@ -102,6 +103,10 @@ def main() -> int:
         report.update(result)
         report["batch1_half_roofline_met"] = result["fraction_of_roofline"]["1"] >= 0.5
 
+    def quant_matmul() -> None:
+        report["quant_matmul"] = quant_check.run(device, DRY_RUN, report.get("copy_bandwidth_gbs"))
+        print(f"quant matmul: {report['quant_matmul']['passed']}/{report['quant_matmul']['cases']} passed")
+
     def tp2() -> None:
         gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         if device.type == "cuda" and gpus < 2:
@@ -119,6 +124,7 @@ def main() -> int:
 
     section("kernel_tests", kernels)
     section("bandwidth", bandwidth)
+    section("quant_matmul", quant_matmul)
     section("engine_decode", engine)
     section("tp2_decode", tp2)
     print(f"wrote {OUT / 'gpu.json'}; errors: {list(report['errors']) or 'none'}")

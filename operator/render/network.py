@@ -15,15 +15,19 @@ from ..resources import (
     selector_labels,
 )
 from .common import child_metadata
+from .slo import slo_relabelings, slo_service_labels
 
 
 def render_service(isvc: InferenceService) -> dict[str, Any]:
     """The Service clients use: the router pods with `routing.enabled`, else the engine pods themselves.
-    With the router it carries the router's labels, so the engines' ServiceMonitor does not scrape it."""
+    With the router it carries the router's labels, so the engines' ServiceMonitor does not scrape it, and
+    the SLO threshold labels (`slo.py`) go on the engines' headless Service (router.py) instead."""
     metadata = child_metadata(isvc, isvc.name)
     selector = selector_labels(isvc.name)
     if isvc.spec.routing.enabled:
         metadata["labels"], selector = router_labels(isvc.name), router_selector_labels(isvc.name)
+    else:
+        metadata["labels"].update(slo_service_labels(isvc))
     return {
         "apiVersion": "v1",
         "kind": "Service",
@@ -69,7 +73,8 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
             # selects job="<name>"): the client Service without the router, `<name>-engines` with it.
             "jobLabel": LABEL_INSTANCE,
             "namespaceSelector": {"matchNames": [isvc.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval,
+                           "relabelings": slo_relabelings()}],
         },
     }
 

@@ -23,6 +23,7 @@ from ..resources import (
 )
 from .common import owner_reference
 from .deployment import CONTAINER_SECURITY_CONTEXT, RUN_AS_USER
+from .slo import slo_service_labels
 
 # The router holds no model: a few hundred MB covers aiohttp, the prefix index (65,536 hashes per engine,
 # ~10 MB) and its buffers; one core forwards thousands of requests a second.
@@ -96,7 +97,9 @@ def render_engines_service(isvc: InferenceService) -> dict[str, Any]:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(isvc, engines_service_name(isvc.name), common_labels(isvc.name)),
+        # the engines' Service carries the SLO threshold labels the ServiceMonitor copies onto their series
+        "metadata": _metadata(isvc, engines_service_name(isvc.name), {**common_labels(isvc.name),
+                                                                      **slo_service_labels(isvc)}),
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(isvc.name),

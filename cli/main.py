@@ -15,6 +15,9 @@ COMMANDS = {
     "up": ("specfleet.fleet.local", "main", "run an InferenceService YAML as a local fleet"),
     "router": ("specfleet.router.cli", "main", "run the fleet router in front of engines (prefix-aware)"),
     "operator": ("specfleet.operator.cli", "main", "run the Kubernetes operator (kopf)"),
+    "simulate": ("specfleet.sim.cli", "main", "simulate an InferenceService's fleet on a workload"),
+    "profile": ("specfleet.sim.measure", "main", "measure the engine's step time into a simulator profile"),
+    "plan": ("specfleet.sim.plan", "main", "the cheapest fleet config meeting an SLO, by simulation"),
 }
 BENCHES = {
     "offline": ("specfleet.bench.offline", "engine vs transformers throughput, single stream, KV waste"),
@@ -23,6 +26,7 @@ BENCHES = {
     "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
     "route": ("specfleet.bench.route", "routing policies side by side on a shared-prefix multi-turn workload"),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
+    "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}
 

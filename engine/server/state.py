@@ -25,7 +25,8 @@ class ServerState:
     vocab_size: int
     admin_token: str | None = None
     ready: bool = False
-    draining: bool = False
+    stopping: bool = False  # SIGTERM seen: /ready fails (the endpoint goes), requests are still served
+    draining: bool = False  # after the shutdown delay: new requests get 503, in-flight ones finish
     started: float = field(default_factory=time.time)
 
     @property

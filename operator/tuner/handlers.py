@@ -24,8 +24,9 @@ from ..kube import ApiError, KubeClient, object_path
 from ..render.secret import read_admin_token
 from ..resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
 from .actuator import AdminActuator
-from .loop import ServiceTuner, params_from_spec, spec_config
+from .loop import ServiceTuner, params_from_spec, spec_config, tuner_fingerprint
 from .policy import Policy
+from .policy.resume import restore, snapshot
 from .report import event_for, status_patch
 from .sources import PrometheusSource, ScrapeSource, Source
 
@@ -76,27 +77,37 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
             when=autotune_enabled)
 async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
                logger: logging.Logger, **_: Any) -> None:
-    tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
+    # uid -> (tuner, fingerprint of the spec fields it depends on, monotonic time of its last interval)
+    tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
+    try:
+        fingerprint = tuner_fingerprint(parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec)
+    except InvalidInferenceService:
+        return  # the reconcile reports InvalidSpec
     entry = tuners.get(uid)
     client = _client(memo)
-    if entry is None or entry[1] != generation:  # a spec change resets the loop (new bounds, SLO, ...)
+    # Rebuilt only when a field the tuner depends on changed (bounds, SLO, method, model, ...): a /scale write
+    # bumps the generation too, and must not make the tuner forget what it learned.
+    if entry is None or entry[1] != fingerprint:
         if entry is not None:
             await entry[0].close()
         try:
-            entry = (await _build(client, body, memo), generation, 0.0)
-        except InvalidInferenceService:
-            return  # the reconcile reports InvalidSpec
+            tuner = await _build(client, body, memo)
         except ApiError as error:
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
-        tuners[uid] = entry
+        # a restarted operator continues from status.tuning, if it was learned under this same spec
+        if entry is None and restore(tuner.policy, dict(status).get("tuning") or {}, time.monotonic(), fingerprint):
+            logger.info("event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else "")
+        entry = tuners[uid] = (tuner, fingerprint, 0.0)
     tuner, _, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
+        await tuner.sync_new_pods()  # a pod of a scale-up gets the tuned config now, not at the next interval
         return
-    tuners[uid] = (tuner, generation, time.monotonic())
+    tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick()
     now = _now()
-    patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now))
+    patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now,
+                                     resume=snapshot(tuner.policy, time.monotonic(), fingerprint)))
     event = event_for(tick.decision)
     if event is not None:
         post = kopf.warn if event[0] == "Warning" else kopf.info

@@ -6,6 +6,8 @@ policy's config (a restarted pod is brought back to it), and report what happene
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 from dataclasses import dataclass
 
@@ -30,6 +32,17 @@ def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None
     )
 
 
+# Spec fields that change neither what the tuner learned nor its settings: scaling (every /scale write bumps
+# metadata.generation), how pods roll and where they run.
+INDEPENDENT_FIELDS = frozenset({"replicas", "rollout", "pod", "scheduling"})
+
+
+def tuner_fingerprint(spec: InferenceServiceSpec) -> str:
+    """A hash of the spec fields the tuner depends on: its policy is rebuilt only when this changes."""
+    relevant = spec.model_dump(mode="json", by_alias=True, exclude=set(INDEPENDENT_FIELDS))
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def spec_config(spec: InferenceServiceSpec) -> TunedConfig:
     """The config a pod starts with (what the engine's command line says)."""
     return TunedConfig(**spec.start_values())
@@ -51,6 +64,22 @@ class ServiceTuner:
         self.source = source
         self.actuator = actuator
         self.endpoints = endpoints
+        self.synced: set[str] = set()  # engines that ran the policy's config at the last push
+
+    async def sync_new_pods(self) -> ApplyResult | None:
+        """Between intervals: push the config in force to ready engines not seen at the last push (a pod of
+        a scale-up, or one that restarted), so they serve the tuned config within seconds, not the spec's."""
+        desired = self.policy.current
+        if desired is None:
+            return None
+        urls = await self.endpoints()
+        new = [u for u in urls if u not in self.synced]
+        if not new:
+            return None
+        guard = self.policy.guard if self.policy.manages_guard else None
+        applied = await self.actuator.ensure(new, LiveSettings(desired, guard))
+        self.synced.update(applied.unchanged + applied.patched)
+        return applied
 
     async def tick(self) -> Tick:
         obs = await self.source.observe()
@@ -66,6 +95,7 @@ class ServiceTuner:
                 decision = self.policy.rejected(obs.time, desired, message)
                 if decision.config is not None:
                     applied = await self.actuator.ensure(urls, LiveSettings(decision.config, guard))
+            self.synced = set(applied.unchanged + applied.patched)
             if applied.failed:
                 logger.warning("event=tuner_apply_failed service=%s %s", self.name,
                                " ".join(f"{u}={e!r}" for u, e in applied.failed.items()))

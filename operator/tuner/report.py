@@ -53,10 +53,14 @@ def tuned_condition(tick: Tick) -> Cond:
 
 
 def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
-                 now: str) -> dict[str, Any]:
-    """The status merge patch for one interval (conditions of other types are kept as they are)."""
+                 now: str, resume: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The status merge patch for one interval (conditions of other types are kept as they are); `resume`
+    is what a restarted tuner continues from (`policy/resume.py`)."""
     conditions = merge_conditions(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
-    return {"tuning": tuning_status(tick, config, status.get("tuning"), now), "conditions": conditions}
+    tuning = tuning_status(tick, config, status.get("tuning"), now)
+    if resume is not None:
+        tuning["resume"] = resume
+    return {"tuning": tuning, "conditions": conditions}
 
 
 def event_for(decision: Decision) -> tuple[str, str, str] | None:

@@ -1,5 +1,5 @@
 """The whole path on a real cluster: helm install, apply the CPU example, wait for Ready, call the OpenAI
-API through the Service, change the spec and see the rollout, scale, delete and see garbage collection.
+API through the Service, change the spec and see the rollout (RollingUpdate and Recreate), scale, delete and see garbage collection.
 
 Images: SPECFLEET_OPERATOR_IMAGE and SPECFLEET_ENGINE_CPU_IMAGE (loaded into kind by e2e/run-kind.sh).
 """
@@ -108,9 +108,27 @@ def test_spec_change_rolls_out(smollm2: str, namespace: str) -> None:
         return args[args.index("--max-num-seqs") + 1] == "8"
 
     wait_for("the Deployment template to carry --max-num-seqs 8", rolled, timeout=60)
+    deployment = get("deployment", smollm2, namespace) or {}
+    # CPU pods surge one and never drop below the ready count; the pod leaves the endpoints before SIGTERM
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     kubectl("rollout", "status", f"deployment/{smollm2}", "-n", namespace, f"--timeout={READY_TIMEOUT}s",
             timeout=READY_TIMEOUT + 30)
     kubectl("wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330)
+
+
+def test_recreate_strategy_rolls_out(smollm2: str, namespace: str) -> None:
+    kubectl("patch", "isvc", smollm2, "-n", namespace, "--type=merge",
+            "-p", json.dumps({"spec": {"rollout": {"strategy": "Recreate"}, "batching": {"maxNumSeqs": 12}}}))
+    wait_for("the Deployment to switch to Recreate",
+             lambda: (get("deployment", smollm2, namespace) or {}).get("spec", {}).get("strategy") == {"type": "Recreate"},
+             timeout=60)
+    kubectl("rollout", "status", f"deployment/{smollm2}", "-n", namespace, f"--timeout={READY_TIMEOUT}s",
+            timeout=READY_TIMEOUT + 30)
+    kubectl("wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330)
+    kubectl("patch", "isvc", smollm2, "-n", namespace, "--type=json",
+            "-p", json.dumps([{"op": "remove", "path": "/spec/rollout/strategy"}]))
 
 
 def test_scale_subresource(smollm2: str, namespace: str) -> None:

@@ -29,8 +29,12 @@ def snapshot(policy: Policy, now: float, spec_hash: str) -> dict[str, Any]:
         "costPoints": [[_round(x) for x in point] for point in memory.cost_points],
         "plainCostPoints": [[_round(x) for x in point] for point in memory.plain_cost_points],
         "acceptance": [
-            {"demand": None if demand is None else _round(demand), "perPos": [_round(a) for a in per_pos],
-             "share": _round(share), "ageSeconds": _round(max(0.0, now - seen_at))}
+            {
+                "demand": None if demand is None else _round(demand),
+                "perPos": [_round(a) for a in per_pos],
+                "share": _round(share),
+                "ageSeconds": _round(max(0.0, now - seen_at)),
+            }
             for demand, per_pos, share, seen_at in memory.acceptance
         ],
     }
@@ -46,9 +50,15 @@ def restore(policy: Policy, tuning: dict[str, Any], now: float, spec_hash: str) 
         config = TunedConfig(**{k.name: int(tuning[camel(k.name)]) for k in SEARCHED})
         cost = [(float(d), float(p), float(s)) for d, p, s in resume.get("costPoints") or []]
         plain = [(float(d), float(p), float(s)) for d, p, s in resume.get("plainCostPoints") or []]
-        acceptance = [(None if a.get("demand") is None else float(a["demand"]),
-                       tuple(float(x) for x in a["perPos"]), float(a["share"]), now - float(a["ageSeconds"]))
-                      for a in resume.get("acceptance") or []]
+        acceptance = [
+            (
+                None if a.get("demand") is None else float(a["demand"]),
+                tuple(float(x) for x in a["perPos"]),
+                float(a["share"]),
+                now - float(a["ageSeconds"]),
+            )
+            for a in resume.get("acceptance") or []
+        ]
     except (KeyError, TypeError, ValueError):
         return False  # written by another version, or by hand: start as built
     policy.current = policy.last_good = config

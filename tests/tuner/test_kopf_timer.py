@@ -154,3 +154,43 @@ def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
 def _isvc_shell() -> dict[str, Any]:
     return {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService",
             "metadata": {"name": "smollm2", "namespace": NS}}
+
+
+def test_between_intervals_only_pods_not_yet_configured_get_the_config(engine_url: str) -> None:
+    """A pod of a scale-up is brought to the config in force at the next timer tick (5 s), not at the next
+    interval; pods already configured are not asked again. The same engine answers on 127.0.0.1 and on
+    localhost: two pods as the tuner sees them."""
+    import asyncio
+
+    from specfleet.operator.tuner.actuator import AdminActuator
+    from specfleet.operator.tuner.loop import ServiceTuner
+    from specfleet.operator.tuner.policy import Policy
+    from specfleet.operator.tuner.types import TunedConfig
+
+    from .test_policy import PARAMS
+
+    first, second = engine_url, engine_url.replace("127.0.0.1", "localhost")
+    ready = [first]
+
+    async def endpoints() -> list[str]:
+        return list(ready)
+
+    async def scenario() -> list[int]:
+        tuner = ServiceTuner("t/x", Policy(PARAMS, TunedConfig(5, 16, 512)), None,  # type: ignore[arg-type]
+                             AdminActuator(ADMIN_TOKEN), endpoints)
+        try:
+            seen = []
+            await tuner.sync_new_pods()
+            seen.append(engine_config(engine_url)["num_speculative_tokens"])
+            engine_set(engine_url, num_speculative_tokens=0)
+            await tuner.sync_new_pods()  # nothing new: no request to the configured pod
+            seen.append(engine_config(engine_url)["num_speculative_tokens"])
+            ready.append(second)  # scale-up: a new ready pod
+            await tuner.sync_new_pods()
+            seen.append(engine_config(engine_url)["num_speculative_tokens"])
+            return seen
+        finally:
+            await tuner.actuator.close()
+
+    engine_set(engine_url, num_speculative_tokens=0)
+    assert asyncio.run(scenario()) == [5, 0, 5]

@@ -25,10 +25,10 @@ from typing import Any
 import httpx
 from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from specfleet.engine.config import SPECULATIVE_METHODS
+from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
-from specfleet.operator.tuner.actuator import AdminActuator
-from specfleet.operator.tuner.fleet import LocalFleet
-from specfleet.operator.tuner.types import LiveSettings, TunedConfig
+from specfleet.tuner.actuator import AdminActuator
+from specfleet.tuner.types import LiveSettings, TunedConfig
 
 
 @dataclass(frozen=True)
@@ -138,7 +138,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                        engine_extra_args=["--kv-cache-gib", "0.5", "--log-level", "warning"])
     print(f"starting {isvc.spec.replicas} engine(s); logs in {fleet.log_dir}", flush=True)
     await fleet.start()
-    admin = AdminActuator(fleet.token)
+    admin = AdminActuator(fleet.token, admin_url=fleet.admin_url)
     start_config = TunedConfig(0, isvc.spec.batching.max_num_seqs, isvc.spec.batching.max_num_batched_tokens)
     passes: list[Static] = []
     tuner_passes: list[dict[str, dict[str, float]]] = []

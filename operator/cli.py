@@ -10,7 +10,7 @@ import logging
 
 OPERATOR_MODULES = ("specfleet.operator.handlers",)
 # Loaded when present, so that the tuner can add its per-service loops without touching this file.
-OPTIONAL_MODULES = ("specfleet.operator.tuner.handlers",)
+OPTIONAL_MODULES = ("specfleet.tuner.handlers",)
 
 
 def build_parser() -> argparse.ArgumentParser:

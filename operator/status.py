@@ -43,7 +43,7 @@ class AcceptanceWindow(_Status):
 
 
 class TuningResume(_Status):
-    """What the tuner learned, so that a restarted operator continues (operator/tuner/policy/resume.py)."""
+    """What the tuner learned, so that a restarted operator continues (tuner/policy/resume.py)."""
 
     spec_hash: str = Field("", max_length=64, description="The spec fields the tuner depends on, hashed.")
     cost_points: list[list[float]] = Field(default_factory=list, max_length=64,

@@ -14,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 import httpx
 import pytest
-from specfleet.operator.tuner.fleet import free_port
+from specfleet.fleet.supervisor import free_port
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 

@@ -19,9 +19,9 @@ from specfleet.engine.knobs import KNOBS, RULED, SEARCHED, LiveConfig, camel, ch
 from specfleet.operator.crd import model_schema
 from specfleet.operator.spec import AutotuneBounds, InferenceServiceSpec
 from specfleet.operator.status import TuningStatus
-from specfleet.operator.tuner.snapshot import parse_metrics
-from specfleet.operator.tuner.sources import PrometheusSource
-from specfleet.operator.tuner.types import LiveSettings, TuneBounds, TunedConfig
+from specfleet.tuner.snapshot import parse_metrics
+from specfleet.tuner.sources import PrometheusSource
+from specfleet.tuner.types import LiveSettings, TuneBounds, TunedConfig
 
 NAMES = [k.name for k in KNOBS]
 # A distinct value per knob, so that a reader that swaps two knobs fails too.
@@ -168,8 +168,8 @@ def test_speculative_methods_have_one_home() -> None:
 
 
 def test_the_operator_and_the_tuner_import_the_declaration_without_torch() -> None:
-    code = ("import sys, specfleet.operator.spec, specfleet.operator.status, specfleet.operator.tuner.loop, "
-            "specfleet.operator.tuner.sources, specfleet.operator.tuner.report; "
+    code = ("import sys, specfleet.operator.spec, specfleet.operator.status, specfleet.tuner.loop, "
+            "specfleet.tuner.sources, specfleet.tuner.report; "
             "assert 'torch' not in sys.modules, 'torch was imported'")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"engine": "specfleet.engine", "operator": "specfleet.operator", "kernels": "specfleet.kernels",
+FOLDERS = {"cli": "specfleet.cli", "engine": "specfleet.engine", "kernels": "specfleet.kernels",
+           "operator": "specfleet.operator", "tuner": "specfleet.tuner", "fleet": "specfleet.fleet",
            "bench": "specfleet.bench"}
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import OperatorConfig
 from ..inference_service import InferenceService
-from ..resources import ENGINE_PORT, selector_labels
+from ..resources import ADMIN_PORT, ENGINE_PORT, selector_labels
 from .common import child_metadata
 
 
@@ -53,5 +54,27 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
             "selector": {"matchLabels": selector_labels(isvc.name)},
             "namespaceSelector": {"matchNames": [isvc.namespace]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+        },
+    }
+
+
+def render_network_policy(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """Ingress to the engine pods: the API port from anywhere the Service's clients are, the admin port only
+    from the operator's pods (its namespace and pod labels). Applied when the chart's networkPolicy.enabled."""
+    operator_pods = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.operator_namespace}},
+        "podSelector": {"matchLabels": dict(config.operator_pod_labels)},
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(isvc, isvc.name),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(isvc.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]},
+                {"from": [operator_pods], "ports": [{"port": ADMIN_PORT, "protocol": "TCP"}]},
+            ],
         },
     }

@@ -21,7 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
-from specfleet.operator.tuner.fleet import free_port
+from specfleet.fleet.supervisor import free_port
 from tuner.conftest import ADMIN_TOKEN, ENGINE_ARGS, wait_ready
 
 REPO = Path(__file__).resolve().parents[2]

@@ -57,7 +57,7 @@ def test_names_subresources_and_printer_columns() -> None:
     assert version["subresources"]["scale"]["statusReplicasPath"] == ".status.replicas"
     assert "status" in version["subresources"]
     names = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
-    assert names == ["Model", "Replicas", "Ready", "K", "MaxSeqs", "TPOT-p95", "Age"]  # -o wide: test_op_printer_columns
+    assert names == ["Model", "Replicas", "Ready", "Reason", "K", "MaxSeqs", "TPOT-p95", "Age"]  # -o wide: test_op_printer_columns
     tuning = crd_schema()["properties"]["status"]["properties"]["tuning"]["properties"]
     assert {"numSpeculativeTokens", "maxNumSeqs", "maxNumBatchedTokens", "speculativeDisableByBatchSize",
             "lastDecisionTime", "reason"} <= set(tuning)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from specfleet.operator.tuner.fleet import free_port
+from specfleet.fleet.supervisor import free_port
 
 ADMIN_TOKEN = "tuner-test-token-0123456789"
 ENGINE_ARGS = ["--model", "bundled://smollm2-135m-instruct", "--max-model-len", "1024", "--kv-cache-gib", "0.25",

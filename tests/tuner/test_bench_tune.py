@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from specfleet.bench.tune import equivalent_groups, mean_passes, summarize
-from specfleet.operator.tuner.types import TunedConfig
+from specfleet.tuner.types import TunedConfig
 
 GRID = {f"k={k},seqs={s}": TunedConfig(k, s, 1024) for k in (0, 2) for s in (8, 32)}
 

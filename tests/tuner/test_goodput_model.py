@@ -6,9 +6,9 @@ import math
 import random
 
 import pytest
-from specfleet.operator.tuner.policy.model import LoadModel, StepCost, fit_step_cost
-from specfleet.operator.tuner.policy.params import ModelParams
-from specfleet.operator.tuner.types import TunedConfig
+from specfleet.tuner.policy.model import LoadModel, StepCost, fit_step_cost
+from specfleet.tuner.policy.params import ModelParams
+from specfleet.tuner.types import TunedConfig
 
 
 def roofline(c0: float, c1: float, decode: float, prefill: float) -> float:

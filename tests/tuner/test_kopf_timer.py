@@ -17,7 +17,7 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube, wait_for  # tests/ is on sys.path (rootdir conftest)
+from fake_kube import FakeKube, Rbac, wait_for  # tests/ is on sys.path (rootdir conftest)
 
 from .conftest import ADMIN_TOKEN
 
@@ -31,7 +31,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @pytest.fixture
 def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
-    server = FakeKube().start()
+    server = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})).start()  # the chart's RBAC, enforced
     monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
     server.add_namespace(NS)
     yield server
@@ -49,10 +49,11 @@ def engine_set(url: str, **values: int) -> None:
 def _autotuned_service(engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """An autotuned smollm2 (spec k = 3) whose one ready pod is the engine at `engine_url`, and its admin
     Secret; returns the InferenceService."""
-    from specfleet.operator.tuner import handlers as tuner_handlers
+    from specfleet.tuner import handlers as tuner_handlers
 
     host, port = engine_url.removeprefix("http://").split(":")
     monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))  # pods listen on 8000; this one elsewhere
+    monkeypatch.setattr(tuner_handlers, "ADMIN_PORT", int(port))  # ... and serves its admin API beside it
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
     doc["spec"]["batching"] = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512}
@@ -94,6 +95,7 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
                  timeout=60)
 
     assert runner.exception is None, runner.output
+    assert not fake_kube.answered(403), [(r.method, r.path) for r in fake_kube.answered(403)]
     assert status.get("reason"), status  # every interval says why it holds or changes
     isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
     conditions = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions", [])}
@@ -111,7 +113,7 @@ def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
     policy from the spec (k = 3)."""
     from kopf.testing import KopfRunner
     from specfleet.operator import load_inference_service
-    from specfleet.operator.tuner.loop import tuner_fingerprint
+    from specfleet.tuner.loop import tuner_fingerprint
 
     engine_set(engine_url, num_speculative_tokens=0)
     spec = _autotuned_service(engine_url, fake_kube, monkeypatch)["spec"]
@@ -162,10 +164,10 @@ def test_between_intervals_only_pods_not_yet_configured_get_the_config(engine_ur
     localhost: two pods as the tuner sees them."""
     import asyncio
 
-    from specfleet.operator.tuner.actuator import AdminActuator
-    from specfleet.operator.tuner.loop import ServiceTuner
-    from specfleet.operator.tuner.policy import Policy
-    from specfleet.operator.tuner.types import TunedConfig
+    from specfleet.tuner.actuator import AdminActuator
+    from specfleet.tuner.loop import ServiceTuner
+    from specfleet.tuner.policy import Policy
+    from specfleet.tuner.types import TunedConfig
 
     from .test_policy import PARAMS
 

@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 
 import pytest
-from specfleet.operator.tuner.types import TunedConfig
+from specfleet.tuner.types import TunedConfig
 
 from .plant import CPU_2CORES, Plant
 

@@ -7,8 +7,8 @@ import copy
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from specfleet.operator.tuner.policy import Policy, PolicyParams
-from specfleet.operator.tuner.types import SLO, Decision, Observation, TuneBounds, TunedConfig
+from specfleet.tuner.policy import Policy, PolicyParams
+from specfleet.tuner.types import SLO, Decision, Observation, TuneBounds, TunedConfig
 
 from .plant import CPU_2CORES, GPU_LIKE, Plant
 

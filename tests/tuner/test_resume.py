@@ -12,11 +12,11 @@ import jsonschema
 import yaml
 from specfleet.operator import load_inference_service
 from specfleet.operator.crd import build_crd
-from specfleet.operator.tuner.loop import tuner_fingerprint
-from specfleet.operator.tuner.policy import Policy
-from specfleet.operator.tuner.policy.resume import restore, snapshot
-from specfleet.operator.tuner.report import tuning_status
-from specfleet.operator.tuner.types import TunedConfig
+from specfleet.tuner.loop import tuner_fingerprint
+from specfleet.tuner.policy import Policy
+from specfleet.tuner.policy.resume import restore, snapshot
+from specfleet.tuner.report import tuning_status
+from specfleet.tuner.types import TunedConfig
 
 from .plant import Plant
 from .test_policy import PARAMS, run
@@ -126,8 +126,8 @@ def test_the_snapshot_fits_the_status_schema() -> None:
 
 
 def tuning_status_for(policy: Policy) -> dict[str, Any]:
-    from specfleet.operator.tuner.loop import Tick
-    from specfleet.operator.tuner.types import Decision, Observation
+    from specfleet.tuner.loop import Tick
+    from specfleet.tuner.types import Decision, Observation
 
     tick = Tick(
         Decision(0.0, None, "holding", "hold"), Observation(time=0.0, config=None), None, policy.guard

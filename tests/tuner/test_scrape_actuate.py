@@ -6,9 +6,9 @@ import asyncio
 
 import httpx
 import pytest
-from specfleet.operator.tuner.actuator import AdminActuator
-from specfleet.operator.tuner.sources import ScrapeSource
-from specfleet.operator.tuner.types import LiveSettings, TunedConfig
+from specfleet.tuner.actuator import AdminActuator
+from specfleet.tuner.sources import ScrapeSource
+from specfleet.tuner.types import LiveSettings, TunedConfig
 
 from .conftest import ADMIN_TOKEN
 

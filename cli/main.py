@@ -11,8 +11,8 @@ from specfleet.engine.config import SPECULATIVE_METHODS
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS = {
     "serve": ("specfleet.engine.server.cli", "main", "run one engine with the OpenAI-compatible API"),
-    "generate": ("specfleet.engine.cli", "generate_main", "generate from prompts offline and print the text"),
-    "up": ("specfleet.operator.tuner.local", "main", "run an InferenceService YAML as a local fleet"),
+    "generate": ("specfleet.cli.main", "generate_main", "generate from prompts offline and print the text"),
+    "up": ("specfleet.fleet.local", "main", "run an InferenceService YAML as a local fleet"),
     "operator": ("specfleet.operator.cli", "main", "run the Kubernetes operator (kopf)"),
 }
 BENCHES = {

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from specfleet.engine.knobs import camel
+from specfleet.operator.conditions import Cond, condition_entries
 
-from ..conditions import Cond, merge_conditions
 from .loop import Tick
 from .types import Decision, LiveSettings, TunedConfig
 
@@ -54,9 +54,10 @@ def tuned_condition(tick: Tick) -> Cond:
 
 def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
                  now: str, resume: dict[str, Any] | None = None) -> dict[str, Any]:
-    """The status merge patch for one interval (conditions of other types are kept as they are); `resume`
-    is what a restarted tuner continues from (`policy/resume.py`)."""
-    conditions = merge_conditions(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
+    """The tuner's share of status for one interval: `tuning` and its own `Tuned` condition only (applied
+    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them).
+    `resume` is what a restarted tuner continues from (`policy/resume.py`)."""
+    conditions = condition_entries(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
     tuning = tuning_status(tick, config, status.get("tuning"), now)
     if resume is not None:
         tuning["resume"] = resume

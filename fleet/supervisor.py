@@ -20,14 +20,14 @@ from pathlib import Path
 
 import httpx
 import uvicorn
+from specfleet.operator.inference_service import InferenceService
+from specfleet.operator.render.deployment import engine_args
+from specfleet.tuner.actuator import AdminActuator
+from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
+from specfleet.tuner.policy import Policy
+from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
 
-from ..inference_service import InferenceService
-from ..render.deployment import engine_args
-from .actuator import AdminActuator
-from .loop import ServiceTuner, Tick, params_from_spec, spec_config
-from .policy import Policy
 from .proxy import Backends, create_proxy
-from .sources import PrometheusSource, ScrapeSource, Source
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -36,8 +36,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | None = None) -> list[str]:
-    """The pod's engine command line, on a loopback port, with ceilings that cover the tuner's bounds."""
+def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | None = None,
+                         admin_port: int | None = None) -> list[str]:
+    """The pod's engine command line, on loopback ports (the admin API on `admin_port`, or beside the API
+    when None), with ceilings that cover the tuner's bounds."""
     spec = isvc.spec
     for name, source in (("model.source", spec.model.source),
                          ("speculative.draftModel.source", (spec.speculative.draft_model or spec.model).source)):
@@ -46,6 +48,11 @@ def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | N
     draft = spec.speculative.draft_model.source if spec.speculative.draft_model else None
     args = engine_args(spec, spec.model.source, draft)
     args[args.index("--port") + 1] = str(port)
+    at = args.index("--admin-port")
+    if admin_port is None:
+        del args[at:at + 2]
+    else:
+        args[at + 1] = str(admin_port)
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at:at + 2]
@@ -75,6 +82,7 @@ class LocalFleet:
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     engine_urls: list[str] = field(default_factory=list)
+    admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
     ticks: list[Tick] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -83,6 +91,10 @@ class LocalFleet:
         self._server: uvicorn.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
+
+    def admin_url(self, engine_url: str) -> str:
+        """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
+        return self.admin_urls.get(engine_url, engine_url)
 
     @property
     def url(self) -> str:
@@ -96,11 +108,12 @@ class LocalFleet:
         spec = self.isvc.spec
         env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         for i in range(spec.replicas):
-            port = free_port()
+            port, admin_port = free_port(), free_port()
             log = open(self.log_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 (closed with the process)
-            self.processes.append(subprocess.Popen(local_engine_command(self.isvc, port, self.engine_extra_args),
-                                                   stdout=log, stderr=subprocess.STDOUT, env=env))
+            command = local_engine_command(self.isvc, port, self.engine_extra_args, admin_port=admin_port)
+            self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
+            self.admin_urls[self.engine_urls[-1]] = f"http://127.0.0.1:{admin_port}"
         self.backends.urls = list(self.engine_urls)
         await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
         self.port = self.port or free_port(self.host)
@@ -129,7 +142,7 @@ class LocalFleet:
             source = PrometheusSource(self.prometheus_url, selector, params.window_s)
         else:
             source = ScrapeSource(ready, window_s=params.window_s)
-        return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token),
+        return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token, admin_url=self.admin_url),
                             ready)
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:

@@ -17,13 +17,22 @@ from typing import Any
 from urllib.parse import quote
 
 import kopf
+from specfleet.operator.handlers import _client, autotune_enabled
+from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
+from specfleet.operator.kube import ApiError, KubeClient, object_path
+from specfleet.operator.render.secret import read_admin_token
+from specfleet.operator.resources import (
+    ADMIN_PORT,
+    ENGINE_PORT,
+    GROUP,
+    LABEL_ISVC,
+    PLURAL,
+    TUNER_FIELD_MANAGER,
+    VERSION,
+    admin_secret_name,
+)
 
-from ..handlers import _client, autotune_enabled
-from ..inference_service import InvalidInferenceService, parse_inference_service
-from ..kube import ApiError, KubeClient, object_path
-from ..render.secret import read_admin_token
-from ..resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
-from .actuator import AdminActuator
+from .actuator import AdminActuator, admin_on_port
 from .loop import ServiceTuner, params_from_spec, spec_config, tuner_fingerprint
 from .policy import Policy
 from .policy.resume import restore, snapshot
@@ -70,12 +79,12 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
                                        params.window_s) if url else ScrapeSource(endpoints, window_s=params.window_s))
     return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
-                        AdminActuator(read_admin_token(secret)), endpoints)
+                        AdminActuator(read_admin_token(secret), admin_url=admin_on_port(ADMIN_PORT)), endpoints)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
             when=autotune_enabled)
-async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
+async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo,
                logger: logging.Logger, **_: Any) -> None:
     # uid -> (tuner, fingerprint of the spec fields it depends on, monotonic time of its last interval)
     tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
@@ -106,8 +115,12 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
     tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick()
     now = _now()
-    patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now,
-                                     resume=snapshot(tuner.policy, time.monotonic(), fingerprint)))
+    # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
+    # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
+    await client.apply_status(meta["namespace"], meta["name"],
+                              status_patch(tick, tuner.policy.current, dict(status), generation, now,
+                                           resume=snapshot(tuner.policy, time.monotonic(), fingerprint)),
+                              TUNER_FIELD_MANAGER)
     event = event_for(tick.decision)
     if event is not None:
         post = kopf.warn if event[0] == "Warning" else kopf.info
@@ -115,8 +128,11 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
     logger.debug("tuner tick: %s", tick.decision.reason)
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-async def forget(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted service's loop goes with it (an event handler: the timers hold no finalizer)."""
+    if event.get("type") != "DELETED":
+        return
     entry = memo.setdefault("tuners", {}).pop(meta["uid"], None)
     if entry is not None:
         await entry[0].close()

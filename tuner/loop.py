@@ -11,7 +11,8 @@ import json
 import logging
 from dataclasses import dataclass
 
-from ..spec import InferenceServiceSpec
+from specfleet.operator.spec import InferenceServiceSpec
+
 from .actuator import AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
 from .sources import Endpoints, Source

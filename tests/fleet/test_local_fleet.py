@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from specfleet.operator.tuner.fleet import free_port
+from specfleet.fleet.supervisor import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
@@ -23,7 +23,7 @@ def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
     openai = pytest.importorskip("openai")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specfleet.operator.tuner.local", "-f", str(EXAMPLE), "--port", str(port), "--tune",
+        [sys.executable, "-m", "specfleet.fleet.local", "-f", str(EXAMPLE), "--port", str(port), "--tune",
          "--interval", "5", "--engine-arg=--kv-cache-gib=0.25"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
     lines: queue.Queue[str] = queue.Queue()

@@ -12,9 +12,10 @@ import asyncio
 import signal
 import sys
 
-from ..inference_service import InvalidInferenceService, load_inference_service
-from .fleet import LocalFleet
-from .loop import Tick
+from specfleet.operator.inference_service import InvalidInferenceService, load_inference_service
+from specfleet.tuner.loop import Tick
+
+from .supervisor import LocalFleet
 
 
 def build_parser() -> argparse.ArgumentParser:

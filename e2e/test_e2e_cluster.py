@@ -178,6 +178,10 @@ def test_scale_subresource(smollm2: str, namespace: str) -> None:
     kubectl("scale", "isvc", smollm2, "-n", namespace, "--replicas=2")
     wait_for("a PodDisruptionBudget at 2 replicas", lambda: get("pdb", smollm2, namespace), timeout=60)
     assert get("deployment", smollm2, namespace)["spec"]["replicas"] == 2  # type: ignore[index]
+    # a /scale write bumps the generation; status catches up once the Deployment controller has seen it
+    wait_for("status.observedGeneration to follow the scale", lambda: (lambda i: i["status"].get("observedGeneration")
+             == i["metadata"]["generation"])(get("isvc", smollm2, namespace) or {"status": {}, "metadata": {}}),
+             timeout=120)
     kubectl("scale", "isvc", smollm2, "-n", namespace, "--replicas=1")
     wait_for("the PDB to go at 1 replica", lambda: get("pdb", smollm2, namespace) is None, timeout=60)
 

@@ -135,6 +135,12 @@ async def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.L
     await converge(isvc, memo, logger)
 
 
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget_lock(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        memo.setdefault("reconcile_locks", {}).pop(meta["uid"], None)
+
+
 def drop_finalizer_requirements(registry: Any) -> int:
     """kopf adds its finalizer to every object a timer or daemon runs for, so that it can stop them
     before the object goes. Ours need no cleanup (children are garbage-collected through their owner

@@ -109,7 +109,7 @@ class KubeClient:
         its own (a condition is one entry of the conditions map, keyed by type), fields it sent before and
         omits now are removed, and other managers' fields are left alone. None when the object is gone."""
         body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-                "status": status}
+                "status": _without_nulls(status)}
         params = {"fieldManager": manager, "force": "true"}
         path = object_path(KIND, namespace, name) + "/status"
         return (await self._request("PATCH", path, body, "application/apply-patch+yaml", params))[1]
@@ -129,3 +129,13 @@ class KubeClient:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _without_nulls(value: Any) -> Any:
+    """An applied configuration lists only the fields its manager sets: a None (no value known, e.g. an
+    observation missing this interval) is left out, so the field is not owned and not kept."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value

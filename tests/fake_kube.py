@@ -565,7 +565,10 @@ class FakeKube:
             return _status(403, problem, "Forbidden")
         crd = self.crds.get(key[:2])
         if crd is not None:
-            new, errors = crd.admit(new, only_status=sub == "status")
+            # ratcheting (Kubernetes >= 1.30): a write that leaves an invalid spec as it was is not refused for it
+            unchanged = existing is not None and sub is None and crd.admit(copy.deepcopy(existing), False, False)[0].get(
+                "spec") == crd.admit(copy.deepcopy(new), False, False)[0].get("spec")
+            new, errors = crd.admit(new, only_status=sub == "status", validate=not unchanged)
             if errors:
                 return _status(422, f'{crd.kind}.{key[0].split("/")[2]} "{key[3]}" is invalid: ' + "; ".join(errors),
                                "Invalid")
@@ -608,7 +611,7 @@ class FakeKube:
                 return False
             return (path[0] == "status") == (sub == "status") if has_status else True
 
-        applied = {p: v for p, v in flatten(body, keys).items() if in_scope(p)}
+        applied = {p: v for p, v in flatten(body, keys).items() if in_scope(p) and v is not None}  # null: not set
         if existing is None:
             new = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
                    "metadata": {"name": key[3]}}

@@ -20,16 +20,18 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
     obs, d = tick.observation, tick.decision
     acc = obs.acceptance_rate
     previous = previous or {}
+    observed = {
+        "acceptanceRate": None if acc is None else round(acc, 4),
+        "ttftP95Ms": _ms(obs.ttft_p95_s),
+        "tpotP95Ms": _ms(obs.tpot_p95_s),
+        "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
+        "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
+    }
     status: dict[str, Any] = {
         "reason": d.reason[:4000],
         "lastDecisionTime": now if d.changed or "lastDecisionTime" not in previous else previous["lastDecisionTime"],
-        "observed": {
-            "acceptanceRate": None if acc is None else round(acc, 4),
-            "ttftP95Ms": _ms(obs.ttft_p95_s),
-            "tpotP95Ms": _ms(obs.tpot_p95_s),
-            "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
-            "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
-        },
+        # What was not observed is left out (the CRD's fields are numbers, not nullable).
+        "observed": {key: value for key, value in observed.items() if value is not None},
     }
     if config is not None:
         status.update({camel(name): value for name, value in LiveSettings(config, tick.guard).as_admin().items()})

@@ -4,9 +4,7 @@ from collections.abc import Iterator
 
 import pytest
 from fake_kube import FakeKube, Rbac
-
-# The namespace the operator tests use; the chart is rendered to watch it, so its Role is what the fake enforces.
-NS = "team-a"
+from test_op_reconcile import NS  # the namespace the operator tests use: the chart's Role is rendered for it
 
 
 @pytest.fixture

@@ -12,9 +12,9 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from conftest import NS
 from fake_kube import FakeKube, Rbac
 from isvc_schema_tools import REPO
+from test_op_reconcile import NS
 
 ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
 ISVC_PATH = f"{ISVC[0]}/namespaces/{NS}/{ISVC[1]}"

@@ -68,6 +68,7 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
     assert fake_kube.get(*ISVC, NS, "smollm2") is None
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is None and fake_kube.get("/api/v1", "secrets", NS, "smollm2-admin") is None
     assert not fake_kube.answered(403), [(r.method, r.path) for r in fake_kube.answered(403)]  # the chart's RBAC suffices
+    assert not fake_kube.answered(422), [(r.method, r.path) for r in fake_kube.answered(422)]
     writes = [r for r in fake_kube.requests if r.method in ("PUT", "PATCH") and "/inferenceservices/" in r.path]
     assert writes and all(r.path.endswith("/status") or "spec" not in (r.body or {}) for r in writes
                           if isinstance(r.body, dict))

@@ -11,7 +11,6 @@ from typing import Any
 
 import kopf
 import pytest
-from conftest import NS
 from fake_kube import FakeKube, Rbac
 from specfleet.operator import handlers
 from specfleet.operator.config import OperatorConfig
@@ -22,6 +21,7 @@ from test_op_reconcile import (
     CONFIG,
     DEPLOY,
     ISVC,
+    NS,
     SECRET,
     conditions,
     create_isvc,
@@ -43,7 +43,8 @@ def tuner_writes(fake: FakeKube, reason: str) -> None:
         client = KubeClient(fake.url)
         try:
             await client.apply_status(NS, "smollm2", {
-                "tuning": {"numSpeculativeTokens": 2, "reason": reason},
+                "tuning": {"numSpeculativeTokens": 2, "reason": reason,
+                           "observed": {"acceptanceRate": None, "goodput": 1.5}},  # None: not observed this time
                 "conditions": [{"type": "Tuned", "status": "True", "reason": "Holding", "message": reason}],
             }, TUNER_FIELD_MANAGER)
         finally:

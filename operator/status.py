@@ -55,6 +55,8 @@ class TuningResume(_Status):
 class _TuningStatus(_Status):
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
+    frozen_by: str | None = Field(None, max_length=256, description="Set while the tuner is frozen: "
+                                  "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.")
     observed: TuningObserved | None = None
     resume: TuningResume | None = None
 

@@ -1,7 +1,10 @@
 """One tuning loop for one service: observe, decide, actuate. The local fleet and the operator share it.
 
 `tick()` runs one interval: read the source, let the policy decide, then make every ready engine run the
-policy's config (a restarted pod is brought back to it), and report what happened.
+policy's config (a restarted pod is brought back to it), and report what happened. Frozen (`frozen_by`:
+spec.autotune.freeze, the annotation, `specfleet up`'s freeze file), it only observes: no decision, no push,
+so a config someone sets by hand during an incident stays. It also reports the transitions an SRE wants to
+see as Events: frozen / resumed, and failing static (metrics missing) / recovered.
 """
 
 from __future__ import annotations
@@ -40,7 +43,9 @@ INDEPENDENT_FIELDS = frozenset({"replicas", "rollout", "pod", "scheduling"})
 
 def tuner_fingerprint(spec: InferenceServiceSpec) -> str:
     """A hash of the spec fields the tuner depends on: its policy is rebuilt only when this changes."""
-    relevant = spec.model_dump(mode="json", by_alias=True, exclude=set(INDEPENDENT_FIELDS))
+    # autotune.freeze too: a frozen tuner holds its config and keeps what it learned (checked every tick)
+    relevant = spec.model_dump(mode="json", by_alias=True, exclude={**{f: True for f in INDEPENDENT_FIELDS},
+                                                                      "autotune": {"freeze"}})
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -55,6 +60,12 @@ class Tick:
     observation: Observation
     applied: ApplyResult | None
     guard: int | None = None  # the engines' speculative_disable_by_batch_size (None: not managed)
+    frozen_by: str | None = None  # who froze the tuner for this interval (None: tuning)
+    transitions: tuple[str, ...] = ()  # of TRANSITIONS, entered at this interval
+
+
+# What a tick can enter, in the order they are reported.
+TRANSITIONS = ("frozen", "resumed", "static", "recovered")
 
 
 class ServiceTuner:
@@ -66,12 +77,15 @@ class ServiceTuner:
         self.actuator = actuator
         self.endpoints = endpoints
         self.synced: set[str] = set()  # engines that ran the policy's config at the last push
+        self.frozen_by: str | None = None  # as of the last tick; set from status when the loop is rebuilt
+        self.static = False  # whether the last tick failed static (metrics missing)
+        self.static_intervals = 0  # consecutive ticks that failed static
 
     async def sync_new_pods(self) -> ApplyResult | None:
         """Between intervals: push the config in force to ready engines not seen at the last push (a pod of
         a scale-up, or one that restarted), so they serve the tuned config within seconds, not the spec's."""
         desired = self.policy.current
-        if desired is None:
+        if desired is None or self.frozen_by is not None:  # frozen: the tuner touches no pod
             return None
         urls = await self.endpoints()
         new = [u for u in urls if u not in self.synced]
@@ -82,8 +96,15 @@ class ServiceTuner:
         self.synced.update(applied.unchanged + applied.patched)
         return applied
 
-    async def tick(self) -> Tick:
+    async def tick(self, frozen_by: str | None = None) -> Tick:
         obs = await self.source.observe()
+        was_frozen, self.frozen_by = self.frozen_by, frozen_by or None
+        if self.frozen_by is not None:
+            decision = self.policy.freeze(obs, self.frozen_by)
+            if was_frozen is None:
+                logger.info("event=tuner_frozen service=%s by=%r", self.name, self.frozen_by)
+            return Tick(decision, obs, None, None, self.frozen_by, () if was_frozen else ("frozen",))
+        transitions = ["resumed"] if was_frozen else []
         decision = self.policy.decide(obs)
         applied = None
         desired = self.policy.current
@@ -103,7 +124,12 @@ class ServiceTuner:
         if decision.changed:
             logger.info("event=tuner_decision service=%s kind=%s reason=%r", self.name, decision.kind,
                         decision.reason)
-        return Tick(decision, obs, applied, guard)
+        static = decision.kind == "missing"
+        self.static_intervals = self.static_intervals + 1 if static else 0
+        if static != self.static:
+            transitions.append("static" if static else "recovered")
+            self.static = static
+        return Tick(decision, obs, applied, guard, None, tuple(transitions))
 
     async def close(self) -> None:
         await self.source.close()

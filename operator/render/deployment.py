@@ -67,6 +67,8 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
         "--drain-timeout", str(spec.engine.drain_timeout_seconds),
         "--shutdown-delay", str(SHUTDOWN_DELAY_SECONDS),
     ]
+    if spec.model.quantization != "none":
+        args += ["--quantization", spec.model.quantization]
     if method != "none" and spec.speculative.disable_by_batch_size:
         args += ["--speculative-disable-by-batch-size", str(spec.speculative.disable_by_batch_size)]
     if draft_uri is not None:

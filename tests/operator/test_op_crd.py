@@ -131,6 +131,9 @@ INVALID = {
     "name not a DNS label": ({"metadata.name": "Bad_Name"}, "name"),
     "misspelled field": ({"spec.speculative.k": 4}, "k"),
     "bounds with three numbers": ({"spec.autotune": {"bounds": {"maxNumSeqs": [1, 2, 3]}}}, "maxNumSeqs"),
+    "pin outside bounds": ({"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
+                           "pins.maxNumSeqs"),
+    "pin below the knob's minimum": ({"spec.autotune": {"pins": {"maxNumSeqs": 0}}}, "maxNumSeqs"),
 }
 
 

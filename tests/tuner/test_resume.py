@@ -37,6 +37,8 @@ def test_scaling_and_pod_settings_keep_the_fingerprint_and_tuner_inputs_change_i
     assert fingerprint(rollout={"strategy": "Recreate"}) == base
     assert fingerprint(pod={"labels": {"team": "search"}}) == base
     assert fingerprint(scheduling={"priorityClassName": "high"}) == base
+    frozen = {**DOC["spec"]["autotune"], "freeze": True}
+    assert fingerprint(autotune=frozen) == base  # a freeze holds the config; lifting it keeps the learning
     assert fingerprint(slo={"ttftP95Ms": 400, "tpotP95Ms": 40}) != base
     autotune = copy.deepcopy(DOC["spec"]["autotune"])
     autotune["intervalSeconds"] = 60

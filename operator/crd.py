@@ -22,7 +22,9 @@ from .spec import K8S_SCHEMA_KEY, InferenceServiceSpec
 from .status import InferenceServiceStatus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+# The plain CRD and the kustomize base's copy (kustomize reads no file outside its folder).
 CRD_PATH = REPO_ROOT / "crds" / "inferenceservice.yaml"
+PLAIN_CRD_PATHS = (CRD_PATH, REPO_ROOT / "deploy" / "kustomize" / "base" / "crds" / "inferenceservice.yaml")
 # The chart ships the CRD as a template (not in crds/, which Helm installs once and never upgrades), guarded
 # by `crds.install`; `crds.keep` leaves it in place on `helm uninstall`.
 CHART_CRD_PATH = REPO_ROOT / "charts" / "specfleet" / "templates" / "crd.yaml"
@@ -232,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="fail if a committed CRD differs from the models")
     args = parser.parse_args(argv)
-    texts = {CRD_PATH: render_crd_yaml(), CHART_CRD_PATH: render_chart_crd_template()}
+    texts = {**{path: render_crd_yaml() for path in PLAIN_CRD_PATHS}, CHART_CRD_PATH: render_chart_crd_template()}
     stale = [p for p, text in texts.items() if not p.exists() or p.read_text() != text]
     if args.check:
         for path in stale:

@@ -118,18 +118,16 @@ class ModelSpec(ModelSource):
     cache: ModelCacheSpec = _default_obj(ModelCacheSpec)
 
 
-TP_NOT_IMPLEMENTED = ("tensor parallelism is not implemented yet: use 1 (one GPU per replica) and scale "
-                      "with replicas")
-
-
-GPUS_ABOVE_TP = ("resources.gpus must not exceed engine.tensorParallelSize (the GPUs one engine uses): the "
-                 "extra GPUs would sit idle; request fewer and scale with replicas")
+ONE_SPLIT = "engine.tensorParallelSize and engine.pipelineParallelSize: one split at a time (one of them must be 1)"
+GPUS_PER_SPLIT = ("resources.gpus must be 0 (CPU ranks) or engine.tensorParallelSize x engine.pipelineParallelSize "
+                  "(one GPU per rank)")
+QUANTIZED_SPLIT = "model.quantization runs in one process: it needs tensorParallelSize and pipelineParallelSize 1"
 
 
 class EngineSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={"x-kubernetes-validations": [
-            cel("self.tensorParallelSize == 1", f"engine.tensorParallelSize: {TP_NOT_IMPLEMENTED}"),
+            cel("self.tensorParallelSize == 1 || self.pipelineParallelSize == 1", ONE_SPLIT),
         ]}
     )
     image: str | None = Field(
@@ -139,8 +137,10 @@ class EngineSpec(_Spec):
     block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="KV cache block size in tokens.")
     kv_cache_memory_fraction: float = Field(0.9, ge=0.05, le=0.99)
     prefix_caching: bool = True
-    tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs per replica for one model copy; only 1 "
-                                      "until tensor parallelism lands (the field is kept for it).")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="Ranks one model copy is split over by tensor "
+                                      "parallelism (one GPU each; processes sharing the CPU when gpus is 0).")
+    pipeline_parallel_size: int = Field(1, ge=1, le=8, description="Pipeline stages one model copy is split into "
+                                        "(one GPU each; processes sharing the CPU when gpus is 0).")
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long SIGTERM waits for in-flight requests before exiting."
     )
@@ -427,7 +427,11 @@ class InferenceServiceSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.replicas >= 0", "replicas must be >= 0"),
-                cel("self.resources.gpus <= self.engine.tensorParallelSize", GPUS_ABOVE_TP),
+                cel("self.resources.gpus == 0 || "
+                    "self.resources.gpus == self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
+                    GPUS_PER_SPLIT),
+                cel("self.model.quantization == 'none' || "
+                    "(self.engine.tensorParallelSize == 1 && self.engine.pipelineParallelSize == 1)", QUANTIZED_SPLIT),
                 cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
                 *[
@@ -458,12 +462,14 @@ class InferenceServiceSpec(_Spec):
                 f"batching.maxNumBatchedTokens={b.max_num_batched_tokens} is below batching.maxNumSeqs="
                 f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
             )
-        tp = self.engine.tensor_parallel_size
-        if tp > 1:
-            raise ValueError(f"engine.tensorParallelSize={tp}: {TP_NOT_IMPLEMENTED}")
-        if self.resources.gpus > tp:
-            raise ValueError(f"resources.gpus={self.resources.gpus} with engine.tensorParallelSize={tp}: "
-                             f"{GPUS_ABOVE_TP}")
+        tp, pp, gpus = self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size, self.resources.gpus
+        if tp > 1 and pp > 1:
+            raise ValueError(f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}: {ONE_SPLIT}")
+        if gpus not in (0, tp * pp):
+            raise ValueError(f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}: "
+                             f"{GPUS_PER_SPLIT}")
+        if self.model.quantization != "none" and tp * pp > 1:
+            raise ValueError(f"model.quantization={self.model.quantization}: {QUANTIZED_SPLIT}")
         if self.autotune.enabled:
             bounds = self.autotune.bounds.model_dump(by_alias=True)
             for knob, (path, key) in zip(SEARCHED, _TUNED, strict=True):

@@ -22,10 +22,7 @@ import httpx
 import uvicorn
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
-from specfleet.tuner.actuator import AdminActuator
-from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
-from specfleet.tuner.policy import Policy
-from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
+from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner
 
 from .proxy import Backends, create_proxy
 
@@ -117,20 +114,13 @@ class LocalFleet:
             self._tasks.append(asyncio.create_task(self._tune_forever()))
 
     def _build_tuner(self) -> ServiceTuner:
-        spec = self.isvc.spec
-        params = params_from_spec(spec, self.interval_s, self.window_s)
-
         async def ready() -> list[str]:
             return [u for u in self.engine_urls if u in self.backends.ready]
 
-        source: Source
-        if self.prometheus_url:
-            selector = self.prometheus_selector or f'job="{self.isvc.name}"'
-            source = PrometheusSource(self.prometheus_url, selector, params.window_s)
-        else:
-            source = ScrapeSource(ready, window_s=params.window_s)
-        return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token),
-                            ready)
+        return build_tuner(self.isvc.name, self.isvc.spec, ready, self.token,
+                           prometheus_url=self.prometheus_url or "",
+                           prometheus_selector=self.prometheus_selector or f'job="{self.isvc.name}"',
+                           interval_s=self.interval_s, window_s=self.window_s)
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:
         try:

@@ -7,12 +7,12 @@ resource in its own module (see `cli.OPERATOR_MODULES`), gated with `when=autotu
 
 from __future__ import annotations
 
-import datetime
 import logging
 from typing import Any
 
 import kopf
 
+from .conditions import timestamp
 from .config import OperatorConfig
 from .kube import ApiError, KubeClient
 from .reconcile import Reconciler
@@ -54,16 +54,14 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
         await memo.client.close()
 
 
-def _client(memo: kopf.Memo) -> KubeClient:
+def kube_client(memo: kopf.Memo) -> KubeClient:
+    """The operator's API client, built from kopf's login on first use; other handler modules (the
+    tuner's) share it through this function."""
     if getattr(memo, "client", None) is None:
         if "info" not in _credentials:
             raise kopf.TemporaryError("no Kubernetes credentials yet; retrying", delay=TEMPORARY_DELAY_SECONDS)
         memo.client = KubeClient.from_connection_info(_credentials["info"])
     return memo.client
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @kopf.on.resume(GROUP, VERSION, PLURAL)
@@ -73,7 +71,7 @@ def _now() -> str:
             initial_delay=min(5.0, CONFIG.reconcile_interval_seconds), sharp=False)
 async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
     try:
-        outcome = await Reconciler(_client(memo), memo.config).reconcile(body, now=_now())
+        outcome = await Reconciler(kube_client(memo), memo.config).reconcile(body, now=timestamp())
     except ApiError as error:
         if error.status == 401:
             memo.client = None  # credentials rotated: rebuild from kopf's fresh login next time

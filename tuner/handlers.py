@@ -9,7 +9,6 @@ selector label), the admin token from the `NAME-admin` Secret the reconcile crea
 
 from __future__ import annotations
 
-import datetime
 import logging
 import os
 import time
@@ -17,17 +16,15 @@ from typing import Any
 from urllib.parse import quote
 
 import kopf
-from specfleet.operator.handlers import _client, autotune_enabled
+from specfleet.operator.conditions import timestamp
+from specfleet.operator.handlers import autotune_enabled, kube_client
 from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
 from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
 from specfleet.operator.resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
 
-from .actuator import AdminActuator
-from .loop import ServiceTuner, params_from_spec, spec_config
-from .policy import Policy
+from .loop import ServiceTuner, build_tuner
 from .report import event_for, status_patch
-from .sources import PrometheusSource, ScrapeSource, Source
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
@@ -48,10 +45,6 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[
     return sorted(urls)
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> ServiceTuner:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -60,16 +53,13 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     if secret is None:
         raise kopf.TemporaryError(f"Secret {admin_secret_name(name)} (admin token) does not exist yet; "
                                   "the reconcile creates it", delay=10)
-    params = params_from_spec(isvc.spec)
 
     async def endpoints() -> list[str]:
         return await ready_pod_urls(client, namespace, name)
 
-    url = isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "")
-    source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
-                                       params.window_s) if url else ScrapeSource(endpoints, window_s=params.window_s))
-    return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
-                        AdminActuator(read_admin_token(secret)), endpoints)
+    return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
+                       prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", ""),
+                       prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
@@ -79,7 +69,7 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
     tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
     entry = tuners.get(uid)
-    client = _client(memo)
+    client = kube_client(memo)
     if entry is None or entry[1] != generation:  # a spec change resets the loop (new bounds, SLO, ...)
         if entry is not None:
             await entry[0].close()
@@ -95,7 +85,7 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
         return
     tuners[uid] = (tuner, generation, time.monotonic())
     tick = await tuner.tick()
-    now = _now()
+    now = timestamp()
     patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now))
     event = event_for(tick.decision)
     if event is not None:

@@ -94,7 +94,7 @@ class LocalFleet:
         env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         for i in range(spec.replicas):
             port = free_port()
-            log = open(self.log_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 (closed with the process)
+            log = open(self.log_dir / f"engine-{i}.log", "wb")  # closed with the process
             self.processes.append(subprocess.Popen(local_engine_command(self.isvc, port, self.engine_extra_args),
                                                    stdout=log, stderr=subprocess.STDOUT, env=env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
@@ -164,7 +164,7 @@ class LocalFleet:
         while True:  # the first tick at once: the scrape source needs it as the base of its first window
             try:
                 await self.tick()
-            except Exception as error:  # noqa: BLE001 - the tuner must outlive one bad interval
+            except Exception as error:  # the tuner must outlive one bad interval
                 print(f"[tuner] interval failed: {type(error).__name__}: {error}", flush=True)
             await asyncio.sleep(interval)
 

@@ -13,9 +13,8 @@ import copy
 import itertools
 import json
 import threading
-import time
 import uuid
-from collections.abc import Callable, Coroutine
+from collections.abc import Coroutine
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,17 +34,6 @@ DISCOVERY = {
     "/apis/serving.specfleet.io/v1alpha1": [("inferenceservices", "InferenceService", True, ["status", "scale"])],
 }
 MONITORING = {"/apis/monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True, [])]}
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """Polls `check` until it returns something truthy (returned), or fails naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import free_port, wait_http_ready
 from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 
 pytestmark = pytest.mark.slow
@@ -55,9 +55,7 @@ def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_toke
 def _serve_under_load(tmp_path: Path, drain_timeout: float, max_tokens: int) -> tuple[int, list[Any], str]:
     """Start `python -m specfleet.engine`, stream 4 requests, SIGTERM, check the drain window; return
     (exit code, per-stream (status, SSE payloads), log)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "specfleet.engine", "serve", "--model", "bundled://smollm2-135m-instruct",
@@ -67,16 +65,7 @@ def _serve_under_load(tmp_path: Path, drain_timeout: float, max_tokens: int) -> 
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     results: list[Any] = []
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
+        wait_http_ready(f"{url}/ready", proc, log_path)
         started = [threading.Event() for _ in range(4)]
         threads = [threading.Thread(target=_stream, args=(url, results, ev, max_tokens)) for ev in started]
         for t in threads:

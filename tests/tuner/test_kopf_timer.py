@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube, wait_for  # tests/ is on sys.path (rootdir conftest)
+from fake_kube import FakeKube
+from helpers import wait_for  # tests/ is on sys.path (rootdir conftest)
 
 from .conftest import ADMIN_TOKEN
 

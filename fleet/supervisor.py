@@ -46,13 +46,13 @@ def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | N
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at:at + 2]
-    bounds = spec.autotune.bounds
+    high = spec.autotune.bounds.model_dump()  # knob name -> [min, max] (the fields are made from the knobs)
     args += ["--host", "127.0.0.1",
-             "--max-num-seqs-limit", str(max(bounds.max_num_seqs[1], spec.batching.max_num_seqs)),
+             "--max-num-seqs-limit", str(max(high["max_num_seqs"][1], spec.batching.max_num_seqs)),
              "--max-num-batched-tokens-limit",
-             str(max(bounds.max_num_batched_tokens[1], spec.batching.max_num_batched_tokens)),
+             str(max(high["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens)),
              "--max-num-speculative-tokens",
-             str(max(bounds.num_speculative_tokens[1], spec.speculative.num_speculative_tokens))]
+             str(max(high["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens))]
     return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
 
 
@@ -81,6 +81,10 @@ class LocalFleet:
         self._tasks: list[asyncio.Task[None]] = []
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
 
+    def engine_log(self, i: int) -> Path:
+        assert self.log_dir is not None  # set in __post_init__
+        return self.log_dir / f"engine-{i}.log"
+
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -94,7 +98,7 @@ class LocalFleet:
         env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         for i in range(spec.replicas):
             port = free_port()
-            log = open(self.log_dir / f"engine-{i}.log", "wb")  # closed with the process
+            log = open(self.engine_log(i), "wb")  # closed with the process
             self.processes.append(subprocess.Popen(local_engine_command(self.isvc, port, self.engine_extra_args),
                                                    stdout=log, stderr=subprocess.STDOUT, env=env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
@@ -104,7 +108,6 @@ class LocalFleet:
         config = uvicorn.Config(create_proxy(self.backends), host=self.host, port=self.port, log_level="warning",
                                 access_log=False, lifespan="on")
         self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
         self._tasks.append(asyncio.create_task(self._server.serve()))
         while not self._server.started:
             await asyncio.sleep(0.02)
@@ -134,7 +137,7 @@ class LocalFleet:
             while len(self.backends.ready) < len(self.engine_urls):
                 for i, (proc, url) in enumerate(zip(self.processes, self.engine_urls, strict=True)):
                     if proc.poll() is not None:
-                        tail = (self.log_dir / f"engine-{i}.log").read_text(errors="replace")[-2000:]
+                        tail = self.engine_log(i).read_text(errors="replace")[-2000:]
                         raise RuntimeError(f"engine {i} ({url}) exited with {proc.returncode} while starting:\n{tail}")
                     if await self._probe(client, url):
                         self.backends.ready.add(url)

@@ -69,7 +69,7 @@ def kube_client(memo: kopf.Memo) -> KubeClient:
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.reconcile_interval_seconds,
             initial_delay=min(5.0, CONFIG.reconcile_interval_seconds), sharp=False)
-async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     try:
         outcome = await Reconciler(kube_client(memo), memo.config).reconcile(body, now=timestamp())
     except ApiError as error:

@@ -9,7 +9,6 @@ selector label), the admin token from the `NAME-admin` Secret the reconcile crea
 
 from __future__ import annotations
 
-import logging
 import os
 import time
 from typing import Any
@@ -58,14 +57,14 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
         return await ready_pod_urls(client, namespace, name)
 
     return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
-                       prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", ""),
+                       prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
                        prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
             when=autotune_enabled)
 async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
-               logger: logging.Logger, **_: Any) -> None:
+               logger: kopf.Logger, **_: Any) -> None:
     tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
     entry = tuners.get(uid)
@@ -80,7 +79,7 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
         except ApiError as error:
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
         tuners[uid] = entry
-    tuner, _, last = entry
+    tuner, _generation, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
         return
     tuners[uid] = (tuner, generation, time.monotonic())

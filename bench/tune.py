@@ -138,7 +138,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
                        engine_extra_args=["--kv-cache-gib", "0.5", "--log-level", "warning"])
     print(f"starting {isvc.spec.replicas} engine(s); logs in {fleet.log_dir}", flush=True)
     await fleet.start()
-    admin = AdminActuator(fleet.token)
+    admin = AdminActuator(fleet.token, admin_url=fleet.admin_url)
     start_config = TunedConfig(0, isvc.spec.batching.max_num_seqs, isvc.spec.batching.max_num_batched_tokens)
     passes: list[Static] = []
     tuner_passes: list[dict[str, dict[str, float]]] = []

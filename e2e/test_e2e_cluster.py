@@ -1,5 +1,7 @@
 """The whole path on a real cluster: helm install, apply the CPU example, wait for Ready, call the OpenAI
-API through the Service, change the spec and see the rollout, scale, delete and see garbage collection.
+API through the Service (the admin API is not there: it has its own pod port), change the spec and see
+Ready follow the rollout, scale, then uninstall the operator first and delete: the object goes at once
+(no finalizer) and its children are garbage-collected.
 
 Images: SPECFLEET_OPERATOR_IMAGE and SPECFLEET_ENGINE_CPU_IMAGE (loaded into kind by e2e/run-kind.sh).
 """
@@ -11,6 +13,7 @@ import os
 import socket
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -63,6 +66,27 @@ def smollm2(operator: None, namespace: str) -> Iterator[str]:
     kubectl("delete", "-n", namespace, "isvc/smollm2", "--ignore-not-found", check=False)
 
 
+def condition(isvc: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in (isvc.get("status") or {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def port_forward(target: str, namespace: str, remote: int) -> tuple[subprocess.Popen[bytes], int]:
+    port = free_port()
+    proc = subprocess.Popen(["kubectl", "port-forward", "-n", namespace, target, f"{port}:{remote}"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return proc, port
+
+
+def http_status(url: str) -> int | None:
+    try:
+        with urllib.request.urlopen(url, timeout=10) as response:
+            return response.status
+    except urllib.error.HTTPError as error:
+        return error.code
+    except OSError:
+        return None
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -92,8 +116,21 @@ def test_ready_status_and_openai_request(smollm2: str, namespace: str) -> None:
 
         answer = wait_for("an answer through the Service", ask, timeout=120)
         assert answer["choices"][0]["message"]["content"]
+        # the admin API is not served on the Service's port ...
+        assert http_status(f"http://127.0.0.1:{port}/admin/config") == 404
     finally:
         forward.terminate()
+    # ... but on the pod's own admin port, where it still wants the token
+    pod = kubectl("get", "pods", "-n", namespace, "-l", f"serving.specfleet.io/inferenceservice={smollm2}",
+                  "-o", "jsonpath={.items[0].metadata.name}").stdout
+    admin, admin_port = port_forward(f"pod/{pod}", namespace, 8001)
+    try:
+        assert wait_for("the admin port", lambda: http_status(f"http://127.0.0.1:{admin_port}/admin/config"),
+                        timeout=30) == 401
+    finally:
+        admin.terminate()
+    table = kubectl("get", "isvc", smollm2, "-n", namespace).stdout
+    assert "READY" in table and "REASON" in table and "AllReplicasReady" in table
 
 
 def test_spec_change_rolls_out(smollm2: str, namespace: str) -> None:
@@ -108,21 +145,34 @@ def test_spec_change_rolls_out(smollm2: str, namespace: str) -> None:
         return args[args.index("--max-num-seqs") + 1] == "8"
 
     wait_for("the Deployment template to carry --max-num-seqs 8", rolled, timeout=60)
+    # Ready leaves True while the new pod rolls out (the old pod's readiness says nothing about the new spec)
+    wait_for("Ready to leave True during the rollout",
+             lambda: condition(get("isvc", smollm2, namespace) or {}, "Ready").get("status") != "True", timeout=60)
     kubectl("rollout", "status", f"deployment/{smollm2}", "-n", namespace, f"--timeout={READY_TIMEOUT}s",
             timeout=READY_TIMEOUT + 30)
     kubectl("wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330)
+    isvc = get("isvc", smollm2, namespace) or {}
+    assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
+    assert condition(isvc, "Progressing").get("reason") == "RolloutComplete"
 
 
 def test_scale_subresource(smollm2: str, namespace: str) -> None:
     kubectl("scale", "isvc", smollm2, "-n", namespace, "--replicas=2")
     wait_for("a PodDisruptionBudget at 2 replicas", lambda: get("pdb", smollm2, namespace), timeout=60)
     assert get("deployment", smollm2, namespace)["spec"]["replicas"] == 2  # type: ignore[index]
+    # a /scale write bumps the generation; status catches up once the Deployment controller has seen it
+    wait_for("status.observedGeneration to follow the scale", lambda: (lambda i: i["status"].get("observedGeneration")
+             == i["metadata"]["generation"])(get("isvc", smollm2, namespace) or {"status": {}, "metadata": {}}),
+             timeout=120)
     kubectl("scale", "isvc", smollm2, "-n", namespace, "--replicas=1")
     wait_for("the PDB to go at 1 replica", lambda: get("pdb", smollm2, namespace) is None, timeout=60)
 
 
-def test_delete_garbage_collects_children(smollm2: str, namespace: str) -> None:
-    kubectl("delete", "isvc", smollm2, "-n", namespace, "--wait=true", timeout=120)
+def test_delete_without_the_operator_garbage_collects_children(smollm2: str, namespace: str) -> None:
+    isvc = get("isvc", smollm2, namespace) or {}
+    assert not isvc["metadata"].get("finalizers"), isvc["metadata"]  # kopf's timers hold none
+    subprocess.run(["helm", "uninstall", RELEASE, "-n", namespace, "--wait"], check=True, timeout=300)
+    kubectl("delete", "isvc", smollm2, "-n", namespace, "--wait=true", "--timeout=60s", timeout=120)
     for kind, name in (("deployment", smollm2), ("service", smollm2), ("secret", f"{smollm2}-admin")):
         wait_for(f"{kind}/{name} to be garbage-collected", lambda k=kind, n=name: get(k, n, namespace) is None,
                  timeout=120)

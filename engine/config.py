@@ -62,7 +62,12 @@ class EngineConfig:
     prompt_lookup_min: int = _opt(1, "n-gram proposer: shortest suffix to look up in the prompt")
     prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
     seed: int = _opt(0, "seed of the engine's generator, which requests without a seed of their own draw from")
-    tensor_parallel_size: int = _opt(1, "GPUs per engine (only 1 for now)")
+    tensor_parallel_size: int = _opt(
+        1, "ranks one model copy is split over (Megatron-style tensor parallelism): GPUs on CUDA, processes "
+        "sharing the cores on CPU; must divide the attention heads")
+    pipeline_parallel_size: int = _opt(
+        1, "pipeline stages one model copy is split into (runs of layers, one process each; GPUs on CUDA); "
+        "not combined with tensor parallelism yet")
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -104,11 +109,16 @@ class EngineConfig:
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
                 "must satisfy 1 <= min <= max"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not implemented yet; "
-                "use 1 (one GPU per replica) and scale with replicas"
-            )
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if size < 1:
+                raise ValueError(f"{name}={size} must be >= 1")
+        if tp > 1 and pp > 1:
+            raise ValueError(f"tensor_parallel_size={tp} with pipeline_parallel_size={pp}: one split at a time "
+                             "for now; use one of them")
+        if (tp > 1 or pp > 1) and self.quantization:
+            raise ValueError(f"quantization={self.quantization!r} runs in one process; it is not split across "
+                             "ranks yet: use tensor_parallel_size=1 and pipeline_parallel_size=1 with it")
         for name in ("quantization", "draft_quantization"):
             if getattr(self, name) not in QUANTIZATIONS:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {QUANTIZATIONS}")

@@ -75,6 +75,12 @@ class Engine:
                  self.model_name, num_blocks, num_blocks if draft else 0, config.block_size, self.max_model_len,
                  self.runner.attn.name)
 
+    def close(self) -> None:
+        """Stop what the engine started beside itself (tensor-parallel workers); idempotent."""
+        close = getattr(self.runner.model, "close", None)
+        if close is not None:
+            close()
+
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
         params = params or SamplingParams()

@@ -75,7 +75,17 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
         raise ValueError(f"quantization={config.quantization!r} runs on the native CPU kernels: it needs "
                          f"device cpu and dtype float32, not {device.type} {dtype}")
     cls = model_class(hf_config.architectures)
-    model = cls(hf_config, load_state_dict(resolved.path), dtype, device, quantize=config.quantization)
+    split = ("tensor", config.tensor_parallel_size) if config.tensor_parallel_size > 1 else \
+        ("pipeline", config.pipeline_parallel_size) if config.pipeline_parallel_size > 1 else None
+    if split is not None:
+        if not issubclass(cls, LlamaModel):
+            raise ValueError(f"{split[0]}_parallel_size={split[1]}: architecture {hf_config.architectures} "
+                             "cannot be split yet")
+        from specfleet.engine.distributed.workers import SplitModel
+
+        model = SplitModel(str(resolved.path), split[0], split[1], dtype, device)
+    else:
+        model = cls(hf_config, load_state_dict(resolved.path), dtype, device, quantize=config.quantization)
     return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer))
 
 

@@ -33,8 +33,10 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | None = None) -> list[str]:
-    """The pod's engine command line, on a loopback port, with ceilings that cover the tuner's bounds."""
+def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | None = None,
+                         admin_port: int | None = None) -> list[str]:
+    """The pod's engine command line, on loopback ports (the admin API on `admin_port`, or beside the API
+    when None), with ceilings that cover the tuner's bounds."""
     spec = isvc.spec
     for name, source in (("model.source", spec.model.source),
                          ("speculative.draftModel.source", (spec.speculative.draft_model or spec.model).source)):
@@ -43,6 +45,11 @@ def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | N
     draft = spec.speculative.draft_model.source if spec.speculative.draft_model else None
     args = engine_args(spec, spec.model.source, draft)
     args[args.index("--port") + 1] = str(port)
+    at = args.index("--admin-port")
+    if admin_port is None:
+        del args[at:at + 2]
+    else:
+        args[at + 1] = str(admin_port)
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at:at + 2]
@@ -69,9 +76,11 @@ class LocalFleet:
     engine_extra_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     on_tick: Callable[[Tick], None] | None = None
+    freeze_file: Path | None = None  # while this file exists the tuner is frozen (None: LOG_DIR/tuner-freeze)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     engine_urls: list[str] = field(default_factory=list)
+    admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
     ticks: list[Tick] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -80,6 +89,11 @@ class LocalFleet:
         self._server: uvicorn.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
+        self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
+
+    def admin_url(self, engine_url: str) -> str:
+        """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
+        return self.admin_urls.get(engine_url, engine_url)
 
     def engine_log(self, i: int) -> Path:
         assert self.log_dir is not None  # set in __post_init__
@@ -97,11 +111,12 @@ class LocalFleet:
         spec = self.isvc.spec
         env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         for i in range(spec.replicas):
-            port = free_port()
+            port, admin_port = free_port(), free_port()
             log = open(self.engine_log(i), "wb")  # closed with the process
-            self.processes.append(subprocess.Popen(local_engine_command(self.isvc, port, self.engine_extra_args),
-                                                   stdout=log, stderr=subprocess.STDOUT, env=env))
+            command = local_engine_command(self.isvc, port, self.engine_extra_args, admin_port=admin_port)
+            self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
+            self.admin_urls[self.engine_urls[-1]] = f"http://127.0.0.1:{admin_port}"
         self.backends.urls = list(self.engine_urls)
         await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
         self.port = self.port or free_port(self.host)
@@ -120,7 +135,7 @@ class LocalFleet:
         async def ready() -> list[str]:
             return [u for u in self.engine_urls if u in self.backends.ready]
 
-        return build_tuner(self.isvc.name, self.isvc.spec, ready, self.token,
+        return build_tuner(self.isvc.name, self.isvc.spec, ready, self.token, admin_url=self.admin_url,
                            prometheus_url=self.prometheus_url or "",
                            prometheus_selector=self.prometheus_selector or f'job="{self.isvc.name}"',
                            interval_s=self.interval_s, window_s=self.window_s)
@@ -153,9 +168,19 @@ class LocalFleet:
                     (self.backends.ready.add if ok else self.backends.ready.discard)(url)
                 await asyncio.sleep(1.0)
 
+    @property
+    def frozen_by(self) -> str | None:
+        """The local twin of the operator's freeze: spec.autotune.freeze in the YAML, or the freeze file
+        (`touch` it to freeze, remove it to resume; read at every interval)."""
+        if self.isvc.spec.autotune.freeze:
+            return "spec.autotune.freeze"
+        if self.freeze_file is not None and self.freeze_file.exists():
+            return f"freeze file {self.freeze_file}"
+        return None
+
     async def tick(self) -> Tick:
         assert self.tuner is not None, "tuning is off for this fleet"
-        tick = await self.tuner.tick()
+        tick = await self.tuner.tick(self.frozen_by)
         self.ticks.append(tick)
         if self.on_tick is not None:
             self.on_tick(tick)

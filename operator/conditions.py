@@ -14,7 +14,7 @@ from specfleet.engine.knobs import camel
 from .inference_service import InferenceService
 from .resources import LABEL_ISVC, endpoint
 
-OWNED_TYPES = ("Ready", "Progressing", "Degraded")
+OWNED_TYPES = ("Ready", "Progressing", "Degraded", "Monitored")  # the reconcile's; the tuner owns Tuned
 
 
 def timestamp() -> str:
@@ -31,35 +31,71 @@ class Cond:
     message: str
 
 
+@dataclass(frozen=True)
+class Rollout:
+    """What the Deployment controller reports about the Deployment the reconcile applied."""
+    desired: int
+    synced: bool  # the controller has observed the Deployment's latest generation
+    replicas: int  # pods of every revision
+    updated: int  # pods of the latest template
+    available: int
+    ready: int
+
+    @classmethod
+    def of(cls, desired: int, deployment: dict[str, Any] | None) -> Rollout | None:
+        status = (deployment or {}).get("status") or {}
+        if deployment is None or "observedGeneration" not in status:
+            return None
+        return cls(desired, status["observedGeneration"] >= deployment["metadata"].get("generation", 0),
+                   status.get("replicas", 0), status.get("updatedReplicas", 0), status.get("availableReplicas", 0),
+                   status.get("readyReplicas", 0))
+
+    @property
+    def complete(self) -> bool:
+        """Ready means this: every pod runs the latest template and is available, and no old pod is left."""
+        return self.synced and self.updated == self.replicas == self.available == self.desired
+
+    def describe(self) -> str:
+        """What is rolling, in words."""
+        if not self.synced:
+            return "the Deployment controller has not observed the latest Deployment yet"
+        old = self.replicas - self.updated
+        if self.updated < self.desired or old > 0:
+            return (f"rolling out a new pod template: {self.updated}/{self.desired} pods updated, "
+                    f"{self.available} available, {old} old pod(s) left")
+        if self.available < self.desired:
+            return f"scaling to {self.desired} replicas: {self.available}/{self.desired} available"
+        return f"{self.available}/{self.desired} replicas available, all on the latest pod template"
+
+
 def deployment_conditions(isvc: InferenceService, deployment: dict[str, Any] | None) -> list[Cond]:
     desired = isvc.spec.replicas
-    if deployment is None or "observedGeneration" not in (deployment.get("status") or {}):
+    rollout = Rollout.of(desired, deployment)
+    if rollout is None:
         return [
             Cond("Ready", "Unknown", "Pending", "waiting for the Deployment controller to report"),
             Cond("Progressing", "True", "Creating", f"rolling out {desired} replica(s)"),
             Cond("Degraded", "False", "AsExpected", "no problem reported"),
         ]
-    status = deployment["status"]
-    ready = status.get("readyReplicas", 0)
-    updated = status.get("updatedReplicas", 0)
-    current = status.get("replicas", 0)
-    synced = status["observedGeneration"] >= deployment["metadata"].get("generation", 0)
-    found = {c["type"]: c for c in status.get("conditions", [])}
+    found = {c["type"]: c for c in (deployment or {}).get("status", {}).get("conditions", [])}
     deadline = found.get("Progressing", {}).get("reason") == "ProgressDeadlineExceeded"
     failure = found.get("ReplicaFailure", {})
-    rolled_out = synced and updated == desired and current == desired and ready == desired
-    counts = f"{ready}/{desired} replicas ready, {updated}/{desired} updated"
+    counts = rollout.describe()
 
     if desired == 0:
         ready_cond = Cond("Ready", "False", "ScaledToZero", "spec.replicas is 0; scale up to serve requests")
-    elif ready >= desired:
+    elif not rollout.synced:
+        ready_cond = Cond("Ready", "Unknown", "Pending", counts)
+    elif rollout.complete:
         ready_cond = Cond("Ready", "True", "AllReplicasReady", counts)
+    elif rollout.updated < desired or rollout.replicas > rollout.updated:
+        ready_cond = Cond("Ready", "False", "RollingOut", counts)
     else:
         ready_cond = Cond("Ready", "False", "ReplicasNotReady", counts)
 
     if deadline:
         progressing = Cond("Progressing", "False", "ProgressDeadlineExceeded", counts)
-    elif rolled_out:
+    elif rollout.complete or (desired == 0 and rollout.synced and rollout.replicas == 0):
         progressing = Cond("Progressing", "False", "RolloutComplete", counts)
     else:
         progressing = Cond("Progressing", "True", "RollingOut", counts)
@@ -83,55 +119,70 @@ def invalid_spec_conditions(message: str) -> list[Cond]:
     ]
 
 
-def merge_conditions(
-    previous: list[dict[str, Any]], new: list[Cond], generation: int, now: str
+def condition_entries(
+    previous: list[dict[str, Any]], new: list[Cond], generation: int | None, now: str
 ) -> list[dict[str, Any]]:
-    """Ours replaced (lastTransitionTime kept unless the status flips); others' conditions kept as they are."""
+    """The writer's own conditions as status entries; lastTransitionTime is kept unless the status flips.
+
+    Only the writer's entries: each writer server-side applies its share of `status.conditions` (a map
+    keyed by type) with its own field manager, so the API server keeps the other writers' entries.
+    """
     before = {c.get("type"): c for c in previous}
-    merged = []
+    entries = []
     for cond in new:
         old = before.get(cond.type, {})
         changed = old.get("status") != cond.status
-        merged.append({
+        entry: dict[str, Any] = {
             "type": cond.type,
             "status": cond.status,
             "reason": cond.reason,
-            "message": cond.message,
+            "message": cond.message[:4096],
             "lastTransitionTime": now if changed or "lastTransitionTime" not in old else old["lastTransitionTime"],
-            "observedGeneration": generation,
-        })
-    owned = {c.type for c in new}
-    return merged + [c for c in previous if c.get("type") not in owned]
+        }
+        if generation is not None:
+            entry["observedGeneration"] = generation
+        entries.append(entry)
+    return entries
 
 
-def tuning_seed(isvc: InferenceService, current: dict[str, Any] | None) -> dict[str, Any] | None:
-    """The config in force, for the K/MaxSeqs columns: the spec's values unless the tuner owns them."""
-    if isvc.spec.autotune.enabled and current:
-        return None  # the tuner's decision stands; it is the only writer while autotune is on
+def tuning_seed(isvc: InferenceService) -> dict[str, Any] | None:
+    """The config in force while autotune is off, for the K/MaxSeqs columns; None while the tuner owns it."""
     spec = isvc.spec
-    reason = "autotune is off: values from spec" if not spec.autotune.enabled else "initial values from spec"
-    return {**{camel(name): value for name, value in spec.start_values().items()}, "reason": reason}
+    if spec.autotune.enabled:
+        return None
+    return {**{camel(name): value for name, value in spec.start_values().items()},
+            "reason": "autotune is off: values from spec"}
 
 
 def build_status(
     isvc: InferenceService, deployment: dict[str, Any] | None, previous: dict[str, Any], now: str,
-    conditions: list[Cond] | None = None,
+    conditions: list[Cond] | None = None, observed: bool | None = None,
 ) -> dict[str, Any]:
-    """The status patch the reconcile writes (merge patch: keys not listed here are left alone)."""
-    generation = isvc.metadata.generation
+    """The reconcile's whole share of status, server-side applied as its field manager (a field it owned
+    and omits now is removed; the tuner's fields are not its to touch).
+
+    `observedGeneration` (status and conditions) moves to the object's generation only once the status
+    describes that generation: the Deployment controller has observed the Deployment rendered from it, or
+    the outcome is known otherwise (`observed=True`: invalid spec, child refused). Until then the previous
+    value stays, so GitOps tools see a status older than the spec.
+    """
+    rollout = Rollout.of(isvc.spec.replicas, deployment)
+    known = observed if observed is not None else (rollout is not None and rollout.synced)
+    stamped = isvc.metadata.generation if known else previous.get("observedGeneration")
     conds = conditions if conditions is not None else deployment_conditions(isvc, deployment)
     dstatus = (deployment or {}).get("status") or {}
     status: dict[str, Any] = {
-        "observedGeneration": generation,
-        "conditions": merge_conditions(previous.get("conditions") or [], conds, generation, now),
+        "conditions": condition_entries(previous.get("conditions") or [], conds, stamped, now),
         "replicas": dstatus.get("replicas", 0),
         "readyReplicas": dstatus.get("readyReplicas", 0),
         "selector": f"{LABEL_ISVC}={isvc.name}",
         "endpoint": endpoint(isvc.name, isvc.namespace),
     }
-    seed = tuning_seed(isvc, previous.get("tuning"))
+    if stamped is not None:
+        status["observedGeneration"] = stamped
+    seed = tuning_seed(isvc)
     if seed is not None:
-        status["tuning"] = {**seed, "lastDecisionTime": (previous.get("tuning") or {}).get("lastDecisionTime", now)}
-        if seed != {k: (previous.get("tuning") or {}).get(k) for k in seed}:
-            status["tuning"]["lastDecisionTime"] = now
+        before = previous.get("tuning") or {}
+        unchanged = seed == {k: before.get(k) for k in seed}
+        status["tuning"] = {**seed, "lastDecisionTime": before.get("lastDecisionTime", now) if unchanged else now}
     return status

@@ -17,8 +17,19 @@ class OperatorConfig:
     prometheus_url: str = ""  # default for spec.autotune.prometheusURL
     reconcile_interval_seconds: float = 30.0  # the level-based timer; events also trigger a reconcile
     model_downloader_image: str = ""  # empty: the engine image runs the hf:// download step
+    # The chart's serviceMonitor.enabled: whether to apply a ServiceMonitor per service (its RBAC rule
+    # exists only then). Off: none is applied, even where the Prometheus Operator's CRD is installed.
+    service_monitor: bool = True
+    # The chart's networkPolicy.enabled: a NetworkPolicy per service that lets only the operator's pods
+    # (namespace `operator_namespace`, labels `operator_pod_labels`) reach the engines' admin port.
+    network_policy: bool = False
+    operator_namespace: str = ""
+    operator_pod_labels: tuple[tuple[str, str], ...] = ()
 
     def __post_init__(self) -> None:
+        if self.network_policy and not (self.operator_namespace and self.operator_pod_labels):
+            raise ValueError("a NetworkPolicy needs the operator's namespace and pod labels: set POD_NAMESPACE and "
+                             "SPECFLEET_OPERATOR_POD_LABELS (the Helm chart sets both)")
         if self.reconcile_interval_seconds <= 0:
             raise ValueError(
                 f"reconcile interval {self.reconcile_interval_seconds!r}s must be > 0; "
@@ -41,9 +52,33 @@ class OperatorConfig:
             prometheus_url=env.get("SPECFLEET_PROMETHEUS_URL", ""),
             reconcile_interval_seconds=seconds,
             model_downloader_image=env.get("SPECFLEET_MODEL_DOWNLOADER_IMAGE", ""),
+            service_monitor=_flag(env, "SPECFLEET_SERVICE_MONITOR", True),
+            network_policy=_flag(env, "SPECFLEET_NETWORK_POLICY", False),
+            operator_namespace=env.get("POD_NAMESPACE", ""),
+            operator_pod_labels=_labels(env.get("SPECFLEET_OPERATOR_POD_LABELS", "")),
         )
 
     def image_for(self, gpus: int, override: str | None) -> str:
         if override:
             return override
         return self.engine_image if gpus > 0 else self.engine_cpu_image
+
+
+def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
+    value = env.get(name, "").strip().lower()
+    if not value:
+        return default
+    if value not in ("true", "false"):
+        raise ValueError(f"{name}={env[name]!r} must be true or false")
+    return value == "true"
+
+
+def _labels(text: str) -> tuple[tuple[str, str], ...]:
+    """`k=v,k2=v2` -> ((k, v), (k2, v2)); a part without `=` is refused naming it."""
+    pairs = []
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.partition("=")
+        if not sep or not name:
+            raise ValueError(f"SPECFLEET_OPERATOR_POD_LABELS: {part!r} is not key=value")
+        pairs.append((name, value))
+    return tuple(pairs)

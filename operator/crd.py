@@ -29,7 +29,9 @@ _DROP = {"title", "additionalProperties", "prefixItems", "$defs"}
 PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
-    {"name": "Ready", "type": "integer", "jsonPath": ".status.readyReplicas"},
+    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+     "description": "True once the rollout is complete: every replica updated and available"},
+    {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
     {"name": "K", "type": "integer", "jsonPath": ".status.tuning.numSpeculativeTokens",
      "description": "Speculative tokens per step now in force"},
     {"name": "MaxSeqs", "type": "integer", "jsonPath": ".status.tuning.maxNumSeqs"},
@@ -37,6 +39,7 @@ PRINTER_COLUMNS = [
      "description": "Observed time per output token, p95, in ms"},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     # -o wide (priority 1): the rest of the config in force and the tuner's state, for SREs
+    {"name": "ReadyPods", "type": "integer", "jsonPath": ".status.readyReplicas", "priority": 1},
     {"name": "MaxTokens", "type": "integer", "jsonPath": ".status.tuning.maxNumBatchedTokens", "priority": 1,
      "description": "max_num_batched_tokens now in force"},
     {"name": "SpecOffAbove", "type": "integer", "jsonPath": ".status.tuning.speculativeDisableByBatchSize",

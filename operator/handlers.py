@@ -7,16 +7,20 @@ resource in its own module (see `cli.OPERATOR_MODULES`), gated with `when=autotu
 
 from __future__ import annotations
 
+import asyncio
+import dataclasses
 import logging
+from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
+from . import metrics
 from .conditions import timestamp
 from .config import OperatorConfig
-from .kube import ApiError, KubeClient
-from .reconcile import Reconciler
-from .resources import GROUP, PLURAL, VERSION
+from .kube import ApiError, KubeClient, object_path
+from .reconcile import Outcome, Reconciler
+from .resources import API_VERSION, FIELD_MANAGER, GROUP, KIND, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
 
 CONFIG = OperatorConfig.from_env()
 TEMPORARY_DELAY_SECONDS = 10
@@ -38,6 +42,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.watching.server_timeout = 300
     memo.config = CONFIG
     memo.client = None
+    drop_finalizer_requirements(kopf.get_default_registry())
 
 
 @kopf.on.login()
@@ -64,29 +69,96 @@ def kube_client(memo: kopf.Memo) -> KubeClient:
     return memo.client
 
 
+def _lock(memo: kopf.Memo, uid: str) -> asyncio.Lock:
+    """One reconcile at a time per InferenceService (the update handler, the timer and the Deployment
+    watch can fire together; kopf serializes only its own change handlers)."""
+    locks: dict[str, asyncio.Lock] = memo.setdefault("reconcile_locks", {})
+    return locks.setdefault(uid, asyncio.Lock())
+
+
+async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Logger) -> Outcome:
+    """Reconcile one InferenceService and write the reconcile's share of its status (server-side apply,
+    field manager `specfleet-operator`), then post the Events."""
+    meta = body["metadata"]
+    async with _lock(memo, meta["uid"]):
+        client = kube_client(memo)
+        try:
+            current = await client.get(object_path(KIND, meta["namespace"], meta["name"]))
+            if current is None or current["metadata"].get("uid") != meta["uid"]:
+                return Outcome(status={})  # deleted (or replaced) meanwhile: nothing to report on
+            metrics.saw_generation(meta["namespace"], meta["name"], int(current["metadata"].get("generation") or 0),
+                                   meta["uid"])
+            outcome = await Reconciler(client, memo.config).reconcile(current, now=timestamp())
+            await client.apply_status(meta["namespace"], meta["name"], outcome.status, FIELD_MANAGER)
+            metrics.reconciled(meta["namespace"], meta["name"], outcome.status, meta["uid"])
+        except ApiError as error:
+            if error.status == 401:
+                memo.client = None  # credentials rotated: rebuild from kopf's fresh login next time
+            raise kopf.TemporaryError(f"{error}; retrying", delay=TEMPORARY_DELAY_SECONDS) from error
+        except OSError as error:  # connection refused/reset: the API server is restarting
+            raise kopf.TemporaryError(f"cannot reach the Kubernetes API: {error}",
+                                      delay=TEMPORARY_DELAY_SECONDS) from error
+    for event in outcome.events:
+        post = kopf.warn if event.type == "Warning" else kopf.info
+        post(dict(current), reason=event.reason, message=event.message)
+    logger.debug("reconciled: %s", {c["type"]: c["status"] for c in outcome.status.get("conditions", [])})
+    return outcome
+
+
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.reconcile_interval_seconds,
             initial_delay=min(5.0, CONFIG.reconcile_interval_seconds), sharp=False)
-async def reconcile(body: kopf.Body, patch: kopf.Patch, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    try:
-        outcome = await Reconciler(kube_client(memo), memo.config).reconcile(body, now=timestamp())
-    except ApiError as error:
-        if error.status == 401:
-            memo.client = None  # credentials rotated: rebuild from kopf's fresh login next time
-        if error.retryable or error.status == 401:
-            raise kopf.TemporaryError(f"{error}; retrying", delay=TEMPORARY_DELAY_SECONDS) from error
-        raise kopf.PermanentError(
-            f"{error}. If this is 403, the operator's RBAC lacks a permission: upgrade the Helm chart; "
-            "if 422, a rendered child was refused: report it with the InferenceService YAML"
-        ) from error
-    except OSError as error:  # connection refused/reset: the API server is restarting
-        raise kopf.TemporaryError(f"cannot reach the Kubernetes API: {error}", delay=TEMPORARY_DELAY_SECONDS) from error
-    patch.status.update(outcome.status)
-    for event in outcome.events:
-        post = kopf.warn if event.type == "Warning" else kopf.info
-        post(body, reason=event.reason, message=event.message)
+async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    if body["metadata"].get("deletionTimestamp"):
+        return  # being deleted: the children go with it (owner references)
+    outcome = await converge(body, memo, logger)
     if outcome.invalid:
         raise kopf.PermanentError(f"{outcome.invalid}\nFix the spec; the operator retries on the next change.")
-    logger.debug("reconciled: %s", {c["type"]: c["status"] for c in outcome.status["conditions"]})
+
+
+def _owner(body: Mapping[str, Any]) -> dict[str, Any] | None:
+    return next((o for o in body["metadata"].get("ownerReferences") or []
+                 if o.get("kind") == KIND and o.get("apiVersion") == API_VERSION and o.get("controller")), None)
+
+
+@kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY})
+async def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+    """The Deployment controller's progress reaches status within seconds, not at the next timer: any
+    change to an owned Deployment (its status, a deletion, a manual edit) reconciles its owner."""
+    owner = _owner(body)
+    if owner is None:
+        return
+    namespace = body["metadata"]["namespace"]
+    isvc = await kube_client(memo).get(object_path(KIND, namespace, owner["name"]))
+    if isvc is None or isvc["metadata"].get("uid") != owner.get("uid") or isvc["metadata"].get("deletionTimestamp"):
+        return
+    await converge(isvc, memo, logger)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget_lock(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    if event.get("type") == "DELETED":
+        memo.setdefault("reconcile_locks", {}).pop(meta["uid"], None)
+
+
+def drop_finalizer_requirements(registry: Any) -> int:
+    """kopf adds its finalizer to every object a timer or daemon runs for, so that it can stop them
+    before the object goes. Ours need no cleanup (children are garbage-collected through their owner
+    references; the tuner forgets a service on its DELETED event), and the finalizer would make every
+    deletion hang while the operator is not running (uninstalled first, scaled to zero, crash-looping),
+    including namespace and Argo CD app deletions. So the timers are registered without it. Returns how
+    many handlers changed; tests/operator/test_op_semantics.py checks that no finalizer is ever added."""
+    spawning = registry._spawning  # kopf has no public switch for this (timers hard-code requires_finalizer)
+    changed = [h for h in spawning._handlers if getattr(h, "requires_finalizer", False)]
+    spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) if h in changed else h
+                          for h in spawning._handlers]
+    return len(changed)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget_metrics(type: str, meta: kopf.Meta, **_: Any) -> None:
+    """A deleted service's series go (the watch's DELETED event: no finalizer needed)."""
+    if type == "DELETED":
+        metrics.forget(meta["namespace"], meta["name"], meta.get("uid"))

@@ -12,7 +12,7 @@ from typing import Any
 
 import aiohttp
 
-from .resources import FIELD_MANAGER
+from .resources import API_VERSION, FIELD_MANAGER, KIND, PLURAL
 
 # kind -> (apiVersion, plural) for every kind the operator writes.
 KINDS: dict[str, tuple[str, str]] = {
@@ -21,6 +21,8 @@ KINDS: dict[str, tuple[str, str]] = {
     "Secret": ("v1", "secrets"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
+    "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    KIND: (API_VERSION, PLURAL),
 }
 
 
@@ -94,13 +96,23 @@ class KubeClient:
             raise ApiError(404, "POST", object_path(obj["kind"], meta["namespace"]), "namespace or kind not found")
         return created
 
-    async def apply(self, obj: dict[str, Any]) -> dict[str, Any]:
+    async def apply(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
         """Server-side apply: converge the fields we render, keep fields others own, force on conflict."""
         meta = obj["metadata"]
         path = object_path(obj["kind"], meta["namespace"], meta["name"])
-        params = {"fieldManager": FIELD_MANAGER, "force": "true"}
+        params = {"fieldManager": manager, "force": "true"}
         _, applied = await self._request("PATCH", path, obj, "application/apply-patch+yaml", params)
         return applied
+
+    async def apply_status(self, namespace: str, name: str, status: dict[str, Any], manager: str) -> dict[str, Any] | None:
+        """Server-side apply of an InferenceService's status subresource as `manager`: the fields it sends are
+        its own (a condition is one entry of the conditions map, keyed by type), fields it sent before and
+        omits now are removed, and other managers' fields are left alone. None when the object is gone."""
+        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
+                "status": _without_nulls(status)}
+        params = {"fieldManager": manager, "force": "true"}
+        path = object_path(KIND, namespace, name) + "/status"
+        return (await self._request("PATCH", path, body, "application/apply-patch+yaml", params))[1]
 
     async def merge_patch(self, path: str, patch: dict[str, Any]) -> dict[str, Any] | None:
         return (await self._request("PATCH", path, patch, "application/merge-patch+json"))[1]
@@ -117,3 +129,13 @@ class KubeClient:
     async def close(self) -> None:
         if self._session is not None:
             await self._session.close()
+
+
+def _without_nulls(value: Any) -> Any:
+    """An applied configuration lists only the fields its manager sets: a None (no value known, e.g. an
+    observation missing this interval) is left out, so the field is not owned and not kept."""
+    if isinstance(value, dict):
+        return {k: _without_nulls(v) for k, v in value.items() if v is not None}
+    if isinstance(value, list):
+        return [_without_nulls(v) for v in value]
+    return value

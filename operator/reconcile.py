@@ -12,20 +12,21 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .conditions import Cond, build_status, invalid_spec_conditions, merge_conditions
+from .conditions import Cond, build_status, condition_entries, deployment_conditions, invalid_spec_conditions
 from .config import OperatorConfig
 from .inference_service import InferenceService, InvalidInferenceService, parse_inference_service
 from .kube import ApiError, KubeClient, object_path
 from .render import (
     new_admin_token,
     render_deployment,
+    render_network_policy,
     render_pdb,
     render_secret,
     render_service,
     render_servicemonitor,
 )
 from .render.common import owner_reference
-from .resources import admin_secret_name
+from .resources import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY, admin_secret_name
 
 T = TypeVar("T")
 CONFLICT_ATTEMPTS = 4
@@ -58,6 +59,27 @@ async def retry_on_conflict(action: Callable[[], Awaitable[T]], what: str) -> T:
     raise AssertionError(f"unreachable: {what}")
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """A child the API server refused (403, 422, ...): reported in status, not raised."""
+    kind: str
+    name: str
+    status: int
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.kind} {self.name}: the API server answered {self.status}: {self.message}"
+
+
+def _refusal(obj: dict[str, Any], error: ApiError) -> Refusal:
+    return Refusal(obj["kind"], obj["metadata"]["name"], error.status, error.message)
+
+
+def _fatal(error: ApiError) -> bool:
+    """Errors that end the pass (kopf retries it): conflicts left after retries, throttling, 5xx, 401."""
+    return error.retryable or error.status == 401
+
+
 class Reconciler:
     def __init__(self, client: KubeClient, config: OperatorConfig) -> None:
         self.client = client
@@ -72,20 +94,39 @@ class Reconciler:
 
         events: list[Event] = []
         children: dict[str, dict[str, Any]] = {}
-        await retry_on_conflict(lambda: self._converge_secret(isvc, events), "secret")
-        children["Deployment"] = await retry_on_conflict(
-            lambda: self._apply(render_deployment(isvc, self.config), events), "deployment")
-        children["Service"] = await retry_on_conflict(lambda: self._apply(render_service(isvc), events), "service")
+        refused: list[Refusal] = []
+        conflict = await self._converge_secret(isvc, events, refused)
+        deployment = None
+        if conflict is None:
+            deployment = await self._child(render_deployment(isvc, self.config), events, refused)
+        deployment_refused = deployment is None
+        if deployment is None:  # report from what runs now
+            deployment = await self.client.get(object_path("Deployment", isvc.namespace, isvc.name))
+        if deployment is not None:
+            children["Deployment"] = deployment
+        service = await self._child(render_service(isvc), events, refused)
+        if service is not None:
+            children["Service"] = service
         pdb = render_pdb(isvc)
         if pdb is not None:
-            children["PodDisruptionBudget"] = await retry_on_conflict(lambda: self._apply(pdb, events), "pdb")
+            applied = await self._child(pdb, events, refused)
+            if applied is not None:
+                children["PodDisruptionBudget"] = applied
         else:
             await self._delete_owned("PodDisruptionBudget", isvc, events)
-        if await self.client.has_api("monitoring.coreos.com/v1"):
-            children["ServiceMonitor"] = await retry_on_conflict(
-                lambda: self._apply(render_servicemonitor(isvc), events), "servicemonitor")
+        if self.config.network_policy:
+            policy = await self._child(render_network_policy(isvc, self.config), events, refused)
+            if policy is not None:
+                children["NetworkPolicy"] = policy
+        monitored = await self._service_monitor(isvc, children)
 
-        status = build_status(isvc, children["Deployment"], previous, now)
+        conds = deployment_conditions(isvc, deployment)
+        if conflict is not None or refused:
+            conds = _refused_conditions(conds, conflict, refused, deployment_refused or conflict is not None)
+        if monitored is not None:
+            conds.append(monitored)
+        status = build_status(isvc, deployment, previous, now, conds,
+                              observed=True if conflict is not None or deployment_refused else None)
         events += transition_events(previous, status)
         return Outcome(status=status, events=events, children=children)
 
@@ -93,26 +134,76 @@ class Reconciler:
         meta = body["metadata"]
         generation = meta.get("generation", 0)
         conds: list[Cond] = invalid_spec_conditions(message)
-        status = {
+        # The reconcile's other fields stay as they were (server-side apply would remove what it omits).
+        status = {key: previous[key] for key in ("replicas", "readyReplicas", "selector", "endpoint") if key in previous}
+        status.update({
             "observedGeneration": generation,
-            "conditions": merge_conditions(previous.get("conditions") or [], conds, generation, now),
-        }
+            "conditions": condition_entries(previous.get("conditions") or [], conds, generation, now),
+        })
         before = {c.get("type"): c for c in previous.get("conditions") or []}.get("Degraded", {})
         repeated = before.get("reason") == "InvalidSpec" and before.get("message") == message
         events = [] if repeated else [Event("Warning", "InvalidSpec", message)]  # once per distinct problem
         return Outcome(status=status, events=events, invalid=message)
 
-    async def _converge_secret(self, isvc: InferenceService, events: list[Event]) -> None:
-        """Create the admin token once; afterwards only make sure we own it. Its data is never rewritten."""
-        path = object_path("Secret", isvc.namespace, admin_secret_name(isvc.name))
+    async def _converge_secret(self, isvc: InferenceService, events: list[Event], refused: list[Refusal]) -> str | None:
+        """Create the admin token once; afterwards only make sure we own it. Its data is never rewritten.
+
+        A Secret of that name that specfleet did not create (without its labels) is never adopted: the
+        returned message names the conflict, and no pod is rolled out that would mount it."""
+        name = admin_secret_name(isvc.name)
+        path = object_path("Secret", isvc.namespace, name)
         existing = await self.client.get(path)
         if existing is None:
-            await self.client.create(render_secret(isvc, new_admin_token()))
-            events.append(Event("Normal", "Created", f"created Secret {admin_secret_name(isvc.name)} (admin token)"))
-            return
+            secret = render_secret(isvc, new_admin_token())
+            try:
+                await retry_on_conflict(lambda: self.client.create(secret), "secret")
+            except ApiError as error:
+                if _fatal(error):
+                    raise
+                refused.append(_refusal(secret, error))
+                return None
+            events.append(Event("Normal", "Created", f"created Secret {name} (admin token)"))
+            return None
+        labels = existing["metadata"].get("labels") or {}
+        if labels.get(LABEL_MANAGED_BY) != MANAGED_BY or labels.get(LABEL_ISVC) != isvc.name:
+            return (f"Secret {name} already exists and specfleet did not create it (it lacks the labels "
+                    f"{LABEL_MANAGED_BY}={MANAGED_BY} and {LABEL_ISVC}={isvc.name}); the operator will not adopt "
+                    f"it as the admin token. Rename or delete that Secret, or rename the InferenceService")
         owners = existing["metadata"].get("ownerReferences") or []
         if not any(o.get("uid") == isvc.metadata.uid for o in owners):
             await self.client.merge_patch(path, {"metadata": {"ownerReferences": [*owners, owner_reference(isvc)]}})
+        return None
+
+    async def _child(self, obj: dict[str, Any], events: list[Event], refused: list[Refusal]) -> dict[str, Any] | None:
+        """Apply one child; a refusal is recorded (and None returned), anything transient is raised."""
+        try:
+            return await retry_on_conflict(lambda: self._apply(obj, events), obj["kind"])
+        except ApiError as error:
+            if _fatal(error):
+                raise
+            refused.append(_refusal(obj, error))
+            return None
+
+    async def _service_monitor(self, isvc: InferenceService, children: dict[str, dict[str, Any]]) -> Cond | None:
+        """The optional ServiceMonitor, as the chart's serviceMonitor.enabled says: a problem with it is the
+        `Monitored` condition, never a failed reconcile."""
+        if not self.config.service_monitor:
+            return None
+        if not await self.client.has_api("monitoring.coreos.com/v1"):
+            return Cond("Monitored", "False", "PrometheusOperatorMissing",
+                        "the cluster serves no monitoring.coreos.com/v1 ServiceMonitor: install the Prometheus "
+                        "Operator, or set serviceMonitor.enabled=false in the Helm chart")
+        monitor = render_servicemonitor(isvc)
+        try:
+            children["ServiceMonitor"] = await retry_on_conflict(lambda: self._apply(monitor, []), "servicemonitor")
+        except ApiError as error:
+            if _fatal(error):
+                raise
+            hint = ("the operator's RBAC has no rule for servicemonitors: upgrade the chart with "
+                    "serviceMonitor.enabled=true, or set it to false") if error.status == 403 else "report it"
+            return Cond("Monitored", "False", "Forbidden" if error.status == 403 else "Refused",
+                        f"ServiceMonitor {isvc.name}: the API server answered {error.status}: {error.message}; {hint}")
+        return Cond("Monitored", "True", "ServiceMonitorApplied", f"ServiceMonitor {isvc.name} scrapes the engine pods")
 
     async def _apply(self, obj: dict[str, Any], events: list[Event]) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -133,6 +224,30 @@ class Reconciler:
         if existing is not None and any(o.get("uid") == isvc.metadata.uid for o in owners):
             await self.client.delete(path)
             events.append(Event("Normal", "Deleted", f"deleted {kind} {isvc.name} (not needed at this replica count)"))
+
+
+def _refused_conditions(conds: list[Cond], conflict: str | None, refused: list[Refusal],
+                        not_rolled_out: bool) -> list[Cond]:
+    """Degraded=True with the server's words; Ready=False when the spec's pods cannot roll out."""
+    if conflict is not None:
+        reason, message = "AdminSecretConflict", conflict
+    else:
+        statuses = {r.status for r in refused}
+        reason = {frozenset({403}): "ChildForbidden", frozenset({422}): "ChildInvalid"}.get(
+            frozenset(statuses), "ChildRejected")
+        message = "; ".join(map(str, refused))
+        if 403 in statuses:
+            message += ". A 403 means the operator's RBAC lacks a permission: upgrade the Helm chart"
+    out = []
+    for cond in conds:
+        if cond.type == "Degraded":
+            cond = Cond("Degraded", "True", reason, message)
+        elif cond.type == "Ready" and not_rolled_out:
+            cond = Cond("Ready", "False", reason, message)
+        elif cond.type == "Progressing" and not_rolled_out:
+            cond = Cond("Progressing", "False", reason, "nothing is rolled out until the problem is fixed")
+        out.append(cond)
+    return out
 
 
 def transition_events(previous: dict[str, Any], status: dict[str, Any]) -> list[Event]:

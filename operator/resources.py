@@ -11,8 +11,14 @@ PLURAL = "inferenceservices"
 SINGULAR = "inferenceservice"
 SHORT_NAMES = ("isvc",)
 
-FIELD_MANAGER = "specfleet-operator"
-ENGINE_PORT = 8000
+# Server-side apply field managers: one per writer, so that each owns its own fields (status conditions
+# included: the CRD's conditions list is a map keyed by type) and neither can remove the other's.
+FIELD_MANAGER = "specfleet-operator"  # the reconcile: children, and status except what the tuner owns
+TUNER_FIELD_MANAGER = "specfleet-tuner"  # the tuner: status.tuning and the Tuned condition
+ENGINE_PORT = 8000  # the OpenAI API and /metrics: what the Service exposes
+# The admin API (/admin/config) on its own port, which no Service exposes: the tuner reaches each pod on
+# its IP (and a NetworkPolicy can admit only the operator there), so Service clients cannot try tokens.
+ADMIN_PORT = 8001
 ENGINE_CONTAINER = "engine"
 ADMIN_TOKEN_KEY = "token"
 ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"

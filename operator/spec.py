@@ -194,8 +194,40 @@ else:
     )
 
 
+class _AutotunePins(_Spec):
+    pass
+
+
+# One optional value per searched knob: the tuner holds a pinned knob at that value and searches the others.
+if TYPE_CHECKING:
+    AutotunePins = _AutotunePins
+else:
+    AutotunePins = create_model(
+        "AutotunePins", __base__=_AutotunePins,
+        **{k.name: (int | None, Field(None, ge=k.minimum, description=f"Hold {k.label} at this value "
+                                      "(inside autotune.bounds); unset: tuned.")) for k in SEARCHED},
+    )
+
+FREEZE_ANNOTATION = "specfleet.io/tuner-freeze"
+
+
 class AutotuneSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"!has(self.pins.{k.crd_name}) || (self.pins.{k.crd_name} >= self.bounds.{k.crd_name}[0] && "
+                    f"self.pins.{k.crd_name} <= self.bounds.{k.crd_name}[1])",
+                    f"pins.{k.crd_name} must lie inside bounds.{k.crd_name}")
+                for k in SEARCHED
+            ]
+        }
+    )
     enabled: bool = False
+    freeze: bool = Field(
+        False,
+        description="Hold the config in force: the tuner keeps observing and reporting, changes and pushes "
+                    f"nothing until this is false again. Without a Git change: annotate {FREEZE_ANNOTATION}=true.",
+    )
     interval_seconds: int = Field(30, ge=5, le=3600)
     prometheus_url: str | None = Field(
         None,
@@ -205,6 +237,16 @@ class AutotuneSpec(_Spec):
         description="Prometheus to read metrics from; empty means the operator's default.",
     )
     bounds: AutotuneBounds = _default_obj(AutotuneBounds)
+    pins: AutotunePins = _default_obj(AutotunePins)
+
+    @model_validator(mode="after")
+    def _pins_within_bounds(self) -> AutotuneSpec:
+        for knob in SEARCHED:
+            pin, (low, high) = getattr(self.pins, knob.name), getattr(self.bounds, knob.name)
+            if pin is not None and not low <= pin <= high:
+                raise ValueError(f"autotune.pins.{knob.crd_name}={pin} lies outside autotune.bounds."
+                                 f"{knob.crd_name}={[low, high]}; pin inside the bounds or widen them")
+        return self
 
 
 _WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
@@ -280,6 +322,15 @@ class InferenceServiceSpec(_Spec):
         return {k.name: 0 if self._pinned(k) else self._at(k) for k in SEARCHED}
 
     def tuned_bounds(self) -> dict[str, tuple[int, int]]:
-        """The tuner's [min, max] per searched knob, from `autotune.bounds`."""
+        """The tuner's [min, max] per searched knob, from `autotune.bounds`; a knob in `autotune.pins` is
+        [pin, pin], so the tuner moves it to the pin and never away."""
         ranges = {k.name: getattr(self.autotune.bounds, k.name) for k in SEARCHED}
-        return {k.name: (0, 0) if self._pinned(k) else (ranges[k.name][0], ranges[k.name][1]) for k in SEARCHED}
+        pins = {k.name: getattr(self.autotune.pins, k.name) for k in SEARCHED}
+
+        def bounds(k: Knob) -> tuple[int, int]:
+            if self._pinned(k):
+                return (0, 0)
+            pin = pins[k.name]
+            return (pin, pin) if pin is not None else (ranges[k.name][0], ranges[k.name][1])
+
+        return {k.name: bounds(k) for k in SEARCHED}

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from urllib.parse import urlsplit, urlunsplit
 
 import httpx
 
@@ -34,18 +36,31 @@ class ApplyResult:
         return not self.failed and not self.refused
 
 
+def admin_on_port(port: int) -> Callable[[str], str]:
+    """Engine URL -> the same host on the admin port (pods serve the admin API apart from the API)."""
+    def mapped(url: str) -> str:
+        parts = urlsplit(url)
+        host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
+        return urlunsplit((parts.scheme, f"{host}:{port}", parts.path, "", ""))
+    return mapped
+
+
 class AdminActuator:
-    def __init__(self, token: str, timeout_s: float = 5.0) -> None:
+    """`admin_url` maps an engine's URL (the one in `ensure`'s list, also used for scraping) to where its
+    admin API listens; by default the same URL."""
+
+    def __init__(self, token: str, timeout_s: float = 5.0, admin_url: Callable[[str], str] = lambda url: url) -> None:
         if not token:
             raise ValueError("the admin token is empty; the engines' SPECFLEET_ADMIN_TOKEN is needed to tune them")
         self._client = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
+        self._admin_url = admin_url
 
     async def read(self, url: str) -> TunedConfig:
         return TunedConfig.from_admin(await self.settings(url))
 
     async def settings(self, url: str) -> dict[str, int]:
         """Every live setting of one engine, as `GET /admin/config` answers."""
-        response = await self._client.get(f"{url}/admin/config")
+        response = await self._client.get(f"{self._admin_url(url)}/admin/config")
         _raise_for(response, url)
         return response.json()
 
@@ -57,7 +72,7 @@ class AdminActuator:
             if not differs(await self.settings(url)):
                 result.unchanged.append(url)
                 return
-            response = await self._client.patch(f"{url}/admin/config", json=body)
+            response = await self._client.patch(f"{self._admin_url(url)}/admin/config", json=body)
             if response.status_code == 400:
                 message = response.json().get("error", {}).get("message", response.text)
                 raise ConfigRefused(message)

@@ -4,7 +4,12 @@ A timer fires every few seconds for each such service and runs the service's `Se
 `autotune.intervalSeconds` have passed. Pods come from the Kubernetes API (ready pods with the service's
 selector label), the admin token from the `NAME-admin` Secret the reconcile creates, metrics from
 `autotune.prometheusURL` (else the operator's default, else a direct scrape of the pods). It writes only
-`status.tuning` and the `Tuned` condition, plus an Event per change; never `spec`.
+`status.tuning` and the `Tuned` condition, plus an Event per change and per transition (frozen, resumed,
+failing static, recovered); never `spec`.
+
+Freeze: `spec.autotune.freeze: true` (in Git) or the annotation `specfleet.io/tuner-freeze: "true"` (a
+`kubectl annotate`, no Git change) holds the config from the next interval on; the annotation is read at
+every tick, so removing it resumes tuning within one interval too.
 """
 
 from __future__ import annotations
@@ -15,15 +20,27 @@ from typing import Any
 from urllib.parse import quote
 
 import kopf
+from specfleet.operator import metrics
 from specfleet.operator.conditions import timestamp
 from specfleet.operator.handlers import autotune_enabled, kube_client
 from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
 from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
-from specfleet.operator.resources import ENGINE_PORT, GROUP, LABEL_ISVC, PLURAL, VERSION, admin_secret_name
+from specfleet.operator.resources import (
+    ADMIN_PORT,
+    ENGINE_PORT,
+    GROUP,
+    LABEL_ISVC,
+    PLURAL,
+    TUNER_FIELD_MANAGER,
+    VERSION,
+    admin_secret_name,
+)
+from specfleet.operator.spec import FREEZE_ANNOTATION
 
+from .actuator import admin_on_port
 from .loop import ServiceTuner, build_tuner
-from .report import event_for, status_patch
+from .report import event_for, status_patch, transition_events
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
@@ -44,6 +61,22 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[
     return sorted(urls)
 
 
+def frozen_by(body: kopf.Body) -> str | None:
+    """Who froze this service's tuner, or None: the spec field, else the annotation ("true", any case)."""
+    if ((body.get("spec") or {}).get("autotune") or {}).get("freeze"):
+        return "spec.autotune.freeze"
+    value = (body["metadata"].get("annotations") or {}).get(FREEZE_ANNOTATION, "")
+    return f"annotation {FREEZE_ANNOTATION}=true" if str(value).strip().lower() == "true" else None
+
+
+def _restore(tuner: ServiceTuner, status: kopf.Status) -> None:
+    """A rebuilt loop (spec change, operator restart) continues the transitions status last reported, so
+    that lifting a freeze through the spec still posts TuningResumed."""
+    tuner.frozen_by = (status.get("tuning") or {}).get("frozenBy") or None
+    tuner.static = any(c.get("type") == "Tuned" and c.get("reason") == "MetricsUnavailable"
+                       for c in status.get("conditions") or [])
+
+
 async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> ServiceTuner:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -57,13 +90,14 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
         return await ready_pod_urls(client, namespace, name)
 
     return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
+                       admin_url=admin_on_port(ADMIN_PORT),
                        prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
                        prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
             when=autotune_enabled)
-async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kopf.Patch, memo: kopf.Memo,
+async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo,
                logger: kopf.Logger, **_: Any) -> None:
     tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
@@ -78,23 +112,33 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, patch: kop
             return  # the reconcile reports InvalidSpec
         except ApiError as error:
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
+        _restore(entry[0], status)
         tuners[uid] = entry
     tuner, _generation, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
         return
     tuners[uid] = (tuner, generation, time.monotonic())
-    tick = await tuner.tick()
+    tick = await tuner.tick(frozen_by(body))
     now = timestamp()
-    patch.status.update(status_patch(tick, tuner.policy.current, dict(status), generation, now))
-    event = event_for(tick.decision)
-    if event is not None:
-        post = kopf.warn if event[0] == "Warning" else kopf.info
-        post(body, reason=event[1], message=event[2][:1000])
+    # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
+    # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
+    update = status_patch(tick, tuner.policy.current, dict(status), generation, now)
+    await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
+    metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
+    if metrics.live(uid):
+        metrics.set_conditions(meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"])
+    change = event_for(tick.decision)
+    for kind, reason, message in [*transition_events(tick), *([change] if change else [])]:
+        post = kopf.warn if kind == "Warning" else kopf.info
+        post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
 
 
-@kopf.on.delete(GROUP, VERSION, PLURAL, optional=True)
-async def forget(meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """A deleted service's loop goes with it (an event handler: the timers hold no finalizer)."""
+    if event.get("type") != "DELETED":
+        return
     entry = memo.setdefault("tuners", {}).pop(meta["uid"], None)
     if entry is not None:
         await entry[0].close()

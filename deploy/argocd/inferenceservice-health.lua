@@ -1,9 +1,9 @@
 -- Argo CD health check for serving.specfleet.io/InferenceService (Lua 5.1, as Argo CD's gopher-lua runs it).
 -- Installed as resource.customizations.health.serving.specfleet.io_InferenceService (see argocd-cm.yaml).
 -- Decides from the operator's own conditions (docs/operator.md, "The reconcile"):
---   Ready        True once every replica is ready (AllReplicasReady); ScaledToZero when spec.replicas is 0
+--   Ready        True once the rollout is complete (AllReplicasReady); ScaledToZero when spec.replicas is 0
 --   Progressing  True while a rollout runs (RollingOut, Creating)
---   Degraded     True on InvalidSpec, ProgressDeadlineExceeded, ReplicaFailure
+--   Degraded     True on InvalidSpec, ProgressDeadlineExceeded, ReplicaFailure, a refused child
 -- A status older than the spec (status.observedGeneration or Ready's observedGeneration below
 -- metadata.generation) is never reported Healthy. The tuner's Tuned condition is informational only:
 -- a tuner holding its config (fail static) does not make a serving service unhealthy.

@@ -13,6 +13,7 @@ layer runs on torch ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -132,6 +133,16 @@ class LlamaLayer:
         self.down = ops.linear(weights["mlp.down_proj.weight"])
         self.qk_size = (args.num_heads + args.num_kv_heads) * args.head_dim
         self.scale = args.head_dim**-0.5
+        # Tensor parallelism (engine/distributed): o and down then hold a slice of their input columns, so
+        # their outputs are partial sums that `reduce` adds across ranks; the residual is added once, by the
+        # rank that `owns_residual`.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.owns_residual = True
+
+    def _row_parallel(self, linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.reduce is None:
+            return linear(x, residual=residual)
+        return self.reduce(linear(x, residual=residual if self.owns_residual else None))
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn: AttentionBackend):
         a, ops = self.args, self.ops
@@ -143,9 +154,9 @@ class LlamaLayer:
         v = qkv[:, self.qk_size :].view(tokens, a.num_kv_heads, a.head_dim)
         attn.write_kv(k, v, k_cache, v_cache, meta)
         o = attn.forward(q, k_cache, v_cache, meta, self.scale)
-        x = self.o(o.reshape(tokens, -1), residual=x)
+        x = self._row_parallel(self.o, o.reshape(tokens, -1), x)
         h = self.gate_up(ops.rms_norm(x, self.post_norm, a.rms_norm_eps))
-        return self.down(ops.silu_mul(h), residual=x)
+        return self._row_parallel(self.down, ops.silu_mul(h), x)
 
 
 class LlamaModel:
@@ -176,12 +187,15 @@ class LlamaModel:
         meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        x = self.embed.index_select(0, input_ids)
+        x = self.embed_tokens(input_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, k_cache, v_cache, meta, attn)
         return x
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return self.embed.index_select(0, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(self.ops.rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()

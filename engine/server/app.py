@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 from . import admin, api
 from .async_engine import AsyncEngine
-from .errors import install_error_handlers
+from .errors import error_response, install_error_handlers
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import ServerState, get_state
 
@@ -21,7 +21,7 @@ logger = logging.getLogger("specfleet.engine.server")
 
 
 def build_state(engine: Any, *, served_model_name: str | None = None, max_waiting: int = 512,
-                admin_token: str | None = None) -> ServerState:
+                admin_token: str | None = None, admin_port: int | None = None) -> ServerState:
     model_name = served_model_name or engine.model_name
     metrics = ServerMetrics(model_name)
     token = admin_token if admin_token is not None else admin.token_from_env()
@@ -33,7 +33,28 @@ def build_state(engine: Any, *, served_model_name: str | None = None, max_waitin
         tokenizer=engine.tokenizer,
         vocab_size=len(engine.tokenizer),
         admin_token=token,
+        admin_port=admin_port,
     )
+
+
+class AdminPortSplit:
+    """With `--admin-port`, one server listens on two ports and this keeps them apart: `/admin/...` only on
+    the admin port (which the InferenceService's Service does not expose), everything else only on the
+    API port. Plain ASGI, so streamed responses pass through untouched."""
+
+    def __init__(self, app: Any, admin_port: int) -> None:
+        self.app = app
+        self.admin_port = admin_port
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            on_admin_port = (scope.get("server") or (None, None))[1] == self.admin_port
+            if scope["path"].startswith("/admin") != on_admin_port:
+                where = "the API port" if on_admin_port else f"the admin port {self.admin_port}"
+                response = error_response(404, f"{scope['path']} is served on {where}", code="wrong_port")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def create_app(state: ServerState) -> FastAPI:
@@ -55,6 +76,8 @@ def create_app(state: ServerState) -> FastAPI:
                   description="OpenAI-compatible completions and chat completions, metrics and admin API.")
     app.state.specfleet = state
     install_error_handlers(app)
+    if state.admin_port is not None:
+        app.add_middleware(AdminPortSplit, admin_port=state.admin_port)
     app.include_router(api.router)
     app.include_router(admin.router)
 

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import signal
+import socket
 import sys
 import time
 from dataclasses import fields
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="name in the API (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--admin-port", type=int, default=None,
+                   help="serve the admin API (/admin/config) on this port only, apart from the OpenAI API "
+                        "(pods: 8001, which their Service does not expose); default: beside the API on --port")
     p.add_argument("--max-waiting", type=int, default=512,
                    help="requests waiting for their first token beyond which new ones get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
@@ -111,6 +115,15 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def _listen(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((host, port))
+    sock.set_inheritable(True)
+    return sock
+
+
 def _configure_logging(level: str) -> None:
     logging.basicConfig(level=level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
@@ -121,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["serve"]:
         argv = argv[1:]
     args = build_parser().parse_args(argv)
+    if args.admin_port is not None and args.admin_port == args.port:
+        print(f"specfleet serve: --admin-port {args.admin_port} must differ from --port", file=sys.stderr)
+        return 2
     _configure_logging(args.log_level)
     from specfleet.engine import Engine
 
@@ -138,12 +154,17 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGTERM, previous)
     logger.info("event=model_loaded model=%s load_s=%.1f", engine.model_name, time.monotonic() - started)
     state = build_state(engine, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                        admin_token=admin_token)
+                        admin_token=admin_token, admin_port=args.admin_port)
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                timeout_graceful_shutdown=5, lifespan="on")
     server = DrainingServer(uv_config, state, args.drain_timeout)
-    server.run()
+    try:  # one server on one or two listening sockets: the drain on SIGTERM covers both
+        sockets = [_listen(args.host, port) for port in (args.port, args.admin_port) if port is not None]
+    except OSError as exc:
+        print(f"specfleet serve: cannot listen on {args.host}: {exc.strerror}", file=sys.stderr)
+        return 1
+    server.run(sockets=sockets)
     return 0 if server.started else 1
 
 

@@ -2,7 +2,7 @@
 
 from .deployment import engine_args, render_deployment
 from .model_source import resolve_source
-from .network import render_pdb, render_service, render_servicemonitor, wants_pdb
+from .network import render_network_policy, render_pdb, render_service, render_servicemonitor, wants_pdb
 from .secret import new_admin_token, read_admin_token, render_secret
 
 __all__ = [
@@ -10,6 +10,7 @@ __all__ = [
     "new_admin_token",
     "read_admin_token",
     "render_deployment",
+    "render_network_policy",
     "render_pdb",
     "render_secret",
     "render_service",

@@ -12,6 +12,7 @@ from typing import Any
 from ..config import OperatorConfig
 from ..inference_service import InferenceService
 from ..resources import (
+    ADMIN_PORT,
     ADMIN_TOKEN_DIR,
     ADMIN_TOKEN_FILE_ENV,
     ADMIN_TOKEN_KEY,
@@ -45,7 +46,9 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
     method = spec.speculative.method
     args = [
         "--model", model_uri,
+        "--host", "0.0.0.0",  # the kubelet's probes and the Service reach the pod on its IP
         "--port", str(ENGINE_PORT),
+        "--admin-port", str(ADMIN_PORT),
         "--max-num-seqs", str(spec.batching.max_num_seqs),
         "--max-num-batched-tokens", str(spec.batching.max_num_batched_tokens),
         "--block-size", str(spec.engine.block_size),
@@ -133,7 +136,9 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.engine"],
         "args": engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"}],
+        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+                  # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
+                  {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"}],
         "env": _env(isvc),
         "resources": _resources(spec),
         **_probes(spec),

@@ -4,16 +4,21 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..config import OperatorConfig
 from ..inference_service import InferenceService
-from ..resources import ENGINE_PORT, selector_labels
+from ..resources import ADMIN_PORT, ENGINE_PORT, selector_labels
 from .common import child_metadata
+from .slo import slo_relabelings, slo_service_labels
 
 
 def render_service(isvc: InferenceService) -> dict[str, Any]:
+    """The engines' Service; its labels also carry the SLO thresholds to Prometheus (`slo.py`)."""
+    metadata = child_metadata(isvc, isvc.name)
+    metadata["labels"].update(slo_service_labels(isvc))
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(isvc, isvc.name),
+        "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(isvc.name),
@@ -52,6 +57,29 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
         "spec": {
             "selector": {"matchLabels": selector_labels(isvc.name)},
             "namespaceSelector": {"matchNames": [isvc.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval,
+                           "relabelings": slo_relabelings()}],
+        },
+    }
+
+
+def render_network_policy(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+    """Ingress to the engine pods: the API port from anywhere the Service's clients are, the admin port only
+    from the operator's pods (its namespace and pod labels). Applied when the chart's networkPolicy.enabled."""
+    operator_pods = {
+        "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": config.operator_namespace}},
+        "podSelector": {"matchLabels": dict(config.operator_pod_labels)},
+    }
+    return {
+        "apiVersion": "networking.k8s.io/v1",
+        "kind": "NetworkPolicy",
+        "metadata": child_metadata(isvc, isvc.name),
+        "spec": {
+            "podSelector": {"matchLabels": selector_labels(isvc.name)},
+            "policyTypes": ["Ingress"],
+            "ingress": [
+                {"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]},
+                {"from": [operator_pods], "ports": [{"port": ADMIN_PORT, "protocol": "TCP"}]},
+            ],
         },
     }

@@ -8,10 +8,10 @@ import functools
 from pathlib import Path
 from typing import Any
 
-import celpy
 import jsonschema
 import kubernetes_validate
 import yaml
+from kube_admission import apply_defaults, cel_errors  # tests/ is on sys.path (rootdir conftest)
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferenceservice.yaml"
@@ -38,20 +38,6 @@ def k8s_validate(obj: dict[str, Any]) -> None:
     kubernetes_validate.validate(obj, KUBERNETES_VERSION, strict=True)
 
 
-def apply_defaults(schema: dict[str, Any], value: Any) -> Any:
-    """Structural defaulting as the API server does it: fill missing properties that have a default."""
-    value = copy.deepcopy(value)
-    if isinstance(value, dict) and "properties" in schema:
-        for name, child in schema["properties"].items():
-            if name not in value and "default" in child:
-                value[name] = copy.deepcopy(child["default"])
-            if name in value:
-                value[name] = apply_defaults(child, value[name])
-    elif isinstance(value, list) and "items" in schema:
-        value = [apply_defaults(schema["items"], item) for item in value]
-    return value
-
-
 def _strict(schema: dict[str, Any]) -> dict[str, Any]:
     """Unknown fields rejected, as kubectl's default server-side field validation (Strict) does."""
     out = copy.deepcopy(schema)
@@ -71,36 +57,6 @@ def _validator() -> jsonschema.Draft7Validator:
 def schema_errors(obj: dict[str, Any]) -> list[str]:
     validator = _validator()
     return [f"{'.'.join(map(str, e.absolute_path))}: {e.message}" for e in validator.iter_errors(obj)]
-
-
-_ENV = celpy.Environment()
-_PROGRAMS: dict[str, Any] = {}
-
-
-def _evaluate(rule: str, value: Any) -> bool:
-    if rule not in _PROGRAMS:
-        _PROGRAMS[rule] = _ENV.program(_ENV.compile(rule))
-    result = _PROGRAMS[rule].evaluate({"self": celpy.json_to_cel(value)})
-    if isinstance(result, Exception):
-        raise result
-    return bool(result)
-
-
-def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
-    """Evaluate every x-kubernetes-validations rule where the object has a value, with cel-python."""
-    errors = [
-        f"{path or '<root>'}: {rule['message']}"
-        for rule in schema.get("x-kubernetes-validations", [])
-        if not _evaluate(rule["rule"], value)
-    ]
-    if isinstance(value, dict):
-        for name, child in schema.get("properties", {}).items():
-            if name in value:
-                errors += cel_errors(child, value[name], f"{path}.{name}".lstrip("."))
-    elif isinstance(value, list) and "items" in schema:
-        for index, item in enumerate(value):
-            errors += cel_errors(schema["items"], item, f"{path}[{index}]")
-    return errors
 
 
 def admission_errors(obj: dict[str, Any]) -> list[str]:

@@ -57,7 +57,7 @@ def test_names_subresources_and_printer_columns() -> None:
     assert version["subresources"]["scale"]["statusReplicasPath"] == ".status.replicas"
     assert "status" in version["subresources"]
     names = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
-    assert names == ["Model", "Replicas", "Ready", "K", "MaxSeqs", "TPOT-p95", "Age"]  # -o wide: test_op_printer_columns
+    assert names == ["Model", "Replicas", "Ready", "Reason", "K", "MaxSeqs", "TPOT-p95", "Age"]  # -o wide: test_op_printer_columns
     tuning = crd_schema()["properties"]["status"]["properties"]["tuning"]["properties"]
     assert {"numSpeculativeTokens", "maxNumSeqs", "maxNumBatchedTokens", "speculativeDisableByBatchSize",
             "lastDecisionTime", "reason"} <= set(tuning)
@@ -131,6 +131,9 @@ INVALID = {
     "name not a DNS label": ({"metadata.name": "Bad_Name"}, "name"),
     "misspelled field": ({"spec.speculative.k": 4}, "k"),
     "bounds with three numbers": ({"spec.autotune": {"bounds": {"maxNumSeqs": [1, 2, 3]}}}, "maxNumSeqs"),
+    "pin outside bounds": ({"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
+                           "pins.maxNumSeqs"),
+    "pin below the knob's minimum": ({"spec.autotune": {"pins": {"maxNumSeqs": 0}}}, "maxNumSeqs"),
 }
 
 

@@ -48,7 +48,7 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
 
         deployment = fake_kube.get(*DEPLOY, NS, "smollm2")
         deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
-                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1}
+                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
         fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
         wait_for("Ready=True after the pods are ready", lambda: ready_status(fake_kube) == "True")
 
@@ -62,6 +62,14 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
 
     assert runner.exception is None, runner.output
     assert runner.exit_code == 0, runner.output
+    # kopf's timers hold no finalizer: with the operator gone (uninstalled, crash-looping) a deletion does not
+    # hang, and the owner references garbage-collect every child.
+    assert not fake_kube.get(*ISVC, NS, "smollm2")["metadata"].get("finalizers")  # type: ignore[index]
+    fake_kube.remove(*ISVC, NS, "smollm2")
+    assert fake_kube.get(*ISVC, NS, "smollm2") is None
+    assert fake_kube.get(*DEPLOY, NS, "smollm2") is None and fake_kube.get("/api/v1", "secrets", NS, "smollm2-admin") is None
+    assert not fake_kube.answered(403), [(r.method, r.path) for r in fake_kube.answered(403)]  # the chart's RBAC suffices
+    assert not fake_kube.answered(422), [(r.method, r.path) for r in fake_kube.answered(422)]
     writes = [r for r in fake_kube.requests if r.method in ("PUT", "PATCH") and "/inferenceservices/" in r.path]
     assert writes and all(r.path.endswith("/status") or "spec" not in (r.body or {}) for r in writes
                           if isinstance(r.body, dict))
@@ -84,7 +92,7 @@ def test_invalid_spec_is_reported_in_status_and_events(fake_kube: FakeKube, kube
 
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     doc["spec"]["speculative"] = {"method": "draft"}  # the CRD refuses this; an older CRD might not
-    fake_kube.put(*ISVC, NS, doc)
+    fake_kube.put(*ISVC, NS, doc, admit=False)
 
     def degraded() -> bool:
         isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}

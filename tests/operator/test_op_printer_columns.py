@@ -27,7 +27,7 @@ def test_every_tuned_knob_has_a_column() -> None:
 def test_default_view_stays_narrow_and_wide_adds_the_rest() -> None:
     default = [c["name"] for c in columns() if c.get("priority", 0) == 0]
     wide = [c["name"] for c in columns() if c.get("priority", 0) == 1]
-    assert default == ["Model", "Replicas", "Ready", "K", "MaxSeqs", "TPOT-p95", "Age"]
+    assert default == ["Model", "Replicas", "Ready", "Reason", "K", "MaxSeqs", "TPOT-p95", "Age"]
     assert {"MaxTokens", "SpecOffAbove", "Tuned", "LastDecision"} <= set(wide)
 
 

@@ -13,6 +13,7 @@ from specfleet.operator.config import OperatorConfig
 from specfleet.operator.kube import KubeClient
 from specfleet.operator.reconcile import Outcome, Reconciler
 from specfleet.operator.render import read_admin_token
+from specfleet.operator.resources import FIELD_MANAGER
 
 NS = "team-a"
 ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
@@ -23,10 +24,10 @@ PDB = ("/apis/policy/v1", "poddisruptionbudgets")
 CONFIG = OperatorConfig(engine_cpu_image="registry.example/engine:cpu")
 
 
-def create_isvc(fake: FakeKube, **spec_changes: Any) -> dict[str, Any]:
+def create_isvc(fake: FakeKube, admit: bool = True, **spec_changes: Any) -> dict[str, Any]:
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     doc["spec"].update(spec_changes)
-    return fake.put(*ISVC, NS, doc)
+    return fake.put(*ISVC, NS, doc, admit=admit)
 
 
 def update_spec(fake: FakeKube, **spec_changes: Any) -> None:
@@ -37,27 +38,32 @@ def update_spec(fake: FakeKube, **spec_changes: Any) -> None:
     fake.put(*ISVC, NS, doc)
 
 
-def reconcile(fake: FakeKube) -> Outcome:
-    """One pass, as the kopf handler runs it: reconcile, then merge-patch the status subresource."""
+def reconcile(fake: FakeKube, config: OperatorConfig = CONFIG) -> Outcome:
+    """One pass, as the kopf handler runs it: reconcile, then server-side apply the reconcile's status."""
     async def run() -> Outcome:
         client = KubeClient(fake.url)
         try:
             body = await client.get(f"{ISVC[0]}/namespaces/{NS}/{ISVC[1]}/smollm2")
             assert body is not None
-            outcome = await Reconciler(client, CONFIG).reconcile(body, now="2026-01-01T00:00:00Z")
-            await client.merge_patch(f"{ISVC[0]}/namespaces/{NS}/{ISVC[1]}/smollm2/status", {"status": outcome.status})
+            outcome = await Reconciler(client, config).reconcile(body, now="2026-01-01T00:00:00Z")
+            await client.apply_status(NS, "smollm2", outcome.status, FIELD_MANAGER)
             return outcome
         finally:
             await client.close()
     return asyncio.run(run())
 
 
-def set_deployment_status(fake: FakeKube, ready: int, updated: int | None = None, **extra: Any) -> None:
+def set_deployment_status(fake: FakeKube, ready: int, updated: int | None = None, replicas: int | None = None,
+                          synced: bool = True, **extra: Any) -> None:
+    """As the Deployment controller reports (available = ready: no minReadySeconds)."""
     deployment = fake.get(*DEPLOY, NS, "smollm2")
     assert deployment is not None
     desired = deployment["spec"]["replicas"]
-    deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"], "replicas": desired,
-                            "updatedReplicas": desired if updated is None else updated, "readyReplicas": ready, **extra}
+    generation = deployment["metadata"]["generation"]
+    deployment["status"] = {"observedGeneration": generation if synced else generation - 1,
+                            "replicas": desired if replicas is None else replicas,
+                            "updatedReplicas": desired if updated is None else updated, "readyReplicas": ready,
+                            "availableReplicas": ready, **extra}
     fake.put(*DEPLOY, NS, deployment)
 
 
@@ -82,9 +88,12 @@ def test_new_service_creates_owned_children_and_reports_pending(fake_kube: FakeK
     assert conditions(fake_kube)["Ready"] == ("Unknown", "Pending")
     status = fake_kube.get(*ISVC, NS, "smollm2")["status"]  # type: ignore[index]
     assert status["endpoint"] == "http://smollm2.team-a.svc:8000/v1"
-    assert status["observedGeneration"] == isvc["metadata"]["generation"]
+    assert "observedGeneration" not in status  # nothing known about this generation's rollout yet
     assert status["tuning"]["maxNumSeqs"] == 16
     assert {e.reason for e in outcome.events} == {"Created"}
+    set_deployment_status(fake_kube, ready=1)
+    reconcile(fake_kube)
+    assert fake_kube.get(*ISVC, NS, "smollm2")["status"]["observedGeneration"] == isvc["metadata"]["generation"]  # type: ignore[index]
 
 
 def test_status_follows_deployment_readiness(fake_kube: FakeKube) -> None:
@@ -167,7 +176,7 @@ def test_the_operator_never_writes_spec(fake_kube: FakeKube) -> None:
 
 
 def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
-    create_isvc(fake_kube, speculative={"method": "draft"})  # the CRD would refuse this; the operator must too
+    create_isvc(fake_kube, admit=False, speculative={"method": "draft"})  # an older CRD let it in; the operator must not
     outcome = reconcile(fake_kube)
     assert outcome.invalid and "draftModel" in outcome.invalid
     assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")

@@ -202,7 +202,31 @@ def test_service_selects_the_deployments_pods() -> None:
     assert service["spec"]["ports"][0]["port"] == 8000
     monitor = render_servicemonitor(isvc)
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    assert monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s"}
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert {k: endpoint[k] for k in ("port", "path", "interval")} == {"port": "http", "path": "/metrics",
+                                                                       "interval": "15s"}
+
+
+@pytest.mark.parametrize(("ttft_ms", "tpot_ms", "ttft", "tpot"), [
+    (500, 50, "0.5", "0.05"),  # the CRD's defaults: exact bucket bounds
+    (1000, 100, "1", "0.1"),  # "1", never "1.0": the rules strip a bucket's trailing ".0"
+    (300, 27, "0.25", "0.025"),  # between two bounds: the lower one (stricter, never a missing bucket)
+    (1, 1, "0.001", "0.001"),  # the smallest SLO the CRD allows is the smallest bound
+    (600000, 60000, "80", "5"),  # above the top bound: the top bound
+])
+def test_service_carries_its_slo_as_bucket_bounds_and_the_monitor_copies_them(
+        ttft_ms: int, tpot_ms: int, ttft: str, tpot: str) -> None:
+    from specfleet.engine.server.metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
+
+    isvc = isvc_from("smollm2-cpu.yaml", slo__ttftP95Ms=ttft_ms, slo__tpotP95Ms=tpot_ms)
+    labels = render_service(isvc)["metadata"]["labels"]
+    assert (labels["specfleet.io/slo-ttft-seconds"], labels["specfleet.io/slo-tpot-seconds"]) == (ttft, tpot)
+    assert float(ttft) in LATENCY_BUCKETS and float(tpot) in TOKEN_LATENCY_BUCKETS
+    relabel = render_servicemonitor(isvc)["spec"]["endpoints"][0]["relabelings"]
+    assert {r["targetLabel"]: r["sourceLabels"] for r in relabel} == {
+        "slo_ttft_seconds": ["__meta_kubernetes_service_label_specfleet_io_slo_ttft_seconds"],
+        "slo_tpot_seconds": ["__meta_kubernetes_service_label_specfleet_io_slo_tpot_seconds"],
+    }
 
 
 def test_secret_holds_the_token_and_is_immutable() -> None:

@@ -80,7 +80,7 @@ def test_tuner_turns_speculation_on_at_low_load_and_off_at_high_load(prometheus_
         fleet = LocalFleet(isvc, tune=False, interval_s=TICK_S, window_s=6.0,
                            engine_extra_args=["--kv-cache-gib", "0.25", "--log-level", "warning"])
         await fleet.start(ready_timeout_s=240)
-        admin = AdminActuator(fleet.token)
+        admin = AdminActuator(fleet.token, admin_url=fleet.admin_url)
         try:
             fleet.prometheus_url = prometheus_factory("loop", fleet.engine_urls)
             fleet.tuner = fleet._build_tuner()

@@ -17,8 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube
-from helpers import wait_for  # tests/ is on sys.path (rootdir conftest)
+from fake_kube import FakeKube, Rbac  # tests/ is on sys.path (rootdir conftest)
+from helpers import wait_for
 
 from .conftest import ADMIN_TOKEN
 
@@ -32,7 +32,7 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @pytest.fixture
 def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
-    server = FakeKube().start()
+    server = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})).start()  # the chart's RBAC, enforced
     monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
     server.add_namespace(NS)
     yield server
@@ -50,6 +50,7 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
 
     host, port = engine_url.removeprefix("http://").split(":")
     monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))  # pods listen on 8000; this one elsewhere
+    monkeypatch.setattr(tuner_handlers, "ADMIN_PORT", int(port))  # ... and serves its admin API beside it
     assert engine_config(engine_url)["num_speculative_tokens"] == 0
 
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
@@ -84,6 +85,7 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
                  timeout=60)
 
     assert runner.exception is None, runner.output
+    assert not fake_kube.answered(403), [(r.method, r.path) for r in fake_kube.answered(403)]
     assert status.get("reason"), status  # every interval says why it holds or changes
     isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
     conditions = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions", [])}

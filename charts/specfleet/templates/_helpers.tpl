@@ -40,6 +40,12 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["serving.specfleet.io"]
   resources: ["inferenceservices/status"]
   verbs: ["get", "patch", "update"]
+# Children carry blockOwnerDeletion owner references, which clusters with the
+# OwnerReferencesPermissionEnforcement admission plugin (OpenShift, hardened clusters) allow only to
+# users who may update the owner's finalizers.
+- apiGroups: ["serving.specfleet.io"]
+  resources: ["inferenceservices/finalizers"]
+  verbs: ["update"]
 - apiGroups: ["apps"]
   resources: ["deployments"]
   verbs: ["get", "list", "watch", "create", "patch"]
@@ -58,6 +64,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list"]
+{{- if .Values.networkPolicy.enabled }}
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["get", "create", "patch"]
+{{- end }}
 {{- if .Values.serviceMonitor.enabled }}
 - apiGroups: ["monitoring.coreos.com"]
   resources: ["servicemonitors"]

@@ -11,7 +11,7 @@ import asyncio
 import dataclasses
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
@@ -76,7 +76,7 @@ def _lock(memo: kopf.Memo, uid: str) -> asyncio.Lock:
     return locks.setdefault(uid, asyncio.Lock())
 
 
-async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Logger) -> Outcome:
+async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger) -> Outcome:
     """Reconcile one InferenceService and write the reconcile's share of its status (server-side apply,
     field manager `specfleet-operator`), then post the Events."""
     meta = body["metadata"]
@@ -100,7 +100,7 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Log
                                       delay=TEMPORARY_DELAY_SECONDS) from error
     for event in outcome.events:
         post = kopf.warn if event.type == "Warning" else kopf.info
-        post(dict(current), reason=event.reason, message=event.message)
+        post(cast(kopf.Body, dict(current)), reason=event.reason, message=event.message)  # kopf reads it as a Body
     logger.debug("reconciled: %s", {c["type"]: c["status"] for c in outcome.status.get("conditions", [])})
     return outcome
 

@@ -7,12 +7,17 @@ from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
 
-__all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
+__all__ = ["ATTENTION_BACKENDS", "DRAFT_QUANTIZATIONS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
 
 # The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
 # this tuple. "none" proposes nothing.
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
-QUANTIZATIONS = (None, "int8")
+# Weight quantizations. int8: the float weights quantized at load (one scale per output column). gguf: a
+# GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors run as stored. awq, gptq: the checkpoint's 4-bit weights (also
+# picked up from its quantization_config when the field is unset). All run on the native CPU kernels;
+# awq and gptq also on CUDA through the Triton dequantize-matmul (kernels/quant_matmul.py).
+QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
+DRAFT_QUANTIZATIONS = (None, "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 
 
@@ -54,11 +59,13 @@ class EngineConfig:
     draft_model: str | None = _opt(None, "draft model source URI (--speculative-method draft)")
     # Weight-only int8 (one scale per output column) on the native CPU kernels: a quarter of the bytes.
     # For the draft it makes a quantized copy of the target a cheap, well-aligned proposer.
-    quantization: str | None = _opt(None, "weight-only int8 (native CPU kernels)",
+    quantization: str | None = _opt(None, "weight quantization: int8 (the float weights, quantized at load), "
+                                    "gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors as stored), awq, gptq "
+                                    "(4-bit checkpoints; also read from their quantization_config)",
                                     choices=[q for q in QUANTIZATIONS if q])
     draft_quantization: str | None = _opt(
         None, "quantize the draft's weights to int8: with --draft-model set to the target itself, a cheap "
-        "proposer that agrees with it on most tokens", choices=[q for q in QUANTIZATIONS if q])
+        "proposer that agrees with it on most tokens", choices=[q for q in DRAFT_QUANTIZATIONS if q])
     prompt_lookup_min: int = _opt(1, "n-gram proposer: shortest suffix to look up in the prompt")
     prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
     seed: int = _opt(0, "seed of the engine's generator, which requests without a seed of their own draw from")
@@ -119,9 +126,9 @@ class EngineConfig:
         if (tp > 1 or pp > 1) and self.quantization:
             raise ValueError(f"quantization={self.quantization!r} runs in one process; it is not split across "
                              "ranks yet: use tensor_parallel_size=1 and pipeline_parallel_size=1 with it")
-        for name in ("quantization", "draft_quantization"):
-            if getattr(self, name) not in QUANTIZATIONS:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {QUANTIZATIONS}")
+        for name, allowed in (("quantization", QUANTIZATIONS), ("draft_quantization", DRAFT_QUANTIZATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.draft_quantization and self.speculative_method != "draft":
             raise ValueError("draft_quantization needs speculative_method='draft'")
         if self.attention_backend not in ATTENTION_BACKENDS:

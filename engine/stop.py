@@ -15,12 +15,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 from specfleet.engine.sequence import Sequence
-
-if TYPE_CHECKING:
-    from specfleet.engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("specfleet.engine")
 
@@ -38,12 +35,19 @@ class Text(Protocol):
     def update(self, output_ids: list[int], check_stop: bool = True) -> str | None: ...
 
 
+class Grammars(Protocol):
+    """`StructuredOutputManager.accept` (named by its shape, so that this module and the scheduler that
+    imports it stay free of torch)."""
+
+    def accept(self, seq: Sequence, token: int) -> str: ...
+
+
 # The scheduler's question after each appended token: does the sequence end here?
 StopCheck = Callable[[Sequence], Finish | None]
 
 
 class StopChecker:
-    def __init__(self, eos_token_ids: Collection[int], max_model_len: int, structured: StructuredOutputManager):
+    def __init__(self, eos_token_ids: Collection[int], max_model_len: int, structured: Grammars):
         self.eos_token_ids = eos_token_ids
         self.max_model_len = max_model_len
         self.structured = structured

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 from specfleet.bench import kernels_bench
-from specfleet.bench.gpu import engine_decode, kernel_checks
+from specfleet.bench.gpu import engine_decode, kernel_checks, quant_check
 
 DRY_RUN = os.environ.get("DRY_RUN", "0") == "1"
 OUT = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="specfleet-gpu-"))
@@ -97,6 +97,10 @@ def main() -> int:
         report.update(result)
         report["batch1_half_roofline_met"] = result["fraction_of_roofline"]["1"] >= 0.5
 
+    def quant_matmul() -> None:
+        report["quant_matmul"] = quant_check.run(device, DRY_RUN, report.get("copy_bandwidth_gbs"))
+        print(f"quant matmul: {report['quant_matmul']['passed']}/{report['quant_matmul']['cases']} passed")
+
     def tp2() -> None:
         gpus = torch.cuda.device_count() if device.type == "cuda" else 0
         if device.type == "cuda" and gpus < 2:
@@ -114,6 +118,7 @@ def main() -> int:
 
     section("kernel_tests", kernels)
     section("bandwidth", bandwidth)
+    section("quant_matmul", quant_matmul)
     section("engine_decode", engine)
     section("tp2_decode", tp2)
     print(f"wrote {OUT / 'gpu.json'}; errors: {list(report['errors']) or 'none'}")

@@ -146,6 +146,35 @@ def test_int8_copy_of_the_target_as_draft() -> None:
     assert flag(args, "--draft-quantization") == "int8"
 
 
+@pytest.mark.parametrize("quantization", ["gguf", "awq", "none"])
+def test_model_quantization_reaches_the_engine_command_line(quantization: str) -> None:
+    from typing import get_args
+
+    from specfleet.engine.config import QUANTIZATIONS
+    from specfleet.operator.spec import ModelSpec
+
+    assert set(get_args(ModelSpec.model_fields["quantization"].annotation)) == {"none", *filter(None, QUANTIZATIONS)}
+    isvc = isvc_from("smollm2-cpu.yaml", model__quantization=quantization)
+    args = engine(render_deployment(isvc, CONFIG))["args"]
+    assert (flag(args, "--quantization") if "--quantization" in args else "none") == quantization
+
+
+@pytest.mark.parametrize(("example", "split", "size"), [("llama3-8b-ngram-gpu.yaml", "tensor", 2),
+                                                        ("llama3-8b-ngram-gpu.yaml", "pipeline", 4),
+                                                        ("smollm2-cpu.yaml", "tensor", 3)])
+def test_a_split_model_gets_one_gpu_per_rank_and_its_flag(example: str, split: str, size: int) -> None:
+    gpus = 0 if "cpu" in example else size
+    isvc = isvc_from(example, resources__gpus=gpus, **{f"engine__{split}ParallelSize": size})
+    pod = render_deployment(isvc, CONFIG)["spec"]["template"]["spec"]
+    c = engine({"spec": {"template": {"spec": pod}}})
+    parser = build_parser()
+    config = engine_config_kwargs(parser.parse_args(c["args"]))
+    assert config[f"{split}_parallel_size"] == size  # the engine's own parser reads what the pod passes
+    assert c["resources"]["limits"].get("nvidia.com/gpu", "0") == str(gpus)
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]  # gloo/NCCL need shared memory
+    assert [v for v in pod["volumes"] if v["name"] == "dshm"][0]["emptyDir"]["medium"] == "Memory"
+
+
 def test_disable_by_batch_size_reaches_the_engine_command_line() -> None:
     isvc = isvc_from("smollm2-cpu.yaml", speculative__method="ngram", speculative__disableByBatchSize=8)
     args = engine(render_deployment(isvc, CONFIG))["args"]

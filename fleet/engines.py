@@ -58,7 +58,7 @@ class EngineProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - the child holds it; closed when we drop the handle
+        log = open(self.log_path, "ab")
         try:
             self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
         finally:

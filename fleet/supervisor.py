@@ -30,11 +30,8 @@ from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy
 from specfleet.router.prefix import BlockHasher, stable_hash
 from specfleet.router.proxy import Router, serve
-from specfleet.tuner.actuator import AdminActuator
-from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, replica_params, spec_config
-from specfleet.tuner.policy import Policy
+from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
 from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
-from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
 from specfleet.tuner.types import SLO
 
 from .engines import EngineProcess, describe_exit
@@ -69,13 +66,13 @@ def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | N
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at:at + 2]
-    bounds = spec.autotune.bounds
+    high = spec.autotune.bounds.model_dump()  # knob name -> [min, max] (the fields are made from the knobs)
     args += ["--host", "127.0.0.1",
-             "--max-num-seqs-limit", str(max(bounds.max_num_seqs[1], spec.batching.max_num_seqs)),
+             "--max-num-seqs-limit", str(max(high["max_num_seqs"][1], spec.batching.max_num_seqs)),
              "--max-num-batched-tokens-limit",
-             str(max(bounds.max_num_batched_tokens[1], spec.batching.max_num_batched_tokens)),
+             str(max(high["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens)),
              "--max-num-speculative-tokens",
-             str(max(bounds.num_speculative_tokens[1], spec.speculative.num_speculative_tokens))]
+             str(max(high["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens))]
     return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
 
 
@@ -146,6 +143,10 @@ class LocalFleet:
         """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
         return self.admin_urls.get(engine_url, engine_url)
 
+    def engine_log(self, i: int) -> Path:
+        assert self.log_dir is not None  # set in __post_init__
+        return self.log_dir / f"engine-{i}.log"
+
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
@@ -204,20 +205,13 @@ class LocalFleet:
             self._tasks.append(asyncio.create_task(self._tune_forever()))
 
     def _build_tuner(self) -> ServiceTuner:
-        spec = self.isvc.spec
-        params = params_from_spec(spec, self.interval_s, self.window_s)
-
         async def ready() -> list[str]:
             return self.ready_urls()
 
-        source: Source
-        if self.prometheus_url:
-            selector = self.prometheus_selector or f'job="{self.isvc.name}"'
-            source = PrometheusSource(self.prometheus_url, selector, params.window_s)
-        else:
-            source = ScrapeSource(ready, window_s=params.window_s)
-        return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token, admin_url=self.admin_url),
-                            ready)
+        return build_tuner(self.isvc.name, self.isvc.spec, ready, self.token, admin_url=self.admin_url,
+                           prometheus_url=self.prometheus_url or "",
+                           prometheus_selector=self.prometheus_selector or f'job="{self.isvc.name}"',
+                           interval_s=self.interval_s, window_s=self.window_s)
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:
         try:
@@ -326,7 +320,7 @@ class LocalFleet:
             try:
                 tick = await self.tick()
                 await self.autoscale(tick)
-            except Exception as error:  # noqa: BLE001 - the tuner must outlive one bad interval
+            except Exception as error:
                 self.say(f"[tuner] interval failed: {type(error).__name__}: {error}")
             await asyncio.sleep(interval)
 

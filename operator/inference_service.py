@@ -34,8 +34,8 @@ class ObjectMeta(BaseModel):
 class InferenceService(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
 
-    api_version: Literal["serving.specfleet.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
-    kind: Literal["InferenceService"] = KIND
+    api_version: Literal["serving.specfleet.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")  # type: ignore[arg-type]  # GROUP/VERSION, this literal
+    kind: Literal["InferenceService"] = KIND  # type: ignore[assignment]  # resources.KIND, this literal
     metadata: ObjectMeta
     spec: InferenceServiceSpec
     status: InferenceServiceStatus | None = None

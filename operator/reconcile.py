@@ -144,7 +144,8 @@ class Reconciler:
         generation = meta.get("generation", 0)
         conds: list[Cond] = invalid_spec_conditions(message)
         # The reconcile's other fields stay as they were (server-side apply would remove what it omits).
-        status = {key: previous[key] for key in ("replicas", "readyReplicas", "selector", "endpoint") if key in previous}
+        status: dict[str, Any] = {key: previous[key] for key in ("replicas", "readyReplicas", "selector", "endpoint")
+                                  if key in previous}
         status.update({
             "observedGeneration": generation,
             "conditions": condition_entries(previous.get("conditions") or [], conds, generation, now),

@@ -55,7 +55,7 @@ IntOrPercent = Annotated[
 Bounds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
 
 
-def cel(rule: str, message: str) -> dict[str, str]:
+def cel(rule: str, message: str) -> dict[str, Any]:
     return {"rule": rule, "message": message}
 
 

@@ -45,7 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def load_encoder(path: str):  # noqa: ANN201 - returns a text -> ids function
+def load_encoder(path: str):  # returns a text -> ids function
     from tokenizers import Tokenizer  # only with --tokenizer: the cluster router needs no tokenizer
 
     file = Path(path)

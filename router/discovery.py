@@ -88,7 +88,7 @@ class EndpointSliceWatch:
                     await self._watch(session, version)
                 except asyncio.CancelledError:
                     raise
-                except Exception as error:  # noqa: BLE001 - the router must outlive an API hiccup
+                except Exception as error:  # the router must outlive an API hiccup
                     logger.warning("event=discovery_error error=%r retry_s=%.1f", f"{type(error).__name__}: "
                                    f"{error}", self.retry_s)
                 await asyncio.sleep(self.retry_s)

@@ -35,9 +35,8 @@ import functools
 import itertools
 import json
 import threading
-import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,17 +69,6 @@ DISCOVERY = {
 MONITORING = {"/apis/monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True, [])]}
 ALL_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
 _MISSING = object()
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """Polls `check` until it returns something truthy (returned), or fails naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @dataclass

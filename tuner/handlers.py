@@ -15,8 +15,6 @@ every tick, so removing it resumes tuning within one interval too.
 
 from __future__ import annotations
 
-import datetime
-import logging
 import os
 import time
 from typing import Any
@@ -24,7 +22,8 @@ from urllib.parse import quote
 
 import kopf
 from specfleet.operator import metrics
-from specfleet.operator.handlers import _client, autotune_enabled
+from specfleet.operator.conditions import timestamp
+from specfleet.operator.handlers import autotune_enabled, kube_client
 from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
 from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
@@ -40,13 +39,11 @@ from specfleet.operator.resources import (
 )
 from specfleet.operator.spec import FREEZE_ANNOTATION
 
-from .actuator import AdminActuator, admin_on_port
-from .loop import ServiceTuner, params_from_spec, replica_params, spec_config, tuner_fingerprint
-from .policy import Policy
+from .actuator import admin_on_port
+from .loop import ServiceTuner, build_tuner, replica_params, tuner_fingerprint
 from .policy.replicas import ReplicaPolicy
 from .policy.resume import restore, snapshot
 from .report import autoscaling_status, event_for, scale_event, status_patch, transition_events
-from .sources import PrometheusSource, ScrapeSource, Source
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
@@ -83,10 +80,6 @@ def _restore(tuner: ServiceTuner, status: kopf.Status) -> None:
                        for c in status.get("conditions") or [])
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> ServiceTuner:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -95,22 +88,20 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     if secret is None:
         raise kopf.TemporaryError(f"Secret {admin_secret_name(name)} (admin token) does not exist yet; "
                                   "the reconcile creates it", delay=10)
-    params = params_from_spec(isvc.spec)
 
     async def endpoints() -> list[str]:
         return await ready_pod_urls(client, namespace, name)
 
-    url = isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "")
-    source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
-                                       params.window_s) if url else ScrapeSource(endpoints, window_s=params.window_s))
-    return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
-                        AdminActuator(read_admin_token(secret), admin_url=admin_on_port(ADMIN_PORT)), endpoints)
+    return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
+                       admin_url=admin_on_port(ADMIN_PORT),
+                       prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
+                       prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
             when=autotune_enabled)
 async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo,
-               logger: logging.Logger, **_: Any) -> None:
+               logger: kopf.Logger, **_: Any) -> None:
     # uid -> (tuner, fingerprint of the spec fields it depends on, monotonic time of its last interval)
     tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
@@ -119,7 +110,7 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf
     except InvalidInferenceService:
         return  # the reconcile reports InvalidSpec
     entry = tuners.get(uid)
-    client = _client(memo)
+    client = kube_client(memo)
     # Rebuilt only when a field the tuner depends on changed (bounds, SLO, method, model, ...): a /scale write
     # bumps the generation too, and must not make the tuner forget what it learned.
     if entry is None or entry[1] != fingerprint:
@@ -140,7 +131,7 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf
         return
     tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick(frozen_by(body))
-    now = _now()
+    now = timestamp()
     # The tuner's share of status (status.tuning, the Tuned condition, with autoscaling status.autoscaling)
     # under its own field manager: the reconcile's conditions are another manager's entries of the same
     # list-map, which this cannot touch.

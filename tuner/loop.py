@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specfleet.operator.spec import InferenceServiceSpec
@@ -19,7 +20,7 @@ from specfleet.operator.spec import InferenceServiceSpec
 from .actuator import AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
 from .policy.replicas import ReplicaParams
-from .sources import Endpoints, Source
+from .sources import Endpoints, PrometheusSource, ScrapeSource, Source
 from .types import SLO, Decision, LiveSettings, Observation, TuneBounds, TunedConfig
 
 logger = logging.getLogger("specfleet.tuner")
@@ -60,6 +61,20 @@ def tuner_fingerprint(spec: InferenceServiceSpec) -> str:
 def spec_config(spec: InferenceServiceSpec) -> TunedConfig:
     """The config a pod starts with (what the engine's command line says)."""
     return TunedConfig(**spec.start_values())
+
+
+def build_tuner(name: str, spec: InferenceServiceSpec, endpoints: Endpoints, admin_token: str, *,
+                admin_url: Callable[[str], str] = lambda url: url, prometheus_url: str = "",
+                prometheus_selector: str = "", interval_s: float | None = None,
+                window_s: float | None = None) -> ServiceTuner:
+    """The one wiring of a service's tuner, shared by the operator's timer and the local fleet: the policy
+    from the spec, metrics from Prometheus when a URL is given (else a direct scrape of `endpoints`), and
+    the admin API of the same endpoints (`admin_url` maps one to its admin address) with the service's
+    admin token."""
+    params = params_from_spec(spec, interval_s, window_s)
+    source: Source = (PrometheusSource(prometheus_url, prometheus_selector, params.window_s) if prometheus_url
+                      else ScrapeSource(endpoints, window_s=params.window_s))
+    return ServiceTuner(name, Policy(params, spec_config(spec)), source, AdminActuator(admin_token, admin_url=admin_url), endpoints)
 
 
 @dataclass

@@ -29,7 +29,7 @@ def tiny_fleet(tiny_llama: str, replicas: int, **fleet_options: object) -> Local
                       **fleet_options)  # type: ignore[arg-type]
 
 
-async def until(what: str, check, timeout_s: float = 30.0) -> None:  # noqa: ANN001
+async def until(what: str, check, timeout_s: float = 30.0) -> None:
     deadline = time.monotonic() + timeout_s
     while not check():
         assert time.monotonic() < deadline, f"timed out waiting for {what}"

@@ -125,7 +125,7 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf
         if entry is None and restore(tuner.policy, dict(status).get("tuning") or {}, time.monotonic(), fingerprint):
             logger.info("event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else "")
         entry = tuners[uid] = (tuner, fingerprint, 0.0)
-    tuner, _, last = entry
+    tuner, _fingerprint, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
         await tuner.sync_new_pods()  # a pod of a scale-up gets the tuned config now, not at the next interval
         return

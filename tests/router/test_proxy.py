@@ -51,8 +51,10 @@ def test_retry_before_first_byte_on_another_engine():
         dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
         router, url, runner = await start_router([dead, draining.url, good.url], "round-robin", max_retries=2)
         try:
+            order = sorted([dead, draining.url, good.url])  # round-robin walks the URLs sorted
             async with aiohttp.ClientSession() as client:
-                for _ in range(3):
+                for first in (dead, draining.url, good.url):  # each request starts at a different engine
+                    router.policy._next = order.index(first)
                     async with client.post(f"{url}/v1/completions", json=BODY) as r:
                         assert r.status == 200, await r.text()
                         assert (await r.json())["engine"] == "good"

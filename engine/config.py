@@ -7,13 +7,16 @@ from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
 
-__all__ = ["ATTENTION_BACKENDS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
+__all__ = ["ATTENTION_BACKENDS", "KV_ROLES", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
 
 # The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
 # this tuple. "none" proposes nothing.
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
 QUANTIZATIONS = (None, "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+# Prefill/decode disaggregation (engine/kv_transfer/): a prefill engine holds each prompt's KV blocks for
+# a decode engine, which pulls them.
+KV_ROLES = ("prefill", "decode")
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
@@ -63,6 +66,14 @@ class EngineConfig:
     prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
     seed: int = _opt(0, "seed of the engine's generator, which requests without a seed of their own draw from")
     tensor_parallel_size: int = _opt(1, "GPUs per engine (only 1 for now)")
+    kv_role: str | None = _opt(None, "prefill/decode disaggregation: prefill computes prompts and holds their KV "
+                               "for a decode engine, which pulls it and continues the stream", choices=KV_ROLES)
+    kv_transfer_host: str = _opt("127.0.0.1", "prefill role: address the KV blocks are served on")
+    kv_transfer_port: int = _opt(0, "prefill role: port the KV blocks are served on (0: a free one)")
+    # A hold outlives its decoder's pull only when the decoder died or never came; vLLM's NIXL connector
+    # waits 480 s (PR #25897) for slow RDMA fabrics, a loopback pull takes milliseconds.
+    kv_transfer_timeout_s: float = _opt(60.0, "seconds a prefill engine holds KV blocks for a decoder, and a "
+                                        "decoder waits for them")
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -109,6 +120,12 @@ class EngineConfig:
                 f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not implemented yet; "
                 "use 1 (one GPU per replica) and scale with replicas"
             )
+        if self.kv_role not in (None, *KV_ROLES):
+            raise ValueError(f"kv_role={self.kv_role!r} is not one of {KV_ROLES}")
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be between 0 and 65535")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
         for name in ("quantization", "draft_quantization"):
             if getattr(self, name) not in QUANTIZATIONS:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {QUANTIZATIONS}")

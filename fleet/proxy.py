@@ -7,6 +7,7 @@ Every `/v1/...` request goes to the ready engine with the fewest requests in fli
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -14,6 +15,8 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.background import BackgroundTask
+
+from . import disaggregation
 
 HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
                "content-length", "proxy-authorization", "proxy-authenticate"}
@@ -41,7 +44,10 @@ def _error(status: int, message: str, retry_after: int | None = None) -> JSONRes
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def create_proxy(backends: Backends, timeout_s: float = 600.0) -> FastAPI:
+def create_proxy(backends: Backends, timeout_s: float = 600.0,
+                 roles: disaggregation.Roles | None = None) -> FastAPI:
+    """`roles`: prefill engines for disaggregation (fleet/disaggregation.py); `backends` are then the
+    decode engines."""
     app = FastAPI(title="specfleet local fleet", docs_url=None, redoc_url=None, openapi_url=None)
     client = httpx.AsyncClient(timeout=httpx.Timeout(timeout_s, connect=5.0), limits=httpx.Limits(
         max_connections=512, max_keepalive_connections=64))
@@ -77,12 +83,34 @@ def create_proxy(backends: Backends, timeout_s: float = 600.0) -> FastAPI:
                 backends.outstanding[url] -= 1
 
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        content, held = await request.body(), None
+        if roles is not None and request.method == "POST" and path in disaggregation.GENERATE_PATHS:
+            try:
+                body = json.loads(content)
+            except ValueError:
+                body = None  # the engine answers with the proper 400
+            if isinstance(body, dict) and disaggregation.covered(body):
+                held, refusal = await disaggregation.prefill(client, roles, path, body, headers)
+                if refusal is not None:
+                    release()
+                    return Response(refusal.content, status_code=refusal.status_code,
+                                    media_type=refusal.headers.get("content-type"))
+                if held is not None and await request.is_disconnected():
+                    release()
+                    disaggregation.release(held)
+                    return _error(499, "client disconnected")
+                if held is not None:
+                    content = disaggregation.decode_body(body, held)
+                    headers.pop("content-type", None)
+                    headers["content-type"] = "application/json"
         upstream = client.build_request(request.method, f"{url}/v1/{path}", params=request.query_params,
-                                        headers=headers, content=await request.body())
+                                        headers=headers, content=content)
         try:
             response = await client.send(upstream, stream=True)
         except httpx.HTTPError as error:
             release()
+            if held is not None:
+                disaggregation.release(held)
             return _error(502, f"engine {url} failed: {type(error).__name__}: {error}", 1)
 
         async def body() -> AsyncIterator[bytes]:

@@ -27,6 +27,7 @@ from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_conf
 from specfleet.tuner.policy import Policy
 from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
 
+from .disaggregation import Roles
 from .proxy import Backends, create_proxy
 
 
@@ -88,6 +89,7 @@ class LocalFleet:
     def __post_init__(self) -> None:
         self.backends = Backends([])
         self.tuner: ServiceTuner | None = None
+        self.roles: Roles | None = None
         self._server: uvicorn.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
@@ -107,17 +109,23 @@ class LocalFleet:
     async def start(self, ready_timeout_s: float | None = None) -> None:
         spec = self.isvc.spec
         env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
-        for i in range(spec.replicas):
+        disagg = spec.disaggregation
+        roles = ([None] * spec.replicas if disagg is None else
+                 ["prefill"] * disagg.prefill.replicas + ["decode"] * disagg.decode.replicas)
+        for i, role in enumerate(roles):
             port, admin_port = free_port(), free_port()
             log = open(self.log_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 (closed with the process)
-            command = local_engine_command(self.isvc, port, self.engine_extra_args, admin_port=admin_port)
+            extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
+            command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
             self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
             self.engine_urls.append(f"http://127.0.0.1:{port}")
             self.admin_urls[self.engine_urls[-1]] = f"http://127.0.0.1:{admin_port}"
-        self.backends.urls = list(self.engine_urls)
+        self.backends.urls = [u for u, r in zip(self.engine_urls, roles, strict=True) if r != "prefill"]
+        self.roles = None if disagg is None else Roles(
+            [u for u, r in zip(self.engine_urls, roles, strict=True) if r == "prefill"], ready=self.backends.ready)
         await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
         self.port = self.port or free_port(self.host)
-        config = uvicorn.Config(create_proxy(self.backends), host=self.host, port=self.port, log_level="warning",
+        config = uvicorn.Config(create_proxy(self.backends, roles=self.roles), host=self.host, port=self.port, log_level="warning",
                                 access_log=False, lifespan="on")
         self._server = uvicorn.Server(config)
         self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]

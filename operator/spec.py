@@ -153,6 +153,18 @@ class ResourcesSpec(_Spec):
     shm_size: Quantity = Field("1Gi", description="Size of the in-memory /dev/shm volume.")
 
 
+class DisaggregationRole(_Spec):
+    replicas: int = Field(1, ge=1, le=1000, description="Engines of this role.")
+
+
+class DisaggregationSpec(_Spec):
+    """Prefill/decode disaggregation (docs/architecture.md, "KV connector"): prefill engines compute each
+    prompt's KV and first token, decode engines pull that KV and continue the stream."""
+
+    prefill: DisaggregationRole = _default_obj(DisaggregationRole)
+    decode: DisaggregationRole = _default_obj(DisaggregationRole)
+
+
 class SchedulingSpec(_Spec):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
@@ -238,6 +250,8 @@ class InferenceServiceSpec(_Spec):
     batching: BatchingSpec = _default_obj(BatchingSpec)
     speculative: SpeculativeSpec = _default_obj(SpeculativeSpec)
     replicas: int = Field(1, ge=0, le=1000)
+    disaggregation: DisaggregationSpec | None = Field(
+        None, description="Split engines into prefill and decode roles; their replicas replace spec.replicas.")
     resources: ResourcesSpec = _default_obj(ResourcesSpec)
     scheduling: SchedulingSpec = _default_obj(SchedulingSpec)
     slo: SLOSpec = _default_obj(SLOSpec)

@@ -19,6 +19,7 @@ BENCHES = {
     "offline": ("specfleet.bench.offline", "engine vs transformers throughput, single stream, KV waste"),
     "serve": ("specfleet.bench.serve", "latency and goodput of any OpenAI-compatible server"),
     "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
+    "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}

@@ -20,6 +20,7 @@ BENCHES = {
     "serve": ("specfleet.bench.serve", "latency and goodput of any OpenAI-compatible server"),
     "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
     "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
+    "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}

@@ -7,12 +7,18 @@ from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
 
-__all__ = ["ATTENTION_BACKENDS", "KV_ROLES", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
+__all__ = ["ATTENTION_BACKENDS", "DRAFT_QUANTIZATIONS", "KV_ROLES", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig",
+           "LiveConfig"]
 
 # The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
 # this tuple. "none" proposes nothing.
 SPECULATIVE_METHODS = ("none", "ngram", "draft")
-QUANTIZATIONS = (None, "int8")
+# Weight quantizations. int8: the float weights quantized at load (one scale per output column). gguf: a
+# GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors run as stored. awq, gptq: the checkpoint's 4-bit weights (also
+# picked up from its quantization_config when the field is unset). All run on the native CPU kernels;
+# awq and gptq also on CUDA through the Triton dequantize-matmul (kernels/quant_matmul.py).
+QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
+DRAFT_QUANTIZATIONS = (None, "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 # Prefill/decode disaggregation (engine/kv_transfer/): a prefill engine holds each prompt's KV blocks for
 # a decode engine, which pulls them.
@@ -57,15 +63,22 @@ class EngineConfig:
     draft_model: str | None = _opt(None, "draft model source URI (--speculative-method draft)")
     # Weight-only int8 (one scale per output column) on the native CPU kernels: a quarter of the bytes.
     # For the draft it makes a quantized copy of the target a cheap, well-aligned proposer.
-    quantization: str | None = _opt(None, "weight-only int8 (native CPU kernels)",
+    quantization: str | None = _opt(None, "weight quantization: int8 (the float weights, quantized at load), "
+                                    "gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors as stored), awq, gptq "
+                                    "(4-bit checkpoints; also read from their quantization_config)",
                                     choices=[q for q in QUANTIZATIONS if q])
     draft_quantization: str | None = _opt(
         None, "quantize the draft's weights to int8: with --draft-model set to the target itself, a cheap "
-        "proposer that agrees with it on most tokens", choices=[q for q in QUANTIZATIONS if q])
+        "proposer that agrees with it on most tokens", choices=[q for q in DRAFT_QUANTIZATIONS if q])
     prompt_lookup_min: int = _opt(1, "n-gram proposer: shortest suffix to look up in the prompt")
     prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
     seed: int = _opt(0, "seed of the engine's generator, which requests without a seed of their own draw from")
-    tensor_parallel_size: int = _opt(1, "GPUs per engine (only 1 for now)")
+    tensor_parallel_size: int = _opt(
+        1, "ranks one model copy is split over (Megatron-style tensor parallelism): GPUs on CUDA, processes "
+        "sharing the cores on CPU; must divide the attention heads")
+    pipeline_parallel_size: int = _opt(
+        1, "pipeline stages one model copy is split into (runs of layers, one process each; GPUs on CUDA); "
+        "not combined with tensor parallelism yet")
     kv_role: str | None = _opt(None, "prefill/decode disaggregation: prefill computes prompts and holds their KV "
                                "for a decode engine, which pulls it and continues the stream", choices=KV_ROLES)
     kv_transfer_host: str = _opt("127.0.0.1", "prefill role: address the KV blocks are served on")
@@ -115,20 +128,28 @@ class EngineConfig:
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
                 "must satisfy 1 <= min <= max"
             )
-        if self.tensor_parallel_size != 1:
-            raise ValueError(
-                f"tensor_parallel_size={self.tensor_parallel_size}: tensor parallelism is not implemented yet; "
-                "use 1 (one GPU per replica) and scale with replicas"
-            )
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
+        for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
+            if size < 1:
+                raise ValueError(f"{name}={size} must be >= 1")
+        if tp > 1 and pp > 1:
+            raise ValueError(f"tensor_parallel_size={tp} with pipeline_parallel_size={pp}: one split at a time "
+                             "for now; use one of them")
+        if (tp > 1 or pp > 1) and self.quantization:
+            raise ValueError(f"quantization={self.quantization!r} runs in one process; it is not split across "
+                             "ranks yet: use tensor_parallel_size=1 and pipeline_parallel_size=1 with it")
+        for name, allowed in (("quantization", QUANTIZATIONS), ("draft_quantization", DRAFT_QUANTIZATIONS)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.kv_role not in (None, *KV_ROLES):
             raise ValueError(f"kv_role={self.kv_role!r} is not one of {KV_ROLES}")
+        if self.kv_role is not None and (tp > 1 or pp > 1):
+            raise ValueError(f"kv_role={self.kv_role!r} with tensor_parallel_size={tp} pipeline_parallel_size={pp}: "
+                             "the KV connector moves one process's cache; use 1 and 1 with it for now")
         if not 0 <= self.kv_transfer_port <= 65535:
             raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be between 0 and 65535")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
-        for name in ("quantization", "draft_quantization"):
-            if getattr(self, name) not in QUANTIZATIONS:
-                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {QUANTIZATIONS}")
         if self.draft_quantization and self.speculative_method != "draft":
             raise ValueError("draft_quantization needs speculative_method='draft'")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -53,6 +53,10 @@ class LLM:
         self.engine = Engine(engine_config_from_vllm_kwargs(model, kwargs))
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop the engine's worker processes (tensor parallelism); the instance is unusable after."""
+        self.engine.close()
+
     @property
     def tokenizer(self):
         return self.engine.tokenizer

@@ -82,6 +82,15 @@ class Engine:
                  self.model_name, num_blocks, num_blocks if draft else 0, config.block_size, self.max_model_len,
                  self.runner.attn.name)
 
+    def close(self) -> None:
+        """Stop what the engine started beside itself (tensor-parallel workers, the KV connector's server
+        thread); idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+        close = getattr(self.runner.model, "close", None)
+        if close is not None:
+            close()
+
     # -- requests ------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
                     kv_transfer_params: dict | None = None) -> None:
@@ -154,10 +163,6 @@ class Engine:
         """Return the blocks of KV holds that ended; an idle server calls this between steps."""
         if self.kv_connector is not None:
             self.kv_connector.poll()
-
-    def close(self) -> None:
-        if self.kv_connector is not None:
-            self.kv_connector.close()
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as written and after a space (vLLM's two variants), without duplicates."""

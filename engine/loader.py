@@ -71,12 +71,61 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     max_model_len = config.max_model_len or context
     if max_model_len > context:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
-    if config.quantization and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"quantization={config.quantization!r} runs on the native CPU kernels: it needs "
+    quantization = checkpoint_quantization(config.quantization, hf_config, resolved.path)
+    on_cuda_ok = quantization in ("awq", "gptq") and device.type == "cuda"
+    if quantization and not on_cuda_ok and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError(f"quantization={quantization!r} runs on the native CPU kernels: it needs "
                          f"device cpu and dtype float32, not {device.type} {dtype}")
+    if quantization == "gguf" and resolved.gguf is None:
+        raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or bundled://), not {config.model!r}")
     cls = model_class(hf_config.architectures)
-    model = cls(hf_config, load_state_dict(resolved.path), dtype, device, quantize=config.quantization)
+    split = ("tensor", config.tensor_parallel_size) if config.tensor_parallel_size > 1 else \
+        ("pipeline", config.pipeline_parallel_size) if config.pipeline_parallel_size > 1 else None
+    if split is not None:
+        if quantization:  # an AWQ/GPTQ checkpoint's own quantization is only known here
+            raise ValueError(f"{split[0]}_parallel_size={split[1]}: quantization={quantization!r} runs in one "
+                             "process; it is not split across ranks yet")
+        if not issubclass(cls, LlamaModel):
+            raise ValueError(f"{split[0]}_parallel_size={split[1]}: architecture {hf_config.architectures} "
+                             "cannot be split yet")
+        from specfleet.engine.distributed.workers import SplitModel
+
+        model = SplitModel(str(resolved.path), split[0], split[1], dtype, device)
+    else:
+        model = cls(hf_config, _state(resolved, hf_config, quantization), dtype, device, quantize=quantization)
     return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer))
+
+
+def _state(resolved, hf_config, quantization: str | None) -> dict:
+    """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ)."""
+    state = load_state_dict(resolved.path)
+    if quantization == "gguf":
+        from specfleet.engine.quant.gguf_file import read_quantized
+
+        state.update(read_quantized(resolved.gguf, hf_config))
+    elif quantization in ("awq", "gptq"):
+        from specfleet.engine.quant.awq_gptq import quantized_state
+
+        state = quantized_state(state, hf_config.quantization_config)
+    return state
+
+
+def checkpoint_quantization(requested: str | None, hf_config, path) -> str | None:
+    """The quantization to run: the requested one, or an AWQ/GPTQ checkpoint's own (its weights exist only
+    quantized, as in vLLM). A request that contradicts the checkpoint is refused."""
+    qconfig = getattr(hf_config, "quantization_config", None) or {}
+    if not isinstance(qconfig, dict):
+        qconfig = qconfig.to_dict()
+    method = qconfig.get("quant_method")
+    if method in ("awq", "gptq"):
+        if requested not in (None, method):
+            raise ValueError(f"quantization={requested!r} but the model at {path} is a {method} checkpoint; "
+                             f"use quantization={method!r} or leave it unset")
+        return method
+    if requested in ("awq", "gptq"):
+        raise ValueError(f"quantization={requested!r} needs a {requested} checkpoint (config.json "
+                         f"quantization_config.quant_method={requested!r}); the model at {path} has {method!r}")
+    return requested
 
 
 def bytes_per_block(model: LlamaModel, block_size: int) -> int:

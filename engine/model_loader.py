@@ -32,6 +32,7 @@ class ResolvedModel:
     source: str
     path: Path  # a Hugging Face folder
     name: str  # the name served on /v1/models
+    gguf: Path | None = None  # the GGUF file the folder was converted from (its quantized tensors run as is)
 
 
 def cache_root() -> Path:
@@ -62,7 +63,8 @@ def resolve_model(source: str) -> ResolvedModel:
     if not _:
         scheme, rest = "file", os.path.abspath(source)
     if scheme == "bundled":
-        return ResolvedModel(source, _gguf_to_folder(_bundled_gguf(rest)), rest)
+        gguf = _bundled_gguf(rest)
+        return ResolvedModel(source, _gguf_to_folder(gguf), rest, gguf)
     if scheme not in SOURCES:
         known = ", ".join(f"{s}://" for s in ["bundled", *SOURCES])
         raise ValueError(f"model={source!r}: unknown source scheme {scheme!r}; use {known}")
@@ -72,7 +74,7 @@ def resolve_model(source: str) -> ResolvedModel:
     if path.is_file():
         if path.suffix != ".gguf":
             raise ValueError(f"model={source!r}: {path} is a file but not a .gguf; give a folder or a GGUF")
-        return ResolvedModel(source, _gguf_to_folder(path), path.stem)
+        return ResolvedModel(source, _gguf_to_folder(path), path.stem, path)
     if not (path / "config.json").exists():
         raise ValueError(f"model={source!r}: {path} has no config.json (not a Hugging Face model folder)")
     return ResolvedModel(source, path, path.name)

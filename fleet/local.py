@@ -11,6 +11,7 @@ import argparse
 import asyncio
 import signal
 import sys
+from pathlib import Path
 
 from specfleet.operator.inference_service import InvalidInferenceService, load_inference_service
 from specfleet.tuner.loop import Tick
@@ -33,6 +34,9 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--no-tune", dest="tune", action="store_false", help="never tune")
     p.add_argument("--interval", type=float, default=None, help="tuning interval in seconds (default: the spec's)")
     p.add_argument("--window", type=float, default=None, help="metrics rate window in seconds")
+    p.add_argument("--freeze-file", default=None, metavar="PATH",
+                   help="while this file exists the tuner changes nothing (default: LOG_DIR/tuner-freeze); "
+                        "spec.autotune.freeze in the YAML freezes it from the start")
     p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                    help="extra engine argument (repeatable), e.g. --engine-arg=--kv-cache-gib=0.5")
     return p
@@ -40,7 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def print_tick(tick: Tick) -> None:
     d = tick.decision
-    if d.kind == "cooldown":
+    for transition in tick.transitions:
+        if transition != "frozen":  # the frozen decision below says it
+            print(f"[tuner] {transition}", flush=True)
+    if d.kind == "cooldown" or d.kind == "frozen" and "frozen" not in tick.transitions:
         return
     applied = ""
     if tick.applied is not None and (tick.applied.patched or tick.applied.failed):
@@ -69,6 +76,7 @@ async def run(fleet: LocalFleet) -> int:
                 src = f"Prometheus {fleet.prometheus_url}" if fleet.prometheus_url else "direct /metrics scrape"
                 print(f"tuner on: every {fleet.tuner.policy.params.interval_s:.0f}s from {src}; Ctrl-C stops",
                       flush=True)
+                print(f"freeze the tuner: touch {fleet.freeze_file}; resume: rm {fleet.freeze_file}", flush=True)
             await waiter
         else:
             start.cancel()
@@ -95,7 +103,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     fleet = LocalFleet(isvc, host=args.host, port=args.port, prometheus_url=args.prometheus_url,
                        prometheus_selector=args.prometheus_selector, tune=args.tune, interval_s=args.interval,
-                       window_s=args.window, engine_extra_args=list(args.engine_arg), on_tick=print_tick)
+                       window_s=args.window, engine_extra_args=list(args.engine_arg), on_tick=print_tick,
+                       freeze_file=Path(args.freeze_file) if args.freeze_file else None)
     return asyncio.run(run(fleet))
 
 

@@ -80,6 +80,7 @@ class LocalFleet:
     engine_extra_args: list[str] = field(default_factory=list)
     log_dir: Path | None = None
     on_tick: Callable[[Tick], None] | None = None
+    freeze_file: Path | None = None  # while this file exists the tuner is frozen (None: LOG_DIR/tuner-freeze)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
     engine_urls: list[str] = field(default_factory=list)
@@ -93,6 +94,7 @@ class LocalFleet:
         self._server: uvicorn.Server | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
+        self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
 
     def admin_url(self, engine_url: str) -> str:
         """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
@@ -181,9 +183,19 @@ class LocalFleet:
                     (self.backends.ready.add if ok else self.backends.ready.discard)(url)
                 await asyncio.sleep(1.0)
 
+    @property
+    def frozen_by(self) -> str | None:
+        """The local twin of the operator's freeze: spec.autotune.freeze in the YAML, or the freeze file
+        (`touch` it to freeze, remove it to resume; read at every interval)."""
+        if self.isvc.spec.autotune.freeze:
+            return "spec.autotune.freeze"
+        if self.freeze_file is not None and self.freeze_file.exists():
+            return f"freeze file {self.freeze_file}"
+        return None
+
     async def tick(self) -> Tick:
         assert self.tuner is not None, "tuning is off for this fleet"
-        tick = await self.tuner.tick()
+        tick = await self.tuner.tick(self.frozen_by)
         self.ticks.append(tick)
         if self.on_tick is not None:
             self.on_tick(tick)

@@ -22,13 +22,14 @@ import threading
 from pathlib import Path
 
 import torch
+from specfleet.kernels.quantized import QuantTensor
 
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 2
+ABI_VERSION = 4
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -79,10 +80,12 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_abi_version.restype = i32
     lib.sf_linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_i8.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_q8g.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_rms_norm_f32.argtypes = [p, i64, i64, p, f32, p]
     lib.sf_silu_mul_f32.argtypes = [p, i64, i64, p]
     lib.sf_paged_attention_f32.argtypes = [p, i64, p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, f32, p, i32]
-    for fn in ("sf_linear_f32", "sf_linear_i8", "sf_rms_norm_f32", "sf_silu_mul_f32", "sf_paged_attention_f32"):
+    for fn in ("sf_linear_f32", "sf_linear_i8", "sf_linear_q4", "sf_linear_q8g", "sf_rms_norm_f32", "sf_silu_mul_f32", "sf_paged_attention_f32"):
         getattr(lib, fn).restype = None
 
 
@@ -211,6 +214,58 @@ class PackedLinear:
             self._lib.sf_linear_i8(x.data_ptr(), rows, self.in_features, ldx, self.panels.data_ptr(),
                                    self.scale.data_ptr(), self.out_features, bias, res, ldr, y.data_ptr(),
                                    self.out_features, num_threads())
+        return y
+
+
+def pack_quant_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Codes, scales and mins in the kernel's panels: 32 output columns per panel, each a sequential
+    stream. 4-bit codes: byte (k / 2, c) holds row k's code in its low nibble, row k + 1's in its high."""
+    codes = pack_panels(q.codes.t())  # [panels, K, 32], padding columns get code 0
+    if q.bits == 4:
+        codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    # Scales and mins as halfs when that is exact (GGUF's d and m are fp16 in the file): 1 bit per weight
+    # instead of 2 at groups of 32; otherwise (Q4_K's d * sc, AWQ/GPTQ's -z * s) float32.
+    dtype = torch.float16 if all(t is None or torch.equal(t.half().float(), t) for t in (q.scales, q.mins)) \
+        else torch.float32
+    scales = pack_panels(q.scales.t().to(dtype))  # padding columns get scale 0, so they add nothing
+    mins = None if q.mins is None else pack_panels(q.mins.t().to(dtype))
+    return codes, scales, mins
+
+
+class QuantLinear:
+    """``x @ W.T (+ bias) (+ residual)`` for a grouped-quantized weight (`QuantTensor`): GGUF Q4_0,
+    Q4_1, Q4_K, Q8_0, AWQ, GPTQ. The codes stay packed; the kernel dequantizes them in registers.
+    Activations stay float32 (see docs/kernels.md for why not int8 as llama.cpp does)."""
+
+    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None = None):
+        self._lib = _lib_or_raise()
+        self.out_features, self.in_features = weight.shape
+        self.group_size, self.bits, self.fmt = weight.group_size, weight.bits, weight.fmt
+        self.codes, self.scales, self.mins = pack_quant_panels(weight)
+        self.perm = weight.perm
+        self._kernel = self._lib.sf_linear_q4 if weight.bits == 4 else self._lib.sf_linear_q8g
+        self.bias = None
+        if bias is not None:
+            _check("bias", bias, dim=1)
+            self.bias = _pad(bias, self.out_features)
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        rows = x.shape[0]
+        ldx = _rows("x", x, self.in_features)
+        ldr = 0
+        if residual is not None:
+            ldr = _rows("residual", residual, self.out_features)
+            if residual.shape[0] != rows:
+                raise ValueError(f"residual has {residual.shape[0]} rows, x has {rows}")
+        y = torch.empty(rows, self.out_features)
+        self._kernel(x.data_ptr(), rows, self.in_features, ldx, self.codes.data_ptr(), self.scales.data_ptr(),
+                     None if self.mins is None else self.mins.data_ptr(), int(self.scales.dtype == torch.float16),
+                     self.group_size, self.out_features,
+                     None if self.bias is None else self.bias.data_ptr(),
+                     None if residual is None else residual.data_ptr(), ldr, y.data_ptr(), self.out_features,
+                     num_threads())
         return y
 
 

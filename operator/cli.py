@@ -24,6 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
     parser.add_argument("--liveness-port", type=int, default=None, metavar="PORT",
                         help="serve kopf's health check at http://0.0.0.0:PORT/healthz")
+    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                        help="serve the operator's Prometheus metrics at http://0.0.0.0:PORT/metrics "
+                             "(InferenceService conditions and generations, tuner state; docs/sre.md)")
     parser.add_argument("--standalone", action="store_true",
                         help="do not coordinate with other operator instances (no kopf peering objects)")
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
@@ -55,8 +58,12 @@ def main(argv: list[str]) -> int:
     if not args.namespace and not args.all_namespaces:
         print("specfleet operator: choose a scope: --namespace NS (repeatable) or --all-namespaces")
         return 2
-    if args.liveness_port is not None and not 0 < args.liveness_port < 65536:
-        print(f"specfleet operator: --liveness-port {args.liveness_port} is not a TCP port (1-65535)")
+    for flag, port in (("--liveness-port", args.liveness_port), ("--metrics-port", args.metrics_port)):
+        if port is not None and not 0 < port < 65536:
+            print(f"specfleet operator: {flag} {port} is not a TCP port (1-65535)")
+            return 2
+    if args.metrics_port is not None and args.metrics_port == args.liveness_port:
+        print(f"specfleet operator: --metrics-port and --liveness-port are both {args.metrics_port}; use two ports")
         return 2
     import kopf  # imported here so that `specfleet --help` stays fast
 
@@ -67,6 +74,10 @@ def main(argv: list[str]) -> int:
     logging.getLogger("specfleet.operator").info("handlers=%s scope=%s", ",".join(loaded),
                                                  "cluster" if args.all_namespaces else ",".join(args.namespace))
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
+    if args.metrics_port is not None:
+        from . import metrics
+
+        metrics.serve(args.metrics_port)
     try:
         asyncio.run(kopf.operator(
             standalone=args.standalone,

@@ -22,7 +22,9 @@ from .spec import InferenceServiceSpec
 from .status import InferenceServiceStatus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-CRD_PATHS = (REPO_ROOT / "crds" / "inferenceservice.yaml", REPO_ROOT / "charts" / "specfleet" / "crds" / "inferenceservice.yaml")
+# Every copy the repository ships: the plain CRD, the Helm chart's and the kustomize base's.
+CRD_PATHS = (REPO_ROOT / "crds" / "inferenceservice.yaml", REPO_ROOT / "charts" / "specfleet" / "crds" / "inferenceservice.yaml",
+             REPO_ROOT / "deploy" / "kustomize" / "base" / "crds" / "inferenceservice.yaml")
 _DROP = {"title", "additionalProperties", "prefixItems", "$defs"}
 
 PRINTER_COLUMNS = [

@@ -16,6 +16,7 @@ from typing import Any
 
 import kopf
 
+from . import metrics
 from .config import OperatorConfig
 from .kube import ApiError, KubeClient, object_path
 from .reconcile import Outcome, Reconciler
@@ -87,8 +88,11 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Log
             current = await client.get(object_path(KIND, meta["namespace"], meta["name"]))
             if current is None or current["metadata"].get("uid") != meta["uid"]:
                 return Outcome(status={})  # deleted (or replaced) meanwhile: nothing to report on
+            metrics.saw_generation(meta["namespace"], meta["name"], int(current["metadata"].get("generation") or 0),
+                                   meta["uid"])
             outcome = await Reconciler(client, memo.config).reconcile(current, now=_now())
             await client.apply_status(meta["namespace"], meta["name"], outcome.status, FIELD_MANAGER)
+            metrics.reconciled(meta["namespace"], meta["name"], outcome.status, meta["uid"])
         except ApiError as error:
             if error.status == 401:
                 memo.client = None  # credentials rotated: rebuild from kopf's fresh login next time
@@ -153,3 +157,10 @@ def drop_finalizer_requirements(registry: Any) -> int:
     spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) if h in changed else h
                           for h in spawning._handlers]
     return len(changed)
+
+
+@kopf.on.event(GROUP, VERSION, PLURAL)
+async def forget_metrics(type: str, meta: kopf.Meta, **_: Any) -> None:  # noqa: A002 - kopf's keyword
+    """A deleted service's series go (the watch's DELETED event: no finalizer needed)."""
+    if type == "DELETED":
+        metrics.forget(meta["namespace"], meta["name"], meta.get("uid"))

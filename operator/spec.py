@@ -71,6 +71,13 @@ class ModelSpec(ModelSource):
         "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on GPU."
     )
     max_model_len: int = Field(4096, ge=16, le=1048576, description="Longest prompt + output, in tokens.")
+    quantization: Literal["none", "int8", "gguf", "awq", "gptq"] = Field(
+        "none",
+        description="Weights run quantized (--quantization): int8 (the float weights, quantized at load), gguf "
+        "(a GGUF source's Q4_0/Q4_1/Q4_K/Q8_0 tensors as stored), awq or gptq (4-bit checkpoints, also picked "
+        "up from their own config). CPU pods run them on the native kernels; awq and gptq also on GPU. none: "
+        "the float weights, exactly as transformers computes them.",
+    )
     hf_token_secret: str | None = Field(
         None,
         max_length=253,
@@ -78,14 +85,16 @@ class ModelSpec(ModelSource):
     )
 
 
-TP_NOT_IMPLEMENTED = ("tensor parallelism is not implemented yet: use 1 (one GPU per replica) and scale "
-                      "with replicas")
+ONE_SPLIT = "engine.tensorParallelSize and engine.pipelineParallelSize: one split at a time (one of them must be 1)"
+GPUS_PER_SPLIT = ("resources.gpus must be 0 (CPU ranks) or engine.tensorParallelSize x engine.pipelineParallelSize "
+                  "(one GPU per rank)")
+QUANTIZED_SPLIT = "model.quantization runs in one process: it needs tensorParallelSize and pipelineParallelSize 1"
 
 
 class EngineSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={"x-kubernetes-validations": [
-            cel("self.tensorParallelSize == 1", f"engine.tensorParallelSize: {TP_NOT_IMPLEMENTED}"),
+            cel("self.tensorParallelSize == 1 || self.pipelineParallelSize == 1", ONE_SPLIT),
         ]}
     )
     image: str | None = Field(
@@ -95,8 +104,10 @@ class EngineSpec(_Spec):
     block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="KV cache block size in tokens.")
     kv_cache_memory_fraction: float = Field(0.9, ge=0.05, le=0.99)
     prefix_caching: bool = True
-    tensor_parallel_size: int = Field(1, ge=1, le=8, description="GPUs per replica for one model copy; only 1 "
-                                      "until tensor parallelism lands (the field is kept for it).")
+    tensor_parallel_size: int = Field(1, ge=1, le=8, description="Ranks one model copy is split over by tensor "
+                                      "parallelism (one GPU each; processes sharing the CPU when gpus is 0).")
+    pipeline_parallel_size: int = Field(1, ge=1, le=8, description="Pipeline stages one model copy is split into "
+                                        "(one GPU each; processes sharing the CPU when gpus is 0).")
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long SIGTERM waits for in-flight requests before exiting."
     )
@@ -206,8 +217,40 @@ else:
     )
 
 
+class _AutotunePins(_Spec):
+    pass
+
+
+# One optional value per searched knob: the tuner holds a pinned knob at that value and searches the others.
+if TYPE_CHECKING:
+    AutotunePins = _AutotunePins
+else:
+    AutotunePins = create_model(
+        "AutotunePins", __base__=_AutotunePins,
+        **{k.name: (int | None, Field(None, ge=k.minimum, description=f"Hold {k.label} at this value "
+                                      "(inside autotune.bounds); unset: tuned.")) for k in SEARCHED},
+    )
+
+FREEZE_ANNOTATION = "specfleet.io/tuner-freeze"
+
+
 class AutotuneSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"!has(self.pins.{k.crd_name}) || (self.pins.{k.crd_name} >= self.bounds.{k.crd_name}[0] && "
+                    f"self.pins.{k.crd_name} <= self.bounds.{k.crd_name}[1])",
+                    f"pins.{k.crd_name} must lie inside bounds.{k.crd_name}")
+                for k in SEARCHED
+            ]
+        }
+    )
     enabled: bool = False
+    freeze: bool = Field(
+        False,
+        description="Hold the config in force: the tuner keeps observing and reporting, changes and pushes "
+                    f"nothing until this is false again. Without a Git change: annotate {FREEZE_ANNOTATION}=true.",
+    )
     interval_seconds: int = Field(30, ge=5, le=3600)
     prometheus_url: str | None = Field(
         None,
@@ -217,6 +260,16 @@ class AutotuneSpec(_Spec):
         description="Prometheus to read metrics from; empty means the operator's default.",
     )
     bounds: AutotuneBounds = _default_obj(AutotuneBounds)
+    pins: AutotunePins = _default_obj(AutotunePins)
+
+    @model_validator(mode="after")
+    def _pins_within_bounds(self) -> AutotuneSpec:
+        for knob in SEARCHED:
+            pin, (low, high) = getattr(self.pins, knob.name), getattr(self.bounds, knob.name)
+            if pin is not None and not low <= pin <= high:
+                raise ValueError(f"autotune.pins.{knob.crd_name}={pin} lies outside autotune.bounds."
+                                 f"{knob.crd_name}={[low, high]}; pin inside the bounds or widen them")
+        return self
 
 
 _WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
@@ -235,6 +288,11 @@ class InferenceServiceSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.replicas >= 0", "replicas must be >= 0"),
+                cel("self.resources.gpus == 0 || "
+                    "self.resources.gpus == self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
+                    GPUS_PER_SPLIT),
+                cel("self.model.quantization == 'none' || "
+                    "(self.engine.tensorParallelSize == 1 && self.engine.pipelineParallelSize == 1)", QUANTIZED_SPLIT),
                 cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
                 *[
@@ -265,9 +323,14 @@ class InferenceServiceSpec(_Spec):
                 f"batching.maxNumBatchedTokens={b.max_num_batched_tokens} is below batching.maxNumSeqs="
                 f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
             )
-        tp = self.engine.tensor_parallel_size
-        if tp > 1:
-            raise ValueError(f"engine.tensorParallelSize={tp}: {TP_NOT_IMPLEMENTED}")
+        tp, pp, gpus = self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size, self.resources.gpus
+        if tp > 1 and pp > 1:
+            raise ValueError(f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}: {ONE_SPLIT}")
+        if gpus not in (0, tp * pp):
+            raise ValueError(f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}: "
+                             f"{GPUS_PER_SPLIT}")
+        if self.model.quantization != "none" and tp * pp > 1:
+            raise ValueError(f"model.quantization={self.model.quantization}: {QUANTIZED_SPLIT}")
         if self.autotune.enabled:
             bounds = self.autotune.bounds.model_dump(by_alias=True)
             for knob, (path, key) in zip(SEARCHED, _TUNED, strict=True):
@@ -294,6 +357,15 @@ class InferenceServiceSpec(_Spec):
         return {k.name: 0 if self._pinned(k) else self._at(k) for k in SEARCHED}
 
     def tuned_bounds(self) -> dict[str, tuple[int, int]]:
-        """The tuner's [min, max] per searched knob, from `autotune.bounds`."""
+        """The tuner's [min, max] per searched knob, from `autotune.bounds`; a knob in `autotune.pins` is
+        [pin, pin], so the tuner moves it to the pin and never away."""
         ranges = {k.name: getattr(self.autotune.bounds, k.name) for k in SEARCHED}
-        return {k.name: (0, 0) if self._pinned(k) else (ranges[k.name][0], ranges[k.name][1]) for k in SEARCHED}
+        pins = {k.name: getattr(self.autotune.pins, k.name) for k in SEARCHED}
+
+        def bounds(k: Knob) -> tuple[int, int]:
+            if self._pinned(k):
+                return (0, 0)
+            pin = pins[k.name]
+            return (pin, pin) if pin is not None else (ranges[k.name][0], ranges[k.name][1])
+
+        return {k.name: bounds(k) for k in SEARCHED}

@@ -38,6 +38,8 @@ class TuningObserved(_Status):
 class _TuningStatus(_Status):
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
+    frozen_by: str | None = Field(None, max_length=256, description="Set while the tuner is frozen: "
+                                  "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.")
     observed: TuningObserved | None = None
 
 

@@ -4,7 +4,12 @@ A timer fires every few seconds for each such service and runs the service's `Se
 `autotune.intervalSeconds` have passed. Pods come from the Kubernetes API (ready pods with the service's
 selector label), the admin token from the `NAME-admin` Secret the reconcile creates, metrics from
 `autotune.prometheusURL` (else the operator's default, else a direct scrape of the pods). It writes only
-`status.tuning` and the `Tuned` condition, plus an Event per change; never `spec`.
+`status.tuning` and the `Tuned` condition, plus an Event per change and per transition (frozen, resumed,
+failing static, recovered); never `spec`.
+
+Freeze: `spec.autotune.freeze: true` (in Git) or the annotation `specfleet.io/tuner-freeze: "true"` (a
+`kubectl annotate`, no Git change) holds the config from the next interval on; the annotation is read at
+every tick, so removing it resumes tuning within one interval too.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ from typing import Any
 from urllib.parse import quote
 
 import kopf
+from specfleet.operator import metrics
 from specfleet.operator.handlers import _client, autotune_enabled
 from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
 from specfleet.operator.kube import ApiError, KubeClient, object_path
@@ -31,11 +37,12 @@ from specfleet.operator.resources import (
     VERSION,
     admin_secret_name,
 )
+from specfleet.operator.spec import FREEZE_ANNOTATION
 
 from .actuator import AdminActuator, admin_on_port
 from .loop import ServiceTuner, params_from_spec, spec_config
 from .policy import Policy
-from .report import event_for, status_patch
+from .report import event_for, status_patch, transition_events
 from .sources import PrometheusSource, ScrapeSource, Source
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
@@ -55,6 +62,22 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[
         if ready and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
             urls.append(f"http://{status['podIP']}:{ENGINE_PORT}")
     return sorted(urls)
+
+
+def frozen_by(body: kopf.Body) -> str | None:
+    """Who froze this service's tuner, or None: the spec field, else the annotation ("true", any case)."""
+    if ((body.get("spec") or {}).get("autotune") or {}).get("freeze"):
+        return "spec.autotune.freeze"
+    value = (body["metadata"].get("annotations") or {}).get(FREEZE_ANNOTATION, "")
+    return f"annotation {FREEZE_ANNOTATION}=true" if str(value).strip().lower() == "true" else None
+
+
+def _restore(tuner: ServiceTuner, status: kopf.Status) -> None:
+    """A rebuilt loop (spec change, operator restart) continues the transitions status last reported, so
+    that lifting a freeze through the spec still posts TuningResumed."""
+    tuner.frozen_by = (status.get("tuning") or {}).get("frozenBy") or None
+    tuner.static = any(c.get("type") == "Tuned" and c.get("reason") == "MetricsUnavailable"
+                       for c in status.get("conditions") or [])
 
 
 def _now() -> str:
@@ -98,22 +121,25 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf
             return  # the reconcile reports InvalidSpec
         except ApiError as error:
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
+        _restore(entry[0], status)
         tuners[uid] = entry
     tuner, _, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
         return
     tuners[uid] = (tuner, generation, time.monotonic())
-    tick = await tuner.tick()
+    tick = await tuner.tick(frozen_by(body))
     now = _now()
     # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
     # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
-    await client.apply_status(meta["namespace"], meta["name"],
-                              status_patch(tick, tuner.policy.current, dict(status), generation, now),
-                              TUNER_FIELD_MANAGER)
-    event = event_for(tick.decision)
-    if event is not None:
-        post = kopf.warn if event[0] == "Warning" else kopf.info
-        post(body, reason=event[1], message=event[2][:1000])
+    update = status_patch(tick, tuner.policy.current, dict(status), generation, now)
+    await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
+    metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
+    if metrics.live(uid):
+        metrics.set_conditions(meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"])
+    change = event_for(tick.decision)
+    for kind, reason, message in [*transition_events(tick), *([change] if change else [])]:
+        post = kopf.warn if kind == "Warning" else kopf.info
+        post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
 
 

@@ -1,7 +1,10 @@
 """One tuning loop for one service: observe, decide, actuate. The local fleet and the operator share it.
 
 `tick()` runs one interval: read the source, let the policy decide, then make every ready engine run the
-policy's config (a restarted pod is brought back to it), and report what happened.
+policy's config (a restarted pod is brought back to it), and report what happened. Frozen (`frozen_by`:
+spec.autotune.freeze, the annotation, `specfleet up`'s freeze file), it only observes: no decision, no push,
+so a config someone sets by hand during an incident stays. It also reports the transitions an SRE wants to
+see as Events: frozen / resumed, and failing static (metrics missing) / recovered.
 """
 
 from __future__ import annotations
@@ -42,6 +45,12 @@ class Tick:
     observation: Observation
     applied: ApplyResult | None
     guard: int | None = None  # the engines' speculative_disable_by_batch_size (None: not managed)
+    frozen_by: str | None = None  # who froze the tuner for this interval (None: tuning)
+    transitions: tuple[str, ...] = ()  # of TRANSITIONS, entered at this interval
+
+
+# What a tick can enter, in the order they are reported.
+TRANSITIONS = ("frozen", "resumed", "static", "recovered")
 
 
 class ServiceTuner:
@@ -52,9 +61,19 @@ class ServiceTuner:
         self.source = source
         self.actuator = actuator
         self.endpoints = endpoints
+        self.frozen_by: str | None = None  # as of the last tick; set from status when the loop is rebuilt
+        self.static = False  # whether the last tick failed static (metrics missing)
+        self.static_intervals = 0  # consecutive ticks that failed static
 
-    async def tick(self) -> Tick:
+    async def tick(self, frozen_by: str | None = None) -> Tick:
         obs = await self.source.observe()
+        was_frozen, self.frozen_by = self.frozen_by, frozen_by or None
+        if self.frozen_by is not None:
+            decision = self.policy.freeze(obs, self.frozen_by)
+            if was_frozen is None:
+                logger.info("event=tuner_frozen service=%s by=%r", self.name, self.frozen_by)
+            return Tick(decision, obs, None, None, self.frozen_by, () if was_frozen else ("frozen",))
+        transitions = ["resumed"] if was_frozen else []
         decision = self.policy.decide(obs)
         applied = None
         desired = self.policy.current
@@ -73,7 +92,12 @@ class ServiceTuner:
         if decision.changed:
             logger.info("event=tuner_decision service=%s kind=%s reason=%r", self.name, decision.kind,
                         decision.reason)
-        return Tick(decision, obs, applied, guard)
+        static = decision.kind == "missing"
+        self.static_intervals = self.static_intervals + 1 if static else 0
+        if static != self.static:
+            transitions.append("static" if static else "recovered")
+            self.static = static
+        return Tick(decision, obs, applied, guard, None, tuple(transitions))
 
     async def close(self) -> None:
         await self.source.close()

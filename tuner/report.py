@@ -20,6 +20,8 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
     obs, d = tick.observation, tick.decision
     acc = obs.acceptance_rate
     previous = previous or {}
+    if tick.frozen_by is not None and obs.config is not None:
+        config = obs.config  # frozen, the engines may run a config set by hand: show what they run
     observed = {
         "acceptanceRate": None if acc is None else round(acc, 4),
         "ttftP95Ms": _ms(obs.ttft_p95_s),
@@ -33,6 +35,8 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
         # What was not observed is left out (the CRD's fields are numbers, not nullable).
         "observed": {key: value for key, value in observed.items() if value is not None},
     }
+    if tick.frozen_by is not None:  # left out otherwise: the tuner's next apply drops the field
+        status["frozenBy"] = tick.frozen_by
     if config is not None:
         status.update({camel(name): value for name, value in LiveSettings(config, tick.guard).as_admin().items()})
     return status
@@ -45,6 +49,8 @@ def tuned_condition(tick: Tick) -> Cond:
         detail = "; ".join(f"{url}: {err}" for url, err in list(bad.items())[:3])
         return Cond("Tuned", "False", "ApplyFailed", f"could not apply {applied.config.short()} to "
                     f"{len(bad)} pod(s): {detail}")
+    if d.kind == "frozen":
+        return Cond("Tuned", "False", "Frozen", d.reason)
     if d.kind == "missing":
         return Cond("Tuned", "False", "MetricsUnavailable", d.reason)
     if d.kind == "revert":
@@ -69,3 +75,18 @@ def event_for(decision: Decision) -> tuple[str, str, str] | None:
     if decision.changed:
         return "Normal", "Tuned", decision.reason
     return None
+
+
+def transition_events(tick: Tick) -> list[tuple[str, str, str]]:
+    """(type, reason, message) of the Events for what the tuner entered at this interval: frozen or
+    resumed (someone froze or unfroze it), failing static (metrics missing) or recovered. Posted once per
+    transition, beside `event_for`'s Event per change, so `kubectl describe` shows when tuning stopped
+    and started again, and why."""
+    d = tick.decision
+    events = {
+        "frozen": ("Normal", "TuningFrozen", d.reason),
+        "resumed": ("Normal", "TuningResumed", f"freeze lifted; tuning again: {d.reason}"),
+        "static": ("Warning", "TuningStatic", d.reason),
+        "recovered": ("Normal", "TuningRecovered", f"metrics are back; tuning again: {d.reason}"),
+    }
+    return [events[t] for t in tick.transitions]

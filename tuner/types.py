@@ -182,7 +182,7 @@ class Decision:
     time: float
     config: TunedConfig | None
     reason: str
-    kind: str  # change | revert | hold | missing | idle | cooldown | init
+    kind: str  # change | revert | hold | missing | idle | cooldown | init | frozen
     predicted_goodput: float | None = None
     observed_goodput: float | None = None
     slo_attainment: float | None = None

@@ -49,14 +49,17 @@ def write_random_llama(folder: Path, sizes: dict, dtype: torch.dtype, device: to
 
 
 def measure_decode(folder: Path, batches: list[int], device: str, dtype: str, steps: tuple[int, int],
-                   copy_gbs: float, num_params: int, sizes: dict) -> dict:
+                   copy_gbs: float, num_params: int, sizes: dict, tensor_parallel_size: int = 1) -> dict:
+    """Decode tokens/s per batch size against the roofline of one device's copy bandwidth (with TP=N each
+    device streams 1/N of the weights, so the roofline is N times higher: reported as measured/roofline)."""
     from specfleet.engine import LLM, SamplingParams
 
     llm = LLM(model=f"file://{folder}", attention_backend="triton", device=device, dtype=dtype,
+              tensor_parallel_size=tensor_parallel_size,
               max_model_len=min(1024, sizes["max_position_embeddings"]), max_num_seqs=max(batches), max_num_batched_tokens=max(2048, max(batches) * 16),
               enable_prefix_caching=False, **({"kv_cache_gib": 0.05} if device == "cpu" else {}))
     bytes_per_param = torch.finfo(getattr(torch, dtype)).bits // 8
-    weight_bytes = num_params * bytes_per_param
+    weight_bytes = num_params * bytes_per_param // tensor_parallel_size  # what one device streams per step
     kv_per_token = (2 * sizes["num_hidden_layers"] * sizes["num_key_value_heads"]
                     * sizes["hidden_size"] // sizes["num_attention_heads"] * bytes_per_param)
     prompt_len = 16
@@ -84,5 +87,7 @@ def measure_decode(folder: Path, batches: list[int], device: str, dtype: str, st
         result["decode_tok_s"][str(batch)] = tok_s
         result["roofline_tok_s"][str(batch)] = roofline
         result["fraction_of_roofline"][str(batch)] = tok_s / roofline
-        print(f"engine decode batch={batch}: {tok_s:.1f} tok/s, roofline {roofline:.1f} tok/s", flush=True)
+        print(f"engine decode tp={tensor_parallel_size} batch={batch}: {tok_s:.1f} tok/s, roofline "
+              f"{roofline:.1f} tok/s", flush=True)
+    llm.close()
     return result

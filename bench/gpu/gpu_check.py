@@ -23,6 +23,7 @@ sys.path.insert(0, str(HERE))
 
 import engine_decode  # noqa: E402
 import kernel_checks  # noqa: E402
+import quant_check  # noqa: E402
 from specfleet.bench import kernels_bench  # noqa: E402
 
 DRY_RUN = os.environ.get("DRY_RUN", "0") == "1"
@@ -102,9 +103,30 @@ def main() -> int:
         report.update(result)
         report["batch1_half_roofline_met"] = result["fraction_of_roofline"]["1"] >= 0.5
 
+    def quant_matmul() -> None:
+        report["quant_matmul"] = quant_check.run(device, DRY_RUN, report.get("copy_bandwidth_gbs"))
+        print(f"quant matmul: {report['quant_matmul']['passed']}/{report['quant_matmul']['cases']} passed")
+
+    def tp2() -> None:
+        gpus = torch.cuda.device_count() if device.type == "cuda" else 0
+        if device.type == "cuda" and gpus < 2:
+            report["tp2_decode"] = {"skipped": f"tensor parallelism needs 2 GPUs; this machine has {gpus}"}
+            return
+        # DRY_RUN: two CPU ranks over gloo, which checks this section itself
+        sizes = engine_decode.TINY if DRY_RUN else engine_decode.FULL
+        dtype = "float32" if DRY_RUN else "bfloat16"
+        folder = Path(tempfile.gettempdir()) / ("specfleet-llama-tiny" if DRY_RUN else "specfleet-llama-1b")
+        num_params = engine_decode.write_random_llama(folder, sizes, getattr(torch, dtype), device)
+        copy = report.get("copy_bandwidth_gbs") or 1.0
+        report["tp2_decode"] = engine_decode.measure_decode(
+            folder, [1, 2] if DRY_RUN else [1, 64], device.type, dtype, (2, 4) if DRY_RUN else (16, 80), copy,
+            num_params, sizes, tensor_parallel_size=2)
+
     section("kernel_tests", kernels)
     section("bandwidth", bandwidth)
+    section("quant_matmul", quant_matmul)
     section("engine_decode", engine)
+    section("tp2_decode", tp2)
     print(f"wrote {OUT / 'gpu.json'}; errors: {list(report['errors']) or 'none'}")
     return 0
 

@@ -13,12 +13,14 @@ layer runs on torch ops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from specfleet.engine.attention.base import AttentionBackend, AttentionMetadata
 from specfleet.kernels import cpu_native
+from specfleet.kernels.quantized import QuantTensor, cat_rows
 
 
 @dataclass(frozen=True)
@@ -95,15 +97,25 @@ class Ops:
                  quantize: str | None = None):
         if native is None:
             native = device.type == "cpu" and dtype == torch.float32 and cpu_native.available()
-        if quantize and not native:
+        if quantize and not native and not (quantize in ("awq", "gptq") and device.type == "cuda"):
             raise ValueError(f"quantization={quantize!r} needs the native CPU kernels (float32 on CPU, g++ "
                              "available; see the log for why they did not build)")
         self.native, self.quantize = native, quantize
+        self.device, self.dtype = device, dtype
 
-    def linear(self, weight: torch.Tensor, bias: torch.Tensor | None = None):
-        """weight: [out, in] as checkpoints store it."""
+    def linear(self, weight: torch.Tensor | QuantTensor, bias: torch.Tensor | None = None):
+        """weight: [out, in] as checkpoints store it, or a checkpoint's quantized weight (GGUF, AWQ, GPTQ),
+        which stays quantized: native kernel on CPU, Triton dequantize-matmul on CUDA."""
+        if isinstance(weight, QuantTensor):
+            if self.native:
+                return cpu_native.QuantLinear(weight, bias)
+            if self.device.type == "cuda":
+                from specfleet.kernels.quant_matmul import TritonQuantLinear
+
+                return TritonQuantLinear(weight, bias, self.device, self.dtype)
+            raise ValueError(f"{weight.fmt} weights need the native CPU kernels or CUDA")
         if self.native:
-            return cpu_native.PackedLinear(weight.t(), bias, quantize=self.quantize)
+            return cpu_native.PackedLinear(weight.t(), bias, quantize="int8" if self.quantize == "int8" else None)
         return TorchLinear(weight.t(), bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -126,12 +138,22 @@ class LlamaLayer:
         qkv_bias = None
         if args.qkv_bias:
             qkv_bias = torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"], dim=0)
-        self.qkv = ops.linear(torch.cat([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"], dim=0), qkv_bias)
+        self.qkv = ops.linear(cat_rows([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]), qkv_bias)
         self.o = ops.linear(weights["self_attn.o_proj.weight"])
-        self.gate_up = ops.linear(torch.cat([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]], dim=0))
+        self.gate_up = ops.linear(cat_rows([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
         self.down = ops.linear(weights["mlp.down_proj.weight"])
         self.qk_size = (args.num_heads + args.num_kv_heads) * args.head_dim
         self.scale = args.head_dim**-0.5
+        # Tensor parallelism (engine/distributed): o and down then hold a slice of their input columns, so
+        # their outputs are partial sums that `reduce` adds across ranks; the residual is added once, by the
+        # rank that `owns_residual`.
+        self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self.owns_residual = True
+
+    def _row_parallel(self, linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        if self.reduce is None:
+            return linear(x, residual=residual)
+        return self.reduce(linear(x, residual=residual if self.owns_residual else None))
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn: AttentionBackend):
         a, ops = self.args, self.ops
@@ -143,22 +165,25 @@ class LlamaLayer:
         v = qkv[:, self.qk_size :].view(tokens, a.num_kv_heads, a.head_dim)
         attn.write_kv(k, v, k_cache, v_cache, meta)
         o = attn.forward(q, k_cache, v_cache, meta, self.scale)
-        x = self.o(o.reshape(tokens, -1), residual=x)
+        x = self._row_parallel(self.o, o.reshape(tokens, -1), x)
         h = self.gate_up(ops.rms_norm(x, self.post_norm, a.rms_norm_eps))
-        return self.down(ops.silu_mul(h), residual=x)
+        return self._row_parallel(self.down, ops.silu_mul(h), x)
 
 
 class LlamaModel:
     """Plain tensors, no nn.Module: weights are loaded once and never trained."""
 
-    def __init__(self, config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 native: bool | None = None, quantize: str | None = None):
+    def __init__(self, config, state: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype,
+                 device: torch.device, native: bool | None = None, quantize: str | None = None):
         self.args = args = LlamaArgs.from_hf(config)
         self.ops = ops = Ops(dtype, device, native, quantize)
-        state = {k.removeprefix("model."): v.to(device=device, dtype=dtype) for k, v in state.items()}
+        state = {k.removeprefix("model."): v if isinstance(v, QuantTensor) else v.to(device=device, dtype=dtype)
+                 for k, v in state.items()}
         self.embed = state["embed_tokens.weight"]
         self.norm = state["norm.weight"].contiguous()
-        lm_head = self.embed if args.tie_word_embeddings or "lm_head.weight" not in state else state["lm_head.weight"]
+        lm_head = state.get("lm_head.weight")
+        if lm_head is None or (args.tie_word_embeddings and not isinstance(lm_head, QuantTensor)):
+            lm_head = self.embed  # a quantized head of a tied model is the checkpoint's quantized embedding
         self.lm_head = ops.linear(lm_head)
         self.layers = []
         for i in range(args.num_layers):
@@ -176,12 +201,15 @@ class LlamaModel:
         meta: AttentionMetadata,
         attn: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden]
-        x = self.embed.index_select(0, input_ids)
+        x = self.embed_tokens(input_ids)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, k_cache, v_cache, meta, attn)
         return x
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
+        return self.embed.index_select(0, input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(self.ops.rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()

@@ -63,6 +63,7 @@ async def _submit(state: ServerState, ids: list[str], prompts: list[Any], params
             streams.append(await state.async_engine.generate(request_id, prompt, params, kv_transfer_params))
     except QueueFullError as exc:
         _close(streams)
+        state.metrics.refuse("queue_full")
         raise APIError(429, f"{exc}; retry later", code="queue_full",
                        headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from exc
     except ParameterError as exc:

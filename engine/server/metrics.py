@@ -19,6 +19,9 @@ TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.0
                          0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
+# Why a request was turned away before the engine took it: 429 queue_full (`--max-waiting` requests wait),
+# 503 draining (SIGTERM received) or 503 not_ready (the model is still loading). The `code` of the error body.
+REFUSAL_REASONS = ("queue_full", "draining", "not_ready")
 
 _COUNTERS = {  # name without _total -> (help, EngineStats attribute)
     "specfleet_prompt_tokens": ("Prompt tokens computed", "prompt_tokens"),
@@ -64,6 +67,8 @@ class ServerMetrics:
         }
         self.success = Counter("specfleet_request_success", "Finished requests by finish reason",
                                ["model_name", "finished_reason"], registry=r)
+        self.refused = Counter("specfleet_requests_refused", "Requests refused before admission (429 or 503), "
+                               "by reason: " + ", ".join(REFUSAL_REASONS), ["model_name", "reason"], registry=r)
         self.accepted_per_pos = Counter("specfleet_spec_decode_accepted_tokens_per_pos",
                                         "Accepted speculative tokens by draft position",
                                         ["model_name", "position"], registry=r)
@@ -71,6 +76,8 @@ class ServerMetrics:
         self._seen_per_pos: list[int] = []
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
+        for reason in REFUSAL_REASONS:
+            self.refused.labels(model_name, reason)
         for metric in (*self.counters.values(), self.ttft, self.tpot, self.itl, self.e2e, self.queue_time,
                        self.step_duration, self.batch_size, self.running, self.waiting, self.kv_usage,
                        *self.live.values()):
@@ -99,6 +106,12 @@ class ServerMetrics:
             if total > self._seen_per_pos[pos]:
                 self.accepted_per_pos.labels(m, str(pos)).inc(total - self._seen_per_pos[pos])
                 self._seen_per_pos[pos] = total
+
+    def refuse(self, reason: str) -> None:
+        """Count one request answered 429/503 before admission; `reason` is one of REFUSAL_REASONS."""
+        if reason not in REFUSAL_REASONS:
+            raise ValueError(f"refusal reason {reason!r} is not one of {REFUSAL_REASONS}")
+        self.refused.labels(self.model_name, reason).inc()
 
     def set_live_config(self, config: LiveConfig) -> None:
         for name, value in config.as_dict().items():

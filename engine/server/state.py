@@ -36,9 +36,11 @@ class ServerState:
     def check_accepting(self) -> None:
         """503 + Retry-After while not ready or draining (new work goes to another replica)."""
         if self.draining:
+            self.metrics.refuse("draining")
             raise APIError(503, "server is shutting down (draining); retry on another replica",
                            code="draining", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
         if not self.ready:
+            self.metrics.refuse("not_ready")
             raise APIError(503, "model is not loaded yet", code="not_ready", headers={"Retry-After": "1"})
 
     def check_model(self, model: str | None) -> None:

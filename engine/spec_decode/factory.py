@@ -18,7 +18,8 @@ def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel | None:
         return None
     draft_config = replace(config, model=config.draft_model, speculative_method="none", num_speculative_tokens=0,
                            draft_model=None, quantization=config.draft_quantization, draft_quantization=None,
-                           max_model_len=target.max_model_len)
+                           max_model_len=target.max_model_len, tensor_parallel_size=1,
+                           pipeline_parallel_size=1)  # the draft runs whole, on rank 0
     draft = load_model(draft_config, device=target.model.device)
     check_same_vocabulary(target.tokenizer, draft.tokenizer, config.draft_model)
     if draft.model.args.vocab_size != target.model.args.vocab_size:

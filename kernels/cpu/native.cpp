@@ -8,6 +8,9 @@
 //     each thread streams its panels front to back; up to 8 rows share every weight load.
 //   - sf_linear_i8: the same over int8 weights with one scale per output column (a quantized draft
 //     model reads a quarter of the bytes); x and the accumulation stay float32.
+//   - sf_linear_q4 / sf_linear_q8g: grouped weight-only quantization (GGUF Q4_0/Q4_1/Q4_K/Q8_0, AWQ,
+//     GPTQ, all repacked to one layout): 4-bit or int8 codes in the same panels, a scale and a min per
+//     (group of input rows, output column), dequantized in registers; x stays float32.
 //   - sf_paged_attention_f32: causal attention of short queries (decode, speculative verification)
 //     over the paged cache in place, one (sequence, kv head) per task, online softmax per block.
 //   - sf_rms_norm_f32, sf_silu_mul_f32: the small elementwise ops of a layer, one pass each.
@@ -43,6 +46,31 @@ inline v16 load(const int8_t* p) {
   return v16{lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
 #else
   return __builtin_convertvector(*reinterpret_cast<const c16u*>(p), v16);
+#endif
+}
+// 16 IEEE halfs (as their bits) -> 16 floats.
+inline v16 load(const uint16_t* p) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  const __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  const __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  return v16{lo[0], lo[1], lo[2], lo[3], lo[4], lo[5], lo[6], lo[7], hi[0], hi[1], hi[2], hi[3], hi[4], hi[5], hi[6], hi[7]};
+#else
+  v16 out;
+  for (int i = 0; i < 16; ++i) {
+    const uint32_t h = p[i], sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1F, man = h & 0x3FF;
+    float f;
+    if (exp == 0) {
+      f = std::ldexp(static_cast<float>(man), -24);
+    } else if (exp == 31) {
+      f = man ? NAN : INFINITY;
+    } else {
+      f = std::ldexp(static_cast<float>(man | 0x400), static_cast<int>(exp) - 25);
+    }
+    out[i] = (sign ? -f : f);
+  }
+  return out;
 #endif
 }
 inline void store(float* p, v16 v) { *reinterpret_cast<v16u*>(p) = v; }
@@ -83,6 +111,10 @@ constexpr int kRows = 8;  // 16 accumulators + 2 weight vectors fit in 32 zmm re
 constexpr int kRows = 4;
 #endif
 
+template <int R>
+inline void store_tile(const v16* a0, const v16* a1, const float* scale, const float* bias, const float* res,
+                       int64_t ldr, float* y, int64_t ldy, int cols);
+
 // R rows of x against one panel: y[r, 0:cols] = (x[r] @ panel) (* scale) (+ bias) (+ residual).
 template <int R, typename W>
 inline void linear_tile(const float* x, int64_t ldx, int64_t K, const W* w, const float* scale,
@@ -99,6 +131,13 @@ inline void linear_tile(const float* x, int64_t ldx, int64_t K, const W* w, cons
       a1[r] += xv * w1;
     }
   }
+  store_tile<R>(a0, a1, scale, bias, res, ldr, y, ldy, cols);
+}
+
+// y[r, 0:cols] = acc[r] (* scale) (+ bias) (+ residual): the end of every tile.
+template <int R>
+inline void store_tile(const v16* a0, const v16* a1, const float* scale, const float* bias, const float* res,
+                       int64_t ldr, float* y, int64_t ldy, int cols) {
   for (int r = 0; r < R; ++r) {
     v16 b0 = a0[r], b1 = a1[r];
     if (scale) {
@@ -154,11 +193,101 @@ void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* panels, 
   }
 }
 
+// 16 bytes -> 16 floats of their low nibbles (lo) and of their high nibbles (hi).
+inline void load_nibbles(const uint8_t* p, v16& lo, v16& hi) {
+#if defined(__AVX512F__)
+  const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)), mask = _mm_set1_epi8(0x0F);
+  lo = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, mask)));
+  hi = (v16)_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), mask)));
+#else
+  for (int i = 0; i < 16; ++i) {
+    lo[i] = static_cast<float>(p[i] & 0x0F);
+    hi[i] = static_cast<float>(p[i] >> 4);
+  }
+#endif
+}
+
+// R rows of x against one grouped-quantized panel. Q4: codes are [K / 2][32] bytes, byte (k / 2, c)
+// holding column c of row k in its low nibble and of row k + 1 in its high nibble; otherwise int8
+// [K][32]. scale and mins are [K / G][32]: W[k, c] = code * scale[k / G, c] (+ mins[k / G, c]).
+template <int R, bool Q4, typename S>
+inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* codes, const S* scale,
+                         const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
+                         int64_t ldy, int cols) {
+  v16 a0[R], a1[R];
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
+  for (int64_t g0 = 0; g0 < K; g0 += G) {
+    const v16 s0 = load(scale), s1 = load(scale + 16);
+    const v16 m0 = mins ? load(mins) : splat(0.0f), m1 = mins ? load(mins + 16) : splat(0.0f);
+    scale += kPanel;
+    if (mins) mins += kPanel;
+    if constexpr (Q4) {
+      const uint8_t* c = static_cast<const uint8_t*>(codes) + g0 / 2 * kPanel;
+      for (int64_t k = g0; k < g0 + G; k += 2, c += kPanel) {
+        v16 w0, w1, v0, v1;  // w: row k, v: row k + 1; 0: columns 0-15, 1: columns 16-31
+        load_nibbles(c, w0, v0);
+        load_nibbles(c + 16, w1, v1);
+        w0 = w0 * s0 + m0, w1 = w1 * s1 + m1, v0 = v0 * s0 + m0, v1 = v1 * s1 + m1;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const float xa = x[r * ldx + k], xb = x[r * ldx + k + 1];
+          a0[r] += xa * w0 + xb * v0;
+          a1[r] += xa * w1 + xb * v1;
+        }
+      }
+    } else {
+      const int8_t* c = static_cast<const int8_t*>(codes) + g0 * kPanel;
+#pragma GCC unroll 2
+      for (int64_t k = g0; k < g0 + G; ++k, c += kPanel) {
+        const v16 w0 = load(c) * s0 + m0, w1 = load(c + 16) * s1 + m1;
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const float xv = x[r * ldx + k];
+          a0[r] += xv * w0;
+          a1[r] += xv * w1;
+        }
+      }
+    }
+  }
+  store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
+}
+
+template <bool Q4, typename S, int R = kRows>
+inline void qlinear_rows(int rows, const float* x, int64_t ldx, int64_t K, const void* codes, const S* scale,
+                         const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
+                         int64_t ldy, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return qlinear_tile<R, Q4, S>(x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return qlinear_rows<Q4, S, R - 1>(rows, x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+  }
+}
+
+template <bool Q4, typename S>
+void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* codes, const S* scale,
+             const S* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+             int64_t ldy, int threads) {
+  const int64_t np = (N + kPanel - 1) / kPanel, groups = K / G;
+  const int64_t panel_bytes = Q4 ? K / 2 * kPanel : K * kPanel;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t p = 0; p < np; ++p) {
+    const void* c = static_cast<const uint8_t*>(codes) + p * panel_bytes;
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+    const S* s = scale + p * groups * kPanel;
+    const S* mn = mins ? mins + p * groups * kPanel : nullptr;
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
+      qlinear_rows<Q4, S>(rows, x + m0 * ldx, ldx, K, c, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
+                       y + m0 * ldy + p * kPanel, ldy, cols);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int sf_abi_version() { return 2; }
+int sf_abi_version() { return 4; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -170,6 +299,30 @@ void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const floa
 void sf_linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* panels, const float* scale,
                   int64_t N, const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
   linear(x, M, K, ldx, panels, scale, N, bias, res, ldr, y, ldy, threads);
+}
+
+// As sf_linear_f32 over 4-bit codes in groups of G input rows (G even, K a multiple of G):
+// W[k, n] = code[k, n] * scale[k / G, n] + mins[k / G, n]; layout in qlinear_tile. scale and mins are
+// float32, or IEEE halfs when half_scales (GGUF's own fp16 d and m: a bit per weight less to stream).
+void sf_linear_q4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const void* scale,
+                  const void* mins, int half_scales, int64_t G, int64_t N, const float* bias, const float* res,
+                  int64_t ldr, float* y, int64_t ldy, int threads) {
+  if (half_scales)
+    return qlinear<true>(x, M, K, ldx, codes, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(mins),
+                         G, N, bias, res, ldr, y, ldy, threads);
+  qlinear<true>(x, M, K, ldx, codes, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
+                res, ldr, y, ldy, threads);
+}
+
+// The same over int8 codes (GGUF Q8_0): W[k, n] = code[k, n] * scale[k / G, n] (+ mins[k / G, n]).
+void sf_linear_q8g(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* codes, const void* scale,
+                   const void* mins, int half_scales, int64_t G, int64_t N, const float* bias, const float* res,
+                   int64_t ldr, float* y, int64_t ldy, int threads) {
+  if (half_scales)
+    return qlinear<false>(x, M, K, ldx, codes, static_cast<const uint16_t*>(scale),
+                          static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
+  qlinear<false>(x, M, K, ldx, codes, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
+                 res, ldr, y, ldy, threads);
 }
 
 // y [M, D] = x * rsqrt(mean(x^2) + eps) * w, the order transformers' RMSNorm uses.

@@ -59,6 +59,12 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
         "--kv-cache-memory-fraction", str(spec.engine.kv_cache_memory_fraction),
         "--drain-timeout", str(spec.engine.drain_timeout_seconds),
     ]
+    if spec.model.quantization != "none":
+        args += ["--quantization", spec.model.quantization]
+    if spec.engine.tensor_parallel_size > 1:  # the engine spawns its ranks in the pod, one GPU each
+        args += ["--tensor-parallel-size", str(spec.engine.tensor_parallel_size)]
+    if spec.engine.pipeline_parallel_size > 1:
+        args += ["--pipeline-parallel-size", str(spec.engine.pipeline_parallel_size)]
     if method != "none" and spec.speculative.disable_by_batch_size:
         args += ["--speculative-disable-by-batch-size", str(spec.speculative.disable_by_batch_size)]
     if draft_uri is not None:

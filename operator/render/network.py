@@ -8,13 +8,17 @@ from ..config import OperatorConfig
 from ..inference_service import InferenceService
 from ..resources import ADMIN_PORT, ENGINE_PORT, selector_labels
 from .common import child_metadata
+from .slo import slo_relabelings, slo_service_labels
 
 
 def render_service(isvc: InferenceService) -> dict[str, Any]:
+    """The engines' Service; its labels also carry the SLO thresholds to Prometheus (`slo.py`)."""
+    metadata = child_metadata(isvc, isvc.name)
+    metadata["labels"].update(slo_service_labels(isvc))
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": child_metadata(isvc, isvc.name),
+        "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
             "selector": selector_labels(isvc.name),
@@ -53,7 +57,8 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
         "spec": {
             "selector": {"matchLabels": selector_labels(isvc.name)},
             "namespaceSelector": {"matchNames": [isvc.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval}],
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval,
+                           "relabelings": slo_relabelings()}],
         },
     }
 

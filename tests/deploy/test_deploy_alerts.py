@@ -17,7 +17,6 @@ from specfleet.operator.spec import SLOSpec
 REPO = Path(__file__).resolve().parents[2]
 RULES = REPO / "deploy" / "monitoring" / "prometheus-rules.yaml"
 RULE_TESTS = Path(__file__).with_name("prometheus-rules.test.yaml")
-CRS = REPO / "deploy" / "monitoring" / "kube-state-metrics-crs.yaml"
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 CRD = REPO / "crds" / "inferenceservice.yaml"
 PROMTOOL = shutil.which("promtool")
@@ -97,39 +96,52 @@ def test_every_alert_links_an_existing_runbook_section() -> None:
         assert alert["labels"]["severity"] in ("critical", "warning"), alert["alert"]
 
 
-def test_slo_thresholds_are_the_crd_defaults_and_bucket_bounds() -> None:
+def test_default_slo_thresholds_are_the_crd_defaults_and_bucket_bounds() -> None:
+    """A target without the operator's SLO labels is measured against the CRD's default spec.slo."""
     text = RULES.read_text()
-    for metric, default_ms, buckets in [
-        ("specfleet_time_to_first_token_seconds", SLOSpec().ttft_p95_ms, LATENCY_BUCKETS),
-        ("specfleet_time_per_output_token_seconds", SLOSpec().tpot_p95_ms, TOKEN_LATENCY_BUCKETS),
+    for label, default_ms, buckets in [
+        ("slo_ttft_seconds", SLOSpec().ttft_p95_ms, LATENCY_BUCKETS),
+        ("slo_tpot_seconds", SLOSpec().tpot_p95_ms, TOKEN_LATENCY_BUCKETS),
     ]:
-        bounds = set(re.findall(re.escape(metric) + r'_bucket\{le="([^"]+)"\}', text))
-        assert bounds == {repr(default_ms / 1000)}, (metric, bounds)
-        assert default_ms / 1000 in buckets, f"{default_ms} ms is not a bucket bound of {metric}"
+        defaults = set(re.findall(rf'"{label}", "([^"]*)", "{label}", ""\)', text))
+        assert defaults == {f"{default_ms / 1000:g}"}, (label, defaults)
+        assert default_ms / 1000 in buckets, f"{default_ms} ms is not a bucket bound"
+    assert "_bucket{le=" not in text  # no hard-coded threshold left: each target's own label decides
 
 
-def test_inferenceservice_series_come_from_the_kube_state_metrics_config() -> None:
-    config = yaml.safe_load(CRS.read_text())["spec"]["resources"]
-    (resource,) = config
-    prefix = resource["metricNamePrefix"]
-    declared = {f"{prefix}_{m['name']}" for m in resource["metrics"]}
-    used = set(re.findall(prefix + r"_\w+", RULES.read_text()))
-    assert used and used <= declared, used - declared
-    assert set(resource["labelsFromPath"]) == {"namespace", "service"}
-    # every path the config reads exists in the CRD's schema
-    schema = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
-    for metric in resource["metrics"]:
-        node = schema
-        for key in metric["each"]["gauge"]["path"]:
-            node = node["items"] if node.get("type") == "array" else node
-            assert key in node.get("properties", {}) or (key in ("generation", "namespace", "name")
-                                                          and node.get("type") == "object"), (metric["name"], key)
-            node = node.get("properties", {}).get(key, {})
-        node = node.get("items", node)
-        for key in [*metric["each"]["gauge"].get("labelsFromPath", {}).values(),
-                    metric["each"]["gauge"].get("valueFrom", [])]:
-            if key:
-                assert key[0] in node.get("properties", {}), (metric["name"], key)
+def test_the_operator_labels_what_the_per_service_rule_tests_feed_in() -> None:
+    """The promtool tests' `strict` and `lenient` services carry the labels the operator writes for
+    spec.slo {250 ms, 25 ms} and {1000 ms, 100 ms} (Service labels, copied by the ServiceMonitor)."""
+    from specfleet.operator import load_inference_service
+    from specfleet.operator.render import render_service, render_servicemonitor
+
+    tested = {(m.group(1), m.group(2), m.group(3)) for m in re.finditer(
+        r'service="(strict|lenient)", pod="[^"]+", (slo_t\w+_seconds)="([^"]+)"', RULE_TESTS.read_text())}
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    doc["metadata"].update(namespace="ns", uid="u")
+    rendered = set()
+    for name, ttft, tpot in (("strict", 250, 25), ("lenient", 1000, 100)):
+        doc["metadata"]["name"], doc["spec"]["slo"] = name, {"ttftP95Ms": ttft, "tpotP95Ms": tpot}
+        isvc = load_inference_service(doc)
+        labels = render_service(isvc)["metadata"]["labels"]
+        for relabel in render_servicemonitor(isvc)["spec"]["endpoints"][0]["relabelings"]:
+            key = next(k for k in labels if "__meta_kubernetes_service_label_" +
+                       re.sub(r"[^a-zA-Z0-9]", "_", k) == relabel["sourceLabels"][0])
+            rendered.add((name, relabel["targetLabel"], labels[key]))
+    assert tested == rendered
+
+
+def test_inferenceservice_and_tuner_series_are_the_operators_own_metrics() -> None:
+    """The alerts on an InferenceService's state read only series the operator exports (operator/metrics.py),
+    labelled like the engines' (`namespace`, `service`): no kube-state-metrics custom-resource config."""
+    from prometheus_client import Gauge
+    from specfleet.operator import metrics
+
+    gauges = {g._name: set(g._labelnames) for g in vars(metrics).values() if isinstance(g, Gauge)}  # noqa: SLF001
+    used = set(re.findall(r"(?<![\w:])(specfleet_(?:inferenceservice|tuner)_\w+)", RULES.read_text()))
+    assert used and used <= set(gauges), used - set(gauges)
+    assert all({"namespace", "service"} <= gauges[name] for name in used), gauges
+    assert "kube_state_metrics" not in RULES.read_text() and "customresource" not in RULES.read_text().lower()
 
 
 def test_engine_series_in_the_rules_exist() -> None:
@@ -140,5 +152,5 @@ def test_engine_series_in_the_rules_exist() -> None:
     registry = CollectorRegistry()
     ServerMetrics("m", registry)
     exported = {s.name for family in registry.collect() for s in family.samples}
-    used = set(re.findall(r"(?<![\w:])(specfleet_(?!inferenceservice_)\w+)", RULES.read_text()))
+    used = set(re.findall(r"(?<![\w:])(specfleet_(?!inferenceservice_|tuner_)\w+)", RULES.read_text()))
     assert used and used <= exported, used - exported

@@ -20,6 +20,8 @@ PROMETHEUS_RULE_CRD = REPO / "tests" / "fixtures" / "crds" / "prometheus-operato
 NS = "specfleet-system"
 ON = {"monitoring": {"prometheusRule": {"enabled": True, "requireCRD": False,
                                         "labels": {"release": "kube-prometheus-stack"}},
+                     "podMonitor": {"enabled": True, "requireCRD": False,
+                                    "labels": {"release": "kube-prometheus-stack"}},
                      "grafanaDashboard": {"enabled": True, "namespace": "monitoring",
                                           "annotations": {"grafana_folder": "specfleet"}}}}
 
@@ -44,6 +46,27 @@ def test_the_chart_ships_the_same_files_as_deploy_monitoring(name: str) -> None:
 def test_monitoring_is_off_by_default() -> None:
     objects = render(None)
     assert kinds(objects, "PrometheusRule") == [] and kinds(objects, "ConfigMap") == []
+    assert kinds(objects, "PodMonitor") == []
+    assert kinds(render({"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor") == []  # no CRD served
+
+
+def test_pod_monitor_scrapes_the_operators_metrics_port_keeping_its_labels() -> None:
+    """The PodMonitor selects the operator's pod and its `metrics` port, where `--metrics-port` serves;
+    honorLabels keeps the series' own `namespace`/`service` (the InferenceService's, not the operator's).
+    Checked against the rendered Deployment; the PodMonitor CRD itself is not vendored here."""
+    objects = render(ON)
+    (monitor,) = kinds(objects, "PodMonitor")
+    (deployment,) = kinds(objects, "Deployment")
+    pod = deployment["spec"]["template"]
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1" and monitor["metadata"]["namespace"] == NS
+    assert monitor["metadata"]["labels"]["release"] == "kube-prometheus-stack"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= pod["metadata"]["labels"].items()
+    (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
+    assert endpoint["honorLabels"] is True and endpoint["path"] == "/metrics"
+    (container,) = pod["spec"]["containers"]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert f"--metrics-port={ports[endpoint['port']]}" in container["args"]
+    assert ports["metrics"] != ports["health"]
 
 
 def test_prometheus_rule_waits_for_the_crd() -> None:

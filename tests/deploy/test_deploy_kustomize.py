@@ -76,7 +76,7 @@ def test_kustomize_ships_the_generated_crd_and_the_examples(folder: str) -> None
     (crd,) = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
     assert crd == yaml.safe_load(CRD.read_text()), (
         "deploy/kustomize/base/crds/inferenceservice.yaml is stale: "
-        "cp crds/inferenceservice.yaml deploy/kustomize/base/crds/")
+        "run `python -m specfleet.operator.crd`")
     (namespace,) = [o for o in objects if o["kind"] == "Namespace"]
     assert namespace["metadata"]["name"] == NAMESPACE
     services = [o for o in objects if o["kind"] == "InferenceService"]

@@ -31,3 +31,5 @@ def test_dry_run_writes_every_figure(tmp_path: Path) -> None:
     for key in ("copy_bandwidth_gbs", "paged_decode_bw_fraction", "decode_tok_s", "roofline_tok_s"):
         assert key in report, key
     assert set(report["decode_tok_s"]) == {"1", "2"}
+    assert report["quant_matmul"]["passed"] == report["quant_matmul"]["cases"] > 0
+    assert set(report["tp2_decode"]["decode_tok_s"]) == {"1", "2"}  # two CPU ranks over gloo

@@ -120,8 +120,11 @@ INVALID = {
     "maxNumSeqs outside bounds": ({"spec.batching.maxNumSeqs": 300, "spec.batching.maxNumBatchedTokens": 4096,
                                    "spec.autotune": AUTOTUNE}, "maxNumSeqs"),
     "token budget below seqs": ({"spec.batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "maxNumBatchedTokens"),
-    "tensor parallel (not implemented)": ({"spec.engine.tensorParallelSize": 2, "spec.resources.gpus": 2},
-                                          "tensor parallelism is not implemented yet"),
+    "gpus not tp x pp": ({"spec.engine.tensorParallelSize": 2, "spec.resources.gpus": 1}, "resources.gpus must be 0"),
+    "tensor and pipeline at once": ({"spec.engine.tensorParallelSize": 2, "spec.engine.pipelineParallelSize": 2,
+                                     "spec.resources.gpus": 4}, "one split at a time"),
+    "quantized and split": ({"spec.engine.pipelineParallelSize": 2, "spec.resources.gpus": 2,
+                             "spec.model.quantization": "int8"}, "model.quantization runs in one process"),
     "unknown method": ({"spec.speculative.method": "medusa"}, "medusa"),
     "block size not a power of two": ({"spec.engine.blockSize": 24}, "24"),
     "unsupported source scheme": ({"spec.model.source": "s3://bucket/model"}, "s3://"),
@@ -131,6 +134,9 @@ INVALID = {
     "name not a DNS label": ({"metadata.name": "Bad_Name"}, "name"),
     "misspelled field": ({"spec.speculative.k": 4}, "k"),
     "bounds with three numbers": ({"spec.autotune": {"bounds": {"maxNumSeqs": [1, 2, 3]}}}, "maxNumSeqs"),
+    "pin outside bounds": ({"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
+                           "pins.maxNumSeqs"),
+    "pin below the knob's minimum": ({"spec.autotune": {"pins": {"maxNumSeqs": 0}}}, "maxNumSeqs"),
 }
 
 
@@ -170,11 +176,12 @@ def _accepted_by_model(doc: dict[str, Any]) -> bool:
     autotune=st.booleans(),
     k_bounds=st.tuples(st.integers(0, 10), st.integers(0, 10)),
     tp=st.integers(1, 3),
-    gpus=st.integers(0, 3),
+    pp=st.integers(1, 2),
+    gpus=st.integers(0, 4),
 )
 def test_crd_and_model_agree_on_cross_field_rules(
     replicas: int, seqs: int, tokens: int, k: int, method: str, draft: bool, autotune: bool,
-    k_bounds: tuple[int, int], tp: int, gpus: int,
+    k_bounds: tuple[int, int], tp: int, pp: int, gpus: int,
 ) -> None:
     changes: dict[str, Any] = {
         "spec.replicas": replicas,
@@ -183,6 +190,7 @@ def test_crd_and_model_agree_on_cross_field_rules(
                              **({"draftModel": {"source": "bundled://smollm2-135m-instruct"}} if draft else {})},
         "spec.autotune": {"enabled": autotune, "bounds": {"numSpeculativeTokens": list(k_bounds)}},
         "spec.engine.tensorParallelSize": tp,
+        "spec.engine.pipelineParallelSize": pp,
         "spec.resources.gpus": gpus,
     }
     doc = _with(changes)

@@ -146,6 +146,35 @@ def test_int8_copy_of_the_target_as_draft() -> None:
     assert flag(args, "--draft-quantization") == "int8"
 
 
+@pytest.mark.parametrize("quantization", ["gguf", "awq", "none"])
+def test_model_quantization_reaches_the_engine_command_line(quantization: str) -> None:
+    from typing import get_args
+
+    from specfleet.engine.config import QUANTIZATIONS
+    from specfleet.operator.spec import ModelSpec
+
+    assert set(get_args(ModelSpec.model_fields["quantization"].annotation)) == {"none", *filter(None, QUANTIZATIONS)}
+    isvc = isvc_from("smollm2-cpu.yaml", model__quantization=quantization)
+    args = engine(render_deployment(isvc, CONFIG))["args"]
+    assert (flag(args, "--quantization") if "--quantization" in args else "none") == quantization
+
+
+@pytest.mark.parametrize(("example", "split", "size"), [("llama3-8b-ngram-gpu.yaml", "tensor", 2),
+                                                        ("llama3-8b-ngram-gpu.yaml", "pipeline", 4),
+                                                        ("smollm2-cpu.yaml", "tensor", 3)])
+def test_a_split_model_gets_one_gpu_per_rank_and_its_flag(example: str, split: str, size: int) -> None:
+    gpus = 0 if "cpu" in example else size
+    isvc = isvc_from(example, resources__gpus=gpus, **{f"engine__{split}ParallelSize": size})
+    pod = render_deployment(isvc, CONFIG)["spec"]["template"]["spec"]
+    c = engine({"spec": {"template": {"spec": pod}}})
+    parser = build_parser()
+    config = engine_config_kwargs(parser.parse_args(c["args"]))
+    assert config[f"{split}_parallel_size"] == size  # the engine's own parser reads what the pod passes
+    assert c["resources"]["limits"].get("nvidia.com/gpu", "0") == str(gpus)
+    assert {"name": "dshm", "mountPath": "/dev/shm"} in c["volumeMounts"]  # gloo/NCCL need shared memory
+    assert [v for v in pod["volumes"] if v["name"] == "dshm"][0]["emptyDir"]["medium"] == "Memory"
+
+
 def test_disable_by_batch_size_reaches_the_engine_command_line() -> None:
     isvc = isvc_from("smollm2-cpu.yaml", speculative__method="ngram", speculative__disableByBatchSize=8)
     args = engine(render_deployment(isvc, CONFIG))["args"]
@@ -202,7 +231,31 @@ def test_service_selects_the_deployments_pods() -> None:
     assert service["spec"]["ports"][0]["port"] == 8000
     monitor = render_servicemonitor(isvc)
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
-    assert monitor["spec"]["endpoints"][0] == {"port": "http", "path": "/metrics", "interval": "15s"}
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert {k: endpoint[k] for k in ("port", "path", "interval")} == {"port": "http", "path": "/metrics",
+                                                                       "interval": "15s"}
+
+
+@pytest.mark.parametrize(("ttft_ms", "tpot_ms", "ttft", "tpot"), [
+    (500, 50, "0.5", "0.05"),  # the CRD's defaults: exact bucket bounds
+    (1000, 100, "1", "0.1"),  # "1", never "1.0": the rules strip a bucket's trailing ".0"
+    (300, 27, "0.25", "0.025"),  # between two bounds: the lower one (stricter, never a missing bucket)
+    (1, 1, "0.001", "0.001"),  # the smallest SLO the CRD allows is the smallest bound
+    (600000, 60000, "80", "5"),  # above the top bound: the top bound
+])
+def test_service_carries_its_slo_as_bucket_bounds_and_the_monitor_copies_them(
+        ttft_ms: int, tpot_ms: int, ttft: str, tpot: str) -> None:
+    from specfleet.engine.server.metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
+
+    isvc = isvc_from("smollm2-cpu.yaml", slo__ttftP95Ms=ttft_ms, slo__tpotP95Ms=tpot_ms)
+    labels = render_service(isvc)["metadata"]["labels"]
+    assert (labels["specfleet.io/slo-ttft-seconds"], labels["specfleet.io/slo-tpot-seconds"]) == (ttft, tpot)
+    assert float(ttft) in LATENCY_BUCKETS and float(tpot) in TOKEN_LATENCY_BUCKETS
+    relabel = render_servicemonitor(isvc)["spec"]["endpoints"][0]["relabelings"]
+    assert {r["targetLabel"]: r["sourceLabels"] for r in relabel} == {
+        "slo_ttft_seconds": ["__meta_kubernetes_service_label_specfleet_io_slo_ttft_seconds"],
+        "slo_tpot_seconds": ["__meta_kubernetes_service_label_specfleet_io_slo_tpot_seconds"],
+    }
 
 
 def test_secret_holds_the_token_and_is_immutable() -> None:

@@ -64,6 +64,14 @@ class Policy:
         self.guard = self._guard_at(demand, obs.engines)
         return decision
 
+    def freeze(self, obs: Observation, by: str) -> Decision:
+        """Frozen by a person (`by` says how): no decision. A change on probation is dropped (its window is
+        no longer the tuner's to judge), and the cooldown restarts at every frozen interval, so the first
+        windows after the freeze, which may mix a config set by hand, are not read as the tuner's."""
+        self.probation = None
+        self.last_change = obs.time
+        return Decision(obs.time, None, reasons.frozen(by, self.current or obs.config), "frozen")
+
     def rejected(self, now: float, config: TunedConfig, error: str) -> Decision:
         """The engines refused `config` (a ceiling the bounds did not know): go back and never retry it."""
         previous = self.before_change if self.current == config else self.current

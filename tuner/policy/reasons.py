@@ -24,6 +24,11 @@ def fail_static(why: str, held: TunedConfig | None) -> str:
     return why + (f"; holding {held.short()} (fail static)" if held is not None else "")
 
 
+def frozen(by: str, held: TunedConfig | None) -> str:
+    what = held.short() if held is not None else "what the engines run"
+    return f"frozen by {by}: holding {what}; no change and nothing pushed until the freeze is lifted"
+
+
 # -- steps 1-2: nothing to decide on ----------------------------------------------------------------
 
 def no_observation(obs: Observation | None) -> str:

@@ -1,0 +1,241 @@
+"""`specfleet bench quant`: what quantized weights cost in quality and buy in single-stream speed.
+
+quality: perplexity on a fixed public-domain text (bench/data/, ~3.8k tokens, scored in 512-token windows
+through the engine's prompt logprobs) and greedy agreement with float32 over the built-in prompt sets
+(bench/prompts.py: 64 greedy tokens each; `agree_prefix` is the mean fraction of tokens before the first
+divergence, `exact` the share of prompts identical to float32), for every weight form the engine runs:
+float32, int8, the bundled GGUF as stored (Q4_1 projections, Q8_0 head), the bundled model's float32
+weights re-quantized with gguf-py's quantizers to Q4_0 and Q8_0, and 4-bit groups of 64 with zero points
+(the form AWQ and GPTQ checkpoints run in; plain round-to-nearest here, without their calibration).
+Q4_K needs input sizes that are multiples of 256, and this model's 576 is not (llama.cpp falls back per
+tensor too): it is reported as not applicable.
+
+speed: c=1 decode TPOT (one request, 64 greedy tokens after a short prompt; medians of --runs) of
+float32, int8 and gguf in one run, with a breakdown of one decode step: the decoder layers, the head
+(final norm + vocabulary projection), and everything else (scheduling, sampling, Python).
+
+Ends stdout with the JSON on one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from specfleet.bench.prompts import chat_prompts, grounded_prompts
+from specfleet.engine import LLM, SamplingParams
+
+BUNDLED = "bundled://smollm2-135m-instruct"
+TEXT = Path(__file__).with_name("data") / "pride_and_prejudice_ch1-3.txt"
+WINDOW = 512  # tokens scored per request: the text in independent windows, each from its own start
+GREEDY_TOKENS = 64
+
+
+def requantized(kind: str):
+    """A read_quantized stand-in that quantizes the bundled model's float32 projections to `kind`."""
+    import numpy as np
+    from specfleet.engine.model_loader import load_state_dict
+    from specfleet.kernels.quantized import QuantTensor
+
+    def read(path, hf_config):
+        from specfleet.engine.model_loader import resolve_model
+
+        state = load_state_dict(resolve_model(BUNDLED).path)
+        out = {}
+        for name, w in state.items():
+            key = name.removeprefix("model.")
+            if not key.endswith("_proj.weight") and key != "embed_tokens.weight":
+                continue
+            if key == "embed_tokens.weight":  # the tied head: Q8_0 as in the bundled file; AWQ/GPTQ keep it float
+                if kind == "int4-g64":
+                    continue
+                key, kind_here = "lm_head.weight", "Q8_0"
+            else:
+                kind_here = kind
+            if kind_here in ("Q4_0", "Q8_0"):
+                import gguf
+                from specfleet.engine.quant.gguf_blocks import decode
+
+                raw = gguf.quants.quantize(w.numpy(), gguf.GGMLQuantizationType[kind_here])
+                out[key] = decode(np.ascontiguousarray(raw), kind_here, tuple(w.shape))
+            else:  # int4 groups of 64, asymmetric round-to-nearest
+                n, k = w.shape
+                g = w.reshape(n, k // 64, 64)
+                lo, hi = g.amin(-1).clamp(max=0), g.amax(-1).clamp(min=0)
+                scale = ((hi - lo) / 15).clamp(min=1e-8).half().float()
+                zero = torch.round(-lo / scale).clamp(0, 15)
+                codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
+                out[key] = QuantTensor(codes.reshape(n, k).to(torch.uint8), scale, -zero * scale, 64, 4, "int4-g64")
+        return out
+
+    return read
+
+
+@contextmanager
+def weights(kind: str):
+    """Engine kwargs for one weight form; re-quantized forms swap the GGUF reader for the run."""
+    import specfleet.engine.quant.gguf_file as gguf_file
+
+    original = gguf_file.read_quantized
+    if kind in ("Q4_0", "Q8_0", "int4-g64"):
+        gguf_file.read_quantized = requantized(kind)
+    try:
+        yield {"fp32": {}, "int8": {"quantization": "int8"}}.get(kind, {"quantization": "gguf"})
+    finally:
+        gguf_file.read_quantized = original
+
+
+def perplexity(llm: LLM) -> float:
+    ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
+    windows = [ids[i : i + WINDOW] for i in range(0, len(ids) - 1, WINDOW) if len(ids[i : i + WINDOW]) > 1]
+    results = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+    nll = [-p.logprob for r in results for p in r.prompt_logprobs[1:]]
+    return math.exp(sum(nll) / len(nll))
+
+
+def greedy(llm: LLM, prompts: list[str]) -> list[list[int]]:
+    params = SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS, ignore_eos=True)
+    return [r.outputs[0].token_ids for r in llm.generate(prompts, params, use_tqdm=False)]
+
+
+def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
+    prefix = []
+    for a, b in zip(ref, got):
+        n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        prefix.append(n / len(a))
+    return {"agree_prefix": round(statistics.mean(prefix), 4), "exact": round(sum(a == b for a, b in zip(ref, got))
+                                                                              / len(ref), 4)}
+
+
+def quality(kinds: list[str]) -> dict:
+    prompts = chat_prompts() + grounded_prompts()[:8]
+    out, reference = {}, None
+    for kind in kinds:
+        with weights(kind) as kw:
+            llm = LLM(model=BUNDLED, max_model_len=2048, kv_cache_gib=0.5, **kw)
+            start = time.perf_counter()
+            row = {"perplexity": round(perplexity(llm), 4)}
+            tokens = greedy(llm, prompts)
+            if reference is None:
+                reference = tokens
+            row.update(agreement(reference, tokens))
+            row["seconds"] = round(time.perf_counter() - start, 1)
+            out[kind] = row
+            print(kind, row, flush=True)
+            del llm
+    out["Q4_K"] = {"not_applicable": "input sizes 576 are not multiples of 256 (K-quants need 256-value rows)"}
+    return out
+
+
+class StepTimer:
+    """Wraps the model's forward and logits to split one decode step's wall time."""
+
+    def __init__(self, model):
+        self.model, self.layers, self.head = model, 0.0, 0.0
+        self._forward, self._logits = model.forward, model.logits
+
+        def forward(*a, **k):
+            t = time.perf_counter()
+            try:
+                return self._forward(*a, **k)
+            finally:
+                self.layers += time.perf_counter() - t
+
+        def logits(*a, **k):
+            t = time.perf_counter()
+            try:
+                return self._logits(*a, **k)
+            finally:
+                self.head += time.perf_counter() - t
+
+        model.forward, model.logits = forward, logits
+
+
+def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
+    if threads:  # on a shared machine 1 thread avoids OpenMP barriers waiting on a descheduled thread
+        from specfleet.kernels import cpu_native
+
+        torch.set_num_threads(threads)
+        cpu_native.set_num_threads(threads)
+    prompt = "Tell me about the history of Rome."
+    out = {}
+    for kind in kinds:
+        with weights(kind) as kw:
+            llm = LLM(model=BUNDLED, max_model_len=1024, kv_cache_gib=0.2, **kw)
+            timer = StepTimer(llm.engine.runner.model)
+            tpots, layers, head = [], [], []
+            greedy(llm, [prompt])  # warm-up
+            for _ in range(runs):
+                timer.layers = timer.head = 0.0
+                t0 = time.perf_counter()
+                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)
+                t1 = time.perf_counter()
+                prefill_layers, prefill_head = timer.layers, timer.head
+                timer.layers = timer.head = 0.0
+                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS + 1, ignore_eos=True),
+                             use_tqdm=False)
+                t2 = time.perf_counter()
+                # The two runs differ only by GREEDY_TOKENS decode steps: their difference is decode alone.
+                tpots.append(((t2 - t1) - (t1 - t0)) / GREEDY_TOKENS * 1e3)
+                layers.append((timer.layers - prefill_layers) / GREEDY_TOKENS * 1e3)
+                head.append((timer.head - prefill_head) / GREEDY_TOKENS * 1e3)
+            model = llm.engine.runner.model
+            row = {"tpot_ms_p50": round(statistics.median(tpots), 2), "tpot_ms_all": [round(t, 2) for t in tpots],
+                   "step_layers_ms": round(statistics.median(layers), 2), "step_head_ms": round(statistics.median(head), 2),
+                   "weight_bytes_mb": round(weight_bytes(model) / 1e6, 1)}
+            row["step_other_ms"] = round(row["tpot_ms_p50"] - row["step_layers_ms"] - row["step_head_ms"], 2)
+            out[kind] = row
+            print(kind, row, flush=True)
+            del llm
+    base = out.get("fp32", {}).get("tpot_ms_p50")
+    if base:
+        for row in out.values():
+            row["tpot_ratio_vs_fp32"] = round(row["tpot_ms_p50"] / base, 3)
+    return out
+
+
+def weight_bytes(model) -> int:
+    """Bytes of the matmul weights one decode step streams (panels, scales, mins)."""
+    total = 0
+    for layer in [*model.layers, model]:
+        for linear in vars(layer).values():
+            for attr in ("panels", "codes", "scales", "mins", "scale"):
+                t = getattr(linear, attr, None)
+                if isinstance(t, torch.Tensor):
+                    total += t.numel() * t.element_size()
+    return total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="specfleet bench quant", description=__doc__.split("\n\n")[0])
+    parser.add_argument("mode", choices=["quality", "speed"])
+    parser.add_argument("--kinds", default=None, help="comma-separated subset (quality: fp32,int8,gguf,Q4_0,Q8_0,"
+                        "int4-g64; speed: fp32,int8,gguf)")
+    parser.add_argument("--runs", type=int, default=5, help="speed: timed runs per form (the median is reported)")
+    parser.add_argument("--threads", type=int, default=None, help="speed: torch and native kernel threads")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.mode == "quality":
+        kinds = (args.kinds or "fp32,int8,gguf,Q4_0,Q8_0,int4-g64").split(",")
+        result = {"bench": "quant-quality", "text": TEXT.name, "window": WINDOW, "greedy_tokens": GREEDY_TOKENS,
+                  "results": quality(kinds)}
+    else:
+        kinds = (args.kinds or "fp32,int8,gguf").split(",")
+        result = {"bench": "quant-speed", "concurrency": 1, "output_tokens": GREEDY_TOKENS, "runs": args.runs,
+                  "threads": torch.get_num_threads() if not args.threads else args.threads,
+                  "results": speed(kinds, args.runs, args.threads)}
+    line = json.dumps(result)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2))
+    print(line)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

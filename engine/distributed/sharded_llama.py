@@ -1,0 +1,65 @@
+"""One tensor-parallel rank's llama: the rank's slice of the weights (sharding.py) in an ordinary
+LlamaModel whose forward pass adds the collectives.
+
+The rank's model is built from a copy of the Hugging Face config with the rank's head counts and vocab
+shard, so LlamaModel itself (fused q/k/v, native kernels, rotary) runs unchanged on the slice; its KV
+cache holds only the rank's KV heads. Activations between layers are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import replace
+
+import torch
+from specfleet.engine.distributed.comm import RankGroup
+from specfleet.engine.distributed.sharding import ShardPlan, plan, shard_state
+from specfleet.engine.models.llama import LlamaArgs, LlamaModel
+
+
+def shard_plan(hf_config, size: int, rank: int) -> ShardPlan:
+    full = LlamaArgs.from_hf(hf_config)
+    return plan(full.num_heads, full.num_kv_heads, full.intermediate_size, full.vocab_size, size, rank)
+
+
+def rank_config(hf_config, p: ShardPlan):
+    """The config of the rank's slice: its heads, MLP width and vocab shard; head_dim stays the model's."""
+    full = LlamaArgs.from_hf(hf_config)
+    local = copy.deepcopy(hf_config)
+    local.num_attention_heads = len(p.heads)
+    local.num_key_value_heads = len(p.kv_heads)
+    local.intermediate_size = len(p.intermediate)
+    local.vocab_size = p.vocab_shard
+    local.head_dim = full.head_dim
+    return local
+
+
+class ShardedLlama(LlamaModel):
+    """A LlamaModel over one rank's slice; `args.vocab_size` is the whole vocabulary (logits are gathered)."""
+
+    def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
+                 group: RankGroup, native: bool | None = None):
+        self.plan = p = shard_plan(hf_config, group.size, group.rank)
+        head_dim = LlamaArgs.from_hf(hf_config).head_dim
+        super().__init__(rank_config(hf_config, p), shard_state(state, p, head_dim), dtype, device, native)
+        self.group = group
+        self.vocab_size = hf_config.vocab_size
+        self.args = replace(self.args, vocab_size=self.vocab_size)  # the runner sees gathered logits
+        for layer in self.layers:
+            layer.reduce = group.all_reduce
+            layer.owns_residual = group.rank == 0
+
+    def describe(self) -> str:
+        return f"heads {self.plan.heads.start}-{self.plan.heads.stop - 1}, KV heads " \
+               f"{self.plan.kv_heads.start}-{self.plan.kv_heads.stop - 1}"
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        start = self.plan.vocab.start
+        local = input_ids - start
+        mine = (local >= 0) & (local < self.plan.vocab_shard)
+        x = self.embed.index_select(0, local.clamp(0, self.plan.vocab_shard - 1))
+        x = x * mine.unsqueeze(1).to(x.dtype)  # rows of other ranks' tokens are zero before the sum
+        return self.group.all_reduce(x)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.group.all_gather_last(super().logits(hidden))[:, : self.vocab_size]

@@ -1,0 +1,188 @@
+"""Processes of a split model: rank 0 is the engine's own process, ranks 1.. are workers it spawns.
+
+A model is split either by tensor parallelism (`ShardedLlama`: every rank holds a slice of every layer)
+or by pipeline parallelism (`StageLlama`: every rank holds a run of layers); both at once is not
+supported yet. The engine's scheduler runs once, on rank 0. `SplitModel` stands where the runner expects
+a model: each `forward` call (and with tensor parallelism each `logits` call) is sent to every worker over
+a pipe (the step's ids, positions and attention metadata, a few KB), then run on rank 0's own part; the
+communication inside the forward pass meets the workers' identical calls. Each rank keeps its own paged KV cache with its KV heads, allocated on the
+first step with the block count rank 0 chose. Workers are started with the `spawn` method (a fork would
+copy rank 0's threads and CUDA state) and load and slice the checkpoint themselves.
+
+A worker that dies makes rank 0's next collective fail (gloo sees the closed connection; NCCL times out
+after COLLECTIVE_TIMEOUT_S): rank 0 then raises `WorkerDied` naming the rank and its exit code, instead of
+hanging. A worker whose pipe closes (rank 0 gone) exits.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing.connection
+import os
+import socket
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
+from specfleet.engine.distributed.comm import GroupAddress, RankGroup, backend_for
+from specfleet.engine.distributed.pipeline import StageLlama
+from specfleet.engine.distributed.sharded_llama import ShardedLlama
+
+log = logging.getLogger("specfleet.engine.distributed")
+
+# How long rank 0 waits for a worker to load its slice and join the group before giving up.
+STARTUP_TIMEOUT_S = 600.0
+
+
+class WorkerDied(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _threads_per_rank(size: int) -> int:
+    """CPU ranks share the machine's cores: each gets an equal budget, at least one thread."""
+    return max(1, (os.cpu_count() or 1) // size)
+
+
+def _load_part(model_path: str, split: str, dtype: torch.dtype, device: torch.device, group: RankGroup,
+               native: bool | None) -> ShardedLlama | StageLlama:
+    """The rank's part of the checkpoint: a tensor-parallel slice or a pipeline stage."""
+    from pathlib import Path
+
+    from specfleet.engine.model_loader import load_hf_config, load_state_dict
+
+    path = Path(model_path)
+    cls = ShardedLlama if split == "tensor" else StageLlama
+    return cls(load_hf_config(path), load_state_dict(path), dtype, device, group, native)
+
+
+def _worker_main(rank: int, address: GroupAddress, model_path: str, split: str, dtype: torch.dtype,
+                 device_type: str, native: bool | None, conn: multiprocessing.connection.Connection) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
+    torch.set_num_threads(_threads_per_rank(address.size))
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    group = RankGroup(address, rank)
+    model = _load_part(model_path, split, dtype, device, group, native)
+    conn.send(("ready", rank))
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+    attn = None
+    try:
+        with torch.inference_mode():
+            while True:
+                try:
+                    command, *payload = conn.recv()
+                except EOFError:
+                    return  # rank 0 is gone
+                if command == "stop":
+                    return
+                if command == "forward":
+                    input_ids, positions, meta, (num_blocks, block_size, backend) = payload
+                    if not kv_caches:
+                        a = model.args
+                        shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
+                        kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
+                                      torch.zeros(shape, dtype=dtype, device=device)) for _ in range(a.num_layers)]
+                        attn = get_attention_backend(backend, device, dtype)
+                    meta = _to(meta, device)
+                    attn.prepare(meta)
+                    model.forward(input_ids.to(device), positions.to(device), kv_caches, meta, attn)
+                elif command == "logits":
+                    (hidden,) = payload
+                    model.logits(hidden.to(device))
+    finally:
+        group.close()
+
+
+def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    if device.type == "cpu":
+        return meta
+    return replace(meta, **{f: getattr(meta, f).to(device)
+                            for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+
+
+class SplitModel:
+    """Rank 0's model: its own part, and the workers driven in lockstep with it.
+
+    split: "tensor" (tensor parallelism over `size` ranks) or "pipeline" (`size` stages)."""
+
+    def __init__(self, model_path: str, split: str, size: int, dtype: torch.dtype, device: torch.device,
+                 native: bool | None = None):
+        if split not in ("tensor", "pipeline"):
+            raise ValueError(f"split={split!r} is not 'tensor' or 'pipeline'")
+        if device.type == "cuda" and torch.cuda.device_count() < size:
+            raise ValueError(f"{split}_parallel_size={size} needs {size} CUDA devices; "
+                             f"{torch.cuda.device_count()} visible")
+        self.split = split
+        address = GroupAddress("127.0.0.1", _free_port(), size, backend_for(device))
+        ctx = mp.get_context("spawn")
+        self._procs: list[Any] = []
+        self._conns: list[multiprocessing.connection.Connection] = []
+        for rank in range(1, size):
+            ours, theirs = ctx.Pipe()
+            proc = ctx.Process(target=_worker_main, name=f"specfleet-tp-rank{rank}", daemon=True,
+                               args=(rank, address, model_path, split, dtype, device.type, native, theirs))
+            proc.start()
+            theirs.close()
+            self._procs.append(proc)
+            self._conns.append(ours)
+        if device.type == "cuda":
+            device = torch.device("cuda", 0)
+        self.group = RankGroup(address, 0)
+        self.local = _load_part(model_path, split, dtype, device, self.group, native)
+        for rank, conn in enumerate(self._conns, start=1):
+            if not conn.poll(STARTUP_TIMEOUT_S):
+                raise WorkerDied(self._death(f"rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f}s"))
+            conn.recv()
+        self.args, self.embed = self.local.args, self.local.embed
+        self.dtype, self.device = self.local.dtype, self.local.device
+        log.info("event=split_model_ready split=%s size=%d backend=%s rank0=%s", split, size, address.backend,
+                 self.local.describe())
+
+    def _send(self, message: tuple) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(message)
+            except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
+                raise WorkerDied(self._death(f"could not send a step ({exc})")) from exc
+
+    def _death(self, what: str) -> str:
+        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self._procs, 1) if not p.is_alive()]
+        return f"{self.split}-parallel worker failure: {what}; {', '.join(dead) or 'all workers still running'}"
+
+    def _run(self, call, *args):
+        try:
+            return call(*args)
+        except RuntimeError as exc:  # a collective that lost a peer
+            raise WorkerDied(self._death(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)) from exc
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, attn):
+        cache = (kv_caches[0][0].shape[0], kv_caches[0][0].shape[1], attn.name)
+        self._send(("forward", input_ids.cpu(), positions.cpu(), _to(replace(meta, backend_state=None),
+                                                                      torch.device("cpu")), cache))
+        return self._run(self.local.forward, input_ids, positions, kv_caches, meta, attn)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.split == "tensor":  # vocab-parallel lm_head: every rank computes its shard
+            self._send(("logits", hidden.cpu()))
+        return self._run(self.local.logits, hidden)
+
+    def close(self) -> None:
+        for conn in self._conns:
+            try:
+                conn.send(("stop",))
+            except OSError:
+                pass
+        for proc in self._procs:
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()
+        self.group.close()

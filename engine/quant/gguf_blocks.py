@@ -1,0 +1,74 @@
+"""GGUF quantization blocks -> `QuantTensor`, for the block types the kernels run natively.
+
+Layouts (llama.cpp ggml-common.h; gguf-py quants.py is the reference the tests compare against):
+  Q4_0 (18 bytes / 32 values): fp16 d, 16 bytes; byte j = value j (low nibble), value j + 16 (high);
+       W = d * (q - 8), so scale d and min -8 d.
+  Q4_1 (20 bytes / 32): fp16 d, fp16 m, 16 nibble bytes as Q4_0; W = d * q + m.
+  Q8_0 (34 bytes / 32): fp16 d, 32 int8; W = d * q.
+  Q4_K (144 bytes / 256): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 nibble bytes
+       (per 64 values: 32 bytes, low nibbles the first 32, high nibbles the next 32); sub-block j of 32
+       values: W = d * sc_j * q - dmin * m_j, so a group of 32 with scale d * sc_j and min -dmin * m_j.
+Every form decodes exactly: each scale and min is the same float32 product the reference dequantizer forms.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from specfleet.kernels.quantized import QuantTensor
+
+BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+NATIVE_TYPES = tuple(BLOCK_BYTES)
+
+
+def _f16(raw: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+
+
+def _nibbles_32(qs: np.ndarray) -> np.ndarray:
+    """[..., 16] bytes -> [..., 32] codes: the low nibbles, then the high ones."""
+    return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def decode(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantTensor:
+    """raw: [N, bytes per row] uint8 as gguf's reader returns it; shape: (N, K) in torch order."""
+    if type_name not in BLOCK_BYTES:
+        raise ValueError(f"GGUF type {type_name} is not run natively; native types: {', '.join(NATIVE_TYPES)}")
+    n, k = shape
+    values, nbytes = BLOCK_BYTES[type_name]
+    if k % values or raw.shape != (n, k // values * nbytes):
+        raise ValueError(f"GGUF {type_name} tensor {shape}: raw blocks {raw.shape} do not match "
+                         f"{values}-value blocks of {nbytes} bytes")
+    blocks = raw.reshape(n, k // values, nbytes)
+    if type_name == "Q8_0":
+        codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
+        return QuantTensor(torch.from_numpy(codes.copy()), torch.from_numpy(_f16(blocks[..., :2])[..., 0]),
+                           None, 32, 8, "gguf:Q8_0")
+    if type_name in ("Q4_0", "Q4_1"):
+        d = _f16(blocks[..., :2])[..., 0]
+        if type_name == "Q4_0":
+            m, qs = -8.0 * d, blocks[..., 2:]
+        else:
+            m, qs = _f16(blocks[..., 2:4])[..., 0], blocks[..., 4:]
+        codes = _nibbles_32(qs).reshape(n, k)
+        return QuantTensor(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m.astype(np.float32)),
+                           32, 4, f"gguf:{type_name}")
+    # Q4_K
+    d = _f16(blocks[..., 0:2])
+    dmin = _f16(blocks[..., 2:4])
+    sc, mn = q4k_scale_min(blocks[..., 4:16])
+    qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    scales = (d * sc.astype(np.float32)).reshape(n, k // 32)
+    mins = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
+    return QuantTensor(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), 32, 4, "gguf:Q4_K")
+
+
+def q4k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """[..., 12] bytes -> eight 6-bit scales and eight 6-bit mins, [..., 8] each (ggml get_scale_min_k4):
+    bytes 0-3 and 4-7 hold scales and mins 0-3 in their low 6 bits and the top 2 bits of 4-7; bytes 8-11
+    hold the low 4 bits of scales (low nibble) and mins (high nibble) 4-7."""
+    a, b, c = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return sc, mn

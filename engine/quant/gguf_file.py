@@ -1,0 +1,158 @@
+"""A GGUF file's quantized linear weights, kept quantized, under the Hugging Face names the model reads.
+
+Only the projections (q, k, v, o, gate, up, down, and the output head) are taken; embeddings and norms
+come from the float32 folder converted once by model_loader (an embedding is a row lookup, not a
+matmul). Tensors of types the kernels do not run (Q5_K, Q6_K, F16, ...) are left out, so they keep the
+float32 path. With tied embeddings and no ``output.weight`` the head reuses ``token_embd`` as llama.cpp
+does.
+
+llama.cpp's converter permutes the rows of Q and K (``permute`` in convert_hf_to_gguf.py) so that its
+rotary embedding can rotate adjacent pairs; the engine rotates halves as transformers does, so the rows
+are put back (transformers' ``reverse_permute_weights``: K uses the KV head count). A row permutation
+touches whole rows, so it is done on the codes, scales and mins without dequantizing.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from specfleet.engine.quant.gguf_blocks import BLOCK_BYTES, decode
+from specfleet.kernels.quantized import QuantTensor
+
+log = logging.getLogger("specfleet.engine.loader")
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+
+
+def hf_name(gguf_name: str) -> str | None:
+    """``blk.3.attn_q.weight`` -> ``layers.3.self_attn.q_proj.weight``; None for what is not a projection."""
+    if gguf_name == "output.weight":
+        return "lm_head.weight"
+    parts = gguf_name.split(".")
+    if len(parts) == 4 and parts[0] == "blk" and parts[2] in _LAYER_NAMES and parts[3] == "weight":
+        return f"layers.{parts[1]}.{_LAYER_NAMES[parts[2]]}.weight"
+    return None
+
+
+def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
+    """Row index that undoes llama.cpp's q/k permutation: hf_weight = gguf_weight[index]."""
+    return torch.arange(rows).reshape(heads, rows // heads // 2, 2).transpose(1, 2).reshape(rows)
+
+
+# GGUF metadata value types (gguf-py GGUFValueType) -> fixed byte sizes; 8 = string, 9 = array.
+_SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
+_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}  # ggml_type ids of the natively run types
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    type_id: int
+    shape: tuple[int, ...]  # ne order: innermost (input) dimension first
+    offset: int  # from the start of the file
+
+
+def tensor_infos(path: Path) -> list[TensorInfo]:
+    """The tensor directory of a GGUF (v2/v3) file. gguf-py's reader also decodes every metadata value
+    (a 49k-token vocabulary is ~100k numpy views, tens of seconds on a small CPU); this skips them."""
+    data = memoryview(_head(path))
+    pos = 0
+
+    def take(fmt: str):
+        nonlocal pos
+        out = struct.unpack_from("<" + fmt, data, pos)
+        pos += struct.calcsize("<" + fmt)
+        return out[0] if len(out) == 1 else out
+
+    def string() -> str:
+        nonlocal pos
+        n = take("Q")
+        pos += n
+        return bytes(data[pos - n : pos]).decode()
+
+    def skip_value(vtype: int) -> None:
+        nonlocal pos
+        if vtype == 8:
+            n = take("Q")  # not `pos += take(...)`: that would add to the position before the length
+            pos += n
+        elif vtype == 9:
+            item, count = take("I"), take("Q")
+            if item in _SCALAR_BYTES:
+                pos += _SCALAR_BYTES[item] * count
+            else:
+                for _ in range(count):
+                    skip_value(item)
+        else:
+            pos += _SCALAR_BYTES[vtype]
+
+    magic, version, n_tensors, n_kv = take("4s"), take("I"), take("Q"), take("Q")
+    if magic != b"GGUF" or version < 2:
+        raise ValueError(f"{path}: not a GGUF v2+ file (magic {magic!r}, version {version})")
+    alignment = 32
+    for _ in range(n_kv):
+        key, vtype = string(), take("I")
+        if key == "general.alignment":
+            alignment = take("I")
+        else:
+            skip_value(vtype)
+    infos = []
+    for _ in range(n_tensors):
+        name, n_dims = string(), take("I")
+        shape = tuple(take("Q") for _ in range(n_dims))
+        infos.append((name, take("I"), shape, take("Q")))
+    start = -(-pos // alignment) * alignment
+    return [TensorInfo(name, t, shape, start + off) for name, t, shape, off in infos]
+
+
+def _head(path: Path) -> bytes:
+    """The file up to the end of its tensor directory (metadata is a few MB at most; read 64 MB to be safe,
+    or the whole file when smaller)."""
+    with path.open("rb") as f:
+        return f.read(64 << 20)
+
+
+def read_quantized(path: Path, hf_config) -> dict[str, QuantTensor]:
+    """Projection weights of the file whose type the kernels run natively, by Hugging Face name."""
+    heads = hf_config.num_attention_heads
+    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    infos = tensor_infos(path)
+    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    out: dict[str, QuantTensor] = {}
+    skipped: dict[int, int] = {}
+    embed = None
+    for t in infos:
+        name = hf_name(t.name)
+        if name is None and t.name != "token_embd.weight":
+            continue
+        if t.type_id not in _TYPE_NAMES or len(t.shape) != 2:
+            skipped[t.type_id] = skipped.get(t.type_id, 0) + 1
+            continue
+        type_name = _TYPE_NAMES[t.type_id]
+        k, n = t.shape
+        values, nbytes = BLOCK_BYTES[type_name]
+        raw = np.asarray(blob[t.offset : t.offset + n * (k // values) * nbytes]).reshape(n, -1)
+        q = decode(raw, type_name, (n, k))
+        if t.name == "token_embd.weight":
+            embed = q
+            continue
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            q = q.select_rows(unpermute_rows(n, heads if "q_proj" in name else kv_heads))
+        out[name] = q
+    if "lm_head.weight" not in out and embed is not None and not any(t.name == "output.weight" for t in infos):
+        out["lm_head.weight"] = embed
+    log.info("event=gguf_quantized file=%s native=%d float32_fallback_ggml_types=%s", path.name, len(out),
+             skipped or "none")
+    return out

@@ -1,0 +1,111 @@
+"""One in-memory form for grouped weight-only quantization, whatever the checkpoint's format.
+
+GGUF Q4_0/Q4_1/Q4_K/Q8_0, AWQ and GPTQ all store a weight [out, in] as small integer codes with, per
+output row and group of ``group_size`` input columns, a scale and an offset:
+``W[n, k] = codes[n, k] * scales[n, k // G] + mins[n, k // G]``. The format readers (engine/quant/)
+decode each format into a `QuantTensor`; the kernels (native CPU: kernels/cpu_native.py, Triton:
+kernels/quant_matmul.py) pack it into their own layouts. Keeping one form means one kernel per code
+width instead of one per format, and one reference (`dequantize`) for every test.
+
+GPTQ act-order checkpoints quantize input columns in a permuted order; `perm` records it: the weight's
+column ``j`` multiplies ``x[:, perm[j]]``, so ``y = x[:, perm] @ W.T``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class QuantTensor:
+    codes: torch.Tensor  # [N, K] uint8 codes 0..15 (bits=4) or int8 (bits=8)
+    scales: torch.Tensor  # [N, K // group_size] float32
+    mins: torch.Tensor | None  # [N, K // group_size] float32 offsets, None for symmetric codes
+    group_size: int
+    bits: int
+    fmt: str  # where it came from ("gguf:Q4_1", "awq", "gptq"), for logs and errors
+    perm: torch.Tensor | None = None  # [K] int64 input order of the columns, None for the identity
+
+    def __post_init__(self) -> None:
+        n, k = self.codes.shape
+        if self.bits not in (4, 8):
+            raise ValueError(f"{self.fmt}: bits={self.bits} is not 4 or 8")
+        want = torch.uint8 if self.bits == 4 else torch.int8
+        if self.codes.dtype != want:
+            raise ValueError(f"{self.fmt}: {self.bits}-bit codes must be {want}, got {self.codes.dtype}")
+        if self.group_size < 2 or self.group_size % 2 or k % self.group_size:
+            raise ValueError(f"{self.fmt}: group_size={self.group_size} must be even and divide the input size {k}")
+        groups = (n, k // self.group_size)
+        for name, t in (("scales", self.scales), ("mins", self.mins)):
+            if t is not None and (tuple(t.shape) != groups or t.dtype != torch.float32):
+                raise ValueError(f"{self.fmt}: {name} must be float32 {groups}, got {t.dtype} {tuple(t.shape)}")
+        if self.perm is not None and tuple(self.perm.shape) != (k,):
+            raise ValueError(f"{self.fmt}: perm must have {k} entries, got {tuple(self.perm.shape)}")
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.codes.shape)
+
+    @property
+    def packed_bytes(self) -> int:
+        """Bytes the kernels stream per step: packed codes plus float32 scales and offsets."""
+        n, k = self.shape
+        groups = n * (k // self.group_size)
+        return n * k * self.bits // 8 + groups * 4 * (1 if self.mins is None else 2)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 weight [N, K] in the input's own column order: the reference for every kernel."""
+        g = self.group_size
+        w = self.codes.float() * self.scales.repeat_interleave(g, dim=1)
+        if self.mins is not None:
+            w += self.mins.repeat_interleave(g, dim=1)
+        if self.perm is None:
+            return w
+        out = torch.empty_like(w)
+        out[:, self.perm] = w
+        return out
+
+    def select_rows(self, index: torch.Tensor) -> QuantTensor:
+        """Output rows in a new order (undoing GGUF's q/k row permutation works on the codes as is)."""
+        return replace(self, codes=self.codes.index_select(0, index), scales=self.scales.index_select(0, index),
+                       mins=None if self.mins is None else self.mins.index_select(0, index))
+
+    @staticmethod
+    def cat(parts: Sequence[QuantTensor]) -> QuantTensor | None:
+        """Stack along the output dim (fused q/k/v, gate/up); None when the parts cannot share a kernel."""
+        first = parts[0]
+        for p in parts[1:]:
+            if (p.bits, p.group_size, p.shape[1], p.mins is None) != (
+                first.bits, first.group_size, first.shape[1], first.mins is None
+            ) or not _same_perm(p.perm, first.perm):
+                return None
+        return replace(
+            first,
+            codes=torch.cat([p.codes for p in parts]),
+            scales=torch.cat([p.scales for p in parts]),
+            mins=None if first.mins is None else torch.cat([p.mins for p in parts]),
+            fmt="+".join(dict.fromkeys(p.fmt for p in parts)),
+        )
+
+
+def _same_perm(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    return bool(torch.equal(a, b))
+
+
+def as_float(w: torch.Tensor | QuantTensor) -> torch.Tensor:
+    return w.dequantize() if isinstance(w, QuantTensor) else w
+
+
+def cat_rows(parts: Sequence[torch.Tensor | QuantTensor]) -> torch.Tensor | QuantTensor:
+    """Fuse weights along the output dim, keeping them quantized when every part shares one layout;
+    otherwise every part is dequantized (a mixed group runs on the float32 path)."""
+    if all(isinstance(p, QuantTensor) for p in parts):
+        fused = QuantTensor.cat(parts)  # type: ignore[arg-type]
+        if fused is not None:
+            return fused
+    return torch.cat([as_float(p) for p in parts], dim=0)

@@ -1,0 +1,157 @@
+"""Tensor and pipeline parallelism: the shard plan, the slices, the stages, and split engines (processes over
+gloo) against the whole model in one process."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from specfleet.engine import LLM, SamplingParams
+from specfleet.engine.distributed.pipeline import stage_layers
+from specfleet.engine.distributed.sharding import plan, shard_state
+from specfleet.engine.distributed.workers import WorkerDied
+
+
+def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_numbers():
+    # SmolLM2-135M: 9 attention heads, 3 KV heads, MLP width 1536, vocab 49152
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads"):
+        plan(9, 3, 1536, 49152, 2, 0)
+    with pytest.raises(ValueError, match="MLP width of 1536"):
+        plan(9, 3, 1536, 49152, 9, 0)
+    assert len(plan(9, 3, 1536, 49152, 3, 2).heads) == 3
+
+
+def _state(hidden=16, heads=4, kv=2, head_dim=4, inter=24, vocab=10):
+    g = torch.Generator().manual_seed(0)
+    r = lambda *shape: torch.randn(*shape, generator=g)  # noqa: E731
+    return {
+        "model.embed_tokens.weight": r(vocab, hidden),
+        "model.layers.0.self_attn.q_proj.weight": r(heads * head_dim, hidden),
+        "model.layers.0.self_attn.q_proj.bias": r(heads * head_dim),
+        "model.layers.0.self_attn.k_proj.weight": r(kv * head_dim, hidden),
+        "model.layers.0.self_attn.v_proj.weight": r(kv * head_dim, hidden),
+        "model.layers.0.self_attn.o_proj.weight": r(hidden, heads * head_dim),
+        "model.layers.0.mlp.gate_proj.weight": r(inter, hidden),
+        "model.layers.0.mlp.up_proj.weight": r(inter, hidden),
+        "model.layers.0.mlp.down_proj.weight": r(hidden, inter),
+        "model.layers.0.input_layernorm.weight": r(hidden),
+        "lm_head.weight": r(vocab, hidden),
+    }
+
+
+@pytest.mark.parametrize("size", [1, 2, 4])
+def test_the_slices_of_all_ranks_put_back_together_are_the_weights(size):
+    state, head_dim = _state(), 4
+    shards = [shard_state(state, plan(4, 2, 24, 10, size, rank), head_dim) for rank in range(size)]
+    cat = lambda name, dim: torch.cat([s[name] for s in shards], dim=dim)  # noqa: E731
+    for name in ("q_proj.weight", "q_proj.bias"):
+        assert torch.equal(cat(f"model.layers.0.self_attn.{name}", 0), state[f"model.layers.0.self_attn.{name}"])
+    assert torch.equal(cat("model.layers.0.self_attn.o_proj.weight", 1), state["model.layers.0.self_attn.o_proj.weight"])
+    for name in ("gate_proj", "up_proj"):
+        assert torch.equal(cat(f"model.layers.0.mlp.{name}.weight", 0), state[f"model.layers.0.mlp.{name}.weight"])
+    assert torch.equal(cat("model.layers.0.mlp.down_proj.weight", 1), state["model.layers.0.mlp.down_proj.weight"])
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):  # 10 rows in shards of ceil(10 / size)
+        whole = cat(name, 0)
+        assert torch.equal(whole[:10], state[name]) and not whole[10:].any()
+    assert all(torch.equal(s["model.layers.0.input_layernorm.weight"], state["model.layers.0.input_layernorm.weight"])
+               for s in shards)
+    k = state["model.layers.0.self_attn.k_proj.weight"]
+    for rank, s in enumerate(shards):  # 2 KV heads: split over 2 ranks, replicated over 4
+        p = plan(4, 2, 24, 10, size, rank)
+        assert torch.equal(s["model.layers.0.self_attn.k_proj.weight"], k[p.kv_heads.start * 4 : p.kv_heads.stop * 4])
+        group = 4 // 2  # query heads per KV head: each rank's query heads read the KV heads it holds
+        assert {h // group for h in p.heads} <= set(p.kv_heads)
+
+
+def _tiny(kind: str, tmp_path, bundled_path, vocab: int):
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
+
+    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
+                  tie_word_embeddings=kind == "llama")
+    config = {"llama": lambda: LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
+              "mistral": lambda: MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"]),
+              "qwen2": lambda: Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])}[kind]()
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    with torch.no_grad():  # random weights large enough that greedy tokens vary
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(bundled_path / name, tmp_path / name)
+    return f"file://{tmp_path}"
+
+
+PROMPTS = [[1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000], [42], [3, 1, 4, 1, 5, 9, 2, 6]]
+GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
+# Row-parallel partial sums are added in a different order than one matmul adds them: float32 logits of
+# unit-scale activations then differ in the last bits, far below this.
+LOGPROB_ATOL = 1e-3
+
+
+def _run(model: str, size: int, prompts=PROMPTS, params=GREEDY, split="tensor", preempts=False, **kwargs):
+    llm = LLM(model=model, block_size=4, **{f"{split}_parallel_size": size}, **kwargs)
+    try:
+        outs = [r.outputs[0] for r in llm.generate(prompts, params)]
+        assert (llm.engine.stats.num_preemptions > 0) == preempts
+    finally:
+        llm.close()
+    return [o.token_ids for o in outs], [[next(iter(lp.values())).logprob for lp in o.logprobs] for o in outs]
+
+
+def _same(a, b):
+    assert a[0] == b[0]
+    for x, y in zip(a[1], b[1]):
+        assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=LOGPROB_ATOL)
+
+
+@pytest.mark.parametrize(("kind", "size"), [("llama", 2), ("qwen2", 2), ("mistral", 4)])
+def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tmp_path, bundled_path):
+    # 4 query heads, 2 KV heads: TP=4 replicates each KV head on two ranks; a vocabulary of 49157 is not a
+    # multiple of 2 or 4, so the last vocab shard is padded; llama ties the embeddings, the others do not.
+    model = _tiny(kind, tmp_path, bundled_path, vocab=49157)
+    _same(_run(model, size), _run(model, 1))
+
+
+def test_tp3_on_the_bundled_model_equals_tp1_with_speculation_and_prefix_hits():
+    prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is"]  # a prefix hit
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    one = _run("bundled://smollm2-135m-instruct", 1, prompts)
+    _same(_run("bundled://smollm2-135m-instruct", 3, prompts), one)
+    _same(_run("bundled://smollm2-135m-instruct", 3, prompts, **ngram), one)
+
+
+def test_a_dead_worker_fails_the_step_with_its_rank_and_exit_code(tmp_path, bundled_path):
+    llm = LLM(model=_tiny("llama", tmp_path, bundled_path, vocab=49152), block_size=4, tensor_parallel_size=2)
+    try:
+        llm.generate([[1, 2, 3]], GREEDY)
+        worker = llm.engine.runner.model._procs[0]
+        worker.kill()
+        worker.join(timeout=10)
+        with pytest.raises(WorkerDied, match=r"rank 1 exited with code -9"):
+            llm.generate([[1, 2, 3]], GREEDY)
+    finally:
+        llm.close()
+
+
+def test_stages_are_equal_runs_of_layers():
+    assert [len(stage_layers(30, 4, s)) for s in range(4)] == [8, 8, 7, 7]
+    assert [stage_layers(30, 4, s).start for s in range(4)] == [0, 8, 16, 23]
+    with pytest.raises(ValueError, match="between 1 and the model's 2 layers"):
+        stage_layers(2, 3, 0)
+
+
+def test_pp2_on_the_bundled_model_equals_pp1_with_speculation_and_prefix_hits():
+    prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is"]
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
+    one = _run("bundled://smollm2-135m-instruct", 1, prompts)
+    _same(_run("bundled://smollm2-135m-instruct", 2, prompts, split="pipeline", **ngram), one)
+
+
+def test_pp2_equals_pp1_under_preemption(tmp_path, bundled_path):
+    # 3 sequences of up to 35 tokens in blocks of 4 need 27 blocks; 14 force preemption by recompute
+    model = _tiny("qwen2", tmp_path, bundled_path, vocab=49152)
+    tight = {"num_kv_blocks": 14, "max_model_len": 48, "max_num_seqs": 3}
+    _same(_run(model, 2, split="pipeline", preempts=True, **tight), _run(model, 1, preempts=True, **tight))

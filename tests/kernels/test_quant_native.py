@@ -1,0 +1,103 @@
+"""Grouped-quantized weights on the native CPU kernel, format by format, against torch references.
+
+Reference for GGUF: gguf-py's own dequantizer (``gguf.quants.dequantize``), then a float matmul. For AWQ
+and GPTQ: the documented ``(q - z) * s`` over the integers the test packer wrote. Shapes are odd on every
+axis the kernel tiles: rows 1, 3 and 11 (more than one 8-row tile), outputs not a multiple of 32.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from quant_packers import pack_awq, pack_gptq, pack_q4_k
+from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
+from specfleet.engine.quant.gguf_blocks import decode
+from specfleet.kernels import cpu_native
+
+gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels did not build")
+
+
+def _check_linear(q, reference_weight: torch.Tensor, rows: int, seed: int = 0) -> None:
+    n, k = reference_weight.shape
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g)
+    bias = torch.randn(n, generator=g)
+    residual = torch.randn(rows, n, generator=g)
+    layer = cpu_native.QuantLinear(q, bias)
+    expected = residual + torch.addmm(bias, x, reference_weight.t())
+    torch.testing.assert_close(layer(x, residual=residual), expected, rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(cpu_native.QuantLinear(q)(x), x @ reference_weight.t(), rtol=1e-4, atol=1e-3)
+
+
+def _gguf_roundtrip(type_name: str, w: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    qtype = gguf.GGMLQuantizationType[type_name]
+    raw = pack_q4_k(w) if type_name == "Q4_K" else gguf.quants.quantize(w, qtype)
+    return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
+
+
+@pytest.mark.parametrize("type_name,shape", [("Q4_0", (33, 96)), ("Q4_1", (7, 64)), ("Q8_0", (45, 160)),
+                                             ("Q4_K", (37, 512))])
+@pytest.mark.parametrize("rows", [1, 3, 11])
+def test_gguf_types_match_gguf_dequantize(type_name: str, shape: tuple[int, int], rows: int) -> None:
+    w = np.random.default_rng(1).normal(0, 0.5, size=shape).astype(np.float32)
+    raw, reference = _gguf_roundtrip(type_name, w)
+    q = decode(raw, type_name, shape)
+    assert q.dequantize().equal(reference)  # the decoded codes, scales and mins are exact
+    assert (q.dequantize() - torch.from_numpy(w)).abs().max() < 0.3  # and they are a quantization of w
+    _check_linear(q, reference, rows)
+    # GGUF's fp16 d and m stream as halfs; Q4_K's d * sc products need float32 to stay exact
+    assert (cpu_native.QuantLinear(q).scales.dtype == torch.float16) == (type_name != "Q4_K")
+
+
+def test_q4_k_packer_is_gguf_q4_k() -> None:
+    """The test-only Q4_K packer writes what gguf-py reads: its dequantized values approximate the input
+    to within one quantization step of each 32-value sub-block."""
+    w = np.random.default_rng(2).normal(0, 1.0, size=(3, 256)).astype(np.float32)
+    back = gguf.quants.dequantize(pack_q4_k(w), gguf.GGMLQuantizationType.Q4_K)
+    step = (w.reshape(3, 8, 32).max(-1) - np.minimum(w.reshape(3, 8, 32).min(-1), 0)) / 15
+    assert np.all(np.abs(back - w).reshape(3, 8, 32) <= step[..., None] * 1.5 + 0.05)
+
+
+def test_decode_refuses_wrong_sizes() -> None:
+    with pytest.raises(ValueError, match="do not match 32-value blocks of 20 bytes"):
+        decode(np.zeros((4, 21), dtype=np.uint8), "Q4_1", (4, 32))
+    with pytest.raises(ValueError, match="Q6_K is not run natively"):
+        decode(np.zeros((4, 210), dtype=np.uint8), "Q6_K", (4, 256))
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+@pytest.mark.parametrize("rows", [1, 11])
+def test_awq_weight_matches_documented_unpacking(group: int, rows: int) -> None:
+    w = torch.randn(72, 256, generator=torch.Generator().manual_seed(group))
+    tensors, reference = pack_awq(w, group)
+    q = awq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], {"group_size": group})
+    torch.testing.assert_close(q.dequantize(), reference, rtol=1e-6, atol=1e-6)
+    _check_linear(q, reference, rows)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+@pytest.mark.parametrize("rows", [1, 11])
+def test_gptq_weight_matches_documented_unpacking(act_order: bool, rows: int) -> None:
+    w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3))
+    tensors, reference = pack_gptq(w, 64, act_order=act_order)
+    q = gptq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], {"group_size": 64})
+    assert (q.perm is not None) == act_order
+    torch.testing.assert_close(q.dequantize(), reference, rtol=1e-6, atol=1e-6)
+    _check_linear(q, reference, rows)
+
+
+def test_awq_nibble_order_is_interleaved() -> None:
+    """One int32 holding columns 0..7 = codes 0..7: AutoAWQ puts column c at slot [0, 4, 1, 5, 2, 6, 3, 7][c]."""
+    word = sum(c << (4 * slot) for c, slot in enumerate([0, 4, 1, 5, 2, 6, 3, 7]))
+    q = awq_weight(torch.tensor([[word]] * 32, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
+                   torch.ones(1, 8, dtype=torch.float16), {"group_size": 32})
+    assert q.codes[:, 0].tolist() == list(range(8))
+
+
+def test_gptq_refuses_uneven_groups() -> None:
+    tensors, _ = pack_gptq(torch.randn(8, 64), 32)
+    g_idx = torch.zeros(64, dtype=torch.int32)
+    with pytest.raises(ValueError, match="every group exactly 32"):
+        gptq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], g_idx, {"group_size": 32})

@@ -1,0 +1,129 @@
+"""What `kubectl describe isvc` shows of the tuner, and the incident switch, as the operator runs them: the
+real kopf timer under KopfRunner, the Kubernetes API faked at its edge (tests/fake_kube.py, an HTTP server
+that records the Events posted), one real engine process as the service's pod.
+
+Sequence: no ready pod (metrics missing: TuningStatic, a Warning), the pod turns ready (TuningRecovered),
+`kubectl annotate ... specfleet.io/tuner-freeze=true` (TuningFrozen, status.tuning.frozenBy, Tuned=False
+Frozen; a config set by hand on the engine stays), the annotation removed (TuningResumed, the tuner's
+config pushed again). The fake runs no controllers and does not model Event aggregation (each post is one
+request); kopf posts Events itself.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from fake_kube import FakeKube, Rbac, wait_for
+
+from .conftest import ADMIN_TOKEN
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).parents[2]
+NS = "team-f"
+ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
+AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
+
+
+@pytest.fixture
+def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
+    server = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})).start()  # the chart's RBAC
+    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
+    server.add_namespace(NS)
+    yield server
+    server.stop()
+
+
+def k(url: str) -> int:
+    return httpx.get(f"{url}/admin/config", headers=AUTH, timeout=10).json()["num_speculative_tokens"]
+
+
+def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
+        engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kopf.testing import KopfRunner
+    from specfleet.tuner import handlers as tuner_handlers
+
+    host, port = engine_url.removeprefix("http://").split(":")
+    monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))
+    monkeypatch.setattr(tuner_handlers, "ADMIN_PORT", int(port))  # the engine serves its admin API beside it
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    doc["metadata"]["name"] = "frz"
+    doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
+    doc["spec"]["batching"] = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512}
+    doc["spec"]["autotune"] = {"enabled": True, "intervalSeconds": 5,
+                               "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 16],
+                                          "maxNumBatchedTokens": [256, 1024]}}
+    fake_kube.put(*ISVC, NS, doc)
+    token = base64.b64encode(ADMIN_TOKEN.encode()).decode()
+    fake_kube.put("/api/v1", "secrets", NS, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                                              "metadata": {"name": "frz-admin", "namespace": NS},
+                                              "data": {"token": token}})
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "frz-0", "namespace": NS, "labels": {"serving.specfleet.io/inferenceservice": "frz"}},
+           "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "False"}]}}
+    fake_kube.put("/api/v1", "pods", NS, pod)
+
+    def events() -> list[tuple[str, str, str]]:
+        return [(e.get("type", ""), e.get("reason", ""), e.get("message", "")) for r in fake_kube.requests
+                if r.method == "POST" and r.path.endswith("/events") and isinstance(e := r.body, dict)
+                and (e.get("involvedObject") or {}).get("name") == "frz"]
+
+    def reasons() -> list[str]:
+        return [reason for _, reason, _ in events() if reason.startswith("Tuning")]
+
+    def isvc() -> dict[str, Any]:
+        return fake_kube.get(*ISVC, NS, "frz") or {}
+
+    def tuned() -> dict[str, Any]:
+        return {c["type"]: c for c in (isvc().get("status") or {}).get("conditions", [])}.get("Tuned", {})
+
+    def annotate(value: str | None) -> None:
+        obj = isvc()
+        annotations = obj["metadata"].setdefault("annotations", {})
+        if value is None:
+            annotations.pop("specfleet.io/tuner-freeze", None)
+        else:
+            annotations["specfleet.io/tuner-freeze"] = value
+        fake_kube.put(*ISVC, NS, obj)
+
+    args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
+    with KopfRunner(args, timeout=150) as runner:
+        wait_for("TuningStatic while no pod is ready", lambda: "TuningStatic" in reasons(), timeout=40)
+        wait_for("Tuned=False/MetricsUnavailable", lambda: tuned().get("reason") == "MetricsUnavailable")
+        pod["status"]["conditions"][0]["status"] = "True"
+        fake_kube.put("/api/v1", "pods", NS, pod)
+        wait_for("TuningRecovered once the pod is ready", lambda: "TuningRecovered" in reasons(), timeout=40)
+        wait_for("the tuner's config pushed", lambda: k(engine_url) == 3, timeout=30)
+
+        annotate("true")
+        wait_for("TuningFrozen", lambda: "TuningFrozen" in reasons(), timeout=30)
+        wait_for("Tuned=False/Frozen", lambda: (tuned().get("status"), tuned().get("reason")) == ("False", "Frozen"))
+        assert isvc()["status"]["tuning"]["frozenBy"] == "annotation specfleet.io/tuner-freeze=true"
+        httpx.patch(f"{engine_url}/admin/config", json={"num_speculative_tokens": 1}, headers=AUTH,
+                    timeout=10).raise_for_status()  # an SRE sets k by hand during the incident
+        # the next frozen interval reports what the engine runs; two more intervals push nothing over it
+        wait_for("status showing the hand-set k", lambda: isvc()["status"]["tuning"]["numSpeculativeTokens"] == 1,
+                 timeout=30)
+        time.sleep(2 * 5 + 1)  # intervalSeconds 5 (the reconcile also writes status, so count time, not writes)
+        assert k(engine_url) == 1, "the frozen tuner pushed its config over the hand-set one"
+        assert isvc()["status"]["tuning"]["numSpeculativeTokens"] == 1
+
+        annotate(None)
+        wait_for("TuningResumed", lambda: "TuningResumed" in reasons(), timeout=30)
+        wait_for("the tuner's config pushed again", lambda: k(engine_url) == 3, timeout=30)
+        assert "frozenBy" not in isvc()["status"]["tuning"]  # the null in the merge patch removed it
+
+    assert runner.exception is None, runner.output
+    order = [r for r in reasons() if r in ("TuningStatic", "TuningRecovered", "TuningFrozen", "TuningResumed")]
+    assert order == ["TuningStatic", "TuningRecovered", "TuningFrozen", "TuningResumed"], events()
+    kinds = {reason: kind for kind, reason, _ in events()}
+    assert kinds["TuningStatic"] == "Warning" and kinds["TuningFrozen"] == "Normal"
+    static_message = next(m for _, r, m in events() if r == "TuningStatic")
+    assert "fail static" in static_message and "answered /metrics" in static_message

@@ -175,3 +175,5 @@ def test_kv_transfer_params_are_validated(tiny_llama, prefill):
         decode.close()
     with pytest.raises(ValueError, match="kv_role='middle'"):
         Engine(model="bundled://smollm2-135m-instruct", kv_role="middle")
+    with pytest.raises(ValueError, match="moves one process's cache"):
+        Engine(model="bundled://smollm2-135m-instruct", kv_role="decode", tensor_parallel_size=3)

@@ -47,6 +47,7 @@ class Result:
     output_tokens: int = 0
     prompt_tokens: int = 0
     error: str = ""
+    sent_s: float = 0.0  # perf_counter when sent (the trace's arrival times are relative to the first)
 
     @property
     def tpot(self) -> float | None:
@@ -85,6 +86,7 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, 
     if args.ignore_eos:
         body["ignore_eos"] = True
     result, start = Result(ok=False), time.perf_counter()
+    result.sent_s = start
     last = start
     chunks = 0
     try:
@@ -223,6 +225,19 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def write_trace(results: list[Result], mix: list[BenchRequest], path: str) -> None:
+    """The run as a `specfleet simulate` trace: one JSONL line per completed request. Requests with the same
+    number of context paragraphs share a prefix (the paragraphs); its length in tokens is not known here,
+    so the group is recorded without `prefix_tokens`."""
+    from specfleet.sim.workload import SimRequest, save_trace
+
+    done = [(r, req) for r, req in zip(results, mix) if r.ok and r.prompt_tokens and r.output_tokens]
+    t0 = min((r.sent_s for r, _ in done), default=0.0)
+    save_trace(sorted((SimRequest(round(r.sent_s - t0, 6), r.prompt_tokens, r.output_tokens,
+                                  req.prompt.count(CONTEXT) or None) for r, req in done),
+                      key=lambda x: x.arrival_s), path)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet bench serve", description=__doc__.splitlines()[0])
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
@@ -243,6 +258,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-dir", default="bench-results", help="where the JSON and PNG go")
     p.add_argument("--label", default=None, help="name for the result files and the plot title")
+    p.add_argument("--trace-out", default=None, metavar="FILE.jsonl",
+                   help="record the run as a simulator trace (arrival, prompt and output tokens; specfleet simulate)")
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -282,6 +299,8 @@ def main(argv: list[str] | None = None) -> int:
     plot(results, png_path, f"{model} @ {args.url} ({load.strip() or 'all at once'}, {args.num_prompts} prompts)")
     summary.update({"json": str(json_path), "png": str(png_path)})
     json_path.write_text(json.dumps({**summary, "requests": [asdict(r) for r in results]}, indent=1))
+    if args.trace_out:
+        write_trace(results, mix, args.trace_out)
     print(table(summary))
     print(json.dumps(summary, separators=(",", ":")))
     return 0 if summary["completed"] else 1

@@ -14,6 +14,9 @@ COMMANDS = {
     "generate": ("specfleet.cli.main", "generate_main", "generate from prompts offline and print the text"),
     "up": ("specfleet.fleet.local", "main", "run an InferenceService YAML as a local fleet"),
     "operator": ("specfleet.operator.cli", "main", "run the Kubernetes operator (kopf)"),
+    "simulate": ("specfleet.sim.cli", "main", "simulate an InferenceService's fleet on a workload"),
+    "profile": ("specfleet.sim.measure", "main", "measure the engine's step time into a simulator profile"),
+    "plan": ("specfleet.sim.plan", "main", "the cheapest fleet config meeting an SLO, by simulation"),
 }
 BENCHES = {
     "offline": ("specfleet.bench.offline", "engine vs transformers throughput, single stream, KV waste"),
@@ -22,6 +25,7 @@ BENCHES = {
     "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
     "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
+    "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}
 

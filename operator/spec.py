@@ -16,21 +16,38 @@ from pydantic.alias_generators import to_camel
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import SEARCHED, Knob, camel
 
+# A field whose CRD schema is the Kubernetes OpenAPI definition named here (see `upstream`).
+K8S_SCHEMA_KEY = "x-specfleet-kubernetes-schema"
+
 SOURCE_PATTERN = r"^(bundled://[a-z0-9][a-z0-9.-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|hf://[^/@\s]+/[^/@\s]+(@[^\s]+)?)$"
-QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# Kubernetes' quantity grammar (resource.ParseQuantity: a decimal number, then a binary-SI, decimal-SI or
+# integer-exponent suffix), without the sign: requests and sizes are never negative. `1.2.3`, `1Gii` and
+# `-16Gi` are refused at admission instead of by the API server when the Deployment is applied.
+QUANTITY_PATTERN = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+# A Deployment's maxSurge / maxUnavailable: a count or a percentage.
+INT_OR_PERCENT_PATTERN = r"^[0-9]+%?$"
 
 
 def _quantity_to_str(value: Any) -> Any:
     return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
-# A Kubernetes resource quantity: YAML may write `cpu: 4` or `cpu: "500m"`.
+# A Kubernetes resource quantity: YAML may write `cpu: 4` or `cpu: "500m"` (`minimum` binds the integer form).
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity_to_str),
     Field(
         pattern=QUANTITY_PATTERN,
-        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN},
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN, "minimum": 0},
+    ),
+]
+IntOrPercent = Annotated[
+    str,
+    BeforeValidator(_quantity_to_str),
+    Field(
+        pattern=INT_OR_PERCENT_PATTERN,
+        max_length=8,
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": INT_OR_PERCENT_PATTERN, "minimum": 0},
     ),
 ]
 # [min, max] pairs for the tuner's search space.
@@ -66,6 +83,21 @@ class DraftModelSpec(ModelSource):
     )
 
 
+class ModelCacheSpec(_Spec):
+    size_limit: Quantity = Field(
+        "40Gi",
+        description="hf:// sources without claimName: the size of the pod's download volume, requested as "
+        "ephemeral-storage so the scheduler places the pod where it fits (an 8B model in bf16 is ~16 GB).",
+    )
+    claim_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="A PersistentVolumeClaim (ReadWriteMany for more than one pod) that hf:// downloads go to "
+        "and are read from: each revision is downloaded once and shared by every pod and restart.",
+    )
+
+
 class ModelSpec(ModelSource):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on GPU."
@@ -83,6 +115,7 @@ class ModelSpec(ModelSource):
         max_length=253,
         description="Secret (key HF_TOKEN) the hf:// download step reads, for gated models.",
     )
+    cache: ModelCacheSpec = _default_obj(ModelCacheSpec)
 
 
 ONE_SPLIT = "engine.tensorParallelSize and engine.pipelineParallelSize: one split at a time (one of them must be 1)"
@@ -176,12 +209,130 @@ class DisaggregationSpec(_Spec):
     decode: DisaggregationRole = _default_obj(DisaggregationRole)
 
 
+def upstream(definition: str, **extra: Any) -> Any:
+    """The CRD takes this field's schema from the Kubernetes OpenAPI (`crd.py` inlines it)."""
+    return {K8S_SCHEMA_KEY: definition, **extra}
+
+
 class SchedulingSpec(_Spec):
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
-    affinity: dict[str, Any] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=64, json_schema_extra=upstream("io.k8s.api.core.v1.Toleration"))
+    affinity: dict[str, Any] = Field(default_factory=dict, json_schema_extra=upstream("io.k8s.api.core.v1.Affinity"))
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16,
+        json_schema_extra=upstream("io.k8s.api.core.v1.TopologySpreadConstraint"))
     priority_class_name: str = Field("", max_length=253)
     runtime_class_name: str = Field("", max_length=253)
+
+
+GPU_SAFE_ROLLOUT = ("RollingUpdate", "0", "1")  # no surge pod: it would wait Pending for a GPU the old pod holds
+CPU_ROLLOUT = ("RollingUpdate", "1", "0")  # surge one pod, never below the ready count
+
+
+class RolloutSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("!has(self.strategy) || self.strategy != 'Recreate' || (!has(self.maxSurge) && "
+                "!has(self.maxUnavailable))", "rollout.maxSurge and maxUnavailable apply to RollingUpdate only"),
+            cel("!has(self.maxSurge) || !has(self.maxUnavailable) || !(string(self.maxSurge) in ['0', '0%'] && "
+                "string(self.maxUnavailable) in ['0', '0%'])",
+                "rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)"),
+        ]}
+    )
+    strategy: Literal["RollingUpdate", "Recreate"] | None = Field(
+        None, description="How pods are replaced on a spec change. Unset: RollingUpdate with maxSurge 0 and "
+        "maxUnavailable 1 when resources.gpus > 0 (no surge pod waiting for a GPU on a full pool), else maxSurge 1 "
+        "and maxUnavailable 0.")
+    max_surge: IntOrPercent | None = Field(None, description="Pods above replicas during a RollingUpdate.")
+    max_unavailable: IntOrPercent | None = Field(None, description="Pods below replicas during a RollingUpdate.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutSpec:
+        if self.strategy == "Recreate" and (self.max_surge is not None or self.max_unavailable is not None):
+            raise ValueError("rollout.maxSurge and maxUnavailable apply to RollingUpdate only, not Recreate")
+        if self.max_surge in ("0", "0%") and self.max_unavailable in ("0", "0%"):
+            raise ValueError("rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)")
+        return self
+
+    def resolved(self, gpus: int) -> tuple[str, str | None, str | None]:
+        """(strategy, maxSurge, maxUnavailable) in force: unset fields take the default for GPU or CPU pods,
+        except that a default never makes both 0 next to a 0 the user set."""
+        if self.strategy == "Recreate":
+            return "Recreate", None, None
+        _, surge, unavailable = GPU_SAFE_ROLLOUT if gpus > 0 else CPU_ROLLOUT
+        zero = ("0", "0%")
+        if self.max_surge is not None:
+            surge = self.max_surge
+            unavailable = self.max_unavailable or ("1" if surge in zero else unavailable)
+        elif self.max_unavailable is not None:
+            unavailable = self.max_unavailable
+            surge = "1" if unavailable in zero else surge
+        return "RollingUpdate", surge, unavailable
+
+
+# Env variables, volumes and mount paths the operator renders itself: a pod-template entry may not reuse
+# them (server-side apply refuses duplicate keys, and the engine depends on them).
+RESERVED_ENV = ("SPECFLEET_ADMIN_TOKEN_FILE", "SPECFLEET_ADMIN_TOKEN", "SPECFLEET_CACHE", "SPECFLEET_SERVICE_NAME",
+                "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRITON_CACHE_DIR")
+RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm")
+RESERVED_VOLUME_PREFIXES = ("model-", "draft-")
+RESERVED_MOUNT_PATHS = ("/tmp", "/cache", "/dev/shm", "/var/run/secrets/specfleet/admin", "/models/model",
+                        "/models/draft")
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+class PodTemplateSpec(_Spec):
+    """What real clusters add to the engine pods; the operator's own fields keep precedence."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel(f"!has(self.env) || self.env.all(e, !(e.name in {_cel_list(RESERVED_ENV)}))",
+                f"pod.env may not set the operator's own variables {', '.join(RESERVED_ENV)}"),
+            cel(f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}) && "
+                + " && ".join(f"!v.name.startsWith('{p}')" for p in RESERVED_VOLUME_PREFIXES) + ")",
+                f"pod.volumes may not use the operator's volume names {', '.join(RESERVED_VOLUMES)} or names "
+                f"starting with {' or '.join(RESERVED_VOLUME_PREFIXES)}"),
+            cel(f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNT_PATHS)}))",
+                f"pod.volumeMounts may not mount over the operator's paths {', '.join(RESERVED_MOUNT_PATHS)}"),
+        ]}
+    )
+    service_account_name: str = Field("", max_length=253, description="ServiceAccount of the engine pods.")
+    automount_service_account_token: bool = Field(
+        False, description="Mount the ServiceAccount's token (workload identity); the engine itself never uses it.")
+    image_pull_secrets: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16, json_schema_extra=upstream("io.k8s.api.core.v1.LocalObjectReference"))
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels (the operator's win).")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    env: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=128, json_schema_extra=upstream("io.k8s.api.core.v1.EnvVar"))
+    env_from: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16, json_schema_extra=upstream("io.k8s.api.core.v1.EnvFromSource"))
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, json_schema_extra=upstream("io.k8s.api.core.v1.Volume"))
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, description="Mounts into the engine container.",
+        json_schema_extra=upstream("io.k8s.api.core.v1.VolumeMount"))
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> PodTemplateSpec:
+        for e in self.env:
+            if e.get("name") in RESERVED_ENV:
+                raise ValueError(f"pod.env name={e.get('name')!r} is one of the operator's own variables "
+                                 f"({', '.join(RESERVED_ENV)})")
+        for v in self.volumes:
+            name = str(v.get("name", ""))
+            if name in RESERVED_VOLUMES or name.startswith(RESERVED_VOLUME_PREFIXES):
+                raise ValueError(f"pod.volumes name={name!r} is the operator's ({', '.join(RESERVED_VOLUMES)}, "
+                                 f"{' or '.join(RESERVED_VOLUME_PREFIXES)}*)")
+        for m in self.volume_mounts:
+            if m.get("mountPath") in RESERVED_MOUNT_PATHS:
+                raise ValueError(f"pod.volumeMounts mountPath={m.get('mountPath')!r} is the operator's "
+                                 f"({', '.join(RESERVED_MOUNT_PATHS)})")
+        return self
 
 
 class SLOSpec(_Spec):
@@ -312,6 +463,8 @@ class InferenceServiceSpec(_Spec):
         None, description="Split engines into prefill and decode roles; their replicas replace spec.replicas.")
     resources: ResourcesSpec = _default_obj(ResourcesSpec)
     scheduling: SchedulingSpec = _default_obj(SchedulingSpec)
+    rollout: RolloutSpec = _default_obj(RolloutSpec)
+    pod: PodTemplateSpec = _default_obj(PodTemplateSpec)
     slo: SLOSpec = _default_obj(SLOSpec)
     autotune: AutotuneSpec = _default_obj(AutotuneSpec)
 

@@ -35,12 +35,30 @@ class TuningObserved(_Status):
     request_rate: float | None = None
 
 
+class AcceptanceWindow(_Status):
+    demand: float | None = None
+    per_pos: list[float] = Field(default_factory=list, max_length=64)
+    share: float = 0.0
+    age_seconds: float = 0.0
+
+
+class TuningResume(_Status):
+    """What the tuner learned, so that a restarted operator continues (tuner/policy/resume.py)."""
+
+    spec_hash: str = Field("", max_length=64, description="The spec fields the tuner depends on, hashed.")
+    cost_points: list[list[float]] = Field(default_factory=list, max_length=64,
+                                           description="(decode tokens, prefill tokens, seconds) per step.")
+    plain_cost_points: list[list[float]] = Field(default_factory=list, max_length=64)
+    acceptance: list[AcceptanceWindow] = Field(default_factory=list, max_length=32)
+
+
 class _TuningStatus(_Status):
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
     frozen_by: str | None = Field(None, max_length=256, description="Set while the tuner is frozen: "
                                   "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.")
     observed: TuningObserved | None = None
+    resume: TuningResume | None = None
 
 
 # The value in force of every live knob (specfleet.engine.knobs), then the tuner's last decision.

@@ -14,7 +14,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"cli": "specfleet.cli", "engine": "specfleet.engine", "kernels": "specfleet.kernels",
            "operator": "specfleet.operator", "tuner": "specfleet.tuner", "fleet": "specfleet.fleet",
-           "bench": "specfleet.bench"}
+           "bench": "specfleet.bench", "sim": "specfleet.sim"}
 
 
 def _run(code: str, cwd: Path, *flags: str) -> str:

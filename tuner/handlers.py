@@ -40,8 +40,9 @@ from specfleet.operator.resources import (
 from specfleet.operator.spec import FREEZE_ANNOTATION
 
 from .actuator import AdminActuator, admin_on_port
-from .loop import ServiceTuner, params_from_spec, spec_config
+from .loop import ServiceTuner, params_from_spec, spec_config, tuner_fingerprint
 from .policy import Policy
+from .policy.resume import restore, snapshot
 from .report import event_for, status_patch, transition_events
 from .sources import PrometheusSource, ScrapeSource, Source
 
@@ -108,30 +109,40 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
             when=autotune_enabled)
 async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo,
                logger: logging.Logger, **_: Any) -> None:
-    tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
+    # uid -> (tuner, fingerprint of the spec fields it depends on, monotonic time of its last interval)
+    tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
+    try:
+        fingerprint = tuner_fingerprint(parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec)
+    except InvalidInferenceService:
+        return  # the reconcile reports InvalidSpec
     entry = tuners.get(uid)
     client = _client(memo)
-    if entry is None or entry[1] != generation:  # a spec change resets the loop (new bounds, SLO, ...)
+    # Rebuilt only when a field the tuner depends on changed (bounds, SLO, method, model, ...): a /scale write
+    # bumps the generation too, and must not make the tuner forget what it learned.
+    if entry is None or entry[1] != fingerprint:
         if entry is not None:
             await entry[0].close()
         try:
-            entry = (await _build(client, body, memo), generation, 0.0)
-        except InvalidInferenceService:
-            return  # the reconcile reports InvalidSpec
+            tuner = await _build(client, body, memo)
         except ApiError as error:
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
-        _restore(entry[0], status)
-        tuners[uid] = entry
+        _restore(tuner, status)
+        # a restarted operator continues from status.tuning, if it was learned under this same spec
+        if entry is None and restore(tuner.policy, dict(status).get("tuning") or {}, time.monotonic(), fingerprint):
+            logger.info("event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else "")
+        entry = tuners[uid] = (tuner, fingerprint, 0.0)
     tuner, _, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
+        await tuner.sync_new_pods()  # a pod of a scale-up gets the tuned config now, not at the next interval
         return
-    tuners[uid] = (tuner, generation, time.monotonic())
+    tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick(frozen_by(body))
     now = _now()
     # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
     # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
-    update = status_patch(tick, tuner.policy.current, dict(status), generation, now)
+    update = status_patch(tick, tuner.policy.current, dict(status), generation, now,
+                          resume=snapshot(tuner.policy, time.monotonic(), fingerprint))
     await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
     metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
     if metrics.live(uid):

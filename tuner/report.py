@@ -61,11 +61,15 @@ def tuned_condition(tick: Tick) -> Cond:
 
 
 def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
-                 now: str) -> dict[str, Any]:
+                 now: str, resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """The tuner's share of status for one interval: `tuning` and its own `Tuned` condition only (applied
-    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them)."""
+    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them).
+    `resume` is what a restarted tuner continues from (`policy/resume.py`)."""
     conditions = condition_entries(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
-    return {"tuning": tuning_status(tick, config, status.get("tuning"), now), "conditions": conditions}
+    tuning = tuning_status(tick, config, status.get("tuning"), now)
+    if resume is not None:
+        tuning["resume"] = resume
+    return {"tuning": tuning, "conditions": conditions}
 
 
 def event_for(decision: Decision) -> tuple[str, str, str] | None:

@@ -88,9 +88,9 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         s = get_state(request)
-        if s.ready and not s.draining:
+        if s.ready and not (s.stopping or s.draining):
             return JSONResponse({"ready": True, "model": s.model_name})
-        reason = "draining" if s.draining else "loading"
+        reason = "draining" if s.stopping or s.draining else "loading"
         return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/metrics")

@@ -1,0 +1,372 @@
+"""`specfleet bench sim`: the simulator against real local fleets, on the same workloads, side by side.
+
+For each configuration (1 and 2 engines, speculation off and on, light and heavy Poisson loads, a
+prefix-heavy and a chat workload, and a shifting load under the tuner) a real `specfleet up` fleet of the
+bundled model serves a trace (token-id prompts of the trace's lengths, `ignore_eos` so outputs have the
+trace's lengths), then the simulator runs the same trace with a profile measured at the start of this
+run, the speculative acceptance the real engines reported, and the request overhead measured on the real
+fleet. Prints per-config errors and one JSON line with the worst of each over the configurations.
+
+This machine is shared and noisy: the profile and the real runs see different neighbours, which is
+part of the error the figures report.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from specfleet.fleet.supervisor import LocalFleet
+from specfleet.operator import load_inference_service
+from specfleet.sim.fleet import SimFleet
+from specfleet.sim.measure import Grid, measure
+from specfleet.sim.profile import Profile, fit_error, fitted_profile
+from specfleet.sim.report import summarize as sim_summarize
+from specfleet.sim.workload import Lengths, SimRequest, Synthetic
+
+MODEL = "bundled://smollm2-135m-instruct"
+KV_GIB = 0.25  # small, so that the heavy loads meet the cache's limits in both worlds
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    replicas: int
+    method: str  # none | ngram
+    k: int
+    workload: Synthetic
+    copy: bool = False  # prompts that repeat a pattern, so n-gram proposals are accepted
+    tune: bool = False
+
+
+def configs(seconds: float) -> list[Config]:
+    chat = Synthetic(duration_s=seconds, prompt=Lengths("uniform", 16, 96), output=Lengths("uniform", 16, 64))
+    prefix = replace(
+        chat, prompt=Lengths("uniform", 288, 320), prefix_groups=3, prefix_tokens=256, prefix_share=1.0
+    )
+    return [
+        Config("chat-1e-light", 1, "none", 0, replace(chat, rates=((0.0, 1.0),), seed=1)),
+        Config("chat-1e-heavy", 1, "none", 0, replace(chat, rates=((0.0, 3.0),), seed=2)),
+        Config("chat-2e-heavy", 2, "none", 0, replace(chat, rates=((0.0, 5.0),), seed=3)),
+        Config("prefix-1e", 1, "none", 0, replace(prefix, rates=((0.0, 1.5),), seed=4)),
+        Config("copy-1e-spec", 1, "ngram", 4, replace(chat, rates=((0.0, 1.0),), seed=5), copy=True),
+        Config(
+            "shift-1e-tuner",
+            1,
+            "ngram",
+            0,
+            replace(chat, rates=((0.0, 0.5), (seconds / 3, 4.0), (2 * seconds / 3, 0.5)), seed=6),
+            copy=True,
+            tune=True,
+        ),
+    ]
+
+
+def isvc_doc(c: Config, interval_s: float) -> dict[str, Any]:
+    spec: dict[str, Any] = {
+        "model": {"source": MODEL, "dtype": "float32", "maxModelLen": 1024},
+        "engine": {"drainTimeoutSeconds": 5},
+        "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 512},
+        "speculative": {"method": c.method, "numSpeculativeTokens": c.k},
+        "replicas": c.replicas,
+        "resources": {"gpus": 0},
+        "slo": {"ttftP95Ms": 3000, "tpotP95Ms": 300},
+    }
+    if c.tune:
+        spec["autotune"] = {
+            "enabled": True,
+            "intervalSeconds": max(5, round(interval_s)),
+            "bounds": {
+                "numSpeculativeTokens": [0, 4],
+                "maxNumSeqs": [4, 32],
+                "maxNumBatchedTokens": [256, 512],
+            },
+        }
+    return {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": c.name},
+        "spec": spec,
+    }
+
+
+def real_prompt(r: SimRequest, index: int, copy: bool, vocab: int = 49000) -> list[int]:
+    """Token ids with the trace's structure: a group's prefix shared, the rest unique to the request."""
+    shared = r.prefix_tokens if r.prefix_group is not None else 0
+    head = [random.Random(1000 + (r.prefix_group or 0)).randrange(100, vocab) for _ in range(shared)]
+    rng = random.Random(index * 7 + 3)
+    rest = r.prompt_tokens - shared
+    if copy:
+        pattern = [rng.randrange(100, vocab) for _ in range(12)]
+        tail = (pattern * (rest // 12 + 1))[:rest]
+    else:
+        tail = [rng.randrange(100, vocab) for _ in range(rest)]
+    return head + tail
+
+
+async def replay(url: str, requests: list[SimRequest], copy: bool) -> list[dict[str, float]]:
+    """Open loop: each request sent at its arrival time; streamed; TTFT, e2e, output tokens."""
+    out: list[dict[str, float]] = []
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=600, limits=limits) as client:
+        t0 = time.perf_counter()
+
+        async def one(i: int, r: SimRequest) -> None:
+            delay = r.arrival_s - (time.perf_counter() - t0)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            body = {
+                "model": "smollm2-135m-instruct",
+                "prompt": real_prompt(r, i, copy),
+                "max_tokens": r.output_tokens,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+                "stream_options": {"include_usage": True},
+            }
+            start = time.perf_counter()
+            first, tokens = None, 0
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                if response.status_code != 200:
+                    raise RuntimeError(f"request {i}: HTTP {response.status_code} {await response.aread()!r}")
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: ") or line == "data: [DONE]":
+                        continue
+                    chunk = json.loads(line[6:])
+                    if chunk.get("usage"):
+                        tokens = int(chunk["usage"]["completion_tokens"])
+                    elif first is None and chunk.get("choices"):
+                        first = time.perf_counter()
+            end = time.perf_counter()
+            out.append(
+                {
+                    "arrival_s": start - t0,
+                    "ttft_s": (first or end) - start,
+                    "e2e_s": end - start,
+                    "output_tokens": tokens,
+                    "finish_s": end - t0,
+                }
+            )
+
+        await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))
+    return out
+
+
+def figures(rows: list[dict[str, float]]) -> dict[str, float]:
+    def pct(values: list[float], q: float) -> float:
+        values = sorted(values)
+        return values[min(len(values) - 1, max(0, round(q / 100 * (len(values) - 1))))]
+
+    ttft = [r["ttft_s"] for r in rows]
+    tpot = [(r["e2e_s"] - r["ttft_s"]) / (r["output_tokens"] - 1) for r in rows if r["output_tokens"] > 1]
+    span = max(r["finish_s"] for r in rows) - min(r["arrival_s"] for r in rows)
+    return {
+        "throughput": sum(r["output_tokens"] for r in rows) / span,
+        "ttft_p50": pct(ttft, 50),
+        "ttft_p95": pct(ttft, 95),
+        "tpot_p50": pct(tpot, 50),
+        "tpot_p95": pct(tpot, 95),
+        "requests": len(rows),
+    }
+
+
+async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float]:
+    """Per-position acceptance and the share of decoding sequence-steps that got a proposal, from /metrics."""
+    from specfleet.tuner.snapshot import parse_metrics
+
+    drafts = steps_seqs = 0.0
+    per_pos: dict[int, float] = {}
+    async with httpx.AsyncClient(timeout=10) as client:
+        for url in urls:
+            snap = parse_metrics((await client.get(f"{url}/metrics")).text, 0.0)
+            drafts += snap.counters.get("spec_decode_drafts", 0.0)
+            steps_seqs += snap.sums.get("batch_size", 0.0)
+            for pos, v in snap.per_pos.items():
+                per_pos[pos] = per_pos.get(pos, 0.0) + v
+    if not drafts:
+        return (), 1.0
+    return tuple(per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1)), min(
+        1.0, drafts / max(steps_seqs, 1)
+    )
+
+
+async def overheads(url: str, profile: Profile) -> tuple[float, float]:
+    """The serving path's costs the profile does not hold, from lone streamed requests (8-token prompt, 17
+    tokens out): per request, TTFT minus the prefill step (HTTP, proxy, tokenizer); per step, TPOT minus a
+    one-token decode step (the serving loop's work outside `Engine.step()`: streaming, detokenising).
+    Medians of 5."""
+    per_request, per_step = [], []
+    async with httpx.AsyncClient(timeout=60) as client:
+        for i in range(5):
+            body = {
+                "model": "smollm2-135m-instruct",
+                "prompt": [200 + i * 10 + j for j in range(8)],
+                "max_tokens": 17,
+                "temperature": 0,
+                "ignore_eos": True,
+                "stream": True,
+            }
+            start = time.perf_counter()
+            first = None
+            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+                response.raise_for_status()
+                async for line in response.aiter_lines():
+                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                        first = time.perf_counter()
+            end = time.perf_counter()
+            first = first or end
+            per_request.append(first - start - profile.step_s(0, 8, 0))
+            per_step.append((end - first) / 16 - profile.step_s(1, 0, 16))
+    return max(0.0, statistics.median(per_request)), max(0.0, statistics.median(per_step))
+
+
+def decisions(ticks: list[Any]) -> list[str]:
+    return [t.decision.config.short() for t in ticks if t.decision.changed and t.decision.config]
+
+
+async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> dict[str, Any]:
+    requests = list(c.workload.requests())
+    isvc = load_inference_service(isvc_doc(c, args.interval))
+    fleet = LocalFleet(
+        isvc,
+        port=0,
+        tune=c.tune,
+        interval_s=args.interval,
+        window_s=args.window,
+        engine_extra_args=["--kv-cache-gib", str(KV_GIB), "--log-level", "warning"],
+    )
+    await fleet.start()
+    try:
+        request_overhead, step_overhead = await overheads(fleet.url, profile)
+        if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
+            fleet.tuner = fleet._build_tuner()
+            fleet.ticks.clear()
+        rows = await replay(fleet.url, requests, c.copy)
+        acceptance, share = await scrape_acceptance(fleet.engine_urls)
+        real_decisions = decisions(fleet.ticks)
+    finally:
+        await fleet.stop(drain_timeout_s=2)
+    real = figures(rows)
+    tuned = profile.with_(
+        request_overhead_s=request_overhead, step_overhead_s=step_overhead, proposal_share=share
+    )
+    sim_fleet = SimFleet(
+        isvc, tuned, tune=c.tune, interval_s=args.interval, window_s=args.window, accepted_per_pos=acceptance
+    )
+    run = await asyncio.to_thread(sim_fleet.run, requests)  # its tuner needs an event loop of its own
+    s = sim_summarize(run, tuned, {})
+    sim = {
+        "throughput": s["output_throughput"],
+        "ttft_p50": s["p50_ttft_ms"] / 1000,
+        "ttft_p95": s["p95_ttft_ms"] / 1000,
+        "tpot_p50": s["p50_tpot_ms"] / 1000,
+        "tpot_p95": s["p95_tpot_ms"] / 1000,
+        "requests": s["completed"],
+    }
+    errors = {
+        f"{m}_error_pct": round(100 * abs(sim[m] - real[m]) / real[m], 1)
+        for m in ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
+    }
+    result = {
+        "config": c.name,
+        "requests": len(requests),
+        "real": real,
+        "sim": sim,
+        **errors,
+        "request_overhead_ms": round(request_overhead * 1000, 1),
+        "step_overhead_ms": round(step_overhead * 1000, 1),
+        "acceptance": [round(a, 3) for a in acceptance],
+        "proposal_share": round(share, 3),
+    }
+    if c.tune:
+        result["tuner_real"] = real_decisions
+        result["tuner_sim"] = [d["config"] for d in run.decisions if d["config"]]
+        result["tuner_same_sequence"] = result["tuner_real"] == result["tuner_sim"]
+    print(f"bench sim {c.name}: " + " ".join(f"{k}={v}" for k, v in errors.items()), flush=True)
+    return result
+
+
+async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    # One thread per engine, in the profile and in every fleet: on this shared machine OpenMP's spinning
+    # threads made a 2-thread engine's median step 1643 ms against 140 ms with one (load average 13).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+
+    torch.set_num_threads(args.threads)
+    if args.profile:  # a profile from an earlier run (the default measures one now, as the figures assume)
+        profile = Profile.load(args.profile)
+    else:
+        grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 96), ks=(0, 4), prefills=(32, 320), steps=4)
+        started = time.perf_counter()
+        points, blocks = measure(MODEL, grid, "ngram", KV_GIB)
+        profile = fitted_profile(
+            "measured-bench-sim",
+            points,
+            num_kv_blocks=blocks,
+            block_size=16,
+            model=MODEL,
+            notes="measured by bench sim at its start",
+        )
+        print(
+            f"profile: {len(points)} points in {time.perf_counter() - started:.0f}s, fit {fit_error(profile)}",
+            flush=True,
+        )
+    chosen = [c for c in configs(args.seconds) if not args.only or c.name in args.only]
+    results = []
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    for c in chosen:  # each configuration's figures are kept as they come: a long run may be cut short
+        results.append(await run_config(c, profile, args))
+        with open(Path(args.out_dir) / "sim-configs.jsonl", "a") as f:
+            f.write(json.dumps(results[-1]) + "\n")
+    worst = {key: max(r[key] for r in results) for key in results[0] if key.endswith("_error_pct")}
+    tuner = next((r for r in results if "tuner_real" in r), None)
+    return {
+        **worst,
+        "tuner_decisions_real": tuner["tuner_real"] if tuner else None,
+        "tuner_decisions_sim": tuner["tuner_sim"] if tuner else None,
+        "tuner_same_sequence": tuner["tuner_same_sequence"] if tuner else None,
+        "configs": results,
+        "profile": profile.to_json(),
+    }
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specfleet bench sim", description=__doc__.splitlines()[0])
+    p.add_argument("--seconds", type=float, default=45.0, help="seconds of arrivals per configuration")
+    p.add_argument(
+        "--interval", type=float, default=5.0, help="tuner interval (s) of the shifting-load config"
+    )
+    p.add_argument("--window", type=float, default=10.0)
+    p.add_argument("--only", nargs="*", default=None, help="run only these configurations")
+    p.add_argument(
+        "--profile", default=None, help="reuse this profile instead of measuring one (iteration only)"
+    )
+    p.add_argument("--threads", type=int, default=1, help="torch threads per engine (and in the profile)")
+    p.add_argument("--out-dir", default="bench/results")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    result = asyncio.run(bench(args))
+    out = Path(args.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sim.json").write_text(json.dumps(result, indent=1))
+    Profile.from_json(result["profile"]).save(out / "sim-profile.json")
+    print(f"wrote {out / 'sim.json'}", file=sys.stderr)
+    print(json.dumps({k: v for k, v in result.items() if k not in ("configs", "profile")}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,412 @@
+"""One simulated engine: the engine's real `Scheduler` and `BlockManager`, a model runner made of a profile.
+
+`start_step(now)` does what `Engine.step()` does before the model runs (apply pending live settings,
+propose, schedule) and returns when the step ends, from the profile; `finish_step()` does what it does
+after (the scheduler's `update` with the sampled tokens, stop checks, statistics). Sampled tokens come
+from the workload: a request ends with "length" at its output length; speculative proposals are accepted
+position by position with the profile's (or workload's) probabilities.
+
+Fast mode: a step that is pure decode (no prompt chunk, no proposal, nobody admissible, room in the cache
+for all) is repeated without the scheduler until the next arrival at this engine, the first finish or the
+horizon: each repetition is exactly what the scheduler would have scheduled, so only the per-step Python
+is skipped. The fleet cuts such a run short at an arrival (`cut`).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from specfleet.engine.block_manager import BlockManager
+from specfleet.engine.knobs import LiveConfig
+from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.scheduler import Scheduler, SchedulerOutput
+from specfleet.engine.sequence import Sequence
+from specfleet.tuner.policy.params import ModelParams
+
+from .metrics import EngineMetrics, LogHistogram
+from .profile import Profile
+from .workload import OUTPUT_ID, SimRequest
+
+PRIOR_ACCEPTANCE = ModelParams().prior_acceptance  # the tuner's prior, when neither profile nor workload says
+
+
+@dataclass
+class Record:
+    """One request's life, in simulated seconds."""
+
+    index: int
+    arrival_s: float  # at the client
+    engine: int
+    prompt_tokens: int
+    output_tokens: int
+    engine_arrival_s: float = 0.0
+    first_scheduled_s: float | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    cached_tokens: int = 0
+    preemptions: int = 0
+    finish_reason: str | None = None
+    itl_sum: float = 0.0  # sum and count of the gaps between streamed outputs
+    itl_count: int = 0
+    itl_max: float = 0.0
+    last_emit_s: float = 0.0
+    itls: list[float] = field(default_factory=list)  # kept only when the fleet keeps ITLs
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Ceilings fixed at start (the engine's `*_limit` and `max_num_speculative_tokens`)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_k: int
+
+
+@dataclass
+class Plan:
+    """A step (or, in fast mode, a run of identical decode steps) between start and end."""
+
+    start: float
+    sched: SchedulerOutput
+    durations: list[float]  # one per step: > 1 only for a fast-mode run
+    decode_tokens: int
+    proposals: int
+
+    @property
+    def end(self) -> float:
+        return self.start + sum(self.durations)
+
+
+class SimEngine:
+    def __init__(
+        self,
+        index: int,
+        profile: Profile,
+        live: LiveConfig,
+        limits: Limits,
+        *,
+        block_size: int,
+        prefix_caching: bool,
+        rng: random.Random,
+        accepted_per_pos: tuple[float, ...] = (),
+        fast: bool = False,
+        keep_itls: bool = False,
+        itl_hist: LogHistogram | None = None,
+    ) -> None:
+        self.index = index
+        self.profile = profile
+        blocks = max(1, profile.num_kv_blocks * profile.block_size // block_size)
+        self.kv = BlockManager(blocks, block_size, prefix_caching, debug=False)
+        self.scheduler = Scheduler(
+            self.kv, live.max_num_seqs, live.max_num_batched_tokens, limits.max_model_len
+        )
+        self.live = live
+        self.pending: dict[str, int] = {}
+        self.limits = limits
+        self.rng = rng
+        self.fast = fast
+        self.keep_itls = keep_itls
+        self.itl_hist = itl_hist if itl_hist is not None else LogHistogram()
+        self.metrics = EngineMetrics()
+        acceptance = accepted_per_pos or profile.accepted_per_pos or PRIOR_ACCEPTANCE
+        self.conditional = _conditional(acceptance)
+        self.records: dict[int, Record] = {}  # seq_id -> its request's record, while in the engine
+        self.targets: dict[int, int] = {}  # seq_id -> output length
+        self.plan: Plan | None = None
+        self.version = 0  # bumps when a planned step's end moves (the fleet's heap entries go stale)
+        self.params = SamplingParams(max_tokens=None)
+        self.steps = 0
+        self.fast_runs = 0  # fast-mode runs of more than one step
+        self.done: list[Record] = []  # finished since the fleet last took them
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add(self, request: SimRequest, record: Record, now: float) -> None:
+        seq = Sequence(
+            record.index,
+            str(record.index),
+            0,
+            request.prompt_ids(record.index),
+            request.prompt_tokens,
+            self.params,
+            arrival_time=now,
+        )
+        record.engine_arrival_s = now
+        self.records[seq.seq_id] = record
+        self.targets[seq.seq_id] = min(
+            request.output_tokens, self.limits.max_model_len - request.prompt_tokens
+        )
+        self.scheduler.add(seq)
+
+    @property
+    def outstanding(self) -> int:
+        return len(self.records)
+
+    # -- live settings (the admin API) ----------------------------------------------------------------
+    def update_config(self, **changes: int) -> str | None:
+        """As `Engine.update_config`: an error message for a value past a ceiling, else None (applied at
+        the next step)."""
+        ceilings = {
+            "num_speculative_tokens": self.limits.max_k,
+            "max_num_seqs": self.limits.max_num_seqs,
+            "max_num_batched_tokens": self.limits.max_num_batched_tokens,
+            "speculative_disable_by_batch_size": self.limits.max_num_seqs,
+        }
+        for name, value in changes.items():
+            low = 1 if name in ("max_num_seqs", "max_num_batched_tokens") else 0
+            if not low <= value <= ceilings[name]:
+                return f"{name}={value} must be an integer between {low} and {ceilings[name]}"
+        self.pending.update(changes)
+        return None
+
+    def live_config(self) -> LiveConfig:
+        return LiveConfig(**{**self.live.as_dict(), **self.pending})
+
+    # -- the step ---------------------------------------------------------------------------------------
+    def start_step(self, now: float, horizon: float = float("inf")) -> Plan | None:
+        if self.pending:
+            self.live = self.live_config()
+            self.pending.clear()
+            self.scheduler.max_num_seqs = self.live.max_num_seqs
+            self.scheduler.max_num_batched_tokens = self.live.max_num_batched_tokens
+        if not self.scheduler.has_unfinished():
+            return None
+        proposals = self._propose()
+        sched = self.scheduler.schedule()
+        for seq in sched.finished:  # no room in the cache for its context: "length", as the engine ends it
+            self._finish(seq, now, "length")
+        if sched.empty:
+            return None
+        decode = prefill = context = 0
+        for item in sched.scheduled:
+            context += item.seq.num_computed_tokens
+            if item.sample and item.num_new_tokens == item.num_spec_tokens + 1:
+                decode += item.num_new_tokens
+            else:
+                prefill += item.num_new_tokens
+            if (
+                item.seq.first_scheduled_time is not None
+                and self.records[item.seq.seq_id].first_scheduled_s is None
+            ):
+                self.records[item.seq.seq_id].first_scheduled_s = now
+        d = self.profile.step_s(decode, prefill, context, proposals)
+        durations = [d]
+        if self.fast and not prefill and not proposals and not sched.num_preemptions:
+            durations += self._run_length(sched, now + d, horizon)
+        self.plan = Plan(now, sched, durations, decode, proposals)
+        self.version += 1
+        return self.plan
+
+    def cut(self, at: float) -> bool:
+        """An arrival at `at`: a fast-mode run ends with the step in progress at `at` (later steps would have
+        admitted the newcomer). True if the plan's end moved."""
+        plan = self.plan
+        if plan is None or len(plan.durations) == 1:
+            return False
+        t = plan.start
+        for i, d in enumerate(plan.durations):
+            t += d
+            if t >= at:
+                if i + 1 < len(plan.durations):
+                    del plan.durations[i + 1 :]
+                    self.version += 1
+                    return True
+                return False
+        return False
+
+    def _run_length(self, sched: SchedulerOutput, t: float, horizon: float) -> list[float]:
+        """Durations of the identical decode steps that may follow this one (fast mode)."""
+        s = self.scheduler
+        if len(sched.scheduled) != len(s.running) or (s.waiting and len(s.running) < s.max_num_seqs):
+            return []
+        seqs = [item.seq for item in sched.scheduled]
+        # nothing may finish before the run's last step: the first finisher ends the run
+        steps = min(self.targets[q.seq_id] - q.num_output_tokens for q in seqs) - 1
+        if steps <= 0:
+            return []
+        # the cache must hold every sequence's tokens to the run's end without preempting anyone
+        while steps > 0:
+            need = sum(self.kv.blocks_for(q.num_tokens + 1 + steps) - len(q.block_table) for q in seqs)
+            if need <= self.kv.num_free_blocks:
+                break
+            steps //= 2
+        out = []
+        batch = len(seqs)
+        # step j reads j * batch more context tokens than the first: the profile is linear in context
+        base = self.profile.decode_s(batch) + self.profile.step_overhead_s
+        per_token = self.profile.context_s_per_token
+        context = sum(q.num_computed_tokens for q in seqs)
+        for j in range(1, steps + 1):
+            if t >= horizon:
+                break
+            d = base + per_token * (context + j * batch)
+            out.append(d)
+            t += d
+        return out
+
+    def take_done(self) -> list[Record]:
+        done, self.done = self.done, []
+        return done
+
+    def finish_step(self) -> list[Record]:
+        """Apply the planned step(s) at their end; returns the records of requests that finished."""
+        plan, self.plan = self.plan, None
+        assert plan is not None
+        sched = plan.sched
+        now = plan.start + plan.durations[0]
+        sampled = []
+        accepted_total = drafts = draft_tokens = 0
+        per_pos = [0] * self.limits.max_k
+        for item in sched.scheduled:
+            if not item.sample:
+                sampled.append([])
+                continue
+            n = self._accepted(item.num_spec_tokens)
+            if item.num_spec_tokens:
+                drafts += 1
+                draft_tokens += item.num_spec_tokens
+                accepted_total += n
+                for i in range(n):
+                    per_pos[i] += 1
+            sampled.append([OUTPUT_ID] * (n + 1))
+        changed = self.scheduler.update(sched, sampled)
+        finished = self._emit(changed, now)
+        m = self.metrics
+        m.counters["prompt_tokens"] += sched.num_prompt_tokens
+        m.counters["generation_tokens"] += sum(n for _, n in changed)
+        m.counters["spec_decode_drafts"] += drafts
+        m.counters["spec_decode_draft_tokens"] += draft_tokens
+        m.counters["spec_decode_accepted_tokens"] += accepted_total
+        for i, c in enumerate(per_pos):
+            if c:
+                m.per_pos[i] += c
+        m.histograms["step_duration_seconds"].observe(plan.durations[0])
+        m.histograms["batch_size"].observe(len(sched.scheduled))
+        self.steps += 1
+        if len(plan.durations) > 1:
+            self.fast_runs += 1
+            finished += self._repeat_decode(now, plan.durations[1:])
+        return finished
+
+    def _repeat_decode(self, start: float, durations: list[float]) -> list[Record]:
+        """A fast-mode run's further steps, all at once: each running sequence gains one token per step,
+        exactly as the scheduler would have given it (room checked by `_run_length`); only the last step
+        can finish a sequence."""
+        n, end = len(durations), start + sum(durations)
+        finished = []
+        batch = len(self.scheduler.running)
+        for seq in list(self.scheduler.running):
+            self.kv.allocate(seq, seq.num_computed_tokens + n)
+            seq.token_ids.extend([OUTPUT_ID] * n)
+            seq.num_computed_tokens += n
+            self.kv.cache_full_blocks(seq)
+            rec = self.records[seq.seq_id]
+            rec.itl_sum += end - rec.last_emit_s
+            rec.itl_count += n
+            rec.itl_max = max(rec.itl_max, max(durations))
+            if self.keep_itls:
+                rec.itls.extend(durations)
+            rec.last_emit_s = end
+            if seq.num_output_tokens >= self.targets[seq.seq_id]:
+                finished.append(self._finish(seq, end, "length"))
+        m = self.metrics
+        m.counters["generation_tokens"] += batch * n
+        # the run's steps differ only by their growing context: observed at their mean (a 1% bucket of the
+        # ITL percentiles, a step-duration bucket apart at most)
+        mean = (end - start) / n
+        m.histograms["step_duration_seconds"].observe(mean, n)
+        self.itl_hist.observe(mean, batch * n)
+        m.histograms["batch_size"].observe(batch, n)
+        self.steps += n
+        return finished
+
+    def _emit(self, changed: list[tuple[Sequence, int]], now: float) -> list[Record]:
+        finished = []
+        for seq, _ in changed:
+            rec = self.records[seq.seq_id]
+            if rec.first_token_s is None:
+                rec.first_token_s = now
+                rec.cached_tokens = seq.num_cached_tokens
+            else:
+                gap = now - rec.last_emit_s
+                self.itl_hist.observe(gap)
+                rec.itl_sum += gap
+                rec.itl_count += 1
+                rec.itl_max = max(rec.itl_max, gap)
+                if self.keep_itls:
+                    rec.itls.append(gap)
+            rec.last_emit_s = now
+            target = self.targets[seq.seq_id]
+            if seq.num_output_tokens >= target:
+                del seq.token_ids[seq.num_prompt_tokens + target :]
+                finished.append(self._finish(seq, now, "length"))
+        return finished
+
+    def _finish(self, seq: Sequence, now: float, reason: str) -> Record:
+        self.scheduler.finish(seq, reason)
+        rec = self.records.pop(seq.seq_id)
+        self.targets.pop(seq.seq_id)
+        rec.finish_s, rec.finish_reason, rec.preemptions = now, reason, seq.num_preemptions
+        rec.output_tokens = seq.num_output_tokens
+        self.done.append(rec)
+        m = self.metrics
+        m.requests += 1
+        h = m.histograms
+        e2e = now - rec.engine_arrival_s
+        h["e2e_request_latency_seconds"].observe(e2e)
+        if rec.first_scheduled_s is not None:
+            h["request_queue_time_seconds"].observe(rec.first_scheduled_s - rec.engine_arrival_s)
+        if rec.first_token_s is not None:
+            h["time_to_first_token_seconds"].observe(rec.first_token_s - rec.engine_arrival_s)
+            if rec.output_tokens > 1:
+                h["time_per_output_token_seconds"].observe(
+                    (now - rec.first_token_s) / (rec.output_tokens - 1)
+                )
+        return rec
+
+    # -- speculation ------------------------------------------------------------------------------------
+    def _propose(self) -> int:
+        """As `Engine._propose`: up to k placeholder proposals per decoding sequence (the guard and the room
+        left as the engine computes them); the profile's proposal share decides which get any."""
+        k_live = self.live.num_speculative_tokens
+        if not k_live:
+            return 0
+        s = self.scheduler
+        guard = self.live.speculative_disable_by_batch_size
+        if guard and min(len(s.running) + len(s.waiting), s.max_num_seqs) > guard:
+            return 0
+        share = self.profile.proposal_share
+        total = 0
+        for seq in s.running:
+            if seq.in_prefill:
+                continue
+            room = min(
+                self.limits.max_model_len - seq.num_tokens - 1,
+                self.targets[seq.seq_id] - seq.num_output_tokens - 1,
+            )
+            k = max(0, min(k_live, room, self.limits.max_k))
+            if k and (share >= 1.0 or self.rng.random() < share):
+                seq.spec_token_ids = [-1] * k
+                total += k
+        return total
+
+    def _accepted(self, k: int) -> int:
+        n = 0
+        while n < k and self.rng.random() < self.conditional[min(n, len(self.conditional) - 1)]:
+            n += 1
+        return n
+
+    def snapshot(self, now: float):
+        s = self.scheduler
+        return self.metrics.snapshot(now, len(s.running), len(s.waiting), self.kv.usage(), self.live)
+
+
+def _conditional(per_pos: tuple[float, ...]) -> list[float]:
+    """P(position i accepted | position i-1 accepted) from P(position i accepted | a draft); positions
+    past the measured ones keep the last ratio."""
+    out, previous = [], 1.0
+    for a in per_pos:
+        out.append(min(1.0, a / previous) if previous > 0 else 0.0)
+        previous = a
+    return out or [0.0]

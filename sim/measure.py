@@ -1,0 +1,234 @@
+"""`specfleet profile`: measure the engine's own step time over a grid, on this machine, into a profile.
+
+For each point of the grid (decoding sequences B, context C, k) the engine is brought to B sequences
+decoding at about C tokens of context, then `Engine.step()` is timed over several steps; prefill points
+time one prompt chunk of each size. The per-step composition (decode, prompt, draft tokens; KV context)
+is read from the engine's scheduler and `StepStats`, and `profile.fit` turns the points into a profile.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+
+from .profile import StepPoint, fit_error, fitted_profile
+
+
+@dataclass(frozen=True)
+class Grid:
+    batches: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
+    contexts: tuple[int, ...] = (64, 512)
+    ks: tuple[int, ...] = (0,)
+    prefills: tuple[int, ...] = (32, 128, 512)
+    steps: int = 5  # timed decode steps per point; the median is kept
+
+
+def _engine(
+    model: str,
+    method: str,
+    max_k: int,
+    kv_gib: float,
+    draft_model: str | None,
+    draft_quantization: str | None,
+    max_model_len: int,
+):
+    from specfleet.engine.config import EngineConfig
+    from specfleet.engine.llm_engine import Engine
+
+    return Engine(
+        EngineConfig(
+            model=model,
+            max_num_seqs=256,
+            max_num_batched_tokens=8192,
+            speculative_method=method,
+            num_speculative_tokens=0,
+            max_num_speculative_tokens=max(max_k, 1) if method != "none" else 8,
+            kv_cache_gib=kv_gib,
+            draft_model=draft_model,
+            draft_quantization=draft_quantization,
+            enable_prefix_caching=False,
+            max_model_len=max_model_len,
+        )
+    )
+
+
+def _timed(engine) -> StepPoint:
+    running = engine.scheduler.running
+    context = sum(s.num_computed_tokens for s in running)
+    start = time.perf_counter()
+    engine.step()
+    seconds = time.perf_counter() - start
+    st = engine.stats.last_step
+    return StepPoint(
+        st.num_scheduled_tokens - st.prompt_tokens, st.prompt_tokens, context, st.num_draft_tokens, seconds
+    )
+
+
+def measure(
+    model: str = "bundled://smollm2-135m-instruct",
+    grid: Grid = Grid(),
+    method: str = "none",
+    kv_gib: float = 1.0,
+    draft_model: str | None = None,
+    draft_quantization: str | None = None,
+    progress: bool = True,
+    max_model_len: int = 1024,
+) -> tuple[list[StepPoint], int]:
+    """The measured points, and the engine's KV blocks (what a simulated engine gets)."""
+    from specfleet.engine.sampling_params import SamplingParams
+
+    engine = _engine(model, method, max(grid.ks), kv_gib, draft_model, draft_quantization, max_model_len)
+    warm = SamplingParams(max_tokens=4, ignore_eos=True)
+    engine.add_request("warm-up", [100, 101, 102, 103], warm)  # kernels build on first use: not timed
+    while engine.has_unfinished_requests():
+        engine.step()
+    vocab = engine.runner.vocab_size
+    points: list[StepPoint] = []
+    n = 0
+
+    def prompt(length: int, salt: int) -> list[int]:
+        # a repeating pattern, so that an n-gram proposer finds matches as it does on copied text
+        return [(salt * 7919 + (i % 23) * 31) % (vocab - 10) + 5 for i in range(length)]
+
+    for k in grid.ks:
+        engine.update_config(num_speculative_tokens=k)
+        for context in grid.contexts:
+            for batch in grid.batches:
+                # nobody may finish inside the timed steps, however many proposals are accepted
+                params = SamplingParams(
+                    max_tokens=(grid.steps + 2) * (k + 1) + 8, temperature=0.0, ignore_eos=True
+                )
+                for _ in range(batch):
+                    n += 1
+                    engine.add_request(f"p{n}", prompt(context, n), params)
+                while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+                    engine.step()
+                engine.step()  # the first decode step after prefill: proposals start here
+                timed = [p for p in (_timed(engine) for _ in range(grid.steps)) if p.decode_tokens > 0]
+                while engine.has_unfinished_requests():
+                    engine.step()
+                mid = statistics.median(p.seconds for p in timed)
+                points.append(
+                    StepPoint(
+                        statistics.mean(p.decode_tokens for p in timed),
+                        0.0,
+                        statistics.mean(p.context_tokens for p in timed),
+                        statistics.mean(p.draft_tokens for p in timed),
+                        mid,
+                    )
+                )
+                if progress:
+                    print(
+                        f"profile: k={k} context={context} batch={batch}: {mid * 1000:.1f} ms "
+                        f"({points[-1].decode_tokens:.0f} decode tokens)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        engine.update_config(num_speculative_tokens=0)
+    for length in grid.prefills:
+        timed = []
+        for _ in range(max(1, grid.steps // 2)):
+            n += 1
+            engine.add_request(f"p{n}", prompt(length, n), SamplingParams(max_tokens=1, temperature=0.0))
+            timed.append(_timed(engine))
+            while engine.has_unfinished_requests():
+                engine.step()
+        p = min(timed, key=lambda x: x.seconds)
+        points.append(
+            StepPoint(
+                p.decode_tokens,
+                p.prefill_tokens,
+                p.context_tokens,
+                0.0,
+                statistics.median(x.seconds for x in timed),
+            )
+        )
+        if progress:
+            print(
+                f"profile: prefill {length}: {points[-1].seconds * 1000:.1f} ms", file=sys.stderr, flush=True
+            )
+    return points, engine.kv.num_blocks
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specfleet profile",
+        description="Measure the engine's step time over a grid "
+        "of (decode tokens, prefill tokens, context, k) on this machine into a profile "
+        "file; or write a roofline ESTIMATE for hardware not at hand (--roofline).",
+    )
+    p.add_argument("--out", required=True, help="profile JSON to write")
+    p.add_argument("--model", default="bundled://smollm2-135m-instruct")
+    p.add_argument("--method", default="none", choices=["none", "ngram", "draft"], help="speculative method")
+    p.add_argument("--draft-model", default=None)
+    p.add_argument("--draft-quantization", default=None, choices=["int8"])
+    p.add_argument("--batches", type=int, nargs="+", default=list(Grid.batches))
+    p.add_argument("--contexts", type=int, nargs="+", default=list(Grid.contexts))
+    p.add_argument(
+        "--ks", type=int, nargs="+", default=None, help="k values (default 0, or 0 2 4 with a method)"
+    )
+    p.add_argument("--prefills", type=int, nargs="+", default=list(Grid.prefills))
+    p.add_argument("--steps", type=int, default=Grid.steps)
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=0.5, help="KV cache of the profiled (and simulated) engine"
+    )
+    p.add_argument(
+        "--roofline",
+        metavar="HARDWARE",
+        default=None,
+        help="write a roofline estimate instead: h100-sxm, h200, a100-80g or l4",
+    )
+    p.add_argument(
+        "--roofline-model", default="llama3-8b", help="with --roofline: llama3-8b, llama3-70b, ..."
+    )
+    p.add_argument("--tp", type=int, default=1, help="with --roofline: tensor parallel degree")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.roofline:
+        from .roofline import roofline_profile
+
+        try:
+            profile = roofline_profile(args.roofline, args.roofline_model, tp=args.tp)
+        except ValueError as error:
+            print(f"specfleet profile: {error}", file=sys.stderr)
+            return 2
+        profile.save(args.out)
+        print(f"wrote {args.out}: {profile.notes}")
+        print(json.dumps({"profile": profile.name, "estimate": True, "kv_blocks": profile.num_kv_blocks}))
+        return 0
+    ks = tuple(args.ks) if args.ks else ((0, 2, 4) if args.method != "none" else (0,))
+    if any(v < 1 for v in (*args.batches, *args.contexts, *args.prefills)) or any(k < 0 for k in ks):
+        print(
+            "specfleet profile: --batches, --contexts and --prefills must be >= 1, --ks >= 0", file=sys.stderr
+        )
+        return 2
+    grid = Grid(tuple(args.batches), tuple(args.contexts), ks, tuple(args.prefills), args.steps)
+    points, blocks = measure(
+        args.model, grid, args.method, args.kv_cache_gib, args.draft_model, args.draft_quantization
+    )
+    import platform
+
+    profile = fitted_profile(
+        f"measured-{platform.node()}",
+        points,
+        num_kv_blocks=blocks,
+        block_size=16,
+        hardware=f"{platform.machine()} {platform.node()}",
+        model=args.model,
+        notes=f"measured with method={args.method} on this machine",
+    )
+    profile.save(args.out)
+    print(f"wrote {args.out}: {len(points)} points, fit error {fit_error(profile)}")
+    print(json.dumps({"profile": profile.name, "points": len(points), **fit_error(profile)}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

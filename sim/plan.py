@@ -1,0 +1,275 @@
+"""`specfleet plan`: the cheapest fleet that meets an SLO on a workload, found by simulation.
+
+For each engine config of the grid (k x max_num_seqs x max_num_batched_tokens, and tensor parallelism
+when the profile is a roofline that can be re-derived for it), the fewest replicas whose simulated TTFT
+p95 and TPOT p95 meet the SLO are found by doubling then bisection (more replicas never hurt latency
+under least-outstanding routing: the search assumes it). Cost is the GPUs held (replicas x tp); the
+cheapest config wins, ties to the better TPOT p95; the runner-up is the next cheapest config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from specfleet.operator.inference_service import InferenceService, load_inference_service
+
+from .cli import add_workload_args, load_profile, workload_from_args
+from .fleet import SimFleet
+from .profile import Profile
+from .report import summarize
+from .roofline import roofline_profile
+from .workload import SimRequest
+
+
+@dataclass(frozen=True)
+class Candidate:
+    k: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    tp: int = 1
+
+    def short(self) -> str:
+        return f"tp={self.tp} k={self.k} seqs={self.max_num_seqs} tokens={self.max_num_batched_tokens}"
+
+
+@dataclass
+class Found:
+    candidate: Candidate
+    replicas: int
+    summary: dict[str, Any]
+
+    @property
+    def gpu_seconds(self) -> float:
+        return self.replicas * self.candidate.tp * self.summary["duration_s"]
+
+
+def isvc_for(
+    model: str,
+    c: Candidate,
+    replicas: int,
+    method: str,
+    slo: dict[str, float],
+    max_model_len: int,
+    name: str = "planned",
+) -> dict[str, Any]:
+    speculative: dict[str, Any] = {"method": method if c.k else "none", "numSpeculativeTokens": c.k}
+    if not c.k:
+        speculative = {"method": "none"}
+    return {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": name},
+        "spec": {
+            "model": {"source": model, "maxModelLen": max_model_len},
+            "engine": {"tensorParallelSize": 1},
+            "batching": {"maxNumSeqs": c.max_num_seqs, "maxNumBatchedTokens": c.max_num_batched_tokens},
+            "speculative": speculative,
+            "replicas": replicas,
+            "resources": {"gpus": c.tp},
+            "slo": {"ttftP95Ms": round(slo["ttft"] * 1000), "tpotP95Ms": round(slo["tpot"] * 1000)},
+        },
+    }
+
+
+def simulate(
+    profile: Profile, isvc_doc: dict[str, Any], requests: list[SimRequest], slo: dict[str, float], fast: bool
+) -> dict[str, Any]:
+    isvc: InferenceService = load_inference_service(isvc_doc)
+    run = SimFleet(isvc, profile, tune=False, fast=fast).run(requests)
+    return summarize(run, profile, slo, isvc.spec.resources.gpus)
+
+
+def meets(summary: dict[str, Any], slo: dict[str, float]) -> bool:
+    return (
+        summary["unfinished"] == 0
+        and summary["p95_ttft_ms"] is not None
+        and summary["p95_ttft_ms"] <= slo["ttft"] * 1000
+        and (summary["p95_tpot_ms"] or 0.0) <= slo["tpot"] * 1000
+    )
+
+
+def fewest_replicas(
+    profile: Profile,
+    model: str,
+    c: Candidate,
+    method: str,
+    requests: list[SimRequest],
+    slo: dict[str, float],
+    max_replicas: int,
+    max_model_len: int,
+    fast: bool,
+    log: Any,
+) -> Found | None:
+    cache: dict[int, dict[str, Any]] = {}
+
+    def at(r: int) -> dict[str, Any]:
+        if r not in cache:
+            cache[r] = simulate(
+                profile, isvc_for(model, c, r, method, slo, max_model_len), requests, slo, fast
+            )
+            s = cache[r]
+            log(
+                f"plan: {c.short()} replicas={r}: TTFT p95 {s['p95_ttft_ms']:.0f} ms, TPOT p95 "
+                f"{(s['p95_tpot_ms'] or 0):.1f} ms -> {'meets' if meets(s, slo) else 'misses'}"
+            )
+        return cache[r]
+
+    low, high = 0, 1
+    while not meets(at(high), slo):
+        low, high = high, high * 2
+        if high > max_replicas:
+            if low < max_replicas and meets(at(max_replicas), slo):
+                high = max_replicas
+                break
+            return None
+    while high - low > 1:
+        mid = (low + high) // 2
+        if meets(at(mid), slo):
+            high = mid
+        else:
+            low = mid
+    return Found(c, high, at(high))
+
+
+def parse_slo(text: str) -> dict[str, float]:
+    out = {}
+    for item in text.split(","):
+        name, _, value = item.partition("=")
+        key = {"ttft_p95": "ttft", "tpot_p95": "tpot"}.get(name.strip())
+        try:
+            number = float(value.removesuffix("ms"))
+        except ValueError:
+            number = -1.0
+        if key is None or number <= 0:
+            raise ValueError(f"--slo {item!r}: use ttft_p95=MS,tpot_p95=MS (milliseconds > 0)")
+        out[key] = number / 1000.0
+    if set(out) != {"ttft", "tpot"}:
+        raise ValueError("--slo needs both ttft_p95=MS and tpot_p95=MS")
+    return out
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specfleet plan",
+        description="Search replicas, tensor parallelism, k and "
+        "batch limits with the simulator; print the cheapest config meeting the SLO and "
+        "the runner-up; write its InferenceService YAML.",
+    )
+    p.add_argument("--model", required=True, help="model source URI for the YAML (e.g. hf://meta-llama/...)")
+    p.add_argument(
+        "--profile", default=None, help="profile JSON, or roofline:HARDWARE[:MODEL] (then --tp is searched)"
+    )
+    add_workload_args(p)
+    p.add_argument("--slo", required=True, help="ttft_p95=MS,tpot_p95=MS")
+    p.add_argument(
+        "--method", default="none", choices=["none", "ngram", "draft"], help="speculative method for k > 0"
+    )
+    p.add_argument(
+        "--ks", type=int, nargs="+", default=None, help="k values (default 0, or 0 2 4 with a method)"
+    )
+    p.add_argument("--seqs", type=int, nargs="+", default=[32, 64, 128, 256])
+    p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
+    p.add_argument(
+        "--tp", type=int, nargs="+", default=[1], help="tensor parallel degrees (roofline profiles only)"
+    )
+    p.add_argument("--max-replicas", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument(
+        "--exact", action="store_true", help="simulate every step with the scheduler (default: fast mode)"
+    )
+    p.add_argument("--out", default="planned-isvc.yaml", help="InferenceService YAML to write")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        slo = parse_slo(args.slo)
+        base = load_profile(args.profile)
+        requests = workload_from_args(args)
+        if len(args.tp) > 1 or args.tp != [1]:
+            if not (args.profile or "").startswith("roofline:"):
+                raise ValueError(
+                    "--tp beyond 1 needs a roofline profile (a measured one covers the TP it was measured at)"
+                )
+    except (OSError, ValueError) as error:
+        print(f"specfleet plan: {error}", file=sys.stderr)
+        return 2
+    ks = args.ks or ([0, 2, 4] if args.method != "none" else [0])
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    found: list[Found] = []
+    for tp in args.tp:
+        profile = base
+        if tp != 1:
+            parts = (args.profile or "").split(":")[1:]
+            profile = roofline_profile(parts[0], parts[1] if len(parts) > 1 else "llama3-8b", tp)
+        for k in ks:
+            for seqs in args.seqs:
+                for tokens in args.tokens:
+                    if tokens < seqs:
+                        continue
+                    f = fewest_replicas(
+                        profile,
+                        args.model,
+                        Candidate(k, seqs, tokens, tp),
+                        args.method,
+                        requests,
+                        slo,
+                        args.max_replicas,
+                        args.max_model_len,
+                        not args.exact,
+                        log,
+                    )
+                    if f is not None:
+                        found.append(f)
+    if not found:
+        print(
+            f"specfleet plan: no config meets {args.slo} within {args.max_replicas} replicas", file=sys.stderr
+        )
+        return 1
+    # cost: GPUs held over the same workload; between equals, the lower TPOT p95 (more headroom)
+    found.sort(key=lambda f: (f.replicas * f.candidate.tp, f.summary["p95_tpot_ms"] or 0.0))
+    best = found[0]
+    runner = next((f for f in found[1:] if f.candidate != best.candidate), None)
+    doc = isvc_for(args.model, best.candidate, best.replicas, args.method, slo, args.max_model_len)
+    Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
+
+    def figures(f: Found) -> dict[str, Any]:
+        s = f.summary
+        return {
+            "config": f.candidate.short(),
+            "replicas": f.replicas,
+            "gpus": f.replicas * f.candidate.tp,
+            "gpu_hours": round(f.gpu_seconds / 3600, 3),
+            "ttft_p95_ms": round(s["p95_ttft_ms"], 1),
+            "tpot_p95_ms": round(s["p95_tpot_ms"] or 0.0, 2),
+            "throughput_tok_s": round(s["output_throughput"], 1),
+            "slo_attainment": round(s["slo_attainment"], 3),
+        }
+
+    result = {
+        "best": figures(best),
+        "runner_up": figures(runner) if runner else None,
+        "yaml": args.out,
+        "profile": base.name,
+        "estimate": base.estimate,
+    }
+    print(
+        f"cheapest: {result['best']}\nrunner-up: {result['runner_up']}\nwrote {args.out}"
+        + ("\nnote: the profile is an ESTIMATE" if base.estimate else "")
+    )
+    print(json.dumps(result, separators=(",", ":")))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

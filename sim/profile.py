@@ -1,0 +1,226 @@
+"""Profiles: what one engine step costs, as a function of what the scheduler put in it.
+
+    step_s = D(decode_tokens) + prefill_s_per_token * prefill_tokens + context_s_per_token * context_tokens
+             + draft_s_per_token * draft_tokens
+
+`decode_tokens` are the tokens of sequences past their prompt (one each, plus k verified proposals),
+`D` a piecewise-linear curve through knots (the memory-bound floor, then the compute-bound slope: the
+knee the tuner's step-cost model fits as `c0`, `c1`), `prefill_tokens` prompt (or recomputed) tokens,
+`context_tokens` the KV tokens the batch attends to, `draft_tokens` proposals made this step (a draft
+model's cost; n-gram lookup is free). Like Vidur's execution-time predictor, one regression over a grid
+measured on the engine itself; unlike it, at the whole-step level (the engine's own `Engine.step()` time,
+scheduling and sampling included), since the grid is measured with the engine.
+
+Two kinds: `measured` (`specfleet profile`, least squares over the grid) and `roofline` (an estimate for
+hardware not at hand from memory bandwidth and FLOP/s; labelled `estimate: true` in the file and in every
+report that uses it). A profile also carries the KV capacity in blocks, the speculative acceptance per
+position and the share of steps that carry a proposal, and the front end's per-request overhead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import json
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+
+# Decode-token knots of the curve: powers of two, which the measured grid hits exactly.
+DEFAULT_KNOTS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+
+
+@dataclass(frozen=True)
+class StepPoint:
+    """One measured step (or the mean of several alike)."""
+
+    decode_tokens: float
+    prefill_tokens: float
+    context_tokens: float
+    draft_tokens: float
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    kind: str  # measured | roofline
+    estimate: bool  # True: not measured on the hardware it describes
+    knots: tuple[tuple[float, float], ...]  # (decode tokens, seconds) of D, increasing tokens
+    prefill_s_per_token: float = 0.0
+    context_s_per_token: float = 0.0
+    draft_s_per_token: float = 0.0
+    num_kv_blocks: int = 4096
+    block_size: int = 16
+    accepted_per_pos: tuple[float, ...] = ()  # P(position i accepted | a draft)
+    proposal_share: float = 1.0  # share of decoding sequence-steps that get a proposal (n-gram: < 1)
+    request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
+    step_overhead_s: float = 0.0  # added to every step: the serving loop's work outside `Engine.step()`
+    hardware: str = ""
+    model: str = ""
+    notes: str = ""
+    points: tuple[StepPoint, ...] = field(default=(), repr=False)
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("measured", "roofline"):
+            raise ValueError(f"profile kind={self.kind!r} must be measured or roofline")
+        if len(self.knots) < 1 or any(b[0] <= a[0] for a, b in zip(self.knots, self.knots[1:])):
+            raise ValueError("profile knots must be (tokens, seconds) pairs with increasing tokens")
+        if (
+            any(s < 0 for _, s in self.knots)
+            or min(self.prefill_s_per_token, self.context_s_per_token, self.draft_s_per_token) < 0
+        ):
+            raise ValueError("profile costs must be >= 0")
+        if self.num_kv_blocks < 1 or self.block_size < 1:
+            raise ValueError(
+                f"num_kv_blocks={self.num_kv_blocks} and block_size={self.block_size} must be >= 1"
+            )
+        if any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos) or not 0.0 <= self.proposal_share <= 1.0:
+            raise ValueError("accepted_per_pos and proposal_share must lie in [0, 1]")
+
+    # -- the model ---------------------------------------------------------------------------------
+    def decode_s(self, tokens: float) -> float:
+        """D(tokens): interpolated between knots, the last segment's slope beyond them, the first knot below."""
+        xs, ys = self._curve
+        if tokens <= xs[0] or len(xs) == 1:
+            return ys[0]
+        j = min(bisect.bisect_left(xs, tokens), len(xs) - 1)
+        x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
+        return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+
+    def step_s(
+        self,
+        decode_tokens: float,
+        prefill_tokens: float = 0.0,
+        context_tokens: float = 0.0,
+        draft_tokens: float = 0.0,
+    ) -> float:
+        return (
+            self.decode_s(decode_tokens)
+            + self.step_overhead_s
+            + self.prefill_s_per_token * prefill_tokens
+            + self.context_s_per_token * context_tokens
+            + self.draft_s_per_token * draft_tokens
+        )
+
+    @functools.cached_property
+    def _curve(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        return tuple(x for x, _ in self.knots), tuple(y for _, y in self.knots)
+
+    # -- files ---------------------------------------------------------------------------------------
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["knots"] = [list(k) for k in self.knots]
+        out["points"] = [asdict(p) for p in self.points]
+        return out
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1))
+
+    @classmethod
+    def from_json(cls, data: dict) -> Profile:
+        data = dict(data)
+        try:
+            data["knots"] = tuple((float(a), float(b)) for a, b in data["knots"])
+            data["points"] = tuple(StepPoint(**p) for p in data.get("points", ()))
+            data["accepted_per_pos"] = tuple(float(a) for a in data.get("accepted_per_pos", ()))
+            return cls(**data)
+        except (KeyError, TypeError) as error:
+            raise ValueError(f"not a specfleet profile: {error}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        try:
+            return cls.from_json(json.loads(Path(path).read_text()))
+        except (json.JSONDecodeError, ValueError) as error:
+            raise ValueError(f"{path}: {error}") from None
+
+    def with_(self, **changes) -> Profile:
+        return replace(self, **changes)
+
+
+def fit(
+    points: Sequence[StepPoint], knots: Sequence[float] = DEFAULT_KNOTS
+) -> tuple[tuple[tuple[float, float], ...], float, float, float]:
+    """Least squares of relative error over the points: knot values of D (hat basis) and the three per-token
+    costs, all kept >= 0 (a negative cost is dropped and the rest refitted). Knots beyond the largest measured
+    decode tokens are left out (no extrapolation from nothing)."""
+    if not points:
+        raise ValueError("no measured step to fit a profile to")
+    top = max(p.decode_tokens for p in points)
+    used = [k for k in knots if k <= top] or [knots[0]]
+    if used[-1] < top:
+        used.append(top)
+    xs = np.array(used, dtype=float)
+
+    def hat(d: float) -> np.ndarray:
+        row = np.zeros(len(xs))
+        if d <= xs[0] or len(xs) == 1:
+            row[0] = 1.0
+            return row
+        j = int(np.searchsorted(xs, d)) - 1
+        j = min(j, len(xs) - 2)
+        w = (d - xs[j]) / (xs[j + 1] - xs[j])
+        row[j], row[j + 1] = 1.0 - w, w
+        return row
+
+    a = np.array(
+        [[*hat(p.decode_tokens), p.prefill_tokens, p.context_tokens, p.draft_tokens] for p in points]
+    )
+    t = np.array([p.seconds for p in points])
+    a, b = a / t[:, None], np.ones(len(t))
+    active = list(range(a.shape[1]))
+    # columns with no data (e.g. no draft tokens measured) are fixed at 0
+    active = [c for c in active if np.any(a[:, c] != 0)]
+    for _ in range(a.shape[1]):
+        coef = np.zeros(a.shape[1])
+        sol, *_ = np.linalg.lstsq(a[:, active], b, rcond=None)
+        coef[active] = sol
+        negative = [c for c in active if coef[c] < 0]
+        if not negative:
+            break
+        active.remove(min(negative, key=lambda c: coef[c]))
+    coef = np.clip(coef, 0.0, None)
+    n = len(xs)
+    curve = tuple((float(x), float(y)) for x, y in zip(xs, coef[:n]))
+    # a knot without data of its own (or dropped) takes its neighbours' line
+    ys = [y for _, y in curve]
+    for i, y in enumerate(ys):
+        if y == 0.0:
+            good = [j for j, v in enumerate(ys) if v > 0]
+            if good:
+                ys[i] = float(np.interp(xs[i], xs[good], [ys[j] for j in good]))
+    # the curve never falls with more tokens
+    ys = list(np.maximum.accumulate(ys))
+    return tuple(zip(map(float, xs), ys)), float(coef[n]), float(coef[n + 1]), float(coef[n + 2])
+
+
+def fitted_profile(name: str, points: Sequence[StepPoint], **fields) -> Profile:
+    knots, prefill, context, draft = fit(points)
+    return Profile(
+        name=name,
+        kind="measured",
+        estimate=False,
+        knots=knots,
+        prefill_s_per_token=prefill,
+        context_s_per_token=context,
+        draft_s_per_token=draft,
+        points=tuple(points),
+        **fields,
+    )
+
+
+def fit_error(profile: Profile, points: Sequence[StepPoint] | None = None) -> dict[str, float]:
+    """Median and worst relative error of the profile on points (its own by default)."""
+    pts = profile.points if points is None else points
+    errs = [
+        abs(profile.step_s(p.decode_tokens, p.prefill_tokens, p.context_tokens, p.draft_tokens) - p.seconds)
+        / p.seconds
+        for p in pts
+        if p.seconds > 0
+    ]
+    if not errs:
+        return {"median_pct": 0.0, "max_pct": 0.0}
+    return {"median_pct": round(100 * float(np.median(errs)), 2), "max_pct": round(100 * float(max(errs)), 2)}

@@ -1,0 +1,64 @@
+"""Profiles: the fit recovers a known step cost; roofline estimates follow the datasheet arithmetic."""
+
+from __future__ import annotations
+
+import pytest
+from specfleet.sim.profile import Profile, StepPoint, fit_error, fitted_profile
+from specfleet.sim.roofline import HARDWARE, MODELS, roofline_profile
+
+
+def test_fit_recovers_knee_and_per_token_costs(tmp_path):
+    truth = Profile(
+        "t",
+        "measured",
+        False,
+        ((1, 0.018), (8, 0.030), (32, 0.105), (64, 0.197)),
+        prefill_s_per_token=0.003,
+        context_s_per_token=2e-6,
+    )
+    points = [
+        StepPoint(d, p, c, 0, truth.step_s(d, p, c))
+        for d in (1, 2, 4, 8, 16, 32, 64)
+        for p in (0, 128)
+        for c in (64, 2048)
+    ]
+    got = fitted_profile("fit", points)
+    assert fit_error(got)["max_pct"] < 1.0
+    assert got.prefill_s_per_token == pytest.approx(0.003, rel=0.02)
+    assert got.context_s_per_token == pytest.approx(2e-6, rel=0.05)
+    assert got.decode_s(1) == pytest.approx(0.018, rel=0.02)
+    got.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json") == got
+
+
+def test_profile_refuses_nonsense():
+    with pytest.raises(ValueError, match="increasing"):
+        Profile("x", "measured", False, ((4, 0.1), (2, 0.2)))
+    with pytest.raises(ValueError, match="kind"):
+        Profile("x", "guess", False, ((1, 0.1),))
+
+
+def test_roofline_h100_llama3_8b_is_labelled_and_memory_bound_at_batch_one():
+    p = roofline_profile("h100-sxm", "llama3-8b")
+    assert p.estimate and p.kind == "roofline" and "ESTIMATE" in p.notes
+    weights = MODELS["llama3-8b"].params * 2
+    floor = weights / (HARDWARE["h100-sxm"].bandwidth_bytes_s * 0.8) + 0.004
+    assert p.decode_s(1) == pytest.approx(floor, rel=1e-6)  # ~10 ms
+    assert p.decode_s(512) > p.decode_s(1)  # past the knee compute takes over
+    assert p.num_kv_blocks > 10_000  # ~55 GB of KV at 128 KiB per token
+    with pytest.raises(ValueError, match="raise tp"):
+        roofline_profile("l4", "llama3-70b")
+    with pytest.raises(ValueError, match="unknown hardware"):
+        roofline_profile("tpu-v9", "llama3-8b")
+    assert roofline_profile("h100-sxm", "llama3-70b", tp=4).decode_s(1) < roofline_profile(
+        "h100-sxm", "llama3-70b", tp=2
+    ).decode_s(1)
+
+
+def test_default_profile_is_the_bundled_models_cpu_costs():
+    from specfleet.sim.cli import load_profile
+
+    p = load_profile(None)
+    assert p.kind == "measured" and not p.estimate
+    assert p.decode_s(1) == pytest.approx(0.018) and p.decode_s(64) == pytest.approx(0.197)
+    assert load_profile("roofline:h100-sxm:llama3-8b:2").hardware == "2 x h100-sxm"

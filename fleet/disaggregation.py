@@ -22,7 +22,7 @@ from typing import Any
 
 import httpx
 from specfleet.engine.kv_transfer.base import KVTransferParams
-from specfleet.engine.kv_transfer.zmq_transport import release_hold
+from specfleet.engine.kv_transfer.wire import release_hold
 
 GENERATE_PATHS = ("completions", "chat/completions")
 

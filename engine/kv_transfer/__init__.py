@@ -1,7 +1,3 @@
 """Prefill/decode disaggregation: a KV connector moves a prompt's paged KV blocks from a prefill engine
-to a decode engine (docs/architecture.md, "KV connector")."""
-
-from specfleet.engine.kv_transfer.base import KV_ROLES, KVTransferError, KVTransferParams
-from specfleet.engine.kv_transfer.blocks import read_blocks, write_blocks
-
-__all__ = ["KV_ROLES", "KVTransferError", "KVTransferParams", "read_blocks", "write_blocks"]
+to a decode engine (docs/architecture.md, "KV connector"). `base` and `wire` import no torch (the fleet's
+proxy uses them); `blocks`, `zmq_transport` and `connector` are the engine's side."""

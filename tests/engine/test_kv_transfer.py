@@ -7,7 +7,7 @@ import time
 
 import pytest
 import torch
-from specfleet.engine.kv_transfer import read_blocks, write_blocks
+from specfleet.engine.kv_transfer.blocks import read_blocks, write_blocks
 from specfleet.engine.kv_transfer.pair import generate_disaggregated
 from specfleet.engine.llm_engine import Engine
 from specfleet.engine.sampling_params import ParameterError, SamplingParams

@@ -1,7 +1,7 @@
 """`specfleet bench pd`: one prefill + one decode engine against two aggregated engines at equal cores.
 
 Both setups are the local fleet's real parts: engine processes (`specfleet serve`, one CPU thread each, so
-both setups use two cores) behind the fleet's proxy, which orchestrates the prefill/decode hand-off in the
+both setups use two cores) behind the router, which orchestrates the prefill/decode hand-off in the
 disaggregated setup and balances by least outstanding requests in the aggregated one. The workload mixes
 short chats that stream many tokens with long prompts that keep arriving (few output tokens each), the case
 disaggregation is for: in an aggregated engine every long prefill step stalls the running streams.
@@ -29,9 +29,10 @@ from typing import Any
 
 import httpx
 import numpy as np
-from specfleet.fleet.disaggregation import Roles
-from specfleet.fleet.proxy import Backends, create_proxy
 from specfleet.fleet.supervisor import free_port
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.policies import make_policy
+from specfleet.router.proxy import Router, serve
 
 LONG_CONTEXT = ("Meeting notes. The team reviewed the quarterly plan, the hiring pipeline, the on-call rota, the "
                 "latency budget of the search service and the migration of the billing database. ")
@@ -161,25 +162,19 @@ async def run_setup(name: str, model: str, args: argparse.Namespace, workdir: Pa
     logs = [workdir / f"{name}-{i}.log" for i in range(2)]
     started = [_start_engine(model, role, log, args.engine_arg) for role, log in zip(roles, logs, strict=True)]
     procs, urls = [p for p, _ in started], [u for _, u in started]
-    import uvicorn
-
     try:
         await _wait_ready(urls, procs)
-        if name == "disaggregated":
-            backends, pd = Backends([urls[1]], ready={urls[1]}), Roles([urls[0]], ready={urls[0]})
-        else:
-            backends, pd = Backends(list(urls), ready=set(urls)), None
+        endpoints = EndpointSet()
+        for url, role in zip(urls, roles, strict=True):
+            endpoints.set_state(url, ready=True, role=role)
+        router = Router(endpoints, make_policy("least-loaded"))
         port = free_port()
-        server = uvicorn.Server(uvicorn.Config(create_proxy(backends, roles=pd), host="127.0.0.1", port=port,
-                                               log_level="warning", access_log=False))
-        serving = asyncio.create_task(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.05)
+        runner = await serve(router, "127.0.0.1", port)
+        router.endpoints_changed()
         url = f"http://127.0.0.1:{port}"
         await _workload(url, 5, 0.5, 0.2, 50, seed=1)  # warm up: fault in KV pages, build kernels
         results = await _workload(url, args.duration, args.chat_rate, args.long_rate, args.long_words, args.seed)
-        server.should_exit = True
-        await serving
+        await runner.cleanup()
     finally:
         for proc in procs:
             proc.terminate()

@@ -26,6 +26,7 @@ from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
 from specfleet.engine.stats import EngineStats, StepStats
+from specfleet.engine.stop import Finish, StopChecker
 from specfleet.engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("specfleet.engine")
@@ -71,6 +72,7 @@ class Engine:
             self.scheduler.on_finish = self._on_finish
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
                                                   config.max_num_speculative_tokens)
+        self.stops = StopChecker(self.eos_token_ids, self.max_model_len, self.structured)
         self.stats = EngineStats()
         self._live = LiveConfig(**{knob.name: getattr(config, knob.name) for knob in KNOBS})
         self._pending: dict[str, int] = {}
@@ -263,7 +265,7 @@ class Engine:
         sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
         self._track_kv_peak()
         result = self.runner.execute(sched)
-        changed = self.scheduler.update(sched, result.sampled)
+        changed = self.scheduler.update(sched, result.sampled, self._stop)
         outputs = self._postprocess(sched, result, changed)
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
@@ -319,7 +321,7 @@ class Engine:
                 start, entries = prompt_lps
                 for pos, lp in enumerate(entries, start):
                     req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or lp.decode_with(self.token_text)
-        for seq, num_new in changed:
+        for seq, _ in changed:
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
@@ -330,9 +332,6 @@ class Engine:
                 req.metrics.first_token_time = req.metrics.first_token_time or now
             if seq.seq_id in lp_by_seq:
                 req.logprobs[seq.index].extend(lp_by_seq[seq.seq_id])
-            self._check_stop(req, seq, num_new)
-            if seq.grammar is not None and not seq.is_finished:
-                self._advance_grammar(req, seq, num_new)
             touched[req.request_id] = req
         for seq in sched.finished:  # no room in the cache: ended with "length"
             if (req := self._requests.get(seq.request_id)) is not None:
@@ -348,42 +347,10 @@ class Engine:
             outputs.append(self._output(req, finished))
         return outputs
 
-    def _check_stop(self, req: _Request, seq: Sequence, num_new: int) -> None:
-        """Take a step's new tokens in order; the first stop condition wins, so that the text, the tokens
-        and finish_reason / stop_reason agree even when one speculative step holds several. As in vLLM:
-        stop tokens and strings count only from `min_tokens` on, and a stop token's text is not output."""
-        params, detok = seq.params, req.detoks[seq.index]
-        for pos in range(seq.num_tokens - num_new, seq.num_tokens):
-            token, produced = seq.token_ids[pos], pos - seq.num_prompt_tokens + 1
-            active = produced >= params.min_tokens
-            reason = stop_reason = None
-            if active and token in params.stop_token_ids:
-                reason, stop_reason = "stop", token
-            elif active and token in self.eos_token_ids and not params.ignore_eos:
-                reason = "stop"
-            if reason is not None:
-                if params.include_stop_str_in_output:
-                    detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], check_stop=False)
-            elif (matched := detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], active)) is not None:
-                reason, stop_reason = "stop", matched
-            elif produced == params.max_tokens or pos + 1 >= self.max_model_len:
-                reason = "length"
-            if reason is not None:
-                del seq.token_ids[pos + 1 :]
-                self.scheduler.finish(seq, reason, stop_reason)
-                return
-
-    def _advance_grammar(self, req: _Request, seq: Sequence, num_new: int) -> None:
-        """The matcher follows the tokens the step kept. A grammar that ended on a stop token that
-        `ignore_eos` let through ends the sequence there."""
-        verdict, end = self.structured.advance(seq, seq.num_tokens - num_new)
-        if verdict == "rejected":
-            log.warning("event=grammar_rejected request_id=%s token=%d", req.request_id, seq.token_ids[end])
-            self.scheduler.finish(seq, "abort")
-        elif verdict == "terminated":
-            del seq.token_ids[end + 1 :]
-            req.detoks[seq.index].update(seq.output_token_ids)
-            self.scheduler.finish(seq, "stop")
+    def _stop(self, seq: Sequence) -> Finish | None:
+        """The scheduler's question after appending each token: does `seq` end there (engine/stop.py)?"""
+        req = self._requests.get(seq.request_id)
+        return None if req is None else self.stops.check(seq, req.detoks[seq.index])
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
         outs = []

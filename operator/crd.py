@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from .resources import GROUP, KIND, LIST_KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from .spec import K8S_SCHEMA_KEY, InferenceServiceSpec
@@ -155,7 +156,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def model_schema(model: type) -> dict[str, Any]:
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     return structural(raw, raw.get("$defs", {}))
 

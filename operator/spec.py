@@ -15,6 +15,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import SEARCHED, Knob, camel
+from specfleet.router.policies import DEFAULT_POLICY, POLICIES
 
 # A field whose CRD schema is the Kubernetes OpenAPI definition named here (see `upstream`).
 K8S_SCHEMA_KEY = "x-specfleet-kubernetes-schema"
@@ -54,7 +55,7 @@ IntOrPercent = Annotated[
 Bounds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
 
 
-def cel(rule: str, message: str) -> dict[str, str]:
+def cel(rule: str, message: str) -> dict[str, Any]:
     return {"rule": rule, "message": message}
 
 
@@ -423,6 +424,51 @@ class AutotuneSpec(_Spec):
         return self
 
 
+class RoutingSpec(_Spec):
+    enabled: bool = Field(True, description="Run the fleet router in front of the engines (the Service points at "
+                          "it; the engines get a headless Service). false: the Service spreads requests itself.")
+    policy: Literal[tuple(POLICIES)] = Field(  # type: ignore[valid-type]
+        DEFAULT_POLICY, description="prefix: the engine estimated to hold the longest prefix of the prompt, "
+        "bounded by load; least-loaded: fewest requests in flight; round-robin.")
+    load_factor_percent: int = Field(
+        125, ge=100, le=1000, description="prefix policy: an engine takes a request only while its requests in "
+        "flight stay within this percentage of the mean (consistent hashing with bounded loads).")
+    session_header: str = Field(
+        "x-session-id", max_length=64, pattern=r"^[A-Za-z0-9-]*$",
+        description="Requests with the same value of this header go to the same engine while its load allows "
+        "(prefix policy); empty turns session affinity off.")
+    replicas: int = Field(1, ge=1, le=100, description="Router pods (stateless; each keeps its own prefix index).")
+    queue_timeout_seconds: int = Field(
+        0, ge=0, le=3600, description="How long a request waits for a ready engine before 503 (scale from zero).")
+    image: str | None = Field(None, max_length=512, description="Router image; empty means the operator's own.")
+
+
+class AutoscalingSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+        ]}
+    )
+    enabled: bool = Field(False, description="The tuner decides the replica count between minReplicas and "
+                          "maxReplicas from its goodput model (needs autotune.enabled). Leave it off when an HPA "
+                          "or KEDA drives the scale subresource: two controllers must not both set replicas.")
+    min_replicas: int = Field(1, ge=0, le=1000, description="0 allows scale to zero: the router holds requests "
+                              "(routing.queueTimeoutSeconds) while the first pod starts.")
+    max_replicas: int = Field(1, ge=1, le=1000)
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600, description="A scale-up takes the lowest "
+                                                "recommendation of this window (the HPA's default: 0).")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="A scale-down takes the "
+                                                  "highest recommendation of this window (the HPA's default: 300).")
+    cooldown_seconds: int = Field(60, ge=0, le=3600, description="No replica change this soon after the last one.")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.minReplicas={self.min_replicas} must be <= autoscaling.maxReplicas="
+                             f"{self.max_replicas}")
+        return self
+
+
 _WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
 
 
@@ -439,6 +485,8 @@ class InferenceServiceSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.replicas >= 0", "replicas must be >= 0"),
+                cel("!self.autoscaling.enabled || self.autotune.enabled",
+                    "autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob"),
                 cel("self.resources.gpus == 0 || "
                     "self.resources.gpus == self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
                     GPUS_PER_SPLIT),
@@ -467,6 +515,8 @@ class InferenceServiceSpec(_Spec):
     pod: PodTemplateSpec = _default_obj(PodTemplateSpec)
     slo: SLOSpec = _default_obj(SLOSpec)
     autotune: AutotuneSpec = _default_obj(AutotuneSpec)
+    routing: RoutingSpec = _default_obj(RoutingSpec)
+    autoscaling: AutoscalingSpec = _default_obj(AutoscalingSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:
@@ -476,6 +526,9 @@ class InferenceServiceSpec(_Spec):
                 f"batching.maxNumBatchedTokens={b.max_num_batched_tokens} is below batching.maxNumSeqs="
                 f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
             )
+        if self.autoscaling.enabled and not self.autotune.enabled:
+            raise ValueError("autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob; "
+                             "turn autotune on, or autoscaling off and let an HPA/KEDA drive the scale subresource")
         tp, pp, gpus = self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size, self.resources.gpus
         if tp > 1 and pp > 1:
             raise ValueError(f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}: {ONE_SPLIT}")

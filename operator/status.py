@@ -1,8 +1,8 @@
 """The InferenceService status as pydantic models (the CRD's status schema is generated from them).
 
 The operator's reconcile owns `observedGeneration`, `conditions` of type Ready/Progressing/Degraded,
-`replicas`, `readyReplicas`, `selector` and `endpoint`; the tuner owns `status.tuning` and the `Tuned`
-condition. Unknown condition types are kept as they are by whoever writes the list.
+`replicas`, `readyReplicas`, `selector` and `endpoint`; the tuner owns `status.tuning`, the `Tuned`
+condition and, with autoscaling on, `status.autoscaling`. Unknown condition types are kept as they are by whoever writes the list.
 """
 
 from __future__ import annotations
@@ -72,6 +72,15 @@ else:
     )
 
 
+class AutoscalingStatus(_Status):
+    """Written by the tuner when `spec.autoscaling.enabled`: the replica count the reconcile renders into
+    the Deployment (the operator never writes `spec.replicas`), and why."""
+
+    replicas: int | None = Field(None, ge=0)
+    reason: str | None = Field(None, max_length=4096)
+    last_scale_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+
+
 class InferenceServiceStatus(_Status):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(
@@ -84,3 +93,4 @@ class InferenceServiceStatus(_Status):
     selector: str | None = Field(None, description="Label selector of the pods (for the scale subresource).")
     endpoint: str | None = None
     tuning: TuningStatus | None = None
+    autoscaling: AutoscalingStatus | None = None

@@ -12,13 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specfleet.operator.spec import InferenceServiceSpec
 
 from .actuator import AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
-from .sources import Endpoints, Source
+from .policy.replicas import ReplicaParams
+from .sources import Endpoints, PrometheusSource, ScrapeSource, Source
 from .types import SLO, Decision, LiveSettings, Observation, TuneBounds, TunedConfig
 
 logger = logging.getLogger("specfleet.tuner")
@@ -36,9 +38,16 @@ def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None
     )
 
 
+def replica_params(spec: InferenceServiceSpec) -> ReplicaParams:
+    """The replica knob's settings from `spec.autoscaling` (the cluster's and `specfleet up`'s alike)."""
+    a = spec.autoscaling
+    return ReplicaParams(a.min_replicas, a.max_replicas, float(a.scale_up_stabilization_seconds),
+                         float(a.scale_down_stabilization_seconds), float(a.cooldown_seconds))
+
+
 # Spec fields that change neither what the tuner learned nor its settings: scaling (every /scale write bumps
 # metadata.generation), how pods roll and where they run.
-INDEPENDENT_FIELDS = frozenset({"replicas", "rollout", "pod", "scheduling"})
+INDEPENDENT_FIELDS = frozenset({"replicas", "rollout", "pod", "scheduling", "routing", "autoscaling"})
 
 
 def tuner_fingerprint(spec: InferenceServiceSpec) -> str:
@@ -52,6 +61,20 @@ def tuner_fingerprint(spec: InferenceServiceSpec) -> str:
 def spec_config(spec: InferenceServiceSpec) -> TunedConfig:
     """The config a pod starts with (what the engine's command line says)."""
     return TunedConfig(**spec.start_values())
+
+
+def build_tuner(name: str, spec: InferenceServiceSpec, endpoints: Endpoints, admin_token: str, *,
+                admin_url: Callable[[str], str] = lambda url: url, prometheus_url: str = "",
+                prometheus_selector: str = "", interval_s: float | None = None,
+                window_s: float | None = None) -> ServiceTuner:
+    """The one wiring of a service's tuner, shared by the operator's timer and the local fleet: the policy
+    from the spec, metrics from Prometheus when a URL is given (else a direct scrape of `endpoints`), and
+    the admin API of the same endpoints (`admin_url` maps one to its admin address) with the service's
+    admin token."""
+    params = params_from_spec(spec, interval_s, window_s)
+    source: Source = (PrometheusSource(prometheus_url, prometheus_selector, params.window_s) if prometheus_url
+                      else ScrapeSource(endpoints, window_s=params.window_s))
+    return ServiceTuner(name, Policy(params, spec_config(spec)), source, AdminActuator(admin_token, admin_url=admin_url), endpoints)
 
 
 @dataclass

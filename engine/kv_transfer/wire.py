@@ -1,5 +1,6 @@
-"""The ZeroMQ request side of the KV transport, without torch: a decode engine's pulls go through it, and
-the fleet's proxy uses it to release a hold whose client left (fleet/disaggregation.py)."""
+"""The ZeroMQ request side of the KV transport, without torch: a decode engine's pulls and releases go
+through it. The router sends the same release message itself (router/disaggregation.py), since it imports
+nothing of the engine."""
 
 from __future__ import annotations
 

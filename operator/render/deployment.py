@@ -241,7 +241,7 @@ def render_deployment(isvc: InferenceService, config: OperatorConfig | None = No
         "kind": "Deployment",
         "metadata": child_metadata(isvc, isvc.name),
         "spec": {
-            "replicas": isvc.spec.replicas,
+            "replicas": isvc.desired_replicas,
             "selector": {"matchLabels": selector_labels(isvc.name)},
             "strategy": render_strategy(isvc.spec),
             "progressDeadlineSeconds": isvc.spec.engine.startup_timeout_seconds + 300,

@@ -120,7 +120,7 @@ def _download_container(
         {"name": "HF_HOME", "value": "/cache/hf"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": volume, "mountPath": mount_path},
         {"name": "cache", "mountPath": "/cache"},
         {"name": "tmp", "mountPath": "/tmp"},

@@ -137,7 +137,7 @@ def test_inferenceservice_and_tuner_series_are_the_operators_own_metrics() -> No
     from prometheus_client import Gauge
     from specfleet.operator import metrics
 
-    gauges = {g._name: set(g._labelnames) for g in vars(metrics).values() if isinstance(g, Gauge)}  # noqa: SLF001
+    gauges = {g._name: set(g._labelnames) for g in vars(metrics).values() if isinstance(g, Gauge)}  # private names: prometheus_client exposes no public accessor
     used = set(re.findall(r"(?<![\w:])(specfleet_(?:inferenceservice|tuner)_\w+)", RULES.read_text()))
     assert used and used <= set(gauges), used - set(gauges)
     assert all({"namespace", "service"} <= gauges[name] for name in used), gauges

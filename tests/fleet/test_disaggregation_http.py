@@ -1,5 +1,5 @@
 """Prefill/decode disaggregation over HTTP: real uvicorn servers for a prefill and a decode engine behind the
-local fleet's proxy, the official openai client in front. The client sees one normal response (JSON and
+router (real aiohttp, its endpoint set with the two roles), the official openai client in front. The client sees one normal response (JSON and
 SSE) equal to an aggregated engine's; a dead decode engine and a client gone before the decode both give
 the prefill engine's held blocks back."""
 
@@ -14,10 +14,11 @@ from typing import Any
 import httpx
 import pytest
 from specfleet.engine.llm_engine import Engine
-from specfleet.fleet import disaggregation
-from specfleet.fleet.disaggregation import Roles
-from specfleet.fleet.proxy import Backends, create_proxy
 from specfleet.fleet.supervisor import free_port
+from specfleet.router import disaggregation
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.policies import make_policy
+from specfleet.router.proxy import Router, serve
 
 COMMON = dict(block_size=4, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=64)
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
@@ -39,6 +40,30 @@ def _serve(app: Any) -> tuple[Any, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+def _serve_router(router: Router) -> tuple[Any, str]:
+    """The router on its own event loop in a thread, as `specfleet router` runs it; (stop, url)."""
+    import asyncio
+
+    loop, port, started = asyncio.new_event_loop(), free_port(), threading.Event()
+    runner: list[Any] = []
+
+    async def start() -> None:
+        runner.append(await serve(router, "127.0.0.1", port))
+        router.endpoints_changed()
+        started.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner[0].cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return stop, f"http://127.0.0.1:{port}"
+
+
 @pytest.fixture(scope="module")
 def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
     from specfleet.engine.server.app import build_state, create_app
@@ -52,11 +77,13 @@ def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
         servers.append((server, thread))
     for url in urls.values():
         assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
-    backends = Backends([urls["decode"]], ready={urls["decode"]})
-    roles = Roles([urls["prefill"]], ready={urls["prefill"]})
-    server, thread, urls["proxy"] = _serve(create_proxy(backends, roles=roles))
-    servers.append((server, thread))
-    yield {"urls": urls, "states": states, "engines": engines, "backends": backends}
+    endpoints = EndpointSet()
+    endpoints.set_state(urls["prefill"], ready=True, role="prefill")
+    endpoints.set_state(urls["decode"], ready=True, role="decode")
+    router = Router(endpoints, make_policy("least-loaded"), max_retries=0)
+    stop, urls["proxy"] = _serve_router(router)
+    yield {"urls": urls, "states": states, "engines": engines, "endpoints": endpoints}
+    stop()
     for server, _ in servers:
         server.should_exit = True
     for _, thread in servers:
@@ -105,20 +132,31 @@ def test_openai_client_sees_the_aggregated_answer_json_and_stream(fleet):
 
 
 def test_dead_decode_engine_fails_cleanly_and_frees_the_prefill_hold(fleet):
-    urls, backends = fleet["urls"], fleet["backends"]
+    urls, endpoints = fleet["urls"], fleet["endpoints"]
     dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a decode engine that died
-    backends.urls, backends.ready = [dead], {dead}
+    endpoints.set_state(urls["decode"], ready=False)
+    endpoints.set_state(dead, ready=True, role="decode")
     try:
         response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=30, json={
             "prompt": "Once upon a time there was", "max_tokens": 8, "temperature": 0})
-        assert response.status_code == 502 and "failed" in response.json()["error"]["message"]
+        assert response.status_code == 502 and "no engine could take" in response.json()["error"]["message"]
         _wait_no_blocks(fleet["states"]["prefill"], timeout_s=3)  # released, not left to the 60 s timeout
     finally:
-        backends.urls, backends.ready = [urls["decode"]], {urls["decode"]}
+        endpoints.remove(dead)
+        endpoints.set_state(urls["decode"], ready=True)
+
+
+def test_prefill_engine_refusal_reaches_the_client_and_prefill_is_not_a_decode_target(fleet):
+    urls = fleet["urls"]
+    response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=30, json={
+        "prompt": "hello there", "max_tokens": 4, "temperature": -1})
+    assert response.status_code == 400  # the prefill engine's answer, not a retry or an aggregated run
+    assert [e.url for e in fleet["endpoints"].routable()] == [urls["decode"]]
+    assert [e.url for e in fleet["endpoints"].prefill_routable()] == [urls["prefill"]]
 
 
 def test_client_gone_before_the_decode_releases_the_hold(fleet):
-    """What the proxy does when the client left during the prefill: the hold goes at once."""
+    """What the router does when the client left during the prefill: the hold goes at once."""
     urls = fleet["urls"]
     response = httpx.post(f"{urls['prefill']}/v1/completions", timeout=30, json={
         "prompt": "Once upon a time there was a", "max_tokens": 1, "temperature": 0,

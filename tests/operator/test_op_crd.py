@@ -133,6 +133,9 @@ INVALID = {
     "cpu not a quantity": ({"spec.resources.cpu": "lots"}, "lots"),
     "name not a DNS label": ({"metadata.name": "Bad_Name"}, "name"),
     "misspelled field": ({"spec.speculative.k": 4}, "k"),
+    "autoscaling min > max": ({"spec.autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas"),
+    "autoscaling without autotune": ({"spec.autoscaling": {"enabled": True, "maxReplicas": 2}}, "autotune"),
+    "unknown routing policy": ({"spec.routing.policy": "random"}, "random"),
     "bounds with three numbers": ({"spec.autotune": {"bounds": {"maxNumSeqs": [1, 2, 3]}}}, "maxNumSeqs"),
     "pin outside bounds": ({"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
                            "pins.maxNumSeqs"),
@@ -178,10 +181,11 @@ def _accepted_by_model(doc: dict[str, Any]) -> bool:
     tp=st.integers(1, 3),
     pp=st.integers(1, 2),
     gpus=st.integers(0, 4),
+    scaling=st.tuples(st.booleans(), st.integers(0, 3), st.integers(1, 3)),
 )
 def test_crd_and_model_agree_on_cross_field_rules(
     replicas: int, seqs: int, tokens: int, k: int, method: str, draft: bool, autotune: bool,
-    k_bounds: tuple[int, int], tp: int, pp: int, gpus: int,
+    k_bounds: tuple[int, int], tp: int, pp: int, gpus: int, scaling: tuple[bool, int, int],
 ) -> None:
     changes: dict[str, Any] = {
         "spec.replicas": replicas,
@@ -192,6 +196,7 @@ def test_crd_and_model_agree_on_cross_field_rules(
         "spec.engine.tensorParallelSize": tp,
         "spec.engine.pipelineParallelSize": pp,
         "spec.resources.gpus": gpus,
+        "spec.autoscaling": {"enabled": scaling[0], "minReplicas": scaling[1], "maxReplicas": scaling[2]},
     }
     doc = _with(changes)
     assert (admission_errors(doc) == []) == _accepted_by_model(doc)

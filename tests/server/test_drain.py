@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import free_port, wait_http_ready
 from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 
 pytestmark = pytest.mark.slow
@@ -54,26 +54,19 @@ def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_toke
 
 def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     """`python -m specfleet.engine` on a free port, once /ready answers 200: (process, url, log path)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "specfleet.engine", "serve", "--model", "bundled://smollm2-135m-instruct",
            "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1", *flags]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    deadline = time.monotonic() + 180
-    while True:
-        if proc.poll() is not None or time.monotonic() > deadline:
-            proc.kill()
-            raise AssertionError("server did not become ready: " + log_path.read_text()[-3000:])
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url, log_path
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
+    try:
+        wait_http_ready(f"{url}/ready", proc, log_path)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, url, log_path
 
 
 def _serve_under_load(tmp_path: Path, drain_timeout: float, max_tokens: int) -> tuple[int, list[Any], str]:

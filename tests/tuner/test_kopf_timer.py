@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube, Rbac, wait_for  # tests/ is on sys.path (rootdir conftest)
+from fake_kube import FakeKube, Rbac  # tests/ is on sys.path (rootdir conftest)
+from helpers import wait_for
 
 from .conftest import ADMIN_TOKEN
 

@@ -123,6 +123,9 @@ ONE_SPLIT = "engine.tensorParallelSize and engine.pipelineParallelSize: one spli
 GPUS_PER_SPLIT = ("resources.gpus must be 0 (CPU ranks) or engine.tensorParallelSize x engine.pipelineParallelSize "
                   "(one GPU per rank)")
 QUANTIZED_SPLIT = "model.quantization runs in one process: it needs tensorParallelSize and pipelineParallelSize 1"
+# The operator renders one engine Deployment without roles: in a cluster the field would be silently ignored.
+DISAGGREGATION_NOT_RENDERED = ("spec.disaggregation is not rendered by the operator yet; use specfleet up "
+                               "(the local fleet runs the prefill and decode engines behind its router)")
 
 
 class EngineSpec(_Spec):
@@ -492,6 +495,7 @@ class InferenceServiceSpec(_Spec):
                     GPUS_PER_SPLIT),
                 cel("self.model.quantization == 'none' || "
                     "(self.engine.tensorParallelSize == 1 && self.engine.pipelineParallelSize == 1)", QUANTIZED_SPLIT),
+                cel("!has(self.disaggregation)", DISAGGREGATION_NOT_RENDERED),
                 cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
                 *[
@@ -547,6 +551,11 @@ class InferenceServiceSpec(_Spec):
                         "change the value or widen the bounds"
                     )
         return self
+
+    def cluster_refusal(self) -> str | None:
+        """Why the operator cannot run this spec though `specfleet up` can (the CEL rule's Python twin; the
+        reconcile reports it as an invalid spec), or None."""
+        return DISAGGREGATION_NOT_RENDERED if self.disaggregation is not None else None
 
     def _at(self, knob: Knob) -> int:
         node: Any = self

@@ -198,7 +198,8 @@ class Router:
         delivered = False
         try:
             response = await self._forward(request, body, headers, route)
-            delivered = response.status < 500  # a decode engine answered: the hold is its to consume
+            # a decode engine took the request: the hold is its to consume (a refusal leaves it unconsumed)
+            delivered = response.status < 300
             return response
         finally:
             if held is not None and not delivered:

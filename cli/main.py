@@ -23,6 +23,7 @@ BENCHES = {
     "offline": ("specfleet.bench.offline", "engine vs transformers throughput, single stream, KV waste"),
     "serve": ("specfleet.bench.serve", "latency and goodput of any OpenAI-compatible server"),
     "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
+    "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
     "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
     "route": ("specfleet.bench.route", "routing policies side by side on a shared-prefix multi-turn workload"),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),

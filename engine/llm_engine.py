@@ -15,6 +15,8 @@ from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TokenText
 from specfleet.engine.knobs import KNOBS
+from specfleet.engine.kv_transfer.base import KVTransferParams
+from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -39,6 +41,7 @@ class _Request:
         # Position p holds the logprobs of prompt token p (None for the first); filled as prefill runs.
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.remote_decode = False  # a prefill engine holds the prompt's KV for a decode engine
 
 
 class Engine:
@@ -61,6 +64,12 @@ class Engine:
         self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
+        self.kv_connector: KVConnector | None = None
+        if config.kv_role is not None:
+            self.kv_connector = KVConnector(config.kv_role, self.kv, self.scheduler, self.runner.kv_caches,
+                                            config.kv_transfer_host, config.kv_transfer_port,
+                                            config.kv_transfer_timeout_s)
+            self.scheduler.on_finish = self._on_finish
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
                                                   config.max_num_speculative_tokens)
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len, self.structured)
@@ -76,14 +85,22 @@ class Engine:
                  self.runner.attn.name)
 
     def close(self) -> None:
-        """Stop what the engine started beside itself (tensor-parallel workers); idempotent."""
+        """Stop what the engine started beside itself (tensor-parallel workers, the KV connector's server
+        thread); idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         close = getattr(self.runner.model, "close", None)
         if close is not None:
             close()
 
     # -- requests ------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
+        """`kv_transfer_params` (disaggregation, in vLLM's spelling): {"do_remote_decode": true} on a prefill
+        engine holds the prompt's KV for a decode engine and returns where in the output's
+        `kv_transfer_params`; those params given to a decode engine load that KV and continue the stream."""
         params = params or SamplingParams()
+        remote = self._remote_params(kv_transfer_params, params)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -95,7 +112,8 @@ class Engine:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         seqs, detoks = [], []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params)
+            tokens = list(ids) + ([remote.first_token_id] if isinstance(remote, KVTransferParams) else [])
+            seq = Sequence(next(self._seq_ids), request_id, index, tokens, len(ids), params)
             if params.seed is not None:
                 seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
@@ -104,11 +122,49 @@ class Engine:
                                                  params.skip_special_tokens))
         if params.structured_outputs is not None:
             self.structured.attach(seqs, params.structured_outputs)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if isinstance(remote, KVTransferParams):
+            self.kv_connector.add_remote(seqs[0], remote)
+            detoks[0].update(seqs[0].output_token_ids, check_stop=False)
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         req = self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        req.remote_decode = remote is True
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
+
+    def _remote_params(self, data: dict | None, params: SamplingParams) -> KVTransferParams | bool:
+        """True: hold the KV for a decode engine; KVTransferParams: load it; False: neither."""
+        if not data:
+            return False
+        role = self.config.kv_role
+        if data.get("do_remote_decode"):
+            if role != "prefill":
+                raise ParameterError("kv_transfer_params", f"do_remote_decode needs an engine with kv_role='prefill', "
+                                     f"this one has kv_role={role!r}")
+            if params.n != 1 or params.max_tokens != 1:
+                raise ParameterError("kv_transfer_params", "do_remote_decode needs n=1 and max_tokens=1 (the decode "
+                                     f"engine samples the rest), got n={params.n} max_tokens={params.max_tokens}")
+            return True
+        if role is None:
+            raise ParameterError("kv_transfer_params", "loading remote KV needs an engine with a kv_role")
+        try:
+            remote = KVTransferParams.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ParameterError("kv_transfer_params", str(exc)) from exc
+        if params.n != 1 or (params.max_tokens is not None and params.max_tokens < 2):
+            raise ParameterError("kv_transfer_params", "a remote decode continues after the prefill's first token: "
+                                 f"it needs n=1 and max_tokens >= 2, got n={params.n} max_tokens={params.max_tokens}")
+        return remote
+
+    def _on_finish(self, seq: Sequence, reason: str) -> None:
+        req = self._requests.get(seq.request_id)
+        self.kv_connector.on_finish(seq, reason, req is not None and req.remote_decode)
+
+    def poll_kv_transfers(self) -> None:
+        """Return the blocks of KV holds that ended; an idle server calls this between steps."""
+        if self.kv_connector is not None:
+            self.kv_connector.poll()
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as written and after a space (vLLM's two variants), without duplicates."""
@@ -155,7 +211,8 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             for seq in req.seqs:
-                self.scheduler.finish(seq, "abort")
+                if self.kv_connector is None or not self.kv_connector.abort(seq):
+                    self.scheduler.finish(seq, "abort")
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -198,6 +255,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self._apply_pending()
+        if self.kv_connector is not None:
+            self.kv_connector.poll()
+            self.kv_connector.admit_remote()
         self._propose()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -300,8 +360,9 @@ class Engine:
             outs.append(CompletionOutput(seq.index, detok.visible_text(seq.is_finished), seq.output_token_ids,
                                          seq.finish_reason, seq.stop_reason, lps, cumulative))
         cached = req.seqs[0].num_cached_tokens
+        held = self.kv_connector.held.pop(req.seqs[0].seq_id, None) if self.kv_connector and finished else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics,
-                             req.prompt_logprobs)
+                             req.prompt_logprobs, held.as_dict() if held else None)
 
     # -- statistics -------------------------------------------------------------------------------------
     def _track_kv_peak(self) -> None:

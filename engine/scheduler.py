@@ -61,10 +61,21 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
         self.on_release: Callable[[Sequence], None] | None = None  # a proposer forgets the sequence
+        # Before a finished sequence's blocks are freed (a KV connector may hold them): (seq, reason).
+        self.on_finish: Callable[[Sequence, str], None] | None = None
 
     # -- queue -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence, num_cached: int) -> None:
+        """A sequence whose blocks and computed tokens came from elsewhere (a KV connector's load)."""
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += num_cached
+        seq.status = Status.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self.running.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -77,6 +88,8 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq, reason)
         self.kv.free_seq(seq)
         if self.on_release is not None:
             self.on_release(seq)

@@ -48,6 +48,7 @@ class EngineProcess:
     restart_at: float | None = None  # when the pending restart is due
     retiring: bool = False  # being scaled down: its exit is expected, never restarted
     exit_codes: list[int] = field(default_factory=list)
+    role: str | None = None  # "prefill"/"decode" with spec.disaggregation (its --kv-role), None: aggregated
 
     @property
     def url(self) -> str:

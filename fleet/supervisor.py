@@ -164,15 +164,19 @@ class LocalFleet:
         return [e.url for e in self.router.endpoints.routable()]
 
     # ---- engines -------------------------------------------------------------------------------------
-    def _new_engine(self) -> EngineProcess:
+    def _new_engine(self, role: str | None = None) -> EngineProcess:
+        """`role`: "prefill" or "decode" with spec.disaggregation (the engine's --kv-role and its role in the
+        router's endpoint set), None for an aggregated engine."""
         index = max((e.index for e in self.engines), default=-1) + 1
         port, admin_port = free_port(), free_port()
-        command = local_engine_command(self.isvc, port, self.engine_extra_args, admin_port=admin_port)
-        engine = EngineProcess(index, port, command, self._env, self.log_dir / f"engine-{index}.log")  # type: ignore[operator]
+        extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
+        command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
+        engine = EngineProcess(index, port, command, self._env, self.log_dir / f"engine-{index}.log",  # type: ignore[operator]
+                               role=role)
         self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
         engine.start()
         self.engines.append(engine)
-        self.router.endpoints.set_state(engine.url, ready=False, draining=False)
+        self.router.endpoints.set_state(engine.url, ready=False, draining=False, role=role)
         return engine
 
     def _set_routing(self, engine: EngineProcess, ready: bool, draining: bool = False) -> None:
@@ -189,9 +193,14 @@ class LocalFleet:
 
     async def start(self, ready_timeout_s: float | None = None) -> None:
         spec = self.isvc.spec
-        replicas = self.replica_policy.replicas if self.replica_policy is not None else spec.replicas
+        disagg = spec.disaggregation
+        if disagg is not None:  # its replicas replace spec.replicas; the replica knob scales the decode engines
+            for _ in range(disagg.prefill.replicas):
+                self._new_engine("prefill")
+        replicas = (self.replica_policy.replicas if self.replica_policy is not None else
+                    spec.replicas if disagg is None else disagg.decode.replicas)
         for _ in range(replicas):
-            self._new_engine()
+            self._new_engine(self._scaled_role)
         await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
         encode = local_tokenizer(spec.model.source)
         if encode is not None:
@@ -279,13 +288,19 @@ class LocalFleet:
                 await asyncio.sleep(READY_PERIOD_S)
 
     # ---- replicas --------------------------------------------------------------------------------------
+    @property
+    def _scaled_role(self) -> str | None:
+        """The role of the engines `replicas` counts: decode engines with disaggregation (prefill engines
+        stay at spec.disaggregation.prefill.replicas)."""
+        return None if self.isvc.spec.disaggregation is None else "decode"
+
     async def scale_to(self, replicas: int) -> None:
         """Start engines (they join routing once ready) or retire the newest (drained, then SIGTERM)."""
         if replicas < 0:
             raise ValueError(f"replicas={replicas} must be >= 0")
-        active = [e for e in self.engines if not e.retiring]
+        active = [e for e in self.engines if not e.retiring and e.role != "prefill"]
         for _ in range(replicas - len(active)):
-            engine = self._new_engine()
+            engine = self._new_engine(self._scaled_role)
             self.say(f"[fleet] scaling up: started engine {engine.index} ({engine.url})")
         for engine in sorted(active, key=lambda e: e.index, reverse=True)[:max(0, len(active) - replicas)]:
             engine.retiring = True

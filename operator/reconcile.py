@@ -99,6 +99,9 @@ class Reconciler:
             isvc = parse_inference_service(body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}")
         except InvalidInferenceService as error:
             return self._invalid(body, previous, str(error), now)
+        refusal = isvc.spec.cluster_refusal()
+        if refusal is not None:  # admission refuses it too (CEL); an object stored before that rule lands here
+            return self._invalid(body, previous, f"{isvc.namespace}/{isvc.name}: {refusal}", now)
 
         events: list[Event] = []
         children: dict[str, dict[str, Any]] = {}

@@ -12,6 +12,7 @@ class Endpoint:
     ready: bool = False
     draining: bool = False  # terminating: finishes what it has, gets nothing new
     outstanding: int = 0  # requests this router has in flight on it
+    role: str | None = None  # "prefill" (computes prompts for decode engines), "decode", or None (aggregated)
 
     @property
     def routable(self) -> bool:
@@ -42,8 +43,14 @@ class EndpointSet:
         return list(self._by_url.values())
 
     def routable(self) -> list[Endpoint]:
-        """Ready and not draining, in a stable order (by URL), so policies are deterministic."""
-        return sorted((e for e in self._by_url.values() if e.routable), key=lambda e: e.url)
+        """Ready and not draining, in a stable order (by URL), so policies are deterministic. Prefill
+        engines are not among them: they take only the prefill half of a request (`prefill_routable`)."""
+        return sorted((e for e in self._by_url.values() if e.routable and e.role != "prefill"), key=lambda e: e.url)
+
+    def prefill_routable(self) -> list[Endpoint]:
+        """Ready prefill engines, fewest requests in flight first (router/disaggregation.py)."""
+        live = (e for e in self._by_url.values() if e.routable and e.role == "prefill")
+        return sorted(live, key=lambda e: (e.outstanding, e.url))
 
     def replace(self, states: dict[str, tuple[bool, bool]]) -> list[str]:
         """The full set: url -> (ready, draining). Keeps in-flight counts of engines that stay; the removed URLs."""
@@ -59,8 +66,10 @@ class EndpointSet:
         return removed
 
     def set_state(self, url: str, *, ready: bool | None = None, draining: bool | None = None,
-                  bump: bool = True) -> None:
+                  bump: bool = True, role: str | None = None) -> None:
         endpoint = self._by_url.setdefault(url, Endpoint(url))
+        if role is not None:
+            endpoint.role = role
         if ready is not None:
             endpoint.ready = ready
         if draining is not None:

@@ -6,6 +6,8 @@
 - No ready engine: the request waits up to `queue_timeout_s` in a bounded queue (scale from zero), then
   gets 503 with `Retry-After`.
 - Bodies and Server-Sent Events are forwarded chunk by chunk as they arrive (no buffering).
+- With prefill engines in the set, a generation request first runs its prompt on a prefill engine and
+  continues on a decode engine with the prompt's KV (router/disaggregation.py).
 - A client that disconnects cancels the handler (aiohttp's handler cancellation); the upstream connection
   is closed with it, which the engine sees as a disconnect and aborts the request.
 """
@@ -24,6 +26,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from . import disaggregation
 from .endpoints import EndpointSet
 from .metrics import RouterMetrics
 from .policies import Choice, RouteRequest, RoutingPolicy
@@ -177,6 +180,34 @@ class Router:
         body = await request.read()
         route = self.route_request(body, request.headers) if request.method == "POST" else RouteRequest()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        held: dict[str, Any] | None = None  # a prefill engine's hold on this prompt's KV blocks
+        pd_body = (disaggregation.parse(request.match_info.get("path", ""), request.method, body)
+                   if self.endpoints.prefill_routable() else None)
+        if pd_body is not None:
+            try:
+                held = await disaggregation.prefill(self.client(), self.endpoints, request.match_info["path"],
+                                                    pd_body, headers)
+            except disaggregation.Refusal as refusal:
+                self.metrics.requests.labels("", "client_error").inc()
+                return web.Response(body=refusal.content, status=refusal.status,
+                                    headers={"Content-Type": refusal.content_type or "application/json"})
+            if held is not None:
+                body = disaggregation.decode_body(pd_body, held)
+                headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+                headers["Content-Type"] = "application/json"
+        delivered = False
+        try:
+            response = await self._forward(request, body, headers, route)
+            # a decode engine took the request: the hold is its to consume (a refusal leaves it unconsumed)
+            delivered = response.status < 300
+            return response
+        finally:
+            if held is not None and not delivered:
+                # no decode engine took the KV (the client left, or none could be reached): free it now
+                asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
+
+    async def _forward(self, request: web.Request, body: bytes, headers: dict[str, str],
+                       route: RouteRequest) -> web.StreamResponse:
         tried: set[str] = set()
         last_error = ""
         started = time.monotonic()

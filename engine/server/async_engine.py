@@ -68,14 +68,15 @@ class AsyncEngine:
     def num_waiting(self) -> int:
         return sum(1 for s in self.streams.values() if s.first_token_time is None)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> RequestStream:
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       kv_transfer_params: dict[str, Any] | None = None) -> RequestStream:
         """Submit a request; returns once the engine accepted it. ValueError for bad input."""
         if self.num_waiting >= self.max_waiting:
             raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
         assert self._loop is not None, "AsyncEngine.start() was not called"
         stream = RequestStream(request_id, params.n, self._loop, on_close=self.abort, on_finish=self._finished)
         self.streams[request_id] = stream
-        self._submit(("add", stream, prompt, params))
+        self._submit(("add", stream, prompt, params, kv_transfer_params))
         try:
             await asyncio.shield(stream.accepted)
         except asyncio.CancelledError:
@@ -134,6 +135,7 @@ class AsyncEngine:
                     self._observe(stepped=False)
                     idle_reported = True
                 self._wake.wait(timeout=1.0)
+                self.engine.poll_kv_transfers()  # a finished hold's blocks return while idle too
                 continue
             idle_reported = False
             start = time.monotonic()
@@ -166,7 +168,7 @@ class AsyncEngine:
                 return
             kind = command[0]
             if kind == "add":
-                self._add(command[1], command[2], command[3])
+                self._add(*command[1:])
             elif kind == "abort":
                 self._abort(command[1])
             elif kind == "call":
@@ -176,12 +178,13 @@ class AsyncEngine:
                 except BaseException as exc:
                     future.set_exception(exc)
 
-    def _add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams) -> None:
+    def _add(self, stream: RequestStream, prompt: str | list[int], params: SamplingParams,
+             kv_transfer_params: dict[str, Any] | None = None) -> None:
         if stream.closed:  # the client left before the engine saw the request
             self._post(stream.reject, ConnectionAbortedError("client disconnected"))
             return
         try:
-            self.engine.add_request(stream.request_id, prompt, params)
+            self.engine.add_request(stream.request_id, prompt, params, kv_transfer_params)
         except Exception as exc:
             self._post(stream.reject, exc)
             return

@@ -185,6 +185,16 @@ def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
     assert reconcile(fake_kube).events == []  # the timer does not repeat the same warning
 
 
+def test_disaggregation_is_reported_not_ignored(fake_kube: FakeKube) -> None:
+    """The operator renders no prefill/decode roles: an object stored past the CEL rule is an invalid spec,
+    not one aggregated Deployment that silently ignores the field."""
+    create_isvc(fake_kube, admit=False, disaggregation={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    outcome = reconcile(fake_kube)
+    assert outcome.invalid and "not rendered by the operator yet; use specfleet up" in outcome.invalid
+    assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")
+    assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
+
+
 def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:
     create_isvc(fake_kube)
     reconcile(fake_kube)

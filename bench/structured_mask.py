@@ -258,7 +258,7 @@ def engine_overhead(batches: tuple[tuple[int, int], ...] = ((1, 24), (BATCH, 16)
     from specfleet.engine import LLM, SamplingParams
 
     schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}}, "required": ["story"]}
-    grammar_functions = {"bitmask", "filter_proposals", "apply_token_bitmask_", "_advance_grammar"}
+    grammar_functions = {"bitmask", "filter_proposals", "apply_token_bitmask_", "accept"}
     llm = LLM()
     out: dict = {}
     for batch, steps in batches:

@@ -13,6 +13,7 @@ COMMANDS = {
     "serve": ("specfleet.engine.server.cli", "main", "run one engine with the OpenAI-compatible API"),
     "generate": ("specfleet.cli.main", "generate_main", "generate from prompts offline and print the text"),
     "up": ("specfleet.fleet.local", "main", "run an InferenceService YAML as a local fleet"),
+    "router": ("specfleet.router.cli", "main", "run the fleet router in front of engines (prefix-aware)"),
     "operator": ("specfleet.operator.cli", "main", "run the Kubernetes operator (kopf)"),
     "simulate": ("specfleet.sim.cli", "main", "simulate an InferenceService's fleet on a workload"),
     "profile": ("specfleet.sim.measure", "main", "measure the engine's step time into a simulator profile"),
@@ -22,7 +23,9 @@ BENCHES = {
     "offline": ("specfleet.bench.offline", "engine vs transformers throughput, single stream, KV waste"),
     "serve": ("specfleet.bench.serve", "latency and goodput of any OpenAI-compatible server"),
     "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
+    "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
     "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
+    "route": ("specfleet.bench.route", "routing policies side by side on a shared-prefix multi-turn workload"),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
     "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
 }

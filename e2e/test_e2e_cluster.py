@@ -1,7 +1,7 @@
 """The whole path on a real cluster: helm install, apply the CPU example, wait for Ready, call the OpenAI
 API through the Service (the admin API is not there: it has its own pod port), change the spec and see
-Ready follow the rollout, scale, then uninstall the operator first and delete: the object goes at once
-(no finalizer) and its children are garbage-collected.
+Ready follow the rollout (RollingUpdate, then Recreate), scale, then uninstall the operator first and
+delete: the object goes at once (no finalizer) and its children are garbage-collected.
 
 Images: SPECFLEET_OPERATOR_IMAGE and SPECFLEET_ENGINE_CPU_IMAGE (loaded into kind by e2e/run-kind.sh).
 """
@@ -148,12 +148,30 @@ def test_spec_change_rolls_out(smollm2: str, namespace: str) -> None:
     # Ready leaves True while the new pod rolls out (the old pod's readiness says nothing about the new spec)
     wait_for("Ready to leave True during the rollout",
              lambda: condition(get("isvc", smollm2, namespace) or {}, "Ready").get("status") != "True", timeout=60)
+    deployment = get("deployment", smollm2, namespace) or {}
+    # CPU pods surge one and never drop below the ready count; the pod leaves the endpoints before SIGTERM
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
     kubectl("rollout", "status", f"deployment/{smollm2}", "-n", namespace, f"--timeout={READY_TIMEOUT}s",
             timeout=READY_TIMEOUT + 30)
     kubectl("wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330)
     isvc = get("isvc", smollm2, namespace) or {}
     assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
     assert condition(isvc, "Progressing").get("reason") == "RolloutComplete"
+
+
+def test_recreate_strategy_rolls_out(smollm2: str, namespace: str) -> None:
+    kubectl("patch", "isvc", smollm2, "-n", namespace, "--type=merge",
+            "-p", json.dumps({"spec": {"rollout": {"strategy": "Recreate"}, "batching": {"maxNumSeqs": 12}}}))
+    wait_for("the Deployment to switch to Recreate",
+             lambda: (get("deployment", smollm2, namespace) or {}).get("spec", {}).get("strategy") == {"type": "Recreate"},
+             timeout=60)
+    kubectl("rollout", "status", f"deployment/{smollm2}", "-n", namespace, f"--timeout={READY_TIMEOUT}s",
+            timeout=READY_TIMEOUT + 30)
+    kubectl("wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330)
+    kubectl("patch", "isvc", smollm2, "-n", namespace, "--type=json",
+            "-p", json.dumps([{"op": "remove", "path": "/spec/rollout/strategy"}]))
 
 
 def test_scale_subresource(smollm2: str, namespace: str) -> None:

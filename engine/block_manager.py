@@ -161,6 +161,15 @@ class BlockManager:
         seq.block_table = []
         self._hashes.pop(seq.seq_id, None)
 
+    def hold(self, blocks: list[int]) -> None:
+        """An extra reference on each block (a KV connector keeping a finished prompt's blocks)."""
+        for b in blocks:
+            self._ref(b)
+
+    def release(self, blocks: list[int]) -> None:
+        for b in reversed(blocks):
+            self._unref(b)
+
     # -- blocks ------------------------------------------------------------------------------------
     def _take_free(self) -> int:
         block, _ = self.free.popitem(last=False)

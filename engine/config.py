@@ -7,7 +7,8 @@ from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
 
-__all__ = ["ATTENTION_BACKENDS", "DRAFT_QUANTIZATIONS", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig", "LiveConfig"]
+__all__ = ["ATTENTION_BACKENDS", "DRAFT_QUANTIZATIONS", "KV_ROLES", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig",
+           "LiveConfig"]
 
 # The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
 # this tuple. "none" proposes nothing.
@@ -19,6 +20,9 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft")
 QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
 DRAFT_QUANTIZATIONS = (None, "int8")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
+# Prefill/decode disaggregation (engine/kv_transfer/): a prefill engine holds each prompt's KV blocks for
+# a decode engine, which pulls them.
+KV_ROLES = ("prefill", "decode")
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
@@ -75,6 +79,14 @@ class EngineConfig:
     pipeline_parallel_size: int = _opt(
         1, "pipeline stages one model copy is split into (runs of layers, one process each; GPUs on CUDA); "
         "not combined with tensor parallelism yet")
+    kv_role: str | None = _opt(None, "prefill/decode disaggregation: prefill computes prompts and holds their KV "
+                               "for a decode engine, which pulls it and continues the stream", choices=KV_ROLES)
+    kv_transfer_host: str = _opt("127.0.0.1", "prefill role: address the KV blocks are served on")
+    kv_transfer_port: int = _opt(0, "prefill role: port the KV blocks are served on (0: a free one)")
+    # A hold outlives its decoder's pull only when the decoder died or never came; vLLM's NIXL connector
+    # waits 480 s (PR #25897) for slow RDMA fabrics, a loopback pull takes milliseconds.
+    kv_transfer_timeout_s: float = _opt(60.0, "seconds a prefill engine holds KV blocks for a decoder, and a "
+                                        "decoder waits for them")
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -129,6 +141,15 @@ class EngineConfig:
         for name, allowed in (("quantization", QUANTIZATIONS), ("draft_quantization", DRAFT_QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+        if self.kv_role not in (None, *KV_ROLES):
+            raise ValueError(f"kv_role={self.kv_role!r} is not one of {KV_ROLES}")
+        if self.kv_role is not None and (tp > 1 or pp > 1):
+            raise ValueError(f"kv_role={self.kv_role!r} with tensor_parallel_size={tp} pipeline_parallel_size={pp}: "
+                             "the KV connector moves one process's cache; use 1 and 1 with it for now")
+        if not 0 <= self.kv_transfer_port <= 65535:
+            raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be between 0 and 65535")
+        if not self.kv_transfer_timeout_s > 0:
+            raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
         if self.draft_quantization and self.speculative_method != "draft":
             raise ValueError("draft_quantization needs speculative_method='draft'")
         if self.attention_backend not in ATTENTION_BACKENDS:

@@ -2,7 +2,7 @@
 
 Everything that names a knob is derived from this declaration: the engine's limits in `update_config`,
 the admin API's body and validation (`server/protocol.py`, `server/admin.py`), the config gauges (`server/metrics.py`), the
-tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`operator/tuner/types.py`), its two readers (PromQL
+tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`tuner/types.py`), its two readers (PromQL
 in `sources.py`, the direct scrape in `snapshot.py`) and the CRD's `autotune.bounds` (`operator/spec.py`).
 `tests/test_knobs.py` walks the declaration and checks that each of them knows every knob.
 

@@ -16,6 +16,8 @@ from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
 from specfleet.engine.knobs import KNOBS
+from specfleet.engine.kv_transfer.base import KVTransferParams
+from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -25,6 +27,7 @@ from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
 from specfleet.engine.stats import EngineStats, StepStats
+from specfleet.engine.stop import Finish, StopChecker
 from specfleet.engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("specfleet.engine")
@@ -39,6 +42,7 @@ class _Request:
         # Position p holds the logprobs of prompt token p (None for the first); filled as prefill runs.
         self.prompt_logprobs: list[PositionLogprobs | None] | None = None
         self.metrics = RequestMetrics(arrival_time=time.monotonic())
+        self.remote_decode = False  # a prefill engine holds the prompt's KV for a decode engine
 
 
 class Engine:
@@ -65,8 +69,15 @@ class Engine:
         self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
+        self.kv_connector: KVConnector | None = None
+        if config.kv_role is not None:
+            self.kv_connector = KVConnector(config.kv_role, self.kv, self.scheduler, self.runner.kv_caches,
+                                            config.kv_transfer_host, config.kv_transfer_port,
+                                            config.kv_transfer_timeout_s)
+            self.scheduler.on_finish = self._on_finish
         self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
                                                   config.max_num_speculative_tokens)
+        self.stops = StopChecker(self.eos_token_ids, self.max_model_len, self.structured)
         self.stats = EngineStats()
         self._live = LiveConfig(**{knob.name: getattr(config, knob.name) for knob in KNOBS})
         self._pending: dict[str, int] = {}
@@ -80,14 +91,22 @@ class Engine:
                  self.runner.attn.name)
 
     def close(self) -> None:
-        """Stop what the engine started beside itself (tensor-parallel workers); idempotent."""
+        """Stop what the engine started beside itself (tensor-parallel workers, the KV connector's server
+        thread); idempotent."""
+        if self.kv_connector is not None:
+            self.kv_connector.close()
         close = getattr(self.runner.model, "close", None)
         if close is not None:
             close()
 
     # -- requests ------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None) -> None:
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
+                    kv_transfer_params: dict | None = None) -> None:
+        """`kv_transfer_params` (disaggregation, in vLLM's spelling): {"do_remote_decode": true} on a prefill
+        engine holds the prompt's KV for a decode engine and returns where in the output's
+        `kv_transfer_params`; those params given to a decode engine load that KV and continue the stream."""
         params = params or SamplingParams()
+        remote = self._remote_params(kv_transfer_params, params)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
@@ -99,7 +118,8 @@ class Engine:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         seqs, detoks = [], []
         for index in range(params.n):
-            seq = Sequence(next(self._seq_ids), request_id, index, list(ids), len(ids), params)
+            tokens = list(ids) + ([remote.first_token_id] if isinstance(remote, KVTransferParams) else [])
+            seq = Sequence(next(self._seq_ids), request_id, index, tokens, len(ids), params)
             if params.seed is not None:
                 seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
@@ -108,11 +128,49 @@ class Engine:
                 self.tokenizer, params.stop, params.include_stop_str_in_output, ids, params.skip_special_tokens))
         if params.structured_outputs is not None:
             self.structured.attach(seqs, params.structured_outputs)
-        for seq in seqs:
-            self.scheduler.add(seq)
+        if isinstance(remote, KVTransferParams):
+            self.kv_connector.add_remote(seqs[0], remote)
+            detoks[0].update(seqs[0].output_token_ids, check_stop=False)
+        else:
+            for seq in seqs:
+                self.scheduler.add(seq)
         req = self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
+        req.remote_decode = remote is True
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
+
+    def _remote_params(self, data: dict | None, params: SamplingParams) -> KVTransferParams | bool:
+        """True: hold the KV for a decode engine; KVTransferParams: load it; False: neither."""
+        if not data:
+            return False
+        role = self.config.kv_role
+        if data.get("do_remote_decode"):
+            if role != "prefill":
+                raise ParameterError("kv_transfer_params", f"do_remote_decode needs an engine with kv_role='prefill', "
+                                     f"this one has kv_role={role!r}")
+            if params.n != 1 or params.max_tokens != 1:
+                raise ParameterError("kv_transfer_params", "do_remote_decode needs n=1 and max_tokens=1 (the decode "
+                                     f"engine samples the rest), got n={params.n} max_tokens={params.max_tokens}")
+            return True
+        if role is None:
+            raise ParameterError("kv_transfer_params", "loading remote KV needs an engine with a kv_role")
+        try:
+            remote = KVTransferParams.from_dict(data)
+        except (TypeError, ValueError) as exc:
+            raise ParameterError("kv_transfer_params", str(exc)) from exc
+        if params.n != 1 or (params.max_tokens is not None and params.max_tokens < 2):
+            raise ParameterError("kv_transfer_params", "a remote decode continues after the prefill's first token: "
+                                 f"it needs n=1 and max_tokens >= 2, got n={params.n} max_tokens={params.max_tokens}")
+        return remote
+
+    def _on_finish(self, seq: Sequence, reason: str) -> None:
+        req = self._requests.get(seq.request_id)
+        self.kv_connector.on_finish(seq, reason, req is not None and req.remote_decode)
+
+    def poll_kv_transfers(self) -> None:
+        """Return the blocks of KV holds that ended; an idle server calls this between steps."""
+        if self.kv_connector is not None:
+            self.kv_connector.poll()
 
     def _bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
         """Each word's tokens as written and after a space (vLLM's two variants), without duplicates."""
@@ -159,7 +217,8 @@ class Engine:
         req = self._requests.pop(request_id, None)
         if req is not None:
             for seq in req.seqs:
-                self.scheduler.finish(seq, "abort")
+                if self.kv_connector is None or not self.kv_connector.abort(seq):
+                    self.scheduler.finish(seq, "abort")
 
     def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> None:
         """End one sample of a request (the server matched a stop string in its text)."""
@@ -211,6 +270,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         self._apply_pending()
+        if self.kv_connector is not None:
+            self.kv_connector.poll()
+            self.kv_connector.admit_remote()
         self._propose()
         sched = self.scheduler.schedule()
         if sched.empty:
@@ -218,7 +280,7 @@ class Engine:
         sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
         self._track_kv_peak()
         result = self.runner.execute(sched)
-        changed = self.scheduler.update(sched, result.sampled)
+        changed = self.scheduler.update(sched, result.sampled, self._stop)
         outputs = self._postprocess(sched, result, changed)
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
@@ -275,7 +337,7 @@ class Engine:
                 start, entries = prompt_lps
                 for pos, lp in enumerate(entries, start):
                     req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or (lp.decode_with(decode) if decode else lp)
-        for seq, num_new in changed:
+        for seq, _ in changed:
             req = self._requests.get(seq.request_id)
             if req is None:
                 continue
@@ -286,9 +348,6 @@ class Engine:
                 req.metrics.first_token_time = req.metrics.first_token_time or now
             if seq.seq_id in lp_by_seq:
                 req.logprobs[seq.index].extend(lp_by_seq[seq.seq_id])
-            self._check_stop(req, seq, num_new)
-            if seq.grammar is not None and not seq.is_finished:
-                self._advance_grammar(req, seq, num_new)
             touched[req.request_id] = req
         for seq in sched.finished:  # no room in the cache: ended with "length"
             if (req := self._requests.get(seq.request_id)) is not None:
@@ -304,42 +363,10 @@ class Engine:
             outputs.append(self._output(req, finished))
         return outputs
 
-    def _check_stop(self, req: _Request, seq: Sequence, num_new: int) -> None:
-        """Take a step's new tokens in order; the first stop condition wins, so that the text, the tokens
-        and finish_reason / stop_reason agree even when one speculative step holds several. As in vLLM:
-        stop tokens and strings count only from `min_tokens` on, and a stop token's text is not output."""
-        params, detok = seq.params, req.detoks[seq.index]
-        for pos in range(seq.num_tokens - num_new, seq.num_tokens):
-            token, produced = seq.token_ids[pos], pos - seq.num_prompt_tokens + 1
-            active = produced >= params.min_tokens
-            reason = stop_reason = None
-            if active and token in params.stop_token_ids:
-                reason, stop_reason = "stop", token
-            elif active and token in self.eos_token_ids and not params.ignore_eos:
-                reason = "stop"
-            if reason is not None:
-                if params.include_stop_str_in_output:
-                    detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], check_stop=False)
-            elif (matched := detok.update(seq.token_ids[seq.num_prompt_tokens : pos + 1], active)) is not None:
-                reason, stop_reason = "stop", matched
-            elif produced == params.max_tokens or pos + 1 >= self.max_model_len:
-                reason = "length"
-            if reason is not None:
-                del seq.token_ids[pos + 1 :]
-                self.scheduler.finish(seq, reason, stop_reason)
-                return
-
-    def _advance_grammar(self, req: _Request, seq: Sequence, num_new: int) -> None:
-        """The matcher follows the tokens the step kept. A grammar that ended on a stop token that
-        `ignore_eos` let through ends the sequence there."""
-        verdict, end = self.structured.advance(seq, seq.num_tokens - num_new)
-        if verdict == "rejected":
-            log.warning("event=grammar_rejected request_id=%s token=%d", req.request_id, seq.token_ids[end])
-            self.scheduler.finish(seq, "abort")
-        elif verdict == "terminated":
-            del seq.token_ids[end + 1 :]
-            req.detoks[seq.index].update(seq.output_token_ids)
-            self.scheduler.finish(seq, "stop")
+    def _stop(self, seq: Sequence) -> Finish | None:
+        """The scheduler's question after appending each token: does `seq` end there (engine/stop.py)?"""
+        req = self._requests.get(seq.request_id)
+        return None if req is None else self.stops.check(seq, req.detoks[seq.index])
 
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
         outs = []
@@ -349,8 +376,9 @@ class Engine:
             outs.append(CompletionOutput(seq.index, detok.visible_text(seq.is_finished), seq.output_token_ids,
                                          seq.finish_reason, seq.stop_reason, lps, cumulative))
         cached = req.seqs[0].num_cached_tokens
+        held = self.kv_connector.held.pop(req.seqs[0].seq_id, None) if self.kv_connector and finished else None
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics,
-                             req.prompt_logprobs)
+                             req.prompt_logprobs, held.as_dict() if held else None)
 
     # -- statistics -------------------------------------------------------------------------------------
     def _track_kv_peak(self) -> None:

@@ -16,7 +16,7 @@ from specfleet.engine.sampler import (
     processed_probs,
     sample,
 )
-from specfleet.engine.scheduler import SchedulerOutput
+from specfleet.engine.scheduler import ScheduledSeq, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rejection import rejection_sample, verify_greedy
 from specfleet.engine.structured_output.bitmask import apply_token_bitmask_
@@ -62,6 +62,26 @@ class BatchInputs:
     token_starts: list[int]  # [num_scheduled] each sequence's first flat row
 
 
+@dataclass(eq=False)
+class SampleRows:
+    """One sampling sequence's k + 1 consecutive rows of the step's logits (k proposals to verify, then the
+    position after them), and what the step emits for it."""
+
+    seq: Sequence
+    k: int  # proposals verified in these rows
+    start: int  # first row
+    tokens: list[int] = field(default_factory=list)  # emitted: accepted proposals, then one sampled token
+    logprobs: list[PositionLogprobs] | None = None  # one per emitted token, when requested
+
+    @property
+    def end(self) -> int:
+        return self.start + self.k + 1
+
+    @property
+    def positions(self) -> range:
+        return range(self.start, self.end)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, attention_backend: str,
                  eos_token_ids: set[int], seed: int):
@@ -92,15 +112,28 @@ class ModelRunner:
             torch.set_num_threads(threads)
 
     def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
-        inputs = self.prepare(sched)
-        hidden = self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attn)
+        inputs = self.prepare(sched.scheduled)
+        hidden = self._forward(inputs)
         if inputs.sample_rows:
-            rows = torch.tensor(inputs.sample_rows, device=hidden.device)
-            out = self._sample(sched, self.model.logits(hidden.index_select(0, rows)))
+            out = self._sample(sched, self._sample_logits(inputs, hidden))
         else:
             out = ModelRunnerOutput([[] for _ in sched.scheduled], [None] * len(sched.scheduled))
         out.prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden)
         return out
+
+    @torch.inference_mode()
+    def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
+        """[len(seqs), vocab]: the logits after each sequence's last token, from one forward over the tokens
+        each has not computed yet (their K/V land in this runner's cache). The draft proposer's step."""
+        inputs = self.prepare([ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, 0, True) for seq in seqs])
+        return self._sample_logits(inputs, self._forward(inputs))
+
+    def _forward(self, inputs: BatchInputs) -> torch.Tensor:
+        return self.model.forward(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attn)
+
+    def _sample_logits(self, inputs: BatchInputs, hidden: torch.Tensor) -> torch.Tensor:
+        rows = torch.tensor(inputs.sample_rows, device=hidden.device)
+        return self.model.logits(hidden.index_select(0, rows))
 
     def _prompt_logprobs(self, sched: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor):
         """For requests that asked: the logprob of each prompt token this step's positions predict."""
@@ -125,13 +158,13 @@ class ModelRunner:
             result[i] = (start + 1, [_trim_top(next(lps), want) for _ in rs])
         return result
 
-    def prepare(self, sched: SchedulerOutput) -> BatchInputs:
+    def prepare(self, items: list[ScheduledSeq]) -> BatchInputs:
         bs = self.block_size
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qlens, slens, tables, sample_rows, sample_counts, token_starts = [], [], [], [], [], []
-        for item in sched.scheduled:
+        for item in items:
             seq = item.seq
             token_starts.append(len(ids))
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
@@ -174,85 +207,77 @@ class ModelRunner:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
         if sched.grammar_bitmask is not None:  # before everything that reads logits: sampling and verification
             apply_token_bitmask_(logits, sched.grammar_bitmask)
-        items = [item for item in sched.scheduled if item.sample]
-        if all(_plain_greedy(item) for item in items):  # no per-row settings to build: argmax is the token
-            emitted = [[token] for token in logits.argmax(dim=-1).tolist()]
-            return self._collect(sched, items, list(range(len(items))), emitted, logits)
-        row_seqs = [item.seq for item in items for _ in range(item.num_spec_tokens + 1)]
+        rows: list[SampleRows] = []
+        for item in sched.scheduled:
+            if item.sample:
+                rows.append(SampleRows(item.seq, item.num_spec_tokens, rows[-1].end if rows else 0))
+        if all(_plain_greedy(r) for r in rows):  # no per-row settings to build: the argmax is the token
+            for r, token in zip(rows, logits.argmax(dim=-1).tolist()):
+                r.tokens = [token]
+            return self._collect(sched, rows, logits)
+        row_seqs = [r.seq for r in rows for _ in range(r.k + 1)]
         raw = logits  # logprobs report the model's own distribution, as vLLM's default does
         batch = self.sampling_batch(row_seqs, logits.device)
         logits = apply_penalties(logits, batch)
-        starts, row = [], 0
-        for item in items:
-            starts.append(row)
-            row += item.num_spec_tokens + 1
-        emitted: list[list[int]] = [[] for _ in items]
-        plain = [i for i, item in enumerate(items) if not item.num_spec_tokens]
+        plain = [r for r in rows if not r.k]
         if plain:
-            rows = [starts[i] for i in plain]
-            sub = batch if len(rows) == len(row_seqs) else self.sampling_batch([row_seqs[r] for r in rows], logits.device,
-                                                                                  penalties=False)
-            for i, token in zip(plain, sample(logits[rows], sub, self.generator).tolist()):
-                emitted[i] = [token]
-        spec = [i for i, item in enumerate(items) if item.num_spec_tokens]
-        if spec:
-            self._verify(items, spec, starts, logits, emitted)
-        return self._collect(sched, items, starts, emitted, raw)
+            at = [r.start for r in plain]
+            sub = batch if len(at) == len(row_seqs) else self.sampling_batch([r.seq for r in plain], logits.device,
+                                                                               penalties=False)
+            for r, token in zip(plain, sample(logits[at], sub, self.generator).tolist()):
+                r.tokens = [token]
+        if len(plain) < len(rows):
+            self._verify([r for r in rows if r.k], logits)
+        return self._collect(sched, rows, raw)
 
-    def _verify(self, items, spec, starts, logits, emitted) -> None:
-        """Greedy and seeded rows accept drafts while they equal the target's own choice (its argmax, or
-        its keyed draw); the other sampled rows go through the rejection sampler, grouped by k."""
-        own = [i for i in spec if items[i].seq.params.temperature == 0 or items[i].seq.seed is not None]
+    def _verify(self, rows: list[SampleRows], logits: torch.Tensor) -> None:
+        """Each row's emitted tokens. Greedy and seeded rows accept drafts while they equal the target's own
+        choice (its argmax, or its keyed draw); the other sampled rows go through the rejection sampler,
+        grouped by k."""
+        own = [r for r in rows if r.seq.params.temperature == 0 or r.seq.seed is not None]
         if own:
-            rows = [starts[i] + j for i in own for j in range(items[i].num_spec_tokens + 1)]
-            sub = self.sampling_batch([items[i].seq for i in own for _ in range(items[i].num_spec_tokens + 1)],
-                                      logits.device, penalties=False,
-                                      offsets=[j for i in own for j in range(items[i].num_spec_tokens + 1)])
-            choices = iter(sample(logits[rows], sub, self.generator).tolist())
-            for i in own:
-                target = [next(choices) for _ in range(items[i].num_spec_tokens + 1)]
-                emitted[i] = verify_greedy(target, items[i].seq.spec_token_ids)
-        by_k: dict[int, list[int]] = {}
-        for i in spec:
-            if i not in own:
-                by_k.setdefault(items[i].num_spec_tokens, []).append(i)
+            sub = self.sampling_batch([r.seq for r in own for _ in range(r.k + 1)], logits.device, penalties=False,
+                                      offsets=[j for r in own for j in range(r.k + 1)])
+            choices = iter(sample(logits[[i for r in own for i in r.positions]], sub, self.generator).tolist())
+            for r in own:
+                r.tokens = verify_greedy([next(choices) for _ in range(r.k + 1)], r.seq.spec_token_ids)
+        by_k: dict[int, list[SampleRows]] = {}
+        for r in rows:
+            if r not in own:
+                by_k.setdefault(r.k, []).append(r)
         for k, group in by_k.items():
-            rows = [starts[i] + j for i in group for j in range(k + 1)]
-            sub = self.sampling_batch([items[i].seq for i in group for _ in range(k + 1)], logits.device,
-                                      penalties=False)
-            p = processed_probs(logits[rows], sub).view(len(group), k + 1, -1)
-            seqs = [items[i].seq for i in group]
+            sub = self.sampling_batch([r.seq for r in group for _ in range(k + 1)], logits.device, penalties=False)
+            p = processed_probs(logits[[i for r in group for i in r.positions]], sub).view(len(group), k + 1, -1)
             q = None
-            if seqs[0].spec_probs is not None:
-                q = torch.stack([s.spec_probs[:k] for s in seqs])
-            drafts = torch.tensor([s.spec_token_ids for s in seqs], device=logits.device)
+            if group[0].seq.spec_probs is not None:
+                q = torch.stack([r.seq.spec_probs[:k] for r in group])
+            drafts = torch.tensor([r.seq.spec_token_ids for r in group], device=logits.device)
             nxt, accepted = rejection_sample(p, q, drafts, self.generator)
-            for i, s, token, a in zip(group, seqs, nxt.tolist(), accepted.tolist()):
-                emitted[i] = s.spec_token_ids[:a] + [token]
+            for r, token, a in zip(group, nxt.tolist(), accepted.tolist()):
+                r.tokens = r.seq.spec_token_ids[:a] + [token]
 
-    def _collect(self, sched, items, starts, emitted, logits) -> ModelRunnerOutput:
-        want = [i for i, item in enumerate(items) if item.seq.params.logprobs is not None]
-        per_item_lps: dict[int, list[PositionLogprobs]] = {}
+    def _collect(self, sched: SchedulerOutput, rows: list[SampleRows], logits: torch.Tensor) -> ModelRunnerOutput:
+        want = [r for r in rows if r.seq.params.logprobs is not None]
         if want:
-            rows = [starts[i] + j for i in want for j in range(len(emitted[i]))]
-            tokens = torch.tensor([t for i in want for t in emitted[i]], device=logits.device)
-            top = max(items[i].seq.params.logprobs for i in want)
-            lps = iter(logprobs_for(logits[rows], tokens, top))
-            for i in want:
-                per_item_lps[i] = [_trim_top(next(lps), items[i].seq.params.logprobs) for _ in emitted[i]]
-        sampled, logprobs, spec_stats = [], [], SpecStats()
-        index = 0
+            tokens = torch.tensor([t for r in want for t in r.tokens], device=logits.device)
+            top = max(r.seq.params.logprobs for r in want)
+            lps = iter(logprobs_for(logits[[r.start + j for r in want for j in range(len(r.tokens))]], tokens, top))
+            for r in want:
+                r.logprobs = [_trim_top(next(lps), r.seq.params.logprobs) for _ in r.tokens]
+        sampled: list[list[int]] = []
+        logprobs: list[list[PositionLogprobs] | None] = []
+        spec_stats = SpecStats()
+        taken = iter(rows)
         for item in sched.scheduled:
             if not item.sample:
                 sampled.append([])
                 logprobs.append(None)
                 continue
-            tokens = emitted[index]
-            sampled.append(tokens)
-            logprobs.append(per_item_lps.get(index))
-            if item.num_spec_tokens:
-                spec_stats.add(item.num_spec_tokens, len(tokens) - 1)
-            index += 1
+            r = next(taken)
+            sampled.append(r.tokens)
+            logprobs.append(r.logprobs)
+            if r.k:
+                spec_stats.add(r.k, len(r.tokens) - 1)
         return ModelRunnerOutput(sampled, logprobs, spec=spec_stats)
 
     def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True,
@@ -260,11 +285,11 @@ class ModelRunner:
         return build_sampling_batch(seqs, self.vocab_size, self.eos_token_ids, device, penalties, offsets)
 
 
-def _plain_greedy(item) -> bool:
+def _plain_greedy(row: SampleRows) -> bool:
     """A greedy row with nothing that changes its logits (bias, masks, penalties, an unmet min_tokens)
     and no proposals to verify: its token is the argmax, without the sampler's general machinery."""
-    seq, params = item.seq, item.seq.params
-    return (not item.num_spec_tokens and params.temperature == 0 and not params.uses_bias
+    seq, params = row.seq, row.seq.params
+    return (not row.k and params.temperature == 0 and not params.uses_bias
             and not params.depends_on_history and seq.num_output_tokens >= params.min_tokens)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass
@@ -62,6 +63,8 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # when requested; the first is None
+    # A prefill engine's finished request: where its prompt's KV blocks wait for a decode engine.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 @dataclass

@@ -16,10 +16,13 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.sequence import Sequence, Status
+
+if TYPE_CHECKING:
+    from specfleet.engine.stop import StopCheck
 
 
 @dataclass
@@ -58,10 +61,21 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
         self.on_release: Callable[[Sequence], None] | None = None  # a proposer forgets the sequence
+        # Before a finished sequence's blocks are freed (a KV connector may hold them): (seq, reason).
+        self.on_finish: Callable[[Sequence, str], None] | None = None
 
     # -- queue -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
+
+    def add_running(self, seq: Sequence, num_cached: int) -> None:
+        """A sequence whose blocks and computed tokens came from elsewhere (a KV connector's load)."""
+        self.prefix_queries += seq.num_tokens
+        self.prefix_hits += num_cached
+        seq.status = Status.RUNNING
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.monotonic()
+        self.running.append(seq)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -74,6 +88,8 @@ class Scheduler:
             self.running.remove(seq)
         else:
             self.waiting.remove(seq)
+        if self.on_finish is not None:
+            self.on_finish(seq, reason)
         self.kv.free_seq(seq)
         if self.on_release is not None:
             self.on_release(seq)
@@ -189,9 +205,11 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- after the model ran ---------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[list[int]]) -> list[tuple[Sequence, int]]:
-        """Advance computed tokens, append sampled tokens, trim rejected speculation.
-        Returns the sequences that received new tokens, with how many."""
+    def update(self, out: SchedulerOutput, sampled: list[list[int]],
+               stop: StopCheck | None = None) -> list[tuple[Sequence, int]]:
+        """Advance computed tokens, trim rejected speculation, and append the sampled tokens one at a
+        time, asking `stop` after each whether the sequence ends there (then it is finished and the step's
+        later tokens are dropped). Returns the sequences that received new tokens, with how many."""
         changed = []
         for item, tokens in zip(out.scheduled, sampled):
             seq = item.seq
@@ -203,12 +221,22 @@ class Scheduler:
                 continue
             # Of the k proposals, the first len(tokens) - 1 were accepted; the rest are recomputed.
             rejected = item.num_spec_tokens - (len(tokens) - 1)
-            seq.num_computed_tokens -= item.num_spec_tokens
+            seq.num_computed_tokens -= rejected
             seq.spec_token_ids, seq.spec_probs = [], None
-            seq.token_ids.extend(tokens)
-            seq.num_computed_tokens += item.num_spec_tokens - rejected
             if rejected:
                 self.kv.trim(seq, seq.num_computed_tokens)
-            self.kv.cache_full_blocks(seq)
-            changed.append((seq, len(tokens)))
+            changed.append((seq, self.append(seq, tokens, stop)))
         return changed
+
+    def append(self, seq: Sequence, tokens: list[int], stop: StopCheck | None = None) -> int:
+        """Append a step's tokens in order until `stop` ends the sequence; returns how many were taken."""
+        taken = 0
+        for token in tokens:
+            seq.token_ids.append(token)
+            taken += 1
+            if stop is not None and (finish := stop(seq)) is not None:
+                self.kv.cache_full_blocks(seq)
+                self.finish(seq, finish.reason, finish.stop_reason)
+                return taken
+        self.kv.cache_full_blocks(seq)
+        return taken

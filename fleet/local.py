@@ -1,7 +1,7 @@
 """`specfleet up -f FILE.yaml [--prometheus-url URL]`: run an InferenceService on this machine.
 
-Starts `spec.replicas` engine processes on loopback, one OpenAI endpoint in front (least outstanding
-requests), the tuner when `spec.autotune.enabled` (or `--tune`), prints every tuner decision, and on
+Starts `spec.replicas` engine processes on loopback, the router in front (`spec.routing.policy`, or
+`--policy`), supervises the engines (an engine that exits is logged and restarted with backoff), the tuner when `spec.autotune.enabled` (or `--tune`), prints every tuner decision, and on
 Ctrl-C / SIGTERM drains and stops everything.
 """
 
@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from specfleet.operator.inference_service import InvalidInferenceService, load_inference_service
+from specfleet.router.policies import POLICIES
 from specfleet.tuner.loop import Tick
 
 from .supervisor import LocalFleet
@@ -34,6 +35,8 @@ def build_parser() -> argparse.ArgumentParser:
     tune.add_argument("--no-tune", dest="tune", action="store_false", help="never tune")
     p.add_argument("--interval", type=float, default=None, help="tuning interval in seconds (default: the spec's)")
     p.add_argument("--window", type=float, default=None, help="metrics rate window in seconds")
+    p.add_argument("--policy", default=None, choices=list(POLICIES),
+                   help="routing policy (default: the spec's routing.policy)")
     p.add_argument("--freeze-file", default=None, metavar="PATH",
                    help="while this file exists the tuner changes nothing (default: LOG_DIR/tuner-freeze); "
                         "spec.autotune.freeze in the YAML freezes it from the start")
@@ -71,7 +74,8 @@ async def run(fleet: LocalFleet) -> int:
         if start in done:
             start.result()
             print(f"serving {fleet.isvc.spec.model.source} at {fleet.url}/v1 over {len(fleet.engine_urls)} engine(s): "
-                  f"{' '.join(fleet.engine_urls)}", flush=True)
+                  f"{' '.join(fleet.engine_urls)}; routing: {fleet.router.policy.name} "
+                  f"({fleet.router.hasher.unit} blocks); router metrics at {fleet.url}/metrics", flush=True)
             if fleet.tuner is not None:
                 src = f"Prometheus {fleet.prometheus_url}" if fleet.prometheus_url else "direct /metrics scrape"
                 print(f"tuner on: every {fleet.tuner.policy.params.interval_s:.0f}s from {src}; Ctrl-C stops",
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     fleet = LocalFleet(isvc, host=args.host, port=args.port, prometheus_url=args.prometheus_url,
                        prometheus_selector=args.prometheus_selector, tune=args.tune, interval_s=args.interval,
                        window_s=args.window, engine_extra_args=list(args.engine_arg), on_tick=print_tick,
+                       policy=args.policy,
                        freeze_file=Path(args.freeze_file) if args.freeze_file else None)
     return asyncio.run(run(fleet))
 

@@ -1,6 +1,12 @@
-"""The local fleet: an InferenceService's replicas as engine processes on loopback, one endpoint, the tuner.
+"""The local fleet: an InferenceService's replicas as engine processes on loopback, the router in front
+(specfleet.router, the same one the cluster runs), the tuner.
 
-`LocalFleet` is the programmatic form (tests and `specfleet bench tune` use it); `local.main` is the CLI.
+The fleet supervises its engines as a Deployment would: an engine that exits is taken out of routing at
+once, logged with its exit code and last log lines, and restarted with backoff (engines.py). Readiness is
+each engine's `/ready`. `scale_to` starts or retires engines (a retiring one drains: nothing new is
+routed to it, and SIGTERM lets it finish what it has).
+
+`LocalFleet` is the programmatic form (tests and `specfleet bench tune|route` use it); `local.main` is the CLI.
 """
 
 from __future__ import annotations
@@ -8,9 +14,7 @@ from __future__ import annotations
 import asyncio
 import os
 import secrets
-import signal
 import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -19,15 +23,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
-import uvicorn
+from aiohttp import web
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
-from specfleet.tuner.actuator import AdminActuator
-from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
-from specfleet.tuner.policy import Policy
-from specfleet.tuner.sources import PrometheusSource, ScrapeSource, Source
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.policies import make_policy
+from specfleet.router.prefix import BlockHasher, stable_hash
+from specfleet.router.proxy import Router, serve
+from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
+from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
+from specfleet.tuner.types import SLO
 
-from .proxy import Backends, create_proxy
+from .engines import EngineProcess, describe_exit
+
+SUPERVISE_PERIOD_S = 0.2  # how soon an exited engine leaves routing (a poll of each process)
+READY_PERIOD_S = 0.5  # how often each running engine's /ready is probed
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -56,14 +66,32 @@ def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | N
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at:at + 2]
-    bounds = spec.autotune.bounds
+    high = spec.autotune.bounds.model_dump()  # knob name -> [min, max] (the fields are made from the knobs)
     args += ["--host", "127.0.0.1",
-             "--max-num-seqs-limit", str(max(bounds.max_num_seqs[1], spec.batching.max_num_seqs)),
+             "--max-num-seqs-limit", str(max(high["max_num_seqs"][1], spec.batching.max_num_seqs)),
              "--max-num-batched-tokens-limit",
-             str(max(bounds.max_num_batched_tokens[1], spec.batching.max_num_batched_tokens)),
+             str(max(high["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens)),
              "--max-num-speculative-tokens",
-             str(max(bounds.num_speculative_tokens[1], spec.speculative.num_speculative_tokens))]
+             str(max(high["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens))]
     return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
+
+
+def local_tokenizer(source: str) -> Callable[[str], list[int]] | None:
+    """The model's tokenizer for the router's token blocks, when the model is a local folder with a
+    tokenizer.json (bundled:// after the engines converted it, file://); None: character blocks."""
+    if not source.startswith(("bundled://", "file://")):
+        return None
+    try:
+        from specfleet.engine.model_loader import resolve_model
+        from tokenizers import Tokenizer
+
+        path = Path(resolve_model(source).path) / "tokenizer.json"
+        if not path.exists():
+            return None
+        tokenizer = Tokenizer.from_file(str(path))
+    except (ImportError, ValueError, OSError, RuntimeError):
+        return None
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
 @dataclass
@@ -81,22 +109,43 @@ class LocalFleet:
     on_tick: Callable[[Tick], None] | None = None
     freeze_file: Path | None = None  # while this file exists the tuner is frozen (None: LOG_DIR/tuner-freeze)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
-    processes: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    engine_urls: list[str] = field(default_factory=list)
+    policy: str | None = None  # None: spec.routing.policy (least-loaded with routing disabled)
+    say: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
+    engines: list[EngineProcess] = field(default_factory=list)
     admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
     ticks: list[Tick] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.backends = Backends([])
+        spec = self.isvc.spec
+        routing = spec.routing
+        name = self.policy or (routing.policy if routing.enabled else "least-loaded")
+        options = {"load_factor": routing.load_factor_percent / 100} if name == "prefix" else {}
+        self.router = Router(EndpointSet(), make_policy(name, **options),
+                             BlockHasher(spec.engine.block_size, None, stable_hash(spec.model.source)),
+                             session_header=routing.session_header or None,
+                             queue_timeout_s=float(routing.queue_timeout_seconds))
         self.tuner: ServiceTuner | None = None
-        self._server: uvicorn.Server | None = None
+        self.replica_policy: ReplicaPolicy | None = None
+        self.replica_decisions: list[ReplicaDecision] = []
+        self._cold_start: float | None = None
+        self.cold_start_s: float | None = None
+        if spec.autoscaling.enabled:
+            self.replica_policy = ReplicaPolicy(replica_params(spec), self.isvc.desired_replicas)
+            self.router.on_queue = self._on_queue
+        self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
+        self._http: httpx.AsyncClient | None = None
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
+        self._env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
 
     def admin_url(self, engine_url: str) -> str:
         """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
         return self.admin_urls.get(engine_url, engine_url)
+
+    def engine_log(self, i: int) -> Path:
+        assert self.log_dir is not None  # set in __post_init__
+        return self.log_dir / f"engine-{i}.log"
 
     @property
     def url(self) -> str:
@@ -106,46 +155,72 @@ class LocalFleet:
     def tuning(self) -> bool:
         return self.isvc.spec.autotune.enabled if self.tune is None else self.tune
 
+    @property
+    def engine_urls(self) -> list[str]:
+        """Every engine that is not being retired, ready or not."""
+        return [e.url for e in self.engines if not e.retiring]
+
+    def ready_urls(self) -> list[str]:
+        return [e.url for e in self.router.endpoints.routable()]
+
+    # ---- engines -------------------------------------------------------------------------------------
+    def _new_engine(self, role: str | None = None) -> EngineProcess:
+        """`role`: "prefill" or "decode" with spec.disaggregation (the engine's --kv-role and its role in the
+        router's endpoint set), None for an aggregated engine."""
+        index = max((e.index for e in self.engines), default=-1) + 1
+        port, admin_port = free_port(), free_port()
+        extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
+        command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
+        engine = EngineProcess(index, port, command, self._env, self.log_dir / f"engine-{index}.log",  # type: ignore[operator]
+                               role=role)
+        self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
+        engine.start()
+        self.engines.append(engine)
+        self.router.endpoints.set_state(engine.url, ready=False, draining=False, role=role)
+        return engine
+
+    def _set_routing(self, engine: EngineProcess, ready: bool, draining: bool = False) -> None:
+        current = self.router.endpoints.get(engine.url)
+        if current is not None and (current.ready, current.draining) == (ready, draining):
+            return
+        if ready and self._cold_start is not None:
+            self.cold_start_s = time.monotonic() - self._cold_start
+            self._cold_start = None
+            self.say(f"[autoscaler] cold start: engine {engine.index} ready {self.cold_start_s:.1f}s after the "
+                     "first request queued")
+        self.router.endpoints.set_state(engine.url, ready=ready, draining=draining)
+        self.router.endpoints_changed()
+
     async def start(self, ready_timeout_s: float | None = None) -> None:
         spec = self.isvc.spec
-        env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
-        for i in range(spec.replicas):
-            port, admin_port = free_port(), free_port()
-            log = open(self.log_dir / f"engine-{i}.log", "wb")  # noqa: SIM115 (closed with the process)
-            command = local_engine_command(self.isvc, port, self.engine_extra_args, admin_port=admin_port)
-            self.processes.append(subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env))
-            self.engine_urls.append(f"http://127.0.0.1:{port}")
-            self.admin_urls[self.engine_urls[-1]] = f"http://127.0.0.1:{admin_port}"
-        self.backends.urls = list(self.engine_urls)
+        disagg = spec.disaggregation
+        if disagg is not None:  # its replicas replace spec.replicas; the replica knob scales the decode engines
+            for _ in range(disagg.prefill.replicas):
+                self._new_engine("prefill")
+        replicas = (self.replica_policy.replicas if self.replica_policy is not None else
+                    spec.replicas if disagg is None else disagg.decode.replicas)
+        for _ in range(replicas):
+            self._new_engine(self._scaled_role)
         await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
+        encode = local_tokenizer(spec.model.source)
+        if encode is not None:
+            self.router.hasher = BlockHasher(spec.engine.block_size, encode, self.router.hasher.seed)
         self.port = self.port or free_port(self.host)
-        config = uvicorn.Config(create_proxy(self.backends), host=self.host, port=self.port, log_level="warning",
-                                access_log=False, lifespan="on")
-        self._server = uvicorn.Server(config)
-        self._server.install_signal_handlers = lambda: None  # type: ignore[method-assign]
-        self._tasks.append(asyncio.create_task(self._server.serve()))
-        while not self._server.started:
-            await asyncio.sleep(0.02)
-        self._tasks.append(asyncio.create_task(self._watch_ready()))
-        if self.tuning:
+        self._runner = await serve(self.router, self.host, self.port)
+        self.router.endpoints_changed()
+        self._tasks += [asyncio.create_task(self._supervise()), asyncio.create_task(self._watch_ready())]
+        if self.tuning or self.replica_policy is not None:
             self.tuner = self._build_tuner()
             self._tasks.append(asyncio.create_task(self._tune_forever()))
 
     def _build_tuner(self) -> ServiceTuner:
-        spec = self.isvc.spec
-        params = params_from_spec(spec, self.interval_s, self.window_s)
-
         async def ready() -> list[str]:
-            return [u for u in self.engine_urls if u in self.backends.ready]
+            return self.ready_urls()
 
-        source: Source
-        if self.prometheus_url:
-            selector = self.prometheus_selector or f'job="{self.isvc.name}"'
-            source = PrometheusSource(self.prometheus_url, selector, params.window_s)
-        else:
-            source = ScrapeSource(ready, window_s=params.window_s)
-        return ServiceTuner(self.isvc.name, Policy(params, spec_config(spec)), source, AdminActuator(self.token, admin_url=self.admin_url),
-                            ready)
+        return build_tuner(self.isvc.name, self.isvc.spec, ready, self.token, admin_url=self.admin_url,
+                           prometheus_url=self.prometheus_url or "",
+                           prometheus_selector=self.prometheus_selector or f'job="{self.isvc.name}"',
+                           interval_s=self.interval_s, window_s=self.window_s)
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:
         try:
@@ -153,27 +228,87 @@ class LocalFleet:
         except httpx.HTTPError:
             return False
 
-    async def _wait_ready(self, timeout_s: float) -> None:
+    async def _wait_ready(self, timeout_s: float, engines: list[EngineProcess] | None = None) -> None:
+        """At start an engine that exits is an error to report, not a crash loop to sit in."""
+        engines = list(self.engines if engines is None else engines)
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
-            while len(self.backends.ready) < len(self.engine_urls):
-                for i, (proc, url) in enumerate(zip(self.processes, self.engine_urls, strict=True)):
-                    if proc.poll() is not None:
-                        tail = (self.log_dir / f"engine-{i}.log").read_text(errors="replace")[-2000:]
-                        raise RuntimeError(f"engine {i} ({url}) exited with {proc.returncode} while starting:\n{tail}")
-                    if await self._probe(client, url):
-                        self.backends.ready.add(url)
+            while True:
+                pending = [e for e in engines if not getattr(self.router.endpoints.get(e.url), "ready", False)]
+                if not pending:
+                    return
+                for engine in pending:
+                    if engine.proc is None or engine.proc.poll() is not None:
+                        code = engine.proc.returncode if engine.proc is not None else None
+                        raise RuntimeError(f"engine {engine.index} ({engine.url}) exited with "
+                                           f"{describe_exit(code) if code is not None else 'no process'} while "
+                                           f"starting; last log lines:\n{engine.tail()}")
+                    if await self._probe(client, engine.url):
+                        self._set_routing(engine, ready=True)
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"engines not ready after {timeout_s:.0f}s; see logs in {self.log_dir}")
                 await asyncio.sleep(0.25)
 
+    async def _supervise(self) -> None:
+        """An engine that exits leaves routing at once; it is restarted after its backoff."""
+        while True:
+            now = time.monotonic()
+            for engine in list(self.engines):
+                code = engine.reap(now)
+                if code is not None:
+                    self._on_exit(engine, code)
+                if engine.proc is None and engine.restart_at is not None and now >= engine.restart_at:
+                    engine.restarts += 1
+                    self.say(f"[fleet] restarting engine {engine.index} ({engine.url}), restart {engine.restarts}")
+                    engine.start()
+            await asyncio.sleep(SUPERVISE_PERIOD_S)
+
+    def _on_exit(self, engine: EngineProcess, code: int) -> None:
+        if engine.retiring:
+            self.engines.remove(engine)
+            self.router.endpoints.remove(engine.url)
+        else:
+            self.router.endpoints.set_state(engine.url, ready=False, draining=False)
+        self.router.endpoints_changed([engine.url])  # its prefix cache is gone with it
+        if engine.retiring:
+            self.say(f"[fleet] engine {engine.index} ({engine.url}) stopped ({describe_exit(code)})")
+            return
+        delay = (engine.restart_at or time.monotonic()) - time.monotonic()
+        self.say(f"[fleet] engine {engine.index} ({engine.url}) exited ({describe_exit(code)}) after "
+                 f"{time.monotonic() - engine.started_at:.0f}s; out of routing; restarting in {delay:.0f}s. "
+                 f"Last log lines ({engine.log_path}):\n{engine.tail()}")
+
     async def _watch_ready(self) -> None:
         async with httpx.AsyncClient(timeout=2.0) as client:
             while True:
-                for url in self.engine_urls:
-                    ok = await self._probe(client, url)
-                    (self.backends.ready.add if ok else self.backends.ready.discard)(url)
-                await asyncio.sleep(1.0)
+                for engine in list(self.engines):
+                    if engine.retiring or not engine.running:
+                        continue
+                    self._set_routing(engine, ready=await self._probe(client, engine.url))
+                await asyncio.sleep(READY_PERIOD_S)
+
+    # ---- replicas --------------------------------------------------------------------------------------
+    @property
+    def _scaled_role(self) -> str | None:
+        """The role of the engines `replicas` counts: decode engines with disaggregation (prefill engines
+        stay at spec.disaggregation.prefill.replicas)."""
+        return None if self.isvc.spec.disaggregation is None else "decode"
+
+    async def scale_to(self, replicas: int) -> None:
+        """Start engines (they join routing once ready) or retire the newest (drained, then SIGTERM)."""
+        if replicas < 0:
+            raise ValueError(f"replicas={replicas} must be >= 0")
+        active = [e for e in self.engines if not e.retiring and e.role != "prefill"]
+        for _ in range(replicas - len(active)):
+            engine = self._new_engine(self._scaled_role)
+            self.say(f"[fleet] scaling up: started engine {engine.index} ({engine.url})")
+        for engine in sorted(active, key=lambda e: e.index, reverse=True)[:max(0, len(active) - replicas)]:
+            engine.retiring = True
+            self._set_routing(engine, ready=False, draining=True)
+            self.say(f"[fleet] scaling down: draining engine {engine.index} ({engine.url})")
+            engine.terminate()  # the engine finishes its in-flight requests on SIGTERM, then exits
+
+    # ---- tuner -----------------------------------------------------------------------------------------
 
     @property
     def frozen_by(self) -> str | None:
@@ -198,30 +333,60 @@ class LocalFleet:
         interval = self.tuner.policy.params.interval_s
         while True:  # the first tick at once: the scrape source needs it as the base of its first window
             try:
-                await self.tick()
-            except Exception as error:  # noqa: BLE001 - the tuner must outlive one bad interval
-                print(f"[tuner] interval failed: {type(error).__name__}: {error}", flush=True)
+                tick = await self.tick()
+                await self.autoscale(tick)
+            except Exception as error:
+                self.say(f"[tuner] interval failed: {type(error).__name__}: {error}")
             await asyncio.sleep(interval)
+
+    async def autoscale(self, tick: Tick) -> ReplicaDecision | None:
+        """The replica knob, from the same observation and goodput model as the tick's config decision."""
+        if self.replica_policy is None or self.tuner is None:
+            return None
+        policy, obs = self.tuner.policy, tick.observation
+        decision = self.replica_policy.decide(time.monotonic(), obs, policy.model(obs) if not obs.error else None,
+                                              policy.current, policy.params.slo, self.router.queued)
+        await self._act(decision)
+        return decision
+
+    def _on_queue(self, waiting: int) -> None:
+        """The router holds a request with no engine ready: with zero replicas, start one now (not at the
+        next tuner interval)."""
+        if self.replica_policy is None or self.replica_policy.replicas > 0 or self.router.stopping:
+            return
+        self._cold_start = time.monotonic()
+        decision = self.replica_policy.decide(time.monotonic(), None, None, None,
+                                              self.tuner.policy.params.slo if self.tuner else SLO(1.0, 1.0), waiting)
+        self._tasks.append(asyncio.create_task(self._act(decision)))
+
+    async def _act(self, decision: ReplicaDecision) -> None:
+        if decision.kind != "hold" or decision.changed:
+            self.replica_decisions.append(decision)
+        if decision.changed or decision.kind in ("stabilizing", "cooldown"):
+            self.say(f"[autoscaler] {decision.kind}: {decision.reason}")
+        if decision.changed:
+            await self.scale_to(decision.replicas)
 
     async def stop(self, drain_timeout_s: float | None = None) -> list[int | None]:
         """Stop taking requests, SIGTERM the engines (they finish in-flight work), wait; exit codes."""
-        self.backends.draining = True
-        for task in self._tasks[1:]:
+        self.router.stopping = True
+        for task in self._tasks:
             task.cancel()
-        for proc in self.processes:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for engine in self.engines:
+            self.router.endpoints.set_state(engine.url, ready=False, draining=True)
+            engine.terminate()
         grace = (drain_timeout_s if drain_timeout_s is not None else self.isvc.spec.engine.drain_timeout_seconds) + 10
         deadline = time.monotonic() + grace
-        while any(p.poll() is None for p in self.processes) and time.monotonic() < deadline:
+        while any(e.running for e in self.engines) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
-        for proc in self.processes:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-        if self._server is not None:
-            self._server.should_exit = True
-            await asyncio.gather(self._tasks[0], return_exceptions=True)
+        codes: list[int | None] = []
+        for engine in self.engines:
+            engine.kill()
+            codes.append(engine.proc.returncode if engine.proc is not None else
+                         (engine.exit_codes[-1] if engine.exit_codes else None))
+        if self._runner is not None:
+            await self._runner.cleanup()
         if self.tuner is not None:
             await self.tuner.close()
-        return [p.returncode for p in self.processes]
+        return codes

@@ -12,8 +12,6 @@ kernel merges them. That keeps the GPU busy when few sequences (one long one) ar
 
 from __future__ import annotations
 
-import math
-
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +19,6 @@ from specfleet.kernels._launch import is_interpreted, kernel_for, next_pow2, num
 from specfleet.kernels._paged_checks import check_paged_args
 from specfleet.kernels._paged_softmax import NEG as _NEG
 from specfleet.kernels._paged_softmax import attend_paged_range
-from specfleet.kernels.attention_reference import paged_attention_reference
 
 MAX_DECODE_QUERY_LEN = 16  # longer queries belong to the prefill kernel
 _LOG2E = 1.4426950408889634
@@ -181,18 +178,3 @@ def paged_decode_attention(
         )
     return out
 
-
-def paged_decode_attention_reference(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    query_start_loc: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    return paged_attention_reference(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)

@@ -5,6 +5,7 @@ Pure functions of the InferenceService and its Deployment as the API server repo
 
 from __future__ import annotations
 
+import datetime
 from dataclasses import dataclass
 from typing import Any
 
@@ -14,6 +15,12 @@ from .inference_service import InferenceService
 from .resources import LABEL_ISVC, endpoint
 
 OWNED_TYPES = ("Ready", "Progressing", "Degraded", "Monitored")  # the reconcile's; the tuner owns Tuned
+
+
+def timestamp() -> str:
+    """Now as the Kubernetes API writes times (RFC 3339, UTC, whole seconds): lastTransitionTime and the
+    status times the operator and the tuner write."""
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 @dataclass(frozen=True)
@@ -62,7 +69,7 @@ class Rollout:
 
 
 def deployment_conditions(isvc: InferenceService, deployment: dict[str, Any] | None) -> list[Cond]:
-    desired = isvc.spec.replicas
+    desired = isvc.desired_replicas
     rollout = Rollout.of(desired, deployment)
     if rollout is None:
         return [

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 DEFAULT_ENGINE_IMAGE = "ghcr.io/specfleet/engine:0.1.0-cuda"
 DEFAULT_ENGINE_CPU_IMAGE = "ghcr.io/specfleet/engine:0.1.0"
+# The router runs from the operator's image: it needs aiohttp and prometheus-client, which that image has.
+DEFAULT_ROUTER_IMAGE = "ghcr.io/specfleet/operator:0.1.0"
 
 
 @dataclass(frozen=True)
@@ -17,6 +19,7 @@ class OperatorConfig:
     prometheus_url: str = ""  # default for spec.autotune.prometheusURL
     reconcile_interval_seconds: float = 30.0  # the level-based timer; events also trigger a reconcile
     model_downloader_image: str = ""  # empty: the engine image runs the hf:// download step
+    router_image: str = DEFAULT_ROUTER_IMAGE  # default for spec.routing.image
     # The chart's serviceMonitor.enabled: whether to apply a ServiceMonitor per service (its RBAC rule
     # exists only then). Off: none is applied, even where the Prometheus Operator's CRD is installed.
     service_monitor: bool = True
@@ -52,6 +55,7 @@ class OperatorConfig:
             prometheus_url=env.get("SPECFLEET_PROMETHEUS_URL", ""),
             reconcile_interval_seconds=seconds,
             model_downloader_image=env.get("SPECFLEET_MODEL_DOWNLOADER_IMAGE", ""),
+            router_image=env.get("SPECFLEET_ROUTER_IMAGE", DEFAULT_ROUTER_IMAGE),
             service_monitor=_flag(env, "SPECFLEET_SERVICE_MONITOR", True),
             network_policy=_flag(env, "SPECFLEET_NETWORK_POLICY", False),
             operator_namespace=env.get("POD_NAMESPACE", ""),

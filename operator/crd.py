@@ -1,6 +1,6 @@
 """Generate the InferenceService CRD from the pydantic models, so the two cannot drift.
 
-    python -m specfleet.operator.crd            # rewrite crds/ and charts/specfleet/crds/
+    python -m specfleet.operator.crd            # rewrite crds/ and charts/specfleet/templates/crd.yaml
     python -m specfleet.operator.crd --check    # exit 1 if a committed copy is stale
 
 Pydantic's JSON schema is turned into a Kubernetes *structural* schema: `$ref`s are inlined, optional
@@ -16,15 +16,19 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from pydantic import BaseModel
 
 from .resources import GROUP, KIND, LIST_KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
-from .spec import InferenceServiceSpec
+from .spec import K8S_SCHEMA_KEY, InferenceServiceSpec
 from .status import InferenceServiceStatus
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-# Every copy the repository ships: the plain CRD, the Helm chart's and the kustomize base's.
-CRD_PATHS = (REPO_ROOT / "crds" / "inferenceservice.yaml", REPO_ROOT / "charts" / "specfleet" / "crds" / "inferenceservice.yaml",
-             REPO_ROOT / "deploy" / "kustomize" / "base" / "crds" / "inferenceservice.yaml")
+# The plain CRD and the kustomize base's copy (kustomize reads no file outside its folder).
+CRD_PATH = REPO_ROOT / "crds" / "inferenceservice.yaml"
+PLAIN_CRD_PATHS = (CRD_PATH, REPO_ROOT / "deploy" / "kustomize" / "base" / "crds" / "inferenceservice.yaml")
+# The chart ships the CRD as a template (not in crds/, which Helm installs once and never upgrades), guarded
+# by `crds.install`; `crds.keep` leaves it in place on `helm uninstall`.
+CHART_CRD_PATH = REPO_ROOT / "charts" / "specfleet" / "templates" / "crd.yaml"
 _DROP = {"title", "additionalProperties", "prefixItems", "$defs"}
 
 PRINTER_COLUMNS = [
@@ -57,8 +61,65 @@ NAME_RULE = {
 }
 
 
+# Where the Kubernetes OpenAPI comes from: the JSON schemas kubernetes-validate ships (a test dependency; the
+# CRD is generated at development time), for the oldest Kubernetes we support.
+KUBERNETES_SCHEMA_VERSION = "v1.30.0-local"
+_KEEP_X = {"x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-map-type",
+           "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields"}
+_FREE_FORM = {"io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}  # embedded metadata: not validated nested
+_INT_OR_STRING = {"io.k8s.apimachinery.pkg.api.resource.Quantity", "io.k8s.apimachinery.pkg.util.intstr.IntOrString"}
+
+
+def _kubernetes_definitions() -> dict[str, Any]:
+    import json
+
+    import kubernetes_validate
+
+    path = (Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / KUBERNETES_SCHEMA_VERSION
+            / "_definitions.json")
+    return json.loads(path.read_text())["$defs"]
+
+
+def kubernetes_schema(name: str, defs: dict[str, Any] | None = None) -> dict[str, Any]:
+    """A Kubernetes OpenAPI definition (`io.k8s.api.core.v1.Toleration`) as a structural schema: refs
+    inlined, `[type, null]` unions narrowed, quantities int-or-string, descriptions dropped (the CRD stays
+    small; `kubectl explain` links the upstream type by its field description)."""
+    defs = _kubernetes_definitions() if defs is None else defs
+    if name in _FREE_FORM:
+        return {"type": "object", "x-kubernetes-preserve-unknown-fields": True}
+    if name in _INT_OR_STRING:
+        return {"x-kubernetes-int-or-string": True}
+    return _upstream_node(defs[name], defs)
+
+
+def _upstream_node(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
+    if "$ref" in node:
+        return kubernetes_schema(node["$ref"].rsplit("/", 1)[-1], defs)
+    out: dict[str, Any] = {}
+    for key, value in node.items():
+        if key == "type":
+            kinds = [value] if isinstance(value, str) else [k for k in value if k != "null"]
+            out["type"] = kinds[0]
+        elif key == "properties":
+            out["properties"] = {name: _upstream_node(child, defs) for name, child in value.items()}
+        elif key == "items":
+            out["items"] = _upstream_node(value, defs)
+        elif key == "additionalProperties":
+            if isinstance(value, dict):
+                out["additionalProperties"] = _upstream_node(value, defs)
+        elif key in ("required", "enum", "format", "default") or key in _KEEP_X:
+            out[key] = value
+    return out
+
+
 def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """One pydantic JSON-schema node -> one structural OpenAPI v3 node."""
+    if K8S_SCHEMA_KEY in node:
+        upstream = kubernetes_schema(node[K8S_SCHEMA_KEY])
+        kept = {k: v for k, v in node.items() if k in ("description", "maxItems", "type")}
+        if node.get("type") == "array":
+            return {**kept, "items": upstream}
+        return {**upstream, **{k: v for k, v in kept.items() if k != "type"}}
     if "$ref" in node:
         target = defs[node["$ref"].rsplit("/", 1)[-1]]
         extras = {k: v for k, v in node.items() if k != "$ref"}
@@ -95,7 +156,7 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def model_schema(model: type) -> dict[str, Any]:
+def model_schema(model: type[BaseModel]) -> dict[str, Any]:
     raw = model.model_json_schema(by_alias=True, mode="validation")
     return structural(raw, raw.get("$defs", {}))
 
@@ -147,23 +208,40 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
+_HEADER = ("# Generated by `python -m specfleet.operator.crd` from operator/spec.py and operator/status.py.\n"
+           "# Do not edit by hand: change the pydantic models and regenerate.\n")
+
+
 def render_crd_yaml() -> str:
-    header = "# Generated by `python -m specfleet.operator.crd` from operator/spec.py and operator/status.py.\n"
-    header += "# Do not edit by hand: change the pydantic models and regenerate.\n"
-    return header + yaml.dump(build_crd(), Dumper=_NoAliasDumper, sort_keys=False, width=120)
+    return _HEADER + yaml.dump(build_crd(), Dumper=_NoAliasDumper, sort_keys=False, width=120)
+
+
+def render_chart_crd_template() -> str:
+    """The chart's `templates/crd.yaml`: the same CRD, between Helm guards (nothing in it may look like a
+    template action)."""
+    body = yaml.dump(build_crd(), Dumper=_NoAliasDumper, sort_keys=False, width=120)
+    if "{{" in body or "}}" in body:
+        raise ValueError("the CRD contains '{{' or '}}', which Helm would read as a template action")
+    labels = "    app.kubernetes.io/part-of: specfleet\n"
+    if labels not in body:
+        raise ValueError("the CRD's metadata.labels changed: update render_chart_crd_template")
+    keep = ("  {{- if .Values.crds.keep }}\n  annotations:\n    # `helm uninstall` must not delete every "
+            "InferenceService with the CRD\n    helm.sh/resource-policy: keep\n  {{- end }}\n")
+    body = body.replace(labels, labels + keep, 1)
+    return _HEADER + "{{- if .Values.crds.install }}\n" + body + "{{- end }}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--check", action="store_true", help="fail if a committed CRD differs from the models")
     args = parser.parse_args(argv)
-    text = render_crd_yaml()
-    stale = [p for p in CRD_PATHS if not p.exists() or p.read_text() != text]
+    texts = {**{path: render_crd_yaml() for path in PLAIN_CRD_PATHS}, CHART_CRD_PATH: render_chart_crd_template()}
+    stale = [p for p, text in texts.items() if not p.exists() or p.read_text() != text]
     if args.check:
         for path in stale:
             print(f"{path} is stale: run `python -m specfleet.operator.crd` and commit the result", file=sys.stderr)
         return 1 if stale else 0
-    for path in CRD_PATHS:
+    for path, text in texts.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(text)
         print(f"wrote {path}")

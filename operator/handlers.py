@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import datetime
 import logging
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 import kopf
 
 from . import metrics
+from .conditions import timestamp
 from .config import OperatorConfig
 from .kube import ApiError, KubeClient, object_path
 from .reconcile import Outcome, Reconciler
@@ -59,16 +59,14 @@ async def close_client(memo: kopf.Memo, **_: Any) -> None:
         await memo.client.close()
 
 
-def _client(memo: kopf.Memo) -> KubeClient:
+def kube_client(memo: kopf.Memo) -> KubeClient:
+    """The operator's API client, built from kopf's login on first use; other handler modules (the
+    tuner's) share it through this function."""
     if getattr(memo, "client", None) is None:
         if "info" not in _credentials:
             raise kopf.TemporaryError("no Kubernetes credentials yet; retrying", delay=TEMPORARY_DELAY_SECONDS)
         memo.client = KubeClient.from_connection_info(_credentials["info"])
     return memo.client
-
-
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def _lock(memo: kopf.Memo, uid: str) -> asyncio.Lock:
@@ -78,19 +76,19 @@ def _lock(memo: kopf.Memo, uid: str) -> asyncio.Lock:
     return locks.setdefault(uid, asyncio.Lock())
 
 
-async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Logger) -> Outcome:
+async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger) -> Outcome:
     """Reconcile one InferenceService and write the reconcile's share of its status (server-side apply,
     field manager `specfleet-operator`), then post the Events."""
     meta = body["metadata"]
     async with _lock(memo, meta["uid"]):
-        client = _client(memo)
+        client = kube_client(memo)
         try:
             current = await client.get(object_path(KIND, meta["namespace"], meta["name"]))
             if current is None or current["metadata"].get("uid") != meta["uid"]:
                 return Outcome(status={})  # deleted (or replaced) meanwhile: nothing to report on
             metrics.saw_generation(meta["namespace"], meta["name"], int(current["metadata"].get("generation") or 0),
                                    meta["uid"])
-            outcome = await Reconciler(client, memo.config).reconcile(current, now=_now())
+            outcome = await Reconciler(client, memo.config).reconcile(current, now=timestamp())
             await client.apply_status(meta["namespace"], meta["name"], outcome.status, FIELD_MANAGER)
             metrics.reconciled(meta["namespace"], meta["name"], outcome.status, meta["uid"])
         except ApiError as error:
@@ -102,7 +100,7 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Log
                                       delay=TEMPORARY_DELAY_SECONDS) from error
     for event in outcome.events:
         post = kopf.warn if event.type == "Warning" else kopf.info
-        post(dict(current), reason=event.reason, message=event.message)
+        post(cast(kopf.Body, dict(current)), reason=event.reason, message=event.message)  # kopf reads it as a Body
     logger.debug("reconciled: %s", {c["type"]: c["status"] for c in outcome.status.get("conditions", [])})
     return outcome
 
@@ -112,7 +110,7 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: logging.Log
 @kopf.on.update(GROUP, VERSION, PLURAL)
 @kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.reconcile_interval_seconds,
             initial_delay=min(5.0, CONFIG.reconcile_interval_seconds), sharp=False)
-async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: the children go with it (owner references)
     outcome = await converge(body, memo, logger)
@@ -126,14 +124,14 @@ def _owner(body: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY})
-async def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: logging.Logger, **_: Any) -> None:
+async def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     """The Deployment controller's progress reaches status within seconds, not at the next timer: any
     change to an owned Deployment (its status, a deletion, a manual edit) reconciles its owner."""
     owner = _owner(body)
     if owner is None:
         return
     namespace = body["metadata"]["namespace"]
-    isvc = await _client(memo).get(object_path(KIND, namespace, owner["name"]))
+    isvc = await kube_client(memo).get(object_path(KIND, namespace, owner["name"]))
     if isvc is None or isvc["metadata"].get("uid") != owner.get("uid") or isvc["metadata"].get("deletionTimestamp"):
         return
     await converge(isvc, memo, logger)
@@ -160,7 +158,7 @@ def drop_finalizer_requirements(registry: Any) -> int:
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def forget_metrics(type: str, meta: kopf.Meta, **_: Any) -> None:  # noqa: A002 - kopf's keyword
+async def forget_metrics(type: str, meta: kopf.Meta, **_: Any) -> None:
     """A deleted service's series go (the watch's DELETED event: no finalizer needed)."""
     if type == "DELETED":
         metrics.forget(meta["namespace"], meta["name"], meta.get("uid"))

@@ -34,8 +34,8 @@ class ObjectMeta(BaseModel):
 class InferenceService(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
 
-    api_version: Literal["serving.specfleet.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")
-    kind: Literal["InferenceService"] = KIND
+    api_version: Literal["serving.specfleet.io/v1alpha1"] = Field(API_VERSION, alias="apiVersion")  # type: ignore[arg-type]  # GROUP/VERSION, this literal
+    kind: Literal["InferenceService"] = KIND  # type: ignore[assignment]  # resources.KIND, this literal
     metadata: ObjectMeta
     spec: InferenceServiceSpec
     status: InferenceServiceStatus | None = None
@@ -47,6 +47,19 @@ class InferenceService(BaseModel):
     @property
     def namespace(self) -> str:
         return self.metadata.namespace
+
+    @property
+    def desired_replicas(self) -> int:
+        """The engine pods to run: `spec.replicas`, or with autoscaling on, the tuner's count from
+        `status.autoscaling.replicas` (clamped to the bounds; before its first decision, `spec.replicas`
+        clamped). The one place the Deployment, the PDB and the conditions read it from."""
+        spec = self.spec
+        scaling = spec.autoscaling
+        if not scaling.enabled:
+            return spec.replicas
+        tuned = self.status.autoscaling.replicas if self.status and self.status.autoscaling else None
+        wanted = spec.replicas if tuned is None else tuned
+        return min(max(wanted, scaling.min_replicas), scaling.max_replicas)
 
 
 def _describe(error: ValidationError, origin: str) -> str:

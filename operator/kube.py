@@ -18,6 +18,9 @@ from .resources import API_VERSION, FIELD_MANAGER, KIND, PLURAL
 KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
     "Service": ("v1", "services"),
+    "ServiceAccount": ("v1", "serviceaccounts"),
+    "Role": ("rbac.authorization.k8s.io/v1", "roles"),
+    "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "Secret": ("v1", "secrets"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),

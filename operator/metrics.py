@@ -98,6 +98,6 @@ def forget(namespace: str, name: str, uid: str | None = None) -> None:
             pass
 
 
-def serve(port: int, addr: str = "0.0.0.0") -> None:  # noqa: S104 - the pod's port, scraped from outside
+def serve(port: int, addr: str = "0.0.0.0") -> None:
     """Serve /metrics on `port` from a background thread."""
     start_http_server(port, addr=addr, registry=REGISTRY)

@@ -21,12 +21,20 @@ from .render import (
     render_deployment,
     render_network_policy,
     render_pdb,
+    render_router_children,
     render_secret,
     render_service,
     render_servicemonitor,
 )
 from .render.common import owner_reference
-from .resources import LABEL_ISVC, LABEL_MANAGED_BY, MANAGED_BY, admin_secret_name
+from .resources import (
+    LABEL_ISVC,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    admin_secret_name,
+    engines_service_name,
+    router_name,
+)
 
 T = TypeVar("T")
 CONFLICT_ATTEMPTS = 4
@@ -91,6 +99,9 @@ class Reconciler:
             isvc = parse_inference_service(body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}")
         except InvalidInferenceService as error:
             return self._invalid(body, previous, str(error), now)
+        refusal = isvc.spec.cluster_refusal()
+        if refusal is not None:  # admission refuses it too (CEL); an object stored before that rule lands here
+            return self._invalid(body, previous, f"{isvc.namespace}/{isvc.name}: {refusal}", now)
 
         events: list[Event] = []
         children: dict[str, dict[str, Any]] = {}
@@ -107,6 +118,7 @@ class Reconciler:
         service = await self._child(render_service(isvc), events, refused)
         if service is not None:
             children["Service"] = service
+        await self._converge_router(isvc, children, events, refused)
         pdb = render_pdb(isvc)
         if pdb is not None:
             applied = await self._child(pdb, events, refused)
@@ -135,7 +147,8 @@ class Reconciler:
         generation = meta.get("generation", 0)
         conds: list[Cond] = invalid_spec_conditions(message)
         # The reconcile's other fields stay as they were (server-side apply would remove what it omits).
-        status = {key: previous[key] for key in ("replicas", "readyReplicas", "selector", "endpoint") if key in previous}
+        status: dict[str, Any] = {key: previous[key] for key in ("replicas", "readyReplicas", "selector", "endpoint")
+                                  if key in previous}
         status.update({
             "observedGeneration": generation,
             "conditions": condition_entries(previous.get("conditions") or [], conds, generation, now),
@@ -217,13 +230,30 @@ class Reconciler:
                 events.append(Event("Normal", "Updated", f"updated {what} to match the spec"))
         return after
 
-    async def _delete_owned(self, kind: str, isvc: InferenceService, events: list[Event]) -> None:
-        path = object_path(kind, isvc.namespace, isvc.name)
+    async def _converge_router(self, isvc: InferenceService, children: dict[str, dict[str, Any]],
+                               events: list[Event], refused: list[Refusal]) -> None:
+        """With routing on, the router's RBAC, the engines' headless Service and the router Deployment;
+        with it off, none of them (deleted if this InferenceService owns them)."""
+        wanted = render_router_children(isvc, self.config)
+        for obj in wanted:
+            applied = await self._child(obj, events, refused)
+            if applied is not None:
+                children[f"Router{obj['kind']}" if obj["kind"] != "Service" else "EnginesService"] = applied
+        if not wanted:
+            name = router_name(isvc.name)
+            for kind, child in (("Deployment", name), ("Service", engines_service_name(isvc.name)),
+                                ("RoleBinding", name), ("Role", name), ("ServiceAccount", name)):
+                await self._delete_owned(kind, isvc, events, child, "routing is disabled")
+
+    async def _delete_owned(self, kind: str, isvc: InferenceService, events: list[Event], name: str | None = None,
+                            why: str = "not needed at this replica count") -> None:
+        name = name or isvc.name
+        path = object_path(kind, isvc.namespace, name)
         existing = await self.client.get(path)
         owners = (existing or {}).get("metadata", {}).get("ownerReferences") or []
         if existing is not None and any(o.get("uid") == isvc.metadata.uid for o in owners):
             await self.client.delete(path)
-            events.append(Event("Normal", "Deleted", f"deleted {kind} {isvc.name} (not needed at this replica count)"))
+            events.append(Event("Normal", "Deleted", f"deleted {kind} {name} ({why})"))
 
 
 def _refused_conditions(conds: list[Cond], conflict: str | None, refused: list[Refusal],

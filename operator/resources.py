@@ -29,6 +29,9 @@ ADMIN_TOKEN_DIR = "/var/run/secrets/specfleet/admin"
 CACHE_DIR = "/cache"
 
 LABEL_ISVC = f"{GROUP}/inferenceservice"
+# Router pods carry this label and not LABEL_ISVC, so nothing that selects engines selects them.
+LABEL_ROUTER = f"{GROUP}/router"
+ROUTER_PORT = ENGINE_PORT  # clients keep the port they had before the router stood in front
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -53,6 +56,29 @@ def common_labels(isvc_name: str) -> dict[str, str]:
         LABEL_MANAGED_BY: MANAGED_BY,
         **selector_labels(isvc_name),
     }
+
+
+def router_selector_labels(isvc_name: str) -> dict[str, str]:
+    return {LABEL_ROUTER: isvc_name}
+
+
+def router_labels(isvc_name: str) -> dict[str, str]:
+    return {
+        LABEL_NAME: "specfleet-router",
+        LABEL_INSTANCE: isvc_name,
+        LABEL_COMPONENT: "router",
+        LABEL_MANAGED_BY: MANAGED_BY,
+        **router_selector_labels(isvc_name),
+    }
+
+
+def router_name(isvc_name: str) -> str:
+    return f"{isvc_name}-router"
+
+
+def engines_service_name(isvc_name: str) -> str:
+    """The engines' headless Service: its EndpointSlices are what the router watches."""
+    return f"{isvc_name}-engines"
 
 
 def endpoint(isvc_name: str, namespace: str) -> str:

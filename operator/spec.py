@@ -15,29 +15,47 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import SEARCHED, Knob, camel
+from specfleet.router.policies import DEFAULT_POLICY, POLICIES
+
+# A field whose CRD schema is the Kubernetes OpenAPI definition named here (see `upstream`).
+K8S_SCHEMA_KEY = "x-specfleet-kubernetes-schema"
 
 SOURCE_PATTERN = r"^(bundled://[a-z0-9][a-z0-9.-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z0-9])?(/.*)?|file:///.+|hf://[^/@\s]+/[^/@\s]+(@[^\s]+)?)$"
-QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+# Kubernetes' quantity grammar (resource.ParseQuantity: a decimal number, then a binary-SI, decimal-SI or
+# integer-exponent suffix), without the sign: requests and sizes are never negative. `1.2.3`, `1Gii` and
+# `-16Gi` are refused at admission instead of by the API server when the Deployment is applied.
+QUANTITY_PATTERN = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+# A Deployment's maxSurge / maxUnavailable: a count or a percentage.
+INT_OR_PERCENT_PATTERN = r"^[0-9]+%?$"
 
 
 def _quantity_to_str(value: Any) -> Any:
     return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
 
 
-# A Kubernetes resource quantity: YAML may write `cpu: 4` or `cpu: "500m"`.
+# A Kubernetes resource quantity: YAML may write `cpu: 4` or `cpu: "500m"` (`minimum` binds the integer form).
 Quantity = Annotated[
     str,
     BeforeValidator(_quantity_to_str),
     Field(
         pattern=QUANTITY_PATTERN,
-        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN},
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN, "minimum": 0},
+    ),
+]
+IntOrPercent = Annotated[
+    str,
+    BeforeValidator(_quantity_to_str),
+    Field(
+        pattern=INT_OR_PERCENT_PATTERN,
+        max_length=8,
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": INT_OR_PERCENT_PATTERN, "minimum": 0},
     ),
 ]
 # [min, max] pairs for the tuner's search space.
 Bounds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
 
 
-def cel(rule: str, message: str) -> dict[str, str]:
+def cel(rule: str, message: str) -> dict[str, Any]:
     return {"rule": rule, "message": message}
 
 
@@ -66,6 +84,21 @@ class DraftModelSpec(ModelSource):
     )
 
 
+class ModelCacheSpec(_Spec):
+    size_limit: Quantity = Field(
+        "40Gi",
+        description="hf:// sources without claimName: the size of the pod's download volume, requested as "
+        "ephemeral-storage so the scheduler places the pod where it fits (an 8B model in bf16 is ~16 GB).",
+    )
+    claim_name: str | None = Field(
+        None,
+        max_length=253,
+        pattern=r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$",
+        description="A PersistentVolumeClaim (ReadWriteMany for more than one pod) that hf:// downloads go to "
+        "and are read from: each revision is downloaded once and shared by every pod and restart.",
+    )
+
+
 class ModelSpec(ModelSource):
     dtype: Literal["auto", "float32", "float16", "bfloat16"] = Field(
         "auto", description="Weight and activation dtype; auto is float32 on CPU and bfloat16 on GPU."
@@ -83,12 +116,16 @@ class ModelSpec(ModelSource):
         max_length=253,
         description="Secret (key HF_TOKEN) the hf:// download step reads, for gated models.",
     )
+    cache: ModelCacheSpec = _default_obj(ModelCacheSpec)
 
 
 ONE_SPLIT = "engine.tensorParallelSize and engine.pipelineParallelSize: one split at a time (one of them must be 1)"
 GPUS_PER_SPLIT = ("resources.gpus must be 0 (CPU ranks) or engine.tensorParallelSize x engine.pipelineParallelSize "
                   "(one GPU per rank)")
 QUANTIZED_SPLIT = "model.quantization runs in one process: it needs tensorParallelSize and pipelineParallelSize 1"
+# The operator renders one engine Deployment without roles: in a cluster the field would be silently ignored.
+DISAGGREGATION_NOT_RENDERED = ("spec.disaggregation is not rendered by the operator yet; use specfleet up "
+                               "(the local fleet runs the prefill and decode engines behind its router)")
 
 
 class EngineSpec(_Spec):
@@ -164,12 +201,142 @@ class ResourcesSpec(_Spec):
     shm_size: Quantity = Field("1Gi", description="Size of the in-memory /dev/shm volume.")
 
 
+class DisaggregationRole(_Spec):
+    replicas: int = Field(1, ge=1, le=1000, description="Engines of this role.")
+
+
+class DisaggregationSpec(_Spec):
+    """Prefill/decode disaggregation (docs/architecture.md, "KV connector"): prefill engines compute each
+    prompt's KV and first token, decode engines pull that KV and continue the stream."""
+
+    prefill: DisaggregationRole = _default_obj(DisaggregationRole)
+    decode: DisaggregationRole = _default_obj(DisaggregationRole)
+
+
+def upstream(definition: str, **extra: Any) -> Any:
+    """The CRD takes this field's schema from the Kubernetes OpenAPI (`crd.py` inlines it)."""
+    return {K8S_SCHEMA_KEY: definition, **extra}
+
+
 class SchedulingSpec(_Spec):
     node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list, max_length=64)
-    affinity: dict[str, Any] = Field(default_factory=dict)
+    tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=64, json_schema_extra=upstream("io.k8s.api.core.v1.Toleration"))
+    affinity: dict[str, Any] = Field(default_factory=dict, json_schema_extra=upstream("io.k8s.api.core.v1.Affinity"))
+    topology_spread_constraints: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16,
+        json_schema_extra=upstream("io.k8s.api.core.v1.TopologySpreadConstraint"))
     priority_class_name: str = Field("", max_length=253)
     runtime_class_name: str = Field("", max_length=253)
+
+
+GPU_SAFE_ROLLOUT = ("RollingUpdate", "0", "1")  # no surge pod: it would wait Pending for a GPU the old pod holds
+CPU_ROLLOUT = ("RollingUpdate", "1", "0")  # surge one pod, never below the ready count
+
+
+class RolloutSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("!has(self.strategy) || self.strategy != 'Recreate' || (!has(self.maxSurge) && "
+                "!has(self.maxUnavailable))", "rollout.maxSurge and maxUnavailable apply to RollingUpdate only"),
+            cel("!has(self.maxSurge) || !has(self.maxUnavailable) || !(string(self.maxSurge) in ['0', '0%'] && "
+                "string(self.maxUnavailable) in ['0', '0%'])",
+                "rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)"),
+        ]}
+    )
+    strategy: Literal["RollingUpdate", "Recreate"] | None = Field(
+        None, description="How pods are replaced on a spec change. Unset: RollingUpdate with maxSurge 0 and "
+        "maxUnavailable 1 when resources.gpus > 0 (no surge pod waiting for a GPU on a full pool), else maxSurge 1 "
+        "and maxUnavailable 0.")
+    max_surge: IntOrPercent | None = Field(None, description="Pods above replicas during a RollingUpdate.")
+    max_unavailable: IntOrPercent | None = Field(None, description="Pods below replicas during a RollingUpdate.")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> RolloutSpec:
+        if self.strategy == "Recreate" and (self.max_surge is not None or self.max_unavailable is not None):
+            raise ValueError("rollout.maxSurge and maxUnavailable apply to RollingUpdate only, not Recreate")
+        if self.max_surge in ("0", "0%") and self.max_unavailable in ("0", "0%"):
+            raise ValueError("rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)")
+        return self
+
+    def resolved(self, gpus: int) -> tuple[str, str | None, str | None]:
+        """(strategy, maxSurge, maxUnavailable) in force: unset fields take the default for GPU or CPU pods,
+        except that a default never makes both 0 next to a 0 the user set."""
+        if self.strategy == "Recreate":
+            return "Recreate", None, None
+        _, surge, unavailable = GPU_SAFE_ROLLOUT if gpus > 0 else CPU_ROLLOUT
+        zero = ("0", "0%")
+        if self.max_surge is not None:
+            surge = self.max_surge
+            unavailable = self.max_unavailable or ("1" if surge in zero else unavailable)
+        elif self.max_unavailable is not None:
+            unavailable = self.max_unavailable
+            surge = "1" if unavailable in zero else surge
+        return "RollingUpdate", surge, unavailable
+
+
+# Env variables, volumes and mount paths the operator renders itself: a pod-template entry may not reuse
+# them (server-side apply refuses duplicate keys, and the engine depends on them).
+RESERVED_ENV = ("SPECFLEET_ADMIN_TOKEN_FILE", "SPECFLEET_ADMIN_TOKEN", "SPECFLEET_CACHE", "SPECFLEET_SERVICE_NAME",
+                "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRITON_CACHE_DIR")
+RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm")
+RESERVED_VOLUME_PREFIXES = ("model-", "draft-")
+RESERVED_MOUNT_PATHS = ("/tmp", "/cache", "/dev/shm", "/var/run/secrets/specfleet/admin", "/models/model",
+                        "/models/draft")
+
+
+def _cel_list(values: tuple[str, ...]) -> str:
+    return "[" + ", ".join(f"'{v}'" for v in values) + "]"
+
+
+class PodTemplateSpec(_Spec):
+    """What real clusters add to the engine pods; the operator's own fields keep precedence."""
+
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel(f"!has(self.env) || self.env.all(e, !(e.name in {_cel_list(RESERVED_ENV)}))",
+                f"pod.env may not set the operator's own variables {', '.join(RESERVED_ENV)}"),
+            cel(f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}) && "
+                + " && ".join(f"!v.name.startsWith('{p}')" for p in RESERVED_VOLUME_PREFIXES) + ")",
+                f"pod.volumes may not use the operator's volume names {', '.join(RESERVED_VOLUMES)} or names "
+                f"starting with {' or '.join(RESERVED_VOLUME_PREFIXES)}"),
+            cel(f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNT_PATHS)}))",
+                f"pod.volumeMounts may not mount over the operator's paths {', '.join(RESERVED_MOUNT_PATHS)}"),
+        ]}
+    )
+    service_account_name: str = Field("", max_length=253, description="ServiceAccount of the engine pods.")
+    automount_service_account_token: bool = Field(
+        False, description="Mount the ServiceAccount's token (workload identity); the engine itself never uses it.")
+    image_pull_secrets: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16, json_schema_extra=upstream("io.k8s.api.core.v1.LocalObjectReference"))
+    labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels (the operator's win).")
+    annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
+    env: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=128, json_schema_extra=upstream("io.k8s.api.core.v1.EnvVar"))
+    env_from: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=16, json_schema_extra=upstream("io.k8s.api.core.v1.EnvFromSource"))
+    volumes: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, json_schema_extra=upstream("io.k8s.api.core.v1.Volume"))
+    volume_mounts: list[dict[str, Any]] = Field(
+        default_factory=list, max_length=32, description="Mounts into the engine container.",
+        json_schema_extra=upstream("io.k8s.api.core.v1.VolumeMount"))
+
+    @model_validator(mode="after")
+    def _not_reserved(self) -> PodTemplateSpec:
+        for e in self.env:
+            if e.get("name") in RESERVED_ENV:
+                raise ValueError(f"pod.env name={e.get('name')!r} is one of the operator's own variables "
+                                 f"({', '.join(RESERVED_ENV)})")
+        for v in self.volumes:
+            name = str(v.get("name", ""))
+            if name in RESERVED_VOLUMES or name.startswith(RESERVED_VOLUME_PREFIXES):
+                raise ValueError(f"pod.volumes name={name!r} is the operator's ({', '.join(RESERVED_VOLUMES)}, "
+                                 f"{' or '.join(RESERVED_VOLUME_PREFIXES)}*)")
+        for m in self.volume_mounts:
+            if m.get("mountPath") in RESERVED_MOUNT_PATHS:
+                raise ValueError(f"pod.volumeMounts mountPath={m.get('mountPath')!r} is the operator's "
+                                 f"({', '.join(RESERVED_MOUNT_PATHS)})")
+        return self
 
 
 class SLOSpec(_Spec):
@@ -260,6 +427,51 @@ class AutotuneSpec(_Spec):
         return self
 
 
+class RoutingSpec(_Spec):
+    enabled: bool = Field(True, description="Run the fleet router in front of the engines (the Service points at "
+                          "it; the engines get a headless Service). false: the Service spreads requests itself.")
+    policy: Literal[tuple(POLICIES)] = Field(  # type: ignore[valid-type]
+        DEFAULT_POLICY, description="prefix: the engine estimated to hold the longest prefix of the prompt, "
+        "bounded by load; least-loaded: fewest requests in flight; round-robin.")
+    load_factor_percent: int = Field(
+        125, ge=100, le=1000, description="prefix policy: an engine takes a request only while its requests in "
+        "flight stay within this percentage of the mean (consistent hashing with bounded loads).")
+    session_header: str = Field(
+        "x-session-id", max_length=64, pattern=r"^[A-Za-z0-9-]*$",
+        description="Requests with the same value of this header go to the same engine while its load allows "
+        "(prefix policy); empty turns session affinity off.")
+    replicas: int = Field(1, ge=1, le=100, description="Router pods (stateless; each keeps its own prefix index).")
+    queue_timeout_seconds: int = Field(
+        0, ge=0, le=3600, description="How long a request waits for a ready engine before 503 (scale from zero).")
+    image: str | None = Field(None, max_length=512, description="Router image; empty means the operator's own.")
+
+
+class AutoscalingSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={"x-kubernetes-validations": [
+            cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
+        ]}
+    )
+    enabled: bool = Field(False, description="The tuner decides the replica count between minReplicas and "
+                          "maxReplicas from its goodput model (needs autotune.enabled). Leave it off when an HPA "
+                          "or KEDA drives the scale subresource: two controllers must not both set replicas.")
+    min_replicas: int = Field(1, ge=0, le=1000, description="0 allows scale to zero: the router holds requests "
+                              "(routing.queueTimeoutSeconds) while the first pod starts.")
+    max_replicas: int = Field(1, ge=1, le=1000)
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600, description="A scale-up takes the lowest "
+                                                "recommendation of this window (the HPA's default: 0).")
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="A scale-down takes the "
+                                                  "highest recommendation of this window (the HPA's default: 300).")
+    cooldown_seconds: int = Field(60, ge=0, le=3600, description="No replica change this soon after the last one.")
+
+    @model_validator(mode="after")
+    def _min_le_max(self) -> AutoscalingSpec:
+        if self.min_replicas > self.max_replicas:
+            raise ValueError(f"autoscaling.minReplicas={self.min_replicas} must be <= autoscaling.maxReplicas="
+                             f"{self.max_replicas}")
+        return self
+
+
 _WITHIN = "!self.autotune.enabled || (self.{path} >= self.autotune.bounds.{b}[0] && self.{path} <= self.autotune.bounds.{b}[1])"
 
 
@@ -276,11 +488,14 @@ class InferenceServiceSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.replicas >= 0", "replicas must be >= 0"),
+                cel("!self.autoscaling.enabled || self.autotune.enabled",
+                    "autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob"),
                 cel("self.resources.gpus == 0 || "
                     "self.resources.gpus == self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
                     GPUS_PER_SPLIT),
                 cel("self.model.quantization == 'none' || "
                     "(self.engine.tensorParallelSize == 1 && self.engine.pipelineParallelSize == 1)", QUANTIZED_SPLIT),
+                cel("!has(self.disaggregation)", DISAGGREGATION_NOT_RENDERED),
                 cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
                 *[
@@ -296,10 +511,16 @@ class InferenceServiceSpec(_Spec):
     batching: BatchingSpec = _default_obj(BatchingSpec)
     speculative: SpeculativeSpec = _default_obj(SpeculativeSpec)
     replicas: int = Field(1, ge=0, le=1000)
+    disaggregation: DisaggregationSpec | None = Field(
+        None, description="Split engines into prefill and decode roles; their replicas replace spec.replicas.")
     resources: ResourcesSpec = _default_obj(ResourcesSpec)
     scheduling: SchedulingSpec = _default_obj(SchedulingSpec)
+    rollout: RolloutSpec = _default_obj(RolloutSpec)
+    pod: PodTemplateSpec = _default_obj(PodTemplateSpec)
     slo: SLOSpec = _default_obj(SLOSpec)
     autotune: AutotuneSpec = _default_obj(AutotuneSpec)
+    routing: RoutingSpec = _default_obj(RoutingSpec)
+    autoscaling: AutoscalingSpec = _default_obj(AutoscalingSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:
@@ -309,6 +530,9 @@ class InferenceServiceSpec(_Spec):
                 f"batching.maxNumBatchedTokens={b.max_num_batched_tokens} is below batching.maxNumSeqs="
                 f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
             )
+        if self.autoscaling.enabled and not self.autotune.enabled:
+            raise ValueError("autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob; "
+                             "turn autotune on, or autoscaling off and let an HPA/KEDA drive the scale subresource")
         tp, pp, gpus = self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size, self.resources.gpus
         if tp > 1 and pp > 1:
             raise ValueError(f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}: {ONE_SPLIT}")
@@ -327,6 +551,11 @@ class InferenceServiceSpec(_Spec):
                         "change the value or widen the bounds"
                     )
         return self
+
+    def cluster_refusal(self) -> str | None:
+        """Why the operator cannot run this spec though `specfleet up` can (the CEL rule's Python twin; the
+        reconcile reports it as an invalid spec), or None."""
+        return DISAGGREGATION_NOT_RENDERED if self.disaggregation is not None else None
 
     def _at(self, knob: Knob) -> int:
         node: Any = self

@@ -1,8 +1,8 @@
 """The InferenceService status as pydantic models (the CRD's status schema is generated from them).
 
 The operator's reconcile owns `observedGeneration`, `conditions` of type Ready/Progressing/Degraded,
-`replicas`, `readyReplicas`, `selector` and `endpoint`; the tuner owns `status.tuning` and the `Tuned`
-condition. Unknown condition types are kept as they are by whoever writes the list.
+`replicas`, `readyReplicas`, `selector` and `endpoint`; the tuner owns `status.tuning`, the `Tuned`
+condition and, with autoscaling on, `status.autoscaling`. Unknown condition types are kept as they are by whoever writes the list.
 """
 
 from __future__ import annotations
@@ -35,12 +35,30 @@ class TuningObserved(_Status):
     request_rate: float | None = None
 
 
+class AcceptanceWindow(_Status):
+    demand: float | None = None
+    per_pos: list[float] = Field(default_factory=list, max_length=64)
+    share: float = 0.0
+    age_seconds: float = 0.0
+
+
+class TuningResume(_Status):
+    """What the tuner learned, so that a restarted operator continues (tuner/policy/resume.py)."""
+
+    spec_hash: str = Field("", max_length=64, description="The spec fields the tuner depends on, hashed.")
+    cost_points: list[list[float]] = Field(default_factory=list, max_length=64,
+                                           description="(decode tokens, prefill tokens, seconds) per step.")
+    plain_cost_points: list[list[float]] = Field(default_factory=list, max_length=64)
+    acceptance: list[AcceptanceWindow] = Field(default_factory=list, max_length=32)
+
+
 class _TuningStatus(_Status):
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
     frozen_by: str | None = Field(None, max_length=256, description="Set while the tuner is frozen: "
                                   "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.")
     observed: TuningObserved | None = None
+    resume: TuningResume | None = None
 
 
 # The value in force of every live knob (specfleet.engine.knobs), then the tuner's last decision.
@@ -52,6 +70,15 @@ else:
         "TuningStatus", __base__=_Status,
         **_TUNING_KNOBS, **{name: (f.annotation, f) for name, f in _TuningStatus.model_fields.items()},
     )
+
+
+class AutoscalingStatus(_Status):
+    """Written by the tuner when `spec.autoscaling.enabled`: the replica count the reconcile renders into
+    the Deployment (the operator never writes `spec.replicas`), and why."""
+
+    replicas: int | None = Field(None, ge=0)
+    reason: str | None = Field(None, max_length=4096)
+    last_scale_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
 
 
 class InferenceServiceStatus(_Status):
@@ -66,3 +93,4 @@ class InferenceServiceStatus(_Status):
     selector: str | None = Field(None, description="Label selector of the pods (for the scale subresource).")
     endpoint: str | None = None
     tuning: TuningStatus | None = None
+    autoscaling: AutoscalingStatus | None = None

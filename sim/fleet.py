@@ -1,6 +1,6 @@
 """The fleet over simulated time: arrivals, the router, the engines' steps and the tuner, as one event loop.
 
-Events, in time order: a request arrives (the local proxy's `Backends.pick`, least outstanding requests,
+Events, in time order: a request arrives (the router's `least-loaded` policy, specfleet.router, least outstanding requests,
 chooses its engine), an engine's step ends (the engine applies it and plans the next), the tuner's
 interval (the real `ServiceTuner.tick`: its `ScrapeSource` reads the simulated engines' snapshots, the
 real `Policy` decides, an actuator sets the engines' live settings as the admin API would). The proxy's
@@ -19,8 +19,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
-from specfleet.fleet.proxy import Backends
 from specfleet.operator.inference_service import InferenceService
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.policies import LeastLoaded, RouteRequest
 from specfleet.tuner.actuator import ApplyResult
 from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
 from specfleet.tuner.policy import Policy
@@ -169,7 +170,8 @@ class SimFleet:
         ]
         self.urls = [f"sim://engine-{i}" for i in range(self.replicas)]
         self.by_url = dict(zip(self.urls, self.engines))
-        self.backends = Backends(list(self.urls), ready=set(self.urls))
+        self.endpoints = EndpointSet(list(self.urls), ready=True)  # the router's, as `specfleet up` runs it
+        self.routing = LeastLoaded()
         self.tuner: ServiceTuner | None = None
         if self.tuning:
             params = params_from_spec(spec, interval_s, window_s)
@@ -182,7 +184,7 @@ class SimFleet:
             )
 
     async def ready_urls(self) -> list[str]:
-        return [u for u in self.urls if u in self.backends.ready]
+        return [u for u in self.urls if self.endpoints.get(u) is not None and self.endpoints.get(u).routable]
 
     # -- the event loop --------------------------------------------------------------------------------------
     def run(self, requests: Iterable[SimRequest]) -> SimRun:
@@ -217,7 +219,7 @@ class SimFleet:
             if plan is not None:
                 push(plan.end, STEP, engine.index, engine.version)
             for record in engine.take_done():
-                self.backends.outstanding[self.urls[record.engine]] -= 1
+                self.endpoints.release(self.urls[record.engine])
                 record.finish_s = (record.finish_s or t) + half
                 if record.first_token_s is not None:
                     record.first_token_s += half
@@ -229,9 +231,11 @@ class SimFleet:
             self.now = t
             if kind == ARRIVE:
                 index, request = a
-                url = self.backends.pick()
-                assert url is not None
-                self.backends.outstanding[url] = self.backends.outstanding.get(url, 0) + 1
+                choice = self.routing.choose(RouteRequest(), self.endpoints.routable())
+                assert choice is not None
+                url = choice.url
+                self.routing.routed(RouteRequest(), url)
+                self.endpoints.acquire(url)
                 engine = self.by_url[url]
                 record = Record(
                     index, request.arrival_s, engine.index, request.prompt_tokens, request.output_tokens

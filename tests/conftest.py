@@ -9,12 +9,10 @@ import os
 os.environ.setdefault("SPECFLEET_KV_DEBUG", "1")
 import shutil
 import subprocess
-import time
 from collections.abc import Callable, Iterator
 
-import httpx
 import pytest
-from specfleet.fleet.supervisor import free_port
+from helpers import free_port, stop_process, wait_http_ready
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -73,18 +71,9 @@ def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cal
                                     stdout=log, stderr=subprocess.STDOUT)
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 60
-        while True:
-            assert proc.poll() is None, (workdir / "prometheus.log").read_text()[-2000:]
-            assert time.monotonic() < deadline, "prometheus did not become ready"
-            try:
-                if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                    return url
-            except httpx.TransportError:
-                pass
-            time.sleep(0.2)
+        wait_http_ready(f"{url}/-/ready", proc, workdir / "prometheus.log", timeout=60, interval=0.2)
+        return url
 
     yield start
     for proc in procs:
-        proc.terminate()
-        proc.wait(20)
+        stop_process(proc)

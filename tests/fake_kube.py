@@ -35,9 +35,8 @@ import functools
 import itertools
 import json
 import threading
-import time
 import uuid
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,27 +56,19 @@ FieldPath = tuple[Seg, ...]
 
 DISCOVERY = {
     "/api/v1": [("services", "Service", True, ["status"]), ("secrets", "Secret", True, []),
+                ("serviceaccounts", "ServiceAccount", True, []),
                 ("events", "Event", True, []), ("namespaces", "Namespace", False, ["status"]),
                 ("pods", "Pod", True, ["status"])],
     "/apis/apps/v1": [("deployments", "Deployment", True, ["status", "scale"])],
     "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["status"])],
     "/apis/networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True, [])],
+    "/apis/discovery.k8s.io/v1": [("endpointslices", "EndpointSlice", True, [])],
+    "/apis/rbac.authorization.k8s.io/v1": [("roles", "Role", True, []), ("rolebindings", "RoleBinding", True, [])],
     "/apis/serving.specfleet.io/v1alpha1": [("inferenceservices", "InferenceService", True, ["status", "scale"])],
 }
 MONITORING = {"/apis/monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True, [])]}
 ALL_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
 _MISSING = object()
-
-
-def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0) -> Any:
-    """Polls `check` until it returns something truthy (returned), or fails naming `what`."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        result = check()
-        if result:
-            return result
-        time.sleep(0.2)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
 @dataclass

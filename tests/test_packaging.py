@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import sysconfig
@@ -14,7 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 FOLDERS = {"cli": "specfleet.cli", "engine": "specfleet.engine", "kernels": "specfleet.kernels",
            "operator": "specfleet.operator", "tuner": "specfleet.tuner", "fleet": "specfleet.fleet",
-           "bench": "specfleet.bench", "sim": "specfleet.sim"}
+           "bench": "specfleet.bench", "sim": "specfleet.sim",
+           "router": "specfleet.router"}
 
 
 def _run(code: str, cwd: Path, *flags: str) -> str:
@@ -52,10 +54,10 @@ def test_wheel_builds_and_imports(tmp_path):
     target = tmp_path / "site"
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
                    check=True, capture_output=True)
-    code = ("import sys; sys.path.insert(0, sys.argv[1]); import specfleet.engine, specfleet.operator, "
-            "specfleet.kernels, operator; print(specfleet.engine.__file__); print(operator.__file__)")
-    out = subprocess.run([sys.executable, "-c", code, str(target)], cwd=tmp_path, capture_output=True, text=True,
-                         check=True).stdout.splitlines()
+    code = ("import specfleet.engine, specfleet.operator, specfleet.kernels, operator; "
+            "print(specfleet.engine.__file__); print(operator.__file__)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
+                         env={**os.environ, "PYTHONPATH": str(target)}).stdout.splitlines()
     assert out[0].startswith(str(target))
     assert "site-packages" not in out[1] or "specfleet" not in out[1]
 

@@ -65,7 +65,7 @@ class AdminActuator:
         return response.json()
 
     async def _ensure_one(self, url: str, body: dict[str, int], result: ApplyResult) -> None:
-        def differs(now: dict[str, int]) -> dict[str, int]:
+        def differs(now: dict[str, int]) -> dict[str, int | None]:
             return {key: now.get(key) for key, value in body.items() if now.get(key) != value}
 
         try:

@@ -4,7 +4,8 @@ A timer fires every few seconds for each such service and runs the service's `Se
 `autotune.intervalSeconds` have passed. Pods come from the Kubernetes API (ready pods with the service's
 selector label), the admin token from the `NAME-admin` Secret the reconcile creates, metrics from
 `autotune.prometheusURL` (else the operator's default, else a direct scrape of the pods). It writes only
-`status.tuning` and the `Tuned` condition, plus an Event per change and per transition (frozen, resumed,
+`status.tuning` and the `Tuned` condition (with autoscaling on, `status.autoscaling`: the replica count the
+reconcile renders into the Deployment), plus an Event per change and per transition (frozen, resumed,
 failing static, recovered); never `spec`.
 
 Freeze: `spec.autotune.freeze: true` (in Git) or the annotation `specfleet.io/tuner-freeze: "true"` (a
@@ -14,8 +15,6 @@ every tick, so removing it resumes tuning within one interval too.
 
 from __future__ import annotations
 
-import datetime
-import logging
 import os
 import time
 from typing import Any
@@ -23,7 +22,8 @@ from urllib.parse import quote
 
 import kopf
 from specfleet.operator import metrics
-from specfleet.operator.handlers import _client, autotune_enabled
+from specfleet.operator.conditions import timestamp
+from specfleet.operator.handlers import autotune_enabled, kube_client
 from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
 from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
@@ -39,11 +39,11 @@ from specfleet.operator.resources import (
 )
 from specfleet.operator.spec import FREEZE_ANNOTATION
 
-from .actuator import AdminActuator, admin_on_port
-from .loop import ServiceTuner, params_from_spec, spec_config
-from .policy import Policy
-from .report import event_for, status_patch, transition_events
-from .sources import PrometheusSource, ScrapeSource, Source
+from .actuator import admin_on_port
+from .loop import ServiceTuner, build_tuner, replica_params, tuner_fingerprint
+from .policy.replicas import ReplicaPolicy
+from .policy.resume import restore, snapshot
+from .report import autoscaling_status, event_for, scale_event, status_patch, transition_events
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
@@ -80,10 +80,6 @@ def _restore(tuner: ServiceTuner, status: kopf.Status) -> None:
                        for c in status.get("conditions") or [])
 
 
-def _now() -> str:
-    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
-
 async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> ServiceTuner:
     meta = body["metadata"]
     namespace, name = meta["namespace"], meta["name"]
@@ -92,55 +88,87 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     if secret is None:
         raise kopf.TemporaryError(f"Secret {admin_secret_name(name)} (admin token) does not exist yet; "
                                   "the reconcile creates it", delay=10)
-    params = params_from_spec(isvc.spec)
 
     async def endpoints() -> list[str]:
         return await ready_pod_urls(client, namespace, name)
 
-    url = isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "")
-    source: Source = (PrometheusSource(url, SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
-                                       params.window_s) if url else ScrapeSource(endpoints, window_s=params.window_s))
-    return ServiceTuner(f"{namespace}/{name}", Policy(params, spec_config(isvc.spec)), source,
-                        AdminActuator(read_admin_token(secret), admin_url=admin_on_port(ADMIN_PORT)), endpoints)
+    return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
+                       admin_url=admin_on_port(ADMIN_PORT),
+                       prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
+                       prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
             when=autotune_enabled)
 async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo,
-               logger: logging.Logger, **_: Any) -> None:
-    tuners: dict[str, tuple[ServiceTuner, int, float]] = memo.setdefault("tuners", {})  # uid -> (tuner, gen, t)
+               logger: kopf.Logger, **_: Any) -> None:
+    # uid -> (tuner, fingerprint of the spec fields it depends on, monotonic time of its last interval)
+    tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
+    try:
+        fingerprint = tuner_fingerprint(parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec)
+    except InvalidInferenceService:
+        return  # the reconcile reports InvalidSpec
     entry = tuners.get(uid)
-    client = _client(memo)
-    if entry is None or entry[1] != generation:  # a spec change resets the loop (new bounds, SLO, ...)
+    client = kube_client(memo)
+    # Rebuilt only when a field the tuner depends on changed (bounds, SLO, method, model, ...): a /scale write
+    # bumps the generation too, and must not make the tuner forget what it learned.
+    if entry is None or entry[1] != fingerprint:
         if entry is not None:
             await entry[0].close()
         try:
-            entry = (await _build(client, body, memo), generation, 0.0)
-        except InvalidInferenceService:
-            return  # the reconcile reports InvalidSpec
+            tuner = await _build(client, body, memo)
         except ApiError as error:
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
-        _restore(entry[0], status)
-        tuners[uid] = entry
-    tuner, _, last = entry
+        _restore(tuner, status)
+        # a restarted operator continues from status.tuning, if it was learned under this same spec
+        if entry is None and restore(tuner.policy, dict(status).get("tuning") or {}, time.monotonic(), fingerprint):
+            logger.info("event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else "")
+        entry = tuners[uid] = (tuner, fingerprint, 0.0)
+    tuner, _fingerprint, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
+        await tuner.sync_new_pods()  # a pod of a scale-up gets the tuned config now, not at the next interval
         return
-    tuners[uid] = (tuner, generation, time.monotonic())
+    tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick(frozen_by(body))
-    now = _now()
-    # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
-    # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
-    update = status_patch(tick, tuner.policy.current, dict(status), generation, now)
+    now = timestamp()
+    # The tuner's share of status (status.tuning, the Tuned condition, with autoscaling status.autoscaling)
+    # under its own field manager: the reconcile's conditions are another manager's entries of the same
+    # list-map, which this cannot touch.
+    update = status_patch(tick, tuner.policy.current, dict(status), generation, now,
+                          resume=snapshot(tuner.policy, time.monotonic(), fingerprint))
+    scaled = None
+    replicas = _replica_policy(memo, uid, generation, body)
+    if replicas is not None:  # the replica knob, from the same observation and model as the config
+        obs = tick.observation
+        decision = replicas.decide(time.monotonic(), obs, None if obs.error else tuner.policy.model(obs),
+                                   tuner.policy.current, tuner.policy.params.slo)
+        update["autoscaling"] = autoscaling_status(decision, dict(status).get("autoscaling"), now)
+        scaled = scale_event(decision)
     await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
     metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
     if metrics.live(uid):
         metrics.set_conditions(meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"])
     change = event_for(tick.decision)
-    for kind, reason, message in [*transition_events(tick), *([change] if change else [])]:
+    for kind, reason, message in [*transition_events(tick), *([change] if change else []), *([scaled] if scaled else [])]:
         post = kopf.warn if kind == "Warning" else kopf.info
         post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
+
+
+def _replica_policy(memo: kopf.Memo, uid: str, generation: int, body: kopf.Body) -> ReplicaPolicy | None:
+    """One replica policy per service with autoscaling on, started from the count in force; reset by a
+    spec change like the tuner."""
+    policies: dict[str, tuple[ReplicaPolicy, int]] = memo.setdefault("replica_policies", {})
+    isvc = parse_inference_service(body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}")
+    if not isvc.spec.autoscaling.enabled:
+        policies.pop(uid, None)
+        return None
+    entry = policies.get(uid)
+    if entry is None or entry[1] != generation:
+        entry = (ReplicaPolicy(replica_params(isvc.spec), isvc.desired_replicas), generation)
+        policies[uid] = entry
+    return entry[0]
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
@@ -148,6 +176,7 @@ async def forget(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: An
     """A deleted service's loop goes with it (an event handler: the timers hold no finalizer)."""
     if event.get("type") != "DELETED":
         return
+    memo.setdefault("replica_policies", {}).pop(meta["uid"], None)
     entry = memo.setdefault("tuners", {}).pop(meta["uid"], None)
     if entry is not None:
         await entry[0].close()

@@ -9,14 +9,18 @@ see as Events: frozen / resumed, and failing static (metrics missing) / recovere
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from specfleet.operator.spec import InferenceServiceSpec
 
 from .actuator import AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
-from .sources import Endpoints, Source
+from .policy.replicas import ReplicaParams
+from .sources import Endpoints, PrometheusSource, ScrapeSource, Source
 from .types import SLO, Decision, LiveSettings, Observation, TuneBounds, TunedConfig
 
 logger = logging.getLogger("specfleet.tuner")
@@ -34,9 +38,43 @@ def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None
     )
 
 
+def replica_params(spec: InferenceServiceSpec) -> ReplicaParams:
+    """The replica knob's settings from `spec.autoscaling` (the cluster's and `specfleet up`'s alike)."""
+    a = spec.autoscaling
+    return ReplicaParams(a.min_replicas, a.max_replicas, float(a.scale_up_stabilization_seconds),
+                         float(a.scale_down_stabilization_seconds), float(a.cooldown_seconds))
+
+
+# Spec fields that change neither what the tuner learned nor its settings: scaling (every /scale write bumps
+# metadata.generation), how pods roll and where they run.
+INDEPENDENT_FIELDS = frozenset({"replicas", "rollout", "pod", "scheduling", "routing", "autoscaling"})
+
+
+def tuner_fingerprint(spec: InferenceServiceSpec) -> str:
+    """A hash of the spec fields the tuner depends on: its policy is rebuilt only when this changes."""
+    # autotune.freeze too: a frozen tuner holds its config and keeps what it learned (checked every tick)
+    relevant = spec.model_dump(mode="json", by_alias=True, exclude={**{f: True for f in INDEPENDENT_FIELDS},
+                                                                      "autotune": {"freeze"}})
+    return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
+
+
 def spec_config(spec: InferenceServiceSpec) -> TunedConfig:
     """The config a pod starts with (what the engine's command line says)."""
     return TunedConfig(**spec.start_values())
+
+
+def build_tuner(name: str, spec: InferenceServiceSpec, endpoints: Endpoints, admin_token: str, *,
+                admin_url: Callable[[str], str] = lambda url: url, prometheus_url: str = "",
+                prometheus_selector: str = "", interval_s: float | None = None,
+                window_s: float | None = None) -> ServiceTuner:
+    """The one wiring of a service's tuner, shared by the operator's timer and the local fleet: the policy
+    from the spec, metrics from Prometheus when a URL is given (else a direct scrape of `endpoints`), and
+    the admin API of the same endpoints (`admin_url` maps one to its admin address) with the service's
+    admin token."""
+    params = params_from_spec(spec, interval_s, window_s)
+    source: Source = (PrometheusSource(prometheus_url, prometheus_selector, params.window_s) if prometheus_url
+                      else ScrapeSource(endpoints, window_s=params.window_s))
+    return ServiceTuner(name, Policy(params, spec_config(spec)), source, AdminActuator(admin_token, admin_url=admin_url), endpoints)
 
 
 @dataclass
@@ -61,9 +99,25 @@ class ServiceTuner:
         self.source = source
         self.actuator = actuator
         self.endpoints = endpoints
+        self.synced: set[str] = set()  # engines that ran the policy's config at the last push
         self.frozen_by: str | None = None  # as of the last tick; set from status when the loop is rebuilt
         self.static = False  # whether the last tick failed static (metrics missing)
         self.static_intervals = 0  # consecutive ticks that failed static
+
+    async def sync_new_pods(self) -> ApplyResult | None:
+        """Between intervals: push the config in force to ready engines not seen at the last push (a pod of
+        a scale-up, or one that restarted), so they serve the tuned config within seconds, not the spec's."""
+        desired = self.policy.current
+        if desired is None or self.frozen_by is not None:  # frozen: the tuner touches no pod
+            return None
+        urls = await self.endpoints()
+        new = [u for u in urls if u not in self.synced]
+        if not new:
+            return None
+        guard = self.policy.guard if self.policy.manages_guard else None
+        applied = await self.actuator.ensure(new, LiveSettings(desired, guard))
+        self.synced.update(applied.unchanged + applied.patched)
+        return applied
 
     async def tick(self, frozen_by: str | None = None) -> Tick:
         obs = await self.source.observe()
@@ -86,6 +140,7 @@ class ServiceTuner:
                 decision = self.policy.rejected(obs.time, desired, message)
                 if decision.config is not None:
                     applied = await self.actuator.ensure(urls, LiveSettings(decision.config, guard))
+            self.synced = set(applied.unchanged + applied.patched)
             if applied.failed:
                 logger.warning("event=tuner_apply_failed service=%s %s", self.name,
                                " ".join(f"{u}={e!r}" for u, e in applied.failed.items()))

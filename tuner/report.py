@@ -8,6 +8,7 @@ from specfleet.engine.knobs import camel
 from specfleet.operator.conditions import Cond, condition_entries
 
 from .loop import Tick
+from .policy.replicas import ReplicaDecision
 from .types import Decision, LiveSettings, TunedConfig
 
 
@@ -61,11 +62,15 @@ def tuned_condition(tick: Tick) -> Cond:
 
 
 def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
-                 now: str) -> dict[str, Any]:
+                 now: str, resume: dict[str, Any] | None = None) -> dict[str, Any]:
     """The tuner's share of status for one interval: `tuning` and its own `Tuned` condition only (applied
-    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them)."""
+    with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them).
+    `resume` is what a restarted tuner continues from (`policy/resume.py`)."""
     conditions = condition_entries(status.get("conditions") or [], [tuned_condition(tick)], generation, now)
-    return {"tuning": tuning_status(tick, config, status.get("tuning"), now), "conditions": conditions}
+    tuning = tuning_status(tick, config, status.get("tuning"), now)
+    if resume is not None:
+        tuning["resume"] = resume
+    return {"tuning": tuning, "conditions": conditions}
 
 
 def event_for(decision: Decision) -> tuple[str, str, str] | None:
@@ -90,3 +95,16 @@ def transition_events(tick: Tick) -> list[tuple[str, str, str]]:
         "recovered": ("Normal", "TuningRecovered", f"metrics are back; tuning again: {d.reason}"),
     }
     return [events[t] for t in tick.transitions]
+
+
+def autoscaling_status(decision: ReplicaDecision, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+    """`status.autoscaling`: the replica count the reconcile renders into the Deployment, and why."""
+    previous = previous or {}
+    last = now if decision.changed else previous.get("lastScaleTime")
+    status = {"replicas": decision.replicas, "reason": decision.reason[:4000], "lastScaleTime": last}
+    return {k: v for k, v in status.items() if v is not None}  # an applied null is refused by the schema
+
+
+def scale_event(decision: ReplicaDecision) -> tuple[str, str, str] | None:
+    """(type, reason, message) of the Event a replica decision posts; None when the count stays."""
+    return ("Normal", "Scaled", decision.reason) if decision.changed else None

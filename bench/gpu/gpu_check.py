@@ -17,14 +17,8 @@ import traceback
 from pathlib import Path
 
 import torch
-
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
-
-import engine_decode  # noqa: E402
-import kernel_checks  # noqa: E402
-import quant_check  # noqa: E402
-from specfleet.bench import kernels_bench  # noqa: E402
+from specfleet.bench import kernels_bench
+from specfleet.bench.gpu import engine_decode, kernel_checks, quant_check
 
 DRY_RUN = os.environ.get("DRY_RUN", "0") == "1"
 OUT = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="specfleet-gpu-"))
@@ -61,7 +55,7 @@ def main() -> int:
         print(f"== {name}", flush=True)
         try:
             fn()
-        except Exception as e:  # noqa: BLE001 - fail soft, keep measuring
+        except Exception as e:  # fail soft, keep measuring
             report["errors"][name] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
         report["seconds"][name] = round(time.perf_counter() - t0, 2)

@@ -1,25 +1,20 @@
 """The kernel correctness checks on the target device: each kernel vs its torch reference on odd shapes.
 
-The same cases as tests/kernels (built by its ``paged_cases.make_case``), moved to the device. Returns a
+The same cases as tests/kernels (built by ``paged_cases.make_case``, beside this file), moved to the device. Returns a
 summary dict; a failing case is recorded with its error, never raised.
 """
 
 from __future__ import annotations
 
 import itertools
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "kernels"))
-
-from paged_cases import TOLERANCE, PagedCase, make_case  # noqa: E402
-from specfleet.kernels.attention_reference import paged_attention_reference  # noqa: E402
-from specfleet.kernels.kv_cache import reshape_and_cache, reshape_and_cache_reference  # noqa: E402
-from specfleet.kernels.paged_decode import paged_decode_attention  # noqa: E402
-from specfleet.kernels.paged_prefill import paged_prefill_attention  # noqa: E402
+from specfleet.bench.gpu.paged_cases import TOLERANCE, PagedCase, make_case
+from specfleet.kernels.attention_reference import paged_attention_reference
+from specfleet.kernels.kv_cache import reshape_and_cache, reshape_and_cache_reference
+from specfleet.kernels.paged_decode import paged_decode_attention
+from specfleet.kernels.paged_prefill import paged_prefill_attention
 
 GQA = [(4, 4), (9, 3), (32, 8)]
 DECODE_STEPS = [([1, 1, 1, 1], [1, 7, 33, 129]), ([5, 3, 1], [40, 129, 7])]
@@ -97,7 +92,7 @@ def run_checks(device: torch.device, quick: bool = False, budget_s: float = 150.
             continue
         try:
             error = check()
-        except Exception as e:  # noqa: BLE001 - recorded, the run goes on
+        except Exception as e:  # recorded, the run goes on
             error = f"{type(e).__name__}: {e}"
         if error:
             failures[name] = error[:300]

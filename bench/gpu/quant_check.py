@@ -15,9 +15,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
-from quant_packers import pack_awq, pack_gptq  # noqa: E402
-from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight  # noqa: E402
-from specfleet.kernels.quant_matmul import TritonQuantLinear  # noqa: E402
+from quant_packers import pack_awq, pack_gptq
+from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
+from specfleet.kernels.quant_matmul import TritonQuantLinear
 
 
 def _time(fn, iters: int) -> float:

@@ -26,7 +26,7 @@ fi
 
 cd "$REPO"
 # Hard cap below the 8-minute budget: gpu.json is rewritten after every section, so a cut run keeps data.
-timeout --signal=INT 450 "$PY" -u bench/gpu/gpu_check.py 2>&1 | tee "$OUT/gpu.log"
+timeout --signal=INT 450 "$PY" -u -m specfleet.bench.gpu.gpu_check 2>&1 | tee "$OUT/gpu.log"
 status=${PIPESTATUS[0]}
 if [[ ! -s "$OUT/gpu.json" ]]; then
   printf '{"errors": {"run.sh": "gpu_check.py exited %s before writing gpu.json"}}\n' "$status" > "$OUT/gpu.json"

@@ -218,7 +218,8 @@ class EngineCoreClient:
     def num_waiting(self) -> int:
         return sum(1 for s in self.streams.values() if s.first_token_time is None)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> Any:
+    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
+                       kv_transfer_params: dict[str, Any] | None = None) -> Any:
         """Submit a request; returns its RequestStream once the core accepted it. ValueError for bad input."""
         from specfleet.engine.server.streams import RequestStream
 
@@ -240,7 +241,7 @@ class EngineCoreClient:
         self.streams[request_id] = stream
         self._pending_adds[request_id] = stream
         self.processor.add(request_id, text, ids, params, stream.arrival)
-        self._send(RequestType.ADD, AddRequest(request_id, ids, pickle.dumps(params)))
+        self._send(RequestType.ADD, AddRequest(request_id, ids, pickle.dumps(params), kv_transfer_params))
         try:
             await asyncio.shield(stream.accepted)
         except asyncio.CancelledError:

@@ -9,6 +9,7 @@ encodes to a few hundred bytes.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 import msgspec
 from specfleet.engine.stats import EngineStats
@@ -25,6 +26,7 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: bytes  # pickled SamplingParams (its structured-output spec is a plain object, not a schema)
+    kv_transfer_params: dict[str, Any] | None = None  # disaggregation (engine/kv_transfer/), as sent by the client
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):
@@ -67,6 +69,7 @@ class SeqDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() in the core (one clock per host)
     prompt_logprobs: list[Logprobs | None] | None = None  # once, when the prompt is done
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's finished request: where its KV waits
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TokenText
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -42,6 +43,7 @@ class RequestState:
     metrics: RequestMetrics
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
+    kv_transfer_params: dict[str, Any] | None = None
 
     @property
     def finished(self) -> bool:
@@ -85,6 +87,8 @@ class OutputProcessor:
             if d.prompt_logprobs is not None:
                 req.prompt_logprobs = [None if lp is None else decode_logprobs(lp, self.token_text)
                                        for lp in d.prompt_logprobs]
+            if d.kv_transfer_params is not None:
+                req.kv_transfer_params = d.kv_transfer_params
             if d.new_token_ids and req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if self._append(req, sample, d) and d.finish_reason is None:
@@ -130,4 +134,4 @@ class OutputProcessor:
             outs.append(CompletionOutput(index, s.detok.visible_text(done), list(s.token_ids), s.finish_reason,
                                          s.stop_reason, lps, cumulative))
         return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, req.num_cached_tokens,
-                             req.metrics, req.prompt_logprobs)
+                             req.metrics, req.prompt_logprobs, req.kv_transfer_params)

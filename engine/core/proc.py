@@ -82,7 +82,7 @@ class EngineCore:
         params = pickle.loads(msg.params)
         self._new_cursors.clear()
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params)
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.kv_transfer_params)
         except ParameterError as exc:
             return AddResult(msg.request_id, str(exc), exc.param, exc.code)
         except ValueError as exc:
@@ -166,6 +166,8 @@ class EngineCore:
                     delta.first_scheduled_time = out.metrics.first_scheduled_time
             if prompt_lps is not None:
                 delta.prompt_logprobs, prompt_lps = prompt_lps, None
+            if out.finished and out.kv_transfer_params is not None:
+                delta.kv_transfer_params = out.kv_transfer_params
             sent[c.index] = -1 if c.finish_reason is not None else done + len(new)
             deltas.append(delta)
         if out.finished:
@@ -224,9 +226,11 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
         if engine.has_unfinished_requests():
             out.send(ENCODER.encode(core.step()))
             last_report = time.monotonic()
-        elif time.monotonic() - last_report >= HEARTBEAT_S or busy:
-            out.send(ENCODER.encode(core.report(False)))  # idle (or just went idle): gauges and heartbeat
-            last_report = time.monotonic()
+        else:
+            engine.poll_kv_transfers()  # a finished hold's blocks come back while idle too
+            if time.monotonic() - last_report >= HEARTBEAT_S or busy:
+                out.send(ENCODER.encode(core.report(False)))  # idle (or just went idle): gauges and heartbeat
+                last_report = time.monotonic()
 
 
 def _drain(core: EngineCore, inp: zmq.Socket) -> list[Any]:

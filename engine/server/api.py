@@ -53,11 +53,14 @@ def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list
 
 
 async def _submit(state: ServerState, ids: list[str], prompts: list[Any], params: SamplingParams,
-                  prompt_param: str) -> list[RequestStream]:
+                  prompt_param: str, kv_transfer_params: dict[str, Any] | None = None) -> list[RequestStream]:
+    if kv_transfer_params and len(prompts) != 1:
+        raise APIError(400, f"kv_transfer_params needs exactly one prompt, got {len(prompts)}",
+                       "kv_transfer_params", "invalid_value")
     streams: list[RequestStream] = []
     try:
         for request_id, prompt in zip(ids, prompts, strict=True):
-            streams.append(await state.async_engine.generate(request_id, prompt, params))
+            streams.append(await state.async_engine.generate(request_id, prompt, params, kv_transfer_params))
     except EngineDeadError as exc:
         _close(streams)
         raise APIError(503, f"the engine is down ({exc}); retry on another replica", code="engine_dead",
@@ -212,7 +215,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     params = _sampling_params(state, body, [len(p) if isinstance(p, list) else None for p in prompts])
     rid = f"cmpl-{uuid.uuid4().hex}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = await _submit(state, ids, prompts, params, "prompt")
+    streams = await _submit(state, ids, prompts, params, "prompt", body.kv_transfer_params)
     if body.stream:
         return _streaming_response(_stream_body(state, streams, rid, False, body.n, body.include_usage,
                                                 body.logprobs, body.continuous_usage, body.echo))
@@ -222,6 +225,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
         "choices": serving.completion_choices(finals, body.n, body.logprobs is not None, text, body.echo),
         "usage": serving.usage(finals),
+        **_kv_transfer(finals),
     })
 
 
@@ -237,7 +241,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
                        "messages", "invalid_value") from exc
     params = _sampling_params(state, body, [len(prompt_ids)])
     rid = f"chatcmpl-{uuid.uuid4().hex}"
-    streams = await _submit(state, [rid], [prompt_ids], params, "messages")
+    streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params)
     num_logprobs = body.num_logprobs()
     if body.stream:
         return _streaming_response(_stream_body(state, streams, rid, True, body.n, body.include_usage,
@@ -248,9 +252,16 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
         "choices": serving.chat_choices(finals[0], num_logprobs, text),
         "usage": serving.usage(finals),
+        **_kv_transfer(finals),
         **({"prompt_logprobs": serving.prompt_logprobs_json(finals[0].prompt_logprobs)}
            if finals[0].prompt_logprobs is not None else {}),
     })
+
+
+def _kv_transfer(finals: list[RequestOutput]) -> dict[str, Any]:
+    """A prefill engine's answer names where the prompt's KV waits (vLLM's response field)."""
+    params = finals[0].kv_transfer_params if len(finals) == 1 else None
+    return {"kv_transfer_params": params} if params is not None else {}
 
 
 @router.get("/v1/models")

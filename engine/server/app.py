@@ -92,9 +92,9 @@ def create_app(state: ServerState) -> FastAPI:
     async def ready(request: Request) -> JSONResponse:
         s = get_state(request)
         alive = s.async_engine.alive
-        if s.ready and not s.draining and alive:
+        if s.ready and not (s.stopping or s.draining) and alive:
             return JSONResponse({"ready": True, "model": s.model_name})
-        reason = "engine_core_dead" if not alive else "draining" if s.draining else "loading"
+        reason = "engine_core_dead" if not alive else "draining" if s.stopping or s.draining else "loading"
         return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/metrics")

@@ -38,6 +38,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="requests waiting for their first token beyond which new ones get 429")
     p.add_argument("--drain-timeout", type=float, default=30.0,
                    help="seconds in-flight requests may take to finish after SIGTERM")
+    p.add_argument("--shutdown-delay", type=float, default=0.0,
+                   help="seconds after SIGTERM during which /ready already fails but new requests are still "
+                        "served (clients routed before the endpoint was removed), before they get 503")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -69,17 +72,20 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
 
 
 class DrainingServer(uvicorn.Server):
-    """uvicorn, but SIGTERM drains: /ready false, new requests 503, in-flight ones finish, then exit 0.
+    """uvicorn, but SIGTERM drains, in this order: /ready fails at once; new requests are still served for
+    `shutdown_delay` seconds, then get 503; in-flight ones finish within `drain_timeout`; exit 0.
 
     The listener stays open during the drain (so late clients get a 503, not a refused connection);
     a second signal exits at once. A dead engine core ends the server too, with `core_dead` set, so
     that the process exits non-zero and the pod restarts.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float) -> None:
+    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float,
+                 shutdown_delay: float = 0.0) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
+        self.shutdown_delay = shutdown_delay
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
         self.core_dead: str | None = None
@@ -95,12 +101,12 @@ class DrainingServer(uvicorn.Server):
         await super().startup(sockets=sockets)
 
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
-        if self.state.draining or self._loop is None:
+        if self.state.stopping or self._loop is None:
             logger.warning("event=forced_exit signal=%s", signal.Signals(sig).name)
             self.should_exit = True
             self.force_exit = True
             return
-        self.state.draining = True
+        self.state.stopping = True  # /ready fails from now on
         self._loop.call_soon_threadsafe(self._begin_drain, sig)
 
     def _begin_drain(self, sig: int) -> None:
@@ -108,7 +114,11 @@ class DrainingServer(uvicorn.Server):
 
     async def drain(self, reason: str = "SIGTERM") -> None:
         engine = self.state.async_engine
-        self.state.draining = True
+        self.state.stopping = True
+        if self.shutdown_delay > 0:
+            logger.info("event=shutdown_delay signal=%s seconds=%.1f", reason, self.shutdown_delay)
+            await asyncio.sleep(self.shutdown_delay)
+        self.state.draining = True  # new requests get 503 from now on
         logger.info("event=drain_start signal=%s in_flight=%d timeout_s=%.1f", reason, engine.num_in_flight,
                     self.drain_timeout)
         deadline = time.monotonic() + self.drain_timeout
@@ -171,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     app = create_app(state)
     uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                                timeout_graceful_shutdown=5, lifespan="on")
-    server = DrainingServer(uv_config, state, args.drain_timeout)
+    server = DrainingServer(uv_config, state, args.drain_timeout, args.shutdown_delay)
     try:  # one server on one or two listening sockets: the drain on SIGTERM covers both
         sockets = [_listen(args.host, port) for port in (args.port, args.admin_port) if port is not None]
     except OSError as exc:

@@ -6,7 +6,7 @@ front end's timestamps when a request finishes. prometheus-client is thread-safe
 
 from __future__ import annotations
 
-from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE  # noqa: N811
+from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from specfleet.engine.knobs import KNOBS, LiveConfig
 from specfleet.engine.stats import EngineStats

@@ -72,6 +72,9 @@ class SamplingFields(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     structured_outputs: dict[str, Any] | None = None
+    # vLLM's disaggregation field (engine/kv_transfer/): {"do_remote_decode": true} to a prefill engine, or
+    # the params its response returned, to a decode engine
+    kv_transfer_params: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod

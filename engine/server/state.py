@@ -26,7 +26,8 @@ class ServerState:
     admin_token: str | None = None
     admin_port: int | None = None  # the admin API's own port (None: served beside the OpenAI API)
     ready: bool = False
-    draining: bool = False
+    stopping: bool = False  # SIGTERM seen: /ready fails (the endpoint goes), requests are still served
+    draining: bool = False  # after the shutdown delay: new requests get 503, in-flight ones finish
     started: float = field(default_factory=time.time)
 
     @property

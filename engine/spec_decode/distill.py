@@ -29,6 +29,12 @@ SUBJECTS = ["the ocean", "ancient Egypt", "a lighthouse keeper", "machine learni
 STYLES = ["Tell me about {s}.", "Write a short story about {s}.", "Explain {s} simply.",
           "Give me three facts about {s}.", "Write a poem about {s}.", "Why is {s} interesting?",
           "Describe {s} in a paragraph.", "What should a beginner know about {s}?"]
+# Held-out prompts for the agreement measurement: none is a teacher prompt (they were the first six of the
+# benchmark's chat prompts when the documented figures were measured; the engine does not import bench/).
+HELD_OUT = ["Tell me about the history of Rome.", "Explain how volcanoes form to a ten-year-old.",
+            "Write a short poem about why the sky is blue.",
+            "What are three surprising facts about the rules of chess?", "Tell me about how bread rises.",
+            "Explain the life of honeybees to a ten-year-old."]
 
 
 def teacher_data(target: str, num_prompts: int, max_tokens: int, seed: int) -> list[tuple[list[int], int]]:
@@ -85,11 +91,10 @@ def train(draft_dir: Path, data: list[tuple[list[int], int]], minutes: float, ba
 
 
 def agreement(target: str, draft_dir: Path, k: int, max_tokens: int) -> float:
-    from specfleet.bench.prompts import chat_prompts
     from specfleet.engine import LLM, SamplingParams
 
     llm = LLM(model=target, speculative_method="draft", draft_model=f"file://{draft_dir}", num_speculative_tokens=k)
-    llm.chat([[{"role": "user", "content": p}] for p in chat_prompts()[:6]],
+    llm.chat([[{"role": "user", "content": p}] for p in HELD_OUT],
              SamplingParams(temperature=0, max_tokens=max_tokens))
     return llm.engine.stats.acceptance_rate
 

@@ -13,7 +13,6 @@ import torch
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.model_runner import ModelRunner
 from specfleet.engine.sampler import exponential_noise, processed_probs
-from specfleet.engine.scheduler import ScheduledSeq, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.proposer import Proposal
 
@@ -40,14 +39,7 @@ class DraftModelProposer:
         probs: dict[int, list[torch.Tensor]] = {i: [] for i, _, _ in active}
         for step in range(max((k for _, _, k in active), default=0)):
             group = [(i, sh) for i, sh, k in active if step < k]
-            sched = SchedulerOutput([ScheduledSeq(sh, sh.num_tokens - sh.num_computed_tokens, 0, True)
-                                     for _, sh in group])
-            inputs = self.runner.prepare(sched)
-            model = self.runner.model
-            hidden = model.forward(inputs.input_ids, inputs.positions, self.runner.kv_caches, inputs.meta,
-                                   self.runner.attn)
-            rows = torch.tensor(inputs.sample_rows, device=hidden.device)
-            logits = model.logits(hidden.index_select(0, rows))
+            logits = self.runner.next_token_logits([sh for _, sh in group])
             tokens, dist = self._draw(logits, [seqs[i] for i, _ in group], step)
             for n, ((i, sh), token) in enumerate(zip(group, tokens)):
                 sh.num_computed_tokens = sh.num_tokens

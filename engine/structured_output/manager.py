@@ -66,15 +66,12 @@ class StructuredOutputManager:
             row += n
         return mask
 
-    def advance(self, seq, start: int) -> tuple[str, int]:
-        """Accept seq.token_ids[start:] into the matcher. Returns ("ok", -1), ("rejected", position of
-        the refused token) or ("terminated", position of the stop token that ended the grammar)."""
-        for pos in range(start, seq.num_tokens):
-            if not seq.grammar.accept_token(seq.token_ids[pos]):
-                return "rejected", pos
-            if seq.grammar.is_terminated():
-                return "terminated", pos
-        return "ok", -1
+    def accept(self, seq, token: int) -> str:
+        """The matcher takes the sequence's next token: "ok", "rejected" (the grammar refuses it) or
+        "terminated" (a stop token ended the grammar)."""
+        if not seq.grammar.accept_token(token):
+            return "rejected"
+        return "terminated" if seq.grammar.is_terminated() else "ok"
 
     def _ban_stop_tokens(self, mask: torch.Tensor, row: int, stop_token_ids: Iterable[int]) -> None:
         """min_tokens: no EOS or stop token yet, unless the grammar allows nothing else (it wins)."""

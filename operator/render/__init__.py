@@ -3,6 +3,12 @@
 from .deployment import engine_args, render_deployment
 from .model_source import resolve_source
 from .network import render_network_policy, render_pdb, render_service, render_servicemonitor, wants_pdb
+from .router import (
+    render_engines_service,
+    render_router_children,
+    render_router_deployment,
+    render_router_rbac,
+)
 from .secret import new_admin_token, read_admin_token, render_secret
 
 __all__ = [
@@ -10,8 +16,12 @@ __all__ = [
     "new_admin_token",
     "read_admin_token",
     "render_deployment",
+    "render_engines_service",
     "render_network_policy",
     "render_pdb",
+    "render_router_children",
+    "render_router_deployment",
+    "render_router_rbac",
     "render_secret",
     "render_service",
     "render_servicemonitor",

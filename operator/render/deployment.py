@@ -25,12 +25,19 @@ from ..resources import (
 )
 from ..spec import InferenceServiceSpec
 from .common import child_metadata
-from .model_source import DownloadSettings, ResolvedSource, resolve_source
+from .model_source import DownloadSettings, ResolvedSource, parse_quantity, resolve_source
 
 # The images' USER (tests/operator/test_op_images.py); >= 10000 stays clear of the node's own users.
 RUN_AS_USER = 10000
 PROBE_PERIOD_SECONDS = 10
-# Time past the engine's drain timeout for the kubelet to wait before SIGKILL (preStop, exit, flush).
+# Termination, in order (docs/operator.md, Rollouts): the pod leaves the Service's endpoints while the preStop
+# hook sleeps (kube-proxy and ingress controllers need a few seconds to see it: 5 s covers the usual 1-2 s
+# EndpointSlice propagation with margin); then SIGTERM: /ready fails at once but new requests are still
+# served for SHUTDOWN_DELAY_SECONDS (stragglers routed before the removal), then refused with 503 while
+# in-flight requests finish within drainTimeoutSeconds; the kubelet's SIGKILL comes after all of them plus
+# GRACE_MARGIN_SECONDS (process exit, log flush).
+PRESTOP_SLEEP_SECONDS = 5
+SHUTDOWN_DELAY_SECONDS = 2
 GRACE_MARGIN_SECONDS = 15
 
 CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
@@ -58,6 +65,7 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
         "--num-speculative-tokens", str(spec.speculative.num_speculative_tokens if method != "none" else 0),
         "--kv-cache-memory-fraction", str(spec.engine.kv_cache_memory_fraction),
         "--drain-timeout", str(spec.engine.drain_timeout_seconds),
+        "--shutdown-delay", str(SHUTDOWN_DELAY_SECONDS),
     ]
     if spec.model.quantization != "none":
         args += ["--quantization", spec.model.quantization]
@@ -76,14 +84,34 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
     return args + list(spec.engine.extra_args)
 
 
-def _resources(spec: InferenceServiceSpec) -> dict[str, Any]:
+def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
+    """preStop sleep + the engine's shutdown delay + its drain timeout + a margin (see the constants)."""
+    return PRESTOP_SLEEP_SECONDS + SHUTDOWN_DELAY_SECONDS + spec.engine.drain_timeout_seconds + GRACE_MARGIN_SECONDS
+
+
+def _resources(spec: InferenceServiceSpec, ephemeral: str | None) -> dict[str, Any]:
     r = spec.resources
     requests: dict[str, Any] = {"cpu": r.cpu, "memory": r.memory}
     limits: dict[str, Any] = {"memory": r.memory}
+    if ephemeral:
+        requests["ephemeral-storage"] = ephemeral
     if r.gpus > 0:
         requests[r.gpu_resource_name] = str(r.gpus)
         limits[r.gpu_resource_name] = str(r.gpus)
     return {"requests": requests, "limits": limits}
+
+
+def _int_or_percent(value: str | None) -> int | str | None:
+    return int(value) if value is not None and value.isdigit() else value
+
+
+def render_strategy(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """The Deployment's strategy from `spec.rollout` (GPU pods default to no surge: see RolloutSpec)."""
+    kind, surge, unavailable = spec.rollout.resolved(spec.resources.gpus)
+    if kind == "Recreate":
+        return {"type": "Recreate"}
+    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": _int_or_percent(surge),
+                                                       "maxUnavailable": _int_or_percent(unavailable)}}
 
 
 def _probes(spec: InferenceServiceSpec) -> dict[str, Any]:
@@ -112,6 +140,10 @@ def _volumes(spec: InferenceServiceSpec, isvc_name: str) -> list[dict[str, Any]]
 
 
 def _env(isvc: InferenceService) -> list[dict[str, Any]]:
+    return [*(dict(e) for e in isvc.spec.pod.env), *_own_env(isvc)]
+
+
+def _own_env(isvc: InferenceService) -> list[dict[str, Any]]:
     return [
         {"name": ADMIN_TOKEN_FILE_ENV, "value": f"{ADMIN_TOKEN_DIR}/{ADMIN_TOKEN_KEY}"},
         {"name": "HOME", "value": "/tmp"},
@@ -132,6 +164,8 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         image_pull_policy=spec.engine.image_pull_policy,
         security_context=CONTAINER_SECURITY_CONTEXT,
         hf_token_secret=spec.model.hf_token_secret,
+        cache_claim=spec.model.cache.claim_name,
+        size_limit=spec.model.cache.size_limit,
     )
     model = resolve_source(spec.model.source, "model", download)
     draft_model = spec.speculative.draft_model
@@ -146,8 +180,11 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
                   # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
                   {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"}],
         "env": _env(isvc),
-        "resources": _resources(spec),
+        **({"envFrom": [dict(e) for e in spec.pod.env_from]} if spec.pod.env_from else {}),
+        "resources": _resources(spec, _sum_quantities([model.ephemeral_storage, draft.ephemeral_storage])),
         **_probes(spec),
+        # The pod leaves the endpoints while this runs; SIGTERM comes after it (see PRESTOP_SLEEP_SECONDS).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": CONTAINER_SECURITY_CONTEXT,
         "volumeMounts": [
             {"name": "tmp", "mountPath": "/tmp"},
@@ -156,19 +193,21 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
             {"name": "dshm", "mountPath": "/dev/shm"},
             *model.mounts,
             *draft.mounts,
+            *(dict(m) for m in spec.pod.volume_mounts),
         ],
     }
     sched = spec.scheduling
     pod: dict[str, Any] = {
-        "automountServiceAccountToken": False,
+        "automountServiceAccountToken": spec.pod.automount_service_account_token,
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": spec.engine.drain_timeout_seconds + GRACE_MARGIN_SECONDS,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {
             "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [*_volumes(spec, isvc.name), *model.volumes, *draft.volumes],
+        "volumes": [*_volumes(spec, isvc.name), *model.volumes, *draft.volumes,
+                    *(dict(v) for v in spec.pod.volumes)],
     }
     init = [*model.init_containers, *draft.init_containers]
     if init:
@@ -177,11 +216,22 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "nodeSelector": dict(sched.node_selector),
         "tolerations": [dict(t) for t in sched.tolerations],
         "affinity": dict(sched.affinity),
+        "topologySpreadConstraints": [dict(t) for t in sched.topology_spread_constraints],
         "priorityClassName": sched.priority_class_name,
         "runtimeClassName": sched.runtime_class_name,
+        "serviceAccountName": spec.pod.service_account_name,
+        "imagePullSecrets": [dict(s) for s in spec.pod.image_pull_secrets],
     }
     pod.update({key: value for key, value in optional.items() if value})
     return pod
+
+
+def _sum_quantities(values: list[str | None]) -> str | None:
+    """Sizes of the hf:// download volumes, added (both are `sizeLimit` strings of the same spec)."""
+    present = [v for v in values if v]
+    if len(present) <= 1:
+        return present[0] if present else None
+    return f"{sum(parse_quantity(v) for v in present)}"
 
 
 def render_deployment(isvc: InferenceService, config: OperatorConfig | None = None) -> dict[str, Any]:
@@ -191,16 +241,16 @@ def render_deployment(isvc: InferenceService, config: OperatorConfig | None = No
         "kind": "Deployment",
         "metadata": child_metadata(isvc, isvc.name),
         "spec": {
-            "replicas": isvc.spec.replicas,
+            "replicas": isvc.desired_replicas,
             "selector": {"matchLabels": selector_labels(isvc.name)},
-            # Never drop below the ready count during a rollout; surge one pod at a time.
-            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+            "strategy": render_strategy(isvc.spec),
             "progressDeadlineSeconds": isvc.spec.engine.startup_timeout_seconds + 300,
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {
-                    "labels": common_labels(isvc.name),
+                    "labels": {**isvc.spec.pod.labels, **common_labels(isvc.name)},
                     "annotations": {
+                        **isvc.spec.pod.annotations,
                         "prometheus.io/scrape": "true",
                         "prometheus.io/port": str(ENGINE_PORT),
                         "prometheus.io/path": "/metrics",

@@ -2,19 +2,25 @@
 
 - `bundled://NAME` and `file:///abs/path` pass through unchanged (the image carries the model).
 - `pvc://CLAIM/PATH` mounts the claim read-only at /models/<role> and passes `file:///models/<role>/PATH`.
-- `hf://ORG/NAME[@REV]` adds an init container that downloads the snapshot into an emptyDir, which the
-  engine then mounts read-only and reads as `file:///models/<role>`.
+- `hf://ORG/NAME[@REV]` adds an init container that downloads the snapshot into an emptyDir of
+  `model.cache.sizeLimit` (requested as ephemeral-storage), which the engine then mounts read-only and reads
+  as `file:///models/<role>`; with `model.cache.claimName` it downloads into that claim instead, under
+  `ORG/NAME/REV`, once for every pod (huggingface_hub skips files already there), and the engine mounts
+  that folder of the claim read-only.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from decimal import Decimal
 from typing import Any, Literal
 
 MODELS_ROOT = "/models"
 # model.hfTokenSecret: the Secret key the docs name, mounted read-only for the download step only.
 HF_TOKEN_KEY = "HF_TOKEN"
 HF_TOKEN_DIR = "/var/run/secrets/specfleet/hf-token"
+HF_CACHE_MOUNT = "/hf-cache"  # the shared cache claim, in the download step
 Role = Literal["model", "draft"]
 
 DOWNLOAD_SCRIPT = (
@@ -33,6 +39,7 @@ class ResolvedSource:
     volumes: list[dict[str, Any]] = field(default_factory=list)
     mounts: list[dict[str, Any]] = field(default_factory=list)  # on the engine container
     init_containers: list[dict[str, Any]] = field(default_factory=list)
+    ephemeral_storage: str | None = None  # node disk the source needs (a download volume), as a quantity
 
 
 @dataclass(frozen=True)
@@ -41,6 +48,23 @@ class DownloadSettings:
     image_pull_policy: str
     security_context: dict[str, Any]
     hf_token_secret: str | None = None
+    cache_claim: str | None = None  # model.cache.claimName
+    size_limit: str = "40Gi"  # model.cache.sizeLimit
+
+
+_SUFFIX: dict[str, Decimal | int] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": Decimal("1e-9"),
+           "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
+           "P": 10**15, "E": 10**18}
+
+
+def parse_quantity(text: str) -> int:
+    """A quantity (already valid for the CRD's pattern) in whole units, rounded up as Kubernetes does."""
+    number, suffix = re.fullmatch(r"\+?([0-9.]+)(.*)", text).groups()  # type: ignore[union-attr]
+    if suffix[:1] in ("e", "E") and len(suffix) > 1:
+        value = Decimal(number) * Decimal(10) ** int(suffix[1:])
+    else:
+        value = Decimal(number) * Decimal(_SUFFIX[suffix])
+    return int(value.to_integral_value(rounding="ROUND_CEILING"))
 
 
 def split_pvc(uri: str) -> tuple[str, str]:
@@ -68,24 +92,35 @@ def resolve_source(uri: str, role: Role, download: DownloadSettings) -> Resolved
         volume = f"{role}-download"
         token = [{"name": f"{role}-hf-token", "secret": {"secretName": download.hf_token_secret, "defaultMode": 0o440,
                                                          "items": [{"key": HF_TOKEN_KEY, "path": HF_TOKEN_KEY}]}}]
+        tokens = token if download.hf_token_secret else []
+        if download.cache_claim:  # one shared copy per revision, on the user's claim
+            folder = f"{repo}/{revision or 'main'}"
+            return ResolvedSource(
+                engine_uri=f"file://{mount_path}",
+                volumes=[{"name": volume, "persistentVolumeClaim": {"claimName": download.cache_claim}}, *tokens],
+                mounts=[{"name": volume, "mountPath": mount_path, "subPath": folder, "readOnly": True}],
+                init_containers=[_download_container(role, repo, revision, volume, HF_CACHE_MOUNT,
+                                                     f"{HF_CACHE_MOUNT}/{folder}", download)],
+            )
         return ResolvedSource(
             engine_uri=f"file://{mount_path}",
-            volumes=[{"name": volume, "emptyDir": {}}, *(token if download.hf_token_secret else [])],
+            volumes=[{"name": volume, "emptyDir": {"sizeLimit": download.size_limit}}, *tokens],
             mounts=[{"name": volume, "mountPath": mount_path, "readOnly": True}],
-            init_containers=[_download_container(role, repo, revision, volume, mount_path, download)],
+            init_containers=[_download_container(role, repo, revision, volume, mount_path, mount_path, download)],
+            ephemeral_storage=download.size_limit,
         )
     return ResolvedSource(engine_uri=uri)
 
 
 def _download_container(
-    role: Role, repo: str, revision: str, volume: str, mount_path: str, download: DownloadSettings
+    role: Role, repo: str, revision: str, volume: str, mount_path: str, dest: str, download: DownloadSettings
 ) -> dict[str, Any]:
     env: list[dict[str, Any]] = [
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/cache/hf"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
     ]
-    mounts = [
+    mounts: list[dict[str, Any]] = [
         {"name": volume, "mountPath": mount_path},
         {"name": "cache", "mountPath": "/cache"},
         {"name": "tmp", "mountPath": "/tmp"},
@@ -98,7 +133,7 @@ def _download_container(
         "name": f"download-{role}",
         "image": download.image,
         "imagePullPolicy": download.image_pull_policy,
-        "command": ["python", "-c", DOWNLOAD_SCRIPT, repo, revision, mount_path],
+        "command": ["python", "-c", DOWNLOAD_SCRIPT, repo, revision, dest],
         "env": env,
         "resources": {"requests": {"cpu": "500m", "memory": "1Gi"}, "limits": {"memory": "4Gi"}},
         "securityContext": download.security_context,

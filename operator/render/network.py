@@ -6,22 +6,35 @@ from typing import Any
 
 from ..config import OperatorConfig
 from ..inference_service import InferenceService
-from ..resources import ADMIN_PORT, ENGINE_PORT, selector_labels
+from ..resources import (
+    ADMIN_PORT,
+    ENGINE_PORT,
+    LABEL_INSTANCE,
+    router_labels,
+    router_selector_labels,
+    selector_labels,
+)
 from .common import child_metadata
 from .slo import slo_relabelings, slo_service_labels
 
 
 def render_service(isvc: InferenceService) -> dict[str, Any]:
-    """The engines' Service; its labels also carry the SLO thresholds to Prometheus (`slo.py`)."""
+    """The Service clients use: the router pods with `routing.enabled`, else the engine pods themselves.
+    With the router it carries the router's labels, so the engines' ServiceMonitor does not scrape it, and
+    the SLO threshold labels (`slo.py`) go on the engines' headless Service (router.py) instead."""
     metadata = child_metadata(isvc, isvc.name)
-    metadata["labels"].update(slo_service_labels(isvc))
+    selector = selector_labels(isvc.name)
+    if isvc.spec.routing.enabled:
+        metadata["labels"], selector = router_labels(isvc.name), router_selector_labels(isvc.name)
+    else:
+        metadata["labels"].update(slo_service_labels(isvc))
     return {
         "apiVersion": "v1",
         "kind": "Service",
         "metadata": metadata,
         "spec": {
             "type": "ClusterIP",
-            "selector": selector_labels(isvc.name),
+            "selector": selector,
             "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
@@ -29,7 +42,7 @@ def render_service(isvc: InferenceService) -> dict[str, Any]:
 
 def wants_pdb(isvc: InferenceService) -> bool:
     """A PDB only makes sense with more than one replica: with one it would block every node drain."""
-    return isvc.spec.replicas > 1
+    return isvc.desired_replicas > 1
 
 
 def render_pdb(isvc: InferenceService) -> dict[str, Any] | None:
@@ -56,6 +69,9 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
         "metadata": child_metadata(isvc, isvc.name),
         "spec": {
             "selector": {"matchLabels": selector_labels(isvc.name)},
+            # job = the InferenceService's name whichever Service holds the engines (the tuner's PromQL
+            # selects job="<name>"): the client Service without the router, `<name>-engines` with it.
+            "jobLabel": LABEL_INSTANCE,
             "namespaceSelector": {"matchNames": [isvc.namespace]},
             "endpoints": [{"port": "http", "path": "/metrics", "interval": interval,
                            "relabelings": slo_relabelings()}],

@@ -111,9 +111,10 @@ def test_default_slo_thresholds_are_the_crd_defaults_and_bucket_bounds() -> None
 
 def test_the_operator_labels_what_the_per_service_rule_tests_feed_in() -> None:
     """The promtool tests' `strict` and `lenient` services carry the labels the operator writes for
-    spec.slo {250 ms, 25 ms} and {1000 ms, 100 ms} (Service labels, copied by the ServiceMonitor)."""
+    spec.slo {250 ms, 25 ms} and {1000 ms, 100 ms} (labels of the scraped Service, copied by the ServiceMonitor)."""
     from specfleet.operator import load_inference_service
     from specfleet.operator.render import render_service, render_servicemonitor
+    from specfleet.operator.render.router import render_engines_service
 
     tested = {(m.group(1), m.group(2), m.group(3)) for m in re.finditer(
         r'service="(strict|lenient)", pod="[^"]+", (slo_t\w+_seconds)="([^"]+)"', RULE_TESTS.read_text())}
@@ -123,7 +124,9 @@ def test_the_operator_labels_what_the_per_service_rule_tests_feed_in() -> None:
     for name, ttft, tpot in (("strict", 250, 25), ("lenient", 1000, 100)):
         doc["metadata"]["name"], doc["spec"]["slo"] = name, {"ttftP95Ms": ttft, "tpotP95Ms": tpot}
         isvc = load_inference_service(doc)
-        labels = render_service(isvc)["metadata"]["labels"]
+        # the Service the ServiceMonitor scrapes: the engines' headless one behind a router, else the client one
+        scraped = render_engines_service(isvc) if isvc.spec.routing.enabled else render_service(isvc)
+        labels = scraped["metadata"]["labels"]
         for relabel in render_servicemonitor(isvc)["spec"]["endpoints"][0]["relabelings"]:
             key = next(k for k in labels if "__meta_kubernetes_service_label_" +
                        re.sub(r"[^a-zA-Z0-9]", "_", k) == relabel["sourceLabels"][0])
@@ -137,7 +140,7 @@ def test_inferenceservice_and_tuner_series_are_the_operators_own_metrics() -> No
     from prometheus_client import Gauge
     from specfleet.operator import metrics
 
-    gauges = {g._name: set(g._labelnames) for g in vars(metrics).values() if isinstance(g, Gauge)}  # noqa: SLF001
+    gauges = {g._name: set(g._labelnames) for g in vars(metrics).values() if isinstance(g, Gauge)}  # private names: prometheus_client exposes no public accessor
     used = set(re.findall(r"(?<![\w:])(specfleet_(?:inferenceservice|tuner)_\w+)", RULES.read_text()))
     assert used and used <= set(gauges), used - set(gauges)
     assert all({"namespace", "service"} <= gauges[name] for name in used), gauges

@@ -6,7 +6,6 @@ HTTP API. A dashboard whose queries silently return nothing is what this catches
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import os
@@ -21,8 +20,8 @@ from typing import Any
 
 import httpx
 import pytest
-from specfleet.fleet.supervisor import free_port
-from tuner.conftest import ADMIN_TOKEN, ENGINE_ARGS, wait_ready
+from helpers import free_port, stop_process, wait_http_ready
+from tuner.conftest import ADMIN_TOKEN, ENGINE_ARGS
 
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "monitoring" / "grafana-dashboard.json"
@@ -98,7 +97,7 @@ def _start_engine(tmp: Path, index: int) -> tuple[str, subprocess.Popen[bytes]]:
                                  "--num-speculative-tokens", "2", "--port", str(port)],
                                 stdout=out, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
-    wait_ready(url, proc, log)
+    wait_http_ready(f"{url}/ready", proc, log)
     return url, proc
 
 
@@ -121,22 +120,9 @@ def _start_prometheus(tmp: Path, engines: list[str]) -> tuple[str, subprocess.Po
                                  f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
                                 stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 60
-    while True:
-        assert proc.poll() is None, (tmp / "prometheus.log").read_text()[-2000:]
-        assert time.monotonic() < deadline, "prometheus did not become ready"
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/-/ready", timeout=2).status_code == 200:
-                return url, proc
-        time.sleep(0.2)
+    wait_http_ready(f"{url}/-/ready", proc, tmp / "prometheus.log", timeout=60, interval=0.2)
+    return url, proc
 
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    proc.terminate()
-    try:
-        proc.wait(20)
-    except subprocess.TimeoutExpired:
-        proc.kill()
 
 
 async def _load(engines: list[str], seconds: float) -> None:
@@ -183,7 +169,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield prom
     finally:
         for proc in reversed(procs):
-            _stop(proc)
+            stop_process(proc)
 
 
 def instant(prom: str, expr: str) -> list[dict[str, Any]]:

@@ -88,8 +88,7 @@ def test_the_first_stop_condition_in_one_speculative_step_wins(tiny):
         engine.add_request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=8, stop=["apple"],
                                                        stop_token_ids=[plum]))
         req = engine._requests[rid]
-        req.seqs[0].token_ids.extend(step)
-        engine._check_stop(req, req.seqs[0], len(step))
+        engine.scheduler.append(req.seqs[0], step, engine._stop)  # as the scheduler takes a step's tokens
         out = engine._output(req, True).outputs[0]
         assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (kept, "stop", stop_reason, text)
         engine._requests.pop(rid)

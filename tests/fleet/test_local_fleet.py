@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from specfleet.fleet.supervisor import free_port
+from helpers import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"

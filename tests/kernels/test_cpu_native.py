@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from paged_cases import TOLERANCE, make_case
+from specfleet.bench.gpu.paged_cases import TOLERANCE, make_case
 from specfleet.engine.attention.base import get_attention_backend
 from specfleet.engine.attention.native_backend import NativeAttentionBackend
 from specfleet.engine.attention.torch_backend import TorchAttentionBackend

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from paged_cases import TOLERANCE, PagedCase, make_case
+from specfleet.bench.gpu.paged_cases import TOLERANCE, PagedCase, make_case
 from specfleet.engine.attention.torch_backend import TorchAttentionBackend
 from specfleet.kernels.attention_reference import paged_attention_reference
 from specfleet.kernels.paged_decode import paged_decode_attention

@@ -38,7 +38,10 @@ def test_rbac_comes_from_the_rendered_chart() -> None:
     rbac = Rbac.from_chart({"watch": {"namespaces": [NS]}})
     assert rbac.allows("patch", "serving.specfleet.io", "inferenceservices/status", NS)
     assert rbac.allows("watch", "apps", "deployments", NS)
-    assert not rbac.allows("delete", "apps", "deployments", NS)  # least privilege: the GC deletes children
+    # least privilege: the GC deletes children; the operator deletes only children it stops rendering (a PDB
+    # below two replicas, the router's objects with routing off), never the admin Secret
+    assert not rbac.allows("delete", "", "secrets", NS)
+    assert not rbac.allows("update", "apps", "deployments", NS)
     assert not rbac.allows("get", "apps", "deployments", "elsewhere")  # a Role per watched namespace only
     assert not rbac.allows("list", "", "secrets", NS)
     assert rbac.allows("list", "", "namespaces", None)  # kopf's discovery, cluster-wide and read-only
@@ -52,8 +55,8 @@ def test_a_missing_verb_is_a_403(fake_kube: FakeKube) -> None:
     fake_kube.put(*DEPLOY, NS, {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
                                 "spec": {"replicas": 1}})
     assert call(fake_kube, "GET", f"/apis/apps/v1/namespaces/{NS}/deployments/d").status_code == 200
-    denied = call(fake_kube, "DELETE", f"/apis/apps/v1/namespaces/{NS}/deployments/d")
-    assert denied.status_code == 403 and 'cannot delete resource "deployments"' in denied.json()["message"]
+    denied = call(fake_kube, "DELETE", f"/api/v1/namespaces/{NS}/secrets/x")
+    assert denied.status_code == 403 and 'cannot delete resource "secrets"' in denied.json()["message"]
     assert call(fake_kube, "GET", "/api/v1/namespaces/other/secrets/x").status_code == 403
 
 

@@ -3,6 +3,7 @@ renders is valid Kubernetes with least-privilege RBAC."""
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import helm_python as helm
@@ -92,12 +93,83 @@ def test_cluster_wide_uses_a_cluster_role() -> None:
     assert "all namespaces" in notes
 
 
-def test_chart_ships_the_crd_and_lints_clean() -> None:
+def test_chart_ships_the_crd_as_a_template_that_upgrades_and_lints_clean() -> None:
+    """Helm installs a chart's crds/ folder once and never upgrades it: the CRD is a template instead, so
+    `helm upgrade` applies a new schema; it is kept on `helm uninstall` (deleting a CRD deletes every
+    InferenceService)."""
     with helm.Chart.load(CHART) as chart:
-        (crd,) = chart.crds
-        assert yaml.safe_load(crd["data"]) == yaml.safe_load(CRD_PATH.read_text())
+        assert chart.crds == []
+    objects, _ = render(None)
+    (crd,) = by_kind(objects, "CustomResourceDefinition")
+    expected = yaml.safe_load(CRD_PATH.read_text())
+    assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    assert crd == expected
+    objects, _ = render({"crds": {"keep": False}})
+    (crd,) = by_kind(objects, "CustomResourceDefinition")
+    assert crd == expected
+    objects, _ = render({"crds": {"install": False}})
+    assert by_kind(objects, "CustomResourceDefinition") == []
     report = helm.lint(str(CHART), strict=True, kube_version="v1.30.0")
     assert report["errors"] == [] and all(m["severity"] < 2 for m in report["messages"]), report
+
+
+def test_upgrading_renders_the_new_crd() -> None:
+    """`helm upgrade` renders templates with is_upgrade: the CRD is among them (a crds/ file would not be)."""
+    with helm.Chart.load(CHART) as chart:
+        rendered = chart.render(values=None, name="sf", namespace=NS, is_install=False, is_upgrade=True)
+    rendered.pop("specfleet/templates/NOTES.txt")
+    kinds = [doc["kind"] for text in rendered.values() for doc in yaml.safe_load_all(text) if doc]
+    assert "CustomResourceDefinition" in kinds
+
+
+def test_watched_namespaces_that_do_not_exist_yet_are_created_first() -> None:
+    """A Role in a namespace that does not exist fails the whole install; the chart creates the namespace
+    (kept on uninstall) unless the cluster has it, which `lookup` tells at install time."""
+    objects, _ = render(NON_DEFAULT)
+    namespaces = by_kind(objects, "Namespace")
+    assert sorted(n["metadata"]["name"] for n in namespaces) == ["team-a", "team-b"]
+    assert all(n["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" for n in namespaces)
+    objects, _ = render({**NON_DEFAULT, "watch": {"namespaces": ["team-a", NS], "createNamespaces": False}})
+    assert by_kind(objects, "Namespace") == []
+    objects, _ = render({"watch": {"namespaces": ["team-a", NS]}})
+    assert [n["metadata"]["name"] for n in by_kind(objects, "Namespace")] == ["team-a"]  # never the release's
+    objects, _ = render(None)
+    assert by_kind(objects, "Namespace") == []
+
+
+@pytest.mark.parametrize("values", [{"prometheusUrl": "http://x"}, {"watch": {"namespace": ["a"]}},
+                                    {"crds": {"upgrade": True}}, {"image": {"registry": "x"}}],
+                         ids=["top-level", "watch", "crds", "image"])
+def test_values_schema_rejects_unknown_keys(values: dict[str, Any]) -> None:
+    (key,) = [k for v in values.values() for k in (v if isinstance(v, dict) else {})] or list(values)
+    with pytest.raises(helm.HelmError, match=key):
+        render(values)
+
+
+def test_every_operator_setting_is_a_value() -> None:
+    """Each SPECFLEET_* variable the operator reads is set by the chart, from a value."""
+    read = set()  # the operator's image runs operator/ and tuner/ (the local fleet, fleet/, runs outside)
+    for path in [*(REPO / "operator").rglob("*.py"), *(REPO / "tuner").rglob("*.py")]:
+        read |= set(re.findall(r"""(?:environ|env)\.get\(\s*["'](SPECFLEET_[A-Z_]+)""", path.read_text()))
+    assert read >= {"SPECFLEET_ENGINE_IMAGE", "SPECFLEET_PROMETHEUS_SELECTOR", "SPECFLEET_MODEL_DOWNLOADER_IMAGE"}
+    objects, _ = render({"prometheusSelector": 'job="engines",ns="{namespace}",svc="{name}"', "tunerTickSeconds": 2,
+                         "modelDownloaderImage": "registry.local/downloader:1"})
+    env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
+    assert read <= set(env), read - set(env)
+    assert env["SPECFLEET_PROMETHEUS_SELECTOR"] == 'job="engines",ns="{namespace}",svc="{name}"'
+    assert env["SPECFLEET_TUNER_TICK_SECONDS"] == "2"
+    assert env["SPECFLEET_MODEL_DOWNLOADER_IMAGE"] == "registry.local/downloader:1"
+
+
+@pytest.mark.parametrize("values", [None, NON_DEFAULT, CLUSTER_WIDE], ids=["default", "custom", "cluster-wide"])
+def test_notes_commands_name_their_namespace(values: dict[str, Any] | None) -> None:
+    _, notes = render(values)
+    commands = [line.strip() for line in notes.splitlines() if line.strip().startswith("kubectl")]
+    assert len(commands) >= 4
+    for command in commands:
+        assert re.search(r" -n [a-z0-9-]+ ", command), command
+    expected = "team-a" if values is NON_DEFAULT else "default" if values is CLUSTER_WIDE else NS
+    assert f"kubectl -n {expected} apply -f examples/smollm2-cpu.yaml" in commands
 
 
 def test_bad_values_fail_with_a_message() -> None:

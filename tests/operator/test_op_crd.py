@@ -133,6 +133,9 @@ INVALID = {
     "cpu not a quantity": ({"spec.resources.cpu": "lots"}, "lots"),
     "name not a DNS label": ({"metadata.name": "Bad_Name"}, "name"),
     "misspelled field": ({"spec.speculative.k": 4}, "k"),
+    "autoscaling min > max": ({"spec.autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas"),
+    "autoscaling without autotune": ({"spec.autoscaling": {"enabled": True, "maxReplicas": 2}}, "autotune"),
+    "unknown routing policy": ({"spec.routing.policy": "random"}, "random"),
     "bounds with three numbers": ({"spec.autotune": {"bounds": {"maxNumSeqs": [1, 2, 3]}}}, "maxNumSeqs"),
     "pin outside bounds": ({"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
                            "pins.maxNumSeqs"),
@@ -158,11 +161,24 @@ def test_bounds_only_bind_when_autotune_is_on() -> None:
 
 
 def _accepted_by_model(doc: dict[str, Any]) -> bool:
+    """What the operator runs: the model validates and the spec has no cluster refusal."""
     try:
-        load_inference_service(doc)
+        isvc = load_inference_service(doc)
     except InvalidInferenceService:
         return False
-    return True
+    return isvc.spec.cluster_refusal() is None
+
+
+def test_disaggregation_is_refused_in_the_cluster_but_runs_locally() -> None:
+    """The operator does not render prefill/decode roles: admission says so instead of ignoring the field;
+    `specfleet up` (the pydantic model alone) takes it."""
+    doc = _with({"spec.disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}})
+    errors = admission_errors(doc)
+    assert errors and "not rendered by the operator yet; use specfleet up" in " ".join(errors), errors
+    spec = load_inference_service(doc).spec
+    assert spec.disaggregation is not None and spec.disaggregation.decode.replicas == 2
+    assert spec.cluster_refusal() is not None and "use specfleet up" in spec.cluster_refusal()
+    assert admission_errors(_with({})) == [] and load_inference_service(_with({})).spec.cluster_refusal() is None
 
 
 @settings(max_examples=60, deadline=None)
@@ -178,10 +194,12 @@ def _accepted_by_model(doc: dict[str, Any]) -> bool:
     tp=st.integers(1, 3),
     pp=st.integers(1, 2),
     gpus=st.integers(0, 4),
+    scaling=st.tuples(st.booleans(), st.integers(0, 3), st.integers(1, 3)),
+    disaggregated=st.booleans(),
 )
 def test_crd_and_model_agree_on_cross_field_rules(
     replicas: int, seqs: int, tokens: int, k: int, method: str, draft: bool, autotune: bool,
-    k_bounds: tuple[int, int], tp: int, pp: int, gpus: int,
+    k_bounds: tuple[int, int], tp: int, pp: int, gpus: int, scaling: tuple[bool, int, int], disaggregated: bool,
 ) -> None:
     changes: dict[str, Any] = {
         "spec.replicas": replicas,
@@ -192,6 +210,8 @@ def test_crd_and_model_agree_on_cross_field_rules(
         "spec.engine.tensorParallelSize": tp,
         "spec.engine.pipelineParallelSize": pp,
         "spec.resources.gpus": gpus,
+        "spec.autoscaling": {"enabled": scaling[0], "minReplicas": scaling[1], "maxReplicas": scaling[2]},
+        "spec.disaggregation": {"prefill": {"replicas": 1}} if disaggregated else _DELETE,
     }
     doc = _with(changes)
     assert (admission_errors(doc) == []) == _accepted_by_model(doc)

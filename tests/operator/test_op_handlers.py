@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 import yaml
-from fake_kube import FakeKube, wait_for
+from fake_kube import FakeKube
+from helpers import wait_for
 from isvc_schema_tools import REPO
 from specfleet.operator.cli import build_parser, main
 

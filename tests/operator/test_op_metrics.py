@@ -12,7 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube, wait_for
+from fake_kube import FakeKube
+from helpers import wait_for
 from isvc_schema_tools import REPO
 
 NS = "team-a"  # the namespace the API double grants the chart's RBAC in (conftest.py)

@@ -183,3 +183,34 @@ def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
     assert [e.reason for e in outcome.events] == ["InvalidSpec"]
     assert reconcile(fake_kube).events == []  # the timer does not repeat the same warning
+
+
+def test_disaggregation_is_reported_not_ignored(fake_kube: FakeKube) -> None:
+    """The operator renders no prefill/decode roles: an object stored past the CEL rule is an invalid spec,
+    not one aggregated Deployment that silently ignores the field."""
+    create_isvc(fake_kube, admit=False, disaggregation={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    outcome = reconcile(fake_kube)
+    assert outcome.invalid and "not rendered by the operator yet; use specfleet up" in outcome.invalid
+    assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")
+    assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
+
+
+def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube)
+    reconcile(fake_kube)
+    uid = fake_kube.get(*ISVC, NS, "smollm2")["metadata"]["uid"]  # type: ignore[index]
+    rbac = "/apis/rbac.authorization.k8s.io/v1"
+    router_objects = [(DEPLOY, "smollm2-router"), (SERVICE, "smollm2-engines"), (("/api/v1", "serviceaccounts"),
+                      "smollm2-router"), ((rbac, "roles"), "smollm2-router"), ((rbac, "rolebindings"), "smollm2-router")]
+    for kind, name in router_objects:
+        child = fake_kube.get(*kind, NS, name)
+        assert child is not None and child["metadata"]["ownerReferences"][0]["uid"] == uid, (kind, name)
+    service = fake_kube.get(*SERVICE, NS, "smollm2")
+    assert service["spec"]["selector"] == {"serving.specfleet.io/router": "smollm2"}  # type: ignore[index]
+    update_spec(fake_kube, routing={"enabled": False})
+    outcome = reconcile(fake_kube)
+    for kind, name in router_objects:
+        assert fake_kube.get(*kind, NS, name) is None, (kind, name)
+    service = fake_kube.get(*SERVICE, NS, "smollm2")
+    assert service["spec"]["selector"] == {"serving.specfleet.io/inferenceservice": "smollm2"}  # type: ignore[index]
+    assert sum(e.reason == "Deleted" for e in outcome.events) == 5

@@ -15,11 +15,14 @@ from specfleet.operator.render import (
     new_admin_token,
     read_admin_token,
     render_deployment,
+    render_engines_service,
     render_pdb,
+    render_router_children,
     render_secret,
     render_service,
     render_servicemonitor,
 )
+from specfleet.router.cli import build_parser as router_parser
 
 CONFIG = OperatorConfig(engine_image="registry.example/engine:cuda", engine_cpu_image="registry.example/engine:cpu")
 
@@ -50,6 +53,7 @@ def test_every_rendered_object_is_valid_kubernetes(path: Any) -> None:
     isvc = load_inference_service(path)
     objects = [render_deployment(isvc, CONFIG), render_service(isvc), render_secret(isvc, new_admin_token())]
     objects += [pdb for pdb in [render_pdb(isvc)] if pdb]
+    objects += render_router_children(isvc, CONFIG)
     for obj in objects:
         k8s_validate(obj)
         assert obj["metadata"]["namespace"] == isvc.namespace
@@ -221,19 +225,58 @@ def test_rendering_is_deterministic_and_ignores_tuned_status() -> None:
     assert flag(args, "--num-speculative-tokens") == "4"  # the spec's value: tuning goes through the admin API
 
 
-def test_service_selects_the_deployments_pods() -> None:
-    isvc = isvc_from("smollm2-cpu.yaml")
+def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return selector.items() <= labels.items()
+
+
+def test_service_selects_the_deployments_pods_without_the_router() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", routing={"enabled": False})
     service, deployment = render_service(isvc), render_deployment(isvc, CONFIG)
     pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
     assert service["metadata"]["name"] == "smollm2"
-    assert service["spec"]["selector"].items() <= pod_labels.items()
-    assert deployment["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+    assert _selects(service["spec"]["selector"], pod_labels)
+    assert _selects(deployment["spec"]["selector"]["matchLabels"], pod_labels)
     assert service["spec"]["ports"][0]["port"] == 8000
     monitor = render_servicemonitor(isvc)
-    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert _selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     endpoint = monitor["spec"]["endpoints"][0]
     assert {k: endpoint[k] for k in ("port", "path", "interval")} == {"port": "http", "path": "/metrics",
                                                                        "interval": "15s"}
+    assert render_router_children(isvc, CONFIG) == []
+
+
+def test_router_stands_between_the_service_and_the_engines() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", routing={"policy": "least-loaded", "loadFactorPercent": 150})
+    service, engines = render_service(isvc), render_deployment(isvc, CONFIG)
+    children = {o["kind"]: o for o in render_router_children(isvc, CONFIG) if o["kind"] != "Service"}
+    (headless,) = [o for o in render_router_children(isvc, CONFIG) if o["kind"] == "Service"]
+    router = children["Deployment"]
+    router_pods = router["spec"]["template"]["metadata"]["labels"]
+    engine_pods = engines["spec"]["template"]["metadata"]["labels"]
+    # clients reach the router pods only; the router finds the engines through the headless Service
+    assert service["metadata"]["name"] == "smollm2" and service["spec"]["ports"][0]["port"] == 8000
+    assert _selects(service["spec"]["selector"], router_pods) and not _selects(service["spec"]["selector"], engine_pods)
+    assert headless["metadata"]["name"] == "smollm2-engines" and headless["spec"]["clusterIP"] == "None"
+    assert _selects(headless["spec"]["selector"], engine_pods) and not _selects(headless["spec"]["selector"], router_pods)
+    assert _selects(router["spec"]["selector"]["matchLabels"], router_pods)
+    # the engines' ServiceMonitor scrapes the headless Service, not the router, with job = the service's name
+    monitor = render_servicemonitor(isvc)
+    assert _selects(monitor["spec"]["selector"]["matchLabels"], headless["metadata"]["labels"])
+    assert not _selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
+    assert headless["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "smollm2"
+    # the router's own parser reads back its command line
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    args = router_parser().parse_args(container["args"])
+    assert (args.service, args.namespace, args.policy, args.load_factor, args.block_size, args.port) == (
+        "smollm2-engines", "team-a", "least-loaded", 1.5, 16, 8000)
+    assert container["command"] == ["python", "-m", "specfleet.router"] and container["image"] == CONFIG.router_image
+    # its ServiceAccount may read EndpointSlices in this namespace, and nothing else
+    account = router["spec"]["template"]["spec"]["serviceAccountName"]
+    assert children["ServiceAccount"]["metadata"]["name"] == account == "smollm2-router"
+    assert children["Role"]["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                                          "verbs": ["get", "list", "watch"]}]
+    assert children["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
+    assert children["RoleBinding"]["roleRef"]["name"] == children["Role"]["metadata"]["name"]
 
 
 @pytest.mark.parametrize(("ttft_ms", "tpot_ms", "ttft", "tpot"), [
@@ -248,7 +291,11 @@ def test_service_carries_its_slo_as_bucket_bounds_and_the_monitor_copies_them(
     from specfleet.engine.server.metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
 
     isvc = isvc_from("smollm2-cpu.yaml", slo__ttftP95Ms=ttft_ms, slo__tpotP95Ms=tpot_ms)
-    labels = render_service(isvc)["metadata"]["labels"]
+    # on the engines' Service: the headless one with the router (the default), the client one without
+    labels = render_engines_service(isvc)["metadata"]["labels"]
+    plain = render_service(isvc_from("smollm2-cpu.yaml", routing={"enabled": False}, slo__ttftP95Ms=ttft_ms,
+                                     slo__tpotP95Ms=tpot_ms))["metadata"]["labels"]
+    assert (plain["specfleet.io/slo-ttft-seconds"], plain["specfleet.io/slo-tpot-seconds"]) == (ttft, tpot)
     assert (labels["specfleet.io/slo-ttft-seconds"], labels["specfleet.io/slo-tpot-seconds"]) == (ttft, tpot)
     assert float(ttft) in LATENCY_BUCKETS and float(tpot) in TOKEN_LATENCY_BUCKETS
     relabel = render_servicemonitor(isvc)["spec"]["endpoints"][0]["relabelings"]
@@ -267,3 +314,18 @@ def test_secret_holds_the_token_and_is_immutable() -> None:
     assert new_admin_token() != token
     with pytest.raises(ValueError, match="too short"):
         render_secret(isvc, "abc")
+
+
+def test_autoscaling_replicas_come_from_the_tuners_status_never_from_a_spec_write() -> None:
+    scaling = {"enabled": True, "minReplicas": 1, "maxReplicas": 3}
+    isvc = isvc_from("smollm2-cpu.yaml", replicas=1, autoscaling=scaling, autotune={"enabled": True})
+    assert render_deployment(isvc, CONFIG)["spec"]["replicas"] == 1 and render_pdb(isvc) is None
+    doc = isvc.model_dump(by_alias=True)
+    doc["status"] = {"autoscaling": {"replicas": 2, "reason": "scale-up 1 -> 2: ..."}}
+    scaled = load_inference_service(doc)
+    assert scaled.spec.replicas == 1  # the spec stays what the user (or Git) wrote
+    assert render_deployment(scaled, CONFIG)["spec"]["replicas"] == 2 and render_pdb(scaled) is not None
+    doc["status"]["autoscaling"]["replicas"] = 9  # clamped to maxReplicas
+    assert render_deployment(load_inference_service(doc), CONFIG)["spec"]["replicas"] == 3
+    doc["spec"]["autoscaling"]["enabled"] = False  # off: spec.replicas again (an HPA/KEDA may drive it)
+    assert render_deployment(load_inference_service(doc), CONFIG)["spec"]["replicas"] == 1

@@ -26,12 +26,6 @@ ENGINE_KWARGS: dict[str, Any] = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass
 class LiveServer:
     url: str

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -14,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import free_port, wait_http_ready
 from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 
 pytestmark = pytest.mark.slow
@@ -52,31 +52,29 @@ def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_toke
         results.append((None, [repr(exc)]))
 
 
-def _serve_under_load(tmp_path: Path, drain_timeout: float, max_tokens: int) -> tuple[int, list[Any], str]:
-    """Start `python -m specfleet.engine`, stream 4 requests, SIGTERM, check the drain window; return
-    (exit code, per-stream (status, SSE payloads), log)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
+    """`python -m specfleet.engine` on a free port, once /ready answers 200: (process, url, log path)."""
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
     cmd = [sys.executable, "-m", "specfleet.engine", "serve", "--model", "bundled://smollm2-135m-instruct",
-           "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1",
-           "--drain-timeout", str(drain_timeout)]
+           "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1", *flags]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
+    try:
+        wait_http_ready(f"{url}/ready", proc, log_path)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, url, log_path
+
+
+def _serve_under_load(tmp_path: Path, drain_timeout: float, max_tokens: int) -> tuple[int, list[Any], str]:
+    """Start `python -m specfleet.engine`, stream 4 requests, SIGTERM, check the drain window; return
+    (exit code, per-stream (status, SSE payloads), log)."""
+    proc, url, log_path = _start(tmp_path, "--drain-timeout", str(drain_timeout))
     results: list[Any] = []
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
         started = [threading.Event() for _ in range(4)]
         threads = [threading.Thread(target=_stream, args=(url, results, ev, max_tokens)) for ev in started]
         for t in threads:
@@ -128,6 +126,45 @@ def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tmp_path: Path) -> 
         assert '"finish_reason":"abort"' in chunks[-2]
     assert "event=drain_timeout aborted=4" in log_text
     assert sum("finish_reason=abort" in line for line in log_text.splitlines()) == 4
+
+
+def test_sigterm_fails_readiness_before_refusing_requests(tmp_path: Path) -> None:
+    """The pod's termination order (docs/operator.md, Rollouts): at SIGTERM /ready fails at once, yet a
+    request that was routed before the endpoint went is still served during --shutdown-delay; only then do
+    new requests get 503, while the one in flight finishes; exit 0."""
+    pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
+    delay = 5.0
+    proc, url, log_path = _start(tmp_path, "--drain-timeout", "60", "--shutdown-delay", str(delay))
+    results: list[Any] = []
+    try:
+        started = threading.Event()
+        stream = threading.Thread(target=_stream, args=(url, results, started, 160))
+        stream.start()
+        assert started.wait(120), "the stream did not start"
+        proc.send_signal(signal.SIGTERM)
+        sent = time.monotonic()
+        while httpx.get(f"{url}/ready", timeout=5).status_code != 503:
+            assert time.monotonic() - sent < 1.0, "/ready did not fail at SIGTERM"
+            time.sleep(0.02)
+        assert httpx.get(f"{url}/ready", timeout=5).json()["reason"] == "draining"
+        during = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=30)
+        assert time.monotonic() - sent < delay, "the request in the delay window took too long to judge"
+        assert during.status_code == 200, during.text
+        while time.monotonic() - sent < delay + 0.5:
+            time.sleep(0.1)
+        late = httpx.post(f"{url}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, timeout=10)
+        assert late.status_code == 503 and late.json()["error"]["code"] == "draining"
+        stream.join(120)
+        code = proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log_text = log_path.read_text()
+    assert code == 0, log_text[-3000:]
+    assert results and results[0][0] == 200 and results[0][1][-1] == "[DONE]", results
+    assert log_text.index("event=shutdown_delay") < log_text.index("event=drain_start") < log_text.index(
+        "event=drain_done")
 
 
 def test_invalid_engine_flags_exit_2_before_loading(capsys: pytest.CaptureFixture[str]) -> None:

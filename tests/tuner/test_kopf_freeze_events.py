@@ -20,7 +20,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube, Rbac, wait_for
+from fake_kube import FakeKube, Rbac
+from helpers import wait_for
 
 from .conftest import ADMIN_TOKEN
 

@@ -17,7 +17,8 @@ from typing import Any
 import httpx
 import pytest
 import yaml
-from fake_kube import FakeKube, Rbac, wait_for  # tests/ is on sys.path (rootdir conftest)
+from fake_kube import FakeKube, Rbac  # tests/ is on sys.path (rootdir conftest)
+from helpers import wait_for
 
 from .conftest import ADMIN_TOKEN
 
@@ -42,16 +43,18 @@ def engine_config(url: str) -> dict[str, int]:
     return httpx.get(f"{url}/admin/config", headers=AUTH, timeout=10).json()
 
 
-def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
-        engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kopf.testing import KopfRunner
+def engine_set(url: str, **values: int) -> None:
+    httpx.patch(f"{url}/admin/config", json=values, headers=AUTH, timeout=10).raise_for_status()
+
+
+def _autotuned_service(engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """An autotuned smollm2 (spec k = 3) whose one ready pod is the engine at `engine_url`, and its admin
+    Secret; returns the InferenceService."""
     from specfleet.tuner import handlers as tuner_handlers
 
     host, port = engine_url.removeprefix("http://").split(":")
     monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))  # pods listen on 8000; this one elsewhere
     monkeypatch.setattr(tuner_handlers, "ADMIN_PORT", int(port))  # ... and serves its admin API beside it
-    assert engine_config(engine_url)["num_speculative_tokens"] == 0
-
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
     doc["spec"]["batching"] = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512}
@@ -68,6 +71,15 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
         "metadata": {"name": "smollm2-0", "namespace": NS, "labels": {"serving.specfleet.io/inferenceservice": "smollm2"}},
         "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "True"}]},
     })
+    return doc
+
+
+def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
+        engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    from kopf.testing import KopfRunner
+
+    _autotuned_service(engine_url, fake_kube, monkeypatch)
+    engine_set(engine_url, num_speculative_tokens=0)
 
     def tuning() -> dict[str, Any]:
         return ((fake_kube.get(*ISVC, NS, "smollm2") or {}).get("status") or {}).get("tuning") or {}
@@ -93,3 +105,95 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
     writes = [r for r in fake_kube.requests if r.method in ("PUT", "PATCH") and "/inferenceservices/" in r.path]
     assert writes and all(r.path.endswith("/status") or "spec" not in (r.body or {}) for r in writes
                           if isinstance(r.body, dict))
+
+
+def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
+        engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    """status.tuning from a previous operator (k = 5, learned step costs) is where a new one continues; a
+    /scale write (generation bump) keeps it; a change of a field the tuner depends on (the SLO) rebuilds the
+    policy from the spec (k = 3)."""
+    from kopf.testing import KopfRunner
+    from specfleet.operator import load_inference_service
+    from specfleet.tuner.loop import tuner_fingerprint
+
+    engine_set(engine_url, num_speculative_tokens=0)
+    spec = _autotuned_service(engine_url, fake_kube, monkeypatch)["spec"]
+    fingerprint = tuner_fingerprint(load_inference_service({**_isvc_shell(), "spec": spec}).spec)
+    learned = [[1.0, 0.0, 0.02], [4.0, 0.0, 0.03], [8.0, 0.0, 0.05]]
+    previous = {"tuning": {"numSpeculativeTokens": 5, "maxNumSeqs": 16, "maxNumBatchedTokens": 512,
+                           "resume": {"specHash": fingerprint, "costPoints": learned, "plainCostPoints": learned,
+                                      "acceptance": [{"demand": 1.0, "perPos": [0.9, 0.8], "share": 1.0,
+                                                      "ageSeconds": 10.0}]}}}
+    isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
+    fake_kube.put(*ISVC, NS, {**isvc, "status": previous})
+
+    def status_writes() -> int:
+        return sum(1 for r in fake_kube.requests if r.method == "PATCH" and "/inferenceservices/" in r.path
+                   and isinstance(r.body, dict) and "tuning" in (r.body.get("status") or {}))
+
+    args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
+    with KopfRunner(args, timeout=150) as runner:
+        wait_for("the resumed k pushed", lambda: engine_config(engine_url)["num_speculative_tokens"] == 5, timeout=60)
+        isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
+        generation = isvc["metadata"]["generation"]
+        isvc["spec"]["replicas"] = 2  # what `kubectl scale isvc/smollm2 --replicas=2` writes
+        fake_kube.put(*ISVC, NS, isvc)
+        assert (fake_kube.get(*ISVC, NS, "smollm2") or {})["metadata"]["generation"] == generation + 1
+        seen = status_writes()
+        wait_for("two tuner intervals after the scale", lambda: status_writes() >= seen + 2, timeout=60)
+        after_scale = engine_config(engine_url)["num_speculative_tokens"]
+        resume = ((fake_kube.get(*ISVC, NS, "smollm2") or {}).get("status") or {}).get("tuning", {}).get("resume", {})
+        isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
+        isvc["spec"]["slo"] = {"ttftP95Ms": 900, "tpotP95Ms": 80}
+        fake_kube.put(*ISVC, NS, isvc)
+        wait_for("the spec's k after an SLO change", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
+                 timeout=60)
+
+    assert runner.exception is None, runner.output
+    assert after_scale == 5, "scaling reset the tuner to the spec's config"
+    assert resume.get("specHash") == fingerprint and resume.get("costPoints", [])[:3] == learned, resume
+
+
+def _isvc_shell() -> dict[str, Any]:
+    return {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService",
+            "metadata": {"name": "smollm2", "namespace": NS}}
+
+
+def test_between_intervals_only_pods_not_yet_configured_get_the_config(engine_url: str) -> None:
+    """A pod of a scale-up is brought to the config in force at the next timer tick (5 s), not at the next
+    interval; pods already configured are not asked again. The same engine answers on 127.0.0.1 and on
+    localhost: two pods as the tuner sees them."""
+    import asyncio
+
+    from specfleet.tuner.actuator import AdminActuator
+    from specfleet.tuner.loop import ServiceTuner
+    from specfleet.tuner.policy import Policy
+    from specfleet.tuner.types import TunedConfig
+
+    from .test_policy import PARAMS
+
+    first, second = engine_url, engine_url.replace("127.0.0.1", "localhost")
+    ready = [first]
+
+    async def endpoints() -> list[str]:
+        return list(ready)
+
+    async def scenario() -> list[int]:
+        tuner = ServiceTuner("t/x", Policy(PARAMS, TunedConfig(5, 16, 512)), None,  # type: ignore[arg-type]
+                             AdminActuator(ADMIN_TOKEN), endpoints)
+        try:
+            seen = []
+            await tuner.sync_new_pods()
+            seen.append(engine_config(engine_url)["num_speculative_tokens"])
+            engine_set(engine_url, num_speculative_tokens=0)
+            await tuner.sync_new_pods()  # nothing new: no request to the configured pod
+            seen.append(engine_config(engine_url)["num_speculative_tokens"])
+            ready.append(second)  # scale-up: a new ready pod
+            await tuner.sync_new_pods()
+            seen.append(engine_config(engine_url)["num_speculative_tokens"])
+            return seen
+        finally:
+            await tuner.actuator.close()
+
+    engine_set(engine_url, num_speculative_tokens=0)
+    assert asyncio.run(scenario()) == [5, 0, 5]

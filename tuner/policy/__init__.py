@@ -26,7 +26,7 @@ One concept per module: `params` (every tunable number and its reason), `load` (
 quantities: batch per engine, step tokens, similar loads, a shift), `model` (step cost and goodput),
 `memory` (what is learned from past windows), `candidates` (the bounded step and its scoring), `probes`,
 `shift` (step 3 and the guard), `state` (probation, taboo, the shift being waited out), `reasons` (the
-wording), `decide` (`Policy`, the steps in order).
+wording), `decide` (`Policy`, the steps in order), `resume` (what a restarted tuner continues from).
 """
 
 from .decide import Policy

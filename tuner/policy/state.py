@@ -40,7 +40,7 @@ def directions(before: TunedConfig, after: TunedConfig) -> list[tuple[str, Span]
     """The moves a change made, as value ranges not to try again: raising k from 2 to 4 made things
     worse, so no k above 2 (at this load) either."""
     old, new = before.as_admin(), after.as_admin()
-    spans = []
+    spans: list[tuple[str, tuple[float, float]]] = []
     for knob, value in new.items():
         if value > old[knob]:
             spans.append((knob, (old[knob] + 1, float("inf"))))

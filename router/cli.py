@@ -1,0 +1,106 @@
+"""`specfleet router`: the fleet router as a process (the operator runs it per InferenceService)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from pathlib import Path
+
+from .discovery import EndpointSliceWatch, States, probe_forever
+from .endpoints import EndpointSet
+from .policies import DEFAULT_POLICY, POLICIES, make_policy
+from .prefix import BlockHasher, stable_hash
+from .proxy import Router, serve
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specfleet router", description="One OpenAI endpoint in front of engines: "
+                                "prefix-aware routing, retries before the first byte, SSE passthrough.")
+    p.add_argument("--host", default="0.0.0.0", help="listen address")
+    p.add_argument("--port", type=int, default=8080, help="listen port")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="routing policy")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--endpoint", action="append", default=None, metavar="URL",
+                       help="a static engine URL (repeatable); its /ready is probed every second")
+    where.add_argument("--service", default=None,
+                       help="watch the EndpointSlices of this (headless) Service, in --namespace, in-cluster")
+    p.add_argument("--namespace", default=None, help="the Service's namespace (default: the pod's own)")
+    p.add_argument("--port-name", default="http", help="the engine port's name in the EndpointSlices")
+    p.add_argument("--model", default="", help="the served model's name: seeds the prefix hashes")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder with one): hash token blocks "
+                   "as the engine does; without it, blocks of block-size x 4 characters")
+    p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
+    p.add_argument("--load-factor", type=float, default=1.25, help="prefix policy: an engine takes a request only "
+                   "while its in-flight count stays <= ceil(factor x mean)")
+    p.add_argument("--session-header", default="x-session-id", help="session-affinity header ('' turns it off)")
+    p.add_argument("--max-retries", type=int, default=2, help="other engines tried after a failure before the "
+                   "first byte")
+    p.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request waits for a ready engine "
+                   "(scale from zero); 0 answers 503 at once")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def load_encoder(path: str):  # returns a text -> ids function
+    from tokenizers import Tokenizer  # only with --tokenizer: the cluster router needs no tokenizer
+
+    file = Path(path)
+    tokenizer = Tokenizer.from_file(str(file / "tokenizer.json" if file.is_dir() else file))
+    return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def build_router(args: argparse.Namespace) -> Router:
+    if args.block_size < 1:
+        raise ValueError(f"--block-size={args.block_size} must be >= 1")
+    if args.max_retries < 0 or args.max_queue < 0 or args.queue_timeout < 0:
+        raise ValueError("--max-retries, --max-queue and --queue-timeout must be >= 0")
+    options = {"load_factor": args.load_factor} if args.policy == "prefix" else {}
+    encode = load_encoder(args.tokenizer) if args.tokenizer else None
+    hasher = BlockHasher(args.block_size, encode, stable_hash(args.model) if args.model else 0)
+    return Router(EndpointSet(), make_policy(args.policy, **options), hasher, args.session_header or None,
+                  args.max_retries, args.queue_timeout, args.max_queue)
+
+
+async def run(args: argparse.Namespace) -> int:
+    router = build_router(args)
+
+    def on_change(states: States) -> None:
+        router.endpoints_changed(router.endpoints.replace(states))
+
+    if args.service:
+        namespace = args.namespace or Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text()
+        discovery = EndpointSliceWatch.in_cluster(namespace.strip(), args.service, on_change,
+                                                  port_name=args.port_name)
+        task = asyncio.create_task(discovery.run())
+    else:
+        task = asyncio.create_task(probe_forever([u.rstrip("/") for u in args.endpoint], on_change))
+    runner = await serve(router, args.host, args.port)
+    logging.getLogger("specfleet.router").info("event=listening host=%s port=%d policy=%s", args.host, args.port,
+                                               args.policy)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    router.stopping = True  # /ready turns 503; in-flight requests finish during cleanup
+    task.cancel()
+    await runner.cleanup()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    try:
+        return asyncio.run(run(args))
+    except (ValueError, OSError, KeyError) as error:
+        print(f"specfleet router: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,316 @@
+"""The router's HTTP side (aiohttp): forward each `/v1/...` request to the engine its policy picks.
+
+- A request that fails before its first byte (connection refused or reset, or the engine answered 502,
+  503 or 504) is retried on another engine, at most `max_retries` times; once a byte went to the client
+  nothing is retried (the client may already have acted on it).
+- No ready engine: the request waits up to `queue_timeout_s` in a bounded queue (scale from zero), then
+  gets 503 with `Retry-After`.
+- Bodies and Server-Sent Events are forwarded chunk by chunk as they arrive (no buffering).
+- With prefill engines in the set, a generation request first runs its prompt on a prefill engine and
+  continues on a decode engine with the prompt's KV (router/disaggregation.py).
+- A client that disconnects cancels the handler (aiohttp's handler cancellation); the upstream connection
+  is closed with it, which the engine sees as a disconnect and aborts the request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from . import disaggregation
+from .endpoints import EndpointSet
+from .metrics import RouterMetrics
+from .policies import Choice, RouteRequest, RoutingPolicy
+from .prefix import BlockHasher
+
+logger = logging.getLogger("specfleet.router")
+
+HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
+               "content-length", "proxy-authorization", "proxy-authenticate"}
+RETRYABLE_STATUS = (502, 503, 504)  # the engine is going away, overloaded, or not there: try another
+# The largest request body forwarded: a 128k-token prompt as JSON is ~1 MB, with images or token-id lists
+# a few times that; aiohttp's default (1 MiB) would refuse long prompts.
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+def prompt_text(body: Any) -> tuple[str, list[int] | None]:
+    """The text the engine will prefill (or token ids, for a prompt given as ids), from an OpenAI body.
+
+    Chat messages are flattened as `role\\ncontent\\n` per message: not the model's chat template, but a
+    prefix-preserving rendering, so conversations that share leading messages share leading blocks."""
+    if not isinstance(body, dict):
+        return "", None
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(t, int) for t in prompt):
+            return "", prompt
+        if isinstance(prompt[0], str):
+            return prompt[0], None  # a batch of prompts: route by the first
+        if isinstance(prompt[0], list) and all(isinstance(t, int) for t in prompt[0]):
+            return "", prompt[0]
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        parts = []
+        for m in messages:
+            if not isinstance(m, dict):
+                continue
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: the text ones
+                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
+        return "".join(parts), None
+    return "", None
+
+
+def _error(status: int, message: str, retry_after: int | None = None, code: str = "service_unavailable") -> web.Response:
+    body = {"error": {"message": message, "type": code, "param": None, "code": None}}
+    headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
+    return web.json_response(body, status=status, headers=headers)
+
+
+@dataclass
+class Router:
+    endpoints: EndpointSet
+    policy: RoutingPolicy
+    hasher: BlockHasher = field(default_factory=BlockHasher)
+    session_header: str | None = "x-session-id"  # None: no session affinity
+    max_retries: int = 2  # other engines tried after a failure before the first byte
+    queue_timeout_s: float = 0.0  # how long a request waits for a ready engine (0: answer 503 at once)
+    max_queue: int = 256  # requests waiting at most; more get 503 at once
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 3600.0
+    stopping: bool = False
+    metrics: RouterMetrics = field(default_factory=RouterMetrics)
+    on_queue: Callable[[int], None] | None = None  # called with the queue's length when a request starts waiting
+
+    def __post_init__(self) -> None:
+        self._session: aiohttp.ClientSession | None = None
+        self._changed = asyncio.Event()
+        self._waiting = 0
+        self.synced = False  # discovery reported at least once: before that, an empty set means "unknown"
+
+    # ---- endpoint changes (discovery and the local fleet call this) -------------------------------
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a ready engine now."""
+        return self._waiting
+
+    def endpoints_changed(self, removed: list[str] | None = None) -> None:
+        for url in removed or []:
+            self.policy.forget(url)
+        self.synced = True
+        self.metrics.observe_endpoints(self.endpoints)
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def _wait_for_endpoint(self) -> bool:
+        """Scale from zero: hold the request until an engine is ready or the timeout passes."""
+        if self.queue_timeout_s <= 0 or self._waiting >= self.max_queue or self.stopping:
+            return False
+        self._waiting += 1
+        self.metrics.queued.set(self._waiting)
+        if self.on_queue is not None:
+            self.on_queue(self._waiting)  # e.g. scale from zero
+        start = time.monotonic()
+        try:
+            while not self.endpoints.routable():
+                left = self.queue_timeout_s - (time.monotonic() - start)
+                if left <= 0:
+                    return False
+                try:
+                    await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
+                except TimeoutError:
+                    pass
+            return True
+        finally:
+            self._waiting -= 1
+            self.metrics.queued.set(self._waiting)
+            self.metrics.queue_wait.observe(time.monotonic() - start)
+
+    # ---- HTTP ---------------------------------------------------------------------------------------
+    def client(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
+            self._session = aiohttp.ClientSession(
+                timeout=timeout, auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+        return self._session
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+
+    def route_request(self, body: bytes, headers: Any) -> RouteRequest:
+        try:
+            parsed = json.loads(body) if body else None
+        except ValueError:
+            parsed = None
+        text, ids = prompt_text(parsed)
+        if ids is not None and self.hasher.encode is not None:
+            from .prefix import chain_hashes, token_blocks
+            hashes = chain_hashes(token_blocks(ids, self.hasher.block_size), self.hasher.seed)
+        else:
+            hashes = self.hasher.hashes(text) if text else []
+        session = headers.get(self.session_header) if self.session_header else None
+        return RouteRequest(tuple(hashes), session)
+
+    def _choose(self, request: RouteRequest, tried: set[str]) -> Choice | None:
+        candidates = [e for e in self.endpoints.routable() if e.url not in tried]
+        choice = self.policy.choose(request, candidates)
+        if choice is not None:
+            self.policy.routed(request, choice.url)  # before the send: the next decision sees this one
+            self.metrics.decisions.labels(self.policy.name, choice.reason).inc()
+        return choice
+
+    async def forward(self, request: web.Request) -> web.StreamResponse:
+        if self.stopping:
+            self.metrics.requests.labels("", "unavailable").inc()
+            return _error(503, "the router is stopping; retry against another endpoint", 5)
+        body = await request.read()
+        route = self.route_request(body, request.headers) if request.method == "POST" else RouteRequest()
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        held: dict[str, Any] | None = None  # a prefill engine's hold on this prompt's KV blocks
+        pd_body = (disaggregation.parse(request.match_info.get("path", ""), request.method, body)
+                   if self.endpoints.prefill_routable() else None)
+        if pd_body is not None:
+            try:
+                held = await disaggregation.prefill(self.client(), self.endpoints, request.match_info["path"],
+                                                    pd_body, headers)
+            except disaggregation.Refusal as refusal:
+                self.metrics.requests.labels("", "client_error").inc()
+                return web.Response(body=refusal.content, status=refusal.status,
+                                    headers={"Content-Type": refusal.content_type or "application/json"})
+            if held is not None:
+                body = disaggregation.decode_body(pd_body, held)
+                headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
+                headers["Content-Type"] = "application/json"
+        delivered = False
+        try:
+            response = await self._forward(request, body, headers, route)
+            # a decode engine took the request: the hold is its to consume (a refusal leaves it unconsumed)
+            delivered = response.status < 300
+            return response
+        finally:
+            if held is not None and not delivered:
+                # no decode engine took the KV (the client left, or none could be reached): free it now
+                asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
+
+    async def _forward(self, request: web.Request, body: bytes, headers: dict[str, str],
+                       route: RouteRequest) -> web.StreamResponse:
+        tried: set[str] = set()
+        last_error = ""
+        started = time.monotonic()
+        for attempt in range(self.max_retries + 1):
+            choice = self._choose(route, tried)
+            if choice is None and attempt == 0 and await self._wait_for_endpoint():
+                choice = self._choose(route, tried)
+            if choice is None:
+                break
+            url = choice.url
+            tried.add(url)
+            self.endpoints.acquire(url)
+            try:
+                outcome = await self._send(request, url, body, headers, choice, attempt, started)
+            except _RetryableFailure as failure:
+                last_error = str(failure)
+                self.metrics.retries.labels(url).inc()
+                logger.info("event=retry engine=%s attempt=%d error=%r", url, attempt, last_error)
+                continue
+            finally:
+                self.endpoints.release(url)
+            return outcome
+        if last_error:
+            self.metrics.requests.labels(sorted(tried)[-1] if tried else "", "engine_error").inc()
+            return _error(502, f"no engine could take the request ({len(tried)} tried); last error: {last_error}",
+                          1, "bad_gateway")
+        self.metrics.requests.labels("", "unavailable").inc()
+        return _error(503, "no engine is ready; retry shortly", 1 if self.queue_timeout_s <= 0 else 5)
+
+    async def _send(self, request: web.Request, url: str, body: bytes, headers: dict[str, str], choice: Choice,
+                    attempt: int, started: float) -> web.StreamResponse:
+        target = f"{url}{request.rel_url}"
+        try:
+            upstream = await self.client().request(request.method, target, data=body or None, headers=headers)
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            raise _RetryableFailure(f"{type(error).__name__}: {error}") from error
+        try:
+            if upstream.status in RETRYABLE_STATUS and attempt < self.max_retries:
+                text = (await upstream.read())[:300].decode(errors="replace")
+                raise _RetryableFailure(f"engine answered {upstream.status}: {text}")
+            out = web.StreamResponse(status=upstream.status, headers={
+                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
+            outcome = "ok" if upstream.status < 400 else "client_error" if upstream.status < 500 else "engine_error"
+            try:
+                await out.prepare(request)
+                async for chunk in upstream.content.iter_any():
+                    await out.write(chunk)
+                await out.write_eof()
+            except (ConnectionResetError, asyncio.CancelledError):
+                outcome = "disconnected"
+                raise
+            except (aiohttp.ClientError, TimeoutError) as error:  # the engine failed mid-stream: no retry
+                outcome = "broken"
+                logger.warning("event=broken engine=%s error=%r", url, f"{type(error).__name__}: {error}")
+            finally:
+                self.metrics.requests.labels(url, outcome).inc()
+                self.metrics.prefix_match.observe(choice.match_blocks * self.hasher.block_size)
+                logger.info("event=request engine=%s policy=%s reason=%s match_blocks=%d status=%d outcome=%s "
+                            "attempt=%d ms=%.0f", url, self.policy.name, choice.reason, choice.match_blocks,
+                            upstream.status, outcome, attempt, 1000 * (time.monotonic() - started))
+            return out
+        finally:
+            upstream.close()  # on a client disconnect this drops the engine's connection: it aborts
+
+
+class _RetryableFailure(Exception):
+    """The engine failed before the first byte reached the client: safe to send elsewhere."""
+
+
+def create_app(router: Router) -> web.Application:
+    app = web.Application(client_max_size=MAX_BODY_BYTES)
+
+    async def health(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def ready(_: web.Request) -> web.Response:
+        """Ready once discovery has reported: with no engine ready the router still answers (503 with
+        Retry-After, or queues for scale from zero), which is better than a connection refused."""
+        if router.stopping:
+            return _error(503, "the router is stopping", 5)
+        if not router.synced:
+            return _error(503, "endpoint discovery has not reported yet", 1)
+        return web.json_response({"status": "ready", "engines": len(router.endpoints.routable())})
+
+    async def metrics(_: web.Request) -> web.Response:
+        router.metrics.observe_endpoints(router.endpoints)
+        return web.Response(body=generate_latest(router.metrics.registry),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def on_cleanup(_: web.Application) -> None:
+        await router.close()
+
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    app.router.add_route("*", "/v1/{path:.*}", router.forward)
+    app.on_cleanup.append(on_cleanup)
+    return app
+
+
+async def serve(router: Router, host: str, port: int) -> web.AppRunner:
+    """Start the router's server on the running loop; the caller keeps the runner and cleans it up."""
+    runner = web.AppRunner(create_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, host, port).start()
+    return runner

@@ -1,0 +1,200 @@
+"""Prefill/decode disaggregation over HTTP: real uvicorn servers for a prefill and a decode engine behind the
+router (real aiohttp, its endpoint set with the two roles), the official openai client in front. The client sees one normal response (JSON and
+SSE) equal to an aggregated engine's; a dead decode engine and a client gone before the decode both give
+the prefill engine's held blocks back."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+from specfleet.engine.llm_engine import Engine
+from specfleet.fleet.supervisor import free_port
+from specfleet.router import disaggregation
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.policies import make_policy
+from specfleet.router.proxy import Router, serve
+
+COMMON = dict(block_size=4, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=64)
+GREEDY = {"temperature": 0.0, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
+
+
+def _serve(app: Any) -> tuple[Any, threading.Thread, str]:
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+def _serve_router(router: Router) -> tuple[Any, str]:
+    """The router on its own event loop in a thread, as `specfleet router` runs it; (stop, url)."""
+    import asyncio
+
+    loop, port, started = asyncio.new_event_loop(), free_port(), threading.Event()
+    runner: list[Any] = []
+
+    async def start() -> None:
+        runner.append(await serve(router, "127.0.0.1", port))
+        router.endpoints_changed()
+        started.set()
+
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    asyncio.run_coroutine_threadsafe(start(), loop).result(30)
+
+    def stop() -> None:
+        asyncio.run_coroutine_threadsafe(runner[0].cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+    return stop, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
+    from specfleet.engine.server.app import build_state, create_app
+
+    engines = {role: Engine(model=tiny_llama, kv_role=role, **COMMON) for role in ("prefill", "decode")}
+    engines["aggregated"] = Engine(model=tiny_llama, **COMMON)
+    servers, urls, states = [], {}, {}
+    for role, engine in engines.items():
+        states[role] = build_state(engine)
+        server, thread, urls[role] = _serve(create_app(states[role]))
+        servers.append((server, thread))
+    for url in urls.values():
+        assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
+    endpoints = EndpointSet()
+    endpoints.set_state(urls["prefill"], ready=True, role="prefill")
+    endpoints.set_state(urls["decode"], ready=True, role="decode")
+    router = Router(endpoints, make_policy("least-loaded"), max_retries=0)
+    stop, urls["proxy"] = _serve_router(router)
+    yield {"urls": urls, "states": states, "engines": engines, "endpoints": endpoints}
+    stop()
+    for server, _ in servers:
+        server.should_exit = True
+    for _, thread in servers:
+        thread.join(10)
+    engines["prefill"].close()
+
+
+def _blocks(state: Any) -> int:
+    def used(engine: Engine) -> int:
+        engine.poll_kv_transfers()
+        return engine.kv.num_used_blocks
+
+    return state.async_engine.call_sync(used)
+
+
+def _wait_no_blocks(state: Any, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _blocks(state) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _blocks(state) == 0
+
+
+def _client(url: str):
+    openai = pytest.importorskip("openai")
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def test_openai_client_sees_the_aggregated_answer_json_and_stream(fleet):
+    urls = fleet["urls"]
+    pd, agg = _client(urls["proxy"]), _client(urls["aggregated"])
+    model = agg.models.list().data[0].id
+    for prompt in ("The quick brown fox jumps over", "One two three four five six seven eight nine ten"):
+        want = agg.completions.create(model=model, prompt=prompt, **GREEDY)
+        got = pd.completions.create(model=model, prompt=prompt, **GREEDY)
+        assert got.choices[0].text == want.choices[0].text
+        assert got.usage.completion_tokens == want.usage.completion_tokens == 10
+        assert got.choices[0].finish_reason == "length"
+    messages = [{"role": "user", "content": "Name three colours, please."}]
+    want = agg.chat.completions.create(model=model, messages=messages, **GREEDY).choices[0].message.content
+    chunks = pd.chat.completions.create(model=model, messages=messages, stream=True, **GREEDY)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    # Each request really went through a prefill engine and a KV transfer.
+    assert fleet["engines"]["decode"].kv_connector.stats.transfers >= 3
+    _wait_no_blocks(fleet["states"]["prefill"])
+    _wait_no_blocks(fleet["states"]["decode"])
+
+
+def test_dead_decode_engine_fails_cleanly_and_frees_the_prefill_hold(fleet):
+    urls, endpoints = fleet["urls"], fleet["endpoints"]
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there: a decode engine that died
+    endpoints.set_state(urls["decode"], ready=False)
+    endpoints.set_state(dead, ready=True, role="decode")
+    try:
+        response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=30, json={
+            "prompt": "Once upon a time there was", "max_tokens": 8, "temperature": 0})
+        assert response.status_code == 502 and "no engine could take" in response.json()["error"]["message"]
+        _wait_no_blocks(fleet["states"]["prefill"], timeout_s=3)  # released, not left to the 60 s timeout
+    finally:
+        endpoints.remove(dead)
+        endpoints.set_state(urls["decode"], ready=True)
+
+
+def test_prefill_engine_refusal_reaches_the_client_and_prefill_is_not_a_decode_target(fleet):
+    urls = fleet["urls"]
+    response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=30, json={
+        "prompt": "hello there", "max_tokens": 4, "temperature": -1})
+    assert response.status_code == 400  # the prefill engine's answer, not a retry or an aggregated run
+    assert [e.url for e in fleet["endpoints"].routable()] == [urls["decode"]]
+    assert [e.url for e in fleet["endpoints"].prefill_routable()] == [urls["prefill"]]
+
+
+def test_client_gone_before_the_decode_releases_the_hold(fleet):
+    """What the router does when the client left during the prefill: the hold goes at once."""
+    urls = fleet["urls"]
+    response = httpx.post(f"{urls['prefill']}/v1/completions", timeout=30, json={
+        "prompt": "Once upon a time there was a", "max_tokens": 1, "temperature": 0,
+        "kv_transfer_params": {"do_remote_decode": True}})
+    assert response.status_code == 200
+    params = response.json()["kv_transfer_params"]
+    assert params["num_blocks"] >= 2 and _blocks(fleet["states"]["prefill"]) == params["num_blocks"]
+    disaggregation.release(params)
+    _wait_no_blocks(fleet["states"]["prefill"], timeout_s=3)
+
+
+def test_bad_kv_transfer_params_are_a_400_naming_the_field(fleet):
+    response = httpx.post(f"{fleet['urls']['decode']}/v1/completions", timeout=30, json={
+        "prompt": "hello there", "max_tokens": 4, "kv_transfer_params": {"transfer_id": "x"}})
+    assert response.status_code == 400
+    assert response.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_which_requests_take_the_two_engine_path():
+    assert disaggregation.covered({"prompt": "hi", "max_tokens": 8})
+    assert disaggregation.covered({"messages": [], "max_completion_tokens": 8})
+    assert not disaggregation.covered({"prompt": "hi", "max_tokens": 1})  # the prefill's token is the answer
+    assert not disaggregation.covered({"prompt": "hi", "max_tokens": 8, "n": 2})
+    assert not disaggregation.covered({"prompt": ["a", "b"], "max_tokens": 8})
+    assert disaggregation.covered({"prompt": [1, 2, 3], "max_tokens": 8})  # token ids: one prompt
+
+
+def test_spec_disaggregation_roles_and_serve_flags():
+    from specfleet.engine.server.cli import build_parser, engine_config_kwargs
+    from specfleet.operator.spec import InferenceServiceSpec
+
+    spec = InferenceServiceSpec.model_validate({"model": {"source": "bundled://smollm2-135m-instruct"},
+                                                "disaggregation": {"prefill": {"replicas": 2}, "decode": {}}})
+    assert (spec.disaggregation.prefill.replicas, spec.disaggregation.decode.replicas) == (2, 1)
+    with pytest.raises(ValueError, match="replicas"):
+        InferenceServiceSpec.model_validate({"model": {"source": "bundled://smollm2-135m-instruct"},
+                                             "disaggregation": {"prefill": {"replicas": 0}}})
+    kwargs = engine_config_kwargs(build_parser().parse_args(["--kv-role", "decode", "--kv-transfer-timeout-s", "5"]))
+    assert (kwargs["kv_role"], kwargs["kv_transfer_timeout_s"]) == ("decode", 5.0)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--kv-role", "middle"])

@@ -1,0 +1,80 @@
+"""`specfleet up` supervises its engines like a Deployment: kill -9 one of two engines and it leaves
+routing at once (requests keep succeeding on the survivor), is reported with its exit code and last log
+lines, is reaped (no zombie) and comes back after its backoff. Then scaling 2 -> 1 drains the newest. Real engines (a tiny random-weight llama), real router, real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import httpx
+import pytest
+import yaml
+from specfleet.fleet.supervisor import LocalFleet
+from specfleet.operator.inference_service import load_inference_service
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
+EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "smollm2-cpu.yaml")
+
+
+def tiny_fleet(tiny_llama: str, replicas: int, **fleet_options: object) -> LocalFleet:
+    doc = yaml.safe_load(open(EXAMPLE).read())
+    doc["spec"]["model"]["source"] = tiny_llama
+    doc["spec"]["model"]["maxModelLen"] = 512
+    doc["spec"]["replicas"] = replicas
+    doc["spec"]["engine"]["drainTimeoutSeconds"] = 2
+    return LocalFleet(load_inference_service(doc), tune=False, engine_extra_args=["--kv-cache-gib=0.05"],
+                      **fleet_options)  # type: ignore[arg-type]
+
+
+async def until(what: str, check, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str) -> None:
+    said: list[str] = []
+
+    async def run() -> None:
+        fleet = tiny_fleet(tiny_llama, 2, say=said.append, policy="round-robin")
+        await fleet.start(ready_timeout_s=120)
+        try:
+            victim, survivor = fleet.engines
+            async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                body = {"model": model, "prompt": "Hello there", "max_tokens": 2}
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+                assert victim.proc is not None
+                os.kill(victim.proc.pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+                await until("the dead engine to leave routing", lambda: not fleet.router.endpoints.get(victim.url).ready,
+                            5)
+                assert time.monotonic() - killed_at < 1.0  # at once, not after a readiness probe's failures
+                for _ in range(6):  # round-robin would alternate: every one must land on the survivor
+                    r = await client.post("/v1/completions", json=body)
+                    assert r.status_code == 200, r.text
+                ok = fleet.router.metrics.requests.labels(survivor.url, "ok")._value.get()
+                assert ok >= 6
+                report = next(line for line in said if "exited" in line)
+                assert f"engine {victim.index} ({victim.url}) exited (killed by SIGKILL)" in report
+                assert "Last log lines" in report and "restarting in 1s" in report
+                assert victim.exit_codes == [-9]  # reaped: no zombie left behind
+                await until("the restart", lambda: any("restarting engine 0" in line for line in said), 10)
+                await until("the restarted engine to be ready", lambda: fleet.router.endpoints.get(victim.url).ready,
+                            60)
+                assert victim.restarts == 1 and victim.running
+                # scale 2 -> 1: the newest engine drains and stops (scale-up: tests/fleet/test_autoscale.py)
+                await fleet.scale_to(1)
+                await until("the retired engine to stop", lambda: len(fleet.engines) == 1, 30)
+                assert [e.url for e in fleet.router.endpoints.routable()] == [victim.url]
+                assert any(f"engine {survivor.index} ({survivor.url}) stopped (exit code 0)" in line for line in said)
+                assert (await client.post("/v1/completions", json=body)).status_code == 200
+        finally:
+            codes = await fleet.stop(drain_timeout_s=5)
+        assert codes == [0], (codes, said, [e.tail() for e in fleet.engines])
+
+    asyncio.run(run())

@@ -1,0 +1,204 @@
+"""The router over real sockets: retries only before the first byte, unbuffered SSE, disconnects passed
+through, 503 + Retry-After, the scale-from-zero queue, metrics. Engines are tests/router/engines.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.policies import make_policy
+from specfleet.router.proxy import Router, prompt_text, serve
+
+from .engines import (
+    FakeEngine,
+    answer_503,
+    break_after_first_byte,
+    free_port,
+    stream_forever,
+    stream_two_events,
+)
+
+BODY = {"model": "m", "prompt": "hello " * 40, "max_tokens": 4}
+
+
+def run(test: Callable[[], Awaitable[None]]) -> None:
+    asyncio.run(asyncio.wait_for(test(), timeout=30))
+
+
+async def start_router(urls: list[str], policy: str = "round-robin", **options: float) -> tuple[Router, str, object]:
+    router = Router(EndpointSet(urls, ready=True), make_policy(policy), **options)  # type: ignore[arg-type]
+    port = free_port()
+    runner = await serve(router, "127.0.0.1", port)
+    return router, f"http://127.0.0.1:{port}", runner
+
+
+def test_prompt_text_of_completions_and_chat():
+    assert prompt_text({"prompt": "abc"}) == ("abc", None)
+    assert prompt_text({"prompt": [1, 2, 3]}) == ("", [1, 2, 3])
+    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text",
+                                                                                        "text": "U"}]}]}
+    assert prompt_text(chat) == ("system\nS\nuser\nU\n", None)
+    assert prompt_text("not a dict") == ("", None)
+
+
+def test_retry_before_first_byte_on_another_engine():
+    async def test() -> None:
+        good = await FakeEngine("good").start()
+        draining = await FakeEngine("draining", answer_503).start()
+        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens: connection refused
+        router, url, runner = await start_router([dead, draining.url, good.url], "round-robin", max_retries=2)
+        try:
+            order = sorted([dead, draining.url, good.url])  # round-robin walks the URLs sorted
+            async with aiohttp.ClientSession() as client:
+                for first in (dead, draining.url, good.url):  # each request starts at a different engine
+                    router.policy._next = order.index(first)
+                    async with client.post(f"{url}/v1/completions", json=BODY) as r:
+                        assert r.status == 200, await r.text()
+                        assert (await r.json())["engine"] == "good"
+                async with client.get(f"{url}/metrics") as r:
+                    text = await r.text()
+            assert f'specfleet_router_retries_total{{engine="{dead}"}}' in text
+            assert f'specfleet_router_retries_total{{engine="{draining.url}"}}' in text
+            assert f'specfleet_router_requests_total{{engine="{good.url}",outcome="ok"}} 3.0' in text
+            assert len(good.requests) == 3 and json.loads(good.requests[0]) == BODY  # the body, unchanged
+        finally:
+            await runner.cleanup()
+            await good.stop()
+            await draining.stop()
+
+    run(test)
+
+
+def test_no_retry_after_the_first_byte():
+    async def test() -> None:
+        broken = await FakeEngine("broken", break_after_first_byte).start()
+        other = await FakeEngine("other").start()
+        router, url, runner = await start_router([broken.url, other.url], "round-robin", max_retries=2)
+        router.policy._next = sorted([broken.url, other.url]).index(broken.url)  # the broken engine first
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"{url}/v1/completions", json={**BODY, "stream": True}) as r:
+                    assert r.status == 200
+                    first = await r.content.readuntil(b"\n\n")
+                    assert first == b'data: {"n": 1}\n\n'
+                    try:
+                        rest = await r.content.read()
+                    except aiohttp.ClientPayloadError:
+                        rest = b""
+                    assert b"[DONE]" not in rest
+                async with client.get(f"{url}/metrics") as r:
+                    text = await r.text()
+            assert other.requests == []  # the request was not sent again after bytes reached the client
+            assert f'specfleet_router_requests_total{{engine="{broken.url}",outcome="broken"}} 1.0' in text
+        finally:
+            await runner.cleanup()
+            await broken.stop()
+            await other.stop()
+
+    run(test)
+
+
+def test_sse_is_forwarded_unbuffered():
+    async def test() -> None:
+        engine = await FakeEngine("sse", stream_two_events).start()
+        router, url, runner = await start_router([engine.url])
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"{url}/v1/chat/completions", json={**BODY, "stream": True}) as r:
+                    assert r.headers["Content-Type"].startswith("text/event-stream")
+                    # the engine holds its second event until this first one reached the client
+                    first = await asyncio.wait_for(r.content.readuntil(b"\n\n"), timeout=5)
+                    assert first == b'data: {"n": 1}\n\n'
+                    engine.release.set()
+                    assert (await r.content.read()).endswith(b"data: [DONE]\n\n")
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+
+    run(test)
+
+
+def test_client_disconnect_reaches_the_engine():
+    async def test() -> None:
+        engine = await FakeEngine("forever", stream_forever).start()
+        router, url, runner = await start_router([engine.url])
+        try:
+            async with aiohttp.ClientSession() as client:
+                r = await client.post(f"{url}/v1/completions", json={**BODY, "stream": True})
+                await r.content.readuntil(b"\n\n")
+                r.close()  # the client goes away mid-stream
+            await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
+            for _ in range(50):  # the router's handler unwinds and releases the engine's slot
+                if router.endpoints.get(engine.url).outstanding == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.endpoints.get(engine.url).outstanding == 0
+            assert router.metrics.requests.labels(engine.url, "disconnected")._value.get() == 1
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+
+    run(test)
+
+
+def test_503_with_retry_after_when_nothing_is_ready_and_the_queue_from_zero():
+    async def test() -> None:
+        router, url, runner = await start_router([])
+        engine = await FakeEngine("late").start()
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"{url}/v1/completions", json=BODY) as r:
+                    assert r.status == 503 and r.headers["Retry-After"] == "1"
+                    assert "no engine is ready" in (await r.json())["error"]["message"]
+                async with client.get(f"{url}/ready") as r:
+                    assert r.status == 503  # discovery has not reported yet
+                router.endpoints_changed()
+                async with client.get(f"{url}/ready") as r:
+                    assert r.status == 200 and (await r.json())["engines"] == 0
+                # scale from zero: the request waits in the queue until an engine turns ready
+                router.queue_timeout_s = 10.0
+                pending = asyncio.create_task(client.post(f"{url}/v1/completions", json=BODY))
+                await asyncio.sleep(0.3)
+                assert router._waiting == 1 and not pending.done()
+                router.endpoints_changed(router.endpoints.replace({engine.url: (True, False)}))
+                r = await pending
+                assert r.status == 200 and (await r.json())["engine"] == "late"
+                # draining engines get nothing new
+                router.queue_timeout_s = 0.0
+                router.endpoints_changed(router.endpoints.replace({engine.url: (True, True)}))
+                async with client.post(f"{url}/v1/completions", json=BODY) as r:
+                    assert r.status == 503
+                assert len(engine.requests) == 1
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+
+    run(test)
+
+
+def test_prefix_policy_keeps_a_tenant_on_one_engine_over_http():
+    async def test() -> None:
+        a, b = await FakeEngine("a").start(), await FakeEngine("b").start()
+        router, url, runner = await start_router([a.url, b.url], "prefix")
+        try:
+            async with aiohttp.ClientSession() as client:
+                seen: dict[int, set[str]] = {}
+                for turn in range(4):
+                    for tenant in range(4):
+                        prompt = f"tenant {tenant} system prompt. " * 20 + "question " * turn
+                        async with client.post(f"{url}/v1/completions", json={"prompt": prompt}) as r:
+                            seen.setdefault(tenant, set()).add((await r.json())["engine"])
+                async with client.get(f"{url}/metrics") as r:
+                    text = await r.text()
+            assert all(len(engines) == 1 for engines in seen.values()), seen
+            assert 'specfleet_router_decisions_total{policy="prefix",reason="prefix"} 12.0' in text
+            assert "specfleet_router_prefix_match_tokens_bucket" in text
+        finally:
+            await runner.cleanup()
+            await a.stop()
+            await b.stop()
+
+    run(test)

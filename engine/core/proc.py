@@ -60,6 +60,8 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "update_config": lambda engine, **changes: engine.update_config(**changes).as_dict(),
     "kv_blocks_in_use": lambda engine: engine.kv_blocks_in_use(),
     "stats": lambda engine: engine.stats,
+    # disaggregation: the KV connector's counters (None without a kv_role)
+    "kv_transfer_stats": lambda engine: engine.kv_connector.stats if engine.kv_connector else None,
 }
 
 

@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-from specfleet.engine.llm_engine import Engine
+from specfleet.engine.config import EngineConfig
+from specfleet.engine.core.client import EngineCoreClient
 from specfleet.fleet.supervisor import free_port
 from specfleet.router import disaggregation
 from specfleet.router.endpoints import EndpointSet
@@ -68,8 +69,10 @@ def _serve_router(router: Router) -> tuple[Any, str]:
 def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
     from specfleet.engine.server.app import build_state, create_app
 
-    engines = {role: Engine(model=tiny_llama, kv_role=role, **COMMON) for role in ("prefill", "decode")}
-    engines["aggregated"] = Engine(model=tiny_llama, **COMMON)
+    # Each server with its engine core in its own process, as `specfleet serve` runs them.
+    engines = {role: EngineCoreClient(EngineConfig(model=tiny_llama, kv_role=role, **COMMON), log_level="warning")
+               for role in ("prefill", "decode")}
+    engines["aggregated"] = EngineCoreClient(EngineConfig(model=tiny_llama, **COMMON), log_level="warning")
     servers, urls, states = [], {}, {}
     for role, engine in engines.items():
         states[role] = build_state(engine)
@@ -88,15 +91,13 @@ def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
         server.should_exit = True
     for _, thread in servers:
         thread.join(10)
-    engines["prefill"].close()
+    for engine in engines.values():
+        engine.stop()
 
 
 def _blocks(state: Any) -> int:
-    def used(engine: Engine) -> int:
-        engine.poll_kv_transfers()
-        return engine.kv.num_used_blocks
-
-    return state.async_engine.call_sync(used)
+    """KV blocks in use in the server's engine core (it returns a finished hold's blocks between steps)."""
+    return state.async_engine.call_sync("kv_blocks_in_use")
 
 
 def _wait_no_blocks(state: Any, timeout_s: float = 10.0) -> None:
@@ -126,7 +127,7 @@ def test_openai_client_sees_the_aggregated_answer_json_and_stream(fleet):
     chunks = pd.chat.completions.create(model=model, messages=messages, stream=True, **GREEDY)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     # Each request really went through a prefill engine and a KV transfer.
-    assert fleet["engines"]["decode"].kv_connector.stats.transfers >= 3
+    assert fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"] >= 3
     _wait_no_blocks(fleet["states"]["prefill"])
     _wait_no_blocks(fleet["states"]["decode"])
 

@@ -42,9 +42,15 @@ def measure(engine: Any, batch: int, steps: int, warmup: int) -> dict[str, float
         engine.step()
     totals: dict[str, float] = defaultdict(float)
     runner, sched = engine.runner, engine.scheduler
-    originals = {"schedule": (sched, "schedule"), "prepare": (runner, "prepare"), "forward": (runner.model, "forward"),
-                 "logits": (runner.model, "logits"), "sample": (runner, "_sample"), "update": (sched, "update"),
-                 "postprocess": (engine, "_postprocess")}
+    originals = {
+        "schedule": (sched, "schedule"),
+        "prepare": (runner, "prepare"),
+        "forward": (runner.model, "forward"),
+        "logits": (runner.model, "logits"),
+        "sample": (runner, "_sample"),
+        "update": (sched, "update"),
+        "postprocess": (engine, "_postprocess"),
+    }
     for name, (obj, attr) in originals.items():
         setattr(obj, attr, _timed(totals, name, getattr(obj, attr)))
     rows: list[dict[str, float]] = []
@@ -68,7 +74,9 @@ def measure(engine: Any, batch: int, steps: int, warmup: int) -> dict[str, float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specfleet.bench.step_breakdown", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m specfleet.bench.step_breakdown", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32])
     p.add_argument("--steps", type=int, default=40, help="measured decode steps per batch size")
     p.add_argument("--warmup", type=int, default=5)
@@ -76,7 +84,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     from specfleet.engine import Engine, EngineConfig
 
-    engine = Engine(EngineConfig(model=args.model, max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=max(args.batch)))
+    engine = Engine(
+        EngineConfig(model=args.model, max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=max(args.batch))
+    )
     for batch in args.batch:
         print(json.dumps({"batch": batch, "ms": measure(engine, batch, args.steps, args.warmup)}), flush=True)
     return 0

@@ -17,8 +17,14 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, prompt_ids: list[int] = (),
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        stop: list[str],
+        include_stop: bool = False,
+        prompt_ids: list[int] = (),
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop

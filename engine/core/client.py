@@ -82,8 +82,9 @@ class CoreInfo:
 
 
 class EngineCoreClient:
-    def __init__(self, config: EngineConfig, *, log_level: str = "info",
-                 ready_timeout_s: float = READY_TIMEOUT_S) -> None:
+    def __init__(
+        self, config: EngineConfig, *, log_level: str = "info", ready_timeout_s: float = READY_TIMEOUT_S
+    ) -> None:
         """Start the core process and wait until its model is loaded. RuntimeError when it fails to."""
         self.config = config
         self.metrics: Any = None  # ServerMetrics, set by the server
@@ -105,8 +106,19 @@ class EngineCoreClient:
         input_addr, output_addr = (f"ipc://{Path(self._dir.name) / name}" for name in ("input", "output"))
         self._input.bind(input_addr)
         self._output.bind(output_addr)
-        cmd = [sys.executable, "-m", "specfleet.engine.core.proc", "--input", input_addr, "--output", output_addr,
-               "--config", json.dumps(asdict(config)), "--log-level", log_level]
+        cmd = [
+            sys.executable,
+            "-m",
+            "specfleet.engine.core.proc",
+            "--input",
+            input_addr,
+            "--output",
+            output_addr,
+            "--config",
+            json.dumps(asdict(config)),
+            "--log-level",
+            log_level,
+        ]
         # Not a new session: on Linux each session is its own CPU autogroup, which would give the core a
         # separate CPU share from the server's (suspected, not shown, in the slowdown docs/engine_core.md
         # leaves open). The core ignores SIGINT, so the terminal's Ctrl-C stays the server's.
@@ -135,7 +147,9 @@ class EngineCoreClient:
                     raise RuntimeError(f"the engine core failed to start: {msg.reason}")
             code = self.proc.poll()
             if code is not None:
-                raise RuntimeError(f"the engine core (pid {self.proc.pid}) exited while loading: {_exit_text(code)}")
+                raise RuntimeError(
+                    f"the engine core (pid {self.proc.pid}) exited while loading: {_exit_text(code)}"
+                )
         raise RuntimeError(f"the engine core did not load within {timeout_s:.0f} s")
 
     # ---- lifecycle -------------------------------------------------------------------------------
@@ -174,7 +188,9 @@ class EngineCoreClient:
         if self.dead is not None:
             return False
         if time.monotonic() - self.last_seen > HEARTBEAT_TIMEOUT_S:
-            self._die(f"no report from the engine core (pid {self.pid}) for {HEARTBEAT_TIMEOUT_S:.0f} s: hung")
+            self._die(
+                f"no report from the engine core (pid {self.pid}) for {HEARTBEAT_TIMEOUT_S:.0f} s: hung"
+            )
             return False
         return True
 
@@ -193,8 +209,11 @@ class EngineCoreClient:
             return
         self.dead = reason
         self.engine_error = EngineDeadError(reason)
-        logger.error("event=engine_core_dead %s; failing %d in-flight requests, readiness down", reason,
-                     len(self.streams))
+        logger.error(
+            "event=engine_core_dead %s; failing %d in-flight requests, readiness down",
+            reason,
+            len(self.streams),
+        )
         for request_id, stream in list(self.streams.items()):
             if request_id in self._pending_adds:
                 stream.reject(self.engine_error)
@@ -218,8 +237,13 @@ class EngineCoreClient:
     def num_waiting(self) -> int:
         return sum(1 for s in self.streams.values() if s.first_token_time is None)
 
-    async def generate(self, request_id: str, prompt: str | list[int], params: SamplingParams,
-                       kv_transfer_params: dict[str, Any] | None = None) -> Any:
+    async def generate(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams,
+        kv_transfer_params: dict[str, Any] | None = None,
+    ) -> Any:
         """Submit a request; returns its RequestStream once the core accepted it. ValueError for bad input."""
         from specfleet.engine.server.streams import RequestStream
 
@@ -237,7 +261,9 @@ class EngineCoreClient:
         vocab = self.info.vocab_size
         if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):  # before msgpack meets a 2**70
             raise ParameterError("prompt", f"prompt token ids must be in [0, {vocab})")
-        stream = RequestStream(request_id, params.n, self._loop, on_close=self.abort, on_finish=self._finished)
+        stream = RequestStream(
+            request_id, params.n, self._loop, on_close=self.abort, on_finish=self._finished
+        )
         self.streams[request_id] = stream
         self._pending_adds[request_id] = stream
         self.processor.add(request_id, text, ids, params, stream.arrival)
@@ -298,8 +324,14 @@ class EngineCoreClient:
         self.processor.drop(stream.request_id)
         record = stream.summary()
         if self.metrics is not None:
-            self.metrics.observe_request(finish_reason=record["finish_reason"], ttft=stream.ttft, e2e=stream.e2e,
-                                         queue_time=stream.queue_time, itls=stream.itls, tpot=stream.tpot)
+            self.metrics.observe_request(
+                finish_reason=record["finish_reason"],
+                ttft=stream.ttft,
+                e2e=stream.e2e,
+                queue_time=stream.queue_time,
+                itls=stream.itls,
+                tpot=stream.tpot,
+            )
         logger.info(" ".join(f"{k}={v}" for k, v in record.items()))
 
     # ---- the core's reports -----------------------------------------------------------------------
@@ -329,8 +361,11 @@ class EngineCoreClient:
             return
         self.processor.drop(msg.request_id)
         self.streams.pop(msg.request_id, None)
-        stream.reject(ParameterError(msg.param, msg.error, msg.code or "invalid_value") if msg.param
-                      else ValueError(msg.error))
+        stream.reject(
+            ParameterError(msg.param, msg.error, msg.code or "invalid_value")
+            if msg.param
+            else ValueError(msg.error)
+        )
 
     def _on_utility(self, msg: UtilityResult) -> None:
         future = self._calls.pop(msg.call_id, None)
@@ -371,6 +406,7 @@ class EngineCoreClient:
             except Exception:  # metrics must never take serving down
                 logger.exception("event=metrics_update_failed")
 
+
 def _running_loop() -> asyncio.AbstractEventLoop | None:
     try:
         return asyncio.get_running_loop()
@@ -382,5 +418,3 @@ def _exit_text(code: int) -> str:
     if code < 0:
         return f"killed by {signal.Signals(-code).name}"
     return f"exit code {code}"
-
-

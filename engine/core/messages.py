@@ -26,7 +26,9 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     request_id: str
     prompt_token_ids: list[int]
     params: bytes  # pickled SamplingParams (its structured-output spec is a plain object, not a schema)
-    kv_transfer_params: dict[str, Any] | None = None  # disaggregation (engine/kv_transfer/), as sent by the client
+    kv_transfer_params: dict[str, Any] | None = (
+        None  # disaggregation (engine/kv_transfer/), as sent by the client
+    )
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):
@@ -69,7 +71,9 @@ class SeqDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     num_cached_tokens: int = 0
     first_scheduled_time: float | None = None  # time.monotonic() in the core (one clock per host)
     prompt_logprobs: list[Logprobs | None] | None = None  # once, when the prompt is done
-    kv_transfer_params: dict[str, Any] | None = None  # a prefill engine's finished request: where its KV waits
+    kv_transfer_params: dict[str, Any] | None = (
+        None  # a prefill engine's finished request: where its KV waits
+    )
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):
@@ -118,8 +122,11 @@ class Dead(msgspec.Struct, tag="dead", array_like=True, gc=False):
 CoreMessage = Ready | AddResult | UtilityResult | StepReport | Dead
 
 ENCODER = msgspec.msgpack.Encoder()
-INPUT_TYPES: dict[bytes, type] = {RequestType.ADD.value: AddRequest, RequestType.ABORT.value: Abort,
-                                  RequestType.UTILITY.value: UtilityCall,
-                                  RequestType.FINISH_SEQ.value: FinishSequence}
+INPUT_TYPES: dict[bytes, type] = {
+    RequestType.ADD.value: AddRequest,
+    RequestType.ABORT.value: Abort,
+    RequestType.UTILITY.value: UtilityCall,
+    RequestType.FINISH_SEQ.value: FinishSequence,
+}
 INPUT_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in INPUT_TYPES.items()}
 OUTPUT_DECODER = msgspec.msgpack.Decoder(CoreMessage)

@@ -56,10 +56,26 @@ class OutputProcessor:
         self.token_text = TokenText(tokenizer)
         self.requests: dict[str, RequestState] = {}
 
-    def add(self, request_id: str, prompt: str | None, prompt_ids: list[int], params: SamplingParams,
-            arrival_time: float) -> RequestState:
-        samples = [_Sample(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output,
-                                                  prompt_ids, params.skip_special_tokens)) for _ in range(params.n)]
+    def add(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        arrival_time: float,
+    ) -> RequestState:
+        samples = [
+            _Sample(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    prompt_ids,
+                    params.skip_special_tokens,
+                )
+            )
+            for _ in range(params.n)
+        ]
         req = RequestState(request_id, prompt, prompt_ids, params, samples, RequestMetrics(arrival_time))
         self.requests[request_id] = req
         return req
@@ -85,8 +101,9 @@ class OutputProcessor:
             if d.num_cached_tokens:
                 req.num_cached_tokens = d.num_cached_tokens
             if d.prompt_logprobs is not None:
-                req.prompt_logprobs = [None if lp is None else decode_logprobs(lp, self.token_text)
-                                       for lp in d.prompt_logprobs]
+                req.prompt_logprobs = [
+                    None if lp is None else decode_logprobs(lp, self.token_text) for lp in d.prompt_logprobs
+                ]
             if d.kv_transfer_params is not None:
                 req.kv_transfer_params = d.kv_transfer_params
             if d.new_token_ids and req.metrics.first_token_time is None:
@@ -131,7 +148,25 @@ class OutputProcessor:
             done = s.finish_reason is not None
             lps = list(s.logprobs) if want_lps else None
             cumulative = sum(lp.logprob for lp in lps) if lps is not None else None
-            outs.append(CompletionOutput(index, s.detok.visible_text(done), list(s.token_ids), s.finish_reason,
-                                         s.stop_reason, lps, cumulative))
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, req.num_cached_tokens,
-                             req.metrics, req.prompt_logprobs, req.kv_transfer_params)
+            outs.append(
+                CompletionOutput(
+                    index,
+                    s.detok.visible_text(done),
+                    list(s.token_ids),
+                    s.finish_reason,
+                    s.stop_reason,
+                    lps,
+                    cumulative,
+                )
+            )
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_ids,
+            outs,
+            finished,
+            req.num_cached_tokens,
+            req.metrics,
+            req.prompt_logprobs,
+            req.kv_transfer_params,
+        )

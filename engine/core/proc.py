@@ -134,11 +134,23 @@ class EngineCore:
         deltas = [d for out in outputs for d in self._deltas(out)]
         return self.report(True, deltas)
 
-    def report(self, stepped: bool, deltas: list[SeqDelta] | None = None, aborted: list[str] | None = None,
-               error: str | None = None) -> StepReport:
+    def report(
+        self,
+        stepped: bool,
+        deltas: list[SeqDelta] | None = None,
+        aborted: list[str] | None = None,
+        error: str | None = None,
+    ) -> StepReport:
         engine = self.engine
-        return StepReport(deltas or [], aborted or [], engine.stats, stepped, engine.kv_blocks_in_use(),
-                          engine.live_config().as_dict(), error)
+        return StepReport(
+            deltas or [],
+            aborted or [],
+            engine.stats,
+            stepped,
+            engine.kv_blocks_in_use(),
+            engine.live_config().as_dict(),
+            error,
+        )
 
     def _deltas(self, out: RequestOutput) -> list[SeqDelta]:
         rid = out.request_id
@@ -147,8 +159,11 @@ class EngineCore:
             return []
         deltas = []
         prompt_lps = None
-        if out.prompt_logprobs is not None and rid not in self._prompt_sent and all(
-                lp is not None for lp in out.prompt_logprobs[1:]):
+        if (
+            out.prompt_logprobs is not None
+            and rid not in self._prompt_sent
+            and all(lp is not None for lp in out.prompt_logprobs[1:])
+        ):
             self._prompt_sent.add(rid)
             prompt_lps = [None if lp is None else encode_logprobs(lp) for lp in out.prompt_logprobs]
         for c in out.outputs:
@@ -158,8 +173,14 @@ class EngineCore:
             new = c.token_ids[done:]
             if not new and c.finish_reason is None and prompt_lps is None:
                 continue
-            delta = SeqDelta(rid, c.index, new, cursors[c.index].upto, c.finish_reason,
-                             c.stop_reason if isinstance(c.stop_reason, int) else None)
+            delta = SeqDelta(
+                rid,
+                c.index,
+                new,
+                cursors[c.index].upto,
+                c.finish_reason,
+                c.stop_reason if isinstance(c.stop_reason, int) else None,
+            )
             if c.logprobs:
                 delta.logprobs = [encode_logprobs(lp) for lp in c.logprobs[done:]]
             if done == 0:
@@ -196,9 +217,18 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
 
         engine = Engine(config, text_cursor=cursor)
         core = EngineCore(engine, cursors)
-        out.send(ENCODER.encode(Ready(engine.model_name, engine.max_model_len,
-                                      engine.runner.vocab_size, sorted(engine.eos_token_ids),
-                                      engine.live_config().as_dict(), os.getpid())))
+        out.send(
+            ENCODER.encode(
+                Ready(
+                    engine.model_name,
+                    engine.max_model_len,
+                    engine.runner.vocab_size,
+                    sorted(engine.eos_token_ids),
+                    engine.live_config().as_dict(),
+                    os.getpid(),
+                )
+            )
+        )
         _loop(core, inp, out, parent)
     except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
@@ -255,14 +285,19 @@ def _drain(core: EngineCore, inp: zmq.Socket) -> list[Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m specfleet.engine.core.proc", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m specfleet.engine.core.proc", description=__doc__.split("\n")[0]
+    )
     p.add_argument("--input", required=True, help="the server's input address (ZeroMQ, the core connects)")
     p.add_argument("--output", required=True, help="the server's output address")
     p.add_argument("--config", required=True, help="EngineConfig's fields as JSON")
     p.add_argument("--log-level", default="info")
     args = p.parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
     # Ctrl-C is the server's to handle (it drains, then stops the core with SIGTERM).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     return serve(EngineConfig(**json.loads(args.config)), args.input, args.output)

@@ -41,8 +41,10 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
     try:
         token = Path(path).read_text().strip()
     except OSError as exc:
-        raise ValueError(f"{ADMIN_TOKEN_FILE_ENV}={path!r} cannot be read ({exc.strerror}); "
-                         "mount the admin Secret there or unset the variable") from None
+        raise ValueError(
+            f"{ADMIN_TOKEN_FILE_ENV}={path!r} cannot be read ({exc.strerror}); "
+            "mount the admin Secret there or unset the variable"
+        ) from None
     if not token:
         raise ValueError(f"{ADMIN_TOKEN_FILE_ENV}={path!r} is empty; it must hold the admin token")
     return token
@@ -50,13 +52,22 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
 
 def _authorize(state: ServerState, request: Request) -> None:
     if not state.admin_token:
-        raise APIError(403, f"the admin API is disabled: set {ADMIN_TOKEN_FILE_ENV} or {ADMIN_TOKEN_ENV} to enable it",
-                       code="admin_disabled")
+        raise APIError(
+            403,
+            f"the admin API is disabled: set {ADMIN_TOKEN_FILE_ENV} or {ADMIN_TOKEN_ENV} to enable it",
+            code="admin_disabled",
+        )
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.admin_token.encode()):
-        raise APIError(401, "missing or wrong admin token: send 'Authorization: Bearer <token>'",
-                       code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), state.admin_token.encode()
+    ):
+        raise APIError(
+            401,
+            "missing or wrong admin token: send 'Authorization: Bearer <token>'",
+            code="invalid_admin_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
 async def _config(state: ServerState) -> dict[str, Any]:
@@ -82,6 +93,8 @@ async def patch_config(body: AdminConfigPatch, request: Request) -> dict[str, An
         raise APIError(400, str(exc), exc.param, exc.code) from exc
     state.metrics.set_live_config(live)
     after = live.as_dict()
-    logger.info("event=admin_config_update %s", " ".join(
-        f"{k.name}={before.get(k.name)}->{after[k.name]}" for k in KNOBS if k.name in changes))
+    logger.info(
+        "event=admin_config_update %s",
+        " ".join(f"{k.name}={before.get(k.name)}->{after[k.name]}" for k in KNOBS if k.name in changes),
+    )
     return after

@@ -20,8 +20,14 @@ from .state import ServerState, get_state
 logger = logging.getLogger("specfleet.engine.server")
 
 
-def build_state(client: EngineCoreClient, *, served_model_name: str | None = None, max_waiting: int = 512,
-                admin_token: str | None = None, admin_port: int | None = None) -> ServerState:
+def build_state(
+    client: EngineCoreClient,
+    *,
+    served_model_name: str | None = None,
+    max_waiting: int = 512,
+    admin_token: str | None = None,
+    admin_port: int | None = None,
+) -> ServerState:
     """The routes' state around a started engine core."""
     info = client.info
     model_name = served_model_name or info.model_name
@@ -75,8 +81,12 @@ def create_app(state: ServerState) -> FastAPI:
             state.async_engine.abort_all()
             state.async_engine.stop()
 
-    app = FastAPI(title="specfleet engine", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat completions, metrics and admin API.")
+    app = FastAPI(
+        title="specfleet engine",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible completions and chat completions, metrics and admin API.",
+    )
     app.state.specfleet = state
     install_error_handlers(app)
     if state.admin_port is not None:

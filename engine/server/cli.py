@@ -25,22 +25,41 @@ DEFAULT_K = 4  # --num-speculative-tokens when a speculative method is given wit
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specfleet serve", description="Serve one model with the specfleet "
-                                "engine: OpenAI-compatible API, Prometheus /metrics, admin API.")
+    p = argparse.ArgumentParser(
+        prog="specfleet serve",
+        description="Serve one model with the specfleet "
+        "engine: OpenAI-compatible API, Prometheus /metrics, admin API.",
+    )
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="name in the API (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--admin-port", type=int, default=None,
-                   help="serve the admin API (/admin/config) on this port only, apart from the OpenAI API "
-                        "(pods: 8001, which their Service does not expose); default: beside the API on --port")
-    p.add_argument("--max-waiting", type=int, default=512,
-                   help="requests waiting for their first token beyond which new ones get 429")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
-    p.add_argument("--shutdown-delay", type=float, default=0.0,
-                   help="seconds after SIGTERM during which /ready already fails but new requests are still "
-                        "served (clients routed before the endpoint was removed), before they get 503")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve the admin API (/admin/config) on this port only, apart from the OpenAI API "
+        "(pods: 8001, which their Service does not expose); default: beside the API on --port",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=512,
+        help="requests waiting for their first token beyond which new ones get 429",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="seconds after SIGTERM during which /ready already fails but new requests are still "
+        "served (clients routed before the endpoint was removed), before they get 503",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -55,13 +74,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         meta = f.metadata
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         if hints[f.name] is bool:  # a flag that flips the default
-            group.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
-                               help=meta.get("help"))
+            group.add_argument(
+                flag, dest=f.name, action="store_false" if f.default else "store_true", help=meta.get("help")
+            )
             continue
         kinds = [t for t in get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
-        group.add_argument(flag, dest=f.name, type=None if kinds[0] is str else kinds[0],
-                           default=meta.get("cli_default", f.default), choices=meta.get("choices"),
-                           help=meta.get("help"))
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=None if kinds[0] is str else kinds[0],
+            default=meta.get("cli_default", f.default),
+            choices=meta.get("choices"),
+            help=meta.get("help"),
+        )
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -80,8 +105,9 @@ class DrainingServer(uvicorn.Server):
     that the process exits non-zero and the pod restarts.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float,
-                 shutdown_delay: float = 0.0) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, drain_timeout: float, shutdown_delay: float = 0.0
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
@@ -119,8 +145,12 @@ class DrainingServer(uvicorn.Server):
             logger.info("event=shutdown_delay signal=%s seconds=%.1f", reason, self.shutdown_delay)
             await asyncio.sleep(self.shutdown_delay)
         self.state.draining = True  # new requests get 503 from now on
-        logger.info("event=drain_start signal=%s in_flight=%d timeout_s=%.1f", reason, engine.num_in_flight,
-                    self.drain_timeout)
+        logger.info(
+            "event=drain_start signal=%s in_flight=%d timeout_s=%.1f",
+            reason,
+            engine.num_in_flight,
+            self.drain_timeout,
+        )
         deadline = time.monotonic() + self.drain_timeout
         while engine.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -143,8 +173,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,13 +205,29 @@ def main(argv: list[str] | None = None) -> int:
             return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    logger.info("event=model_loaded model=%s load_s=%.1f core_pid=%d", client.info.model_name,
-                time.monotonic() - started, client.pid)
-    state = build_state(client, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                        admin_token=admin_token, admin_port=args.admin_port)
+    logger.info(
+        "event=model_loaded model=%s load_s=%.1f core_pid=%d",
+        client.info.model_name,
+        time.monotonic() - started,
+        client.pid,
+    )
+    state = build_state(
+        client,
+        served_model_name=args.served_model_name,
+        max_waiting=args.max_waiting,
+        admin_token=admin_token,
+        admin_port=args.admin_port,
+    )
     app = create_app(state)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                               timeout_graceful_shutdown=5, lifespan="on")
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
     server = DrainingServer(uv_config, state, args.drain_timeout, args.shutdown_delay)
     try:  # one server on one or two listening sockets: the drain on SIGTERM covers both
         sockets = [_listen(args.host, port) for port in (args.port, args.admin_port) if port is not None]

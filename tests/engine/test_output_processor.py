@@ -18,8 +18,16 @@ def tokenizer(bundled_path: Any) -> Any:
     return load_tokenizer(bundled_path)
 
 
-def _run(tokenizer: Any, params: SamplingParams, text: str, finish: str | None = None, stop_token: int | None = None,
-         per_step: int = 1, extra: list[int] | None = None, ends_on_stop_token: bool = False):
+def _run(
+    tokenizer: Any,
+    params: SamplingParams,
+    text: str,
+    finish: str | None = None,
+    stop_token: int | None = None,
+    per_step: int = 1,
+    extra: list[int] | None = None,
+    ends_on_stop_token: bool = False,
+):
     """Feed `text`'s tokens (plus `extra`) through a processor `per_step` at a time, as the core would; the
     last delta carries the core's finish (a stop token that ends it is not text). Returns (final output,
     to_finish)."""
@@ -44,8 +52,9 @@ def _run(tokenizer: Any, params: SamplingParams, text: str, finish: str | None =
 
 
 def test_a_stop_string_ends_the_sample_here_and_is_handed_back_to_the_core(tokenizer: Any) -> None:
-    out, to_finish = _run(tokenizer, SamplingParams(stop=["world"]), "Hello world, and more text after it.",
-                          finish="length")
+    out, to_finish = _run(
+        tokenizer, SamplingParams(stop=["world"]), "Hello world, and more text after it.", finish="length"
+    )
     c = out.outputs[0]
     assert out.finished and c.text == "Hello " and c.finish_reason == "stop" and c.stop_reason == "world"
     assert tokenizer.decode(c.token_ids).startswith("Hello world")  # tokens up to the one that completed it
@@ -53,8 +62,12 @@ def test_a_stop_string_ends_the_sample_here_and_is_handed_back_to_the_core(token
 
 
 def test_several_tokens_per_delta_stop_at_the_first_match(tokenizer: Any) -> None:
-    out, to_finish = _run(tokenizer, SamplingParams(stop=["b", "world"], include_stop_str_in_output=True),
-                          "Hello world, bye.", per_step=5)
+    out, to_finish = _run(
+        tokenizer,
+        SamplingParams(stop=["b", "world"], include_stop_str_in_output=True),
+        "Hello world, bye.",
+        per_step=5,
+    )
     assert out.outputs[0].text == "Hello world" and out.outputs[0].stop_reason == "world"
     assert to_finish == [("r", 0)]
 

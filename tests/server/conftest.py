@@ -47,7 +47,9 @@ class LiveServer:
         deadline = time.monotonic() + timeout
         while self.async_engine.num_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert self.async_engine.num_in_flight == 0, f"{self.async_engine.num_in_flight} requests still in flight"
+        assert self.async_engine.num_in_flight == 0, (
+            f"{self.async_engine.num_in_flight} requests still in flight"
+        )
 
 
 @pytest.fixture(scope="session")

@@ -22,8 +22,20 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "specfleet.engine", "serve", "--model", "bundled://smollm2-135m-instruct",
-           "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specfleet.engine",
+        "serve",
+        "--model",
+        "bundled://smollm2-135m-instruct",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "0.1",
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     url = f"http://127.0.0.1:{port}"
@@ -46,16 +58,21 @@ def test_sigkill_of_the_core_fails_in_flight_requests_and_exits_non_zero(tmp_pat
         assert match, log_path.read_text()[-2000:]
         core_pid = int(match.group(1))
         assert core_pid != proc.pid
-        ok = httpx.post(f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0},
-                        timeout=60)
+        ok = httpx.post(
+            f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=60
+        )
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
         result: dict[str, Any] = {}
         started = threading.Event()
 
         def stream() -> None:
             try:
-                with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-                        "prompt": "Count: 1, 2, 3,", "max_tokens": 400, "stream": True, "ignore_eos": True}) as resp:
+                with httpx.stream(
+                    "POST",
+                    f"{url}/v1/completions",
+                    timeout=60,
+                    json={"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "stream": True, "ignore_eos": True},
+                ) as resp:
                     result["status"] = resp.status_code
                     result["lines"] = []
                     for line in resp.iter_lines():
@@ -78,7 +95,9 @@ def test_sigkill_of_the_core_fails_in_flight_requests_and_exits_non_zero(tmp_pat
             proc.wait()
     log_text = log_path.read_text()
     assert code != 0, log_text[-3000:]
-    assert re.search(rf"event=engine_core_dead the engine core \(pid {core_pid}\) exited: killed by SIGKILL", log_text)
+    assert re.search(
+        rf"event=engine_core_dead the engine core \(pid {core_pid}\) exited: killed by SIGKILL", log_text
+    )
     assert "event=exit reason=engine_core_dead exit_code=1" in log_text
     # The stream that was running did not end as if it had finished: an error chunk, or a cut connection.
     lines = result.get("lines", [])
@@ -92,8 +111,10 @@ def test_ready_and_new_requests_answer_503_once_the_core_is_dead(serve_app: Any)
     from specfleet.engine.core.client import EngineCoreClient
     from specfleet.engine.server.app import build_state, create_app
 
-    client = EngineCoreClient(EngineConfig(model="bundled://smollm2-135m-instruct", max_model_len=256,
-                                           kv_cache_gib=0.05), log_level="warning")
+    client = EngineCoreClient(
+        EngineConfig(model="bundled://smollm2-135m-instruct", max_model_len=256, kv_cache_gib=0.05),
+        log_level="warning",
+    )
     deaths: list[str] = []
     client.on_dead.append(deaths.append)
     uv, thread, url = serve_app(create_app(build_state(client, admin_token="t")))

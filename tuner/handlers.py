@@ -32,6 +32,7 @@ from specfleet.operator.resources import (
     ENGINE_PORT,
     GROUP,
     LABEL_ISVC,
+    LABEL_ROLE,
     PLURAL,
     TUNER_FIELD_MANAGER,
     VERSION,
@@ -51,9 +52,10 @@ TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 SELECTOR_TEMPLATE = os.environ.get("SPECFLEET_PROMETHEUS_SELECTOR", 'namespace="{namespace}",service="{name}"')
 
 
-async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[str]:
-    """http://POD_IP:8000 of each pod of the service whose Ready condition is True."""
-    selector = quote(f"{LABEL_ISVC}={name}")
+async def ready_pod_urls(client: KubeClient, namespace: str, name: str, role: str | None = None) -> list[str]:
+    """http://POD_IP:8000 of each pod of the service (of one role, with spec.disaggregation) whose Ready
+    condition is True."""
+    selector = quote(f"{LABEL_ISVC}={name}" + (f",{LABEL_ROLE}={role}" if role else ""))
     pods = await client.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}") or {}
     urls = []
     for pod in pods.get("items", []):
@@ -89,13 +91,19 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
         raise kopf.TemporaryError(f"Secret {admin_secret_name(name)} (admin token) does not exist yet; "
                                   "the reconcile creates it", delay=10)
 
-    async def endpoints() -> list[str]:
-        return await ready_pod_urls(client, namespace, name)
+    # With spec.disaggregation the tuner tunes and scales the decode engines only, as the local fleet does:
+    # the knobs it moves (k, batch limits) and the SLO it holds (TPOT) are the decode engines'; prefill
+    # engines keep the spec's values (docs/tuner.md). Their series carry specfleet_role (the ServiceMonitor).
+    role = "decode" if isvc.spec.disaggregation is not None else None
 
+    async def endpoints() -> list[str]:
+        return await ready_pod_urls(client, namespace, name, role)
+
+    selector = SELECTOR_TEMPLATE.format(namespace=namespace, name=name) + (f',specfleet_role="{role}"' if role else "")
     return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
                        admin_url=admin_on_port(ADMIN_PORT),
                        prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
-                       prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name))
+                       prometheus_selector=selector)
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,

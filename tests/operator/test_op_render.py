@@ -15,6 +15,7 @@ from specfleet.operator.render import (
     new_admin_token,
     read_admin_token,
     render_deployment,
+    render_engine_workloads,
     render_engines_service,
     render_pdb,
     render_router_children,
@@ -51,7 +52,7 @@ def flag(args: list[str], name: str) -> str:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_rendered_object_is_valid_kubernetes(path: Any) -> None:
     isvc = load_inference_service(path)
-    objects = [render_deployment(isvc, CONFIG), render_service(isvc), render_secret(isvc, new_admin_token())]
+    objects = [*render_engine_workloads(isvc, CONFIG), render_service(isvc), render_secret(isvc, new_admin_token())]
     objects += [pdb for pdb in [render_pdb(isvc)] if pdb]
     objects += render_router_children(isvc, CONFIG)
     for obj in objects:

@@ -291,7 +291,7 @@ class RolloutSpec(_Spec):
 # Env variables, volumes and mount paths the operator renders itself: a pod-template entry may not reuse
 # them (server-side apply refuses duplicate keys, and the engine depends on them).
 RESERVED_ENV = ("SPECFLEET_ADMIN_TOKEN_FILE", "SPECFLEET_ADMIN_TOKEN", "SPECFLEET_CACHE", "SPECFLEET_SERVICE_NAME",
-                "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRITON_CACHE_DIR", "POD_IP",
+                "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRITON_CACHE_DIR", "SPECFLEET_POD_IP",
                 "SPECFLEET_NODES", "SPECFLEET_NODE_RANK", "MASTER_ADDR", "MASTER_PORT")
 RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm")
 RESERVED_VOLUME_PREFIXES = ("model-", "draft-")

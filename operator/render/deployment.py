@@ -53,11 +53,11 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
 
 # The pod's own IP from the downward API: a prefill engine binds its KV server to it and names it in the
 # kv_transfer_params it returns, so decode pods and the router dial it directly.
-POD_IP_ENV = "POD_IP"
+POD_IP_ENV = "SPECFLEET_POD_IP"
 
 
 def role_args(role: str | None) -> list[str]:
-    """A role's flags (`$(POD_IP)` is expanded by the kubelet from the container's env)."""
+    """A role's flags (`$(SPECFLEET_POD_IP)` is expanded by the kubelet from the container's env)."""
     if role is None:
         return []
     args = ["--kv-role", role]

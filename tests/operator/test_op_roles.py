@@ -100,9 +100,9 @@ def test_roles_render_one_deployment_each_with_its_flags_and_kv_port() -> None:
     # the prefill engine serves its held KV on the pod IP (downward API, defined before the args use it)
     pod = prefill["spec"]["template"]["spec"]
     config = engine_config_kwargs(build_parser().parse_args(container(pod)["args"]))
-    assert (config["kv_transfer_host"], config["kv_transfer_port"]) == ("$(POD_IP)", KV_TRANSFER_PORT)
+    assert (config["kv_transfer_host"], config["kv_transfer_port"]) == ("$(SPECFLEET_POD_IP)", KV_TRANSFER_PORT)
     assert container(pod)["env"][0] == {
-        "name": "POD_IP",
+        "name": "SPECFLEET_POD_IP",
         "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},
     }
     assert {"name": "kv", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"} in container(pod)["ports"]
@@ -175,7 +175,7 @@ def test_specfleet_up_and_the_crd_accept_the_same_example() -> None:
     from specfleet.fleet.supervisor import local_engine_command
 
     command = local_engine_command(load_inference_service(doc), 9000, ["--kv-role=prefill"])
-    assert "--kv-role=prefill" in command and "$(POD_IP)" not in " ".join(command)
+    assert "--kv-role=prefill" in command and "$(SPECFLEET_POD_IP)" not in " ".join(command)
 
 
 # ---- status over both roles -------------------------------------------------------------------------------

@@ -66,6 +66,12 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str, role: st
     return sorted(urls)
 
 
+def prometheus_selector(namespace: str, name: str, role: str | None = None) -> str:
+    """The PromQL label matchers of a service's engine series (of one role: the ServiceMonitor copies the
+    pod's role label onto its series as specfleet_role)."""
+    return SELECTOR_TEMPLATE.format(namespace=namespace, name=name) + (f',specfleet_role="{role}"' if role else "")
+
+
 def frozen_by(body: kopf.Body) -> str | None:
     """Who froze this service's tuner, or None: the spec field, else the annotation ("true", any case)."""
     if ((body.get("spec") or {}).get("autotune") or {}).get("freeze"):
@@ -99,11 +105,10 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     async def endpoints() -> list[str]:
         return await ready_pod_urls(client, namespace, name, role)
 
-    selector = SELECTOR_TEMPLATE.format(namespace=namespace, name=name) + (f',specfleet_role="{role}"' if role else "")
     return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
                        admin_url=admin_on_port(ADMIN_PORT),
                        prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
-                       prometheus_selector=selector)
+                       prometheus_selector=prometheus_selector(namespace, name, role))
 
 
 @kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,

@@ -36,6 +36,7 @@ class Cond:
 class Workload:
     """One engine workload (Deployment or LeaderWorkerSet) as the API server reports it, and the count of
     pods (LeaderWorkerSet: groups) it should run."""
+
     name: str
     desired: int
     obj: dict[str, Any] | None
@@ -44,6 +45,7 @@ class Workload:
 @dataclass(frozen=True)
 class Rollout:
     """What the Deployment controller reports about the Deployment the reconcile applied."""
+
     desired: int
     synced: bool  # the controller has observed the Deployment's latest generation
     replicas: int  # pods of every revision
@@ -58,9 +60,14 @@ class Rollout:
             return None
         ready = status.get("readyReplicas", 0)
         # a LeaderWorkerSet reports no availableReplicas: a group counts once it is ready
-        return cls(desired, status["observedGeneration"] >= deployment["metadata"].get("generation", 0),
-                   status.get("replicas", 0), status.get("updatedReplicas", 0),
-                   status.get("availableReplicas", ready), ready)
+        return cls(
+            desired,
+            status["observedGeneration"] >= deployment["metadata"].get("generation", 0),
+            status.get("replicas", 0),
+            status.get("updatedReplicas", 0),
+            status.get("availableReplicas", ready),
+            ready,
+        )
 
     @property
     def complete(self) -> bool:
@@ -73,8 +80,10 @@ class Rollout:
             return "the Deployment controller has not observed the latest Deployment yet"
         old = self.replicas - self.updated
         if self.updated < self.desired or old > 0:
-            return (f"rolling out a new pod template: {self.updated}/{self.desired} pods updated, "
-                    f"{self.available} available, {old} old pod(s) left")
+            return (
+                f"rolling out a new pod template: {self.updated}/{self.desired} pods updated, "
+                f"{self.available} available, {old} old pod(s) left"
+            )
         if self.available < self.desired:
             return f"scaling to {self.desired} replicas: {self.available}/{self.desired} available"
         return f"{self.available}/{self.desired} replicas available, all on the latest pod template"
@@ -99,12 +108,17 @@ def deployment_conditions(isvc: InferenceService, workloads: list[Workload]) -> 
     ready = combined(0, ("False", "Unknown", "True"))
     progress = [c[1] for _, c in judged]
     deadline = next((c for c in progress if c.reason == "ProgressDeadlineExceeded"), None)
-    progressing = (Cond(deadline.type, deadline.status, deadline.reason, combined(1, ("False",)).message)
-                   if deadline else combined(1, ("True", "False")))
+    progressing = (
+        Cond(deadline.type, deadline.status, deadline.reason, combined(1, ("False",)).message)
+        if deadline
+        else combined(1, ("True", "False"))
+    )
     return [ready, progressing, combined(2, ("True", "False"))]
 
 
-def _workload_conditions(isvc: InferenceService, desired: int, deployment: dict[str, Any] | None) -> list[Cond]:
+def _workload_conditions(
+    isvc: InferenceService, desired: int, deployment: dict[str, Any] | None
+) -> list[Cond]:
     rollout = Rollout.of(desired, deployment)
     if rollout is None:
         return [
@@ -137,10 +151,16 @@ def _workload_conditions(isvc: InferenceService, desired: int, deployment: dict[
 
     if deadline:
         message = found["Progressing"].get("message", "")
-        degraded = Cond("Degraded", "True", "ProgressDeadlineExceeded",
-                        f"{message}; check `kubectl describe pods -l {LABEL_ISVC}={isvc.name}`")
+        degraded = Cond(
+            "Degraded",
+            "True",
+            "ProgressDeadlineExceeded",
+            f"{message}; check `kubectl describe pods -l {LABEL_ISVC}={isvc.name}`",
+        )
     elif failure.get("status") == "True":
-        degraded = Cond("Degraded", "True", "ReplicaFailure", failure.get("message", "pods cannot be created"))
+        degraded = Cond(
+            "Degraded", "True", "ReplicaFailure", failure.get("message", "pods cannot be created")
+        )
     else:
         degraded = Cond("Degraded", "False", "AsExpected", "no problem reported")
     return [ready_cond, progressing, degraded]
@@ -172,7 +192,9 @@ def condition_entries(
             "status": cond.status,
             "reason": cond.reason,
             "message": cond.message[:4096],
-            "lastTransitionTime": now if changed or "lastTransitionTime" not in old else old["lastTransitionTime"],
+            "lastTransitionTime": now
+            if changed or "lastTransitionTime" not in old
+            else old["lastTransitionTime"],
         }
         if generation is not None:
             entry["observedGeneration"] = generation
@@ -185,13 +207,19 @@ def tuning_seed(isvc: InferenceService) -> dict[str, Any] | None:
     spec = isvc.spec
     if spec.autotune.enabled:
         return None
-    return {**{camel(name): value for name, value in spec.start_values().items()},
-            "reason": "autotune is off: values from spec"}
+    return {
+        **{camel(name): value for name, value in spec.start_values().items()},
+        "reason": "autotune is off: values from spec",
+    }
 
 
 def build_status(
-    isvc: InferenceService, workloads: list[Workload], previous: dict[str, Any], now: str,
-    conditions: list[Cond] | None = None, observed: bool | None = None,
+    isvc: InferenceService,
+    workloads: list[Workload],
+    previous: dict[str, Any],
+    now: str,
+    conditions: list[Cond] | None = None,
+    observed: bool | None = None,
 ) -> dict[str, Any]:
     """The reconcile's whole share of status, server-side applied as its field manager (a field it owned
     and omits now is removed; the tuner's fields are not its to touch).
@@ -219,5 +247,8 @@ def build_status(
     if seed is not None:
         before = previous.get("tuning") or {}
         unchanged = seed == {k: before.get(k) for k in seed}
-        status["tuning"] = {**seed, "lastDecisionTime": before.get("lastDecisionTime", now) if unchanged else now}
+        status["tuning"] = {
+            **seed,
+            "lastDecisionTime": before.get("lastDecisionTime", now) if unchanged else now,
+        }
     return status

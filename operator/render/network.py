@@ -77,8 +77,14 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
             # selects job="<name>"): the client Service without the router, `<name>-engines` with it.
             "jobLabel": LABEL_INSTANCE,
             "namespaceSelector": {"matchNames": [isvc.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval,
-                           "relabelings": [*slo_relabelings(), ROLE_RELABELING]}],
+            "endpoints": [
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": interval,
+                    "relabelings": [*slo_relabelings(), ROLE_RELABELING],
+                }
+            ],
         },
     }
 
@@ -87,7 +93,9 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
 # reads the decode engines only; absent on aggregated engines (an empty value drops the label).
 ROLE_RELABELING: dict[str, object] = {
     "sourceLabels": ["__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in LABEL_ROLE)],
-    "targetLabel": "specfleet_role", "action": "replace"}
+    "targetLabel": "specfleet_role",
+    "action": "replace",
+}
 
 
 def render_network_policy(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
@@ -108,12 +116,25 @@ def render_network_policy(isvc: InferenceService, config: OperatorConfig) -> dic
                 {"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]},
                 {"from": [operator_pods], "ports": [{"port": ADMIN_PORT, "protocol": "TCP"}]},
                 # prefill engines' held KV: pulled by this service's engines, released by its router
-                *([{"from": [{"podSelector": {"matchLabels": selector_labels(isvc.name)}},
-                             {"podSelector": {"matchLabels": router_selector_labels(isvc.name)}}],
-                    "ports": [{"port": KV_TRANSFER_PORT, "protocol": "TCP"}]}] if isvc.spec.disaggregation else []),
+                *(
+                    [
+                        {
+                            "from": [
+                                {"podSelector": {"matchLabels": selector_labels(isvc.name)}},
+                                {"podSelector": {"matchLabels": router_selector_labels(isvc.name)}},
+                            ],
+                            "ports": [{"port": KV_TRANSFER_PORT, "protocol": "TCP"}],
+                        }
+                    ]
+                    if isvc.spec.disaggregation
+                    else []
+                ),
                 # a multi-node leader: its group's workers reach the rendezvous and the collectives' ports
-                *([{"from": [{"podSelector": {"matchLabels": {LABEL_WORKER_OF: isvc.name}}}]}]
-                  if isvc.spec.engine.nodes > 1 else []),
+                *(
+                    [{"from": [{"podSelector": {"matchLabels": {LABEL_WORKER_OF: isvc.name}}}]}]
+                    if isvc.spec.engine.nodes > 1
+                    else []
+                ),
             ],
         },
     }

@@ -100,7 +100,10 @@ def test_roles_render_one_deployment_each_with_its_flags_and_kv_port() -> None:
     # the prefill engine serves its held KV on the pod IP (downward API, defined before the args use it)
     pod = prefill["spec"]["template"]["spec"]
     config = engine_config_kwargs(build_parser().parse_args(container(pod)["args"]))
-    assert (config["kv_transfer_host"], config["kv_transfer_port"]) == ("$(SPECFLEET_POD_IP)", KV_TRANSFER_PORT)
+    assert (config["kv_transfer_host"], config["kv_transfer_port"]) == (
+        "$(SPECFLEET_POD_IP)",
+        KV_TRANSFER_PORT,
+    )
     assert container(pod)["env"][0] == {
         "name": "SPECFLEET_POD_IP",
         "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}},

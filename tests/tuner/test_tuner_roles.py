@@ -14,17 +14,27 @@ NS = "team-a"
 
 
 def pod(name: str, ip: str, role: str | None, ready: bool = True) -> dict[str, Any]:
-    labels = {"serving.specfleet.io/inferenceservice": "llm", **({"serving.specfleet.io/role": role} if role else {})}
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": labels},
-            "spec": {"containers": [{"name": "engine", "image": "e"}]},
-            "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
+    labels = {
+        "serving.specfleet.io/inferenceservice": "llm",
+        **({"serving.specfleet.io/role": role} if role else {}),
+    }
+    return {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {"name": name, "namespace": NS, "labels": labels},
+        "spec": {"containers": [{"name": "engine", "image": "e"}]},
+        "status": {"podIP": ip, "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]},
+    }
 
 
 def test_the_tuners_pod_list_takes_one_role() -> None:
     kube = FakeKube().start()
     try:
-        for obj in (pod("llm-prefill-0", "10.0.1.1", "prefill"), pod("llm-decode-0", "10.0.2.1", "decode"),
-                    pod("llm-decode-1", "10.0.2.2", "decode", ready=False)):
+        for obj in (
+            pod("llm-prefill-0", "10.0.1.1", "prefill"),
+            pod("llm-decode-0", "10.0.2.1", "decode"),
+            pod("llm-decode-1", "10.0.2.2", "decode", ready=False),
+        ):
             kube.put("/api/v1", "pods", NS, obj)
 
         async def urls(role: str | None) -> list[str]:
@@ -41,5 +51,7 @@ def test_the_tuners_pod_list_takes_one_role() -> None:
 
 
 def test_the_tuners_promql_reads_the_decode_engines_series() -> None:
-    assert prometheus_selector(NS, "llm", "decode") == 'namespace="team-a",service="llm",specfleet_role="decode"'
+    assert (
+        prometheus_selector(NS, "llm", "decode") == 'namespace="team-a",service="llm",specfleet_role="decode"'
+    )
     assert prometheus_selector(NS, "llm") == 'namespace="team-a",service="llm"'

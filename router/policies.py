@@ -188,4 +188,4 @@ def make_policy(name: str, **options: float | int) -> RoutingPolicy:
     """The policy registered under `name`; unknown names are refused with the known ones."""
     if name not in POLICIES:
         raise ValueError(f"routing policy {name!r} is not one of {', '.join(POLICIES)}")
-    return POLICIES[name](**options)  # type: ignore[call-arg]
+    return POLICIES[name](**options)

@@ -102,6 +102,7 @@ class SimRun:
     itl: LogHistogram
     unfinished: int = 0
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    cpu_s: float = 0.0  # the process's CPU time over the run: on a shared machine, steadier than wall time
 
 
 class SimFleet:
@@ -188,7 +189,7 @@ class SimFleet:
 
     # -- the event loop --------------------------------------------------------------------------------------
     def run(self, requests: Iterable[SimRequest]) -> SimRun:
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         loop = asyncio.new_event_loop()
         heap: list[tuple[float, int, int, Any, Any]] = []
         order = 0
@@ -212,6 +213,10 @@ class SimFleet:
         arrivals_since_tick = 0
         next_tick = 0.0
         first_arrival = pending[1].arrival_s if pending else 0.0
+        # `EndpointSet.routable()` sorts every endpoint; its result changes only with the set's version (the
+        # endpoints' in-flight counts are live in the same objects)
+        routable, routable_version = self.endpoints.routable(), self.endpoints.version
+        route = RouteRequest()
 
         def start(engine: SimEngine, t: float) -> None:
             nonlocal in_flight
@@ -231,10 +236,12 @@ class SimFleet:
             self.now = t
             if kind == ARRIVE:
                 index, request = a
-                choice = self.routing.choose(RouteRequest(), self.endpoints.routable())
+                if routable_version != self.endpoints.version:  # the router's set, read again on a change
+                    routable, routable_version = self.endpoints.routable(), self.endpoints.version
+                choice = self.routing.choose(route, routable)
                 assert choice is not None
                 url = choice.url
-                self.routing.routed(RouteRequest(), url)
+                self.routing.routed(route, url)
                 self.endpoints.acquire(url)
                 engine = self.by_url[url]
                 record = Record(
@@ -318,4 +325,5 @@ class SimFleet:
             self.itl,
             unfinished=in_flight,
             decisions=decisions,
+            cpu_s=time.process_time() - cpu,
         )

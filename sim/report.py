@@ -100,6 +100,8 @@ def summarize(
         "steps": run.steps,
         "requests_per_wall_s": round(len(rows) / max(run.wall_s, 1e-9), 1),
         "simulated_s_per_wall_s": round(run.duration_s / max(run.wall_s, 1e-9), 2),
+        "cpu_s": round(run.cpu_s, 3),
+        "requests_per_cpu_s": round(len(rows) / max(run.cpu_s, 1e-9), 1),
     }
     return summary
 

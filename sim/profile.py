@@ -58,6 +58,9 @@ class Profile:
     proposal_share: float = 1.0  # share of decoding sequence-steps that get a proposal (n-gram: < 1)
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
     step_overhead_s: float = 0.0  # added to every step: the serving loop's work outside `Engine.step()`
+    startup_s: float = (
+        0.0  # a new replica's pod start to ready (process, imports, weights): autoscaling's delay
+    )
     hardware: str = ""
     model: str = ""
     notes: str = ""
@@ -77,6 +80,8 @@ class Profile:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} and block_size={self.block_size} must be >= 1"
             )
+        if not self.startup_s >= 0:
+            raise ValueError(f"startup_s={self.startup_s} must be >= 0 seconds")
         if any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos) or not 0.0 <= self.proposal_share <= 1.0:
             raise ValueError("accepted_per_pos and proposal_share must lie in [0, 1]")
 

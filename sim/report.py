@@ -86,12 +86,15 @@ def summarize(
     summary["preemptions"] = sum(r["preemptions"] for r in rows)
     prompt = sum(r["prompt_tokens"] for r in rows)
     summary["prefix_cache_hit_rate"] = sum(r["cached_tokens"] for r in rows) / prompt if prompt else 0.0
-    replica_seconds = run.replicas * run.duration_s
+    replica_seconds = run.replica_seconds
     summary["cost"] = {
         "replica_seconds": round(replica_seconds, 1),
         "gpu_hours": round(replica_seconds * gpus_per_replica / 3600.0, 3),
     }
     summary["replicas"] = run.replicas
+    summary["max_replicas"] = run.max_replicas
+    summary["replica_changes"] = run.replica_decisions
+    summary["rejected"] = run.rejected
     summary["tuner_changes"] = len(run.decisions)
     summary["final_config"] = run.timeline[-1].config if run.timeline else None
     summary["profile"] = {"name": profile.name, "kind": profile.kind, "estimate": profile.estimate}

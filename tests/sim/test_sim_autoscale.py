@@ -100,3 +100,26 @@ def test_startup_delay_refuses_nonsense():
         SimFleet(autoscaled(), PROFILE, startup_s=-1.0)
     with pytest.raises(ValueError, match="startup_s"):
         PROFILE.with_(startup_s=float("nan"))
+
+
+def test_fast_mode_equals_exact_mode_under_the_tuner_and_the_autoscaler():
+    load = Synthetic(
+        rates=((0.0, 1.0), (60.0, 8.0), (120.0, 1.0)),
+        duration_s=200,
+        prompt=Lengths("uniform", 20, 200),
+        output=Lengths("uniform", 10, 120),
+        seed=3,
+    )
+    reqs = list(load.requests())
+    exact = SimFleet(autoscaled(), PROFILE).run(reqs)
+    fleet = SimFleet(autoscaled(), PROFILE, fast=True)
+    fast = fleet.run(reqs)
+    assert sum(e.fast_runs for e in fleet.engines) > 100
+    assert fast.steps == exact.steps
+    assert fast.replica_decisions == exact.replica_decisions and len(exact.replica_decisions) == 2
+    assert fast.decisions == exact.decisions
+    key = lambda r: r.index  # noqa: E731
+    for a, b in zip(sorted(exact.records, key=key), sorted(fast.records, key=key), strict=True):
+        assert (a.engine, a.output_tokens, a.preemptions) == (b.engine, b.output_tokens, b.preemptions)
+        assert a.first_token_s == pytest.approx(b.first_token_s, abs=1e-9)
+        assert a.finish_s == pytest.approx(b.finish_s, abs=1e-9)

@@ -105,7 +105,7 @@ def test_startup_delay_refuses_nonsense():
 def test_fast_mode_equals_exact_mode_under_the_tuner_and_the_autoscaler():
     load = Synthetic(
         rates=((0.0, 1.0), (60.0, 8.0), (120.0, 1.0)),
-        duration_s=200,
+        duration_s=240,
         prompt=Lengths("uniform", 20, 200),
         output=Lengths("uniform", 10, 120),
         seed=3,

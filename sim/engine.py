@@ -9,7 +9,8 @@ position by position with the profile's (or workload's) probabilities.
 Fast mode: a step that is pure decode (no prompt chunk, no proposal, nobody admissible, room in the cache
 for all) is repeated without the scheduler until the next arrival at this engine, the first finish or the
 horizon: each repetition is exactly what the scheduler would have scheduled, so only the per-step Python
-is skipped. The fleet cuts such a run short at an arrival (`cut`).
+is skipped. When every running sequence decodes and nobody can be admitted, the run is planned without
+calling the scheduler at all (`_decode_run`). The fleet cuts such a run short at an arrival (`cut`).
 """
 
 from __future__ import annotations
@@ -340,7 +341,7 @@ class SimEngine:
 
     def _repeat_decode(self, start: float, durations: list[float]) -> list[Record]:
         """A fast-mode run's further steps, all at once: each running sequence gains one token per step,
-        exactly as the scheduler would have given it (room checked by `_run_length`); only the last step
+        exactly as the scheduler would have given it (room checked by `_durations`); only the last step
         can finish a sequence."""
         n, end = len(durations), start + sum(durations)
         longest = max(durations)

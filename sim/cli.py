@@ -151,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         run,
         summary,
         out,
-        f"{isvc.name}: {run.replicas} replicas, {len(run.records)} requests, profile "
+        f"{isvc.name}: "
+        + (
+            f"{run.replicas}-{run.max_replicas} replicas (autoscaled)"
+            if fleet.autoscaling
+            else f"{run.replicas} replicas"
+        )
+        + f", {len(run.records)} requests, profile "
         f"{profile.name}{' (estimate)' if profile.estimate else ''}",
     )
     print(

@@ -418,7 +418,7 @@ class SimFleet:
                             len(self.queue),
                         )
                         scale(t, decision)
-                        entry.replicas = len(self.active)
+                        entry.replicas, entry.ready = len(self.active), len(self.endpoints.routable())
                         if decision.kind != "hold" or decision.changed:
                             entry.reason = f"{entry.reason}; replicas: {decision.reason}"
                 timeline.append(entry)

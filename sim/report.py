@@ -131,7 +131,7 @@ def plot(run: SimRun, path: Path, title: str) -> None:
     panels = (
         ("arrivals/s", [p.arrivals_per_s for p in tl]),
         ("in system (running+waiting)", [p.running + p.waiting for p in tl]),
-        ("replicas", [p.replicas for p in tl]),
+        ("replicas (dashed: ready)", [p.replicas for p in tl]),
         ("k", [p.config.get("num_speculative_tokens") for p in tl]),
         ("max_num_seqs", [p.config.get("max_num_seqs") for p in tl]),
         ("TPOT p95 seen by tuner (ms)", [p.tpot_p95_s * 1000 if p.tpot_p95_s else float("nan") for p in tl]),
@@ -139,6 +139,8 @@ def plot(run: SimRun, path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 10), sharex=True)
     for ax, (label, values) in zip(axes, panels, strict=True):
         ax.step(t, values, where="post", color="C0")
+        if label.startswith("replicas"):  # the ones the router can send to: the rest are starting
+            ax.step(t, [p.ready for p in tl], where="post", color="C1", linestyle="--")
         ax.set_ylabel(label, fontsize=8)
     axes[-1].set_xlabel("simulated seconds")
     axes[0].set_title(title, fontsize=9)

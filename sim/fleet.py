@@ -136,6 +136,8 @@ class SimFleet:
         self.profile = profile
         self.tuning = spec.autotune.enabled if tune is None else tune
         # replicas are the tuner's knob (spec validation: autoscaling needs autotune): no tuner, no autoscaler
+        if autoscale and not self.tuning:
+            raise ValueError("autoscaling needs the tuner: set spec.autotune.enabled or pass --tune")
         self.autoscaling = self.tuning and (spec.autoscaling.enabled if autoscale is None else autoscale)
         if replicas is None:
             replicas = isvc.desired_replicas if self.autoscaling else spec.replicas

@@ -100,6 +100,8 @@ def test_startup_delay_refuses_nonsense():
         SimFleet(autoscaled(), PROFILE, startup_s=-1.0)
     with pytest.raises(ValueError, match="startup_s"):
         PROFILE.with_(startup_s=float("nan"))
+    with pytest.raises(ValueError, match="needs the tuner"):
+        SimFleet(autoscaled(), PROFILE, tune=False, autoscale=True)
 
 
 def test_fast_mode_equals_exact_mode_under_the_tuner_and_the_autoscaler():

@@ -214,13 +214,16 @@ async def step_times(urls: list[str]) -> float:
 
 
 def sim_step_time(fleet: SimFleet, profile: Profile) -> float:
-    """The simulated engines' mean modelled step (the serving loop's per-step overhead left out, as the
-    engine's own histogram leaves it out)."""
-    total = count = 0.0
+    """The simulated engines' mean modelled step (the serving loop's per-step and per-stream overheads left
+    out, as the engine's own histogram leaves them out)."""
+    total = count = streams = 0.0
     for e in fleet.engines:
         h = e.metrics.histograms["step_duration_seconds"]
         total, count = total + h.sum, count + h.count
-    return total / count - profile.step_overhead_s if count else 0.0
+        streams += e.metrics.histograms["batch_size"].sum  # sequences per step: the streams, near enough
+    if not count:
+        return 0.0
+    return (total - streams * profile.stream_overhead_s) / count - profile.step_overhead_s
 
 
 def rescaled(profile: Profile, factor: float) -> Profile:
@@ -234,34 +237,52 @@ def rescaled(profile: Profile, factor: float) -> Profile:
     )
 
 
-async def overheads(url: str, profile: Profile) -> tuple[float, float]:
-    """The serving path's costs the profile does not hold, from lone streamed requests (8-token prompt, 17
-    tokens out): per request, TTFT minus the prefill step (HTTP, proxy, tokenizer); per step, TPOT minus a
-    one-token decode step (the serving loop's work outside `Engine.step()`: streaming, detokenising).
-    Medians of 5."""
+BURST = 8  # concurrent requests of the batch measurement: a batch the light and heavy loads both reach
+
+
+async def overheads(url: str, profile: Profile) -> tuple[float, float, float]:
+    """The serving path's costs the profile does not hold, from streamed requests (8-token prompt, 17 tokens
+    out): per request, a lone request's TTFT minus the prefill step (HTTP, proxy, tokenizer); per step, a
+    lone request's TPOT minus a one-token decode step (the serving loop's work outside `Engine.step()`);
+    per stream, how much more that gap is per sequence when `BURST` requests decode together (each
+    sequence's chunk is detokenised, framed and written every step). Medians of 5 lone requests and of
+    the burst's requests."""
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[float, float]:
+        body = {
+            "model": "smollm2-135m-instruct",
+            "prompt": [200 + i * 10 + j for j in range(8)],
+            "max_tokens": 17,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        start = time.perf_counter()
+        first = None
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        first = first or end
+        return first - start, (end - first) / 16
+
     per_request, per_step = [], []
-    async with httpx.AsyncClient(timeout=60) as client:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         for i in range(5):
-            body = {
-                "model": "smollm2-135m-instruct",
-                "prompt": [200 + i * 10 + j for j in range(8)],
-                "max_tokens": 17,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            start = time.perf_counter()
-            first = None
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                        first = time.perf_counter()
-            end = time.perf_counter()
-            first = first or end
-            per_request.append(first - start - profile.step_s(0, 8, 0))
-            per_step.append((end - first) / 16 - profile.step_s(1, 0, 16))
-    return max(0.0, statistics.median(per_request)), max(0.0, statistics.median(per_step))
+            ttft, tpot = await one(client, i)
+            per_request.append(ttft - profile.step_s(0, 8, 0))
+            per_step.append(tpot - profile.step_s(1, 0, 16))
+        burst = await asyncio.gather(*(one(client, 100 + i) for i in range(BURST)))
+    step = max(0.0, statistics.median(per_step))
+    gap = statistics.median(tpot for _, tpot in burst) - profile.step_s(BURST, 0, 16 * BURST)
+    return (
+        max(0.0, statistics.median(per_request)),
+        step,
+        max(0.0, (gap - step) / (BURST - 1)),
+    )
 
 
 def decisions(ticks: list[Any]) -> list[str]:
@@ -283,7 +304,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     await fleet.start()
     startup_s = time.perf_counter() - started
     try:
-        request_overhead, step_overhead = await overheads(fleet.url, profile)
+        request_overhead, step_overhead, stream_overhead = await overheads(fleet.url, profile)
         if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
             fleet.tuner = fleet._build_tuner()
             fleet.ticks.clear()
@@ -297,6 +318,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     tuned = profile.with_(
         request_overhead_s=request_overhead,
         step_overhead_s=step_overhead,
+        stream_overhead_s=stream_overhead,
         proposal_share=share,
         startup_s=startup_s,
     )
@@ -348,6 +370,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         "startup_s": round(startup_s, 1),
         "request_overhead_ms": round(request_overhead * 1000, 1),
         "step_overhead_ms": round(step_overhead * 1000, 1),
+        "stream_overhead_ms": round(stream_overhead * 1000, 1),
         "acceptance": [round(a, 3) for a in acceptance],
         "proposal_share": round(share, 3),
     }

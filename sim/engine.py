@@ -185,9 +185,10 @@ class SimEngine:
             self._finish(seq, now, "length")
         if sched.empty:
             return None
-        decode = prefill = context = 0
+        decode = prefill = context = streams = 0
         for item in sched.scheduled:
             context += item.seq.num_computed_tokens
+            streams += item.sample
             if item.sample and item.num_new_tokens == item.num_spec_tokens + 1:
                 decode += item.num_new_tokens
             else:
@@ -197,7 +198,7 @@ class SimEngine:
                 and self.records[item.seq.seq_id].first_scheduled_s is None
             ):
                 self.records[item.seq.seq_id].first_scheduled_s = now
-        d = self.profile.step_s(decode, prefill, context, proposals)
+        d = self.profile.step_s(decode, prefill, context, proposals, streams)
         durations = [d]
         if self.fast and not prefill and not proposals and not sched.num_preemptions:
             durations += self._run_length(sched, now + d, horizon)
@@ -269,7 +270,8 @@ class SimEngine:
             steps //= 2
         batch = len(seqs)
         # step j reads j * batch more context tokens than the first: the profile is linear in context
-        base = self.profile.decode_s(batch) + self.profile.step_overhead_s
+        p = self.profile
+        base = p.decode_s(batch) + p.step_overhead_s + p.stream_overhead_s * batch  # `step_s`'s order
         per_token = self.profile.context_s_per_token
         out = []
         for j in range(steps):

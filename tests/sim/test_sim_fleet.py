@@ -74,6 +74,21 @@ def test_lone_request_times_are_the_profile_steps():
     assert r.output_tokens == 5 and r.finish_reason == "length"
 
 
+def test_stream_overhead_grows_with_the_batch_in_both_modes():
+    p = PROFILE.with_(stream_overhead_s=0.005)  # per sequence that streams a token in a step
+    (lone,) = SimFleet(isvc(), p).run([SimRequest(0.0, 10, 11)]).records
+    assert lone.finish_s - lone.first_token_s == pytest.approx(10 * (0.020 + 0.005))
+    # the first starts alone; the other three join it in one mixed step, then four stream per step until
+    # the first finishes, then three
+    four = [SimRequest(0.0, 10, 11) for _ in range(4)]
+    mixed = 0.020 + 4 * 0.005 + 30 * 0.002
+    for fast in (False, True):
+        first, *rest = sorted(SimFleet(isvc(), p, fast=fast).run(four).records, key=lambda r: r.index)
+        assert first.finish_s - first.first_token_s == pytest.approx(mixed + 9 * (0.020 + 4 * 0.005))
+        for r in rest:
+            assert r.finish_s - r.first_token_s == pytest.approx(9 * (0.020 + 4 * 0.005) + 0.020 + 3 * 0.005)
+
+
 def test_prefix_cache_hits_through_the_real_block_manager():
     reqs = [
         SimRequest(0.0, 80, 2, prefix_group=1, prefix_tokens=64),

@@ -418,6 +418,8 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             f"profile: {len(points)} points in {time.perf_counter() - started:.0f}s, fit {fit_error(profile)}",
             flush=True,
         )
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    profile.save(Path(args.out_dir) / "sim-profile.json")  # at once: `--profile` reuses it if the run is cut
     seconds = 20.0 if args.quick else args.seconds
     chosen = [c for c in configs(seconds) if not args.only or c.name in args.only]
     results = []

@@ -200,30 +200,60 @@ async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float]:
     )
 
 
-async def step_times(urls: list[str]) -> float:
-    """The real engines' mean `Engine.step()` time over the run, from their /metrics histograms."""
+@dataclass
+class StepMix:
+    """What an engine's steps held over a run, from the counters and histograms /metrics exports."""
+
+    steps: float = 0.0
+    seconds: float = 0.0  # of `Engine.step()` (the serving overheads left out)
+    sequences: float = 0.0  # sequence-steps (the batch-size histogram's sum)
+    prompt_tokens: float = 0.0  # prompt tokens computed
+    draft_tokens: float = 0.0
+
+    def add(self, counters: dict[str, float], sums: dict[str, float], counts: dict[str, float]) -> None:
+        self.steps += counts.get("step_duration_seconds", 0.0)
+        self.seconds += sums.get("step_duration_seconds", 0.0)
+        self.sequences += sums.get("batch_size", 0.0)
+        self.prompt_tokens += counters.get("prompt_tokens", 0.0)
+        self.draft_tokens += counters.get("spec_decode_draft_tokens", 0.0)
+
+    def speed(self, profile: Profile) -> float:
+        """Measured over predicted mean step, the prediction at this mix's mean step (the profile's model
+        costs only): above 1, the steps ran slower than the profile says for the same work."""
+        if not self.steps:
+            return 1.0
+        n = self.steps
+        d = self.draft_tokens / n
+        model = profile.with_(step_overhead_s=0.0, stream_overhead_s=0.0)
+        predicted = model.step_s(self.sequences / n + d, self.prompt_tokens / n, 0.0, d)
+        return (self.seconds / n) / predicted if predicted > 0 else 1.0
+
+
+async def real_mix(urls: list[str]) -> StepMix:
+    """The real engines' steps over the run, from their /metrics."""
     from specfleet.tuner.snapshot import parse_metrics
 
-    total = count = 0.0
+    mix = StepMix()
     async with httpx.AsyncClient(timeout=10) as client:
         for url in urls:
             snap = parse_metrics((await client.get(f"{url}/metrics")).text, 0.0)
-            total += snap.sums.get("step_duration_seconds", 0.0)
-            count += snap.counts.get("step_duration_seconds", 0.0)
-    return total / count if count else 0.0
+            mix.add(snap.counters, snap.sums, snap.counts)
+    return mix
 
 
-def sim_step_time(fleet: SimFleet, profile: Profile) -> float:
-    """The simulated engines' mean modelled step (the serving loop's per-step and per-stream overheads left
-    out, as the engine's own histogram leaves them out)."""
-    total = count = streams = 0.0
+def sim_mix(fleet: SimFleet, profile: Profile) -> StepMix:
+    """The simulated engines' steps, the same figures from their metrics; the serving loop's per-step and
+    per-stream overheads taken out, as the engine's own step histogram leaves them out."""
+    mix = StepMix()
     for e in fleet.engines:
-        h = e.metrics.histograms["step_duration_seconds"]
-        total, count = total + h.sum, count + h.count
-        streams += e.metrics.histograms["batch_size"].sum  # sequences per step: the streams, near enough
-    if not count:
-        return 0.0
-    return (total - streams * profile.stream_overhead_s) / count - profile.step_overhead_s
+        h = e.metrics.histograms
+        mix.add(
+            e.metrics.counters,
+            {name: hist.sum for name, hist in h.items()},
+            {name: float(hist.count) for name, hist in h.items()},
+        )
+    mix.seconds -= mix.steps * profile.step_overhead_s + mix.sequences * profile.stream_overhead_s
+    return mix
 
 
 def rescaled(profile: Profile, factor: float) -> Profile:
@@ -310,7 +340,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
             fleet.ticks.clear()
         rows = await replay(fleet.url, requests, c.copy)
         acceptance, share = await scrape_acceptance(fleet.engine_urls)
-        real_step = await step_times(fleet.engine_urls)
+        real_steps = await real_mix(fleet.engine_urls)
         real_decisions = decisions(fleet.ticks)
     finally:
         await fleet.stop(drain_timeout_s=2)
@@ -350,12 +380,12 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
 
     # As measured: the profile from the start of the bench, which saw other neighbours on a shared machine.
     raw_sim, raw_run, raw_fleet = await simulate(tuned)
-    # Calibrated: the profile's model costs rescaled so that the simulated engines' mean step equals the
-    # real engines' own mean `Engine.step()` time in this run (their /metrics histogram): the machine's
-    # speed during the run, measured by the engine, not fitted to the latencies being compared.
-    factor = (
-        real_step / sim_step_time(raw_fleet, tuned) if real_step and sim_step_time(raw_fleet, tuned) else 1.0
-    )
+    # Calibrated: the profile's model costs rescaled by how much slower (or faster) the real engines' own
+    # `Engine.step()` ran in this run than the profile predicts for the work their steps held (/metrics:
+    # steps, their seconds, sequences, prompt and draft tokens), relative to the same ratio in the
+    # simulation: the machine's speed during the run, measured by the engine, not fitted to the latencies
+    # being compared.
+    factor = real_steps.speed(tuned) / sim_mix(raw_fleet, tuned).speed(tuned)
     sim, run, _ = await simulate(rescaled(tuned, factor))
     errors = errors_of(sim)
     result = {
@@ -365,7 +395,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         "sim": sim,
         **errors,
         "uncalibrated": {"sim": raw_sim, **errors_of(raw_sim)},
-        "real_step_ms": round(real_step * 1000, 1),
+        "real_step_ms": round(1000 * real_steps.seconds / max(real_steps.steps, 1), 1),
         "profile_scale": round(factor, 3),
         "startup_s": round(startup_s, 1),
         "request_overhead_ms": round(request_overhead * 1000, 1),

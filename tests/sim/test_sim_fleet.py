@@ -277,3 +277,27 @@ def test_plan_finds_fewest_replicas_and_writes_a_valid_isvc(tmp_path, capsys):
     assert result["runner_up"] is not None
     isvc_doc = load_inference_service(str(out))
     assert isvc_doc.spec.replicas == result["best"]["replicas"] >= 1
+
+
+def test_bench_sim_reads_the_machine_speed_from_the_steps_mix():
+    from specfleet.bench.sim import rescaled, sim_mix
+
+    reqs = list(
+        Synthetic(
+            rates=((0.0, 4.0),),
+            duration_s=20,
+            prompt=Lengths("uniform", 16, 96),
+            output=Lengths("uniform", 16, 64),
+            seed=5,
+        ).requests()
+    )
+    base = PROFILE.with_(step_overhead_s=0.01, stream_overhead_s=0.002)
+    same = SimFleet(isvc(), base)
+    same.run(reqs)
+    slower = SimFleet(isvc(), rescaled(base, 1.5))
+    slower.run(reqs)
+    # against the profile it ran on, a fleet's steps hold what the profile predicts (up to the curve's
+    # bend between the mean and the individual steps); on a 1.5x slower machine, 1.5x that
+    speed = sim_mix(same, base).speed(base)
+    assert 0.9 < speed < 1.1
+    assert sim_mix(slower, base).speed(base) / speed == pytest.approx(1.5, rel=0.1)

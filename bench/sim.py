@@ -200,34 +200,119 @@ async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float]:
     )
 
 
-async def overheads(url: str, profile: Profile) -> tuple[float, float]:
-    """The serving path's costs the profile does not hold, from lone streamed requests (8-token prompt, 17
-    tokens out): per request, TTFT minus the prefill step (HTTP, proxy, tokenizer); per step, TPOT minus a
-    one-token decode step (the serving loop's work outside `Engine.step()`: streaming, detokenising).
-    Medians of 5."""
+@dataclass
+class StepMix:
+    """What an engine's steps held over a run, from the counters and histograms /metrics exports."""
+
+    steps: float = 0.0
+    seconds: float = 0.0  # of `Engine.step()` (the serving overheads left out)
+    sequences: float = 0.0  # sequence-steps (the batch-size histogram's sum)
+    prompt_tokens: float = 0.0  # prompt tokens computed
+    draft_tokens: float = 0.0
+
+    def add(self, counters: dict[str, float], sums: dict[str, float], counts: dict[str, float]) -> None:
+        self.steps += counts.get("step_duration_seconds", 0.0)
+        self.seconds += sums.get("step_duration_seconds", 0.0)
+        self.sequences += sums.get("batch_size", 0.0)
+        self.prompt_tokens += counters.get("prompt_tokens", 0.0)
+        self.draft_tokens += counters.get("spec_decode_draft_tokens", 0.0)
+
+    def speed(self, profile: Profile) -> float:
+        """Measured over predicted mean step, the prediction at this mix's mean step (the profile's model
+        costs only): above 1, the steps ran slower than the profile says for the same work."""
+        if not self.steps:
+            return 1.0
+        n = self.steps
+        d = self.draft_tokens / n
+        model = profile.with_(step_overhead_s=0.0, stream_overhead_s=0.0)
+        predicted = model.step_s(self.sequences / n + d, self.prompt_tokens / n, 0.0, d)
+        return (self.seconds / n) / predicted if predicted > 0 else 1.0
+
+
+async def real_mix(urls: list[str]) -> StepMix:
+    """The real engines' steps over the run, from their /metrics."""
+    from specfleet.tuner.snapshot import parse_metrics
+
+    mix = StepMix()
+    async with httpx.AsyncClient(timeout=10) as client:
+        for url in urls:
+            snap = parse_metrics((await client.get(f"{url}/metrics")).text, 0.0)
+            mix.add(snap.counters, snap.sums, snap.counts)
+    return mix
+
+
+def sim_mix(fleet: SimFleet, profile: Profile) -> StepMix:
+    """The simulated engines' steps, the same figures from their metrics; the serving loop's per-step and
+    per-stream overheads taken out, as the engine's own step histogram leaves them out."""
+    mix = StepMix()
+    for e in fleet.engines:
+        h = e.metrics.histograms
+        mix.add(
+            e.metrics.counters,
+            {name: hist.sum for name, hist in h.items()},
+            {name: float(hist.count) for name, hist in h.items()},
+        )
+    mix.seconds -= mix.steps * profile.step_overhead_s + mix.sequences * profile.stream_overhead_s
+    return mix
+
+
+def rescaled(profile: Profile, factor: float) -> Profile:
+    """The profile's model costs times `factor` (the machine ran that much slower or faster than when the
+    profile was measured); the serving overheads, measured in the run itself, unchanged."""
+    return profile.with_(
+        knots=tuple((d, s * factor) for d, s in profile.knots),
+        prefill_s_per_token=profile.prefill_s_per_token * factor,
+        context_s_per_token=profile.context_s_per_token * factor,
+        draft_s_per_token=profile.draft_s_per_token * factor,
+    )
+
+
+BURST = 8  # concurrent requests of the batch measurement: a batch the light and heavy loads both reach
+
+
+async def overheads(url: str, profile: Profile) -> tuple[float, float, float]:
+    """The serving path's costs the profile does not hold, from streamed requests (8-token prompt, 17 tokens
+    out): per request, a lone request's TTFT minus the prefill step (HTTP, proxy, tokenizer); per step, a
+    lone request's TPOT minus a one-token decode step (the serving loop's work outside `Engine.step()`);
+    per stream, how much more that gap is per sequence when `BURST` requests decode together (each
+    sequence's chunk is detokenised, framed and written every step). Medians of 5 lone requests and of
+    the burst's requests."""
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[float, float]:
+        body = {
+            "model": "smollm2-135m-instruct",
+            "prompt": [200 + i * 10 + j for j in range(8)],
+            "max_tokens": 17,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
+        start = time.perf_counter()
+        first = None
+        async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
+            response.raise_for_status()
+            async for line in response.aiter_lines():
+                if first is None and line.startswith("data: ") and line != "data: [DONE]":
+                    first = time.perf_counter()
+        end = time.perf_counter()
+        first = first or end
+        return first - start, (end - first) / 16
+
     per_request, per_step = [], []
-    async with httpx.AsyncClient(timeout=60) as client:
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         for i in range(5):
-            body = {
-                "model": "smollm2-135m-instruct",
-                "prompt": [200 + i * 10 + j for j in range(8)],
-                "max_tokens": 17,
-                "temperature": 0,
-                "ignore_eos": True,
-                "stream": True,
-            }
-            start = time.perf_counter()
-            first = None
-            async with client.stream("POST", f"{url}/v1/completions", json=body) as response:
-                response.raise_for_status()
-                async for line in response.aiter_lines():
-                    if first is None and line.startswith("data: ") and line != "data: [DONE]":
-                        first = time.perf_counter()
-            end = time.perf_counter()
-            first = first or end
-            per_request.append(first - start - profile.step_s(0, 8, 0))
-            per_step.append((end - first) / 16 - profile.step_s(1, 0, 16))
-    return max(0.0, statistics.median(per_request)), max(0.0, statistics.median(per_step))
+            ttft, tpot = await one(client, i)
+            per_request.append(ttft - profile.step_s(0, 8, 0))
+            per_step.append(tpot - profile.step_s(1, 0, 16))
+        burst = await asyncio.gather(*(one(client, 100 + i) for i in range(BURST)))
+    step = max(0.0, statistics.median(per_step))
+    gap = statistics.median(tpot for _, tpot in burst) - profile.step_s(BURST, 0, 16 * BURST)
+    return (
+        max(0.0, statistics.median(per_request)),
+        step,
+        max(0.0, (gap - step) / (BURST - 1)),
+    )
 
 
 def decisions(ticks: list[Any]) -> list[str]:
@@ -245,46 +330,77 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         window_s=args.window,
         engine_extra_args=["--kv-cache-gib", str(KV_GIB), "--log-level", "warning"],
     )
+    started = time.perf_counter()
     await fleet.start()
+    startup_s = time.perf_counter() - started
     try:
-        request_overhead, step_overhead = await overheads(fleet.url, profile)
+        request_overhead, step_overhead, stream_overhead = await overheads(fleet.url, profile)
         if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
             fleet.tuner = fleet._build_tuner()
             fleet.ticks.clear()
         rows = await replay(fleet.url, requests, c.copy)
         acceptance, share = await scrape_acceptance(fleet.engine_urls)
+        real_steps = await real_mix(fleet.engine_urls)
         real_decisions = decisions(fleet.ticks)
     finally:
         await fleet.stop(drain_timeout_s=2)
     real = figures(rows)
     tuned = profile.with_(
-        request_overhead_s=request_overhead, step_overhead_s=step_overhead, proposal_share=share
+        request_overhead_s=request_overhead,
+        step_overhead_s=step_overhead,
+        stream_overhead_s=stream_overhead,
+        proposal_share=share,
+        startup_s=startup_s,
     )
-    sim_fleet = SimFleet(
-        isvc, tuned, tune=c.tune, interval_s=args.interval, window_s=args.window, accepted_per_pos=acceptance
-    )
-    run = await asyncio.to_thread(sim_fleet.run, requests)  # its tuner needs an event loop of its own
-    s = sim_summarize(run, tuned, {})
-    sim = {
-        "throughput": s["output_throughput"],
-        "ttft_p50": s["p50_ttft_ms"] / 1000,
-        "ttft_p95": s["p95_ttft_ms"] / 1000,
-        "tpot_p50": s["p50_tpot_ms"] / 1000,
-        "tpot_p95": s["p95_tpot_ms"] / 1000,
-        "requests": s["completed"],
-    }
-    errors = {
-        f"{m}_error_pct": round(100 * abs(sim[m] - real[m]) / real[m], 1)
-        for m in ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
-    }
+
+    async def simulate(p: Profile) -> tuple[dict[str, float], Any, SimFleet]:
+        sim_fleet = SimFleet(
+            isvc, p, tune=c.tune, interval_s=args.interval, window_s=args.window, accepted_per_pos=acceptance
+        )
+        run = await asyncio.to_thread(sim_fleet.run, requests)  # its tuner needs an event loop of its own
+        s = sim_summarize(run, p, {})
+        return (
+            {
+                "throughput": s["output_throughput"],
+                "ttft_p50": s["p50_ttft_ms"] / 1000,
+                "ttft_p95": s["p95_ttft_ms"] / 1000,
+                "tpot_p50": s["p50_tpot_ms"] / 1000,
+                "tpot_p95": s["p95_tpot_ms"] / 1000,
+                "requests": s["completed"],
+            },
+            run,
+            sim_fleet,
+        )
+
+    def errors_of(sim: dict[str, float]) -> dict[str, float]:
+        return {
+            f"{m}_error_pct": round(100 * abs(sim[m] - real[m]) / real[m], 1)
+            for m in ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
+        }
+
+    # As measured: the profile from the start of the bench, which saw other neighbours on a shared machine.
+    raw_sim, raw_run, raw_fleet = await simulate(tuned)
+    # Calibrated: the profile's model costs rescaled by how much slower (or faster) the real engines' own
+    # `Engine.step()` ran in this run than the profile predicts for the work their steps held (/metrics:
+    # steps, their seconds, sequences, prompt and draft tokens), relative to the same ratio in the
+    # simulation: the machine's speed during the run, measured by the engine, not fitted to the latencies
+    # being compared.
+    factor = real_steps.speed(tuned) / sim_mix(raw_fleet, tuned).speed(tuned)
+    sim, run, _ = await simulate(rescaled(tuned, factor))
+    errors = errors_of(sim)
     result = {
         "config": c.name,
         "requests": len(requests),
         "real": real,
         "sim": sim,
         **errors,
+        "uncalibrated": {"sim": raw_sim, **errors_of(raw_sim)},
+        "real_step_ms": round(1000 * real_steps.seconds / max(real_steps.steps, 1), 1),
+        "profile_scale": round(factor, 3),
+        "startup_s": round(startup_s, 1),
         "request_overhead_ms": round(request_overhead * 1000, 1),
         "step_overhead_ms": round(step_overhead * 1000, 1),
+        "stream_overhead_ms": round(stream_overhead * 1000, 1),
         "acceptance": [round(a, 3) for a in acceptance],
         "proposal_share": round(share, 3),
     }
@@ -292,7 +408,14 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         result["tuner_real"] = real_decisions
         result["tuner_sim"] = [d["config"] for d in run.decisions if d["config"]]
         result["tuner_same_sequence"] = result["tuner_real"] == result["tuner_sim"]
-    print(f"bench sim {c.name}: " + " ".join(f"{k}={v}" for k, v in errors.items()), flush=True)
+    print(
+        f"bench sim {c.name}: "
+        + " ".join(f"{k}={v}" for k, v in errors.items())
+        + f" (profile x{factor:.2f}; uncalibrated: "
+        + " ".join(f"{k}={v}" for k, v in errors_of(raw_sim).items())
+        + ")",
+        flush=True,
+    )
     return result
 
 
@@ -306,7 +429,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     if args.profile:  # a profile from an earlier run (the default measures one now, as the figures assume)
         profile = Profile.load(args.profile)
     else:
-        grid = Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 96), ks=(0, 4), prefills=(32, 320), steps=4)
+        grid = (
+            Grid(batches=(1, 4, 16, 32), contexts=(32, 96), ks=(0, 4), prefills=(32, 320), steps=3)
+            if args.quick
+            else Grid(batches=(1, 2, 4, 8, 16, 32), contexts=(32, 96), ks=(0, 4), prefills=(32, 320), steps=4)
+        )
         started = time.perf_counter()
         points, blocks = measure(MODEL, grid, "ngram", KV_GIB)
         profile = fitted_profile(
@@ -321,7 +448,10 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             f"profile: {len(points)} points in {time.perf_counter() - started:.0f}s, fit {fit_error(profile)}",
             flush=True,
         )
-    chosen = [c for c in configs(args.seconds) if not args.only or c.name in args.only]
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
+    profile.save(Path(args.out_dir) / "sim-profile.json")  # at once: `--profile` reuses it if the run is cut
+    seconds = 20.0 if args.quick else args.seconds
+    chosen = [c for c in configs(seconds) if not args.only or c.name in args.only]
     results = []
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     for c in chosen:  # each configuration's figures are kept as they come: a long run may be cut short
@@ -329,12 +459,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         with open(Path(args.out_dir) / "sim-configs.jsonl", "a") as f:
             f.write(json.dumps(results[-1]) + "\n")
     worst = {key: max(r[key] for r in results) for key in results[0] if key.endswith("_error_pct")}
+    raw = {key: max(r["uncalibrated"][key] for r in results) for key in worst}
     tuner = next((r for r in results if "tuner_real" in r), None)
     return {
         **worst,
         "tuner_decisions_real": tuner["tuner_real"] if tuner else None,
         "tuner_decisions_sim": tuner["tuner_sim"] if tuner else None,
         "tuner_same_sequence": tuner["tuner_same_sequence"] if tuner else None,
+        "uncalibrated": raw,
         "configs": results,
         "profile": profile.to_json(),
     }
@@ -343,6 +475,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet bench sim", description=__doc__.splitlines()[0])
     p.add_argument("--seconds", type=float, default=45.0, help="seconds of arrivals per configuration")
+    p.add_argument(
+        "--quick",
+        action="store_true",
+        help="20 s of arrivals per configuration and a smaller profile grid (under 10 minutes here)",
+    )
     p.add_argument(
         "--interval", type=float, default=5.0, help="tuner interval (s) of the shifting-load config"
     )

@@ -37,7 +37,7 @@ class BlockManager:
         self.block_hash: list[int | None] = [None] * num_blocks
         self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against collisions
         self.hash_to_block: dict[int, int] = {}
-        self.free: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # The chained hashes of each sequence's leading full blocks, as far as they were cached.
         self._hashes: dict[int, list[int]] = {}
         self.debug = debug

@@ -97,6 +97,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--acceptance", default=None, help="P(position i accepted), comma-separated (default: the profile's)"
     )
+    p.add_argument(
+        "--autoscale",
+        dest="autoscale",
+        action="store_true",
+        default=None,
+        help="run the replica autoscaler (default: as spec.autoscaling.enabled; needs the tuner)",
+    )
+    p.add_argument("--no-autoscale", dest="autoscale", action="store_false")
+    p.add_argument(
+        "--startup-s",
+        type=float,
+        default=None,
+        help="a new replica's start-up delay before it is routable (default: the profile's startup_s)",
+    )
     p.add_argument("--sim-seed", type=int, default=0)
     return p
 
@@ -116,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             fast=args.fast,
             seed=args.sim_seed,
             accepted_per_pos=acceptance,
+            autoscale=args.autoscale,
+            startup_s=args.startup_s,
         )
     except (InvalidInferenceService, OSError, ValueError) as error:
         print(f"specfleet simulate: {error}", file=sys.stderr)
@@ -123,7 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     if profile.estimate:
         print(f"note: profile {profile.name} is an ESTIMATE ({profile.notes})", file=sys.stderr)
     print(
-        f"simulating {len(requests)} requests over {fleet.replicas} replica(s) of {isvc.name}",
+        f"simulating {len(requests)} requests over {fleet.replicas} replica(s) of {isvc.name}"
+        + (f" (autoscaled, {fleet.startup_s:.0f}s start-up)" if fleet.autoscaling else ""),
         file=sys.stderr,
     )
     run = fleet.run(requests)
@@ -134,7 +151,13 @@ def main(argv: list[str] | None = None) -> int:
         run,
         summary,
         out,
-        f"{isvc.name}: {run.replicas} replicas, {len(run.records)} requests, profile "
+        f"{isvc.name}: "
+        + (
+            f"{run.replicas}-{run.max_replicas} replicas (autoscaled)"
+            if fleet.autoscaling
+            else f"{run.replicas} replicas"
+        )
+        + f", {len(run.records)} requests, profile "
         f"{profile.name}{' (estimate)' if profile.estimate else ''}",
     )
     print(

@@ -9,7 +9,8 @@ position by position with the profile's (or workload's) probabilities.
 Fast mode: a step that is pure decode (no prompt chunk, no proposal, nobody admissible, room in the cache
 for all) is repeated without the scheduler until the next arrival at this engine, the first finish or the
 horizon: each repetition is exactly what the scheduler would have scheduled, so only the per-step Python
-is skipped. The fleet cuts such a run short at an arrival (`cut`).
+is skipped. When every running sequence decodes and nobody can be admitted, the run is planned without
+calling the scheduler at all (`_decode_run`). The fleet cuts such a run short at an arrival (`cut`).
 """
 
 from __future__ import annotations
@@ -69,7 +70,7 @@ class Plan:
     """A step (or, in fast mode, a run of identical decode steps) between start and end."""
 
     start: float
-    sched: SchedulerOutput
+    sched: SchedulerOutput | None  # None: a fast-mode decode run planned without the scheduler
     durations: list[float]  # one per step: > 1 only for a fast-mode run
     decode_tokens: int
     proposals: int
@@ -172,15 +173,22 @@ class SimEngine:
             self.scheduler.max_num_batched_tokens = self.live.max_num_batched_tokens
         if not self.scheduler.has_unfinished():
             return None
+        if self.fast:
+            run = self._decode_run(now, horizon)
+            if run:
+                self.plan = Plan(now, None, run, len(self.scheduler.running), 0)
+                self.version += 1
+                return self.plan
         proposals = self._propose()
         sched = self.scheduler.schedule()
         for seq in sched.finished:  # no room in the cache for its context: "length", as the engine ends it
             self._finish(seq, now, "length")
         if sched.empty:
             return None
-        decode = prefill = context = 0
+        decode = prefill = context = streams = 0
         for item in sched.scheduled:
             context += item.seq.num_computed_tokens
+            streams += item.sample
             if item.sample and item.num_new_tokens == item.num_spec_tokens + 1:
                 decode += item.num_new_tokens
             else:
@@ -190,7 +198,7 @@ class SimEngine:
                 and self.records[item.seq.seq_id].first_scheduled_s is None
             ):
                 self.records[item.seq.seq_id].first_scheduled_s = now
-        d = self.profile.step_s(decode, prefill, context, proposals)
+        d = self.profile.step_s(decode, prefill, context, proposals, streams)
         durations = [d]
         if self.fast and not prefill and not proposals and not sched.num_preemptions:
             durations += self._run_length(sched, now + d, horizon)
@@ -215,6 +223,65 @@ class SimEngine:
                 return False
         return False
 
+    def _decode_run(self, now: float, horizon: float) -> list[float]:
+        """Fast mode, before the scheduler: when every running sequence is decoding (one token to compute,
+        no proposal), nobody can be admitted and the budget covers the batch, the scheduler's next steps
+        are pure decode until the first finish, a full cache or the horizon: their durations (empty when
+        the scheduler must run)."""
+        s = self.scheduler
+        running = s.running
+        if not running or (s.waiting and len(running) < s.max_num_seqs):
+            return []
+        if len(running) > s.max_num_batched_tokens:
+            return []
+        k = self.live.num_speculative_tokens
+        guard = self.live.speculative_disable_by_batch_size
+        if k and not (guard and min(len(running) + len(s.waiting), s.max_num_seqs) > guard):
+            return []  # `_propose` would draw proposals: the scheduler's path
+        targets = self.targets
+        steps = None
+        context = 0
+        for q in running:
+            n = len(q.token_ids)
+            if q.num_computed_tokens != n - 1 or n <= q.num_prompt_tokens or q.spec_token_ids:
+                return []
+            left = targets[q.seq_id] - (n - q.num_prompt_tokens)
+            steps = left if steps is None or left < steps else steps
+            context += n - 1
+        return self._durations(running, steps or 0, context, now, horizon, 0)
+
+    def _durations(
+        self, seqs: list[Sequence], steps: int, context: int, t: float, horizon: float, ahead: int
+    ) -> list[float]:
+        """Up to `steps` pure-decode steps of `seqs` from `t` (context `context` at the first), as many as
+        the cache holds without preempting anyone and as start before `horizon`. `ahead`: tokens each
+        sequence already holds beyond its computed ones."""
+        if steps <= 0:
+            return []
+        kv = self.kv
+        free = kv.num_free_blocks
+        bs = kv.block_size
+        while steps > 0:  # a step allocates slots for every sequence's computed tokens plus one
+            need = sum(
+                max(0, -(-(q.num_computed_tokens + ahead + steps) // bs) - len(q.block_table)) for q in seqs
+            )
+            if need <= free:
+                break
+            steps //= 2
+        batch = len(seqs)
+        # step j reads j * batch more context tokens than the first: the profile is linear in context
+        p = self.profile
+        base = p.decode_s(batch) + p.step_overhead_s + p.stream_overhead_s * batch  # `step_s`'s order
+        per_token = self.profile.context_s_per_token
+        out = []
+        for j in range(steps):
+            if t >= horizon:
+                break
+            d = base + per_token * (context + j * batch)
+            out.append(d)
+            t += d
+        return out
+
     def _run_length(self, sched: SchedulerOutput, t: float, horizon: float) -> list[float]:
         """Durations of the identical decode steps that may follow this one (fast mode)."""
         s = self.scheduler
@@ -223,27 +290,9 @@ class SimEngine:
         seqs = [item.seq for item in sched.scheduled]
         # nothing may finish before the run's last step: the first finisher ends the run
         steps = min(self.targets[q.seq_id] - q.num_output_tokens for q in seqs) - 1
-        if steps <= 0:
-            return []
-        # the cache must hold every sequence's tokens to the run's end without preempting anyone
-        while steps > 0:
-            need = sum(self.kv.blocks_for(q.num_tokens + 1 + steps) - len(q.block_table) for q in seqs)
-            if need <= self.kv.num_free_blocks:
-                break
-            steps //= 2
-        out = []
-        batch = len(seqs)
-        # step j reads j * batch more context tokens than the first: the profile is linear in context
-        base = self.profile.decode_s(batch) + self.profile.step_overhead_s
-        per_token = self.profile.context_s_per_token
-        context = sum(q.num_computed_tokens for q in seqs)
-        for j in range(1, steps + 1):
-            if t >= horizon:
-                break
-            d = base + per_token * (context + j * batch)
-            out.append(d)
-            t += d
-        return out
+        # the scheduled step (not yet applied) adds one token to each sequence and to the context
+        context = sum(q.num_computed_tokens for q in seqs) + len(seqs)
+        return self._durations(seqs, steps, context, t, horizon, 1)
 
     def take_done(self) -> list[Record]:
         done, self.done = self.done, []
@@ -254,6 +303,9 @@ class SimEngine:
         plan, self.plan = self.plan, None
         assert plan is not None
         sched = plan.sched
+        if sched is None:  # a fast-mode decode run planned without the scheduler
+            self.fast_runs += 1
+            return self._repeat_decode(plan.start, plan.durations)
         now = plan.start + plan.durations[0]
         sampled = []
         accepted_total = drafts = draft_tokens = 0
@@ -291,24 +343,31 @@ class SimEngine:
 
     def _repeat_decode(self, start: float, durations: list[float]) -> list[Record]:
         """A fast-mode run's further steps, all at once: each running sequence gains one token per step,
-        exactly as the scheduler would have given it (room checked by `_run_length`); only the last step
+        exactly as the scheduler would have given it (room checked by `_durations`); only the last step
         can finish a sequence."""
         n, end = len(durations), start + sum(durations)
+        longest = max(durations)
         finished = []
+        kv, bs, records, targets = self.kv, self.kv.block_size, self.records, self.targets
+        tokens = [OUTPUT_ID] * n
         batch = len(self.scheduler.running)
         for seq in list(self.scheduler.running):
-            self.kv.allocate(seq, seq.num_computed_tokens + n)
-            seq.token_ids.extend([OUTPUT_ID] * n)
-            seq.num_computed_tokens += n
-            self.kv.cache_full_blocks(seq)
-            rec = self.records[seq.seq_id]
+            computed = seq.num_computed_tokens
+            if -(-(computed + n) // bs) > len(seq.block_table):  # else `allocate` would add no block
+                kv.allocate(seq, computed + n)
+            seq.token_ids.extend(tokens)
+            seq.num_computed_tokens = computed + n
+            if (computed + n) // bs > computed // bs:  # else no block filled up for the prefix cache
+                kv.cache_full_blocks(seq)
+            rec = records[seq.seq_id]
             rec.itl_sum += end - rec.last_emit_s
             rec.itl_count += n
-            rec.itl_max = max(rec.itl_max, max(durations))
+            if longest > rec.itl_max:
+                rec.itl_max = longest
             if self.keep_itls:
                 rec.itls.extend(durations)
             rec.last_emit_s = end
-            if seq.num_output_tokens >= self.targets[seq.seq_id]:
+            if len(seq.token_ids) - seq.num_prompt_tokens >= targets[seq.seq_id]:
                 finished.append(self._finish(seq, end, "length"))
         m = self.metrics
         m.counters["generation_tokens"] += batch * n

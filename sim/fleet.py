@@ -14,6 +14,7 @@ import asyncio
 import heapq
 import random
 import time
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -23,8 +24,9 @@ from specfleet.operator.inference_service import InferenceService
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import LeastLoaded, RouteRequest
 from specfleet.tuner.actuator import ApplyResult
-from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
+from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, replica_params, spec_config
 from specfleet.tuner.policy import Policy
+from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
 from specfleet.tuner.snapshot import Snapshot
 from specfleet.tuner.sources import ScrapeSource
 from specfleet.tuner.types import LiveSettings, Observation
@@ -34,7 +36,7 @@ from .metrics import LogHistogram
 from .profile import Profile
 from .workload import SimRequest
 
-ARRIVE, DELIVER, STEP, TICK = 0, 1, 2, 3  # same-time order: arrivals first, the tuner last
+ARRIVE, DELIVER, STEP, READY, TICK = 0, 1, 2, 3, 4  # same-time order: arrivals first, the tuner last
 
 
 class SimActuator:
@@ -88,6 +90,8 @@ class Timeline:
     tpot_p95_s: float | None = None
     ttft_p95_s: float | None = None
     arrivals_per_s: float = 0.0
+    ready: int = 0  # replicas the router can send to (the rest are starting)
+    queued: int = 0  # requests the router holds while no replica is ready
 
 
 @dataclass
@@ -102,6 +106,11 @@ class SimRun:
     itl: LogHistogram
     unfinished: int = 0
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    cpu_s: float = 0.0  # the process's CPU time over the run: on a shared machine, steadier than wall time
+    replica_seconds: float = 0.0  # every pod's life (start-up included) within the run's span
+    max_replicas: int = 0
+    replica_decisions: list[dict[str, Any]] = field(default_factory=list)
+    rejected: int = 0  # answered 503: no replica ready within the router's queue timeout
 
 
 class SimFleet:
@@ -119,21 +128,35 @@ class SimFleet:
         keep_itls: bool = False,
         sample_s: float = 10.0,
         accepted_per_pos: tuple[float, ...] = (),
+        autoscale: bool | None = None,
+        startup_s: float | None = None,
     ) -> None:
         spec = isvc.spec
         self.isvc = isvc
         self.profile = profile
-        self.replicas = spec.replicas if replicas is None else replicas
-        if self.replicas < 1:
-            raise ValueError(f"replicas={self.replicas} must be >= 1 to simulate a fleet")
         self.tuning = spec.autotune.enabled if tune is None else tune
+        # replicas are the tuner's knob (spec validation: autoscaling needs autotune): no tuner, no autoscaler
+        if autoscale and not self.tuning:
+            raise ValueError("autoscaling needs the tuner: set spec.autotune.enabled or pass --tune")
+        self.autoscaling = self.tuning and (spec.autoscaling.enabled if autoscale is None else autoscale)
+        if replicas is None:
+            replicas = isvc.desired_replicas if self.autoscaling else spec.replicas
+        self.replicas = replicas  # at the start
+        if self.replicas < (0 if self.autoscaling else 1):
+            raise ValueError(
+                f"replicas={self.replicas} must be >= 1 to simulate a fleet (0 only with autoscaling)"
+            )
+        self.startup_s = profile.startup_s if startup_s is None else startup_s
+        if not self.startup_s >= 0:
+            raise ValueError(f"startup_s={self.startup_s} must be >= 0 seconds")
+        self.queue_timeout_s = float(spec.routing.queue_timeout_seconds)
         self.now = 0.0
         self.itl = LogHistogram()
         self.sample_s = sample_s
         start = spec_config(spec)
         bounds = spec.autotune.bounds
         method = spec.speculative.method
-        limits = Limits(
+        self._limits = Limits(
             max_model_len=spec.model.max_model_len,
             max_num_seqs=max(bounds.max_num_seqs[1], spec.batching.max_num_seqs),
             max_num_batched_tokens=max(
@@ -143,7 +166,8 @@ class SimFleet:
             if method == "none"
             else max(bounds.num_speculative_tokens[1], spec.speculative.num_speculative_tokens),
         )
-        live = LiveConfig(
+        # what a pod's command line starts it with; the tuner brings a new pod to its config at its next tick
+        self._live = LiveConfig(
             num_speculative_tokens=start.num_speculative_tokens,
             max_num_seqs=start.max_num_seqs,
             max_num_batched_tokens=start.max_num_batched_tokens,
@@ -151,28 +175,29 @@ class SimFleet:
             if method != "none"
             else 0,
         )
-        rng = random.Random(seed)
-        self.engines = [
-            SimEngine(
-                i,
-                profile,
-                live,
-                limits,
-                block_size=spec.engine.block_size,
-                prefix_caching=spec.engine.prefix_caching,
-                rng=random.Random(rng.random()),
-                accepted_per_pos=accepted_per_pos,
-                fast=fast,
-                keep_itls=keep_itls,
-                itl_hist=self.itl,
-            )
-            for i in range(self.replicas)
-        ]
-        self.urls = [f"sim://engine-{i}" for i in range(self.replicas)]
-        self.by_url = dict(zip(self.urls, self.engines))
-        self.endpoints = EndpointSet(list(self.urls), ready=True)  # the router's, as `specfleet up` runs it
+        self._rng = random.Random(seed)
+        self._engine_args = {
+            "block_size": spec.engine.block_size,
+            "prefix_caching": spec.engine.prefix_caching,
+            "accepted_per_pos": accepted_per_pos,
+            "fast": fast,
+            "keep_itls": keep_itls,
+        }
+        self.engines: list[SimEngine] = []
+        self.urls: list[str] = []
+        self.by_url: dict[str, SimEngine] = {}
+        self.started_s: list[float] = []  # per engine: when its pod was created (cost counts from there)
+        self.stopped_s: list[float | None] = []  # per engine: when it stopped (None: still running)
+        self.retiring: set[int] = set()  # engines draining after a scale-down
+        self.endpoints = EndpointSet()  # the router's, as `specfleet up` runs it
+        for _ in range(self.replicas):
+            self._add_engine(0.0, ready=True)
         self.routing = LeastLoaded()
         self.tuner: ServiceTuner | None = None
+        self.replica_policy: ReplicaPolicy | None = None
+        self.replica_decisions: list[ReplicaDecision] = []
+        self.queue: deque[tuple[float, int, SimRequest]] = deque()  # the router's: no engine is ready
+        self.rejected = 0  # 503s: no engine ready within the router's queue timeout
         if self.tuning:
             params = params_from_spec(spec, interval_s, window_s)
             self.tuner = ServiceTuner(
@@ -182,13 +207,40 @@ class SimFleet:
                 SimActuator(self),
                 self.ready_urls,
             )
+        if self.autoscaling:
+            self.replica_policy = ReplicaPolicy(replica_params(spec), self.replicas)
+
+    def _add_engine(self, t: float, ready: bool) -> SimEngine:
+        index = len(self.engines)
+        engine = SimEngine(
+            index,
+            self.profile,
+            self._live,
+            self._limits,
+            rng=random.Random(self._rng.random()),
+            itl_hist=self.itl,
+            **self._engine_args,
+        )
+        url = f"sim://engine-{index}"
+        self.engines.append(engine)
+        self.urls.append(url)
+        self.by_url[url] = engine
+        self.started_s.append(t)
+        self.stopped_s.append(None)
+        self.endpoints.set_state(url, ready=ready, draining=False)
+        return engine
+
+    @property
+    def active(self) -> list[SimEngine]:
+        """Engines that count as replicas: started (ready or not) and not retiring."""
+        return [e for e in self.engines if self.stopped_s[e.index] is None and e.index not in self.retiring]
 
     async def ready_urls(self) -> list[str]:
-        return [u for u in self.urls if self.endpoints.get(u) is not None and self.endpoints.get(u).routable]
+        return [u for u in self.urls if (e := self.endpoints.get(u)) is not None and e.routable]
 
     # -- the event loop --------------------------------------------------------------------------------------
     def run(self, requests: Iterable[SimRequest]) -> SimRun:
-        wall = time.perf_counter()
+        wall, cpu = time.perf_counter(), time.process_time()
         loop = asyncio.new_event_loop()
         heap: list[tuple[float, int, int, Any, Any]] = []
         order = 0
@@ -212,6 +264,11 @@ class SimFleet:
         arrivals_since_tick = 0
         next_tick = 0.0
         first_arrival = pending[1].arrival_s if pending else 0.0
+        starting = 0  # engines created and not yet ready
+        # `EndpointSet.routable()` sorts every endpoint; its result changes only with the set's version (the
+        # endpoints' in-flight counts are live in the same objects)
+        routable, routable_version = self.endpoints.routable(), self.endpoints.version
+        route = RouteRequest()
 
         def start(engine: SimEngine, t: float) -> None:
             nonlocal in_flight
@@ -225,23 +282,73 @@ class SimFleet:
                     record.first_token_s += half
                 records.append(record)
                 in_flight -= 1
+            if engine.index in self.retiring and drained(engine):
+                stop(engine, t)  # the pod exits
+
+        def drained(engine: SimEngine) -> bool:  # nothing routed to it is left (delivered or on its way)
+            endpoint = self.endpoints.get(self.urls[engine.index])
+            return endpoint is None or endpoint.outstanding == 0
+
+        def stop(engine: SimEngine, t: float) -> None:
+            self.retiring.discard(engine.index)
+            self.stopped_s[engine.index] = t
+            self.endpoints.remove(self.urls[engine.index])
+            self.routing.forget(self.urls[engine.index])
+
+        def route_to_engine(t: float, index: int, request: SimRequest) -> None:
+            nonlocal in_flight, routable, routable_version
+            if routable_version != self.endpoints.version:  # the router's set, read again on a change
+                routable, routable_version = self.endpoints.routable(), self.endpoints.version
+            choice = self.routing.choose(route, routable)
+            if choice is None:  # no engine ready: the router holds it (scale from zero) or answers 503
+                if self.queue_timeout_s <= 0:
+                    self.rejected += 1
+                    return
+                self.queue.append((t, index, request))
+                if self.replica_policy is not None and self.replica_policy.replicas == 0:
+                    scale(t, self.replica_policy.decide(t, None, None, None, slo(), len(self.queue)))
+                return
+            url = choice.url
+            self.routing.routed(route, url)
+            self.endpoints.acquire(url)
+            engine = self.by_url[url]
+            record = Record(
+                index, request.arrival_s, engine.index, request.prompt_tokens, request.output_tokens
+            )
+            push(t + half, DELIVER, (engine, request, record))
+            in_flight += 1
+
+        def slo():
+            assert self.tuner is not None
+            return self.tuner.policy.params.slo
+
+        def scale(t: float, decision: ReplicaDecision) -> None:
+            """As the local fleet's `scale_to`: new engines join routing once started; the newest retire
+            (drained, then stopped)."""
+            nonlocal starting
+            if decision.kind != "hold" or decision.changed:
+                self.replica_decisions.append(decision)
+            if not decision.changed:
+                return
+            active = self.active
+            for _ in range(decision.replicas - len(active)):
+                engine = self._add_engine(t, ready=False)
+                starting += 1
+                push(t + self.startup_s, READY, engine.index)
+            for engine in sorted(active, key=lambda e: e.index, reverse=True)[
+                : max(0, len(active) - decision.replicas)
+            ]:
+                self.retiring.add(engine.index)
+                self.endpoints.set_state(self.urls[engine.index], ready=False, draining=True)
+                if drained(engine):
+                    stop(engine, t)
 
         while heap:
             t, kind, _, a, b = heapq.heappop(heap)
             self.now = t
             if kind == ARRIVE:
                 index, request = a
-                choice = self.routing.choose(RouteRequest(), self.endpoints.routable())
-                assert choice is not None
-                url = choice.url
-                self.routing.routed(RouteRequest(), url)
-                self.endpoints.acquire(url)
-                engine = self.by_url[url]
-                record = Record(
-                    index, request.arrival_s, engine.index, request.prompt_tokens, request.output_tokens
-                )
-                push(t + half, DELIVER, (engine, request, record))
-                in_flight += 1
+                route_to_engine(t, index, request)
                 arrivals_since_tick += 1
                 pending = next(source, None)
                 if pending is not None:
@@ -264,17 +371,32 @@ class SimFleet:
                     continue  # a fast-mode run that an arrival cut short: its new end is queued
                 engine.finish_step()
                 start(engine, t)
+            elif kind == READY:  # a new pod loaded its model: routable; the router's queue drains to it
+                starting -= 1
+                engine = self.engines[a]
+                if self.stopped_s[a] is not None or a in self.retiring:
+                    continue  # scaled down again before it was ready
+                self.endpoints.set_state(self.urls[engine.index], ready=True, draining=False)
+                held, self.queue = self.queue, deque()
+                for queued_at, index, request in held:
+                    if t - queued_at > self.queue_timeout_s:
+                        self.rejected += 1
+                    else:
+                        route_to_engine(t, index, request)
             else:  # TICK
                 for engine in self.engines:
                     if engine.cut(t):
                         push(engine.plan.end, STEP, engine.index, engine.version)
+                active = self.active
                 entry = Timeline(
                     t,
-                    self.replicas,
+                    len(active),
                     sum(len(e.scheduler.running) for e in self.engines),
                     sum(len(e.scheduler.waiting) for e in self.engines),
-                    self.engines[0].live_config().as_dict(),
+                    (active[0].live_config() if active else self._live).as_dict(),
                     arrivals_per_s=arrivals_since_tick / interval if t > 0 else 0.0,
+                    ready=len(self.endpoints.routable()),
+                    queued=len(self.queue),
                 )
                 arrivals_since_tick = 0
                 if self.tuner is not None:
@@ -285,14 +407,31 @@ class SimFleet:
                         tick.observation.tpot_p95_s,
                         tick.observation.ttft_p95_s,
                     )
-                    entry.config = self.engines[0].live_config().as_dict()
+                    if active:
+                        entry.config = active[0].live_config().as_dict()
+                    if self.replica_policy is not None:  # as the local fleet's `autoscale`
+                        obs, policy = tick.observation, self.tuner.policy
+                        decision = self.replica_policy.decide(
+                            t,
+                            obs,
+                            policy.model(obs) if not obs.error else None,
+                            policy.current,
+                            policy.params.slo,
+                            len(self.queue),
+                        )
+                        scale(t, decision)
+                        entry.replicas, entry.ready = len(self.active), len(self.endpoints.routable())
+                        if decision.kind != "hold" or decision.changed:
+                            entry.reason = f"{entry.reason}; replicas: {decision.reason}"
                 timeline.append(entry)
                 for engine in self.engines:  # settings take effect at the next step; an idle engine has none
                     if engine.plan is None and engine.scheduler.has_unfinished():
                         start(engine, t)
-                if pending is not None or in_flight:
+                if pending is not None or in_flight or self.queue or starting:
                     next_tick = t + interval
                     push(next_tick, TICK)
+        self.rejected += len(self.queue)  # still held at the end: no engine ever became ready
+        self.queue.clear()
         if self.tuner is not None:
             loop.run_until_complete(self.tuner.close())
         loop.close()
@@ -307,6 +446,11 @@ class SimFleet:
             for k in ticks
             if k.decision.changed
         ]
+        span = (first_arrival, end)
+        lives = [
+            max(0.0, min(stopped if stopped is not None else end, span[1]) - max(started, span[0]))
+            for started, stopped in zip(self.started_s, self.stopped_s)
+        ]
         return SimRun(
             records,
             timeline,
@@ -318,4 +462,13 @@ class SimFleet:
             self.itl,
             unfinished=in_flight,
             decisions=decisions,
+            cpu_s=time.process_time() - cpu,
+            replica_seconds=sum(lives),
+            max_replicas=max([self.replicas, *(t.replicas for t in timeline)]),
+            replica_decisions=[
+                {"t": round(d.time, 3), "kind": d.kind, "replicas": d.replicas, "reason": d.reason}
+                for d in self.replica_decisions
+                if d.changed
+            ],
+            rejected=self.rejected,
         )

@@ -58,6 +58,12 @@ class Profile:
     proposal_share: float = 1.0  # share of decoding sequence-steps that get a proposal (n-gram: < 1)
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
     step_overhead_s: float = 0.0  # added to every step: the serving loop's work outside `Engine.step()`
+    # added per sequence that streams a token in a step: the serving loop's per-chunk work (detokenise,
+    # the SSE chunk, the HTTP write), which grows with the batch where the lone-request overhead does not
+    stream_overhead_s: float = 0.0
+    startup_s: float = (
+        0.0  # a new replica's pod start to ready (process, imports, weights): autoscaling's delay
+    )
     hardware: str = ""
     model: str = ""
     notes: str = ""
@@ -70,13 +76,23 @@ class Profile:
             raise ValueError("profile knots must be (tokens, seconds) pairs with increasing tokens")
         if (
             any(s < 0 for _, s in self.knots)
-            or min(self.prefill_s_per_token, self.context_s_per_token, self.draft_s_per_token) < 0
+            or min(
+                self.prefill_s_per_token,
+                self.context_s_per_token,
+                self.draft_s_per_token,
+                self.step_overhead_s,
+                self.stream_overhead_s,
+                self.request_overhead_s,
+            )
+            < 0
         ):
             raise ValueError("profile costs must be >= 0")
         if self.num_kv_blocks < 1 or self.block_size < 1:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} and block_size={self.block_size} must be >= 1"
             )
+        if not self.startup_s >= 0:
+            raise ValueError(f"startup_s={self.startup_s} must be >= 0 seconds")
         if any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos) or not 0.0 <= self.proposal_share <= 1.0:
             raise ValueError("accepted_per_pos and proposal_share must lie in [0, 1]")
 
@@ -96,10 +112,13 @@ class Profile:
         prefill_tokens: float = 0.0,
         context_tokens: float = 0.0,
         draft_tokens: float = 0.0,
+        streams: float = 0.0,
     ) -> float:
+        """One step's seconds; `streams`: the sequences that emit a token in it (each a streamed chunk)."""
         return (
             self.decode_s(decode_tokens)
             + self.step_overhead_s
+            + self.stream_overhead_s * streams
             + self.prefill_s_per_token * prefill_tokens
             + self.context_s_per_token * context_tokens
             + self.draft_s_per_token * draft_tokens

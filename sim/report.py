@@ -86,12 +86,15 @@ def summarize(
     summary["preemptions"] = sum(r["preemptions"] for r in rows)
     prompt = sum(r["prompt_tokens"] for r in rows)
     summary["prefix_cache_hit_rate"] = sum(r["cached_tokens"] for r in rows) / prompt if prompt else 0.0
-    replica_seconds = run.replicas * run.duration_s
+    replica_seconds = run.replica_seconds
     summary["cost"] = {
         "replica_seconds": round(replica_seconds, 1),
         "gpu_hours": round(replica_seconds * gpus_per_replica / 3600.0, 3),
     }
     summary["replicas"] = run.replicas
+    summary["max_replicas"] = run.max_replicas
+    summary["replica_changes"] = run.replica_decisions
+    summary["rejected"] = run.rejected
     summary["tuner_changes"] = len(run.decisions)
     summary["final_config"] = run.timeline[-1].config if run.timeline else None
     summary["profile"] = {"name": profile.name, "kind": profile.kind, "estimate": profile.estimate}
@@ -100,6 +103,8 @@ def summarize(
         "steps": run.steps,
         "requests_per_wall_s": round(len(rows) / max(run.wall_s, 1e-9), 1),
         "simulated_s_per_wall_s": round(run.duration_s / max(run.wall_s, 1e-9), 2),
+        "cpu_s": round(run.cpu_s, 3),
+        "requests_per_cpu_s": round(len(rows) / max(run.cpu_s, 1e-9), 1),
     }
     return summary
 
@@ -126,7 +131,7 @@ def plot(run: SimRun, path: Path, title: str) -> None:
     panels = (
         ("arrivals/s", [p.arrivals_per_s for p in tl]),
         ("in system (running+waiting)", [p.running + p.waiting for p in tl]),
-        ("replicas", [p.replicas for p in tl]),
+        ("replicas (dashed: ready)", [p.replicas for p in tl]),
         ("k", [p.config.get("num_speculative_tokens") for p in tl]),
         ("max_num_seqs", [p.config.get("max_num_seqs") for p in tl]),
         ("TPOT p95 seen by tuner (ms)", [p.tpot_p95_s * 1000 if p.tpot_p95_s else float("nan") for p in tl]),
@@ -134,6 +139,8 @@ def plot(run: SimRun, path: Path, title: str) -> None:
     fig, axes = plt.subplots(len(panels), 1, figsize=(9, 10), sharex=True)
     for ax, (label, values) in zip(axes, panels, strict=True):
         ax.step(t, values, where="post", color="C0")
+        if label.startswith("replicas"):  # the ones the router can send to: the rest are starting
+            ax.step(t, [p.ready for p in tl], where="post", color="C1", linestyle="--")
         ax.set_ylabel(label, fontsize=8)
     axes[-1].set_xlabel("simulated seconds")
     axes[0].set_title(title, fontsize=9)

@@ -74,6 +74,11 @@ BANDWIDTH_EFFICIENCY = 0.8
 FLOPS_EFFICIENCY = 0.6
 STEP_OVERHEAD_S = 0.004
 KV_MEMORY_FRACTION = 0.9  # the engine's default kv_cache_memory_fraction
+# A new replica's start-up (the autoscaler's delay), image already on the node: ~30 s for the container,
+# Python and CUDA initialisation, then the weights read from a network volume at ~1 GB/s (the PVC and
+# object-store reads KServe and llm-d document as the usual cold-start bottleneck). Also an estimate.
+POD_START_S = 30.0
+WEIGHT_LOAD_BYTES_S = 1e9
 
 
 def roofline_profile(
@@ -124,6 +129,7 @@ def roofline_profile(
         block_size=block_size,
         accepted_per_pos=accepted_per_pos,
         proposal_share=proposal_share,
+        startup_s=POD_START_S + weights / WEIGHT_LOAD_BYTES_S,
         hardware=f"{tp} x {hw.name}",
         model=m.name,
         notes=(

@@ -74,6 +74,21 @@ def test_lone_request_times_are_the_profile_steps():
     assert r.output_tokens == 5 and r.finish_reason == "length"
 
 
+def test_stream_overhead_grows_with_the_batch_in_both_modes():
+    p = PROFILE.with_(stream_overhead_s=0.005)  # per sequence that streams a token in a step
+    (lone,) = SimFleet(isvc(), p).run([SimRequest(0.0, 10, 11)]).records
+    assert lone.finish_s - lone.first_token_s == pytest.approx(10 * (0.020 + 0.005))
+    # the first starts alone; the other three join it in one mixed step, then four stream per step until
+    # the first finishes, then three
+    four = [SimRequest(0.0, 10, 11) for _ in range(4)]
+    mixed = 0.020 + 4 * 0.005 + 30 * 0.002
+    for fast in (False, True):
+        first, *rest = sorted(SimFleet(isvc(), p, fast=fast).run(four).records, key=lambda r: r.index)
+        assert first.finish_s - first.first_token_s == pytest.approx(mixed + 9 * (0.020 + 4 * 0.005))
+        for r in rest:
+            assert r.finish_s - r.first_token_s == pytest.approx(9 * (0.020 + 4 * 0.005) + 0.020 + 3 * 0.005)
+
+
 def test_prefix_cache_hits_through_the_real_block_manager():
     reqs = [
         SimRequest(0.0, 80, 2, prefix_group=1, prefix_tokens=64),
@@ -262,3 +277,27 @@ def test_plan_finds_fewest_replicas_and_writes_a_valid_isvc(tmp_path, capsys):
     assert result["runner_up"] is not None
     isvc_doc = load_inference_service(str(out))
     assert isvc_doc.spec.replicas == result["best"]["replicas"] >= 1
+
+
+def test_bench_sim_reads_the_machine_speed_from_the_steps_mix():
+    from specfleet.bench.sim import rescaled, sim_mix
+
+    reqs = list(
+        Synthetic(
+            rates=((0.0, 4.0),),
+            duration_s=20,
+            prompt=Lengths("uniform", 16, 96),
+            output=Lengths("uniform", 16, 64),
+            seed=5,
+        ).requests()
+    )
+    base = PROFILE.with_(step_overhead_s=0.01, stream_overhead_s=0.002)
+    same = SimFleet(isvc(), base)
+    same.run(reqs)
+    slower = SimFleet(isvc(), rescaled(base, 1.5))
+    slower.run(reqs)
+    # against the profile it ran on, a fleet's steps hold what the profile predicts (up to the curve's
+    # bend between the mean and the individual steps); on a 1.5x slower machine, 1.5x that
+    speed = sim_mix(same, base).speed(base)
+    assert 0.9 < speed < 1.1
+    assert sim_mix(slower, base).speed(base) / speed == pytest.approx(1.5, rel=0.1)

@@ -72,6 +72,36 @@ class Taboo:
 
 
 @dataclass
+class Level:
+    """The load level the policy is at, and the config changes made since it began (churn): a level begins
+    at a load shift, or when a clean window's load is no longer similar to the level's."""
+
+    demand: float | None = None  # requests in the system when the level began
+    since: float | None = None
+    changes: int = 0
+    most: int = 0  # the most changes any level has seen
+
+    def begin(self, now: float, demand: float | None) -> None:
+        self.demand, self.since, self.changes = demand, now, 0
+
+    def follow(self, now: float, demand: float | None, params: PolicyParams) -> None:
+        """A clean window: a load no longer like the level's begins a new level (a drift, not a jump)."""
+        if self.since is None or (demand is not None and self.demand is not None
+                                  and not similar(demand, self.demand, params)):
+            self.begin(now, demand)
+        elif self.demand is None:
+            self.demand = demand
+
+    def count(self) -> None:
+        self.changes += 1
+        self.most = max(self.most, self.changes)
+
+    def room(self, changes: int, params: PolicyParams) -> bool:
+        """Whether `changes` more (a change and the revert it may need: 2) stay within the budget."""
+        return self.changes + changes <= params.max_changes_per_load
+
+
+@dataclass
 class Shift:
     """The load shift being waited out: when it was first seen, and the gauges' count at the last interval."""
 

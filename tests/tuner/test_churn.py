@@ -32,13 +32,17 @@ RARE_LAST = dict(per_pos=(0.3, 0.2, 0.05, 0.03), spec_overhead=0.005)  # a short
 
 def run_levels(policy: Policy, start: TunedConfig, levels: list[Plant], windows: int) -> list[list[Decision]]:
     """Closed loop over load levels; each level's first window still holds the previous load (the gauges
-    already read the new one), as a real rate window does right after a step in load. The decisions per level."""
+    already read the new one), and its second is half way, as a real rate window lags a step in load.
+    The decisions per level."""
     config, t, out, previous = start, 0.0, [], None
     for plant in levels:
         decisions = []
         for i in range(windows):
-            mixed = previous is not None and i == 0
-            source = replace(previous, demand_now=plant.demand) if mixed and previous is not None else plant
+            source = plant
+            if previous is not None and i == 0:  # the window still holds the load before
+                source = replace(previous, demand_now=plant.demand)
+            elif previous is not None and i == 1:  # the window's mean half way, as a rate window lags
+                source = replace(plant, demand=(previous.demand + plant.demand) / 2, demand_now=plant.demand)
             decision = policy.decide(source.observe(t, config))
             decisions.append(decision)
             config = decision.config or config
@@ -77,6 +81,14 @@ def test_a_new_level_resets_the_count() -> None:
     assert level.changes == 2
     level.follow(20.0, 32.0, PARAMS)  # a load unlike the level's: a new level (a drift the shift rule missed)
     assert level.changes == 0 and level.room(2, PARAMS) and level.most == 2
+    # after a shift the window's mean lags: its windows do not start a level of their own until one has
+    # turned over, and the level's load is read from that one
+    level.begin(100.0, 24.0)
+    level.count()
+    level.follow(100.0 + INTERVAL / 2, 14.0, PARAMS)  # the mean still mixes the load before the shift
+    assert level.changes == 1 and not level.settled
+    level.follow(100.0 + INTERVAL, 23.0, PARAMS)
+    assert level.changes == 1 and level.settled and level.demand == 23.0
 
 
 LOADS = st.sampled_from([1.0, 2.0, 6.0, 16.0, 48.0])  # pairwise unlike (`similar_load`)

@@ -74,21 +74,28 @@ class Taboo:
 @dataclass
 class Level:
     """The load level the policy is at, and the config changes made since it began (churn): a level begins
-    at a load shift, or when a clean window's load is no longer similar to the level's."""
+    at a load shift's first window, or when a clean window's load is no longer similar to the level's (a
+    drift the shift rule did not see). After a shift the windows' mean lags the load by up to a window, so
+    the level's load is read from the first window that begins after the shift."""
 
-    demand: float | None = None  # requests in the system when the level began
+    demand: float | None = None  # requests in the system at the level (None: not read yet)
     since: float | None = None
     changes: int = 0
     most: int = 0  # the most changes any level has seen
+    settled: bool = False  # `demand` read from a window wholly inside the level
 
-    def begin(self, now: float, demand: float | None) -> None:
-        self.demand, self.since, self.changes = demand, now, 0
+    def begin(self, now: float, demand: float | None, settled: bool = False) -> None:
+        self.demand, self.since, self.changes, self.settled = demand, now, 0, settled
 
     def follow(self, now: float, demand: float | None, params: PolicyParams) -> None:
-        """A clean window: a load no longer like the level's begins a new level (a drift, not a jump)."""
-        if self.since is None or (demand is not None and self.demand is not None
-                                  and not similar(demand, self.demand, params)):
-            self.begin(now, demand)
+        """A clean window (one load): a load no longer like the level's begins a new level."""
+        if self.since is None:
+            self.begin(now, demand, settled=True)
+        elif not self.settled:
+            if now - self.since >= params.window_s:  # the window no longer holds the load before the shift
+                self.demand, self.settled = demand, True
+        elif demand is not None and self.demand is not None and not similar(demand, self.demand, params):
+            self.begin(now, demand, settled=True)
         elif self.demand is None:
             self.demand = demand
 

@@ -77,9 +77,10 @@ def test_a_new_level_resets_the_count() -> None:
     level.count()
     level.count()
     assert not level.room(1, PARAMS) and level.most == 2
-    level.follow(10.0, 2.4, PARAMS)  # a similar load: the same level
-    assert level.changes == 2
-    level.follow(20.0, 32.0, PARAMS)  # a load unlike the level's: a new level (a drift the shift rule missed)
+    for t, wobble in enumerate((2.4, 1.1, 2.2, 1.2)):  # a closed loop at 2 reads so from window to window
+        level.follow(10.0 * (t + 1), wobble, PARAMS)
+    assert level.changes == 2  # the same level: its budget is spent
+    level.follow(60.0, 32.0, PARAMS)  # a load moved as far as a shift: a new level (a drift the rule missed)
     assert level.changes == 0 and level.room(2, PARAMS) and level.most == 2
     # after a shift the window's mean lags: its windows do not start a level of their own until one has
     # turned over, and the level's load is read from that one

@@ -74,9 +74,12 @@ class Taboo:
 @dataclass
 class Level:
     """The load level the policy is at, and the config changes made since it began (churn): a level begins
-    at a load shift's first window, or when a clean window's load is no longer similar to the level's (a
-    drift the shift rule did not see). After a shift the windows' mean lags the load by up to a window, so
-    the level's load is read from the first window that begins after the shift."""
+    at a load shift's first window, or when a clean window's load has moved from the level's as far as a
+    shift (`load.shifting`: a drift the shift rule did not see within one window). Not at a load merely
+    unlike the level's (`similar`): a closed loop at concurrency 2 reads 1.1 to 2.2 from window to window,
+    and each such reading would renew the budget (bench autoscale made three changes in that phase so).
+    After a shift the windows' mean lags the load by up to a window, so the level's load is read from the
+    first window that begins after the shift."""
 
     demand: float | None = None  # requests in the system at the level (None: not read yet)
     since: float | None = None
@@ -94,7 +97,7 @@ class Level:
         elif not self.settled:
             if now - self.since >= params.window_s:  # the window no longer holds the load before the shift
                 self.demand, self.settled = demand, True
-        elif demand is not None and self.demand is not None and not similar(demand, self.demand, params):
+        elif demand is not None and self.demand is not None and shifting(self.demand, demand, params):
             self.begin(now, demand, settled=True)
         elif self.demand is None:
             self.demand = demand

@@ -25,7 +25,9 @@ from typing import Any
 METRIC_PREFIX = "specfleet_"
 KNOB = "knob"  # the dataclass field metadata key that holds a field's `Knob`
 ENGINE = "engine"  # scope: each engine's admin API sets it, each engine's gauge reports it
-SERVICE = "service"  # scope: the service's replica count sets it (Deployment / local fleet), the router reports it
+SERVICE = (
+    "service"  # scope: the service's replica count sets it (Deployment / local fleet), the router reports it
+)
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,20 @@ def camel(snake: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-def _declare(*, help: str, minimum: int, ceiling: str, label: str, default: int | Any = MISSING,
-             search: tuple[int, int] | None = None, spec_path: str | None = None, scope: str = ENGINE) -> Any:
-    return field(default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path, scope)})
+def _declare(
+    *,
+    help: str,
+    minimum: int,
+    ceiling: str,
+    label: str,
+    default: int | Any = MISSING,
+    search: tuple[int, int] | None = None,
+    spec_path: str | None = None,
+    scope: str = ENGINE,
+) -> Any:
+    return field(
+        default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path, scope)}
+    )
 
 
 @dataclass
@@ -77,18 +90,37 @@ class LiveConfig:
     "How to add a tuned knob")."""
 
     num_speculative_tokens: int = _declare(
-        help="Speculative tokens per step (k)", minimum=0, ceiling="speculative_tokens_limit", label="k",
-        search=(0, 8), spec_path="speculative.num_speculative_tokens")
+        help="Speculative tokens per step (k)",
+        minimum=0,
+        ceiling="speculative_tokens_limit",
+        label="k",
+        search=(0, 8),
+        spec_path="speculative.num_speculative_tokens",
+    )
     max_num_seqs: int = _declare(
-        help="Live max_num_seqs", minimum=1, ceiling="seqs_limit", label="seqs", search=(8, 256),
-        spec_path="batching.max_num_seqs")
+        help="Live max_num_seqs",
+        minimum=1,
+        ceiling="seqs_limit",
+        label="seqs",
+        search=(8, 256),
+        spec_path="batching.max_num_seqs",
+    )
     max_num_batched_tokens: int = _declare(
-        help="Live max_num_batched_tokens", minimum=1, ceiling="batched_tokens_limit", label="tokens",
-        search=(512, 8192), spec_path="batching.max_num_batched_tokens")
+        help="Live max_num_batched_tokens",
+        minimum=1,
+        ceiling="batched_tokens_limit",
+        label="tokens",
+        search=(512, 8192),
+        spec_path="batching.max_num_batched_tokens",
+    )
     # Set by the tuner's load-shift rule (the guard), not searched: 0 never disables.
     speculative_disable_by_batch_size: int = _declare(
-        help="Batch size above which a step proposes nothing (0: never)", minimum=0, ceiling="seqs_limit",
-        label="guard", default=0)
+        help="Batch size above which a step proposes nothing (0: never)",
+        minimum=0,
+        ceiling="seqs_limit",
+        label="guard",
+        default=0,
+    )
 
     def as_dict(self) -> dict[str, int]:
         return {knob.name: getattr(self, knob.name) for knob in KNOBS}
@@ -104,9 +136,15 @@ class ServiceConfig:
     spec field that bounds it from above, its `spec_path` the start value (`spec.replicas`)."""
 
     replicas: int = _declare(
-        help="Engine replicas of the service (the tuner's count with spec.autoscaling on)", minimum=0,
-        ceiling="autoscaling.max_replicas", label="replicas", default=1, search=(1, 1), spec_path="replicas",
-        scope=SERVICE)
+        help="Engine replicas of the service (the tuner's count with spec.autoscaling on)",
+        minimum=0,
+        ceiling="autoscaling.max_replicas",
+        label="replicas",
+        default=1,
+        search=(1, 1),
+        spec_path="replicas",
+        scope=SERVICE,
+    )
 
     def as_dict(self) -> dict[str, int]:
         return {knob.name: getattr(self, knob.name) for knob in SERVICE_KNOBS}
@@ -138,5 +176,7 @@ def check_fields(cls: type, expected: tuple[str, ...], what: str) -> None:
     from the declaration; the message says what to add or remove."""
     have = tuple(f.name for f in fields(cls))
     if have != expected:
-        raise TypeError(f"{cls.__qualname__} must have the fields {expected} ({what}, from "
-                        f"specfleet.engine.knobs), in that order; it has {have}")
+        raise TypeError(
+            f"{cls.__qualname__} must have the fields {expected} ({what}, from "
+            f"specfleet.engine.knobs), in that order; it has {have}"
+        )

@@ -46,8 +46,9 @@ class TuningResume(_Status):
     """What the tuner learned, so that a restarted operator continues (tuner/policy/resume.py)."""
 
     spec_hash: str = Field("", max_length=64, description="The spec fields the tuner depends on, hashed.")
-    cost_points: list[list[float]] = Field(default_factory=list, max_length=64,
-                                           description="(decode tokens, prefill tokens, seconds) per step.")
+    cost_points: list[list[float]] = Field(
+        default_factory=list, max_length=64, description="(decode tokens, prefill tokens, seconds) per step."
+    )
     plain_cost_points: list[list[float]] = Field(default_factory=list, max_length=64)
     acceptance: list[AcceptanceWindow] = Field(default_factory=list, max_length=32)
 
@@ -55,13 +56,20 @@ class TuningResume(_Status):
 class _TuningStatus(_Status):
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
-    frozen_by: str | None = Field(None, max_length=256, description="Set while the tuner is frozen: "
-                                  "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.")
+    frozen_by: str | None = Field(
+        None,
+        max_length=256,
+        description="Set while the tuner is frozen: "
+        "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.",
+    )
     observed: TuningObserved | None = None
     resume: TuningResume | None = None
     changes_this_load: int | None = Field(
-        None, ge=0, description="Config changes (reverts and reverted probes included) since the load last "
-        "moved; the policy keeps it at most autotune's change budget per load level (2).")
+        None,
+        ge=0,
+        description="Config changes (reverts and reverted probes included) since the load last "
+        "moved; the policy keeps it at most autotune's change budget per load level (2).",
+    )
 
 
 # The value in force of every live knob (specfleet.engine.knobs), then the tuner's last decision.
@@ -70,8 +78,10 @@ if TYPE_CHECKING:
     TuningStatus = _TuningStatus
 else:
     TuningStatus = create_model(
-        "TuningStatus", __base__=_Status,
-        **_TUNING_KNOBS, **{name: (f.annotation, f) for name, f in _TuningStatus.model_fields.items()},
+        "TuningStatus",
+        __base__=_Status,
+        **_TUNING_KNOBS,
+        **{name: (f.annotation, f) for name, f in _TuningStatus.model_fields.items()},
     )
 
 
@@ -83,8 +93,11 @@ class _AutoscalingStatus(_Status):
     reason: str | None = Field(None, max_length=4096)
     last_scale_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     cold_start_seconds: float | None = Field(
-        None, ge=0, description="Scale from zero: how long the first request the router queued waited for a "
-        "ready engine (the router's measurement), at the last scale-up from zero.")
+        None,
+        ge=0,
+        description="Scale from zero: how long the first request the router queued waited for a "
+        "ready engine (the router's measurement), at the last scale-up from zero.",
+    )
 
 
 # The replica knob's field is named, and bounded below, by its declaration (specfleet.engine.knobs.REPLICAS).
@@ -92,9 +105,15 @@ if TYPE_CHECKING:
     AutoscalingStatus = _AutoscalingStatus
 else:
     AutoscalingStatus = create_model(
-        "AutoscalingStatus", __base__=_Status, __doc__=_AutoscalingStatus.__doc__,
+        "AutoscalingStatus",
+        __base__=_Status,
+        __doc__=_AutoscalingStatus.__doc__,
         **{REPLICAS.name: (int | None, Field(None, ge=REPLICAS.minimum))},
-        **{name: (f.annotation, f) for name, f in _AutoscalingStatus.model_fields.items() if name != REPLICAS.name},
+        **{
+            name: (f.annotation, f)
+            for name, f in _AutoscalingStatus.model_fields.items()
+            if name != REPLICAS.name
+        },
     )
 
 

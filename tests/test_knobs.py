@@ -50,8 +50,12 @@ def test_declaration_is_well_formed() -> None:
     engine = EngineConfig(speculative_method="ngram")
     for knob in KNOBS:
         assert get_knob(knob.name) is knob
-        assert knob.name in {f.name for f in fields(EngineConfig)}, f"EngineConfig lacks {knob.name}'s start value"
-        assert isinstance(getattr(engine, knob.ceiling), int), f"{knob.name}'s ceiling {knob.ceiling} is not on EngineConfig"
+        assert knob.name in {f.name for f in fields(EngineConfig)}, (
+            f"EngineConfig lacks {knob.name}'s start value"
+        )
+        assert isinstance(getattr(engine, knob.ceiling), int), (
+            f"{knob.name}'s ceiling {knob.ceiling} is not on EngineConfig"
+        )
         assert knob.gauge == f"specfleet_{knob.name}" and knob.help
         if knob.searched:
             assert knob.search and knob.minimum <= knob.search[0] <= knob.search[1], knob
@@ -116,7 +120,9 @@ def test_gauges_and_both_tuner_readers_know_every_knob() -> None:
     async def answer(promql: str) -> list[dict[str, Any]]:
         if promql.startswith("count("):
             return [{"metric": {}, "value": [0, "1"]}]
-        knob = next((k for k in SEARCHED if promql.startswith(("min(" + k.gauge + "{", "max(" + k.gauge + "{"))), None)
+        knob = next(
+            (k for k in SEARCHED if promql.startswith(("min(" + k.gauge + "{", "max(" + k.gauge + "{"))), None
+        )
         return [{"metric": {}, "value": [0, str(VALUES[knob.name])]}] if knob else []
 
     source._query = answer  # type: ignore[method-assign]
@@ -166,8 +172,18 @@ def test_crd_knows_every_searched_knob() -> None:
     wide = {k.crd_name: [k.minimum, k.minimum] for k in SEARCHED}
     for knob in SEARCHED:  # autotune on: each start value must lie inside its bounds (the Python twin of CEL)
         with pytest.raises(ValidationError, match=f"autotune.bounds.{knob.crd_name}"):
-            InferenceServiceSpec.model_validate({**SPEC, "autotune": {"enabled": True, "bounds": {
-                **{k.crd_name: [0, 1 << 20] for k in SEARCHED}, knob.crd_name: wide[knob.crd_name]}}})
+            InferenceServiceSpec.model_validate(
+                {
+                    **SPEC,
+                    "autotune": {
+                        "enabled": True,
+                        "bounds": {
+                            **{k.crd_name: [0, 1 << 20] for k in SEARCHED},
+                            knob.crd_name: wide[knob.crd_name],
+                        },
+                    },
+                }
+            )
     status = model_schema(TuningStatus)["properties"]
     assert all(camel(k.name) in status for k in KNOBS)
 
@@ -182,9 +198,11 @@ def test_speculative_methods_have_one_home() -> None:
 
 
 def test_the_operator_and_the_tuner_import_the_declaration_without_torch() -> None:
-    code = ("import sys, specfleet.operator.spec, specfleet.operator.status, specfleet.tuner.loop, "
-            "specfleet.tuner.sources, specfleet.tuner.report; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, specfleet.operator.spec, specfleet.operator.status, specfleet.tuner.loop, "
+        "specfleet.tuner.sources, specfleet.tuner.report; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
@@ -207,7 +225,9 @@ def test_service_knobs_are_declared_once_and_skipped_by_the_engine() -> None:
     assert ALL_KNOBS == KNOBS + SERVICE_KNOBS and get_knob(REPLICAS.name) is REPLICAS
     assert ServiceConfig().as_dict() == {REPLICAS.name: 1}
     for knob in SERVICE_KNOBS:
-        assert knob.name not in NAMES, "a service knob must not be a LiveConfig field (the engine cannot apply it)"
+        assert knob.name not in NAMES, (
+            "a service knob must not be a LiveConfig field (the engine cannot apply it)"
+        )
         with pytest.raises(ValidationError, match=f"{knob.name} is a service knob"):
             AdminConfigPatch(**{knob.name: 2})
         assert knob.gauge not in _rendered(VALUES)  # the engine's exposition skips it
@@ -216,7 +236,10 @@ def test_service_knobs_are_declared_once_and_skipped_by_the_engine() -> None:
     scaling = model_schema(AutoscalingSpec)["properties"]
     assert (scaling["minReplicas"]["default"], scaling["maxReplicas"]["default"]) == (low, high)
     assert scaling["minReplicas"]["minimum"] == REPLICAS.minimum
-    assert model_schema(InferenceServiceSpec)["properties"][REPLICAS.spec_path or ""]["minimum"] == REPLICAS.minimum
+    assert (
+        model_schema(InferenceServiceSpec)["properties"][REPLICAS.spec_path or ""]["minimum"]
+        == REPLICAS.minimum
+    )
     assert (ReplicaParams().min_replicas, ReplicaParams().max_replicas) == (low, high)
     assert REPLICAS.ceiling == "autoscaling.max_replicas" and hasattr(AutoscalingSpec(), "max_replicas")
     status = model_schema(AutoscalingStatus)["properties"]

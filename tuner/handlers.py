@@ -187,9 +187,23 @@ async def tune(
     tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick(frozen_by(body))
     now = timestamp()
-    # The tuner's share of status (status.tuning, the Tuned condition, with autoscaling status.autoscaling)
-    # under its own field manager: the reconcile's conditions are another manager's entries of the same
-    # list-map, which this cannot touch.
+    replicas = _replica_policy(memo, uid, generation, body)
+    if replicas is not None:  # the replica knob, from the same observation and model as the config
+        obs = tick.observation
+        signals = await router_signals(client, meta["namespace"], meta["name"])
+        decision = replicas.decide(
+            time.monotonic(),
+            obs,
+            None if obs.error else tuner.policy.model(obs),
+            tuner.policy.current,
+            tuner.policy.params.slo,
+            signals.queued,
+        )
+        # before the tuner's own apply: an operator upgraded from one whose tuner manager owned
+        # status.autoscaling hands it over here, so that apply (which no longer sends it) cannot remove it
+        await _autoscaled(client, body, meta, status, decision, signals)
+    # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
+    # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
     update = status_patch(
         tick,
         tuner.policy.current,
@@ -209,19 +223,6 @@ async def tune(
         post = kopf.warn if kind == "Warning" else kopf.info
         post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
-    replicas = _replica_policy(memo, uid, generation, body)
-    if replicas is not None:  # the replica knob, from the same observation and model as the config
-        obs = tick.observation
-        signals = await router_signals(client, meta["namespace"], meta["name"])
-        decision = replicas.decide(
-            time.monotonic(),
-            obs,
-            None if obs.error else tuner.policy.model(obs),
-            tuner.policy.current,
-            tuner.policy.params.slo,
-            signals.queued,
-        )
-        await _autoscaled(client, body, meta, status, decision, signals)
 
 
 async def _autoscaled(

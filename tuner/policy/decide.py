@@ -201,8 +201,8 @@ class Policy:
             for c in candidates(current, obs, p.slo, p.bounds, p.limits)
             if c != current and not tabooed(c, obs.demand)
         ]
-        # TPOT misses its target now: a change towards it needs room for itself only, and is not put on
-        # probation (going back would miss the target again), so it never brings a revert into the count
+        # TPOT misses its target now: a change towards it needs room for itself only (the SLO comes before the
+        # budget); it is still judged, so a move the model got wrong is reverted (that revert may be a third)
         tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s
         top = best(options, current, limit, p.change_penalty)
         if not options:
@@ -230,7 +230,6 @@ class Policy:
                 share=share,
                 predicted=quick.goodput,
                 demand=obs.demand,
-                probation=not tpot_over,
             )
         if here.goodput > 0:
             gain = top.goodput / here.goodput - 1.0
@@ -253,7 +252,6 @@ class Policy:
                 share=share,
                 predicted=top.goodput,
                 demand=obs.demand,
-                probation=not tpot_over,
             )
         knee = self._knee()
         for probe in PROBES:

@@ -38,6 +38,7 @@ from specfleet.operator.resources import (
     ENGINE_PORT,
     GROUP,
     LABEL_ISVC,
+    LABEL_ROLE,
     PLURAL,
     ROUTER_PORT,
     TUNER_FIELD_MANAGER,
@@ -63,11 +64,16 @@ SELECTOR_TEMPLATE = os.environ.get(
 
 
 async def ready_pod_urls(
-    client: KubeClient, namespace: str, name: str, label: str = LABEL_ISVC, port: int | None = None
+    client: KubeClient,
+    namespace: str,
+    name: str,
+    role: str | None = None,
+    label: str = LABEL_ISVC,
+    port: int | None = None,
 ) -> list[str]:
-    """http://POD_IP:PORT of each pod with `label`=name whose Ready condition is True (the service's
-    engines on ENGINE_PORT by default)."""
-    selector = quote(f"{label}={name}")
+    """http://POD_IP:PORT of each pod with `label`=name (of one role, with spec.disaggregation) whose Ready
+    condition is True (the service's engines on ENGINE_PORT by default)."""
+    selector = quote(f"{label}={name}" + (f",{LABEL_ROLE}={role}" if role else ""))
     pods = await client.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}") or {}
     urls = []
     for pod in pods.get("items", []):
@@ -86,6 +92,14 @@ async def router_signals(client: KubeClient, namespace: str, name: str) -> Route
     urls = await ready_pod_urls(client, namespace, value, label=label, port=ROUTER_PORT)
     async with httpx.AsyncClient(timeout=2.0) as http:
         return await read_router_signals(http, urls)
+
+
+def prometheus_selector(namespace: str, name: str, role: str | None = None) -> str:
+    """The PromQL label matchers of a service's engine series (of one role: the ServiceMonitor copies the
+    pod's role label onto its series as specfleet_role)."""
+    return SELECTOR_TEMPLATE.format(namespace=namespace, name=name) + (
+        f',specfleet_role="{role}"' if role else ""
+    )
 
 
 def frozen_by(body: kopf.Body) -> str | None:
@@ -117,8 +131,13 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
             delay=10,
         )
 
+    # With spec.disaggregation the tuner tunes and scales the decode engines only, as the local fleet does:
+    # the knobs it moves (k, batch limits) and the SLO it holds (TPOT) are the decode engines'; prefill
+    # engines keep the spec's values (docs/tuner.md). Their series carry specfleet_role (the ServiceMonitor).
+    role = "decode" if isvc.spec.disaggregation is not None else None
+
     async def endpoints() -> list[str]:
-        return await ready_pod_urls(client, namespace, name)
+        return await ready_pod_urls(client, namespace, name, role)
 
     return build_tuner(
         f"{namespace}/{name}",
@@ -127,7 +146,7 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
         read_admin_token(secret),
         admin_url=admin_on_port(ADMIN_PORT),
         prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
-        prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
+        prometheus_selector=prometheus_selector(namespace, name, role),
     )
 
 

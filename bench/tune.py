@@ -257,7 +257,7 @@ async def run_tuner(
                     "reason": tick.decision.reason,
                 }
             )
-            if tick.decision.changed:
+            if tick.decision.changed:  # reverts count: a probe reverted within a load level is churn too
                 key = f"pass {number}: {current[0].name}"
                 changes[key] = changes.get(key, 0) + 1
                 print(f"  [tuner] {tick.decision.kind}: {tick.decision.reason[:160]}", flush=True)
@@ -387,6 +387,8 @@ def summarize(
             sum(p["slo_attainment"] * p["requests"] for p in tuner.values()) / max(requests, 1), 3
         ),
         "changes_per_transition_max": max(changes.values(), default=0),
+        "changes_per_transition": changes,
+        "reverts": sum(1 for point in timeline if point.get("kind") == "revert"),
         "static_passes": len(passes),
         "tuner_passes": len(tuner_passes),
         "goodput_ratio_vs_max": round(tuner_goodput / max(best_max, 1e-9), 3),

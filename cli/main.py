@@ -30,6 +30,10 @@ BENCHES = {
         "routing policies side by side on a shared-prefix multi-turn workload",
     ),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
+    "autoscale": (
+        "specfleet.bench.autoscale",
+        "joint config + replica tuning against the best static, per replica-s",
+    ),
     "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}

@@ -6,6 +6,14 @@ tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`tuner/types.py`), its t
 in `sources.py`, the direct scrape in `snapshot.py`) and the CRD's `autotune.bounds` (`operator/spec.py`).
 `tests/test_knobs.py` walks the declaration and checks that each of them knows every knob.
 
+Two scopes. An engine knob (`ENGINE`, the fields of `LiveConfig`) is set through each engine's admin API
+and reported by each engine's gauge. A service knob (`SERVICE`, the fields of `ServiceConfig`: today
+`replicas`) is set on the service as a whole, by whoever runs the engines (the operator renders it into
+the Deployment's replica count from `status.autoscaling`; `specfleet up` starts and stops engines), and
+reported by the router's gauge; the admin API refuses it by name and the engine gauges skip it. The
+replica policy (`tuner/policy/replicas.py`), `spec.autoscaling`'s bounds, `status.autoscaling` and the
+router's gauge read their names, defaults and limits from its declaration.
+
 Plain Python on purpose: the operator and the tuner import this module, and they stay free of torch.
 """
 
@@ -16,6 +24,10 @@ from typing import Any
 
 METRIC_PREFIX = "specfleet_"
 KNOB = "knob"  # the dataclass field metadata key that holds a field's `Knob`
+ENGINE = "engine"  # scope: each engine's admin API sets it, each engine's gauge reports it
+SERVICE = (
+    "service"  # scope: the service's replica count sets it (Deployment / local fleet), the router reports it
+)
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,7 @@ class Knob:
     # search this knob; a policy rule sets it (`LiveSettings`), or nothing does.
     search: tuple[int, int] | None = None
     spec_path: str | None = None  # where the InferenceService spec holds its start value (searched knobs)
+    scope: str = ENGINE  # ENGINE or SERVICE: who actuates it and who reports it (see the module's docstring)
 
     @property
     def gauge(self) -> str:
@@ -62,8 +75,11 @@ def _declare(
     default: int | Any = MISSING,
     search: tuple[int, int] | None = None,
     spec_path: str | None = None,
+    scope: str = ENGINE,
 ) -> Any:
-    return field(default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path)})
+    return field(
+        default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path, scope)}
+    )
 
 
 @dataclass
@@ -110,10 +126,41 @@ class LiveConfig:
         return {knob.name: getattr(self, knob.name) for knob in KNOBS}
 
 
-KNOBS: tuple[Knob, ...] = tuple(replace(f.metadata[KNOB], name=f.name) for f in fields(LiveConfig))
+@dataclass
+class ServiceConfig:
+    """The knobs of a service as a whole (scope `SERVICE`): not the engines' to apply, so not in
+    `LiveConfig`, the admin API or the engine gauges.
+
+    `replicas`: engines of the service. Its `search` is the default [minReplicas, maxReplicas] of
+    `spec.autoscaling` (the replica policy searches between them with autoscaling on), its `ceiling` the
+    spec field that bounds it from above, its `spec_path` the start value (`spec.replicas`)."""
+
+    replicas: int = _declare(
+        help="Engine replicas of the service (the tuner's count with spec.autoscaling on)",
+        minimum=0,
+        ceiling="autoscaling.max_replicas",
+        label="replicas",
+        default=1,
+        search=(1, 1),
+        spec_path="replicas",
+        scope=SERVICE,
+    )
+
+    def as_dict(self) -> dict[str, int]:
+        return {knob.name: getattr(self, knob.name) for knob in SERVICE_KNOBS}
+
+
+def _knobs(cls: type) -> tuple[Knob, ...]:
+    return tuple(replace(f.metadata[KNOB], name=f.name) for f in fields(cls))
+
+
+KNOBS: tuple[Knob, ...] = _knobs(LiveConfig)  # the engine knobs: admin API, engine gauges, `update_config`
 SEARCHED: tuple[Knob, ...] = tuple(k for k in KNOBS if k.searched)  # the tuner's `TunedConfig`
 RULED: tuple[Knob, ...] = tuple(k for k in KNOBS if not k.searched)  # set by a policy rule, if at all
-_BY_NAME = {k.name: k for k in KNOBS}
+SERVICE_KNOBS: tuple[Knob, ...] = _knobs(ServiceConfig)  # actuated on the service, reported by the router
+REPLICAS: Knob = SERVICE_KNOBS[0]  # the replica policy's knob (`tuner/policy/replicas.py`)
+ALL_KNOBS: tuple[Knob, ...] = KNOBS + SERVICE_KNOBS
+_BY_NAME = {k.name: k for k in ALL_KNOBS}
 
 
 def get_knob(name: str) -> Knob:

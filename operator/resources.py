@@ -15,6 +15,8 @@ SHORT_NAMES = ("isvc",)
 # included: the CRD's conditions list is a map keyed by type) and neither can remove the other's.
 FIELD_MANAGER = "specfleet-operator"  # the reconcile: children, and status except what the tuner owns
 TUNER_FIELD_MANAGER = "specfleet-tuner"  # the tuner: status.tuning and the Tuned condition
+# the tuner's replica knob: status.autoscaling, applied on its own (scale from zero does not wait for an interval)
+AUTOSCALER_FIELD_MANAGER = "specfleet-autoscaler"
 ENGINE_PORT = 8000  # the OpenAI API and /metrics: what the Service exposes
 # The admin API (/admin/config) on its own port, which no Service exposes: the tuner reaches each pod on
 # its IP (and a NetworkPolicy can admit only the operator there), so Service clients cannot try tokens.

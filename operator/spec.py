@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
 from pydantic.alias_generators import to_camel
 from specfleet.engine.config import SPECULATIVE_METHODS
-from specfleet.engine.knobs import SEARCHED, Knob, camel
+from specfleet.engine.knobs import REPLICAS, SEARCHED, Knob, camel
 from specfleet.router.policies import DEFAULT_POLICY, POLICIES
 
 # A field whose CRD schema is the Kubernetes OpenAPI definition named here (see `upstream`).
@@ -630,14 +630,17 @@ class AutoscalingSpec(_Spec):
         "maxReplicas from its goodput model (needs autotune.enabled). Leave it off when an HPA "
         "or KEDA drives the scale subresource: two controllers must not both set replicas.",
     )
+    # The replica knob's range (specfleet.engine.knobs.REPLICAS): its default and its floor come from there.
     min_replicas: int = Field(
-        1,
-        ge=0,
+        REPLICAS.search[0] if REPLICAS.search else 1,
+        ge=REPLICAS.minimum,
         le=1000,
         description="0 allows scale to zero: the router holds requests "
         "(routing.queueTimeoutSeconds) while the first pod starts.",
     )
-    max_replicas: int = Field(1, ge=1, le=1000)
+    max_replicas: int = Field(
+        REPLICAS.search[1] if REPLICAS.search else 1, ge=max(1, REPLICAS.minimum), le=1000
+    )
     scale_up_stabilization_seconds: int = Field(
         0,
         ge=0,
@@ -719,7 +722,9 @@ class InferenceServiceSpec(_Spec):
     engine: EngineSpec = _default_obj(EngineSpec)
     batching: BatchingSpec = _default_obj(BatchingSpec)
     speculative: SpeculativeSpec = _default_obj(SpeculativeSpec)
-    replicas: int = Field(1, ge=0, le=1000)
+    replicas: int = Field(
+        1, ge=REPLICAS.minimum, le=1000
+    )  # the replica knob's start value (REPLICAS.spec_path)
     disaggregation: DisaggregationSpec | None = Field(
         None, description="Split engines into prefill and decode roles; their replicas replace spec.replicas."
     )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model
 from pydantic.alias_generators import to_camel
-from specfleet.engine.knobs import KNOBS
+from specfleet.engine.knobs import KNOBS, REPLICAS
 
 
 class _Status(BaseModel):
@@ -64,6 +64,12 @@ class _TuningStatus(_Status):
     )
     observed: TuningObserved | None = None
     resume: TuningResume | None = None
+    changes_this_load: int | None = Field(
+        None,
+        ge=0,
+        description="Config changes (reverts and reverted probes included) since the load last "
+        "moved; the policy keeps it at most autotune's change budget per load level (2).",
+    )
 
 
 # The value in force of every live knob (specfleet.engine.knobs), then the tuner's last decision.
@@ -79,13 +85,36 @@ else:
     )
 
 
-class AutoscalingStatus(_Status):
+class _AutoscalingStatus(_Status):
     """Written by the tuner when `spec.autoscaling.enabled`: the replica count the reconcile renders into
     the Deployment (the operator never writes `spec.replicas`), and why."""
 
-    replicas: int | None = Field(None, ge=0)
+    replicas: int | None = Field(None, ge=0)  # for the type checker; the model below takes it from REPLICAS
     reason: str | None = Field(None, max_length=4096)
     last_scale_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
+    cold_start_seconds: float | None = Field(
+        None,
+        ge=0,
+        description="Scale from zero: how long the first request the router queued waited for a "
+        "ready engine (the router's measurement), at the last scale-up from zero.",
+    )
+
+
+# The replica knob's field is named, and bounded below, by its declaration (specfleet.engine.knobs.REPLICAS).
+if TYPE_CHECKING:
+    AutoscalingStatus = _AutoscalingStatus
+else:
+    AutoscalingStatus = create_model(
+        "AutoscalingStatus",
+        __base__=_Status,
+        __doc__=_AutoscalingStatus.__doc__,
+        **{REPLICAS.name: (int | None, Field(None, ge=REPLICAS.minimum))},
+        **{
+            name: (f.annotation, f)
+            for name, f in _AutoscalingStatus.model_fields.items()
+            if name != REPLICAS.name
+        },
+    )
 
 
 class InferenceServiceStatus(_Status):

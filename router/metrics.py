@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from specfleet.engine.knobs import REPLICAS
 
 from .endpoints import EndpointSet
 
@@ -50,6 +51,15 @@ class RouterMetrics:
         self.queued = Gauge(
             "specfleet_router_queued", "Requests waiting for a ready engine (scale from zero)", registry=r
         )
+        self.cold_start = Gauge(
+            "specfleet_router_cold_start_seconds",
+            "How long the first request queued with "
+            "no engine ready waited for one, at the last scale from zero",
+            registry=r,
+        )
+        # The replica knob in force as the router sees it (specfleet.engine.knobs.REPLICAS): the engines it
+        # knows that are not draining, ready or still starting (prefill engines apart).
+        self.replicas = Gauge(REPLICAS.gauge, REPLICAS.help, registry=r)
         self.queue_wait = Histogram(
             "specfleet_router_queue_wait_seconds",
             "Time requests waited for a ready engine",
@@ -64,3 +74,4 @@ class RouterMetrics:
             self.in_flight.labels(e.url).set(e.outstanding)
         for state, n in counts.items():
             self.endpoints.labels(state).set(n)
+        self.replicas.set(sum(1 for e in endpoints.all() if not e.draining and e.role != "prefill"))

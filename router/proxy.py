@@ -112,6 +112,7 @@ class Router:
         self._session: aiohttp.ClientSession | None = None
         self._changed = asyncio.Event()
         self._waiting = 0
+        self.cold_start_s: float | None = None  # the last scale from zero: the first queued request's wait
         self.synced = False  # discovery reported at least once: before that, an empty set means "unknown"
 
     # ---- endpoint changes (discovery and the local fleet call this) -------------------------------
@@ -132,6 +133,7 @@ class Router:
         """Scale from zero: hold the request until an engine is ready or the timeout passes."""
         if self.queue_timeout_s <= 0 or self._waiting >= self.max_queue or self.stopping:
             return False
+        first = self._waiting == 0  # the first request held: its wait is the cold start the client saw
         self._waiting += 1
         self.metrics.queued.set(self._waiting)
         if self.on_queue is not None:
@@ -146,6 +148,9 @@ class Router:
                     await asyncio.wait_for(self._changed.wait(), timeout=min(left, 1.0))
                 except TimeoutError:
                     pass
+            if first:
+                self.cold_start_s = time.monotonic() - start
+                self.metrics.cold_start.set(self.cold_start_s)
             return True
         finally:
             self._waiting -= 1

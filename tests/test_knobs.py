@@ -15,7 +15,21 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 from specfleet.engine.config import SPECULATIVE_METHODS, EngineConfig
-from specfleet.engine.knobs import KNOBS, RULED, SEARCHED, LiveConfig, camel, check_fields, get_knob
+from specfleet.engine.knobs import (
+    ALL_KNOBS,
+    ENGINE,
+    KNOBS,
+    REPLICAS,
+    RULED,
+    SEARCHED,
+    SERVICE,
+    SERVICE_KNOBS,
+    LiveConfig,
+    ServiceConfig,
+    camel,
+    check_fields,
+    get_knob,
+)
 from specfleet.operator.crd import model_schema
 from specfleet.operator.spec import AutotuneBounds, InferenceServiceSpec
 from specfleet.operator.status import TuningStatus
@@ -191,3 +205,49 @@ def test_the_operator_and_the_tuner_import_the_declaration_without_torch() -> No
     )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
+
+
+def test_service_knobs_are_declared_once_and_skipped_by_the_engine() -> None:
+    """`replicas` travels through the same registry as k and batch limits: declared in ServiceConfig with its
+    scope, refused by name by the admin API, absent from the engine gauges and status.tuning, and named,
+    defaulted and bounded from its declaration in spec.autoscaling, status.autoscaling, the replica
+    policy and the router's gauge."""
+    from specfleet.engine.server.protocol import AdminConfigPatch
+    from specfleet.operator.spec import AutoscalingSpec
+    from specfleet.operator.status import AutoscalingStatus
+    from specfleet.router.endpoints import EndpointSet
+    from specfleet.router.metrics import RouterMetrics
+    from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaParams
+    from specfleet.tuner.report import autoscaling_status
+
+    assert [k.name for k in SERVICE_KNOBS] == [f.name for f in fields(ServiceConfig)] == [REPLICAS.name]
+    assert all(k.scope == ENGINE for k in KNOBS) and all(k.scope == SERVICE for k in SERVICE_KNOBS)
+    assert ALL_KNOBS == KNOBS + SERVICE_KNOBS and get_knob(REPLICAS.name) is REPLICAS
+    assert ServiceConfig().as_dict() == {REPLICAS.name: 1}
+    for knob in SERVICE_KNOBS:
+        assert knob.name not in NAMES, (
+            "a service knob must not be a LiveConfig field (the engine cannot apply it)"
+        )
+        with pytest.raises(ValidationError, match=f"{knob.name} is a service knob"):
+            AdminConfigPatch(**{knob.name: 2})
+        assert knob.gauge not in _rendered(VALUES)  # the engine's exposition skips it
+        assert knob.crd_name not in model_schema(TuningStatus)["properties"]
+    low, high = REPLICAS.search or (0, 0)
+    scaling = model_schema(AutoscalingSpec)["properties"]
+    assert (scaling["minReplicas"]["default"], scaling["maxReplicas"]["default"]) == (low, high)
+    assert scaling["minReplicas"]["minimum"] == REPLICAS.minimum
+    assert (
+        model_schema(InferenceServiceSpec)["properties"][REPLICAS.spec_path or ""]["minimum"]
+        == REPLICAS.minimum
+    )
+    assert (ReplicaParams().min_replicas, ReplicaParams().max_replicas) == (low, high)
+    assert REPLICAS.ceiling == "autoscaling.max_replicas" and hasattr(AutoscalingSpec(), "max_replicas")
+    status = model_schema(AutoscalingStatus)["properties"]
+    assert status[REPLICAS.crd_name]["minimum"] == REPLICAS.minimum
+    written = autoscaling_status(ReplicaDecision(0.0, 2, 1, "scale-up", "why"), None, "now")
+    assert written[REPLICAS.crd_name] == 2 and AutoscalingStatus.model_validate(written)
+    metrics = RouterMetrics()
+    endpoints = EndpointSet(["http://a", "http://b", "http://c"], ready=True)
+    endpoints.set_state("http://c", draining=True)
+    metrics.observe_endpoints(endpoints)
+    assert metrics.registry.get_sample_value(REPLICAS.gauge) == 2.0  # draining engines are on their way out

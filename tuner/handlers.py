@@ -8,6 +8,10 @@ selector label), the admin token from the `NAME-admin` Secret the reconcile crea
 reconcile renders into the Deployment), plus an Event per change and per transition (frozen, resumed,
 failing static, recovered); never `spec`.
 
+Autoscaling reads the routers too (`router_signals.py`): at every timer tick while the service has zero
+replicas, so that a request the router holds brings the first pod within one tick (5 s), not one interval;
+and at every interval, for the requests held and the cold start the routers measured.
+
 Freeze: `spec.autotune.freeze: true` (in Git) or the annotation `specfleet.io/tuner-freeze: "true"` (a
 `kubectl annotate`, no Git change) holds the config from the next interval on; the annotation is read at
 every tick, so removing it resumes tuning within one interval too.
@@ -20,6 +24,7 @@ import time
 from typing import Any
 from urllib.parse import quote
 
+import httpx
 import kopf
 from specfleet.operator import metrics
 from specfleet.operator.conditions import timestamp
@@ -29,22 +34,26 @@ from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
 from specfleet.operator.resources import (
     ADMIN_PORT,
+    AUTOSCALER_FIELD_MANAGER,
     ENGINE_PORT,
     GROUP,
     LABEL_ISVC,
     LABEL_ROLE,
     PLURAL,
+    ROUTER_PORT,
     TUNER_FIELD_MANAGER,
     VERSION,
     admin_secret_name,
+    router_selector_labels,
 )
 from specfleet.operator.spec import FREEZE_ANNOTATION
 
 from .actuator import admin_on_port
 from .loop import ServiceTuner, build_tuner, replica_params, tuner_fingerprint
-from .policy.replicas import ReplicaPolicy
+from .policy.replicas import ReplicaDecision, ReplicaPolicy
 from .policy.resume import restore, snapshot
 from .report import autoscaling_status, event_for, scale_event, status_patch, transition_events
+from .router_signals import RouterSignals, read_router_signals
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
@@ -54,10 +63,17 @@ SELECTOR_TEMPLATE = os.environ.get(
 )
 
 
-async def ready_pod_urls(client: KubeClient, namespace: str, name: str, role: str | None = None) -> list[str]:
-    """http://POD_IP:8000 of each pod of the service (of one role, with spec.disaggregation) whose Ready
-    condition is True."""
-    selector = quote(f"{LABEL_ISVC}={name}" + (f",{LABEL_ROLE}={role}" if role else ""))
+async def ready_pod_urls(
+    client: KubeClient,
+    namespace: str,
+    name: str,
+    role: str | None = None,
+    label: str = LABEL_ISVC,
+    port: int | None = None,
+) -> list[str]:
+    """http://POD_IP:PORT of each pod with `label`=name (of one role, with spec.disaggregation) whose Ready
+    condition is True (the service's engines on ENGINE_PORT by default)."""
+    selector = quote(f"{label}={name}" + (f",{LABEL_ROLE}={role}" if role else ""))
     pods = await client.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}") or {}
     urls = []
     for pod in pods.get("items", []):
@@ -66,8 +82,16 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str, role: st
             c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
         )
         if ready and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
-            urls.append(f"http://{status['podIP']}:{ENGINE_PORT}")
+            urls.append(f"http://{status['podIP']}:{ENGINE_PORT if port is None else port}")
     return sorted(urls)
+
+
+async def router_signals(client: KubeClient, namespace: str, name: str) -> RouterSignals:
+    """The service's router pods' queue, cold start and replica count (`router_signals.py`)."""
+    ((label, value),) = router_selector_labels(name).items()
+    urls = await ready_pod_urls(client, namespace, value, label=label, port=ROUTER_PORT)
+    async with httpx.AsyncClient(timeout=2.0) as http:
+        return await read_router_signals(http, urls)
 
 
 def prometheus_selector(namespace: str, name: str, role: str | None = None) -> str:
@@ -170,13 +194,35 @@ async def tune(
     tuner, _fingerprint, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
         await tuner.sync_new_pods()  # a pod of a scale-up gets the tuned config now, not at the next interval
+        replicas = _replica_policy(memo, uid, generation, body)
+        if replicas is not None and replicas.replicas == 0:  # scale from zero: the routers' queue, every tick
+            signals = await router_signals(client, meta["namespace"], meta["name"])
+            if signals.queued > 0:
+                decision = replicas.decide(
+                    time.monotonic(), None, None, None, tuner.policy.params.slo, signals.queued
+                )
+                await _autoscaled(client, body, meta, status, decision, signals)
         return
     tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick(frozen_by(body))
     now = timestamp()
-    # The tuner's share of status (status.tuning, the Tuned condition, with autoscaling status.autoscaling)
-    # under its own field manager: the reconcile's conditions are another manager's entries of the same
-    # list-map, which this cannot touch.
+    replicas = _replica_policy(memo, uid, generation, body)
+    if replicas is not None:  # the replica knob, from the same observation and model as the config
+        obs = tick.observation
+        signals = await router_signals(client, meta["namespace"], meta["name"])
+        decision = replicas.decide(
+            time.monotonic(),
+            obs,
+            None if obs.error else tuner.policy.model(obs),
+            tuner.policy.current,
+            tuner.policy.params.slo,
+            signals.queued,
+        )
+        # before the tuner's own apply: an operator upgraded from one whose tuner manager owned
+        # status.autoscaling hands it over here, so that apply (which no longer sends it) cannot remove it
+        await _autoscaled(client, body, meta, status, decision, signals)
+    # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
+    # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
     update = status_patch(
         tick,
         tuner.policy.current,
@@ -185,19 +231,6 @@ async def tune(
         now,
         resume=snapshot(tuner.policy, time.monotonic(), fingerprint),
     )
-    scaled = None
-    replicas = _replica_policy(memo, uid, generation, body)
-    if replicas is not None:  # the replica knob, from the same observation and model as the config
-        obs = tick.observation
-        decision = replicas.decide(
-            time.monotonic(),
-            obs,
-            None if obs.error else tuner.policy.model(obs),
-            tuner.policy.current,
-            tuner.policy.params.slo,
-        )
-        update["autoscaling"] = autoscaling_status(decision, dict(status).get("autoscaling"), now)
-        scaled = scale_event(decision)
     await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
     metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
     if metrics.live(uid):
@@ -205,14 +238,28 @@ async def tune(
             meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"]
         )
     change = event_for(tick.decision)
-    for kind, reason, message in [
-        *transition_events(tick),
-        *([change] if change else []),
-        *([scaled] if scaled else []),
-    ]:
+    for kind, reason, message in [*transition_events(tick), *([change] if change else [])]:
         post = kopf.warn if kind == "Warning" else kopf.info
         post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
+
+
+async def _autoscaled(
+    client: KubeClient,
+    body: kopf.Body,
+    meta: kopf.Meta,
+    status: kopf.Status,
+    decision: ReplicaDecision,
+    signals: RouterSignals,
+) -> None:
+    """`status.autoscaling` under its own field manager, and the `Scaled` Event of a change."""
+    update = autoscaling_status(decision, dict(status).get("autoscaling"), timestamp(), signals.cold_start_s)
+    await client.apply_status(
+        meta["namespace"], meta["name"], {"autoscaling": update}, AUTOSCALER_FIELD_MANAGER
+    )
+    scaled = scale_event(decision)
+    if scaled is not None:
+        kopf.info(body, reason=scaled[1], message=scaled[2][:1000])
 
 
 def _replica_policy(memo: kopf.Memo, uid: str, generation: int, body: kopf.Body) -> ReplicaPolicy | None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from specfleet.engine.knobs import camel
+from specfleet.engine.knobs import REPLICAS, camel
 from specfleet.operator.conditions import Cond, condition_entries
 
 from .loop import Tick
@@ -40,6 +40,8 @@ def tuning_status(
         # What was not observed is left out (the CRD's fields are numbers, not nullable).
         "observed": {key: value for key, value in observed.items() if value is not None},
     }
+    if d.changes_this_load is not None:
+        status["changesThisLoad"] = d.changes_this_load
     if tick.frozen_by is not None:  # left out otherwise: the tuner's next apply drops the field
         status["frozenBy"] = tick.frozen_by
     if config is not None:
@@ -114,12 +116,19 @@ def transition_events(tick: Tick) -> list[tuple[str, str, str]]:
 
 
 def autoscaling_status(
-    decision: ReplicaDecision, previous: dict[str, Any] | None, now: str
+    decision: ReplicaDecision, previous: dict[str, Any] | None, now: str, cold_start_s: float | None = None
 ) -> dict[str, Any]:
-    """`status.autoscaling`: the replica count the reconcile renders into the Deployment, and why."""
+    """`status.autoscaling`: the replica count the reconcile renders into the Deployment, and why; with
+    the routers' measurement, the cold start of the last scale from zero (kept until a new one)."""
     previous = previous or {}
     last = now if decision.changed else previous.get("lastScaleTime")
-    status = {"replicas": decision.replicas, "reason": decision.reason[:4000], "lastScaleTime": last}
+    cold = round(cold_start_s, 3) if cold_start_s is not None else previous.get("coldStartSeconds")
+    status = {
+        REPLICAS.crd_name: decision.replicas,
+        "reason": decision.reason[:4000],
+        "lastScaleTime": last,
+        "coldStartSeconds": cold,
+    }
     return {k: v for k, v in status.items() if v is not None}  # an applied null is refused by the schema
 
 

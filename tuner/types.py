@@ -193,6 +193,9 @@ class Decision:
     predicted_goodput: float | None = None
     observed_goodput: float | None = None
     slo_attainment: float | None = None
+    changes_this_load: int | None = (
+        None  # config changes since the load last moved (the policy's churn count)
+    )
 
     @property
     def changed(self) -> bool:

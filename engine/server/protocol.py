@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
-from specfleet.engine.knobs import KNOBS
+from specfleet.engine.knobs import KNOBS, SERVICE_KNOBS
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.structured_output import spec_from_request
 
@@ -257,6 +257,18 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class _ConfigPatch(StrictModel):
+    @model_validator(mode="before")
+    @classmethod
+    def _no_service_knob(cls, body: Any) -> Any:
+        """A service knob (replicas) is not an engine's to apply: say where it is set instead."""
+        for knob in SERVICE_KNOBS:
+            if isinstance(body, dict) and knob.name in body:
+                raise ValueError(
+                    f"{knob.name} is a service knob, not an engine's: set spec.{knob.spec_path} (or "
+                    "spec.autoscaling, where the tuner decides it), or scale the service"
+                )
+        return body
+
     def changes(self) -> dict[str, int]:
         return {k: v for k, v in self.model_dump().items() if v is not None}
 

@@ -3,6 +3,8 @@ this package. The order and what each step does are in the package's docstring (
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from ..types import Decision, Observation, TunedConfig
 from . import reasons, shift
 from .candidates import best, candidates, fastest, score
@@ -11,7 +13,7 @@ from .memory import Memory
 from .model import LoadModel, attainment, observed_goodput
 from .params import PolicyParams
 from .probes import PROBES, Tabooed
-from .state import Probation, Shift, Taboo
+from .state import Level, Probation, Shift, Taboo
 
 
 class Policy:
@@ -27,6 +29,7 @@ class Policy:
         self.taboo = Taboo()
         self.memory = Memory(params.model)
         self.shift = Shift()
+        self.level = Level()  # the load level and the changes made in it (churn)
         self.guard = 0  # speculative_disable_by_batch_size for the engines (0: never); see `shift.guard_at`
 
     @property
@@ -40,6 +43,10 @@ class Policy:
         return self.memory.model(obs, self.params)
 
     def decide(self, obs: Observation | None, now: float | None = None) -> Decision:
+        decision = self._decide(obs, now)
+        return replace(decision, changes_this_load=self.level.changes)
+
+    def _decide(self, obs: Observation | None, now: float | None = None) -> Decision:
         now = obs.time if obs is not None else (now or 0.0)
         p = self.params
         if obs is None or obs.error:
@@ -86,6 +93,7 @@ class Policy:
             return Decision(now, None, reasons.refused(config, error, None), "hold")
         self.current = previous
         self.last_change = now
+        self.level.count()
         return Decision(now, previous, reasons.refused(config, error, previous), "revert")
 
     # -- steps -------------------------------------------------------------------------------------
@@ -99,6 +107,8 @@ class Policy:
         if seen is None:
             return None
         before, after, previous = seen
+        if self.shift.since == now:  # the first window of this shift: a new load level begins
+            self.level.begin(now, after)
         what, knee = reasons.shifting(before, after), self._knee()
         batch = batch_per_engine(after, obs.engines, self.current.max_num_seqs)
         off = shift.off_on_rise(self.current, obs, after, knee, self.params, self._tabooed(now))
@@ -132,6 +142,7 @@ class Policy:
     def _settled(self, now: float, obs: Observation) -> Decision:
         """Steps 4-7, at a window of one load."""
         p = self.params
+        self.level.follow(now, obs.demand, p)
         if self.last_change is not None and now - self.last_change < p.cooldown_s:
             return self._hold(now, "cooldown", reasons.cooldown(p.cooldown_s - (now - self.last_change)))
         goodput = observed_goodput(obs, p.slo)
@@ -190,6 +201,8 @@ class Policy:
             for c in candidates(current, obs, p.slo, p.bounds, p.limits)
             if c != current and not tabooed(c, obs.demand)
         ]
+        # TPOT misses its target now: a change towards it needs room for itself only (the SLO comes before the
+        # budget); it is still judged, so a move the model got wrong is reverted (that revert may be a third)
         tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s
         top = best(options, current, limit, p.change_penalty)
         if not options:
@@ -204,6 +217,10 @@ class Policy:
                 or quick.tpot_p95_s > here.tpot_p95_s * (1.0 - p.dead_band)
             ):
                 return self._hold(now, "hold", reasons.none_meets(current, limit), goodput, share)
+            if not self.level.room(1 if tpot_over else 2, p):
+                return self._spent(
+                    now, current, f"{quick.config.short()} would move towards the TPOT target", goodput, share
+                )
             return self._change(
                 now,
                 quick.config,
@@ -222,6 +239,10 @@ class Policy:
             reason = reasons.better(
                 current, top, obs, p.slo.tpot_p95_s, gain, tpot_over and gain <= p.dead_band, seen
             )
+            if not self.level.room(1 if tpot_over else 2, p):
+                return self._spent(
+                    now, current, f"{top.config.short()} is predicted {gain:+.0%}", goodput, share
+                )
             return self._change(
                 now,
                 top.config,
@@ -237,6 +258,8 @@ class Policy:
             found = probe(current, obs, p, knee, tabooed)
             if found is not None:
                 config, why = found
+                if not self.level.room(2, p):  # a probe is the change most likely to be reverted
+                    return self._spent(now, current, f"a probe of {config.short()} ({why})", goodput, share)
                 return self._change(
                     now,
                     config,
@@ -270,6 +293,12 @@ class Policy:
             why = reasons.fail_static(why, self.current)
         return Decision(now, None, why, kind, observed_goodput=goodput, slo_attainment=share)
 
+    def _spent(
+        self, now: float, current: TunedConfig, wanted: str, goodput: float | None, share: float | None
+    ) -> Decision:
+        why = reasons.budget_spent(current, wanted, self.level.changes, self.params.max_changes_per_load)
+        return self._hold(now, "hold", why, goodput, share)
+
     def _change(
         self,
         now: float,
@@ -289,4 +318,5 @@ class Policy:
             self.probation = Probation(previous, config, goodput, share, demand, now, probe)
         self.current = config
         self.last_change = now
+        self.level.count()
         return Decision(now, config, reason, kind, predicted, goodput, share)

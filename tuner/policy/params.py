@@ -113,6 +113,12 @@ class PolicyParams:
     # window shorter than the requests makes the mean jumpy); two, so one wave's trough is not taken
     shift_hold_windows: float = 2.0
     guard: bool = True  # keep the engines' speculative_disable_by_batch_size at the load-shift rule's batch
+    # Config changes per load level, reverts and reverted probes included: more than two after one load
+    # change is flapping on an SRE's dashboard (issue 18: a run made three, a shorter-draft probe k 4 -> 2
+    # reverted 2 -> 4 after the load-shift change). A change that probation may revert needs room for its
+    # revert too; the load-shift rules (step 3, not judged) and a change made while TPOT misses its target
+    # (the SLO first; its revert, if the model was wrong, may be a third) need room for one.
+    max_changes_per_load: int = 2
 
     @property
     def cooldown_s(self) -> float:

@@ -188,3 +188,10 @@ def probe_down(last: float) -> str:
 
 def refused(config: TunedConfig, error: str, back_to: TunedConfig | None) -> str:
     return f"engines refused {config.short()}: {error}" + (f"; back to {back_to.short()}" if back_to else "")
+
+
+def budget_spent(current: TunedConfig, wanted: str, changes: int, budget: int) -> str:
+    return (
+        f"holding {current.short()}: {wanted}, but {changes} change(s) since the load last moved leave no room "
+        f"for it and the revert it may need (at most {budget} per load level)"
+    )

@@ -20,14 +20,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
+from specfleet.engine.knobs import REPLICAS
+
 from ..types import SLO, Observation, TunedConfig
 from .model import LoadModel, attainment
 
 
 @dataclass(frozen=True)
 class ReplicaParams:
-    min_replicas: int = 1
-    max_replicas: int = 1
+    # The knob's default range, as `spec.autoscaling`'s (specfleet.engine.knobs.REPLICAS.search).
+    min_replicas: int = (REPLICAS.search or (1, 1))[0]
+    max_replicas: int = (REPLICAS.search or (1, 1))[1]
     # The HPA's defaults: scale up at once, scale down on the highest recommendation of the last 5 minutes.
     scale_up_window_s: float = 0.0
     scale_down_window_s: float = 300.0
@@ -43,9 +46,10 @@ class ReplicaParams:
     min_attainment: float = 0.9
 
     def __post_init__(self) -> None:
-        if not 0 <= self.min_replicas <= self.max_replicas:
+        if not REPLICAS.minimum <= self.min_replicas <= self.max_replicas:
             raise ValueError(
-                f"minReplicas={self.min_replicas} must be >= 0 and <= maxReplicas={self.max_replicas}"
+                f"minReplicas={self.min_replicas} must be >= {REPLICAS.minimum} and <= "
+                f"maxReplicas={self.max_replicas}"
             )
 
 

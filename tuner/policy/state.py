@@ -83,6 +83,46 @@ class Taboo:
 
 
 @dataclass
+class Level:
+    """The load level the policy is at, and the config changes made since it began (churn): a level begins
+    at a load shift's first window, or when a clean window's load has moved from the level's as far as a
+    shift (`load.shifting`: a drift the shift rule did not see within one window). Not at a load merely
+    unlike the level's (`similar`): a closed loop at concurrency 2 reads 1.1 to 2.2 from window to window,
+    and each such reading would renew the budget (bench autoscale made three changes in that phase so).
+    After a shift the windows' mean lags the load by up to a window, so the level's load is read from the
+    first window that begins after the shift."""
+
+    demand: float | None = None  # requests in the system at the level (None: not read yet)
+    since: float | None = None
+    changes: int = 0
+    most: int = 0  # the most changes any level has seen
+    settled: bool = False  # `demand` read from a window wholly inside the level
+
+    def begin(self, now: float, demand: float | None, settled: bool = False) -> None:
+        self.demand, self.since, self.changes, self.settled = demand, now, 0, settled
+
+    def follow(self, now: float, demand: float | None, params: PolicyParams) -> None:
+        """A clean window (one load): a load no longer like the level's begins a new level."""
+        if self.since is None:
+            self.begin(now, demand, settled=True)
+        elif not self.settled:
+            if now - self.since >= params.window_s:  # the window no longer holds the load before the shift
+                self.demand, self.settled = demand, True
+        elif demand is not None and self.demand is not None and shifting(self.demand, demand, params):
+            self.begin(now, demand, settled=True)
+        elif self.demand is None:
+            self.demand = demand
+
+    def count(self) -> None:
+        self.changes += 1
+        self.most = max(self.most, self.changes)
+
+    def room(self, changes: int, params: PolicyParams) -> bool:
+        """Whether `changes` more (a change and the revert it may need: 2) stay within the budget."""
+        return self.changes + changes <= params.max_changes_per_load
+
+
+@dataclass
 class Shift:
     """The load shift being waited out: when it was first seen, and the gauges' count at the last interval."""
 

@@ -11,8 +11,14 @@ Q4_K needs input sizes that are multiples of 256, and this model's 576 is not (l
 tensor too): it is reported as not applicable.
 
 speed: c=1 decode TPOT (one request, 64 greedy tokens after a short prompt; medians of --runs) of
-float32, int8 and gguf in one run, with a breakdown of one decode step: the decoder layers, the head
-(final norm + vocabulary projection), and everything else (scheduling, sampling, Python).
+float32, int8, gguf (int8 activations) and gguf-f32act (float32 activations) in one run, with a breakdown
+of one decode step: the decoder layers, the head (final norm + vocabulary projection), and everything else
+(scheduling, sampling, Python).
+
+stepcost: the engine's decode step time at batches 1..32 (`specfleet profile`'s measurement) for each
+weight form, and the tuner's step-cost fit over those points (tuner/policy/model.py: c0 the floor, c1 per
+token, the knee c0 / c1): a quantized engine streams fewer bytes per step, so its floor c0 is lower, and
+the fit must follow it.
 
 Ends stdout with the JSON on one line.
 """
@@ -35,6 +41,15 @@ BUNDLED = "bundled://smollm2-135m-instruct"
 TEXT = Path(__file__).with_name("data") / "pride_and_prejudice_ch1-3.txt"
 WINDOW = 512  # tokens scored per request: the text in independent windows, each from its own start
 GREEDY_TOKENS = 64
+# Engine kwargs per weight form; the re-quantized forms (Q4_0, Q8_0, int4-g64) run as gguf.
+# gguf runs int8 activations (the default); gguf-f32act keeps them float32 (exact, the old path).
+KINDS: dict[str, dict] = {
+    "fp32": {},
+    "int8": {"quantization": "int8"},
+    "gguf": {"quantization": "gguf"},
+    "gguf-f32act": {"quantization": "gguf", "quantized_activations": "float32"},
+}
+STEPCOST_BATCHES = (1, 2, 4, 8, 16, 32)  # decode batches the step-cost check times: both sides of the knee
 
 
 def requantized(kind: str):
@@ -52,7 +67,9 @@ def requantized(kind: str):
             key = name.removeprefix("model.")
             if not key.endswith("_proj.weight") and key != "embed_tokens.weight":
                 continue
-            if key == "embed_tokens.weight":  # the tied head: Q8_0 as in the bundled file; AWQ/GPTQ keep it float
+            if (
+                key == "embed_tokens.weight"
+            ):  # the tied head: Q8_0 as in the bundled file; AWQ/GPTQ keep it float
                 if kind == "int4-g64":
                     continue
                 key, kind_here = "lm_head.weight", "Q8_0"
@@ -71,7 +88,9 @@ def requantized(kind: str):
                 scale = ((hi - lo) / 15).clamp(min=1e-8).half().float()
                 zero = torch.round(-lo / scale).clamp(0, 15)
                 codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-                out[key] = QuantTensor(codes.reshape(n, k).to(torch.uint8), scale, -zero * scale, 64, 4, "int4-g64")
+                out[key] = QuantTensor(
+                    codes.reshape(n, k).to(torch.uint8), scale, -zero * scale, 64, 4, "int4-g64"
+                )
         return out
 
     return read
@@ -86,7 +105,7 @@ def weights(kind: str):
     if kind in ("Q4_0", "Q8_0", "int4-g64"):
         gguf_file.read_quantized = requantized(kind)
     try:
-        yield {"fp32": {}, "int8": {"quantization": "int8"}}.get(kind, {"quantization": "gguf"})
+        yield KINDS.get(kind, {"quantization": "gguf"})
     finally:
         gguf_file.read_quantized = original
 
@@ -94,7 +113,9 @@ def weights(kind: str):
 def perplexity(llm: LLM) -> float:
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
     windows = [ids[i : i + WINDOW] for i in range(0, len(ids) - 1, WINDOW) if len(ids[i : i + WINDOW]) > 1]
-    results = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+    results = llm.generate(
+        windows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False
+    )
     nll = [-p.logprob for r in results for p in r.prompt_logprobs[1:]]
     return math.exp(sum(nll) / len(nll))
 
@@ -109,8 +130,10 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
     for a, b in zip(ref, got):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         prefix.append(n / len(a))
-    return {"agree_prefix": round(statistics.mean(prefix), 4), "exact": round(sum(a == b for a, b in zip(ref, got))
-                                                                              / len(ref), 4)}
+    return {
+        "agree_prefix": round(statistics.mean(prefix), 4),
+        "exact": round(sum(a == b for a, b in zip(ref, got)) / len(ref), 4),
+    }
 
 
 def quality(kinds: list[str]) -> dict:
@@ -129,7 +152,9 @@ def quality(kinds: list[str]) -> dict:
             out[kind] = row
             print(kind, row, flush=True)
             del llm
-    out["Q4_K"] = {"not_applicable": "input sizes 576 are not multiples of 256 (K-quants need 256-value rows)"}
+    out["Q4_K"] = {
+        "not_applicable": "input sizes 576 are not multiples of 256 (K-quants need 256-value rows)"
+    }
     return out
 
 
@@ -178,17 +203,24 @@ def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
                 t1 = time.perf_counter()
                 prefill_layers, prefill_head = timer.layers, timer.head
                 timer.layers = timer.head = 0.0
-                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS + 1, ignore_eos=True),
-                             use_tqdm=False)
+                llm.generate(
+                    [prompt],
+                    SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS + 1, ignore_eos=True),
+                    use_tqdm=False,
+                )
                 t2 = time.perf_counter()
                 # The two runs differ only by GREEDY_TOKENS decode steps: their difference is decode alone.
                 tpots.append(((t2 - t1) - (t1 - t0)) / GREEDY_TOKENS * 1e3)
                 layers.append((timer.layers - prefill_layers) / GREEDY_TOKENS * 1e3)
                 head.append((timer.head - prefill_head) / GREEDY_TOKENS * 1e3)
             model = llm.engine.runner.model
-            row = {"tpot_ms_p50": round(statistics.median(tpots), 2), "tpot_ms_all": [round(t, 2) for t in tpots],
-                   "step_layers_ms": round(statistics.median(layers), 2), "step_head_ms": round(statistics.median(head), 2),
-                   "weight_bytes_mb": round(weight_bytes(model) / 1e6, 1)}
+            row = {
+                "tpot_ms_p50": round(statistics.median(tpots), 2),
+                "tpot_ms_all": [round(t, 2) for t in tpots],
+                "step_layers_ms": round(statistics.median(layers), 2),
+                "step_head_ms": round(statistics.median(head), 2),
+                "weight_bytes_mb": round(weight_bytes(model) / 1e6, 1),
+            }
             row["step_other_ms"] = round(row["tpot_ms_p50"] - row["step_layers_ms"] - row["step_head_ms"], 2)
             out[kind] = row
             print(kind, row, flush=True)
@@ -197,6 +229,33 @@ def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
     if base:
         for row in out.values():
             row["tpot_ratio_vs_fp32"] = round(row["tpot_ms_p50"] / base, 3)
+    return out
+
+
+def stepcost(kinds: list[str], steps: int) -> dict:
+    from specfleet.sim.measure import Grid, measure
+    from specfleet.tuner.policy.model import fit_step_cost
+
+    grid = Grid(batches=STEPCOST_BATCHES, contexts=(64,), ks=(0,), prefills=(), steps=steps)
+    out = {}
+    for kind in kinds:
+        quantization = KINDS[kind].get("quantization")
+        if set(KINDS[kind]) - {"quantization"}:
+            raise ValueError(f"stepcost measures fp32, int8 and gguf (the engine's defaults), not {kind!r}")
+        points, _ = measure(BUNDLED, grid, kv_gib=0.5, quantization=quantization, progress=False)
+        cost = fit_step_cost([(p.decode_tokens, p.prefill_tokens, p.seconds) for p in points])
+        assert cost is not None
+        out[kind] = {
+            "step_ms": {f"{p.decode_tokens:.0f}": round(p.seconds * 1e3, 2) for p in points},
+            "c0_ms": round(cost.c0 * 1e3, 2),
+            "c1_ms": round(cost.c1 * 1e3, 3),
+            "knee": round(cost.knee, 2),
+        }
+        print(kind, out[kind], flush=True)
+    base = out.get("fp32", {}).get("c0_ms")
+    if base:
+        for row in out.values():
+            row["c0_ratio_vs_fp32"] = round(row["c0_ms"] / base, 3)
     return out
 
 
@@ -214,22 +273,53 @@ def weight_bytes(model) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet bench quant", description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["quality", "speed"])
-    parser.add_argument("--kinds", default=None, help="comma-separated subset (quality: fp32,int8,gguf,Q4_0,Q8_0,"
-                        "int4-g64; speed: fp32,int8,gguf)")
-    parser.add_argument("--runs", type=int, default=5, help="speed: timed runs per form (the median is reported)")
+    parser.add_argument("mode", choices=["quality", "speed", "stepcost"])
+    parser.add_argument(
+        "--kinds",
+        default=None,
+        help="comma-separated subset (quality: fp32,int8,gguf,gguf-f32act,"
+        "Q4_0,Q8_0,int4-g64; speed: fp32,int8,gguf,gguf-f32act; stepcost: fp32,int8,gguf)",
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=5,
+        help="speed: timed runs per form (the median is reported); stepcost: timed steps per batch",
+    )
     parser.add_argument("--threads", type=int, default=None, help="speed: torch and native kernel threads")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.mode == "quality":
-        kinds = (args.kinds or "fp32,int8,gguf,Q4_0,Q8_0,int4-g64").split(",")
-        result = {"bench": "quant-quality", "text": TEXT.name, "window": WINDOW, "greedy_tokens": GREEDY_TOKENS,
-                  "results": quality(kinds)}
-    else:
+        kinds = (args.kinds or "fp32,int8,gguf,gguf-f32act,Q4_0,Q8_0,int4-g64").split(",")
+        result = {
+            "bench": "quant-quality",
+            "text": TEXT.name,
+            "window": WINDOW,
+            "greedy_tokens": GREEDY_TOKENS,
+            "results": quality(kinds),
+        }
+    elif args.mode == "stepcost":
+        if args.threads:
+            torch.set_num_threads(args.threads)
         kinds = (args.kinds or "fp32,int8,gguf").split(",")
-        result = {"bench": "quant-speed", "concurrency": 1, "output_tokens": GREEDY_TOKENS, "runs": args.runs,
-                  "threads": torch.get_num_threads() if not args.threads else args.threads,
-                  "results": speed(kinds, args.runs, args.threads)}
+        result = {
+            "bench": "quant-stepcost",
+            "batches": STEPCOST_BATCHES,
+            "context": 64,
+            "steps": args.runs,
+            "threads": torch.get_num_threads(),
+            "results": stepcost(kinds, args.runs),
+        }
+    else:
+        kinds = (args.kinds or "fp32,int8,gguf,gguf-f32act").split(",")
+        result = {
+            "bench": "quant-speed",
+            "concurrency": 1,
+            "output_tokens": GREEDY_TOKENS,
+            "runs": args.runs,
+            "threads": torch.get_num_threads() if not args.threads else args.threads,
+            "results": speed(kinds, args.runs, args.threads),
+        }
     line = json.dumps(result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -15,10 +15,10 @@ float32, int8, gguf (int8 activations) and gguf-f32act (float32 activations) in 
 of one decode step: the decoder layers, the head (final norm + vocabulary projection), and everything else
 (scheduling, sampling, Python).
 
-stepcost: the engine's decode step time at batches 1..32 (`specfleet profile`'s measurement) for each
-weight form, and the tuner's step-cost fit over those points (tuner/policy/model.py: c0 the floor, c1 per
-token, the knee c0 / c1): a quantized engine streams fewer bytes per step, so its floor c0 is lower, and
-the fit must follow it.
+stepcost: the engine's decode step time at batches 1..32 for each weight form (the forms side by side in
+one process, timed in turns), and the tuner's step-cost fit over those points (tuner/policy/model.py: c0
+the floor, c1 per token, the knee c0 / c1): a quantized engine streams fewer bytes per step, so its floor
+c0 is lower, and the fit must follow it.
 
 Ends stdout with the JSON on one line.
 """
@@ -233,29 +233,55 @@ def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
 
 
 def stepcost(kinds: list[str], steps: int) -> dict:
-    from specfleet.sim.measure import Grid, measure
+    """Decode step time by batch for every form, the engines loaded side by side in this process and timed
+    in turns (engine A's step, then B's, ...), each point the fastest of `steps` turns: a machine shared with
+    other work slows some turns, and the fastest is the step's own cost for every engine alike. Then the
+    tuner's fit (`fit_step_cost`) over each form's points."""
+    from specfleet.engine import SamplingParams
     from specfleet.tuner.policy.model import fit_step_cost
 
-    grid = Grid(batches=STEPCOST_BATCHES, contexts=(64,), ks=(0,), prefills=(), steps=steps)
+    engines = {k: LLM(model=BUNDLED, max_model_len=1024, kv_cache_gib=0.3, **KINDS[k]).engine for k in kinds}
+    times: dict[str, dict[int, float]] = {k: {} for k in kinds}
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    n = 0
+    for batch in STEPCOST_BATCHES:
+        for engine in engines.values():
+            for _ in range(batch):
+                n += 1
+                engine.add_request(f"s{n}", [(n * 7919 + i * 31) % 40000 + 5 for i in range(64)], params)
+            while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+                engine.step()
+            engine.step()  # the first decode step: not timed
+        for _ in range(steps):
+            for kind, engine in engines.items():
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+                times[kind][batch] = min(times[kind].get(batch, elapsed), elapsed)
+        for engine in engines.values():
+            while engine.has_unfinished_requests():
+                engine.step()
+        print(
+            f"batch {batch}: " + ", ".join(f"{k} {t[batch] * 1e3:.1f} ms" for k, t in times.items()),
+            flush=True,
+        )
     out = {}
-    for kind in kinds:
-        quantization = KINDS[kind].get("quantization")
-        if set(KINDS[kind]) - {"quantization"}:
-            raise ValueError(f"stepcost measures fp32, int8 and gguf (the engine's defaults), not {kind!r}")
-        points, _ = measure(BUNDLED, grid, kv_gib=0.5, quantization=quantization, progress=False)
-        cost = fit_step_cost([(p.decode_tokens, p.prefill_tokens, p.seconds) for p in points])
+    for kind, by_batch in times.items():
+        cost = fit_step_cost([(float(b), 0.0, t) for b, t in by_batch.items()])
         assert cost is not None
         out[kind] = {
-            "step_ms": {f"{p.decode_tokens:.0f}": round(p.seconds * 1e3, 2) for p in points},
+            "step_ms": {str(b): round(t * 1e3, 2) for b, t in by_batch.items()},
             "c0_ms": round(cost.c0 * 1e3, 2),
             "c1_ms": round(cost.c1 * 1e3, 3),
             "knee": round(cost.knee, 2),
         }
-        print(kind, out[kind], flush=True)
-    base = out.get("fp32", {}).get("c0_ms")
-    if base:
-        for row in out.values():
-            row["c0_ratio_vs_fp32"] = round(row["c0_ms"] / base, 3)
+    base = out.get("fp32", {})
+    for row in out.values():
+        if base:
+            row["c0_ratio_vs_fp32"] = round(row["c0_ms"] / base["c0_ms"], 3)
+            row["step_ratio_vs_fp32"] = {
+                b: round(t / base["step_ms"][b], 3) for b, t in row["step_ms"].items()
+            }
     return out
 
 
@@ -284,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         "--runs",
         type=int,
         default=5,
-        help="speed: timed runs per form (the median is reported); stepcost: timed steps per batch",
+        help="speed: timed runs per form (the median is reported); stepcost: timed turns per batch (the fastest)",
     )
     parser.add_argument("--threads", type=int, default=None, help="speed: torch and native kernel threads")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")

@@ -49,3 +49,35 @@ def test_prediction_prefers_speculation_at_low_load_and_not_at_high_load() -> No
     off, on = TunedConfig(0, 32, 1024), TunedConfig(4, 32, 1024)
     assert low.predict(on).throughput > 1.5 * low.predict(off).throughput
     assert high.predict(on).throughput < high.predict(off).throughput
+
+
+def _fitted(table) -> StepCost:
+    """The step cost the policy's memory fits from windows of a plant running on `table`, loads 1..32."""
+    from specfleet.tuner.policy.memory import Memory
+
+    from .plant import Plant
+
+    params = ModelParams()
+    memory = Memory(params)
+    config = TunedConfig(num_speculative_tokens=0, max_num_seqs=64, max_num_batched_tokens=2048)
+    for i, demand in enumerate((1, 2, 4, 8, 16, 32)):
+        memory.learn(Plant(demand=demand, steps=table).observe(30.0 * i, config))
+    cost = fit_step_cost(list(memory.plain_cost_points), params)
+    assert cost is not None
+    return cost
+
+
+def test_fit_follows_a_quantized_engines_lower_floor() -> None:
+    """A gguf engine streams a fifth of float32's weight bytes and runs integer dot products: its step floor
+    c0 is lower (measured: `specfleet bench quant stepcost`, docs/tuner.md). Fitted from the windows a plant
+    on each measured step table reports, the gguf engine's c0 follows its lower one-token step, and each
+    fit still predicts its own engine's steps."""
+    from .plant import CPU_2CORES, CPU_2CORES_GGUF
+
+    fp32, gguf = _fitted(CPU_2CORES), _fitted(CPU_2CORES_GGUF)
+    floor_ratio = CPU_2CORES_GGUF.seconds(1) / CPU_2CORES.seconds(1)
+    assert gguf.c0 / fp32.c0 == pytest.approx(floor_ratio, rel=0.2)
+    assert gguf.c0 < 0.6 * fp32.c0
+    for cost, table in ((fp32, CPU_2CORES), (gguf, CPU_2CORES_GGUF)):
+        for tokens in (1, 8, 32):
+            assert cost.step(tokens) == pytest.approx(table.seconds(tokens), rel=0.35), tokens

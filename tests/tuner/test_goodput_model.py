@@ -68,16 +68,19 @@ def _fitted(table) -> StepCost:
 
 
 def test_fit_follows_a_quantized_engines_lower_floor() -> None:
-    """A gguf engine streams a fifth of float32's weight bytes and runs integer dot products: its step floor
-    c0 is lower (measured: `specfleet bench quant stepcost`, docs/tuner.md). Fitted from the windows a plant
-    on each measured step table reports, the gguf engine's c0 follows its lower one-token step, and each
-    fit still predicts its own engine's steps."""
+    """A gguf engine streams a fifth of float32's weight bytes and runs integer dot products: its one-token
+    step is 0.28x float32's (measured, docs/tuner.md). Fitted from the windows a plant on each step table
+    reports (loads 1..32, prefill riding along), the gguf engine's c0 falls at least as far and its knee moves
+    from ~5 tokens to about one: speculation's verification tokens cost compute sooner on it. The smooth
+    roofline fits the lowered table less well at one token (the table keeps float32's kinked slope on a
+    lower floor), so that point's tolerance is wider; the model is used as a ratio, docs/tuner.md."""
     from .plant import CPU_2CORES, CPU_2CORES_GGUF
 
     fp32, gguf = _fitted(CPU_2CORES), _fitted(CPU_2CORES_GGUF)
     floor_ratio = CPU_2CORES_GGUF.seconds(1) / CPU_2CORES.seconds(1)
-    assert gguf.c0 / fp32.c0 == pytest.approx(floor_ratio, rel=0.2)
-    assert gguf.c0 < 0.6 * fp32.c0
+    assert gguf.c0 / fp32.c0 <= floor_ratio
+    assert fp32.knee == pytest.approx(5.0, rel=0.2) and gguf.knee <= 1.5
     for cost, table in ((fp32, CPU_2CORES), (gguf, CPU_2CORES_GGUF)):
-        for tokens in (1, 8, 32):
-            assert cost.step(tokens) == pytest.approx(table.seconds(tokens), rel=0.35), tokens
+        assert cost.step(1) == pytest.approx(table.seconds(1), rel=0.45)
+        for tokens in (8, 32):
+            assert cost.step(tokens) == pytest.approx(table.seconds(tokens), rel=0.2), tokens

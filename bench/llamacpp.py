@@ -190,6 +190,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--log-dir", type=Path, default=Path("bench-results") / "llamacpp", help="server logs"
     )
+    parser.add_argument(
+        "--llama-cpp-url",
+        default=None,
+        help="measure this running llama-server instead of starting bench/anchors/llama_server.sh",
+    )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     configs = args.configs.split(",")
@@ -205,17 +210,20 @@ def main(argv: list[str] | None = None) -> int:
     args.log_dir.mkdir(parents=True, exist_ok=True)
     load_before = os.getloadavg()
 
-    port = free_port()
-    llama = bench_server(
-        "llama.cpp",
-        ["bash", str(SCRIPT), "serve", str(port)],
-        "/health",
-        port,
-        args.log_dir,
-        args.quick,
-        concurrency,
-        "bundled",
-    )
+    if args.llama_cpp_url:  # a llama-server already running (started by hand, or on another port)
+        llama = asyncio.run(measure(args.llama_cpp_url.rstrip("/"), "bundled", args.quick, concurrency))
+    else:
+        port = free_port()
+        llama = bench_server(
+            "llama.cpp",
+            ["bash", str(SCRIPT), "serve", str(port)],
+            "/health",
+            port,
+            args.log_dir,
+            args.quick,
+            concurrency,
+            "bundled",
+        )
     specfleet = {}
     for name in configs:
         port = free_port()

@@ -50,8 +50,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ):
         self.kv = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -148,7 +149,11 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             parent = seq.parent
-            if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
+            if (
+                parent is not None
+                and not parent.is_finished
+                and parent.num_computed_tokens < parent.num_prompt_tokens
+            ):
                 skipped.append(self.waiting.popleft())  # let the sibling compute the shared prompt first
                 continue
             if seq.params.prompt_logprobs is not None:
@@ -189,8 +194,11 @@ class Scheduler:
             if seq.spec_probs is not None:
                 seq.spec_probs = seq.spec_probs[:num_spec] if num_spec else None
         if self.kv.debug:
-            self.kv.note_computed(seq, seq.num_computed_tokens,
-                                  (seq.token_ids + seq.spec_token_ids)[seq.num_computed_tokens : end])
+            self.kv.note_computed(
+                seq,
+                seq.num_computed_tokens,
+                (seq.token_ids + seq.spec_token_ids)[seq.num_computed_tokens : end],
+            )
         return ScheduledSeq(seq, num_new, num_spec, sample=end >= seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -205,8 +213,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- after the model ran ---------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[list[int]],
-               stop: StopCheck | None = None) -> list[tuple[Sequence, int]]:
+    def update(
+        self, out: SchedulerOutput, sampled: list[list[int]], stop: StopCheck | None = None
+    ) -> list[tuple[Sequence, int]]:
         """Advance computed tokens, trim rejected speculation, and append the sampled tokens one at a
         time, asking `stop` after each whether the sequence ends there (then it is finished and the step's
         later tokens are dropped). Returns the sequences that received new tokens, with how many."""

@@ -37,9 +37,13 @@ class RankGroup:
 
     def __init__(self, address: GroupAddress, rank: int):
         self.rank, self.size = rank, address.size
-        dist.init_process_group(address.backend, init_method=f"tcp://{address.host}:{address.port}",
-                                rank=rank, world_size=address.size,
-                                timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        dist.init_process_group(
+            address.backend,
+            init_method=f"tcp://{address.host}:{address.port}",
+            rank=rank,
+            world_size=address.size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
+        )
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(x)

@@ -19,7 +19,9 @@ from specfleet.engine.models.llama import LlamaArgs, LlamaModel
 def stage_layers(num_layers: int, stages: int, stage: int) -> range:
     """The layers of `stage`: equal runs, the first `num_layers % stages` stages one layer longer."""
     if not 1 <= stages <= num_layers:
-        raise ValueError(f"pipeline_parallel_size={stages} must be between 1 and the model's {num_layers} layers")
+        raise ValueError(
+            f"pipeline_parallel_size={stages} must be between 1 and the model's {num_layers} layers"
+        )
     per, extra = divmod(num_layers, stages)
     start = stage * per + min(stage, extra)
     return range(start, start + per + (1 if stage < extra else 0))
@@ -31,7 +33,7 @@ def stage_state(state: dict[str, torch.Tensor], layers: range) -> dict[str, torc
     for name, tensor in state.items():
         short = name.removeprefix("model.")
         if short.startswith("layers."):
-            index, _, rest = short[len("layers."):].partition(".")
+            index, _, rest = short[len("layers.") :].partition(".")
             if int(index) in layers:
                 out[f"layers.{int(index) - layers.start}.{rest}"] = tensor
         else:
@@ -40,8 +42,15 @@ def stage_state(state: dict[str, torch.Tensor], layers: range) -> dict[str, torc
 
 
 class StageLlama(LlamaModel):
-    def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 group: RankGroup, native: bool | None = None):
+    def __init__(
+        self,
+        hf_config,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: RankGroup,
+        native: bool | None = None,
+    ):
         full = LlamaArgs.from_hf(hf_config)
         self.stage, self.stages = group.rank, group.size
         self.layer_range = layers = stage_layers(full.num_layers, group.size, group.rank)

@@ -37,8 +37,15 @@ def rank_config(hf_config, p: ShardPlan):
 class ShardedLlama(LlamaModel):
     """A LlamaModel over one rank's slice; `args.vocab_size` is the whole vocabulary (logits are gathered)."""
 
-    def __init__(self, hf_config, state: dict[str, torch.Tensor], dtype: torch.dtype, device: torch.device,
-                 group: RankGroup, native: bool | None = None):
+    def __init__(
+        self,
+        hf_config,
+        state: dict[str, torch.Tensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        group: RankGroup,
+        native: bool | None = None,
+    ):
         self.plan = p = shard_plan(hf_config, group.size, group.rank)
         head_dim = LlamaArgs.from_hf(hf_config).head_dim
         super().__init__(rank_config(hf_config, p), shard_state(state, p, head_dim), dtype, device, native)
@@ -50,8 +57,10 @@ class ShardedLlama(LlamaModel):
             layer.owns_residual = group.rank == 0
 
     def describe(self) -> str:
-        return f"heads {self.plan.heads.start}-{self.plan.heads.stop - 1}, KV heads " \
-               f"{self.plan.kv_heads.start}-{self.plan.kv_heads.stop - 1}"
+        return (
+            f"heads {self.plan.heads.start}-{self.plan.heads.stop - 1}, KV heads "
+            f"{self.plan.kv_heads.start}-{self.plan.kv_heads.stop - 1}"
+        )
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         start = self.plan.vocab.start

@@ -51,8 +51,14 @@ def _threads_per_rank(size: int) -> int:
     return max(1, (os.cpu_count() or 1) // size)
 
 
-def _load_part(model_path: str, split: str, dtype: torch.dtype, device: torch.device, group: RankGroup,
-               native: bool | None) -> ShardedLlama | StageLlama:
+def _load_part(
+    model_path: str,
+    split: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    group: RankGroup,
+    native: bool | None,
+) -> ShardedLlama | StageLlama:
     """The rank's part of the checkpoint: a tensor-parallel slice or a pipeline stage."""
     from pathlib import Path
 
@@ -63,8 +69,16 @@ def _load_part(model_path: str, split: str, dtype: torch.dtype, device: torch.de
     return cls(load_hf_config(path), load_state_dict(path), dtype, device, group, native)
 
 
-def _worker_main(rank: int, address: GroupAddress, model_path: str, split: str, dtype: torch.dtype,
-                 device_type: str, native: bool | None, conn: multiprocessing.connection.Connection) -> None:
+def _worker_main(
+    rank: int,
+    address: GroupAddress,
+    model_path: str,
+    split: str,
+    dtype: torch.dtype,
+    device_type: str,
+    native: bool | None,
+    conn: multiprocessing.connection.Connection,
+) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
     torch.set_num_threads(_threads_per_rank(address.size))
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
@@ -89,8 +103,13 @@ def _worker_main(rank: int, address: GroupAddress, model_path: str, split: str, 
                     if not kv_caches:
                         a = model.args
                         shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
-                        kv_caches = [(torch.zeros(shape, dtype=dtype, device=device),
-                                      torch.zeros(shape, dtype=dtype, device=device)) for _ in range(a.num_layers)]
+                        kv_caches = [
+                            (
+                                torch.zeros(shape, dtype=dtype, device=device),
+                                torch.zeros(shape, dtype=dtype, device=device),
+                            )
+                            for _ in range(a.num_layers)
+                        ]
                         attn = get_attention_backend(backend, device, dtype)
                     meta = _to(meta, device)
                     attn.prepare(meta)
@@ -105,8 +124,13 @@ def _worker_main(rank: int, address: GroupAddress, model_path: str, split: str, 
 def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
     if device.type == "cpu":
         return meta
-    return replace(meta, **{f: getattr(meta, f).to(device)
-                            for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")})
+    return replace(
+        meta,
+        **{
+            f: getattr(meta, f).to(device)
+            for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+        },
+    )
 
 
 class SplitModel:
@@ -114,13 +138,21 @@ class SplitModel:
 
     split: "tensor" (tensor parallelism over `size` ranks) or "pipeline" (`size` stages)."""
 
-    def __init__(self, model_path: str, split: str, size: int, dtype: torch.dtype, device: torch.device,
-                 native: bool | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        split: str,
+        size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        native: bool | None = None,
+    ):
         if split not in ("tensor", "pipeline"):
             raise ValueError(f"split={split!r} is not 'tensor' or 'pipeline'")
         if device.type == "cuda" and torch.cuda.device_count() < size:
-            raise ValueError(f"{split}_parallel_size={size} needs {size} CUDA devices; "
-                             f"{torch.cuda.device_count()} visible")
+            raise ValueError(
+                f"{split}_parallel_size={size} needs {size} CUDA devices; {torch.cuda.device_count()} visible"
+            )
         self.split = split
         address = GroupAddress("127.0.0.1", _free_port(), size, backend_for(device))
         ctx = mp.get_context("spawn")
@@ -128,8 +160,12 @@ class SplitModel:
         self._conns: list[multiprocessing.connection.Connection] = []
         for rank in range(1, size):
             ours, theirs = ctx.Pipe()
-            proc = ctx.Process(target=_worker_main, name=f"specfleet-tp-rank{rank}", daemon=True,
-                               args=(rank, address, model_path, split, dtype, device.type, native, theirs))
+            proc = ctx.Process(
+                target=_worker_main,
+                name=f"specfleet-tp-rank{rank}",
+                daemon=True,
+                args=(rank, address, model_path, split, dtype, device.type, native, theirs),
+            )
             proc.start()
             theirs.close()
             self._procs.append(proc)
@@ -144,8 +180,13 @@ class SplitModel:
             conn.recv()
         self.args, self.embed = self.local.args, self.local.embed
         self.dtype, self.device = self.local.dtype, self.local.device
-        log.info("event=split_model_ready split=%s size=%d backend=%s rank0=%s", split, size, address.backend,
-                 self.local.describe())
+        log.info(
+            "event=split_model_ready split=%s size=%d backend=%s rank0=%s",
+            split,
+            size,
+            address.backend,
+            self.local.describe(),
+        )
 
     def _send(self, message: tuple) -> None:
         for conn in self._conns:
@@ -155,19 +196,36 @@ class SplitModel:
                 raise WorkerDied(self._death(f"could not send a step ({exc})")) from exc
 
     def _death(self, what: str) -> str:
-        dead = [f"rank {r} exited with code {p.exitcode}" for r, p in enumerate(self._procs, 1) if not p.is_alive()]
-        return f"{self.split}-parallel worker failure: {what}; {', '.join(dead) or 'all workers still running'}"
+        dead = [
+            f"rank {r} exited with code {p.exitcode}"
+            for r, p in enumerate(self._procs, 1)
+            if not p.is_alive()
+        ]
+        return (
+            f"{self.split}-parallel worker failure: {what}; {', '.join(dead) or 'all workers still running'}"
+        )
 
     def _run(self, call, *args):
         try:
             return call(*args)
         except RuntimeError as exc:  # a collective that lost a peer
-            raise WorkerDied(self._death(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)) from exc
+            raise WorkerDied(
+                self._death(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+            ) from exc
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, attn):
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, attn
+    ):
         cache = (kv_caches[0][0].shape[0], kv_caches[0][0].shape[1], attn.name)
-        self._send(("forward", input_ids.cpu(), positions.cpu(), _to(replace(meta, backend_state=None),
-                                                                      torch.device("cpu")), cache))
+        self._send(
+            (
+                "forward",
+                input_ids.cpu(),
+                positions.cpu(),
+                _to(replace(meta, backend_state=None), torch.device("cpu")),
+                cache,
+            )
+        )
         return self._run(self.local.forward, input_ids, positions, kv_caches, meta, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

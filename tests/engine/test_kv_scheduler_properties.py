@@ -84,7 +84,10 @@ def test_scheduler_and_blocks_keep_invariants(seed, num_blocks, max_seqs, budget
 
 
 @settings(max_examples=80, deadline=None)
-@given(a=st.lists(st.integers(0, 2), min_size=1, max_size=24), b=st.lists(st.integers(0, 2), min_size=1, max_size=24))
+@given(
+    a=st.lists(st.integers(0, 2), min_size=1, max_size=24),
+    b=st.lists(st.integers(0, 2), min_size=1, max_size=24),
+)
 def test_prefix_hits_only_on_identical_full_blocks(a, b):
     kv = BlockManager(32, BS, debug=False)  # blocks filled by hand, not computed
     first = Sequence(0, "a", 0, list(a), len(a), SamplingParams())

@@ -103,7 +103,9 @@ def test_ngram_speculation_on_the_decode_side(tiny_llama, prefill, reference):
 
 def test_prefill_engine_dead_after_first_token_decode_recomputes(tiny_llama, prefill, reference):
     prompt = _prompts()[4]
-    prefill.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=1), {"do_remote_decode": True})
+    prefill.add_request(
+        "p", prompt, SamplingParams(temperature=0.0, max_tokens=1), {"do_remote_decode": True}
+    )
     outs = []
     while prefill.has_unfinished_requests():
         outs += [o for o in prefill.step() if o.finished]
@@ -166,8 +168,14 @@ def test_kv_transfer_params_are_validated(tiny_llama, prefill):
             decode.add_request("v", [5, 6, 7], SamplingParams(max_tokens=1), {"do_remote_decode": True})
         with pytest.raises(ParameterError, match="missing"):
             decode.add_request("v", [5, 6, 7], SamplingParams(max_tokens=4), {"remote_host": "127.0.0.1"})
-        good = dict(remote_host="127.0.0.1", remote_port=1, transfer_id="t", num_tokens=3, num_blocks=1,
-                    first_token_id=9)
+        good = dict(
+            remote_host="127.0.0.1",
+            remote_port=1,
+            transfer_id="t",
+            num_tokens=3,
+            num_blocks=1,
+            first_token_id=9,
+        )
         with pytest.raises(ValueError, match="do not match the prompt"):
             decode.add_request("v", [5, 6, 7, 8], SamplingParams(max_tokens=4), good)
         assert decode.kv.num_used_blocks == 0

@@ -15,7 +15,9 @@ from specfleet.engine.distributed.workers import WorkerDied
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_numbers():
     # SmolLM2-135M: 9 attention heads, 3 KV heads, MLP width 1536, vocab 49152
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads"
+    ):
         plan(9, 3, 1536, 49152, 2, 0)
     with pytest.raises(ValueError, match="MLP width of 1536"):
         plan(9, 3, 1536, 49152, 9, 0)
@@ -46,20 +48,34 @@ def test_the_slices_of_all_ranks_put_back_together_are_the_weights(size):
     shards = [shard_state(state, plan(4, 2, 24, 10, size, rank), head_dim) for rank in range(size)]
     cat = lambda name, dim: torch.cat([s[name] for s in shards], dim=dim)  # noqa: E731
     for name in ("q_proj.weight", "q_proj.bias"):
-        assert torch.equal(cat(f"model.layers.0.self_attn.{name}", 0), state[f"model.layers.0.self_attn.{name}"])
-    assert torch.equal(cat("model.layers.0.self_attn.o_proj.weight", 1), state["model.layers.0.self_attn.o_proj.weight"])
+        assert torch.equal(
+            cat(f"model.layers.0.self_attn.{name}", 0), state[f"model.layers.0.self_attn.{name}"]
+        )
+    assert torch.equal(
+        cat("model.layers.0.self_attn.o_proj.weight", 1), state["model.layers.0.self_attn.o_proj.weight"]
+    )
     for name in ("gate_proj", "up_proj"):
-        assert torch.equal(cat(f"model.layers.0.mlp.{name}.weight", 0), state[f"model.layers.0.mlp.{name}.weight"])
-    assert torch.equal(cat("model.layers.0.mlp.down_proj.weight", 1), state["model.layers.0.mlp.down_proj.weight"])
+        assert torch.equal(
+            cat(f"model.layers.0.mlp.{name}.weight", 0), state[f"model.layers.0.mlp.{name}.weight"]
+        )
+    assert torch.equal(
+        cat("model.layers.0.mlp.down_proj.weight", 1), state["model.layers.0.mlp.down_proj.weight"]
+    )
     for name in ("model.embed_tokens.weight", "lm_head.weight"):  # 10 rows in shards of ceil(10 / size)
         whole = cat(name, 0)
         assert torch.equal(whole[:10], state[name]) and not whole[10:].any()
-    assert all(torch.equal(s["model.layers.0.input_layernorm.weight"], state["model.layers.0.input_layernorm.weight"])
-               for s in shards)
+    assert all(
+        torch.equal(
+            s["model.layers.0.input_layernorm.weight"], state["model.layers.0.input_layernorm.weight"]
+        )
+        for s in shards
+    )
     k = state["model.layers.0.self_attn.k_proj.weight"]
     for rank, s in enumerate(shards):  # 2 KV heads: split over 2 ranks, replicated over 4
         p = plan(4, 2, 24, 10, size, rank)
-        assert torch.equal(s["model.layers.0.self_attn.k_proj.weight"], k[p.kv_heads.start * 4 : p.kv_heads.stop * 4])
+        assert torch.equal(
+            s["model.layers.0.self_attn.k_proj.weight"], k[p.kv_heads.start * 4 : p.kv_heads.stop * 4]
+        )
         group = 4 // 2  # query heads per KV head: each rank's query heads read the KV heads it holds
         assert {h // group for h in p.heads} <= set(p.kv_heads)
 
@@ -67,12 +83,22 @@ def test_the_slices_of_all_ranks_put_back_together_are_the_weights(size):
 def _tiny(kind: str, tmp_path, bundled_path, vocab: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  tie_word_embeddings=kind == "llama")
-    config = {"llama": lambda: LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
-              "mistral": lambda: MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"]),
-              "qwen2": lambda: Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])}[kind]()
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=kind == "llama",
+    )
+    config = {
+        "llama": lambda: LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
+        "mistral": lambda: MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"]),
+        "qwen2": lambda: Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
+    }[kind]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random weights large enough that greedy tokens vary
@@ -84,7 +110,11 @@ def _tiny(kind: str, tmp_path, bundled_path, vocab: int):
     return f"file://{tmp_path}"
 
 
-PROMPTS = [[1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000], [42], [3, 1, 4, 1, 5, 9, 2, 6]]
+PROMPTS = [
+    [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000],
+    [42],
+    [3, 1, 4, 1, 5, 9, 2, 6],
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
 # Row-parallel partial sums are added in a different order than one matmul adds them: float32 logits of
 # unit-scale activations then differ in the last bits, far below this.

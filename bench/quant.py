@@ -11,8 +11,14 @@ Q4_K needs input sizes that are multiples of 256, and this model's 576 is not (l
 tensor too): it is reported as not applicable.
 
 speed: c=1 decode TPOT (one request, 64 greedy tokens after a short prompt; medians of --runs) of
-float32, int8 and gguf in one run, with a breakdown of one decode step: the decoder layers, the head
-(final norm + vocabulary projection), and everything else (scheduling, sampling, Python).
+float32, int8, gguf (int8 activations) and gguf-f32act (float32 activations) in one run, with a breakdown
+of one decode step: the decoder layers, the head (final norm + vocabulary projection), and everything else
+(scheduling, sampling, Python).
+
+stepcost: the engine's decode step time at batches 1..32 for each weight form (the forms side by side in
+one process, timed in turns), and the tuner's step-cost fit over those points (tuner/policy/model.py: c0
+the floor, c1 per token, the knee c0 / c1): a quantized engine streams fewer bytes per step, so its floor
+c0 is lower, and the fit must follow it.
 
 Ends stdout with the JSON on one line.
 """
@@ -35,6 +41,15 @@ BUNDLED = "bundled://smollm2-135m-instruct"
 TEXT = Path(__file__).with_name("data") / "pride_and_prejudice_ch1-3.txt"
 WINDOW = 512  # tokens scored per request: the text in independent windows, each from its own start
 GREEDY_TOKENS = 64
+# Engine kwargs per weight form; the re-quantized forms (Q4_0, Q8_0, int4-g64) run as gguf.
+# gguf runs int8 activations (the default); gguf-f32act keeps them float32 (exact, the old path).
+KINDS: dict[str, dict] = {
+    "fp32": {},
+    "int8": {"quantization": "int8"},
+    "gguf": {"quantization": "gguf"},
+    "gguf-f32act": {"quantization": "gguf", "quantized_activations": "float32"},
+}
+STEPCOST_BATCHES = (1, 2, 4, 8, 16, 32)  # decode batches the step-cost check times: both sides of the knee
 
 
 def requantized(kind: str):
@@ -90,7 +105,7 @@ def weights(kind: str):
     if kind in ("Q4_0", "Q8_0", "int4-g64"):
         gguf_file.read_quantized = requantized(kind)
     try:
-        yield {"fp32": {}, "int8": {"quantization": "int8"}}.get(kind, {"quantization": "gguf"})
+        yield KINDS.get(kind, {"quantization": "gguf"})
     finally:
         gguf_file.read_quantized = original
 
@@ -217,6 +232,59 @@ def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
     return out
 
 
+def stepcost(kinds: list[str], steps: int) -> dict:
+    """Decode step time by batch for every form, the engines loaded side by side in this process and timed
+    in turns (engine A's step, then B's, ...), each point the fastest of `steps` turns: a machine shared with
+    other work slows some turns, and the fastest is the step's own cost for every engine alike. Then the
+    tuner's fit (`fit_step_cost`) over each form's points."""
+    from specfleet.engine import SamplingParams
+    from specfleet.tuner.policy.model import fit_step_cost
+
+    engines = {k: LLM(model=BUNDLED, max_model_len=1024, kv_cache_gib=0.3, **KINDS[k]).engine for k in kinds}
+    times: dict[str, dict[int, float]] = {k: {} for k in kinds}
+    params = SamplingParams(temperature=0, max_tokens=steps + 8, ignore_eos=True)
+    n = 0
+    for batch in STEPCOST_BATCHES:
+        for engine in engines.values():
+            for _ in range(batch):
+                n += 1
+                engine.add_request(f"s{n}", [(n * 7919 + i * 31) % 40000 + 5 for i in range(64)], params)
+            while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+                engine.step()
+            engine.step()  # the first decode step: not timed
+        for _ in range(steps):
+            for kind, engine in engines.items():
+                start = time.perf_counter()
+                engine.step()
+                elapsed = time.perf_counter() - start
+                times[kind][batch] = min(times[kind].get(batch, elapsed), elapsed)
+        for engine in engines.values():
+            while engine.has_unfinished_requests():
+                engine.step()
+        print(
+            f"batch {batch}: " + ", ".join(f"{k} {t[batch] * 1e3:.1f} ms" for k, t in times.items()),
+            flush=True,
+        )
+    out = {}
+    for kind, by_batch in times.items():
+        cost = fit_step_cost([(float(b), 0.0, t) for b, t in by_batch.items()])
+        assert cost is not None
+        out[kind] = {
+            "step_ms": {str(b): round(t * 1e3, 2) for b, t in by_batch.items()},
+            "c0_ms": round(cost.c0 * 1e3, 2),
+            "c1_ms": round(cost.c1 * 1e3, 3),
+            "knee": round(cost.knee, 2),
+        }
+    base = out.get("fp32", {})
+    for row in out.values():
+        if base:
+            row["c0_ratio_vs_fp32"] = round(row["c0_ms"] / base["c0_ms"], 3)
+            row["step_ratio_vs_fp32"] = {
+                b: round(t / base["step_ms"][b], 3) for b, t in row["step_ms"].items()
+            }
+    return out
+
+
 def weight_bytes(model) -> int:
     """Bytes of the matmul weights one decode step streams (panels, scales, mins)."""
     total = 0
@@ -231,20 +299,24 @@ def weight_bytes(model) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet bench quant", description=__doc__.split("\n\n")[0])
-    parser.add_argument("mode", choices=["quality", "speed"])
+    parser.add_argument("mode", choices=["quality", "speed", "stepcost"])
     parser.add_argument(
         "--kinds",
         default=None,
-        help="comma-separated subset (quality: fp32,int8,gguf,Q4_0,Q8_0,int4-g64; speed: fp32,int8,gguf)",
+        help="comma-separated subset (quality: fp32,int8,gguf,gguf-f32act,"
+        "Q4_0,Q8_0,int4-g64; speed: fp32,int8,gguf,gguf-f32act; stepcost: fp32,int8,gguf)",
     )
     parser.add_argument(
-        "--runs", type=int, default=5, help="speed: timed runs per form (the median is reported)"
+        "--runs",
+        type=int,
+        default=5,
+        help="speed: timed runs per form (the median is reported); stepcost: timed turns per batch (the fastest)",
     )
     parser.add_argument("--threads", type=int, default=None, help="speed: torch and native kernel threads")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.mode == "quality":
-        kinds = (args.kinds or "fp32,int8,gguf,Q4_0,Q8_0,int4-g64").split(",")
+        kinds = (args.kinds or "fp32,int8,gguf,gguf-f32act,Q4_0,Q8_0,int4-g64").split(",")
         result = {
             "bench": "quant-quality",
             "text": TEXT.name,
@@ -252,8 +324,20 @@ def main(argv: list[str] | None = None) -> int:
             "greedy_tokens": GREEDY_TOKENS,
             "results": quality(kinds),
         }
-    else:
+    elif args.mode == "stepcost":
+        if args.threads:
+            torch.set_num_threads(args.threads)
         kinds = (args.kinds or "fp32,int8,gguf").split(",")
+        result = {
+            "bench": "quant-stepcost",
+            "batches": STEPCOST_BATCHES,
+            "context": 64,
+            "steps": args.runs,
+            "threads": torch.get_num_threads(),
+            "results": stepcost(kinds, args.runs),
+        }
+    else:
+        kinds = (args.kinds or "fp32,int8,gguf,gguf-f32act").split(",")
         result = {
             "bench": "quant-speed",
             "concurrency": 1,

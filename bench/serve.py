@@ -294,7 +294,12 @@ def write_trace(results: list[Result], mix: list[BenchRequest], path: str) -> No
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet bench serve", description=__doc__.splitlines()[0])
-    p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
+    p.add_argument(
+        "--url",
+        required=True,
+        help="server base URL, e.g. http://127.0.0.1:8000 (or, instead of "
+        "it, --compare-llama-cpp [--quick]: llama.cpp's server against specfleet's configs)",
+    )
     load = p.add_argument_group("load (default: all requests at once)")
     load.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals, requests/s")
     load.add_argument(
@@ -332,6 +337,12 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         argv = argv[1:]
+    if (
+        "--compare-llama-cpp" in argv
+    ):  # llama.cpp's server and specfleet's configs side by side (bench/llamacpp.py)
+        from specfleet.bench import llamacpp
+
+        return llamacpp.main([a for a in argv if a != "--compare-llama-cpp"])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -25,6 +25,10 @@ BENCHES = {
     "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
     "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
     "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
+    "llamacpp": (
+        "specfleet.bench.llamacpp",
+        "llama.cpp's own server against specfleet's configs, same prompts",
+    ),
     "route": (
         "specfleet.bench.route",
         "routing policies side by side on a shared-prefix multi-turn workload",

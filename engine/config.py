@@ -12,6 +12,7 @@ __all__ = [
     "DRAFT_QUANTIZATIONS",
     "KV_ROLES",
     "QUANTIZATIONS",
+    "QUANTIZED_ACTIVATIONS",
     "SPECULATIVE_METHODS",
     "EngineConfig",
     "LiveConfig",
@@ -26,6 +27,10 @@ SPECULATIVE_METHODS = ("none", "ngram", "draft")
 # awq and gptq also on CUDA through the Triton dequantize-matmul (kernels/quant_matmul.py).
 QUANTIZATIONS = (None, "int8", "gguf", "awq", "gptq")
 DRAFT_QUANTIZATIONS = (None, "int8")
+# Activations of the grouped-quantized weights (gguf, awq, gptq) on the native CPU kernels: int8 quantizes
+# each row per 32 values and runs integer dot products, as llama.cpp's CPU path does; float32 keeps them
+# exact (dequantize in registers). Measured in docs/kernels.md.
+QUANTIZED_ACTIVATIONS = ("int8", "float32")
 ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 # Prefill/decode disaggregation (engine/kv_transfer/): a prefill engine holds each prompt's KV blocks for
 # a decode engine, which pulls them.
@@ -83,6 +88,13 @@ class EngineConfig:
         "gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors as stored), awq, gptq "
         "(4-bit checkpoints; also read from their quantization_config)",
         choices=[q for q in QUANTIZATIONS if q],
+    )
+    quantized_activations: str = _opt(
+        "int8",
+        "gguf/awq/gptq weights on CPU: int8 (activations quantized per "
+        "32 values, integer dot products as llama.cpp) or float32 (exact, slower "
+        "at small batches)",
+        choices=QUANTIZED_ACTIVATIONS,
     )
     draft_quantization: str | None = _opt(
         None,
@@ -180,7 +192,11 @@ class EngineConfig:
                 f"quantization={self.quantization!r} runs in one process; it is not split across "
                 "ranks yet: use tensor_parallel_size=1 and pipeline_parallel_size=1 with it"
             )
-        for name, allowed in (("quantization", QUANTIZATIONS), ("draft_quantization", DRAFT_QUANTIZATIONS)):
+        for name, allowed in (
+            ("quantization", QUANTIZATIONS),
+            ("draft_quantization", DRAFT_QUANTIZATIONS),
+            ("quantized_activations", QUANTIZED_ACTIVATIONS),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.kv_role not in (None, *KV_ROLES):

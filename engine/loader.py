@@ -106,7 +106,12 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
         model = SplitModel(str(resolved.path), split[0], split[1], dtype, device)
     else:
         model = cls(
-            hf_config, _state(resolved, hf_config, quantization), dtype, device, quantize=quantization
+            hf_config,
+            _state(resolved, hf_config, quantization),
+            dtype,
+            device,
+            quantize=quantization,
+            activations=config.quantized_activations,
         )
     return LoadedModel(
         model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer)

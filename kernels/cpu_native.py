@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 4
+ABI_VERSION = 5
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -84,6 +84,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_linear_i8.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_q8g.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_qdot.argtypes = [p, i64, i64, i64, i32, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_has_vnni.restype = i32
     lib.sf_rms_norm_f32.argtypes = [p, i64, i64, p, f32, p]
     lib.sf_silu_mul_f32.argtypes = [p, i64, i64, p]
     lib.sf_paged_attention_f32.argtypes = [
@@ -110,6 +112,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sf_linear_i8",
         "sf_linear_q4",
         "sf_linear_q8g",
+        "sf_linear_qdot",
         "sf_rms_norm_f32",
         "sf_silu_mul_f32",
         "sf_paged_attention_f32",
@@ -270,12 +273,11 @@ class PackedLinear:
         return y
 
 
-def pack_quant_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Codes, scales and mins in the kernel's panels: 32 output columns per panel, each a sequential
-    stream. 4-bit codes: byte (k / 2, c) holds row k's code in its low nibble, row k + 1's in its high."""
-    codes = pack_panels(q.codes.t())  # [panels, K, 32], padding columns get code 0
-    if q.bits == 4:
-        codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+ACTIVATIONS = ("int8", "float32")
+QBLOCK = 32  # the int8 activation path quantizes x per 32 values (GGUF's Q8_0/Q8_1 block)
+
+
+def _scale_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     # Scales and mins as halfs when that is exact (GGUF's d and m are fp16 in the file): 1 bit per weight
     # instead of 2 at groups of 32; otherwise (Q4_K's d * sc, AWQ/GPTQ's -z * s) float32.
     dtype = (
@@ -285,21 +287,63 @@ def pack_quant_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch
     )
     scales = pack_panels(q.scales.t().to(dtype))  # padding columns get scale 0, so they add nothing
     mins = None if q.mins is None else pack_panels(q.mins.t().to(dtype))
-    return codes, scales, mins
+    return scales, mins
+
+
+def pack_quant_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Codes, scales and mins in the float kernel's panels: 32 output columns per panel, each a sequential
+    stream. 4-bit codes: byte (k / 2, c) holds row k's code in its low nibble, row k + 1's in its high."""
+    codes = pack_panels(q.codes.t())  # [panels, K, 32], padding columns get code 0
+    if q.bits == 4:
+        codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
+    return (codes, *_scale_panels(q))
+
+
+def pack_dot_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Codes in the int8-activation kernel's panels (native.cpp, "dot panels"): per 32-column panel and
+    chunk of input rows (8 for 4-bit, 4 for 8-bit), [half][column 0..15][i 0..3], so that one 64-byte load is
+    16 columns x 4 rows. 4-bit: row k0 + i in the low nibble, k0 + 4 + i in the high; 8-bit: code + 128."""
+    n, k = q.shape
+    panels = -(-n // PANEL)
+    codes = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
+    codes[:n] = q.codes.view(torch.uint8) if q.bits == 8 else q.codes
+    if q.bits == 8:
+        codes[:n] ^= 0x80  # two's complement int8 -> code + 128 as uint8
+        codes = codes.view(panels, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4)
+    else:
+        c = codes.view(panels, 2, 16, k // 8, 2, 4)  # [..., lo/hi half of the 8 rows, i]
+        codes = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).permute(0, 3, 1, 2, 4)
+    return (codes.contiguous(), *_scale_panels(q))
+
+
+def dot_supported(q: QuantTensor) -> bool:
+    """Whether the int8-activation kernel takes this weight: groups and rows in whole 32-blocks."""
+    return q.group_size % QBLOCK == 0 and q.shape[1] % QBLOCK == 0
 
 
 class QuantLinear:
     """``x @ W.T (+ bias) (+ residual)`` for a grouped-quantized weight (`QuantTensor`): GGUF Q4_0,
-    Q4_1, Q4_K, Q8_0, AWQ, GPTQ. The codes stay packed; the kernel dequantizes them in registers.
-    Activations stay float32 (see docs/kernels.md for why not int8 as llama.cpp does)."""
+    Q4_1, Q4_K, Q8_0, AWQ, GPTQ. The codes stay packed.
 
-    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None = None):
+    ``activations="int8"`` (default where the weight's groups are whole 32-blocks): each call quantizes x
+    per row and 32-block to int8 (max-abs / 127, as llama.cpp's Q8_0/Q8_1) and runs integer dot products
+    with the codes (`vpdpbusd`), scaling once per block. ``"float32"``: x stays float32 and the kernel
+    dequantizes the codes in registers; exact up to float rounding (the tests' and the quality oracle's
+    path). docs/kernels.md has the measured cost and quality of each."""
+
+    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None = None, activations: str = "int8"):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations={activations!r} is not one of {ACTIVATIONS}")
         self._lib = _lib_or_raise()
         self.out_features, self.in_features = weight.shape
         self.group_size, self.bits, self.fmt = weight.group_size, weight.bits, weight.fmt
-        self.codes, self.scales, self.mins = pack_quant_panels(weight)
+        self.activations = activations if dot_supported(weight) else "float32"
+        if self.activations == "int8":
+            self.codes, self.scales, self.mins = pack_dot_panels(weight)
+        else:
+            self.codes, self.scales, self.mins = pack_quant_panels(weight)
+            self._kernel = self._lib.sf_linear_q4 if weight.bits == 4 else self._lib.sf_linear_q8g
         self.perm = weight.perm
-        self._kernel = self._lib.sf_linear_q4 if weight.bits == 4 else self._lib.sf_linear_q8g
         self.bias = None
         if bias is not None:
             _check("bias", bias, dim=1)
@@ -316,25 +360,55 @@ class QuantLinear:
             if residual.shape[0] != rows:
                 raise ValueError(f"residual has {residual.shape[0]} rows, x has {rows}")
         y = torch.empty(rows, self.out_features)
-        self._kernel(
-            x.data_ptr(),
-            rows,
-            self.in_features,
-            ldx,
-            self.codes.data_ptr(),
-            self.scales.data_ptr(),
-            None if self.mins is None else self.mins.data_ptr(),
-            int(self.scales.dtype == torch.float16),
-            self.group_size,
-            self.out_features,
-            None if self.bias is None else self.bias.data_ptr(),
-            None if residual is None else residual.data_ptr(),
-            ldr,
-            y.data_ptr(),
-            self.out_features,
-            num_threads(),
-        )
+        mins = None if self.mins is None else self.mins.data_ptr()
+        half = int(self.scales.dtype == torch.float16)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        res = None if residual is None else residual.data_ptr()
+        if self.activations == "int8":
+            self._lib.sf_linear_qdot(
+                x.data_ptr(),
+                rows,
+                self.in_features,
+                ldx,
+                int(self.bits == 4),
+                self.codes.data_ptr(),
+                self.scales.data_ptr(),
+                mins,
+                half,
+                self.group_size,
+                self.out_features,
+                bias,
+                res,
+                ldr,
+                y.data_ptr(),
+                self.out_features,
+                num_threads(),
+            )
+        else:
+            self._kernel(
+                x.data_ptr(),
+                rows,
+                self.in_features,
+                ldx,
+                self.codes.data_ptr(),
+                self.scales.data_ptr(),
+                mins,
+                half,
+                self.group_size,
+                self.out_features,
+                bias,
+                res,
+                ldr,
+                y.data_ptr(),
+                self.out_features,
+                num_threads(),
+            )
         return y
+
+
+def has_vnni() -> bool:
+    """Whether the int8-activation kernel runs on AVX512-VNNI dot products (else a portable loop)."""
+    return bool(_lib_or_raise().sf_has_vnni())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -35,6 +35,7 @@ def _engine(
     draft_model: str | None,
     draft_quantization: str | None,
     max_model_len: int,
+    quantization: str | None = None,
 ):
     from specfleet.engine.config import EngineConfig
     from specfleet.engine.llm_engine import Engine
@@ -50,6 +51,7 @@ def _engine(
             kv_cache_gib=kv_gib,
             draft_model=draft_model,
             draft_quantization=draft_quantization,
+            quantization=quantization,
             enable_prefix_caching=False,
             max_model_len=max_model_len,
         )
@@ -77,11 +79,14 @@ def measure(
     draft_quantization: str | None = None,
     progress: bool = True,
     max_model_len: int = 1024,
+    quantization: str | None = None,
 ) -> tuple[list[StepPoint], int]:
     """The measured points, and the engine's KV blocks (what a simulated engine gets)."""
     from specfleet.engine.sampling_params import SamplingParams
 
-    engine = _engine(model, method, max(grid.ks), kv_gib, draft_model, draft_quantization, max_model_len)
+    engine = _engine(
+        model, method, max(grid.ks), kv_gib, draft_model, draft_quantization, max_model_len, quantization
+    )
     warm = SamplingParams(max_tokens=4, ignore_eos=True)
     engine.add_request("warm-up", [100, 101, 102, 103], warm)  # kernels build on first use: not timed
     while engine.has_unfinished_requests():
@@ -166,6 +171,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--method", default="none", choices=["none", "ngram", "draft"], help="speculative method")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--draft-quantization", default=None, choices=["int8"])
+    p.add_argument(
+        "--quantization", default=None, choices=["int8", "gguf"], help="the profiled engine's weights"
+    )
     p.add_argument("--batches", type=int, nargs="+", default=list(Grid.batches))
     p.add_argument("--contexts", type=int, nargs="+", default=list(Grid.contexts))
     p.add_argument(
@@ -211,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     grid = Grid(tuple(args.batches), tuple(args.contexts), ks, tuple(args.prefills), args.steps)
     points, blocks = measure(
-        args.model, grid, args.method, args.kv_cache_gib, args.draft_model, args.draft_quantization
+        args.model,
+        grid,
+        args.method,
+        args.kv_cache_gib,
+        args.draft_model,
+        args.draft_quantization,
+        quantization=args.quantization,
     )
     import platform
 
@@ -222,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
         block_size=16,
         hardware=f"{platform.machine()} {platform.node()}",
         model=args.model,
-        notes=f"measured with method={args.method} on this machine",
+        notes=f"measured with method={args.method} quantization={args.quantization} on this machine",
     )
     profile.save(args.out)
     print(f"wrote {args.out}: {len(points)} points, fit error {fit_error(profile)}")

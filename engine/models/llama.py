@@ -99,6 +99,7 @@ class Ops:
         device: torch.device,
         native: bool | None = None,
         quantize: str | None = None,
+        activations: str = "int8",
     ):
         if native is None:
             native = device.type == "cpu" and dtype == torch.float32 and cpu_native.available()
@@ -107,7 +108,7 @@ class Ops:
                 f"quantization={quantize!r} needs the native CPU kernels (float32 on CPU, g++ "
                 "available; see the log for why they did not build)"
             )
-        self.native, self.quantize = native, quantize
+        self.native, self.quantize, self.activations = native, quantize, activations
         self.device, self.dtype = device, dtype
 
     def linear(self, weight: torch.Tensor | QuantTensor, bias: torch.Tensor | None = None):
@@ -115,7 +116,7 @@ class Ops:
         which stays quantized: native kernel on CPU, Triton dequantize-matmul on CUDA."""
         if isinstance(weight, QuantTensor):
             if self.native:
-                return cpu_native.QuantLinear(weight, bias)
+                return cpu_native.QuantLinear(weight, bias, self.activations)
             if self.device.type == "cuda":
                 from specfleet.kernels.quant_matmul import TritonQuantLinear
 
@@ -190,9 +191,10 @@ class LlamaModel:
         device: torch.device,
         native: bool | None = None,
         quantize: str | None = None,
+        activations: str = "int8",
     ):
         self.args = args = LlamaArgs.from_hf(config)
-        self.ops = ops = Ops(dtype, device, native, quantize)
+        self.ops = ops = Ops(dtype, device, native, quantize, activations)
         state = {
             k.removeprefix("model."): v if isinstance(v, QuantTensor) else v.to(device=device, dtype=dtype)
             for k, v in state.items()

@@ -11,6 +11,8 @@
 //   - sf_linear_q4 / sf_linear_q8g: grouped weight-only quantization (GGUF Q4_0/Q4_1/Q4_K/Q8_0, AWQ,
 //     GPTQ, all repacked to one layout): 4-bit or int8 codes in the same panels, a scale and a min per
 //     (group of input rows, output column), dequantized in registers; x stays float32.
+//   - sf_linear_qdot: the same weights with x quantized to int8 per 32 values first, then integer dot
+//     products (vpdpbusd) and one scale per block, as llama.cpp's CPU path (see dot_linear).
 //   - sf_paged_attention_f32: causal attention of short queries (decode, speculative verification)
 //     over the paged cache in place, one (sequence, kv head) per task, online softmax per block.
 //   - sf_rms_norm_f32, sf_silu_mul_f32: the small elementwise ops of a layer, one pass each.
@@ -283,11 +285,191 @@ void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* code
   }
 }
 
+
+// ---- int8 activations x 4-bit / 8-bit codes: integer dot products, as llama.cpp's CPU path does ----
+//
+// The float path above spends one FMA per 16 weights to dequantize and one more per row to accumulate;
+// at one row (c=1 decode) that work, not the weight bytes, bounds the step. Here each matmul first
+// quantizes every row of x in blocks of 32 to int8 with one float scale (max-abs / 127, like GGUF's
+// Q8_0 / Q8_1), then multiplies 4-bit or 8-bit codes by those int8 values four at a time with one
+// `vpdpbusd` (u8 x s8 -> int32, AVX512-VNNI) per 16 columns, and applies the weight's scale and the
+// activation's scale once per 32-block: W*x = s * dx * sum(code * xq) + m * sum(x).
+//
+// Layout ("dot panels"), per 32-column panel:
+//   4-bit: per 8 input rows k0..k0+7, 128 bytes = [half h: columns 16h..16h+15][column c][i in 0..3], the
+//          byte holding row k0+i's code in its low nibble and row k0+4+i's in its high nibble. One 64-byte
+//          load is then 16 columns x 4 rows per nibble half: exactly vpdpbusd's 16 lanes x 4 bytes.
+//   8-bit: per 4 input rows, 128 bytes = [h][c][i] = code(k0+i, 16h+c) + 128 (vpdpbusd's weight operand
+//          is unsigned; the 128 * sum(xq) it adds is subtracted per block).
+// Scales and mins: [K/G][32] per panel as for the float path; G a multiple of 32.
+typedef uint8_t u8x64 __attribute__((vector_size(64)));
+typedef uint8_t u8x64u __attribute__((vector_size(64), aligned(1)));
+constexpr int kQBlock = 32;  // activation quantization block, as GGUF's Q8_0/Q8_1
+constexpr int kDotRows = 4;  // per row 2 int32 + 2 float accumulators; 4 rows + weights fit in 32 zmm
+
+// acc[l] += sum over i < 4 of w[4l + i] (unsigned) * x[4l + i] (signed).
+inline i16 dpbusd(i16 acc, u8x64 w, i16 x) {
+#if defined(__AVX512VNNI__)
+  return (i16)_mm512_dpbusd_epi32((__m512i)acc, (__m512i)w, (__m512i)x);
+#else
+  const u8x64 xb = (u8x64)x;
+  for (int l = 0; l < 16; ++l) {
+    int32_t s = 0;
+    for (int i = 0; i < 4; ++i) s += static_cast<int32_t>(w[4 * l + i]) * static_cast<int8_t>(xb[4 * l + i]);
+    acc[l] += s;
+  }
+  return acc;
+#endif
+}
+
+inline i16 splat4(const int8_t* p) {  // 4 int8 -> the same 32-bit word in all 16 lanes
+  int32_t v;
+  __builtin_memcpy(&v, p, 4);
+  return i16{} + v;
+}
+
+// Row m of x -> xq [K] int8, and per 32-block: its scale xd, the float sum xs of x and the sum xqs of xq.
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xqs) {
+  for (int64_t b = 0; b < K / kQBlock; ++b) {
+    const float* xb = x + b * kQBlock;
+    const v16 v0 = load(xb), v1 = load(xb + 16);
+    v16 amax = v0 < splat(0.0f) ? -v0 : v0;
+    const v16 abs1 = v1 < splat(0.0f) ? -v1 : v1;
+    amax = amax > abs1 ? amax : abs1;
+    float mx = 0.0f;
+    for (int i = 0; i < 16; ++i) mx = std::max(mx, amax[i]);
+    const float d = mx / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+    int32_t qsum = 0;
+    for (int i = 0; i < kQBlock; ++i) {
+      const int32_t q = static_cast<int32_t>(std::nearbyint(xb[i] * id));
+      xq[b * kQBlock + i] = static_cast<int8_t>(q);
+      qsum += q;
+    }
+    xd[b] = d;
+    xs[b] = hsum(v0 + v1);
+    xqs[b] = qsum;
+  }
+}
+
+struct QuantizedRows {
+  const int8_t* xq;  // [M][K]
+  const float* xd;   // [M][K / 32] scales
+  const float* xs;   // [M][K / 32] float sums of x (for the mins)
+  const int32_t* xqs;  // [M][K / 32] sums of xq (for the 8-bit codes' +128)
+};
+
+template <int R, bool Q4, typename S>
+inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const S* scale, const S* mins, int64_t G,
+                     const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int cols) {
+  const int64_t nb = K / kQBlock, per_group = G / kQBlock;
+  v16 a0[R], a1[R], s0{}, s1{}, m0{}, m1{};
+  for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
+  for (int64_t b = 0; b < nb; ++b) {
+    if (b % per_group == 0) {
+      const int64_t g = b / per_group;
+      s0 = load(scale + g * kPanel), s1 = load(scale + g * kPanel + 16);
+      if (mins) m0 = load(mins + g * kPanel), m1 = load(mins + g * kPanel + 16);
+    }
+    i16 i0[R], i1[R];
+    for (int r = 0; r < R; ++r) i0[r] = i1[r] = i16{};
+    if constexpr (Q4) {
+      const uint8_t* c = codes + b * (kQBlock / 8) * 128;
+#pragma GCC unroll 4
+      for (int j = 0; j < kQBlock / 8; ++j, c += 128) {
+        const u8x64 raw0 = *reinterpret_cast<const u8x64u*>(c), raw1 = *reinterpret_cast<const u8x64u*>(c + 64);
+        const u8x64 lo0 = raw0 & 0x0F, hi0 = raw0 >> 4, lo1 = raw1 & 0x0F, hi1 = raw1 >> 4;
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const int8_t* xr = x.xq + r * K + b * kQBlock + j * 8;
+          const i16 xa = splat4(xr), xb = splat4(xr + 4);
+          i0[r] = dpbusd(dpbusd(i0[r], lo0, xa), hi0, xb);
+          i1[r] = dpbusd(dpbusd(i1[r], lo1, xa), hi1, xb);
+        }
+      }
+    } else {
+      const uint8_t* c = codes + b * (kQBlock / 4) * 128;
+#pragma GCC unroll 8
+      for (int j = 0; j < kQBlock / 4; ++j, c += 128) {
+        const u8x64 w0 = *reinterpret_cast<const u8x64u*>(c), w1 = *reinterpret_cast<const u8x64u*>(c + 64);
+#pragma GCC unroll 4
+        for (int r = 0; r < R; ++r) {
+          const i16 xa = splat4(x.xq + r * K + b * kQBlock + j * 4);
+          i0[r] = dpbusd(i0[r], w0, xa);
+          i1[r] = dpbusd(i1[r], w1, xa);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const int32_t off = 128 * x.xqs[r * nb + b];
+        i0[r] -= off;
+        i1[r] -= off;
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      const float d = x.xd[r * nb + b];
+      a0[r] += __builtin_convertvector(i0[r], v16) * (s0 * d);
+      a1[r] += __builtin_convertvector(i1[r], v16) * (s1 * d);
+      if (mins) {
+        const float sx = x.xs[r * nb + b];
+        a0[r] += m0 * sx;
+        a1[r] += m1 * sx;
+      }
+    }
+  }
+  store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
+}
+
+template <bool Q4, typename S, int R = kDotRows>
+inline void dot_rows(int rows, QuantizedRows x, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
+                     int64_t G, const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int cols) {
+  if constexpr (R > 0) {
+    if (rows == R) return dot_tile<R, Q4, S>(x, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return dot_rows<Q4, S, R - 1>(rows, x, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+  }
+}
+
+template <bool Q4, typename S>
+void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const S* scale,
+                const S* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+                int64_t ldy, int threads) {
+  // Scratch for the quantized rows, reused across calls (the engine calls from one thread at a time).
+  thread_local std::vector<int8_t> xq;
+  thread_local std::vector<float> xd, xs;
+  thread_local std::vector<int32_t> xqs;
+  const int64_t nb = K / kQBlock;
+  xq.resize(M * K);
+  xd.resize(M * nb);
+  xs.resize(M * nb);
+  xqs.resize(M * nb);
+  // Plain pointers into the scratch: inside the parallel region each thread would see its own (empty)
+  // thread_local vectors.
+  int8_t* q = xq.data();
+  float *d = xd.data(), *sum = xs.data();
+  int32_t* qsum = xqs.data();
+  for (int64_t m = 0; m < M; ++m)
+    quantize_row(x + m * ldx, K, q + m * K, d + m * nb, sum + m * nb, qsum + m * nb);
+  const int64_t np = (N + kPanel - 1) / kPanel, groups = K / G;
+  const int64_t panel_bytes = Q4 ? K / 2 * kPanel : K * kPanel;
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
+  for (int64_t p = 0; p < np; ++p) {
+    const uint8_t* c = codes + p * panel_bytes;
+    const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
+    const S* s = scale + p * groups * kPanel;
+    const S* mn = mins ? mins + p * groups * kPanel : nullptr;
+    const float* b = bias ? bias + p * kPanel : nullptr;
+    for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
+      const int rows = static_cast<int>(std::min<int64_t>(kDotRows, M - m0));
+      const QuantizedRows xr{q + m0 * K, d + m0 * nb, sum + m0 * nb, qsum + m0 * nb};
+      dot_rows<Q4, S>(rows, xr, K, c, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
+                      y + m0 * ldy + p * kPanel, ldy, cols);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int sf_abi_version() { return 4; }
+int sf_abi_version() { return 5; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -323,6 +505,32 @@ void sf_linear_q8g(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
                           static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
   qlinear<false>(x, M, K, ldx, codes, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
                  res, ldr, y, ldy, threads);
+}
+
+// As sf_linear_q4 / sf_linear_q8g with x quantized to int8 per 32-block first (see dot_linear): codes in
+// the dot panels' layout, K and G multiples of 32. q4: 4-bit codes; otherwise 8-bit codes stored + 128.
+void sf_linear_qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int q4, const uint8_t* codes,
+                    const void* scale, const void* mins, int half_scales, int64_t G, int64_t N, const float* bias,
+                    const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
+  if (half_scales) {
+    const auto* s = static_cast<const uint16_t*>(scale);
+    const auto* m = static_cast<const uint16_t*>(mins);
+    if (q4) return dot_linear<true>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    return dot_linear<false>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  }
+  const auto* s = static_cast<const float*>(scale);
+  const auto* m = static_cast<const float*>(mins);
+  if (q4) return dot_linear<true>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  dot_linear<false>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
+}
+
+// 1 when the integer dot products compiled to vpdpbusd (AVX512-VNNI); 0: a portable (slow) loop.
+int sf_has_vnni() {
+#if defined(__AVX512VNNI__)
+  return 1;
+#else
+  return 0;
+#endif
 }
 
 // y [M, D] = x * rsqrt(mean(x^2) + eps) * w, the order transformers' RMSNorm uses.

@@ -1,6 +1,7 @@
 """Grouped-quantized weights on the native CPU kernel, format by format, against torch references.
 
-Reference for GGUF: gguf-py's own dequantizer (``gguf.quants.dequantize``), then a float matmul. For AWQ
+The float32-activation path (exact up to float rounding); tests/kernels/test_quant_dot.py covers the
+int8-activation one. Reference for GGUF: gguf-py's own dequantizer (``gguf.quants.dequantize``), then a float matmul. For AWQ
 and GPTQ: the documented ``(q - z) * s`` over the integers the test packer wrote. Shapes are odd on every
 axis the kernel tiles: rows 1, 3 and 11 (more than one 8-row tile), outputs not a multiple of 32.
 """
@@ -25,10 +26,12 @@ def _check_linear(q, reference_weight: torch.Tensor, rows: int, seed: int = 0) -
     x = torch.randn(rows, k, generator=g)
     bias = torch.randn(n, generator=g)
     residual = torch.randn(rows, n, generator=g)
-    layer = cpu_native.QuantLinear(q, bias)
+    layer = cpu_native.QuantLinear(q, bias, activations="float32")
     expected = residual + torch.addmm(bias, x, reference_weight.t())
     torch.testing.assert_close(layer(x, residual=residual), expected, rtol=1e-4, atol=1e-3)
-    torch.testing.assert_close(cpu_native.QuantLinear(q)(x), x @ reference_weight.t(), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        cpu_native.QuantLinear(q, activations="float32")(x), x @ reference_weight.t(), rtol=1e-4, atol=1e-3
+    )
 
 
 def _gguf_roundtrip(type_name: str, w: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:

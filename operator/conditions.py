@@ -1,6 +1,7 @@
 """Status from what exists: conditions Ready/Progressing/Degraded, replica counts and the endpoint.
 
-Pure functions of the InferenceService and its Deployment as the API server reports it.
+Pure functions of the InferenceService and its engine workloads as the API server reports them: one
+Deployment, one per role with spec.disaggregation (Ready only when every role is), or a LeaderWorkerSet.
 """
 
 from __future__ import annotations
@@ -32,6 +33,16 @@ class Cond:
 
 
 @dataclass(frozen=True)
+class Workload:
+    """One engine workload (Deployment or LeaderWorkerSet) as the API server reports it, and the count of
+    pods (LeaderWorkerSet: groups) it should run."""
+
+    name: str
+    desired: int
+    obj: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
 class Rollout:
     """What the Deployment controller reports about the Deployment the reconcile applied."""
 
@@ -47,13 +58,15 @@ class Rollout:
         status = (deployment or {}).get("status") or {}
         if deployment is None or "observedGeneration" not in status:
             return None
+        ready = status.get("readyReplicas", 0)
+        # a LeaderWorkerSet reports no availableReplicas: a group counts once it is ready
         return cls(
             desired,
             status["observedGeneration"] >= deployment["metadata"].get("generation", 0),
             status.get("replicas", 0),
             status.get("updatedReplicas", 0),
-            status.get("availableReplicas", 0),
-            status.get("readyReplicas", 0),
+            status.get("availableReplicas", ready),
+            ready,
         )
 
     @property
@@ -76,8 +89,36 @@ class Rollout:
         return f"{self.available}/{self.desired} replicas available, all on the latest pod template"
 
 
-def deployment_conditions(isvc: InferenceService, deployment: dict[str, Any] | None) -> list[Cond]:
-    desired = isvc.desired_replicas
+def deployment_conditions(isvc: InferenceService, workloads: list[Workload]) -> list[Cond]:
+    """Ready/Progressing/Degraded over every engine workload: each is judged alone, then Ready is True only
+    when all are, Progressing when any rolls, Degraded when any is (messages name the workload)."""
+    if len(workloads) == 1:
+        return _workload_conditions(isvc, workloads[0].desired, workloads[0].obj)
+    judged = [(w.name, _workload_conditions(isvc, w.desired, w.obj)) for w in workloads]
+
+    def combined(index: int, status_order: tuple[str, ...]) -> Cond:
+        conds = [(name, c[index]) for name, c in judged]
+        message = "; ".join(f"{name}: {c.message}" for name, c in conds)
+        for wanted in status_order:  # the first workload in the most telling state gives the reason
+            hit = next((c for _, c in conds if c.status == wanted), None)
+            if hit is not None:
+                return Cond(hit.type, hit.status, hit.reason, message)
+        raise AssertionError("unreachable: every condition has a status")
+
+    ready = combined(0, ("False", "Unknown", "True"))
+    progress = [c[1] for _, c in judged]
+    deadline = next((c for c in progress if c.reason == "ProgressDeadlineExceeded"), None)
+    progressing = (
+        Cond(deadline.type, deadline.status, deadline.reason, combined(1, ("False",)).message)
+        if deadline
+        else combined(1, ("True", "False"))
+    )
+    return [ready, progressing, combined(2, ("True", "False"))]
+
+
+def _workload_conditions(
+    isvc: InferenceService, desired: int, deployment: dict[str, Any] | None
+) -> list[Cond]:
     rollout = Rollout.of(desired, deployment)
     if rollout is None:
         return [
@@ -174,7 +215,7 @@ def tuning_seed(isvc: InferenceService) -> dict[str, Any] | None:
 
 def build_status(
     isvc: InferenceService,
-    deployment: dict[str, Any] | None,
+    workloads: list[Workload],
     previous: dict[str, Any],
     now: str,
     conditions: list[Cond] | None = None,
@@ -188,15 +229,15 @@ def build_status(
     the outcome is known otherwise (`observed=True`: invalid spec, child refused). Until then the previous
     value stays, so GitOps tools see a status older than the spec.
     """
-    rollout = Rollout.of(isvc.spec.replicas, deployment)
-    known = observed if observed is not None else (rollout is not None and rollout.synced)
+    rollouts = [Rollout.of(w.desired, w.obj) for w in workloads]
+    known = observed if observed is not None else all(r is not None and r.synced for r in rollouts)
     stamped = isvc.metadata.generation if known else previous.get("observedGeneration")
-    conds = conditions if conditions is not None else deployment_conditions(isvc, deployment)
-    dstatus = (deployment or {}).get("status") or {}
+    conds = conditions if conditions is not None else deployment_conditions(isvc, workloads)
+    statuses = [(w.obj or {}).get("status") or {} for w in workloads]
     status: dict[str, Any] = {
         "conditions": condition_entries(previous.get("conditions") or [], conds, stamped, now),
-        "replicas": dstatus.get("replicas", 0),
-        "readyReplicas": dstatus.get("readyReplicas", 0),
+        "replicas": sum(s.get("replicas", 0) for s in statuses),
+        "readyReplicas": sum(s.get("readyReplicas", 0) for s in statuses),
         "selector": f"{LABEL_ISVC}={isvc.name}",
         "endpoint": endpoint(isvc.name, isvc.namespace),
     }

@@ -144,9 +144,11 @@ def _owner(body: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY})
+@kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels={LABEL_MANAGED_BY: MANAGED_BY})
 async def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
-    """The Deployment controller's progress reaches status within seconds, not at the next timer: any
-    change to an owned Deployment (its status, a deletion, a manual edit) reconciles its owner."""
+    """The Deployment (or LeaderWorkerSet) controller's progress reaches status within seconds, not at the
+    next timer: any change to an owned engine workload (its status, a deletion, a manual edit) reconciles
+    its owner. kopf watches leaderworkersets only where the cluster serves them (it follows the CRDs)."""
     owner = _owner(body)
     if owner is None:
         return

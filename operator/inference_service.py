@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .resources import API_VERSION, KIND
+from .resources import API_VERSION, KIND, ROLES
 from .spec import InferenceServiceSpec
 from .status import InferenceServiceStatus
 
@@ -50,16 +50,33 @@ class InferenceService(BaseModel):
 
     @property
     def desired_replicas(self) -> int:
-        """The engine pods to run: `spec.replicas`, or with autoscaling on, the tuner's count from
-        `status.autoscaling.replicas` (clamped to the bounds; before its first decision, `spec.replicas`
-        clamped). The one place the Deployment, the PDB and the conditions read it from."""
+        """The scaled engines to run (the aggregated engines, or with spec.disaggregation the decode
+        engines): `spec.replicas` (`disaggregation.decode.replicas`), or with autoscaling on, the tuner's
+        count from `status.autoscaling.replicas` (clamped to the bounds; before its first decision, the
+        spec's count clamped). The one place the workloads, the PDB and the conditions read it from."""
         spec = self.spec
         scaling = spec.autoscaling
+        base = spec.replicas if spec.disaggregation is None else spec.disaggregation.decode.replicas
         if not scaling.enabled:
-            return spec.replicas
+            return base
         tuned = self.status.autoscaling.replicas if self.status and self.status.autoscaling else None
-        wanted = spec.replicas if tuned is None else tuned
+        wanted = base if tuned is None else tuned
         return min(max(wanted, scaling.min_replicas), scaling.max_replicas)
+
+    @property
+    def roles(self) -> tuple[str | None, ...]:
+        """One engine workload per role: (None,) aggregated, ("prefill", "decode") with spec.disaggregation."""
+        return (None,) if self.spec.disaggregation is None else ROLES
+
+    def role_replicas(self, role: str | None) -> int:
+        """Engines of one role: prefill engines stay at their spec count; the tuner scales decode engines
+        (docs/operator.md, "Prefill/decode disaggregation")."""
+        disagg = self.spec.disaggregation
+        return disagg.prefill.replicas if role == "prefill" and disagg is not None else self.desired_replicas
+
+    @property
+    def total_engines(self) -> int:
+        return sum(self.role_replicas(role) for role in self.roles)
 
 
 def _describe(error: ValidationError, origin: str) -> str:

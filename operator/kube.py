@@ -17,6 +17,7 @@ from .resources import API_VERSION, FIELD_MANAGER, KIND, PLURAL
 # kind -> (apiVersion, plural) for every kind the operator writes.
 KINDS: dict[str, tuple[str, str]] = {
     "Deployment": ("apps/v1", "deployments"),
+    "LeaderWorkerSet": ("leaderworkerset.x-k8s.io/v1", "leaderworkersets"),
     "Service": ("v1", "services"),
     "ServiceAccount": ("v1", "serviceaccounts"),
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),

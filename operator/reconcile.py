@@ -12,13 +12,20 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .conditions import Cond, build_status, condition_entries, deployment_conditions, invalid_spec_conditions
+from .conditions import (
+    Cond,
+    Workload,
+    build_status,
+    condition_entries,
+    deployment_conditions,
+    invalid_spec_conditions,
+)
 from .config import OperatorConfig
 from .inference_service import InferenceService, InvalidInferenceService, parse_inference_service
 from .kube import ApiError, KubeClient, object_path
 from .render import (
     new_admin_token,
-    render_deployment,
+    render_engine_workloads,
     render_network_policy,
     render_pdb,
     render_router_children,
@@ -30,13 +37,17 @@ from .render.common import owner_reference
 from .resources import (
     LABEL_ISVC,
     LABEL_MANAGED_BY,
+    LABEL_ROLE,
     MANAGED_BY,
+    ROLES,
     admin_secret_name,
+    engine_workload_name,
     engines_service_name,
     router_name,
 )
 
 T = TypeVar("T")
+LWS_API = "leaderworkerset.x-k8s.io/v1"
 CONFLICT_ATTEMPTS = 4
 
 
@@ -102,24 +113,14 @@ class Reconciler:
             )
         except InvalidInferenceService as error:
             return self._invalid(body, previous, str(error), now)
-        refusal = isvc.spec.cluster_refusal()
-        if (
-            refusal is not None
-        ):  # admission refuses it too (CEL); an object stored before that rule lands here
-            return self._invalid(body, previous, f"{isvc.namespace}/{isvc.name}: {refusal}", now)
 
         events: list[Event] = []
         children: dict[str, dict[str, Any]] = {}
         refused: list[Refusal] = []
         conflict = await self._converge_secret(isvc, events, refused)
-        deployment = None
-        if conflict is None:
-            deployment = await self._child(render_deployment(isvc, self.config), events, refused)
-        deployment_refused = deployment is None
-        if deployment is None:  # report from what runs now
-            deployment = await self.client.get(object_path("Deployment", isvc.namespace, isvc.name))
-        if deployment is not None:
-            children["Deployment"] = deployment
+        workloads, deployment_refused = await self._converge_workloads(
+            isvc, conflict is None, children, events, refused
+        )
         service = await self._child(render_service(isvc), events, refused)
         if service is not None:
             children["Service"] = service
@@ -137,14 +138,14 @@ class Reconciler:
                 children["NetworkPolicy"] = policy
         monitored = await self._service_monitor(isvc, children)
 
-        conds = deployment_conditions(isvc, deployment)
+        conds = deployment_conditions(isvc, workloads)
         if conflict is not None or refused:
             conds = _refused_conditions(conds, conflict, refused, deployment_refused or conflict is not None)
         if monitored is not None:
             conds.append(monitored)
         status = build_status(
             isvc,
-            deployment,
+            workloads,
             previous,
             now,
             conds,
@@ -173,6 +174,53 @@ class Reconciler:
         repeated = before.get("reason") == "InvalidSpec" and before.get("message") == message
         events = [] if repeated else [Event("Warning", "InvalidSpec", message)]  # once per distinct problem
         return Outcome(status=status, events=events, invalid=message)
+
+    async def _converge_workloads(
+        self,
+        isvc: InferenceService,
+        roll_out: bool,
+        children: dict[str, dict[str, Any]],
+        events: list[Event],
+        refused: list[Refusal],
+    ) -> tuple[list[Workload], bool]:
+        """The engine workloads: one Deployment, one per role (spec.disaggregation), or a LeaderWorkerSet
+        (engine.nodes > 1); the shapes not wanted now are deleted (a switch leaves no stale engines behind).
+        Nothing is applied unless `roll_out`; a refused workload is reported from what runs now. Returns
+        the workloads and whether any was not rolled out."""
+        wanted = render_engine_workloads(isvc, self.config)
+        workloads, not_rolled_out = [], False
+        lws_served = await self.client.has_api(LWS_API)
+        for obj in wanted:
+            name = obj["metadata"]["name"]
+            missing = obj["kind"] == "LeaderWorkerSet" and not lws_served
+            if missing and roll_out:
+                refused.append(
+                    Refusal(
+                        "LeaderWorkerSet",
+                        name,
+                        404,
+                        f"the cluster serves no {LWS_API}: engine.nodes "
+                        "> 1 runs as a LeaderWorkerSet; install its controller "
+                        "(https://lws.sigs.k8s.io) or set engine.nodes to 1",
+                    )
+                )
+            applied = await self._child(obj, events, refused) if roll_out and not missing else None
+            if applied is None:
+                not_rolled_out = True
+                applied = await self.client.get(object_path(obj["kind"], isvc.namespace, name))
+            role = obj["metadata"]["labels"].get(LABEL_ROLE)
+            if applied is not None:
+                children[f"{obj['kind']}/{role}" if role else obj["kind"]] = applied
+            workloads.append(Workload(f"{obj['kind']} {name}", obj["spec"]["replicas"], applied))
+        if roll_out:
+            keep = {(o["kind"], o["metadata"]["name"]) for o in wanted}
+            shapes = [("Deployment", engine_workload_name(isvc.name, role)) for role in (None, *ROLES)]
+            if lws_served:
+                shapes.append(("LeaderWorkerSet", isvc.name))
+            for kind, name in shapes:
+                if (kind, name) not in keep:
+                    await self._delete_owned(kind, isvc, events, name, "the engines' shape changed")
+        return workloads, not_rolled_out
 
     async def _converge_secret(
         self, isvc: InferenceService, events: list[Event], refused: list[Refusal]
@@ -290,12 +338,24 @@ class Reconciler:
         for obj in wanted:
             applied = await self._child(obj, events, refused)
             if applied is not None:
-                children[f"Router{obj['kind']}" if obj["kind"] != "Service" else "EnginesService"] = applied
+                role = obj["metadata"]["labels"].get(LABEL_ROLE)
+                key = (
+                    "EnginesService" + (f"/{role}" if role else "")
+                    if obj["kind"] == "Service"
+                    else f"Router{obj['kind']}"
+                )
+                children[key] = applied
+        keep = {o["metadata"]["name"] for o in wanted if o["kind"] == "Service"}
+        for role in (None, *ROLES):  # engines' Services of another shape (roles added or removed)
+            service = engines_service_name(isvc.name, role)
+            if wanted and service not in keep:
+                await self._delete_owned("Service", isvc, events, service, "the engines' roles changed")
         if not wanted:
             name = router_name(isvc.name)
+            services = [("Service", engines_service_name(isvc.name, role)) for role in (None, *ROLES)]
             for kind, child in (
                 ("Deployment", name),
-                ("Service", engines_service_name(isvc.name)),
+                *services,
                 ("RoleBinding", name),
                 ("Role", name),
                 ("ServiceAccount", name),

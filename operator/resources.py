@@ -29,6 +29,19 @@ ADMIN_TOKEN_DIR = "/var/run/secrets/specfleet/admin"
 CACHE_DIR = "/cache"
 
 LABEL_ISVC = f"{GROUP}/inferenceservice"
+# With spec.disaggregation each engine pod carries its role (prefill or decode); the role's Deployment and
+# headless Service select it together with LABEL_ISVC, and the ServiceMonitor copies it onto the series.
+LABEL_ROLE = f"{GROUP}/role"
+ROLES = ("prefill", "decode")
+# The prefill engines serve their held KV blocks here (the engine's --kv-transfer-port); decode engines pull
+# from it and the router sends its hold releases to it. Not in any Service: peers dial the pod IP the
+# prefill engine names in its kv_transfer_params.
+KV_TRANSFER_PORT = 8002
+# Multi-node engines (a LeaderWorkerSet): worker pods carry this label instead of LABEL_ISVC, so that what
+# selects engines (the Services, the PDB, the tuner's pod list, the ServiceMonitor) selects leaders only.
+LABEL_WORKER_OF = f"{GROUP}/worker-of"
+# torch.distributed's rendezvous port on the leader pod (torch's own default, as torchrun uses).
+RENDEZVOUS_PORT = 29500
 # Router pods carry this label and not LABEL_ISVC, so nothing that selects engines selects them.
 LABEL_ROUTER = f"{GROUP}/router"
 ROUTER_PORT = ENGINE_PORT  # clients keep the port they had before the router stood in front
@@ -46,6 +59,16 @@ def admin_secret_name(isvc_name: str) -> str:
 def selector_labels(isvc_name: str) -> dict[str, str]:
     """Labels the Deployment, Service, PDB and ServiceMonitor select pods by; never change them."""
     return {LABEL_ISVC: isvc_name}
+
+
+def role_selector_labels(isvc_name: str, role: str | None) -> dict[str, str]:
+    """The engine pods of one role (all engine pods when `role` is None: aggregated)."""
+    return {**selector_labels(isvc_name), **({LABEL_ROLE: role} if role else {})}
+
+
+def engine_workload_name(isvc_name: str, role: str | None) -> str:
+    """The engine Deployment (or LeaderWorkerSet): NAME, or NAME-prefill / NAME-decode with roles."""
+    return f"{isvc_name}-{role}" if role else isvc_name
 
 
 def common_labels(isvc_name: str) -> dict[str, str]:
@@ -76,9 +99,10 @@ def router_name(isvc_name: str) -> str:
     return f"{isvc_name}-router"
 
 
-def engines_service_name(isvc_name: str) -> str:
-    """The engines' headless Service: its EndpointSlices are what the router watches."""
-    return f"{isvc_name}-engines"
+def engines_service_name(isvc_name: str, role: str | None = None) -> str:
+    """The engines' headless Service: its EndpointSlices are what the router watches. With roles, one per
+    role, named as the role's Deployment (NAME-prefill, NAME-decode)."""
+    return engine_workload_name(isvc_name, role) if role else f"{isvc_name}-engines"
 
 
 def endpoint(isvc_name: str, namespace: str) -> str:

@@ -127,16 +127,29 @@ ONE_SPLIT = (
     "engine.tensorParallelSize and engine.pipelineParallelSize: one split at a time (one of them must be 1)"
 )
 GPUS_PER_SPLIT = (
-    "resources.gpus must be 0 (CPU ranks) or engine.tensorParallelSize x engine.pipelineParallelSize "
-    "(one GPU per rank)"
+    "resources.gpus must be 0 (CPU ranks) or the GPUs of one pod: engine.tensorParallelSize x "
+    "engine.pipelineParallelSize / engine.nodes (one GPU per rank)"
 )
 QUANTIZED_SPLIT = (
     "model.quantization runs in one process: it needs tensorParallelSize and pipelineParallelSize 1"
 )
-# The operator renders one engine Deployment without roles: in a cluster the field would be silently ignored.
-DISAGGREGATION_NOT_RENDERED = (
-    "spec.disaggregation is not rendered by the operator yet; use specfleet up "
-    "(the local fleet runs the prefill and decode engines behind its router)"
+# Multi-node (a LeaderWorkerSet): pipeline stages spread over the pods of a group, an equal run on each.
+NODES_SPLIT = (
+    "engine.nodes > 1 spreads pipeline stages over pods: it needs pipelineParallelSize > 1 and a "
+    "multiple of nodes (tensorParallelSize stays 1)"
+)
+# Prefill/decode roles: the KV connector moves one process's cache, and the router runs both halves.
+DISAGGREGATION_SPLIT = (
+    "spec.disaggregation needs engine.tensorParallelSize, pipelineParallelSize and nodes 1 "
+    "(the KV connector moves one process's cache)"
+)
+DISAGGREGATION_ROUTING = (
+    "spec.disaggregation needs routing.enabled: the router sends each request's prompt to a "
+    "prefill engine and its stream to a decode engine"
+)
+DISAGGREGATION_REPLICAS = (
+    "with spec.disaggregation the engine counts are disaggregation.prefill.replicas and "
+    "disaggregation.decode.replicas: leave spec.replicas at 1 (kubectl scale does not apply)"
 )
 
 
@@ -145,6 +158,10 @@ class EngineSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.tensorParallelSize == 1 || self.pipelineParallelSize == 1", ONE_SPLIT),
+                cel(
+                    "self.nodes == 1 || (self.pipelineParallelSize > 1 && self.pipelineParallelSize % self.nodes == 0)",
+                    NODES_SPLIT,
+                ),
             ]
         }
     )
@@ -168,6 +185,14 @@ class EngineSpec(_Spec):
         le=8,
         description="Pipeline stages one model copy is split into "
         "(one GPU each; processes sharing the CPU when gpus is 0).",
+    )
+    nodes: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Pods one model copy spans: >1 spreads the pipeline stages over "
+        "that many pods (a LeaderWorkerSet: the leader runs stage 0 and the server, each worker "
+        "an equal run of the next stages). Needs the LeaderWorkerSet controller in the cluster.",
     )
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long SIGTERM waits for in-flight requests before exiting."
@@ -233,7 +258,12 @@ class ResourcesSpec(_Spec):
 
 
 class DisaggregationRole(_Spec):
-    replicas: int = Field(1, ge=1, le=1000, description="Engines of this role.")
+    replicas: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="Engines of this role (decode: with autoscaling on, the tuner's count replaces it).",
+    )
 
 
 class DisaggregationSpec(_Spec):
@@ -340,6 +370,11 @@ RESERVED_ENV = (
     "HF_HOME",
     "HF_HUB_OFFLINE",
     "TRITON_CACHE_DIR",
+    "SPECFLEET_POD_IP",
+    "SPECFLEET_NODES",
+    "SPECFLEET_NODE_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
 )
 RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm")
 RESERVED_VOLUME_PREFIXES = ("model-", "draft-")
@@ -650,8 +685,8 @@ class InferenceServiceSpec(_Spec):
                     "autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob",
                 ),
                 cel(
-                    "self.resources.gpus == 0 || "
-                    "self.resources.gpus == self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
+                    "self.resources.gpus == 0 || self.resources.gpus * self.engine.nodes == "
+                    "self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
                     GPUS_PER_SPLIT,
                 ),
                 cel(
@@ -659,7 +694,13 @@ class InferenceServiceSpec(_Spec):
                     "(self.engine.tensorParallelSize == 1 && self.engine.pipelineParallelSize == 1)",
                     QUANTIZED_SPLIT,
                 ),
-                cel("!has(self.disaggregation)", DISAGGREGATION_NOT_RENDERED),
+                cel(
+                    "!has(self.disaggregation) || (self.engine.tensorParallelSize == 1 && "
+                    "self.engine.pipelineParallelSize == 1 && self.engine.nodes == 1)",
+                    DISAGGREGATION_SPLIT,
+                ),
+                cel("!has(self.disaggregation) || self.routing.enabled", DISAGGREGATION_ROUTING),
+                cel("!has(self.disaggregation) || self.replicas == 1", DISAGGREGATION_REPLICAS),
                 cel(
                     "self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)",
@@ -709,15 +750,28 @@ class InferenceServiceSpec(_Spec):
             self.engine.pipeline_parallel_size,
             self.resources.gpus,
         )
+        nodes = self.engine.nodes
         if tp > 1 and pp > 1:
             raise ValueError(f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}: {ONE_SPLIT}")
-        if gpus not in (0, tp * pp):
+        if nodes > 1 and (pp == 1 or pp % nodes):
+            raise ValueError(f"engine.nodes={nodes} with pipelineParallelSize={pp}: {NODES_SPLIT}")
+        if gpus != 0 and gpus * nodes != tp * pp:
             raise ValueError(
-                f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}: "
-                f"{GPUS_PER_SPLIT}"
+                f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}, "
+                f"nodes={nodes}: {GPUS_PER_SPLIT}"
             )
         if self.model.quantization != "none" and tp * pp > 1:
             raise ValueError(f"model.quantization={self.model.quantization}: {QUANTIZED_SPLIT}")
+        if self.disaggregation is not None:
+            if tp * pp * nodes > 1:
+                raise ValueError(
+                    f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}, nodes={nodes}: "
+                    f"{DISAGGREGATION_SPLIT}"
+                )
+            if not self.routing.enabled:
+                raise ValueError(f"routing.enabled=false: {DISAGGREGATION_ROUTING}")
+            if self.replicas != 1:
+                raise ValueError(f"replicas={self.replicas}: {DISAGGREGATION_REPLICAS}")
         if self.autotune.enabled:
             bounds = self.autotune.bounds.model_dump(by_alias=True)
             for knob, (path, key) in zip(SEARCHED, _TUNED, strict=True):
@@ -728,11 +782,6 @@ class InferenceServiceSpec(_Spec):
                         "change the value or widen the bounds"
                     )
         return self
-
-    def cluster_refusal(self) -> str | None:
-        """Why the operator cannot run this spec though `specfleet up` can (the CEL rule's Python twin; the
-        reconcile reports it as an invalid spec), or None."""
-        return DISAGGREGATION_NOT_RENDERED if self.disaggregation is not None else None
 
     def _at(self, knob: Knob) -> int:
         node: Any = self

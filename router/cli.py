@@ -9,7 +9,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .discovery import EndpointSliceWatch, States, probe_forever
+from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
 from .policies import DEFAULT_POLICY, POLICIES, make_policy
 from .prefix import BlockHasher, stable_hash
@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--service",
         default=None,
         help="watch the EndpointSlices of this (headless) Service, in --namespace, in-cluster",
+    )
+    p.add_argument(
+        "--prefill-service",
+        default=None,
+        help="with --service: the prefill engines' (headless) Service; --service then holds the decode "
+        "engines, and each request runs its prompt on a prefill engine first",
     )
     p.add_argument("--namespace", default=None, help="the Service's namespace (default: the pod's own)")
     p.add_argument("--port-name", default="http", help="the engine port's name in the EndpointSlices")
@@ -102,19 +108,29 @@ def build_router(args: argparse.Namespace) -> Router:
 async def run(args: argparse.Namespace) -> int:
     router = build_router(args)
 
-    def on_change(states: States) -> None:
-        router.endpoints_changed(router.endpoints.replace(states))
-
+    if args.prefill_service and not args.service:
+        raise ValueError("--prefill-service needs --service (the decode engines' Service)")
+    tasks: list[asyncio.Task[None]] = []
     if args.service:
         namespace = (
             args.namespace or Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text()
         )
-        discovery = EndpointSliceWatch.in_cluster(
-            namespace.strip(), args.service, on_change, port_name=args.port_name
-        )
-        task = asyncio.create_task(discovery.run())
+        roles = RoleStates(router)
+        services = [
+            (args.service, "decode" if args.prefill_service else None),
+            *([(args.prefill_service, "prefill")] if args.prefill_service else []),
+        ]
+        for service, role in services:
+            discovery = EndpointSliceWatch.in_cluster(
+                namespace.strip(), service, roles.watcher(role), port_name=args.port_name
+            )
+            tasks.append(asyncio.create_task(discovery.run()))
     else:
-        task = asyncio.create_task(probe_forever([u.rstrip("/") for u in args.endpoint], on_change))
+
+        def on_change(states: States) -> None:
+            router.endpoints_changed(router.endpoints.replace(states))
+
+        tasks.append(asyncio.create_task(probe_forever([u.rstrip("/") for u in args.endpoint], on_change)))
     runner = await serve(router, args.host, args.port)
     logging.getLogger("specfleet.router").info(
         "event=listening host=%s port=%d policy=%s", args.host, args.port, args.policy
@@ -125,7 +141,8 @@ async def run(args: argparse.Namespace) -> int:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     router.stopping = True  # /ready turns 503; in-flight requests finish during cleanup
-    task.cancel()
+    for task in tasks:
+        task.cancel()
     await runner.cleanup()
     return 0
 

@@ -155,6 +155,28 @@ class EndpointSliceWatch:
                 self._publish()
 
 
+class RoleStates:
+    """One router's endpoints from several Services, one per engine role (the operator's `NAME-decode` and
+    `NAME-prefill` with spec.disaggregation): each watch reports its own Service's set; the router gets the
+    union, each address tagged with the role of the Service it came from."""
+
+    def __init__(self, router: Any) -> None:  # a proxy.Router (not imported: discovery stays a leaf module)
+        self.router = router
+        self.by_role: dict[str | None, States] = {}
+
+    def watcher(self, role: str | None) -> Callable[[States], None]:
+        def on_change(states: States) -> None:
+            self.by_role[role] = states
+            endpoints = self.router.endpoints
+            removed = endpoints.replace({url: s for st in self.by_role.values() for url, s in st.items()})
+            for each, urls in self.by_role.items():
+                for url in urls:
+                    endpoints.set_state(url, role=each, bump=False)
+            self.router.endpoints_changed(removed)
+
+        return on_change
+
+
 async def probe_forever(
     urls: list[str], on_change: Callable[[States], None], interval_s: float = 1.0
 ) -> None:

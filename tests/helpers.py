@@ -1,9 +1,12 @@
 """Test helpers shared by every test folder (tests/ is on sys.path through the rootdir conftest): free
-ports, waiting until something holds or a server answers ready, and stopping a child process."""
+ports, waiting until something holds or a server answers ready, starting an engine server process and
+stopping a child process."""
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +15,17 @@ from typing import Any
 import httpx
 from specfleet.fleet.supervisor import free_port
 
-__all__ = ["free_port", "stop_process", "wait_for", "wait_http_ready"]
+__all__ = ["free_port", "start_server", "stop_process", "wait_for", "wait_http_ready"]
+
+# The bundled model with a small cache: what a test server needs unless it says otherwise.
+SERVER_ARGS = (
+    "--model",
+    "bundled://smollm2-135m-instruct",
+    "--max-model-len",
+    "512",
+    "--kv-cache-gib",
+    "0.1",
+)
 
 
 def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0, interval: float = 0.2) -> Any:
@@ -59,3 +72,24 @@ def stop_process(proc: subprocess.Popen[Any], timeout: float = 20.0) -> None:
     except subprocess.TimeoutExpired:
         proc.kill()
         proc.wait()
+
+
+def start_server(
+    log_path: Path, *args: str, env: dict[str, str] | None = None, port: int | None = None
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`python -m specfleet.engine` (the engine server: `SERVER_ARGS` unless `args` give a `--model`, then
+    `args`) on `port` or a free one, once /ready answers 200: (process, base URL). Its output goes to
+    `log_path`; `env` is added to this process's environment. Killed if it never gets ready."""
+    port = port or free_port()
+    defaults = () if "--model" in args else SERVER_ARGS
+    cmd = [sys.executable, "-m", "specfleet.engine", *defaults, *args, "--port", str(port)]
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ready(f"{url}/ready", proc, log_path)
+    except AssertionError:
+        proc.kill()
+        proc.wait()
+        raise
+    return proc, url

@@ -84,8 +84,10 @@ def cel_errors(schema: dict[str, Any], value: Any, path: str = "") -> list[str]:
 def list_map_keys(schema: dict[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple[str, ...], str]:
     """Paths of `x-kubernetes-list-type: map` lists (server-side apply merges them by key) -> their key."""
     found: dict[tuple[str, ...], str] = {}
-    if schema.get("x-kubernetes-list-type") == "map":
-        (key,) = schema["x-kubernetes-list-map-keys"]  # one key is all our CRD uses
+    # one key is all our CRD uses; a multi-key list-map (upstream CRDs: ports by containerPort and protocol)
+    # stays an atomic list here (docs/operator.md, what the double does not model)
+    if schema.get("x-kubernetes-list-type") == "map" and len(schema["x-kubernetes-list-map-keys"]) == 1:
+        (key,) = schema["x-kubernetes-list-map-keys"]
         found[prefix] = key
     for name, child in (schema.get("properties") or {}).items():
         found.update(list_map_keys(child, (*prefix, name)))

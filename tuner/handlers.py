@@ -32,6 +32,7 @@ from specfleet.operator.resources import (
     ENGINE_PORT,
     GROUP,
     LABEL_ISVC,
+    LABEL_ROLE,
     PLURAL,
     TUNER_FIELD_MANAGER,
     VERSION,
@@ -53,9 +54,10 @@ SELECTOR_TEMPLATE = os.environ.get(
 )
 
 
-async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[str]:
-    """http://POD_IP:8000 of each pod of the service whose Ready condition is True."""
-    selector = quote(f"{LABEL_ISVC}={name}")
+async def ready_pod_urls(client: KubeClient, namespace: str, name: str, role: str | None = None) -> list[str]:
+    """http://POD_IP:8000 of each pod of the service (of one role, with spec.disaggregation) whose Ready
+    condition is True."""
+    selector = quote(f"{LABEL_ISVC}={name}" + (f",{LABEL_ROLE}={role}" if role else ""))
     pods = await client.get(f"/api/v1/namespaces/{namespace}/pods?labelSelector={selector}") or {}
     urls = []
     for pod in pods.get("items", []):
@@ -66,6 +68,14 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[
         if ready and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
             urls.append(f"http://{status['podIP']}:{ENGINE_PORT}")
     return sorted(urls)
+
+
+def prometheus_selector(namespace: str, name: str, role: str | None = None) -> str:
+    """The PromQL label matchers of a service's engine series (of one role: the ServiceMonitor copies the
+    pod's role label onto its series as specfleet_role)."""
+    return SELECTOR_TEMPLATE.format(namespace=namespace, name=name) + (
+        f',specfleet_role="{role}"' if role else ""
+    )
 
 
 def frozen_by(body: kopf.Body) -> str | None:
@@ -97,8 +107,13 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
             delay=10,
         )
 
+    # With spec.disaggregation the tuner tunes and scales the decode engines only, as the local fleet does:
+    # the knobs it moves (k, batch limits) and the SLO it holds (TPOT) are the decode engines'; prefill
+    # engines keep the spec's values (docs/tuner.md). Their series carry specfleet_role (the ServiceMonitor).
+    role = "decode" if isvc.spec.disaggregation is not None else None
+
     async def endpoints() -> list[str]:
-        return await ready_pod_urls(client, namespace, name)
+        return await ready_pod_urls(client, namespace, name, role)
 
     return build_tuner(
         f"{namespace}/{name}",
@@ -107,7 +122,7 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
         read_admin_token(secret),
         admin_url=admin_on_port(ADMIN_PORT),
         prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
-        prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
+        prometheus_selector=prometheus_selector(namespace, name, role),
     )
 
 

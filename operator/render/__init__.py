@@ -10,13 +10,16 @@ from .router import (
     render_router_rbac,
 )
 from .secret import new_admin_token, read_admin_token, render_secret
+from .workloads import render_engine_workloads, render_leader_worker_set
 
 __all__ = [
     "engine_args",
     "new_admin_token",
     "read_admin_token",
     "render_deployment",
+    "render_engine_workloads",
     "render_engines_service",
+    "render_leader_worker_set",
     "render_network_policy",
     "render_pdb",
     "render_router_children",

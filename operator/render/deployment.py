@@ -19,9 +19,12 @@ from ..resources import (
     CACHE_DIR,
     ENGINE_CONTAINER,
     ENGINE_PORT,
+    KV_TRANSFER_PORT,
+    LABEL_ROLE,
     admin_secret_name,
     common_labels,
-    selector_labels,
+    engine_workload_name,
+    role_selector_labels,
 )
 from ..spec import InferenceServiceSpec
 from .common import child_metadata
@@ -48,8 +51,26 @@ CONTAINER_SECURITY_CONTEXT: dict[str, Any] = {
 }
 
 
-def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | None) -> list[str]:
-    """The engine command line, from the spec alone (the pod contract in docs/operator.md)."""
+# The pod's own IP from the downward API: a prefill engine binds its KV server to it and names it in the
+# kv_transfer_params it returns, so decode pods and the router dial it directly.
+POD_IP_ENV = "SPECFLEET_POD_IP"
+
+
+def role_args(role: str | None) -> list[str]:
+    """A role's flags (`$(SPECFLEET_POD_IP)` is expanded by the kubelet from the container's env)."""
+    if role is None:
+        return []
+    args = ["--kv-role", role]
+    if role == "prefill":
+        args += ["--kv-transfer-host", f"$({POD_IP_ENV})", "--kv-transfer-port", str(KV_TRANSFER_PORT)]
+    return args
+
+
+def engine_args(
+    spec: InferenceServiceSpec, model_uri: str, draft_uri: str | None, role: str | None = None
+) -> list[str]:
+    """The engine command line, from the spec alone (the pod contract in docs/operator.md); `role` is the
+    engine's role with spec.disaggregation (the local fleet adds its own loopback flags instead)."""
     method = spec.speculative.method
     args = [
         "--model",
@@ -95,7 +116,7 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
             args += ["--draft-quantization", spec.speculative.draft_model.quantization]
     if not spec.engine.prefix_caching:
         args.append("--no-prefix-caching")
-    return args + list(spec.engine.extra_args)
+    return args + role_args(role) + list(spec.engine.extra_args)
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
@@ -170,8 +191,10 @@ def _volumes(spec: InferenceServiceSpec, isvc_name: str) -> list[dict[str, Any]]
     ]
 
 
-def _env(isvc: InferenceService) -> list[dict[str, Any]]:
-    return [*(dict(e) for e in isvc.spec.pod.env), *_own_env(isvc)]
+def _env(isvc: InferenceService, role: str | None, extra: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    # the pod's own entries first: a `$(VAR)` reference resolves only to variables defined before it
+    pod_ip = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}] if role else []
+    return [*pod_ip, *extra, *(dict(e) for e in isvc.spec.pod.env), *_own_env(isvc)]
 
 
 def _own_env(isvc: InferenceService) -> list[dict[str, Any]]:
@@ -187,7 +210,13 @@ def _own_env(isvc: InferenceService) -> list[dict[str, Any]]:
     ]
 
 
-def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
+def _pod_spec(
+    isvc: InferenceService,
+    config: OperatorConfig,
+    role: str | None = None,
+    extra_env: list[dict[str, Any]] | None = None,
+) -> dict[str, Any]:
+    """The engine pod; `role` with spec.disaggregation, `extra_env` for a multi-node group's rendezvous."""
     spec = isvc.spec
     image = config.image_for(spec.resources.gpus, spec.engine.image)
     download = DownloadSettings(
@@ -206,13 +235,18 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.engine"],
-        "args": engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None),
+        "args": engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None, role),
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
             # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
             {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
+            *(
+                [{"name": "kv", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}]
+                if role == "prefill"
+                else []
+            ),
         ],
-        "env": _env(isvc),
+        "env": _env(isvc, role, extra_env or []),
         **({"envFrom": [dict(e) for e in spec.pod.env_from]} if spec.pod.env_from else {}),
         "resources": _resources(spec, _sum_quantities([model.ephemeral_storage, draft.ephemeral_storage])),
         **_probes(spec),
@@ -274,30 +308,45 @@ def _sum_quantities(values: list[str | None]) -> str | None:
     return f"{sum(parse_quantity(v) for v in present)}"
 
 
-def render_deployment(isvc: InferenceService, config: OperatorConfig | None = None) -> dict[str, Any]:
+def engine_pod_labels(isvc: InferenceService, role: str | None) -> dict[str, str]:
+    return {**isvc.spec.pod.labels, **common_labels(isvc.name), **({LABEL_ROLE: role} if role else {})}
+
+
+def engine_pod_annotations(isvc: InferenceService) -> dict[str, str]:
+    return {
+        **isvc.spec.pod.annotations,
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(ENGINE_PORT),
+        "prometheus.io/path": "/metrics",
+        "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER,
+    }
+
+
+def render_deployment(
+    isvc: InferenceService, config: OperatorConfig | None = None, role: str | None = None
+) -> dict[str, Any]:
+    """The engine Deployment: NAME, or with spec.disaggregation one per role (NAME-prefill, NAME-decode)."""
     config = config or OperatorConfig()
+    metadata = child_metadata(isvc, engine_workload_name(isvc.name, role))
+    if role:
+        metadata["labels"][LABEL_ROLE] = role
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",
-        "metadata": child_metadata(isvc, isvc.name),
+        "metadata": metadata,
         "spec": {
-            "replicas": isvc.desired_replicas,
-            "selector": {"matchLabels": selector_labels(isvc.name)},
+            "replicas": isvc.role_replicas(role),
+            # immutable: a role's Deployment selects its role only, so the two never fight over pods
+            "selector": {"matchLabels": role_selector_labels(isvc.name, role)},
             "strategy": render_strategy(isvc.spec),
             "progressDeadlineSeconds": isvc.spec.engine.startup_timeout_seconds + 300,
             "revisionHistoryLimit": 5,
             "template": {
                 "metadata": {
-                    "labels": {**isvc.spec.pod.labels, **common_labels(isvc.name)},
-                    "annotations": {
-                        **isvc.spec.pod.annotations,
-                        "prometheus.io/scrape": "true",
-                        "prometheus.io/port": str(ENGINE_PORT),
-                        "prometheus.io/path": "/metrics",
-                        "kubectl.kubernetes.io/default-container": ENGINE_CONTAINER,
-                    },
+                    "labels": engine_pod_labels(isvc, role),
+                    "annotations": engine_pod_annotations(isvc),
                 },
-                "spec": _pod_spec(isvc, config),
+                "spec": _pod_spec(isvc, config, role),
             },
         },
     }

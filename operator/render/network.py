@@ -9,7 +9,10 @@ from ..inference_service import InferenceService
 from ..resources import (
     ADMIN_PORT,
     ENGINE_PORT,
+    KV_TRANSFER_PORT,
     LABEL_INSTANCE,
+    LABEL_ROLE,
+    LABEL_WORKER_OF,
     router_labels,
     router_selector_labels,
     selector_labels,
@@ -41,8 +44,9 @@ def render_service(isvc: InferenceService) -> dict[str, Any]:
 
 
 def wants_pdb(isvc: InferenceService) -> bool:
-    """A PDB only makes sense with more than one replica: with one it would block every node drain."""
-    return isvc.desired_replicas > 1
+    """A PDB only makes sense with more than one engine pod: with one it would block every node drain. With
+    spec.disaggregation it spans both roles (one engine of either role evicted at a time)."""
+    return isvc.total_engines > 1
 
 
 def render_pdb(isvc: InferenceService) -> dict[str, Any] | None:
@@ -74,10 +78,24 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
             "jobLabel": LABEL_INSTANCE,
             "namespaceSelector": {"matchNames": [isvc.namespace]},
             "endpoints": [
-                {"port": "http", "path": "/metrics", "interval": interval, "relabelings": slo_relabelings()}
+                {
+                    "port": "http",
+                    "path": "/metrics",
+                    "interval": interval,
+                    "relabelings": [*slo_relabelings(), ROLE_RELABELING],
+                }
             ],
         },
     }
+
+
+# The engine pod's role (spec.disaggregation) onto its series as `specfleet_role`, so that the tuner's PromQL
+# reads the decode engines only; absent on aggregated engines (an empty value drops the label).
+ROLE_RELABELING: dict[str, object] = {
+    "sourceLabels": ["__meta_kubernetes_pod_label_" + "".join(c if c.isalnum() else "_" for c in LABEL_ROLE)],
+    "targetLabel": "specfleet_role",
+    "action": "replace",
+}
 
 
 def render_network_policy(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
@@ -97,6 +115,26 @@ def render_network_policy(isvc: InferenceService, config: OperatorConfig) -> dic
             "ingress": [
                 {"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]},
                 {"from": [operator_pods], "ports": [{"port": ADMIN_PORT, "protocol": "TCP"}]},
+                # prefill engines' held KV: pulled by this service's engines, released by its router
+                *(
+                    [
+                        {
+                            "from": [
+                                {"podSelector": {"matchLabels": selector_labels(isvc.name)}},
+                                {"podSelector": {"matchLabels": router_selector_labels(isvc.name)}},
+                            ],
+                            "ports": [{"port": KV_TRANSFER_PORT, "protocol": "TCP"}],
+                        }
+                    ]
+                    if isvc.spec.disaggregation
+                    else []
+                ),
+                # a multi-node leader: its group's workers reach the rendezvous and the collectives' ports
+                *(
+                    [{"from": [{"podSelector": {"matchLabels": {LABEL_WORKER_OF: isvc.name}}}]}]
+                    if isvc.spec.engine.nodes > 1
+                    else []
+                ),
             ],
         },
     }

@@ -13,13 +13,14 @@ from ..config import OperatorConfig
 from ..inference_service import InferenceService
 from ..resources import (
     ENGINE_PORT,
+    LABEL_ROLE,
     ROUTER_PORT,
     common_labels,
     engines_service_name,
+    role_selector_labels,
     router_labels,
     router_name,
     router_selector_labels,
-    selector_labels,
 )
 from .common import owner_reference
 from .deployment import CONTAINER_SECURITY_CONTEXT, RUN_AS_USER
@@ -42,9 +43,20 @@ def _metadata(isvc: InferenceService, name: str, labels: dict[str, str]) -> dict
 def router_args(isvc: InferenceService) -> list[str]:
     spec = isvc.spec
     routing = spec.routing
+    # with roles: the decode engines' Service is the one requests stream from, the prefill engines' the
+    # one prompts go to first (router/disaggregation.py)
+    roles = (
+        [
+            "--service",
+            engines_service_name(isvc.name, "decode"),
+            "--prefill-service",
+            engines_service_name(isvc.name, "prefill"),
+        ]
+        if spec.disaggregation
+        else ["--service", engines_service_name(isvc.name)]
+    )
     return [
-        "--service",
-        engines_service_name(isvc.name),
+        *roles,
         "--namespace",
         isvc.namespace,
         "--port",
@@ -119,21 +131,27 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
     }
 
 
-def render_engines_service(isvc: InferenceService) -> dict[str, Any]:
-    """Headless: one DNS record and one EndpointSlice address per engine pod, no kube-proxy spreading."""
+def render_engines_service(isvc: InferenceService, role: str | None = None) -> dict[str, Any]:
+    """Headless: one DNS record and one EndpointSlice address per engine pod, no kube-proxy spreading. With
+    spec.disaggregation one per role (NAME-prefill, NAME-decode), so the router tells the roles apart by the
+    Service an address comes from."""
+    labels = {**common_labels(isvc.name), **slo_service_labels(isvc), **({LABEL_ROLE: role} if role else {})}
     return {
         "apiVersion": "v1",
         "kind": "Service",
         # the engines' Service carries the SLO threshold labels the ServiceMonitor copies onto their series
-        "metadata": _metadata(
-            isvc, engines_service_name(isvc.name), {**common_labels(isvc.name), **slo_service_labels(isvc)}
-        ),
+        "metadata": _metadata(isvc, engines_service_name(isvc.name, role), labels),
         "spec": {
             "clusterIP": "None",
-            "selector": selector_labels(isvc.name),
+            "selector": role_selector_labels(isvc.name, role),
             "ports": [{"name": "http", "port": ENGINE_PORT, "targetPort": "http", "protocol": "TCP"}],
         },
     }
+
+
+def engines_services(isvc: InferenceService) -> list[dict[str, Any]]:
+    """The engines' headless Service(s): `<name>-engines`, or one per role."""
+    return [render_engines_service(isvc, role) for role in isvc.roles]
 
 
 def render_router_rbac(isvc: InferenceService) -> list[dict[str, Any]]:
@@ -169,4 +187,4 @@ def render_router_children(
     """Everything routing adds, in apply order (RBAC before the pods that use it); [] when routing is off."""
     if not isvc.spec.routing.enabled:
         return []
-    return [*render_router_rbac(isvc), render_engines_service(isvc), render_router_deployment(isvc, config)]
+    return [*render_router_rbac(isvc), *engines_services(isvc), render_router_deployment(isvc, config)]

@@ -8,11 +8,9 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import os
 import re
 import shutil
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import free_port, stop_process, wait_http_ready
+from helpers import free_port, start_server, stop_process, wait_http_ready
 from tuner.conftest import ADMIN_TOKEN, ENGINE_ARGS
 
 REPO = Path(__file__).resolve().parents[2]
@@ -114,27 +112,10 @@ def test_dashboard_shows_what_the_issue_lists() -> None:
 
 
 def _start_engine(tmp: Path, index: int) -> tuple[str, subprocess.Popen[bytes]]:
-    port = free_port()
     log = tmp / f"engine-{index}.log"
-    env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "TOKENIZERS_PARALLELISM": "false"}
-    with open(log, "wb") as out:  # k=2: the acceptance panels need verified drafts
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "specfleet.engine",
-                *ENGINE_ARGS,
-                "--num-speculative-tokens",
-                "2",
-                "--port",
-                str(port),
-            ],
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=env,
-        )
-    url = f"http://127.0.0.1:{port}"
-    wait_http_ready(f"{url}/ready", proc, log)
+    env = {"SPECFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "TOKENIZERS_PARALLELISM": "false"}
+    # k=2: the acceptance panels need verified drafts
+    proc, url = start_server(log, *ENGINE_ARGS, "--num-speculative-tokens", "2", env=env)
     return url, proc
 
 

@@ -6,17 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specfleet.engine import LLM, SamplingParams
+from specfleet.engine import SamplingParams
 from specfleet.engine.detokenizer import IncrementalDetokenizer
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama):
-    return LLM(model=tiny_llama, block_size=4, max_model_len=256)
 
 
 def _greedy(**kw) -> SamplingParams:
@@ -106,14 +101,14 @@ def test_the_first_stop_condition_in_one_speculative_step_wins(tiny):
     assert engine.kv_blocks_in_use() == 0
 
 
-def test_seeded_output_is_independent_of_batch_and_speculation(tiny_llama):
+def test_seeded_output_is_independent_of_batch_and_speculation(make_tiny):
     prompt = PROMPT * 3  # the tiny model repeats itself, so n-gram drafts get accepted
     # Near-greedy on this random model (its logits are flat), so that n-gram drafts get accepted at all.
     params = SamplingParams(temperature=0.05, top_p=0.95, seed=2024, max_tokens=40, ignore_eos=True)
     others = [SamplingParams(temperature=1.0, max_tokens=n, ignore_eos=True) for n in (7, 30, 19)]
 
     def run(**engine_kw) -> tuple[list[int], int]:
-        llm = LLM(model=tiny_llama, block_size=4, max_model_len=256, **engine_kw)
+        llm = make_tiny(**engine_kw)
         outs = llm.generate([[5, 6], prompt, [7, 8, 9], [10]], [others[0], params, *others[1:]])
         alone = llm.generate(prompt, params)[0].outputs[0].token_ids
         assert alone == outs[1].outputs[0].token_ids, "the batch changed a seeded request's tokens"

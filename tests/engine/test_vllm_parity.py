@@ -5,18 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specfleet.engine import LLM, PositionLogprobs, SamplingParams
+from specfleet.engine import PositionLogprobs, SamplingParams
 from specfleet.engine.llm import engine_config_from_vllm_kwargs
 from specfleet.engine.sampler import SamplingBatch, processed_probs, sample
 
 pytestmark = pytest.mark.slow
 
 PROMPT = [101, 202, 303, 404, 505, 606, 707, 101, 202]
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_llama):
-    return LLM(model=tiny_llama, block_size=4, max_model_len=256)
 
 
 @pytest.fixture(scope="module")

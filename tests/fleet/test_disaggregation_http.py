@@ -13,9 +13,9 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import free_port
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.core.client import EngineCoreClient
-from specfleet.fleet.supervisor import free_port
 from specfleet.router import disaggregation
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy

@@ -16,7 +16,7 @@ from isvc_schema_tools import EXAMPLES, REPO
 from specfleet.operator import load_inference_service
 from specfleet.operator.render import (
     new_admin_token,
-    render_deployment,
+    render_engine_workloads,
     render_pdb,
     render_secret,
     render_service,
@@ -38,7 +38,7 @@ def rendered_objects() -> dict[str, list[dict[str, Any]]]:
         doc["metadata"].update(namespace=USER_NAMESPACE, uid="uid-1234")
         isvc = load_inference_service(doc)
         children = [
-            render_deployment(isvc),
+            *render_engine_workloads(isvc),
             render_service(isvc),
             render_secret(isvc, new_admin_token()),
             render_pdb(isvc),

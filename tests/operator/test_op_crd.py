@@ -196,6 +196,40 @@ INVALID = {
         "pins.maxNumSeqs",
     ),
     "pin below the knob's minimum": ({"spec.autotune": {"pins": {"maxNumSeqs": 0}}}, "maxNumSeqs"),
+    "disaggregation with a split model": (
+        {"spec.disaggregation": {}, "spec.engine.tensorParallelSize": 3, "spec.resources.gpus": 3},
+        "KV connector moves one process's cache",
+    ),
+    "disaggregation without the router": (
+        {"spec.disaggregation": {}, "spec.routing.enabled": False},
+        "needs routing.enabled",
+    ),
+    "disaggregation with spec.replicas": (
+        {"spec.disaggregation": {}, "spec.replicas": 3},
+        "leave spec.replicas at 1",
+    ),
+    "disaggregation role with 0 replicas": (
+        {"spec.disaggregation": {"prefill": {"replicas": 0}}},
+        "replicas",
+    ),
+    "nodes without pipeline stages": ({"spec.engine.nodes": 2}, "engine.nodes > 1 spreads pipeline stages"),
+    "nodes not dividing the stages": (
+        {"spec.engine.nodes": 2, "spec.engine.pipelineParallelSize": 3, "spec.resources.gpus": 0},
+        "a multiple of nodes",
+    ),
+    "gpus of the whole group on each node": (
+        {"spec.engine.nodes": 2, "spec.engine.pipelineParallelSize": 4, "spec.resources.gpus": 4},
+        "resources.gpus must be 0",
+    ),
+    "nodes with disaggregation": (
+        {
+            "spec.engine.nodes": 2,
+            "spec.engine.pipelineParallelSize": 2,
+            "spec.resources.gpus": 1,
+            "spec.disaggregation": {},
+        },
+        "nodes 1",
+    ),
 }
 
 
@@ -217,26 +251,22 @@ def test_bounds_only_bind_when_autotune_is_on() -> None:
 
 
 def _accepted_by_model(doc: dict[str, Any]) -> bool:
-    """What the operator runs: the model validates and the spec has no cluster refusal."""
+    """What the operator and `specfleet up` run: the model validates."""
     try:
-        isvc = load_inference_service(doc)
+        load_inference_service(doc)
     except InvalidInferenceService:
         return False
-    return isvc.spec.cluster_refusal() is None
+    return True
 
 
-def test_disaggregation_is_refused_in_the_cluster_but_runs_locally() -> None:
-    """The operator does not render prefill/decode roles: admission says so instead of ignoring the field;
-    `specfleet up` (the pydantic model alone) takes it."""
+def test_disaggregation_is_accepted_by_the_cluster_and_by_specfleet_up() -> None:
+    """The same YAML: admission (schema, defaults, CEL) and the pydantic model `specfleet up` loads."""
     doc = _with({"spec.disaggregation": {"prefill": {"replicas": 1}, "decode": {"replicas": 2}}})
-    errors = admission_errors(doc)
-    assert errors and "not rendered by the operator yet; use specfleet up" in " ".join(errors), errors
+    assert admission_errors(doc) == []
     spec = load_inference_service(doc).spec
     assert spec.disaggregation is not None and spec.disaggregation.decode.replicas == 2
-    assert spec.cluster_refusal() is not None and "use specfleet up" in spec.cluster_refusal()
-    assert (
-        admission_errors(_with({})) == [] and load_inference_service(_with({})).spec.cluster_refusal() is None
-    )
+    defaulted = apply_defaults(crd_schema(), _with({"spec.disaggregation": {}}))
+    assert defaulted["spec"]["disaggregation"] == {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
 
 
 @settings(max_examples=60, deadline=None)
@@ -250,10 +280,12 @@ def test_disaggregation_is_refused_in_the_cluster_but_runs_locally() -> None:
     autotune=st.booleans(),
     k_bounds=st.tuples(st.integers(0, 10), st.integers(0, 10)),
     tp=st.integers(1, 3),
-    pp=st.integers(1, 2),
+    pp=st.integers(1, 4),
+    nodes=st.integers(1, 3),
     gpus=st.integers(0, 4),
     scaling=st.tuples(st.booleans(), st.integers(0, 3), st.integers(1, 3)),
     disaggregated=st.booleans(),
+    routing=st.booleans(),
 )
 def test_crd_and_model_agree_on_cross_field_rules(
     replicas: int,
@@ -266,9 +298,11 @@ def test_crd_and_model_agree_on_cross_field_rules(
     k_bounds: tuple[int, int],
     tp: int,
     pp: int,
+    nodes: int,
     gpus: int,
     scaling: tuple[bool, int, int],
     disaggregated: bool,
+    routing: bool,
 ) -> None:
     changes: dict[str, Any] = {
         "spec.replicas": replicas,
@@ -281,6 +315,8 @@ def test_crd_and_model_agree_on_cross_field_rules(
         "spec.autotune": {"enabled": autotune, "bounds": {"numSpeculativeTokens": list(k_bounds)}},
         "spec.engine.tensorParallelSize": tp,
         "spec.engine.pipelineParallelSize": pp,
+        "spec.engine.nodes": nodes,
+        "spec.routing.enabled": routing,
         "spec.resources.gpus": gpus,
         "spec.autoscaling": {"enabled": scaling[0], "minReplicas": scaling[1], "maxReplicas": scaling[2]},
         "spec.disaggregation": {"prefill": {"replicas": 1}} if disaggregated else _DELETE,

@@ -128,3 +128,32 @@ def test_invalid_spec_is_reported_in_status_and_events(fake_kube: FakeKube, kube
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
     events = [r.body for r in fake_kube.requests if r.method == "POST" and r.path.endswith("/events")]
     assert any(e.get("reason") == "InvalidSpec" and "draftModel" in e.get("message", "") for e in events)
+
+
+def test_operator_runs_prefill_and_decode_roles(fake_kube: FakeKube, kubeconfig: Path) -> None:
+    """spec.disaggregation through the real kopf operator: a Deployment per role, Ready once both are."""
+    from kopf.testing import KopfRunner
+
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu-pd.yaml").read_text())
+    doc["metadata"]["name"] = "smollm2"
+    fake_kube.put(*ISVC, NS, doc)
+    args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
+    with KopfRunner(args, timeout=60) as runner:
+        for role in ("prefill", "decode"):
+            wait_for(
+                f"the {role} Deployment", lambda role=role: fake_kube.get(*DEPLOY, NS, f"smollm2-{role}")
+            )
+        assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
+        for role, count in (("prefill", 1), ("decode", 2)):
+            deployment = fake_kube.get(*DEPLOY, NS, f"smollm2-{role}")
+            assert deployment is not None and deployment["spec"]["replicas"] == count
+            deployment["status"] = {
+                "observedGeneration": deployment["metadata"]["generation"],
+                "replicas": count,
+                "updatedReplicas": count,
+                "readyReplicas": count,
+                "availableReplicas": count,
+            }
+            fake_kube.put(*DEPLOY, NS, deployment)
+        wait_for("Ready=True once both roles are ready", lambda: ready_status(fake_kube) == "True")
+    assert runner.exit_code == 0, runner.output

@@ -6,14 +6,13 @@ with the alert rules' own expressions."""
 from __future__ import annotations
 
 import re
-import socket
 from pathlib import Path
 
 import httpx
 import pytest
 import yaml
 from fake_kube import FakeKube
-from helpers import wait_for
+from helpers import free_port, wait_for
 from isvc_schema_tools import REPO
 
 NS = "team-a"  # the namespace the API double grants the chart's RBAC in (conftest.py)
@@ -21,12 +20,6 @@ NAME = "metered"  # not a name other tests leave series for in this process's re
 ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
 DEPLOY = ("/apis/apps/v1", "deployments")
 RULES = REPO / "deploy" / "monitoring" / "prometheus-rules.yaml"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")

@@ -216,16 +216,21 @@ def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
     assert reconcile(fake_kube).events == []  # the timer does not repeat the same warning
 
 
-def test_disaggregation_is_reported_not_ignored(fake_kube: FakeKube) -> None:
-    """The operator renders no prefill/decode roles: an object stored past the CEL rule is an invalid spec,
-    not one aggregated Deployment that silently ignores the field."""
+def test_disaggregation_stored_past_admission_without_the_router_is_reported_not_ignored(
+    fake_kube: FakeKube,
+) -> None:
+    """Roles need the router: an object stored past the CEL rule is an invalid spec (the rule's pydantic
+    twin), not engines that nothing sends through both halves."""
     create_isvc(
-        fake_kube, admit=False, disaggregation={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+        fake_kube,
+        admit=False,
+        disaggregation={"prefill": {"replicas": 1}, "decode": {"replicas": 1}},
+        routing={"enabled": False},
     )
     outcome = reconcile(fake_kube)
-    assert outcome.invalid and "not rendered by the operator yet; use specfleet up" in outcome.invalid
+    assert outcome.invalid and "needs routing.enabled" in outcome.invalid
     assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")
-    assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
+    assert fake_kube.get(*DEPLOY, NS, "smollm2-decode") is None
 
 
 def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:

@@ -15,6 +15,7 @@ from specfleet.operator.render import (
     new_admin_token,
     read_admin_token,
     render_deployment,
+    render_engine_workloads,
     render_engines_service,
     render_pdb,
     render_router_children,
@@ -53,7 +54,11 @@ def flag(args: list[str], name: str) -> str:
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_every_rendered_object_is_valid_kubernetes(path: Any) -> None:
     isvc = load_inference_service(path)
-    objects = [render_deployment(isvc, CONFIG), render_service(isvc), render_secret(isvc, new_admin_token())]
+    objects = [
+        *render_engine_workloads(isvc, CONFIG),
+        render_service(isvc),
+        render_secret(isvc, new_admin_token()),
+    ]
     objects += [pdb for pdb in [render_pdb(isvc)] if pdb]
     objects += render_router_children(isvc, CONFIG)
     for obj in objects:
@@ -366,7 +371,7 @@ def test_service_carries_its_slo_as_bucket_bounds_and_the_monitor_copies_them(
     assert (labels["specfleet.io/slo-ttft-seconds"], labels["specfleet.io/slo-tpot-seconds"]) == (ttft, tpot)
     assert float(ttft) in LATENCY_BUCKETS and float(tpot) in TOKEN_LATENCY_BUCKETS
     relabel = render_servicemonitor(isvc)["spec"]["endpoints"][0]["relabelings"]
-    assert {r["targetLabel"]: r["sourceLabels"] for r in relabel} == {
+    assert {r["targetLabel"]: r["sourceLabels"] for r in relabel if r["targetLabel"].startswith("slo_")} == {
         "slo_ttft_seconds": ["__meta_kubernetes_service_label_specfleet_io_slo_ttft_seconds"],
         "slo_tpot_seconds": ["__meta_kubernetes_service_label_specfleet_io_slo_tpot_seconds"],
     }

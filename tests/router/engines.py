@@ -8,19 +8,13 @@ runs real engines for that); they only answer HTTP the way an engine can.
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from aiohttp import web
+from helpers import free_port
 
 Behaviour = Callable[[web.Request, "FakeEngine"], Awaitable[web.StreamResponse]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 async def answer_ok(request: web.Request, engine: FakeEngine) -> web.StreamResponse:

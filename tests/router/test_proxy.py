@@ -8,6 +8,7 @@ import json
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+from helpers import free_port
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy
 from specfleet.router.proxy import Router, prompt_text, serve
@@ -16,7 +17,6 @@ from .engines import (
     FakeEngine,
     answer_503,
     break_after_first_byte,
-    free_port,
     stream_forever,
     stream_two_events,
 )

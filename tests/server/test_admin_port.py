@@ -3,67 +3,28 @@ expose), the OpenAI API and /metrics on --port only; one server, so SIGTERM drai
 
 from __future__ import annotations
 
-import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers import free_port, start_server
 
 pytestmark = pytest.mark.slow
 TOKEN = "admin-port-test-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_admin_api_only_on_the_admin_port(tmp_path: Path) -> None:
     pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
-    port, admin_port = _free_port(), _free_port()
+    port, admin_port = free_port(), free_port()
     api, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "specfleet.engine",
-        "--model",
-        "bundled://smollm2-135m-instruct",
-        "--port",
-        str(port),
-        "--admin-port",
-        str(admin_port),
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "0.1",
-        "--drain-timeout",
-        "5",
-        "--log-level",
-        "warning",
-    ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPECFLEET_ADMIN_TOKEN": TOKEN}
-        )
+    flags = ("--admin-port", str(admin_port), "--drain-timeout", "5", "--log-level", "warning")
+    proc, _ = start_server(log_path, *flags, env={"SPECFLEET_ADMIN_TOKEN": TOKEN}, port=port)
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            assert proc.poll() is None, log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "server did not become ready"
-            try:
-                if httpx.get(f"{api}/ready", timeout=2).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.3)
         on_api = httpx.get(f"{api}/admin/config", headers=AUTH, timeout=10)
         assert on_api.status_code == 404 and on_api.json()["error"]["code"] == "wrong_port"
         assert httpx.get(f"{admin}/admin/config", headers=AUTH, timeout=10).json()["max_num_seqs"] > 0

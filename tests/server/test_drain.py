@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import os
 import signal
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
@@ -13,7 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import free_port, wait_http_ready
+from helpers import start_server
 from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 
 pytestmark = pytest.mark.slow
@@ -82,31 +80,8 @@ def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_toke
 
 def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     """`python -m specfleet.engine` on a free port, once /ready answers 200: (process, url, log path)."""
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "specfleet.engine",
-        "serve",
-        "--model",
-        "bundled://smollm2-135m-instruct",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "0.1",
-        *flags,
-    ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    try:
-        wait_http_ready(f"{url}/ready", proc, log_path)
-    except AssertionError:
-        proc.kill()
-        raise
+    proc, url = start_server(log_path, *flags)
     return proc, url, log_path
 
 

@@ -6,49 +6,20 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from helpers import start_server
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     log_path = tmp_path / "server.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "specfleet.engine",
-        "serve",
-        "--model",
-        "bundled://smollm2-135m-instruct",
-        "--port",
-        str(port),
-        "--max-model-len",
-        "512",
-        "--kv-cache-gib",
-        "0.1",
-    ]
-    with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while True:
-        assert proc.poll() is None, log_path.read_text()[-3000:]
-        assert time.monotonic() < deadline, "server did not become ready"
-        try:
-            if httpx.get(f"{url}/ready", timeout=2).status_code == 200:
-                return proc, url, log_path
-        except httpx.TransportError:
-            pass
-        time.sleep(0.3)
+    proc, url = start_server(log_path)
+    return proc, url, log_path
 
 
 def test_sigkill_of_the_core_fails_in_flight_requests_and_exits_non_zero(tmp_path: Path) -> None:

@@ -42,7 +42,7 @@ class KVProducer:
 
     def __init__(self, kv_caches: KVCaches, host: str, port: int, timeout_s: float):
         self.kv_caches, self.host, self.timeout_s = kv_caches, host, timeout_s
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if port:

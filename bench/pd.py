@@ -166,7 +166,9 @@ def transfer_stats(model: str, long_words: int, repeats: int = 5) -> dict[str, A
     from specfleet.engine.llm_engine import Engine
     from specfleet.engine.sampling_params import SamplingParams
 
-    common = dict(model=model, max_model_len=2048, kv_cache_gib=0.5, enable_prefix_caching=False)
+    common: dict[str, Any] = dict(
+        model=model, max_model_len=2048, kv_cache_gib=0.5, enable_prefix_caching=False
+    )
     prefill, decode = Engine(kv_role="prefill", **common), Engine(kv_role="decode", **common)
     rng = random.Random(0)
     words = LONG_CONTEXT.split()
@@ -175,12 +177,14 @@ def transfer_stats(model: str, long_words: int, repeats: int = 5) -> dict[str, A
             prompt = f"Document {i}. " + " ".join(rng.choice(words) for _ in range(long_words))
             ids = prefill.tokenizer.encode(prompt)
             generate_disaggregated(prefill, decode, [ids], SamplingParams(temperature=0, max_tokens=2))
-        stats = decode.kv_connector.stats
+        connector = decode.kv_connector
+        assert connector is not None, "an engine with a kv_role has a KV connector"
+        stats = connector.stats
         return {
             "transfers": stats.transfers,
             "blocks": stats.blocks_loaded,
             "ms_per_block": 1000 * stats.seconds / max(stats.blocks_loaded, 1),
-            "bytes_per_token": decode.kv_connector.bytes_per_token,
+            "bytes_per_token": connector.bytes_per_token,
             "mb_moved": stats.bytes_loaded / 1e6,
             "fallbacks": stats.fallbacks,
         }
@@ -189,7 +193,7 @@ def transfer_stats(model: str, long_words: int, repeats: int = 5) -> dict[str, A
 
 
 async def run_setup(name: str, model: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    roles = ["prefill", "decode"] if name == "disaggregated" else [None, None]
+    roles: list[str | None] = ["prefill", "decode"] if name == "disaggregated" else [None, None]
     logs = [workdir / f"{name}-{i}.log" for i in range(2)]
     started = [
         _start_engine(model, role, log, args.engine_arg) for role, log in zip(roles, logs, strict=True)

@@ -32,6 +32,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from specfleet.bench.prompts import chat_prompts, grounded_prompts
@@ -116,7 +117,10 @@ def perplexity(llm: LLM) -> float:
     results = llm.generate(
         windows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False
     )
-    nll = [-p.logprob for r in results for p in r.prompt_logprobs[1:]]
+    nll: list[float] = []
+    for r in results:
+        assert r.prompt_logprobs is not None, "asked for with prompt_logprobs=0"
+        nll.extend(-p.logprob for p in r.prompt_logprobs[1:] if p is not None)  # only the first is None
     return math.exp(sum(nll) / len(nll))
 
 
@@ -138,12 +142,13 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
 
 def quality(kinds: list[str]) -> dict:
     prompts = chat_prompts() + grounded_prompts()[:8]
-    out, reference = {}, None
+    out: dict[str, dict[str, float | str]] = {}
+    reference: list[list[int]] | None = None
     for kind in kinds:
         with weights(kind) as kw:
             llm = LLM(model=BUNDLED, max_model_len=2048, kv_cache_gib=0.5, **kw)
             start = time.perf_counter()
-            row = {"perplexity": round(perplexity(llm), 4)}
+            row: dict[str, float | str] = {"perplexity": round(perplexity(llm), 4)}
             tokens = greedy(llm, prompts)
             if reference is None:
                 reference = tokens
@@ -265,7 +270,7 @@ def stepcost(kinds: list[str], steps: int) -> dict:
             f"batch {batch}: " + ", ".join(f"{k} {t[batch] * 1e3:.1f} ms" for k, t in times.items()),
             flush=True,
         )
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for kind, by_batch in times.items():
         cost = fit_step_cost([(float(b), 0.0, t) for b, t in by_batch.items()])
         assert cost is not None

@@ -110,7 +110,8 @@ async def chat(
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    start, ttft, text, tokens = time.perf_counter(), 0.0, [], 0
+    start, ttft, tokens = time.perf_counter(), 0.0, 0
+    text: list[str] = []
     async with client.stream(
         "POST", "/v1/chat/completions", json=body, headers={"x-session-id": session}
     ) as r:
@@ -194,8 +195,10 @@ async def run_config(args: argparse.Namespace, name: str, replicas: int, policy:
             run.seconds = time.perf_counter() - start
         hits1, queries1 = await prefix_counters(fleet.engine_urls)
         run.hits, run.queries = hits1 - hits0, queries1 - queries0
-        for (_, reason), counter in fleet.router.metrics.decisions._metrics.items():
-            run.decisions[reason] = counter._value.get()
+        for metric in fleet.router.metrics.decisions.collect():
+            for sample in metric.samples:
+                if sample.name.endswith("_total"):  # a counter's value (beside its _created time)
+                    run.decisions[sample.labels["reason"]] = sample.value
     finally:
         await fleet.stop(drain_timeout_s=5)
     return run

@@ -47,9 +47,9 @@ def run(
             n = len(r.outputs[0].token_ids)
             total_tokens += n
             m = r.metrics
-            finished = (m.finished_time - m.arrival_time) if m else elapsed
+            finished = (m.finished_time - m.arrival_time) if m and m.finished_time is not None else elapsed
             rates.append(n / max(finished, 1e-9))
-            if m and m.first_token_time and n > 1:
+            if m and m.finished_time is not None and m.first_token_time and n > 1:
                 decode_rates.append((n - 1) / max(m.finished_time - m.first_token_time, 1e-9))
     drafted, accepted = stats.num_draft_tokens - drafted, stats.num_accepted_tokens - accepted
     return {
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
     workloads = {"grounded": grounded_prompts(), "chat": chat_prompts()}
-    methods = {"ngram": {"speculative_method": "ngram"}}
+    methods: dict[str, dict[str, str | None]] = {"ngram": {"speculative_method": "ngram"}}
     if args.draft_model != "none":
         quant = None if args.draft_quantization == "none" else args.draft_quantization
         methods["draft"] = {

@@ -18,6 +18,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -236,7 +237,7 @@ def apply_cost_us(tokenizer, vocab_size: int, tokens: list[int], repeats: int) -
         matcher.accept_token(token)
     import xgrammar as xgr
 
-    appliers = {
+    appliers: dict[str, Callable[[torch.Tensor, torch.Tensor], object]] = {
         "apply": apply_token_bitmask_,
         "xgrammar_cpu_kernel_apply": lambda lg, bm: xgr.apply_token_bitmask_inplace(lg, bm, backend="cpu"),
     }
@@ -289,7 +290,8 @@ def engine_overhead(batches: tuple[tuple[int, int], ...] = ((1, 24), (BATCH, 16)
         total = time.perf_counter() - start
         grammar = sum(
             ct
-            for (_, _, fn), (_, _, _, ct, _) in pstats.Stats(profile).stats.items()
+            # typeshed's Stats lacks `stats`, the (file, line, name) -> (cc, nc, tt, ct, callers) table
+            for (_, _, fn), (_, _, _, ct, _) in pstats.Stats(profile).stats.items()  # type: ignore[attr-defined]
             if fn in grammar_functions
         )
         out[f"batch{batch}"] = {

@@ -341,6 +341,11 @@ def _overall(per_phase: dict[str, dict[str, float]]) -> float:
     return sum(p["goodput"] for p in per_phase.values()) / len(per_phase)
 
 
+def _phase_goodput(phase: str) -> Callable[[dict[str, dict[str, float]]], float]:
+    """Reads one phase's goodput out of a pass's figures."""
+    return lambda figures: figures[phase]["goodput"]
+
+
 def hindsight_best(
     passes: list[Static], value: Callable[[dict[str, dict[str, float]]], float]
 ) -> tuple[str, float]:
@@ -367,7 +372,7 @@ def summarize(
     tuner = mean_passes([{"tuner": t} for t in tuner_passes])["tuner"]
     best_name, best_static = hindsight_best(passes, _overall)
     tuner_goodput = _overall(tuner)
-    per_phase = {p: hindsight_best(passes, lambda figures, p=p: figures[p]["goodput"]) for p in tuner}
+    per_phase = {p: hindsight_best(passes, _phase_goodput(p)) for p in tuner}
     ratios = {p: tuner[p]["goodput"] / max(best, 1e-9) for p, (_, best) in per_phase.items()}
     # the plain maximum over the averaged passes, for comparison: an upper bound of the hindsight best
     best_max = max(_overall(s) for s in static.values())

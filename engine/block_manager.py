@@ -78,17 +78,17 @@ class BlockManager:
             parent = h
         return hits
 
-    def num_new_blocks(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> int:
+    def num_new_blocks(self, seq: Sequence, num_tokens: int, hits: list[int] | tuple[int, ...] = ()) -> int:
         """Free blocks needed so that `seq` has slots for `num_tokens` tokens (hits taken first)."""
         have = len(seq.block_table) or len(hits)
         from_free_pool = sum(1 for b in hits if self.ref_counts[b] == 0) if not seq.block_table else 0
         return max(0, self.blocks_for(num_tokens) - have) + from_free_pool
 
     # -- check, then act -----------------------------------------------------------------------------
-    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> bool:
+    def can_allocate(self, seq: Sequence, num_tokens: int, hits: list[int] | tuple[int, ...] = ()) -> bool:
         return self.num_new_blocks(seq, num_tokens, hits) <= len(self.free)
 
-    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] = ()) -> None:
+    def allocate(self, seq: Sequence, num_tokens: int, hits: list[int] | tuple[int, ...] = ()) -> None:
         """Give `seq` slots for `num_tokens` tokens, first adopting prefix-cache `hits` (only for a
         sequence with no blocks yet). All or nothing."""
         if not self.can_allocate(seq, num_tokens, hits):

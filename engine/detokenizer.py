@@ -11,6 +11,8 @@ streamed text.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 # Prompt tokens the first window starts with: enough to settle a word boundary and a character split
 # over up to four byte tokens (vLLM's INITIAL_INCREMENTAL_DETOKENIZATION_OFFSET is the same 5).
 PROMPT_CONTEXT_TOKENS = 5
@@ -22,7 +24,7 @@ class IncrementalDetokenizer:
         tokenizer,
         stop: list[str],
         include_stop: bool = False,
-        prompt_ids: list[int] = (),
+        prompt_ids: Sequence[int] = (),
         skip_special_tokens: bool = True,
     ):
         self.tokenizer = tokenizer

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.llm_engine import Engine
@@ -78,9 +78,9 @@ class LLM:
     ) -> list[RequestOutput]:
         """One result per prompt, in order. A prompt is text, token ids, or a dict with `prompt` or
         `prompt_token_ids` (vLLM's TextPrompt / TokensPrompt)."""
-        if isinstance(prompts, (str, Mapping)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        prompts = [_prompt(p) for p in prompts]
+        one = isinstance(prompts, (str, Mapping)) or (bool(prompts) and isinstance(prompts[0], int))
+        batch = cast("Sequence[Prompt]", [prompts] if one else prompts)
+        prompts = [_prompt(p) for p in batch]
         params = sampling_params
         params_list = (
             params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
@@ -105,13 +105,16 @@ class LLM:
         use_tqdm: bool = False,
     ) -> list[RequestOutput]:
         """Chat through the tokenizer's chat template; one conversation or a list of them."""
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        conversations = cast(
+            "list[list[dict]]", [messages] if messages and isinstance(messages[0], dict) else messages
+        )
         return self.generate(
             [self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm
         )
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
-        wanted, done = set(ids), {}
+        wanted = set(ids)
+        done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(done) < len(ids):
             for out in self.engine.step():

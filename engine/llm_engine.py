@@ -40,7 +40,7 @@ class _Request:
         prompt: str | None,
         prompt_ids: list[int],
         seqs: list[Sequence],
-        detoks: list[IncrementalDetokenizer],
+        detoks: list[IncrementalDetokenizer | TextCursor],
     ):
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
         self.seqs, self.detoks = seqs, detoks
@@ -161,7 +161,8 @@ class Engine:
         self._check_request(ids, params)
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
-        seqs, detoks = [], []
+        seqs: list[Sequence] = []
+        detoks: list[IncrementalDetokenizer | TextCursor] = []
         for index in range(params.n):
             tokens = list(ids) + ([remote.first_token_id] if isinstance(remote, KVTransferParams) else [])
             seq = Sequence(next(self._seq_ids), request_id, index, tokens, len(ids), params)
@@ -183,6 +184,7 @@ class Engine:
         if params.structured_outputs is not None:
             self.structured.attach(seqs, params.structured_outputs)
         if isinstance(remote, KVTransferParams):
+            assert self.kv_connector is not None, "_remote_params accepts remote KV only with a kv_role"
             self.kv_connector.add_remote(seqs[0], remote)
             detoks[0].update(seqs[0].output_token_ids, check_stop=False)
         else:
@@ -227,6 +229,7 @@ class Engine:
 
     def _on_finish(self, seq: Sequence, reason: str) -> None:
         req = self._requests.get(seq.request_id)
+        assert self.kv_connector is not None, "registered as the scheduler's on_finish only with a connector"
         self.kv_connector.on_finish(seq, reason, req is not None and req.remote_decode)
 
     def poll_kv_transfers(self) -> None:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from specfleet.engine.models import model_class
 from specfleet.engine.models.llama import LlamaModel
+from specfleet.engine.tokenizer import Tokenizer
+
+if TYPE_CHECKING:  # torch.distributed and multiprocessing load only for a split model
+    from specfleet.engine.distributed.workers import SplitModel
 
 log = logging.getLogger("specfleet.engine.loader")
 
@@ -20,8 +25,8 @@ DEFAULT_CPU_KV_GIB = 2.0
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
-    tokenizer: object
+    model: LlamaModel | SplitModel  # SplitModel: tensor or pipeline parallel, rank 0's side
+    tokenizer: Tokenizer
     name: str
     max_model_len: int
     eos_token_ids: set[int]
@@ -154,7 +159,7 @@ def checkpoint_quantization(requested: str | None, hf_config, path) -> str | Non
     return requested
 
 
-def bytes_per_block(model: LlamaModel, block_size: int) -> int:
+def bytes_per_block(model: LlamaModel | SplitModel, block_size: int) -> int:
     """K and V of every layer for one block of `block_size` tokens."""
     a = model.args
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * model.embed.element_size()
@@ -162,7 +167,7 @@ def bytes_per_block(model: LlamaModel, block_size: int) -> int:
 
 def kv_cache_blocks(
     config: EngineConfig,
-    models: list[LlamaModel],
+    models: list[LlamaModel | SplitModel],
     max_model_len: int,
     device: torch.device,
     mem_get_info=None,

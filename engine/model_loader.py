@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specfleet.engine.models import ARCHITECTURES
+from specfleet.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("specfleet.engine.loader")
 
@@ -172,7 +173,7 @@ def load_hf_config(path: Path):
     return config
 
 
-def load_tokenizer(path: Path):
+def load_tokenizer(path: Path) -> Tokenizer:
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(path)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
@@ -20,6 +21,9 @@ from specfleet.engine.scheduler import ScheduledSeq, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rejection import rejection_sample, verify_greedy
 from specfleet.engine.structured_output.bitmask import apply_token_bitmask_
+
+if TYPE_CHECKING:
+    from specfleet.engine.distributed.workers import SplitModel
 
 # On CPU a one-token step is mostly small ops, which lose more to OpenMP overhead than its GEMVs gain
 # from a second thread (measured on 2 cores: 40 ms against 44 ms per SmolLM2 decode step).
@@ -85,7 +89,7 @@ class SampleRows:
 class ModelRunner:
     def __init__(
         self,
-        model: LlamaModel,
+        model: LlamaModel | SplitModel,
         num_blocks: int,
         block_size: int,
         attention_backend: str,
@@ -148,32 +152,37 @@ class ModelRunner:
 
     def _prompt_logprobs(self, sched: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor):
         """For requests that asked: the logprob of each prompt token this step's positions predict."""
-        spans = []  # (item index, first position, rows)
+        spans: list[tuple[int, int, list[int], int]] = []  # (item index, first position, rows, top wanted)
         for i, item in enumerate(sched.scheduled):
             seq, start = item.seq, item.seq.num_computed_tokens
-            if seq.params.prompt_logprobs is None:
+            want = seq.params.prompt_logprobs
+            if want is None:
                 continue
             end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
             if end > start:
                 spans.append(
-                    (i, start, list(range(inputs.token_starts[i], inputs.token_starts[i] + end - start)))
+                    (
+                        i,
+                        start,
+                        list(range(inputs.token_starts[i], inputs.token_starts[i] + end - start)),
+                        want,
+                    )
                 )
         result: list[tuple[int, list[PositionLogprobs]] | None] = [None] * len(sched.scheduled)
         if not spans:
             return result
-        rows = torch.tensor([r for _, _, rs in spans for r in rs], device=hidden.device)
+        rows = torch.tensor([r for _, _, rs, _ in spans for r in rs], device=hidden.device)
         targets = torch.tensor(
             [
                 sched.scheduled[i].seq.token_ids[start + 1 + j]
-                for i, start, rs in spans
+                for i, start, rs, _ in spans
                 for j in range(len(rs))
             ],
             device=hidden.device,
         )
-        top = max(sched.scheduled[i].seq.params.prompt_logprobs for i, _, _ in spans)
+        top = max(want for _, _, _, want in spans)
         lps = iter(logprobs_for(self.model.logits(hidden.index_select(0, rows)), targets, top))
-        for i, start, rs in spans:
-            want = sched.scheduled[i].seq.params.prompt_logprobs
+        for i, start, rs, want in spans:
             result[i] = (start + 1, [_trim_top(next(lps), want) for _ in rs])
         return result
 
@@ -182,7 +191,12 @@ class ModelRunner:
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
-        qlens, slens, tables, sample_rows, sample_counts, token_starts = [], [], [], [], [], []
+        qlens: list[int] = []
+        slens: list[int] = []
+        tables: list[list[int]] = []
+        sample_rows: list[int] = []
+        sample_counts: list[int] = []
+        token_starts: list[int] = []
         for item in items:
             seq = item.seq
             token_starts.append(len(ids))
@@ -298,15 +312,17 @@ class ModelRunner:
     def _collect(
         self, sched: SchedulerOutput, rows: list[SampleRows], logits: torch.Tensor
     ) -> ModelRunnerOutput:
-        want = [r for r in rows if r.seq.params.logprobs is not None]
+        want = [(r, n) for r in rows if (n := r.seq.params.logprobs) is not None]
         if want:
-            tokens = torch.tensor([t for r in want for t in r.tokens], device=logits.device)
-            top = max(r.seq.params.logprobs for r in want)
+            tokens = torch.tensor([t for r, _ in want for t in r.tokens], device=logits.device)
+            top = max(n for _, n in want)
             lps = iter(
-                logprobs_for(logits[[r.start + j for r in want for j in range(len(r.tokens))]], tokens, top)
+                logprobs_for(
+                    logits[[r.start + j for r, _ in want for j in range(len(r.tokens))]], tokens, top
+                )
             )
-            for r in want:
-                r.logprobs = [_trim_top(next(lps), r.seq.params.logprobs) for _ in r.tokens]
+            for r, n in want:
+                r.logprobs = [_trim_top(next(lps), n) for _ in r.tokens]
         sampled: list[list[int]] = []
         logprobs: list[list[PositionLogprobs] | None] = []
         spec_stats = SpecStats()

@@ -71,18 +71,21 @@ def build_sampling_batch(
     params = [s.params for s in seqs]
     offsets = offsets or [0] * len(seqs)
     keys = [None if s.seed is None else (s.seed, s.num_output_tokens + o) for s, o in zip(seqs, offsets)]
-    f32 = dict(dtype=torch.float32, device=device)
+
+    def f32(values: list[float]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.float32, device=device)
+
     batch = SamplingBatch(
-        temperature=torch.tensor([p.temperature for p in params], **f32),
+        temperature=f32([p.temperature for p in params]),
         top_k=(
             torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
             if any(p.top_k > 0 for p in params)
             else None
         ),
-        top_p=torch.tensor([p.top_p for p in params], **f32) if any(p.top_p < 1 for p in params) else None,
+        top_p=f32([p.top_p for p in params]) if any(p.top_p < 1 for p in params) else None,
         noise_keys=keys,
         all_greedy=all(p.temperature == 0 for p in params),
-        min_p=torch.tensor([p.min_p for p in params], **f32) if any(p.min_p > 0 for p in params) else None,
+        min_p=f32([p.min_p for p in params]) if any(p.min_p > 0 for p in params) else None,
     )
     if not penalties:
         return batch
@@ -93,10 +96,10 @@ def build_sampling_batch(
                 out = torch.tensor(s.output_token_ids, device=device)
                 counts[row].scatter_add_(0, out, torch.ones_like(out, dtype=counts.dtype))
         batch.output_counts = counts
-        batch.presence = torch.tensor([p.presence_penalty for p in params], **f32)
-        batch.frequency = torch.tensor([p.frequency_penalty for p in params], **f32)
+        batch.presence = f32([p.presence_penalty for p in params])
+        batch.frequency = f32([p.frequency_penalty for p in params])
     if any(p.repetition_penalty != 1.0 for p in params):
-        batch.repetition = torch.tensor([p.repetition_penalty for p in params], **f32)
+        batch.repetition = f32([p.repetition_penalty for p in params])
         batch.seen = torch.zeros(len(seqs), vocab, dtype=torch.bool, device=device)
         for row, s in enumerate(seqs):
             if s.params.repetition_penalty != 1.0:
@@ -107,7 +110,7 @@ def build_sampling_batch(
         if s.params.uses_bias or s.params.bad_words or s.num_output_tokens + o < s.params.min_tokens
     ]
     if rows:
-        batch.bias = torch.zeros(len(seqs), vocab, **f32)
+        batch.bias = torch.zeros(len(seqs), vocab, dtype=torch.float32, device=device)
         for row, s, offset in rows:
             _bias_row(batch.bias[row], s, offset, eos_token_ids)
     return batch
@@ -139,10 +142,12 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.bias is not None:
         logits = logits + batch.bias
     if batch.repetition is not None:
+        assert batch.seen is not None, "build_sampling_batch sets seen with repetition"
         penalty = batch.repetition.unsqueeze(1)
         logits = torch.where(batch.seen, torch.where(logits > 0, logits / penalty, logits * penalty), logits)
     if batch.output_counts is not None:
         counts = batch.output_counts
+        assert batch.frequency is not None and batch.presence is not None, "set with output_counts"
         logits = logits - counts * batch.frequency.unsqueeze(1) - (counts > 0) * batch.presence.unsqueeze(1)
     return logits
 
@@ -186,7 +191,7 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 
 def exponential_noise(
-    shape: tuple[int, int], keys: list[NoiseKey | None], default: torch.Generator, device: torch.device
+    shape: tuple[int, ...], keys: list[NoiseKey | None], default: torch.Generator, device: torch.device
 ) -> torch.Tensor:
     """[rows, vocab] Exp(1) noise: keyed rows from their own stream, the others from `default`."""
     noise = torch.empty(shape, device=device).exponential_(generator=default)
@@ -213,8 +218,8 @@ def logprobs_for(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> li
     ranks = (logp > chosen_t).sum(dim=1).add(1).tolist()
     chosen = chosen_t.squeeze(1).tolist()
     if num_top:
-        top_vals, top_ids = logp.topk(num_top, dim=-1)
-        top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
+        top = logp.topk(num_top, dim=-1)
+        top_vals, top_ids = top.values.tolist(), top.indices.tolist()
     return [
         PositionLogprobs(
             token, chosen[row], dict(zip(top_ids[row], top_vals[row])) if num_top else {}, ranks[row]

@@ -89,11 +89,10 @@ def pack_gptq_layout(q: QuantTensor, dtype: torch.dtype, device: torch.device):
     codes = q.codes.t().to(torch.int64).reshape(k // 8, 8, n)
     words = (codes << (torch.arange(8).view(1, 8, 1) * 4)).sum(dim=1)
     qweight = (words - (words >= 2**31).long() * 2**32).to(torch.int32)  # to two's complement
-    to = dict(device=device)
     return (
-        qweight.contiguous().to(**to),
-        q.scales.t().contiguous().to(dtype=dtype, **to),
-        q.mins.t().contiguous().to(dtype=dtype, **to),
+        qweight.contiguous().to(device=device),
+        q.scales.t().contiguous().to(device=device, dtype=dtype),
+        q.mins.t().contiguous().to(device=device, dtype=dtype),
     )
 
 

@@ -51,7 +51,8 @@ class QuantTensor:
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.codes.shape)
+        rows, cols = self.codes.shape
+        return rows, cols
 
     @property
     def packed_bytes(self) -> int:
@@ -97,7 +98,8 @@ class QuantTensor:
             first,
             codes=torch.cat([p.codes for p in parts]),
             scales=torch.cat([p.scales for p in parts]),
-            mins=None if first.mins is None else torch.cat([p.mins for p in parts]),
+            # the loop above checked that all parts have mins or none has
+            mins=None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None]),
             fmt="+".join(dict.fromkeys(p.fmt for p in parts)),
         )
 

@@ -307,7 +307,7 @@ class SimEngine:
             self.fast_runs += 1
             return self._repeat_decode(plan.start, plan.durations)
         now = plan.start + plan.durations[0]
-        sampled = []
+        sampled: list[list[int]] = []
         accepted_total = drafts = draft_tokens = 0
         per_pos = [0] * self.limits.max_k
         for item in sched.scheduled:

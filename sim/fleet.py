@@ -29,7 +29,7 @@ from specfleet.tuner.policy import Policy
 from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
 from specfleet.tuner.snapshot import Snapshot
 from specfleet.tuner.sources import ScrapeSource
-from specfleet.tuner.types import LiveSettings, Observation
+from specfleet.tuner.types import LiveSettings, Observation, TunedConfig
 
 from .engine import Limits, Record, SimEngine
 from .metrics import LogHistogram
@@ -45,7 +45,7 @@ class SimActuator:
     def __init__(self, fleet: SimFleet) -> None:
         self.fleet = fleet
 
-    async def ensure(self, urls: list[str], settings: Any) -> ApplyResult:
+    async def ensure(self, urls: list[str], settings: TunedConfig | LiveSettings) -> ApplyResult:
         if not isinstance(settings, LiveSettings):
             settings = LiveSettings(settings)
         result = ApplyResult(settings.config)
@@ -154,17 +154,17 @@ class SimFleet:
         self.itl = LogHistogram()
         self.sample_s = sample_s
         start = spec_config(spec)
-        bounds = spec.autotune.bounds
+        bounds = spec.autotune.bounds.model_dump()  # knob name -> [min, max]
         method = spec.speculative.method
         self._limits = Limits(
             max_model_len=spec.model.max_model_len,
-            max_num_seqs=max(bounds.max_num_seqs[1], spec.batching.max_num_seqs),
+            max_num_seqs=max(bounds["max_num_seqs"][1], spec.batching.max_num_seqs),
             max_num_batched_tokens=max(
-                bounds.max_num_batched_tokens[1], spec.batching.max_num_batched_tokens
+                bounds["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens
             ),
             max_k=0
             if method == "none"
-            else max(bounds.num_speculative_tokens[1], spec.speculative.num_speculative_tokens),
+            else max(bounds["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens),
         )
         # what a pod's command line starts it with; the tuner brings a new pod to its config at its next tick
         self._live = LiveConfig(
@@ -176,7 +176,7 @@ class SimFleet:
             else 0,
         )
         self._rng = random.Random(seed)
-        self._engine_args = {
+        self._engine_args: dict[str, Any] = {
             "block_size": spec.engine.block_size,
             "prefix_caching": spec.engine.prefix_caching,
             "accepted_per_pos": accepted_per_pos,
@@ -386,6 +386,7 @@ class SimFleet:
             else:  # TICK
                 for engine in self.engines:
                     if engine.cut(t):
+                        assert engine.plan is not None, "cut() returns True only for a planned step"
                         push(engine.plan.end, STEP, engine.index, engine.version)
                 active = self.active
                 entry = Timeline(

@@ -10,6 +10,7 @@ import asyncio
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 from urllib.parse import urlsplit, urlunsplit
 
 import httpx
@@ -45,6 +46,15 @@ def admin_on_port(port: int) -> Callable[[str], str]:
         return urlunsplit((parts.scheme, f"{host}:{port}", parts.path, "", ""))
 
     return mapped
+
+
+class Actuator(Protocol):
+    """What the tuner's loop needs to apply a config: the admin API here (`AdminActuator`), simulated
+    engines in the simulator (sim/fleet.py)."""
+
+    async def ensure(self, urls: list[str], settings: TunedConfig | LiveSettings) -> ApplyResult: ...
+
+    async def close(self) -> None: ...
 
 
 class AdminActuator:

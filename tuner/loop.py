@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from specfleet.operator.spec import InferenceServiceSpec
 
-from .actuator import AdminActuator, ApplyResult
+from .actuator import Actuator, AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
 from .policy.replicas import ReplicaParams
 from .sources import Endpoints, PrometheusSource, ScrapeSource, Source
@@ -117,7 +117,7 @@ TRANSITIONS = ("frozen", "resumed", "static", "recovered")
 
 class ServiceTuner:
     def __init__(
-        self, name: str, policy: Policy, source: Source, actuator: AdminActuator, endpoints: Endpoints
+        self, name: str, policy: Policy, source: Source, actuator: Actuator, endpoints: Endpoints
     ) -> None:
         self.name = name
         self.policy = policy

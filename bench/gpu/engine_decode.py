@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,19 +45,16 @@ def write_random_llama(folder: Path, sizes: dict, dtype: torch.dtype, device: to
     from tokenizers.pre_tokenizers import WhitespaceSplit
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-    config = LlamaConfig(
-        **sizes,
-        rms_norm_eps=1e-5,
-        rope_theta=500000.0,
-        bos_token_id=1,
-        eos_token_id=2,
-        torch_dtype=str(dtype).removeprefix("torch."),
-    )
+    # rope_theta and torch_dtype reach PretrainedConfig through **kwargs, which LlamaConfig's typed
+    # signature leaves out
+    passed_on: dict[str, Any] = dict(rope_theta=500000.0, torch_dtype=str(dtype).removeprefix("torch."))
+    config = LlamaConfig(**sizes, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2, **passed_on)
     if not (folder / "config.json").exists():
         folder.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(0)
         with torch.device(device):
-            model = LlamaForCausalLM(config).to(dtype)
+            # transformers wraps PreTrainedModel.to in a decorator whose stub takes the model first
+            model = LlamaForCausalLM(config).to(dtype)  # type: ignore[arg-type]
         model.save_pretrained(folder, safe_serialization=True)
         vocab = {f"t{i}": i for i in range(sizes["vocab_size"])}
         tok = Tokenizer(WordLevel(vocab, unk_token="t0"))
@@ -114,12 +112,12 @@ def measure_decode(
         * bytes_per_param
     )
     prompt_len = 16
-    result = {
-        "weight_bytes": weight_bytes,
+    per_batch: dict[str, dict[str, float]] = {
         "decode_tok_s": {},
         "roofline_tok_s": {},
         "fraction_of_roofline": {},
     }
+    result: dict[str, Any] = {"weight_bytes": weight_bytes, **per_batch}
     for batch in batches:
         prompts = [[3 + (7 * b + j) % 200 for j in range(prompt_len)] for b in range(batch)]
 
@@ -140,9 +138,9 @@ def measure_decode(
         mean_context = prompt_len + (steps[0] + steps[1]) / 2
         step_bytes = weight_bytes + batch * mean_context * kv_per_token
         roofline = batch * copy_gbs * 1e9 / step_bytes
-        result["decode_tok_s"][str(batch)] = tok_s
-        result["roofline_tok_s"][str(batch)] = roofline
-        result["fraction_of_roofline"][str(batch)] = tok_s / roofline
+        per_batch["decode_tok_s"][str(batch)] = tok_s
+        per_batch["roofline_tok_s"][str(batch)] = roofline
+        per_batch["fraction_of_roofline"][str(batch)] = tok_s / roofline
         print(
             f"engine decode tp={tensor_parallel_size} batch={batch}: {tok_s:.1f} tok/s, roofline "
             f"{roofline:.1f} tok/s",

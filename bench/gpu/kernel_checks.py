@@ -6,8 +6,10 @@ summary dict; a failing case is recorded with its error, never raised.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 from specfleet.bench.gpu.paged_cases import TOLERANCE, PagedCase, make_case
@@ -64,14 +66,14 @@ def run_checks(device: torch.device, quick: bool = False, budget_s: float = 150.
     gqa = GQA[1:2] if quick else GQA
     head_dims = [64] if quick else [64, 128]
     block_sizes = [16] if quick else [16, 32]
-    cases: list[tuple[str, object]] = []
+    cases: list[tuple[str, Callable[[], str | None]]] = []
     for tokens, bs, dtype in itertools.product([1, 7, 33, 129], block_sizes, dtypes):
         if quick and tokens > 7:
             continue
         cases.append(
             (
                 f"kv_write tokens={tokens} bs={bs} {dtype}",
-                lambda t=tokens, b=bs, d=dtype: _kv_write_case(t, b, d, device),
+                functools.partial(_kv_write_case, tokens, bs, dtype, device),
             )
         )
     for (h, kv), d, bs, dtype, step in itertools.product(

@@ -3,11 +3,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TypedDict
 
 import torch
 from specfleet.engine.attention.base import AttentionMetadata
 
-TOLERANCE = {torch.float32: dict(atol=2e-5, rtol=1e-4), torch.bfloat16: dict(atol=2e-2, rtol=2e-2)}
+
+class Tolerance(TypedDict):
+    """`torch.testing.assert_close`'s keywords, unpacked with `**`."""
+
+    atol: float
+    rtol: float
+
+
+TOLERANCE: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(atol=2e-5, rtol=1e-4),
+    torch.bfloat16: Tolerance(atol=2e-2, rtol=2e-2),
+}
 
 
 @dataclass

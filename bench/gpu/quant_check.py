@@ -7,15 +7,10 @@ of the device's measured copy bandwidth, and the time against torch's bf16 GEMV 
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
-
-from quant_packers import pack_awq, pack_gptq
+from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq
 from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.kernels.quant_matmul import TritonQuantLinear
 

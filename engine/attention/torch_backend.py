@@ -164,10 +164,12 @@ class TorchAttentionBackend:
                 None,
                 None if identity else rows,
             )
-        query_rows, out_src, out_dst = [], [], []
+        query_rows: list[int] = []
+        out_src: list[int] = []
+        out_dst: list[int] = []
         for n, (b, q) in enumerate(zip(ids, qlens)):
-            for i in range(qmax):
-                query_rows.append(starts[b] + min(i, q - 1))
+            for r in range(qmax):
+                query_rows.append(starts[b] + min(r, q - 1))
             out_src.extend(n * qmax + i for i in range(q))
             out_dst.extend(range(starts[b], starts[b] + q))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
@@ -199,6 +201,8 @@ class TorchAttentionBackend:
             o = self._short(query.index_select(0, short.query_rows), k_cache, v_cache, short, scale, gqa)
             if short.out_src is not None:
                 o = o.index_select(0, short.out_src)
+            # out_dst is None only when the short rows are the whole batch, which returned above
+            assert short.out_dst is not None, "short rows share the batch with long ones but have no out_dst"
             out.index_copy_(0, short.out_dst, o)
         return out
 

@@ -137,7 +137,7 @@ class EngineCoreClient:
 
     def _wait_ready(self, timeout_s: float) -> Ready:
         deadline = time.monotonic() + timeout_s
-        sync_out = zmq.Socket.shadow(self._output.underlying)
+        sync_out: zmq.Socket[bytes] = zmq.Socket.shadow(self._output.underlying)
         while time.monotonic() < deadline:
             if sync_out.poll(200):
                 msg = OUTPUT_DECODER.decode(sync_out.recv())

@@ -128,5 +128,7 @@ INPUT_TYPES: dict[bytes, type] = {
     RequestType.UTILITY.value: UtilityCall,
     RequestType.FINISH_SEQ.value: FinishSequence,
 }
-INPUT_DECODERS = {kind: msgspec.msgpack.Decoder(cls) for kind, cls in INPUT_TYPES.items()}
+INPUT_DECODERS: dict[bytes, msgspec.msgpack.Decoder[Any]] = {
+    kind: msgspec.msgpack.Decoder(cls) for kind, cls in INPUT_TYPES.items()
+}
 OUTPUT_DECODER = msgspec.msgpack.Decoder(CoreMessage)

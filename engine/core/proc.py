@@ -248,7 +248,7 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
     last_report = time.monotonic()
     while True:
         busy = engine.has_unfinished_requests()
-        if busy or inp.poll(HEARTBEAT_S * 1000):
+        if busy or inp.poll(int(HEARTBEAT_S * 1000)):
             replies = _drain(core, inp)
             for reply in replies:
                 out.send(ENCODER.encode(reply))
@@ -267,7 +267,7 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
 
 def _drain(core: EngineCore, inp: zmq.Socket) -> list[Any]:
     """Every input waiting now, in order; the replies to send."""
-    replies = []
+    replies: list[AddResult | UtilityResult] = []
     while True:
         try:
             kind, payload = inp.recv_multipart(zmq.NOBLOCK)

@@ -112,6 +112,7 @@ def _worker_main(
                         ]
                         attn = get_attention_backend(backend, device, dtype)
                     meta = _to(meta, device)
+                    assert attn is not None, "made with the KV caches on the first forward"
                     attn.prepare(meta)
                     model.forward(input_ids.to(device), positions.to(device), kv_caches, meta, attn)
                 elif command == "logits":

@@ -29,7 +29,12 @@ def generate_disaggregated(
         )
     done: dict[str, RequestOutput] = {}
     while len(done) < len(ids):
-        for out in prefill.step() if prefill.has_unfinished_requests() else prefill.poll_kv_transfers() or []:
+        if prefill.has_unfinished_requests():
+            outs = prefill.step()
+        else:
+            prefill.poll_kv_transfers()
+            outs = []
+        for out in outs:
             if not out.finished:
                 continue
             if out.kv_transfer_params is None:

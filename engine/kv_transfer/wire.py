@@ -14,7 +14,7 @@ log = logging.getLogger("specfleet.engine.kv_transfer")
 
 
 def _request(params: KVTransferParams, message: dict, timeout_s: float) -> list[bytes]:
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))

@@ -42,7 +42,7 @@ class KVProducer:
 
     def __init__(self, kv_caches: KVCaches, host: str, port: int, timeout_s: float):
         self.kv_caches, self.host, self.timeout_s = kv_caches, host, timeout_s
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = self._ctx.socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.LINGER, 0)
         if port:
@@ -88,9 +88,9 @@ class KVProducer:
                     )
                     ended.append(transfer_id)
             for transfer_id in ended:
-                hold = self._holds.pop(transfer_id, None)
-                if hold is not None:
-                    freed.append(hold.block_ids)
+                ended_hold = self._holds.pop(transfer_id, None)
+                if ended_hold is not None:
+                    freed.append(ended_hold.block_ids)
         return freed
 
     @property
@@ -141,10 +141,10 @@ class KVProducer:
             "shape": list(data.shape) if data is not None else None,
             "dtype": str(self.kv_caches[0][0].dtype),
         }
-        frames = [identity, b"", json.dumps(header).encode()]
+        frames: list[bytes | memoryview] = [identity, b"", json.dumps(header).encode()]
         if data is not None:
             raw = data.contiguous().view(torch.uint8).numpy()
-            frames.append(raw)
+            frames.append(raw.data)
             self.bytes_sent += raw.nbytes
         self._sock.send_multipart(frames, copy=False)
         self._done.put(transfer_id)

@@ -13,7 +13,7 @@ layer runs on torch ops.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +59,7 @@ class LlamaArgs:
 def rope_tables(config, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and sign-folded sin tables, [max_position, head_dim], as transformers computes them."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    rope_type = params.get("rope_type", params.get("type", "default"))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
@@ -141,13 +141,13 @@ class Ops:
 
 
 class LlamaLayer:
-    def __init__(self, args: LlamaArgs, weights: dict[str, torch.Tensor], ops: Ops):
+    def __init__(self, args: LlamaArgs, weights: Mapping[str, torch.Tensor | QuantTensor], ops: Ops):
         self.args, self.ops = args, ops
-        self.input_norm = weights["input_layernorm.weight"].contiguous()
-        self.post_norm = weights["post_attention_layernorm.weight"].contiguous()
+        self.input_norm = _dense(weights, "input_layernorm.weight").contiguous()
+        self.post_norm = _dense(weights, "post_attention_layernorm.weight").contiguous()
         qkv_bias = None
         if args.qkv_bias:
-            qkv_bias = torch.cat([weights[f"self_attn.{p}_proj.bias"] for p in "qkv"], dim=0)
+            qkv_bias = torch.cat([_dense(weights, f"self_attn.{p}_proj.bias") for p in "qkv"], dim=0)
         self.qkv = ops.linear(cat_rows([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]), qkv_bias)
         self.o = ops.linear(weights["self_attn.o_proj.weight"])
         self.gate_up = ops.linear(cat_rows([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
@@ -180,13 +180,23 @@ class LlamaLayer:
         return self._row_parallel(self.down, ops.silu_mul(h), x)
 
 
+def _dense(state: Mapping[str, torch.Tensor | QuantTensor], name: str) -> torch.Tensor:
+    """A weight the engine reads as a plain tensor (embeddings, norms: quantized checkpoints keep them float)."""
+    w = state[name]
+    if isinstance(w, QuantTensor):
+        raise ValueError(
+            f"{name}: expected a dense tensor, got quantized {w.fmt} (only projections may be quantized)"
+        )
+    return w
+
+
 class LlamaModel:
     """Plain tensors, no nn.Module: weights are loaded once and never trained."""
 
     def __init__(
         self,
         config,
-        state: dict[str, torch.Tensor | QuantTensor],
+        state: Mapping[str, torch.Tensor | QuantTensor],
         dtype: torch.dtype,
         device: torch.device,
         native: bool | None = None,
@@ -199,8 +209,8 @@ class LlamaModel:
             k.removeprefix("model."): v if isinstance(v, QuantTensor) else v.to(device=device, dtype=dtype)
             for k, v in state.items()
         }
-        self.embed = state["embed_tokens.weight"]
-        self.norm = state["norm.weight"].contiguous()
+        self.embed = _dense(state, "embed_tokens.weight")
+        self.norm = _dense(state, "norm.weight").contiguous()
         lm_head = state.get("lm_head.weight")
         if lm_head is None or (args.tie_word_embeddings and not isinstance(lm_head, QuantTensor)):
             lm_head = self.embed  # a quantized head of a tied model is the checkpoint's quantized embedding

@@ -138,11 +138,13 @@ def quantized_state(state: dict[str, torch.Tensor], qconfig) -> dict[str, torch.
         if module not in modules or leaf not in ("qweight", "qzeros", "scales", "g_idx"):
             out[key] = value
     for m in sorted(modules):
-        parts = [state.get(f"{m}.{leaf}") for leaf in ("qweight", "qzeros", "scales")]
-        if any(p is None for p in parts):
+        qweight, qzeros, scales = (state.get(f"{m}.{leaf}") for leaf in ("qweight", "qzeros", "scales"))
+        if qweight is None or qzeros is None or scales is None:
             raise ValueError(f"{method}: {m} has a qweight but lacks qzeros or scales")
         if method == "awq":
-            out[f"{m}.weight"] = awq_weight(*parts, qconfig, name=m)
+            out[f"{m}.weight"] = awq_weight(qweight, qzeros, scales, qconfig, name=m)
         else:
-            out[f"{m}.weight"] = gptq_weight(*parts, state.get(f"{m}.g_idx"), qconfig, name=m)
+            out[f"{m}.weight"] = gptq_weight(
+                qweight, qzeros, scales, state.get(f"{m}.g_idx"), qconfig, name=m
+            )
     return out

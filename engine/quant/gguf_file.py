@@ -148,6 +148,7 @@ def read_quantized(path: Path, hf_config) -> dict[str, QuantTensor]:
         if t.name == "token_embd.weight":
             embed = q
             continue
+        assert name is not None  # only token_embd.weight has no HF name, and it continued above
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             q = q.select_rows(unpermute_rows(n, heads if "q_proj" in name else kv_heads))
         out[name] = q

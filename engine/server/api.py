@@ -245,7 +245,7 @@ async def _stream_body(
                 yield serving.sse(chunk)
         cut = [i for i in range(len(streams) * n) if not cursors.cursor(i).done]
         if cut:  # aborted (drain timeout): say so instead of ending silently
-            empty = {"delta": {}} if chat else {"text": ""}
+            empty: dict[str, Any] = {"delta": {}} if chat else {"text": ""}
             yield serving.sse(
                 _chunk(
                     kind,

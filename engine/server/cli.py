@@ -82,7 +82,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         group.add_argument(
             flag,
             dest=f.name,
-            type=None if kinds[0] is str else kinds[0],
+            type=kinds[0],  # str for text fields: argparse's identity conversion
             default=meta.get("cli_default", f.default),
             choices=meta.get("choices"),
             help=meta.get("help"),

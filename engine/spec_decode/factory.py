@@ -16,6 +16,7 @@ def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel | None:
     come out of one memory budget; None for other methods."""
     if config.speculative_method != "draft":
         return None
+    assert config.draft_model is not None, "EngineConfig's checks require draft_model with method draft"
     draft_config = replace(
         config,
         model=config.draft_model,

@@ -77,7 +77,10 @@ class StructuredOutputSpec:
     @property
     def schema(self) -> dict | bool | None:
         """The JSON schema of a json_schema spec, parsed; None for other kinds."""
-        return json.loads(self.value) if self.kind == "json_schema" else None
+        if self.kind != "json_schema":
+            return None
+        assert isinstance(self.value, str), "a json_schema spec holds its schema as JSON text"
+        return json.loads(self.value)
 
 
 def _short(value: Any, limit: int = 80) -> str:

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from quant_packers import pack_q4_k
+from specfleet.bench.gpu.quant_packers import pack_q4_k
 from specfleet.engine.quant.gguf_file import read_quantized, tensor_infos, unpermute_rows
 
 gguf = pytest.importorskip("gguf")

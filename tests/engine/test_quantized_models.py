@@ -16,7 +16,7 @@ import shutil
 import numpy as np
 import pytest
 import torch
-from quant_packers import pack_awq, pack_gptq, pack_q4_k
+from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k
 from specfleet.engine import LLM, SamplingParams
 from specfleet.engine.models.llama import LlamaModel
 from specfleet.kernels import cpu_native

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from quant_packers import pack_awq, pack_gptq
+from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq
 from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.kernels.quant_matmul import TritonQuantLinear, pack_gptq_layout, q4_matmul
 

@@ -51,7 +51,5 @@ def test_the_tuners_pod_list_takes_one_role() -> None:
 
 
 def test_the_tuners_promql_reads_the_decode_engines_series() -> None:
-    assert (
-        prometheus_selector(NS, "llm", "decode") == 'namespace="team-a",job="llm",specfleet_role="decode"'
-    )
+    assert prometheus_selector(NS, "llm", "decode") == 'namespace="team-a",job="llm",specfleet_role="decode"'
     assert prometheus_selector(NS, "llm") == 'namespace="team-a",job="llm"'

@@ -1,4 +1,4 @@
-"""Test-only packers: a float weight -> the bytes a quantizing tool would write, so that the engine's
+"""Packers for tests and the GPU check (quant_check.py): a float weight -> the bytes a quantizing tool would write, so that the engine's
 readers can be checked against formats nothing here can download.
 
 - GGUF Q4_K: gguf-py has a dequantizer for it but no quantizer; `pack_q4_k` writes the 144-byte blocks

@@ -1,0 +1,31 @@
+"""What the engine uses of a tokenizer: the part of transformers' `PreTrainedTokenizerBase` it calls.
+
+A Protocol, so the engine's types say which methods a tokenizer must have without importing transformers
+(and so a test can pass a small tokenizer of its own)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class Tokenizer(Protocol):
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    @property
+    def all_special_ids(self) -> list[int]: ...
+
+    # Keyword-only past the first argument: transformers' tokenizers take more parameters in between.
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str | list[str]: ...
+
+    def get_vocab(self) -> dict[str, int]: ...
+
+    def apply_chat_template(
+        self,
+        conversation: list[dict[str, Any]],
+        *,
+        add_generation_prompt: bool = False,
+        tokenize: bool = True,
+    ) -> Any: ...

@@ -7,8 +7,15 @@ from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
 
-__all__ = ["ATTENTION_BACKENDS", "DRAFT_QUANTIZATIONS", "KV_ROLES", "QUANTIZATIONS", "SPECULATIVE_METHODS", "EngineConfig",
-           "LiveConfig"]
+__all__ = [
+    "ATTENTION_BACKENDS",
+    "DRAFT_QUANTIZATIONS",
+    "KV_ROLES",
+    "QUANTIZATIONS",
+    "SPECULATIVE_METHODS",
+    "EngineConfig",
+    "LiveConfig",
+]
 
 # The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
 # this tuple. "none" proposes nothing.
@@ -39,54 +46,86 @@ class EngineConfig:
     device: str = _opt("auto", "auto | cpu | cuda")
     max_model_len: int | None = _opt(None, "longest prompt + output in tokens (default: the model's own)")
     block_size: int = _opt(16, "KV cache block size in tokens")
-    num_kv_blocks: int | None = _opt(None, "KV cache blocks (default: from --kv-cache-memory-fraction or "
-                                     "--kv-cache-gib)")
+    num_kv_blocks: int | None = _opt(
+        None, "KV cache blocks (default: from --kv-cache-memory-fraction or --kv-cache-gib)"
+    )
     kv_cache_gib: float | None = _opt(None, "CPU: KV cache size in GiB (default 2)")
     kv_cache_memory_fraction: float = _opt(0.9, "CUDA: fraction of free device memory for weights + KV")
     enable_prefix_caching: bool = _opt(True, "turn the prefix cache off", flag="--no-prefix-caching")
     max_num_seqs: int = _opt(64, "most sequences in one step (live)")
     max_num_batched_tokens: int = _opt(2048, "token budget of one step (live)")
     # Ceilings fixed at start: the live knobs may move anywhere below them.
-    max_num_seqs_limit: int | None = _opt(None, "ceiling for the live max_num_seqs (default: max(max_num_seqs, "
-                                          "256))")
-    max_num_batched_tokens_limit: int | None = _opt(None, "ceiling for the live max_num_batched_tokens "
-                                                    "(default: max(max_num_batched_tokens, 8192))")
-    attention_backend: str = _opt("auto", "attention kernels (auto: triton on CUDA, native on CPU)",
-                                  choices=ATTENTION_BACKENDS)
+    max_num_seqs_limit: int | None = _opt(
+        None, "ceiling for the live max_num_seqs (default: max(max_num_seqs, 256))"
+    )
+    max_num_batched_tokens_limit: int | None = _opt(
+        None, "ceiling for the live max_num_batched_tokens (default: max(max_num_batched_tokens, 8192))"
+    )
+    attention_backend: str = _opt(
+        "auto", "attention kernels (auto: triton on CUDA, native on CPU)", choices=ATTENTION_BACKENDS
+    )
     speculative_method: str = _opt("none", "speculative decoding proposer", choices=SPECULATIVE_METHODS)
-    num_speculative_tokens: int = _opt(0, "k (default: 4 with a speculative method, else 0)", cli_default=None)
+    num_speculative_tokens: int = _opt(
+        0, "k (default: 4 with a speculative method, else 0)", cli_default=None
+    )
     max_num_speculative_tokens: int = _opt(8, "ceiling for the live k")
     # Propose nothing in a step whose batch (running sequences plus the waiting ones max_num_seqs leaves
     # room for) is larger than this: past the step cost's knee every draft token costs compute. 0: never.
-    speculative_disable_by_batch_size: int = _opt(0, "propose nothing in a step whose batch is larger than this "
-                                                  "(0: never)")
+    speculative_disable_by_batch_size: int = _opt(
+        0, "propose nothing in a step whose batch is larger than this (0: never)"
+    )
     draft_model: str | None = _opt(None, "draft model source URI (--speculative-method draft)")
     # Weight-only int8 (one scale per output column) on the native CPU kernels: a quarter of the bytes.
     # For the draft it makes a quantized copy of the target a cheap, well-aligned proposer.
-    quantization: str | None = _opt(None, "weight quantization: int8 (the float weights, quantized at load), "
-                                    "gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors as stored), awq, gptq "
-                                    "(4-bit checkpoints; also read from their quantization_config)",
-                                    choices=[q for q in QUANTIZATIONS if q])
+    quantization: str | None = _opt(
+        None,
+        "weight quantization: int8 (the float weights, quantized at load), "
+        "gguf (a GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors as stored), awq, gptq "
+        "(4-bit checkpoints; also read from their quantization_config)",
+        choices=[q for q in QUANTIZATIONS if q],
+    )
     draft_quantization: str | None = _opt(
-        None, "quantize the draft's weights to int8: with --draft-model set to the target itself, a cheap "
-        "proposer that agrees with it on most tokens", choices=[q for q in DRAFT_QUANTIZATIONS if q])
+        None,
+        "quantize the draft's weights to int8: with --draft-model set to the target itself, a cheap "
+        "proposer that agrees with it on most tokens",
+        choices=[q for q in DRAFT_QUANTIZATIONS if q],
+    )
     prompt_lookup_min: int = _opt(1, "n-gram proposer: shortest suffix to look up in the prompt")
     prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
-    seed: int = _opt(0, "seed of the engine's generator, which requests without a seed of their own draw from")
+    seed: int = _opt(
+        0, "seed of the engine's generator, which requests without a seed of their own draw from"
+    )
     tensor_parallel_size: int = _opt(
-        1, "ranks one model copy is split over (Megatron-style tensor parallelism): GPUs on CUDA, processes "
-        "sharing the cores on CPU; must divide the attention heads")
+        1,
+        "ranks one model copy is split over (Megatron-style tensor parallelism): GPUs on CUDA, processes "
+        "sharing the cores on CPU; must divide the attention heads",
+    )
     pipeline_parallel_size: int = _opt(
-        1, "pipeline stages one model copy is split into (runs of layers, one process each; GPUs on CUDA); "
-        "not combined with tensor parallelism yet")
-    kv_role: str | None = _opt(None, "prefill/decode disaggregation: prefill computes prompts and holds their KV "
-                               "for a decode engine, which pulls it and continues the stream", choices=KV_ROLES)
+        1,
+        "pipeline stages one model copy is split into (runs of layers, one process each, or "
+        "tensor_parallel_size each; GPUs on CUDA)",
+    )
+    # vLLM's virtual engines: with P stages, P micro-batches in flight keep every stage busy in the steady
+    # state; one turns that off (a step then runs through every stage before the next starts).
+    pipeline_overlap: bool = _opt(
+        True,
+        "pipeline parallelism: run one micro-batch through the stages at a time "
+        "instead of one per stage in flight",
+        flag="--no-pipeline-overlap",
+    )
+    kv_role: str | None = _opt(
+        None,
+        "prefill/decode disaggregation: prefill computes prompts and holds their KV "
+        "for a decode engine, which pulls it and continues the stream",
+        choices=KV_ROLES,
+    )
     kv_transfer_host: str = _opt("127.0.0.1", "prefill role: address the KV blocks are served on")
     kv_transfer_port: int = _opt(0, "prefill role: port the KV blocks are served on (0: a free one)")
     # A hold outlives its decoder's pull only when the decoder died or never came; vLLM's NIXL connector
     # waits 480 s (PR #25897) for slow RDMA fabrics, a loopback pull takes milliseconds.
-    kv_transfer_timeout_s: float = _opt(60.0, "seconds a prefill engine holds KV blocks for a decoder, and a "
-                                        "decoder waits for them")
+    kv_transfer_timeout_s: float = _opt(
+        60.0, "seconds a prefill engine holds KV blocks for a decoder, and a decoder waits for them"
+    )
 
     def __post_init__(self) -> None:
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
@@ -110,7 +149,9 @@ class EngineConfig:
                 f"max_num_batched_tokens_limit={self.batched_tokens_limit}"
             )
         if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_method={self.speculative_method!r} is not one of {SPECULATIVE_METHODS}")
+            raise ValueError(
+                f"speculative_method={self.speculative_method!r} is not one of {SPECULATIVE_METHODS}"
+            )
         if self.speculative_method == "draft" and not self.draft_model:
             raise ValueError("speculative_method='draft' needs draft_model (a model source URI)")
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
@@ -118,9 +159,14 @@ class EngineConfig:
                 f"num_speculative_tokens={self.num_speculative_tokens} must be between 0 and "
                 f"max_num_speculative_tokens={self.max_num_speculative_tokens}"
             )
-        if not isinstance(self.speculative_disable_by_batch_size, int) or self.speculative_disable_by_batch_size < 0:
-            raise ValueError(f"speculative_disable_by_batch_size={self.speculative_disable_by_batch_size!r} must be "
-                             "an integer >= 0 (0: never disable)")
+        if (
+            not isinstance(self.speculative_disable_by_batch_size, int)
+            or self.speculative_disable_by_batch_size < 0
+        ):
+            raise ValueError(
+                f"speculative_disable_by_batch_size={self.speculative_disable_by_batch_size!r} must be "
+                "an integer >= 0 (0: never disable)"
+            )
         if self.speculative_method == "none" and self.num_speculative_tokens:
             raise ValueError("num_speculative_tokens > 0 needs speculative_method 'ngram' or 'draft'")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
@@ -132,20 +178,22 @@ class EngineConfig:
         for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
             if size < 1:
                 raise ValueError(f"{name}={size} must be >= 1")
-        if tp > 1 and pp > 1:
-            raise ValueError(f"tensor_parallel_size={tp} with pipeline_parallel_size={pp}: one split at a time "
-                             "for now; use one of them")
-        if (tp > 1 or pp > 1) and self.quantization:
-            raise ValueError(f"quantization={self.quantization!r} runs in one process; it is not split across "
-                             "ranks yet: use tensor_parallel_size=1 and pipeline_parallel_size=1 with it")
+        if tp > 1 and self.quantization not in (None, "int8"):
+            raise ValueError(
+                f"quantization={self.quantization!r} with tensor_parallel_size={tp}: its packed "
+                "blocks (scales per block along the input dimension) are not sliced by head or MLP "
+                "row; split it with pipeline_parallel_size instead, or use quantization='int8'"
+            )
         for name, allowed in (("quantization", QUANTIZATIONS), ("draft_quantization", DRAFT_QUANTIZATIONS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
         if self.kv_role not in (None, *KV_ROLES):
             raise ValueError(f"kv_role={self.kv_role!r} is not one of {KV_ROLES}")
         if self.kv_role is not None and (tp > 1 or pp > 1):
-            raise ValueError(f"kv_role={self.kv_role!r} with tensor_parallel_size={tp} pipeline_parallel_size={pp}: "
-                             "the KV connector moves one process's cache; use 1 and 1 with it for now")
+            raise ValueError(
+                f"kv_role={self.kv_role!r} with tensor_parallel_size={tp} pipeline_parallel_size={pp}: "
+                "the KV connector moves one process's cache; use 1 and 1 with it for now"
+            )
         if not 0 <= self.kv_transfer_port <= 65535:
             raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be between 0 and 65535")
         if not self.kv_transfer_timeout_s > 0:
@@ -153,7 +201,9 @@ class EngineConfig:
         if self.draft_quantization and self.speculative_method != "draft":
             raise ValueError("draft_quantization needs speculative_method='draft'")
         if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend={self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}")
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+            )
 
     @property
     def seqs_limit(self) -> int:

@@ -9,6 +9,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from dataclasses import replace
 
 from specfleet.engine.block_manager import BlockManager
@@ -18,7 +19,7 @@ from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams
 from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
-from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
+from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from specfleet.engine.sampler import sample_seed
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
@@ -33,8 +34,14 @@ log = logging.getLogger("specfleet.engine")
 
 
 class _Request:
-    def __init__(self, request_id: str, prompt: str | None, prompt_ids: list[int], seqs: list[Sequence],
-                 detoks: list[IncrementalDetokenizer]):
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        seqs: list[Sequence],
+        detoks: list[IncrementalDetokenizer],
+    ):
         self.request_id, self.prompt, self.prompt_ids = request_id, prompt, prompt_ids
         self.seqs, self.detoks = seqs, detoks
         self.logprobs: list[list[PositionLogprobs]] = [[] for _ in seqs]
@@ -52,26 +59,45 @@ class Engine:
             config = replace(config, **kwargs)
         self.config = config
         loaded: LoadedModel = load_model(config)
-        self.tokenizer, self.model_name, self.max_model_len = loaded.tokenizer, loaded.name, loaded.max_model_len
+        self.tokenizer, self.model_name, self.max_model_len = (
+            loaded.tokenizer,
+            loaded.name,
+            loaded.max_model_len,
+        )
         self.eos_token_ids = loaded.eos_token_ids
         draft = load_draft(config, loaded)
         models = [loaded.model] + ([draft.model] if draft else [])
         num_blocks = kv_cache_blocks(config, models, self.max_model_len, loaded.model.device)
         self.kv = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner = ModelRunner(loaded.model, num_blocks, config.block_size,
-                                  config.attention_backend, self.eos_token_ids, config.seed)
-        self.scheduler = Scheduler(self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len)
+        self.runner = ModelRunner(
+            loaded.model,
+            num_blocks,
+            config.block_size,
+            config.attention_backend,
+            self.eos_token_ids,
+            config.seed,
+        )
+        self.scheduler = Scheduler(
+            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+        )
         self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
         self.kv_connector: KVConnector | None = None
         if config.kv_role is not None:
-            self.kv_connector = KVConnector(config.kv_role, self.kv, self.scheduler, self.runner.kv_caches,
-                                            config.kv_transfer_host, config.kv_transfer_port,
-                                            config.kv_transfer_timeout_s)
+            self.kv_connector = KVConnector(
+                config.kv_role,
+                self.kv,
+                self.scheduler,
+                self.runner.kv_caches,
+                config.kv_transfer_host,
+                config.kv_transfer_port,
+                config.kv_transfer_timeout_s,
+            )
             self.scheduler.on_finish = self._on_finish
-        self.structured = StructuredOutputManager(self.tokenizer, self.runner.vocab_size, self.eos_token_ids,
-                                                  config.max_num_speculative_tokens)
+        self.structured = StructuredOutputManager(
+            self.tokenizer, self.runner.vocab_size, self.eos_token_ids, config.max_num_speculative_tokens
+        )
         self.stops = StopChecker(self.eos_token_ids, self.max_model_len, self.structured)
         self.stats = EngineStats()
         self._live = LiveConfig(**{knob.name: getattr(config, knob.name) for knob in KNOBS})
@@ -80,22 +106,43 @@ class Engine:
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
         self.token_text = TokenText(self.tokenizer)
-        log.info("event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
-                 self.model_name, num_blocks, num_blocks if draft else 0, config.block_size, self.max_model_len,
-                 self.runner.attn.name)
+        # Pipeline parallelism: micro-batches launched into the stages and not yet collected, oldest first.
+        self._pipeline_depth = self.runner.pipeline_depth if config.pipeline_overlap else 1
+        self._in_flight: deque[tuple[SchedulerOutput, InFlight]] = deque()
+        log.info(
+            "event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
+            self.model_name,
+            num_blocks,
+            num_blocks if draft else 0,
+            config.block_size,
+            self.max_model_len,
+            self.runner.attn.name,
+        )
 
     def close(self) -> None:
         """Stop what the engine started beside itself (tensor-parallel workers, the KV connector's server
         thread); idempotent."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        while self._in_flight:  # let the stages finish what they hold before they are told to stop
+            sched, flight = self._in_flight.popleft()
+            try:
+                self.runner.model.collect(flight.num_tokens)
+            except RuntimeError as exc:
+                log.warning("event=pipeline_drain_failed error=%s", exc)
+                break
         close = getattr(self.runner.model, "close", None)
         if close is not None:
             close()
 
     # -- requests ------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams | None = None,
-                    kv_transfer_params: dict | None = None) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        kv_transfer_params: dict | None = None,
+    ) -> None:
         """`kv_transfer_params` (disaggregation, in vLLM's spelling): {"do_remote_decode": true} on a prefill
         engine holds the prompt's KV for a decode engine and returns where in the output's
         `kv_transfer_params`; those params given to a decode engine load that KV and continue the stream."""
@@ -104,7 +151,11 @@ class Engine:
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
         text = prompt if isinstance(prompt, str) else None
-        ids = self.tokenizer.encode(prompt, add_special_tokens=True) if isinstance(prompt, str) else list(prompt)
+        ids = (
+            self.tokenizer.encode(prompt, add_special_tokens=True)
+            if isinstance(prompt, str)
+            else list(prompt)
+        )
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]
         self._check_request(ids, params)
@@ -118,8 +169,15 @@ class Engine:
                 seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
             seqs.append(seq)
-            detoks.append(IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output, ids,
-                                                 params.skip_special_tokens))
+            detoks.append(
+                IncrementalDetokenizer(
+                    self.tokenizer,
+                    params.stop,
+                    params.include_stop_str_in_output,
+                    ids,
+                    params.skip_special_tokens,
+                )
+            )
         if params.structured_outputs is not None:
             self.structured.attach(seqs, params.structured_outputs)
         if isinstance(remote, KVTransferParams):
@@ -140,11 +198,16 @@ class Engine:
         role = self.config.kv_role
         if data.get("do_remote_decode"):
             if role != "prefill":
-                raise ParameterError("kv_transfer_params", f"do_remote_decode needs an engine with kv_role='prefill', "
-                                     f"this one has kv_role={role!r}")
+                raise ParameterError(
+                    "kv_transfer_params",
+                    f"do_remote_decode needs an engine with kv_role='prefill', this one has kv_role={role!r}",
+                )
             if params.n != 1 or params.max_tokens != 1:
-                raise ParameterError("kv_transfer_params", "do_remote_decode needs n=1 and max_tokens=1 (the decode "
-                                     f"engine samples the rest), got n={params.n} max_tokens={params.max_tokens}")
+                raise ParameterError(
+                    "kv_transfer_params",
+                    "do_remote_decode needs n=1 and max_tokens=1 (the decode "
+                    f"engine samples the rest), got n={params.n} max_tokens={params.max_tokens}",
+                )
             return True
         if role is None:
             raise ParameterError("kv_transfer_params", "loading remote KV needs an engine with a kv_role")
@@ -153,8 +216,11 @@ class Engine:
         except (TypeError, ValueError) as exc:
             raise ParameterError("kv_transfer_params", str(exc)) from exc
         if params.n != 1 or (params.max_tokens is not None and params.max_tokens < 2):
-            raise ParameterError("kv_transfer_params", "a remote decode continues after the prefill's first token: "
-                                 f"it needs n=1 and max_tokens >= 2, got n={params.n} max_tokens={params.max_tokens}")
+            raise ParameterError(
+                "kv_transfer_params",
+                "a remote decode continues after the prefill's first token: "
+                f"it needs n=1 and max_tokens >= 2, got n={params.n} max_tokens={params.max_tokens}",
+            )
         return remote
 
     def _on_finish(self, seq: Sequence, reason: str) -> None:
@@ -182,20 +248,27 @@ class Engine:
         vocab = self.runner.vocab_size
         if any(not 0 <= t < vocab for t in ids):
             raise ParameterError("prompt", f"prompt token ids must be in [0, {vocab})")
-        token_fields = {"stop_token_ids": params.stop_token_ids, "allowed_token_ids": params.allowed_token_ids or [],
-                        "logit_bias": list(params.logit_bias or {})}
+        token_fields = {
+            "stop_token_ids": params.stop_token_ids,
+            "allowed_token_ids": params.allowed_token_ids or [],
+            "logit_bias": list(params.logit_bias or {}),
+        }
         for name, tokens in token_fields.items():
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
                 raise ParameterError(name, f"{name} must be in [0, {vocab})")
         if len(ids) >= self.max_model_len:
             raise ParameterError(
-                "prompt", f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
-                "shorten the prompt so at least one token can be generated", "context_length_exceeded"
+                "prompt",
+                f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
+                "shorten the prompt so at least one token can be generated",
+                "context_length_exceeded",
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
             raise ParameterError(
-                "max_tokens", f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
-                f"minus the prompt's {len(ids)}", "context_length_exceeded"
+                "max_tokens",
+                f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
+                f"minus the prompt's {len(ids)}",
+                "context_length_exceeded",
             )
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
@@ -236,8 +309,14 @@ class Engine:
                 raise ParameterError(name, f"{name} is not a live setting; use one of {sorted(limits)}")
             low, high = limits[name]
             if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                why = " (no speculative method configured at start)" if name == "num_speculative_tokens" and not high else ""
-                raise ParameterError(name, f"{name}={value!r} must be an integer between {low} and {high}{why}")
+                why = (
+                    " (no speculative method configured at start)"
+                    if name == "num_speculative_tokens" and not high
+                    else ""
+                )
+                raise ParameterError(
+                    name, f"{name}={value!r} must be an integer between {low} and {high}{why}"
+                )
         with self._lock:
             self._pending.update(changes)
         return self.live_config()
@@ -253,6 +332,8 @@ class Engine:
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._pipeline_depth > 1:
+            return self._pipelined_step()
         start = time.perf_counter()
         self._apply_pending()
         if self.kv_connector is not None:
@@ -270,13 +351,48 @@ class Engine:
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
 
-    def _propose(self) -> None:
-        """Give every decoding sequence up to k proposals to verify in this step (none when k = 0)."""
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Pipeline parallelism with overlap (vLLM's virtual engines): keep up to one micro-batch per stage
+        in flight, each over sequences no other in-flight micro-batch holds, then collect the oldest, sample
+        it and return its outputs. Stage 0 (this process) runs its layers on the next micro-batch while the
+        later stages work on the earlier ones. A sequence's tokens, proposals, blocks and preemption are
+        only touched while it is not in flight, so each step of a sequence sees exactly what a step without
+        overlap would: greedy output is the same, speculation verifies through every stage as before."""
+        start = time.perf_counter()
+        self._apply_pending()
+        outputs: list[RequestOutput] = []
+        while len(self._in_flight) < self._pipeline_depth:
+            busy = frozenset(item.seq.seq_id for sched, _ in self._in_flight for item in sched.scheduled)
+            self._propose(busy)
+            active = len(self.scheduler.running) + len(self.scheduler.waiting)
+            sched = self.scheduler.schedule(busy, max_seqs=max(1, -(-active // self._pipeline_depth)))
+            if sched.empty:
+                if sched.finished:  # ended for want of room: report them now
+                    outputs += self._postprocess(sched, None, [])
+                break
+            sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
+            self._track_kv_peak()
+            self._in_flight.append((sched, self.runner.launch(sched)))
+            self.stats.peak_micro_batches_in_flight = max(
+                self.stats.peak_micro_batches_in_flight, len(self._in_flight)
+            )
+        if not self._in_flight:
+            return outputs
+        sched, flight = self._in_flight.popleft()
+        result = self.runner.finish(sched, flight)
+        changed = self.scheduler.update(sched, result.sampled, self._stop)
+        outputs += self._postprocess(sched, result, changed)
+        self._record(sched, changed, result.spec, time.perf_counter() - start)
+        return outputs
+
+    def _propose(self, busy: frozenset[int] = frozenset()) -> None:
+        """Give every decoding sequence up to k proposals to verify in this step (none when k = 0); `busy`:
+        sequences in flight in the pipeline, whose proposals are already on their way."""
         if self.proposer is None or self._speculation_disabled_by_batch():
             return
         seqs, ks = [], []
         for seq in self.scheduler.running:
-            if seq.in_prefill:
+            if seq.in_prefill or seq.seq_id in busy:
                 continue
             k = self._k_for(seq)
             if k:
@@ -301,7 +417,11 @@ class Engine:
 
     def _k_for(self, seq: Sequence) -> int:
         params = seq.params
-        k = self._live.num_speculative_tokens if params.num_speculative_tokens is None else params.num_speculative_tokens
+        k = (
+            self._live.num_speculative_tokens
+            if params.num_speculative_tokens is None
+            else params.num_speculative_tokens
+        )
         if not k or params.depends_on_history or seq.num_output_tokens < params.min_tokens:
             return 0  # penalties, bad words and min_tokens depend on each earlier token: one at a time
         room = self.max_model_len - seq.num_tokens - 1
@@ -309,11 +429,15 @@ class Engine:
             room = min(room, params.max_tokens - seq.num_output_tokens - 1)
         return max(0, min(k, room, self.config.max_num_speculative_tokens))
 
-    def _postprocess(self, sched: SchedulerOutput, result: ModelRunnerOutput | None,
-                     changed: list[tuple[Sequence, int]]) -> list[RequestOutput]:
+    def _postprocess(
+        self, sched: SchedulerOutput, result: ModelRunnerOutput | None, changed: list[tuple[Sequence, int]]
+    ) -> list[RequestOutput]:
         now = time.monotonic()
-        lp_by_seq = {item.seq.seq_id: [lp.decode_with(self.token_text) for lp in lps]
-                     for item, lps in zip(sched.scheduled, result.logprobs if result else []) if lps}
+        lp_by_seq = {
+            item.seq.seq_id: [lp.decode_with(self.token_text) for lp in lps]
+            for item, lps in zip(sched.scheduled, result.logprobs if result else [])
+            if lps
+        }
         touched: dict[str, _Request] = {}
         for item, prompt_lps in zip(sched.scheduled, result.prompt_logprobs if result else []):
             req = self._requests.get(item.seq.request_id)
@@ -335,7 +459,9 @@ class Engine:
             touched[req.request_id] = req
         for seq in sched.finished:  # no room in the cache: ended with "length"
             if (req := self._requests.get(seq.request_id)) is not None:
-                log.warning("event=finished_no_kv_room request_id=%s tokens=%d", seq.request_id, seq.num_tokens)
+                log.warning(
+                    "event=finished_no_kv_room request_id=%s tokens=%d", seq.request_id, seq.num_tokens
+                )
                 touched[req.request_id] = req
         outputs = []
         for req in touched.values():
@@ -355,14 +481,36 @@ class Engine:
     def _output(self, req: _Request, finished: bool) -> RequestOutput:
         outs = []
         for seq, detok in zip(req.seqs, req.detoks):
-            lps = req.logprobs[seq.index][: seq.num_output_tokens] if seq.params.logprobs is not None else None
+            lps = (
+                req.logprobs[seq.index][: seq.num_output_tokens] if seq.params.logprobs is not None else None
+            )
             cumulative = sum(lp.logprob for lp in lps) if lps is not None else None
-            outs.append(CompletionOutput(seq.index, detok.visible_text(seq.is_finished), seq.output_token_ids,
-                                         seq.finish_reason, seq.stop_reason, lps, cumulative))
+            outs.append(
+                CompletionOutput(
+                    seq.index,
+                    detok.visible_text(seq.is_finished),
+                    seq.output_token_ids,
+                    seq.finish_reason,
+                    seq.stop_reason,
+                    lps,
+                    cumulative,
+                )
+            )
         cached = req.seqs[0].num_cached_tokens
-        held = self.kv_connector.held.pop(req.seqs[0].seq_id, None) if self.kv_connector and finished else None
-        return RequestOutput(req.request_id, req.prompt, req.prompt_ids, outs, finished, cached, req.metrics,
-                             req.prompt_logprobs, held.as_dict() if held else None)
+        held = (
+            self.kv_connector.held.pop(req.seqs[0].seq_id, None) if self.kv_connector and finished else None
+        )
+        return RequestOutput(
+            req.request_id,
+            req.prompt,
+            req.prompt_ids,
+            outs,
+            finished,
+            cached,
+            req.metrics,
+            req.prompt_logprobs,
+            held.as_dict() if held else None,
+        )
 
     # -- statistics -------------------------------------------------------------------------------------
     def _track_kv_peak(self) -> None:
@@ -378,8 +526,9 @@ class Engine:
         self.stats.peak_kv_slots_allocated = allocated
         self.stats.peak_kv_slots_used = sum(filled.values())
 
-    def _record(self, sched: SchedulerOutput, changed: list[tuple[Sequence, int]], spec: SpecStats,
-                duration: float) -> None:
+    def _record(
+        self, sched: SchedulerOutput, changed: list[tuple[Sequence, int]], spec: SpecStats, duration: float
+    ) -> None:
         step = StepStats(
             duration_s=duration,
             batch_size=len(sched.scheduled),

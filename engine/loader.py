@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from specfleet.engine.config import EngineConfig
@@ -74,35 +75,62 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     quantization = checkpoint_quantization(config.quantization, hf_config, resolved.path)
     on_cuda_ok = quantization in ("awq", "gptq") and device.type == "cuda"
     if quantization and not on_cuda_ok and (device.type != "cpu" or dtype != torch.float32):
-        raise ValueError(f"quantization={quantization!r} runs on the native CPU kernels: it needs "
-                         f"device cpu and dtype float32, not {device.type} {dtype}")
+        raise ValueError(
+            f"quantization={quantization!r} runs on the native CPU kernels: it needs "
+            f"device cpu and dtype float32, not {device.type} {dtype}"
+        )
     if quantization == "gguf" and resolved.gguf is None:
-        raise ValueError(f"quantization='gguf' needs a GGUF model (a .gguf file or bundled://), not {config.model!r}")
+        raise ValueError(
+            f"quantization='gguf' needs a GGUF model (a .gguf file or bundled://), not {config.model!r}"
+        )
     cls = model_class(hf_config.architectures)
-    split = ("tensor", config.tensor_parallel_size) if config.tensor_parallel_size > 1 else \
-        ("pipeline", config.pipeline_parallel_size) if config.pipeline_parallel_size > 1 else None
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    split = ("tensor", tp) if tp > 1 else ("pipeline", pp) if pp > 1 else None
     if split is not None:
-        if quantization:  # an AWQ/GPTQ checkpoint's own quantization is only known here
-            raise ValueError(f"{split[0]}_parallel_size={split[1]}: quantization={quantization!r} runs in one "
-                             "process; it is not split across ranks yet")
+        if tp > 1 and quantization not in (None, "int8"):  # an AWQ/GPTQ checkpoint's own is only known here
+            raise ValueError(
+                f"tensor_parallel_size={tp}: quantization={quantization!r} packs weights in blocks "
+                "along the input dimension with per-block scales, which are not sliced by head or "
+                "MLP row; split it with pipeline_parallel_size instead (whole layers per stage), "
+                "or use quantization='int8'"
+            )
         if not issubclass(cls, LlamaModel):
-            raise ValueError(f"{split[0]}_parallel_size={split[1]}: architecture {hf_config.architectures} "
-                             "cannot be split yet")
+            raise ValueError(
+                f"{split[0]}_parallel_size={split[1]}: architecture {hf_config.architectures} "
+                "cannot be split yet"
+            )
         from specfleet.engine.distributed.workers import SplitModel
 
-        model = SplitModel(str(resolved.path), split[0], split[1], dtype, device)
+        model = SplitModel(
+            str(resolved.path),
+            tp,
+            pp,
+            dtype,
+            device,
+            quantization=quantization,
+            gguf=str(resolved.gguf) if resolved.gguf else None,
+        )
     else:
-        model = cls(hf_config, _state(resolved, hf_config, quantization), dtype, device, quantize=quantization)
-    return LoadedModel(model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer))
+        model = cls(
+            hf_config, _state(resolved, hf_config, quantization), dtype, device, quantize=quantization
+        )
+    return LoadedModel(
+        model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer)
+    )
 
 
 def _state(resolved, hf_config, quantization: str | None) -> dict:
-    """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ)."""
-    state = load_state_dict(resolved.path)
+    return checkpoint_state(resolved.path, resolved.gguf, hf_config, quantization)
+
+
+def checkpoint_state(path: Path, gguf: Path | None, hf_config, quantization: str | None) -> dict:
+    """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ).
+    Each rank of a split model reads its own copy through this too."""
+    state = load_state_dict(path)
     if quantization == "gguf":
         from specfleet.engine.quant.gguf_file import read_quantized
 
-        state.update(read_quantized(resolved.gguf, hf_config))
+        state.update(read_quantized(gguf, hf_config))
     elif quantization in ("awq", "gptq"):
         from specfleet.engine.quant.awq_gptq import quantized_state
 
@@ -119,12 +147,16 @@ def checkpoint_quantization(requested: str | None, hf_config, path) -> str | Non
     method = qconfig.get("quant_method")
     if method in ("awq", "gptq"):
         if requested not in (None, method):
-            raise ValueError(f"quantization={requested!r} but the model at {path} is a {method} checkpoint; "
-                             f"use quantization={method!r} or leave it unset")
+            raise ValueError(
+                f"quantization={requested!r} but the model at {path} is a {method} checkpoint; "
+                f"use quantization={method!r} or leave it unset"
+            )
         return method
     if requested in ("awq", "gptq"):
-        raise ValueError(f"quantization={requested!r} needs a {requested} checkpoint (config.json "
-                         f"quantization_config.quant_method={requested!r}); the model at {path} has {method!r}")
+        raise ValueError(
+            f"quantization={requested!r} needs a {requested} checkpoint (config.json "
+            f"quantization_config.quant_method={requested!r}); the model at {path} has {method!r}"
+        )
     return requested
 
 
@@ -134,8 +166,13 @@ def bytes_per_block(model: LlamaModel, block_size: int) -> int:
     return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * model.embed.element_size()
 
 
-def kv_cache_blocks(config: EngineConfig, models: list[LlamaModel], max_model_len: int, device: torch.device,
-                    mem_get_info=None) -> int:
+def kv_cache_blocks(
+    config: EngineConfig,
+    models: list[LlamaModel],
+    max_model_len: int,
+    device: torch.device,
+    mem_get_info=None,
+) -> int:
     """Blocks for the KV caches of `models` (the target and, with a draft proposer, the draft: one block id
     addresses a block in each cache, so both are budgeted together from one memory fraction).
 
@@ -150,8 +187,10 @@ def kv_cache_blocks(config: EngineConfig, models: list[LlamaModel], max_model_le
         free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
         budget = free - (1 - config.kv_cache_memory_fraction) * total
         blocks = int(min(useful, max(0, budget) // per_block))
-        source = (f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} (--kv-cache-memory-fraction), "
-                  f"{max(0, budget) / 2**30:.2f} GiB for {len(models)} cache(s)")
+        source = (
+            f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} (--kv-cache-memory-fraction), "
+            f"{max(0, budget) / 2**30:.2f} GiB for {len(models)} cache(s)"
+        )
     else:
         gib = config.kv_cache_gib if config.kv_cache_gib is not None else DEFAULT_CPU_KV_GIB
         blocks = int(max(1, min(useful, gib * 2**30 // per_block)))

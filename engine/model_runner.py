@@ -62,6 +62,17 @@ class BatchInputs:
     token_starts: list[int]  # [num_scheduled] each sequence's first flat row
 
 
+@dataclass
+class InFlight:
+    """A micro-batch launched into the pipeline and not yet collected."""
+
+    inputs: BatchInputs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inputs.input_ids.shape[0]
+
+
 @dataclass(eq=False)
 class SampleRows:
     """One sampling sequence's k + 1 consecutive rows of the step's logits (k proposals to verify, then the
@@ -83,37 +94,70 @@ class SampleRows:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, num_blocks: int, block_size: int, attention_backend: str,
-                 eos_token_ids: set[int], seed: int):
+    def __init__(
+        self,
+        model: LlamaModel,
+        num_blocks: int,
+        block_size: int,
+        attention_backend: str,
+        eos_token_ids: set[int],
+        seed: int,
+    ):
         self.model = model
         self.block_size = block_size
         self.attn = get_attention_backend(attention_backend, model.device, model.dtype)
         a = model.args
         shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
         self.kv_caches = [
-            (torch.zeros(shape, dtype=model.dtype, device=model.device),
-             torch.zeros(shape, dtype=model.dtype, device=model.device))
+            (
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+                torch.zeros(shape, dtype=model.dtype, device=model.device),
+            )
             for _ in range(a.num_layers)
         ]
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.vocab_size = a.vocab_size
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Micro-batches the model can have in flight at once (its pipeline stages; 1 unless split so)."""
+        return getattr(self.model, "pipeline_depth", 1)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._with_threads(sched, lambda: self._finish(sched, *self._launch(sched, pipelined=False)))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> InFlight:
+        """Pipeline parallelism: run the first stage on a micro-batch and send it on; the later stages work
+        on it while this process launches the next one. `finish` collects and samples it."""
+        return InFlight(self._with_threads(sched, lambda: self._launch(sched, pipelined=True))[0])
+
+    @torch.inference_mode()
+    def finish(self, sched: SchedulerOutput, flight: InFlight) -> ModelRunnerOutput:
+        hidden = self.model.collect(flight.num_tokens)
+        return self._with_threads(sched, lambda: self._finish(sched, flight.inputs, hidden))
+
+    def _with_threads(self, sched: SchedulerOutput, run):
         single = self.model.device.type == "cpu" and sched.num_batched_tokens <= SINGLE_THREAD_MAX_TOKENS
         if not single or torch.get_num_threads() == 1:
-            return self._execute(sched)
+            return run()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._execute(sched)
+            return run()
         finally:
             torch.set_num_threads(threads)
 
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _launch(self, sched: SchedulerOutput, pipelined: bool) -> tuple[BatchInputs, torch.Tensor | None]:
         inputs = self.prepare(sched.scheduled)
-        hidden = self._forward(inputs)
+        if pipelined:
+            self.model.launch(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attn)
+            return inputs, None
+        return inputs, self._forward(inputs)
+
+    def _finish(self, sched: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         if inputs.sample_rows:
             out = self._sample(sched, self._sample_logits(inputs, hidden))
         else:
@@ -125,7 +169,9 @@ class ModelRunner:
     def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:
         """[len(seqs), vocab]: the logits after each sequence's last token, from one forward over the tokens
         each has not computed yet (their K/V land in this runner's cache). The draft proposer's step."""
-        inputs = self.prepare([ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, 0, True) for seq in seqs])
+        inputs = self.prepare(
+            [ScheduledSeq(seq, seq.num_tokens - seq.num_computed_tokens, 0, True) for seq in seqs]
+        )
         return self._sample_logits(inputs, self._forward(inputs))
 
     def _forward(self, inputs: BatchInputs) -> torch.Tensor:
@@ -144,13 +190,21 @@ class ModelRunner:
                 continue
             end = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
             if end > start:
-                spans.append((i, start, list(range(inputs.token_starts[i], inputs.token_starts[i] + end - start))))
+                spans.append(
+                    (i, start, list(range(inputs.token_starts[i], inputs.token_starts[i] + end - start)))
+                )
         result: list[tuple[int, list[PositionLogprobs]] | None] = [None] * len(sched.scheduled)
         if not spans:
             return result
         rows = torch.tensor([r for _, _, rs in spans for r in rs], device=hidden.device)
-        targets = torch.tensor([sched.scheduled[i].seq.token_ids[start + 1 + j] for i, start, rs in spans
-                                for j in range(len(rs))], device=hidden.device)
+        targets = torch.tensor(
+            [
+                sched.scheduled[i].seq.token_ids[start + 1 + j]
+                for i, start, rs in spans
+                for j in range(len(rs))
+            ],
+            device=hidden.device,
+        )
         top = max(sched.scheduled[i].seq.params.prompt_logprobs for i, _, _ in spans)
         lps = iter(logprobs_for(self.model.logits(hidden.index_select(0, rows)), targets, top))
         for i, start, rs in spans:
@@ -183,7 +237,9 @@ class ModelRunner:
             sample_counts.append(n)
         device = self.model.device
         width = max(len(t) for t in tables)
-        block_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device)
+        block_tables = torch.tensor(
+            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
+        )
         starts = [0]
         for q in qlens:
             starts.append(starts[-1] + q)
@@ -200,12 +256,17 @@ class ModelRunner:
         return BatchInputs(
             torch.tensor(ids, dtype=torch.int64, device=device),
             torch.tensor(positions, dtype=torch.int64, device=device),
-            meta, sample_rows, sample_counts, token_starts,
+            meta,
+            sample_rows,
+            sample_counts,
+            token_starts,
         )
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
-        if sched.grammar_bitmask is not None:  # before everything that reads logits: sampling and verification
+        if (
+            sched.grammar_bitmask is not None
+        ):  # before everything that reads logits: sampling and verification
             apply_token_bitmask_(logits, sched.grammar_bitmask)
         rows: list[SampleRows] = []
         for item in sched.scheduled:
@@ -218,8 +279,11 @@ class ModelRunner:
         plain = [r for r in rows if not r.k]
         if plain:
             at = [r.start for r in plain]
-            sub = batch if len(at) == len(row_seqs) else self.sampling_batch([r.seq for r in plain], logits.device,
-                                                                               penalties=False)
+            sub = (
+                batch
+                if len(at) == len(row_seqs)
+                else self.sampling_batch([r.seq for r in plain], logits.device, penalties=False)
+            )
             for r, token in zip(plain, sample(logits[at], sub, self.generator).tolist()):
                 r.tokens = [token]
         if len(plain) < len(rows):
@@ -232,9 +296,15 @@ class ModelRunner:
         grouped by k."""
         own = [r for r in rows if r.seq.params.temperature == 0 or r.seq.seed is not None]
         if own:
-            sub = self.sampling_batch([r.seq for r in own for _ in range(r.k + 1)], logits.device, penalties=False,
-                                      offsets=[j for r in own for j in range(r.k + 1)])
-            choices = iter(sample(logits[[i for r in own for i in r.positions]], sub, self.generator).tolist())
+            sub = self.sampling_batch(
+                [r.seq for r in own for _ in range(r.k + 1)],
+                logits.device,
+                penalties=False,
+                offsets=[j for r in own for j in range(r.k + 1)],
+            )
+            choices = iter(
+                sample(logits[[i for r in own for i in r.positions]], sub, self.generator).tolist()
+            )
             for r in own:
                 r.tokens = verify_greedy([next(choices) for _ in range(r.k + 1)], r.seq.spec_token_ids)
         by_k: dict[int, list[SampleRows]] = {}
@@ -242,8 +312,12 @@ class ModelRunner:
             if r not in own:
                 by_k.setdefault(r.k, []).append(r)
         for k, group in by_k.items():
-            sub = self.sampling_batch([r.seq for r in group for _ in range(k + 1)], logits.device, penalties=False)
-            p = processed_probs(logits[[i for r in group for i in r.positions]], sub).view(len(group), k + 1, -1)
+            sub = self.sampling_batch(
+                [r.seq for r in group for _ in range(k + 1)], logits.device, penalties=False
+            )
+            p = processed_probs(logits[[i for r in group for i in r.positions]], sub).view(
+                len(group), k + 1, -1
+            )
             q = None
             if group[0].seq.spec_probs is not None:
                 q = torch.stack([r.seq.spec_probs[:k] for r in group])
@@ -252,12 +326,16 @@ class ModelRunner:
             for r, token, a in zip(group, nxt.tolist(), accepted.tolist()):
                 r.tokens = r.seq.spec_token_ids[:a] + [token]
 
-    def _collect(self, sched: SchedulerOutput, rows: list[SampleRows], logits: torch.Tensor) -> ModelRunnerOutput:
+    def _collect(
+        self, sched: SchedulerOutput, rows: list[SampleRows], logits: torch.Tensor
+    ) -> ModelRunnerOutput:
         want = [r for r in rows if r.seq.params.logprobs is not None]
         if want:
             tokens = torch.tensor([t for r in want for t in r.tokens], device=logits.device)
             top = max(r.seq.params.logprobs for r in want)
-            lps = iter(logprobs_for(logits[[r.start + j for r in want for j in range(len(r.tokens))]], tokens, top))
+            lps = iter(
+                logprobs_for(logits[[r.start + j for r in want for j in range(len(r.tokens))]], tokens, top)
+            )
             for r in want:
                 r.logprobs = [_trim_top(next(lps), r.seq.params.logprobs) for _ in r.tokens]
         sampled: list[list[int]] = []
@@ -276,8 +354,13 @@ class ModelRunner:
                 spec_stats.add(r.k, len(r.tokens) - 1)
         return ModelRunnerOutput(sampled, logprobs, spec=spec_stats)
 
-    def sampling_batch(self, seqs: list[Sequence], device: torch.device, penalties: bool = True,
-                       offsets: list[int] | None = None) -> SamplingBatch:
+    def sampling_batch(
+        self,
+        seqs: list[Sequence],
+        device: torch.device,
+        penalties: bool = True,
+        offsets: list[int] | None = None,
+    ) -> SamplingBatch:
         return build_sampling_batch(seqs, self.vocab_size, self.eos_token_ids, device, penalties, offsets)
 
 

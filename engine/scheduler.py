@@ -50,8 +50,9 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int):
+    def __init__(
+        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+    ):
         self.kv = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -97,36 +98,51 @@ class Scheduler:
         seq.spec_token_ids = []
 
     # -- one step ------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
+        """One step's batch. Pipeline parallelism schedules micro-batches while earlier ones are still in
+        the stages: `busy` holds the seq_ids in flight (neither scheduled again nor preempted until their
+        step comes back) and `max_seqs` caps this micro-batch so the sequences spread over the stages."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        room = max_seqs if max_seqs is not None else len(self.running) + len(self.waiting)
 
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, stalled = 0, False
+        while i < len(self.running) and budget > 0 and room > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens_with_spec - seq.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or seq.seq_id in busy:
                 i += 1
                 continue
-            num_new = self._make_room(seq, num_new, out)
+            num_new = self._make_room(seq, num_new, out, busy)
+            if num_new < 0:
+                stalled = True  # only sequences in flight could make room: wait for their step to come back
+                i += 1
+                continue
             if not num_new:
                 break  # the sequence preempted itself or ended: nothing later in the list can run either
             self.kv.allocate(seq, seq.num_computed_tokens + num_new)
             out.scheduled.append(self._scheduled(out, seq, num_new))
             budget -= num_new
+            room -= 1
             i += 1
 
-        if not out.num_preemptions:
-            budget = self._admit_waiting(out, budget)
+        if not out.num_preemptions and not stalled:
+            budget = self._admit_waiting(out, budget, room)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> int:
-        """Free blocks for `num_new` more tokens of a running sequence by preempting the latest arrivals;
-        returns how many tokens can now be scheduled (0: `seq` was preempted or finished)."""
+    def _make_room(
+        self, seq: Sequence, num_new: int, out: SchedulerOutput, busy: frozenset[int] = frozenset()
+    ) -> int:
+        """Free blocks for `num_new` more tokens of a running sequence by preempting the latest arrivals
+        that are not in flight; returns how many tokens can now be scheduled (0: `seq` was preempted or
+        finished; -1: only sequences in flight hold the blocks it needs)."""
         while not self.kv.can_allocate(seq, seq.num_computed_tokens + num_new):
-            if len(self.running) > 1:
-                victim = self.running[-1]
+            idle = [s for s in self.running if s.seq_id not in busy] if busy else self.running
+            if len(idle) == 1 and len(self.running) > 1 and not seq.spec_token_ids:
+                return -1
+            if len(idle) > 1:
+                victim = idle[-1]
                 self._preempt(victim)
                 out.num_preemptions += 1
                 if victim is seq:
@@ -143,12 +159,16 @@ class Scheduler:
             return 0
         return num_new
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, room: int) -> int:
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and room > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             parent = seq.parent
-            if parent is not None and not parent.is_finished and parent.num_computed_tokens < parent.num_prompt_tokens:
+            if (
+                parent is not None
+                and not parent.is_finished
+                and parent.num_computed_tokens < parent.num_prompt_tokens
+            ):
                 skipped.append(self.waiting.popleft())  # let the sibling compute the shared prompt first
                 continue
             if seq.params.prompt_logprobs is not None:
@@ -177,6 +197,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._scheduled(out, seq, num_new))
             budget -= num_new
+            room -= 1
         self.waiting.extendleft(reversed(skipped))
         return budget
 
@@ -189,8 +210,11 @@ class Scheduler:
             if seq.spec_probs is not None:
                 seq.spec_probs = seq.spec_probs[:num_spec] if num_spec else None
         if self.kv.debug:
-            self.kv.note_computed(seq, seq.num_computed_tokens,
-                                  (seq.token_ids + seq.spec_token_ids)[seq.num_computed_tokens : end])
+            self.kv.note_computed(
+                seq,
+                seq.num_computed_tokens,
+                (seq.token_ids + seq.spec_token_ids)[seq.num_computed_tokens : end],
+            )
         return ScheduledSeq(seq, num_new, num_spec, sample=end >= seq.num_tokens)
 
     def _preempt(self, seq: Sequence) -> None:
@@ -205,8 +229,9 @@ class Scheduler:
         self.waiting.appendleft(seq)
 
     # -- after the model ran ---------------------------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: list[list[int]],
-               stop: StopCheck | None = None) -> list[tuple[Sequence, int]]:
+    def update(
+        self, out: SchedulerOutput, sampled: list[list[int]], stop: StopCheck | None = None
+    ) -> list[tuple[Sequence, int]]:
         """Advance computed tokens, trim rejected speculation, and append the sampled tokens one at a
         time, asking `stop` after each whether the sequence ends there (then it is finished and the step's
         later tokens are dropped). Returns the sequences that received new tokens, with how many."""

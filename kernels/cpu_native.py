@@ -55,7 +55,9 @@ def _build() -> Path:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()).hexdigest()
+    key = hashlib.sha256(
+        SOURCE.read_bytes() + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()
+    ).hexdigest()
     target = _cache_dir() / key[:16] / "libspecfleet_cpu.so"
     if target.exists():
         return target
@@ -84,8 +86,34 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_linear_q8g.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_rms_norm_f32.argtypes = [p, i64, i64, p, f32, p]
     lib.sf_silu_mul_f32.argtypes = [p, i64, i64, p]
-    lib.sf_paged_attention_f32.argtypes = [p, i64, p, p, p, i64, p, i64, p, p, i64, i64, i64, i64, f32, p, i32]
-    for fn in ("sf_linear_f32", "sf_linear_i8", "sf_linear_q4", "sf_linear_q8g", "sf_rms_norm_f32", "sf_silu_mul_f32", "sf_paged_attention_f32"):
+    lib.sf_paged_attention_f32.argtypes = [
+        p,
+        i64,
+        p,
+        p,
+        p,
+        i64,
+        p,
+        i64,
+        p,
+        p,
+        i64,
+        i64,
+        i64,
+        i64,
+        f32,
+        p,
+        i32,
+    ]
+    for fn in (
+        "sf_linear_f32",
+        "sf_linear_i8",
+        "sf_linear_q4",
+        "sf_linear_q8g",
+        "sf_rms_norm_f32",
+        "sf_silu_mul_f32",
+        "sf_paged_attention_f32",
+    ):
         getattr(lib, fn).restype = None
 
 
@@ -149,8 +177,10 @@ def _rows(name: str, t: torch.Tensor, cols: int) -> int:
     """Row stride of a 2-D float32 tensor whose rows are contiguous, each holding `cols` values."""
     _check(name, t, dim=2)
     if t.shape[1] != cols or (t.shape[0] > 1 and t.stride(1) != 1) or t.stride(0) < cols:
-        raise ValueError(f"{name} must be [rows, {cols}] with contiguous rows, got shape {tuple(t.shape)} "
-                         f"strides {t.stride()}")
+        raise ValueError(
+            f"{name} must be [rows, {cols}] with contiguous rows, got shape {tuple(t.shape)} "
+            f"strides {t.stride()}"
+        )
     return t.stride(0)
 
 
@@ -170,6 +200,11 @@ def _pad(v: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def int8_column_scale(weight_t: torch.Tensor) -> torch.Tensor:
+    """Symmetric max-abs int8 scale of each output column of an [in, out] weight."""
+    return weight_t.abs().amax(dim=0).clamp_min(1e-12) / 127.0
+
+
 class PackedLinear:
     """``x @ weight_t (+ bias) (+ residual)`` for a fixed [in, out] weight, packed for the native kernel.
 
@@ -177,13 +212,22 @@ class PackedLinear:
     max-abs): a quarter of the bytes, for a quantized draft model. Activations stay float32.
     """
 
-    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None, quantize: str | None = None):
+    def __init__(
+        self,
+        weight_t: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        quantize: str | None = None,
+        int8_scale: torch.Tensor | None = None,
+    ):
+        """`int8_scale`: the column scales to quantize with instead of this weight's own max-abs (a
+        tensor-parallel slice of a row-parallel weight keeps the whole weight's scales, so its codes are the
+        unsplit model's)."""
         _check("weight_t", weight_t, dim=2)
         self._lib = _lib_or_raise()
         self.in_features, self.out_features = weight_t.shape
         self.scale = None
         if quantize == "int8":
-            scale = weight_t.abs().amax(dim=0).clamp_min(1e-12) / 127.0
+            scale = int8_column_scale(weight_t) if int8_scale is None else int8_scale
             q = torch.round(weight_t / scale).clamp_(-127, 127).to(torch.int8)
             self.panels, self.scale = pack_panels(q), _pad(scale, self.out_features)
         elif quantize is None:
@@ -207,13 +251,36 @@ class PackedLinear:
         bias = self.bias.data_ptr() if self.bias is not None else None
         res = residual.data_ptr() if residual is not None else None
         if self.scale is None:
-            self._lib.sf_linear_f32(x.data_ptr(), rows, self.in_features, ldx, self.panels.data_ptr(),
-                                    self.out_features, bias, res, ldr, y.data_ptr(), self.out_features,
-                                    num_threads())
+            self._lib.sf_linear_f32(
+                x.data_ptr(),
+                rows,
+                self.in_features,
+                ldx,
+                self.panels.data_ptr(),
+                self.out_features,
+                bias,
+                res,
+                ldr,
+                y.data_ptr(),
+                self.out_features,
+                num_threads(),
+            )
         else:
-            self._lib.sf_linear_i8(x.data_ptr(), rows, self.in_features, ldx, self.panels.data_ptr(),
-                                   self.scale.data_ptr(), self.out_features, bias, res, ldr, y.data_ptr(),
-                                   self.out_features, num_threads())
+            self._lib.sf_linear_i8(
+                x.data_ptr(),
+                rows,
+                self.in_features,
+                ldx,
+                self.panels.data_ptr(),
+                self.scale.data_ptr(),
+                self.out_features,
+                bias,
+                res,
+                ldr,
+                y.data_ptr(),
+                self.out_features,
+                num_threads(),
+            )
         return y
 
 
@@ -225,8 +292,11 @@ def pack_quant_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch
         codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
     # Scales and mins as halfs when that is exact (GGUF's d and m are fp16 in the file): 1 bit per weight
     # instead of 2 at groups of 32; otherwise (Q4_K's d * sc, AWQ/GPTQ's -z * s) float32.
-    dtype = torch.float16 if all(t is None or torch.equal(t.half().float(), t) for t in (q.scales, q.mins)) \
+    dtype = (
+        torch.float16
+        if all(t is None or torch.equal(t.half().float(), t) for t in (q.scales, q.mins))
         else torch.float32
+    )
     scales = pack_panels(q.scales.t().to(dtype))  # padding columns get scale 0, so they add nothing
     mins = None if q.mins is None else pack_panels(q.mins.t().to(dtype))
     return codes, scales, mins
@@ -260,12 +330,24 @@ class QuantLinear:
             if residual.shape[0] != rows:
                 raise ValueError(f"residual has {residual.shape[0]} rows, x has {rows}")
         y = torch.empty(rows, self.out_features)
-        self._kernel(x.data_ptr(), rows, self.in_features, ldx, self.codes.data_ptr(), self.scales.data_ptr(),
-                     None if self.mins is None else self.mins.data_ptr(), int(self.scales.dtype == torch.float16),
-                     self.group_size, self.out_features,
-                     None if self.bias is None else self.bias.data_ptr(),
-                     None if residual is None else residual.data_ptr(), ldr, y.data_ptr(), self.out_features,
-                     num_threads())
+        self._kernel(
+            x.data_ptr(),
+            rows,
+            self.in_features,
+            ldx,
+            self.codes.data_ptr(),
+            self.scales.data_ptr(),
+            None if self.mins is None else self.mins.data_ptr(),
+            int(self.scales.dtype == torch.float16),
+            self.group_size,
+            self.out_features,
+            None if self.bias is None else self.bias.data_ptr(),
+            None if residual is None else residual.data_ptr(),
+            ldr,
+            y.data_ptr(),
+            self.out_features,
+            num_threads(),
+        )
         return y
 
 
@@ -275,7 +357,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if not x.is_contiguous() or not weight.is_contiguous() or weight.shape[0] != x.shape[1]:
         raise ValueError(f"rms_norm needs contiguous x [rows, {weight.shape[0]}], got {tuple(x.shape)}")
     y = torch.empty_like(x)
-    _lib_or_raise().sf_rms_norm_f32(x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr())
+    _lib_or_raise().sf_rms_norm_f32(
+        x.data_ptr(), x.shape[0], x.shape[1], weight.data_ptr(), eps, y.data_ptr()
+    )
     return y
 
 
@@ -305,16 +389,22 @@ def paged_attention(
     _check("k_cache", k_cache, dim=4)
     _check("v_cache", v_cache, dim=4)
     _check("out", out, dim=3)
-    for name, t in (("block_tables", block_tables), ("seqs", seqs), ("query_start_loc", query_start_loc),
-                    ("seq_lens", seq_lens)):
+    for name, t in (
+        ("block_tables", block_tables),
+        ("seqs", seqs),
+        ("query_start_loc", query_start_loc),
+        ("seq_lens", seq_lens),
+    ):
         _check(name, t, torch.int32)
         if not t.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
     tokens, heads, head_dim = query.shape
     blocks, block_size, kv_heads, _ = k_cache.shape
     if head_dim % 16 or heads % kv_heads or k_cache.shape[-1] != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"unsupported shapes: query {tuple(query.shape)}, caches {tuple(k_cache.shape)} "
-                         "(head_dim must be a multiple of 16, heads a multiple of kv heads)")
+        raise ValueError(
+            f"unsupported shapes: query {tuple(query.shape)}, caches {tuple(k_cache.shape)} "
+            "(head_dim must be a multiple of 16, heads a multiple of kv heads)"
+        )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and out.is_contiguous()):
         raise ValueError("k_cache, v_cache and out must be contiguous")
     if query.stride(2) != 1 or query.stride(1) != head_dim:
@@ -322,8 +412,22 @@ def paged_attention(
     if out.shape != query.shape:
         raise ValueError(f"out shape {tuple(out.shape)} != query shape {tuple(query.shape)}")
     _lib_or_raise().sf_paged_attention_f32(
-        query.data_ptr(), query.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        block_tables.stride(0), seqs.data_ptr(), seqs.numel(), query_start_loc.data_ptr(), seq_lens.data_ptr(),
-        heads, kv_heads, head_dim, block_size, scale, out.data_ptr(), num_threads(),
+        query.data_ptr(),
+        query.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        block_tables.data_ptr(),
+        block_tables.stride(0),
+        seqs.data_ptr(),
+        seqs.numel(),
+        query_start_loc.data_ptr(),
+        seq_lens.data_ptr(),
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        scale,
+        out.data_ptr(),
+        num_threads(),
     )
     return out

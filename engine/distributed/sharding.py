@@ -52,8 +52,9 @@ class ShardPlan:
         return range(self.rank * self.vocab_shard, (self.rank + 1) * self.vocab_shard)
 
 
-def plan(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, size: int,
-         rank: int) -> ShardPlan:
+def plan(
+    num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, size: int, rank: int
+) -> ShardPlan:
     """The rank's plan; refuses, naming the numbers, a size the model's shapes cannot be split by."""
     if size < 1 or not 0 <= rank < size:
         raise ValueError(f"tensor_parallel_size={size}, rank={rank}: need size >= 1 and 0 <= rank < size")
@@ -65,8 +66,10 @@ def plan(num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: 
     if intermediate_size % size:
         problems.append(f"an MLP width of {intermediate_size}")
     if problems:
-        raise ValueError(f"tensor_parallel_size={size} does not divide the model's {' and '.join(problems)}; "
-                         f"use a size that divides {num_heads} attention heads")
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {' and '.join(problems)}; "
+            f"use a size that divides {num_heads} attention heads"
+        )
     return ShardPlan(rank, size, num_heads, num_kv_heads, intermediate_size, vocab_size)
 
 

@@ -15,7 +15,9 @@ from specfleet.engine.distributed.workers import WorkerDied
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_numbers():
     # SmolLM2-135M: 9 attention heads, 3 KV heads, MLP width 1536, vocab 49152
-    with pytest.raises(ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads"):
+    with pytest.raises(
+        ValueError, match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads"
+    ):
         plan(9, 3, 1536, 49152, 2, 0)
     with pytest.raises(ValueError, match="MLP width of 1536"):
         plan(9, 3, 1536, 49152, 9, 0)
@@ -46,20 +48,34 @@ def test_the_slices_of_all_ranks_put_back_together_are_the_weights(size):
     shards = [shard_state(state, plan(4, 2, 24, 10, size, rank), head_dim) for rank in range(size)]
     cat = lambda name, dim: torch.cat([s[name] for s in shards], dim=dim)  # noqa: E731
     for name in ("q_proj.weight", "q_proj.bias"):
-        assert torch.equal(cat(f"model.layers.0.self_attn.{name}", 0), state[f"model.layers.0.self_attn.{name}"])
-    assert torch.equal(cat("model.layers.0.self_attn.o_proj.weight", 1), state["model.layers.0.self_attn.o_proj.weight"])
+        assert torch.equal(
+            cat(f"model.layers.0.self_attn.{name}", 0), state[f"model.layers.0.self_attn.{name}"]
+        )
+    assert torch.equal(
+        cat("model.layers.0.self_attn.o_proj.weight", 1), state["model.layers.0.self_attn.o_proj.weight"]
+    )
     for name in ("gate_proj", "up_proj"):
-        assert torch.equal(cat(f"model.layers.0.mlp.{name}.weight", 0), state[f"model.layers.0.mlp.{name}.weight"])
-    assert torch.equal(cat("model.layers.0.mlp.down_proj.weight", 1), state["model.layers.0.mlp.down_proj.weight"])
+        assert torch.equal(
+            cat(f"model.layers.0.mlp.{name}.weight", 0), state[f"model.layers.0.mlp.{name}.weight"]
+        )
+    assert torch.equal(
+        cat("model.layers.0.mlp.down_proj.weight", 1), state["model.layers.0.mlp.down_proj.weight"]
+    )
     for name in ("model.embed_tokens.weight", "lm_head.weight"):  # 10 rows in shards of ceil(10 / size)
         whole = cat(name, 0)
         assert torch.equal(whole[:10], state[name]) and not whole[10:].any()
-    assert all(torch.equal(s["model.layers.0.input_layernorm.weight"], state["model.layers.0.input_layernorm.weight"])
-               for s in shards)
+    assert all(
+        torch.equal(
+            s["model.layers.0.input_layernorm.weight"], state["model.layers.0.input_layernorm.weight"]
+        )
+        for s in shards
+    )
     k = state["model.layers.0.self_attn.k_proj.weight"]
     for rank, s in enumerate(shards):  # 2 KV heads: split over 2 ranks, replicated over 4
         p = plan(4, 2, 24, 10, size, rank)
-        assert torch.equal(s["model.layers.0.self_attn.k_proj.weight"], k[p.kv_heads.start * 4 : p.kv_heads.stop * 4])
+        assert torch.equal(
+            s["model.layers.0.self_attn.k_proj.weight"], k[p.kv_heads.start * 4 : p.kv_heads.stop * 4]
+        )
         group = 4 // 2  # query heads per KV head: each rank's query heads read the KV heads it holds
         assert {h // group for h in p.heads} <= set(p.kv_heads)
 
@@ -67,12 +83,22 @@ def test_the_slices_of_all_ranks_put_back_together_are_the_weights(size):
 def _tiny(kind: str, tmp_path, bundled_path, vocab: int):
     from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
 
-    common = dict(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                  tie_word_embeddings=kind == "llama")
-    config = {"llama": lambda: LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
-              "mistral": lambda: MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"]),
-              "qwen2": lambda: Qwen2Config(**common, architectures=["Qwen2ForCausalLM"])}[kind]()
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=kind == "llama",
+    )
+    config = {
+        "llama": lambda: LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
+        "mistral": lambda: MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"]),
+        "qwen2": lambda: Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
+    }[kind]()
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # random weights large enough that greedy tokens vary
@@ -84,7 +110,11 @@ def _tiny(kind: str, tmp_path, bundled_path, vocab: int):
     return f"file://{tmp_path}"
 
 
-PROMPTS = [[1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000], [42], [3, 1, 4, 1, 5, 9, 2, 6]]
+PROMPTS = [
+    [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000],
+    [42],
+    [3, 1, 4, 1, 5, 9, 2, 6],
+]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=0)
 # Row-parallel partial sums are added in a different order than one matmul adds them: float32 logits of
 # unit-scale activations then differ in the last bits, far below this.
@@ -155,3 +185,77 @@ def test_pp2_equals_pp1_under_preemption(tmp_path, bundled_path):
     model = _tiny("qwen2", tmp_path, bundled_path, vocab=49152)
     tight = {"num_kv_blocks": 14, "max_model_len": 48, "max_num_seqs": 3}
     _same(_run(model, 2, split="pipeline", preempts=True, **tight), _run(model, 1, preempts=True, **tight))
+
+
+def test_pp2_keeps_two_micro_batches_in_flight_and_equals_pp1_with_speculation_under_preemption(
+    tmp_path, bundled_path
+):
+    # Overlap (vLLM's virtual engines) splits the sequences over two micro-batches in flight at once: each
+    # sequence's steps, proposals (n-gram) and preemptions must still match one process token for token.
+    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    tight = {
+        "num_kv_blocks": 14,
+        "max_model_len": 48,
+        "max_num_seqs": 3,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+    }
+    prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]
+    one = _run(model, 1, prompts, preempts=True, **tight)
+    llm = LLM(model=model, block_size=4, pipeline_parallel_size=2, **tight)
+    try:
+        outs = [r.outputs[0] for r in llm.generate(prompts, GREEDY)]
+        stats = llm.engine.stats
+        assert stats.peak_micro_batches_in_flight == 2 and stats.num_preemptions > 0
+        assert stats.num_drafts > 0
+        assert llm.engine.kv.num_used_blocks == 0  # every block came back
+    finally:
+        llm.close()
+    _same(
+        ([o.token_ids for o in outs], [[next(iter(lp.values())).logprob for lp in o.logprobs] for o in outs]),
+        one,
+    )
+
+
+def test_pp2_without_overlap_runs_one_micro_batch_at_a_time(tmp_path, bundled_path):
+    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    llm = LLM(model=model, block_size=4, pipeline_parallel_size=2, pipeline_overlap=False)
+    try:
+        outs = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        assert llm.engine.stats.peak_micro_batches_in_flight == 0
+    finally:
+        llm.close()
+    assert outs == _run(model, 1)[0]
+
+
+def test_tp2_x_pp2_on_a_random_model_equals_one_process(tmp_path, bundled_path):
+    # Four ranks: each of two stages holds one layer split over its two ranks (a vocabulary of 49157 pads
+    # the last vocab shard); the stages overlap two micro-batches.
+    model = _tiny("qwen2", tmp_path, bundled_path, vocab=49157)
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+    _same(_run(model, 2, pipeline_parallel_size=2, **ngram), _run(model, 1))
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_int8_split_equals_the_unsplit_int8_engine(tp, pp, tmp_path, bundled_path):
+    # Each rank quantizes its part at load; a row-parallel slice keeps the whole weight's column scales, so
+    # the ranks together hold exactly the unsplit int8 codes (only the order of the partial sums differs).
+    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    _same(
+        _run(model, tp, pipeline_parallel_size=pp, quantization="int8"), _run(model, 1, quantization="int8")
+    )
+
+
+def test_gguf_splits_into_pipeline_stages_and_is_refused_under_tensor_parallelism():
+    prompts, params = (
+        ["The capital of France is"],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
+    )
+    gguf = {"quantization": "gguf"}
+    _same(
+        _run("bundled://smollm2-135m-instruct", 2, prompts, params, split="pipeline", **gguf),
+        _run("bundled://smollm2-135m-instruct", 1, prompts, params, **gguf),
+    )
+    with pytest.raises(
+        ValueError, match=r"quantization='gguf' with tensor_parallel_size=3: .*pipeline_parallel_size"
+    ):
+        LLM(model="bundled://smollm2-135m-instruct", quantization="gguf", tensor_parallel_size=3)

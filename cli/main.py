@@ -24,8 +24,15 @@ BENCHES = {
     "serve": ("specfleet.bench.serve", "latency and goodput of any OpenAI-compatible server"),
     "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
     "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
+    "pp": (
+        "specfleet.bench.pipeline",
+        "pipeline parallelism: decode throughput with and without micro-batch overlap",
+    ),
     "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
-    "route": ("specfleet.bench.route", "routing policies side by side on a shared-prefix multi-turn workload"),
+    "route": (
+        "specfleet.bench.route",
+        "routing policies side by side on a shared-prefix multi-turn workload",
+    ),
     "tune": ("specfleet.bench.tune", "the tuner against the best static config on a shifting load"),
     "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
 }
@@ -79,8 +86,12 @@ def generate_main(argv: list[str]) -> int:
     from specfleet.engine import LLM, SamplingParams
 
     try:
-        llm = LLM(model=args.model, speculative_method=args.speculative_method,
-                  num_speculative_tokens=args.num_speculative_tokens, draft_model=args.draft_model)
+        llm = LLM(
+            model=args.model,
+            speculative_method=args.speculative_method,
+            num_speculative_tokens=args.num_speculative_tokens,
+            draft_model=args.draft_model,
+        )
         params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         if args.raw:
             results = llm.generate(args.prompts, params)

@@ -363,7 +363,7 @@ class Engine:
         outputs: list[RequestOutput] = []
         while len(self._in_flight) < self._pipeline_depth:
             busy = frozenset(item.seq.seq_id for sched, _ in self._in_flight for item in sched.scheduled)
-            self._propose(busy)
+            self._propose(busy, keep=bool(self._in_flight))
             active = len(self.scheduler.running) + len(self.scheduler.waiting)
             sched = self.scheduler.schedule(busy, max_seqs=max(1, -(-active // self._pipeline_depth)))
             if sched.empty:
@@ -385,14 +385,15 @@ class Engine:
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
 
-    def _propose(self, busy: frozenset[int] = frozenset()) -> None:
+    def _propose(self, busy: frozenset[int] = frozenset(), keep: bool = False) -> None:
         """Give every decoding sequence up to k proposals to verify in this step (none when k = 0); `busy`:
-        sequences in flight in the pipeline, whose proposals are already on their way."""
+        sequences in flight in the pipeline, whose proposals are already on their way; `keep`: leave the
+        proposals of a sequence an earlier micro-batch of this step did not take (its tokens are unchanged)."""
         if self.proposer is None or self._speculation_disabled_by_batch():
             return
         seqs, ks = [], []
         for seq in self.scheduler.running:
-            if seq.in_prefill or seq.seq_id in busy:
+            if seq.in_prefill or seq.seq_id in busy or (keep and seq.spec_token_ids):
                 continue
             k = self._k_for(seq)
             if k:

@@ -48,7 +48,11 @@ IntOrPercent = Annotated[
     Field(
         pattern=INT_OR_PERCENT_PATTERN,
         max_length=8,
-        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": INT_OR_PERCENT_PATTERN, "minimum": 0},
+        json_schema_extra={
+            "x-kubernetes-int-or-string": True,
+            "pattern": INT_OR_PERCENT_PATTERN,
+            "minimum": 0,
+        },
     ),
 ]
 # [min, max] pairs for the tuner's search space.
@@ -119,21 +123,23 @@ class ModelSpec(ModelSource):
     cache: ModelCacheSpec = _default_obj(ModelCacheSpec)
 
 
-ONE_SPLIT = "engine.tensorParallelSize and engine.pipelineParallelSize: one split at a time (one of them must be 1)"
-GPUS_PER_SPLIT = ("resources.gpus must be 0 (CPU ranks) or engine.tensorParallelSize x engine.pipelineParallelSize "
-                  "(one GPU per rank)")
-QUANTIZED_SPLIT = "model.quantization runs in one process: it needs tensorParallelSize and pipelineParallelSize 1"
+GPUS_PER_SPLIT = (
+    "resources.gpus must be 0 (CPU ranks) or engine.tensorParallelSize x engine.pipelineParallelSize "
+    "(one GPU per rank)"
+)
+QUANTIZED_SPLIT = (
+    "model.quantization gguf, awq and gptq pack weights in blocks with per-block scales that are "
+    "not sliced by attention head: with them engine.tensorParallelSize must be 1 "
+    "(pipelineParallelSize splits them into stages; int8 splits either way)"
+)
 # The operator renders one engine Deployment without roles: in a cluster the field would be silently ignored.
-DISAGGREGATION_NOT_RENDERED = ("spec.disaggregation is not rendered by the operator yet; use specfleet up "
-                               "(the local fleet runs the prefill and decode engines behind its router)")
+DISAGGREGATION_NOT_RENDERED = (
+    "spec.disaggregation is not rendered by the operator yet; use specfleet up "
+    "(the local fleet runs the prefill and decode engines behind its router)"
+)
 
 
 class EngineSpec(_Spec):
-    model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel("self.tensorParallelSize == 1 || self.pipelineParallelSize == 1", ONE_SPLIT),
-        ]}
-    )
     image: str | None = Field(
         None, max_length=512, description="Engine image; empty means the operator's default engine image."
     )
@@ -141,10 +147,20 @@ class EngineSpec(_Spec):
     block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="KV cache block size in tokens.")
     kv_cache_memory_fraction: float = Field(0.9, ge=0.05, le=0.99)
     prefix_caching: bool = True
-    tensor_parallel_size: int = Field(1, ge=1, le=8, description="Ranks one model copy is split over by tensor "
-                                      "parallelism (one GPU each; processes sharing the CPU when gpus is 0).")
-    pipeline_parallel_size: int = Field(1, ge=1, le=8, description="Pipeline stages one model copy is split into "
-                                        "(one GPU each; processes sharing the CPU when gpus is 0).")
+    tensor_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Ranks one model copy is split over by tensor "
+        "parallelism (one GPU each; processes sharing the CPU when gpus is 0).",
+    )
+    pipeline_parallel_size: int = Field(
+        1,
+        ge=1,
+        le=8,
+        description="Pipeline stages one model copy is split into "
+        "(one GPU each; processes sharing the CPU when gpus is 0).",
+    )
     drain_timeout_seconds: int = Field(
         30, ge=0, le=3600, description="How long SIGTERM waits for in-flight requests before exiting."
     )
@@ -165,20 +181,27 @@ class SpeculativeSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("self.method != 'draft' || has(self.draftModel)",
-                    "method: draft needs draftModel.source (the small model that proposes tokens)"),
-                cel("self.method == 'draft' || !has(self.draftModel)",
-                    "draftModel is only used with method: draft; set method: draft or remove draftModel"),
+                cel(
+                    "self.method != 'draft' || has(self.draftModel)",
+                    "method: draft needs draftModel.source (the small model that proposes tokens)",
+                ),
+                cel(
+                    "self.method == 'draft' || !has(self.draftModel)",
+                    "draftModel is only used with method: draft; set method: draft or remove draftModel",
+                ),
             ]
         }
     )
     method: Literal[SPECULATIVE_METHODS] = "none"  # type: ignore[valid-type]
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k: tokens proposed per step (0 = off).")
     disable_by_batch_size: int = Field(
-        0, ge=0, le=4096,
+        0,
+        ge=0,
+        le=4096,
         description="A step whose batch is larger than this proposes nothing (0 = never). With autotune on, "
-                    "the tuner sets it to the batch at which it would turn speculation off itself (past the "
-                    "step cost's knee), so a load that rises between two intervals loses no time to drafts.")
+        "the tuner sets it to the batch at which it would turn speculation off itself (past the "
+        "step cost's knee), so a load that rises between two intervals loses no time to drafts.",
+    )
     draft_model: DraftModelSpec | None = None
 
     @model_validator(mode="after")
@@ -221,42 +244,64 @@ def upstream(definition: str, **extra: Any) -> Any:
 class SchedulingSpec(_Spec):
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=64, json_schema_extra=upstream("io.k8s.api.core.v1.Toleration"))
-    affinity: dict[str, Any] = Field(default_factory=dict, json_schema_extra=upstream("io.k8s.api.core.v1.Affinity"))
+        default_factory=list, max_length=64, json_schema_extra=upstream("io.k8s.api.core.v1.Toleration")
+    )
+    affinity: dict[str, Any] = Field(
+        default_factory=dict, json_schema_extra=upstream("io.k8s.api.core.v1.Affinity")
+    )
     topology_spread_constraints: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=16,
-        json_schema_extra=upstream("io.k8s.api.core.v1.TopologySpreadConstraint"))
+        default_factory=list,
+        max_length=16,
+        json_schema_extra=upstream("io.k8s.api.core.v1.TopologySpreadConstraint"),
+    )
     priority_class_name: str = Field("", max_length=253)
     runtime_class_name: str = Field("", max_length=253)
 
 
-GPU_SAFE_ROLLOUT = ("RollingUpdate", "0", "1")  # no surge pod: it would wait Pending for a GPU the old pod holds
+GPU_SAFE_ROLLOUT = (
+    "RollingUpdate",
+    "0",
+    "1",
+)  # no surge pod: it would wait Pending for a GPU the old pod holds
 CPU_ROLLOUT = ("RollingUpdate", "1", "0")  # surge one pod, never below the ready count
 
 
 class RolloutSpec(_Spec):
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel("!has(self.strategy) || self.strategy != 'Recreate' || (!has(self.maxSurge) && "
-                "!has(self.maxUnavailable))", "rollout.maxSurge and maxUnavailable apply to RollingUpdate only"),
-            cel("!has(self.maxSurge) || !has(self.maxUnavailable) || !(string(self.maxSurge) in ['0', '0%'] && "
-                "string(self.maxUnavailable) in ['0', '0%'])",
-                "rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)"),
-        ]}
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "!has(self.strategy) || self.strategy != 'Recreate' || (!has(self.maxSurge) && "
+                    "!has(self.maxUnavailable))",
+                    "rollout.maxSurge and maxUnavailable apply to RollingUpdate only",
+                ),
+                cel(
+                    "!has(self.maxSurge) || !has(self.maxUnavailable) || !(string(self.maxSurge) in ['0', '0%'] && "
+                    "string(self.maxUnavailable) in ['0', '0%'])",
+                    "rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)",
+                ),
+            ]
+        }
     )
     strategy: Literal["RollingUpdate", "Recreate"] | None = Field(
-        None, description="How pods are replaced on a spec change. Unset: RollingUpdate with maxSurge 0 and "
+        None,
+        description="How pods are replaced on a spec change. Unset: RollingUpdate with maxSurge 0 and "
         "maxUnavailable 1 when resources.gpus > 0 (no surge pod waiting for a GPU on a full pool), else maxSurge 1 "
-        "and maxUnavailable 0.")
+        "and maxUnavailable 0.",
+    )
     max_surge: IntOrPercent | None = Field(None, description="Pods above replicas during a RollingUpdate.")
-    max_unavailable: IntOrPercent | None = Field(None, description="Pods below replicas during a RollingUpdate.")
+    max_unavailable: IntOrPercent | None = Field(
+        None, description="Pods below replicas during a RollingUpdate."
+    )
 
     @model_validator(mode="after")
     def _consistent(self) -> RolloutSpec:
         if self.strategy == "Recreate" and (self.max_surge is not None or self.max_unavailable is not None):
             raise ValueError("rollout.maxSurge and maxUnavailable apply to RollingUpdate only, not Recreate")
         if self.max_surge in ("0", "0%") and self.max_unavailable in ("0", "0%"):
-            raise ValueError("rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)")
+            raise ValueError(
+                "rollout.maxSurge and maxUnavailable cannot both be 0 (no pod could ever be replaced)"
+            )
         return self
 
     def resolved(self, gpus: int) -> tuple[str, str | None, str | None]:
@@ -277,12 +322,27 @@ class RolloutSpec(_Spec):
 
 # Env variables, volumes and mount paths the operator renders itself: a pod-template entry may not reuse
 # them (server-side apply refuses duplicate keys, and the engine depends on them).
-RESERVED_ENV = ("SPECFLEET_ADMIN_TOKEN_FILE", "SPECFLEET_ADMIN_TOKEN", "SPECFLEET_CACHE", "SPECFLEET_SERVICE_NAME",
-                "HOME", "XDG_CACHE_HOME", "HF_HOME", "HF_HUB_OFFLINE", "TRITON_CACHE_DIR")
+RESERVED_ENV = (
+    "SPECFLEET_ADMIN_TOKEN_FILE",
+    "SPECFLEET_ADMIN_TOKEN",
+    "SPECFLEET_CACHE",
+    "SPECFLEET_SERVICE_NAME",
+    "HOME",
+    "XDG_CACHE_HOME",
+    "HF_HOME",
+    "HF_HUB_OFFLINE",
+    "TRITON_CACHE_DIR",
+)
 RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm")
 RESERVED_VOLUME_PREFIXES = ("model-", "draft-")
-RESERVED_MOUNT_PATHS = ("/tmp", "/cache", "/dev/shm", "/var/run/secrets/specfleet/admin", "/models/model",
-                        "/models/draft")
+RESERVED_MOUNT_PATHS = (
+    "/tmp",
+    "/cache",
+    "/dev/shm",
+    "/var/run/secrets/specfleet/admin",
+    "/models/model",
+    "/models/draft",
+)
 
 
 def _cel_list(values: tuple[str, ...]) -> str:
@@ -293,49 +353,75 @@ class PodTemplateSpec(_Spec):
     """What real clusters add to the engine pods; the operator's own fields keep precedence."""
 
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel(f"!has(self.env) || self.env.all(e, !(e.name in {_cel_list(RESERVED_ENV)}))",
-                f"pod.env may not set the operator's own variables {', '.join(RESERVED_ENV)}"),
-            cel(f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}) && "
-                + " && ".join(f"!v.name.startsWith('{p}')" for p in RESERVED_VOLUME_PREFIXES) + ")",
-                f"pod.volumes may not use the operator's volume names {', '.join(RESERVED_VOLUMES)} or names "
-                f"starting with {' or '.join(RESERVED_VOLUME_PREFIXES)}"),
-            cel(f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNT_PATHS)}))",
-                f"pod.volumeMounts may not mount over the operator's paths {', '.join(RESERVED_MOUNT_PATHS)}"),
-        ]}
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    f"!has(self.env) || self.env.all(e, !(e.name in {_cel_list(RESERVED_ENV)}))",
+                    f"pod.env may not set the operator's own variables {', '.join(RESERVED_ENV)}",
+                ),
+                cel(
+                    f"!has(self.volumes) || self.volumes.all(v, !(v.name in {_cel_list(RESERVED_VOLUMES)}) && "
+                    + " && ".join(f"!v.name.startsWith('{p}')" for p in RESERVED_VOLUME_PREFIXES)
+                    + ")",
+                    f"pod.volumes may not use the operator's volume names {', '.join(RESERVED_VOLUMES)} or names "
+                    f"starting with {' or '.join(RESERVED_VOLUME_PREFIXES)}",
+                ),
+                cel(
+                    f"!has(self.volumeMounts) || self.volumeMounts.all(m, !(m.mountPath in {_cel_list(RESERVED_MOUNT_PATHS)}))",
+                    f"pod.volumeMounts may not mount over the operator's paths {', '.join(RESERVED_MOUNT_PATHS)}",
+                ),
+            ]
+        }
     )
     service_account_name: str = Field("", max_length=253, description="ServiceAccount of the engine pods.")
     automount_service_account_token: bool = Field(
-        False, description="Mount the ServiceAccount's token (workload identity); the engine itself never uses it.")
+        False,
+        description="Mount the ServiceAccount's token (workload identity); the engine itself never uses it.",
+    )
     image_pull_secrets: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=16, json_schema_extra=upstream("io.k8s.api.core.v1.LocalObjectReference"))
+        default_factory=list,
+        max_length=16,
+        json_schema_extra=upstream("io.k8s.api.core.v1.LocalObjectReference"),
+    )
     labels: dict[str, str] = Field(default_factory=dict, description="Extra pod labels (the operator's win).")
     annotations: dict[str, str] = Field(default_factory=dict, description="Extra pod annotations.")
     env: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=128, json_schema_extra=upstream("io.k8s.api.core.v1.EnvVar"))
+        default_factory=list, max_length=128, json_schema_extra=upstream("io.k8s.api.core.v1.EnvVar")
+    )
     env_from: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=16, json_schema_extra=upstream("io.k8s.api.core.v1.EnvFromSource"))
+        default_factory=list, max_length=16, json_schema_extra=upstream("io.k8s.api.core.v1.EnvFromSource")
+    )
     volumes: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=32, json_schema_extra=upstream("io.k8s.api.core.v1.Volume"))
+        default_factory=list, max_length=32, json_schema_extra=upstream("io.k8s.api.core.v1.Volume")
+    )
     volume_mounts: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=32, description="Mounts into the engine container.",
-        json_schema_extra=upstream("io.k8s.api.core.v1.VolumeMount"))
+        default_factory=list,
+        max_length=32,
+        description="Mounts into the engine container.",
+        json_schema_extra=upstream("io.k8s.api.core.v1.VolumeMount"),
+    )
 
     @model_validator(mode="after")
     def _not_reserved(self) -> PodTemplateSpec:
         for e in self.env:
             if e.get("name") in RESERVED_ENV:
-                raise ValueError(f"pod.env name={e.get('name')!r} is one of the operator's own variables "
-                                 f"({', '.join(RESERVED_ENV)})")
+                raise ValueError(
+                    f"pod.env name={e.get('name')!r} is one of the operator's own variables "
+                    f"({', '.join(RESERVED_ENV)})"
+                )
         for v in self.volumes:
             name = str(v.get("name", ""))
             if name in RESERVED_VOLUMES or name.startswith(RESERVED_VOLUME_PREFIXES):
-                raise ValueError(f"pod.volumes name={name!r} is the operator's ({', '.join(RESERVED_VOLUMES)}, "
-                                 f"{' or '.join(RESERVED_VOLUME_PREFIXES)}*)")
+                raise ValueError(
+                    f"pod.volumes name={name!r} is the operator's ({', '.join(RESERVED_VOLUMES)}, "
+                    f"{' or '.join(RESERVED_VOLUME_PREFIXES)}*)"
+                )
         for m in self.volume_mounts:
             if m.get("mountPath") in RESERVED_MOUNT_PATHS:
-                raise ValueError(f"pod.volumeMounts mountPath={m.get('mountPath')!r} is the operator's "
-                                 f"({', '.join(RESERVED_MOUNT_PATHS)})")
+                raise ValueError(
+                    f"pod.volumeMounts mountPath={m.get('mountPath')!r} is the operator's "
+                    f"({', '.join(RESERVED_MOUNT_PATHS)})"
+                )
         return self
 
 
@@ -348,7 +434,10 @@ class _AutotuneBounds(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel(f"self.{k.crd_name}[0] <= self.{k.crd_name}[1]", f"bounds.{k.crd_name} must be [min, max] with min <= max")
+                cel(
+                    f"self.{k.crd_name}[0] <= self.{k.crd_name}[1]",
+                    f"bounds.{k.crd_name} must be [min, max] with min <= max",
+                )
                 for k in SEARCHED
             ]
         }
@@ -367,7 +456,8 @@ if TYPE_CHECKING:
     AutotuneBounds = _AutotuneBounds
 else:
     AutotuneBounds = create_model(
-        "AutotuneBounds", __base__=_AutotuneBounds,
+        "AutotuneBounds",
+        __base__=_AutotuneBounds,
         **{k.name: (Bounds, list(k.search or ())) for k in SEARCHED},
     )
 
@@ -381,9 +471,19 @@ if TYPE_CHECKING:
     AutotunePins = _AutotunePins
 else:
     AutotunePins = create_model(
-        "AutotunePins", __base__=_AutotunePins,
-        **{k.name: (int | None, Field(None, ge=k.minimum, description=f"Hold {k.label} at this value "
-                                      "(inside autotune.bounds); unset: tuned.")) for k in SEARCHED},
+        "AutotunePins",
+        __base__=_AutotunePins,
+        **{
+            k.name: (
+                int | None,
+                Field(
+                    None,
+                    ge=k.minimum,
+                    description=f"Hold {k.label} at this value (inside autotune.bounds); unset: tuned.",
+                ),
+            )
+            for k in SEARCHED
+        },
     )
 
 FREEZE_ANNOTATION = "specfleet.io/tuner-freeze"
@@ -393,9 +493,11 @@ class AutotuneSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel(f"!has(self.pins.{k.crd_name}) || (self.pins.{k.crd_name} >= self.bounds.{k.crd_name}[0] && "
+                cel(
+                    f"!has(self.pins.{k.crd_name}) || (self.pins.{k.crd_name} >= self.bounds.{k.crd_name}[0] && "
                     f"self.pins.{k.crd_name} <= self.bounds.{k.crd_name}[1])",
-                    f"pins.{k.crd_name} must lie inside bounds.{k.crd_name}")
+                    f"pins.{k.crd_name} must lie inside bounds.{k.crd_name}",
+                )
                 for k in SEARCHED
             ]
         }
@@ -404,7 +506,7 @@ class AutotuneSpec(_Spec):
     freeze: bool = Field(
         False,
         description="Hold the config in force: the tuner keeps observing and reporting, changes and pushes "
-                    f"nothing until this is false again. Without a Git change: annotate {FREEZE_ANNOTATION}=true.",
+        f"nothing until this is false again. Without a Git change: annotate {FREEZE_ANNOTATION}=true.",
     )
     interval_seconds: int = Field(30, ge=5, le=3600)
     prometheus_url: str | None = Field(
@@ -422,53 +524,100 @@ class AutotuneSpec(_Spec):
         for knob in SEARCHED:
             pin, (low, high) = getattr(self.pins, knob.name), getattr(self.bounds, knob.name)
             if pin is not None and not low <= pin <= high:
-                raise ValueError(f"autotune.pins.{knob.crd_name}={pin} lies outside autotune.bounds."
-                                 f"{knob.crd_name}={[low, high]}; pin inside the bounds or widen them")
+                raise ValueError(
+                    f"autotune.pins.{knob.crd_name}={pin} lies outside autotune.bounds."
+                    f"{knob.crd_name}={[low, high]}; pin inside the bounds or widen them"
+                )
         return self
 
 
 class RoutingSpec(_Spec):
-    enabled: bool = Field(True, description="Run the fleet router in front of the engines (the Service points at "
-                          "it; the engines get a headless Service). false: the Service spreads requests itself.")
+    enabled: bool = Field(
+        True,
+        description="Run the fleet router in front of the engines (the Service points at "
+        "it; the engines get a headless Service). false: the Service spreads requests itself.",
+    )
     policy: Literal[tuple(POLICIES)] = Field(  # type: ignore[valid-type]
-        DEFAULT_POLICY, description="prefix: the engine estimated to hold the longest prefix of the prompt, "
-        "bounded by load; least-loaded: fewest requests in flight; round-robin.")
+        DEFAULT_POLICY,
+        description="prefix: the engine estimated to hold the longest prefix of the prompt, "
+        "bounded by load; least-loaded: fewest requests in flight; round-robin.",
+    )
     load_factor_percent: int = Field(
-        125, ge=100, le=1000, description="prefix policy: an engine takes a request only while its requests in "
-        "flight stay within this percentage of the mean (consistent hashing with bounded loads).")
+        125,
+        ge=100,
+        le=1000,
+        description="prefix policy: an engine takes a request only while its requests in "
+        "flight stay within this percentage of the mean (consistent hashing with bounded loads).",
+    )
     session_header: str = Field(
-        "x-session-id", max_length=64, pattern=r"^[A-Za-z0-9-]*$",
+        "x-session-id",
+        max_length=64,
+        pattern=r"^[A-Za-z0-9-]*$",
         description="Requests with the same value of this header go to the same engine while its load allows "
-        "(prefix policy); empty turns session affinity off.")
-    replicas: int = Field(1, ge=1, le=100, description="Router pods (stateless; each keeps its own prefix index).")
+        "(prefix policy); empty turns session affinity off.",
+    )
+    replicas: int = Field(
+        1, ge=1, le=100, description="Router pods (stateless; each keeps its own prefix index)."
+    )
     queue_timeout_seconds: int = Field(
-        0, ge=0, le=3600, description="How long a request waits for a ready engine before 503 (scale from zero).")
-    image: str | None = Field(None, max_length=512, description="Router image; empty means the operator's own.")
+        0,
+        ge=0,
+        le=3600,
+        description="How long a request waits for a ready engine before 503 (scale from zero).",
+    )
+    image: str | None = Field(
+        None, max_length=512, description="Router image; empty means the operator's own."
+    )
 
 
 class AutoscalingSpec(_Spec):
     model_config = ConfigDict(
-        json_schema_extra={"x-kubernetes-validations": [
-            cel("self.minReplicas <= self.maxReplicas", "autoscaling.minReplicas must be <= autoscaling.maxReplicas"),
-        ]}
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(
+                    "self.minReplicas <= self.maxReplicas",
+                    "autoscaling.minReplicas must be <= autoscaling.maxReplicas",
+                ),
+            ]
+        }
     )
-    enabled: bool = Field(False, description="The tuner decides the replica count between minReplicas and "
-                          "maxReplicas from its goodput model (needs autotune.enabled). Leave it off when an HPA "
-                          "or KEDA drives the scale subresource: two controllers must not both set replicas.")
-    min_replicas: int = Field(1, ge=0, le=1000, description="0 allows scale to zero: the router holds requests "
-                              "(routing.queueTimeoutSeconds) while the first pod starts.")
+    enabled: bool = Field(
+        False,
+        description="The tuner decides the replica count between minReplicas and "
+        "maxReplicas from its goodput model (needs autotune.enabled). Leave it off when an HPA "
+        "or KEDA drives the scale subresource: two controllers must not both set replicas.",
+    )
+    min_replicas: int = Field(
+        1,
+        ge=0,
+        le=1000,
+        description="0 allows scale to zero: the router holds requests "
+        "(routing.queueTimeoutSeconds) while the first pod starts.",
+    )
     max_replicas: int = Field(1, ge=1, le=1000)
-    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600, description="A scale-up takes the lowest "
-                                                "recommendation of this window (the HPA's default: 0).")
-    scale_down_stabilization_seconds: int = Field(300, ge=0, le=3600, description="A scale-down takes the "
-                                                  "highest recommendation of this window (the HPA's default: 300).")
-    cooldown_seconds: int = Field(60, ge=0, le=3600, description="No replica change this soon after the last one.")
+    scale_up_stabilization_seconds: int = Field(
+        0,
+        ge=0,
+        le=3600,
+        description="A scale-up takes the lowest recommendation of this window (the HPA's default: 0).",
+    )
+    scale_down_stabilization_seconds: int = Field(
+        300,
+        ge=0,
+        le=3600,
+        description="A scale-down takes the highest recommendation of this window (the HPA's default: 300).",
+    )
+    cooldown_seconds: int = Field(
+        60, ge=0, le=3600, description="No replica change this soon after the last one."
+    )
 
     @model_validator(mode="after")
     def _min_le_max(self) -> AutoscalingSpec:
         if self.min_replicas > self.max_replicas:
-            raise ValueError(f"autoscaling.minReplicas={self.min_replicas} must be <= autoscaling.maxReplicas="
-                             f"{self.max_replicas}")
+            raise ValueError(
+                f"autoscaling.minReplicas={self.min_replicas} must be <= autoscaling.maxReplicas="
+                f"{self.max_replicas}"
+            )
         return self
 
 
@@ -488,19 +637,29 @@ class InferenceServiceSpec(_Spec):
         json_schema_extra={
             "x-kubernetes-validations": [
                 cel("self.replicas >= 0", "replicas must be >= 0"),
-                cel("!self.autoscaling.enabled || self.autotune.enabled",
-                    "autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob"),
-                cel("self.resources.gpus == 0 || "
+                cel(
+                    "!self.autoscaling.enabled || self.autotune.enabled",
+                    "autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob",
+                ),
+                cel(
+                    "self.resources.gpus == 0 || "
                     "self.resources.gpus == self.engine.tensorParallelSize * self.engine.pipelineParallelSize",
-                    GPUS_PER_SPLIT),
-                cel("self.model.quantization == 'none' || "
-                    "(self.engine.tensorParallelSize == 1 && self.engine.pipelineParallelSize == 1)", QUANTIZED_SPLIT),
+                    GPUS_PER_SPLIT,
+                ),
+                cel(
+                    "self.model.quantization in ['none', 'int8'] || self.engine.tensorParallelSize == 1",
+                    QUANTIZED_SPLIT,
+                ),
                 cel("!has(self.disaggregation)", DISAGGREGATION_NOT_RENDERED),
-                cel("self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
-                    "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)"),
+                cel(
+                    "self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
+                    "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)",
+                ),
                 *[
-                    cel(_WITHIN.format(path=path, b=b),
-                        f"with autotune enabled, {path} must lie inside autotune.bounds.{b}")
+                    cel(
+                        _WITHIN.format(path=path, b=b),
+                        f"with autotune enabled, {path} must lie inside autotune.bounds.{b}",
+                    )
                     for path, b in _TUNED
                 ],
             ]
@@ -512,7 +671,8 @@ class InferenceServiceSpec(_Spec):
     speculative: SpeculativeSpec = _default_obj(SpeculativeSpec)
     replicas: int = Field(1, ge=0, le=1000)
     disaggregation: DisaggregationSpec | None = Field(
-        None, description="Split engines into prefill and decode roles; their replicas replace spec.replicas.")
+        None, description="Split engines into prefill and decode roles; their replicas replace spec.replicas."
+    )
     resources: ResourcesSpec = _default_obj(ResourcesSpec)
     scheduling: SchedulingSpec = _default_obj(SchedulingSpec)
     rollout: RolloutSpec = _default_obj(RolloutSpec)
@@ -531,15 +691,21 @@ class InferenceServiceSpec(_Spec):
                 f"{b.max_num_seqs}; raise maxNumBatchedTokens or lower maxNumSeqs"
             )
         if self.autoscaling.enabled and not self.autotune.enabled:
-            raise ValueError("autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob; "
-                             "turn autotune on, or autoscaling off and let an HPA/KEDA drive the scale subresource")
-        tp, pp, gpus = self.engine.tensor_parallel_size, self.engine.pipeline_parallel_size, self.resources.gpus
-        if tp > 1 and pp > 1:
-            raise ValueError(f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}: {ONE_SPLIT}")
+            raise ValueError(
+                "autoscaling.enabled needs autotune.enabled: replicas are the tuner's knob; "
+                "turn autotune on, or autoscaling off and let an HPA/KEDA drive the scale subresource"
+            )
+        tp, pp, gpus = (
+            self.engine.tensor_parallel_size,
+            self.engine.pipeline_parallel_size,
+            self.resources.gpus,
+        )
         if gpus not in (0, tp * pp):
-            raise ValueError(f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}: "
-                             f"{GPUS_PER_SPLIT}")
-        if self.model.quantization != "none" and tp * pp > 1:
+            raise ValueError(
+                f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}: "
+                f"{GPUS_PER_SPLIT}"
+            )
+        if self.model.quantization not in ("none", "int8") and tp > 1:
             raise ValueError(f"model.quantization={self.model.quantization}: {QUANTIZED_SPLIT}")
         if self.autotune.enabled:
             bounds = self.autotune.bounds.model_dump(by_alias=True)

@@ -35,13 +35,21 @@ def test_sampling_params_name_the_field(kwargs, words):
         ({"speculative_method": "draft"}, "needs draft_model"),
         ({"speculative_method": "ngram", "num_speculative_tokens": 9}, "num_speculative_tokens=9"),
         ({"max_num_seqs": 300, "max_num_seqs_limit": 256}, "max_num_seqs=300"),
-        ({"speculative_disable_by_batch_size": -1}, "speculative_disable_by_batch_size=-1 must be an integer >= 0"),
+        (
+            {"speculative_disable_by_batch_size": -1},
+            "speculative_disable_by_batch_size=-1 must be an integer >= 0",
+        ),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "one split at a time"),
-        ({"tensor_parallel_size": 2, "quantization": "int8"}, "it is not split across ranks yet"),
+        (
+            {"tensor_parallel_size": 2, "quantization": "gguf"},
+            "quantization='gguf' with tensor_parallel_size=2",
+        ),
         ({"quantization": "int4"}, "quantization='int4' is not one of"),
         ({"draft_quantization": "int8"}, "draft_quantization needs speculative_method='draft'"),
-        ({"attention_backend": "flash"}, "attention_backend='flash' is not one of auto, torch, native, triton"),
+        (
+            {"attention_backend": "flash"},
+            "attention_backend='flash' is not one of auto, torch, native, triton",
+        ),
     ],
 )
 def test_engine_config_names_the_field(kwargs, words):
@@ -82,7 +90,11 @@ def test_engine_rejects_bad_requests_and_leaks_no_blocks():
         ("hi " * 80, SamplingParams(), "model's context is 64"),
         ("hello", SamplingParams(max_tokens=100), "max_tokens=100 exceeds the model's context of 64"),
         ([1, 2, 10**9], SamplingParams(), r"prompt token ids must be in \[0, 49152\)"),
-        ("hello", SamplingParams(stop_token_ids=[10**30], min_tokens=1), r"stop_token_ids must be in \[0, 49152\)"),
+        (
+            "hello",
+            SamplingParams(stop_token_ids=[10**30], min_tokens=1),
+            r"stop_token_ids must be in \[0, 49152\)",
+        ),
     ]
     for prompt, params, words in cases:
         with pytest.raises(ValueError, match=words):
@@ -97,6 +109,8 @@ def test_engine_rejects_bad_requests_and_leaks_no_blocks():
         engine.update_config(max_num_seqs=0)
     with pytest.raises(ValueError, match="num_speculative_tokens=2 must be an integer between 0 and 0"):
         engine.update_config(num_speculative_tokens=2)
-    with pytest.raises(ValueError, match="speculative_disable_by_batch_size=257 must be an integer between 0 and 256"):
+    with pytest.raises(
+        ValueError, match="speculative_disable_by_batch_size=257 must be an integer between 0 and 256"
+    ):
         engine.update_config(speculative_disable_by_batch_size=257)
     assert engine.update_config(max_num_seqs=8, max_num_batched_tokens=512).max_num_seqs == 8

@@ -28,8 +28,10 @@ def test_crd_is_a_valid_kubernetes_object() -> None:
 def _walk(node: dict[str, Any], path: str = "") -> list[str]:
     """Structural-schema violations: a node without a type (unless int-or-string / preserve-unknown)."""
     bad = []
-    if "type" not in node and not node.get("x-kubernetes-int-or-string") and not node.get(
-        "x-kubernetes-preserve-unknown-fields"
+    if (
+        "type" not in node
+        and not node.get("x-kubernetes-int-or-string")
+        and not node.get("x-kubernetes-preserve-unknown-fields")
     ):
         bad.append(path or "<root>")
     for key in ("$ref", "anyOf", "oneOf", "allOf"):
@@ -50,18 +52,43 @@ def test_schema_is_structural() -> None:
 
 def test_names_subresources_and_printer_columns() -> None:
     spec = load_crd()["spec"]
-    assert (spec["group"], spec["scope"], spec["names"]["shortNames"]) == ("serving.specfleet.io", "Namespaced", ["isvc"])
+    assert (spec["group"], spec["scope"], spec["names"]["shortNames"]) == (
+        "serving.specfleet.io",
+        "Namespaced",
+        ["isvc"],
+    )
     version = spec["versions"][0]
     assert version["name"] == "v1alpha1"
     assert version["subresources"]["scale"]["specReplicasPath"] == ".spec.replicas"
     assert version["subresources"]["scale"]["statusReplicasPath"] == ".status.replicas"
     assert "status" in version["subresources"]
     names = [c["name"] for c in version["additionalPrinterColumns"] if c.get("priority", 0) == 0]
-    assert names == ["Model", "Replicas", "Ready", "Reason", "K", "MaxSeqs", "TPOT-p95", "Age"]  # -o wide: test_op_printer_columns
+    assert names == [
+        "Model",
+        "Replicas",
+        "Ready",
+        "Reason",
+        "K",
+        "MaxSeqs",
+        "TPOT-p95",
+        "Age",
+    ]  # -o wide: test_op_printer_columns
     tuning = crd_schema()["properties"]["status"]["properties"]["tuning"]["properties"]
-    assert {"numSpeculativeTokens", "maxNumSeqs", "maxNumBatchedTokens", "speculativeDisableByBatchSize",
-            "lastDecisionTime", "reason"} <= set(tuning)
-    assert set(tuning["observed"]["properties"]) == {"acceptanceRate", "ttftP95Ms", "tpotP95Ms", "goodput", "requestRate"}
+    assert {
+        "numSpeculativeTokens",
+        "maxNumSeqs",
+        "maxNumBatchedTokens",
+        "speculativeDisableByBatchSize",
+        "lastDecisionTime",
+        "reason",
+    } <= set(tuning)
+    assert set(tuning["observed"]["properties"]) == {
+        "acceptanceRate",
+        "ttftP95Ms",
+        "tpotP95Ms",
+        "goodput",
+        "requestRate",
+    }
 
 
 def _drop_empty(value: Any) -> Any:
@@ -106,7 +133,10 @@ INVALID = {
     "negative replicas": ({"spec.replicas": -1}, "replicas"),
     "draft without draftModel": ({"spec.speculative.method": "draft"}, "draftModel"),
     "draftModel without draft": (
-        {"spec.speculative.method": "ngram", "spec.speculative.draftModel": {"source": "bundled://smollm2-135m-instruct"}},
+        {
+            "spec.speculative.method": "ngram",
+            "spec.speculative.draftModel": {"source": "bundled://smollm2-135m-instruct"},
+        },
         "draftModel",
     ),
     "bounds min > max": (
@@ -114,17 +144,33 @@ INVALID = {
         "numSpeculativeTokens",
     ),
     "k outside bounds": (
-        {"spec.speculative.method": "ngram", "spec.speculative.numSpeculativeTokens": 10, "spec.autotune": AUTOTUNE},
+        {
+            "spec.speculative.method": "ngram",
+            "spec.speculative.numSpeculativeTokens": 10,
+            "spec.autotune": AUTOTUNE,
+        },
         "numSpeculativeTokens",
     ),
-    "maxNumSeqs outside bounds": ({"spec.batching.maxNumSeqs": 300, "spec.batching.maxNumBatchedTokens": 4096,
-                                   "spec.autotune": AUTOTUNE}, "maxNumSeqs"),
-    "token budget below seqs": ({"spec.batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}}, "maxNumBatchedTokens"),
-    "gpus not tp x pp": ({"spec.engine.tensorParallelSize": 2, "spec.resources.gpus": 1}, "resources.gpus must be 0"),
-    "tensor and pipeline at once": ({"spec.engine.tensorParallelSize": 2, "spec.engine.pipelineParallelSize": 2,
-                                     "spec.resources.gpus": 4}, "one split at a time"),
-    "quantized and split": ({"spec.engine.pipelineParallelSize": 2, "spec.resources.gpus": 2,
-                             "spec.model.quantization": "int8"}, "model.quantization runs in one process"),
+    "maxNumSeqs outside bounds": (
+        {
+            "spec.batching.maxNumSeqs": 300,
+            "spec.batching.maxNumBatchedTokens": 4096,
+            "spec.autotune": AUTOTUNE,
+        },
+        "maxNumSeqs",
+    ),
+    "token budget below seqs": (
+        {"spec.batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 32}},
+        "maxNumBatchedTokens",
+    ),
+    "gpus not tp x pp": (
+        {"spec.engine.tensorParallelSize": 2, "spec.resources.gpus": 1},
+        "resources.gpus must be 0",
+    ),
+    "gguf under tensor parallelism": (
+        {"spec.engine.tensorParallelSize": 3, "spec.resources.gpus": 3, "spec.model.quantization": "gguf"},
+        "tensorParallelSize must be 1",
+    ),
     "unknown method": ({"spec.speculative.method": "medusa"}, "medusa"),
     "block size not a power of two": ({"spec.engine.blockSize": 24}, "24"),
     "unsupported source scheme": ({"spec.model.source": "s3://bucket/model"}, "s3://"),
@@ -137,8 +183,10 @@ INVALID = {
     "autoscaling without autotune": ({"spec.autoscaling": {"enabled": True, "maxReplicas": 2}}, "autotune"),
     "unknown routing policy": ({"spec.routing.policy": "random"}, "random"),
     "bounds with three numbers": ({"spec.autotune": {"bounds": {"maxNumSeqs": [1, 2, 3]}}}, "maxNumSeqs"),
-    "pin outside bounds": ({"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
-                           "pins.maxNumSeqs"),
+    "pin outside bounds": (
+        {"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
+        "pins.maxNumSeqs",
+    ),
     "pin below the knob's minimum": ({"spec.autotune": {"pins": {"maxNumSeqs": 0}}}, "maxNumSeqs"),
 }
 
@@ -178,7 +226,9 @@ def test_disaggregation_is_refused_in_the_cluster_but_runs_locally() -> None:
     spec = load_inference_service(doc).spec
     assert spec.disaggregation is not None and spec.disaggregation.decode.replicas == 2
     assert spec.cluster_refusal() is not None and "use specfleet up" in spec.cluster_refusal()
-    assert admission_errors(_with({})) == [] and load_inference_service(_with({})).spec.cluster_refusal() is None
+    assert (
+        admission_errors(_with({})) == [] and load_inference_service(_with({})).spec.cluster_refusal() is None
+    )
 
 
 @settings(max_examples=60, deadline=None)
@@ -198,14 +248,28 @@ def test_disaggregation_is_refused_in_the_cluster_but_runs_locally() -> None:
     disaggregated=st.booleans(),
 )
 def test_crd_and_model_agree_on_cross_field_rules(
-    replicas: int, seqs: int, tokens: int, k: int, method: str, draft: bool, autotune: bool,
-    k_bounds: tuple[int, int], tp: int, pp: int, gpus: int, scaling: tuple[bool, int, int], disaggregated: bool,
+    replicas: int,
+    seqs: int,
+    tokens: int,
+    k: int,
+    method: str,
+    draft: bool,
+    autotune: bool,
+    k_bounds: tuple[int, int],
+    tp: int,
+    pp: int,
+    gpus: int,
+    scaling: tuple[bool, int, int],
+    disaggregated: bool,
 ) -> None:
     changes: dict[str, Any] = {
         "spec.replicas": replicas,
         "spec.batching": {"maxNumSeqs": seqs, "maxNumBatchedTokens": tokens},
-        "spec.speculative": {"method": method, "numSpeculativeTokens": k,
-                             **({"draftModel": {"source": "bundled://smollm2-135m-instruct"}} if draft else {})},
+        "spec.speculative": {
+            "method": method,
+            "numSpeculativeTokens": k,
+            **({"draftModel": {"source": "bundled://smollm2-135m-instruct"}} if draft else {}),
+        },
         "spec.autotune": {"enabled": autotune, "bounds": {"numSpeculativeTokens": list(k_bounds)}},
         "spec.engine.tensorParallelSize": tp,
         "spec.engine.pipelineParallelSize": pp,

@@ -1,0 +1,90 @@
+"""`specfleet bench pp`: what pipeline parallelism's micro-batch overlap buys in decode throughput.
+
+Three engines on the same model, one after the other, each given the same batch of short prompts
+(`--seqs` sequences, `--tokens` greedy tokens each, EOS ignored): one process (pp=1), two pipeline
+stages with one micro-batch in flight at a time (pp=2, --no-pipeline-overlap) and two stages with one
+micro-batch per stage in flight (pp=2, overlap). Each engine runs `--runs` timed batches after a warm-up
+batch; reported: output tokens per second (median and all runs), and the overlap's ratio to no overlap.
+
+On CPU each stage is a process with `cores // 2` threads: two stages on two cores can at best double the
+busy cores of the no-overlap run, minus the sampling stage 0 does alone and the hand-offs. On a machine
+shared with other work the absolute numbers mean little; compare the ratio within one run.
+
+Ends stdout with the JSON on one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+from specfleet.engine import LLM, SamplingParams
+
+BUNDLED = "bundled://smollm2-135m-instruct"
+SETUPS = {  # name -> engine arguments
+    "pp1": dict(pipeline_parallel_size=1),
+    "pp2_no_overlap": dict(pipeline_parallel_size=2, pipeline_overlap=False),
+    "pp2_overlap": dict(pipeline_parallel_size=2, pipeline_overlap=True),
+}
+
+
+def _prompts(n: int) -> list[str]:
+    topics = ["the sea", "a clock", "winter", "bread", "a library", "trains", "the moon", "gardens"]
+    return [f"Write a short note about {topics[i % len(topics)]} number {i}." for i in range(n)]
+
+
+def measure(model: str, setup: dict, seqs: int, tokens: int, runs: int) -> dict:
+    llm = LLM(model=model, **setup)
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    prompts = _prompts(seqs)
+    try:
+        llm.generate(prompts, params)  # warm-up: native kernels, first allocations
+        rates = []
+        for _ in range(runs):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            elapsed = time.perf_counter() - start
+            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+        peak = llm.engine.stats.peak_micro_batches_in_flight
+    finally:
+        llm.close()
+    return {
+        "tok_per_s_median": round(statistics.median(rates), 2),
+        "tok_per_s_runs": [round(r, 2) for r in rates],
+        "peak_micro_batches_in_flight": peak,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="specfleet bench pp", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=BUNDLED)
+    ap.add_argument("--seqs", type=int, default=8, help="sequences decoded together")
+    ap.add_argument("--tokens", type=int, default=32, help="greedy tokens per sequence")
+    ap.add_argument("--runs", type=int, default=3, help="timed batches per engine (median reported)")
+    ap.add_argument("--setups", default=",".join(SETUPS), help=f"comma-separated, of {', '.join(SETUPS)}")
+    args = ap.parse_args(argv)
+    result: dict = {
+        "model": args.model,
+        "seqs": args.seqs,
+        "tokens": args.tokens,
+        "runs": args.runs,
+        "cores": os.cpu_count(),
+        "load_average_at_start": os.getloadavg()[0],
+    }
+    for name in args.setups.split(","):
+        result[name] = measure(args.model, SETUPS[name], args.seqs, args.tokens, args.runs)
+        print(f"{name}: {result[name]}", flush=True)
+    if "pp2_overlap" in result and "pp2_no_overlap" in result:
+        result["overlap_speedup"] = round(
+            result["pp2_overlap"]["tok_per_s_median"] / result["pp2_no_overlap"]["tok_per_s_median"], 3
+        )
+    result["load_average_at_end"] = os.getloadavg()[0]
+    print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    main()

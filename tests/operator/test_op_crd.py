@@ -279,3 +279,17 @@ def test_crd_and_model_agree_on_cross_field_rules(
     }
     doc = _with(changes)
     assert (admission_errors(doc) == []) == _accepted_by_model(doc)
+
+
+def test_tensor_and_pipeline_parallelism_together_with_int8_are_accepted() -> None:
+    doc = _with(
+        {
+            "spec.engine.tensorParallelSize": 2,
+            "spec.engine.pipelineParallelSize": 2,
+            "spec.resources.gpus": 4,
+            "spec.model.quantization": "int8",
+        }
+    )
+    assert admission_errors(doc) == []
+    engine = load_inference_service(doc).spec.engine
+    assert (engine.tensor_parallel_size, engine.pipeline_parallel_size) == (2, 2)

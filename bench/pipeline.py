@@ -1,10 +1,11 @@
 """`specfleet bench pp`: what pipeline parallelism's micro-batch overlap buys in decode throughput.
 
-Three engines on the same model, one after the other, each given the same batch of short prompts
+Three engines on the same model, started together, each given the same batch of short prompts
 (`--seqs` sequences, `--tokens` greedy tokens each, EOS ignored): one process (pp=1), two pipeline
 stages with one micro-batch in flight at a time (pp=2, --no-pipeline-overlap) and two stages with one
 micro-batch per stage in flight (pp=2, overlap). Each engine runs `--runs` timed batches after a warm-up
-batch; reported: output tokens per second (median and all runs), and the overlap's ratio to no overlap.
+batch, the engines taking turns; reported: output tokens per second (median and all runs), and the
+overlap's ratio to no overlap.
 
 On CPU each stage is a process with `cores // 2` threads: two stages on two cores can at best double the
 busy cores of the no-overlap run, minus the sampling stage 0 does alone and the hand-offs. On a machine
@@ -24,6 +25,8 @@ import time
 from specfleet.engine import LLM, SamplingParams
 
 BUNDLED = "bundled://smollm2-135m-instruct"
+# Prompts of ~15 tokens plus --tokens: a small context keeps three engines' KV caches small in memory.
+ENGINE_MAX_MODEL_LEN = 512
 SETUPS = {  # name -> engine arguments
     "pp1": dict(pipeline_parallel_size=1),
     "pp2_no_overlap": dict(pipeline_parallel_size=2, pipeline_overlap=False),
@@ -36,25 +39,35 @@ def _prompts(n: int) -> list[str]:
     return [f"Write a short note about {topics[i % len(topics)]} number {i}." for i in range(n)]
 
 
-def measure(model: str, setup: dict, seqs: int, tokens: int, runs: int) -> dict:
-    llm = LLM(model=model, **setup)
+def measure(model: str, setups: list[str], seqs: int, tokens: int, runs: int) -> dict:
+    """Every setup's engine is started first; the timed batches then take turns (run 1 of each setup, run 2
+    of each, ...), so a change in the machine's load reaches all setups alike."""
     params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
     prompts = _prompts(seqs)
+    engines: dict[str, LLM] = {}
+    rates: dict[str, list[float]] = {name: [] for name in setups}
     try:
-        llm.generate(prompts, params)  # warm-up: native kernels, first allocations
-        rates = []
+        for name in setups:
+            engines[name] = LLM(model=model, max_model_len=ENGINE_MAX_MODEL_LEN, **SETUPS[name])
+            engines[name].generate(prompts, params)  # warm-up: native kernels, first allocations
         for _ in range(runs):
-            start = time.perf_counter()
-            outs = llm.generate(prompts, params)
-            elapsed = time.perf_counter() - start
-            rates.append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
-        peak = llm.engine.stats.peak_micro_batches_in_flight
+            for name in setups:
+                start = time.perf_counter()
+                outs = engines[name].generate(prompts, params)
+                elapsed = time.perf_counter() - start
+                rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
+                print(f"{name}: {rates[name][-1]:.2f} tok/s", flush=True)
+        peaks = {name: llm.engine.stats.peak_micro_batches_in_flight for name, llm in engines.items()}
     finally:
-        llm.close()
+        for llm in engines.values():
+            llm.close()
     return {
-        "tok_per_s_median": round(statistics.median(rates), 2),
-        "tok_per_s_runs": [round(r, 2) for r in rates],
-        "peak_micro_batches_in_flight": peak,
+        name: {
+            "tok_per_s_median": round(statistics.median(r), 2),
+            "tok_per_s_runs": [round(x, 2) for x in r],
+            "peak_micro_batches_in_flight": peaks[name],
+        }
+        for name, r in rates.items()
     }
 
 
@@ -74,9 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         "cores": os.cpu_count(),
         "load_average_at_start": os.getloadavg()[0],
     }
-    for name in args.setups.split(","):
-        result[name] = measure(args.model, SETUPS[name], args.seqs, args.tokens, args.runs)
-        print(f"{name}: {result[name]}", flush=True)
+    result.update(measure(args.model, args.setups.split(","), args.seqs, args.tokens, args.runs))
     if "pp2_overlap" in result and "pp2_no_overlap" in result:
         result["overlap_speedup"] = round(
             result["pp2_overlap"]["tok_per_s_median"] / result["pp2_no_overlap"]["tok_per_s_median"], 3

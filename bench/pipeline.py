@@ -1,10 +1,10 @@
 """`specfleet bench pp`: what pipeline parallelism's micro-batch overlap buys in decode throughput.
 
-Three engines on the same model, started together, each given the same batch of short prompts
+Three setups on the same model, each given the same batch of short prompts
 (`--seqs` sequences, `--tokens` greedy tokens each, EOS ignored): one process (pp=1), two pipeline
 stages with one micro-batch in flight at a time (pp=2, --no-pipeline-overlap) and two stages with one
-micro-batch per stage in flight (pp=2, overlap). Each engine runs `--runs` timed batches after a warm-up
-batch, the engines taking turns; reported: output tokens per second (median and all runs), and the
+micro-batch per stage in flight (pp=2, overlap; the same engine as the one before, its overlap switched
+between batches). Each setup runs `--runs` timed batches after a warm-up batch, the setups taking turns; reported: output tokens per second (median and all runs), and the
 overlap's ratio to no overlap.
 
 On CPU each stage is a process with `cores // 2` threads: two stages on two cores can at best double the
@@ -27,11 +27,10 @@ from specfleet.engine import LLM, SamplingParams
 BUNDLED = "bundled://smollm2-135m-instruct"
 # Prompts of ~15 tokens plus --tokens: a small context keeps three engines' KV caches small in memory.
 ENGINE_MAX_MODEL_LEN = 512
-SETUPS = {  # name -> engine arguments
-    "pp1": dict(pipeline_parallel_size=1),
-    "pp2_no_overlap": dict(pipeline_parallel_size=2, pipeline_overlap=False),
-    "pp2_overlap": dict(pipeline_parallel_size=2, pipeline_overlap=True),
-}
+# name -> (engine, overlap): a process can hold one process group, so both pp=2 setups are one engine
+# whose overlap is switched between batches.
+SETUPS = {"pp1": ("pp1", False), "pp2_no_overlap": ("pp2", False), "pp2_overlap": ("pp2", True)}
+ENGINES = {"pp1": dict(pipeline_parallel_size=1), "pp2": dict(pipeline_parallel_size=2)}
 
 
 def _prompts(n: int) -> list[str]:
@@ -46,18 +45,23 @@ def measure(model: str, setups: list[str], seqs: int, tokens: int, runs: int) ->
     prompts = _prompts(seqs)
     engines: dict[str, LLM] = {}
     rates: dict[str, list[float]] = {name: [] for name in setups}
+    peaks: dict[str, int] = {}
     try:
-        for name in setups:
-            engines[name] = LLM(model=model, max_model_len=ENGINE_MAX_MODEL_LEN, **SETUPS[name])
-            engines[name].generate(prompts, params)  # warm-up: native kernels, first allocations
+        for engine in sorted({SETUPS[name][0] for name in setups}):
+            engines[engine] = LLM(model=model, max_model_len=ENGINE_MAX_MODEL_LEN, **ENGINES[engine])
+            engines[engine].generate(prompts, params)  # warm-up: native kernels, first allocations
         for _ in range(runs):
             for name in setups:
+                engine, overlap = SETUPS[name]
+                llm = engines[engine]
+                llm.engine.set_pipeline_overlap(overlap)
+                llm.engine.stats.peak_micro_batches_in_flight = 0
                 start = time.perf_counter()
-                outs = engines[name].generate(prompts, params)
+                outs = llm.generate(prompts, params)
                 elapsed = time.perf_counter() - start
                 rates[name].append(sum(len(o.outputs[0].token_ids) for o in outs) / elapsed)
                 print(f"{name}: {rates[name][-1]:.2f} tok/s", flush=True)
-        peaks = {name: llm.engine.stats.peak_micro_batches_in_flight for name, llm in engines.items()}
+                peaks[name] = llm.engine.stats.peak_micro_batches_in_flight
     finally:
         for llm in engines.values():
             llm.close()

@@ -330,6 +330,13 @@ class Engine:
         self.scheduler.max_num_seqs = self._live.max_num_seqs
         self.scheduler.max_num_batched_tokens = self._live.max_num_batched_tokens
 
+    def set_pipeline_overlap(self, on: bool) -> None:
+        """Turn pipeline parallelism's micro-batch overlap on or off between steps (`specfleet bench pp`
+        compares the two on one engine: a process holds one process group, so one split engine)."""
+        if self._in_flight:
+            raise RuntimeError("micro-batches are in flight: change the overlap between generations")
+        self._pipeline_depth = self.runner.pipeline_depth if on else 1
+
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         if self._pipeline_depth > 1:

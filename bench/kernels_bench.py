@@ -34,8 +34,16 @@ class Shape:
     dtype: torch.dtype = torch.bfloat16
 
 
-DRY_SHAPE = Shape(batch=2, context=40, num_heads=4, num_kv_heads=2, head_dim=64, block_size=16, prefill_len=33,
-                  dtype=torch.float32)
+DRY_SHAPE = Shape(
+    batch=2,
+    context=40,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=64,
+    block_size=16,
+    prefill_len=33,
+    dtype=torch.float32,
+)
 
 
 def time_ms(fn: Callable[[], object], device: torch.device, iters: int = 20, warmup: int = 3) -> float:
@@ -87,14 +95,19 @@ def bench_decode(shape: Shape, device: torch.device, query_len: int = 1, iters: 
     scale = shape.head_dim**-0.5
 
     def run() -> None:
-        paged_decode_attention(query, k_cache, v_cache, tables, starts, seq_lens, scale, query_len, shape.context,
-                               out=out)
+        paged_decode_attention(
+            query, k_cache, v_cache, tables, starts, seq_lens, scale, query_len, shape.context, out=out
+        )
 
     ms = time_ms(run, device, iters=iters)
     kv_bytes = 2 * shape.batch * shape.context * shape.num_kv_heads * shape.head_dim * k_cache.element_size()
     io_bytes = 2 * query.numel() * query.element_size()
-    return {"op": f"paged_decode(q={query_len})", "ms": ms, "bytes": kv_bytes + io_bytes,
-            "gbs": (kv_bytes + io_bytes) / ms / 1e6}
+    return {
+        "op": f"paged_decode(q={query_len})",
+        "ms": ms,
+        "bytes": kv_bytes + io_bytes,
+        "gbs": (kv_bytes + io_bytes) / ms / 1e6,
+    }
 
 
 def bench_prefill(shape: Shape, device: torch.device, iters: int = 10) -> dict:
@@ -124,20 +137,34 @@ def bench_kv_write(shape: Shape, device: torch.device, iters: int = 20) -> dict:
     slots = torch.randperm(num_blocks * shape.block_size, device=device)[:num_tokens]
     ms = time_ms(lambda: reshape_and_cache(key, value, k_cache, v_cache, slots), device, iters=iters)
     nbytes = 4 * key.numel() * key.element_size() + slots.numel() * 8  # read k, v; write k, v
-    return {"op": f"reshape_and_cache({num_tokens} tokens)", "ms": ms, "bytes": nbytes, "gbs": nbytes / ms / 1e6}
+    return {
+        "op": f"reshape_and_cache({num_tokens} tokens)",
+        "ms": ms,
+        "bytes": nbytes,
+        "gbs": nbytes / ms / 1e6,
+    }
 
 
 def run_all(device: torch.device, dry_run: bool) -> dict:
     shape = DRY_SHAPE if dry_run else Shape()
     iters = 2 if dry_run else 20
     copy = copy_bandwidth_gbs(device, nbytes=1 << 20 if dry_run else 2 << 30, iters=iters)
-    results = [bench_kv_write(shape, device, iters), bench_decode(shape, device, 1, iters),
-               bench_decode(shape, device, 5, iters), bench_prefill(shape, device, max(1, iters // 2))]
+    results = [
+        bench_kv_write(shape, device, iters),
+        bench_decode(shape, device, 1, iters),
+        bench_decode(shape, device, 5, iters),
+        bench_prefill(shape, device, max(1, iters // 2)),
+    ]
     for r in results:
         if "gbs" in r:
             r["fraction_of_copy_bw"] = r["gbs"] / copy
-    return {"device": str(device), "dry_run": dry_run, "copy_gbs": copy, "shape": {**asdict(shape),
-            "dtype": str(shape.dtype)}, "ops": results}
+    return {
+        "device": str(device),
+        "dry_run": dry_run,
+        "copy_gbs": copy,
+        "shape": {**asdict(shape), "dtype": str(shape.dtype)},
+        "ops": results,
+    }
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,8 +176,11 @@ def main(argv: list[str] | None = None) -> None:
     report = run_all(device, args.dry_run or device.type == "cpu")
     print(f"device={report['device']} copy_bandwidth={report['copy_gbs']:.1f} GB/s")
     for r in report["ops"]:
-        extra = f"{r['gbs']:.1f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)" if "gbs" in r else \
-            f"{r['tflops']:.2f} TFLOP/s"
+        extra = (
+            f"{r['gbs']:.1f} GB/s ({r['fraction_of_copy_bw']:.2f} of copy)"
+            if "gbs" in r
+            else f"{r['tflops']:.2f} TFLOP/s"
+        )
         print(f"  {r['op']:<36} {r['ms']:9.3f} ms  {extra}")
     if args.json:
         with open(args.json, "w") as f:

@@ -22,8 +22,10 @@ from specfleet.engine.model_loader import resolve_model
 
 def workload(num_prompts: int, seed: int = 0) -> list[tuple[list[int], int]]:
     rng = random.Random(seed)
-    return [([rng.randrange(100, 40000) for _ in range(rng.randint(16, 512))], rng.randint(16, 256))
-            for _ in range(num_prompts)]
+    return [
+        ([rng.randrange(100, 40000) for _ in range(rng.randint(16, 512))], rng.randint(16, 256))
+        for _ in range(num_prompts)
+    ]
 
 
 def run_engine(llm: LLM, requests: list[tuple[list[int], int]]) -> tuple[float, int]:
@@ -45,8 +47,14 @@ def run_hf(model, requests: list[tuple[list[int], int]], batch_size: int) -> tup
         ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in batch])
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in batch])
         steps = max(n for _, n in batch)
-        model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=steps, min_new_tokens=steps,
-                       pad_token_id=0)
+        model.generate(
+            ids,
+            attention_mask=mask,
+            do_sample=False,
+            max_new_tokens=steps,
+            min_new_tokens=steps,
+            pad_token_id=0,
+        )
         useful += sum(n for _, n in batch)
     return time.perf_counter() - start, useful
 
@@ -69,8 +77,10 @@ def plot(result: dict, path: Path) -> None:
         ax.text(x + 0.2, h, f"{h:.0f}", ha="center", va="bottom")
     ax.set_xticks(list(xs), groups)
     ax.set_ylabel("output tokens / s")
-    ax.set_title(f"{result['model']} on {result['threads']} CPU threads: ratios "
-                 f"{result['throughput_ratio']:.2f}x / {result['single_stream_ratio']:.2f}x")
+    ax.set_title(
+        f"{result['model']} on {result['threads']} CPU threads: ratios "
+        f"{result['throughput_ratio']:.2f}x / {result['single_stream_ratio']:.2f}x"
+    )
     ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -90,7 +100,9 @@ def main(argv: list[str] | None = None) -> int:
 
     requests = workload(args.num_prompts)
     single = [(workload(1, seed=1)[0][0][:64], args.single_stream_tokens)]
-    llm = LLM(model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+    llm = LLM(
+        model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+    )
     run_engine(llm, [(p[:32], 8) for p, _ in requests[:4]])  # warm up
     llm.engine.stats.peak_kv_slots_allocated = llm.engine.stats.peak_kv_slots_used = 0
     engine_s, engine_tokens = run_engine(llm, requests)
@@ -98,7 +110,9 @@ def main(argv: list[str] | None = None) -> int:
     waste = 100.0 * (1 - stats.peak_kv_slots_used / max(1, stats.peak_kv_slots_allocated))
     single_s, single_tokens = run_engine(llm, single)
     result = {
-        "model": args.model, "threads": torch.get_num_threads(), "num_prompts": args.num_prompts,
+        "model": args.model,
+        "threads": torch.get_num_threads(),
+        "num_prompts": args.num_prompts,
         "engine_tok_s": engine_tokens / engine_s,
         "engine_single_stream_tok_s": single_tokens / single_s,
         "kv_waste_pct": waste,
@@ -108,20 +122,28 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(resolve_model(args.model).path, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(
+            resolve_model(args.model).path, dtype=torch.float32
+        ).eval()
         model.generation_config.eos_token_id = None
         hf_s, hf_tokens = run_hf(model, requests, args.hf_batch_size)
         hf_single_s, hf_single_tokens = run_hf(model, single, 1)
-        result.update({
-            "hf_tok_s": hf_tokens / hf_s,
-            "hf_single_stream_tok_s": hf_single_tokens / hf_single_s,
-        })
+        result.update(
+            {
+                "hf_tok_s": hf_tokens / hf_s,
+                "hf_single_stream_tok_s": hf_single_tokens / hf_single_s,
+            }
+        )
         result["throughput_ratio"] = result["engine_tok_s"] / result["hf_tok_s"]
-        result["single_stream_ratio"] = result["engine_single_stream_tok_s"] / result["hf_single_stream_tok_s"]
+        result["single_stream_ratio"] = (
+            result["engine_single_stream_tok_s"] / result["hf_single_stream_tok_s"]
+        )
 
     print(f"\n{'':28}{'engine':>12}{'transformers':>14}{'ratio':>8}")
-    for label, e, h in (("throughput tok/s", "engine_tok_s", "hf_tok_s"),
-                        ("single stream tok/s", "engine_single_stream_tok_s", "hf_single_stream_tok_s")):
+    for label, e, h in (
+        ("throughput tok/s", "engine_tok_s", "hf_tok_s"),
+        ("single stream tok/s", "engine_single_stream_tok_s", "hf_single_stream_tok_s"),
+    ):
         hv = result.get(h)
         ratio = f"{result[e] / hv:8.2f}" if hv else ""
         print(f"{label:28}{result[e]:12.1f}{hv or float('nan'):14.1f}{ratio}")

@@ -34,19 +34,40 @@ from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy
 from specfleet.router.proxy import Router, serve
 
-LONG_CONTEXT = ("Meeting notes. The team reviewed the quarterly plan, the hiring pipeline, the on-call rota, the "
-                "latency budget of the search service and the migration of the billing database. ")
-CHATS = ["Write a short story about a lighthouse keeper.", "Explain photosynthesis to a child.",
-         "List five facts about volcanoes.", "Write a poem about the moon."]
+LONG_CONTEXT = (
+    "Meeting notes. The team reviewed the quarterly plan, the hiring pipeline, the on-call rota, the "
+    "latency budget of the search service and the migration of the billing database. "
+)
+CHATS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain photosynthesis to a child.",
+    "List five facts about volcanoes.",
+    "Write a poem about the moon.",
+]
 
 
 def _start_engine(model: str, role: str | None, log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    args = [sys.executable, "-m", "specfleet.engine", "--model", model, "--port", str(port), "--host", "127.0.0.1",
-            "--kv-cache-gib", "0.5", *extra, *([f"--kv-role={role}"] if role else [])]
+    args = [
+        sys.executable,
+        "-m",
+        "specfleet.engine",
+        "--model",
+        model,
+        "--port",
+        str(port),
+        "--host",
+        "127.0.0.1",
+        "--kv-cache-gib",
+        "0.5",
+        *extra,
+        *([f"--kv-role={role}"] if role else []),
+    ]
     # One thread per engine: both setups then use two cores, whatever the machine has.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-    return subprocess.Popen(args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env), f"http://127.0.0.1:{port}"
+    return subprocess.Popen(
+        args, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env
+    ), f"http://127.0.0.1:{port}"
 
 
 async def _wait_ready(urls: list[str], procs: list[subprocess.Popen], timeout_s: float = 300) -> None:
@@ -66,7 +87,9 @@ async def _wait_ready(urls: list[str], procs: list[subprocess.Popen], timeout_s:
                 await asyncio.sleep(0.5)
 
 
-async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, kind: str) -> dict[str, Any]:
+async def _one(
+    client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int, kind: str
+) -> dict[str, Any]:
     start = time.perf_counter()
     stamps: list[float] = []
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
@@ -82,8 +105,9 @@ async def _one(client: httpx.AsyncClient, url: str, prompt: str, max_tokens: int
     return {"kind": kind, "ttft": ttft, "tpot": tpot, "tokens": max_tokens, "end": time.perf_counter()}
 
 
-async def _workload(url: str, duration_s: float, chat_rate: float, long_rate: float, long_words: int,
-                    seed: int) -> list[dict[str, Any]]:
+async def _workload(
+    url: str, duration_s: float, chat_rate: float, long_rate: float, long_words: int, seed: int
+) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     words = LONG_CONTEXT.split()
     tasks = []
@@ -100,7 +124,9 @@ async def _workload(url: str, duration_s: float, chat_rate: float, long_rate: fl
             if kind == "chat":
                 tasks.append(asyncio.create_task(_one(client, url, CHATS[i % len(CHATS)], 48, kind)))
             else:  # a distinct long prompt each time, so no setup gets prefix hits the other does not
-                prompt = f"Document {i}. " + " ".join(rng.choice(words) for _ in range(long_words)) + " Summary:"
+                prompt = (
+                    f"Document {i}. " + " ".join(rng.choice(words) for _ in range(long_words)) + " Summary:"
+                )
                 tasks.append(asyncio.create_task(_one(client, url, prompt, 4, kind)))
         results = await asyncio.gather(*tasks)
         for r in results:
@@ -119,7 +145,8 @@ def summarize(results: list[dict[str, Any]]) -> dict[str, Any]:
     span = max(r["end"] for r in results)
     return {
         "requests": len(results),
-        "chat_tpot_p50_ms": _ms(_pct(tpot, 50)), "chat_tpot_p99_ms": _ms(_pct(tpot, 99)),
+        "chat_tpot_p50_ms": _ms(_pct(tpot, 50)),
+        "chat_tpot_p99_ms": _ms(_pct(tpot, 99)),
         "chat_ttft_p50_ms": _ms(_pct([r["ttft"] for r in chats], 50)),
         "chat_ttft_p95_ms": _ms(_pct([r["ttft"] for r in chats], 95)),
         "long_ttft_p50_ms": _ms(_pct([r["ttft"] for r in longs], 50)),
@@ -149,10 +176,14 @@ def transfer_stats(model: str, long_words: int, repeats: int = 5) -> dict[str, A
             ids = prefill.tokenizer.encode(prompt)
             generate_disaggregated(prefill, decode, [ids], SamplingParams(temperature=0, max_tokens=2))
         stats = decode.kv_connector.stats
-        return {"transfers": stats.transfers, "blocks": stats.blocks_loaded,
-                "ms_per_block": 1000 * stats.seconds / max(stats.blocks_loaded, 1),
-                "bytes_per_token": decode.kv_connector.bytes_per_token,
-                "mb_moved": stats.bytes_loaded / 1e6, "fallbacks": stats.fallbacks}
+        return {
+            "transfers": stats.transfers,
+            "blocks": stats.blocks_loaded,
+            "ms_per_block": 1000 * stats.seconds / max(stats.blocks_loaded, 1),
+            "bytes_per_token": decode.kv_connector.bytes_per_token,
+            "mb_moved": stats.bytes_loaded / 1e6,
+            "fallbacks": stats.fallbacks,
+        }
     finally:
         prefill.close()
 
@@ -160,7 +191,9 @@ def transfer_stats(model: str, long_words: int, repeats: int = 5) -> dict[str, A
 async def run_setup(name: str, model: str, args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     roles = ["prefill", "decode"] if name == "disaggregated" else [None, None]
     logs = [workdir / f"{name}-{i}.log" for i in range(2)]
-    started = [_start_engine(model, role, log, args.engine_arg) for role, log in zip(roles, logs, strict=True)]
+    started = [
+        _start_engine(model, role, log, args.engine_arg) for role, log in zip(roles, logs, strict=True)
+    ]
     procs, urls = [p for p, _ in started], [u for _, u in started]
     try:
         await _wait_ready(urls, procs)
@@ -173,7 +206,9 @@ async def run_setup(name: str, model: str, args: argparse.Namespace, workdir: Pa
         router.endpoints_changed()
         url = f"http://127.0.0.1:{port}"
         await _workload(url, 5, 0.5, 0.2, 50, seed=1)  # warm up: fault in KV pages, build kernels
-        results = await _workload(url, args.duration, args.chat_rate, args.long_rate, args.long_words, args.seed)
+        results = await _workload(
+            url, args.duration, args.chat_rate, args.long_rate, args.long_words, args.seed
+        )
         await runner.cleanup()
     finally:
         for proc in procs:
@@ -184,13 +219,16 @@ async def run_setup(name: str, model: str, args: argparse.Namespace, workdir: Pa
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="specfleet bench pd", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="specfleet bench pd", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
     parser.add_argument("--duration", type=float, default=60.0, help="seconds of arrivals per setup")
     parser.add_argument("--chat-rate", type=float, default=1.0, help="short streaming chats per second")
     parser.add_argument("--long-rate", type=float, default=0.3, help="long prompts per second")
-    parser.add_argument("--long-words", type=int, default=700, help="words per long prompt (~1.3 tokens each)")
+    parser.add_argument(
+        "--long-words", type=int, default=700, help="words per long prompt (~1.3 tokens each)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--engine-arg", action="append", default=[], help="extra `specfleet serve` argument")
     parser.add_argument("--out", default="bench/results/pd.json")
@@ -218,13 +256,26 @@ def _plot(rows: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = ["chat_tpot_p50_ms", "chat_tpot_p99_ms", "chat_ttft_p50_ms", "chat_ttft_p95_ms", "long_ttft_p50_ms",
-            "long_ttft_p95_ms"]
+    keys = [
+        "chat_tpot_p50_ms",
+        "chat_tpot_p99_ms",
+        "chat_ttft_p50_ms",
+        "chat_ttft_p95_ms",
+        "long_ttft_p50_ms",
+        "long_ttft_p95_ms",
+    ]
     fig, ax = plt.subplots(figsize=(9, 4))
     width = 0.4
     for i, row in enumerate(rows):
-        ax.bar([k + i * width for k in range(len(keys))], [row.get(k) or 0 for k in keys], width, label=row["setup"])
-    ax.set_xticks([k + width / 2 for k in range(len(keys))], [k.replace("_ms", "") for k in keys], rotation=20)
+        ax.bar(
+            [k + i * width for k in range(len(keys))],
+            [row.get(k) or 0 for k in keys],
+            width,
+            label=row["setup"],
+        )
+    ax.set_xticks(
+        [k + width / 2 for k in range(len(keys))], [k.replace("_ms", "") for k in keys], rotation=20
+    )
     ax.set_ylabel("ms")
     ax.set_yscale("log")
     ax.legend()

@@ -27,16 +27,33 @@ def grounded_prompts() -> list[str]:
         tasks.append(f"Repeat the following text exactly, word for word.\n\n{passage}")
         tasks.append(f"Rewrite the following text in British spelling, changing nothing else.\n\n{passage}")
     for code in CODE_SNIPPETS:
-        tasks.append(f"Add a short comment above the first line of this Python code and return the whole code.\n\n{code}")
+        tasks.append(
+            f"Add a short comment above the first line of this Python code and return the whole code.\n\n{code}"
+        )
     return tasks
 
 
-TOPICS = ["the history of Rome", "how volcanoes form", "why the sky is blue", "the rules of chess",
-          "how bread rises", "the life of honeybees", "how a bicycle stays upright", "the water cycle",
-          "what makes a good password", "how airplanes fly", "the origins of jazz", "how vaccines work"]
+TOPICS = [
+    "the history of Rome",
+    "how volcanoes form",
+    "why the sky is blue",
+    "the rules of chess",
+    "how bread rises",
+    "the life of honeybees",
+    "how a bicycle stays upright",
+    "the water cycle",
+    "what makes a good password",
+    "how airplanes fly",
+    "the origins of jazz",
+    "how vaccines work",
+]
 
 
 def chat_prompts() -> list[str]:
-    styles = ["Tell me about {t}.", "Explain {t} to a ten-year-old.", "Write a short poem about {t}.",
-              "What are three surprising facts about {t}?"]
+    styles = [
+        "Tell me about {t}.",
+        "Explain {t} to a ten-year-old.",
+        "Write a short poem about {t}.",
+        "What are three surprising facts about {t}?",
+    ]
     return [styles[i % len(styles)].format(t=t) for i, t in enumerate(TOPICS)]

@@ -52,7 +52,9 @@ def requantized(kind: str):
             key = name.removeprefix("model.")
             if not key.endswith("_proj.weight") and key != "embed_tokens.weight":
                 continue
-            if key == "embed_tokens.weight":  # the tied head: Q8_0 as in the bundled file; AWQ/GPTQ keep it float
+            if (
+                key == "embed_tokens.weight"
+            ):  # the tied head: Q8_0 as in the bundled file; AWQ/GPTQ keep it float
                 if kind == "int4-g64":
                     continue
                 key, kind_here = "lm_head.weight", "Q8_0"
@@ -71,7 +73,9 @@ def requantized(kind: str):
                 scale = ((hi - lo) / 15).clamp(min=1e-8).half().float()
                 zero = torch.round(-lo / scale).clamp(0, 15)
                 codes = torch.round(g / scale[..., None] + zero[..., None]).clamp(0, 15)
-                out[key] = QuantTensor(codes.reshape(n, k).to(torch.uint8), scale, -zero * scale, 64, 4, "int4-g64")
+                out[key] = QuantTensor(
+                    codes.reshape(n, k).to(torch.uint8), scale, -zero * scale, 64, 4, "int4-g64"
+                )
         return out
 
     return read
@@ -94,7 +98,9 @@ def weights(kind: str):
 def perplexity(llm: LLM) -> float:
     ids = llm.get_tokenizer()(TEXT.read_text())["input_ids"]
     windows = [ids[i : i + WINDOW] for i in range(0, len(ids) - 1, WINDOW) if len(ids[i : i + WINDOW]) > 1]
-    results = llm.generate(windows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False)
+    results = llm.generate(
+        windows, SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0), use_tqdm=False
+    )
     nll = [-p.logprob for r in results for p in r.prompt_logprobs[1:]]
     return math.exp(sum(nll) / len(nll))
 
@@ -109,8 +115,10 @@ def agreement(ref: list[list[int]], got: list[list[int]]) -> dict:
     for a, b in zip(ref, got):
         n = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
         prefix.append(n / len(a))
-    return {"agree_prefix": round(statistics.mean(prefix), 4), "exact": round(sum(a == b for a, b in zip(ref, got))
-                                                                              / len(ref), 4)}
+    return {
+        "agree_prefix": round(statistics.mean(prefix), 4),
+        "exact": round(sum(a == b for a, b in zip(ref, got)) / len(ref), 4),
+    }
 
 
 def quality(kinds: list[str]) -> dict:
@@ -129,7 +137,9 @@ def quality(kinds: list[str]) -> dict:
             out[kind] = row
             print(kind, row, flush=True)
             del llm
-    out["Q4_K"] = {"not_applicable": "input sizes 576 are not multiples of 256 (K-quants need 256-value rows)"}
+    out["Q4_K"] = {
+        "not_applicable": "input sizes 576 are not multiples of 256 (K-quants need 256-value rows)"
+    }
     return out
 
 
@@ -178,17 +188,24 @@ def speed(kinds: list[str], runs: int, threads: int | None) -> dict:
                 t1 = time.perf_counter()
                 prefill_layers, prefill_head = timer.layers, timer.head
                 timer.layers = timer.head = 0.0
-                llm.generate([prompt], SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS + 1, ignore_eos=True),
-                             use_tqdm=False)
+                llm.generate(
+                    [prompt],
+                    SamplingParams(temperature=0, max_tokens=GREEDY_TOKENS + 1, ignore_eos=True),
+                    use_tqdm=False,
+                )
                 t2 = time.perf_counter()
                 # The two runs differ only by GREEDY_TOKENS decode steps: their difference is decode alone.
                 tpots.append(((t2 - t1) - (t1 - t0)) / GREEDY_TOKENS * 1e3)
                 layers.append((timer.layers - prefill_layers) / GREEDY_TOKENS * 1e3)
                 head.append((timer.head - prefill_head) / GREEDY_TOKENS * 1e3)
             model = llm.engine.runner.model
-            row = {"tpot_ms_p50": round(statistics.median(tpots), 2), "tpot_ms_all": [round(t, 2) for t in tpots],
-                   "step_layers_ms": round(statistics.median(layers), 2), "step_head_ms": round(statistics.median(head), 2),
-                   "weight_bytes_mb": round(weight_bytes(model) / 1e6, 1)}
+            row = {
+                "tpot_ms_p50": round(statistics.median(tpots), 2),
+                "tpot_ms_all": [round(t, 2) for t in tpots],
+                "step_layers_ms": round(statistics.median(layers), 2),
+                "step_head_ms": round(statistics.median(head), 2),
+                "weight_bytes_mb": round(weight_bytes(model) / 1e6, 1),
+            }
             row["step_other_ms"] = round(row["tpot_ms_p50"] - row["step_layers_ms"] - row["step_head_ms"], 2)
             out[kind] = row
             print(kind, row, flush=True)
@@ -215,21 +232,36 @@ def weight_bytes(model) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet bench quant", description=__doc__.split("\n\n")[0])
     parser.add_argument("mode", choices=["quality", "speed"])
-    parser.add_argument("--kinds", default=None, help="comma-separated subset (quality: fp32,int8,gguf,Q4_0,Q8_0,"
-                        "int4-g64; speed: fp32,int8,gguf)")
-    parser.add_argument("--runs", type=int, default=5, help="speed: timed runs per form (the median is reported)")
+    parser.add_argument(
+        "--kinds",
+        default=None,
+        help="comma-separated subset (quality: fp32,int8,gguf,Q4_0,Q8_0,int4-g64; speed: fp32,int8,gguf)",
+    )
+    parser.add_argument(
+        "--runs", type=int, default=5, help="speed: timed runs per form (the median is reported)"
+    )
     parser.add_argument("--threads", type=int, default=None, help="speed: torch and native kernel threads")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
     if args.mode == "quality":
         kinds = (args.kinds or "fp32,int8,gguf,Q4_0,Q8_0,int4-g64").split(",")
-        result = {"bench": "quant-quality", "text": TEXT.name, "window": WINDOW, "greedy_tokens": GREEDY_TOKENS,
-                  "results": quality(kinds)}
+        result = {
+            "bench": "quant-quality",
+            "text": TEXT.name,
+            "window": WINDOW,
+            "greedy_tokens": GREEDY_TOKENS,
+            "results": quality(kinds),
+        }
     else:
         kinds = (args.kinds or "fp32,int8,gguf").split(",")
-        result = {"bench": "quant-speed", "concurrency": 1, "output_tokens": GREEDY_TOKENS, "runs": args.runs,
-                  "threads": torch.get_num_threads() if not args.threads else args.threads,
-                  "results": speed(kinds, args.runs, args.threads)}
+        result = {
+            "bench": "quant-speed",
+            "concurrency": 1,
+            "output_tokens": GREEDY_TOKENS,
+            "runs": args.runs,
+            "threads": torch.get_num_threads() if not args.threads else args.threads,
+            "results": speed(kinds, args.runs, args.threads),
+        }
     line = json.dumps(result)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2))

@@ -29,10 +29,30 @@ from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.router.policies import POLICIES
 
-SUBJECTS = ["billing", "shipping", "returns", "warranty", "accounts", "security", "installation", "upgrades",
-            "refunds", "loyalty points", "gift cards", "repairs"]
-QUESTIONS = ["How do I start?", "What does it cost?", "How long does it take?", "Can I cancel it?",
-             "Who do I contact if it fails?", "Is there a limit?", "What do I need to bring?", "Can you summarise?"]
+SUBJECTS = [
+    "billing",
+    "shipping",
+    "returns",
+    "warranty",
+    "accounts",
+    "security",
+    "installation",
+    "upgrades",
+    "refunds",
+    "loyalty points",
+    "gift cards",
+    "repairs",
+]
+QUESTIONS = [
+    "How do I start?",
+    "What does it cost?",
+    "How long does it take?",
+    "Can I cancel it?",
+    "Who do I contact if it fails?",
+    "Is there a limit?",
+    "What do I need to bring?",
+    "Can you summarise?",
+]
 REFERENCE = "one-engine"
 
 
@@ -60,26 +80,40 @@ def system_prompt(tenant: int, sentences: int) -> str:
     lines = [f"You are the support assistant of {company}. Follow its handbook exactly."]
     for i in range(sentences):
         subject = rng.choice(SUBJECTS)
-        lines.append(f"Rule {i + 1} of {company} on {subject}: handle case {rng.randint(100, 999)} within "
-                     f"{rng.randint(2, 30)} days, refer to form {rng.choice('ABCDEFGH')}-{rng.randint(10, 99)}.")
+        lines.append(
+            f"Rule {i + 1} of {company} on {subject}: handle case {rng.randint(100, 999)} within "
+            f"{rng.randint(2, 30)} days, refer to form {rng.choice('ABCDEFGH')}-{rng.randint(10, 99)}."
+        )
     return " ".join(lines)
 
 
 def conversations(args: argparse.Namespace) -> list[tuple[int, list[str]]]:
     """(tenant, user messages) per conversation, interleaved across tenants, deterministic."""
     rng = random.Random(args.seed)
-    convs = [(t, [rng.choice(QUESTIONS) + f" (ticket {rng.randint(1000, 9999)})" for _ in range(args.turns)])
-             for c in range(args.conversations) for t in range(args.tenants)]
+    convs = [
+        (t, [rng.choice(QUESTIONS) + f" (ticket {rng.randint(1000, 9999)})" for _ in range(args.turns)])
+        for c in range(args.conversations)
+        for t in range(args.tenants)
+    ]
     rng.shuffle(convs)
     return convs
 
 
-async def chat(client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int,
-               session: str) -> tuple[Turn, str]:
-    body = {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": 0.0, "stream": True,
-            "stream_options": {"include_usage": True}}
+async def chat(
+    client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int, session: str
+) -> tuple[Turn, str]:
+    body = {
+        "model": model,
+        "messages": messages,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start, ttft, text, tokens = time.perf_counter(), 0.0, [], 0
-    async with client.stream("POST", "/v1/chat/completions", json=body, headers={"x-session-id": session}) as r:
+    async with client.stream(
+        "POST", "/v1/chat/completions", json=body, headers={"x-session-id": session}
+    ) as r:
         if r.status_code != 200:
             return Turn(0.0, time.perf_counter() - start, 0, False), ""
         async for line in r.aiter_lines():
@@ -107,8 +141,10 @@ def _counter(text: str, name: str) -> float:
 async def prefix_counters(urls: list[str]) -> tuple[float, float]:
     async with httpx.AsyncClient(timeout=10) as client:
         texts = [(await client.get(f"{u}/metrics")).text for u in urls]
-    return (sum(_counter(t, "specfleet_prefix_cache_hits") for t in texts),
-            sum(_counter(t, "specfleet_prefix_cache_queries") for t in texts))
+    return (
+        sum(_counter(t, "specfleet_prefix_cache_hits") for t in texts),
+        sum(_counter(t, "specfleet_prefix_cache_queries") for t in texts),
+    )
 
 
 async def warm_up(urls: list[str]) -> None:
@@ -117,15 +153,21 @@ async def warm_up(urls: list[str]) -> None:
     async with httpx.AsyncClient(timeout=300) as client:
         for url in urls:
             model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-            await client.post(f"{url}/v1/completions", json={"model": model, "prompt": "Warm up: 1 2 3 4",
-                                                              "max_tokens": 4})
+            await client.post(
+                f"{url}/v1/completions", json={"model": model, "prompt": "Warm up: 1 2 3 4", "max_tokens": 4}
+            )
 
 
 async def run_config(args: argparse.Namespace, name: str, replicas: int, policy: str, kv_gib: float) -> Run:
     doc = json.loads(json.dumps(args.isvc))
     doc["spec"]["replicas"] = replicas
-    fleet = LocalFleet(load_inference_service(doc), tune=False, policy=policy,
-                       engine_extra_args=[f"--kv-cache-gib={kv_gib}"], say=lambda line: print(line, flush=True))
+    fleet = LocalFleet(
+        load_inference_service(doc),
+        tune=False,
+        policy=policy,
+        engine_extra_args=[f"--kv-cache-gib={kv_gib}"],
+        say=lambda line: print(line, flush=True),
+    )
     print(f"[bench route] {name}: starting {replicas} engine(s), policy {policy}", flush=True)
     await fleet.start()
     run = Run()
@@ -166,9 +208,15 @@ def figures(run: Run) -> dict[str, float]:
     def pct(p: float) -> float:
         return 1000 * ttfts[min(len(ttfts) - 1, int(p * len(ttfts)))] if ttfts else float("nan")
 
-    return {"prefix_hit_rate": run.hits / max(run.queries, 1.0), "ttft_p50_ms": 1000 * statistics.median(ttfts),
-            "ttft_p95_ms": pct(0.95), "throughput": sum(t.output_tokens for t in ok) / max(run.seconds, 1e-9),
-            "requests": len(run.turns), "failed": len(run.turns) - len(ok), "seconds": run.seconds}
+    return {
+        "prefix_hit_rate": run.hits / max(run.queries, 1.0),
+        "ttft_p50_ms": 1000 * statistics.median(ttfts),
+        "ttft_p95_ms": pct(0.95),
+        "throughput": sum(t.output_tokens for t in ok) / max(run.seconds, 1e-9),
+        "requests": len(run.turns),
+        "failed": len(run.turns) - len(ok),
+        "seconds": run.seconds,
+    }
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
@@ -181,23 +229,42 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         run = await run_config(args, name, replicas, policy, kv)
         runs.setdefault(name, []).append(figures(run))
         decisions[name] = run.decisions
-        print(f"[bench route] {name}: {json.dumps({k: round(v, 3) for k, v in runs[name][-1].items()})}", flush=True)
+        print(
+            f"[bench route] {name}: {json.dumps({k: round(v, 3) for k, v in runs[name][-1].items()})}",
+            flush=True,
+        )
     med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
-    out: dict[str, Any] = {key: {name: round(m[key], 3) for name, m in med.items()}
-                           for key in ("prefix_hit_rate", "ttft_p50_ms", "ttft_p95_ms", "throughput")}
+    out: dict[str, Any] = {
+        key: {name: round(m[key], 3) for name, m in med.items()}
+        for key in ("prefix_hit_rate", "ttft_p50_ms", "ttft_p95_ms", "throughput")
+    }
     if "prefix" in med and "round-robin" in med:
-        out["ttft_p50_ratio_prefix_vs_round_robin"] = round(med["prefix"]["ttft_p50_ms"] /
-                                                            med["round-robin"]["ttft_p50_ms"], 3)
+        out["ttft_p50_ratio_prefix_vs_round_robin"] = round(
+            med["prefix"]["ttft_p50_ms"] / med["round-robin"]["ttft_p50_ms"], 3
+        )
     if "prefix" in med and "least-loaded" in med:
-        out["throughput_ratio_prefix_vs_least_loaded"] = round(med["prefix"]["throughput"] /
-                                                               med["least-loaded"]["throughput"], 3)
+        out["throughput_ratio_prefix_vs_least_loaded"] = round(
+            med["prefix"]["throughput"] / med["least-loaded"]["throughput"], 3
+        )
     if "prefix" in med and REFERENCE in med:
-        out["prefix_hit_rate_vs_one_engine"] = round(med["prefix"]["prefix_hit_rate"] /
-                                                     max(med[REFERENCE]["prefix_hit_rate"], 1e-9), 3)
+        out["prefix_hit_rate_vs_one_engine"] = round(
+            med["prefix"]["prefix_hit_rate"] / max(med[REFERENCE]["prefix_hit_rate"], 1e-9), 3
+        )
     out["router_decisions"] = decisions
     out["runs"] = runs
-    out["workload"] = {k: getattr(args, k) for k in ("tenants", "conversations", "turns", "concurrency",
-                                                       "system_sentences", "max_tokens", "kv_cache_gib", "repeats")}
+    out["workload"] = {
+        k: getattr(args, k)
+        for k in (
+            "tenants",
+            "conversations",
+            "turns",
+            "concurrency",
+            "system_sentences",
+            "max_tokens",
+            "kv_cache_gib",
+            "repeats",
+        )
+    }
     return out
 
 
@@ -207,8 +274,12 @@ def plot(result: dict[str, Any], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    keys = [("prefix_hit_rate", "prefix hit rate"), ("ttft_p50_ms", "TTFT p50 (ms)"), ("ttft_p95_ms", "TTFT p95 (ms)"),
-            ("throughput", "output tok/s")]
+    keys = [
+        ("prefix_hit_rate", "prefix hit rate"),
+        ("ttft_p50_ms", "TTFT p50 (ms)"),
+        ("ttft_p95_ms", "TTFT p95 (ms)"),
+        ("throughput", "output tok/s"),
+    ]
     fig, axes = plt.subplots(1, len(keys), figsize=(14, 3.5))
     for ax, (key, label) in zip(axes, keys, strict=True):
         names = list(result[key])
@@ -221,21 +292,39 @@ def plot(result: dict[str, Any], path: Path) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet bench route", description=__doc__.split("\n\n")[0])
-    p.add_argument("-f", "--file", default=str(Path(__file__).resolve().parents[1] / "examples" / "smollm2-cpu.yaml"),
-                   help="the InferenceService to run (its replicas are set per configuration)")
-    p.add_argument("--policies", type=lambda s: s.split(","), default=["round-robin", "least-loaded", "prefix"],
-                   help=f"comma-separated, from {', '.join(POLICIES)}")
-    p.add_argument("--no-reference", dest="reference", action="store_false", help="skip the one-engine reference")
+    p.add_argument(
+        "-f",
+        "--file",
+        default=str(Path(__file__).resolve().parents[1] / "examples" / "smollm2-cpu.yaml"),
+        help="the InferenceService to run (its replicas are set per configuration)",
+    )
+    p.add_argument(
+        "--policies",
+        type=lambda s: s.split(","),
+        default=["round-robin", "least-loaded", "prefix"],
+        help=f"comma-separated, from {', '.join(POLICIES)}",
+    )
+    p.add_argument(
+        "--no-reference", dest="reference", action="store_false", help="skip the one-engine reference"
+    )
     p.add_argument("--tenants", type=int, default=8)
     p.add_argument("--conversations", type=int, default=2, help="conversations per tenant")
     p.add_argument("--turns", type=int, default=3)
     p.add_argument("--concurrency", type=int, default=4, help="conversations in flight")
-    p.add_argument("--system-sentences", type=int, default=14, help="handbook rules per system prompt (~28 tokens each)")
+    p.add_argument(
+        "--system-sentences", type=int, default=14, help="handbook rules per system prompt (~28 tokens each)"
+    )
     p.add_argument("--max-tokens", type=int, default=24)
-    p.add_argument("--kv-cache-gib", type=float, default=0.15,
-                   help="KV cache per engine of the two-engine fleets: sized to hold part of the tenants' prefixes, "
-                        "as a real fleet's caches hold part of its working set")
-    p.add_argument("--repeats", type=int, default=1, help="2: a second pass in reverse order; medians reported")
+    p.add_argument(
+        "--kv-cache-gib",
+        type=float,
+        default=0.15,
+        help="KV cache per engine of the two-engine fleets: sized to hold part of the tenants' prefixes, "
+        "as a real fleet's caches hold part of its working set",
+    )
+    p.add_argument(
+        "--repeats", type=int, default=1, help="2: a second pass in reverse order; medians reported"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-route.json")
     return p

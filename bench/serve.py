@@ -22,14 +22,36 @@ import httpx
 import numpy as np
 from tqdm import tqdm
 
-TOPICS = ["the ocean", "a lighthouse keeper", "prime numbers", "the history of tea", "volcanoes", "a robot chef",
-          "the Roman empire", "photosynthesis", "a chess tournament", "migrating birds", "the moon landing",
-          "sourdough bread", "black holes", "a mountain village", "jazz music", "the printing press"]
-TEMPLATES = ["Write a short story about {t}.", "Explain {t} to a ten-year-old.",
-             "List five surprising facts about {t}.", "Write a poem about {t}.",
-             "Summarise what you know about {t} in a few paragraphs.", "Describe {t} from three points of view."]
-CONTEXT = ("Background notes: the reader is curious, patient and enjoys concrete details, numbers, and short "
-           "examples. Keep the tone friendly and precise. ")
+TOPICS = [
+    "the ocean",
+    "a lighthouse keeper",
+    "prime numbers",
+    "the history of tea",
+    "volcanoes",
+    "a robot chef",
+    "the Roman empire",
+    "photosynthesis",
+    "a chess tournament",
+    "migrating birds",
+    "the moon landing",
+    "sourdough bread",
+    "black holes",
+    "a mountain village",
+    "jazz music",
+    "the printing press",
+]
+TEMPLATES = [
+    "Write a short story about {t}.",
+    "Explain {t} to a ten-year-old.",
+    "List five surprising facts about {t}.",
+    "Write a poem about {t}.",
+    "Summarise what you know about {t} in a few paragraphs.",
+    "Describe {t} from three points of view.",
+]
+CONTEXT = (
+    "Background notes: the reader is curious, patient and enjoys concrete details, numbers, and short "
+    "examples. Keep the tone friendly and precise. "
+)
 
 
 @dataclass
@@ -75,8 +97,13 @@ def parse_slo(items: list[str]) -> dict[str, float]:
 
 
 async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, req: BenchRequest) -> Result:
-    body: dict[str, Any] = {"model": model, "max_tokens": req.max_tokens, "temperature": args.temperature,
-                            "stream": True, "stream_options": {"include_usage": True}}
+    body: dict[str, Any] = {
+        "model": model,
+        "max_tokens": req.max_tokens,
+        "temperature": args.temperature,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     if args.endpoint == "chat":
         body["messages"] = [{"role": "user", "content": req.prompt}]
         path = "/v1/chat/completions"
@@ -156,13 +183,20 @@ def summarize(results: list[Result], duration: float, slo: dict[str, float]) -> 
     done = [r for r in results if r.ok]
     out_tokens = sum(r.output_tokens for r in done)
     summary: dict[str, Any] = {
-        "completed": len(done), "failed": len(results) - len(done), "duration_s": round(duration, 3),
-        "request_throughput": len(done) / duration, "output_throughput": out_tokens / duration,
+        "completed": len(done),
+        "failed": len(results) - len(done),
+        "duration_s": round(duration, 3),
+        "request_throughput": len(done) / duration,
+        "output_throughput": out_tokens / duration,
         "total_token_throughput": (out_tokens + sum(r.prompt_tokens for r in done)) / duration,
         "total_output_tokens": out_tokens,
     }
-    series = {"ttft": [r.ttft for r in done], "tpot": [r.tpot for r in done if r.tpot is not None],
-              "itl": [g for r in done for g in r.itls], "e2e": [r.e2e for r in done]}
+    series = {
+        "ttft": [r.ttft for r in done],
+        "tpot": [r.tpot for r in done if r.tpot is not None],
+        "itl": [g for r in done for g in r.itls],
+        "e2e": [r.e2e for r in done],
+    }
     for name, values in series.items():
         arr = np.asarray(values, dtype=float) * 1000.0
         for stat, fn in (("mean", np.mean), ("p50", np.median)):
@@ -184,11 +218,15 @@ def summarize(results: list[Result], duration: float, slo: dict[str, float]) -> 
 
 
 def table(summary: dict[str, Any]) -> str:
-    rows = [("Successful requests", summary["completed"]), ("Failed requests", summary["failed"]),
-            ("Benchmark duration (s)", summary["duration_s"]),
-            ("Request throughput (req/s)", summary["request_throughput"]),
-            ("Output token throughput (tok/s)", summary["output_throughput"]),
-            ("Goodput (req/s)", summary["goodput"]), ("Goodput (tok/s)", summary["goodput_tokens"])]
+    rows = [
+        ("Successful requests", summary["completed"]),
+        ("Failed requests", summary["failed"]),
+        ("Benchmark duration (s)", summary["duration_s"]),
+        ("Request throughput (req/s)", summary["request_throughput"]),
+        ("Output token throughput (tok/s)", summary["output_throughput"]),
+        ("Goodput (req/s)", summary["goodput"]),
+        ("Goodput (tok/s)", summary["goodput_tokens"]),
+    ]
     for name in ("ttft", "tpot", "itl", "e2e"):
         for stat in ("mean", "p50", "p90", "p95", "p99"):
             rows.append((f"{stat.upper()} {name.upper()} (ms)", summary[f"{stat}_{name}_ms"]))
@@ -206,8 +244,12 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     done = [r for r in results if r.ok]
-    series = {"TTFT": [r.ttft for r in done], "TPOT": [r.tpot for r in done if r.tpot is not None],
-              "ITL": [g for r in done for g in r.itls], "E2E latency": [r.e2e for r in done]}
+    series = {
+        "TTFT": [r.ttft for r in done],
+        "TPOT": [r.tpot for r in done if r.tpot is not None],
+        "ITL": [g for r in done for g in r.itls],
+        "E2E latency": [r.e2e for r in done],
+    }
     fig, axes = plt.subplots(1, 4, figsize=(16, 3.6))
     for ax, (name, values) in zip(axes, series.items(), strict=True):
         ms = np.asarray(values, dtype=float) * 1000.0
@@ -233,9 +275,21 @@ def write_trace(results: list[Result], mix: list[BenchRequest], path: str) -> No
 
     done = [(r, req) for r, req in zip(results, mix) if r.ok and r.prompt_tokens and r.output_tokens]
     t0 = min((r.sent_s for r, _ in done), default=0.0)
-    save_trace(sorted((SimRequest(round(r.sent_s - t0, 6), r.prompt_tokens, r.output_tokens,
-                                  req.prompt.count(CONTEXT) or None) for r, req in done),
-                      key=lambda x: x.arrival_s), path)
+    save_trace(
+        sorted(
+            (
+                SimRequest(
+                    round(r.sent_s - t0, 6),
+                    r.prompt_tokens,
+                    r.output_tokens,
+                    req.prompt.count(CONTEXT) or None,
+                )
+                for r, req in done
+            ),
+            key=lambda x: x.arrival_s,
+        ),
+        path,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -243,14 +297,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", required=True, help="server base URL, e.g. http://127.0.0.1:8000")
     load = p.add_argument_group("load (default: all requests at once)")
     load.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals, requests/s")
-    load.add_argument("--max-concurrency", type=int, default=None, help="closed loop with C requests in flight")
+    load.add_argument(
+        "--max-concurrency", type=int, default=None, help="closed loop with C requests in flight"
+    )
     p.add_argument("--num-prompts", type=int, default=100)
     p.add_argument("--model", default=None, help="model name (default: the first of GET /v1/models)")
     p.add_argument("--endpoint", choices=["completions", "chat"], default="completions")
     p.add_argument("--min-output-len", type=int, default=32)
     p.add_argument("--max-output-len", type=int, default=128)
-    p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
-                   help="let the model stop early (default sends ignore_eos so output lengths are fixed)")
+    p.add_argument(
+        "--no-ignore-eos",
+        dest="ignore_eos",
+        action="store_false",
+        help="let the model stop early (default sends ignore_eos so output lengths are fixed)",
+    )
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--slo", nargs="*", default=[], metavar="NAME:MS", help="e.g. ttft:500 tpot:50")
     p.add_argument("--seed", type=int, default=0)
@@ -258,8 +318,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None)
     p.add_argument("--result-dir", default="bench-results", help="where the JSON and PNG go")
     p.add_argument("--label", default=None, help="name for the result files and the plot title")
-    p.add_argument("--trace-out", default=None, metavar="FILE.jsonl",
-                   help="record the run as a simulator trace (arrival, prompt and output tokens; specfleet simulate)")
+    p.add_argument(
+        "--trace-out",
+        default=None,
+        metavar="FILE.jsonl",
+        help="record the run as a simulator trace (arrival, prompt and output tokens; specfleet simulate)",
+    )
     p.add_argument("--no-progress", action="store_true")
     return p
 
@@ -288,15 +352,27 @@ def main(argv: list[str] | None = None) -> int:
     results, duration = asyncio.run(run(args, model, mix))
     summary = summarize(results, duration, slo)
     load = (f"concurrency {args.max_concurrency}" if args.max_concurrency else "") + (
-        f" rate {args.request_rate:g}/s" if math.isfinite(args.request_rate) else "")
+        f" rate {args.request_rate:g}/s" if math.isfinite(args.request_rate) else ""
+    )
     label = args.label or f"serve-{time.strftime('%Y%m%d-%H%M%S')}"
-    summary.update({"model": model, "url": args.url, "num_prompts": args.num_prompts, "endpoint": args.endpoint,
-                    "max_concurrency": args.max_concurrency,
-                    "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf"})
+    summary.update(
+        {
+            "model": model,
+            "url": args.url,
+            "num_prompts": args.num_prompts,
+            "endpoint": args.endpoint,
+            "max_concurrency": args.max_concurrency,
+            "request_rate": args.request_rate if math.isfinite(args.request_rate) else "inf",
+        }
+    )
     out_dir = Path(args.result_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, png_path = out_dir / f"{label}.json", out_dir / f"{label}.png"
-    plot(results, png_path, f"{model} @ {args.url} ({load.strip() or 'all at once'}, {args.num_prompts} prompts)")
+    plot(
+        results,
+        png_path,
+        f"{model} @ {args.url} ({load.strip() or 'all at once'}, {args.num_prompts} prompts)",
+    )
     summary.update({"json": str(json_path), "png": str(png_path)})
     json_path.write_text(json.dumps({**summary, "requests": [asdict(r) for r in results]}, indent=1))
     if args.trace_out:

@@ -23,7 +23,9 @@ from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from specfleet.engine import LLM, SamplingParams
 
 
-def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int, ignore_eos: bool = False) -> dict:
+def run(
+    llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int, ignore_eos: bool = False
+) -> dict:
     """Per-request tokens/s (output tokens over the request's own latency) and acceptance.
 
     Requests stop at EOS by default: a grounded answer ends when the copied passage does, and tokens
@@ -32,7 +34,9 @@ def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int,
     engine = llm.engine
     stats = engine.stats
     drafted, accepted = stats.num_draft_tokens, stats.num_accepted_tokens
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, num_speculative_tokens=k)
+    params = SamplingParams(
+        temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos, num_speculative_tokens=k
+    )
     rates, decode_rates, total_tokens, start_all = [], [], 0, time.perf_counter()
     for i in range(0, len(prompts), concurrency):
         wave = prompts[i : i + concurrency]
@@ -56,8 +60,16 @@ def run(llm: LLM, prompts: list[str], k: int, concurrency: int, max_tokens: int,
     }
 
 
-def sweep(llm: LLM, prompts: list[str], ks: list[int], concurrency: int, max_tokens: int, repeats: int,
-          ignore_eos: bool, **labels) -> list[dict]:
+def sweep(
+    llm: LLM,
+    prompts: list[str],
+    ks: list[int],
+    concurrency: int,
+    max_tokens: int,
+    repeats: int,
+    ignore_eos: bool,
+    **labels,
+) -> list[dict]:
     """Every k `repeats` times, the order of k reversed on each pass so drift on a shared machine
     falls on all k alike; per k, the median of each figure over the passes."""
     runs: dict[int, list[dict]] = {k: [] for k in ks}
@@ -70,8 +82,11 @@ def sweep(llm: LLM, prompts: list[str], ks: list[int], concurrency: int, max_tok
         for key in runs[k][0]:
             vals = [r[key] for r in runs[k] if r[key] is not None]
             row[key] = statistics.median(vals) if vals else None
-        print(f"{labels['method']:6} {labels['workload']:9} k={k} conc={concurrency:3} "
-              f"{row['tok_s_per_request']:8.2f} tok/s/req acceptance={row['acceptance_rate']}", file=sys.stderr)
+        print(
+            f"{labels['method']:6} {labels['workload']:9} k={k} conc={concurrency:3} "
+            f"{row['tok_s_per_request']:8.2f} tok/s/req acceptance={row['acceptance_rate']}",
+            file=sys.stderr,
+        )
         rows.append(row)
     return rows
 
@@ -79,18 +94,30 @@ def sweep(llm: LLM, prompts: list[str], ks: list[int], concurrency: int, max_tok
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet bench spec", description=__doc__)
     parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
-    parser.add_argument("--draft-model", default="bundled://smollm2-135m-instruct",
-                        help="the draft model source, or 'none' to skip the draft method")
-    parser.add_argument("--draft-quantization", default="int8", help="int8, or 'none' for the draft as stored")
+    parser.add_argument(
+        "--draft-model",
+        default="bundled://smollm2-135m-instruct",
+        help="the draft model source, or 'none' to skip the draft method",
+    )
+    parser.add_argument(
+        "--draft-quantization", default="int8", help="int8, or 'none' for the draft as stored"
+    )
     parser.add_argument("--ks", default="0,2,4,8")
     parser.add_argument("--num-prompts", type=int, default=4, help="prompts per workload at concurrency 1")
     parser.add_argument("--high-concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--high-max-tokens", type=int, default=48)
-    parser.add_argument("--ignore-eos", action="store_true",
-                        help="generate max tokens past EOS (the tail is then free text, not the task)")
-    parser.add_argument("--repeats", type=int, default=2,
-                        help="sweeps over k per cell, alternating the order of k (medians are reported)")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="generate max tokens past EOS (the tail is then free text, not the task)",
+    )
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=2,
+        help="sweeps over k per cell, alternating the order of k (medians are reported)",
+    )
     parser.add_argument("--out", default="bench/results/spec.json")
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
@@ -98,22 +125,45 @@ def main(argv: list[str] | None = None) -> int:
     methods = {"ngram": {"speculative_method": "ngram"}}
     if args.draft_model != "none":
         quant = None if args.draft_quantization == "none" else args.draft_quantization
-        methods["draft"] = {"speculative_method": "draft", "draft_model": args.draft_model, "draft_quantization": quant}
+        methods["draft"] = {
+            "speculative_method": "draft",
+            "draft_model": args.draft_model,
+            "draft_quantization": quant,
+        }
 
     rows = []
     for method, kwargs in methods.items():
-        llm = LLM(model=args.model, num_speculative_tokens=max(ks), max_num_speculative_tokens=max(8, max(ks)),
-                  max_num_seqs=max(64, args.high_concurrency), **kwargs)
+        llm = LLM(
+            model=args.model,
+            num_speculative_tokens=max(ks),
+            max_num_speculative_tokens=max(8, max(ks)),
+            max_num_seqs=max(64, args.high_concurrency),
+            **kwargs,
+        )
         for workload, prompts in workloads.items():
             run(llm, prompts[: args.num_prompts], 0, args.high_concurrency, 16)  # warm up: fault in KV pages
             for conc in (1, args.high_concurrency):
                 sample = prompts[: args.num_prompts] if conc == 1 else (prompts * conc)[:conc]
                 tokens = args.max_tokens if conc == 1 else args.high_max_tokens
-                rows.extend(sweep(llm, sample, ks, conc, tokens, args.repeats, args.ignore_eos, method=method,
-                                  workload=workload))
+                rows.extend(
+                    sweep(
+                        llm,
+                        sample,
+                        ks,
+                        conc,
+                        tokens,
+                        args.repeats,
+                        args.ignore_eos,
+                        method=method,
+                        workload=workload,
+                    )
+                )
         del llm
     # k=0 against an engine that never configured speculation: both loaded, runs alternated.
-    plain, ngram_k0 = LLM(model=args.model), LLM(model=args.model, speculative_method="ngram", num_speculative_tokens=0)
+    plain, ngram_k0 = (
+        LLM(model=args.model),
+        LLM(model=args.model, speculative_method="ngram", num_speculative_tokens=0),
+    )
     sample = workloads["grounded"][: args.num_prompts]
     base, k0 = [], []
     for _ in range(max(3, args.repeats)):
@@ -122,15 +172,25 @@ def main(argv: list[str] | None = None) -> int:
     del plain, ngram_k0
 
     def speedup(method: str, workload: str, conc: int) -> float | None:
-        sel = [r for r in rows if r["method"] == method and r["workload"] == workload and r["concurrency"] == conc]
+        sel = [
+            r
+            for r in rows
+            if r["method"] == method and r["workload"] == workload and r["concurrency"] == conc
+        ]
         if not sel:
             return None
         zero = next(r for r in sel if r["k"] == 0)["tok_s_per_request"]
         return max(r["tok_s_per_request"] for r in sel) / zero
 
     def acceptance(method: str, workload: str) -> float | None:
-        vals = [r["acceptance_rate"] for r in rows if r["method"] == method and r["workload"] == workload
-                and r["acceptance_rate"] is not None and r["concurrency"] == 1]
+        vals = [
+            r["acceptance_rate"]
+            for r in rows
+            if r["method"] == method
+            and r["workload"] == workload
+            and r["acceptance_rate"] is not None
+            and r["concurrency"] == 1
+        ]
         return statistics.median(vals) if vals else None
 
     result = {
@@ -138,7 +198,9 @@ def main(argv: list[str] | None = None) -> int:
         "ngram_chat_speedup": speedup("ngram", "chat", 1),
         "draft_grounded_speedup": speedup("draft", "grounded", 1),
         "draft_chat_speedup": speedup("draft", "chat", 1),
-        "high_load_speedup": max(filter(None, [speedup(m, w, args.high_concurrency) for m in methods for w in workloads])),
+        "high_load_speedup": max(
+            filter(None, [speedup(m, w, args.high_concurrency) for m in methods for w in workloads])
+        ),
         "acceptance_rate": {f"{m}_{w}": acceptance(m, w) for m in methods for w in workloads},
         "k0_overhead_pct": 100.0 * (statistics.median(base) / statistics.median(k0) - 1),
         "rows": rows,
@@ -160,11 +222,19 @@ def plot(rows: list[dict], ks: list[int], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.5))
     series = sorted({(r["method"], r["workload"], r["concurrency"]) for r in rows})
     for method, workload, conc in series:
-        sel = {r["k"]: r["tok_s_per_request"] for r in rows
-               if (r["method"], r["workload"], r["concurrency"]) == (method, workload, conc)}
+        sel = {
+            r["k"]: r["tok_s_per_request"]
+            for r in rows
+            if (r["method"], r["workload"], r["concurrency"]) == (method, workload, conc)
+        }
         base = sel.get(0) or 1.0
-        ax.plot(ks, [sel[k] / base for k in ks], marker="o", linestyle="-" if conc == 1 else "--",
-                label=f"{method} / {workload} / concurrency {conc}")
+        ax.plot(
+            ks,
+            [sel[k] / base for k in ks],
+            marker="o",
+            linestyle="-" if conc == 1 else "--",
+            label=f"{method} / {workload} / concurrency {conc}",
+        )
     ax.axhline(1.0, color="grey", linewidth=0.8)
     ax.set_xlabel("speculative tokens k")
     ax.set_ylabel("per-request tokens/s vs k=0")

@@ -116,7 +116,9 @@ class _Llguidance:
         assert m.consume_token(token), m.get_error()
 
     def fill_batch(self, matchers, bitmask):
-        self.ll.torch.fill_next_token_bitmask_par(self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask)
+        self.ll.torch.fill_next_token_bitmask_par(
+            self.executor, [(m, i) for i, m in enumerate(matchers)], bitmask
+        )
 
 
 class _Outlines:
@@ -160,7 +162,11 @@ class _Outlines:
 
 def _byte_decoder() -> dict[str, int]:
     """GPT-2's byte-level alphabet, inverted: the character a vocab entry uses -> the byte it stands for."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -230,13 +236,17 @@ def apply_cost_us(tokenizer, vocab_size: int, tokens: list[int], repeats: int) -
         matcher.accept_token(token)
     import xgrammar as xgr
 
-    appliers = {"apply": apply_token_bitmask_,
-                "xgrammar_cpu_kernel_apply": lambda lg, bm: xgr.apply_token_bitmask_inplace(lg, bm, backend="cpu")}
+    appliers = {
+        "apply": apply_token_bitmask_,
+        "xgrammar_cpu_kernel_apply": lambda lg, bm: xgr.apply_token_bitmask_inplace(lg, bm, backend="cpu"),
+    }
     out = {}
     for name, apply in appliers.items():
         for rows in (1, BATCH):
             logits = torch.randn(rows, vocab_size)
-            batches = [masks[[(start + r) % len(tokens) for r in range(rows)]] for start in range(len(tokens))]
+            batches = [
+                masks[[(start + r) % len(tokens) for r in range(rows)]] for start in range(len(tokens))
+            ]
             spent = []
             for _ in range(repeats):
                 t0 = time.perf_counter()
@@ -257,12 +267,18 @@ def engine_overhead(batches: tuple[tuple[int, int], ...] = ((1, 24), (BATCH, 16)
 
     from specfleet.engine import LLM, SamplingParams
 
-    schema = {"type": "object", "properties": {"story": {"type": "string", "minLength": 2000}}, "required": ["story"]}
+    schema = {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": 2000}},
+        "required": ["story"],
+    }
     grammar_functions = {"bitmask", "filter_proposals", "apply_token_bitmask_", "accept"}
     llm = LLM()
     out: dict = {}
     for batch, steps in batches:
-        params = SamplingParams(temperature=0, max_tokens=steps, ignore_eos=True, structured_outputs={"json": schema})
+        params = SamplingParams(
+            temperature=0, max_tokens=steps, ignore_eos=True, structured_outputs={"json": schema}
+        )
         prompts = [f"Tell story {i} about a lighthouse keeper, as JSON." for i in range(batch)]
         llm.generate(prompts[:1], params)  # compiled and cached, as for every later request with this schema
         profile = cProfile.Profile()
@@ -271,11 +287,23 @@ def engine_overhead(batches: tuple[tuple[int, int], ...] = ((1, 24), (BATCH, 16)
         llm.generate(prompts, params)
         profile.disable()
         total = time.perf_counter() - start
-        grammar = sum(ct for (_, _, fn), (_, _, _, ct, _) in pstats.Stats(profile).stats.items() if fn in grammar_functions)
-        out[f"batch{batch}"] = {"total_ms": 1e3 * total, "grammar_ms": 1e3 * grammar, "steps": steps,
-                                "grammar_ms_per_step": 1e3 * grammar / steps, "grammar_pct": 100 * grammar / total}
-        print(f"batch {batch}: grammar work {1e3 * grammar / steps:.1f} ms a step, {100 * grammar / total:.2f}% of "
-              f"generation ({1e3 * total:.0f} ms for {steps} steps)", flush=True)
+        grammar = sum(
+            ct
+            for (_, _, fn), (_, _, _, ct, _) in pstats.Stats(profile).stats.items()
+            if fn in grammar_functions
+        )
+        out[f"batch{batch}"] = {
+            "total_ms": 1e3 * total,
+            "grammar_ms": 1e3 * grammar,
+            "steps": steps,
+            "grammar_ms_per_step": 1e3 * grammar / steps,
+            "grammar_pct": 100 * grammar / total,
+        }
+        print(
+            f"batch {batch}: grammar work {1e3 * grammar / steps:.1f} ms a step, {100 * grammar / total:.2f}% of "
+            f"generation ({1e3 * total:.0f} ms for {steps} steps)",
+            flush=True,
+        )
     return out
 
 
@@ -284,21 +312,31 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--backends", default=",".join(BACKENDS))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    parser.add_argument("--engine", action="store_true", help="also the grammar share of generation time in the engine (loads the model)")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="also the grammar share of generation time in the engine (loads the model)",
+    )
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     tokenizer = _load_tokenizer()
     vocab_size = len(tokenizer)
     tokens = tokenizer.encode(json.dumps(INSTANCE, separators=(",", ":"))) + [tokenizer.eos_token_id]
-    results: dict = {"vocab_size": vocab_size, "tokens": len(tokens), "torch_threads": torch.get_num_threads(),
-                     "load_average_1m": os.getloadavg()[0]}
+    results: dict = {
+        "vocab_size": vocab_size,
+        "tokens": len(tokens),
+        "torch_threads": torch.get_num_threads(),
+        "load_average_1m": os.getloadavg()[0],
+    }
     for name in args.backends.split(","):
         print(f"measuring {name} ...", flush=True)
         backend = BACKENDS[name](tokenizer, vocab_size)
         results[name] = measure(backend, tokens, vocab_size, args.repeats)
     results.update(apply_cost_us(tokenizer, vocab_size, tokens, args.repeats))
-    print(f"{'backend':<12} {'compile ms':>11} {'fill us b=1':>12} {'step us b=32 seq':>17} {'step us b=32 par':>17}")
+    print(
+        f"{'backend':<12} {'compile ms':>11} {'fill us b=1':>12} {'step us b=32 seq':>17} {'step us b=32 par':>17}"
+    )
     for name in args.backends.split(","):
         r = results[name]
         print(
@@ -308,8 +346,10 @@ def main(argv: list[str] | None = None) -> dict:
     if args.engine:
         results["engine"] = engine_overhead()
     for name in ("apply", "xgrammar_cpu_kernel_apply"):
-        print(f"{name} (mask to logits), us a step: batch 1 {results[f'{name}_us_step_batch1']:.1f}, "
-              f"batch {BATCH} {results[f'{name}_us_step_batch32']:.1f}")
+        print(
+            f"{name} (mask to logits), us a step: batch 1 {results[f'{name}_us_step_batch1']:.1f}, "
+            f"batch {BATCH} {results[f'{name}_us_step_batch32']:.1f}"
+        )
     print(json.dumps(results))
     return results
 

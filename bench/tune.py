@@ -39,7 +39,11 @@ class Phase:
     max_tokens: int
 
 
-PHASES = (Phase("grounded-c1", 1, True, 128), Phase("chat-c32", 32, False, 48), Phase("chat-c2", 2, False, 96))
+PHASES = (
+    Phase("grounded-c1", 1, True, 128),
+    Phase("chat-c32", 32, False, 48),
+    Phase("chat-c2", 2, False, 96),
+)
 _PROMPTS: dict[bool, list[str]] = {}
 NO_GUARD = 0  # speculative_disable_by_batch_size of the static configs: they speculate at any batch size
 WARM_UP = Phase("warm-up", 4, False, 32)  # before a tuner pass that comes first; not measured
@@ -55,33 +59,59 @@ def _prompt(phase: Phase, i: int) -> str:
 def _speculative(method: str) -> dict[str, Any]:
     """ngram, or the draft that pays for the bundled model: its own weights in int8."""
     if method == "draft":
-        return {"method": "draft", "numSpeculativeTokens": 0,
-                "draftModel": {"source": "bundled://smollm2-135m-instruct", "quantization": "int8"}}
+        return {
+            "method": "draft",
+            "numSpeculativeTokens": 0,
+            "draftModel": {"source": "bundled://smollm2-135m-instruct", "quantization": "int8"},
+        }
     return {"method": method, "numSpeculativeTokens": 0}
 
 
 def _isvc(args: argparse.Namespace) -> Any:
     if args.file:
         return load_inference_service(args.file)
-    return load_inference_service({
-        "apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "bench"},
-        "spec": {"model": {"source": "bundled://smollm2-135m-instruct", "dtype": "float32", "maxModelLen": 1024},
-                 "engine": {"drainTimeoutSeconds": 5},
-                 "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 1024},
-                 "speculative": _speculative(args.method),
-                 "replicas": args.replicas, "resources": {"gpus": 0},
-                 "slo": {"ttftP95Ms": args.ttft_ms, "tpotP95Ms": args.tpot_ms},
-                 "autotune": {"enabled": True, "intervalSeconds": 5,
-                              "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 64],
-                                         "maxNumBatchedTokens": [256, 2048]}}}})
+    return load_inference_service(
+        {
+            "apiVersion": "serving.specfleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "bench"},
+            "spec": {
+                "model": {
+                    "source": "bundled://smollm2-135m-instruct",
+                    "dtype": "float32",
+                    "maxModelLen": 1024,
+                },
+                "engine": {"drainTimeoutSeconds": 5},
+                "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 1024},
+                "speculative": _speculative(args.method),
+                "replicas": args.replicas,
+                "resources": {"gpus": 0},
+                "slo": {"ttftP95Ms": args.ttft_ms, "tpotP95Ms": args.tpot_ms},
+                "autotune": {
+                    "enabled": True,
+                    "intervalSeconds": 5,
+                    "bounds": {
+                        "numSpeculativeTokens": [0, 6],
+                        "maxNumSeqs": [4, 64],
+                        "maxNumBatchedTokens": [256, 2048],
+                    },
+                },
+            },
+        }
+    )
 
 
 async def _one(client: httpx.AsyncClient, url: str, phase: Phase, i: int) -> tuple[float, float, int] | None:
     """One streamed request: (TTFT, TPOT, output tokens). It stops at EOS: a grounded answer ends with the
     copied passage, and tokens forced past EOS would be unrelated free text."""
-    body = {"model": "smollm2-135m-instruct", "messages": [{"role": "user", "content": _prompt(phase, i)}],
-            "max_tokens": phase.max_tokens, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": "smollm2-135m-instruct",
+        "messages": [{"role": "user", "content": _prompt(phase, i)}],
+        "max_tokens": phase.max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     start = time.monotonic()
     first = None
     tokens = 0
@@ -112,6 +142,7 @@ async def run_phase(url: str, phase: Phase, seconds: float, slo: tuple[float, fl
     deadline = time.monotonic() + seconds
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=300) as client:
+
         async def worker(w: int) -> None:
             nonlocal failed
             i = 0
@@ -127,15 +158,25 @@ async def run_phase(url: str, phase: Phase, seconds: float, slo: tuple[float, fl
     elapsed = time.monotonic() - started
     good = [r for r in results if r[0] <= slo[0] and r[1] <= slo[1]]
     total = len(results) + failed
-    return {"goodput": sum(r[2] for r in good) / elapsed, "throughput": sum(r[2] for r in results) / elapsed,
-            "requests": total, "slo_attainment": len(good) / total if total else 0.0, "seconds": elapsed}
+    return {
+        "goodput": sum(r[2] for r in good) / elapsed,
+        "throughput": sum(r[2] for r in results) / elapsed,
+        "requests": total,
+        "slo_attainment": len(good) / total if total else 0.0,
+        "seconds": elapsed,
+    }
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     isvc = _isvc(args)
     slo = (isvc.spec.slo.ttft_p95_ms / 1000, isvc.spec.slo.tpot_p95_ms / 1000)
-    fleet = LocalFleet(isvc, tune=False, interval_s=args.interval, window_s=args.window,
-                       engine_extra_args=["--kv-cache-gib", "0.5", "--log-level", "warning"])
+    fleet = LocalFleet(
+        isvc,
+        tune=False,
+        interval_s=args.interval,
+        window_s=args.window,
+        engine_extra_args=["--kv-cache-gib", "0.5", "--log-level", "warning"],
+    )
     print(f"starting {isvc.spec.replicas} engine(s); logs in {fleet.log_dir}", flush=True)
     await fleet.start()
     admin = AdminActuator(fleet.token, admin_url=fleet.admin_url)
@@ -145,9 +186,13 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     timeline: list[dict[str, Any]] = []
     changes: dict[str, int] = {}
     try:
-        grid = {f"k={k},seqs={seqs}": TunedConfig(k, seqs, max(isvc.spec.batching.max_num_batched_tokens,
-                                                                 seqs * (k + 1)))
-                for k in args.grid_k for seqs in args.grid_seqs}
+        grid = {
+            f"k={k},seqs={seqs}": TunedConfig(
+                k, seqs, max(isvc.spec.batching.max_num_batched_tokens, seqs * (k + 1))
+            )
+            for k in args.grid_k
+            for seqs in args.grid_seqs
+        }
 
         async def tuner_pass() -> None:
             await admin.ensure(fleet.engine_urls, LiveSettings(start_config, NO_GUARD))
@@ -156,7 +201,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         async def grid_pass(reverse: bool) -> None:
             passes.append(await static_pass(fleet, admin, grid, args.static_seconds, slo, reverse=reverse))
 
-        if args.tuner_passes == 2:  # tuner, static, static reversed, tuner: drift that is linear in time cancels
+        if (
+            args.tuner_passes == 2
+        ):  # tuner, static, static reversed, tuner: drift that is linear in time cancels
             await run_phase(fleet.url, WARM_UP, 10.0, slo)
             await tuner_pass()
             await grid_pass(reverse=False)
@@ -173,8 +220,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     return {**summarize(passes, tuner_passes, changes, timeline), "tuner_guard": args.guard}
 
 
-async def run_tuner(fleet: LocalFleet, args: argparse.Namespace, slo: tuple[float, float], number: int,
-                    timeline: list[dict[str, Any]], changes: dict[str, int]) -> dict[str, dict[str, float]]:
+async def run_tuner(
+    fleet: LocalFleet,
+    args: argparse.Namespace,
+    slo: tuple[float, float],
+    number: int,
+    timeline: list[dict[str, Any]],
+    changes: dict[str, int],
+) -> dict[str, dict[str, float]]:
     """The phases back to back under a fresh tuner (from k=0); appends to the timeline and counts the
     changes of each transition (keyed "pass N: phase")."""
     fleet.tuner = fleet._build_tuner()
@@ -188,14 +241,22 @@ async def run_tuner(fleet: LocalFleet, args: argparse.Namespace, slo: tuple[floa
         while True:
             tick = await fleet.tick()
             cfg = fleet.tuner.policy.current if fleet.tuner else None
-            timeline.append({"pass": number, "t": time.monotonic() - t0, "phase": current[0].name,
-                             "load": current[0].concurrency,
-                             "k": cfg.num_speculative_tokens if cfg else None,
-                             "max_num_seqs": cfg.max_num_seqs if cfg else None,
-                             "guard": tick.guard,
-                             "tpot_p95_ms": None if tick.observation.tpot_p95_s is None
-                             else tick.observation.tpot_p95_s * 1000, "kind": tick.decision.kind,
-                             "reason": tick.decision.reason})
+            timeline.append(
+                {
+                    "pass": number,
+                    "t": time.monotonic() - t0,
+                    "phase": current[0].name,
+                    "load": current[0].concurrency,
+                    "k": cfg.num_speculative_tokens if cfg else None,
+                    "max_num_seqs": cfg.max_num_seqs if cfg else None,
+                    "guard": tick.guard,
+                    "tpot_p95_ms": None
+                    if tick.observation.tpot_p95_s is None
+                    else tick.observation.tpot_p95_s * 1000,
+                    "kind": tick.decision.kind,
+                    "reason": tick.decision.reason,
+                }
+            )
             if tick.decision.changed:
                 key = f"pass {number}: {current[0].name}"
                 changes[key] = changes.get(key, 0) + 1
@@ -207,8 +268,11 @@ async def run_tuner(fleet: LocalFleet, args: argparse.Namespace, slo: tuple[floa
         for phase in PHASES:
             current[0] = phase
             figures[phase.name] = await run_phase(fleet.url, phase, args.phase_seconds, slo)
-            print(f"tuner (pass {number}) {phase.name}: goodput {figures[phase.name]['goodput']:.1f} tok/s "
-                  f"attainment {figures[phase.name]['slo_attainment']:.0%}", flush=True)
+            print(
+                f"tuner (pass {number}) {phase.name}: goodput {figures[phase.name]['goodput']:.1f} tok/s "
+                f"attainment {figures[phase.name]['slo_attainment']:.0%}",
+                flush=True,
+            )
     finally:
         loop.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -219,8 +283,14 @@ async def run_tuner(fleet: LocalFleet, args: argparse.Namespace, slo: tuple[floa
 Static = dict[str, dict[str, dict[str, float]]]  # config -> phase -> figures
 
 
-async def static_pass(fleet: LocalFleet, admin: AdminActuator, grid: dict[str, TunedConfig], seconds: float,
-                      slo: tuple[float, float], reverse: bool) -> Static:
+async def static_pass(
+    fleet: LocalFleet,
+    admin: AdminActuator,
+    grid: dict[str, TunedConfig],
+    seconds: float,
+    slo: tuple[float, float],
+    reverse: bool,
+) -> Static:
     """Every config of the grid under every phase; configs that behave alike under a phase share one
     measurement as long as theirs together."""
     static: Static = {name: {} for name in grid}
@@ -234,8 +304,11 @@ async def static_pass(fleet: LocalFleet, admin: AdminActuator, grid: dict[str, T
             measured = await run_phase(fleet.url, phase, seconds * len(names), slo)
             for name in names:
                 static[name][phase.name] = measured
-            print(f"static {' = '.join(names)} {phase.name}: goodput {measured['goodput']:.1f} tok/s "
-                  f"attainment {measured['slo_attainment']:.0%}", flush=True)
+            print(
+                f"static {' = '.join(names)} {phase.name}: goodput {measured['goodput']:.1f} tok/s "
+                f"attainment {measured['slo_attainment']:.0%}",
+                flush=True,
+            )
     return static
 
 
@@ -268,7 +341,9 @@ def _overall(per_phase: dict[str, dict[str, float]]) -> float:
     return sum(p["goodput"] for p in per_phase.values()) / len(per_phase)
 
 
-def hindsight_best(passes: list[Static], value: Callable[[dict[str, dict[str, float]]], float]) -> tuple[str, float]:
+def hindsight_best(
+    passes: list[Static], value: Callable[[dict[str, dict[str, float]]], float]
+) -> tuple[str, float]:
     """The best static config in hindsight and its goodput, without the winner's curse: the largest of
     several noisy measurements overstates the config it picks. With two passes, the config picked on
     one pass is valued on the other, both ways, averaged; with one pass, the plain maximum."""
@@ -281,8 +356,12 @@ def hindsight_best(passes: list[Static], value: Callable[[dict[str, dict[str, fl
     return " / ".join(names), sum(v for _, v in picks) / len(picks)
 
 
-def summarize(passes: list[Static], tuner_passes: list[dict[str, dict[str, float]]], changes: dict[str, int],
-              timeline: list[dict[str, Any]]) -> dict[str, Any]:
+def summarize(
+    passes: list[Static],
+    tuner_passes: list[dict[str, dict[str, float]]],
+    changes: dict[str, int],
+    timeline: list[dict[str, Any]],
+) -> dict[str, Any]:
     """The tuner's figures per phase are the mean of its passes, like each static config's."""
     static = mean_passes(passes)
     tuner = mean_passes([{"tuner": t} for t in tuner_passes])["tuner"]
@@ -292,20 +371,31 @@ def summarize(passes: list[Static], tuner_passes: list[dict[str, dict[str, float
     ratios = {p: tuner[p]["goodput"] / max(best, 1e-9) for p, (_, best) in per_phase.items()}
     # the plain maximum over the averaged passes, for comparison: an upper bound of the hindsight best
     best_max = max(_overall(s) for s in static.values())
-    ratios_max = {p: tuner[p]["goodput"] / max(max(s[p]["goodput"] for s in static.values()), 1e-9) for p in tuner}
+    ratios_max = {
+        p: tuner[p]["goodput"] / max(max(s[p]["goodput"] for s in static.values()), 1e-9) for p in tuner
+    }
     requests = sum(p["requests"] for p in tuner.values())
     return {
-        "tuner_goodput": round(tuner_goodput, 2), "best_static_goodput": round(best_static, 2),
-        "best_static_config": best_name, "goodput_ratio": round(tuner_goodput / max(best_static, 1e-9), 3),
+        "tuner_goodput": round(tuner_goodput, 2),
+        "best_static_goodput": round(best_static, 2),
+        "best_static_config": best_name,
+        "goodput_ratio": round(tuner_goodput / max(best_static, 1e-9), 3),
         "per_phase_best_static": {p: name for p, (name, _) in per_phase.items()},
         "per_phase_ratio": {p: round(r, 3) for p, r in ratios.items()},
         "per_phase_ratio_min": round(min(ratios.values()), 3),
-        "slo_attainment": round(sum(p["slo_attainment"] * p["requests"] for p in tuner.values()) / max(requests, 1), 3),
+        "slo_attainment": round(
+            sum(p["slo_attainment"] * p["requests"] for p in tuner.values()) / max(requests, 1), 3
+        ),
         "changes_per_transition_max": max(changes.values(), default=0),
-        "static_passes": len(passes), "tuner_passes": len(tuner_passes),
+        "static_passes": len(passes),
+        "tuner_passes": len(tuner_passes),
         "goodput_ratio_vs_max": round(tuner_goodput / max(best_max, 1e-9), 3),
         "per_phase_ratio_min_vs_max": round(min(ratios_max.values()), 3),
-        "static": static, "passes": passes, "tuner": tuner, "tuner_by_pass": tuner_passes, "timeline": timeline,
+        "static": static,
+        "passes": passes,
+        "tuner": tuner,
+        "tuner_by_pass": tuner_passes,
+        "timeline": timeline,
     }
 
 
@@ -320,18 +410,36 @@ def plot(result: dict[str, Any], path: Path) -> None:
         tl = [p for p in result["timeline"] if p.get("pass", 1) == number]
         t = [p["t"] for p in tl]
         style = "-" if number == 1 else ":"
-        for ax, key, label in zip(axes, ("load", "k", "max_num_seqs", "tpot_p95_ms"),
-                                  ("load (concurrency)", "k", "max_num_seqs", "TPOT p95 (ms)"), strict=True):
-            ax.step(t, [p[key] if p[key] is not None else float("nan") for p in tl], where="post",
-                    linestyle=style, color="C0", label=f"tuner pass {number}")
+        for ax, key, label in zip(
+            axes,
+            ("load", "k", "max_num_seqs", "tpot_p95_ms"),
+            ("load (concurrency)", "k", "max_num_seqs", "TPOT p95 (ms)"),
+            strict=True,
+        ):
+            ax.step(
+                t,
+                [p[key] if p[key] is not None else float("nan") for p in tl],
+                where="post",
+                linestyle=style,
+                color="C0",
+                label=f"tuner pass {number}",
+            )
             ax.set_ylabel(label)
         guard = [p.get("guard") or float("nan") for p in tl]  # 0: never disables, not drawn
-        axes[0].step(t, guard, where="post", linestyle=style, color="C1",
-                     label=f"speculation off above (guard), pass {number}")
+        axes[0].step(
+            t,
+            guard,
+            where="post",
+            linestyle=style,
+            color="C1",
+            label=f"speculation off above (guard), pass {number}",
+        )
     axes[0].legend(loc="upper right", fontsize="x-small")
     axes[-1].set_xlabel("seconds into the tuner run")
-    axes[0].set_title(f"specfleet tuner: goodput ratio {result['goodput_ratio']} vs best static "
-                      f"{result['best_static_config']}")
+    axes[0].set_title(
+        f"specfleet tuner: goodput ratio {result['goodput_ratio']} vs best static "
+        f"{result['best_static_config']}"
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=100)
 
@@ -341,22 +449,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-f", "--file", default=None, help="InferenceService YAML (default: a built-in CPU one)")
     p.add_argument("--replicas", type=int, default=1)
     p.add_argument("--phase-seconds", type=float, default=60.0, help="tuner run: seconds per phase")
-    p.add_argument("--static-seconds", type=float, default=15.0, help="static grid: seconds per phase per config")
-    p.add_argument("--static-passes", type=int, choices=[1, 2], default=2,
-                   help="static grid before the tuner, and (2) again after it in reverse order, averaged")
-    p.add_argument("--tuner-passes", type=int, choices=[1, 2], default=2,
-                   help="2: the tuner runs the phases before the static grid and again after it (fresh each "
-                        "time), averaged; 1: once, between the static passes")
+    p.add_argument(
+        "--static-seconds", type=float, default=15.0, help="static grid: seconds per phase per config"
+    )
+    p.add_argument(
+        "--static-passes",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="static grid before the tuner, and (2) again after it in reverse order, averaged",
+    )
+    p.add_argument(
+        "--tuner-passes",
+        type=int,
+        choices=[1, 2],
+        default=2,
+        help="2: the tuner runs the phases before the static grid and again after it (fresh each "
+        "time), averaged; 1: once, between the static passes",
+    )
     p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
-    p.add_argument("--method", choices=[m for m in SPECULATIVE_METHODS if m != "none"], default="ngram",
-                   help="speculative method of the fleet (ignored with --file): ngram (3.5x on grounded "
-                        "prompts at concurrency 1, 0.4x on chat at 32) or draft, the int8 copy of the "
-                        "bundled model (1.6x on chat at concurrency 1, 0.3-0.5x at 32)")
+    p.add_argument(
+        "--method",
+        choices=[m for m in SPECULATIVE_METHODS if m != "none"],
+        default="ngram",
+        help="speculative method of the fleet (ignored with --file): ngram (3.5x on grounded "
+        "prompts at concurrency 1, 0.4x on chat at 32) or draft, the int8 copy of the "
+        "bundled model (1.6x on chat at concurrency 1, 0.3-0.5x at 32)",
+    )
     p.add_argument("--grid-seqs", type=int, nargs="+", default=[8, 32])
     p.add_argument("--interval", type=float, default=4.0, help="tuner interval (s)")
     p.add_argument("--window", type=float, default=8.0, help="metrics window (s)")
-    p.add_argument("--no-guard", dest="guard", action="store_false",
-                   help="the tuner leaves speculative_disable_by_batch_size at 0 (to measure what it adds)")
+    p.add_argument(
+        "--no-guard",
+        dest="guard",
+        action="store_false",
+        help="the tuner leaves speculative_disable_by_batch_size at 0 (to measure what it adds)",
+    )
     p.add_argument("--ttft-ms", type=int, default=6000)
     p.add_argument("--tpot-ms", type=int, default=400)
     p.add_argument("--out-dir", default="bench/results", help="where tune.json and tune.png go")
@@ -371,7 +499,9 @@ def main(argv: list[str] | None = None) -> int:
     (out / "tune.json").write_text(json.dumps(result, indent=2))
     plot(result, out / "tune.png")
     print(f"wrote {out / 'tune.json'} and {out / 'tune.png'}", flush=True)
-    summary = {k: v for k, v in result.items() if k not in ("static", "passes", "tuner", "tuner_by_pass", "timeline")}
+    summary = {
+        k: v for k, v in result.items() if k not in ("static", "passes", "tuner", "tuner_by_pass", "timeline")
+    }
     print(json.dumps(summary))
     return 0
 

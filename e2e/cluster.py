@@ -16,8 +16,12 @@ def cluster_problem() -> str | None:
         if shutil.which(tool) is None:
             return f"`{tool}` is not on PATH"
     try:
-        probe = subprocess.run(["kubectl", "version", "--request-timeout=5s", "-o", "json"],
-                               capture_output=True, text=True, timeout=15)
+        probe = subprocess.run(
+            ["kubectl", "version", "--request-timeout=5s", "-o", "json"],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
     except subprocess.TimeoutExpired:
         return "the Kubernetes API did not answer within 15 s"
     if probe.returncode != 0:

@@ -47,11 +47,30 @@ def operator(namespace: str) -> Iterator[None]:
     repo, _, tag = OPERATOR_IMAGE.rpartition(":")
     engine_repo = ENGINE_IMAGE
     subprocess.run(
-        ["helm", "upgrade", "--install", RELEASE, str(REPO / "charts" / "specfleet"), "-n", namespace,
-         "--set", f"image.repository={repo}", "--set", f"image.tag={tag}", "--set", "image.pullPolicy=IfNotPresent",
-         "--set", f"engine.cpuImage={engine_repo}", "--set", "reconcileIntervalSeconds=5",
-         "--wait", "--timeout", "5m"],
-        check=True, timeout=400,
+        [
+            "helm",
+            "upgrade",
+            "--install",
+            RELEASE,
+            str(REPO / "charts" / "specfleet"),
+            "-n",
+            namespace,
+            "--set",
+            f"image.repository={repo}",
+            "--set",
+            f"image.tag={tag}",
+            "--set",
+            "image.pullPolicy=IfNotPresent",
+            "--set",
+            f"engine.cpuImage={engine_repo}",
+            "--set",
+            "reconcileIntervalSeconds=5",
+            "--wait",
+            "--timeout",
+            "5m",
+        ],
+        check=True,
+        timeout=400,
     )
     yield
     subprocess.run(["helm", "uninstall", RELEASE, "-n", namespace], check=False, timeout=120)
@@ -60,8 +79,15 @@ def operator(namespace: str) -> Iterator[None]:
 @pytest.fixture(scope="module")
 def smollm2(operator: None, namespace: str) -> Iterator[str]:
     kubectl("apply", "-n", namespace, "-f", str(REPO / "examples" / "smollm2-cpu.yaml"))
-    kubectl("wait", "-n", namespace, "--for=condition=Ready", "isvc/smollm2", f"--timeout={READY_TIMEOUT}s",
-            timeout=READY_TIMEOUT + 30)
+    kubectl(
+        "wait",
+        "-n",
+        namespace,
+        "--for=condition=Ready",
+        "isvc/smollm2",
+        f"--timeout={READY_TIMEOUT}s",
+        timeout=READY_TIMEOUT + 30,
+    )
     yield "smollm2"
     kubectl("delete", "-n", namespace, "isvc/smollm2", "--ignore-not-found", check=False)
 
@@ -72,8 +98,11 @@ def condition(isvc: dict[str, Any], kind: str) -> dict[str, Any]:
 
 def port_forward(target: str, namespace: str, remote: int) -> tuple[subprocess.Popen[bytes], int]:
     port = free_port()
-    proc = subprocess.Popen(["kubectl", "port-forward", "-n", namespace, target, f"{port}:{remote}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        ["kubectl", "port-forward", "-n", namespace, target, f"{port}:{remote}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return proc, port
 
 
@@ -99,15 +128,27 @@ def test_ready_status_and_openai_request(smollm2: str, namespace: str) -> None:
     assert isvc["status"]["endpoint"] == f"http://smollm2.{namespace}.svc:8000/v1"
     assert isvc["status"]["readyReplicas"] == 1
     port = free_port()
-    forward = subprocess.Popen(["kubectl", "port-forward", "-n", namespace, "svc/smollm2", f"{port}:8000"],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    forward = subprocess.Popen(
+        ["kubectl", "port-forward", "-n", namespace, "svc/smollm2", f"{port}:8000"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     try:
-        body = json.dumps({"model": "bundled://smollm2-135m-instruct", "max_tokens": 8, "temperature": 0,
-                           "messages": [{"role": "user", "content": "Say hello."}]}).encode()
+        body = json.dumps(
+            {
+                "model": "bundled://smollm2-135m-instruct",
+                "max_tokens": 8,
+                "temperature": 0,
+                "messages": [{"role": "user", "content": "Say hello."}],
+            }
+        ).encode()
 
         def ask() -> dict[str, Any] | None:
-            request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions", data=body,
-                                             headers={"Content-Type": "application/json"})
+            request = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions",
+                data=body,
+                headers={"Content-Type": "application/json"},
+            )
             try:
                 with urllib.request.urlopen(request, timeout=60) as response:
                     return json.loads(response.read())
@@ -121,12 +162,26 @@ def test_ready_status_and_openai_request(smollm2: str, namespace: str) -> None:
     finally:
         forward.terminate()
     # ... but on the pod's own admin port, where it still wants the token
-    pod = kubectl("get", "pods", "-n", namespace, "-l", f"serving.specfleet.io/inferenceservice={smollm2}",
-                  "-o", "jsonpath={.items[0].metadata.name}").stdout
+    pod = kubectl(
+        "get",
+        "pods",
+        "-n",
+        namespace,
+        "-l",
+        f"serving.specfleet.io/inferenceservice={smollm2}",
+        "-o",
+        "jsonpath={.items[0].metadata.name}",
+    ).stdout
     admin, admin_port = port_forward(f"pod/{pod}", namespace, 8001)
     try:
-        assert wait_for("the admin port", lambda: http_status(f"http://127.0.0.1:{admin_port}/admin/config"),
-                        timeout=30) == 401
+        assert (
+            wait_for(
+                "the admin port",
+                lambda: http_status(f"http://127.0.0.1:{admin_port}/admin/config"),
+                timeout=30,
+            )
+            == 401
+        )
     finally:
         admin.terminate()
     table = kubectl("get", "isvc", smollm2, "-n", namespace).stdout
@@ -136,8 +191,16 @@ def test_ready_status_and_openai_request(smollm2: str, namespace: str) -> None:
 def test_spec_change_rolls_out(smollm2: str, namespace: str) -> None:
     before = get("deployment", smollm2, namespace)
     assert before is not None
-    kubectl("patch", "isvc", smollm2, "-n", namespace, "--type=merge",
-            "-p", json.dumps({"spec": {"batching": {"maxNumSeqs": 8}}}))
+    kubectl(
+        "patch",
+        "isvc",
+        smollm2,
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"batching": {"maxNumSeqs": 8}}}),
+    )
 
     def rolled() -> bool:
         deployment = get("deployment", smollm2, namespace) or {}
@@ -146,32 +209,74 @@ def test_spec_change_rolls_out(smollm2: str, namespace: str) -> None:
 
     wait_for("the Deployment template to carry --max-num-seqs 8", rolled, timeout=60)
     # Ready leaves True while the new pod rolls out (the old pod's readiness says nothing about the new spec)
-    wait_for("Ready to leave True during the rollout",
-             lambda: condition(get("isvc", smollm2, namespace) or {}, "Ready").get("status") != "True", timeout=60)
+    wait_for(
+        "Ready to leave True during the rollout",
+        lambda: condition(get("isvc", smollm2, namespace) or {}, "Ready").get("status") != "True",
+        timeout=60,
+    )
     deployment = get("deployment", smollm2, namespace) or {}
     # CPU pods surge one and never drop below the ready count; the pod leaves the endpoints before SIGTERM
     assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
     pod = deployment["spec"]["template"]["spec"]
     assert pod["containers"][0]["lifecycle"]["preStop"]["exec"]["command"][0] == "sleep"
-    kubectl("rollout", "status", f"deployment/{smollm2}", "-n", namespace, f"--timeout={READY_TIMEOUT}s",
-            timeout=READY_TIMEOUT + 30)
-    kubectl("wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330)
+    kubectl(
+        "rollout",
+        "status",
+        f"deployment/{smollm2}",
+        "-n",
+        namespace,
+        f"--timeout={READY_TIMEOUT}s",
+        timeout=READY_TIMEOUT + 30,
+    )
+    kubectl(
+        "wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330
+    )
     isvc = get("isvc", smollm2, namespace) or {}
     assert isvc["status"]["observedGeneration"] == isvc["metadata"]["generation"]
     assert condition(isvc, "Progressing").get("reason") == "RolloutComplete"
 
 
 def test_recreate_strategy_rolls_out(smollm2: str, namespace: str) -> None:
-    kubectl("patch", "isvc", smollm2, "-n", namespace, "--type=merge",
-            "-p", json.dumps({"spec": {"rollout": {"strategy": "Recreate"}, "batching": {"maxNumSeqs": 12}}}))
-    wait_for("the Deployment to switch to Recreate",
-             lambda: (get("deployment", smollm2, namespace) or {}).get("spec", {}).get("strategy") == {"type": "Recreate"},
-             timeout=60)
-    kubectl("rollout", "status", f"deployment/{smollm2}", "-n", namespace, f"--timeout={READY_TIMEOUT}s",
-            timeout=READY_TIMEOUT + 30)
-    kubectl("wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330)
-    kubectl("patch", "isvc", smollm2, "-n", namespace, "--type=json",
-            "-p", json.dumps([{"op": "remove", "path": "/spec/rollout/strategy"}]))
+    kubectl(
+        "patch",
+        "isvc",
+        smollm2,
+        "-n",
+        namespace,
+        "--type=merge",
+        "-p",
+        json.dumps({"spec": {"rollout": {"strategy": "Recreate"}, "batching": {"maxNumSeqs": 12}}}),
+    )
+    wait_for(
+        "the Deployment to switch to Recreate",
+        lambda: (
+            (get("deployment", smollm2, namespace) or {}).get("spec", {}).get("strategy")
+            == {"type": "Recreate"}
+        ),
+        timeout=60,
+    )
+    kubectl(
+        "rollout",
+        "status",
+        f"deployment/{smollm2}",
+        "-n",
+        namespace,
+        f"--timeout={READY_TIMEOUT}s",
+        timeout=READY_TIMEOUT + 30,
+    )
+    kubectl(
+        "wait", "-n", namespace, "--for=condition=Ready", f"isvc/{smollm2}", "--timeout=300s", timeout=330
+    )
+    kubectl(
+        "patch",
+        "isvc",
+        smollm2,
+        "-n",
+        namespace,
+        "--type=json",
+        "-p",
+        json.dumps([{"op": "remove", "path": "/spec/rollout/strategy"}]),
+    )
 
 
 def test_scale_subresource(smollm2: str, namespace: str) -> None:
@@ -179,9 +284,13 @@ def test_scale_subresource(smollm2: str, namespace: str) -> None:
     wait_for("a PodDisruptionBudget at 2 replicas", lambda: get("pdb", smollm2, namespace), timeout=60)
     assert get("deployment", smollm2, namespace)["spec"]["replicas"] == 2  # type: ignore[index]
     # a /scale write bumps the generation; status catches up once the Deployment controller has seen it
-    wait_for("status.observedGeneration to follow the scale", lambda: (lambda i: i["status"].get("observedGeneration")
-             == i["metadata"]["generation"])(get("isvc", smollm2, namespace) or {"status": {}, "metadata": {}}),
-             timeout=120)
+    wait_for(
+        "status.observedGeneration to follow the scale",
+        lambda: (lambda i: i["status"].get("observedGeneration") == i["metadata"]["generation"])(
+            get("isvc", smollm2, namespace) or {"status": {}, "metadata": {}}
+        ),
+        timeout=120,
+    )
     kubectl("scale", "isvc", smollm2, "-n", namespace, "--replicas=1")
     wait_for("the PDB to go at 1 replica", lambda: get("pdb", smollm2, namespace) is None, timeout=60)
 
@@ -192,5 +301,8 @@ def test_delete_without_the_operator_garbage_collects_children(smollm2: str, nam
     subprocess.run(["helm", "uninstall", RELEASE, "-n", namespace, "--wait"], check=True, timeout=300)
     kubectl("delete", "isvc", smollm2, "-n", namespace, "--wait=true", "--timeout=60s", timeout=120)
     for kind, name in (("deployment", smollm2), ("service", smollm2), ("secret", f"{smollm2}-admin")):
-        wait_for(f"{kind}/{name} to be garbage-collected", lambda k=kind, n=name: get(k, n, namespace) is None,
-                 timeout=120)
+        wait_for(
+            f"{kind}/{name} to be garbage-collected",
+            lambda k=kind, n=name: get(k, n, namespace) is None,
+            timeout=120,
+        )

@@ -17,13 +17,26 @@ if TYPE_CHECKING:
     from specfleet.engine.sampling_params import SamplingParams
 
 _HOMES = {
-    "EngineConfig": "config", "LiveConfig": "config", "LLM": "llm", "Engine": "llm_engine",
-    "CompletionOutput": "outputs", "Logprob": "outputs", "PositionLogprobs": "outputs", "RequestOutput": "outputs",
+    "EngineConfig": "config",
+    "LiveConfig": "config",
+    "LLM": "llm",
+    "Engine": "llm_engine",
+    "CompletionOutput": "outputs",
+    "Logprob": "outputs",
+    "PositionLogprobs": "outputs",
+    "RequestOutput": "outputs",
     "SamplingParams": "sampling_params",
 }
 
 __all__ = [
-    "LLM", "CompletionOutput", "Engine", "EngineConfig", "LiveConfig", "Logprob", "PositionLogprobs", "RequestOutput",
+    "LLM",
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "LiveConfig",
+    "Logprob",
+    "PositionLogprobs",
+    "RequestOutput",
     "SamplingParams",
 ]
 

@@ -27,7 +27,9 @@ class KVContentError(AssertionError):
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, debug: bool = KV_DEBUG):
+    def __init__(
+        self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True, debug: bool = KV_DEBUG
+    ):
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
@@ -90,7 +92,9 @@ class BlockManager:
         """Give `seq` slots for `num_tokens` tokens, first adopting prefix-cache `hits` (only for a
         sequence with no blocks yet). All or nothing."""
         if not self.can_allocate(seq, num_tokens, hits):
-            raise NoFreeBlocksError(f"need {self.num_new_blocks(seq, num_tokens, hits)} blocks, {len(self.free)} free")
+            raise NoFreeBlocksError(
+                f"need {self.num_new_blocks(seq, num_tokens, hits)} blocks, {len(self.free)} free"
+            )
         if not seq.block_table and hits:
             for b in hits:
                 self._ref(b)
@@ -102,8 +106,12 @@ class BlockManager:
         """For n > 1: the parent's full, computed prompt blocks, which a sibling sample can adopt. Only
         prompt blocks: past the prompt the parent's blocks hold its own samples, not the child's."""
         bs = self.block_size
-        n = min(len(parent.block_table), (child.num_tokens - 1) // bs, parent.num_computed_tokens // bs,
-                child.num_prompt_tokens // bs)
+        n = min(
+            len(parent.block_table),
+            (child.num_tokens - 1) // bs,
+            parent.num_computed_tokens // bs,
+            child.num_prompt_tokens // bs,
+        )
         return parent.block_table[:n]
 
     def note_computed(self, seq: Sequence, start: int, tokens: list[int]) -> None:
@@ -114,8 +122,10 @@ class BlockManager:
         chain = _prefix_chain(seq.token_ids[:start] + list(tokens))
         for pos in range(start):
             if self._slot_prefix.get(self._slot(seq, pos)) != chain[pos]:
-                raise KVContentError(f"sequence {seq.seq_id} reads position {pos} from block "
-                                     f"{seq.block_table[pos // self.block_size]}, computed for other tokens")
+                raise KVContentError(
+                    f"sequence {seq.seq_id} reads position {pos} from block "
+                    f"{seq.block_table[pos // self.block_size]}, computed for other tokens"
+                )
         for pos in range(start, start + len(tokens)):
             self._slot_prefix[self._slot(seq, pos)] = chain[pos]
 
@@ -144,9 +154,14 @@ class BlockManager:
     def _check_block(self, seq: Sequence, index: int) -> None:
         bs = self.block_size
         chain = _prefix_chain(seq.token_ids[: (index + 1) * bs])
-        if any(self._slot_prefix.get(self._slot(seq, pos)) != chain[pos] for pos in range(index * bs, (index + 1) * bs)):
-            raise KVContentError(f"block {seq.block_table[index]} would be cached for sequence {seq.seq_id}'s "
-                                 f"tokens {index * bs}..{(index + 1) * bs - 1}, but holds K/V of other tokens")
+        if any(
+            self._slot_prefix.get(self._slot(seq, pos)) != chain[pos]
+            for pos in range(index * bs, (index + 1) * bs)
+        ):
+            raise KVContentError(
+                f"block {seq.block_table[index]} would be cached for sequence {seq.seq_id}'s "
+                f"tokens {index * bs}..{(index + 1) * bs - 1}, but holds K/V of other tokens"
+            )
 
     def trim(self, seq: Sequence, num_tokens: int) -> None:
         """Drop the blocks beyond what `num_tokens` tokens need (rejected speculative tokens)."""

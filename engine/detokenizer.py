@@ -17,8 +17,14 @@ PROMPT_CONTEXT_TOKENS = 5
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer, stop: list[str], include_stop: bool = False, prompt_ids: list[int] = (),
-                 skip_special_tokens: bool = True):
+    def __init__(
+        self,
+        tokenizer,
+        stop: list[str],
+        include_stop: bool = False,
+        prompt_ids: list[int] = (),
+        skip_special_tokens: bool = True,
+    ):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = stop
@@ -76,3 +82,19 @@ class TokenText:
         if text is None:
             text = self.cache[token_id] = self.tokenizer.decode([token_id])
         return text
+
+
+class TextCursor:
+    """A detokenizer's stand-in in the engine core: it keeps no text, only how many output tokens the
+    engine asked to turn into text, so the server's detokenizer covers the same tokens."""
+
+    __slots__ = ("upto",)
+
+    def __init__(self) -> None:
+        self.upto = 0
+
+    def update(self, output_ids: list[int], check_stop: bool = True) -> None:
+        self.upto = len(output_ids)
+
+    def visible_text(self, finished: bool) -> str:
+        return ""

@@ -53,8 +53,16 @@ def camel(snake: str) -> str:
     return head + "".join(part.title() for part in rest)
 
 
-def _declare(*, help: str, minimum: int, ceiling: str, label: str, default: int | Any = MISSING,
-             search: tuple[int, int] | None = None, spec_path: str | None = None) -> Any:
+def _declare(
+    *,
+    help: str,
+    minimum: int,
+    ceiling: str,
+    label: str,
+    default: int | Any = MISSING,
+    search: tuple[int, int] | None = None,
+    spec_path: str | None = None,
+) -> Any:
     return field(default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path)})
 
 
@@ -66,18 +74,37 @@ class LiveConfig:
     "How to add a tuned knob")."""
 
     num_speculative_tokens: int = _declare(
-        help="Speculative tokens per step (k)", minimum=0, ceiling="speculative_tokens_limit", label="k",
-        search=(0, 8), spec_path="speculative.num_speculative_tokens")
+        help="Speculative tokens per step (k)",
+        minimum=0,
+        ceiling="speculative_tokens_limit",
+        label="k",
+        search=(0, 8),
+        spec_path="speculative.num_speculative_tokens",
+    )
     max_num_seqs: int = _declare(
-        help="Live max_num_seqs", minimum=1, ceiling="seqs_limit", label="seqs", search=(8, 256),
-        spec_path="batching.max_num_seqs")
+        help="Live max_num_seqs",
+        minimum=1,
+        ceiling="seqs_limit",
+        label="seqs",
+        search=(8, 256),
+        spec_path="batching.max_num_seqs",
+    )
     max_num_batched_tokens: int = _declare(
-        help="Live max_num_batched_tokens", minimum=1, ceiling="batched_tokens_limit", label="tokens",
-        search=(512, 8192), spec_path="batching.max_num_batched_tokens")
+        help="Live max_num_batched_tokens",
+        minimum=1,
+        ceiling="batched_tokens_limit",
+        label="tokens",
+        search=(512, 8192),
+        spec_path="batching.max_num_batched_tokens",
+    )
     # Set by the tuner's load-shift rule (the guard), not searched: 0 never disables.
     speculative_disable_by_batch_size: int = _declare(
-        help="Batch size above which a step proposes nothing (0: never)", minimum=0, ceiling="seqs_limit",
-        label="guard", default=0)
+        help="Batch size above which a step proposes nothing (0: never)",
+        minimum=0,
+        ceiling="seqs_limit",
+        label="guard",
+        default=0,
+    )
 
     def as_dict(self) -> dict[str, int]:
         return {knob.name: getattr(self, knob.name) for knob in KNOBS}
@@ -102,5 +129,7 @@ def check_fields(cls: type, expected: tuple[str, ...], what: str) -> None:
     from the declaration; the message says what to add or remove."""
     have = tuple(f.name for f in fields(cls))
     if have != expected:
-        raise TypeError(f"{cls.__qualname__} must have the fields {expected} ({what}, from "
-                        f"specfleet.engine.knobs), in that order; it has {have}")
+        raise TypeError(
+            f"{cls.__qualname__} must have the fields {expected} ({what}, from "
+            f"specfleet.engine.knobs), in that order; it has {have}"
+        )

@@ -12,7 +12,9 @@ from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import SamplingParams
 from tqdm import tqdm
 
-Prompt = str | list[int] | Mapping[str, Any]  # text, token ids, {"prompt": ...} or {"prompt_token_ids": [...]}
+Prompt = (
+    str | list[int] | Mapping[str, Any]
+)  # text, token ids, {"prompt": ...} or {"prompt_token_ids": [...]}
 
 # vLLM's speculative_config keys -> EngineConfig fields (the method is read separately).
 SPECULATIVE_CONFIG_FIELDS = {
@@ -37,12 +39,16 @@ def engine_config_from_vllm_kwargs(model: str, kwargs: dict[str, Any]) -> Engine
         spec = dict(spec)
         unknown = sorted(set(spec) - set(SPECULATIVE_CONFIG_FIELDS) - {"method"})
         if unknown:
-            raise ValueError(f"speculative_config keys {unknown} are not supported; use "
-                             f"{sorted(SPECULATIVE_CONFIG_FIELDS) + ['method']}")
+            raise ValueError(
+                f"speculative_config keys {unknown} are not supported; use "
+                f"{sorted(SPECULATIVE_CONFIG_FIELDS) + ['method']}"
+            )
         method = spec.pop("method", None) or ("draft_model" if spec.get("model") else None)
         if method not in SPECULATIVE_METHOD_NAMES:
-            raise ValueError(f"speculative_config method={method!r} is not supported; use one of "
-                             f"{sorted(SPECULATIVE_METHOD_NAMES)} (a 'model' implies draft_model)")
+            raise ValueError(
+                f"speculative_config method={method!r} is not supported; use one of "
+                f"{sorted(SPECULATIVE_METHOD_NAMES)} (a 'model' implies draft_model)"
+            )
         kwargs["speculative_method"] = SPECULATIVE_METHOD_NAMES[method]
         kwargs.update({SPECULATIVE_CONFIG_FIELDS[k]: v for k, v in spec.items()})
     return EngineConfig(model=model, **kwargs)
@@ -76,7 +82,9 @@ class LLM:
             prompts = [prompts]
         prompts = [_prompt(p) for p in prompts]
         params = sampling_params
-        params_list = params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        params_list = (
+            params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+        )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
         ids = []
@@ -90,12 +98,17 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def chat(self, messages: list[dict] | list[list[dict]],
-             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = False) -> list[RequestOutput]:
+    def chat(
+        self,
+        messages: list[dict] | list[list[dict]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
         """Chat through the tokenizer's chat template; one conversation or a list of them."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        return self.generate([self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+        return self.generate(
+            [self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm
+        )
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         wanted, done = set(ids), {}
@@ -114,5 +127,7 @@ def _prompt(prompt: Prompt) -> str | list[int]:
         return prompt if isinstance(prompt, str) else list(prompt)
     unknown = sorted(set(prompt) - {"prompt", "prompt_token_ids"})
     if unknown or len(prompt) != 1:
-        raise ValueError(f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids', got {sorted(prompt)}")
+        raise ValueError(
+            f"a prompt dict needs exactly one of 'prompt' or 'prompt_token_ids', got {sorted(prompt)}"
+        )
     return prompt["prompt"] if "prompt" in prompt else list(prompt["prompt_token_ids"])

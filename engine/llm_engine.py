@@ -10,11 +10,12 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import replace
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
-from specfleet.engine.detokenizer import IncrementalDetokenizer, TokenText
+from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams
 from specfleet.engine.kv_transfer.connector import KVConnector
@@ -52,7 +53,16 @@ class _Request:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, **kwargs):
+    """`text_cursor`, when given, replaces each sample's detokenizer (the engine core's: the server
+    detokenizes and matches stop strings), and logprobs are then left undecoded."""
+
+    def __init__(
+        self,
+        config: EngineConfig | None = None,
+        *,
+        text_cursor: Callable[[], TextCursor] | None = None,
+        **kwargs,
+    ):
         if config is None:
             config = EngineConfig(**kwargs)
         elif kwargs:
@@ -105,7 +115,8 @@ class Engine:
         self._lock = threading.Lock()
         self._requests: dict[str, _Request] = {}
         self._seq_ids = itertools.count()
-        self.token_text = TokenText(self.tokenizer)
+        self.text_cursor = text_cursor
+        self.token_text = TokenText(self.tokenizer) if text_cursor is None else None
         # Pipeline parallelism: micro-batches launched into the stages and not yet collected, oldest first.
         self._pipeline_depth = self.runner.pipeline_depth if config.pipeline_overlap else 1
         self._in_flight: deque[tuple[SchedulerOutput, InFlight]] = deque()
@@ -170,7 +181,9 @@ class Engine:
             seq.parent = seqs[0] if seqs else None
             seqs.append(seq)
             detoks.append(
-                IncrementalDetokenizer(
+                self.text_cursor()
+                if self.text_cursor is not None
+                else IncrementalDetokenizer(
                     self.tokenizer,
                     params.stop,
                     params.include_stop_str_in_output,
@@ -286,6 +299,15 @@ class Engine:
             for seq in req.seqs:
                 if self.kv_connector is None or not self.kv_connector.abort(seq):
                     self.scheduler.finish(seq, "abort")
+
+    def finish_sequence(self, request_id: str, index: int, reason: str = "stop") -> None:
+        """End one sample of a request (the server matched a stop string in its text)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return
+        self.scheduler.finish(req.seqs[index], reason)
+        if all(s.is_finished for s in req.seqs):
+            del self._requests[request_id]
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
@@ -441,8 +463,9 @@ class Engine:
         self, sched: SchedulerOutput, result: ModelRunnerOutput | None, changed: list[tuple[Sequence, int]]
     ) -> list[RequestOutput]:
         now = time.monotonic()
+        decode = self.token_text
         lp_by_seq = {
-            item.seq.seq_id: [lp.decode_with(self.token_text) for lp in lps]
+            item.seq.seq_id: [lp.decode_with(decode) for lp in lps] if decode else lps
             for item, lps in zip(sched.scheduled, result.logprobs if result else [])
             if lps
         }
@@ -452,7 +475,9 @@ class Engine:
             if prompt_lps is not None and req is not None and req.prompt_logprobs is not None:
                 start, entries = prompt_lps
                 for pos, lp in enumerate(entries, start):
-                    req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or lp.decode_with(self.token_text)
+                    req.prompt_logprobs[pos] = req.prompt_logprobs[pos] or (
+                        lp.decode_with(decode) if decode else lp
+                    )
         for seq, _ in changed:
             req = self._requests.get(seq.request_id)
             if req is None:

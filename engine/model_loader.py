@@ -132,7 +132,9 @@ def _gguf_to_folder(gguf: Path) -> Path:
                 shutil.rmtree(target)
             os.replace(tmp, target)
         except OSError:
-            if not (target / "specfleet-converted.json").exists():  # not a concurrent conversion: a real error
+            if not (
+                target / "specfleet-converted.json"
+            ).exists():  # not a concurrent conversion: a real error
                 raise
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

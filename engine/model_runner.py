@@ -272,6 +272,10 @@ class ModelRunner:
         for item in sched.scheduled:
             if item.sample:
                 rows.append(SampleRows(item.seq, item.num_spec_tokens, rows[-1].end if rows else 0))
+        if all(_plain_greedy(r) for r in rows):  # no per-row settings to build: the argmax is the token
+            for r, token in zip(rows, logits.argmax(dim=-1).tolist()):
+                r.tokens = [token]
+            return self._collect(sched, rows, logits)
         row_seqs = [r.seq for r in rows for _ in range(r.k + 1)]
         raw = logits  # logprobs report the model's own distribution, as vLLM's default does
         batch = self.sampling_batch(row_seqs, logits.device)
@@ -362,6 +366,19 @@ class ModelRunner:
         offsets: list[int] | None = None,
     ) -> SamplingBatch:
         return build_sampling_batch(seqs, self.vocab_size, self.eos_token_ids, device, penalties, offsets)
+
+
+def _plain_greedy(row: SampleRows) -> bool:
+    """A greedy row with nothing that changes its logits (bias, masks, penalties, an unmet min_tokens)
+    and no proposals to verify: its token is the argmax, without the sampler's general machinery."""
+    seq, params = row.seq, row.seq.params
+    return (
+        not row.k
+        and params.temperature == 0
+        and not params.uses_bias
+        and not params.depends_on_history
+        and seq.num_output_tokens >= params.min_tokens
+    )
 
 
 def _trim_top(lp: PositionLogprobs, want: int) -> PositionLogprobs:

@@ -19,8 +19,9 @@ class PositionLogprobs(dict[int, Logprob]):
     """One position's logprobs in vLLM's shape (token id -> Logprob: the chosen token and the top-N),
     and by name: `token_id`, `logprob` and `top` (token id -> logprob of the top-N, most likely first)."""
 
-    def __init__(self, token_id: int, logprob: float, top: dict[int, float] | None = None,
-                 rank: int | None = None) -> None:
+    def __init__(
+        self, token_id: int, logprob: float, top: dict[int, float] | None = None, rank: int | None = None
+    ) -> None:
         top = top or {}
         ranks = {t: r for r, t in enumerate(top, 1)}
         super().__init__({token_id: Logprob(logprob, rank if rank is not None else ranks.get(token_id))})

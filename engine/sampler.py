@@ -57,8 +57,14 @@ class SamplingBatch:
     bias: torch.Tensor | None = None  # [rows, vocab] float32 added first: logit_bias and the masks
 
 
-def build_sampling_batch(seqs: list[Sequence], vocab: int, eos_token_ids: set[int], device: torch.device,
-                         penalties: bool = True, offsets: list[int] | None = None) -> SamplingBatch:
+def build_sampling_batch(
+    seqs: list[Sequence],
+    vocab: int,
+    eos_token_ids: set[int],
+    device: torch.device,
+    penalties: bool = True,
+    offsets: list[int] | None = None,
+) -> SamplingBatch:
     """Rows for `seqs` (a sequence appears once per row it samples). offsets: [rows] how far past the
     sequence's current output each row samples (speculative rows). penalties=False leaves out what
     `apply_penalties` needs (already applied to these logits)."""
@@ -68,10 +74,14 @@ def build_sampling_batch(seqs: list[Sequence], vocab: int, eos_token_ids: set[in
     f32 = dict(dtype=torch.float32, device=device)
     batch = SamplingBatch(
         temperature=torch.tensor([p.temperature for p in params], **f32),
-        top_k=(torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
-               if any(p.top_k > 0 for p in params) else None),
+        top_k=(
+            torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params], device=device)
+            if any(p.top_k > 0 for p in params)
+            else None
+        ),
         top_p=torch.tensor([p.top_p for p in params], **f32) if any(p.top_p < 1 for p in params) else None,
-        noise_keys=keys, all_greedy=all(p.temperature == 0 for p in params),
+        noise_keys=keys,
+        all_greedy=all(p.temperature == 0 for p in params),
         min_p=torch.tensor([p.min_p for p in params], **f32) if any(p.min_p > 0 for p in params) else None,
     )
     if not penalties:
@@ -91,8 +101,11 @@ def build_sampling_batch(seqs: list[Sequence], vocab: int, eos_token_ids: set[in
         for row, s in enumerate(seqs):
             if s.params.repetition_penalty != 1.0:
                 batch.seen[row, torch.tensor(s.token_ids, device=device)] = True
-    rows = [(row, s, o) for row, (s, o) in enumerate(zip(seqs, offsets))
-            if s.params.uses_bias or s.params.bad_words or s.num_output_tokens + o < s.params.min_tokens]
+    rows = [
+        (row, s, o)
+        for row, (s, o) in enumerate(zip(seqs, offsets))
+        if s.params.uses_bias or s.params.bad_words or s.num_output_tokens + o < s.params.min_tokens
+    ]
     if rows:
         batch.bias = torch.zeros(len(seqs), vocab, **f32)
         for row, s, offset in rows:
@@ -108,12 +121,16 @@ def _bias_row(bias: torch.Tensor, seq: Sequence, offset: int, eos_token_ids: set
     for token, value in (params.logit_bias or {}).items():
         if token < bias.numel():
             bias[token] += value
-    if seq.num_output_tokens + offset < params.min_tokens and seq.grammar is None:  # no stop before min_tokens
+    if (
+        seq.num_output_tokens + offset < params.min_tokens and seq.grammar is None
+    ):  # no stop before min_tokens
         # (a structured sequence's min_tokens is in its grammar mask, which may allow only a stop token)
         bias[sorted(eos_token_ids | set(params.stop_token_ids))] = -inf
     output = seq.output_token_ids
     for word in params.bad_words_token_ids or []:  # a word's last token, when the output ends with the rest
-        if len(word) == 1 or (len(output) >= len(word) - 1 and output[len(output) - len(word) + 1 :] == word[:-1]):
+        if len(word) == 1 or (
+            len(output) >= len(word) - 1 and output[len(output) - len(word) + 1 :] == word[:-1]
+        ):
             bias[word[-1]] = -inf
 
 
@@ -130,7 +147,9 @@ def apply_penalties(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return logits
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+def apply_top_k_top_p(
+    logits: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None
+) -> torch.Tensor:
     """Mask (to -inf) every token outside each row's top-k and top-p (nucleus) set."""
     if top_k is None and top_p is None:
         return logits
@@ -166,8 +185,9 @@ def processed_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return probs
 
 
-def exponential_noise(shape: tuple[int, int], keys: list[NoiseKey | None], default: torch.Generator,
-                      device: torch.device) -> torch.Tensor:
+def exponential_noise(
+    shape: tuple[int, int], keys: list[NoiseKey | None], default: torch.Generator, device: torch.device
+) -> torch.Tensor:
     """[rows, vocab] Exp(1) noise: keyed rows from their own stream, the others from `default`."""
     noise = torch.empty(shape, device=device).exponential_(generator=default)
     for row, key in enumerate(keys):
@@ -195,6 +215,9 @@ def logprobs_for(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> li
     if num_top:
         top_vals, top_ids = logp.topk(num_top, dim=-1)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return [PositionLogprobs(token, chosen[row], dict(zip(top_ids[row], top_vals[row])) if num_top else {},
-                             ranks[row])
-            for row, token in enumerate(tokens.tolist())]
+    return [
+        PositionLogprobs(
+            token, chosen[row], dict(zip(top_ids[row], top_vals[row])) if num_top else {}, ranks[row]
+        )
+        for row, token in enumerate(tokens.tolist())
+    ]

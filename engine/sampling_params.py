@@ -16,6 +16,8 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI and vLLM clamp a bias to [-100, 100]
 
 
@@ -82,7 +84,9 @@ class SamplingParams:
         if self.min_tokens < 0:
             raise ParameterError("min_tokens", f"min_tokens={self.min_tokens} must be >= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
-            raise ParameterError("min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}")
+            raise ParameterError(
+                "min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={self.max_tokens}"
+            )
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or not 0 <= value <= MAX_LOGPROBS):
@@ -92,21 +96,35 @@ class SamplingParams:
             if not -2.0 <= value <= 2.0:
                 raise ParameterError(name, f"{name}={value} must be between -2 and 2")
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
-            raise ParameterError("repetition_penalty", f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)")
+            raise ParameterError(
+                "repetition_penalty",
+                f"repetition_penalty={self.repetition_penalty} must be > 0 (1 disables it)",
+            )
         if not 0.0 <= self.min_p <= 1.0:
             raise ParameterError("min_p", f"min_p={self.min_p} must be between 0 and 1")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0 or not -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT:
-                raise ParameterError("logit_bias", f"logit_bias[{token}]={bias}: token ids must be >= 0 and biases between "
-                                 f"-{LOGIT_BIAS_LIMIT:g} and {LOGIT_BIAS_LIMIT:g}")
-        if self.allowed_token_ids is not None and (not self.allowed_token_ids or min(self.allowed_token_ids) < 0):
-            raise ParameterError("allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids >= 0")
+                raise ParameterError(
+                    "logit_bias",
+                    f"logit_bias[{token}]={bias}: token ids must be >= 0 and biases between "
+                    f"-{LOGIT_BIAS_LIMIT:g} and {LOGIT_BIAS_LIMIT:g}",
+                )
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids or min(self.allowed_token_ids) < 0
+        ):
+            raise ParameterError(
+                "allowed_token_ids", "allowed_token_ids must be a non-empty list of token ids >= 0"
+            )
         if self.bad_words is not None and any(not w or not w.strip() for w in self.bad_words):
             raise ParameterError("bad_words", "bad_words must not contain empty words")
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
-            raise ParameterError("truncate_prompt_tokens", f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be >= 1")
+            raise ParameterError(
+                "truncate_prompt_tokens", f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be >= 1"
+            )
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
-            raise ParameterError("num_speculative_tokens", f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0")
+            raise ParameterError(
+                "num_speculative_tokens", f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0"
+            )
         if any(not s for s in self.stop):
             raise ParameterError("stop", "stop must not contain empty strings")
 

@@ -21,27 +21,55 @@ from .supervisor import LocalFleet
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specfleet up", description="Run an InferenceService YAML locally: its "
-                                "replicas as engine processes, one OpenAI endpoint, the same tuner.")
-    p.add_argument("-f", "--file", required=True, help="InferenceService YAML (e.g. examples/smollm2-cpu.yaml)")
+    p = argparse.ArgumentParser(
+        prog="specfleet up",
+        description="Run an InferenceService YAML locally: its "
+        "replicas as engine processes, one OpenAI endpoint, the same tuner.",
+    )
+    p.add_argument(
+        "-f", "--file", required=True, help="InferenceService YAML (e.g. examples/smollm2-cpu.yaml)"
+    )
     p.add_argument("--host", default="127.0.0.1", help="address of the OpenAI endpoint")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI endpoint (0: any free port)")
-    p.add_argument("--prometheus-url", default=None,
-                   help="read metrics from this Prometheus (it must scrape the engines) instead of scraping them")
-    p.add_argument("--prometheus-selector", default=None,
-                   help='PromQL label matchers for this service\'s series (default: job="<name>")')
+    p.add_argument(
+        "--prometheus-url",
+        default=None,
+        help="read metrics from this Prometheus (it must scrape the engines) instead of scraping them",
+    )
+    p.add_argument(
+        "--prometheus-selector",
+        default=None,
+        help='PromQL label matchers for this service\'s series (default: job="<name>")',
+    )
     tune = p.add_mutually_exclusive_group()
-    tune.add_argument("--tune", dest="tune", action="store_true", default=None, help="tune even if autotune is off")
+    tune.add_argument(
+        "--tune", dest="tune", action="store_true", default=None, help="tune even if autotune is off"
+    )
     tune.add_argument("--no-tune", dest="tune", action="store_false", help="never tune")
-    p.add_argument("--interval", type=float, default=None, help="tuning interval in seconds (default: the spec's)")
+    p.add_argument(
+        "--interval", type=float, default=None, help="tuning interval in seconds (default: the spec's)"
+    )
     p.add_argument("--window", type=float, default=None, help="metrics rate window in seconds")
-    p.add_argument("--policy", default=None, choices=list(POLICIES),
-                   help="routing policy (default: the spec's routing.policy)")
-    p.add_argument("--freeze-file", default=None, metavar="PATH",
-                   help="while this file exists the tuner changes nothing (default: LOG_DIR/tuner-freeze); "
-                        "spec.autotune.freeze in the YAML freezes it from the start")
-    p.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
-                   help="extra engine argument (repeatable), e.g. --engine-arg=--kv-cache-gib=0.5")
+    p.add_argument(
+        "--policy",
+        default=None,
+        choices=list(POLICIES),
+        help="routing policy (default: the spec's routing.policy)",
+    )
+    p.add_argument(
+        "--freeze-file",
+        default=None,
+        metavar="PATH",
+        help="while this file exists the tuner changes nothing (default: LOG_DIR/tuner-freeze); "
+        "spec.autotune.freeze in the YAML freezes it from the start",
+    )
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="ARG",
+        help="extra engine argument (repeatable), e.g. --engine-arg=--kv-cache-gib=0.5",
+    )
     return p
 
 
@@ -55,8 +83,10 @@ def print_tick(tick: Tick) -> None:
     applied = ""
     if tick.applied is not None and (tick.applied.patched or tick.applied.failed):
         guard = "" if tick.guard is None else f" with speculative_disable_by_batch_size={tick.guard}"
-        applied = f" [{tick.applied.config.short()}{guard} applied to {len(tick.applied.patched)} engine(s)" + (
-            f", failed on {len(tick.applied.failed)}]" if tick.applied.failed else "]")
+        applied = (
+            f" [{tick.applied.config.short()}{guard} applied to {len(tick.applied.patched)} engine(s)"
+            + (f", failed on {len(tick.applied.failed)}]" if tick.applied.failed else "]")
+        )
     print(f"[tuner] {d.kind}: {d.reason}{applied}", flush=True)
 
 
@@ -66,21 +96,32 @@ async def run(fleet: LocalFleet) -> int:
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        print(f"starting {fleet.isvc.spec.replicas} engine(s) for {fleet.isvc.name}; logs in {fleet.log_dir}",
-              flush=True)
+        print(
+            f"starting {fleet.isvc.spec.replicas} engine(s) for {fleet.isvc.name}; logs in {fleet.log_dir}",
+            flush=True,
+        )
         start = asyncio.create_task(fleet.start())
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if start in done:
             start.result()
-            print(f"serving {fleet.isvc.spec.model.source} at {fleet.url}/v1 over {len(fleet.engine_urls)} engine(s): "
-                  f"{' '.join(fleet.engine_urls)}; routing: {fleet.router.policy.name} "
-                  f"({fleet.router.hasher.unit} blocks); router metrics at {fleet.url}/metrics", flush=True)
+            print(
+                f"serving {fleet.isvc.spec.model.source} at {fleet.url}/v1 over {len(fleet.engine_urls)} engine(s): "
+                f"{' '.join(fleet.engine_urls)}; routing: {fleet.router.policy.name} "
+                f"({fleet.router.hasher.unit} blocks); router metrics at {fleet.url}/metrics",
+                flush=True,
+            )
             if fleet.tuner is not None:
-                src = f"Prometheus {fleet.prometheus_url}" if fleet.prometheus_url else "direct /metrics scrape"
-                print(f"tuner on: every {fleet.tuner.policy.params.interval_s:.0f}s from {src}; Ctrl-C stops",
-                      flush=True)
-                print(f"freeze the tuner: touch {fleet.freeze_file}; resume: rm {fleet.freeze_file}", flush=True)
+                src = (
+                    f"Prometheus {fleet.prometheus_url}" if fleet.prometheus_url else "direct /metrics scrape"
+                )
+                print(
+                    f"tuner on: every {fleet.tuner.policy.params.interval_s:.0f}s from {src}; Ctrl-C stops",
+                    flush=True,
+                )
+                print(
+                    f"freeze the tuner: touch {fleet.freeze_file}; resume: rm {fleet.freeze_file}", flush=True
+                )
             await waiter
         else:
             start.cancel()
@@ -102,14 +143,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specfleet up: {error}", file=sys.stderr)
         return 2
     if isvc.spec.replicas < 1:
-        print(f"specfleet up: {args.file} has spec.replicas={isvc.spec.replicas}; set it to 1 or more",
-              file=sys.stderr)
+        print(
+            f"specfleet up: {args.file} has spec.replicas={isvc.spec.replicas}; set it to 1 or more",
+            file=sys.stderr,
+        )
         return 2
-    fleet = LocalFleet(isvc, host=args.host, port=args.port, prometheus_url=args.prometheus_url,
-                       prometheus_selector=args.prometheus_selector, tune=args.tune, interval_s=args.interval,
-                       window_s=args.window, engine_extra_args=list(args.engine_arg), on_tick=print_tick,
-                       policy=args.policy,
-                       freeze_file=Path(args.freeze_file) if args.freeze_file else None)
+    fleet = LocalFleet(
+        isvc,
+        host=args.host,
+        port=args.port,
+        prometheus_url=args.prometheus_url,
+        prometheus_selector=args.prometheus_selector,
+        tune=args.tune,
+        interval_s=args.interval,
+        window_s=args.window,
+        engine_extra_args=list(args.engine_arg),
+        on_tick=print_tick,
+        policy=args.policy,
+        freeze_file=Path(args.freeze_file) if args.freeze_file else None,
+    )
     return asyncio.run(run(fleet))
 
 

@@ -46,33 +46,42 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def local_engine_command(isvc: InferenceService, port: int, extra: list[str] | None = None,
-                         admin_port: int | None = None) -> list[str]:
+def local_engine_command(
+    isvc: InferenceService, port: int, extra: list[str] | None = None, admin_port: int | None = None
+) -> list[str]:
     """The pod's engine command line, on loopback ports (the admin API on `admin_port`, or beside the API
     when None), with ceilings that cover the tuner's bounds."""
     spec = isvc.spec
-    for name, source in (("model.source", spec.model.source),
-                         ("speculative.draftModel.source", (spec.speculative.draft_model or spec.model).source)):
+    for name, source in (
+        ("model.source", spec.model.source),
+        ("speculative.draftModel.source", (spec.speculative.draft_model or spec.model).source),
+    ):
         if not source.startswith(("bundled://", "file://", "hf://")):
-            raise ValueError(f"{name}={source!r} cannot run locally: use bundled://, file:///ABS/PATH or hf://")
+            raise ValueError(
+                f"{name}={source!r} cannot run locally: use bundled://, file:///ABS/PATH or hf://"
+            )
     draft = spec.speculative.draft_model.source if spec.speculative.draft_model else None
     args = engine_args(spec, spec.model.source, draft)
     args[args.index("--port") + 1] = str(port)
     at = args.index("--admin-port")
     if admin_port is None:
-        del args[at:at + 2]
+        del args[at : at + 2]
     else:
         args[at + 1] = str(admin_port)
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
-        del args[at:at + 2]
+        del args[at : at + 2]
     high = spec.autotune.bounds.model_dump()  # knob name -> [min, max] (the fields are made from the knobs)
-    args += ["--host", "127.0.0.1",
-             "--max-num-seqs-limit", str(max(high["max_num_seqs"][1], spec.batching.max_num_seqs)),
-             "--max-num-batched-tokens-limit",
-             str(max(high["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens)),
-             "--max-num-speculative-tokens",
-             str(max(high["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens))]
+    args += [
+        "--host",
+        "127.0.0.1",
+        "--max-num-seqs-limit",
+        str(max(high["max_num_seqs"][1], spec.batching.max_num_seqs)),
+        "--max-num-batched-tokens-limit",
+        str(max(high["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens)),
+        "--max-num-speculative-tokens",
+        str(max(high["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens)),
+    ]
     return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
 
 
@@ -120,10 +129,13 @@ class LocalFleet:
         routing = spec.routing
         name = self.policy or (routing.policy if routing.enabled else "least-loaded")
         options = {"load_factor": routing.load_factor_percent / 100} if name == "prefix" else {}
-        self.router = Router(EndpointSet(), make_policy(name, **options),
-                             BlockHasher(spec.engine.block_size, None, stable_hash(spec.model.source)),
-                             session_header=routing.session_header or None,
-                             queue_timeout_s=float(routing.queue_timeout_seconds))
+        self.router = Router(
+            EndpointSet(),
+            make_policy(name, **options),
+            BlockHasher(spec.engine.block_size, None, stable_hash(spec.model.source)),
+            session_header=routing.session_header or None,
+            queue_timeout_s=float(routing.queue_timeout_seconds),
+        )
         self.tuner: ServiceTuner | None = None
         self.replica_policy: ReplicaPolicy | None = None
         self.replica_decisions: list[ReplicaDecision] = []
@@ -171,8 +183,14 @@ class LocalFleet:
         port, admin_port = free_port(), free_port()
         extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
         command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
-        engine = EngineProcess(index, port, command, self._env, self.log_dir / f"engine-{index}.log",  # type: ignore[operator]
-                               role=role)
+        engine = EngineProcess(
+            index,
+            port,
+            command,
+            self._env,
+            self.log_dir / f"engine-{index}.log",  # type: ignore[operator]
+            role=role,
+        )
         self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
         engine.start()
         self.engines.append(engine)
@@ -186,19 +204,28 @@ class LocalFleet:
         if ready and self._cold_start is not None:
             self.cold_start_s = time.monotonic() - self._cold_start
             self._cold_start = None
-            self.say(f"[autoscaler] cold start: engine {engine.index} ready {self.cold_start_s:.1f}s after the "
-                     "first request queued")
+            self.say(
+                f"[autoscaler] cold start: engine {engine.index} ready {self.cold_start_s:.1f}s after the "
+                "first request queued"
+            )
         self.router.endpoints.set_state(engine.url, ready=ready, draining=draining)
         self.router.endpoints_changed()
 
     async def start(self, ready_timeout_s: float | None = None) -> None:
         spec = self.isvc.spec
         disagg = spec.disaggregation
-        if disagg is not None:  # its replicas replace spec.replicas; the replica knob scales the decode engines
+        if (
+            disagg is not None
+        ):  # its replicas replace spec.replicas; the replica knob scales the decode engines
             for _ in range(disagg.prefill.replicas):
                 self._new_engine("prefill")
-        replicas = (self.replica_policy.replicas if self.replica_policy is not None else
-                    spec.replicas if disagg is None else disagg.decode.replicas)
+        replicas = (
+            self.replica_policy.replicas
+            if self.replica_policy is not None
+            else spec.replicas
+            if disagg is None
+            else disagg.decode.replicas
+        )
         for _ in range(replicas):
             self._new_engine(self._scaled_role)
         await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
@@ -217,10 +244,17 @@ class LocalFleet:
         async def ready() -> list[str]:
             return self.ready_urls()
 
-        return build_tuner(self.isvc.name, self.isvc.spec, ready, self.token, admin_url=self.admin_url,
-                           prometheus_url=self.prometheus_url or "",
-                           prometheus_selector=self.prometheus_selector or f'job="{self.isvc.name}"',
-                           interval_s=self.interval_s, window_s=self.window_s)
+        return build_tuner(
+            self.isvc.name,
+            self.isvc.spec,
+            ready,
+            self.token,
+            admin_url=self.admin_url,
+            prometheus_url=self.prometheus_url or "",
+            prometheus_selector=self.prometheus_selector or f'job="{self.isvc.name}"',
+            interval_s=self.interval_s,
+            window_s=self.window_s,
+        )
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:
         try:
@@ -234,19 +268,25 @@ class LocalFleet:
         deadline = time.monotonic() + timeout_s
         async with httpx.AsyncClient(timeout=2.0) as client:
             while True:
-                pending = [e for e in engines if not getattr(self.router.endpoints.get(e.url), "ready", False)]
+                pending = [
+                    e for e in engines if not getattr(self.router.endpoints.get(e.url), "ready", False)
+                ]
                 if not pending:
                     return
                 for engine in pending:
                     if engine.proc is None or engine.proc.poll() is not None:
                         code = engine.proc.returncode if engine.proc is not None else None
-                        raise RuntimeError(f"engine {engine.index} ({engine.url}) exited with "
-                                           f"{describe_exit(code) if code is not None else 'no process'} while "
-                                           f"starting; last log lines:\n{engine.tail()}")
+                        raise RuntimeError(
+                            f"engine {engine.index} ({engine.url}) exited with "
+                            f"{describe_exit(code) if code is not None else 'no process'} while "
+                            f"starting; last log lines:\n{engine.tail()}"
+                        )
                     if await self._probe(client, engine.url):
                         self._set_routing(engine, ready=True)
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"engines not ready after {timeout_s:.0f}s; see logs in {self.log_dir}")
+                    raise TimeoutError(
+                        f"engines not ready after {timeout_s:.0f}s; see logs in {self.log_dir}"
+                    )
                 await asyncio.sleep(0.25)
 
     async def _supervise(self) -> None:
@@ -259,7 +299,9 @@ class LocalFleet:
                     self._on_exit(engine, code)
                 if engine.proc is None and engine.restart_at is not None and now >= engine.restart_at:
                     engine.restarts += 1
-                    self.say(f"[fleet] restarting engine {engine.index} ({engine.url}), restart {engine.restarts}")
+                    self.say(
+                        f"[fleet] restarting engine {engine.index} ({engine.url}), restart {engine.restarts}"
+                    )
                     engine.start()
             await asyncio.sleep(SUPERVISE_PERIOD_S)
 
@@ -274,9 +316,11 @@ class LocalFleet:
             self.say(f"[fleet] engine {engine.index} ({engine.url}) stopped ({describe_exit(code)})")
             return
         delay = (engine.restart_at or time.monotonic()) - time.monotonic()
-        self.say(f"[fleet] engine {engine.index} ({engine.url}) exited ({describe_exit(code)}) after "
-                 f"{time.monotonic() - engine.started_at:.0f}s; out of routing; restarting in {delay:.0f}s. "
-                 f"Last log lines ({engine.log_path}):\n{engine.tail()}")
+        self.say(
+            f"[fleet] engine {engine.index} ({engine.url}) exited ({describe_exit(code)}) after "
+            f"{time.monotonic() - engine.started_at:.0f}s; out of routing; restarting in {delay:.0f}s. "
+            f"Last log lines ({engine.log_path}):\n{engine.tail()}"
+        )
 
     async def _watch_ready(self) -> None:
         async with httpx.AsyncClient(timeout=2.0) as client:
@@ -302,7 +346,7 @@ class LocalFleet:
         for _ in range(replicas - len(active)):
             engine = self._new_engine(self._scaled_role)
             self.say(f"[fleet] scaling up: started engine {engine.index} ({engine.url})")
-        for engine in sorted(active, key=lambda e: e.index, reverse=True)[:max(0, len(active) - replicas)]:
+        for engine in sorted(active, key=lambda e: e.index, reverse=True)[: max(0, len(active) - replicas)]:
             engine.retiring = True
             self._set_routing(engine, ready=False, draining=True)
             self.say(f"[fleet] scaling down: draining engine {engine.index} ({engine.url})")
@@ -344,8 +388,14 @@ class LocalFleet:
         if self.replica_policy is None or self.tuner is None:
             return None
         policy, obs = self.tuner.policy, tick.observation
-        decision = self.replica_policy.decide(time.monotonic(), obs, policy.model(obs) if not obs.error else None,
-                                              policy.current, policy.params.slo, self.router.queued)
+        decision = self.replica_policy.decide(
+            time.monotonic(),
+            obs,
+            policy.model(obs) if not obs.error else None,
+            policy.current,
+            policy.params.slo,
+            self.router.queued,
+        )
         await self._act(decision)
         return decision
 
@@ -355,8 +405,14 @@ class LocalFleet:
         if self.replica_policy is None or self.replica_policy.replicas > 0 or self.router.stopping:
             return
         self._cold_start = time.monotonic()
-        decision = self.replica_policy.decide(time.monotonic(), None, None, None,
-                                              self.tuner.policy.params.slo if self.tuner else SLO(1.0, 1.0), waiting)
+        decision = self.replica_policy.decide(
+            time.monotonic(),
+            None,
+            None,
+            None,
+            self.tuner.policy.params.slo if self.tuner else SLO(1.0, 1.0),
+            waiting,
+        )
         self._tasks.append(asyncio.create_task(self._act(decision)))
 
     async def _act(self, decision: ReplicaDecision) -> None:
@@ -376,15 +432,20 @@ class LocalFleet:
         for engine in self.engines:
             self.router.endpoints.set_state(engine.url, ready=False, draining=True)
             engine.terminate()
-        grace = (drain_timeout_s if drain_timeout_s is not None else self.isvc.spec.engine.drain_timeout_seconds) + 10
+        grace = (
+            drain_timeout_s if drain_timeout_s is not None else self.isvc.spec.engine.drain_timeout_seconds
+        ) + 10
         deadline = time.monotonic() + grace
         while any(e.running for e in self.engines) and time.monotonic() < deadline:
             await asyncio.sleep(0.1)
         codes: list[int | None] = []
         for engine in self.engines:
             engine.kill()
-            codes.append(engine.proc.returncode if engine.proc is not None else
-                         (engine.exit_codes[-1] if engine.exit_codes else None))
+            codes.append(
+                engine.proc.returncode
+                if engine.proc is not None
+                else (engine.exit_codes[-1] if engine.exit_codes else None)
+            )
         if self._runner is not None:
             await self._runner.cleanup()
         if self.tuner is not None:

@@ -63,7 +63,9 @@ def kernel_for(kernel: Any, device: torch.device) -> Any:
     if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
         return kernel
     if device.type != "cpu":
-        raise ValueError(f"device={device} is not supported: Triton kernels run on cuda (or cpu, interpreted)")
+        raise ValueError(
+            f"device={device} is not supported: Triton kernels run on cuda (or cpu, interpreted)"
+        )
     key = id(kernel)
     if key not in _interpreted:
         _interpreted[key] = _InterpretedLaunch(kernel)

@@ -32,8 +32,9 @@ def check_paged_args(
     if num_kv_heads < 1 or num_heads % num_kv_heads:
         raise ValueError(f"num_heads={num_heads} is not a multiple of num_kv_heads={num_kv_heads}")
     check_tensor("block_tables", block_tables, device=device, dtypes=(torch.int32,), ndim=2)
-    check_tensor("query_start_loc", query_start_loc, device=device, dtypes=(torch.int32,), ndim=1,
-                 contiguous=True)
+    check_tensor(
+        "query_start_loc", query_start_loc, device=device, dtypes=(torch.int32,), ndim=1, contiguous=True
+    )
     check_tensor("seq_lens", seq_lens, device=device, dtypes=(torch.int32,), ndim=1, contiguous=True)
     num_seqs = seq_lens.shape[0]
     check_shape("query_start_loc", query_start_loc, (num_seqs + 1,))

@@ -13,15 +13,23 @@ def attend_paged_range(
     q,  # [BLOCK_M, BLOCK_D] the tile's queries (row m = query row qi[m] of one KV head's group)
     qi,  # [BLOCK_M] query row index of each tile row within its sequence
     first_pos,  # position of the sequence's first query row (seq_len - q_len)
-    lo, hi,  # context positions [lo, hi) to attend to
-    seq, kv_head,
-    d, d_ok,  # [BLOCK_D] head-dim offsets and their mask
+    lo,
+    hi,  # context positions [lo, hi) to attend to
+    seq,
+    kv_head,
+    d,
+    d_ok,  # [BLOCK_D] head-dim offsets and their mask
     k_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] key cache, contiguous
     v_cache_ptr,  # [num_blocks, block_size, num_kv_heads, head_dim] value cache, contiguous
     block_tables_ptr,  # [num_seqs, max_num_blocks] int32 physical block per logical block
-    stride_bt, num_kv_heads, head_dim, block_size,
+    stride_bt,
+    num_kv_heads,
+    head_dim,
+    block_size,
     qk_scale,  # softmax scale * log2(e)
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
     UPCAST: tl.constexpr,  # do the dots in fp32 (the interpreter's bf16 dot is wrong)
     PRECISION: tl.constexpr,  # tl.dot input precision
 ):

@@ -56,7 +56,9 @@ def reshape_and_cache(
     check_tensor("k_cache", k_cache, device=device, dtypes=FLOAT_DTYPES, ndim=4, contiguous=True)
     check_tensor("v_cache", v_cache, device=device, dtypes=(k_cache.dtype,), ndim=4, contiguous=True)
     if v_cache.shape != k_cache.shape:
-        raise ValueError(f"v_cache.shape={tuple(v_cache.shape)} differs from k_cache.shape={tuple(k_cache.shape)}")
+        raise ValueError(
+            f"v_cache.shape={tuple(v_cache.shape)} differs from k_cache.shape={tuple(k_cache.shape)}"
+        )
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     check_tensor("key", key, device=device, dtypes=FLOAT_DTYPES, ndim=3)
     check_tensor("value", value, device=device, dtypes=(key.dtype,), ndim=3)
@@ -73,10 +75,19 @@ def reshape_and_cache(
     if num_tokens == 0:
         return
     kernel_for(_reshape_and_cache_kernel, device)[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        num_kv_heads, head_dim,
-        BLOCK_H=next_pow2(num_kv_heads), BLOCK_D=next_pow2(head_dim),
+        key,
+        value,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        key.stride(0),
+        key.stride(1),
+        value.stride(0),
+        value.stride(1),
+        num_kv_heads,
+        head_dim,
+        BLOCK_H=next_pow2(num_kv_heads),
+        BLOCK_D=next_pow2(head_dim),
         num_warps=4 if num_kv_heads * head_dim >= 1024 else 1,
     )
 

@@ -36,8 +36,17 @@ def _paged_decode_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32 first query row of each sequence
     seq_lens_ptr,  # [num_seqs] int32 context length including this step's tokens
     qk_scale,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    num_tokens, num_heads, num_kv_heads, head_dim, block_size, split_len,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    num_tokens,
+    num_heads,
+    num_kv_heads,
+    head_dim,
+    block_size,
+    split_len,
     GROUP: tl.constexpr,  # query heads per KV head
     BLOCK_M: tl.constexpr,  # >= max_query_len * GROUP, power of two, >= 16
     BLOCK_N: tl.constexpr,  # context tokens per inner-loop tile
@@ -61,16 +70,40 @@ def _paged_decode_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     q_rows = (q_start + qi).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
     lo = split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     m_i, l_i, acc = attend_paged_range(
-        q, qi, first_pos, lo, hi, seq, kv_head, d, d_ok, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        stride_bt, num_kv_heads, head_dim, block_size, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION)
+        q,
+        qi,
+        first_pos,
+        lo,
+        hi,
+        seq,
+        kv_head,
+        d,
+        d_ok,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        stride_bt,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        qk_scale,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        UPCAST,
+        PRECISION,
+    )
 
     valid = row_ok[:, None] & d_ok[None, :]
     if SPLIT:
@@ -89,8 +122,12 @@ def _merge_splits_kernel(
     out_ptr,  # [num_tokens, num_heads, head_dim] output
     part_acc_ptr,  # [num_splits, num_tokens, num_heads, BLOCK_D] fp32 partial sums
     part_ml_ptr,  # [num_splits, num_tokens, num_heads, 2] fp32 running max (log2) and sum
-    stride_ot, stride_oh,
-    num_tokens, num_heads, head_dim, num_splits,
+    stride_ot,
+    stride_oh,
+    num_tokens,
+    num_heads,
+    head_dim,
+    num_splits,
     BLOCK_S: tl.constexpr,  # >= num_splits, power of two
     BLOCK_D: tl.constexpr,  # >= head_dim, power of two
 ):
@@ -107,8 +144,11 @@ def _merge_splits_kernel(
     denom = tl.sum(w * l_s, 0)
     acc = tl.load(part_acc_ptr + part[:, None] * BLOCK_D + d[None, :], mask=s_ok[:, None], other=0.0)
     out = tl.sum(acc * w[:, None], 0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + d, out.to(out_ptr.dtype.element_ty),
-             mask=d < head_dim)
+    tl.store(
+        out_ptr + token * stride_ot + head * stride_oh + d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d < head_dim,
+    )
 
 
 def pick_num_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int, device: torch.device) -> int:
@@ -132,10 +172,13 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads, num_kv_heads, head_dim = check_paged_args(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out
+    )
     if not 1 <= max_query_len <= MAX_DECODE_QUERY_LEN:
-        raise ValueError(f"max_query_len={max_query_len} must be in 1..{MAX_DECODE_QUERY_LEN} for the decode "
-                         "kernel; use paged_prefill_attention for longer queries")
+        raise ValueError(
+            f"max_query_len={max_query_len} must be in 1..{MAX_DECODE_QUERY_LEN} for the decode "
+            "kernel; use paged_prefill_attention for longer queries"
+        )
     device = query.device
     num_tokens, num_seqs = query.shape[0], seq_lens.shape[0]
     if out is None:
@@ -156,25 +199,58 @@ def paged_decode_attention(
     num_splits = -(-max(max_seq_len, 1) // split_len)
     split = num_splits > 1
     if split:
-        part_acc = torch.empty((num_splits, num_tokens, num_heads, block_d), dtype=torch.float32, device=device)
+        part_acc = torch.empty(
+            (num_splits, num_tokens, num_heads, block_d), dtype=torch.float32, device=device
+        )
         part_ml = torch.empty((num_splits, num_tokens, num_heads, 2), dtype=torch.float32, device=device)
     else:
         part_acc = part_ml = out  # unused
     num_warps = 4 if block_m * block_d >= 128 * 64 else 2
     kernel_for(_paged_decode_kernel, device)[(num_seqs, num_kv_heads, num_splits)](
-        out, part_acc, part_ml, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        out,
+        part_acc,
+        part_ml,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
         scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        num_tokens, num_heads, num_kv_heads, head_dim, k_cache.shape[1], split_len,
-        GROUP=group, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d, SPLIT=split,
-        UPCAST=interpreted, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=num_warps, num_stages=2,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        num_tokens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        split_len,
+        GROUP=group,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        SPLIT=split,
+        UPCAST=interpreted,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=num_warps,
+        num_stages=2,
     )
     if split:
         kernel_for(_merge_splits_kernel, device)[(num_tokens, num_heads)](
-            out, part_acc, part_ml, out.stride(0), out.stride(1),
-            num_tokens, num_heads, head_dim, num_splits,
-            BLOCK_S=next_pow2(num_splits), BLOCK_D=block_d, num_warps=1 if block_d <= 64 else 2,
+            out,
+            part_acc,
+            part_ml,
+            out.stride(0),
+            out.stride(1),
+            num_tokens,
+            num_heads,
+            head_dim,
+            num_splits,
+            BLOCK_S=next_pow2(num_splits),
+            BLOCK_D=block_d,
+            num_warps=1 if block_d <= 64 else 2,
         )
     return out
-

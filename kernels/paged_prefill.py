@@ -31,8 +31,14 @@ def _paged_prefill_kernel(
     query_start_loc_ptr,  # [num_seqs + 1] int32 first query row of each sequence
     seq_lens_ptr,  # [num_seqs] int32 context length including this step's tokens
     qk_scale,  # softmax scale * log2(e)
-    stride_qt, stride_qh, stride_ot, stride_oh, stride_bt,
-    num_kv_heads, head_dim, block_size,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_bt,
+    num_kv_heads,
+    head_dim,
+    block_size,
     GROUP: tl.constexpr,  # query heads per KV head
     ROWS: tl.constexpr,  # query rows per tile = BLOCK_M // GROUP
     BLOCK_M: tl.constexpr,  # (row, head) pairs per tile, power of two, >= 16
@@ -58,15 +64,39 @@ def _paged_prefill_kernel(
     d = tl.arange(0, BLOCK_D)
     d_ok = d < head_dim
     q_rows = (q_start + qi).to(tl.int64)
-    q = tl.load(q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                mask=row_ok[:, None] & d_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + q_rows[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=row_ok[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         q = q.to(tl.float32)
 
     hi = tl.minimum(first_pos + (tile + 1) * ROWS, seq_len)  # one past the tile's last row position
     m_i, l_i, acc = attend_paged_range(
-        q, qi, first_pos, 0, hi, seq, kv_head, d, d_ok, k_cache_ptr, v_cache_ptr, block_tables_ptr,
-        stride_bt, num_kv_heads, head_dim, block_size, qk_scale, BLOCK_M, BLOCK_N, BLOCK_D, UPCAST, PRECISION)
+        q,
+        qi,
+        first_pos,
+        0,
+        hi,
+        seq,
+        kv_head,
+        d,
+        d_ok,
+        k_cache_ptr,
+        v_cache_ptr,
+        block_tables_ptr,
+        stride_bt,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        qk_scale,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_D,
+        UPCAST,
+        PRECISION,
+    )
 
     out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + q_rows[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :]
@@ -86,7 +116,8 @@ def paged_prefill_attention(
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     num_heads, num_kv_heads, head_dim = check_paged_args(
-        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out)
+        query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out
+    )
     if max_query_len < 1:
         raise ValueError(f"max_query_len={max_query_len} must be >= 1")
     device = query.device
@@ -105,13 +136,31 @@ def paged_prefill_attention(
     block_n = 64 if interpreted or head_dim <= 64 else 32
     num_tiles = -(-max_query_len // rows)
     kernel_for(_paged_prefill_kernel, device)[(num_seqs, num_kv_heads, num_tiles)](
-        out, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        out,
+        query,
+        k_cache,
+        v_cache,
+        block_tables,
+        query_start_loc,
+        seq_lens,
         scale * _LOG2E,
-        query.stride(0), query.stride(1), out.stride(0), out.stride(1), block_tables.stride(0),
-        num_kv_heads, head_dim, k_cache.shape[1],
-        GROUP=group, ROWS=rows, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=block_d,
-        UPCAST=interpreted, PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
-        num_warps=4 if block_d <= 64 else 8, num_stages=2,
+        query.stride(0),
+        query.stride(1),
+        out.stride(0),
+        out.stride(1),
+        block_tables.stride(0),
+        num_kv_heads,
+        head_dim,
+        k_cache.shape[1],
+        GROUP=group,
+        ROWS=rows,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_D=block_d,
+        UPCAST=interpreted,
+        PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        num_warps=4 if block_d <= 64 else 8,
+        num_stages=2,
     )
     return out
 

@@ -27,8 +27,14 @@ def _q4_matmul_kernel(
     qw_ptr,  # [K / 8, N] int32: bits 4j..4j+3 of word (i, n) = code of input row 8i + j, column n
     s_ptr,  # [K / G, N] scales
     mn_ptr,  # [K / G, N] mins: W.T[k, n] = code * scale + min
-    M, N, K, G,
-    stride_xm, stride_ym, stride_qk, stride_sg,
+    M,
+    N,
+    K,
+    G,
+    stride_xm,
+    stride_ym,
+    stride_qk,
+    stride_sg,
     BLOCK_M: tl.constexpr,  # rows of x per program (>= 16 for tl.dot)
     BLOCK_N: tl.constexpr,  # output columns per program
     BLOCK_K: tl.constexpr,  # input rows per step, a multiple of 8 dividing G
@@ -49,10 +55,16 @@ def _q4_matmul_kernel(
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < k_hi
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                    other=0.0)
-        words = tl.load(qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :],
-                        mask=mask_k[:, None] & mask_n[None, :], other=0)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :],
+            other=0.0,
+        )
+        words = tl.load(
+            qw_ptr + (offs_k // 8)[:, None] * stride_qk + offs_n[None, :],
+            mask=mask_k[:, None] & mask_n[None, :],
+            other=0,
+        )
         codes = (words >> ((offs_k % 8) * 4)[:, None]) & 0xF
         group = k0 // G  # BLOCK_K divides G: one group per step
         s = tl.load(s_ptr + group * stride_sg + offs_n, mask=mask_n, other=0.0)
@@ -78,12 +90,16 @@ def pack_gptq_layout(q: QuantTensor, dtype: torch.dtype, device: torch.device):
     words = (codes << (torch.arange(8).view(1, 8, 1) * 4)).sum(dim=1)
     qweight = (words - (words >= 2**31).long() * 2**32).to(torch.int32)  # to two's complement
     to = dict(device=device)
-    return (qweight.contiguous().to(**to), q.scales.t().contiguous().to(dtype=dtype, **to),
-            q.mins.t().contiguous().to(dtype=dtype, **to))
+    return (
+        qweight.contiguous().to(**to),
+        q.scales.t().contiguous().to(dtype=dtype, **to),
+        q.mins.t().contiguous().to(dtype=dtype, **to),
+    )
 
 
-def q4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor,
-              group_size: int) -> torch.Tensor:
+def q4_matmul(
+    x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor, group_size: int
+) -> torch.Tensor:
     """y [M, N] = x [M, K] @ dequantized weight (the layout of `pack_gptq_layout`)."""
     device = x.device
     check_tensor("x", x, device=device, dtypes=FLOAT_DTYPES, ndim=2)
@@ -92,9 +108,16 @@ def q4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
     check_tensor("mins", mins, device=device, dtypes=FLOAT_DTYPES, ndim=2, contiguous=True)
     m, k = x.shape
     n = qweight.shape[1]
-    if qweight.shape[0] * 8 != k or k % group_size or scales.shape != (k // group_size, n) or mins.shape != scales.shape:
-        raise ValueError(f"shapes do not fit: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
-                         f"{tuple(scales.shape)}, mins {tuple(mins.shape)}, group_size {group_size}")
+    if (
+        qweight.shape[0] * 8 != k
+        or k % group_size
+        or scales.shape != (k // group_size, n)
+        or mins.shape != scales.shape
+    ):
+        raise ValueError(
+            f"shapes do not fit: x {tuple(x.shape)}, qweight {tuple(qweight.shape)}, scales "
+            f"{tuple(scales.shape)}, mins {tuple(mins.shape)}, group_size {group_size}"
+        )
     block_k = next(b for b in (64, 32, 16, 8) if group_size % b == 0) if group_size % 8 == 0 else None
     if block_k is None:
         raise ValueError(f"group_size={group_size} must be a multiple of 8")
@@ -108,13 +131,32 @@ def q4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
         split_k *= 2
     if is_interpreted(device):
         split_k = 1  # the interpreter has no atomics worth testing against; the split runs on CUDA checks
-    y = torch.zeros(m, n, device=device, dtype=torch.float32) if split_k > 1 else torch.empty(m, n, device=device,
-                                                                                                 dtype=x.dtype)
+    y = (
+        torch.zeros(m, n, device=device, dtype=torch.float32)
+        if split_k > 1
+        else torch.empty(m, n, device=device, dtype=x.dtype)
+    )
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), split_k)
     kernel_for(_q4_matmul_kernel, device)[grid](
-        y, x, qweight, scales, mins, m, n, k, group_size, x.stride(0), y.stride(0), qweight.stride(0),
-        scales.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", num_warps=4,
+        y,
+        x,
+        qweight,
+        scales,
+        mins,
+        m,
+        n,
+        k,
+        group_size,
+        x.stride(0),
+        y.stride(0),
+        qweight.stride(0),
+        scales.stride(0),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=split_k,
+        PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        num_warps=4,
     )
     return y.to(x.dtype)
 
@@ -122,8 +164,13 @@ def q4_matmul(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, mins
 class TritonQuantLinear:
     """``x @ W.T (+ bias) (+ residual)`` for a 4-bit AWQ/GPTQ weight on CUDA (or CPU, interpreted)."""
 
-    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None, device: torch.device,
-                 dtype: torch.dtype = torch.bfloat16):
+    def __init__(
+        self,
+        weight: QuantTensor,
+        bias: torch.Tensor | None,
+        device: torch.device,
+        dtype: torch.dtype = torch.bfloat16,
+    ):
         self.out_features, self.in_features = weight.shape
         self.group_size = weight.group_size
         self.qweight, self.scales, self.mins = pack_gptq_layout(weight, dtype, device)

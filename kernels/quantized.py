@@ -37,11 +37,15 @@ class QuantTensor:
         if self.codes.dtype != want:
             raise ValueError(f"{self.fmt}: {self.bits}-bit codes must be {want}, got {self.codes.dtype}")
         if self.group_size < 2 or self.group_size % 2 or k % self.group_size:
-            raise ValueError(f"{self.fmt}: group_size={self.group_size} must be even and divide the input size {k}")
+            raise ValueError(
+                f"{self.fmt}: group_size={self.group_size} must be even and divide the input size {k}"
+            )
         groups = (n, k // self.group_size)
         for name, t in (("scales", self.scales), ("mins", self.mins)):
             if t is not None and (tuple(t.shape) != groups or t.dtype != torch.float32):
-                raise ValueError(f"{self.fmt}: {name} must be float32 {groups}, got {t.dtype} {tuple(t.shape)}")
+                raise ValueError(
+                    f"{self.fmt}: {name} must be float32 {groups}, got {t.dtype} {tuple(t.shape)}"
+                )
         if self.perm is not None and tuple(self.perm.shape) != (k,):
             raise ValueError(f"{self.fmt}: perm must have {k} entries, got {tuple(self.perm.shape)}")
 
@@ -70,8 +74,12 @@ class QuantTensor:
 
     def select_rows(self, index: torch.Tensor) -> QuantTensor:
         """Output rows in a new order (undoing GGUF's q/k row permutation works on the codes as is)."""
-        return replace(self, codes=self.codes.index_select(0, index), scales=self.scales.index_select(0, index),
-                       mins=None if self.mins is None else self.mins.index_select(0, index))
+        return replace(
+            self,
+            codes=self.codes.index_select(0, index),
+            scales=self.scales.index_select(0, index),
+            mins=None if self.mins is None else self.mins.index_select(0, index),
+        )
 
     @staticmethod
     def cat(parts: Sequence[QuantTensor]) -> QuantTensor | None:
@@ -79,7 +87,10 @@ class QuantTensor:
         first = parts[0]
         for p in parts[1:]:
             if (p.bits, p.group_size, p.shape[1], p.mins is None) != (
-                first.bits, first.group_size, first.shape[1], first.mins is None
+                first.bits,
+                first.group_size,
+                first.shape[1],
+                first.mins is None,
             ) or not _same_perm(p.perm, first.perm):
                 return None
         return replace(

@@ -19,16 +19,35 @@ def build_parser() -> argparse.ArgumentParser:
         description="Reconcile InferenceService resources into engine Deployments, Services and PDBs.",
     )
     scope = parser.add_mutually_exclusive_group()
-    scope.add_argument("--namespace", "-n", action="append", default=[], metavar="NS",
-                       help="watch this namespace (repeatable; glob patterns such as 'team-*' work)")
+    scope.add_argument(
+        "--namespace",
+        "-n",
+        action="append",
+        default=[],
+        metavar="NS",
+        help="watch this namespace (repeatable; glob patterns such as 'team-*' work)",
+    )
     scope.add_argument("--all-namespaces", "-A", action="store_true", help="watch every namespace")
-    parser.add_argument("--liveness-port", type=int, default=None, metavar="PORT",
-                        help="serve kopf's health check at http://0.0.0.0:PORT/healthz")
-    parser.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
-                        help="serve the operator's Prometheus metrics at http://0.0.0.0:PORT/metrics "
-                             "(InferenceService conditions and generations, tuner state; docs/sre.md)")
-    parser.add_argument("--standalone", action="store_true",
-                        help="do not coordinate with other operator instances (no kopf peering objects)")
+    parser.add_argument(
+        "--liveness-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve kopf's health check at http://0.0.0.0:PORT/healthz",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        metavar="PORT",
+        help="serve the operator's Prometheus metrics at http://0.0.0.0:PORT/metrics "
+        "(InferenceService conditions and generations, tuner state; docs/sre.md)",
+    )
+    parser.add_argument(
+        "--standalone",
+        action="store_true",
+        help="do not coordinate with other operator instances (no kopf peering objects)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
@@ -63,28 +82,37 @@ def main(argv: list[str]) -> int:
             print(f"specfleet operator: {flag} {port} is not a TCP port (1-65535)")
             return 2
     if args.metrics_port is not None and args.metrics_port == args.liveness_port:
-        print(f"specfleet operator: --metrics-port and --liveness-port are both {args.metrics_port}; use two ports")
+        print(
+            f"specfleet operator: --metrics-port and --liveness-port are both {args.metrics_port}; use two ports"
+        )
         return 2
     import kopf  # imported here so that `specfleet --help` stays fast
 
-    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
     kopf.configure(verbose=args.verbose)
     loaded = load_handlers()
-    logging.getLogger("specfleet.operator").info("handlers=%s scope=%s", ",".join(loaded),
-                                                 "cluster" if args.all_namespaces else ",".join(args.namespace))
+    logging.getLogger("specfleet.operator").info(
+        "handlers=%s scope=%s",
+        ",".join(loaded),
+        "cluster" if args.all_namespaces else ",".join(args.namespace),
+    )
     liveness = f"http://0.0.0.0:{args.liveness_port}/healthz" if args.liveness_port else None
     if args.metrics_port is not None:
         from . import metrics
 
         metrics.serve(args.metrics_port)
     try:
-        asyncio.run(kopf.operator(
-            standalone=args.standalone,
-            clusterwide=args.all_namespaces,
-            namespaces=args.namespace,
-            liveness_endpoint=liveness,
-        ))
+        asyncio.run(
+            kopf.operator(
+                standalone=args.standalone,
+                clusterwide=args.all_namespaces,
+                namespaces=args.namespace,
+                liveness_endpoint=liveness,
+            )
+        )
     except KeyboardInterrupt:
         return 130
     return 0

@@ -34,6 +34,7 @@ class Cond:
 @dataclass(frozen=True)
 class Rollout:
     """What the Deployment controller reports about the Deployment the reconcile applied."""
+
     desired: int
     synced: bool  # the controller has observed the Deployment's latest generation
     replicas: int  # pods of every revision
@@ -46,9 +47,14 @@ class Rollout:
         status = (deployment or {}).get("status") or {}
         if deployment is None or "observedGeneration" not in status:
             return None
-        return cls(desired, status["observedGeneration"] >= deployment["metadata"].get("generation", 0),
-                   status.get("replicas", 0), status.get("updatedReplicas", 0), status.get("availableReplicas", 0),
-                   status.get("readyReplicas", 0))
+        return cls(
+            desired,
+            status["observedGeneration"] >= deployment["metadata"].get("generation", 0),
+            status.get("replicas", 0),
+            status.get("updatedReplicas", 0),
+            status.get("availableReplicas", 0),
+            status.get("readyReplicas", 0),
+        )
 
     @property
     def complete(self) -> bool:
@@ -61,8 +67,10 @@ class Rollout:
             return "the Deployment controller has not observed the latest Deployment yet"
         old = self.replicas - self.updated
         if self.updated < self.desired or old > 0:
-            return (f"rolling out a new pod template: {self.updated}/{self.desired} pods updated, "
-                    f"{self.available} available, {old} old pod(s) left")
+            return (
+                f"rolling out a new pod template: {self.updated}/{self.desired} pods updated, "
+                f"{self.available} available, {old} old pod(s) left"
+            )
         if self.available < self.desired:
             return f"scaling to {self.desired} replicas: {self.available}/{self.desired} available"
         return f"{self.available}/{self.desired} replicas available, all on the latest pod template"
@@ -102,10 +110,16 @@ def deployment_conditions(isvc: InferenceService, deployment: dict[str, Any] | N
 
     if deadline:
         message = found["Progressing"].get("message", "")
-        degraded = Cond("Degraded", "True", "ProgressDeadlineExceeded",
-                        f"{message}; check `kubectl describe pods -l {LABEL_ISVC}={isvc.name}`")
+        degraded = Cond(
+            "Degraded",
+            "True",
+            "ProgressDeadlineExceeded",
+            f"{message}; check `kubectl describe pods -l {LABEL_ISVC}={isvc.name}`",
+        )
     elif failure.get("status") == "True":
-        degraded = Cond("Degraded", "True", "ReplicaFailure", failure.get("message", "pods cannot be created"))
+        degraded = Cond(
+            "Degraded", "True", "ReplicaFailure", failure.get("message", "pods cannot be created")
+        )
     else:
         degraded = Cond("Degraded", "False", "AsExpected", "no problem reported")
     return [ready_cond, progressing, degraded]
@@ -137,7 +151,9 @@ def condition_entries(
             "status": cond.status,
             "reason": cond.reason,
             "message": cond.message[:4096],
-            "lastTransitionTime": now if changed or "lastTransitionTime" not in old else old["lastTransitionTime"],
+            "lastTransitionTime": now
+            if changed or "lastTransitionTime" not in old
+            else old["lastTransitionTime"],
         }
         if generation is not None:
             entry["observedGeneration"] = generation
@@ -150,13 +166,19 @@ def tuning_seed(isvc: InferenceService) -> dict[str, Any] | None:
     spec = isvc.spec
     if spec.autotune.enabled:
         return None
-    return {**{camel(name): value for name, value in spec.start_values().items()},
-            "reason": "autotune is off: values from spec"}
+    return {
+        **{camel(name): value for name, value in spec.start_values().items()},
+        "reason": "autotune is off: values from spec",
+    }
 
 
 def build_status(
-    isvc: InferenceService, deployment: dict[str, Any] | None, previous: dict[str, Any], now: str,
-    conditions: list[Cond] | None = None, observed: bool | None = None,
+    isvc: InferenceService,
+    deployment: dict[str, Any] | None,
+    previous: dict[str, Any],
+    now: str,
+    conditions: list[Cond] | None = None,
+    observed: bool | None = None,
 ) -> dict[str, Any]:
     """The reconcile's whole share of status, server-side applied as its field manager (a field it owned
     and omits now is removed; the tuner's fields are not its to touch).
@@ -184,5 +206,8 @@ def build_status(
     if seed is not None:
         before = previous.get("tuning") or {}
         unchanged = seed == {k: before.get(k) for k in seed}
-        status["tuning"] = {**seed, "lastDecisionTime": before.get("lastDecisionTime", now) if unchanged else now}
+        status["tuning"] = {
+            **seed,
+            "lastDecisionTime": before.get("lastDecisionTime", now) if unchanged else now,
+        }
     return status

@@ -31,8 +31,10 @@ class OperatorConfig:
 
     def __post_init__(self) -> None:
         if self.network_policy and not (self.operator_namespace and self.operator_pod_labels):
-            raise ValueError("a NetworkPolicy needs the operator's namespace and pod labels: set POD_NAMESPACE and "
-                             "SPECFLEET_OPERATOR_POD_LABELS (the Helm chart sets both)")
+            raise ValueError(
+                "a NetworkPolicy needs the operator's namespace and pod labels: set POD_NAMESPACE and "
+                "SPECFLEET_OPERATOR_POD_LABELS (the Helm chart sets both)"
+            )
         if self.reconcile_interval_seconds <= 0:
             raise ValueError(
                 f"reconcile interval {self.reconcile_interval_seconds!r}s must be > 0; "

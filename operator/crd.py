@@ -34,25 +34,57 @@ _DROP = {"title", "additionalProperties", "prefixItems", "$defs"}
 PRINTER_COLUMNS = [
     {"name": "Model", "type": "string", "jsonPath": ".spec.model.source"},
     {"name": "Replicas", "type": "integer", "jsonPath": ".spec.replicas"},
-    {"name": "Ready", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
-     "description": "True once the rollout is complete: every replica updated and available"},
+    {
+        "name": "Ready",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+        "description": "True once the rollout is complete: every replica updated and available",
+    },
     {"name": "Reason", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Ready")].reason'},
-    {"name": "K", "type": "integer", "jsonPath": ".status.tuning.numSpeculativeTokens",
-     "description": "Speculative tokens per step now in force"},
+    {
+        "name": "K",
+        "type": "integer",
+        "jsonPath": ".status.tuning.numSpeculativeTokens",
+        "description": "Speculative tokens per step now in force",
+    },
     {"name": "MaxSeqs", "type": "integer", "jsonPath": ".status.tuning.maxNumSeqs"},
-    {"name": "TPOT-p95", "type": "number", "jsonPath": ".status.tuning.observed.tpotP95Ms",
-     "description": "Observed time per output token, p95, in ms"},
+    {
+        "name": "TPOT-p95",
+        "type": "number",
+        "jsonPath": ".status.tuning.observed.tpotP95Ms",
+        "description": "Observed time per output token, p95, in ms",
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
     # -o wide (priority 1): the rest of the config in force and the tuner's state, for SREs
     {"name": "ReadyPods", "type": "integer", "jsonPath": ".status.readyReplicas", "priority": 1},
-    {"name": "MaxTokens", "type": "integer", "jsonPath": ".status.tuning.maxNumBatchedTokens", "priority": 1,
-     "description": "max_num_batched_tokens now in force"},
-    {"name": "SpecOffAbove", "type": "integer", "jsonPath": ".status.tuning.speculativeDisableByBatchSize",
-     "priority": 1, "description": "Batch size above which a step proposes nothing (0: never)"},
-    {"name": "TTFT-p95", "type": "number", "jsonPath": ".status.tuning.observed.ttftP95Ms", "priority": 1,
-     "description": "Observed time to first token, p95, in ms"},
-    {"name": "Tuned", "type": "string", "jsonPath": '.status.conditions[?(@.type=="Tuned")].reason', "priority": 1,
-     "description": "The tuner's last outcome (ConfigChanged, Holding, Idle, Reverted, MetricsUnavailable, ...)"},
+    {
+        "name": "MaxTokens",
+        "type": "integer",
+        "jsonPath": ".status.tuning.maxNumBatchedTokens",
+        "priority": 1,
+        "description": "max_num_batched_tokens now in force",
+    },
+    {
+        "name": "SpecOffAbove",
+        "type": "integer",
+        "jsonPath": ".status.tuning.speculativeDisableByBatchSize",
+        "priority": 1,
+        "description": "Batch size above which a step proposes nothing (0: never)",
+    },
+    {
+        "name": "TTFT-p95",
+        "type": "number",
+        "jsonPath": ".status.tuning.observed.ttftP95Ms",
+        "priority": 1,
+        "description": "Observed time to first token, p95, in ms",
+    },
+    {
+        "name": "Tuned",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="Tuned")].reason',
+        "priority": 1,
+        "description": "The tuner's last outcome (ConfigChanged, Holding, Idle, Reverted, MetricsUnavailable, ...)",
+    },
     {"name": "LastDecision", "type": "date", "jsonPath": ".status.tuning.lastDecisionTime", "priority": 1},
 ]
 NAME_RULE = {
@@ -64,10 +96,18 @@ NAME_RULE = {
 # Where the Kubernetes OpenAPI comes from: the JSON schemas kubernetes-validate ships (a test dependency; the
 # CRD is generated at development time), for the oldest Kubernetes we support.
 KUBERNETES_SCHEMA_VERSION = "v1.30.0-local"
-_KEEP_X = {"x-kubernetes-list-type", "x-kubernetes-list-map-keys", "x-kubernetes-map-type",
-           "x-kubernetes-int-or-string", "x-kubernetes-preserve-unknown-fields"}
+_KEEP_X = {
+    "x-kubernetes-list-type",
+    "x-kubernetes-list-map-keys",
+    "x-kubernetes-map-type",
+    "x-kubernetes-int-or-string",
+    "x-kubernetes-preserve-unknown-fields",
+}
 _FREE_FORM = {"io.k8s.apimachinery.pkg.apis.meta.v1.ObjectMeta"}  # embedded metadata: not validated nested
-_INT_OR_STRING = {"io.k8s.apimachinery.pkg.api.resource.Quantity", "io.k8s.apimachinery.pkg.util.intstr.IntOrString"}
+_INT_OR_STRING = {
+    "io.k8s.apimachinery.pkg.api.resource.Quantity",
+    "io.k8s.apimachinery.pkg.util.intstr.IntOrString",
+}
 
 
 def _kubernetes_definitions() -> dict[str, Any]:
@@ -75,8 +115,12 @@ def _kubernetes_definitions() -> dict[str, Any]:
 
     import kubernetes_validate
 
-    path = (Path(kubernetes_validate.__file__).parent / "kubernetes-json-schema" / KUBERNETES_SCHEMA_VERSION
-            / "_definitions.json")
+    path = (
+        Path(kubernetes_validate.__file__).parent
+        / "kubernetes-json-schema"
+        / KUBERNETES_SCHEMA_VERSION
+        / "_definitions.json"
+    )
     return json.loads(path.read_text())["$defs"]
 
 
@@ -128,7 +172,11 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
         branches = [b for b in node["anyOf"] if b.get("type") != "null"]
         if len(branches) != 1:
             raise ValueError(f"cannot express anyOf {node['anyOf']} as a structural schema")
-        extras = {k: v for k, v in node.items() if k not in ("anyOf", "default") or (k == "default" and v is not None)}
+        extras = {
+            k: v
+            for k, v in node.items()
+            if k not in ("anyOf", "default") or (k == "default" and v is not None)
+        }
         return structural({**branches[0], **extras}, defs)
     out: dict[str, Any] = {}
     for key, value in node.items():
@@ -163,7 +211,9 @@ def model_schema(model: type[BaseModel]) -> dict[str, Any]:
 
 def build_crd() -> dict[str, Any]:
     spec = model_schema(InferenceServiceSpec)
-    spec["description"] = "Desired state: the model, the engine, batching, speculation, scheduling, SLO and tuning."
+    spec["description"] = (
+        "Desired state: the model, the engine, batching, speculation, scheduling, SLO and tuning."
+    )
     status = model_schema(InferenceServiceStatus)
     status["description"] = "Observed state, written by the operator and the tuner; never by users."
     root = {
@@ -185,20 +235,31 @@ def build_crd() -> dict[str, Any]:
         "spec": {
             "group": GROUP,
             "scope": "Namespaced",
-            "names": {"kind": KIND, "listKind": LIST_KIND, "plural": PLURAL, "singular": SINGULAR,
-                      "shortNames": list(SHORT_NAMES), "categories": ["all", "specfleet"]},
-            "versions": [{
-                "name": VERSION,
-                "served": True,
-                "storage": True,
-                "schema": {"openAPIV3Schema": root},
-                "subresources": {
-                    "status": {},
-                    "scale": {"specReplicasPath": ".spec.replicas", "statusReplicasPath": ".status.replicas",
-                              "labelSelectorPath": ".status.selector"},
-                },
-                "additionalPrinterColumns": PRINTER_COLUMNS,
-            }],
+            "names": {
+                "kind": KIND,
+                "listKind": LIST_KIND,
+                "plural": PLURAL,
+                "singular": SINGULAR,
+                "shortNames": list(SHORT_NAMES),
+                "categories": ["all", "specfleet"],
+            },
+            "versions": [
+                {
+                    "name": VERSION,
+                    "served": True,
+                    "storage": True,
+                    "schema": {"openAPIV3Schema": root},
+                    "subresources": {
+                        "status": {},
+                        "scale": {
+                            "specReplicasPath": ".spec.replicas",
+                            "statusReplicasPath": ".status.replicas",
+                            "labelSelectorPath": ".status.selector",
+                        },
+                    },
+                    "additionalPrinterColumns": PRINTER_COLUMNS,
+                }
+            ],
         },
     }
 
@@ -208,8 +269,10 @@ class _NoAliasDumper(yaml.SafeDumper):
         return True
 
 
-_HEADER = ("# Generated by `python -m specfleet.operator.crd` from operator/spec.py and operator/status.py.\n"
-           "# Do not edit by hand: change the pydantic models and regenerate.\n")
+_HEADER = (
+    "# Generated by `python -m specfleet.operator.crd` from operator/spec.py and operator/status.py.\n"
+    "# Do not edit by hand: change the pydantic models and regenerate.\n"
+)
 
 
 def render_crd_yaml() -> str:
@@ -225,21 +288,31 @@ def render_chart_crd_template() -> str:
     labels = "    app.kubernetes.io/part-of: specfleet\n"
     if labels not in body:
         raise ValueError("the CRD's metadata.labels changed: update render_chart_crd_template")
-    keep = ("  {{- if .Values.crds.keep }}\n  annotations:\n    # `helm uninstall` must not delete every "
-            "InferenceService with the CRD\n    helm.sh/resource-policy: keep\n  {{- end }}\n")
+    keep = (
+        "  {{- if .Values.crds.keep }}\n  annotations:\n    # `helm uninstall` must not delete every "
+        "InferenceService with the CRD\n    helm.sh/resource-policy: keep\n  {{- end }}\n"
+    )
     body = body.replace(labels, labels + keep, 1)
     return _HEADER + "{{- if .Values.crds.install }}\n" + body + "{{- end }}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--check", action="store_true", help="fail if a committed CRD differs from the models")
+    parser.add_argument(
+        "--check", action="store_true", help="fail if a committed CRD differs from the models"
+    )
     args = parser.parse_args(argv)
-    texts = {**{path: render_crd_yaml() for path in PLAIN_CRD_PATHS}, CHART_CRD_PATH: render_chart_crd_template()}
+    texts = {
+        **{path: render_crd_yaml() for path in PLAIN_CRD_PATHS},
+        CHART_CRD_PATH: render_chart_crd_template(),
+    }
     stale = [p for p, text in texts.items() if not p.exists() or p.read_text() != text]
     if args.check:
         for path in stale:
-            print(f"{path} is stale: run `python -m specfleet.operator.crd` and commit the result", file=sys.stderr)
+            print(
+                f"{path} is stale: run `python -m specfleet.operator.crd` and commit the result",
+                file=sys.stderr,
+            )
         return 1 if stale else 0
     for path, text in texts.items():
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -64,7 +64,9 @@ def kube_client(memo: kopf.Memo) -> KubeClient:
     tuner's) share it through this function."""
     if getattr(memo, "client", None) is None:
         if "info" not in _credentials:
-            raise kopf.TemporaryError("no Kubernetes credentials yet; retrying", delay=TEMPORARY_DELAY_SECONDS)
+            raise kopf.TemporaryError(
+                "no Kubernetes credentials yet; retrying", delay=TEMPORARY_DELAY_SECONDS
+            )
         memo.client = KubeClient.from_connection_info(_credentials["info"])
     return memo.client
 
@@ -86,8 +88,9 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger
             current = await client.get(object_path(KIND, meta["namespace"], meta["name"]))
             if current is None or current["metadata"].get("uid") != meta["uid"]:
                 return Outcome(status={})  # deleted (or replaced) meanwhile: nothing to report on
-            metrics.saw_generation(meta["namespace"], meta["name"], int(current["metadata"].get("generation") or 0),
-                                   meta["uid"])
+            metrics.saw_generation(
+                meta["namespace"], meta["name"], int(current["metadata"].get("generation") or 0), meta["uid"]
+            )
             outcome = await Reconciler(client, memo.config).reconcile(current, now=timestamp())
             await client.apply_status(meta["namespace"], meta["name"], outcome.status, FIELD_MANAGER)
             metrics.reconciled(meta["namespace"], meta["name"], outcome.status, meta["uid"])
@@ -96,11 +99,14 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger
                 memo.client = None  # credentials rotated: rebuild from kopf's fresh login next time
             raise kopf.TemporaryError(f"{error}; retrying", delay=TEMPORARY_DELAY_SECONDS) from error
         except OSError as error:  # connection refused/reset: the API server is restarting
-            raise kopf.TemporaryError(f"cannot reach the Kubernetes API: {error}",
-                                      delay=TEMPORARY_DELAY_SECONDS) from error
+            raise kopf.TemporaryError(
+                f"cannot reach the Kubernetes API: {error}", delay=TEMPORARY_DELAY_SECONDS
+            ) from error
     for event in outcome.events:
         post = kopf.warn if event.type == "Warning" else kopf.info
-        post(cast(kopf.Body, dict(current)), reason=event.reason, message=event.message)  # kopf reads it as a Body
+        post(
+            cast(kopf.Body, dict(current)), reason=event.reason, message=event.message
+        )  # kopf reads it as a Body
     logger.debug("reconciled: %s", {c["type"]: c["status"] for c in outcome.status.get("conditions", [])})
     return outcome
 
@@ -108,19 +114,33 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger
 @kopf.on.resume(GROUP, VERSION, PLURAL)
 @kopf.on.create(GROUP, VERSION, PLURAL)
 @kopf.on.update(GROUP, VERSION, PLURAL)
-@kopf.timer(GROUP, VERSION, PLURAL, interval=CONFIG.reconcile_interval_seconds,
-            initial_delay=min(5.0, CONFIG.reconcile_interval_seconds), sharp=False)
+@kopf.timer(
+    GROUP,
+    VERSION,
+    PLURAL,
+    interval=CONFIG.reconcile_interval_seconds,
+    initial_delay=min(5.0, CONFIG.reconcile_interval_seconds),
+    sharp=False,
+)
 async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: the children go with it (owner references)
     outcome = await converge(body, memo, logger)
     if outcome.invalid:
-        raise kopf.PermanentError(f"{outcome.invalid}\nFix the spec; the operator retries on the next change.")
+        raise kopf.PermanentError(
+            f"{outcome.invalid}\nFix the spec; the operator retries on the next change."
+        )
 
 
 def _owner(body: Mapping[str, Any]) -> dict[str, Any] | None:
-    return next((o for o in body["metadata"].get("ownerReferences") or []
-                 if o.get("kind") == KIND and o.get("apiVersion") == API_VERSION and o.get("controller")), None)
+    return next(
+        (
+            o
+            for o in body["metadata"].get("ownerReferences") or []
+            if o.get("kind") == KIND and o.get("apiVersion") == API_VERSION and o.get("controller")
+        ),
+        None,
+    )
 
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY})
@@ -132,7 +152,11 @@ async def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logg
         return
     namespace = body["metadata"]["namespace"]
     isvc = await kube_client(memo).get(object_path(KIND, namespace, owner["name"]))
-    if isvc is None or isvc["metadata"].get("uid") != owner.get("uid") or isvc["metadata"].get("deletionTimestamp"):
+    if (
+        isvc is None
+        or isvc["metadata"].get("uid") != owner.get("uid")
+        or isvc["metadata"].get("deletionTimestamp")
+    ):
         return
     await converge(isvc, memo, logger)
 
@@ -152,8 +176,9 @@ def drop_finalizer_requirements(registry: Any) -> int:
     many handlers changed; tests/operator/test_op_semantics.py checks that no finalizer is ever added."""
     spawning = registry._spawning  # kopf has no public switch for this (timers hard-code requires_finalizer)
     changed = [h for h in spawning._handlers if getattr(h, "requires_finalizer", False)]
-    spawning._handlers = [dataclasses.replace(h, requires_finalizer=False) if h in changed else h
-                          for h in spawning._handlers]
+    spawning._handlers = [
+        dataclasses.replace(h, requires_finalizer=False) if h in changed else h for h in spawning._handlers
+    ]
     return len(changed)
 
 

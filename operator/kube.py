@@ -73,14 +73,21 @@ class KubeClient:
         context = info.as_ssl_context() if info.server.startswith("https") else None
         return cls(info.server, headers=info.as_http_headers(), ssl_context=context)
 
-    async def _request(self, method: str, path: str, body: Any = None, content_type: str = "application/json",
-                       params: dict[str, str] | None = None) -> tuple[int, Any]:
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        body: Any = None,
+        content_type: str = "application/json",
+        params: dict[str, str] | None = None,
+    ) -> tuple[int, Any]:
         if self._session is None or self._session.closed:
             self._session = aiohttp.ClientSession(timeout=self._timeout, headers=self._headers)
         data = None if body is None else json.dumps(body)
         headers = {"Content-Type": content_type} if body is not None else {}
-        async with self._session.request(method, self.server + path, data=data, headers=headers,
-                                         params=params, ssl=self._ssl) as response:
+        async with self._session.request(
+            method, self.server + path, data=data, headers=headers, params=params, ssl=self._ssl
+        ) as response:
             text = await response.text()
             if response.status >= 400:
                 if response.status == 404:
@@ -96,7 +103,9 @@ class KubeClient:
         meta = obj["metadata"]
         status, created = await self._request("POST", object_path(obj["kind"], meta["namespace"]), obj)
         if status == 404:
-            raise ApiError(404, "POST", object_path(obj["kind"], meta["namespace"]), "namespace or kind not found")
+            raise ApiError(
+                404, "POST", object_path(obj["kind"], meta["namespace"]), "namespace or kind not found"
+            )
         return created
 
     async def apply(self, obj: dict[str, Any], manager: str = FIELD_MANAGER) -> dict[str, Any]:
@@ -107,12 +116,18 @@ class KubeClient:
         _, applied = await self._request("PATCH", path, obj, "application/apply-patch+yaml", params)
         return applied
 
-    async def apply_status(self, namespace: str, name: str, status: dict[str, Any], manager: str) -> dict[str, Any] | None:
+    async def apply_status(
+        self, namespace: str, name: str, status: dict[str, Any], manager: str
+    ) -> dict[str, Any] | None:
         """Server-side apply of an InferenceService's status subresource as `manager`: the fields it sends are
         its own (a condition is one entry of the conditions map, keyed by type), fields it sent before and
         omits now are removed, and other managers' fields are left alone. None when the object is gone."""
-        body = {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name, "namespace": namespace},
-                "status": _without_nulls(status)}
+        body = {
+            "apiVersion": API_VERSION,
+            "kind": KIND,
+            "metadata": {"name": name, "namespace": namespace},
+            "status": _without_nulls(status),
+        }
         params = {"fieldManager": manager, "force": "true"}
         path = object_path(KIND, namespace, name) + "/status"
         return (await self._request("PATCH", path, body, "application/apply-patch+yaml", params))[1]

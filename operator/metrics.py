@@ -24,20 +24,37 @@ from prometheus_client import CollectorRegistry, Gauge, start_http_server
 REGISTRY = CollectorRegistry()
 _SERVICE = ["namespace", "service"]
 
-CONDITION = Gauge("specfleet_inferenceservice_condition",
-                  "1 for each status condition of an InferenceService, labelled with its status and reason",
-                  [*_SERVICE, "type", "status", "reason"], registry=REGISTRY)
-GENERATION = Gauge("specfleet_inferenceservice_generation",
-                   "metadata.generation the operator last saw (bumped by every spec change)", _SERVICE,
-                   registry=REGISTRY)
-OBSERVED_GENERATION = Gauge("specfleet_inferenceservice_observed_generation",
-                            "The generation the operator last reconciled successfully", _SERVICE, registry=REGISTRY)
-TUNER_STATIC_INTERVALS = Gauge("specfleet_tuner_static_intervals",
-                               "Consecutive tuning intervals without metrics (the tuner holds the config: fail "
-                               "static); 0 while it tunes", _SERVICE, registry=REGISTRY)
-TUNER_FROZEN = Gauge("specfleet_tuner_frozen",
-                     "1 while the tuner is frozen (spec.autotune.freeze or the specfleet.io/tuner-freeze "
-                     "annotation)", _SERVICE, registry=REGISTRY)
+CONDITION = Gauge(
+    "specfleet_inferenceservice_condition",
+    "1 for each status condition of an InferenceService, labelled with its status and reason",
+    [*_SERVICE, "type", "status", "reason"],
+    registry=REGISTRY,
+)
+GENERATION = Gauge(
+    "specfleet_inferenceservice_generation",
+    "metadata.generation the operator last saw (bumped by every spec change)",
+    _SERVICE,
+    registry=REGISTRY,
+)
+OBSERVED_GENERATION = Gauge(
+    "specfleet_inferenceservice_observed_generation",
+    "The generation the operator last reconciled successfully",
+    _SERVICE,
+    registry=REGISTRY,
+)
+TUNER_STATIC_INTERVALS = Gauge(
+    "specfleet_tuner_static_intervals",
+    "Consecutive tuning intervals without metrics (the tuner holds the config: fail "
+    "static); 0 while it tunes",
+    _SERVICE,
+    registry=REGISTRY,
+)
+TUNER_FROZEN = Gauge(
+    "specfleet_tuner_frozen",
+    "1 while the tuner is frozen (spec.autotune.freeze or the specfleet.io/tuner-freeze annotation)",
+    _SERVICE,
+    registry=REGISTRY,
+)
 
 _lock = threading.Lock()
 _conditions: dict[tuple[str, str], set[tuple[str, str, str]]] = {}  # service -> label sets set now

@@ -70,6 +70,7 @@ async def retry_on_conflict(action: Callable[[], Awaitable[T]], what: str) -> T:
 @dataclass(frozen=True)
 class Refusal:
     """A child the API server refused (403, 422, ...): reported in status, not raised."""
+
     kind: str
     name: str
     status: int
@@ -96,11 +97,15 @@ class Reconciler:
     async def reconcile(self, body: Mapping[str, Any], now: str) -> Outcome:
         previous = dict(body.get("status") or {})
         try:
-            isvc = parse_inference_service(body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}")
+            isvc = parse_inference_service(
+                body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}"
+            )
         except InvalidInferenceService as error:
             return self._invalid(body, previous, str(error), now)
         refusal = isvc.spec.cluster_refusal()
-        if refusal is not None:  # admission refuses it too (CEL); an object stored before that rule lands here
+        if (
+            refusal is not None
+        ):  # admission refuses it too (CEL); an object stored before that rule lands here
             return self._invalid(body, previous, f"{isvc.namespace}/{isvc.name}: {refusal}", now)
 
         events: list[Event] = []
@@ -137,8 +142,14 @@ class Reconciler:
             conds = _refused_conditions(conds, conflict, refused, deployment_refused or conflict is not None)
         if monitored is not None:
             conds.append(monitored)
-        status = build_status(isvc, deployment, previous, now, conds,
-                              observed=True if conflict is not None or deployment_refused else None)
+        status = build_status(
+            isvc,
+            deployment,
+            previous,
+            now,
+            conds,
+            observed=True if conflict is not None or deployment_refused else None,
+        )
         events += transition_events(previous, status)
         return Outcome(status=status, events=events, children=children)
 
@@ -147,18 +158,25 @@ class Reconciler:
         generation = meta.get("generation", 0)
         conds: list[Cond] = invalid_spec_conditions(message)
         # The reconcile's other fields stay as they were (server-side apply would remove what it omits).
-        status: dict[str, Any] = {key: previous[key] for key in ("replicas", "readyReplicas", "selector", "endpoint")
-                                  if key in previous}
-        status.update({
-            "observedGeneration": generation,
-            "conditions": condition_entries(previous.get("conditions") or [], conds, generation, now),
-        })
+        status: dict[str, Any] = {
+            key: previous[key]
+            for key in ("replicas", "readyReplicas", "selector", "endpoint")
+            if key in previous
+        }
+        status.update(
+            {
+                "observedGeneration": generation,
+                "conditions": condition_entries(previous.get("conditions") or [], conds, generation, now),
+            }
+        )
         before = {c.get("type"): c for c in previous.get("conditions") or []}.get("Degraded", {})
         repeated = before.get("reason") == "InvalidSpec" and before.get("message") == message
         events = [] if repeated else [Event("Warning", "InvalidSpec", message)]  # once per distinct problem
         return Outcome(status=status, events=events, invalid=message)
 
-    async def _converge_secret(self, isvc: InferenceService, events: list[Event], refused: list[Refusal]) -> str | None:
+    async def _converge_secret(
+        self, isvc: InferenceService, events: list[Event], refused: list[Refusal]
+    ) -> str | None:
         """Create the admin token once; afterwards only make sure we own it. Its data is never rewritten.
 
         A Secret of that name that specfleet did not create (without its labels) is never adopted: the
@@ -179,15 +197,21 @@ class Reconciler:
             return None
         labels = existing["metadata"].get("labels") or {}
         if labels.get(LABEL_MANAGED_BY) != MANAGED_BY or labels.get(LABEL_ISVC) != isvc.name:
-            return (f"Secret {name} already exists and specfleet did not create it (it lacks the labels "
-                    f"{LABEL_MANAGED_BY}={MANAGED_BY} and {LABEL_ISVC}={isvc.name}); the operator will not adopt "
-                    f"it as the admin token. Rename or delete that Secret, or rename the InferenceService")
+            return (
+                f"Secret {name} already exists and specfleet did not create it (it lacks the labels "
+                f"{LABEL_MANAGED_BY}={MANAGED_BY} and {LABEL_ISVC}={isvc.name}); the operator will not adopt "
+                f"it as the admin token. Rename or delete that Secret, or rename the InferenceService"
+            )
         owners = existing["metadata"].get("ownerReferences") or []
         if not any(o.get("uid") == isvc.metadata.uid for o in owners):
-            await self.client.merge_patch(path, {"metadata": {"ownerReferences": [*owners, owner_reference(isvc)]}})
+            await self.client.merge_patch(
+                path, {"metadata": {"ownerReferences": [*owners, owner_reference(isvc)]}}
+            )
         return None
 
-    async def _child(self, obj: dict[str, Any], events: list[Event], refused: list[Refusal]) -> dict[str, Any] | None:
+    async def _child(
+        self, obj: dict[str, Any], events: list[Event], refused: list[Refusal]
+    ) -> dict[str, Any] | None:
         """Apply one child; a refusal is recorded (and None returned), anything transient is raised."""
         try:
             return await retry_on_conflict(lambda: self._apply(obj, events), obj["kind"])
@@ -197,26 +221,49 @@ class Reconciler:
             refused.append(_refusal(obj, error))
             return None
 
-    async def _service_monitor(self, isvc: InferenceService, children: dict[str, dict[str, Any]]) -> Cond | None:
+    async def _service_monitor(
+        self, isvc: InferenceService, children: dict[str, dict[str, Any]]
+    ) -> Cond | None:
         """The optional ServiceMonitor, as the chart's serviceMonitor.enabled says: a problem with it is the
         `Monitored` condition, never a failed reconcile."""
         if not self.config.service_monitor:
             return None
         if not await self.client.has_api("monitoring.coreos.com/v1"):
-            return Cond("Monitored", "False", "PrometheusOperatorMissing",
-                        "the cluster serves no monitoring.coreos.com/v1 ServiceMonitor: install the Prometheus "
-                        "Operator, or set serviceMonitor.enabled=false in the Helm chart")
+            return Cond(
+                "Monitored",
+                "False",
+                "PrometheusOperatorMissing",
+                "the cluster serves no monitoring.coreos.com/v1 ServiceMonitor: install the Prometheus "
+                "Operator, or set serviceMonitor.enabled=false in the Helm chart",
+            )
         monitor = render_servicemonitor(isvc)
         try:
-            children["ServiceMonitor"] = await retry_on_conflict(lambda: self._apply(monitor, []), "servicemonitor")
+            children["ServiceMonitor"] = await retry_on_conflict(
+                lambda: self._apply(monitor, []), "servicemonitor"
+            )
         except ApiError as error:
             if _fatal(error):
                 raise
-            hint = ("the operator's RBAC has no rule for servicemonitors: upgrade the chart with "
-                    "serviceMonitor.enabled=true, or set it to false") if error.status == 403 else "report it"
-            return Cond("Monitored", "False", "Forbidden" if error.status == 403 else "Refused",
-                        f"ServiceMonitor {isvc.name}: the API server answered {error.status}: {error.message}; {hint}")
-        return Cond("Monitored", "True", "ServiceMonitorApplied", f"ServiceMonitor {isvc.name} scrapes the engine pods")
+            hint = (
+                (
+                    "the operator's RBAC has no rule for servicemonitors: upgrade the chart with "
+                    "serviceMonitor.enabled=true, or set it to false"
+                )
+                if error.status == 403
+                else "report it"
+            )
+            return Cond(
+                "Monitored",
+                "False",
+                "Forbidden" if error.status == 403 else "Refused",
+                f"ServiceMonitor {isvc.name}: the API server answered {error.status}: {error.message}; {hint}",
+            )
+        return Cond(
+            "Monitored",
+            "True",
+            "ServiceMonitorApplied",
+            f"ServiceMonitor {isvc.name} scrapes the engine pods",
+        )
 
     async def _apply(self, obj: dict[str, Any], events: list[Event]) -> dict[str, Any]:
         meta = obj["metadata"]
@@ -230,8 +277,13 @@ class Reconciler:
                 events.append(Event("Normal", "Updated", f"updated {what} to match the spec"))
         return after
 
-    async def _converge_router(self, isvc: InferenceService, children: dict[str, dict[str, Any]],
-                               events: list[Event], refused: list[Refusal]) -> None:
+    async def _converge_router(
+        self,
+        isvc: InferenceService,
+        children: dict[str, dict[str, Any]],
+        events: list[Event],
+        refused: list[Refusal],
+    ) -> None:
         """With routing on, the router's RBAC, the engines' headless Service and the router Deployment;
         with it off, none of them (deleted if this InferenceService owns them)."""
         wanted = render_router_children(isvc, self.config)
@@ -241,12 +293,23 @@ class Reconciler:
                 children[f"Router{obj['kind']}" if obj["kind"] != "Service" else "EnginesService"] = applied
         if not wanted:
             name = router_name(isvc.name)
-            for kind, child in (("Deployment", name), ("Service", engines_service_name(isvc.name)),
-                                ("RoleBinding", name), ("Role", name), ("ServiceAccount", name)):
+            for kind, child in (
+                ("Deployment", name),
+                ("Service", engines_service_name(isvc.name)),
+                ("RoleBinding", name),
+                ("Role", name),
+                ("ServiceAccount", name),
+            ):
                 await self._delete_owned(kind, isvc, events, child, "routing is disabled")
 
-    async def _delete_owned(self, kind: str, isvc: InferenceService, events: list[Event], name: str | None = None,
-                            why: str = "not needed at this replica count") -> None:
+    async def _delete_owned(
+        self,
+        kind: str,
+        isvc: InferenceService,
+        events: list[Event],
+        name: str | None = None,
+        why: str = "not needed at this replica count",
+    ) -> None:
         name = name or isvc.name
         path = object_path(kind, isvc.namespace, name)
         existing = await self.client.get(path)
@@ -256,15 +319,17 @@ class Reconciler:
             events.append(Event("Normal", "Deleted", f"deleted {kind} {name} ({why})"))
 
 
-def _refused_conditions(conds: list[Cond], conflict: str | None, refused: list[Refusal],
-                        not_rolled_out: bool) -> list[Cond]:
+def _refused_conditions(
+    conds: list[Cond], conflict: str | None, refused: list[Refusal], not_rolled_out: bool
+) -> list[Cond]:
     """Degraded=True with the server's words; Ready=False when the spec's pods cannot roll out."""
     if conflict is not None:
         reason, message = "AdminSecretConflict", conflict
     else:
         statuses = {r.status for r in refused}
         reason = {frozenset({403}): "ChildForbidden", frozenset({422}): "ChildInvalid"}.get(
-            frozenset(statuses), "ChildRejected")
+            frozenset(statuses), "ChildRejected"
+        )
         message = "; ".join(map(str, refused))
         if 403 in statuses:
             message += ". A 403 means the operator's RBAC lacks a permission: upgrade the Helm chart"

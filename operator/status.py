@@ -46,8 +46,9 @@ class TuningResume(_Status):
     """What the tuner learned, so that a restarted operator continues (tuner/policy/resume.py)."""
 
     spec_hash: str = Field("", max_length=64, description="The spec fields the tuner depends on, hashed.")
-    cost_points: list[list[float]] = Field(default_factory=list, max_length=64,
-                                           description="(decode tokens, prefill tokens, seconds) per step.")
+    cost_points: list[list[float]] = Field(
+        default_factory=list, max_length=64, description="(decode tokens, prefill tokens, seconds) per step."
+    )
     plain_cost_points: list[list[float]] = Field(default_factory=list, max_length=64)
     acceptance: list[AcceptanceWindow] = Field(default_factory=list, max_length=32)
 
@@ -55,8 +56,12 @@ class TuningResume(_Status):
 class _TuningStatus(_Status):
     last_decision_time: str | None = Field(None, json_schema_extra={"format": "date-time"})
     reason: str | None = Field(None, max_length=4096)
-    frozen_by: str | None = Field(None, max_length=256, description="Set while the tuner is frozen: "
-                                  "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.")
+    frozen_by: str | None = Field(
+        None,
+        max_length=256,
+        description="Set while the tuner is frozen: "
+        "spec.autotune.freeze or the specfleet.io/tuner-freeze annotation.",
+    )
     observed: TuningObserved | None = None
     resume: TuningResume | None = None
 
@@ -67,8 +72,10 @@ if TYPE_CHECKING:
     TuningStatus = _TuningStatus
 else:
     TuningStatus = create_model(
-        "TuningStatus", __base__=_Status,
-        **_TUNING_KNOBS, **{name: (f.annotation, f) for name, f in _TuningStatus.model_fields.items()},
+        "TuningStatus",
+        __base__=_Status,
+        **_TUNING_KNOBS,
+        **{name: (f.annotation, f) for name, f in _TuningStatus.model_fields.items()},
     )
 
 

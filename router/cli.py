@@ -17,29 +17,56 @@ from .proxy import Router, serve
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specfleet router", description="One OpenAI endpoint in front of engines: "
-                                "prefix-aware routing, retries before the first byte, SSE passthrough.")
+    p = argparse.ArgumentParser(
+        prog="specfleet router",
+        description="One OpenAI endpoint in front of engines: "
+        "prefix-aware routing, retries before the first byte, SSE passthrough.",
+    )
     p.add_argument("--host", default="0.0.0.0", help="listen address")
     p.add_argument("--port", type=int, default=8080, help="listen port")
     p.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="routing policy")
     where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("--endpoint", action="append", default=None, metavar="URL",
-                       help="a static engine URL (repeatable); its /ready is probed every second")
-    where.add_argument("--service", default=None,
-                       help="watch the EndpointSlices of this (headless) Service, in --namespace, in-cluster")
+    where.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a static engine URL (repeatable); its /ready is probed every second",
+    )
+    where.add_argument(
+        "--service",
+        default=None,
+        help="watch the EndpointSlices of this (headless) Service, in --namespace, in-cluster",
+    )
     p.add_argument("--namespace", default=None, help="the Service's namespace (default: the pod's own)")
     p.add_argument("--port-name", default="http", help="the engine port's name in the EndpointSlices")
     p.add_argument("--model", default="", help="the served model's name: seeds the prefix hashes")
-    p.add_argument("--tokenizer", default=None, help="a tokenizer.json (or a folder with one): hash token blocks "
-                   "as the engine does; without it, blocks of block-size x 4 characters")
+    p.add_argument(
+        "--tokenizer",
+        default=None,
+        help="a tokenizer.json (or a folder with one): hash token blocks "
+        "as the engine does; without it, blocks of block-size x 4 characters",
+    )
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
-    p.add_argument("--load-factor", type=float, default=1.25, help="prefix policy: an engine takes a request only "
-                   "while its in-flight count stays <= ceil(factor x mean)")
-    p.add_argument("--session-header", default="x-session-id", help="session-affinity header ('' turns it off)")
-    p.add_argument("--max-retries", type=int, default=2, help="other engines tried after a failure before the "
-                   "first byte")
-    p.add_argument("--queue-timeout", type=float, default=0.0, help="seconds a request waits for a ready engine "
-                   "(scale from zero); 0 answers 503 at once")
+    p.add_argument(
+        "--load-factor",
+        type=float,
+        default=1.25,
+        help="prefix policy: an engine takes a request only "
+        "while its in-flight count stays <= ceil(factor x mean)",
+    )
+    p.add_argument(
+        "--session-header", default="x-session-id", help="session-affinity header ('' turns it off)"
+    )
+    p.add_argument(
+        "--max-retries", type=int, default=2, help="other engines tried after a failure before the first byte"
+    )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=0.0,
+        help="seconds a request waits for a ready engine (scale from zero); 0 answers 503 at once",
+    )
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most")
     p.add_argument("--log-level", default="INFO")
     return p
@@ -61,8 +88,15 @@ def build_router(args: argparse.Namespace) -> Router:
     options = {"load_factor": args.load_factor} if args.policy == "prefix" else {}
     encode = load_encoder(args.tokenizer) if args.tokenizer else None
     hasher = BlockHasher(args.block_size, encode, stable_hash(args.model) if args.model else 0)
-    return Router(EndpointSet(), make_policy(args.policy, **options), hasher, args.session_header or None,
-                  args.max_retries, args.queue_timeout, args.max_queue)
+    return Router(
+        EndpointSet(),
+        make_policy(args.policy, **options),
+        hasher,
+        args.session_header or None,
+        args.max_retries,
+        args.queue_timeout,
+        args.max_queue,
+    )
 
 
 async def run(args: argparse.Namespace) -> int:
@@ -72,15 +106,19 @@ async def run(args: argparse.Namespace) -> int:
         router.endpoints_changed(router.endpoints.replace(states))
 
     if args.service:
-        namespace = args.namespace or Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text()
-        discovery = EndpointSliceWatch.in_cluster(namespace.strip(), args.service, on_change,
-                                                  port_name=args.port_name)
+        namespace = (
+            args.namespace or Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace").read_text()
+        )
+        discovery = EndpointSliceWatch.in_cluster(
+            namespace.strip(), args.service, on_change, port_name=args.port_name
+        )
         task = asyncio.create_task(discovery.run())
     else:
         task = asyncio.create_task(probe_forever([u.rstrip("/") for u in args.endpoint], on_change))
     runner = await serve(router, args.host, args.port)
-    logging.getLogger("specfleet.router").info("event=listening host=%s port=%d policy=%s", args.host, args.port,
-                                               args.policy)
+    logging.getLogger("specfleet.router").info(
+        "event=listening host=%s port=%d policy=%s", args.host, args.port, args.policy
+    )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):

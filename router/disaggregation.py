@@ -40,8 +40,14 @@ def covered(body: dict[str, Any]) -> bool:
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16 if "prompt" in body else None))
     prompt = body.get("prompt")
     many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-    return (body.get("n", 1) == 1 and (max_tokens is None or max_tokens >= 2) and not many
-            and not body.get("kv_transfer_params") and not body.get("echo") and body.get("prompt_logprobs") is None)
+    return (
+        body.get("n", 1) == 1
+        and (max_tokens is None or max_tokens >= 2)
+        and not many
+        and not body.get("kv_transfer_params")
+        and not body.get("echo")
+        and body.get("prompt_logprobs") is None
+    )
 
 
 def parse(path: str, method: str, content: bytes) -> dict[str, Any] | None:
@@ -63,8 +69,13 @@ class Refusal(Exception):
         self.status, self.content, self.content_type = status, content, content_type
 
 
-async def prefill(session: aiohttp.ClientSession, endpoints: EndpointSet, path: str, body: dict[str, Any],
-                  headers: dict[str, str]) -> dict[str, Any] | None:
+async def prefill(
+    session: aiohttp.ClientSession,
+    endpoints: EndpointSet,
+    path: str,
+    body: dict[str, Any],
+    headers: dict[str, str],
+) -> dict[str, Any] | None:
     """Run the prefill: the kv_transfer_params to continue with on a decode engine, or None to run the
     request aggregated. Raises Refusal for the prefill engine's 4xx."""
     one = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
@@ -78,7 +89,9 @@ async def prefill(session: aiohttp.ClientSession, endpoints: EndpointSet, path: 
                 content = await response.read()
                 status, content_type = response.status, response.headers.get("content-type")
         except (aiohttp.ClientError, TimeoutError, OSError) as error:
-            logger.info("event=prefill_failed engine=%s error=%r", endpoint.url, f"{type(error).__name__}: {error}")
+            logger.info(
+                "event=prefill_failed engine=%s error=%r", endpoint.url, f"{type(error).__name__}: {error}"
+            )
             continue  # that prefill engine is gone: the next one
         finally:
             endpoints.release(endpoint.url)
@@ -104,8 +117,10 @@ def release(params: dict[str, Any]) -> None:
     try:
         import zmq  # with the engine's install; the router's image has it only where disaggregation runs
     except ImportError:
-        logger.warning("event=kv_release_skipped transfer_id=%s error='pyzmq is not installed'",
-                       params.get("transfer_id"))
+        logger.warning(
+            "event=kv_release_skipped transfer_id=%s error='pyzmq is not installed'",
+            params.get("transfer_id"),
+        )
         return
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)

@@ -49,9 +49,18 @@ def slice_states(slice_: dict[str, Any], port_name: str, scheme: str = "http") -
 class EndpointSliceWatch:
     """Lists and watches the EndpointSlices of one Service; calls `on_change` with the whole set."""
 
-    def __init__(self, server: str, namespace: str, service: str, on_change: Callable[[States], None], *,
-                 headers: dict[str, str] | None = None, ssl_context: ssl.SSLContext | None = None,
-                 port_name: str = "http", retry_s: float = 2.0) -> None:
+    def __init__(
+        self,
+        server: str,
+        namespace: str,
+        service: str,
+        on_change: Callable[[States], None],
+        *,
+        headers: dict[str, str] | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+        port_name: str = "http",
+        retry_s: float = 2.0,
+    ) -> None:
         self.server = server.rstrip("/")
         self.path = f"/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices"
         self.selector = f"{SERVICE_NAME_LABEL}={service}"
@@ -63,13 +72,21 @@ class EndpointSliceWatch:
         self.slices: dict[str, dict[str, Any]] = {}
 
     @classmethod
-    def in_cluster(cls, namespace: str, service: str, on_change: Callable[[States], None],
-                   **kwargs: Any) -> EndpointSliceWatch:
+    def in_cluster(
+        cls, namespace: str, service: str, on_change: Callable[[States], None], **kwargs: Any
+    ) -> EndpointSliceWatch:
         host, port = os.environ["KUBERNETES_SERVICE_HOST"], os.environ["KUBERNETES_SERVICE_PORT"]
         token = (SERVICE_ACCOUNT / "token").read_text().strip()
         context = ssl.create_default_context(cafile=str(SERVICE_ACCOUNT / "ca.crt"))
-        return cls(f"https://{host}:{port}", namespace, service, on_change,
-                   headers={"Authorization": f"Bearer {token}"}, ssl_context=context, **kwargs)
+        return cls(
+            f"https://{host}:{port}",
+            namespace,
+            service,
+            on_change,
+            headers={"Authorization": f"Bearer {token}"},
+            ssl_context=context,
+            **kwargs,
+        )
 
     def _publish(self) -> None:
         merged: States = {}
@@ -89,26 +106,38 @@ class EndpointSliceWatch:
                 except asyncio.CancelledError:
                     raise
                 except Exception as error:  # the router must outlive an API hiccup
-                    logger.warning("event=discovery_error error=%r retry_s=%.1f", f"{type(error).__name__}: "
-                                   f"{error}", self.retry_s)
+                    logger.warning(
+                        "event=discovery_error error=%r retry_s=%.1f",
+                        f"{type(error).__name__}: {error}",
+                        self.retry_s,
+                    )
                 await asyncio.sleep(self.retry_s)
 
     async def _list(self, session: aiohttp.ClientSession) -> str:
-        async with session.get(self.server + self.path, params={"labelSelector": self.selector},
-                               ssl=self.ssl) as response:
+        async with session.get(
+            self.server + self.path, params={"labelSelector": self.selector}, ssl=self.ssl
+        ) as response:
             if response.status != 200:
-                raise RuntimeError(f"listing EndpointSlices answered {response.status}: {await response.text()}")
+                raise RuntimeError(
+                    f"listing EndpointSlices answered {response.status}: {await response.text()}"
+                )
             body = await response.json()
         self.slices = {s["metadata"]["name"]: s for s in body.get("items") or []}
         self._publish()
         return str(body.get("metadata", {}).get("resourceVersion", ""))
 
     async def _watch(self, session: aiohttp.ClientSession, version: str) -> None:
-        params = {"labelSelector": self.selector, "watch": "true", "resourceVersion": version,
-                  "allowWatchBookmarks": "true"}
+        params = {
+            "labelSelector": self.selector,
+            "watch": "true",
+            "resourceVersion": version,
+            "allowWatchBookmarks": "true",
+        }
         async with session.get(self.server + self.path, params=params, ssl=self.ssl) as response:
             if response.status != 200:
-                raise RuntimeError(f"watching EndpointSlices answered {response.status}: {await response.text()}")
+                raise RuntimeError(
+                    f"watching EndpointSlices answered {response.status}: {await response.text()}"
+                )
             async for line in response.content:
                 if not line.strip():
                     continue
@@ -126,7 +155,9 @@ class EndpointSliceWatch:
                 self._publish()
 
 
-async def probe_forever(urls: list[str], on_change: Callable[[States], None], interval_s: float = 1.0) -> None:
+async def probe_forever(
+    urls: list[str], on_change: Callable[[States], None], interval_s: float = 1.0
+) -> None:
     """Static endpoints (`specfleet router --endpoint URL`): each engine's `/ready` decides; a 503 with
     reason `draining` marks it draining."""
     timeout = aiohttp.ClientTimeout(total=2.0)

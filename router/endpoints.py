@@ -45,7 +45,9 @@ class EndpointSet:
     def routable(self) -> list[Endpoint]:
         """Ready and not draining, in a stable order (by URL), so policies are deterministic. Prefill
         engines are not among them: they take only the prefill half of a request (`prefill_routable`)."""
-        return sorted((e for e in self._by_url.values() if e.routable and e.role != "prefill"), key=lambda e: e.url)
+        return sorted(
+            (e for e in self._by_url.values() if e.routable and e.role != "prefill"), key=lambda e: e.url
+        )
 
     def prefill_routable(self) -> list[Endpoint]:
         """Ready prefill engines, fewest requests in flight first (router/disaggregation.py)."""
@@ -65,8 +67,15 @@ class EndpointSet:
         self.version += 1
         return removed
 
-    def set_state(self, url: str, *, ready: bool | None = None, draining: bool | None = None,
-                  bump: bool = True, role: str | None = None) -> None:
+    def set_state(
+        self,
+        url: str,
+        *,
+        ready: bool | None = None,
+        draining: bool | None = None,
+        bump: bool = True,
+        role: str | None = None,
+    ) -> None:
         endpoint = self._by_url.setdefault(url, Endpoint(url))
         if role is not None:
             endpoint.role = role

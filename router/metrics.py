@@ -16,24 +16,46 @@ class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("specfleet_router_requests", "Requests by engine and outcome",
-                                ["engine", "outcome"], registry=r)
-        self.retries = Counter("specfleet_router_retries", "Requests retried on another engine because this "
-                               "one failed before the first byte", ["engine"], registry=r)
-        self.decisions = Counter("specfleet_router_decisions", "Routing decisions by policy and reason",
-                                 ["policy", "reason"], registry=r)
+        self.requests = Counter(
+            "specfleet_router_requests", "Requests by engine and outcome", ["engine", "outcome"], registry=r
+        )
+        self.retries = Counter(
+            "specfleet_router_retries",
+            "Requests retried on another engine because this one failed before the first byte",
+            ["engine"],
+            registry=r,
+        )
+        self.decisions = Counter(
+            "specfleet_router_decisions",
+            "Routing decisions by policy and reason",
+            ["policy", "reason"],
+            registry=r,
+        )
         self.prefix_match = Histogram(
-            "specfleet_router_prefix_match_tokens", "Estimated prompt tokens the chosen engine holds in its "
-            "prefix cache (the router's index, in blocks times block size)", registry=r,
-            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096))
-        self.endpoints = Gauge("specfleet_router_endpoints", "Engines known to the router by state", ["state"],
-                               registry=r)
-        self.in_flight = Gauge("specfleet_router_in_flight", "Requests in flight through the router by engine",
-                               ["engine"], registry=r)
-        self.queued = Gauge("specfleet_router_queued", "Requests waiting for a ready engine (scale from zero)",
-                            registry=r)
-        self.queue_wait = Histogram("specfleet_router_queue_wait_seconds", "Time requests waited for a ready "
-                                    "engine", registry=r, buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300))
+            "specfleet_router_prefix_match_tokens",
+            "Estimated prompt tokens the chosen engine holds in its "
+            "prefix cache (the router's index, in blocks times block size)",
+            registry=r,
+            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096),
+        )
+        self.endpoints = Gauge(
+            "specfleet_router_endpoints", "Engines known to the router by state", ["state"], registry=r
+        )
+        self.in_flight = Gauge(
+            "specfleet_router_in_flight",
+            "Requests in flight through the router by engine",
+            ["engine"],
+            registry=r,
+        )
+        self.queued = Gauge(
+            "specfleet_router_queued", "Requests waiting for a ready engine (scale from zero)", registry=r
+        )
+        self.queue_wait = Histogram(
+            "specfleet_router_queue_wait_seconds",
+            "Time requests waited for a ready engine",
+            registry=r,
+            buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+        )
 
     def observe_endpoints(self, endpoints: EndpointSet) -> None:
         counts = {"ready": 0, "draining": 0, "not_ready": 0}

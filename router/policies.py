@@ -108,14 +108,18 @@ class PrefixAffinity:
     """
 
     load_factor: float = 1.25  # KubeAI's default meanLoadFactor (125%); measured in docs/router.md
-    index_blocks: int = 65536  # per-engine LRU of block hashes (a 2 GiB CPU cache holds ~2-8k blocks; GPUs more)
+    index_blocks: int = (
+        65536  # per-engine LRU of block hashes (a 2 GiB CPU cache holds ~2-8k blocks; GPUs more)
+    )
     ring_replicas: int = 128  # virtual nodes per engine: with 2-8 engines the ring's shares stay within ~10%
     sessions_max: int = 100_000
     name: str = field(default="prefix", init=False)
 
     def __post_init__(self) -> None:
         if self.load_factor < 1.0:
-            raise ValueError(f"prefix policy load_factor={self.load_factor} must be >= 1.0 (1.0: perfectly even)")
+            raise ValueError(
+                f"prefix policy load_factor={self.load_factor} must be >= 1.0 (1.0: perfectly even)"
+            )
         self.index = PrefixIndex(self.index_blocks)
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._ring_key: frozenset[str] = frozenset()
@@ -124,7 +128,9 @@ class PrefixAffinity:
     def _ring_for(self, urls: Sequence[str]) -> list[tuple[int, str]]:
         key = frozenset(urls)
         if key != self._ring_key:
-            self._ring = sorted((stable_hash(f"{url}#{i}"), url) for url in urls for i in range(self.ring_replicas))
+            self._ring = sorted(
+                (stable_hash(f"{url}#{i}"), url) for url in urls for i in range(self.ring_replicas)
+            )
             self._ring_key = key
         return self._ring
 
@@ -144,7 +150,9 @@ class PrefixAffinity:
         best = max(under, key=lambda e: (matches[e.url], -e.outstanding))
         if matches[best.url] > 0:
             longest = max(matches.values())
-            return Choice(best.url, "prefix" if matches[best.url] == longest else "prefix-bounded", matches[best.url])
+            return Choice(
+                best.url, "prefix" if matches[best.url] == longest else "prefix-bounded", matches[best.url]
+            )
         ring = self._ring_for([e.url for e in endpoints])
         allowed = {e.url for e in under}
         start = bisect.bisect_left(ring, (request.hashes[0] & RING_MASK, ""))

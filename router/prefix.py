@@ -43,15 +43,17 @@ def chain_hashes(blocks: Sequence[tuple[int, ...] | str], seed: int = 0) -> list
     return out
 
 
-def token_blocks(token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_BLOCKS) -> list[tuple[int, ...]]:
+def token_blocks(
+    token_ids: Sequence[int], block_size: int, max_blocks: int = MAX_BLOCKS
+) -> list[tuple[int, ...]]:
     """The full blocks of a token list, as the engine's prefix cache cuts them (a partial tail is not cached)."""
     full = min(len(token_ids) // block_size, max_blocks)
-    return [tuple(token_ids[i * block_size:(i + 1) * block_size]) for i in range(full)]
+    return [tuple(token_ids[i * block_size : (i + 1) * block_size]) for i in range(full)]
 
 
 def char_blocks(text: str, block_chars: int, max_blocks: int = MAX_BLOCKS) -> list[str]:
     full = min(len(text) // block_chars, max_blocks)
-    return [text[i * block_chars:(i + 1) * block_chars] for i in range(full)]
+    return [text[i * block_chars : (i + 1) * block_chars] for i in range(full)]
 
 
 @dataclass(frozen=True)

@@ -34,8 +34,18 @@ from .prefix import BlockHasher
 
 logger = logging.getLogger("specfleet.router")
 
-HOP_HEADERS = {"connection", "keep-alive", "transfer-encoding", "te", "trailer", "upgrade", "host",
-               "content-length", "proxy-authorization", "proxy-authenticate"}
+HOP_HEADERS = {
+    "connection",
+    "keep-alive",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "host",
+    "content-length",
+    "proxy-authorization",
+    "proxy-authenticate",
+}
 RETRYABLE_STATUS = (502, 503, 504)  # the engine is going away, overloaded, or not there: try another
 # The largest request body forwarded: a 128k-token prompt as JSON is ~1 MB, with images or token-id lists
 # a few times that; aiohttp's default (1 MiB) would refuse long prompts.
@@ -73,7 +83,9 @@ def prompt_text(body: Any) -> tuple[str, list[int] | None]:
     return "", None
 
 
-def _error(status: int, message: str, retry_after: int | None = None, code: str = "service_unavailable") -> web.Response:
+def _error(
+    status: int, message: str, retry_after: int | None = None, code: str = "service_unavailable"
+) -> web.Response:
     body = {"error": {"message": message, "type": code, "param": None, "code": None}}
     headers = {"Retry-After": str(retry_after)} if retry_after is not None else None
     return web.json_response(body, status=status, headers=headers)
@@ -92,7 +104,9 @@ class Router:
     request_timeout_s: float = 3600.0
     stopping: bool = False
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
-    on_queue: Callable[[int], None] | None = None  # called with the queue's length when a request starts waiting
+    on_queue: Callable[[int], None] | None = (
+        None  # called with the queue's length when a request starts waiting
+    )
 
     def __post_init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -143,8 +157,10 @@ class Router:
         if self._session is None or self._session.closed:
             timeout = aiohttp.ClientTimeout(total=self.request_timeout_s, sock_connect=self.connect_timeout_s)
             self._session = aiohttp.ClientSession(
-                timeout=timeout, auto_decompress=False,
-                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30))
+                timeout=timeout,
+                auto_decompress=False,
+                connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=30),
+            )
         return self._session
 
     async def close(self) -> None:
@@ -159,6 +175,7 @@ class Router:
         text, ids = prompt_text(parsed)
         if ids is not None and self.hasher.encode is not None:
             from .prefix import chain_hashes, token_blocks
+
             hashes = chain_hashes(token_blocks(ids, self.hasher.block_size), self.hasher.seed)
         else:
             hashes = self.hasher.hashes(text) if text else []
@@ -181,16 +198,23 @@ class Router:
         route = self.route_request(body, request.headers) if request.method == "POST" else RouteRequest()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         held: dict[str, Any] | None = None  # a prefill engine's hold on this prompt's KV blocks
-        pd_body = (disaggregation.parse(request.match_info.get("path", ""), request.method, body)
-                   if self.endpoints.prefill_routable() else None)
+        pd_body = (
+            disaggregation.parse(request.match_info.get("path", ""), request.method, body)
+            if self.endpoints.prefill_routable()
+            else None
+        )
         if pd_body is not None:
             try:
-                held = await disaggregation.prefill(self.client(), self.endpoints, request.match_info["path"],
-                                                    pd_body, headers)
+                held = await disaggregation.prefill(
+                    self.client(), self.endpoints, request.match_info["path"], pd_body, headers
+                )
             except disaggregation.Refusal as refusal:
                 self.metrics.requests.labels("", "client_error").inc()
-                return web.Response(body=refusal.content, status=refusal.status,
-                                    headers={"Content-Type": refusal.content_type or "application/json"})
+                return web.Response(
+                    body=refusal.content,
+                    status=refusal.status,
+                    headers={"Content-Type": refusal.content_type or "application/json"},
+                )
             if held is not None:
                 body = disaggregation.decode_body(pd_body, held)
                 headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
@@ -206,8 +230,9 @@ class Router:
                 # no decode engine took the KV (the client left, or none could be reached): free it now
                 asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
 
-    async def _forward(self, request: web.Request, body: bytes, headers: dict[str, str],
-                       route: RouteRequest) -> web.StreamResponse:
+    async def _forward(
+        self, request: web.Request, body: bytes, headers: dict[str, str], route: RouteRequest
+    ) -> web.StreamResponse:
         tried: set[str] = set()
         last_error = ""
         started = time.monotonic()
@@ -232,13 +257,25 @@ class Router:
             return outcome
         if last_error:
             self.metrics.requests.labels(sorted(tried)[-1] if tried else "", "engine_error").inc()
-            return _error(502, f"no engine could take the request ({len(tried)} tried); last error: {last_error}",
-                          1, "bad_gateway")
+            return _error(
+                502,
+                f"no engine could take the request ({len(tried)} tried); last error: {last_error}",
+                1,
+                "bad_gateway",
+            )
         self.metrics.requests.labels("", "unavailable").inc()
         return _error(503, "no engine is ready; retry shortly", 1 if self.queue_timeout_s <= 0 else 5)
 
-    async def _send(self, request: web.Request, url: str, body: bytes, headers: dict[str, str], choice: Choice,
-                    attempt: int, started: float) -> web.StreamResponse:
+    async def _send(
+        self,
+        request: web.Request,
+        url: str,
+        body: bytes,
+        headers: dict[str, str],
+        choice: Choice,
+        attempt: int,
+        started: float,
+    ) -> web.StreamResponse:
         target = f"{url}{request.rel_url}"
         try:
             upstream = await self.client().request(request.method, target, data=body or None, headers=headers)
@@ -248,9 +285,13 @@ class Router:
             if upstream.status in RETRYABLE_STATUS and attempt < self.max_retries:
                 text = (await upstream.read())[:300].decode(errors="replace")
                 raise _RetryableFailure(f"engine answered {upstream.status}: {text}")
-            out = web.StreamResponse(status=upstream.status, headers={
-                k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS})
-            outcome = "ok" if upstream.status < 400 else "client_error" if upstream.status < 500 else "engine_error"
+            out = web.StreamResponse(
+                status=upstream.status,
+                headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS},
+            )
+            outcome = (
+                "ok" if upstream.status < 400 else "client_error" if upstream.status < 500 else "engine_error"
+            )
             try:
                 await out.prepare(request)
                 async for chunk in upstream.content.iter_any():
@@ -265,9 +306,18 @@ class Router:
             finally:
                 self.metrics.requests.labels(url, outcome).inc()
                 self.metrics.prefix_match.observe(choice.match_blocks * self.hasher.block_size)
-                logger.info("event=request engine=%s policy=%s reason=%s match_blocks=%d status=%d outcome=%s "
-                            "attempt=%d ms=%.0f", url, self.policy.name, choice.reason, choice.match_blocks,
-                            upstream.status, outcome, attempt, 1000 * (time.monotonic() - started))
+                logger.info(
+                    "event=request engine=%s policy=%s reason=%s match_blocks=%d status=%d outcome=%s "
+                    "attempt=%d ms=%.0f",
+                    url,
+                    self.policy.name,
+                    choice.reason,
+                    choice.match_blocks,
+                    upstream.status,
+                    outcome,
+                    attempt,
+                    1000 * (time.monotonic() - started),
+                )
             return out
         finally:
             upstream.close()  # on a client disconnect this drops the engine's connection: it aborts
@@ -294,8 +344,9 @@ def create_app(router: Router) -> web.Application:
 
     async def metrics(_: web.Request) -> web.Response:
         router.metrics.observe_endpoints(router.endpoints)
-        return web.Response(body=generate_latest(router.metrics.registry),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        return web.Response(
+            body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
+        )
 
     async def on_cleanup(_: web.Application) -> None:
         await router.close()

@@ -34,10 +34,20 @@ def tiny_llama(bundled_path, tmp_path_factory: pytest.TempPathFactory):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                         rms_norm_eps=1e-6, tie_word_embeddings=False, architectures=["LlamaForCausalLM"],
-                         bos_token_id=1, eos_token_id=2)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+        bos_token_id=1,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
     with torch.no_grad():  # weights large enough that sampled and greedy tokens vary
@@ -62,13 +72,21 @@ def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cal
         hosts = ", ".join(f"'{t.removeprefix('http://')}'" for t in targets)
         (workdir / "prometheus.yml").write_text(
             "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
-            f"scrape_configs:\n  - job_name: {job}\n    static_configs: [{{targets: [{hosts}]}}]\n")
+            f"scrape_configs:\n  - job_name: {job}\n    static_configs: [{{targets: [{hosts}]}}]\n"
+        )
         port = free_port()
         with open(workdir / "prometheus.log", "wb") as log:
-            proc = subprocess.Popen([binary, f"--config.file={workdir / 'prometheus.yml'}",
-                                     f"--storage.tsdb.path={workdir / 'data'}",
-                                     f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                                    stdout=log, stderr=subprocess.STDOUT)
+            proc = subprocess.Popen(
+                [
+                    binary,
+                    f"--config.file={workdir / 'prometheus.yml'}",
+                    f"--storage.tsdb.path={workdir / 'data'}",
+                    f"--web.listen-address=127.0.0.1:{port}",
+                    "--log.level=warn",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
         procs.append(proc)
         url = f"http://127.0.0.1:{port}"
         wait_http_ready(f"{url}/-/ready", proc, workdir / "prometheus.log", timeout=60, interval=0.2)

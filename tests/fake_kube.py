@@ -55,16 +55,25 @@ Seg = str | tuple[str, str, Any]  # a field name, or ("k", key field, key value)
 FieldPath = tuple[Seg, ...]
 
 DISCOVERY = {
-    "/api/v1": [("services", "Service", True, ["status"]), ("secrets", "Secret", True, []),
-                ("serviceaccounts", "ServiceAccount", True, []),
-                ("events", "Event", True, []), ("namespaces", "Namespace", False, ["status"]),
-                ("pods", "Pod", True, ["status"])],
+    "/api/v1": [
+        ("services", "Service", True, ["status"]),
+        ("secrets", "Secret", True, []),
+        ("serviceaccounts", "ServiceAccount", True, []),
+        ("events", "Event", True, []),
+        ("namespaces", "Namespace", False, ["status"]),
+        ("pods", "Pod", True, ["status"]),
+    ],
     "/apis/apps/v1": [("deployments", "Deployment", True, ["status", "scale"])],
     "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["status"])],
     "/apis/networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True, [])],
     "/apis/discovery.k8s.io/v1": [("endpointslices", "EndpointSlice", True, [])],
-    "/apis/rbac.authorization.k8s.io/v1": [("roles", "Role", True, []), ("rolebindings", "RoleBinding", True, [])],
-    "/apis/serving.specfleet.io/v1alpha1": [("inferenceservices", "InferenceService", True, ["status", "scale"])],
+    "/apis/rbac.authorization.k8s.io/v1": [
+        ("roles", "Role", True, []),
+        ("rolebindings", "RoleBinding", True, []),
+    ],
+    "/apis/serving.specfleet.io/v1alpha1": [
+        ("inferenceservices", "InferenceService", True, ["status", "scale"])
+    ],
 }
 MONITORING = {"/apis/monitoring.coreos.com/v1": [("servicemonitors", "ServiceMonitor", True, [])]}
 ALL_VERBS = ["get", "list", "watch", "create", "update", "patch", "delete", "deletecollection"]
@@ -89,9 +98,11 @@ class Rule:
     verbs: frozenset[str]
 
     def allows(self, verb: str, group: str, resource: str) -> bool:
-        return ((group in self.api_groups or "*" in self.api_groups)
-                and (resource in self.resources or "*" in self.resources)
-                and (verb in self.verbs or "*" in self.verbs))
+        return (
+            (group in self.api_groups or "*" in self.api_groups)
+            and (resource in self.resources or "*" in self.resources)
+            and (verb in self.verbs or "*" in self.verbs)
+        )
 
 
 class Rbac:
@@ -104,19 +115,32 @@ class Rbac:
     @classmethod
     def from_objects(cls, objects: Iterable[dict[str, Any]], account: str, account_namespace: str) -> Rbac:
         def rules(role: dict[str, Any]) -> list[Rule]:
-            return [Rule(frozenset(r.get("apiGroups", [])), frozenset(r.get("resources", [])),
-                         frozenset(r.get("verbs", []))) for r in role.get("rules") or []]
+            return [
+                Rule(
+                    frozenset(r.get("apiGroups", [])),
+                    frozenset(r.get("resources", [])),
+                    frozenset(r.get("verbs", [])),
+                )
+                for r in role.get("rules") or []
+            ]
 
         objects = list(objects)
-        roles = {(o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o for o in objects
-                 if o["kind"] in ("Role", "ClusterRole")}
+        roles = {
+            (o["kind"], o["metadata"].get("namespace"), o["metadata"]["name"]): o
+            for o in objects
+            if o["kind"] in ("Role", "ClusterRole")
+        }
         cluster: list[Rule] = []
         namespaced: dict[str, list[Rule]] = {}
         for binding in objects:
             if binding["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
                 continue
-            if not any(s.get("kind") == "ServiceAccount" and s.get("name") == account
-                       and s.get("namespace") == account_namespace for s in binding.get("subjects") or []):
+            if not any(
+                s.get("kind") == "ServiceAccount"
+                and s.get("name") == account
+                and s.get("namespace") == account_namespace
+                for s in binding.get("subjects") or []
+            ):
                 continue
             ref = binding["roleRef"]
             namespace = binding["metadata"].get("namespace")
@@ -130,8 +154,9 @@ class Rbac:
         return cls(cluster, namespaced)
 
     @classmethod
-    def from_chart(cls, values: dict[str, Any] | None = None, release: str = "sf",
-                   namespace: str = "specfleet-system") -> Rbac:
+    def from_chart(
+        cls, values: dict[str, Any] | None = None, release: str = "sf", namespace: str = "specfleet-system"
+    ) -> Rbac:
         """The operator's permissions as the Helm chart grants them, rendered by Helm's own engine."""
         objects = _render_chart(json.dumps(values or {}, sort_keys=True), release, namespace)
         (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
@@ -148,15 +173,23 @@ def _render_chart(values_json: str, release: str, namespace: str) -> list[dict[s
     import helm_python as helm
 
     with helm.Chart.load(CHART) as chart:
-        rendered = chart.render(values=json.loads(values_json), name=release, namespace=namespace, is_install=True)
-    return [doc for name, text in rendered.items() if not name.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
+        rendered = chart.render(
+            values=json.loads(values_json), name=release, namespace=namespace, is_install=True
+        )
+    return [
+        doc
+        for name, text in rendered.items()
+        if not name.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 # ---- custom resources ------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class CustomResource:
     """The parts of a CRD the API server applies on writes."""
+
     prefix: str
     plural: str
     kind: str
@@ -166,10 +199,16 @@ class CustomResource:
     def load(cls, path: Path) -> CustomResource:
         crd = yaml.safe_load(path.read_text())
         (version,) = crd["spec"]["versions"]
-        return cls(f"/apis/{crd['spec']['group']}/{version['name']}", crd["spec"]["names"]["plural"],
-                   crd["spec"]["names"]["kind"], version["schema"]["openAPIV3Schema"])
+        return cls(
+            f"/apis/{crd['spec']['group']}/{version['name']}",
+            crd["spec"]["names"]["plural"],
+            crd["spec"]["names"]["kind"],
+            version["schema"]["openAPIV3Schema"],
+        )
 
-    def admit(self, obj: dict[str, Any], only_status: bool, validate: bool = True) -> tuple[dict[str, Any], list[str]]:
+    def admit(
+        self, obj: dict[str, Any], only_status: bool, validate: bool = True
+    ) -> tuple[dict[str, Any], list[str]]:
         """The object as stored (defaulted, pruned) and what is wrong with it."""
         obj = prune(self.schema, apply_defaults(self.schema, obj))
         if not validate:
@@ -180,7 +219,10 @@ class CustomResource:
             errors = [f"status.{e}" for e in schema_errors(status_schema, status)]
             return obj, errors or cel_errors(status_schema, status, "status")
         body = {k: v for k, v in obj.items() if k != "metadata"}
-        schema = {**self.schema, "properties": {k: v for k, v in self.schema["properties"].items() if k != "metadata"}}
+        schema = {
+            **self.schema,
+            "properties": {k: v for k, v in self.schema["properties"].items() if k != "metadata"},
+        }
         errors = schema_errors(schema, body)
         return obj, errors or cel_errors(self.schema, obj)
 
@@ -236,7 +278,11 @@ def del_at(obj: dict[str, Any], path: FieldPath) -> None:
     parents: list[Any] = []
     for seg in path[:-1]:
         parents.append(node)
-        node = _item(node, seg) if isinstance(seg, tuple) else (node.get(seg) if isinstance(node, dict) else None)
+        node = (
+            _item(node, seg)
+            if isinstance(seg, tuple)
+            else (node.get(seg) if isinstance(node, dict) else None)
+        )
         if node is None:
             return
     last = path[-1]
@@ -260,8 +306,13 @@ def _render_path(path: FieldPath) -> str:
 
 # ---- the server ----------------------------------------------------------------------------------------
 class FakeKube:
-    def __init__(self, with_monitoring: bool = False, rbac: Rbac | None = None,
-                 crds: Iterable[Path] = (CRD_PATH,), owner_reference_enforcement: bool = True) -> None:
+    def __init__(
+        self,
+        with_monitoring: bool = False,
+        rbac: Rbac | None = None,
+        crds: Iterable[Path] = (CRD_PATH,),
+        owner_reference_enforcement: bool = True,
+    ) -> None:
         self.objects: dict[Key, dict[str, Any]] = {}
         self.requests: list[Request] = []
         self.discovery = {**DISCOVERY, **(MONITORING if with_monitoring else {})}
@@ -271,7 +322,9 @@ class FakeKube:
         self.managers: dict[Key, dict[str, set[FieldPath]]] = {}  # object -> field manager -> fields it owns
         self._rv = itertools.count(1)
         self._failures: list[tuple[str, str, int]] = []
-        self._watchers: list[tuple[str, str, str | None, dict[str, str], asyncio.Queue[dict[str, Any] | None]]] = []
+        self._watchers: list[
+            tuple[str, str, str | None, dict[str, str], asyncio.Queue[dict[str, Any] | None]]
+        ] = []
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
         self.url = ""
@@ -297,6 +350,7 @@ class FakeKube:
             for *_, queue in self._watchers:
                 queue.put_nowait(None)
             await self._runner.cleanup()
+
         self._call(_stop())
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(timeout=5)
@@ -308,12 +362,15 @@ class FakeKube:
     def get(self, prefix: str, plural: str, namespace: str | None, name: str) -> dict[str, Any] | None:
         async def _get() -> dict[str, Any] | None:
             return copy.deepcopy(self.objects.get((prefix, plural, namespace, name)))
+
         return self._call(_get())
 
-    def put(self, prefix: str, plural: str, namespace: str | None, obj: dict[str, Any],
-            admit: bool = True) -> dict[str, Any]:
+    def put(
+        self, prefix: str, plural: str, namespace: str | None, obj: dict[str, Any], admit: bool = True
+    ) -> dict[str, Any]:
         """Create or replace an object whole, status included (as `kubectl apply` plus a controller would).
         A custom resource is defaulted and pruned, and validated unless `admit=False` (an older CRD)."""
+
         async def _put() -> dict[str, Any]:
             key = (prefix, plural, namespace, obj["metadata"]["name"])
             new = copy.deepcopy(obj)
@@ -324,33 +381,54 @@ class FakeKube:
                     raise AssertionError(f"the API server would refuse {plural}/{key[3]}: {errors}")
             self._own(key, "test", self.objects.get(key), new)
             return self._store(key, new)
+
         return self._call(_put())
 
     def remove(self, prefix: str, plural: str, namespace: str | None, name: str) -> None:
         """Delete as `kubectl delete` does: finalizers are honoured, owned objects garbage-collected."""
+
         async def _remove() -> None:
             self._delete((prefix, plural, namespace, name))
+
         self._call(_remove())
 
     def fields(self, prefix: str, plural: str, namespace: str | None, name: str) -> dict[str, list[str]]:
         """Field manager -> the fields it owns, as `.a.b[type=Ready].c` strings."""
+
         async def _fields() -> dict[str, list[str]]:
             owned = self.managers.get((prefix, plural, namespace, name), {})
             return {m: sorted(map(_render_path, ps)) for m, ps in owned.items() if ps}
+
         return self._call(_fields())
 
     def write_kubeconfig(self, path: Path, namespace: str) -> Path:
         """A kubeconfig pointing at this server, with `namespace` as the context's default."""
-        path.write_text(yaml.safe_dump({
-            "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-            "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
-            "users": [{"name": "fake", "user": {"token": "test-token"}}],
-            "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "fake", "namespace": namespace}}],
-        }))
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "apiVersion": "v1",
+                    "kind": "Config",
+                    "current-context": "fake",
+                    "clusters": [{"name": "fake", "cluster": {"server": self.url}}],
+                    "users": [{"name": "fake", "user": {"token": "test-token"}}],
+                    "contexts": [
+                        {
+                            "name": "fake",
+                            "context": {"cluster": "fake", "user": "fake", "namespace": namespace},
+                        }
+                    ],
+                }
+            )
+        )
         return path
 
     def add_namespace(self, name: str) -> None:
-        self.put("/api/v1", "namespaces", None, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+        self.put(
+            "/api/v1",
+            "namespaces",
+            None,
+            {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+        )
 
     def fail_next(self, method: str, path_contains: str, status: int) -> None:
         self._failures.append((method, path_contains, status))
@@ -399,7 +477,8 @@ class FakeKube:
                 meta["deletionTimestamp"] = old["metadata"]["deletionTimestamp"]
             meta["resourceVersion"] = old["metadata"].get("resourceVersion")
             changed = {k: v for k, v in obj.items() if k not in ("metadata", "status")} != {
-                k: v for k, v in old.items() if k not in ("metadata", "status")}
+                k: v for k, v in old.items() if k not in ("metadata", "status")
+            }
             meta["generation"] = old["metadata"].get("generation", 1) + (1 if changed else 0)
             if obj == old:
                 return obj  # a no-op write changes nothing, not even resourceVersion
@@ -471,9 +550,13 @@ class FakeKube:
         resource = f"{plural}/{sub}" if sub else plural
         if self.rbac is not None and not self.rbac.allows(verb, group, resource, namespace):
             where = f'in the namespace "{namespace}"' if namespace else "at the cluster scope"
-            return _status(403, f'{resource}{"." + group if group else ""} is forbidden: User '
-                                f'"system:serviceaccount:specfleet" cannot {verb} resource "{resource}" in API group '
-                                f'"{group}" {where}', "Forbidden")
+            return _status(
+                403,
+                f"{resource}{'.' + group if group else ''} is forbidden: User "
+                f'"system:serviceaccount:specfleet" cannot {verb} resource "{resource}" in API group '
+                f'"{group}" {where}',
+                "Forbidden",
+            )
         if not any(plural == r[0] for r in self.discovery.get(prefix, [])):
             return _status(404, f"the server could not find the requested resource {path}")
         key: Key = (prefix, plural, namespace, name or "")
@@ -482,9 +565,14 @@ class FakeKube:
             if verb == "watch":
                 return await self._watch(request, prefix, plural, namespace, selector)
             if verb == "list":
-                items = [copy.deepcopy(o) for k, o in self.objects.items()
-                         if k[:2] == (prefix, plural) and namespace in (None, k[2]) and _selects(selector, o)]
-                return web.json_response({"items": items, "metadata": {"resourceVersion": str(next(self._rv))}})
+                items = [
+                    copy.deepcopy(o)
+                    for k, o in self.objects.items()
+                    if k[:2] == (prefix, plural) and namespace in (None, k[2]) and _selects(selector, o)
+                ]
+                return web.json_response(
+                    {"items": items, "metadata": {"resourceVersion": str(next(self._rv))}}
+                )
             if verb == "create":
                 meta = body.setdefault("metadata", {})
                 meta.setdefault("name", meta.get("generateName", "obj-") + uuid.uuid4().hex[:5])
@@ -500,7 +588,11 @@ class FakeKube:
         if sub == "scale":
             return self._scale(request, key, existing, body)
         if request.method == "GET":
-            return web.json_response(existing) if existing else _status(404, f"{plural} {name!r} not found", "NotFound")
+            return (
+                web.json_response(existing)
+                if existing
+                else _status(404, f"{plural} {name!r} not found", "NotFound")
+            )
         if request.method == "DELETE":
             if existing is None:
                 return _status(404, f"{plural} {name!r} not found", "NotFound")
@@ -512,7 +604,9 @@ class FakeKube:
         if request.method == "PUT":
             sent = (body.get("metadata") or {}).get("resourceVersion")
             if sent and sent != existing["metadata"].get("resourceVersion"):
-                return _status(409, f"the object has been modified; resourceVersion {sent} is stale", "Conflict")
+                return _status(
+                    409, f"the object has been modified; resourceVersion {sent} is stale", "Conflict"
+                )
             new = copy.deepcopy(body)
         elif request.method == "PATCH" and "json-patch" in request.content_type:
             try:
@@ -525,7 +619,9 @@ class FakeKube:
             return _status(405, f"{request.method} not supported by the fake")
         return self._write(request, key, existing, self._scoped(key, existing, new, sub), sub)
 
-    def _scoped(self, key: Key, existing: dict[str, Any], new: dict[str, Any], sub: str | None) -> dict[str, Any]:
+    def _scoped(
+        self, key: Key, existing: dict[str, Any], new: dict[str, Any], sub: str | None
+    ) -> dict[str, Any]:
         """Only status through /status; never status through the object (when it has the subresource)."""
         if not self._has_sub(key[0], key[1], "status"):
             return new
@@ -542,33 +638,57 @@ class FakeKube:
             new["status"] = copy.deepcopy(existing["status"])
         return new
 
-    def _write(self, request: web.Request, key: Key, existing: dict[str, Any] | None, new: dict[str, Any],
-               sub: str | None, created: bool = False, manager: str | None = None) -> web.Response:
+    def _write(
+        self,
+        request: web.Request,
+        key: Key,
+        existing: dict[str, Any] | None,
+        new: dict[str, Any],
+        sub: str | None,
+        created: bool = False,
+        manager: str | None = None,
+    ) -> web.Response:
         meta = new.setdefault("metadata", {})
         old_meta = (existing or {}).get("metadata", {})
         if old_meta.get("deletionTimestamp"):
             added = set(meta.get("finalizers") or []) - set(old_meta.get("finalizers") or [])
             if added:
-                return _status(422, f"{key[1]} {key[3]!r} is being deleted: no new finalizers can be added "
-                                    f"({sorted(added)})", "Invalid")
+                return _status(
+                    422,
+                    f"{key[1]} {key[3]!r} is being deleted: no new finalizers can be added ({sorted(added)})",
+                    "Invalid",
+                )
         problem = self._owner_reference_problem(key, old_meta, meta)
         if problem:
             return _status(403, problem, "Forbidden")
         crd = self.crds.get(key[:2])
         if crd is not None:
             # ratcheting (Kubernetes >= 1.30): a write that leaves an invalid spec as it was is not refused for it
-            unchanged = existing is not None and sub is None and crd.admit(copy.deepcopy(existing), False, False)[0].get(
-                "spec") == crd.admit(copy.deepcopy(new), False, False)[0].get("spec")
+            unchanged = (
+                existing is not None
+                and sub is None
+                and crd.admit(copy.deepcopy(existing), False, False)[0].get("spec")
+                == crd.admit(copy.deepcopy(new), False, False)[0].get("spec")
+            )
             new, errors = crd.admit(new, only_status=sub == "status", validate=not unchanged)
             if errors:
-                return _status(422, f'{crd.kind}.{key[0].split("/")[2]} "{key[3]}" is invalid: ' + "; ".join(errors),
-                               "Invalid")
-        manager = manager or request.query.get("fieldManager") or request.headers.get("User-Agent", "unknown").split("/")[0]
+                return _status(
+                    422,
+                    f'{crd.kind}.{key[0].split("/")[2]} "{key[3]}" is invalid: ' + "; ".join(errors),
+                    "Invalid",
+                )
+        manager = (
+            manager
+            or request.query.get("fieldManager")
+            or request.headers.get("User-Agent", "unknown").split("/")[0]
+        )
         self._own(key, manager, existing, new)
         stored = self._store(key, new)
         return web.json_response(stored, status=201 if created else 200)
 
-    def _owner_reference_problem(self, key: Key, old_meta: dict[str, Any], meta: dict[str, Any]) -> str | None:
+    def _owner_reference_problem(
+        self, key: Key, old_meta: dict[str, Any], meta: dict[str, Any]
+    ) -> str | None:
         """OwnerReferencesPermissionEnforcement: blocking an owner's deletion needs update on its finalizers."""
         if self.rbac is None or not self.owner_reference_enforcement:
             return None
@@ -578,14 +698,24 @@ class FakeKube:
                 continue
             group = ref["apiVersion"].rpartition("/")[0]
             prefix = f"/apis/{ref['apiVersion']}" if group else "/api/v1"
-            plural = next((r[0] for r in self.discovery.get(prefix, []) if r[1] == ref["kind"]), ref["kind"].lower())
+            plural = next(
+                (r[0] for r in self.discovery.get(prefix, []) if r[1] == ref["kind"]), ref["kind"].lower()
+            )
             if not self.rbac.allows("update", group, f"{plural}/finalizers", key[2]):
-                return (f"{key[1]} {key[3]!r} is forbidden: cannot set blockOwnerDeletion if an ownerReference refers "
-                        f"to a resource you can't set finalizers on: {plural}/finalizers in API group \"{group}\"")
+                return (
+                    f"{key[1]} {key[3]!r} is forbidden: cannot set blockOwnerDeletion if an ownerReference refers "
+                    f'to a resource you can\'t set finalizers on: {plural}/finalizers in API group "{group}"'
+                )
         return None
 
-    def _apply(self, request: web.Request, key: Key, existing: dict[str, Any] | None, body: dict[str, Any],
-               sub: str | None) -> web.Response:
+    def _apply(
+        self,
+        request: web.Request,
+        key: Key,
+        existing: dict[str, Any] | None,
+        body: dict[str, Any],
+        sub: str | None,
+    ) -> web.Response:
         manager = request.query.get("fieldManager")
         if not manager:
             return _status(422, "PATCH with application/apply-patch+yaml requires fieldManager", "Invalid")
@@ -602,10 +732,15 @@ class FakeKube:
                 return False
             return (path[0] == "status") == (sub == "status") if has_status else True
 
-        applied = {p: v for p, v in flatten(body, keys).items() if in_scope(p) and v is not None}  # null: not set
+        applied = {
+            p: v for p, v in flatten(body, keys).items() if in_scope(p) and v is not None
+        }  # null: not set
         if existing is None:
-            new = {"apiVersion": body.get("apiVersion"), "kind": body.get("kind"),
-                   "metadata": {"name": key[3]}}
+            new = {
+                "apiVersion": body.get("apiVersion"),
+                "kind": body.get("kind"),
+                "metadata": {"name": key[3]},
+            }
             for path, value in applied.items():
                 set_at(new, path, value)
             response = self._write(request, key, None, new, None, created=True, manager=manager)
@@ -614,8 +749,12 @@ class FakeKube:
             return response
         owned = self.managers.setdefault(key, {})
         current = flatten(existing, keys)
-        conflicts = [(path, other) for path, value in applied.items() for other, paths in owned.items()
-                     if other != manager and path in paths and current.get(path, _MISSING) != value]
+        conflicts = [
+            (path, other)
+            for path, value in applied.items()
+            for other, paths in owned.items()
+            if other != manager and path in paths and current.get(path, _MISSING) != value
+        ]
         if conflicts and not force:
             listed = "; ".join(f'conflict with "{other}": {_render_path(path)}' for path, other in conflicts)
             return _status(409, f"Apply failed with {len(conflicts)} conflict(s): {listed}", "Conflict")
@@ -636,32 +775,52 @@ class FakeKube:
         owned[manager] = set(applied) | {p for p in owned.get(manager, set()) if not in_scope(p)}
         return response
 
-    def _scale(self, request: web.Request, key: Key, existing: dict[str, Any] | None, body: Any) -> web.Response:
+    def _scale(
+        self, request: web.Request, key: Key, existing: dict[str, Any] | None, body: Any
+    ) -> web.Response:
         if existing is None or not self._has_sub(key[0], key[1], "scale"):
             return _status(404, f"{key[1]} {key[3]!r} not found", "NotFound")
 
         def scale(obj: dict[str, Any]) -> dict[str, Any]:
-            return {"apiVersion": "autoscaling/v1", "kind": "Scale",
-                    "metadata": {"name": key[3], "namespace": key[2],
-                                 "resourceVersion": obj["metadata"]["resourceVersion"]},
-                    "spec": {"replicas": obj.get("spec", {}).get("replicas", 0)},
-                    "status": {"replicas": (obj.get("status") or {}).get("replicas", 0),
-                               "selector": (obj.get("status") or {}).get("selector", "")}}
+            return {
+                "apiVersion": "autoscaling/v1",
+                "kind": "Scale",
+                "metadata": {
+                    "name": key[3],
+                    "namespace": key[2],
+                    "resourceVersion": obj["metadata"]["resourceVersion"],
+                },
+                "spec": {"replicas": obj.get("spec", {}).get("replicas", 0)},
+                "status": {
+                    "replicas": (obj.get("status") or {}).get("replicas", 0),
+                    "selector": (obj.get("status") or {}).get("selector", ""),
+                },
+            }
+
         if request.method == "GET":
             return web.json_response(scale(existing))
         wanted = _merge(scale(existing), body) if request.method == "PATCH" else body
         new = copy.deepcopy(existing)
         new.setdefault("spec", {})["replicas"] = wanted["spec"]["replicas"]
         response = self._write(request, key, existing, new, None)
-        return web.json_response(scale(self.objects[key]), status=response.status) if response.status < 400 else response
+        return (
+            web.json_response(scale(self.objects[key]), status=response.status)
+            if response.status < 400
+            else response
+        )
 
-    async def _watch(self, request: web.Request, prefix: str, plural: str, namespace: str | None,
-                     selector: dict[str, str]) -> web.StreamResponse:
+    async def _watch(
+        self, request: web.Request, prefix: str, plural: str, namespace: str | None, selector: dict[str, str]
+    ) -> web.StreamResponse:
         queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         since = int(request.query.get("resourceVersion", "0") or 0)
         for k, obj in self.objects.items():
-            if (k[:2] == (prefix, plural) and namespace in (None, k[2]) and _selects(selector, obj)
-                    and int(obj["metadata"]["resourceVersion"]) > since):
+            if (
+                k[:2] == (prefix, plural)
+                and namespace in (None, k[2])
+                and _selects(selector, obj)
+                and int(obj["metadata"]["resourceVersion"]) > since
+            ):
                 queue.put_nowait({"type": "ADDED", "object": copy.deepcopy(obj)})
         entry = (prefix, plural, namespace, selector, queue)
         self._watchers.append(entry)
@@ -691,10 +850,25 @@ class FakeKube:
             return {"kind": "APIGroupList", "groups": groups}
         resources = []
         for plural, kind, namespaced, subs in self.discovery[path]:
-            resources.append({"name": plural, "singularName": kind.lower(), "kind": kind,
-                              "namespaced": namespaced, "verbs": ALL_VERBS})
-            resources += [{"name": f"{plural}/{s}", "singularName": "", "kind": kind, "namespaced": namespaced,
-                           "verbs": ["get", "patch", "update"]} for s in subs]
+            resources.append(
+                {
+                    "name": plural,
+                    "singularName": kind.lower(),
+                    "kind": kind,
+                    "namespaced": namespaced,
+                    "verbs": ALL_VERBS,
+                }
+            )
+            resources += [
+                {
+                    "name": f"{plural}/{s}",
+                    "singularName": "",
+                    "kind": kind,
+                    "namespaced": namespaced,
+                    "verbs": ["get", "patch", "update"],
+                }
+                for s in subs
+            ]
         return {"kind": "APIResourceList", "resources": resources}
 
 
@@ -719,8 +893,10 @@ def _parse_selector(text: str) -> dict[str, str]:
 
 def _selects(selector: dict[str, str], obj: dict[str, Any]) -> bool:
     labels = obj.get("metadata", {}).get("labels") or {}
-    return all(name in labels if value == "\0exists" else labels.get(name) == value
-               for name, value in selector.items())
+    return all(
+        name in labels if value == "\0exists" else labels.get(name) == value
+        for name, value in selector.items()
+    )
 
 
 def _parse(path: str) -> tuple[str, str | None, str, str | None, str | None] | None:
@@ -756,5 +932,14 @@ def _now() -> str:
 
 
 def _status(code: int, message: str, reason: str = "") -> web.Response:
-    return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
-                              "reason": reason or web.HTTPException.__name__, "code": code}, status=code)
+    return web.json_response(
+        {
+            "kind": "Status",
+            "apiVersion": "v1",
+            "status": "Failure",
+            "message": message,
+            "reason": reason or web.HTTPException.__name__,
+            "code": code,
+        },
+        status=code,
+    )

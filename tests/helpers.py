@@ -26,14 +26,21 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0, interva
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
-def wait_http_ready(url: str, proc: subprocess.Popen[Any] | None = None, log: Path | None = None,
-                    timeout: float = 180.0, interval: float = 0.3) -> None:
+def wait_http_ready(
+    url: str,
+    proc: subprocess.Popen[Any] | None = None,
+    log: Path | None = None,
+    timeout: float = 180.0,
+    interval: float = 0.3,
+) -> None:
     """Polls GET `url` until it answers 200; fails at once with the log's tail if `proc` exits first."""
     deadline = time.monotonic() + timeout
     while True:
         if proc is not None and proc.poll() is not None:
             tail = log.read_text(errors="replace")[-3000:] if log is not None else ""
-            raise AssertionError(f"{proc.args!r} exited with {proc.returncode} before {url} was ready:\n{tail}")
+            raise AssertionError(
+                f"{proc.args!r} exited with {proc.returncode} before {url} was ready:\n{tail}"
+            )
         if time.monotonic() > deadline:
             raise AssertionError(f"{url} not ready after {timeout}s")
         try:

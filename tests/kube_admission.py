@@ -47,8 +47,12 @@ def prune(schema: dict[str, Any], value: Any, top: bool = True) -> Any:
 
 
 def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
-    validator = jsonschema.Draft7Validator({k: v for k, v in schema.items() if not k.startswith("x-kubernetes")})
-    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)]
+    validator = jsonschema.Draft7Validator(
+        {k: v for k, v in schema.items() if not k.startswith("x-kubernetes")}
+    )
+    return [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)
+    ]
 
 
 def _evaluate(rule: str, value: Any) -> bool:

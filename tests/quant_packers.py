@@ -40,8 +40,9 @@ def pack_q4_k(w: np.ndarray) -> np.ndarray:
     packed[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((mn[..., 4:8] & 0x0F) << 4)
     chunks = q.reshape(n, k // 256, 4, 2, 32)  # 64-value chunks: low nibbles first 32, high nibbles next 32
     qs = (chunks[..., 0, :] | (chunks[..., 1, :] << 4)).reshape(n, k // 256, 128)
-    blocks = np.concatenate([d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8).reshape(n, -1, 2), packed, qs],
-                            axis=-1)
+    blocks = np.concatenate(
+        [d.view(np.uint8).reshape(n, -1, 2), dmin.view(np.uint8).reshape(n, -1, 2), packed, qs], axis=-1
+    )
     return blocks.reshape(n, -1)
 
 
@@ -77,8 +78,11 @@ def _pack_cols(values: torch.Tensor, order: list[int]) -> torch.Tensor:
 def pack_awq(w: torch.Tensor, group: int) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """AutoAWQ GEMM tensors for W [N, K], and the dequantized [N, K] weight they stand for."""
     codes, zeros, scales = quantize_groups(w, group)
-    tensors = {"qweight": _pack_cols(codes, AWQ_PACK_ORDER), "qzeros": _pack_cols(zeros, AWQ_PACK_ORDER),
-               "scales": scales}
+    tensors = {
+        "qweight": _pack_cols(codes, AWQ_PACK_ORDER),
+        "qzeros": _pack_cols(zeros, AWQ_PACK_ORDER),
+        "scales": scales,
+    }
     g_idx = torch.arange(w.shape[1]) // group
     return tensors, ((codes - zeros[g_idx]) * scales.float()[g_idx]).t().contiguous()
 
@@ -94,6 +98,10 @@ def pack_gptq(w: torch.Tensor, group: int, act_order: bool = False, seed: int = 
     for j in range(8):
         qweight |= codes[j::8] << (4 * j)
     qweight = (qweight - (qweight >= 2**31).long() * 2**32).to(torch.int32)
-    tensors = {"qweight": qweight, "qzeros": _pack_cols((zeros - 1) & 0xF, list(range(8))), "scales": scales,
-               "g_idx": g_idx.to(torch.int32)}
+    tensors = {
+        "qweight": qweight,
+        "qzeros": _pack_cols((zeros - 1) & 0xF, list(range(8))),
+        "scales": scales,
+        "g_idx": g_idx.to(torch.int32),
+    }
     return tensors, ((codes - zeros[g_idx]) * scales.float()[g_idx]).t().contiguous()

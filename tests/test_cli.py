@@ -13,8 +13,12 @@ EXE = str(Path(sys.executable).parent / "specfleet")
 
 @pytest.mark.slow
 def test_generate_prints_the_answer():
-    out = subprocess.run([EXE, "generate", "--max-tokens", "12", "What is the capital of France?"],
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [EXE, "generate", "--max-tokens", "12", "What is the capital of France?"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr
     assert "Paris" in out.stdout and "finish_reason=" in out.stdout
 
@@ -22,7 +26,9 @@ def test_generate_prints_the_answer():
 def test_unknown_command_and_bad_model():
     out = subprocess.run([EXE, "frobnicate"], capture_output=True, text=True)
     assert out.returncode == 2 and "unknown command 'frobnicate'" in out.stderr
-    out = subprocess.run([EXE, "generate", "--model", "gopher://x", "hi"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [EXE, "generate", "--model", "gopher://x", "hi"], capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 2 and "unknown source scheme 'gopher'" in out.stderr
     out = subprocess.run([EXE, "bench", "nope"], capture_output=True, text=True)
     assert out.returncode == 2 and "choose one of" in out.stderr

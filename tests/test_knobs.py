@@ -36,8 +36,12 @@ def test_declaration_is_well_formed() -> None:
     engine = EngineConfig(speculative_method="ngram")
     for knob in KNOBS:
         assert get_knob(knob.name) is knob
-        assert knob.name in {f.name for f in fields(EngineConfig)}, f"EngineConfig lacks {knob.name}'s start value"
-        assert isinstance(getattr(engine, knob.ceiling), int), f"{knob.name}'s ceiling {knob.ceiling} is not on EngineConfig"
+        assert knob.name in {f.name for f in fields(EngineConfig)}, (
+            f"EngineConfig lacks {knob.name}'s start value"
+        )
+        assert isinstance(getattr(engine, knob.ceiling), int), (
+            f"{knob.name}'s ceiling {knob.ceiling} is not on EngineConfig"
+        )
         assert knob.gauge == f"specfleet_{knob.name}" and knob.help
         if knob.searched:
             assert knob.search and knob.minimum <= knob.search[0] <= knob.search[1], knob
@@ -102,7 +106,9 @@ def test_gauges_and_both_tuner_readers_know_every_knob() -> None:
     async def answer(promql: str) -> list[dict[str, Any]]:
         if promql.startswith("count("):
             return [{"metric": {}, "value": [0, "1"]}]
-        knob = next((k for k in SEARCHED if promql.startswith(("min(" + k.gauge + "{", "max(" + k.gauge + "{"))), None)
+        knob = next(
+            (k for k in SEARCHED if promql.startswith(("min(" + k.gauge + "{", "max(" + k.gauge + "{"))), None
+        )
         return [{"metric": {}, "value": [0, str(VALUES[knob.name])]}] if knob else []
 
     source._query = answer  # type: ignore[method-assign]
@@ -152,8 +158,18 @@ def test_crd_knows_every_searched_knob() -> None:
     wide = {k.crd_name: [k.minimum, k.minimum] for k in SEARCHED}
     for knob in SEARCHED:  # autotune on: each start value must lie inside its bounds (the Python twin of CEL)
         with pytest.raises(ValidationError, match=f"autotune.bounds.{knob.crd_name}"):
-            InferenceServiceSpec.model_validate({**SPEC, "autotune": {"enabled": True, "bounds": {
-                **{k.crd_name: [0, 1 << 20] for k in SEARCHED}, knob.crd_name: wide[knob.crd_name]}}})
+            InferenceServiceSpec.model_validate(
+                {
+                    **SPEC,
+                    "autotune": {
+                        "enabled": True,
+                        "bounds": {
+                            **{k.crd_name: [0, 1 << 20] for k in SEARCHED},
+                            knob.crd_name: wide[knob.crd_name],
+                        },
+                    },
+                }
+            )
     status = model_schema(TuningStatus)["properties"]
     assert all(camel(k.name) in status for k in KNOBS)
 
@@ -168,8 +184,10 @@ def test_speculative_methods_have_one_home() -> None:
 
 
 def test_the_operator_and_the_tuner_import_the_declaration_without_torch() -> None:
-    code = ("import sys, specfleet.operator.spec, specfleet.operator.status, specfleet.tuner.loop, "
-            "specfleet.tuner.sources, specfleet.tuner.report; "
-            "assert 'torch' not in sys.modules, 'torch was imported'")
+    code = (
+        "import sys, specfleet.operator.spec, specfleet.operator.status, specfleet.tuner.loop, "
+        "specfleet.tuner.sources, specfleet.tuner.report; "
+        "assert 'torch' not in sys.modules, 'torch was imported'"
+    )
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

@@ -13,15 +13,23 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-FOLDERS = {"cli": "specfleet.cli", "engine": "specfleet.engine", "kernels": "specfleet.kernels",
-           "operator": "specfleet.operator", "tuner": "specfleet.tuner", "fleet": "specfleet.fleet",
-           "bench": "specfleet.bench", "sim": "specfleet.sim",
-           "router": "specfleet.router"}
+FOLDERS = {
+    "cli": "specfleet.cli",
+    "engine": "specfleet.engine",
+    "kernels": "specfleet.kernels",
+    "operator": "specfleet.operator",
+    "tuner": "specfleet.tuner",
+    "fleet": "specfleet.fleet",
+    "bench": "specfleet.bench",
+    "sim": "specfleet.sim",
+    "router": "specfleet.router",
+}
 
 
 def _run(code: str, cwd: Path, *flags: str) -> str:
-    return subprocess.run([sys.executable, *flags, "-c", code], cwd=cwd, capture_output=True, text=True,
-                          check=True).stdout.strip()
+    return subprocess.run(
+        [sys.executable, *flags, "-c", code], cwd=cwd, capture_output=True, text=True, check=True
+    ).stdout.strip()
 
 
 def test_stdlib_operator_is_not_shadowed_from_repo_root():
@@ -44,20 +52,45 @@ def test_every_package_folder_is_declared():
 
 @pytest.mark.slow
 def test_wheel_builds_and_imports(tmp_path):
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                    str(tmp_path), str(ROOT)], check=True, capture_output=True)
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
     wheel = next(tmp_path.glob("specfleet-*.whl"))
     names = zipfile.ZipFile(wheel).namelist()
     for package in FOLDERS.values():
         assert f"{package.replace('.', '/')}/__init__.py" in names
     assert "specfleet/kernels/cpu/native.cpp" in names  # the native CPU kernels build from it on first use
     target = tmp_path / "site"
-    subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
-                   check=True, capture_output=True)
-    code = ("import specfleet.engine, specfleet.operator, specfleet.kernels, operator; "
-            "print(specfleet.engine.__file__); print(operator.__file__)")
-    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONPATH": str(target)}).stdout.splitlines()
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target), str(wheel)],
+        check=True,
+        capture_output=True,
+    )
+    code = (
+        "import specfleet.engine, specfleet.operator, specfleet.kernels, operator; "
+        "print(specfleet.engine.__file__); print(operator.__file__)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(target)},
+    ).stdout.splitlines()
     assert out[0].startswith(str(target))
     assert "site-packages" not in out[1] or "specfleet" not in out[1]
 

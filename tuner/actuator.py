@@ -38,10 +38,12 @@ class ApplyResult:
 
 def admin_on_port(port: int) -> Callable[[str], str]:
     """Engine URL -> the same host on the admin port (pods serve the admin API apart from the API)."""
+
     def mapped(url: str) -> str:
         parts = urlsplit(url)
         host = f"[{parts.hostname}]" if ":" in (parts.hostname or "") else parts.hostname
         return urlunsplit((parts.scheme, f"{host}:{port}", parts.path, "", ""))
+
     return mapped
 
 
@@ -49,9 +51,13 @@ class AdminActuator:
     """`admin_url` maps an engine's URL (the one in `ensure`'s list, also used for scraping) to where its
     admin API listens; by default the same URL."""
 
-    def __init__(self, token: str, timeout_s: float = 5.0, admin_url: Callable[[str], str] = lambda url: url) -> None:
+    def __init__(
+        self, token: str, timeout_s: float = 5.0, admin_url: Callable[[str], str] = lambda url: url
+    ) -> None:
         if not token:
-            raise ValueError("the admin token is empty; the engines' SPECFLEET_ADMIN_TOKEN is needed to tune them")
+            raise ValueError(
+                "the admin token is empty; the engines' SPECFLEET_ADMIN_TOKEN is needed to tune them"
+            )
         self._client = httpx.AsyncClient(timeout=timeout_s, headers={"Authorization": f"Bearer {token}"})
         self._admin_url = admin_url
 
@@ -105,6 +111,8 @@ class AdminActuator:
 
 def _raise_for(response: httpx.Response, url: str) -> None:
     if response.status_code in (401, 403):
-        raise RuntimeError(f"{url}/admin/config answered {response.status_code}: the admin token does not match "
-                           "the engine's SPECFLEET_ADMIN_TOKEN (or the engine has none set)")
+        raise RuntimeError(
+            f"{url}/admin/config answered {response.status_code}: the admin token does not match "
+            "the engine's SPECFLEET_ADMIN_TOKEN (or the engine has none set)"
+        )
     response.raise_for_status()

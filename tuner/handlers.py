@@ -48,7 +48,9 @@ from .report import autoscaling_status, event_for, scale_event, status_patch, tr
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
 # matches the labels the Prometheus Operator adds when scraping through our ServiceMonitor.
-SELECTOR_TEMPLATE = os.environ.get("SPECFLEET_PROMETHEUS_SELECTOR", 'namespace="{namespace}",service="{name}"')
+SELECTOR_TEMPLATE = os.environ.get(
+    "SPECFLEET_PROMETHEUS_SELECTOR", 'namespace="{namespace}",service="{name}"'
+)
 
 
 async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[str]:
@@ -58,7 +60,9 @@ async def ready_pod_urls(client: KubeClient, namespace: str, name: str) -> list[
     urls = []
     for pod in pods.get("items", []):
         status = pod.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
+        ready = any(
+            c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or []
+        )
         if ready and status.get("podIP") and not pod["metadata"].get("deletionTimestamp"):
             urls.append(f"http://{status['podIP']}:{ENGINE_PORT}")
     return sorted(urls)
@@ -76,8 +80,10 @@ def _restore(tuner: ServiceTuner, status: kopf.Status) -> None:
     """A rebuilt loop (spec change, operator restart) continues the transitions status last reported, so
     that lifting a freeze through the spec still posts TuningResumed."""
     tuner.frozen_by = (status.get("tuning") or {}).get("frozenBy") or None
-    tuner.static = any(c.get("type") == "Tuned" and c.get("reason") == "MetricsUnavailable"
-                       for c in status.get("conditions") or [])
+    tuner.static = any(
+        c.get("type") == "Tuned" and c.get("reason") == "MetricsUnavailable"
+        for c in status.get("conditions") or []
+    )
 
 
 async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> ServiceTuner:
@@ -86,27 +92,44 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     isvc = parse_inference_service(body, f"{namespace}/{name}")
     secret = await client.get(object_path("Secret", namespace, admin_secret_name(name)))
     if secret is None:
-        raise kopf.TemporaryError(f"Secret {admin_secret_name(name)} (admin token) does not exist yet; "
-                                  "the reconcile creates it", delay=10)
+        raise kopf.TemporaryError(
+            f"Secret {admin_secret_name(name)} (admin token) does not exist yet; the reconcile creates it",
+            delay=10,
+        )
 
     async def endpoints() -> list[str]:
         return await ready_pod_urls(client, namespace, name)
 
-    return build_tuner(f"{namespace}/{name}", isvc.spec, endpoints, read_admin_token(secret),
-                       admin_url=admin_on_port(ADMIN_PORT),
-                       prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
-                       prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name))
+    return build_tuner(
+        f"{namespace}/{name}",
+        isvc.spec,
+        endpoints,
+        read_admin_token(secret),
+        admin_url=admin_on_port(ADMIN_PORT),
+        prometheus_url=isvc.spec.autotune.prometheus_url or getattr(memo.config, "prometheus_url", "") or "",
+        prometheus_selector=SELECTOR_TEMPLATE.format(namespace=namespace, name=name),
+    )
 
 
-@kopf.timer(GROUP, VERSION, PLURAL, interval=TIMER_SECONDS, initial_delay=TIMER_SECONDS, sharp=False,
-            when=autotune_enabled)
-async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo,
-               logger: kopf.Logger, **_: Any) -> None:
+@kopf.timer(
+    GROUP,
+    VERSION,
+    PLURAL,
+    interval=TIMER_SECONDS,
+    initial_delay=TIMER_SECONDS,
+    sharp=False,
+    when=autotune_enabled,
+)
+async def tune(
+    body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo, logger: kopf.Logger, **_: Any
+) -> None:
     # uid -> (tuner, fingerprint of the spec fields it depends on, monotonic time of its last interval)
     tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
     uid, generation = meta["uid"], int(meta.get("generation") or 0)
     try:
-        fingerprint = tuner_fingerprint(parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec)
+        fingerprint = tuner_fingerprint(
+            parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec
+        )
     except InvalidInferenceService:
         return  # the reconcile reports InvalidSpec
     entry = tuners.get(uid)
@@ -122,8 +145,12 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf
             raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
         _restore(tuner, status)
         # a restarted operator continues from status.tuning, if it was learned under this same spec
-        if entry is None and restore(tuner.policy, dict(status).get("tuning") or {}, time.monotonic(), fingerprint):
-            logger.info("event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else "")
+        if entry is None and restore(
+            tuner.policy, dict(status).get("tuning") or {}, time.monotonic(), fingerprint
+        ):
+            logger.info(
+                "event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else ""
+            )
         entry = tuners[uid] = (tuner, fingerprint, 0.0)
     tuner, _fingerprint, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
@@ -135,22 +162,39 @@ async def tune(body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf
     # The tuner's share of status (status.tuning, the Tuned condition, with autoscaling status.autoscaling)
     # under its own field manager: the reconcile's conditions are another manager's entries of the same
     # list-map, which this cannot touch.
-    update = status_patch(tick, tuner.policy.current, dict(status), generation, now,
-                          resume=snapshot(tuner.policy, time.monotonic(), fingerprint))
+    update = status_patch(
+        tick,
+        tuner.policy.current,
+        dict(status),
+        generation,
+        now,
+        resume=snapshot(tuner.policy, time.monotonic(), fingerprint),
+    )
     scaled = None
     replicas = _replica_policy(memo, uid, generation, body)
     if replicas is not None:  # the replica knob, from the same observation and model as the config
         obs = tick.observation
-        decision = replicas.decide(time.monotonic(), obs, None if obs.error else tuner.policy.model(obs),
-                                   tuner.policy.current, tuner.policy.params.slo)
+        decision = replicas.decide(
+            time.monotonic(),
+            obs,
+            None if obs.error else tuner.policy.model(obs),
+            tuner.policy.current,
+            tuner.policy.params.slo,
+        )
         update["autoscaling"] = autoscaling_status(decision, dict(status).get("autoscaling"), now)
         scaled = scale_event(decision)
     await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
     metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
     if metrics.live(uid):
-        metrics.set_conditions(meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"])
+        metrics.set_conditions(
+            meta["namespace"], meta["name"], [c for c in update["conditions"] if c["type"] == "Tuned"]
+        )
     change = event_for(tick.decision)
-    for kind, reason, message in [*transition_events(tick), *([change] if change else []), *([scaled] if scaled else [])]:
+    for kind, reason, message in [
+        *transition_events(tick),
+        *([change] if change else []),
+        *([scaled] if scaled else []),
+    ]:
         post = kopf.warn if kind == "Warning" else kopf.info
         post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)

@@ -63,7 +63,9 @@ def fraction_below(cdf: Cdf, threshold: float) -> float | None:
     return lower_frac if threshold < math.inf else 1.0
 
 
-def subtract(after: list[tuple[float, float]], before: list[tuple[float, float]]) -> list[tuple[float, float]]:
+def subtract(
+    after: list[tuple[float, float]], before: list[tuple[float, float]]
+) -> list[tuple[float, float]]:
     """Bucket counts gained between two scrapes (a counter reset restarts from `after`)."""
     previous = dict(before)
     deltas = [(le, count - previous.get(le, 0.0)) for le, count in after]

@@ -26,8 +26,9 @@ from .types import SLO, Decision, LiveSettings, Observation, TuneBounds, TunedCo
 logger = logging.getLogger("specfleet.tuner")
 
 
-def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None,
-                     window_s: float | None = None) -> PolicyParams:
+def params_from_spec(
+    spec: InferenceServiceSpec, interval_s: float | None = None, window_s: float | None = None
+) -> PolicyParams:
     """Policy settings from an InferenceService spec: SLO, bounds (k pinned to 0 without a method)."""
     interval = float(interval_s if interval_s is not None else spec.autotune.interval_seconds)
     return PolicyParams(
@@ -41,8 +42,13 @@ def params_from_spec(spec: InferenceServiceSpec, interval_s: float | None = None
 def replica_params(spec: InferenceServiceSpec) -> ReplicaParams:
     """The replica knob's settings from `spec.autoscaling` (the cluster's and `specfleet up`'s alike)."""
     a = spec.autoscaling
-    return ReplicaParams(a.min_replicas, a.max_replicas, float(a.scale_up_stabilization_seconds),
-                         float(a.scale_down_stabilization_seconds), float(a.cooldown_seconds))
+    return ReplicaParams(
+        a.min_replicas,
+        a.max_replicas,
+        float(a.scale_up_stabilization_seconds),
+        float(a.scale_down_stabilization_seconds),
+        float(a.cooldown_seconds),
+    )
 
 
 # Spec fields that change neither what the tuner learned nor its settings: scaling (every /scale write bumps
@@ -53,8 +59,9 @@ INDEPENDENT_FIELDS = frozenset({"replicas", "rollout", "pod", "scheduling", "rou
 def tuner_fingerprint(spec: InferenceServiceSpec) -> str:
     """A hash of the spec fields the tuner depends on: its policy is rebuilt only when this changes."""
     # autotune.freeze too: a frozen tuner holds its config and keeps what it learned (checked every tick)
-    relevant = spec.model_dump(mode="json", by_alias=True, exclude={**{f: True for f in INDEPENDENT_FIELDS},
-                                                                      "autotune": {"freeze"}})
+    relevant = spec.model_dump(
+        mode="json", by_alias=True, exclude={**{f: True for f in INDEPENDENT_FIELDS}, "autotune": {"freeze"}}
+    )
     return hashlib.sha256(json.dumps(relevant, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -63,18 +70,35 @@ def spec_config(spec: InferenceServiceSpec) -> TunedConfig:
     return TunedConfig(**spec.start_values())
 
 
-def build_tuner(name: str, spec: InferenceServiceSpec, endpoints: Endpoints, admin_token: str, *,
-                admin_url: Callable[[str], str] = lambda url: url, prometheus_url: str = "",
-                prometheus_selector: str = "", interval_s: float | None = None,
-                window_s: float | None = None) -> ServiceTuner:
+def build_tuner(
+    name: str,
+    spec: InferenceServiceSpec,
+    endpoints: Endpoints,
+    admin_token: str,
+    *,
+    admin_url: Callable[[str], str] = lambda url: url,
+    prometheus_url: str = "",
+    prometheus_selector: str = "",
+    interval_s: float | None = None,
+    window_s: float | None = None,
+) -> ServiceTuner:
     """The one wiring of a service's tuner, shared by the operator's timer and the local fleet: the policy
     from the spec, metrics from Prometheus when a URL is given (else a direct scrape of `endpoints`), and
     the admin API of the same endpoints (`admin_url` maps one to its admin address) with the service's
     admin token."""
     params = params_from_spec(spec, interval_s, window_s)
-    source: Source = (PrometheusSource(prometheus_url, prometheus_selector, params.window_s) if prometheus_url
-                      else ScrapeSource(endpoints, window_s=params.window_s))
-    return ServiceTuner(name, Policy(params, spec_config(spec)), source, AdminActuator(admin_token, admin_url=admin_url), endpoints)
+    source: Source = (
+        PrometheusSource(prometheus_url, prometheus_selector, params.window_s)
+        if prometheus_url
+        else ScrapeSource(endpoints, window_s=params.window_s)
+    )
+    return ServiceTuner(
+        name,
+        Policy(params, spec_config(spec)),
+        source,
+        AdminActuator(admin_token, admin_url=admin_url),
+        endpoints,
+    )
 
 
 @dataclass
@@ -92,8 +116,9 @@ TRANSITIONS = ("frozen", "resumed", "static", "recovered")
 
 
 class ServiceTuner:
-    def __init__(self, name: str, policy: Policy, source: Source, actuator: AdminActuator,
-                 endpoints: Endpoints) -> None:
+    def __init__(
+        self, name: str, policy: Policy, source: Source, actuator: AdminActuator, endpoints: Endpoints
+    ) -> None:
         self.name = name
         self.policy = policy
         self.source = source
@@ -142,11 +167,15 @@ class ServiceTuner:
                     applied = await self.actuator.ensure(urls, LiveSettings(decision.config, guard))
             self.synced = set(applied.unchanged + applied.patched)
             if applied.failed:
-                logger.warning("event=tuner_apply_failed service=%s %s", self.name,
-                               " ".join(f"{u}={e!r}" for u, e in applied.failed.items()))
+                logger.warning(
+                    "event=tuner_apply_failed service=%s %s",
+                    self.name,
+                    " ".join(f"{u}={e!r}" for u, e in applied.failed.items()),
+                )
         if decision.changed:
-            logger.info("event=tuner_decision service=%s kind=%s reason=%r", self.name, decision.kind,
-                        decision.reason)
+            logger.info(
+                "event=tuner_decision service=%s kind=%s reason=%r", self.name, decision.kind, decision.reason
+            )
         static = decision.kind == "missing"
         self.static_intervals = self.static_intervals + 1 if static else 0
         if static != self.static:

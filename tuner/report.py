@@ -16,7 +16,9 @@ def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 1)
 
 
-def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+def tuning_status(
+    tick: Tick, config: TunedConfig | None, previous: dict[str, Any] | None, now: str
+) -> dict[str, Any]:
     """`status.tuning`: the config the tuner holds, the last decision's reason and what it observed."""
     obs, d = tick.observation, tick.decision
     acc = obs.acceptance_rate
@@ -32,14 +34,18 @@ def tuning_status(tick: Tick, config: TunedConfig | None, previous: dict[str, An
     }
     status: dict[str, Any] = {
         "reason": d.reason[:4000],
-        "lastDecisionTime": now if d.changed or "lastDecisionTime" not in previous else previous["lastDecisionTime"],
+        "lastDecisionTime": now
+        if d.changed or "lastDecisionTime" not in previous
+        else previous["lastDecisionTime"],
         # What was not observed is left out (the CRD's fields are numbers, not nullable).
         "observed": {key: value for key, value in observed.items() if value is not None},
     }
     if tick.frozen_by is not None:  # left out otherwise: the tuner's next apply drops the field
         status["frozenBy"] = tick.frozen_by
     if config is not None:
-        status.update({camel(name): value for name, value in LiveSettings(config, tick.guard).as_admin().items()})
+        status.update(
+            {camel(name): value for name, value in LiveSettings(config, tick.guard).as_admin().items()}
+        )
     return status
 
 
@@ -48,8 +54,12 @@ def tuned_condition(tick: Tick) -> Cond:
     if applied is not None and (applied.failed or applied.refused):
         bad = {**applied.failed, **applied.refused}
         detail = "; ".join(f"{url}: {err}" for url, err in list(bad.items())[:3])
-        return Cond("Tuned", "False", "ApplyFailed", f"could not apply {applied.config.short()} to "
-                    f"{len(bad)} pod(s): {detail}")
+        return Cond(
+            "Tuned",
+            "False",
+            "ApplyFailed",
+            f"could not apply {applied.config.short()} to {len(bad)} pod(s): {detail}",
+        )
     if d.kind == "frozen":
         return Cond("Tuned", "False", "Frozen", d.reason)
     if d.kind == "missing":
@@ -61,8 +71,14 @@ def tuned_condition(tick: Tick) -> Cond:
     return Cond("Tuned", "True", "Holding" if d.kind != "idle" else "Idle", d.reason)
 
 
-def status_patch(tick: Tick, config: TunedConfig | None, status: dict[str, Any], generation: int,
-                 now: str, resume: dict[str, Any] | None = None) -> dict[str, Any]:
+def status_patch(
+    tick: Tick,
+    config: TunedConfig | None,
+    status: dict[str, Any],
+    generation: int,
+    now: str,
+    resume: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     """The tuner's share of status for one interval: `tuning` and its own `Tuned` condition only (applied
     with the tuner's field manager; the reconcile's conditions are not in it, so it cannot overwrite them).
     `resume` is what a restarted tuner continues from (`policy/resume.py`)."""
@@ -97,7 +113,9 @@ def transition_events(tick: Tick) -> list[tuple[str, str, str]]:
     return [events[t] for t in tick.transitions]
 
 
-def autoscaling_status(decision: ReplicaDecision, previous: dict[str, Any] | None, now: str) -> dict[str, Any]:
+def autoscaling_status(
+    decision: ReplicaDecision, previous: dict[str, Any] | None, now: str
+) -> dict[str, Any]:
     """`status.autoscaling`: the replica count the reconcile renders into the Deployment, and why."""
     previous = previous or {}
     last = now if decision.changed else previous.get("lastScaleTime")

@@ -17,12 +17,23 @@ from .histogram import quantile, subtract, to_cdf
 from .types import Observation, TunedConfig
 
 P = METRIC_PREFIX
-COUNTERS = ("generation_tokens", "prompt_tokens", "spec_decode_drafts", "spec_decode_draft_tokens",
-            "spec_decode_accepted_tokens")
-HISTOGRAMS = ("time_to_first_token_seconds", "time_per_output_token_seconds", "step_duration_seconds",
-              "batch_size", "e2e_request_latency_seconds", "request_queue_time_seconds")
+COUNTERS = (
+    "generation_tokens",
+    "prompt_tokens",
+    "spec_decode_drafts",
+    "spec_decode_draft_tokens",
+    "spec_decode_accepted_tokens",
+)
+HISTOGRAMS = (
+    "time_to_first_token_seconds",
+    "time_per_output_token_seconds",
+    "step_duration_seconds",
+    "batch_size",
+    "e2e_request_latency_seconds",
+    "request_queue_time_seconds",
+)
 # the load gauges, then the config gauge of every searched knob (the config in force)
-CONFIG_GAUGES = tuple(knob.gauge[len(P):] for knob in SEARCHED)
+CONFIG_GAUGES = tuple(knob.gauge[len(P) :] for knob in SEARCHED)
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", *CONFIG_GAUGES)
 
 
@@ -32,7 +43,9 @@ class Snapshot:
     counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     requests: float = 0.0  # finished requests, every reason
     per_pos: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    buckets: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    buckets: dict[str, dict[float, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     gauges: dict[str, float] = field(default_factory=dict)
@@ -52,7 +65,7 @@ def parse_metrics(text: str, time: float) -> Snapshot:
             name, labels, value = sample.name, sample.labels, float(sample.value)
             if not name.startswith(P):
                 continue
-            short = name[len(P):]
+            short = name[len(P) :]
             if short.endswith("_total") and short[:-6] in COUNTERS:
                 snap.counters[short[:-6]] += value
             elif short == "request_success_total":
@@ -78,7 +91,9 @@ def _delta(after: float, before: float) -> float:
 class _Sums:
     rates: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     per_pos: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    buckets: dict[str, dict[float, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    buckets: dict[str, dict[float, float]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(float))
+    )
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
 
@@ -108,17 +123,37 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
         running += after.gauges.get(P + "num_requests_running", 0.0)
         waiting += after.gauges.get(P + "num_requests_waiting", 0.0)
         kv = max(kv, after.gauges.get(P + "kv_cache_usage_ratio", 0.0))
-    return build_observation(now, acc.rates, acc.per_pos, {h: list(b.items()) for h, b in acc.buckets.items()},
-                             acc.sums, acc.counts, running, waiting, kv,
-                             configs.pop() if len(configs) == 1 else None, len(pairs))
+    return build_observation(
+        now,
+        acc.rates,
+        acc.per_pos,
+        {h: list(b.items()) for h, b in acc.buckets.items()},
+        acc.sums,
+        acc.counts,
+        running,
+        waiting,
+        kv,
+        configs.pop() if len(configs) == 1 else None,
+        len(pairs),
+    )
 
 
-def build_observation(now: float, rates: dict[str, float], per_pos: dict[int, float],
-                      buckets: dict[str, list[tuple[float, float]]], sums: dict[str, float],
-                      count_rates: dict[str, float], running: float, waiting: float, kv: float,
-                      config: TunedConfig | None, pods: int) -> Observation:
+def build_observation(
+    now: float,
+    rates: dict[str, float],
+    per_pos: dict[int, float],
+    buckets: dict[str, list[tuple[float, float]]],
+    sums: dict[str, float],
+    count_rates: dict[str, float],
+    running: float,
+    waiting: float,
+    kv: float,
+    config: TunedConfig | None,
+    pods: int,
+) -> Observation:
     """Shared by both sources: rates per second, bucket counts or rates (any scale), and the histograms'
     `_sum` and `_count` rates per second (their ratio is the mean)."""
+
     def mean(hist: str) -> float | None:
         count = count_rates.get(hist, 0.0)
         return sums.get(hist, 0.0) / count if count > 0 else None
@@ -136,17 +171,30 @@ def build_observation(now: float, rates: dict[str, float], per_pos: dict[int, fl
     # earlier, larger k): leave them out rather than report them as never accepted.
     drafted = max(per_pos, default=-1) + 1 if config is None else config.num_speculative_tokens
     positions = [per_pos.get(i, 0.0) / drafts for i in range(drafted)] if drafts > 0 else []
-    tpot, ttft = buckets.get("time_per_output_token_seconds", []), buckets.get("time_to_first_token_seconds", [])
+    tpot, ttft = (
+        buckets.get("time_per_output_token_seconds", []),
+        buckets.get("time_to_first_token_seconds", []),
+    )
     return Observation(
-        time=now, config=config, pods=pods,
+        time=now,
+        config=config,
+        pods=pods,
         request_rate=rates.get("requests", 0.0),
         generation_rate=rates.get("generation_tokens", 0.0),
         prompt_rate=rates.get("prompt_tokens", 0.0),
-        running=running, waiting=waiting, in_system_now=in_system_now, kv_usage=kv,
-        ttft_p95_s=quantile(0.95, ttft), tpot_p95_s=quantile(0.95, tpot),
-        ttft_cdf=to_cdf(ttft), tpot_cdf=to_cdf(tpot),
-        step_rate=steps, step_duration_s=mean("step_duration_seconds"), batch_size=mean("batch_size"),
-        draft_rate=drafts, draft_token_rate=rates.get("spec_decode_draft_tokens", 0.0),
+        running=running,
+        waiting=waiting,
+        in_system_now=in_system_now,
+        kv_usage=kv,
+        ttft_p95_s=quantile(0.95, ttft),
+        tpot_p95_s=quantile(0.95, tpot),
+        ttft_cdf=to_cdf(ttft),
+        tpot_cdf=to_cdf(tpot),
+        step_rate=steps,
+        step_duration_s=mean("step_duration_seconds"),
+        batch_size=mean("batch_size"),
+        draft_rate=drafts,
+        draft_token_rate=rates.get("spec_decode_draft_tokens", 0.0),
         accepted_rate=rates.get("spec_decode_accepted_tokens", 0.0),
         accepted_per_pos=tuple(positions),
     )

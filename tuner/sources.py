@@ -41,8 +41,13 @@ class ScrapeSource:
     of being reported missing.
     """
 
-    def __init__(self, endpoints: Endpoints, timeout_s: float = 5.0, window_s: float = 0.0,
-                 max_window_factor: float = 4.0) -> None:
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        timeout_s: float = 5.0,
+        window_s: float = 0.0,
+        max_window_factor: float = 4.0,
+    ) -> None:
         self.endpoints = endpoints
         self.window_s = window_s
         self.max_window_factor = max_window_factor
@@ -88,7 +93,9 @@ class ScrapeSource:
         self._history = {u: h for u, h in self._history.items() if u in urls}
         now = time.monotonic()
         if not any(s is not None for s in snaps):
-            return Observation(time=now, config=None, error=f"none of {len(urls)} engine(s) answered /metrics")
+            return Observation(
+                time=now, config=None, error=f"none of {len(urls)} engine(s) answered /metrics"
+            )
         if not pairs:
             return Observation(time=now, config=None, error="first scrape: rates need a second one")
         return observe_pairs(pairs, now)
@@ -104,8 +111,14 @@ class PrometheusSource:
     histograms are read again over `max_window_factor` windows, as the scrape source does.
     """
 
-    def __init__(self, url: str, selector: str, window_s: float = 30.0, timeout_s: float = 5.0,
-                 max_window_factor: float = 4.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        selector: str,
+        window_s: float = 30.0,
+        timeout_s: float = 5.0,
+        max_window_factor: float = 4.0,
+    ) -> None:
         self.url = url.rstrip("/")
         self.selector = selector
         self.window = f"{max(int(window_s), 2)}s"
@@ -148,11 +161,13 @@ class PrometheusSource:
         now = time.monotonic()
         queries = self.queries()
         try:
-            results = dict(zip(queries, await asyncio.gather(*(self._query(q) for q in queries.values())),
-                               strict=True))
+            results = dict(
+                zip(queries, await asyncio.gather(*(self._query(q) for q in queries.values())), strict=True)
+            )
         except (httpx.HTTPError, RuntimeError, ValueError) as error:
-            return Observation(time=now, config=None,
-                               error=f"Prometheus at {self.url} unreachable or failing: {error}")
+            return Observation(
+                time=now, config=None, error=f"Prometheus at {self.url} unreachable or failing: {error}"
+            )
 
         def scalar(name: str) -> float | None:
             rows = results[name]
@@ -162,19 +177,26 @@ class PrometheusSource:
             return None if math.isnan(value) else value
 
         if scalar("pods") and not any(scalar(f"count:{h}") for h in LATENCY):
-            longer = {k: v for k, v in self.queries(self.long_window).items() if k.split(":", 1)[-1] in LATENCY}
+            longer = {
+                k: v for k, v in self.queries(self.long_window).items() if k.split(":", 1)[-1] in LATENCY
+            }
             try:
-                results.update(zip(longer, await asyncio.gather(*(self._query(q) for q in longer.values())),
-                                   strict=True))
+                results.update(
+                    zip(longer, await asyncio.gather(*(self._query(q) for q in longer.values())), strict=True)
+                )
             except (httpx.HTTPError, RuntimeError, ValueError):
                 pass  # latency stays missing; the rest of the observation holds
         if not scalar("pods"):
-            return Observation(time=now, config=None, error=f"Prometheus has no series for {{{self.selector}}} yet")
+            return Observation(
+                time=now, config=None, error=f"Prometheus has no series for {{{self.selector}}} yet"
+            )
         rates = {c: scalar(f"rate:{c}") or 0.0 for c in COUNTERS}
         rates["requests"] = scalar("rate:requests") or 0.0
         per_pos = {int(r["metric"].get("position", 0)): float(r["value"][1]) for r in results["per_pos"]}
-        buckets = {h: [(float(r["metric"]["le"]), float(r["value"][1])) for r in results[f"buckets:{h}"]]
-                   for h in HISTOGRAMS}
+        buckets = {
+            h: [(float(r["metric"]["le"]), float(r["value"][1])) for r in results[f"buckets:{h}"]]
+            for h in HISTOGRAMS
+        }
         sums = {h: scalar(f"sum:{h}") or 0.0 for h in HISTOGRAMS}
         counts = {h: scalar(f"count:{h}") or 0.0 for h in HISTOGRAMS}
         config = None
@@ -182,10 +204,23 @@ class PrometheusSource:
         highs = {knob.name: scalar(f"max:{knob.name}") for knob in SEARCHED}
         if None not in lows.values() and lows == highs:  # every pod runs the same config
             config = TunedConfig.from_admin(lows)  # type: ignore[arg-type]
-        obs = build_observation(now, rates, per_pos, buckets, sums, counts, scalar("running") or 0.0,
-                                scalar("waiting") or 0.0, scalar("kv") or 0.0, config, int(scalar("pods") or 0))
+        obs = build_observation(
+            now,
+            rates,
+            per_pos,
+            buckets,
+            sums,
+            counts,
+            scalar("running") or 0.0,
+            scalar("waiting") or 0.0,
+            scalar("kv") or 0.0,
+            config,
+            int(scalar("pods") or 0),
+        )
         # PromQL's own histogram_quantile is the figure operators see on dashboards: report it.
-        return _with_p95(obs, scalar("p95:time_to_first_token_seconds"), scalar("p95:time_per_output_token_seconds"))
+        return _with_p95(
+            obs, scalar("p95:time_to_first_token_seconds"), scalar("p95:time_per_output_token_seconds")
+        )
 
     async def close(self) -> None:
         await self._client.aclose()
@@ -194,5 +229,8 @@ class PrometheusSource:
 def _with_p95(obs: Observation, ttft: float | None, tpot: float | None) -> Observation:
     from dataclasses import replace
 
-    return replace(obs, ttft_p95_s=ttft if ttft is not None else obs.ttft_p95_s,
-                   tpot_p95_s=tpot if tpot is not None else obs.tpot_p95_s)
+    return replace(
+        obs,
+        ttft_p95_s=ttft if ttft is not None else obs.ttft_p95_s,
+        tpot_p95_s=tpot if tpot is not None else obs.tpot_p95_s,
+    )

@@ -59,7 +59,10 @@ class LiveSettings:
     def as_admin(self) -> dict[str, int]:
         """The body of `PATCH /admin/config`."""
         ruled = {knob.name: getattr(self, knob.name) for knob in RULED}
-        return {**self.config.as_admin(), **{name: value for name, value in ruled.items() if value is not None}}
+        return {
+            **self.config.as_admin(),
+            **{name: value for name, value in ruled.items() if value is not None},
+        }
 
 
 check_fields(LiveSettings, ("config", *(k.name for k in RULED)), "the config, then one per ruled knob")
@@ -79,7 +82,9 @@ class TuneBounds:
         for knob in SEARCHED:
             low, high = given.get(knob.name, knob.search or (0, 0))
             if low > high or low < 0:
-                raise ValueError(f"tuner bounds {_key(ranges, knob)}=({low}, {high}) must satisfy 0 <= min <= max")
+                raise ValueError(
+                    f"tuner bounds {_key(ranges, knob)}=({low}, {high}) must satisfy 0 <= min <= max"
+                )
         object.__setattr__(self, "ranges", tuple(given.get(k.name, k.search or (0, 0)) for k in SEARCHED))
 
     def __getitem__(self, name: str) -> tuple[int, int]:
@@ -97,7 +102,9 @@ class TuneBounds:
         def c(value: int, pair: tuple[int, int]) -> int:
             return max(pair[0], min(pair[1], value))
 
-        return TunedConfig(**{k.name: c(getattr(config, k.name), pair) for k, pair in zip(SEARCHED, self.ranges)})
+        return TunedConfig(
+            **{k.name: c(getattr(config, k.name), pair) for k, pair in zip(SEARCHED, self.ranges)}
+        )
 
     def contains(self, config: TunedConfig) -> bool:
         return self.clamp(config) == config

@@ -35,8 +35,14 @@ def _device() -> torch.device:
 
 def main() -> int:
     device = _device()
-    report: dict = {"dry_run": DRY_RUN, "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                    "torch": torch.__version__, "python": platform.python_version(), "errors": {}, "seconds": {}}
+    report: dict = {
+        "dry_run": DRY_RUN,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "errors": {},
+        "seconds": {},
+    }
     try:
         import triton
 
@@ -67,7 +73,9 @@ def main() -> int:
         print(f"kernel tests: {report['kernel_tests']['passed']}/{report['kernel_tests']['cases']} passed")
 
     def bandwidth() -> None:
-        shape = kernels_bench.DRY_SHAPE if DRY_RUN else kernels_bench.Shape()  # batch 64 x 2048, 32/8 heads, 128
+        shape = (
+            kernels_bench.DRY_SHAPE if DRY_RUN else kernels_bench.Shape()
+        )  # batch 64 x 2048, 32/8 heads, 128
         iters = 2 if DRY_RUN else 30
         copy = kernels_bench.copy_bandwidth_gbs(device, nbytes=1 << 20 if DRY_RUN else 4 << 30, iters=iters)
         decode = kernels_bench.bench_decode(shape, device, query_len=1, iters=iters)
@@ -77,23 +85,30 @@ def main() -> int:
         report["paged_verify_q5"] = verify
         report["paged_decode_bw_fraction"] = decode["gbs"] / copy
         report["paged_decode_bw_target_met"] = decode["gbs"] / copy >= DECODE_BW_TARGET
-        kv_write, prefill = kernels_bench.bench_kv_write(shape, device, iters), \
-            kernels_bench.bench_prefill(shape, device, max(1, iters // 3))
+        kv_write, prefill = (
+            kernels_bench.bench_kv_write(shape, device, iters),
+            kernels_bench.bench_prefill(shape, device, max(1, iters // 3)),
+        )
         report["kv_write"], report["paged_prefill"] = kv_write, prefill
-        print(f"copy {copy:.0f} GB/s; decode {decode['gbs']:.0f} GB/s = {report['paged_decode_bw_fraction']:.2f}")
+        print(
+            f"copy {copy:.0f} GB/s; decode {decode['gbs']:.0f} GB/s = {report['paged_decode_bw_fraction']:.2f}"
+        )
 
     def engine() -> None:
 
         sizes = engine_decode.TINY if DRY_RUN else engine_decode.FULL
         dtype = "float32" if DRY_RUN else "bfloat16"
-        copy = report.get("copy_bandwidth_gbs") or kernels_bench.copy_bandwidth_gbs(device, 1 << 20 if DRY_RUN
-                                                                                    else 4 << 30)
+        copy = report.get("copy_bandwidth_gbs") or kernels_bench.copy_bandwidth_gbs(
+            device, 1 << 20 if DRY_RUN else 4 << 30
+        )
         folder = Path(tempfile.gettempdir()) / ("specfleet-llama-tiny" if DRY_RUN else "specfleet-llama-1b")
         num_params = engine_decode.write_random_llama(folder, sizes, getattr(torch, dtype), device)
         report["engine_model"] = {"params": num_params, **sizes, "dtype": dtype}
         steps = (2, 4) if DRY_RUN else (16, 80)
         batches = [1, 2] if DRY_RUN else [1, 64]
-        result = engine_decode.measure_decode(folder, batches, device.type, dtype, steps, copy, num_params, sizes)
+        result = engine_decode.measure_decode(
+            folder, batches, device.type, dtype, steps, copy, num_params, sizes
+        )
         report.update(result)
         report["batch1_half_roofline_met"] = result["fraction_of_roofline"]["1"] >= 0.5
 
@@ -113,8 +128,16 @@ def main() -> int:
         num_params = engine_decode.write_random_llama(folder, sizes, getattr(torch, dtype), device)
         copy = report.get("copy_bandwidth_gbs") or 1.0
         report["tp2_decode"] = engine_decode.measure_decode(
-            folder, [1, 2] if DRY_RUN else [1, 64], device.type, dtype, (2, 4) if DRY_RUN else (16, 80), copy,
-            num_params, sizes, tensor_parallel_size=2)
+            folder,
+            [1, 2] if DRY_RUN else [1, 64],
+            device.type,
+            dtype,
+            (2, 4) if DRY_RUN else (16, 80),
+            copy,
+            num_params,
+            sizes,
+            tensor_parallel_size=2,
+        )
 
     section("kernel_tests", kernels)
     section("bandwidth", bandwidth)

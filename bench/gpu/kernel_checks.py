@@ -28,8 +28,15 @@ def _to(case: PagedCase, device: torch.device) -> PagedCase:
 
 
 def _attention_error(case: PagedCase, out: torch.Tensor, dtype: torch.dtype) -> str | None:
-    expected = paged_attention_reference(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                         case.query_start_loc, case.seq_lens, case.scale)
+    expected = paged_attention_reference(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+        case.scale,
+    )
     try:
         torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
     except AssertionError as e:
@@ -61,27 +68,54 @@ def run_checks(device: torch.device, quick: bool = False, budget_s: float = 150.
     for tokens, bs, dtype in itertools.product([1, 7, 33, 129], block_sizes, dtypes):
         if quick and tokens > 7:
             continue
-        cases.append((f"kv_write tokens={tokens} bs={bs} {dtype}", lambda t=tokens, b=bs, d=dtype:
-                      _kv_write_case(t, b, d, device)))
-    for (h, kv), d, bs, dtype, step in itertools.product(gqa, head_dims, block_sizes, dtypes,
-                                                         range(len(DECODE_STEPS))):
-        for splits in ([1] if quick else [1, 3]):
+        cases.append(
+            (
+                f"kv_write tokens={tokens} bs={bs} {dtype}",
+                lambda t=tokens, b=bs, d=dtype: _kv_write_case(t, b, d, device),
+            )
+        )
+    for (h, kv), d, bs, dtype, step in itertools.product(
+        gqa, head_dims, block_sizes, dtypes, range(len(DECODE_STEPS))
+    ):
+        for splits in [1] if quick else [1, 3]:
+
             def decode(h=h, kv=kv, d=d, bs=bs, dtype=dtype, step=step, splits=splits):
                 q_lens, s_lens = DECODE_STEPS[step]
                 case = _to(make_case(q_lens, s_lens, h, kv, d, bs, dtype, share_prefix=True), device)
-                out = paged_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                             case.query_start_loc, case.seq_lens, case.scale, max(q_lens),
-                                             max(s_lens), num_splits=splits)
+                out = paged_decode_attention(
+                    case.query,
+                    case.k_cache,
+                    case.v_cache,
+                    case.block_tables,
+                    case.query_start_loc,
+                    case.seq_lens,
+                    case.scale,
+                    max(q_lens),
+                    max(s_lens),
+                    num_splits=splits,
+                )
                 return _attention_error(case, out, dtype)
+
             cases.append((f"decode heads={h}/{kv} d={d} bs={bs} {dtype} step={step} splits={splits}", decode))
-    for (h, kv), d, bs, dtype, step in itertools.product(gqa, head_dims, block_sizes, dtypes,
-                                                         range(len(PREFILL_STEPS))):
+    for (h, kv), d, bs, dtype, step in itertools.product(
+        gqa, head_dims, block_sizes, dtypes, range(len(PREFILL_STEPS))
+    ):
+
         def prefill(h=h, kv=kv, d=d, bs=bs, dtype=dtype, step=step):
             q_lens, s_lens = PREFILL_STEPS[step]
             case = _to(make_case(q_lens, s_lens, h, kv, d, bs, dtype, share_prefix=True), device)
-            out = paged_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                          case.query_start_loc, case.seq_lens, case.scale, max(q_lens))
+            out = paged_prefill_attention(
+                case.query,
+                case.k_cache,
+                case.v_cache,
+                case.block_tables,
+                case.query_start_loc,
+                case.seq_lens,
+                case.scale,
+                max(q_lens),
+            )
             return _attention_error(case, out, dtype)
+
         cases.append((f"prefill heads={h}/{kv} d={d} bs={bs} {dtype} step={step}", prefill))
 
     failures, skipped = {}, 0
@@ -96,5 +130,9 @@ def run_checks(device: torch.device, quick: bool = False, budget_s: float = 150.
             error = f"{type(e).__name__}: {e}"
         if error:
             failures[name] = error[:300]
-    return {"cases": len(cases), "passed": len(cases) - len(failures) - skipped, "skipped": skipped,
-            "failures": failures}
+    return {
+        "cases": len(cases),
+        "passed": len(cases) - len(failures) - skipped,
+        "skipped": skipped,
+        "failures": failures,
+    }

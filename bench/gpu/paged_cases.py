@@ -35,9 +35,14 @@ class PagedCase:
         from specfleet.engine.attention.base import AttentionMetadata
 
         return AttentionMetadata(
-            slot_mapping=self.slot_mapping(), query_start_loc=self.query_start_loc, seq_lens=self.seq_lens,
-            block_tables=self.block_tables, query_lens_cpu=list(self.query_lens),
-            seq_lens_cpu=list(self.seq_lens_list), block_size=self.block_size)
+            slot_mapping=self.slot_mapping(),
+            query_start_loc=self.query_start_loc,
+            seq_lens=self.seq_lens,
+            block_tables=self.block_tables,
+            query_lens_cpu=list(self.query_lens),
+            seq_lens_cpu=list(self.seq_lens_list),
+            block_size=self.block_size,
+        )
 
 
 def make_case(
@@ -75,6 +80,15 @@ def make_case(
     starts = [0]
     for q in query_lens:
         starts.append(starts[-1] + q)
-    return PagedCase(query, k_cache, v_cache, tables, torch.tensor(starts, dtype=torch.int32),
-                     torch.tensor(seq_lens, dtype=torch.int32), list(query_lens), list(seq_lens), block_size,
-                     head_dim**-0.5)
+    return PagedCase(
+        query,
+        k_cache,
+        v_cache,
+        tables,
+        torch.tensor(starts, dtype=torch.int32),
+        torch.tensor(seq_lens, dtype=torch.int32),
+        list(query_lens),
+        list(seq_lens),
+        block_size,
+        head_dim**-0.5,
+    )

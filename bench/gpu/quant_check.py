@@ -39,11 +39,20 @@ def run(device: torch.device, dry_run: bool, copy_gbs: float | None) -> dict:
     for n, k, group in shapes:
         w = torch.randn(n, k, generator=torch.Generator().manual_seed(n))
         for method in ("awq", "gptq-act-order"):
-            tensors, reference = pack_awq(w, group) if method == "awq" else pack_gptq(w, group, act_order=True)
-            q = (awq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], {"group_size": group})
-                 if method == "awq" else
-                 gptq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"],
-                             {"group_size": group}))
+            tensors, reference = (
+                pack_awq(w, group) if method == "awq" else pack_gptq(w, group, act_order=True)
+            )
+            q = (
+                awq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], {"group_size": group})
+                if method == "awq"
+                else gptq_weight(
+                    tensors["qweight"],
+                    tensors["qzeros"],
+                    tensors["scales"],
+                    tensors["g_idx"],
+                    {"group_size": group},
+                )
+            )
             layer = TritonQuantLinear(q, None, device, dtype)
             for m in (1, 7, 33):
                 out["cases"] += 1
@@ -51,7 +60,9 @@ def run(device: torch.device, dry_run: bool, copy_gbs: float | None) -> dict:
                 expected = x.float() @ reference.to(device).t()
                 try:
                     tol = 1e-3 if dtype == torch.float32 else 3e-2
-                    torch.testing.assert_close(layer(x).float(), expected, rtol=tol, atol=tol * max(1.0, k ** 0.5))
+                    torch.testing.assert_close(
+                        layer(x).float(), expected, rtol=tol, atol=tol * max(1.0, k**0.5)
+                    )
                     out["passed"] += 1
                 except AssertionError as e:
                     out["failures"].append(f"{method} n={n} k={k} m={m}: {str(e).splitlines()[-1]}")
@@ -65,8 +76,12 @@ def run(device: torch.device, dry_run: bool, copy_gbs: float | None) -> dict:
         for m in (1, 16):
             x = torch.randn(m, k, device=device, dtype=dtype)
             t_q4, t_bf16 = _time(lambda x=x: layer(x), 100), _time(lambda x=x: x @ dense, 100)
-            row = {"q4_us": round(t_q4 * 1e6, 1), "bf16_us": round(t_bf16 * 1e6, 1),
-                   "speedup_vs_bf16": round(t_bf16 / t_q4, 2), "q4_weight_gbs": round(bytes_q4 / t_q4 / 1e9, 1)}
+            row = {
+                "q4_us": round(t_q4 * 1e6, 1),
+                "bf16_us": round(t_bf16 * 1e6, 1),
+                "speedup_vs_bf16": round(t_bf16 / t_q4, 2),
+                "q4_weight_gbs": round(bytes_q4 / t_q4 / 1e9, 1),
+            }
             if copy_gbs:
                 row["q4_bw_fraction"] = round(bytes_q4 / t_q4 / 1e9 / copy_gbs, 3)
             out[f"m{m}_n{n}_k{k}"] = row

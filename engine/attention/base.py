@@ -119,10 +119,14 @@ def _auto(device: torch.device, dtype: torch.dtype) -> str:
     return "torch"
 
 
-def get_attention_backend(name: str, device: torch.device, dtype: torch.dtype = torch.float32) -> AttentionBackend:
+def get_attention_backend(
+    name: str, device: torch.device, dtype: torch.dtype = torch.float32
+) -> AttentionBackend:
     if name == "auto":
         name = _auto(device, dtype)
     factory = ATTENTION_BACKENDS.get(name)
     if factory is None:
-        raise ValueError(f"attention_backend={name!r} is not one of 'auto', {', '.join(map(repr, ATTENTION_BACKENDS))}")
+        raise ValueError(
+            f"attention_backend={name!r} is not one of 'auto', {', '.join(map(repr, ATTENTION_BACKENDS))}"
+        )
     return factory(device, dtype)

@@ -35,8 +35,10 @@ class NativeAttentionBackend:
 
     def __init__(self) -> None:
         if not cpu_native.available():
-            raise RuntimeError("attention_backend='native' needs the native CPU kernels, which did not build "
-                               "(see the log); use 'torch'")
+            raise RuntimeError(
+                "attention_backend='native' needs the native CPU kernels, which did not build "
+                "(see the log); use 'torch'"
+            )
 
     def prepare(self, meta: AttentionMetadata) -> None:
         short_ids, long_ids, starts = split_by_query_len(meta)
@@ -51,6 +53,15 @@ class NativeAttentionBackend:
         out = torch.empty(query.shape, dtype=query.dtype)
         forward_longs(query, k_cache, v_cache, state.longs, scale, out)
         if state.short_seqs is not None:
-            cpu_native.paged_attention(query, k_cache, v_cache, meta.block_tables, state.short_seqs,
-                                       meta.query_start_loc, meta.seq_lens, scale, out)
+            cpu_native.paged_attention(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                state.short_seqs,
+                meta.query_start_loc,
+                meta.seq_lens,
+                scale,
+                out,
+            )
         return out

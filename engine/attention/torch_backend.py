@@ -102,8 +102,15 @@ def forward_longs(query, k_cache, v_cache, longs: list[LongQuery], scale: float,
         q = query[part.row_start : part.row_end].transpose(0, 1).unsqueeze(0)
         k = k_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
         v = v_flat.index_select(0, part.key_slots).transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=part.mask, is_causal=part.mask is None, scale=scale,
-                                           enable_gqa=num_heads != num_kv_heads)
+        o = F.scaled_dot_product_attention(
+            q,
+            k,
+            v,
+            attn_mask=part.mask,
+            is_causal=part.mask is None,
+            scale=scale,
+            enable_gqa=num_heads != num_kv_heads,
+        )
         out[part.row_start : part.row_end] = o.squeeze(0).transpose(0, 1)
 
 
@@ -121,7 +128,9 @@ class TorchAttentionBackend:
         slens = [meta.seq_lens_cpu[b] for b in ids]
         batch, qmax, kmax = len(ids), max(qlens), max(slens)
         nblocks = -(-kmax // meta.block_size)
-        tables = meta.block_tables[ids, :nblocks] if len(ids) != meta.num_seqs else meta.block_tables[:, :nblocks]
+        tables = (
+            meta.block_tables[ids, :nblocks] if len(ids) != meta.num_seqs else meta.block_tables[:, :nblocks]
+        )
         if batch == 1:
             key_slots, key_blocks = _slots_for(tables, kmax, meta.block_size).reshape(-1), None
         else:  # whole blocks copy faster than single slots; the mask hides each table's tail
@@ -144,8 +153,17 @@ class TorchAttentionBackend:
             first = starts[ids[0]]
             rows = torch.arange(first, first + batch * qmax, device=device)
             identity = first == 0 and batch * qmax == starts[-1]
-            return _Short(batch, qmax, kmax, None if identity else rows, key_slots, key_blocks, mask,
-                          None, None if identity else rows)
+            return _Short(
+                batch,
+                qmax,
+                kmax,
+                None if identity else rows,
+                key_slots,
+                key_blocks,
+                mask,
+                None,
+                None if identity else rows,
+            )
         query_rows, out_src, out_dst = [], [], []
         for n, (b, q) in enumerate(zip(ids, qlens)):
             for i in range(qmax):
@@ -153,8 +171,17 @@ class TorchAttentionBackend:
             out_src.extend(n * qmax + i for i in range(q))
             out_dst.extend(range(starts[b], starts[b] + q))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
-        return _Short(batch, qmax, kmax, as_tensor(query_rows), key_slots, key_blocks, mask, as_tensor(out_src),
-                      as_tensor(out_dst))
+        return _Short(
+            batch,
+            qmax,
+            kmax,
+            as_tensor(query_rows),
+            key_slots,
+            key_blocks,
+            mask,
+            as_tensor(out_src),
+            as_tensor(out_dst),
+        )
 
     def write_kv(self, key, value, k_cache, v_cache, meta: AttentionMetadata) -> None:
         write_kv(key, value, k_cache, v_cache, meta.slot_mapping, meta.backend_state.write_rows)

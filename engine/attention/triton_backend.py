@@ -31,7 +31,9 @@ class TritonAttentionBackend:
 
     def prepare(self, meta: AttentionMetadata) -> None:
         if meta.block_tables.dim() != 2:
-            raise ValueError(f"block_tables must be [num_seqs, max_num_blocks], got {tuple(meta.block_tables.shape)}")
+            raise ValueError(
+                f"block_tables must be [num_seqs, max_num_blocks], got {tuple(meta.block_tables.shape)}"
+            )
         if meta.block_tables.dtype != torch.int32:
             meta.block_tables = meta.block_tables.to(torch.int32)
         for q, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True):
@@ -57,9 +59,28 @@ class TritonAttentionBackend:
         if step.decode:
             if step.num_splits == 0:
                 num_splits = pick_num_splits(meta.num_seqs, k_cache.shape[2], step.max_seq_len, query.device)
-                step = meta.backend_state = _TritonStep(True, step.max_query_len, step.max_seq_len, num_splits)
-            return paged_decode_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                          meta.seq_lens, scale, step.max_query_len, step.max_seq_len,
-                                          num_splits=step.num_splits)
-        return paged_prefill_attention(query, k_cache, v_cache, meta.block_tables, meta.query_start_loc,
-                                       meta.seq_lens, scale, step.max_query_len)
+                step = meta.backend_state = _TritonStep(
+                    True, step.max_query_len, step.max_seq_len, num_splits
+                )
+            return paged_decode_attention(
+                query,
+                k_cache,
+                v_cache,
+                meta.block_tables,
+                meta.query_start_loc,
+                meta.seq_lens,
+                scale,
+                step.max_query_len,
+                step.max_seq_len,
+                num_splits=step.num_splits,
+            )
+        return paged_prefill_attention(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.query_start_loc,
+            meta.seq_lens,
+            scale,
+            step.max_query_len,
+        )

@@ -44,6 +44,8 @@ class KVTransferParams:
             raise ValueError(f"kv_transfer_params is missing {missing}")
         params = cls(**{k: data[k] for k in cls.__dataclass_fields__})
         if params.num_tokens < 1 or params.num_blocks < 1:
-            raise ValueError(f"kv_transfer_params num_tokens={params.num_tokens} and num_blocks={params.num_blocks} "
-                             "must be >= 1")
+            raise ValueError(
+                f"kv_transfer_params num_tokens={params.num_tokens} and num_blocks={params.num_blocks} "
+                "must be >= 1"
+            )
         return params

@@ -15,7 +15,9 @@ KVCaches = list[tuple[torch.Tensor, torch.Tensor]]
 def read_blocks(kv_caches: KVCaches, block_ids: list[int]) -> torch.Tensor:
     """[num_layers, 2, len(block_ids), block_size, num_kv_heads, head_dim], a copy."""
     index = torch.tensor(block_ids, dtype=torch.int64, device=kv_caches[0][0].device)
-    return torch.stack([torch.stack((k.index_select(0, index), v.index_select(0, index))) for k, v in kv_caches])
+    return torch.stack(
+        [torch.stack((k.index_select(0, index), v.index_select(0, index))) for k, v in kv_caches]
+    )
 
 
 def write_blocks(kv_caches: KVCaches, block_ids: list[int], data: torch.Tensor) -> None:
@@ -23,8 +25,10 @@ def write_blocks(kv_caches: KVCaches, block_ids: list[int], data: torch.Tensor) 
     key = kv_caches[0][0]
     want = (len(kv_caches), 2, len(block_ids), *key.shape[1:])
     if tuple(data.shape) != want:
-        raise ValueError(f"KV blocks of shape {tuple(data.shape)} do not fit this cache: expected {want} "
-                         "(same model, block size and KV heads on both engines)")
+        raise ValueError(
+            f"KV blocks of shape {tuple(data.shape)} do not fit this cache: expected {want} "
+            "(same model, block size and KV heads on both engines)"
+        )
     index = torch.tensor(block_ids, dtype=torch.int64, device=key.device)
     data = data.to(device=key.device, dtype=key.dtype)
     for layer, (k, v) in enumerate(kv_caches):

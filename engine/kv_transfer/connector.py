@@ -36,8 +36,16 @@ class KVTransferStats:
 
 
 class KVConnector:
-    def __init__(self, role: str, kv: BlockManager, scheduler: Scheduler, kv_caches: KVCaches, host: str,
-                 port: int, timeout_s: float):
+    def __init__(
+        self,
+        role: str,
+        kv: BlockManager,
+        scheduler: Scheduler,
+        kv_caches: KVCaches,
+        host: str,
+        port: int,
+        timeout_s: float,
+    ):
         self.role, self.kv, self.scheduler = role, kv, scheduler
         self.producer = KVProducer(kv_caches, host, port, timeout_s) if role == "prefill" else None
         self.consumer = KVConsumer(kv_caches, timeout_s)
@@ -54,8 +62,9 @@ class KVConnector:
             return
         blocks = seq.block_table[: self.kv.blocks_for(seq.num_prompt_tokens)]
         self.kv.hold(blocks)
-        self.held[seq.seq_id] = self.producer.hold(seq.request_id, blocks, seq.num_prompt_tokens,
-                                                        seq.token_ids[seq.num_prompt_tokens])
+        self.held[seq.seq_id] = self.producer.hold(
+            seq.request_id, blocks, seq.num_prompt_tokens, seq.token_ids[seq.num_prompt_tokens]
+        )
 
     def poll(self) -> None:
         """Unreference the blocks of holds that ended (engine thread)."""
@@ -69,10 +78,14 @@ class KVConnector:
 
     # -- decode side ---------------------------------------------------------------------------------
     def add_remote(self, seq: Sequence, params: KVTransferParams) -> None:
-        if params.num_tokens != seq.num_prompt_tokens or params.num_blocks != self.kv.blocks_for(params.num_tokens):
-            raise ValueError(f"kv_transfer_params num_tokens={params.num_tokens} num_blocks={params.num_blocks} do "
-                             f"not match the prompt's {seq.num_prompt_tokens} tokens at block size "
-                             f"{self.kv.block_size}")
+        if params.num_tokens != seq.num_prompt_tokens or params.num_blocks != self.kv.blocks_for(
+            params.num_tokens
+        ):
+            raise ValueError(
+                f"kv_transfer_params num_tokens={params.num_tokens} num_blocks={params.num_blocks} do "
+                f"not match the prompt's {seq.num_prompt_tokens} tokens at block size "
+                f"{self.kv.block_size}"
+            )
         self._remote.append((seq, params))
 
     def has_remote(self) -> bool:
@@ -92,7 +105,9 @@ class KVConnector:
             try:
                 self.consumer.pull(params, len(hits), wanted)
             except KVTransferError as exc:
-                log.warning("event=kv_pull_failed request_id=%s fallback=recompute error=%s", seq.request_id, exc)
+                log.warning(
+                    "event=kv_pull_failed request_id=%s fallback=recompute error=%s", seq.request_id, exc
+                )
                 self.kv.free_seq(seq)
                 self.stats.fallbacks += 1
                 sched.add(seq)

@@ -17,14 +17,16 @@ if TYPE_CHECKING:
     from specfleet.engine.llm_engine import Engine
 
 
-def generate_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[int]],
-                           params: SamplingParams) -> list[RequestOutput]:
+def generate_disaggregated(
+    prefill: Engine, decode: Engine, prompts: list[list[int]], params: SamplingParams
+) -> list[RequestOutput]:
     """One finished output per prompt, in order (the decode engine's, or the prefill's when it ended)."""
     ids = [f"pd-{i}" for i in range(len(prompts))]
     handoff = params.max_tokens is None or params.max_tokens >= 2  # else the prefill's token is the answer
     for request_id, prompt in zip(ids, prompts):
-        prefill.add_request(request_id, prompt, replace(params, max_tokens=1),
-                            {"do_remote_decode": True} if handoff else None)
+        prefill.add_request(
+            request_id, prompt, replace(params, max_tokens=1), {"do_remote_decode": True} if handoff else None
+        )
     done: dict[str, RequestOutput] = {}
     while len(done) < len(ids):
         for out in prefill.step() if prefill.has_unfinished_requests() else prefill.poll_kv_transfers() or []:
@@ -33,7 +35,9 @@ def generate_disaggregated(prefill: Engine, decode: Engine, prompts: list[list[i
             if out.kv_transfer_params is None:
                 done[out.request_id] = out
             else:
-                decode.add_request(out.request_id, out.prompt_token_ids, replace(params), out.kv_transfer_params)
+                decode.add_request(
+                    out.request_id, out.prompt_token_ids, replace(params), out.kv_transfer_params
+                )
         if decode.has_unfinished_requests():
             for out in decode.step():
                 if out.finished:

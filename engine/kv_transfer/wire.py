@@ -23,8 +23,9 @@ def _request(params: KVTransferParams, message: dict, timeout_s: float) -> list[
         sock.send(json.dumps(message).encode())
         return sock.recv_multipart()
     except zmq.Again as exc:
-        raise KVTransferError(f"prefill engine at {params.remote_host}:{params.remote_port} did not answer "
-                              f"within {timeout_s}s") from exc
+        raise KVTransferError(
+            f"prefill engine at {params.remote_host}:{params.remote_port} did not answer within {timeout_s}s"
+        ) from exc
     finally:
         sock.close(linger=0)
 

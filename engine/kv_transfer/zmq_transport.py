@@ -60,7 +60,9 @@ class KVProducer:
         self._thread.start()
 
     # -- engine thread ---------------------------------------------------------------------------
-    def hold(self, request_id: str, block_ids: list[int], num_tokens: int, first_token_id: int) -> KVTransferParams:
+    def hold(
+        self, request_id: str, block_ids: list[int], num_tokens: int, first_token_id: int
+    ) -> KVTransferParams:
         """Keep `block_ids` (the caller has referenced them) for a decoder; returns where they wait."""
         with self._lock:
             self._ids += 1
@@ -81,7 +83,9 @@ class KVProducer:
         with self._lock:
             for transfer_id, hold in list(self._holds.items()):
                 if hold.deadline <= now:
-                    log.warning("event=kv_hold_expired transfer_id=%s blocks=%d", transfer_id, len(hold.block_ids))
+                    log.warning(
+                        "event=kv_hold_expired transfer_id=%s blocks=%d", transfer_id, len(hold.block_ids)
+                    )
                     ended.append(transfer_id)
             for transfer_id in ended:
                 hold = self._holds.pop(transfer_id, None)
@@ -116,7 +120,9 @@ class KVProducer:
             message = json.loads(body)
             transfer_id = str(message["transfer_id"])
         except (ValueError, KeyError, TypeError):
-            self._sock.send_multipart([identity, b"", json.dumps({"ok": False, "error": "bad request"}).encode()])
+            self._sock.send_multipart(
+                [identity, b"", json.dumps({"ok": False, "error": "bad request"}).encode()]
+            )
             return
         with self._lock:
             hold = self._holds.get(transfer_id)
@@ -130,8 +136,11 @@ class KVProducer:
             return
         first = int(message.get("first_block", 0))
         data = read_blocks(self.kv_caches, hold.block_ids[first:]) if first < len(hold.block_ids) else None
-        header = {"ok": True, "shape": list(data.shape) if data is not None else None,
-                  "dtype": str(self.kv_caches[0][0].dtype)}
+        header = {
+            "ok": True,
+            "shape": list(data.shape) if data is not None else None,
+            "dtype": str(self.kv_caches[0][0].dtype),
+        }
         frames = [identity, b"", json.dumps(header).encode()]
         if data is not None:
             raw = data.contiguous().view(torch.uint8).numpy()
@@ -153,8 +162,9 @@ class KVConsumer:
     def pull(self, params: KVTransferParams, first_block: int, block_ids: list[int]) -> None:
         """Blocks first_block.. of the hold into `block_ids` (one local block each)."""
         start = time.perf_counter()
-        frames = _request(params, {"transfer_id": params.transfer_id, "first_block": first_block},
-                               self.timeout_s)
+        frames = _request(
+            params, {"transfer_id": params.transfer_id, "first_block": first_block}, self.timeout_s
+        )
         header = json.loads(frames[0])
         if not header.get("ok"):
             raise KVTransferError(header.get("error", "the prefill engine refused the transfer"))

@@ -22,4 +22,6 @@ def model_class(architectures: list[str]) -> type:
         if name in ARCHITECTURES:
             module, _, cls = ARCHITECTURES[name].partition(":")
             return getattr(importlib.import_module(module), cls)
-    raise ValueError(f"architecture {architectures!r} is not supported; supported: {', '.join(ARCHITECTURES)}")
+    raise ValueError(
+        f"architecture {architectures!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
+    )

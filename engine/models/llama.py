@@ -93,13 +93,20 @@ class TorchLinear:
 class Ops:
     """The layer's dense ops, native on CPU float32 when the kernels build, torch ops otherwise."""
 
-    def __init__(self, dtype: torch.dtype, device: torch.device, native: bool | None = None,
-                 quantize: str | None = None):
+    def __init__(
+        self,
+        dtype: torch.dtype,
+        device: torch.device,
+        native: bool | None = None,
+        quantize: str | None = None,
+    ):
         if native is None:
             native = device.type == "cpu" and dtype == torch.float32 and cpu_native.available()
         if quantize and not native and not (quantize in ("awq", "gptq") and device.type == "cuda"):
-            raise ValueError(f"quantization={quantize!r} needs the native CPU kernels (float32 on CPU, g++ "
-                             "available; see the log for why they did not build)")
+            raise ValueError(
+                f"quantization={quantize!r} needs the native CPU kernels (float32 on CPU, g++ "
+                "available; see the log for why they did not build)"
+            )
         self.native, self.quantize = native, quantize
         self.device, self.dtype = device, dtype
 
@@ -115,7 +122,9 @@ class Ops:
                 return TritonQuantLinear(weight, bias, self.device, self.dtype)
             raise ValueError(f"{weight.fmt} weights need the native CPU kernels or CUDA")
         if self.native:
-            return cpu_native.PackedLinear(weight.t(), bias, quantize="int8" if self.quantize == "int8" else None)
+            return cpu_native.PackedLinear(
+                weight.t(), bias, quantize="int8" if self.quantize == "int8" else None
+            )
         return TorchLinear(weight.t(), bias)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -173,12 +182,21 @@ class LlamaLayer:
 class LlamaModel:
     """Plain tensors, no nn.Module: weights are loaded once and never trained."""
 
-    def __init__(self, config, state: dict[str, torch.Tensor | QuantTensor], dtype: torch.dtype,
-                 device: torch.device, native: bool | None = None, quantize: str | None = None):
+    def __init__(
+        self,
+        config,
+        state: dict[str, torch.Tensor | QuantTensor],
+        dtype: torch.dtype,
+        device: torch.device,
+        native: bool | None = None,
+        quantize: str | None = None,
+    ):
         self.args = args = LlamaArgs.from_hf(config)
         self.ops = ops = Ops(dtype, device, native, quantize)
-        state = {k.removeprefix("model."): v if isinstance(v, QuantTensor) else v.to(device=device, dtype=dtype)
-                 for k, v in state.items()}
+        state = {
+            k.removeprefix("model."): v if isinstance(v, QuantTensor) else v.to(device=device, dtype=dtype)
+            for k, v in state.items()
+        }
         self.embed = state["embed_tokens.weight"]
         self.norm = state["norm.weight"].contiguous()
         lm_head = state.get("lm_head.weight")
@@ -188,7 +206,9 @@ class LlamaModel:
         self.layers = []
         for i in range(args.num_layers):
             prefix = f"layers.{i}."
-            self.layers.append(LlamaLayer(args, {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, ops))
+            self.layers.append(
+                LlamaLayer(args, {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, ops)
+            )
         cos, sin = rope_tables(config, args.head_dim, args.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device

@@ -56,28 +56,44 @@ def _group_size(qconfig: dict, k: int, name: str) -> int:
     return g
 
 
-def _to_quant(codes_kn: torch.Tensor, zeros: torch.Tensor, scales: torch.Tensor, g: int, fmt: str,
-              perm: torch.Tensor | None = None) -> QuantTensor:
+def _to_quant(
+    codes_kn: torch.Tensor,
+    zeros: torch.Tensor,
+    scales: torch.Tensor,
+    g: int,
+    fmt: str,
+    perm: torch.Tensor | None = None,
+) -> QuantTensor:
     """codes [K, N], zeros and scales [K / G, N] (rows already in group order) -> QuantTensor [N, K]."""
     s = scales.float()
-    return QuantTensor(codes_kn.t().contiguous(), s.t().contiguous(), (-zeros.float() * s).t().contiguous(), g, 4,
-                       fmt, perm)
+    return QuantTensor(
+        codes_kn.t().contiguous(), s.t().contiguous(), (-zeros.float() * s).t().contiguous(), g, 4, fmt, perm
+    )
 
 
-def awq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, qconfig: dict,
-               name: str = "awq") -> QuantTensor:
+def awq_weight(
+    qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, qconfig: dict, name: str = "awq"
+) -> QuantTensor:
     codes = awq_columns(qweight)
     k = codes.shape[0]
     g = _group_size(qconfig, k, name)
     zeros = awq_columns(qzeros)
     if zeros.shape != (k // g, codes.shape[1]) or tuple(scales.shape) != zeros.shape:
-        raise ValueError(f"{name}: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit "
-                         f"qweight {tuple(qweight.shape)} with group_size {g}")
+        raise ValueError(
+            f"{name}: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit "
+            f"qweight {tuple(qweight.shape)} with group_size {g}"
+        )
     return _to_quant(codes, zeros, scales, g, "awq")
 
 
-def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tensor, g_idx: torch.Tensor | None,
-                qconfig: dict, name: str = "gptq") -> QuantTensor:
+def gptq_weight(
+    qweight: torch.Tensor,
+    qzeros: torch.Tensor,
+    scales: torch.Tensor,
+    g_idx: torch.Tensor | None,
+    qconfig: dict,
+    name: str = "gptq",
+) -> QuantTensor:
     codes = gptq_rows(qweight)
     k, n = codes.shape
     g = _group_size(qconfig, k, name)
@@ -85,8 +101,10 @@ def gptq_weight(qweight: torch.Tensor, qzeros: torch.Tensor, scales: torch.Tenso
     if qconfig.get("checkpoint_format", "gptq") != "gptq_v2":
         zeros = zeros + 1  # v1 checkpoints store zero - 1
     if zeros.shape != (k // g, n) or tuple(scales.shape) != zeros.shape:
-        raise ValueError(f"{name}: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit "
-                         f"qweight {tuple(qweight.shape)} with group_size {g}")
+        raise ValueError(
+            f"{name}: qzeros {tuple(qzeros.shape)} / scales {tuple(scales.shape)} do not fit "
+            f"qweight {tuple(qweight.shape)} with group_size {g}"
+        )
     perm = None
     if g_idx is not None:
         g_idx = g_idx.long()
@@ -106,9 +124,13 @@ def quantized_state(state: dict[str, torch.Tensor], qconfig) -> dict[str, torch.
     method = qconfig.get("quant_method")
     if qconfig.get("bits", 4) != 4:
         raise ValueError(f"{method}: bits={qconfig.get('bits')} is not supported; only 4-bit checkpoints run")
-    if method == "awq" and (str(qconfig.get("version", "gemm")).lower() != "gemm" or not qconfig.get("zero_point", True)):
-        raise ValueError(f"awq: version={qconfig.get('version')!r} zero_point={qconfig.get('zero_point')!r} is not "
-                         "supported; only AutoAWQ's GEMM layout with zero points runs")
+    if method == "awq" and (
+        str(qconfig.get("version", "gemm")).lower() != "gemm" or not qconfig.get("zero_point", True)
+    ):
+        raise ValueError(
+            f"awq: version={qconfig.get('version')!r} zero_point={qconfig.get('zero_point')!r} is not "
+            "supported; only AutoAWQ's GEMM layout with zero points runs"
+        )
     out: dict[str, torch.Tensor | QuantTensor] = {}
     modules = {k.removesuffix(".qweight") for k in state if k.endswith(".qweight")}
     for key, value in state.items():

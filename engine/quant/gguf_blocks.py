@@ -33,17 +33,27 @@ def _nibbles_32(qs: np.ndarray) -> np.ndarray:
 def decode(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantTensor:
     """raw: [N, bytes per row] uint8 as gguf's reader returns it; shape: (N, K) in torch order."""
     if type_name not in BLOCK_BYTES:
-        raise ValueError(f"GGUF type {type_name} is not run natively; native types: {', '.join(NATIVE_TYPES)}")
+        raise ValueError(
+            f"GGUF type {type_name} is not run natively; native types: {', '.join(NATIVE_TYPES)}"
+        )
     n, k = shape
     values, nbytes = BLOCK_BYTES[type_name]
     if k % values or raw.shape != (n, k // values * nbytes):
-        raise ValueError(f"GGUF {type_name} tensor {shape}: raw blocks {raw.shape} do not match "
-                         f"{values}-value blocks of {nbytes} bytes")
+        raise ValueError(
+            f"GGUF {type_name} tensor {shape}: raw blocks {raw.shape} do not match "
+            f"{values}-value blocks of {nbytes} bytes"
+        )
     blocks = raw.reshape(n, k // values, nbytes)
     if type_name == "Q8_0":
         codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
-        return QuantTensor(torch.from_numpy(codes.copy()), torch.from_numpy(_f16(blocks[..., :2])[..., 0]),
-                           None, 32, 8, "gguf:Q8_0")
+        return QuantTensor(
+            torch.from_numpy(codes.copy()),
+            torch.from_numpy(_f16(blocks[..., :2])[..., 0]),
+            None,
+            32,
+            8,
+            "gguf:Q8_0",
+        )
     if type_name in ("Q4_0", "Q4_1"):
         d = _f16(blocks[..., :2])[..., 0]
         if type_name == "Q4_0":
@@ -51,17 +61,27 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantTens
         else:
             m, qs = _f16(blocks[..., 2:4])[..., 0], blocks[..., 4:]
         codes = _nibbles_32(qs).reshape(n, k)
-        return QuantTensor(torch.from_numpy(codes), torch.from_numpy(d), torch.from_numpy(m.astype(np.float32)),
-                           32, 4, f"gguf:{type_name}")
+        return QuantTensor(
+            torch.from_numpy(codes),
+            torch.from_numpy(d),
+            torch.from_numpy(m.astype(np.float32)),
+            32,
+            4,
+            f"gguf:{type_name}",
+        )
     # Q4_K
     d = _f16(blocks[..., 0:2])
     dmin = _f16(blocks[..., 2:4])
     sc, mn = q4k_scale_min(blocks[..., 4:16])
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(
+        n, k
+    )  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
     scales = (d * sc.astype(np.float32)).reshape(n, k // 32)
     mins = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
-    return QuantTensor(torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), 32, 4, "gguf:Q4_K")
+    return QuantTensor(
+        torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), 32, 4, "gguf:Q4_K"
+    )
 
 
 def q4k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

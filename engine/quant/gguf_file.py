@@ -151,8 +151,16 @@ def read_quantized(path: Path, hf_config) -> dict[str, QuantTensor]:
         if name.endswith(("q_proj.weight", "k_proj.weight")):
             q = q.select_rows(unpermute_rows(n, heads if "q_proj" in name else kv_heads))
         out[name] = q
-    if "lm_head.weight" not in out and embed is not None and not any(t.name == "output.weight" for t in infos):
+    if (
+        "lm_head.weight" not in out
+        and embed is not None
+        and not any(t.name == "output.weight" for t in infos)
+    ):
         out["lm_head.weight"] = embed
-    log.info("event=gguf_quantized file=%s native=%d float32_fallback_ggml_types=%s", path.name, len(out),
-             skipped or "none")
+    log.info(
+        "event=gguf_quantized file=%s native=%d float32_fallback_ggml_types=%s",
+        path.name,
+        len(out),
+        skipped or "none",
+    )
     return out

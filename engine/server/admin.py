@@ -41,8 +41,10 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
     try:
         token = Path(path).read_text().strip()
     except OSError as exc:
-        raise ValueError(f"{ADMIN_TOKEN_FILE_ENV}={path!r} cannot be read ({exc.strerror}); "
-                         "mount the admin Secret there or unset the variable") from None
+        raise ValueError(
+            f"{ADMIN_TOKEN_FILE_ENV}={path!r} cannot be read ({exc.strerror}); "
+            "mount the admin Secret there or unset the variable"
+        ) from None
     if not token:
         raise ValueError(f"{ADMIN_TOKEN_FILE_ENV}={path!r} is empty; it must hold the admin token")
     return token
@@ -50,24 +52,33 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
 
 def _authorize(state: ServerState, request: Request) -> None:
     if not state.admin_token:
-        raise APIError(403, f"the admin API is disabled: set {ADMIN_TOKEN_FILE_ENV} or {ADMIN_TOKEN_ENV} to enable it",
-                       code="admin_disabled")
+        raise APIError(
+            403,
+            f"the admin API is disabled: set {ADMIN_TOKEN_FILE_ENV} or {ADMIN_TOKEN_ENV} to enable it",
+            code="admin_disabled",
+        )
     header = request.headers.get("authorization", "")
     scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.admin_token.encode()):
-        raise APIError(401, "missing or wrong admin token: send 'Authorization: Bearer <token>'",
-                       code="invalid_admin_token", headers={"WWW-Authenticate": "Bearer"})
+    if scheme.lower() != "bearer" or not hmac.compare_digest(
+        token.strip().encode(), state.admin_token.encode()
+    ):
+        raise APIError(
+            401,
+            "missing or wrong admin token: send 'Authorization: Bearer <token>'",
+            code="invalid_admin_token",
+            headers={"WWW-Authenticate": "Bearer"},
+        )
 
 
-def _config(state: ServerState) -> dict[str, Any]:
-    return state.engine.live_config().as_dict()
+async def _config(state: ServerState) -> dict[str, Any]:
+    return (await state.async_engine.live_config()).as_dict()
 
 
 @router.get("/config")
 async def get_config(request: Request) -> dict[str, Any]:
     state = get_state(request)
     _authorize(state, request)
-    return _config(state)
+    return await _config(state)
 
 
 @router.patch("/config")
@@ -75,13 +86,15 @@ async def patch_config(body: AdminConfigPatch, request: Request) -> dict[str, An
     state = get_state(request)
     _authorize(state, request)
     changes = body.changes()
-    before = _config(state)
+    before = await _config(state)
     try:
-        live = state.engine.update_config(**changes)
+        live = await state.async_engine.update_config(**changes)
     except ParameterError as exc:
         raise APIError(400, str(exc), exc.param, exc.code) from exc
     state.metrics.set_live_config(live)
     after = live.as_dict()
-    logger.info("event=admin_config_update %s", " ".join(
-        f"{k.name}={before.get(k.name)}->{after[k.name]}" for k in KNOBS if k.name in changes))
+    logger.info(
+        "event=admin_config_update %s",
+        " ".join(f"{k.name}={before.get(k.name)}->{after[k.name]}" for k in KNOBS if k.name in changes),
+    )
     return after

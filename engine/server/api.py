@@ -10,11 +10,11 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
+from specfleet.engine.core.client import EngineDeadError, QueueFullError
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 from . import serving
-from .async_engine import QueueFullError
 from .errors import APIError, error_body
 from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 from .state import ServerState, get_state
@@ -25,7 +25,9 @@ QUEUE_RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 
 
-def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list[int | None]) -> SamplingParams:
+def _sampling_params(
+    state: ServerState, body: SamplingFields, prompt_lens: list[int | None]
+) -> SamplingParams:
     try:
         params = body.to_sampling_params()
     except ParameterError as exc:  # a StructuredOutputError too: it names the field it is about
@@ -34,38 +36,69 @@ def _sampling_params(state: ServerState, body: SamplingFields, prompt_lens: list
         raise APIError(400, str(exc), None, "invalid_value") from exc
     bad = [t for t in params.stop_token_ids if t >= state.vocab_size]
     if bad:
-        raise APIError(400, f"stop_token_ids contains {bad[0]}: token ids must be in [0, {state.vocab_size})",
-                       "stop_token_ids", "invalid_value")
+        raise APIError(
+            400,
+            f"stop_token_ids contains {bad[0]}: token ids must be in [0, {state.vocab_size})",
+            "stop_token_ids",
+            "invalid_value",
+        )
     limit = state.max_model_len
     chat = isinstance(body, ChatCompletionRequest)
     for length in prompt_lens:
         if length is not None and length >= limit:
             what = "messages (with the chat template)" if chat else "prompt"
-            raise APIError(400, f"{what} has {length} tokens; the model's context is {limit} tokens and the "
-                           "prompt must leave room for at least one generated token",
-                           "messages" if chat else "prompt", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"{what} has {length} tokens; the model's context is {limit} tokens and the "
+                "prompt must leave room for at least one generated token",
+                "messages" if chat else "prompt",
+                "context_length_exceeded",
+            )
         room = limit - (length or 0)
         if params.max_tokens is not None and params.max_tokens > room:
             used = f" minus the prompt's {length}" if length else ""
-            raise APIError(400, f"max_tokens={params.max_tokens} exceeds the model's context of {limit} "
-                           f"tokens{used}", "max_tokens", "context_length_exceeded")
+            raise APIError(
+                400,
+                f"max_tokens={params.max_tokens} exceeds the model's context of {limit} tokens{used}",
+                "max_tokens",
+                "context_length_exceeded",
+            )
     return params
 
 
-async def _submit(state: ServerState, ids: list[str], prompts: list[Any], params: SamplingParams,
-                  prompt_param: str, kv_transfer_params: dict[str, Any] | None = None) -> list[RequestStream]:
+async def _submit(
+    state: ServerState,
+    ids: list[str],
+    prompts: list[Any],
+    params: SamplingParams,
+    prompt_param: str,
+    kv_transfer_params: dict[str, Any] | None = None,
+) -> list[RequestStream]:
     if kv_transfer_params and len(prompts) != 1:
-        raise APIError(400, f"kv_transfer_params needs exactly one prompt, got {len(prompts)}",
-                       "kv_transfer_params", "invalid_value")
+        raise APIError(
+            400,
+            f"kv_transfer_params needs exactly one prompt, got {len(prompts)}",
+            "kv_transfer_params",
+            "invalid_value",
+        )
     streams: list[RequestStream] = []
     try:
         for request_id, prompt in zip(ids, prompts, strict=True):
             streams.append(await state.async_engine.generate(request_id, prompt, params, kv_transfer_params))
+    except EngineDeadError as exc:
+        _close(streams)
+        raise APIError(
+            503,
+            f"the engine is down ({exc}); retry on another replica",
+            code="engine_dead",
+            headers={"Retry-After": "5"},
+        ) from exc
     except QueueFullError as exc:
         _close(streams)
         state.metrics.refuse("queue_full")
-        raise APIError(429, f"{exc}; retry later", code="queue_full",
-                       headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}) from exc
+        raise APIError(
+            429, f"{exc}; retry later", code="queue_full", headers={"Retry-After": str(QUEUE_RETRY_AFTER_S)}
+        ) from exc
     except ParameterError as exc:
         _close(streams)
         raise APIError(400, str(exc), prompt_param if exc.param == "prompt" else exc.param, exc.code) from exc
@@ -88,8 +121,12 @@ async def _final(stream: RequestStream) -> RequestOutput:
     async for output in stream:
         last = output
     if last is None or not last.finished:
-        raise APIError(503, "the request was aborted before it finished (server draining)", code="aborted",
-                       headers={"Retry-After": "5"})
+        raise APIError(
+            503,
+            "the request was aborted before it finished (server draining)",
+            code="aborted",
+            headers={"Retry-After": "5"},
+        )
     return last
 
 
@@ -149,17 +186,32 @@ async def _merge(streams: list[RequestStream]) -> AsyncIterator[tuple[int, Reque
             task.cancel()
 
 
-def _chunk(kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]],
-           include_usage: bool) -> dict[str, Any]:
-    chunk: dict[str, Any] = {"id": rid, "object": kind, "created": created, "model": model, "choices": choices}
+def _chunk(
+    kind: str, rid: str, created: int, model: str, choices: list[dict[str, Any]], include_usage: bool
+) -> dict[str, Any]:
+    chunk: dict[str, Any] = {
+        "id": rid,
+        "object": kind,
+        "created": created,
+        "model": model,
+        "choices": choices,
+    }
     if include_usage:
         chunk["usage"] = None
     return chunk
 
 
-async def _stream_body(state: ServerState, streams: list[RequestStream], rid: str, chat: bool, n: int,
-                       include_usage: bool, logprobs: int | None, continuous_usage: bool = False,
-                       echo: bool = False) -> AsyncIterator[str]:
+async def _stream_body(
+    state: ServerState,
+    streams: list[RequestStream],
+    rid: str,
+    chat: bool,
+    n: int,
+    include_usage: bool,
+    logprobs: int | None,
+    continuous_usage: bool = False,
+    echo: bool = False,
+) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     created, model = int(time.time()), state.model_name
     text = serving.TokenText(state.tokenizer)
@@ -172,9 +224,18 @@ async def _stream_body(state: ServerState, streams: list[RequestStream], rid: st
             for out in sorted(output.outputs, key=lambda o: o.index):
                 index = p * n + out.index
                 cursor = cursors.cursor(index)
-                choice = (serving.chat_delta(out, cursor, index, logprobs, text) if chat else
-                          serving.completion_delta(out, cursor, index, logprobs is not None, text,
-                                                   serving.Echo.of(output, text) if echo and not cursor.started else None))
+                choice = (
+                    serving.chat_delta(out, cursor, index, logprobs, text)
+                    if chat
+                    else serving.completion_delta(
+                        out,
+                        cursor,
+                        index,
+                        logprobs is not None,
+                        text,
+                        serving.Echo.of(output, text) if echo and not cursor.started else None,
+                    )
+                )
                 if choice is not None:
                     choices.append(choice)
             if choices:
@@ -185,21 +246,36 @@ async def _stream_body(state: ServerState, streams: list[RequestStream], rid: st
         cut = [i for i in range(len(streams) * n) if not cursors.cursor(i).done]
         if cut:  # aborted (drain timeout): say so instead of ending silently
             empty = {"delta": {}} if chat else {"text": ""}
-            yield serving.sse(_chunk(kind, rid, created, model, [
-                {"index": i, **empty, "logprobs": None, "finish_reason": "abort"} for i in cut], include_usage))
+            yield serving.sse(
+                _chunk(
+                    kind,
+                    rid,
+                    created,
+                    model,
+                    [{"index": i, **empty, "logprobs": None, "finish_reason": "abort"} for i in cut],
+                    include_usage,
+                )
+            )
         if include_usage and finals:
-            yield serving.sse({**_chunk(kind, rid, created, model, [], False),
-                               "usage": serving.usage([finals[p] for p in sorted(finals)])})
+            yield serving.sse(
+                {
+                    **_chunk(kind, rid, created, model, [], False),
+                    "usage": serving.usage([finals[p] for p in sorted(finals)]),
+                }
+            )
     except Exception as exc:
-        yield serving.sse(error_body(500, f"generation failed: {type(exc).__name__}: {exc}", None, "engine_error"))
+        yield serving.sse(
+            error_body(500, f"generation failed: {type(exc).__name__}: {exc}", None, "engine_error")
+        )
     finally:
         _close(streams)
     yield serving.SSE_DONE
 
 
 def _streaming_response(body: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(body, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        body, media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 @router.post("/v1/completions", response_model=None)
@@ -213,45 +289,78 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = await _submit(state, ids, prompts, params, "prompt", body.kv_transfer_params)
     if body.stream:
-        return _streaming_response(_stream_body(state, streams, rid, False, body.n, body.include_usage,
-                                                body.logprobs, body.continuous_usage, body.echo))
+        return _streaming_response(
+            _stream_body(
+                state,
+                streams,
+                rid,
+                False,
+                body.n,
+                body.include_usage,
+                body.logprobs,
+                body.continuous_usage,
+                body.echo,
+            )
+        )
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
-    return JSONResponse({
-        "id": rid, "object": "text_completion", "created": int(time.time()), "model": state.model_name,
-        "choices": serving.completion_choices(finals, body.n, body.logprobs is not None, text, body.echo),
-        "usage": serving.usage(finals),
-        **_kv_transfer(finals),
-    })
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": serving.completion_choices(finals, body.n, body.logprobs is not None, text, body.echo),
+            "usage": serving.usage(finals),
+            **_kv_transfer(finals),
+        }
+    )
 
 
 @router.post("/v1/chat/completions", response_model=None)
-async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
+async def create_chat_completion(
+    body: ChatCompletionRequest, request: Request
+) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     state.check_accepting()
     state.check_model(body.model)
     try:
         prompt_ids = list(state.engine.apply_chat_template([m.as_template_dict() for m in body.messages]))
     except Exception as exc:
-        raise APIError(400, f"messages cannot be rendered with the model's chat template: {exc}",
-                       "messages", "invalid_value") from exc
+        raise APIError(
+            400,
+            f"messages cannot be rendered with the model's chat template: {exc}",
+            "messages",
+            "invalid_value",
+        ) from exc
     params = _sampling_params(state, body, [len(prompt_ids)])
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params)
     num_logprobs = body.num_logprobs()
     if body.stream:
-        return _streaming_response(_stream_body(state, streams, rid, True, body.n, body.include_usage,
-                                                num_logprobs, body.continuous_usage))
+        return _streaming_response(
+            _stream_body(
+                state, streams, rid, True, body.n, body.include_usage, num_logprobs, body.continuous_usage
+            )
+        )
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
-    return JSONResponse({
-        "id": rid, "object": "chat.completion", "created": int(time.time()), "model": state.model_name,
-        "choices": serving.chat_choices(finals[0], num_logprobs, text),
-        "usage": serving.usage(finals),
-        **_kv_transfer(finals),
-        **({"prompt_logprobs": serving.prompt_logprobs_json(finals[0].prompt_logprobs)}
-           if finals[0].prompt_logprobs is not None else {}),
-    })
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": state.model_name,
+            "choices": serving.chat_choices(finals[0], num_logprobs, text),
+            "usage": serving.usage(finals),
+            **_kv_transfer(finals),
+            **(
+                {"prompt_logprobs": serving.prompt_logprobs_json(finals[0].prompt_logprobs)}
+                if finals[0].prompt_logprobs is not None
+                else {}
+            ),
+        }
+    )
 
 
 def _kv_transfer(finals: list[RequestOutput]) -> dict[str, Any]:
@@ -263,7 +372,15 @@ def _kv_transfer(finals: list[RequestOutput]) -> dict[str, Any]:
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     state = get_state(request)
-    return {"object": "list", "data": [{
-        "id": state.model_name, "object": "model", "created": int(state.started), "owned_by": "specfleet",
-        "max_model_len": state.max_model_len,
-    }]}
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": state.model_name,
+                "object": "model",
+                "created": int(state.started),
+                "owned_by": "specfleet",
+                "max_model_len": state.max_model_len,
+            }
+        ],
+    }

@@ -10,9 +10,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from specfleet.engine.core.client import EngineCoreClient
 
 from . import admin, api
-from .async_engine import AsyncEngine
 from .errors import error_response, install_error_handlers
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .state import ServerState, get_state
@@ -20,18 +20,27 @@ from .state import ServerState, get_state
 logger = logging.getLogger("specfleet.engine.server")
 
 
-def build_state(engine: Any, *, served_model_name: str | None = None, max_waiting: int = 512,
-                admin_token: str | None = None, admin_port: int | None = None) -> ServerState:
-    model_name = served_model_name or engine.model_name
+def build_state(
+    client: EngineCoreClient,
+    *,
+    served_model_name: str | None = None,
+    max_waiting: int = 512,
+    admin_token: str | None = None,
+    admin_port: int | None = None,
+) -> ServerState:
+    """The routes' state around a started engine core."""
+    info = client.info
+    model_name = served_model_name or info.model_name
     metrics = ServerMetrics(model_name)
     token = admin_token if admin_token is not None else admin.token_from_env()
+    client.metrics, client.max_waiting = metrics, max_waiting
     return ServerState(
-        async_engine=AsyncEngine(engine, metrics, max_waiting=max_waiting),
+        async_engine=client,
         metrics=metrics,
         model_name=model_name,
-        max_model_len=int(engine.max_model_len),
-        tokenizer=engine.tokenizer,
-        vocab_size=len(engine.tokenizer),
+        max_model_len=int(info.max_model_len),
+        tokenizer=info.tokenizer,
+        vocab_size=len(info.tokenizer),
         admin_token=token,
         admin_port=admin_port,
     )
@@ -58,7 +67,7 @@ class AdminPortSplit:
 
 
 def create_app(state: ServerState) -> FastAPI:
-    """An app around an already loaded engine. The engine thread starts and stops with the app."""
+    """An app around a started engine core: its reader starts with the app; the core stops with it."""
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -72,8 +81,12 @@ def create_app(state: ServerState) -> FastAPI:
             state.async_engine.abort_all()
             state.async_engine.stop()
 
-    app = FastAPI(title="specfleet engine", version="0.1.0", lifespan=lifespan,
-                  description="OpenAI-compatible completions and chat completions, metrics and admin API.")
+    app = FastAPI(
+        title="specfleet engine",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="OpenAI-compatible completions and chat completions, metrics and admin API.",
+    )
     app.state.specfleet = state
     install_error_handlers(app)
     if state.admin_port is not None:
@@ -88,9 +101,10 @@ def create_app(state: ServerState) -> FastAPI:
     @app.get("/ready")
     async def ready(request: Request) -> JSONResponse:
         s = get_state(request)
-        if s.ready and not (s.stopping or s.draining):
+        alive = s.async_engine.alive
+        if s.ready and not (s.stopping or s.draining) and alive:
             return JSONResponse({"ready": True, "model": s.model_name})
-        reason = "draining" if s.stopping or s.draining else "loading"
+        reason = "engine_core_dead" if not alive else "draining" if s.stopping or s.draining else "loading"
         return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "5"})
 
     @app.get("/metrics")

@@ -25,22 +25,41 @@ DEFAULT_K = 4  # --num-speculative-tokens when a speculative method is given wit
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specfleet serve", description="Serve one model with the specfleet "
-                                "engine: OpenAI-compatible API, Prometheus /metrics, admin API.")
+    p = argparse.ArgumentParser(
+        prog="specfleet serve",
+        description="Serve one model with the specfleet "
+        "engine: OpenAI-compatible API, Prometheus /metrics, admin API.",
+    )
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="name in the API (default: the model's)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--admin-port", type=int, default=None,
-                   help="serve the admin API (/admin/config) on this port only, apart from the OpenAI API "
-                        "(pods: 8001, which their Service does not expose); default: beside the API on --port")
-    p.add_argument("--max-waiting", type=int, default=512,
-                   help="requests waiting for their first token beyond which new ones get 429")
-    p.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="seconds in-flight requests may take to finish after SIGTERM")
-    p.add_argument("--shutdown-delay", type=float, default=0.0,
-                   help="seconds after SIGTERM during which /ready already fails but new requests are still "
-                        "served (clients routed before the endpoint was removed), before they get 503")
+    p.add_argument(
+        "--admin-port",
+        type=int,
+        default=None,
+        help="serve the admin API (/admin/config) on this port only, apart from the OpenAI API "
+        "(pods: 8001, which their Service does not expose); default: beside the API on --port",
+    )
+    p.add_argument(
+        "--max-waiting",
+        type=int,
+        default=512,
+        help="requests waiting for their first token beyond which new ones get 429",
+    )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests may take to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="seconds after SIGTERM during which /ready already fails but new requests are still "
+        "served (clients routed before the endpoint was removed), before they get 503",
+    )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -55,13 +74,19 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         meta = f.metadata
         flag = meta.get("flag", "--" + f.name.replace("_", "-"))
         if hints[f.name] is bool:  # a flag that flips the default
-            group.add_argument(flag, dest=f.name, action="store_false" if f.default else "store_true",
-                               help=meta.get("help"))
+            group.add_argument(
+                flag, dest=f.name, action="store_false" if f.default else "store_true", help=meta.get("help")
+            )
             continue
         kinds = [t for t in get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
-        group.add_argument(flag, dest=f.name, type=None if kinds[0] is str else kinds[0],
-                           default=meta.get("cli_default", f.default), choices=meta.get("choices"),
-                           help=meta.get("help"))
+        group.add_argument(
+            flag,
+            dest=f.name,
+            type=None if kinds[0] is str else kinds[0],
+            default=meta.get("cli_default", f.default),
+            choices=meta.get("choices"),
+            help=meta.get("help"),
+        )
 
 
 def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
@@ -76,17 +101,26 @@ class DrainingServer(uvicorn.Server):
     `shutdown_delay` seconds, then get 503; in-flight ones finish within `drain_timeout`; exit 0.
 
     The listener stays open during the drain (so late clients get a 503, not a refused connection);
-    a second signal exits at once.
+    a second signal exits at once. A dead engine core ends the server too, with `core_dead` set, so
+    that the process exits non-zero and the pod restarts.
     """
 
-    def __init__(self, config: uvicorn.Config, state: ServerState, drain_timeout: float,
-                 shutdown_delay: float = 0.0) -> None:
+    def __init__(
+        self, config: uvicorn.Config, state: ServerState, drain_timeout: float, shutdown_delay: float = 0.0
+    ) -> None:
         super().__init__(config)
         self.state = state
         self.drain_timeout = drain_timeout
         self.shutdown_delay = shutdown_delay
         self._loop: asyncio.AbstractEventLoop | None = None
         self._drain_task: asyncio.Task[None] | None = None
+        self.core_dead: str | None = None
+        state.async_engine.on_dead.append(self._core_died)
+
+    def _core_died(self, reason: str) -> None:
+        self.core_dead = reason
+        self.state.ready = False
+        self.should_exit = True
 
     async def startup(self, sockets: Any = None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -111,8 +145,12 @@ class DrainingServer(uvicorn.Server):
             logger.info("event=shutdown_delay signal=%s seconds=%.1f", reason, self.shutdown_delay)
             await asyncio.sleep(self.shutdown_delay)
         self.state.draining = True  # new requests get 503 from now on
-        logger.info("event=drain_start signal=%s in_flight=%d timeout_s=%.1f", reason, engine.num_in_flight,
-                    self.drain_timeout)
+        logger.info(
+            "event=drain_start signal=%s in_flight=%d timeout_s=%.1f",
+            reason,
+            engine.num_in_flight,
+            self.drain_timeout,
+        )
         deadline = time.monotonic() + self.drain_timeout
         while engine.num_in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
@@ -135,8 +173,9 @@ def _listen(host: str, port: int) -> socket.socket:
 
 
 def _configure_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=level.upper(), stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -148,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specfleet serve: --admin-port {args.admin_port} must differ from --port", file=sys.stderr)
         return 2
     _configure_logging(args.log_level)
-    from specfleet.engine import Engine
+    from specfleet.engine.core.client import EngineCoreClient
 
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # stopped while loading: exit 0
     try:
@@ -159,22 +198,50 @@ def main(argv: list[str] | None = None) -> int:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
         started = time.monotonic()
-        engine = Engine(config)
+        try:
+            client = EngineCoreClient(config, log_level=args.log_level)
+        except RuntimeError as exc:
+            logger.error("event=engine_core_start_failed error=%s", exc)
+            return 1
     finally:
         signal.signal(signal.SIGTERM, previous)
-    logger.info("event=model_loaded model=%s load_s=%.1f", engine.model_name, time.monotonic() - started)
-    state = build_state(engine, served_model_name=args.served_model_name, max_waiting=args.max_waiting,
-                        admin_token=admin_token, admin_port=args.admin_port)
+    logger.info(
+        "event=model_loaded model=%s load_s=%.1f core_pid=%d",
+        client.info.model_name,
+        time.monotonic() - started,
+        client.pid,
+    )
+    state = build_state(
+        client,
+        served_model_name=args.served_model_name,
+        max_waiting=args.max_waiting,
+        admin_token=admin_token,
+        admin_port=args.admin_port,
+    )
     app = create_app(state)
-    uv_config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                               timeout_graceful_shutdown=5, lifespan="on")
+    uv_config = uvicorn.Config(
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        access_log=False,
+        timeout_graceful_shutdown=5,
+        lifespan="on",
+    )
     server = DrainingServer(uv_config, state, args.drain_timeout, args.shutdown_delay)
     try:  # one server on one or two listening sockets: the drain on SIGTERM covers both
         sockets = [_listen(args.host, port) for port in (args.port, args.admin_port) if port is not None]
     except OSError as exc:
         print(f"specfleet serve: cannot listen on {args.host}: {exc.strerror}", file=sys.stderr)
+        client.stop()
         return 1
-    server.run(sockets=sockets)
+    try:
+        server.run(sockets=sockets)
+    finally:
+        client.stop()
+    if server.core_dead is not None:
+        logger.error("event=exit reason=engine_core_dead exit_code=1")
+        return 1
     return 0 if server.started else 1
 
 

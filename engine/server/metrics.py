@@ -13,10 +13,49 @@ from specfleet.engine.stats import EngineStats
 
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
-LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
-                   10.0, 20.0, 40.0, 80.0)
-TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-                         0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+TOKEN_LATENCY_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+)
 STEP_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5, 5.0)
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 # Why a request was turned away before the engine took it: 429 queue_full (`--max-waiting` requests wait),
@@ -48,14 +87,20 @@ class ServerMetrics:
             return Gauge(name, doc, label, registry=r)
 
         self.ttft = hist("specfleet_time_to_first_token_seconds", "Time to first token", LATENCY_BUCKETS)
-        self.tpot = hist("specfleet_time_per_output_token_seconds", "Mean time per output token after the "
-                         "first, per request", TOKEN_LATENCY_BUCKETS)
-        self.itl = hist("specfleet_inter_token_latency_seconds", "Time between streamed outputs",
-                        TOKEN_LATENCY_BUCKETS)
-        self.e2e = hist("specfleet_e2e_request_latency_seconds", "Request latency, arrival to finish",
-                        LATENCY_BUCKETS)
-        self.queue_time = hist("specfleet_request_queue_time_seconds", "Time from arrival to first scheduling",
-                               LATENCY_BUCKETS)
+        self.tpot = hist(
+            "specfleet_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request",
+            TOKEN_LATENCY_BUCKETS,
+        )
+        self.itl = hist(
+            "specfleet_inter_token_latency_seconds", "Time between streamed outputs", TOKEN_LATENCY_BUCKETS
+        )
+        self.e2e = hist(
+            "specfleet_e2e_request_latency_seconds", "Request latency, arrival to finish", LATENCY_BUCKETS
+        )
+        self.queue_time = hist(
+            "specfleet_request_queue_time_seconds", "Time from arrival to first scheduling", LATENCY_BUCKETS
+        )
         self.step_duration = hist("specfleet_step_duration_seconds", "Engine step duration", STEP_BUCKETS)
         self.batch_size = hist("specfleet_batch_size", "Sequences per engine step", BATCH_BUCKETS)
         self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
@@ -65,26 +110,49 @@ class ServerMetrics:
         self.counters = {
             attr: Counter(name, doc, label, registry=r) for name, (doc, attr) in _COUNTERS.items()
         }
-        self.success = Counter("specfleet_request_success", "Finished requests by finish reason",
-                               ["model_name", "finished_reason"], registry=r)
-        self.refused = Counter("specfleet_requests_refused", "Requests refused before admission (429 or 503), "
-                               "by reason: " + ", ".join(REFUSAL_REASONS), ["model_name", "reason"], registry=r)
-        self.accepted_per_pos = Counter("specfleet_spec_decode_accepted_tokens_per_pos",
-                                        "Accepted speculative tokens by draft position",
-                                        ["model_name", "position"], registry=r)
+        self.success = Counter(
+            "specfleet_request_success",
+            "Finished requests by finish reason",
+            ["model_name", "finished_reason"],
+            registry=r,
+        )
+        self.refused = Counter(
+            "specfleet_requests_refused",
+            "Requests refused before admission (429 or 503), by reason: " + ", ".join(REFUSAL_REASONS),
+            ["model_name", "reason"],
+            registry=r,
+        )
+        self.accepted_per_pos = Counter(
+            "specfleet_spec_decode_accepted_tokens_per_pos",
+            "Accepted speculative tokens by draft position",
+            ["model_name", "position"],
+            registry=r,
+        )
         self._seen: dict[str, int] = {attr: 0 for attr in self.counters}
         self._seen_per_pos: list[int] = []
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         for reason in REFUSAL_REASONS:
             self.refused.labels(model_name, reason)
-        for metric in (*self.counters.values(), self.ttft, self.tpot, self.itl, self.e2e, self.queue_time,
-                       self.step_duration, self.batch_size, self.running, self.waiting, self.kv_usage,
-                       *self.live.values()):
+        for metric in (
+            *self.counters.values(),
+            self.ttft,
+            self.tpot,
+            self.itl,
+            self.e2e,
+            self.queue_time,
+            self.step_duration,
+            self.batch_size,
+            self.running,
+            self.waiting,
+            self.kv_usage,
+            *self.live.values(),
+        ):
             metric.labels(model_name)  # every series exists from the first scrape
 
-    def observe_step(self, stats: EngineStats, stepped: bool, extra_waiting: int = 0,
-                     kv_usage: float | None = None) -> None:
+    def observe_step(
+        self, stats: EngineStats, stepped: bool, extra_waiting: int = 0, kv_usage: float | None = None
+    ) -> None:
         """Called by the engine thread after each step (stepped=True) or when it goes idle."""
         m = self.model_name
         step = stats.last_step

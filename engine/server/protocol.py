@@ -66,6 +66,7 @@ class SamplingFields(StrictModel):
             if not -100.0 <= bias <= 100.0:
                 raise ValueError(f"logit_bias[{key}]={bias} must be between -100 and 100")
         return value
+
     # vLLM's structured-output extra body (docs/structured_outputs.md); checked in to_sampling_params
     guided_json: dict[str, Any] | bool | str | None = None
     guided_regex: str | None = None
@@ -101,7 +102,9 @@ class SamplingFields(StrictModel):
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.default_max_tokens()
         if max_tokens is not None and self.min_tokens > max_tokens:
-            raise ParameterError("min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={max_tokens}")
+            raise ParameterError(
+                "min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={max_tokens}"
+            )
         return SamplingParams(
             n=self.n,
             temperature=self.temperature,
@@ -127,8 +130,11 @@ class SamplingFields(StrictModel):
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             prompt_logprobs=self.num_prompt_logprobs(),
             structured_outputs=spec_from_request(
-                response_format=getattr(self, "response_format", None), guided_json=self.guided_json,
-                guided_regex=self.guided_regex, guided_choice=self.guided_choice, guided_grammar=self.guided_grammar,
+                response_format=getattr(self, "response_format", None),
+                guided_json=self.guided_json,
+                guided_regex=self.guided_regex,
+                guided_choice=self.guided_choice,
+                guided_grammar=self.guided_grammar,
                 structured_outputs=self.structured_outputs,
             ),
         )
@@ -147,9 +153,12 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | Annotated[list[str], Field(min_length=1)] | TokenIds | Annotated[
-        list[TokenIds], Field(min_length=1)
-    ]
+    prompt: (
+        str
+        | Annotated[list[str], Field(min_length=1)]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1)]
+    )
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = Field(default=False, description="Return the prompt before the completion")
@@ -221,7 +230,9 @@ class ResponseFormat(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
-    max_tokens: int | None = Field(default=None, ge=1, description="Deprecated alias of max_completion_tokens")
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Deprecated alias of max_completion_tokens"
+    )
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
@@ -256,7 +267,8 @@ if TYPE_CHECKING:
     AdminConfigPatch = _ConfigPatch
 else:
     AdminConfigPatch = create_model(
-        "AdminConfigPatch", __base__=_ConfigPatch,
+        "AdminConfigPatch",
+        __base__=_ConfigPatch,
         __doc__="The live knobs the tuner may change; each is checked against the ceilings fixed at start.",
         **{knob.name: (int | None, Field(default=None, ge=knob.minimum)) for knob in KNOBS},
     )

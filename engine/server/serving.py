@@ -30,8 +30,9 @@ def usage(outputs: list[RequestOutput]) -> dict[str, Any]:
     }
 
 
-def completion_logprobs(entries: list[PositionLogprobs], text: TokenText, offset: int,
-                        echo: Echo | None = None) -> dict[str, Any]:
+def completion_logprobs(
+    entries: list[PositionLogprobs], text: TokenText, offset: int, echo: Echo | None = None
+) -> dict[str, Any]:
     """OpenAI's legacy logprobs; with echo, the prompt's tokens first (the very first has none)."""
     tokens, token_logprobs, top, offsets = [], [], [], []
     prompt = [(token, lp) for token, lp in zip(echo.token_ids, echo.logprobs)] if echo else []
@@ -39,7 +40,9 @@ def completion_logprobs(entries: list[PositionLogprobs], text: TokenText, offset
         token = text(token_id)
         tokens.append(token)
         token_logprobs.append(entry.logprob if entry else None)
-        top.append(({text(t): lp for t, lp in entry.top.items()} or {token: entry.logprob}) if entry else None)
+        top.append(
+            ({text(t): lp for t, lp in entry.top.items()} or {token: entry.logprob}) if entry else None
+        )
         offsets.append(offset)
         offset += len(token)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": top, "text_offset": offsets}
@@ -63,8 +66,15 @@ def prompt_logprobs_json(entries: list[PositionLogprobs | None] | None) -> list[
     """vLLM's `prompt_logprobs` field: per prompt token, token id -> {logprob, rank, decoded_token}."""
     if entries is None:
         return None
-    return [None if e is None else {str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
-                                    for t, lp in e.items()} for e in entries]
+    return [
+        None
+        if e is None
+        else {
+            str(t): {"logprob": lp.logprob, "rank": lp.rank, "decoded_token": lp.decoded_token}
+            for t, lp in e.items()
+        }
+        for e in entries
+    ]
 
 
 def chat_logprobs(entries: list[PositionLogprobs], text: TokenText, num_top: int) -> dict[str, Any]:
@@ -75,7 +85,9 @@ def chat_logprobs(entries: list[PositionLogprobs], text: TokenText, num_top: int
     content = []
     for entry in entries:
         top = sorted(entry.top.items(), key=lambda kv: -kv[1])[:num_top]
-        content.append({**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in top]})
+        content.append(
+            {**item(entry.token_id, entry.logprob), "top_logprobs": [item(t, lp) for t, lp in top]}
+        )
     return {"content": content}
 
 
@@ -99,15 +111,19 @@ class StreamState:
 
 
 def completion_delta(
-    output: CompletionOutput, cursor: ChoiceCursor, index: int, want_logprobs: bool, text: TokenText,
+    output: CompletionOutput,
+    cursor: ChoiceCursor,
+    index: int,
+    want_logprobs: bool,
+    text: TokenText,
     echo: Echo | None = None,
 ) -> dict[str, Any] | None:
     """The next chunk choice for a completions stream, or None when nothing new. With echo, the first
     chunk of each choice starts with the prompt."""
     echo = echo if not cursor.started else None
     cursor.started = True
-    delta = (echo.text if echo else "") + output.text[cursor.text_len:]
-    new_logprobs = (output.logprobs or [])[cursor.num_logprobs:] if want_logprobs else []
+    delta = (echo.text if echo else "") + output.text[cursor.text_len :]
+    new_logprobs = (output.logprobs or [])[cursor.num_logprobs :] if want_logprobs else []
     if not delta and not new_logprobs and not (output.finished and not cursor.done):
         return None
     choice: dict[str, Any] = {"index": index, "text": delta, "logprobs": None, "finish_reason": None}
@@ -126,8 +142,8 @@ def completion_delta(
 def chat_delta(
     output: CompletionOutput, cursor: ChoiceCursor, index: int, num_logprobs: int | None, text: TokenText
 ) -> dict[str, Any] | None:
-    delta_text = output.text[cursor.text_len:]
-    new_logprobs = (output.logprobs or [])[cursor.num_logprobs:] if num_logprobs is not None else []
+    delta_text = output.text[cursor.text_len :]
+    new_logprobs = (output.logprobs or [])[cursor.num_logprobs :] if num_logprobs is not None else []
     if not delta_text and not new_logprobs and not (output.finished and not cursor.done):
         return None
     delta: dict[str, Any] = {"content": delta_text}
@@ -155,7 +171,9 @@ def completion_choices(
             choice = {
                 "index": p * n + out.index,
                 "text": (repeat.text if repeat else "") + out.text,
-                "logprobs": completion_logprobs(out.logprobs or [], text, 0, repeat) if want_logprobs else None,
+                "logprobs": completion_logprobs(out.logprobs or [], text, 0, repeat)
+                if want_logprobs
+                else None,
                 "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
             }
@@ -168,11 +186,14 @@ def completion_choices(
 def chat_choices(final: RequestOutput, num_logprobs: int | None, text: TokenText) -> list[dict[str, Any]]:
     choices = []
     for out in sorted(final.outputs, key=lambda o: o.index):
-        choices.append({
-            "index": out.index,
-            "message": {"role": "assistant", "content": out.text},
-            "logprobs": chat_logprobs(out.logprobs or [], text, num_logprobs) if num_logprobs is not None
-            else None,
-            "finish_reason": out.finish_reason,
-        })
+        choices.append(
+            {
+                "index": out.index,
+                "message": {"role": "assistant", "content": out.text},
+                "logprobs": chat_logprobs(out.logprobs or [], text, num_logprobs)
+                if num_logprobs is not None
+                else None,
+                "finish_reason": out.finish_reason,
+            }
+        )
     return choices

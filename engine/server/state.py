@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from specfleet.engine.core.client import EngineCoreClient
 
-from .async_engine import AsyncEngine
 from .errors import APIError
 from .metrics import ServerMetrics
 
@@ -17,7 +17,7 @@ DRAIN_RETRY_AFTER_S = 5
 
 @dataclass
 class ServerState:
-    async_engine: AsyncEngine
+    async_engine: EngineCoreClient
     metrics: ServerMetrics
     model_name: str
     max_model_len: int
@@ -32,22 +32,38 @@ class ServerState:
 
     @property
     def engine(self) -> Any:
-        return self.async_engine.engine
+        """The model's facts and tokenizer (`CoreInfo`); the engine itself runs in the core process."""
+        return self.async_engine.info
 
     def check_accepting(self) -> None:
         """503 + Retry-After while not ready or draining (new work goes to another replica)."""
         if self.draining:
             self.metrics.refuse("draining")
-            raise APIError(503, "server is shutting down (draining); retry on another replica",
-                           code="draining", headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)})
+            raise APIError(
+                503,
+                "server is shutting down (draining); retry on another replica",
+                code="draining",
+                headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+            )
         if not self.ready:
             self.metrics.refuse("not_ready")
             raise APIError(503, "model is not loaded yet", code="not_ready", headers={"Retry-After": "1"})
+        if self.async_engine.dead is not None:
+            raise APIError(
+                503,
+                f"the engine is down ({self.async_engine.dead}); retry on another replica",
+                code="engine_dead",
+                headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
+            )
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name:
-            raise APIError(404, f"model '{model}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")
+            raise APIError(
+                404,
+                f"model '{model}' does not exist; this server serves '{self.model_name}'",
+                param="model",
+                code="model_not_found",
+            )
 
 
 def get_state(request: Request) -> ServerState:

@@ -20,21 +20,64 @@ from pathlib import Path
 import torch
 from specfleet.engine.spec_decode.make_draft import truncate_layers
 
-SUBJECTS = ["the ocean", "ancient Egypt", "a lighthouse keeper", "machine learning", "the moon landing",
-            "coffee", "mountains", "a lost cat", "electric cars", "the printing press", "rainforests",
-            "the human heart", "a busy train station", "photosynthesis", "the stock market", "dinosaurs",
-            "a rainy afternoon", "the internet", "soccer", "medieval castles", "the solar system", "gardening",
-            "a first job", "recycling", "friendship", "the Great Wall", "thunderstorms", "a bakery", "robots",
-            "deserts", "the piano", "winter holidays", "earthquakes", "a detective", "space travel", "tea"]
-STYLES = ["Tell me about {s}.", "Write a short story about {s}.", "Explain {s} simply.",
-          "Give me three facts about {s}.", "Write a poem about {s}.", "Why is {s} interesting?",
-          "Describe {s} in a paragraph.", "What should a beginner know about {s}?"]
+SUBJECTS = [
+    "the ocean",
+    "ancient Egypt",
+    "a lighthouse keeper",
+    "machine learning",
+    "the moon landing",
+    "coffee",
+    "mountains",
+    "a lost cat",
+    "electric cars",
+    "the printing press",
+    "rainforests",
+    "the human heart",
+    "a busy train station",
+    "photosynthesis",
+    "the stock market",
+    "dinosaurs",
+    "a rainy afternoon",
+    "the internet",
+    "soccer",
+    "medieval castles",
+    "the solar system",
+    "gardening",
+    "a first job",
+    "recycling",
+    "friendship",
+    "the Great Wall",
+    "thunderstorms",
+    "a bakery",
+    "robots",
+    "deserts",
+    "the piano",
+    "winter holidays",
+    "earthquakes",
+    "a detective",
+    "space travel",
+    "tea",
+]
+STYLES = [
+    "Tell me about {s}.",
+    "Write a short story about {s}.",
+    "Explain {s} simply.",
+    "Give me three facts about {s}.",
+    "Write a poem about {s}.",
+    "Why is {s} interesting?",
+    "Describe {s} in a paragraph.",
+    "What should a beginner know about {s}?",
+]
 # Held-out prompts for the agreement measurement: none is a teacher prompt (they were the first six of the
 # benchmark's chat prompts when the documented figures were measured; the engine does not import bench/).
-HELD_OUT = ["Tell me about the history of Rome.", "Explain how volcanoes form to a ten-year-old.",
-            "Write a short poem about why the sky is blue.",
-            "What are three surprising facts about the rules of chess?", "Tell me about how bread rises.",
-            "Explain the life of honeybees to a ten-year-old."]
+HELD_OUT = [
+    "Tell me about the history of Rome.",
+    "Explain how volcanoes form to a ten-year-old.",
+    "Write a short poem about why the sky is blue.",
+    "What are three surprising facts about the rules of chess?",
+    "Tell me about how bread rises.",
+    "Explain the life of honeybees to a ten-year-old.",
+]
 
 
 def teacher_data(target: str, num_prompts: int, max_tokens: int, seed: int) -> list[tuple[list[int], int]]:
@@ -49,8 +92,9 @@ def teacher_data(target: str, num_prompts: int, max_tokens: int, seed: int) -> l
     return [(r.prompt_token_ids + r.outputs[0].token_ids, len(r.prompt_token_ids)) for r in results]
 
 
-def train(draft_dir: Path, data: list[tuple[list[int], int]], minutes: float, batch_size: int, lr: float,
-          seed: int) -> dict:
+def train(
+    draft_dir: Path, data: list[tuple[list[int], int]], minutes: float, batch_size: int, lr: float, seed: int
+) -> dict:
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM
 
@@ -93,9 +137,13 @@ def train(draft_dir: Path, data: list[tuple[list[int], int]], minutes: float, ba
 def agreement(target: str, draft_dir: Path, k: int, max_tokens: int) -> float:
     from specfleet.engine import LLM, SamplingParams
 
-    llm = LLM(model=target, speculative_method="draft", draft_model=f"file://{draft_dir}", num_speculative_tokens=k)
-    llm.chat([[{"role": "user", "content": p}] for p in HELD_OUT],
-             SamplingParams(temperature=0, max_tokens=max_tokens))
+    llm = LLM(
+        model=target, speculative_method="draft", draft_model=f"file://{draft_dir}", num_speculative_tokens=k
+    )
+    llm.chat(
+        [[{"role": "user", "content": p}] for p in HELD_OUT],
+        SamplingParams(temperature=0, max_tokens=max_tokens),
+    )
     return llm.engine.stats.acceptance_rate
 
 
@@ -119,9 +167,15 @@ def main(argv: list[str] | None = None) -> int:
     data = teacher_data(args.target, args.num_prompts, args.max_tokens, args.seed)
     report = train(out, data, args.minutes, args.batch_size, args.lr, args.seed)
     after = agreement(args.target, out, 4, 64)
-    report.update({"layers": args.layers, "teacher_tokens": sum(len(i) - p for i, p in data),
-                   "acceptance_before": before, "acceptance_after": after,
-                   "minutes_total": (time.monotonic() - started) / 60})
+    report.update(
+        {
+            "layers": args.layers,
+            "teacher_tokens": sum(len(i) - p for i, p in data),
+            "acceptance_before": before,
+            "acceptance_after": after,
+            "minutes_total": (time.monotonic() - started) / 60,
+        }
+    )
     (out / "specfleet-distill.json").write_text(json.dumps(report, indent=2))
     print(json.dumps(report))
     sys.stdout.flush()

@@ -52,7 +52,9 @@ class DraftModelProposer:
                 proposals[i].probs = torch.stack(probs[i])
         return proposals
 
-    def _draw(self, logits: torch.Tensor, seqs: list[Sequence], step: int) -> tuple[list[int], torch.Tensor | None]:
+    def _draw(
+        self, logits: torch.Tensor, seqs: list[Sequence], step: int
+    ) -> tuple[list[int], torch.Tensor | None]:
         """The draft's token for each sequence at `step` past its output. A seeded sequence draws with the
         noise the target will use at that position, so a draft close to the target proposes what the
         target's draw picks (verification of seeded rows accepts only that)."""
@@ -67,10 +69,15 @@ class DraftModelProposer:
         """Bring the shadow's tokens in line with the sequence and reserve slots for k - 1 fed proposals."""
         shadow = self.shadows.get(seq.seq_id)
         if shadow is None:
-            shadow = self.shadows[seq.seq_id] = _Shadow(seq.seq_id, seq.request_id, seq.index, [], 0, seq.params)
+            shadow = self.shadows[seq.seq_id] = _Shadow(
+                seq.seq_id, seq.request_id, seq.index, [], 0, seq.params
+            )
         valid = shadow.base
-        while (valid < shadow.num_computed_tokens and valid < seq.num_tokens
-               and shadow.token_ids[valid] == seq.token_ids[valid]):
+        while (
+            valid < shadow.num_computed_tokens
+            and valid < seq.num_tokens
+            and shadow.token_ids[valid] == seq.token_ids[valid]
+        ):
             valid += 1
         shadow.num_computed_tokens = min(shadow.num_computed_tokens, valid)
         shadow.token_ids = list(seq.token_ids)

@@ -16,10 +16,18 @@ def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel | None:
     come out of one memory budget; None for other methods."""
     if config.speculative_method != "draft":
         return None
-    draft_config = replace(config, model=config.draft_model, speculative_method="none", num_speculative_tokens=0,
-                           draft_model=None, quantization=config.draft_quantization, draft_quantization=None,
-                           max_model_len=target.max_model_len, tensor_parallel_size=1,
-                           pipeline_parallel_size=1)  # the draft runs whole, on rank 0
+    draft_config = replace(
+        config,
+        model=config.draft_model,
+        speculative_method="none",
+        num_speculative_tokens=0,
+        draft_model=None,
+        quantization=config.draft_quantization,
+        draft_quantization=None,
+        max_model_len=target.max_model_len,
+        tensor_parallel_size=1,
+        pipeline_parallel_size=1,
+    )  # the draft runs whole, on rank 0
     draft = load_model(draft_config, device=target.model.device)
     check_same_vocabulary(target.tokenizer, draft.tokenizer, config.draft_model)
     if draft.model.args.vocab_size != target.model.args.vocab_size:
@@ -41,8 +49,14 @@ def _draft(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None,
 
     if draft is None:
         raise ValueError("speculative_method='draft' needs the draft model that load_draft returns")
-    runner = ModelRunner(draft.model, num_blocks, config.block_size, config.attention_backend,
-                         target.eos_token_ids, config.seed + 1)
+    runner = ModelRunner(
+        draft.model,
+        num_blocks,
+        config.block_size,
+        config.attention_backend,
+        target.eos_token_ids,
+        config.seed + 1,
+    )
     return DraftModelProposer(runner, num_blocks, config.block_size)
 
 
@@ -54,14 +68,16 @@ PROPOSERS: dict[str, Callable[[EngineConfig, LoadedModel, LoadedModel | None, in
 }
 
 
-def build_proposer(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None,
-                   num_blocks: int) -> Proposer | None:
+def build_proposer(
+    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int
+) -> Proposer | None:
     if config.speculative_method == "none":
         return None
     builder = PROPOSERS.get(config.speculative_method)
     if builder is None:
-        raise ValueError(f"speculative_method={config.speculative_method!r} has no proposer; "
-                         f"known: {sorted(PROPOSERS)}")
+        raise ValueError(
+            f"speculative_method={config.speculative_method!r} has no proposer; known: {sorted(PROPOSERS)}"
+        )
     return builder(config, target, draft, num_blocks)
 
 

@@ -12,7 +12,12 @@ from pathlib import Path
 
 from specfleet.engine.model_loader import load_state_dict, resolve_model
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+TOKENIZER_FILES = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "generation_config.json",
+)
 
 
 def truncate_layers(source: str, num_layers: int, out_dir: str | Path) -> Path:
@@ -25,12 +30,15 @@ def truncate_layers(source: str, num_layers: int, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {
-        name: tensor for name, tensor in load_state_dict(src).items()
+        name: tensor
+        for name, tensor in load_state_dict(src).items()
         if not name.startswith("model.layers.") or int(name.split(".")[2]) < num_layers
     }
     from safetensors.torch import save_file
 
-    save_file({k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"})
+    save_file(
+        {k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"}
+    )
     config["num_hidden_layers"] = num_layers
     (out / "config.json").write_text(json.dumps(config, indent=2))
     for name in TOKENIZER_FILES:

@@ -22,7 +22,18 @@ from specfleet.engine.structured_output.spec import KINDS, StructuredOutputSpec
 from specfleet.engine.structured_output.speculative import draft_bitmask
 
 __all__ = [
-    "KINDS", "GrammarBackend", "GrammarMatcher", "StructuredOutputError", "StructuredOutputSpec",
-    "allocate_bitmask", "apply_token_bitmask_", "bitmask_words", "choice_grammar", "draft_bitmask",
-    "spec_from_request", "spec_from_response_format", "spec_from_structured_outputs", "unpack_bitmask",
+    "KINDS",
+    "GrammarBackend",
+    "GrammarMatcher",
+    "StructuredOutputError",
+    "StructuredOutputSpec",
+    "allocate_bitmask",
+    "apply_token_bitmask_",
+    "bitmask_words",
+    "choice_grammar",
+    "draft_bitmask",
+    "spec_from_request",
+    "spec_from_response_format",
+    "spec_from_structured_outputs",
+    "unpack_bitmask",
 ]

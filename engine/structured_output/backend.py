@@ -31,15 +31,23 @@ class GrammarBackend:
     `compile` is thread-safe, so the server can compile a request's spec off the engine thread (xgrammar
     releases the GIL while it compiles) and answer 400 before the request is queued."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Iterable[int], *,
-                 max_rollback_tokens: int = 16, cache_size: int = 256):
+    def __init__(
+        self,
+        tokenizer,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        *,
+        max_rollback_tokens: int = 16,
+        cache_size: int = 256,
+    ):
         """tokenizer: a Hugging Face tokenizer; vocab_size: the model's (logits width, may exceed the
         tokenizer's); stop_token_ids: the engine's EOS ids, the tokens that end a complete output;
         max_rollback_tokens: at least the largest speculative k plus one."""
         self.vocab_size = vocab_size
         self.max_rollback_tokens = max_rollback_tokens
-        self._info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                        stop_token_ids=sorted(set(stop_token_ids)))
+        self._info = xgr.TokenizerInfo.from_huggingface(
+            tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
+        )
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
         self._cache: OrderedDict[StructuredOutputSpec, xgr.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
@@ -47,10 +55,18 @@ class GrammarBackend:
         c = self._compiler
         # kind -> (what it is, in error messages; how it compiles)
         self._compilers = {
-            "json_object": ("JSON object grammar", lambda spec: c.compile_json_schema(
-                '{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS)),
-            "json_schema": ("JSON schema", lambda spec: c.compile_json_schema(
-                spec.value, any_whitespace=False, separators=JSON_SEPARATORS)),
+            "json_object": (
+                "JSON object grammar",
+                lambda spec: c.compile_json_schema(
+                    '{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS
+                ),
+            ),
+            "json_schema": (
+                "JSON schema",
+                lambda spec: c.compile_json_schema(
+                    spec.value, any_whitespace=False, separators=JSON_SEPARATORS
+                ),
+            ),
             "regex": ("regular expression", lambda spec: c.compile_regex(spec.value)),
             "choice": ("choice list", lambda spec: c.compile_grammar(choice_grammar(spec.value))),
             "grammar": ("EBNF grammar", lambda spec: c.compile_grammar(spec.value)),
@@ -71,7 +87,9 @@ class GrammarBackend:
             compiled = compile_(spec)
         except (RuntimeError, ValueError) as e:
             where = f" in {spec.source}" if spec.source else ""
-            raise StructuredOutputError(f"cannot compile the {what}{where}: {_clean(e)}", spec.source) from None
+            raise StructuredOutputError(
+                f"cannot compile the {what}{where}: {_clean(e)}", spec.source
+            ) from None
         with self._lock:
             self._cache[spec] = compiled
             self._cache.move_to_end(spec)

@@ -63,7 +63,9 @@ def apply_token_bitmask_(
     return dead
 
 
-def apply_token_bitmask_reference_(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None = None) -> None:
+def apply_token_bitmask_reference_(
+    logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None = None
+) -> None:
     """The torch reference of `apply_token_bitmask_` (any device and dtype), without the dead-row guard."""
     rows = torch.arange(bitmask.shape[0]) if indices is None else torch.tensor(indices, dtype=torch.long)
     rows = rows.to(logits.device)
@@ -73,7 +75,9 @@ def apply_token_bitmask_reference_(logits: torch.Tensor, bitmask: torch.Tensor, 
 
 def _check(logits: torch.Tensor, bitmask: torch.Tensor, indices: list[int] | None) -> list[int] | None:
     if bitmask.dtype != torch.int32 or bitmask.dim() != 2:
-        raise ValueError(f"bitmask must be a 2-D int32 tensor, got {bitmask.dtype} of shape {tuple(bitmask.shape)}")
+        raise ValueError(
+            f"bitmask must be a 2-D int32 tensor, got {bitmask.dtype} of shape {tuple(bitmask.shape)}"
+        )
     if logits.dim() != 2:
         raise ValueError(f"logits must be 2-D [rows, vocab], got shape {tuple(logits.shape)}")
     if bitmask.shape[1] != bitmask_words(logits.shape[1]):

@@ -15,7 +15,9 @@ from specfleet.engine.structured_output.speculative import draft_bitmask
 
 
 class StructuredOutputManager:
-    def __init__(self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int], max_num_speculative_tokens: int):
+    def __init__(
+        self, tokenizer, vocab_size: int, eos_token_ids: Iterable[int], max_num_speculative_tokens: int
+    ):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.eos_token_ids = set(eos_token_ids)
@@ -24,9 +26,12 @@ class StructuredOutputManager:
 
     @property
     def backend(self) -> GrammarBackend:
-        if self._backend is None:  # 0.3 s for a 49k vocabulary: only engines that serve structured requests pay
-            self._backend = GrammarBackend(self.tokenizer, self.vocab_size, self.eos_token_ids,
-                                           max_rollback_tokens=self.max_k + 1)
+        if (
+            self._backend is None
+        ):  # 0.3 s for a 49k vocabulary: only engines that serve structured requests pay
+            self._backend = GrammarBackend(
+                self.tokenizer, self.vocab_size, self.eos_token_ids, max_rollback_tokens=self.max_k + 1
+            )
         return self._backend
 
     def attach(self, seqs: list, spec: StructuredOutputSpec) -> None:

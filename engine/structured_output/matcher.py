@@ -66,7 +66,9 @@ class GrammarMatcher:
         if not 0 < num_tokens <= self.num_accepted:
             raise ValueError(f"cannot roll back {num_tokens} tokens: {self.num_accepted} accepted")
         if 0 <= self.max_rollback_tokens < num_tokens:
-            raise ValueError(f"cannot roll back {num_tokens} tokens: max_rollback_tokens={self.max_rollback_tokens}")
+            raise ValueError(
+                f"cannot roll back {num_tokens} tokens: max_rollback_tokens={self.max_rollback_tokens}"
+            )
         self._m.rollback(num_tokens)
         self.num_accepted -= num_tokens
 

@@ -50,8 +50,12 @@ def spec_from_request(
         spec = spec_from_response_format(response_format)
         if spec is not None:
             found.append(("response_format", spec))
-    guided = {"guided_json": guided_json, "guided_regex": guided_regex, "guided_choice": guided_choice,
-              "guided_grammar": guided_grammar}
+    guided = {
+        "guided_json": guided_json,
+        "guided_regex": guided_regex,
+        "guided_choice": guided_choice,
+        "guided_grammar": guided_grammar,
+    }
     for field, value in guided.items():
         if value is not None:
             found.append((field, _GUIDED_FIELDS[field](_plain(value), field)))
@@ -63,7 +67,8 @@ def spec_from_request(
         names = [name for name, _ in found]
         raise StructuredOutputError(
             f"only one structured-output constraint may be set per request, got {', '.join(names[:-1])} and "
-            f"{names[-1]}; keep one of them", names[-1]
+            f"{names[-1]}; keep one of them",
+            names[-1],
         )
     return found[0][1] if found else None
 
@@ -77,11 +82,14 @@ def spec_from_response_format(response_format: Any) -> StructuredOutputSpec | No
     kind = fmt["type"]
     if kind not in _RESPONSE_FORMAT_TYPES:
         raise StructuredOutputError(
-            f"{param}.type must be one of {', '.join(_RESPONSE_FORMAT_TYPES)}, got {_short(kind)}", f"{param}.type"
+            f"{param}.type must be one of {', '.join(_RESPONSE_FORMAT_TYPES)}, got {_short(kind)}",
+            f"{param}.type",
         )
     extra = sorted(set(fmt) - {"type", "json_schema"} if kind == "json_schema" else set(fmt) - {"type"})
     if extra:
-        raise StructuredOutputError(f"{param} of type {kind} does not take {', '.join(extra)}", f"{param}.{extra[0]}")
+        raise StructuredOutputError(
+            f"{param} of type {kind} does not take {', '.join(extra)}", f"{param}.{extra[0]}"
+        )
     if kind == "text":
         return None
     if kind == "json_object":
@@ -89,7 +97,9 @@ def spec_from_response_format(response_format: Any) -> StructuredOutputSpec | No
     return _spec_from_openai_json_schema(fmt.get("json_schema"), f"{param}.json_schema")
 
 
-def spec_from_structured_outputs(value: Any, param: str = "structured_outputs") -> StructuredOutputSpec | None:
+def spec_from_structured_outputs(
+    value: Any, param: str = "structured_outputs"
+) -> StructuredOutputSpec | None:
     """vLLM's `structured_outputs` (also the offline `SamplingParams.structured_outputs` as a dict): one
     of json, regex, choice, grammar, json_object. A `StructuredOutputSpec` passes through unchanged."""
     if isinstance(value, StructuredOutputSpec):
@@ -97,18 +107,21 @@ def spec_from_structured_outputs(value: Any, param: str = "structured_outputs") 
     fields = _plain(value)
     if not isinstance(fields, dict):
         raise StructuredOutputError(
-            f"{param} must be an object with one of {', '.join(_STRUCTURED_OUTPUTS_KEYS)}, got {_short(fields)}", param
+            f"{param} must be an object with one of {', '.join(_STRUCTURED_OUTPUTS_KEYS)}, got {_short(fields)}",
+            param,
         )
     unknown = sorted(set(fields) - set(_STRUCTURED_OUTPUTS_KEYS))
     if unknown:
         raise StructuredOutputError(
             f"{param} does not support {', '.join(unknown)}; the supported keys are "
-            f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}", f"{param}.{unknown[0]}"
+            f"{', '.join(_STRUCTURED_OUTPUTS_KEYS)}",
+            f"{param}.{unknown[0]}",
         )
     given = [key for key, v in fields.items() if v is not None and v is not False]
     if len(given) > 1:
         raise StructuredOutputError(
-            f"{param} takes exactly one of {', '.join(_STRUCTURED_OUTPUTS_KEYS)}, got {' and '.join(given)}", param
+            f"{param} takes exactly one of {', '.join(_STRUCTURED_OUTPUTS_KEYS)}, got {' and '.join(given)}",
+            param,
         )
     if not given:
         return None
@@ -129,9 +142,13 @@ def _spec_from_openai_json_schema(value: Any, param: str) -> StructuredOutputSpe
         raise StructuredOutputError(f"{param}.name must be a string, got {_short(name)}", f"{param}.name")
     strict = value.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise StructuredOutputError(f"{param}.strict must be a boolean, got {_short(strict)}", f"{param}.strict")
+        raise StructuredOutputError(
+            f"{param}.strict must be a boolean, got {_short(strict)}", f"{param}.strict"
+        )
     if value.get("schema") is None:
-        raise StructuredOutputError(f"{param}.schema is required: the JSON Schema the output must follow", f"{param}.schema")
+        raise StructuredOutputError(
+            f"{param}.schema is required: the JSON Schema the output must follow", f"{param}.schema"
+        )
     return StructuredOutputSpec.json_schema(value["schema"], f"{param}.schema")
 
 

@@ -26,7 +26,9 @@ class StructuredOutputSpec:
 
     def __post_init__(self) -> None:
         if self.kind not in KINDS:
-            raise StructuredOutputError(f"unknown structured-output kind {self.kind!r}; expected one of {', '.join(KINDS)}")
+            raise StructuredOutputError(
+                f"unknown structured-output kind {self.kind!r}; expected one of {', '.join(KINDS)}"
+            )
         check = _CHECKS[self.kind]
         check(self.value)
 
@@ -44,7 +46,8 @@ class StructuredOutputSpec:
                 raise StructuredOutputError(f"{param} is not valid JSON: {e}", param) from None
         if not isinstance(schema, dict | bool):
             raise StructuredOutputError(
-                f"{param} must be a JSON object (a JSON Schema), got {type(schema).__name__}: {_short(schema)}", param
+                f"{param} must be a JSON object (a JSON Schema), got {type(schema).__name__}: {_short(schema)}",
+                param,
             )
         return cls("json_schema", json.dumps(schema, separators=(",", ":"), ensure_ascii=False), param)
 
@@ -56,10 +59,14 @@ class StructuredOutputSpec:
     @classmethod
     def choice(cls, choices: list[str] | tuple[str, ...], param: str = "choice") -> StructuredOutputSpec:
         if not isinstance(choices, list | tuple) or not choices:
-            raise StructuredOutputError(f"{param} must be a non-empty list of strings, got {_short(choices)}", param)
+            raise StructuredOutputError(
+                f"{param} must be a non-empty list of strings, got {_short(choices)}", param
+            )
         bad = [c for c in choices if not isinstance(c, str) or not c]
         if bad:
-            raise StructuredOutputError(f"{param} must hold non-empty strings only, got {_short(bad[0])}", param)
+            raise StructuredOutputError(
+                f"{param} must hold non-empty strings only, got {_short(bad[0])}", param
+            )
         return cls("choice", tuple(choices), param)
 
     @classmethod
@@ -80,7 +87,9 @@ def _short(value: Any, limit: int = 80) -> str:
 
 def _require_text(value: Any, param: str, what: str) -> None:
     if not isinstance(value, str) or not value.strip():
-        raise StructuredOutputError(f"{param} must be {what} as a non-empty string, got {_short(value)}", param)
+        raise StructuredOutputError(
+            f"{param} must be {what} as a non-empty string, got {_short(value)}", param
+        )
 
 
 def _check_none(value: Any) -> None:
@@ -90,13 +99,22 @@ def _check_none(value: Any) -> None:
 
 def _check_text(value: Any) -> None:
     if not isinstance(value, str) or not value:
-        raise StructuredOutputError(f"this structured-output kind needs a non-empty string, got {_short(value)}")
+        raise StructuredOutputError(
+            f"this structured-output kind needs a non-empty string, got {_short(value)}"
+        )
 
 
 def _check_choice(value: Any) -> None:
     if not isinstance(value, tuple) or not value or not all(isinstance(c, str) and c for c in value):
-        raise StructuredOutputError(f"a choice constraint needs a non-empty tuple of non-empty strings, got {_short(value)}")
+        raise StructuredOutputError(
+            f"a choice constraint needs a non-empty tuple of non-empty strings, got {_short(value)}"
+        )
 
 
-_CHECKS = {"json_object": _check_none, "json_schema": _check_text, "regex": _check_text,
-           "choice": _check_choice, "grammar": _check_text}
+_CHECKS = {
+    "json_object": _check_none,
+    "json_schema": _check_text,
+    "regex": _check_text,
+    "choice": _check_choice,
+    "grammar": _check_text,
+}

@@ -15,8 +15,9 @@ from specfleet.engine.structured_output.bitmask import allocate_bitmask
 from specfleet.engine.structured_output.matcher import GrammarMatcher
 
 
-def draft_bitmask(matcher: GrammarMatcher, draft_tokens: Sequence[int], vocab_size: int,
-                  out: torch.Tensor | None = None) -> tuple[int, torch.Tensor]:
+def draft_bitmask(
+    matcher: GrammarMatcher, draft_tokens: Sequence[int], vocab_size: int, out: torch.Tensor | None = None
+) -> tuple[int, torch.Tensor]:
     """Returns (num_valid, rows): the number of leading drafts the grammar accepts, and the
     [num_valid + 1, ceil(vocab / 32)] int32 mask rows for the positions the target verifies.
 

@@ -52,20 +52,34 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
     """The engine command line, from the spec alone (the pod contract in docs/operator.md)."""
     method = spec.speculative.method
     args = [
-        "--model", model_uri,
-        "--host", "0.0.0.0",  # the kubelet's probes and the Service reach the pod on its IP
-        "--port", str(ENGINE_PORT),
-        "--admin-port", str(ADMIN_PORT),
-        "--max-num-seqs", str(spec.batching.max_num_seqs),
-        "--max-num-batched-tokens", str(spec.batching.max_num_batched_tokens),
-        "--block-size", str(spec.engine.block_size),
-        "--max-model-len", str(spec.model.max_model_len),
-        "--dtype", spec.model.dtype,
-        "--speculative-method", method,
-        "--num-speculative-tokens", str(spec.speculative.num_speculative_tokens if method != "none" else 0),
-        "--kv-cache-memory-fraction", str(spec.engine.kv_cache_memory_fraction),
-        "--drain-timeout", str(spec.engine.drain_timeout_seconds),
-        "--shutdown-delay", str(SHUTDOWN_DELAY_SECONDS),
+        "--model",
+        model_uri,
+        "--host",
+        "0.0.0.0",  # the kubelet's probes and the Service reach the pod on its IP
+        "--port",
+        str(ENGINE_PORT),
+        "--admin-port",
+        str(ADMIN_PORT),
+        "--max-num-seqs",
+        str(spec.batching.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(spec.batching.max_num_batched_tokens),
+        "--block-size",
+        str(spec.engine.block_size),
+        "--max-model-len",
+        str(spec.model.max_model_len),
+        "--dtype",
+        spec.model.dtype,
+        "--speculative-method",
+        method,
+        "--num-speculative-tokens",
+        str(spec.speculative.num_speculative_tokens if method != "none" else 0),
+        "--kv-cache-memory-fraction",
+        str(spec.engine.kv_cache_memory_fraction),
+        "--drain-timeout",
+        str(spec.engine.drain_timeout_seconds),
+        "--shutdown-delay",
+        str(SHUTDOWN_DELAY_SECONDS),
     ]
     if spec.model.quantization != "none":
         args += ["--quantization", spec.model.quantization]
@@ -86,7 +100,12 @@ def engine_args(spec: InferenceServiceSpec, model_uri: str, draft_uri: str | Non
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     """preStop sleep + the engine's shutdown delay + its drain timeout + a margin (see the constants)."""
-    return PRESTOP_SLEEP_SECONDS + SHUTDOWN_DELAY_SECONDS + spec.engine.drain_timeout_seconds + GRACE_MARGIN_SECONDS
+    return (
+        PRESTOP_SLEEP_SECONDS
+        + SHUTDOWN_DELAY_SECONDS
+        + spec.engine.drain_timeout_seconds
+        + GRACE_MARGIN_SECONDS
+    )
 
 
 def _resources(spec: InferenceServiceSpec, ephemeral: str | None) -> dict[str, Any]:
@@ -110,14 +129,20 @@ def render_strategy(spec: InferenceServiceSpec) -> dict[str, Any]:
     kind, surge, unavailable = spec.rollout.resolved(spec.resources.gpus)
     if kind == "Recreate":
         return {"type": "Recreate"}
-    return {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": _int_or_percent(surge),
-                                                       "maxUnavailable": _int_or_percent(unavailable)}}
+    return {
+        "type": "RollingUpdate",
+        "rollingUpdate": {"maxSurge": _int_or_percent(surge), "maxUnavailable": _int_or_percent(unavailable)},
+    }
 
 
 def _probes(spec: InferenceServiceSpec) -> dict[str, Any]:
     def http(path: str, period: int, failures: int) -> dict[str, Any]:
-        return {"httpGet": {"path": path, "port": "http"}, "periodSeconds": period,
-                "timeoutSeconds": 5, "failureThreshold": failures}
+        return {
+            "httpGet": {"path": path, "port": "http"},
+            "periodSeconds": period,
+            "timeoutSeconds": 5,
+            "failureThreshold": failures,
+        }
 
     startup_failures = max(1, math.ceil(spec.engine.startup_timeout_seconds / PROBE_PERIOD_SECONDS))
     return {
@@ -133,8 +158,14 @@ def _volumes(spec: InferenceServiceSpec, isvc_name: str) -> list[dict[str, Any]]
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
         # The token as a read-only file (mode 0440, group fsGroup) instead of an environment variable.
-        {"name": "admin-token", "secret": {"secretName": admin_secret_name(isvc_name), "defaultMode": 0o440,
-                                           "items": [{"key": ADMIN_TOKEN_KEY, "path": ADMIN_TOKEN_KEY}]}},
+        {
+            "name": "admin-token",
+            "secret": {
+                "secretName": admin_secret_name(isvc_name),
+                "defaultMode": 0o440,
+                "items": [{"key": ADMIN_TOKEN_KEY, "path": ADMIN_TOKEN_KEY}],
+            },
+        },
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
     ]
 
@@ -176,9 +207,11 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.engine"],
         "args": engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None),
-        "ports": [{"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
-                  # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
-                  {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+            # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
+            {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
+        ],
         "env": _env(isvc),
         **({"envFrom": [dict(e) for e in spec.pod.env_from]} if spec.pod.env_from else {}),
         "resources": _resources(spec, _sum_quantities([model.ephemeral_storage, draft.ephemeral_storage])),
@@ -202,12 +235,19 @@ def _pod_spec(isvc: InferenceService, config: OperatorConfig) -> dict[str, Any]:
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": termination_grace_seconds(spec),
         "securityContext": {
-            "runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER, "fsGroup": RUN_AS_USER,
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
         "containers": [container],
-        "volumes": [*_volumes(spec, isvc.name), *model.volumes, *draft.volumes,
-                    *(dict(v) for v in spec.pod.volumes)],
+        "volumes": [
+            *_volumes(spec, isvc.name),
+            *model.volumes,
+            *draft.volumes,
+            *(dict(v) for v in spec.pod.volumes),
+        ],
     }
     init = [*model.init_containers, *draft.init_containers]
     if init:

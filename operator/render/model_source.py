@@ -52,9 +52,24 @@ class DownloadSettings:
     size_limit: str = "40Gi"  # model.cache.sizeLimit
 
 
-_SUFFIX: dict[str, Decimal | int] = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "Pi": 2**50, "Ei": 2**60, "n": Decimal("1e-9"),
-           "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": 1, "k": 10**3, "M": 10**6, "G": 10**9, "T": 10**12,
-           "P": 10**15, "E": 10**18}
+_SUFFIX: dict[str, Decimal | int] = {
+    "Ki": 2**10,
+    "Mi": 2**20,
+    "Gi": 2**30,
+    "Ti": 2**40,
+    "Pi": 2**50,
+    "Ei": 2**60,
+    "n": Decimal("1e-9"),
+    "u": Decimal("1e-6"),
+    "m": Decimal("1e-3"),
+    "": 1,
+    "k": 10**3,
+    "M": 10**6,
+    "G": 10**9,
+    "T": 10**12,
+    "P": 10**15,
+    "E": 10**18,
+}
 
 
 def parse_quantity(text: str) -> int:
@@ -90,23 +105,39 @@ def resolve_source(uri: str, role: Role, download: DownloadSettings) -> Resolved
     if uri.startswith("hf://"):
         repo, revision = split_hf(uri)
         volume = f"{role}-download"
-        token = [{"name": f"{role}-hf-token", "secret": {"secretName": download.hf_token_secret, "defaultMode": 0o440,
-                                                         "items": [{"key": HF_TOKEN_KEY, "path": HF_TOKEN_KEY}]}}]
+        token = [
+            {
+                "name": f"{role}-hf-token",
+                "secret": {
+                    "secretName": download.hf_token_secret,
+                    "defaultMode": 0o440,
+                    "items": [{"key": HF_TOKEN_KEY, "path": HF_TOKEN_KEY}],
+                },
+            }
+        ]
         tokens = token if download.hf_token_secret else []
         if download.cache_claim:  # one shared copy per revision, on the user's claim
             folder = f"{repo}/{revision or 'main'}"
             return ResolvedSource(
                 engine_uri=f"file://{mount_path}",
-                volumes=[{"name": volume, "persistentVolumeClaim": {"claimName": download.cache_claim}}, *tokens],
+                volumes=[
+                    {"name": volume, "persistentVolumeClaim": {"claimName": download.cache_claim}},
+                    *tokens,
+                ],
                 mounts=[{"name": volume, "mountPath": mount_path, "subPath": folder, "readOnly": True}],
-                init_containers=[_download_container(role, repo, revision, volume, HF_CACHE_MOUNT,
-                                                     f"{HF_CACHE_MOUNT}/{folder}", download)],
+                init_containers=[
+                    _download_container(
+                        role, repo, revision, volume, HF_CACHE_MOUNT, f"{HF_CACHE_MOUNT}/{folder}", download
+                    )
+                ],
             )
         return ResolvedSource(
             engine_uri=f"file://{mount_path}",
             volumes=[{"name": volume, "emptyDir": {"sizeLimit": download.size_limit}}, *tokens],
             mounts=[{"name": volume, "mountPath": mount_path, "readOnly": True}],
-            init_containers=[_download_container(role, repo, revision, volume, mount_path, mount_path, download)],
+            init_containers=[
+                _download_container(role, repo, revision, volume, mount_path, mount_path, download)
+            ],
             ephemeral_storage=download.size_limit,
         )
     return ResolvedSource(engine_uri=uri)

@@ -73,8 +73,9 @@ def render_servicemonitor(isvc: InferenceService, interval: str = "15s") -> dict
             # selects job="<name>"): the client Service without the router, `<name>-engines` with it.
             "jobLabel": LABEL_INSTANCE,
             "namespaceSelector": {"matchNames": [isvc.namespace]},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval,
-                           "relabelings": slo_relabelings()}],
+            "endpoints": [
+                {"port": "http", "path": "/metrics", "interval": interval, "relabelings": slo_relabelings()}
+            ],
         },
     }
 

@@ -31,23 +31,38 @@ ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"
 
 
 def _metadata(isvc: InferenceService, name: str, labels: dict[str, str]) -> dict[str, Any]:
-    return {"name": name, "namespace": isvc.namespace, "labels": labels, "ownerReferences": [owner_reference(isvc)]}
+    return {
+        "name": name,
+        "namespace": isvc.namespace,
+        "labels": labels,
+        "ownerReferences": [owner_reference(isvc)],
+    }
 
 
 def router_args(isvc: InferenceService) -> list[str]:
     spec = isvc.spec
     routing = spec.routing
     return [
-        "--service", engines_service_name(isvc.name),
-        "--namespace", isvc.namespace,
-        "--port", str(ROUTER_PORT),
-        "--port-name", "http",
-        "--policy", routing.policy,
-        "--load-factor", f"{routing.load_factor_percent / 100:g}",
-        "--session-header", routing.session_header,
-        "--queue-timeout", str(routing.queue_timeout_seconds),
-        "--block-size", str(spec.engine.block_size),
-        "--model", spec.model.source,
+        "--service",
+        engines_service_name(isvc.name),
+        "--namespace",
+        isvc.namespace,
+        "--port",
+        str(ROUTER_PORT),
+        "--port-name",
+        "http",
+        "--policy",
+        routing.policy,
+        "--load-factor",
+        f"{routing.load_factor_percent / 100:g}",
+        "--session-header",
+        routing.session_header,
+        "--queue-timeout",
+        str(routing.queue_timeout_seconds),
+        "--block-size",
+        str(spec.engine.block_size),
+        "--model",
+        spec.model.source,
     ]
 
 
@@ -63,8 +78,11 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
         "args": router_args(isvc),
         "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
         "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 2},
-        "livenessProbe": {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 10,
-                          "failureThreshold": 3},
+        "livenessProbe": {
+            "httpGet": {"path": "/health", "port": "http"},
+            "periodSeconds": 10,
+            "failureThreshold": 3,
+        },
         "resources": ROUTER_RESOURCES,
         "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
@@ -76,13 +94,22 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
             "replicas": routing.replicas,
             "selector": {"matchLabels": router_selector_labels(isvc.name)},
             "template": {
-                "metadata": {"labels": router_labels(isvc.name),
-                             "annotations": {"prometheus.io/scrape": "true", "prometheus.io/port": str(ROUTER_PORT),
-                                             "prometheus.io/path": "/metrics"}},
+                "metadata": {
+                    "labels": router_labels(isvc.name),
+                    "annotations": {
+                        "prometheus.io/scrape": "true",
+                        "prometheus.io/port": str(ROUTER_PORT),
+                        "prometheus.io/path": "/metrics",
+                    },
+                },
                 "spec": {
                     "serviceAccountName": router_name(isvc.name),
-                    "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_USER, "runAsGroup": RUN_AS_USER,
-                                        "seccompProfile": {"type": "RuntimeDefault"}},
+                    "securityContext": {
+                        "runAsNonRoot": True,
+                        "runAsUser": RUN_AS_USER,
+                        "runAsGroup": RUN_AS_USER,
+                        "seccompProfile": {"type": "RuntimeDefault"},
+                    },
                     "containers": [container],
                     # A router pod finishes its streams on SIGTERM; a minute covers typical generations.
                     "terminationGracePeriodSeconds": 60,
@@ -98,8 +125,9 @@ def render_engines_service(isvc: InferenceService) -> dict[str, Any]:
         "apiVersion": "v1",
         "kind": "Service",
         # the engines' Service carries the SLO threshold labels the ServiceMonitor copies onto their series
-        "metadata": _metadata(isvc, engines_service_name(isvc.name), {**common_labels(isvc.name),
-                                                                      **slo_service_labels(isvc)}),
+        "metadata": _metadata(
+            isvc, engines_service_name(isvc.name), {**common_labels(isvc.name), **slo_service_labels(isvc)}
+        ),
         "spec": {
             "clusterIP": "None",
             "selector": selector_labels(isvc.name),
@@ -113,16 +141,31 @@ def render_router_rbac(isvc: InferenceService) -> list[dict[str, Any]]:
     name, labels = router_name(isvc.name), router_labels(isvc.name)
     return [
         {"apiVersion": "v1", "kind": "ServiceAccount", "metadata": _metadata(isvc, name, labels)},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": _metadata(isvc, name, labels),
-         "rules": [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"]}]},
-        {"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": _metadata(isvc, name, labels),
-         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
-         "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}]},
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": _metadata(isvc, name, labels),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                }
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": _metadata(isvc, name, labels),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": isvc.namespace}],
+        },
     ]
 
 
-def render_router_children(isvc: InferenceService, config: OperatorConfig | None = None) -> list[dict[str, Any]]:
+def render_router_children(
+    isvc: InferenceService, config: OperatorConfig | None = None
+) -> list[dict[str, Any]]:
     """Everything routing adds, in apply order (RBAC before the pods that use it); [] when routing is off."""
     if not isvc.spec.routing.enabled:
         return []

@@ -39,15 +39,20 @@ def bucket_bound(ms: int, buckets: Sequence[float]) -> str:
 
 def slo_service_labels(isvc: InferenceService) -> dict[str, str]:
     slo = isvc.spec.slo
-    return {TTFT.service_label: bucket_bound(slo.ttft_p95_ms, TTFT.buckets),
-            TPOT.service_label: bucket_bound(slo.tpot_p95_ms, TPOT.buckets)}
+    return {
+        TTFT.service_label: bucket_bound(slo.ttft_p95_ms, TTFT.buckets),
+        TPOT.service_label: bucket_bound(slo.tpot_p95_ms, TPOT.buckets),
+    }
 
 
 def slo_relabelings() -> list[dict[str, object]]:
     """ServiceMonitor relabelings: each Service label onto the series (the Prometheus Operator exposes a
     Service label `a.b/c-d` as `__meta_kubernetes_service_label_a_b_c_d`)."""
+
     def meta(key: str) -> str:
         return "__meta_kubernetes_service_label_" + "".join(c if c.isalnum() else "_" for c in key)
 
-    return [{"sourceLabels": [meta(s.service_label)], "targetLabel": s.series_label, "action": "replace"}
-            for s in (TTFT, TPOT)]
+    return [
+        {"sourceLabels": [meta(s.service_label)], "targetLabel": s.series_label, "action": "replace"}
+        for s in (TTFT, TPOT)
+    ]

@@ -38,4 +38,6 @@ def crd_errors(crd_path: Path, obj: dict[str, Any]) -> list[str]:
         return [f"{version} is not served by {crd_path.name} (served: {sorted(served)})"]
     schema = _strict(served[version]["schema"]["openAPIV3Schema"])
     validator = jsonschema.Draft7Validator(schema)
-    return [f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)]
+    return [
+        f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)
+    ]

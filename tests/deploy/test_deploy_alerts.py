@@ -20,8 +20,9 @@ RULE_TESTS = Path(__file__).with_name("prometheus-rules.test.yaml")
 RUNBOOKS = REPO / "docs" / "runbooks.md"
 CRD = REPO / "crds" / "inferenceservice.yaml"
 PROMTOOL = shutil.which("promtool")
-needs_promtool = pytest.mark.skipif(PROMTOOL is None, reason="promtool is missing: apt-get install -y prometheus "
-                                    "(.ci/setup installs it)")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None, reason="promtool is missing: apt-get install -y prometheus (.ci/setup installs it)"
+)
 
 
 def rules() -> list[dict[str, Any]]:
@@ -50,17 +51,24 @@ def test_promtool_unit_tests_catch_a_changed_threshold(tmp_path: Path) -> None:
     """The unit tests can fail: the fast-burn factor lowered from 14.4 to 6 makes them fail."""
     (tmp_path / "deploy" / "monitoring").mkdir(parents=True)
     (tmp_path / "tests" / "deploy").mkdir(parents=True)
-    (tmp_path / "deploy" / "monitoring" / RULES.name).write_text(RULES.read_text().replace("(14.4 * 0.05)", "(6 * 0.05)"))
+    (tmp_path / "deploy" / "monitoring" / RULES.name).write_text(
+        RULES.read_text().replace("(14.4 * 0.05)", "(6 * 0.05)")
+    )
     (tmp_path / "tests" / "deploy" / RULE_TESTS.name).write_text(RULE_TESTS.read_text())
-    result = subprocess.run([PROMTOOL, "test", "rules", str(tmp_path / "tests" / "deploy" / RULE_TESTS.name)],
-                            capture_output=True, text=True)
+    result = subprocess.run(
+        [PROMTOOL, "test", "rules", str(tmp_path / "tests" / "deploy" / RULE_TESTS.name)],
+        capture_output=True,
+        text=True,
+    )
     assert result.returncode != 0 and "SpecfleetTTFTBudgetBurnFast" in result.stdout + result.stderr
 
 
 def _services(series: list[dict[str, Any]]) -> set[str]:
-    return {m.group(1) for s in series for m in [re.search(r'service="([^"]+)"', s["series"])] if m} | {
-        m.group(1) for s in series for m in [re.search(r'deployment="([^"]+)"', s["series"])] if m} | {
-        m.group(1) for s in series for m in [re.search(r'pod="([^"]+)"', s["series"])] if m}
+    return (
+        {m.group(1) for s in series for m in [re.search(r'service="([^"]+)"', s["series"])] if m}
+        | {m.group(1) for s in series for m in [re.search(r'deployment="([^"]+)"', s["series"])] if m}
+        | {m.group(1) for s in series for m in [re.search(r'pod="([^"]+)"', s["series"])] if m}
+    )
 
 
 def test_every_alert_is_tested_firing_and_not_firing() -> None:
@@ -72,7 +80,12 @@ def test_every_alert_is_tested_firing_and_not_firing() -> None:
             expected = case.get("exp_alerts") or []
             if expected:
                 firing.add(case["alertname"])
-            shown = {v for a in expected for k, v in a["exp_labels"].items() if k in ("service", "deployment", "pod")}
+            shown = {
+                v
+                for a in expected
+                for k, v in a["exp_labels"].items()
+                if k in ("service", "deployment", "pod")
+            }
             if not expected or present - shown:
                 quiet.add(case["alertname"])
     names = {a["alert"] for a in alerts()}
@@ -82,8 +95,11 @@ def test_every_alert_is_tested_firing_and_not_firing() -> None:
 
 def _anchors(markdown: str) -> set[str]:
     """GitHub's heading anchors: lower case, punctuation dropped, spaces to hyphens."""
-    return {re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
-            for line in markdown.splitlines() if line.startswith("#")}
+    return {
+        re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+        for line in markdown.splitlines()
+        if line.startswith("#")
+    }
 
 
 def test_every_alert_links_an_existing_runbook_section() -> None:
@@ -116,8 +132,12 @@ def test_the_operator_labels_what_the_per_service_rule_tests_feed_in() -> None:
     from specfleet.operator.render import render_service, render_servicemonitor
     from specfleet.operator.render.router import render_engines_service
 
-    tested = {(m.group(1), m.group(2), m.group(3)) for m in re.finditer(
-        r'service="(strict|lenient)", pod="[^"]+", (slo_t\w+_seconds)="([^"]+)"', RULE_TESTS.read_text())}
+    tested = {
+        (m.group(1), m.group(2), m.group(3))
+        for m in re.finditer(
+            r'service="(strict|lenient)", pod="[^"]+", (slo_t\w+_seconds)="([^"]+)"', RULE_TESTS.read_text()
+        )
+    }
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     doc["metadata"].update(namespace="ns", uid="u")
     rendered = set()
@@ -128,8 +148,12 @@ def test_the_operator_labels_what_the_per_service_rule_tests_feed_in() -> None:
         scraped = render_engines_service(isvc) if isvc.spec.routing.enabled else render_service(isvc)
         labels = scraped["metadata"]["labels"]
         for relabel in render_servicemonitor(isvc)["spec"]["endpoints"][0]["relabelings"]:
-            key = next(k for k in labels if "__meta_kubernetes_service_label_" +
-                       re.sub(r"[^a-zA-Z0-9]", "_", k) == relabel["sourceLabels"][0])
+            key = next(
+                k
+                for k in labels
+                if "__meta_kubernetes_service_label_" + re.sub(r"[^a-zA-Z0-9]", "_", k)
+                == relabel["sourceLabels"][0]
+            )
             rendered.add((name, relabel["targetLabel"], labels[key]))
     assert tested == rendered
 
@@ -140,7 +164,9 @@ def test_inferenceservice_and_tuner_series_are_the_operators_own_metrics() -> No
     from prometheus_client import Gauge
     from specfleet.operator import metrics
 
-    gauges = {g._name: set(g._labelnames) for g in vars(metrics).values() if isinstance(g, Gauge)}  # private names: prometheus_client exposes no public accessor
+    gauges = {
+        g._name: set(g._labelnames) for g in vars(metrics).values() if isinstance(g, Gauge)
+    }  # private names: prometheus_client exposes no public accessor
     used = set(re.findall(r"(?<![\w:])(specfleet_(?:inferenceservice|tuner)_\w+)", RULES.read_text()))
     assert used and used <= set(gauges), used - set(gauges)
     assert all({"namespace", "service"} <= gauges[name] for name in used), gauges

@@ -18,8 +18,21 @@ CM = REPO / "deploy" / "argocd" / "argocd-cm.yaml"
 FIXTURES = REPO / "tests" / "fixtures" / "argocd-health"
 CASES = yaml.safe_load((FIXTURES / "health_test.yaml").read_text())["tests"]
 # Argo CD runs health scripts in gopher-lua (Lua 5.1) with only these libraries open: no os, io or require.
-SAFE_GLOBALS = ("ipairs", "pairs", "next", "tostring", "tonumber", "type", "select", "unpack", "error", "pcall",
-                "string", "table", "math")
+SAFE_GLOBALS = (
+    "ipairs",
+    "pairs",
+    "next",
+    "tostring",
+    "tonumber",
+    "type",
+    "select",
+    "unpack",
+    "error",
+    "pcall",
+    "string",
+    "table",
+    "math",
+)
 
 
 def argocd_health(obj: dict[str, Any]) -> dict[str, str]:
@@ -55,7 +68,9 @@ def _branch(obj: dict[str, Any]) -> int:
     """Index of the `return hs` the script takes for obj (the script instrumented with a return counter)."""
     lua = lua51.LuaRuntime(unpack_returned_tuples=True)
     parts = SCRIPT.read_text().split("return hs")
-    instrumented = "".join(f"{part}hs.branch = {i}; return hs" for i, part in enumerate(parts[:-1])) + parts[-1]
+    instrumented = (
+        "".join(f"{part}hs.branch = {i}; return hs" for i, part in enumerate(parts[:-1])) + parts[-1]
+    )
     lua.globals()["obj"] = lua.table_from(obj, recursive=True)
     return int(lua.execute(instrumented)["branch"])
 
@@ -80,7 +95,9 @@ _CEL = celpy.Environment()
 
 def flux_health(obj: dict[str, Any]) -> str:
     """Flux's order for healthCheckExprs: inProgress, then failed, then current; an error means waiting."""
-    (kustomization,) = [d for d in yaml.safe_load_all(FLUX_KUSTOMIZATION.read_text()) if d["kind"] == "Kustomization"]
+    (kustomization,) = [
+        d for d in yaml.safe_load_all(FLUX_KUSTOMIZATION.read_text()) if d["kind"] == "Kustomization"
+    ]
     (exprs,) = kustomization["spec"]["healthCheckExprs"]
     activation = {k: celpy.json_to_cel(v) for k, v in obj.items()}
     for outcome in ("inProgress", "failed", "current"):
@@ -92,10 +109,17 @@ def flux_health(obj: dict[str, Any]) -> str:
     return "InProgress"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if "terminating" not in c["inputPath"]],
-                         ids=[Path(c["inputPath"]).stem for c in CASES if "terminating" not in c["inputPath"]])
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if "terminating" not in c["inputPath"]],
+    ids=[Path(c["inputPath"]).stem for c in CASES if "terminating" not in c["inputPath"]],
+)
 def test_flux_health_expressions_agree_with_the_lua(case: dict[str, Any]) -> None:
     obj = yaml.safe_load((FIXTURES / case["inputPath"]).read_text())
-    expected = {"Healthy": "Current", "Suspended": "Current", "Degraded": "Failed",
-                "Progressing": "InProgress"}[case["healthStatus"]["status"]]
+    expected = {
+        "Healthy": "Current",
+        "Suspended": "Current",
+        "Degraded": "Failed",
+        "Progressing": "InProgress",
+    }[case["healthStatus"]["status"]]
     assert flux_health(obj) == expected

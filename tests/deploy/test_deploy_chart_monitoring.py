@@ -18,19 +18,33 @@ CHART = REPO / "charts" / "specfleet"
 MONITORING = REPO / "deploy" / "monitoring"
 PROMETHEUS_RULE_CRD = REPO / "tests" / "fixtures" / "crds" / "prometheus-operator-prometheusrule.yaml"
 NS = "specfleet-system"
-ON = {"monitoring": {"prometheusRule": {"enabled": True, "requireCRD": False,
-                                        "labels": {"release": "kube-prometheus-stack"}},
-                     "podMonitor": {"enabled": True, "requireCRD": False,
-                                    "labels": {"release": "kube-prometheus-stack"}},
-                     "grafanaDashboard": {"enabled": True, "namespace": "monitoring",
-                                          "annotations": {"grafana_folder": "specfleet"}}}}
+ON = {
+    "monitoring": {
+        "prometheusRule": {
+            "enabled": True,
+            "requireCRD": False,
+            "labels": {"release": "kube-prometheus-stack"},
+        },
+        "podMonitor": {"enabled": True, "requireCRD": False, "labels": {"release": "kube-prometheus-stack"}},
+        "grafanaDashboard": {
+            "enabled": True,
+            "namespace": "monitoring",
+            "annotations": {"grafana_folder": "specfleet"},
+        },
+    }
+}
 
 
 def render(values: dict[str, Any] | None) -> list[dict[str, Any]]:
     with helm.Chart.load(CHART) as chart:
         rendered = chart.render(values=values, name="sf", namespace=NS, is_install=True)
-    return [doc for path, text in rendered.items() if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def kinds(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
@@ -40,14 +54,17 @@ def kinds(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("name", ["prometheus-rules.yaml", "grafana-dashboard.json"])
 def test_the_chart_ships_the_same_files_as_deploy_monitoring(name: str) -> None:
     assert (CHART / "files" / name).read_bytes() == (MONITORING / name).read_bytes(), (
-        f"charts/specfleet/files/{name} is stale: cp deploy/monitoring/{name} charts/specfleet/files/")
+        f"charts/specfleet/files/{name} is stale: cp deploy/monitoring/{name} charts/specfleet/files/"
+    )
 
 
 def test_monitoring_is_off_by_default() -> None:
     objects = render(None)
     assert kinds(objects, "PrometheusRule") == [] and kinds(objects, "ConfigMap") == []
     assert kinds(objects, "PodMonitor") == []
-    assert kinds(render({"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor") == []  # no CRD served
+    assert (
+        kinds(render({"monitoring": {"podMonitor": {"enabled": True}}}), "PodMonitor") == []
+    )  # no CRD served
 
 
 def test_pod_monitor_scrapes_the_operators_metrics_port_keeping_its_labels() -> None:
@@ -81,7 +98,9 @@ def test_prometheus_rule_carries_the_rules_and_validates() -> None:
     assert rule["metadata"]["labels"]["release"] == "kube-prometheus-stack"
     assert rule["spec"] == yaml.safe_load((MONITORING / "prometheus-rules.yaml").read_text())
     assert crd_errors(PROMETHEUS_RULE_CRD, rule) == []
-    annotations = [r["annotations"]["summary"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r]
+    annotations = [
+        r["annotations"]["summary"] for g in rule["spec"]["groups"] for r in g["rules"] if "alert" in r
+    ]
     assert all("{{ $labels." in a for a in annotations), "Helm must not expand Prometheus' templates"
 
 

@@ -29,10 +29,18 @@ RULES = REPO / "deploy" / "monitoring" / "prometheus-rules.yaml"
 LABELS = {"namespace": "demo", "service": "chat"}
 # Template variables -> what Grafana sends with "All" selected (regex-all), and a rate window that holds a
 # few of the 1 s scrapes.
-SUBSTITUTIONS = {"$namespace": ".*", "$service": ".*", "$pod": ".*", "$__rate_interval": "15s",
-                 "$__interval": "5s", "${datasource}": "prometheus"}
-GROUNDED = ("Copy this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
-            "Copy: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu")
+SUBSTITUTIONS = {
+    "$namespace": ".*",
+    "$service": ".*",
+    "$pod": ".*",
+    "$__rate_interval": "15s",
+    "$__interval": "5s",
+    "${datasource}": "prometheus",
+}
+GROUNDED = (
+    "Copy this list exactly: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu. "
+    "Copy: alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu"
+)
 
 
 def dashboard() -> dict[str, Any]:
@@ -61,11 +69,17 @@ def test_dashboard_has_grafanas_required_structure() -> None:
         assert {"type", "title", "gridPos", "datasource", "targets"} <= set(panel), panel.get("title")
         grid = panel["gridPos"]
         assert grid["x"] + grid["w"] <= 24 and grid["h"] > 0, panel["title"]
-        mine = {(x, y) for x in range(grid["x"], grid["x"] + grid["w"]) for y in range(grid["y"], grid["y"] + grid["h"])}
+        mine = {
+            (x, y)
+            for x in range(grid["x"], grid["x"] + grid["w"])
+            for y in range(grid["y"], grid["y"] + grid["h"])
+        }
         assert not cells & mine, f"{panel['title']} overlaps another panel"
         cells |= mine
         refs = [t["refId"] for t in panel["targets"]]
-        assert refs and len(refs) == len(set(refs)) and all(t["expr"] for t in panel["targets"]), panel["title"]
+        assert refs and len(refs) == len(set(refs)) and all(t["expr"] for t in panel["targets"]), panel[
+            "title"
+        ]
     variables = {v["name"]: v for v in dash["templating"]["list"]}
     assert {"datasource", "namespace", "service", "pod"} <= set(variables)
     for name in ("namespace", "service", "pod"):
@@ -78,11 +92,22 @@ def test_dashboard_has_grafanas_required_structure() -> None:
 
 def test_dashboard_shows_what_the_issue_lists() -> None:
     exprs = " ".join(expr for _, expr in panel_queries())
-    for metric in ("generation_tokens_total", "time_to_first_token_seconds", "time_per_output_token_seconds",
-                   "inter_token_latency_seconds", "e2e_request_latency_seconds", "request_success_total",
-                   "num_requests_waiting", "kv_cache_usage_ratio", "num_preemptions_total",
-                   "spec_decode_accepted_tokens_total", "spec_decode_accepted_tokens_per_pos_total",
-                   "num_speculative_tokens", "max_num_seqs", "max_num_batched_tokens"):
+    for metric in (
+        "generation_tokens_total",
+        "time_to_first_token_seconds",
+        "time_per_output_token_seconds",
+        "inter_token_latency_seconds",
+        "e2e_request_latency_seconds",
+        "request_success_total",
+        "num_requests_waiting",
+        "kv_cache_usage_ratio",
+        "num_preemptions_total",
+        "spec_decode_accepted_tokens_total",
+        "spec_decode_accepted_tokens_per_pos_total",
+        "num_speculative_tokens",
+        "max_num_seqs",
+        "max_num_batched_tokens",
+    ):
         assert f"specfleet_{metric}" in exprs, metric
     names = [a["name"] for a in dashboard()["annotations"]["list"]]
     assert "Tuner decisions" in names
@@ -93,9 +118,21 @@ def _start_engine(tmp: Path, index: int) -> tuple[str, subprocess.Popen[bytes]]:
     log = tmp / f"engine-{index}.log"
     env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": ADMIN_TOKEN, "TOKENIZERS_PARALLELISM": "false"}
     with open(log, "wb") as out:  # k=2: the acceptance panels need verified drafts
-        proc = subprocess.Popen([sys.executable, "-m", "specfleet.engine", *ENGINE_ARGS,
-                                 "--num-speculative-tokens", "2", "--port", str(port)],
-                                stdout=out, stderr=subprocess.STDOUT, env=env)
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "specfleet.engine",
+                *ENGINE_ARGS,
+                "--num-speculative-tokens",
+                "2",
+                "--port",
+                str(port),
+            ],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
     url = f"http://127.0.0.1:{port}"
     wait_http_ready(f"{url}/ready", proc, log)
     return url, proc
@@ -109,20 +146,29 @@ def _start_prometheus(tmp: Path, engines: list[str]) -> tuple[str, subprocess.Po
     targets = "".join(
         f"      - targets: ['{url.removeprefix('http://')}']\n"
         f"        labels: {{namespace: {LABELS['namespace']}, service: {LABELS['service']}, pod: chat-{i}}}\n"
-        for i, url in enumerate(engines))
+        for i, url in enumerate(engines)
+    )
     (tmp / "prometheus.yml").write_text(
         "global: {scrape_interval: 1s, evaluation_interval: 1s}\n"
         f"rule_files: ['{RULES}']\n"
-        f"scrape_configs:\n  - job_name: specfleet\n    static_configs:\n{targets}")
+        f"scrape_configs:\n  - job_name: specfleet\n    static_configs:\n{targets}"
+    )
     port = free_port()
     with open(tmp / "prometheus.log", "wb") as log:
-        proc = subprocess.Popen([binary, f"--config.file={tmp / 'prometheus.yml'}", f"--storage.tsdb.path={tmp / 'data'}",
-                                 f"--web.listen-address=127.0.0.1:{port}", "--log.level=warn"],
-                                stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={tmp / 'prometheus.yml'}",
+                f"--storage.tsdb.path={tmp / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     url = f"http://127.0.0.1:{port}"
     wait_http_ready(f"{url}/-/ready", proc, tmp / "prometheus.log", timeout=60, interval=0.2)
     return url, proc
-
 
 
 async def _load(engines: list[str], seconds: float) -> None:
@@ -134,8 +180,14 @@ async def _load(engines: list[str], seconds: float) -> None:
         async with httpx.AsyncClient(timeout=120) as client:
             i = 0
             while time.monotonic() < stop:
-                body = {"model": "smollm2-135m-instruct", "prompt": f"{GROUNDED} {w} {i}", "max_tokens": 24,
-                        "temperature": 0, "ignore_eos": True, "stream": i % 2 == 0}
+                body = {
+                    "model": "smollm2-135m-instruct",
+                    "prompt": f"{GROUNDED} {w} {i}",
+                    "max_tokens": 24,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": i % 2 == 0,
+                }
                 async with client.stream("POST", f"{url}/v1/completions", json=body) as resp:
                     assert resp.status_code == 200, await resp.aread()
                     async for _ in resp.aiter_bytes():
@@ -144,9 +196,13 @@ async def _load(engines: list[str], seconds: float) -> None:
 
     async def retune() -> None:
         await asyncio.sleep(seconds / 2)
-        async with httpx.AsyncClient(timeout=10, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}) as client:
+        async with httpx.AsyncClient(
+            timeout=10, headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+        ) as client:
             for url in engines:
-                resp = await client.patch(f"{url}/admin/config", json={"num_speculative_tokens": 3, "max_num_seqs": 12})
+                resp = await client.patch(
+                    f"{url}/admin/config", json={"num_speculative_tokens": 3, "max_num_seqs": 12}
+                )
                 assert resp.status_code == 200, resp.text
 
     await asyncio.gather(retune(), *(worker(url, w) for url in engines for w in range(2)))
@@ -180,14 +236,21 @@ def instant(prom: str, expr: str) -> list[dict[str, Any]]:
 
 def range_query(prom: str, expr: str, seconds: float) -> list[dict[str, Any]]:
     now = time.time()
-    resp = httpx.get(f"{prom}/api/v1/query_range",
-                     params={"query": expr, "start": now - seconds, "end": now, "step": "1s"}, timeout=10).json()
+    resp = httpx.get(
+        f"{prom}/api/v1/query_range",
+        params={"query": expr, "start": now - seconds, "end": now, "step": "1s"},
+        timeout=10,
+    ).json()
     assert resp["status"] == "success", f"{expr}: {resp}"
     return resp["data"]["result"]
 
 
 def _finite(result: list[dict[str, Any]]) -> bool:
-    values = [float(v) for series in result for _, v in ([series["value"]] if "value" in series else series["values"])]
+    values = [
+        float(v)
+        for series in result
+        for _, v in ([series["value"]] if "value" in series else series["values"])
+    ]
     return any(math.isfinite(v) for v in values)
 
 
@@ -212,7 +275,9 @@ def test_template_variables_resolve_to_the_scraped_labels(prometheus: str) -> No
         match = re.fullmatch(r"label_values\((.*), (\w+)\)", variable["query"]["query"])
         assert match, variable["query"]
         selector, label = substitute(match.group(1)), match.group(2)
-        resp = httpx.get(f"{prometheus}/api/v1/label/{label}/values", params={"match[]": selector}, timeout=10).json()
+        resp = httpx.get(
+            f"{prometheus}/api/v1/label/{label}/values", params={"match[]": selector}, timeout=10
+        ).json()
         assert set(resp["data"]) == expected[label], (variable["name"], resp)
 
 

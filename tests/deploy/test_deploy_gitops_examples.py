@@ -19,13 +19,20 @@ CRD_FOR = {
     ("helm.toolkit.fluxcd.io", "HelmRelease"): CRDS / "flux-helmrelease.yaml",
     ("source.toolkit.fluxcd.io", "GitRepository"): CRDS / "flux-gitrepository.yaml",
 }
-DOCS = [(path.name, i, doc) for path in sorted(EXAMPLES.glob("*.yaml"))
-        for i, doc in enumerate(yaml.safe_load_all(path.read_text())) if doc]
+DOCS = [
+    (path.name, i, doc)
+    for path in sorted(EXAMPLES.glob("*.yaml"))
+    for i, doc in enumerate(yaml.safe_load_all(path.read_text()))
+    if doc
+]
 
 
 def test_every_vendored_crd_has_its_version_noted() -> None:
-    noted = {line.split()[0] for line in (CRDS / "VERSIONS").read_text().splitlines()
-             if line.strip() and not line.startswith("#")}
+    noted = {
+        line.split()[0]
+        for line in (CRDS / "VERSIONS").read_text().splitlines()
+        if line.strip() and not line.startswith("#")
+    }
     assert noted == {p.name for p in CRDS.glob("*.yaml")}
 
 

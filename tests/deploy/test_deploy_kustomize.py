@@ -23,11 +23,16 @@ RELEASE = "specfleet"
 OVERLAYS = {
     "base": (None, None),
     "overlays/cpu-demo": (None, "smollm2-cpu.yaml"),
-    "overlays/gpu": ({"prometheusURL": "http://prometheus-operated.monitoring.svc:9090"}, "llama3-8b-autotune.yaml"),
+    "overlays/gpu": (
+        {"prometheusURL": "http://prometheus-operated.monitoring.svc:9090"},
+        "llama3-8b-autotune.yaml",
+    ),
 }
 HELM_ONLY_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 KUBECTL = shutil.which("kubectl")
-pytestmark = pytest.mark.skipif(KUBECTL is None, reason="kubectl is missing: .ci/setup installs kubernetes-client")
+pytestmark = pytest.mark.skipif(
+    KUBECTL is None, reason="kubectl is missing: .ci/setup installs kubernetes-client"
+)
 
 
 def kustomize(folder: str) -> list[dict[str, Any]]:
@@ -39,8 +44,13 @@ def kustomize(folder: str) -> list[dict[str, Any]]:
 def helm_objects(values: dict[str, Any] | None) -> list[dict[str, Any]]:
     with helm.Chart.load(REPO / "charts" / "specfleet") as chart:
         rendered = chart.render(values=values, name=RELEASE, namespace=NAMESPACE, is_install=True)
-    return [doc for path, text in rendered.items() if not path.endswith("NOTES.txt")
-            for doc in yaml.safe_load_all(text) if doc]
+    return [
+        doc
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
 
 
 def _drop_helm_labels(obj: dict[str, Any]) -> dict[str, Any]:
@@ -62,10 +72,17 @@ def by_key(objects: list[dict[str, Any]]) -> dict[tuple[str, str, str], dict[str
 @pytest.mark.parametrize("folder", OVERLAYS)
 def test_kustomize_matches_the_helm_chart(folder: str) -> None:
     values, _ = OVERLAYS[folder]
-    ours = by_key([o for o in kustomize(folder) if o["kind"] not in ("Namespace", "CustomResourceDefinition",
-                                                                       "InferenceService")])
+    ours = by_key(
+        [
+            o
+            for o in kustomize(folder)
+            if o["kind"] not in ("Namespace", "CustomResourceDefinition", "InferenceService")
+        ]
+    )
     # the chart's CRD (a template, with Helm's keep annotation) is compared with crds/ in test_op_chart
-    theirs = by_key([_drop_helm_labels(o) for o in helm_objects(values) if o["kind"] != "CustomResourceDefinition"])
+    theirs = by_key(
+        [_drop_helm_labels(o) for o in helm_objects(values) if o["kind"] != "CustomResourceDefinition"]
+    )
     assert sorted(ours) == sorted(theirs)
     for key, obj in theirs.items():
         assert ours[key] == obj, f"{key} differs from the chart's"
@@ -76,8 +93,8 @@ def test_kustomize_ships_the_generated_crd_and_the_examples(folder: str) -> None
     objects = kustomize(folder)
     (crd,) = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
     assert crd == yaml.safe_load(CRD.read_text()), (
-        "deploy/kustomize/base/crds/inferenceservice.yaml is stale: "
-        "run `python -m specfleet.operator.crd`")
+        "deploy/kustomize/base/crds/inferenceservice.yaml is stale: run `python -m specfleet.operator.crd`"
+    )
     (namespace,) = [o for o in objects if o["kind"] == "Namespace"]
     assert namespace["metadata"]["name"] == NAMESPACE
     services = [o for o in objects if o["kind"] == "InferenceService"]
@@ -88,7 +105,9 @@ def test_kustomize_ships_the_generated_crd_and_the_examples(folder: str) -> None
     (isvc,) = services
     expected = yaml.safe_load((REPO / "examples" / example).read_text())
     expected["metadata"]["namespace"] = NAMESPACE  # the operator watches its own namespace by default
-    assert isvc == expected, f"deploy/kustomize/{folder}/inferenceservice.yaml is stale: cp examples/{example}"
+    assert isvc == expected, (
+        f"deploy/kustomize/{folder}/inferenceservice.yaml is stale: cp examples/{example}"
+    )
     assert crd_errors(CRD, isvc) == []
 
 
@@ -109,7 +128,9 @@ def test_every_manifest_is_server_side_apply_clean(folder: str) -> None:
         assert "status" not in obj, f"{name}: status in a manifest"
         server_owned = {"creationTimestamp", "resourceVersion", "uid", "generation", "managedFields"}
         assert server_owned.isdisjoint(obj["metadata"]), f"{name}: server-owned metadata"
-        assert _nulls(obj) == [], f"{name}: null fields {_nulls(obj)} (the API server drops them: a diff each apply)"
+        assert _nulls(obj) == [], (
+            f"{name}: null fields {_nulls(obj)} (the API server drops them: a diff each apply)"
+        )
         if obj["kind"] not in ("InferenceService", "CustomResourceDefinition"):
             kubernetes_validate.validate(obj, "1.30.0", strict=True)
 
@@ -120,7 +141,9 @@ def test_a_drifted_overlay_is_caught(tmp_path: Path) -> None:
     shutil.copytree(KUSTOMIZE, copy)
     rbac = copy / "base" / "rbac.yaml"
     rbac.write_text(rbac.read_text().replace('verbs: ["get", "create", "patch", "delete"]', 'verbs: ["get"]'))
-    result = subprocess.run([KUBECTL, "kustomize", str(copy / "base")], capture_output=True, text=True, check=True)
+    result = subprocess.run(
+        [KUBECTL, "kustomize", str(copy / "base")], capture_output=True, text=True, check=True
+    )
     ours = by_key([o for o in yaml.safe_load_all(result.stdout) if o])
     theirs = by_key([_drop_helm_labels(o) for o in helm_objects(None)])
     key = ("Role", NAMESPACE, f"{RELEASE}-operator")

@@ -56,8 +56,12 @@ def test_reader_keeps_native_types_quantized_and_unpermutes_q_and_k(tmp_path) ->
     assert infos["blk.0.ffn_down.weight"].shape == (512, hidden)  # ne order: input dimension first
     config = SimpleNamespace(num_attention_heads=heads, num_key_value_heads=kv_heads)
     out = read_quantized(path, config)
-    assert set(out) == {"layers.0.self_attn.q_proj.weight", "layers.0.self_attn.k_proj.weight",
-                        "layers.0.mlp.down_proj.weight", "lm_head.weight"}
+    assert set(out) == {
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.self_attn.k_proj.weight",
+        "layers.0.mlp.down_proj.weight",
+        "lm_head.weight",
+    }
     q = out["layers.0.self_attn.q_proj.weight"]
     assert q.fmt == "gguf:Q4_0" and out["layers.0.self_attn.k_proj.weight"].fmt == "gguf:Q4_K"
     # q/k rows are back in Hugging Face order: each dequantized row is close to the original row
@@ -65,8 +69,10 @@ def test_reader_keeps_native_types_quantized_and_unpermutes_q_and_k(tmp_path) ->
         deq = out[f"layers.0.self_attn.{name}.weight"].dequantize().numpy()
         assert np.abs(deq - ref).max() < 0.6, name
         assert np.abs(deq - _permute(ref, heads if name == "q_proj" else kv_heads)).max() > 1.0, name
-    assert torch.equal(out["lm_head.weight"].dequantize(),
-                       torch.from_numpy(gguf.quants.dequantize(tensors["token_embd.weight"][0], Q.Q8_0)))
+    assert torch.equal(
+        out["lm_head.weight"].dequantize(),
+        torch.from_numpy(gguf.quants.dequantize(tensors["token_embd.weight"][0], Q.Q8_0)),
+    )
 
 
 def test_unpermute_inverts_llama_cpp_permute() -> None:

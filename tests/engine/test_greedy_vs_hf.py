@@ -21,7 +21,7 @@ SYSTEM = (
 )
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Once upon a time, in a small village at the edge of a vast forest, there lived an old clockmaker who",
     "List three prime numbers:",
     SYSTEM + "How long does shipping take?",
@@ -43,9 +43,10 @@ def hf_reference(bundled_path):
     with torch.inference_mode():
         for prompt in PROMPTS:
             ids = tok(prompt, return_tensors="pt").input_ids
-            out = model.generate(ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
-                                 pad_token_id=0)
-            refs.append(out[0, ids.shape[1]:].tolist())
+            out = model.generate(
+                ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0
+            )
+            refs.append(out[0, ids.shape[1] :].tolist())
     assert all(len(r) == NEW_TOKENS for r in refs)
     return refs
 
@@ -89,7 +90,9 @@ def test_prefix_cache_hits_match_transformers(hf_reference):
     first = llm.generate(PROMPTS[4], GREEDY)  # computes and caches the shared system prompt
     assert first[0].num_cached_tokens == 0
     rest = llm.generate(PROMPTS[5:7], GREEDY)
-    assert all(r.num_cached_tokens >= 48 for r in rest), [r.num_cached_tokens for r in rest]  # 3 shared blocks
+    assert all(r.num_cached_tokens >= 48 for r in rest), [
+        r.num_cached_tokens for r in rest
+    ]  # 3 shared blocks
     assert llm.engine.stats.prefix_cache_hits >= 96
     assert _tokens(first + rest) == hf_reference[4:7]
 

@@ -17,8 +17,10 @@ def llm():
 
 
 def test_chat_uses_the_template_and_answers(llm):
-    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
-                   SamplingParams(temperature=0, max_tokens=24))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "What is the capital of France?"}],
+        SamplingParams(temperature=0, max_tokens=24),
+    )[0]
     assert "<|im_start|>assistant" in llm.tokenizer.decode(out.prompt_token_ids)
     assert "Paris" in out.outputs[0].text
 
@@ -36,20 +38,27 @@ def test_stop_string_spanning_tokens_is_cut(llm):
     base = llm.generate("One, two, three, four, five,", SamplingParams(temperature=0, max_tokens=24))[0]
     text = base.outputs[0].text
     stop = text[5:9]  # four characters from the middle of the output, likely spanning tokens
-    out = llm.generate("One, two, three, four, five,", SamplingParams(temperature=0, max_tokens=24, stop=[stop]))[0]
+    out = llm.generate(
+        "One, two, three, four, five,", SamplingParams(temperature=0, max_tokens=24, stop=[stop])
+    )[0]
     assert out.outputs[0].text == text[: text.index(stop)]
     assert out.outputs[0].finish_reason == "stop" and out.outputs[0].stop_reason == stop
 
 
 def test_stop_token_ids_and_min_tokens(llm):
-    base = llm.generate("Count: 1 2 3 4 5 6 7 8", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))[0]
+    base = llm.generate(
+        "Count: 1 2 3 4 5 6 7 8", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )[0]
     ids = base.outputs[0].token_ids
-    out = llm.generate("Count: 1 2 3 4 5 6 7 8",
-                       SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]]))[0]
+    out = llm.generate(
+        "Count: 1 2 3 4 5 6 7 8", SamplingParams(temperature=0, max_tokens=12, stop_token_ids=[ids[3]])
+    )[0]
     cut = ids.index(ids[3]) + 1
     assert out.outputs[0].token_ids == ids[:cut] and out.outputs[0].stop_reason == ids[3]
     eos = llm.engine.eos_token_ids
-    out = llm.chat([{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0, max_tokens=30, min_tokens=20))[0]
+    out = llm.chat(
+        [{"role": "user", "content": "Say OK."}], SamplingParams(temperature=0, max_tokens=30, min_tokens=20)
+    )[0]
     assert len(out.outputs[0].token_ids) >= 20
     assert not set(out.outputs[0].token_ids[:20]) & eos
 
@@ -57,7 +66,9 @@ def test_stop_token_ids_and_min_tokens(llm):
 def test_n_samples_share_prompt_blocks(llm):
     prompt = "Write a sentence about the sea. " * 8  # several full blocks
     before = llm.engine.stats.prefix_cache_hits
-    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True))[0]
+    out = llm.generate(prompt, SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True))[
+        0
+    ]
     assert len(out.outputs) == 3 and [o.index for o in out.outputs] == [0, 1, 2]
     assert len({tuple(o.token_ids) for o in out.outputs}) > 1  # different samples
     assert llm.engine.stats.prefix_cache_hits - before >= 2 * 48  # siblings adopted the prompt blocks
@@ -67,7 +78,9 @@ def test_n_samples_share_prompt_blocks(llm):
 def test_seeded_sampling_reproduces(llm):
     params = SamplingParams(temperature=0.9, top_p=0.9, top_k=50, seed=1234, max_tokens=20)
     a = llm.generate("Once upon a time", params)[0].outputs[0].token_ids
-    b = llm.generate(["Tell me a joke.", "Once upon a time"], [SamplingParams(temperature=1.0, max_tokens=20), params])
+    b = llm.generate(
+        ["Tell me a joke.", "Once upon a time"], [SamplingParams(temperature=1.0, max_tokens=20), params]
+    )
     assert a == b[1].outputs[0].token_ids
 
 
@@ -83,7 +96,19 @@ def test_logprobs(llm):
 
 def test_penalties_reduce_repetition(llm):
     prompt = "Repeat after me: la la la la la la la la"
-    plain = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0].outputs[0].token_ids
-    pen = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True,
-                                              frequency_penalty=2.0, presence_penalty=2.0))[0].outputs[0].token_ids
+    plain = (
+        llm.generate(prompt, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))[0]
+        .outputs[0]
+        .token_ids
+    )
+    pen = (
+        llm.generate(
+            prompt,
+            SamplingParams(
+                temperature=0, max_tokens=24, ignore_eos=True, frequency_penalty=2.0, presence_penalty=2.0
+            ),
+        )[0]
+        .outputs[0]
+        .token_ids
+    )
     assert len(set(pen)) > len(set(plain))

@@ -33,9 +33,13 @@ def test_a_cache_smaller_than_one_context_is_refused_at_start(tiny_llama):
 @pytest.mark.slow
 def test_a_context_that_fills_the_cache_runs_to_length_and_the_next_request_follows(tiny_llama):
     llm = LLM(model=tiny_llama, block_size=4, num_kv_blocks=16, max_model_len=64, max_num_seqs=4)
-    long, short = llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]],
-                               [SamplingParams(max_tokens=None, ignore_eos=True, temperature=0),
-                                SamplingParams(max_tokens=4, ignore_eos=True, temperature=0)])
+    long, short = llm.generate(
+        [[5, 6, 7, 8, 9], [10, 11, 12]],
+        [
+            SamplingParams(max_tokens=None, ignore_eos=True, temperature=0),
+            SamplingParams(max_tokens=4, ignore_eos=True, temperature=0),
+        ],
+    )
     assert long.outputs[0].finish_reason == "length" and len(long.outputs[0].token_ids) == 64 - 5
     assert short.outputs[0].finish_reason == "length" and len(short.outputs[0].token_ids) == 4
     assert llm.engine.kv_blocks_in_use() == 0
@@ -43,7 +47,9 @@ def test_a_context_that_fills_the_cache_runs_to_length_and_the_next_request_foll
 
 def _model(layers: int, kv_heads: int, head_dim: int, element_size: int):
     args = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
-    return SimpleNamespace(args=args, embed=torch.empty(0, dtype={4: torch.float32, 2: torch.bfloat16}[element_size]))
+    return SimpleNamespace(
+        args=args, embed=torch.empty(0, dtype={4: torch.float32, 2: torch.bfloat16}[element_size])
+    )
 
 
 def test_cuda_budget_covers_target_and_draft_caches_from_one_fraction():
@@ -70,7 +76,9 @@ def _step(sched: Scheduler, rng: random.Random, spec: int, max_model_len: int) -
     """One engine step with a stand-in model; returns (sequences scheduled, sequences finished)."""
     for seq in sched.running:
         if not seq.in_prefill and spec:
-            seq.spec_token_ids = [rng.randrange(6) for _ in range(min(spec, max_model_len - seq.num_tokens - 1))]
+            seq.spec_token_ids = [
+                rng.randrange(6) for _ in range(min(spec, max_model_len - seq.num_tokens - 1))
+            ]
     out = sched.schedule()
     sampled = []
     for item in out.scheduled:
@@ -80,7 +88,7 @@ def _step(sched: Scheduler, rng: random.Random, spec: int, max_model_len: int) -
     for seq, _ in sched.update(out, sampled):  # the engine's length rules
         limit = seq.params.max_tokens
         if seq.num_tokens >= max_model_len or (limit is not None and seq.num_output_tokens >= limit):
-            del seq.token_ids[min(max_model_len, seq.num_prompt_tokens + (limit or max_model_len)):]
+            del seq.token_ids[min(max_model_len, seq.num_prompt_tokens + (limit or max_model_len)) :]
             sched.finish(seq, "length")
             finished += 1
     return len(out.scheduled), finished
@@ -111,13 +119,21 @@ def test_a_sequence_alone_that_cannot_grow_ends_with_length_and_the_queue_moves(
     len_blocks=st.integers(1, 20),  # max_model_len in blocks: larger than the cache in some examples
     max_seqs=st.integers(1, 5),
     budget=st.integers(1, 24),
-    requests=st.lists(st.tuples(st.lists(st.integers(0, 3), min_size=1, max_size=12), st.integers(1, 3),
-                                st.one_of(st.none(), st.integers(1, 12))), min_size=1, max_size=6),
+    requests=st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 3), min_size=1, max_size=12),
+            st.integers(1, 3),
+            st.one_of(st.none(), st.integers(1, 12)),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
     spec=st.integers(0, 3),
     caching=st.booleans(),
 )
-def test_random_mixes_on_tiny_caches_always_make_progress(seed, num_blocks, len_blocks, max_seqs, budget,
-                                                           requests, spec, caching):
+def test_random_mixes_on_tiny_caches_always_make_progress(
+    seed, num_blocks, len_blocks, max_seqs, budget, requests, spec, caching
+):
     rng = random.Random(seed)
     max_model_len = len_blocks * BS
     kv = BlockManager(num_blocks, BS, enable_prefix_caching=caching)
@@ -135,7 +151,9 @@ def test_random_mixes_on_tiny_caches_always_make_progress(seed, num_blocks, len_
         if not sched.has_unfinished():
             break
         scheduled, finished = _step(sched, rng, spec, max_model_len)
-        assert scheduled or finished, f"no progress with {len(sched.waiting)} waiting, {len(sched.running)} running"
+        assert scheduled or finished, (
+            f"no progress with {len(sched.waiting)} waiting, {len(sched.running)} running"
+        )
     assert not sched.has_unfinished(), "requests starved"
     assert kv.num_free_blocks == num_blocks, "KV blocks leaked"
     assert all(s.finish_reason == "length" for s in seqs)
@@ -165,8 +183,13 @@ def test_seeded_n2_output_is_the_same_with_a_tiny_and_a_large_cache(tiny_llama, 
     prompt = list(range(100, 113))
     results, preemptions = [], []
     for blocks in (16, 200):  # 16 blocks of 4: one full context, so the two samples preempt each other
-        llm = LLM(model=tiny_llama, block_size=4, num_kv_blocks=blocks, max_model_len=64,
-                  enable_prefix_caching=caching)
+        llm = LLM(
+            model=tiny_llama,
+            block_size=4,
+            num_kv_blocks=blocks,
+            max_model_len=64,
+            enable_prefix_caching=caching,
+        )
         out = llm.generate(prompt, params)[0]
         results.append([o.token_ids for o in out.outputs])
         preemptions.append(llm.engine.stats.num_preemptions)

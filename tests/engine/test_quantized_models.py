@@ -21,7 +21,10 @@ from specfleet.engine.models.llama import LlamaModel
 from specfleet.kernels import cpu_native
 from specfleet.kernels.quantized import QuantTensor
 
-pytestmark = [pytest.mark.slow, pytest.mark.skipif(not cpu_native.available(), reason="native kernels did not build")]
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(not cpu_native.available(), reason="native kernels did not build"),
+]
 gguf = pytest.importorskip("gguf")
 
 PROMPTS = [[1, 5, 9, 200, 31, 7, 77, 1000, 4, 19, 23, 88], [42], [3, 1, 4, 1, 5, 9, 2, 6]]
@@ -48,8 +51,12 @@ def test_bundled_gguf_quantized_tensors_are_the_converted_weights(bundled_path) 
 
 def test_bundled_gguf_runs_quantized_with_the_float_engines_tokens() -> None:
     prompts = ["The capital of France is", "def add(a, b):", "Once upon a time"]
-    fp32 = _tokens(LLM(model="bundled://smollm2-135m-instruct", max_model_len=512, kv_cache_gib=0.05), prompts)
-    llm = LLM(model="bundled://smollm2-135m-instruct", quantization="gguf", max_model_len=512, kv_cache_gib=0.05)
+    fp32 = _tokens(
+        LLM(model="bundled://smollm2-135m-instruct", max_model_len=512, kv_cache_gib=0.05), prompts
+    )
+    llm = LLM(
+        model="bundled://smollm2-135m-instruct", quantization="gguf", max_model_len=512, kv_cache_gib=0.05
+    )
     model = llm.engine.runner.model
     assert isinstance(model.layers[0].qkv, cpu_native.QuantLinear) and model.layers[0].qkv.fmt == "gguf:Q4_1"
     assert model.lm_head.fmt == "gguf:Q8_0"
@@ -64,9 +71,18 @@ def test_gguf_needs_a_gguf_source(tiny_llama) -> None:
 def _tiny_config(hidden: int, inter: int):
     from transformers import LlamaConfig
 
-    return LlamaConfig(vocab_size=512, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=2,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                       tie_word_embeddings=False, architectures=["LlamaForCausalLM"])
+    return LlamaConfig(
+        vocab_size=512,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["LlamaForCausalLM"],
+    )
 
 
 def _random_state(config, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -100,8 +116,12 @@ def test_q4_k_model_matches_its_dequantized_weights() -> None:
     ref = LlamaModel(config, dequant, torch.float32, device)
     assert isinstance(ours.layers[0].gate_up, cpu_native.QuantLinear)
     x = torch.randn(5, 256)
-    torch.testing.assert_close(ours.layers[1].down(ours.ops.silu_mul(ours.layers[1].gate_up(x))),
-                               ref.layers[1].down(ref.ops.silu_mul(ref.layers[1].gate_up(x))), rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        ours.layers[1].down(ours.ops.silu_mul(ours.layers[1].gate_up(x))),
+        ref.layers[1].down(ref.ops.silu_mul(ref.layers[1].gate_up(x))),
+        rtol=1e-4,
+        atol=1e-3,
+    )
     torch.testing.assert_close(ours.layers[0].qkv(x), ref.layers[0].qkv(x), rtol=1e-4, atol=1e-3)
 
 
@@ -119,7 +139,9 @@ def _write_checkpoint(path, config, state, qconfig, bundled_path) -> None:
 
 
 @pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", False), ("gptq", True)])
-def test_awq_gptq_checkpoints_match_their_dequantized_weights(method, act_order, tmp_path, bundled_path) -> None:
+def test_awq_gptq_checkpoints_match_their_dequantized_weights(
+    method, act_order, tmp_path, bundled_path
+) -> None:
     config = _tiny_config(128, 256)
     config.vocab_size = 49152  # the bundled tokenizer's
     state = _random_state(config)
@@ -133,7 +155,9 @@ def test_awq_gptq_checkpoints_match_their_dequantized_weights(method, act_order,
         else:
             packed[name] = dequant[name] = w
     qconfig = {"quant_method": method, "bits": 4, "group_size": 64}
-    qconfig.update({"zero_point": True, "version": "gemm"} if method == "awq" else {"desc_act": act_order, "sym": False})
+    qconfig.update(
+        {"zero_point": True, "version": "gemm"} if method == "awq" else {"desc_act": act_order, "sym": False}
+    )
     _write_checkpoint(tmp_path / "q", config, packed, qconfig, bundled_path)
     _write_checkpoint(tmp_path / "f", config, dequant, None, bundled_path)
     expected = _tokens(LLM(model=f"file://{tmp_path / 'f'}", block_size=4))
@@ -145,7 +169,9 @@ def test_awq_gptq_checkpoints_match_their_dequantized_weights(method, act_order,
 def test_quantization_must_match_the_checkpoint(tmp_path, bundled_path) -> None:
     config = _tiny_config(64, 128)
     config.vocab_size = 49152
-    _write_checkpoint(tmp_path / "q", config, {}, {"quant_method": "awq", "bits": 4, "group_size": 32}, bundled_path)
+    _write_checkpoint(
+        tmp_path / "q", config, {}, {"quant_method": "awq", "bits": 4, "group_size": 32}, bundled_path
+    )
     with pytest.raises(ValueError, match="is a awq checkpoint"):
         LLM(model=f"file://{tmp_path / 'q'}", quantization="gptq")
 
@@ -153,5 +179,9 @@ def test_quantization_must_match_the_checkpoint(tmp_path, bundled_path) -> None:
 def test_quant_tensor_validates_its_parts() -> None:
     with pytest.raises(ValueError, match="group_size=48 must be even and divide the input size 64"):
         QuantTensor(torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 1), None, 48, 4, "test")
-    assert np.isclose(QuantTensor(torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2), torch.zeros(4, 2), 32, 4,
-                                  "t").packed_bytes, 4 * 32 + 4 * 2 * 8)
+    assert np.isclose(
+        QuantTensor(
+            torch.zeros(4, 64, dtype=torch.uint8), torch.zeros(4, 2), torch.zeros(4, 2), 32, 4, "t"
+        ).packed_bytes,
+        4 * 32 + 4 * 2 * 8,
+    )

@@ -23,10 +23,13 @@ def _chi_square(tokens: torch.Tensor, probs: torch.Tensor) -> float:
 
 def _processed(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
     rows = logits.shape[0]
-    batch = SamplingBatch(temperature=torch.full((rows,), 0.9),
-                          top_k=torch.full((rows,), top_k) if top_k else None,
-                          top_p=torch.full((rows,), top_p) if top_p < 1 else None,
-                          noise_keys=[None] * rows, all_greedy=False)
+    batch = SamplingBatch(
+        temperature=torch.full((rows,), 0.9),
+        top_k=torch.full((rows,), top_k) if top_k else None,
+        top_p=torch.full((rows,), top_p) if top_p < 1 else None,
+        noise_keys=[None] * rows,
+        all_greedy=False,
+    )
     return processed_probs(logits, batch)
 
 
@@ -40,8 +43,9 @@ def _setup(seed: int, top_k: int, top_p: float, point_mass: bool):
     else:
         q_rows = _processed(torch.randn(K, VOCAB, generator=g) * 1.5, top_k, top_p)
         q = q_rows.expand(DRAWS, K, VOCAB)
-        drafts = torch.stack([torch.multinomial(q_rows[i], DRAWS, replacement=True, generator=g)
-                              for i in range(K)], dim=1)
+        drafts = torch.stack(
+            [torch.multinomial(q_rows[i], DRAWS, replacement=True, generator=g) for i in range(K)], dim=1
+        )
     return p, q, drafts
 
 
@@ -59,7 +63,9 @@ def test_first_emitted_token_follows_target(top_k, top_p, point_mass):
 
 def test_bonus_token_after_full_acceptance_follows_target():
     p, q, drafts = _setup(5, 0, 1.0, False)
-    nxt, accepted = rejection_sample(p.expand(DRAWS, K + 1, VOCAB), q, drafts, torch.Generator().manual_seed(11))
+    nxt, accepted = rejection_sample(
+        p.expand(DRAWS, K + 1, VOCAB), q, drafts, torch.Generator().manual_seed(11)
+    )
     full = accepted == K
     assert full.sum() > 1000
     assert _chi_square(nxt[full], p[K]) < CRITICAL

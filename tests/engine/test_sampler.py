@@ -60,7 +60,9 @@ def test_sampling_frequencies_follow_the_distribution():
 def test_seeded_rows_reproduce_regardless_of_batch():
     logits = torch.randn(3, 50)
     key = (1234, 5)
-    alone = [int(sample(logits[1:2], _batch(1, keys=[key]), torch.Generator().manual_seed(s))) for s in (1, 2)]
+    alone = [
+        int(sample(logits[1:2], _batch(1, keys=[key]), torch.Generator().manual_seed(s))) for s in (1, 2)
+    ]
     in_batch = sample(logits, _batch(3, keys=[None, key, None]), torch.Generator().manual_seed(99))
     assert alone[0] == alone[1] == int(in_batch[1])
 
@@ -72,7 +74,9 @@ def test_keyed_draws_follow_the_distribution_and_differ_by_position():
     tokens = sample(logits, _batch(6000, keys=keys), torch.Generator().manual_seed(0))
     freq = torch.bincount(tokens, minlength=3).float() / 6000
     assert torch.allclose(freq, target, atol=0.03)
-    other = sample(logits, _batch(6000, keys=[(sample_seed(7, 1), p) for p in range(6000)]), torch.Generator())
+    other = sample(
+        logits, _batch(6000, keys=[(sample_seed(7, 1), p) for p in range(6000)]), torch.Generator()
+    )
     assert 0.3 < float((tokens == other).float().mean()) < 0.45  # n > 1 samples are independent: 0.38
 
 

@@ -33,7 +33,10 @@ def test_stop_strings_are_ignored_before_min_tokens(tiny):
     late = tiny.generate(PROMPT, _greedy(max_tokens=30, stop=[stop], min_tokens=12))[0].outputs[0]
     assert len(late.token_ids) >= 12 and late.token_ids == base.token_ids[: len(late.token_ids)]
     if late.finish_reason == "stop":  # the string came again after min_tokens: cut there, not before
-        assert stop not in late.text and len(late.text) >= len(tiny.tokenizer.decode(base.token_ids[:11]).strip()) - 1
+        assert (
+            stop not in late.text
+            and len(late.text) >= len(tiny.tokenizer.decode(base.token_ids[:11]).strip()) - 1
+        )
 
 
 def test_logprobs_are_the_models_raw_log_probabilities(tiny, tiny_llama):
@@ -74,23 +77,31 @@ def test_sentencepiece_text_keeps_the_first_tokens_leading_space():
         output.append(token)
         detok.update(output)
     assert detok.text == " Paris! the world"
-    assert detok.text == tokenizer.decode([1, 2, 6] + output)[len(tokenizer.decode([1, 2, 6])):]
+    assert detok.text == tokenizer.decode([1, 2, 6] + output)[len(tokenizer.decode([1, 2, 6])) :]
 
 
 def test_the_first_stop_condition_in_one_speculative_step_wins(tiny):
     engine = tiny.engine
-    pear, apple, plum = (tiny.tokenizer.encode(w, add_special_tokens=False)[0] for w in (" pear", " apple", " plum"))
+    pear, apple, plum = (
+        tiny.tokenizer.encode(w, add_special_tokens=False)[0] for w in (" pear", " apple", " plum")
+    )
     cases = {  # tokens one step emitted -> (tokens kept, finish_reason, stop_reason, text)
         "string first": ([pear, apple, pear, plum, pear], [pear, apple], "apple", " pear "),
         "token first": ([pear, plum, apple, pear, pear], [pear, plum], plum, " pear"),
     }
     for rid, (step, kept, stop_reason, text) in cases.items():
-        engine.add_request(rid, PROMPT, SamplingParams(temperature=0, max_tokens=8, stop=["apple"],
-                                                       stop_token_ids=[plum]))
+        engine.add_request(
+            rid, PROMPT, SamplingParams(temperature=0, max_tokens=8, stop=["apple"], stop_token_ids=[plum])
+        )
         req = engine._requests[rid]
         engine.scheduler.append(req.seqs[0], step, engine._stop)  # as the scheduler takes a step's tokens
         out = engine._output(req, True).outputs[0]
-        assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (kept, "stop", stop_reason, text)
+        assert (out.token_ids, out.finish_reason, out.stop_reason, out.text) == (
+            kept,
+            "stop",
+            stop_reason,
+            text,
+        )
         engine._requests.pop(rid)
     assert engine.kv_blocks_in_use() == 0
 

@@ -98,7 +98,13 @@ def test_ngram_disable_by_batch_size(ngram_llm, reference):
 
 
 def test_ngram_preemption_mid_speculation(reference):
-    llm = LLM(speculative_method="ngram", num_speculative_tokens=4, num_kv_blocks=14, max_num_seqs=4, max_model_len=14 * 16)
+    llm = LLM(
+        speculative_method="ngram",
+        num_speculative_tokens=4,
+        num_kv_blocks=14,
+        max_num_seqs=4,
+        max_model_len=14 * 16,
+    )
     assert tokens(llm.generate(PROMPTS, greedy())) == reference
     assert llm.engine.stats.num_preemptions > 0 and llm.engine.stats.num_drafts > 0
     assert llm.engine.kv_blocks_in_use() == 0
@@ -106,8 +112,12 @@ def test_ngram_preemption_mid_speculation(reference):
 
 def test_draft_model_equals_non_speculative(reference, tmp_path_factory, bundled_path):
     draft = truncate_layers("bundled://smollm2-135m-instruct", 2, tmp_path_factory.mktemp("draft"))
-    llm = LLM(speculative_method="draft", num_speculative_tokens=3, draft_model=f"file://{draft}",
-              max_num_batched_tokens=64)
+    llm = LLM(
+        speculative_method="draft",
+        num_speculative_tokens=3,
+        draft_model=f"file://{draft}",
+        max_num_batched_tokens=64,
+    )
     params = [greedy(), greedy(k=0), greedy(), greedy()]
     assert tokens(llm.generate(PROMPTS, params)) == reference
     stats = llm.engine.stats
@@ -123,8 +133,12 @@ def test_int8_copy_of_the_target_is_an_exact_and_useful_draft(reference):
 
     if not cpu_native.available():
         pytest.skip("the int8 draft runs on the native CPU kernels, which did not build here")
-    llm = LLM(speculative_method="draft", num_speculative_tokens=4, draft_model="bundled://smollm2-135m-instruct",
-              draft_quantization="int8")
+    llm = LLM(
+        speculative_method="draft",
+        num_speculative_tokens=4,
+        draft_model="bundled://smollm2-135m-instruct",
+        draft_quantization="int8",
+    )
     assert tokens(llm.generate(PROMPTS, greedy())) == reference
     stats = llm.engine.stats
     assert stats.num_accepted_tokens / stats.num_draft_tokens > 0.6
@@ -133,8 +147,14 @@ def test_int8_copy_of_the_target_is_an_exact_and_useful_draft(reference):
 
 def test_draft_model_preemption_and_abort(reference, tmp_path_factory):
     draft = truncate_layers("bundled://smollm2-135m-instruct", 1, tmp_path_factory.mktemp("draft1"))
-    llm = LLM(speculative_method="draft", num_speculative_tokens=2, draft_model=f"file://{draft}",
-              num_kv_blocks=14, max_num_seqs=4, max_model_len=14 * 16)
+    llm = LLM(
+        speculative_method="draft",
+        num_speculative_tokens=2,
+        draft_model=f"file://{draft}",
+        num_kv_blocks=14,
+        max_num_seqs=4,
+        max_model_len=14 * 16,
+    )
     assert tokens(llm.generate(PROMPTS, greedy())) == reference
     assert llm.engine.stats.num_preemptions > 0
     engine = llm.engine

@@ -46,7 +46,10 @@ SCHEMAS = {
                     "name": {"type": "string", "maxLength": 12},
                     "address": {
                         "type": "object",
-                        "properties": {"city": {"type": "string", "maxLength": 10}, "zip": {"type": "integer"}},
+                        "properties": {
+                            "city": {"type": "string", "maxLength": 10},
+                            "zip": {"type": "integer"},
+                        },
                         "required": ["city", "zip"],
                     },
                 },
@@ -110,8 +113,14 @@ def allowed_ids(bitmask: torch.Tensor, row: int = 0) -> list[int]:
     return unpack_bitmask(bitmask[row : row + 1], VOCAB)[0].nonzero().flatten().tolist()
 
 
-def random_walk(backend: GrammarBackend, tokenizer, spec: StructuredOutputSpec, seed: int,
-                max_tokens: int = 1500, closers: list[int] | None = None) -> str:
+def random_walk(
+    backend: GrammarBackend,
+    tokenizer,
+    spec: StructuredOutputSpec,
+    seed: int,
+    max_tokens: int = 1500,
+    closers: list[int] | None = None,
+) -> str:
     """Generate under the mask, each token uniform among the allowed ones, until the grammar ends.
     With `closers`, every other draw picks among the allowed closers instead (if any is allowed): an
     open-ended grammar then ends within the budget."""
@@ -137,6 +146,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 
 # -- generation under the mask -----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("name", sorted(SCHEMAS))
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -208,6 +218,7 @@ def test_terminated_matcher_allows_only_stop_tokens(backend, tokenizer):
 
 # -- matcher state: validate, accept, rollback --------------------------------------------------------
 
+
 def test_rollback_restores_the_mask_and_the_path(backend, tokenizer):
     spec = StructuredOutputSpec.json_schema(SCHEMAS["nested_objects"])
     tokens = encode(tokenizer, json.dumps(INSTANCES["nested_objects"]))
@@ -250,6 +261,7 @@ def test_validate_and_accept_tokens(backend, tokenizer):
 
 
 # -- speculation: k + 1 rows, truncated at the first invalid draft ------------------------------------
+
 
 def stepwise_rows(backend, spec, prefix: list[int], drafts: list[int]) -> torch.Tensor:
     """The masks a non-speculative engine would see: one fresh matcher advanced one token at a time."""
@@ -318,6 +330,7 @@ def test_draft_bitmask_refuses_more_drafts_than_rollback(backend, tokenizer):
 
 # -- applying a mask to logits ------------------------------------------------------------------------
 
+
 @pytest.mark.parametrize("vocab", [1024, 1000])  # 1000: the last word is partly used (the reference path)
 def test_apply_matches_the_reference_and_guards_dead_rows(vocab):
     gen = torch.Generator().manual_seed(0)
@@ -378,17 +391,28 @@ def test_masked_greedy_picks_the_best_allowed_token(backend, tokenizer):
 
 # -- errors: typed, naming the problem ----------------------------------------------------------------
 
+
 @pytest.mark.parametrize(
     ("spec", "words"),
     [
-        (StructuredOutputSpec.json_schema({"type": "foo"}, "guided_json"), ["JSON schema", "guided_json", 'type "foo"']),
-        (StructuredOutputSpec.json_schema({"type": "array", "minItems": 3, "maxItems": 1}),
-         ["minItems is greater than maxItems: 3 > 1"]),
+        (
+            StructuredOutputSpec.json_schema({"type": "foo"}, "guided_json"),
+            ["JSON schema", "guided_json", 'type "foo"'],
+        ),
+        (
+            StructuredOutputSpec.json_schema({"type": "array", "minItems": 3, "maxItems": 1}),
+            ["minItems is greater than maxItems: 3 > 1"],
+        ),
         (StructuredOutputSpec.json_schema({"$ref": "#/$defs/missing"}), ["Cannot find field"]),
         (StructuredOutputSpec.json_schema({"type": "string", "pattern": "[a-"}), ["Unclosed '['"]),
-        (StructuredOutputSpec.regex("(a|b", "guided_regex"), ["regular expression", "guided_regex", "not closed"]),
-        (StructuredOutputSpec.grammar("root ::= item", "structured_outputs.grammar"),
-         ["EBNF grammar", "structured_outputs.grammar", 'Rule "item" is not defined']),
+        (
+            StructuredOutputSpec.regex("(a|b", "guided_regex"),
+            ["regular expression", "guided_regex", "not closed"],
+        ),
+        (
+            StructuredOutputSpec.grammar("root ::= item", "structured_outputs.grammar"),
+            ["EBNF grammar", "structured_outputs.grammar", 'Rule "item" is not defined'],
+        ),
     ],
 )
 def test_uncompilable_specs_raise_a_typed_error(backend, spec, words):
@@ -416,8 +440,12 @@ def test_every_kind_compiles(backend):
 
 
 def test_compile_cache_is_keyed_by_spec(backend):
-    a = StructuredOutputSpec.json_schema({"type": "object", "properties": {"x": {"type": "integer"}}}, "guided_json")
-    b = StructuredOutputSpec.json_schema('{"type": "object", "properties": {"x": {"type": "integer"}}}', "response_format")
+    a = StructuredOutputSpec.json_schema(
+        {"type": "object", "properties": {"x": {"type": "integer"}}}, "guided_json"
+    )
+    b = StructuredOutputSpec.json_schema(
+        '{"type": "object", "properties": {"x": {"type": "integer"}}}', "response_format"
+    )
     assert a == b and hash(a) == hash(b)  # the field it came from is not part of the key
     assert backend.compile(a) is backend.compile(b)
     assert backend.compile(StructuredOutputSpec.json_schema({"type": "integer"})) is not backend.compile(a)
@@ -426,7 +454,10 @@ def test_compile_cache_is_keyed_by_spec(backend):
 @pytest.mark.parametrize(
     ("build", "match"),
     [
-        (lambda: StructuredOutputSpec.json_schema("{not json", "guided_json"), "guided_json is not valid JSON"),
+        (
+            lambda: StructuredOutputSpec.json_schema("{not json", "guided_json"),
+            "guided_json is not valid JSON",
+        ),
         (lambda: StructuredOutputSpec.json_schema([1, 2], "guided_json"), "must be a JSON object"),
         (lambda: StructuredOutputSpec.regex("", "guided_regex"), "guided_regex must be a regular expression"),
         (lambda: StructuredOutputSpec.choice([], "guided_choice"), "guided_choice must be a non-empty list"),
@@ -451,8 +482,15 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
         ({}, None),
         ({"response_format": {"type": "text"}}, None),
         ({"response_format": {"type": "json_object"}}, StructuredOutputSpec.json_object()),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": True}}},
-         StructuredOutputSpec.json_schema(SCHEMA)),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": True},
+                }
+            },
+            StructuredOutputSpec.json_schema(SCHEMA),
+        ),
         ({"guided_json": SCHEMA}, StructuredOutputSpec.json_schema(SCHEMA)),
         ({"guided_json": json.dumps(SCHEMA)}, StructuredOutputSpec.json_schema(SCHEMA)),
         ({"guided_regex": "a+"}, StructuredOutputSpec.regex("a+")),
@@ -471,7 +509,9 @@ def test_request_fields_to_spec(fields, want):
 
 
 def test_request_fields_keep_their_source_for_errors():
-    spec = spec_from_request(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}})
+    spec = spec_from_request(
+        response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}
+    )
     assert spec.source == "response_format.json_schema.schema"
     assert spec_from_request(structured_outputs={"regex": "a"}).source == "structured_outputs.regex"
     assert spec_from_request(guided_choice=["a"]).source == "guided_choice"
@@ -497,21 +537,56 @@ def test_request_fields_accept_pydantic_models():
     ("fields", "match", "param"),
     [
         ({"guided_json": SCHEMA, "guided_regex": "a"}, "got guided_json and guided_regex", "guided_regex"),
-        ({"response_format": {"type": "json_object"}, "guided_choice": ["a"], "structured_outputs": {"regex": "a"}},
-         "got response_format, guided_choice and structured_outputs", "structured_outputs"),
-        ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "exactly one of .* got json and regex",
-         "structured_outputs"),
-        ({"structured_outputs": {"backend": "xgrammar"}}, "does not support backend", "structured_outputs.backend"),
+        (
+            {
+                "response_format": {"type": "json_object"},
+                "guided_choice": ["a"],
+                "structured_outputs": {"regex": "a"},
+            },
+            "got response_format, guided_choice and structured_outputs",
+            "structured_outputs",
+        ),
+        (
+            {"structured_outputs": {"json": SCHEMA, "regex": "a"}},
+            "exactly one of .* got json and regex",
+            "structured_outputs",
+        ),
+        (
+            {"structured_outputs": {"backend": "xgrammar"}},
+            "does not support backend",
+            "structured_outputs.backend",
+        ),
         ({"structured_outputs": {"json_object": "yes"}}, "must be true", "structured_outputs.json_object"),
-        ({"response_format": {"type": "yaml"}}, "type must be one of text, json_object, json_schema",
-         "response_format.type"),
-        ({"response_format": {"type": "json_schema"}}, "must be an object like", "response_format.json_schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}}, "schema is required",
-         "response_format.json_schema.schema"),
-        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA, "strict": "no"}}},
-         "strict must be a boolean", "response_format.json_schema.strict"),
-        ({"response_format": {"type": "json_object", "schema": SCHEMA}}, "does not take schema",
-         "response_format.schema"),
+        (
+            {"response_format": {"type": "yaml"}},
+            "type must be one of text, json_object, json_schema",
+            "response_format.type",
+        ),
+        (
+            {"response_format": {"type": "json_schema"}},
+            "must be an object like",
+            "response_format.json_schema",
+        ),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            "schema is required",
+            "response_format.json_schema.schema",
+        ),
+        (
+            {
+                "response_format": {
+                    "type": "json_schema",
+                    "json_schema": {"name": "x", "schema": SCHEMA, "strict": "no"},
+                }
+            },
+            "strict must be a boolean",
+            "response_format.json_schema.strict",
+        ),
+        (
+            {"response_format": {"type": "json_object", "schema": SCHEMA}},
+            "does not take schema",
+            "response_format.schema",
+        ),
         ({"response_format": "json"}, "must be an object with a `type`", "response_format"),
         ({"guided_choice": "a"}, "guided_choice must be a non-empty list", "guided_choice"),
     ],

@@ -27,8 +27,12 @@ SCHEMAS = [
         "type": "object",
         "properties": {
             "name": {"type": "string", "maxLength": 16},
-            "languages": {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1,
-                          "maxItems": 3},
+            "languages": {
+                "type": "array",
+                "items": {"type": "string", "maxLength": 12},
+                "minItems": 1,
+                "maxItems": 3,
+            },
             "contact": {
                 "type": "object",
                 "properties": {"phone": {"type": "string", "pattern": "^[0-9]{3}-[0-9]{4}$"}},
@@ -39,8 +43,14 @@ SCHEMAS = [
     },
     {
         "type": "array",
-        "items": {"type": "object", "properties": {"step": {"type": "integer", "minimum": 1, "maximum": 9}, "text": {"type": "string", "maxLength": 24}},
-                  "required": ["step", "text"]},
+        "items": {
+            "type": "object",
+            "properties": {
+                "step": {"type": "integer", "minimum": 1, "maximum": 9},
+                "text": {"type": "string", "maxLength": 24},
+            },
+            "required": ["step", "text"],
+        },
         "minItems": 2,
         "maxItems": 3,
     },
@@ -58,8 +68,16 @@ def chat(llm, params):
 
 
 def params(k=None, temperature=0.0, seed=None):
-    return [SamplingParams(temperature=temperature, seed=seed, max_tokens=MAX_TOKENS, num_speculative_tokens=k,
-                           structured_outputs={"json": schema}) for schema in SCHEMAS]
+    return [
+        SamplingParams(
+            temperature=temperature,
+            seed=seed,
+            max_tokens=MAX_TOKENS,
+            num_speculative_tokens=k,
+            structured_outputs={"json": schema},
+        )
+        for schema in SCHEMAS
+    ]
 
 
 def check_valid(results):
@@ -90,8 +108,12 @@ def test_ngram_greedy_structured_equals_non_speculative(ngram_llm, reference):
 
 
 def test_int8_draft_greedy_structured_equals_non_speculative(reference):
-    llm = LLM(speculative_method="draft", num_speculative_tokens=4, draft_model="bundled://smollm2-135m-instruct",
-              draft_quantization="int8")
+    llm = LLM(
+        speculative_method="draft",
+        num_speculative_tokens=4,
+        draft_model="bundled://smollm2-135m-instruct",
+        draft_quantization="int8",
+    )
     results = chat(llm, params(k=4))
     assert [r.outputs[0].token_ids for r in results] == reference
     assert llm.engine.stats.num_accepted_tokens > 0
@@ -106,8 +128,17 @@ def test_choice_regex_and_min_tokens(ngram_llm):
     choices = ["positive", "negative", "neutral"]
     out = ngram_llm.generate(
         ["Review: I loved it. Sentiment:", "The date today (YYYY-MM-DD):"],
-        [SamplingParams(temperature=0, max_tokens=20, min_tokens=8, structured_outputs={"choice": choices}),
-         SamplingParams(temperature=0.9, seed=0, max_tokens=20, structured_outputs={"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"})],
+        [
+            SamplingParams(
+                temperature=0, max_tokens=20, min_tokens=8, structured_outputs={"choice": choices}
+            ),
+            SamplingParams(
+                temperature=0.9,
+                seed=0,
+                max_tokens=20,
+                structured_outputs={"regex": r"20[0-9]{2}-[01][0-9]-[0-3][0-9]"},
+            ),
+        ],
     )
     assert out[0].outputs[0].text in choices  # the grammar wins over min_tokens, and no NaN
     assert out[0].outputs[0].finish_reason == "stop"
@@ -116,14 +147,20 @@ def test_choice_regex_and_min_tokens(ngram_llm):
 
 
 def test_grammar_that_cannot_finish_ends_with_length(ngram_llm):
-    out = ngram_llm.generate(["Count:"], SamplingParams(temperature=0, max_tokens=5,
-                                                         structured_outputs={"regex": "(one, ){20}one"}))
+    out = ngram_llm.generate(
+        ["Count:"],
+        SamplingParams(temperature=0, max_tokens=5, structured_outputs={"regex": "(one, ){20}one"}),
+    )
     assert out[0].outputs[0].finish_reason == "length"
 
 
 def test_ignore_eos_stops_when_the_grammar_ends(ngram_llm):
-    out = ngram_llm.generate(["Yes or no?"], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True,
-                                                              structured_outputs={"choice": ["yes", "no"]}))
+    out = ngram_llm.generate(
+        ["Yes or no?"],
+        SamplingParams(
+            temperature=0, max_tokens=30, ignore_eos=True, structured_outputs={"choice": ["yes", "no"]}
+        ),
+    )
     assert out[0].outputs[0].finish_reason == "stop"
     assert out[0].outputs[0].text.startswith(("yes", "no"))
 

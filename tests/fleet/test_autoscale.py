@@ -27,11 +27,21 @@ def test_replicas_go_1_2_1_with_the_load(tiny_llama: str) -> None:
     spec["batching"] = {"maxNumSeqs": 2, "maxNumBatchedTokens": 512}
     spec["autotune"] = {"enabled": True, "bounds": {"maxNumSeqs": [2, 2], "maxNumBatchedTokens": [512, 512]}}
     spec["slo"] = {"ttftP95Ms": 1, "tpotP95Ms": 1}  # missed under any load: the load decides, not the machine
-    spec["autoscaling"] = {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "scaleDownStabilizationSeconds": 3,
-                           "cooldownSeconds": 2}
+    spec["autoscaling"] = {
+        "enabled": True,
+        "minReplicas": 1,
+        "maxReplicas": 2,
+        "scaleDownStabilizationSeconds": 3,
+        "cooldownSeconds": 2,
+    }
     said: list[str] = []
-    fleet = LocalFleet(load_inference_service(doc), interval_s=1.0, window_s=2.0,
-                       engine_extra_args=["--kv-cache-gib=0.05"], say=said.append)
+    fleet = LocalFleet(
+        load_inference_service(doc),
+        interval_s=1.0,
+        window_s=2.0,
+        engine_extra_args=["--kv-cache-gib=0.05"],
+        say=said.append,
+    )
 
     async def run() -> None:
         await fleet.start(ready_timeout_s=120)
@@ -42,8 +52,15 @@ def test_replicas_go_1_2_1_with_the_load(tiny_llama: str) -> None:
 
                 async def user() -> None:
                     while not stop.is_set():
-                        await client.post("/v1/completions", json={"model": model, "prompt": "Count: 1 2 3",
-                                                                   "max_tokens": 48, "ignore_eos": True})
+                        await client.post(
+                            "/v1/completions",
+                            json={
+                                "model": model,
+                                "prompt": "Count: 1 2 3",
+                                "max_tokens": 48,
+                                "ignore_eos": True,
+                            },
+                        )
 
                 users = [asyncio.create_task(user()) for _ in range(8)]
                 deadline = time.monotonic() + 120

@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 import pytest
-from specfleet.engine.llm_engine import Engine
+from specfleet.engine.config import EngineConfig
+from specfleet.engine.core.client import EngineCoreClient
 from specfleet.fleet.supervisor import free_port
 from specfleet.router import disaggregation
 from specfleet.router.endpoints import EndpointSet
@@ -30,7 +31,9 @@ def _serve(app: Any) -> tuple[Any, threading.Thread, str]:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1))
+    server = uvicorn.Server(
+        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
+    )
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -68,8 +71,12 @@ def _serve_router(router: Router) -> tuple[Any, str]:
 def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
     from specfleet.engine.server.app import build_state, create_app
 
-    engines = {role: Engine(model=tiny_llama, kv_role=role, **COMMON) for role in ("prefill", "decode")}
-    engines["aggregated"] = Engine(model=tiny_llama, **COMMON)
+    # Each server with its engine core in its own process, as `specfleet serve` runs them.
+    engines = {
+        role: EngineCoreClient(EngineConfig(model=tiny_llama, kv_role=role, **COMMON), log_level="warning")
+        for role in ("prefill", "decode")
+    }
+    engines["aggregated"] = EngineCoreClient(EngineConfig(model=tiny_llama, **COMMON), log_level="warning")
     servers, urls, states = [], {}, {}
     for role, engine in engines.items():
         states[role] = build_state(engine)
@@ -88,15 +95,13 @@ def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
         server.should_exit = True
     for _, thread in servers:
         thread.join(10)
-    engines["prefill"].close()
+    for engine in engines.values():
+        engine.stop()
 
 
 def _blocks(state: Any) -> int:
-    def used(engine: Engine) -> int:
-        engine.poll_kv_transfers()
-        return engine.kv.num_used_blocks
-
-    return state.async_engine.call_sync(used)
+    """KV blocks in use in the server's engine core (it returns a finished hold's blocks between steps)."""
+    return state.async_engine.call_sync("kv_blocks_in_use")
 
 
 def _wait_no_blocks(state: Any, timeout_s: float = 10.0) -> None:
@@ -126,7 +131,7 @@ def test_openai_client_sees_the_aggregated_answer_json_and_stream(fleet):
     chunks = pd.chat.completions.create(model=model, messages=messages, stream=True, **GREEDY)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
     # Each request really went through a prefill engine and a KV transfer.
-    assert fleet["engines"]["decode"].kv_connector.stats.transfers >= 3
+    assert fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"] >= 3
     _wait_no_blocks(fleet["states"]["prefill"])
     _wait_no_blocks(fleet["states"]["decode"])
 
@@ -137,8 +142,11 @@ def test_dead_decode_engine_fails_cleanly_and_frees_the_prefill_hold(fleet):
     endpoints.set_state(urls["decode"], ready=False)
     endpoints.set_state(dead, ready=True, role="decode")
     try:
-        response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=30, json={
-            "prompt": "Once upon a time there was", "max_tokens": 8, "temperature": 0})
+        response = httpx.post(
+            f"{urls['proxy']}/v1/completions",
+            timeout=30,
+            json={"prompt": "Once upon a time there was", "max_tokens": 8, "temperature": 0},
+        )
         assert response.status_code == 502 and "no engine could take" in response.json()["error"]["message"]
         _wait_no_blocks(fleet["states"]["prefill"], timeout_s=3)  # released, not left to the 60 s timeout
     finally:
@@ -148,8 +156,11 @@ def test_dead_decode_engine_fails_cleanly_and_frees_the_prefill_hold(fleet):
 
 def test_prefill_engine_refusal_reaches_the_client_and_prefill_is_not_a_decode_target(fleet):
     urls = fleet["urls"]
-    response = httpx.post(f"{urls['proxy']}/v1/completions", timeout=30, json={
-        "prompt": "hello there", "max_tokens": 4, "temperature": -1})
+    response = httpx.post(
+        f"{urls['proxy']}/v1/completions",
+        timeout=30,
+        json={"prompt": "hello there", "max_tokens": 4, "temperature": -1},
+    )
     assert response.status_code == 400  # the prefill engine's answer, not a retry or an aggregated run
     assert [e.url for e in fleet["endpoints"].routable()] == [urls["decode"]]
     assert [e.url for e in fleet["endpoints"].prefill_routable()] == [urls["prefill"]]
@@ -158,9 +169,16 @@ def test_prefill_engine_refusal_reaches_the_client_and_prefill_is_not_a_decode_t
 def test_client_gone_before_the_decode_releases_the_hold(fleet):
     """What the router does when the client left during the prefill: the hold goes at once."""
     urls = fleet["urls"]
-    response = httpx.post(f"{urls['prefill']}/v1/completions", timeout=30, json={
-        "prompt": "Once upon a time there was a", "max_tokens": 1, "temperature": 0,
-        "kv_transfer_params": {"do_remote_decode": True}})
+    response = httpx.post(
+        f"{urls['prefill']}/v1/completions",
+        timeout=30,
+        json={
+            "prompt": "Once upon a time there was a",
+            "max_tokens": 1,
+            "temperature": 0,
+            "kv_transfer_params": {"do_remote_decode": True},
+        },
+    )
     assert response.status_code == 200
     params = response.json()["kv_transfer_params"]
     assert params["num_blocks"] >= 2 and _blocks(fleet["states"]["prefill"]) == params["num_blocks"]
@@ -169,8 +187,11 @@ def test_client_gone_before_the_decode_releases_the_hold(fleet):
 
 
 def test_bad_kv_transfer_params_are_a_400_naming_the_field(fleet):
-    response = httpx.post(f"{fleet['urls']['decode']}/v1/completions", timeout=30, json={
-        "prompt": "hello there", "max_tokens": 4, "kv_transfer_params": {"transfer_id": "x"}})
+    response = httpx.post(
+        f"{fleet['urls']['decode']}/v1/completions",
+        timeout=30,
+        json={"prompt": "hello there", "max_tokens": 4, "kv_transfer_params": {"transfer_id": "x"}},
+    )
     assert response.status_code == 400
     assert response.json()["error"]["param"] == "kv_transfer_params"
 
@@ -188,13 +209,23 @@ def test_spec_disaggregation_roles_and_serve_flags():
     from specfleet.engine.server.cli import build_parser, engine_config_kwargs
     from specfleet.operator.spec import InferenceServiceSpec
 
-    spec = InferenceServiceSpec.model_validate({"model": {"source": "bundled://smollm2-135m-instruct"},
-                                                "disaggregation": {"prefill": {"replicas": 2}, "decode": {}}})
+    spec = InferenceServiceSpec.model_validate(
+        {
+            "model": {"source": "bundled://smollm2-135m-instruct"},
+            "disaggregation": {"prefill": {"replicas": 2}, "decode": {}},
+        }
+    )
     assert (spec.disaggregation.prefill.replicas, spec.disaggregation.decode.replicas) == (2, 1)
     with pytest.raises(ValueError, match="replicas"):
-        InferenceServiceSpec.model_validate({"model": {"source": "bundled://smollm2-135m-instruct"},
-                                             "disaggregation": {"prefill": {"replicas": 0}}})
-    kwargs = engine_config_kwargs(build_parser().parse_args(["--kv-role", "decode", "--kv-transfer-timeout-s", "5"]))
+        InferenceServiceSpec.model_validate(
+            {
+                "model": {"source": "bundled://smollm2-135m-instruct"},
+                "disaggregation": {"prefill": {"replicas": 0}},
+            }
+        )
+    kwargs = engine_config_kwargs(
+        build_parser().parse_args(["--kv-role", "decode", "--kv-transfer-timeout-s", "5"])
+    )
     assert (kwargs["kv_role"], kwargs["kv_transfer_timeout_s"]) == ("decode", 5.0)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["--kv-role", "middle"])

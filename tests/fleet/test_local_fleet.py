@@ -23,13 +23,29 @@ def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
     openai = pytest.importorskip("openai")
     port = free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "specfleet.fleet.local", "-f", str(EXAMPLE), "--port", str(port), "--tune",
-         "--interval", "5", "--engine-arg=--kv-cache-gib=0.25"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env={**os.environ, "TOKENIZERS_PARALLELISM": "false"})
+        [
+            sys.executable,
+            "-m",
+            "specfleet.fleet.local",
+            "-f",
+            str(EXAMPLE),
+            "--port",
+            str(port),
+            "--tune",
+            "--interval",
+            "5",
+            "--engine-arg=--kv-cache-gib=0.25",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
     lines: queue.Queue[str] = queue.Queue()
     seen: list[str] = []
-    threading.Thread(target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],  # type: ignore[union-attr]
-                     daemon=True).start()
+    threading.Thread(
+        target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],  # type: ignore[union-attr]
+        daemon=True,
+    ).start()
 
     def wait_for(text: str, timeout_s: float) -> None:
         deadline = time.monotonic() + timeout_s
@@ -43,14 +59,21 @@ def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
 
     try:
         wait_for("serving bundled://smollm2-135m-instruct", 180)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
+        )
         models = client.models.list()
         assert models.data, "GET /v1/models through the endpoint returned no model"
-        chat = client.chat.completions.create(model=models.data[0].id, max_tokens=8,
-                                              messages=[{"role": "user", "content": "Say hello"}])
+        chat = client.chat.completions.create(
+            model=models.data[0].id, max_tokens=8, messages=[{"role": "user", "content": "Say hello"}]
+        )
         assert chat.choices[0].message.content
-        stream = client.chat.completions.create(model=models.data[0].id, max_tokens=8, stream=True,
-                                                messages=[{"role": "user", "content": "Count to three"}])
+        stream = client.chat.completions.create(
+            model=models.data[0].id,
+            max_tokens=8,
+            stream=True,
+            messages=[{"role": "user", "content": "Count to three"}],
+        )
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert len(pieces) >= 2 and "".join(pieces)
         wait_for("[tuner]", 30)  # the tuner runs and prints its decisions

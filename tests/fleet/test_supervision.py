@@ -25,8 +25,9 @@ def tiny_fleet(tiny_llama: str, replicas: int, **fleet_options: object) -> Local
     doc["spec"]["model"]["maxModelLen"] = 512
     doc["spec"]["replicas"] = replicas
     doc["spec"]["engine"]["drainTimeoutSeconds"] = 2
-    return LocalFleet(load_inference_service(doc), tune=False, engine_extra_args=["--kv-cache-gib=0.05"],
-                      **fleet_options)  # type: ignore[arg-type]
+    return LocalFleet(
+        load_inference_service(doc), tune=False, engine_extra_args=["--kv-cache-gib=0.05"], **fleet_options
+    )  # type: ignore[arg-type]
 
 
 async def until(what: str, check, timeout_s: float = 30.0) -> None:
@@ -51,8 +52,11 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
                 assert victim.proc is not None
                 os.kill(victim.proc.pid, signal.SIGKILL)
                 killed_at = time.monotonic()
-                await until("the dead engine to leave routing", lambda: not fleet.router.endpoints.get(victim.url).ready,
-                            5)
+                await until(
+                    "the dead engine to leave routing",
+                    lambda: not fleet.router.endpoints.get(victim.url).ready,
+                    5,
+                )
                 assert time.monotonic() - killed_at < 1.0  # at once, not after a readiness probe's failures
                 for _ in range(6):  # round-robin would alternate: every one must land on the survivor
                     r = await client.post("/v1/completions", json=body)
@@ -64,14 +68,19 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
                 assert "Last log lines" in report and "restarting in 1s" in report
                 assert victim.exit_codes == [-9]  # reaped: no zombie left behind
                 await until("the restart", lambda: any("restarting engine 0" in line for line in said), 10)
-                await until("the restarted engine to be ready", lambda: fleet.router.endpoints.get(victim.url).ready,
-                            60)
+                await until(
+                    "the restarted engine to be ready",
+                    lambda: fleet.router.endpoints.get(victim.url).ready,
+                    60,
+                )
                 assert victim.restarts == 1 and victim.running
                 # scale 2 -> 1: the newest engine drains and stops (scale-up: tests/fleet/test_autoscale.py)
                 await fleet.scale_to(1)
                 await until("the retired engine to stop", lambda: len(fleet.engines) == 1, 30)
                 assert [e.url for e in fleet.router.endpoints.routable()] == [victim.url]
-                assert any(f"engine {survivor.index} ({survivor.url}) stopped (exit code 0)" in line for line in said)
+                assert any(
+                    f"engine {survivor.index} ({survivor.url}) stopped (exit code 0)" in line for line in said
+                )
                 assert (await client.post("/v1/completions", json=body)).status_code == 200
         finally:
             codes = await fleet.stop(drain_timeout_s=5)

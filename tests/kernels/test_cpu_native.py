@@ -15,7 +15,9 @@ from specfleet.engine.attention.native_backend import NativeAttentionBackend
 from specfleet.engine.attention.torch_backend import TorchAttentionBackend
 from specfleet.kernels import cpu_native
 
-pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels did not build (no g++)")
+pytestmark = pytest.mark.skipif(
+    not cpu_native.available(), reason="native CPU kernels did not build (no g++)"
+)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 5, 8, 9, 17, 70])
@@ -33,9 +35,12 @@ def test_linear_matches_addmm(rows: int, in_out: tuple[int, int], threads: int) 
         plain = cpu_native.PackedLinear(weight)
         biased = cpu_native.PackedLinear(weight, bias)
         torch.testing.assert_close(plain(x), x @ weight, atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(plain(x, residual=residual), torch.addmm(residual, x, weight), atol=1e-4, rtol=1e-5)
-        torch.testing.assert_close(biased(x, residual=residual), residual + torch.addmm(bias, x, weight),
-                                   atol=1e-4, rtol=1e-5)
+        torch.testing.assert_close(
+            plain(x, residual=residual), torch.addmm(residual, x, weight), atol=1e-4, rtol=1e-5
+        )
+        torch.testing.assert_close(
+            biased(x, residual=residual), residual + torch.addmm(bias, x, weight), atol=1e-4, rtol=1e-5
+        )
     finally:
         cpu_native.set_num_threads(torch.get_num_threads())
 
@@ -49,8 +54,9 @@ def test_int8_linear_matches_its_dequantized_weight(rows: int) -> None:
     dequantized = torch.round(weight / scale).clamp(-127, 127) * scale
     layer = cpu_native.PackedLinear(weight, bias, quantize="int8")
     assert layer.panels.dtype == torch.int8
-    torch.testing.assert_close(layer(x, residual=residual), residual + torch.addmm(bias, x, dequantized),
-                               atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(
+        layer(x, residual=residual), residual + torch.addmm(bias, x, dequantized), atol=1e-4, rtol=1e-5
+    )
     # and it is close to the float weight: max-abs per column keeps the error near 1%
     exact = residual + torch.addmm(bias, x, weight)
     assert (layer(x, residual=residual) - exact).norm() / exact.norm() < 0.02
@@ -83,7 +89,9 @@ def test_rms_norm_and_silu_mul_match_torch() -> None:
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(7, 72, generator=gen) * 3
     w = torch.randn(72, generator=gen)
-    torch.testing.assert_close(cpu_native.rms_norm(x, w, 1e-5), F.rms_norm(x, (72,), w, 1e-5), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(
+        cpu_native.rms_norm(x, w, 1e-5), F.rms_norm(x, (72,), w, 1e-5), atol=1e-5, rtol=1e-5
+    )
     gate_up = torch.randn(5, 2 * 40, generator=gen) * 8  # wide range: exercises exp's clamping
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(cpu_native.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
@@ -105,8 +113,17 @@ def test_native_backend_matches_torch_backend(step: str, heads: tuple[int, int, 
     blocks, a padding row, GQA, MQA and plain multi-head attention."""
     num_heads, num_kv_heads, head_dim = heads
     query_lens, seq_lens = STEPS[step]
-    case = make_case(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, 16, torch.float32,
-                     share_prefix=True, seed=len(step) + num_heads)
+    case = make_case(
+        query_lens,
+        seq_lens,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        16,
+        torch.float32,
+        share_prefix=True,
+        seed=len(step) + num_heads,
+    )
     gen = torch.Generator().manual_seed(2)
     num_tokens = sum(query_lens)
     key = torch.randn((num_tokens, num_kv_heads, head_dim), generator=gen)
@@ -132,12 +149,30 @@ def test_paged_attention_checks_shapes() -> None:
     case = make_case([1], [7], 4, 4, 24, 16, torch.float32)  # head_dim 24: not a multiple of 16
     seqs = torch.tensor([0], dtype=torch.int32)
     with pytest.raises(ValueError, match="head_dim must be a multiple of 16"):
-        cpu_native.paged_attention(case.query, case.k_cache, case.v_cache, case.block_tables, seqs,
-                                   case.query_start_loc, case.seq_lens, case.scale, torch.empty_like(case.query))
+        cpu_native.paged_attention(
+            case.query,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            seqs,
+            case.query_start_loc,
+            case.seq_lens,
+            case.scale,
+            torch.empty_like(case.query),
+        )
     case = make_case([1], [7], 4, 4, 32, 16, torch.float32)
     with pytest.raises(ValueError, match="block_tables must be a CPU torch.int32"):
-        cpu_native.paged_attention(case.query, case.k_cache, case.v_cache, case.block_tables.long(), seqs,
-                                   case.query_start_loc, case.seq_lens, case.scale, torch.empty_like(case.query))
+        cpu_native.paged_attention(
+            case.query,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables.long(),
+            seqs,
+            case.query_start_loc,
+            case.seq_lens,
+            case.scale,
+            torch.empty_like(case.query),
+        )
 
 
 def test_auto_picks_native_on_cpu_float32_only() -> None:
@@ -148,12 +183,19 @@ def test_auto_picks_native_on_cpu_float32_only() -> None:
 
 
 def test_disabled_by_environment_falls_back_to_torch() -> None:
-    code = ("from specfleet.kernels import cpu_native; import torch\n"
-            "from specfleet.engine.attention.base import get_attention_backend\n"
-            "assert not cpu_native.available()\n"
-            "print(get_attention_backend('auto', torch.device('cpu')).name)")
-    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "SPECFLEET_NATIVE": "0"},
-                         capture_output=True, text=True, check=True)
+    code = (
+        "from specfleet.kernels import cpu_native; import torch\n"
+        "from specfleet.engine.attention.base import get_attention_backend\n"
+        "assert not cpu_native.available()\n"
+        "print(get_attention_backend('auto', torch.device('cpu')).name)"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env={**os.environ, "SPECFLEET_NATIVE": "0"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert out.stdout.strip() == "torch"
 
 

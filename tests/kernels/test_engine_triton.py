@@ -43,5 +43,7 @@ def test_triton_backend_matches_torch_backend_greedy(monkeypatch: pytest.MonkeyP
     assert all(len(t) == 4 for t in expected), expected
 
     assert _greedy("triton", max_num_batched_tokens=32) == expected
-    chunk_after_prefix = [(q, s) for q, s in prefill_calls if any(ql < sl for ql, sl in zip(q, s, strict=True))]
+    chunk_after_prefix = [
+        (q, s) for q, s in prefill_calls if any(ql < sl for ql, sl in zip(q, s, strict=True))
+    ]
     assert chunk_after_prefix, f"no prefill chunk ran over a cached prefix: {prefill_calls[:2]}"

@@ -23,7 +23,9 @@ def test_scripts_parse() -> None:
 @pytest.mark.slow
 def test_dry_run_writes_every_figure(tmp_path: Path) -> None:
     env = {**os.environ, "DRY_RUN": "1", "OUT": str(tmp_path), "PYTHON": sys.executable}
-    proc = subprocess.run(["bash", str(GPU_DIR / "run.sh")], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        ["bash", str(GPU_DIR / "run.sh")], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     report = json.loads((tmp_path / "gpu.json").read_text())
     assert report["errors"] == {}

@@ -40,6 +40,7 @@ def test_write_matches_reference(num_tokens: int, block_size: int, dtype: torch.
     flat = k_cache.view(-1, num_kv_heads, head_dim)
     assert torch.equal(flat[slots[kept]], key[kept])
 
+
 def test_write_matches_torch_backend_with_strided_key() -> None:
     """Keys sliced out of a fused qkv projection (token stride > heads * head_dim) are written right."""
     gen = torch.Generator().manual_seed(1)
@@ -55,9 +56,15 @@ def test_write_matches_torch_backend_with_strided_key() -> None:
     reshape_and_cache(key, value, k_cache, v_cache, slots)
     from specfleet.engine.attention.base import AttentionMetadata
 
-    meta = AttentionMetadata(slots, torch.tensor([0, num_tokens], dtype=torch.int32),
-                             torch.tensor([num_tokens], dtype=torch.int32), torch.zeros((1, 3), dtype=torch.int32),
-                             [num_tokens], [num_tokens], block_size)
+    meta = AttentionMetadata(
+        slots,
+        torch.tensor([0, num_tokens], dtype=torch.int32),
+        torch.tensor([num_tokens], dtype=torch.int32),
+        torch.zeros((1, 3), dtype=torch.int32),
+        [num_tokens],
+        [num_tokens],
+        block_size,
+    )
     backend = TorchAttentionBackend()
     backend.prepare(meta)
     backend.write_kv(key, value, k_ref, v_ref, meta)

@@ -14,14 +14,30 @@ GQA = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): ratios 1, 3, 4
 
 
 def _run(case: PagedCase, num_splits: int | None = None) -> torch.Tensor:
-    return paged_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                  case.query_start_loc, case.seq_lens, case.scale,
-                                  max(case.query_lens), max(case.seq_lens_list), num_splits=num_splits)
+    return paged_decode_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+        case.scale,
+        max(case.query_lens),
+        max(case.seq_lens_list),
+        num_splits=num_splits,
+    )
 
 
 def _reference(case: PagedCase) -> torch.Tensor:
-    return paged_attention_reference(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                     case.query_start_loc, case.seq_lens, case.scale)
+    return paged_attention_reference(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+        case.scale,
+    )
 
 
 def _torch_backend(case: PagedCase) -> torch.Tensor:
@@ -40,8 +56,16 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype) -> 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_decode_matches_reference_and_torch_backend(heads, head_dim, block_size, dtype) -> None:
     num_heads, num_kv_heads = heads
-    case = make_case([1] * len(SEQ_LENS), SEQ_LENS, num_heads, num_kv_heads, head_dim, block_size, dtype,
-                     seed=head_dim + block_size)
+    case = make_case(
+        [1] * len(SEQ_LENS),
+        SEQ_LENS,
+        num_heads,
+        num_kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        seed=head_dim + block_size,
+    )
     out = _run(case)
     _close(out, _reference(case), dtype)
     _close(out, _torch_backend(case), dtype)
@@ -83,15 +107,43 @@ def test_output_depends_on_every_visible_key_and_no_future_key() -> None:
 def test_rejects_bad_arguments() -> None:
     case = make_case([1], [7], 4, 4, 64, 16, torch.float32)
     with pytest.raises(ValueError, match="max_query_len=17 must be in 1..16"):
-        paged_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                               case.query_start_loc, case.seq_lens, case.scale, 17, 7)
+        paged_decode_attention(
+            case.query,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            case.query_start_loc,
+            case.seq_lens,
+            case.scale,
+            17,
+            7,
+        )
     with pytest.raises(ValueError, match="num_heads=4 is not a multiple of num_kv_heads=3"):
         k = torch.zeros(case.k_cache.shape[:2] + (3, 64))
-        paged_decode_attention(case.query, k, k, case.block_tables, case.query_start_loc, case.seq_lens,
-                               case.scale, 1, 7)
+        paged_decode_attention(
+            case.query, k, k, case.block_tables, case.query_start_loc, case.seq_lens, case.scale, 1, 7
+        )
     with pytest.raises(ValueError, match="block_tables.dtype=torch.int64"):
-        paged_decode_attention(case.query, case.k_cache, case.v_cache, case.block_tables.long(),
-                               case.query_start_loc, case.seq_lens, case.scale, 1, 7)
+        paged_decode_attention(
+            case.query,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables.long(),
+            case.query_start_loc,
+            case.seq_lens,
+            case.scale,
+            1,
+            7,
+        )
     with pytest.raises(ValueError, match="k_cache.dtype=torch.bfloat16"):
-        paged_decode_attention(case.query, case.k_cache.bfloat16(), case.v_cache.bfloat16(),
-                               case.block_tables, case.query_start_loc, case.seq_lens, case.scale, 1, 7)
+        paged_decode_attention(
+            case.query,
+            case.k_cache.bfloat16(),
+            case.v_cache.bfloat16(),
+            case.block_tables,
+            case.query_start_loc,
+            case.seq_lens,
+            case.scale,
+            1,
+            7,
+        )

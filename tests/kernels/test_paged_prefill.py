@@ -13,14 +13,29 @@ GQA = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): ratios 1, 3, 4
 
 
 def _run(case: PagedCase, block_m: int | None = None) -> torch.Tensor:
-    return paged_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                   case.query_start_loc, case.seq_lens, case.scale, max(case.query_lens),
-                                   block_m=block_m)
+    return paged_prefill_attention(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+        case.scale,
+        max(case.query_lens),
+        block_m=block_m,
+    )
 
 
 def _check(case: PagedCase, out: torch.Tensor, dtype: torch.dtype) -> None:
-    expected = paged_attention_reference(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                         case.query_start_loc, case.seq_lens, case.scale)
+    expected = paged_attention_reference(
+        case.query,
+        case.k_cache,
+        case.v_cache,
+        case.block_tables,
+        case.query_start_loc,
+        case.seq_lens,
+        case.scale,
+    )
     torch.testing.assert_close(out.float(), expected.float(), **TOLERANCE[dtype])
     backend, meta = TorchAttentionBackend(), case.metadata()
     backend.prepare(meta)
@@ -71,8 +86,24 @@ def test_later_chunk_tokens_do_not_leak_into_earlier_rows() -> None:
 def test_rejects_mismatched_metadata() -> None:
     case = make_case([7], [40], 4, 4, 64, 16, torch.float32)
     with pytest.raises(ValueError, match=r"query_start_loc.shape=\(3,\)"):
-        paged_prefill_attention(case.query, case.k_cache, case.v_cache, case.block_tables,
-                                torch.tensor([0, 3, 7], dtype=torch.int32), case.seq_lens, case.scale, 7)
+        paged_prefill_attention(
+            case.query,
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            torch.tensor([0, 3, 7], dtype=torch.int32),
+            case.seq_lens,
+            case.scale,
+            7,
+        )
     with pytest.raises(ValueError, match="head_dim=32"):
-        paged_prefill_attention(case.query[..., :32], case.k_cache, case.v_cache, case.block_tables,
-                                case.query_start_loc, case.seq_lens, case.scale, 7)
+        paged_prefill_attention(
+            case.query[..., :32],
+            case.k_cache,
+            case.v_cache,
+            case.block_tables,
+            case.query_start_loc,
+            case.seq_lens,
+            case.scale,
+            7,
+        )

@@ -21,18 +21,22 @@ def test_awq_triton_matches_reference(rows: int) -> None:
     bias = torch.randn(72)
     residual = torch.randn(rows, 72)
     layer = TritonQuantLinear(q, bias, CPU, torch.float32)
-    torch.testing.assert_close(layer(x, residual=residual), residual + torch.addmm(bias, x, reference.t()),
-                               rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        layer(x, residual=residual), residual + torch.addmm(bias, x, reference.t()), rtol=1e-4, atol=1e-3
+    )
 
 
 @pytest.mark.parametrize("act_order", [False, True])
 def test_gptq_triton_matches_reference(act_order: bool) -> None:
     w = torch.randn(40, 96, generator=torch.Generator().manual_seed(1))
     tensors, reference = pack_gptq(w, 32, act_order=act_order)
-    q = gptq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], {"group_size": 32})
+    q = gptq_weight(
+        tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], {"group_size": 32}
+    )
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(2))
-    torch.testing.assert_close(TritonQuantLinear(q, None, CPU, torch.float32)(x), x @ reference.t(),
-                               rtol=1e-4, atol=1e-3)
+    torch.testing.assert_close(
+        TritonQuantLinear(q, None, CPU, torch.float32)(x), x @ reference.t(), rtol=1e-4, atol=1e-3
+    )
 
 
 def test_repacked_words_hold_the_codes() -> None:

@@ -37,8 +37,9 @@ def _gguf_roundtrip(type_name: str, w: np.ndarray) -> tuple[np.ndarray, torch.Te
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
 
 
-@pytest.mark.parametrize("type_name,shape", [("Q4_0", (33, 96)), ("Q4_1", (7, 64)), ("Q8_0", (45, 160)),
-                                             ("Q4_K", (37, 512))])
+@pytest.mark.parametrize(
+    "type_name,shape", [("Q4_0", (33, 96)), ("Q4_1", (7, 64)), ("Q8_0", (45, 160)), ("Q4_K", (37, 512))]
+)
 @pytest.mark.parametrize("rows", [1, 3, 11])
 def test_gguf_types_match_gguf_dequantize(type_name: str, shape: tuple[int, int], rows: int) -> None:
     w = np.random.default_rng(1).normal(0, 0.5, size=shape).astype(np.float32)
@@ -82,7 +83,9 @@ def test_awq_weight_matches_documented_unpacking(group: int, rows: int) -> None:
 def test_gptq_weight_matches_documented_unpacking(act_order: bool, rows: int) -> None:
     w = torch.randn(40, 192, generator=torch.Generator().manual_seed(3))
     tensors, reference = pack_gptq(w, 64, act_order=act_order)
-    q = gptq_weight(tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], {"group_size": 64})
+    q = gptq_weight(
+        tensors["qweight"], tensors["qzeros"], tensors["scales"], tensors["g_idx"], {"group_size": 64}
+    )
     assert (q.perm is not None) == act_order
     torch.testing.assert_close(q.dequantize(), reference, rtol=1e-6, atol=1e-6)
     _check_linear(q, reference, rows)
@@ -91,8 +94,12 @@ def test_gptq_weight_matches_documented_unpacking(act_order: bool, rows: int) ->
 def test_awq_nibble_order_is_interleaved() -> None:
     """One int32 holding columns 0..7 = codes 0..7: AutoAWQ puts column c at slot [0, 4, 1, 5, 2, 6, 3, 7][c]."""
     word = sum(c << (4 * slot) for c, slot in enumerate([0, 4, 1, 5, 2, 6, 3, 7]))
-    q = awq_weight(torch.tensor([[word]] * 32, dtype=torch.int32), torch.zeros(1, 1, dtype=torch.int32),
-                   torch.ones(1, 8, dtype=torch.float16), {"group_size": 32})
+    q = awq_weight(
+        torch.tensor([[word]] * 32, dtype=torch.int32),
+        torch.zeros(1, 1, dtype=torch.int32),
+        torch.ones(1, 8, dtype=torch.float16),
+        {"group_size": 32},
+    )
     assert q.codes[:, 0].tolist() == list(range(8))
 
 

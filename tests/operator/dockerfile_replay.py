@@ -78,12 +78,16 @@ def _run_commands(dockerfile: Dockerfile, args: str) -> None:
             dockerfile.pip_installs.append(argv[2:])
         elif argv[:1] == ["apt-get"]:
             if "install" in argv:
-                dockerfile.apt_packages += [a for a in argv[argv.index("install") + 1:] if not a.startswith("-")]
+                dockerfile.apt_packages += [
+                    a for a in argv[argv.index("install") + 1 :] if not a.startswith("-")
+                ]
         elif argv[:3] == ["python3", "-m", "venv"]:
             continue  # the replay's own fresh venv stands for it
         elif argv[0] not in SKIPPED:
-            raise ValueError(f"{dockerfile.path.name}: the replay does not know the RUN command {command.strip()!r};"
-                             " teach tests/operator/dockerfile_replay.py whether it installs anything")
+            raise ValueError(
+                f"{dockerfile.path.name}: the replay does not know the RUN command {command.strip()!r};"
+                " teach tests/operator/dockerfile_replay.py whether it installs anything"
+            )
 
 
 def parse(path: Path) -> Dockerfile:
@@ -126,16 +130,30 @@ class Replay:
     def python(self) -> Path:
         return self.venv / "bin" / "python"
 
-    def run(self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None,
-            timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, *args: str, env: dict[str, str] | None = None, cwd: Path | None = None, timeout: float = 600
+    ) -> subprocess.CompletedProcess[str]:
         """Run the venv's python as the image would (its ENV, no repository on sys.path)."""
         # The pod mounts an emptyDir at /cache; here it is a folder of the venv's, never the host's /cache.
-        image_env = {k: str(self.venv) + v if v.startswith("/cache") else v
-                     for k, v in self.dockerfile.env.items() if k not in REPLACED_ENV}
-        full_env = {"PATH": f"{self.venv / 'bin'}:{os.environ['PATH']}", "HOME": str(self.venv),
-                    **image_env, **(env or {})}
-        return subprocess.run([str(self.python), *args], capture_output=True, text=True, env=full_env,
-                              cwd=cwd or self.venv, timeout=timeout)
+        image_env = {
+            k: str(self.venv) + v if v.startswith("/cache") else v
+            for k, v in self.dockerfile.env.items()
+            if k not in REPLACED_ENV
+        }
+        full_env = {
+            "PATH": f"{self.venv / 'bin'}:{os.environ['PATH']}",
+            "HOME": str(self.venv),
+            **image_env,
+            **(env or {}),
+        }
+        return subprocess.run(
+            [str(self.python), *args],
+            capture_output=True,
+            text=True,
+            env=full_env,
+            cwd=cwd or self.venv,
+            timeout=timeout,
+        )
 
 
 def replay(path: Path, repo: Path, workdir: Path) -> Replay:
@@ -153,20 +171,34 @@ def replay(path: Path, repo: Path, workdir: Path) -> Replay:
             shutil.copy2(repo / source, target)  # into the folder when dest is one (`./`)
     env_dir = workdir / "venv"
     venv.EnvBuilder(with_pip=True, clear=True).create(env_dir)
-    pip_env = {**os.environ, **{k: v for k, v in dockerfile.env.items()
-                                if k.startswith("PIP_") and k not in REPLACED_ENV}}
+    pip_env = {
+        **os.environ,
+        **{k: v for k, v in dockerfile.env.items() if k.startswith("PIP_") and k not in REPLACED_ENV},
+    }
     pip_env.pop("PYTHONPATH", None)
     steps = []
     for argv in dockerfile.pip_installs:
         step_started = time.monotonic()
         # -P: the build folder holds an `operator/` folder that would shadow the standard library's.
-        command = [str(env_dir / "bin" / "python"), "-P", "-m", "pip", "install", "-q", "--no-compile",
-                   *replayed_pip_args(argv)]
+        command = [
+            str(env_dir / "bin" / "python"),
+            "-P",
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-compile",
+            *replayed_pip_args(argv),
+        ]
         proc = subprocess.run(command, cwd=build, env=pip_env, capture_output=True, text=True, timeout=900)
         if proc.returncode != 0:
-            raise RuntimeError(f"{path.name}: `pip install {shlex.join(argv)}` failed:\n{proc.stdout}\n{proc.stderr}")
+            raise RuntimeError(
+                f"{path.name}: `pip install {shlex.join(argv)}` failed:\n{proc.stdout}\n{proc.stderr}"
+            )
         steps.append(f"`pip install {shlex.join(argv)}` {time.monotonic() - step_started:.0f}s")
     seconds = time.monotonic() - started
-    print(f"image replay: {path.parent.name}/{path.name} installed in {seconds:.0f}s: {'; '.join(steps)}",
-          file=sys.stderr)
+    print(
+        f"image replay: {path.parent.name}/{path.name} installed in {seconds:.0f}s: {'; '.join(steps)}",
+        file=sys.stderr,
+    )
     return Replay(dockerfile, env_dir, seconds)

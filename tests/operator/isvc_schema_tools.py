@@ -16,7 +16,9 @@ from kube_admission import apply_defaults, cel_errors  # tests/ is on sys.path (
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferenceservice.yaml"
 EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
-KUBERNETES_VERSION = "1.30.0"  # the oldest Kubernetes we support; CEL and PDB unhealthyPodEvictionPolicy are GA
+KUBERNETES_VERSION = (
+    "1.30.0"  # the oldest Kubernetes we support; CEL and PDB unhealthyPodEvictionPolicy are GA
+)
 
 
 @functools.cache

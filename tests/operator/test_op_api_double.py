@@ -27,11 +27,22 @@ def example() -> dict[str, Any]:
     return yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
 
 
-def call(fake: FakeKube, method: str, path: str, body: Any = None, content_type: str = "application/json",
-         **params: str) -> httpx.Response:
-    return httpx.request(method, fake.url + path, params=params, timeout=10,
-                         content=None if body is None else json.dumps(body),
-                         headers={"Content-Type": content_type})
+def call(
+    fake: FakeKube,
+    method: str,
+    path: str,
+    body: Any = None,
+    content_type: str = "application/json",
+    **params: str,
+) -> httpx.Response:
+    return httpx.request(
+        method,
+        fake.url + path,
+        params=params,
+        timeout=10,
+        content=None if body is None else json.dumps(body),
+        headers={"Content-Type": content_type},
+    )
 
 
 def test_rbac_comes_from_the_rendered_chart() -> None:
@@ -52,8 +63,11 @@ def test_rbac_comes_from_the_rendered_chart() -> None:
 
 
 def test_a_missing_verb_is_a_403(fake_kube: FakeKube) -> None:
-    fake_kube.put(*DEPLOY, NS, {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"},
-                                "spec": {"replicas": 1}})
+    fake_kube.put(
+        *DEPLOY,
+        NS,
+        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d"}, "spec": {"replicas": 1}},
+    )
     assert call(fake_kube, "GET", f"/apis/apps/v1/namespaces/{NS}/deployments/d").status_code == 200
     denied = call(fake_kube, "DELETE", f"/api/v1/namespaces/{NS}/secrets/x")
     assert denied.status_code == 403 and 'cannot delete resource "secrets"' in denied.json()["message"]
@@ -67,8 +81,14 @@ def test_owner_references_that_block_deletion_need_the_owners_finalizers() -> No
     fake = FakeKube(rbac=Rbac.from_objects(list(objects), "op", NS)).start()
     try:
         owner = fake.put(*ISVC, NS, example())
-        ref = {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService", "name": "smollm2",
-               "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}
+        ref = {
+            "apiVersion": "serving.specfleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "name": "smollm2",
+            "uid": owner["metadata"]["uid"],
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
         body = {"apiVersion": "v1", "kind": "Service", "metadata": {"name": "s", "ownerReferences": [ref]}}
         refused = call(fake, "POST", f"/api/v1/namespaces/{NS}/services", body)
         assert refused.status_code == 403 and "inferenceservices/finalizers" in refused.json()["message"]
@@ -97,11 +117,22 @@ def test_status_subresource_and_generation(fake_kube: FakeKube) -> None:
     created = fake_kube.put(*ISVC, NS, example())
     assert created["metadata"]["generation"] == 1
     # the object's endpoint ignores status; /status ignores everything else
-    call(fake_kube, "PATCH", f"{ISVC_PATH}/smollm2", {"status": {"replicas": 9}, "metadata": {"labels": {"a": "b"}}},
-         MERGE)
+    call(
+        fake_kube,
+        "PATCH",
+        f"{ISVC_PATH}/smollm2",
+        {"status": {"replicas": 9}, "metadata": {"labels": {"a": "b"}}},
+        MERGE,
+    )
     stored = fake_kube.get(*ISVC, NS, "smollm2")
     assert stored is not None and "status" not in stored and stored["metadata"]["generation"] == 1
-    call(fake_kube, "PATCH", f"{ISVC_PATH}/smollm2/status", {"status": {"replicas": 2}, "spec": {"replicas": 5}}, MERGE)
+    call(
+        fake_kube,
+        "PATCH",
+        f"{ISVC_PATH}/smollm2/status",
+        {"status": {"replicas": 2}, "spec": {"replicas": 5}},
+        MERGE,
+    )
     stored = fake_kube.get(*ISVC, NS, "smollm2")
     assert stored["status"]["replicas"] == 2 and stored["spec"]["replicas"] == 1  # type: ignore[index]
     assert stored["metadata"]["generation"] == 1  # type: ignore[index]
@@ -123,9 +154,21 @@ def test_custom_resources_are_defaulted_pruned_and_validated(fake_kube: FakeKube
     created = call(fake_kube, "POST", ISVC_PATH, doc).json()
     assert "unknownField" not in created["spec"]  # pruned
     assert created["spec"]["engine"]["blockSize"] == 16  # defaulted
-    call(fake_kube, "PATCH", f"{ISVC_PATH}/smollm2/status", {"status": {"kopf": {"progress": {}}, "replicas": 1}}, MERGE)
+    call(
+        fake_kube,
+        "PATCH",
+        f"{ISVC_PATH}/smollm2/status",
+        {"status": {"kopf": {"progress": {}}, "replicas": 1}},
+        MERGE,
+    )
     assert fake_kube.get(*ISVC, NS, "smollm2")["status"] == {"replicas": 1}  # type: ignore[index]
-    bad = call(fake_kube, "PATCH", f"{ISVC_PATH}/smollm2/status", {"status": {"conditions": [{"type": "Ready"}]}}, MERGE)
+    bad = call(
+        fake_kube,
+        "PATCH",
+        f"{ISVC_PATH}/smollm2/status",
+        {"status": {"conditions": [{"type": "Ready"}]}},
+        MERGE,
+    )
     assert bad.status_code == 422 and "status" in bad.json()["message"]  # a condition needs its status
 
 
@@ -141,8 +184,12 @@ def test_merge_patch_replaces_lists_and_server_side_apply_merges_list_maps(fake_
     assert [c["type"] for c in fake_kube.get(*ISVC, NS, "smollm2")["status"]["conditions"]] == ["Tuned"]  # type: ignore[index]
 
     def apply(manager: str, status: dict[str, Any], force: bool = True) -> httpx.Response:
-        body = {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService",
-                "metadata": {"name": "smollm2"}, "status": status}
+        body = {
+            "apiVersion": "serving.specfleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "smollm2"},
+            "status": status,
+        }
         return call(fake_kube, "PATCH", path, body, APPLY, fieldManager=manager, force=str(force).lower())
 
     assert apply("operator", {"conditions": [ready], "replicas": 1}).status_code == 200
@@ -166,19 +213,45 @@ def test_finalizers_hold_a_deletion_and_garbage_collection_follows(fake_kube: Fa
     doc = example()
     doc["metadata"]["finalizers"] = ["example.com/hold"]
     owner = fake_kube.put(*ISVC, NS, doc)
-    ref = {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService", "name": "smollm2",
-           "uid": owner["metadata"]["uid"], "controller": True}
-    fake_kube.put(*DEPLOY, NS, {"apiVersion": "apps/v1", "kind": "Deployment",
-                                "metadata": {"name": "smollm2", "ownerReferences": [ref]}, "spec": {"replicas": 1}})
+    ref = {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "name": "smollm2",
+        "uid": owner["metadata"]["uid"],
+        "controller": True,
+    }
+    fake_kube.put(
+        *DEPLOY,
+        NS,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "smollm2", "ownerReferences": [ref]},
+            "spec": {"replicas": 1},
+        },
+    )
     other = copy.deepcopy(ref) | {"uid": "someone-else", "name": "x"}
-    fake_kube.put("/api/v1", "secrets", NS, {"apiVersion": "v1", "kind": "Secret",
-                                            "metadata": {"name": "shared", "ownerReferences": [ref, other]}})
+    fake_kube.put(
+        "/api/v1",
+        "secrets",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "metadata": {"name": "shared", "ownerReferences": [ref, other]},
+        },
+    )
     call(fake_kube, "DELETE", f"{ISVC_PATH}/smollm2")
     held = fake_kube.get(*ISVC, NS, "smollm2")
     assert held is not None and held["metadata"]["deletionTimestamp"]
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is not None  # the owner still exists
-    more = call(fake_kube, "PATCH", f"{ISVC_PATH}/smollm2", {"metadata": {"finalizers": ["example.com/hold", "b"]}},
-                MERGE)
+    more = call(
+        fake_kube,
+        "PATCH",
+        f"{ISVC_PATH}/smollm2",
+        {"metadata": {"finalizers": ["example.com/hold", "b"]}},
+        MERGE,
+    )
     assert more.status_code == 422 and "being deleted" in more.json()["message"]
     call(fake_kube, "PATCH", f"{ISVC_PATH}/smollm2", {"metadata": {"finalizers": None}}, MERGE)
     assert fake_kube.get(*ISVC, NS, "smollm2") is None
@@ -190,15 +263,24 @@ def test_finalizers_hold_a_deletion_and_garbage_collection_follows(fake_kube: Fa
 def test_watch_and_list_honour_label_selectors(fake_kube: FakeKube) -> None:
     fake_kube.rbac = None
     for name, labels in (("a", {"app": "x"}), ("b", {"app": "y"})):
-        fake_kube.put("/api/v1", "pods", NS, {"apiVersion": "v1", "kind": "Pod",
-                                              "metadata": {"name": name, "labels": labels}})
+        fake_kube.put(
+            "/api/v1",
+            "pods",
+            NS,
+            {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels}},
+        )
     listed = call(fake_kube, "GET", f"/api/v1/namespaces/{NS}/pods", labelSelector="app=x").json()
     assert [p["metadata"]["name"] for p in listed["items"]] == ["a"]
 
     async def first_event() -> dict[str, Any]:
-        async with httpx.AsyncClient(timeout=10) as client, client.stream(
-                "GET", f"{fake_kube.url}/api/v1/namespaces/{NS}/pods",
-                params={"watch": "true", "labelSelector": "app=y"}) as response:
+        async with (
+            httpx.AsyncClient(timeout=10) as client,
+            client.stream(
+                "GET",
+                f"{fake_kube.url}/api/v1/namespaces/{NS}/pods",
+                params={"watch": "true", "labelSelector": "app=y"},
+            ) as response,
+        ):
             async for line in response.aiter_lines():
                 return json.loads(line)
         raise AssertionError("no event")

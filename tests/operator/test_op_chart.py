@@ -42,16 +42,27 @@ def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
     return deployment["spec"]["template"]["spec"]["containers"][0]
 
 
-@pytest.mark.parametrize("values", [None, NON_DEFAULT, CLUSTER_WIDE], ids=["default", "custom", "cluster-wide"])
+@pytest.mark.parametrize(
+    "values", [None, NON_DEFAULT, CLUSTER_WIDE], ids=["default", "custom", "cluster-wide"]
+)
 def test_chart_renders_valid_least_privilege_objects(values: dict[str, Any] | None) -> None:
     objects, notes = render(values)
-    assert {o["kind"] for o in objects} >= {"Deployment", "ServiceAccount", "ClusterRole", "ClusterRoleBinding"}
+    assert {o["kind"] for o in objects} >= {
+        "Deployment",
+        "ServiceAccount",
+        "ClusterRole",
+        "ClusterRoleBinding",
+    }
     for obj in objects:
         k8s_validate(obj)
     for role in by_kind(objects, "Role") + by_kind(objects, "ClusterRole"):
         for rule in role["rules"]:
-            assert "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"], rule
-            assert "secrets" not in rule["resources"] or not {"list", "watch", "delete"} & set(rule["verbs"]), rule
+            assert (
+                "*" not in rule["verbs"] and "*" not in rule["resources"] and "*" not in rule["apiGroups"]
+            ), rule
+            assert "secrets" not in rule["resources"] or not {"list", "watch", "delete"} & set(
+                rule["verbs"]
+            ), rule
     assert "kubectl" in notes and "smollm2-cpu.yaml" in notes
     pod = by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
@@ -81,7 +92,10 @@ def test_custom_values_reach_the_operator() -> None:
     assert sorted(r["metadata"]["namespace"] for r in by_kind(objects, "Role")) == ["team-a", "team-b"]
     groups = {g for role in by_kind(objects, "Role") for rule in role["rules"] for g in rule["apiGroups"]}
     assert "monitoring.coreos.com" not in groups
-    assert by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["tolerations"] == NON_DEFAULT["tolerations"]
+    assert (
+        by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["tolerations"]
+        == NON_DEFAULT["tolerations"]
+    )
 
 
 def test_cluster_wide_uses_a_cluster_role() -> None:
@@ -137,9 +151,16 @@ def test_watched_namespaces_that_do_not_exist_yet_are_created_first() -> None:
     assert by_kind(objects, "Namespace") == []
 
 
-@pytest.mark.parametrize("values", [{"prometheusUrl": "http://x"}, {"watch": {"namespace": ["a"]}},
-                                    {"crds": {"upgrade": True}}, {"image": {"registry": "x"}}],
-                         ids=["top-level", "watch", "crds", "image"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"prometheusUrl": "http://x"},
+        {"watch": {"namespace": ["a"]}},
+        {"crds": {"upgrade": True}},
+        {"image": {"registry": "x"}},
+    ],
+    ids=["top-level", "watch", "crds", "image"],
+)
 def test_values_schema_rejects_unknown_keys(values: dict[str, Any]) -> None:
     (key,) = [k for v in values.values() for k in (v if isinstance(v, dict) else {})] or list(values)
     with pytest.raises(helm.HelmError, match=key):
@@ -151,9 +172,18 @@ def test_every_operator_setting_is_a_value() -> None:
     read = set()  # the operator's image runs operator/ and tuner/ (the local fleet, fleet/, runs outside)
     for path in [*(REPO / "operator").rglob("*.py"), *(REPO / "tuner").rglob("*.py")]:
         read |= set(re.findall(r"""(?:environ|env)\.get\(\s*["'](SPECFLEET_[A-Z_]+)""", path.read_text()))
-    assert read >= {"SPECFLEET_ENGINE_IMAGE", "SPECFLEET_PROMETHEUS_SELECTOR", "SPECFLEET_MODEL_DOWNLOADER_IMAGE"}
-    objects, _ = render({"prometheusSelector": 'job="engines",ns="{namespace}",svc="{name}"', "tunerTickSeconds": 2,
-                         "modelDownloaderImage": "registry.local/downloader:1"})
+    assert read >= {
+        "SPECFLEET_ENGINE_IMAGE",
+        "SPECFLEET_PROMETHEUS_SELECTOR",
+        "SPECFLEET_MODEL_DOWNLOADER_IMAGE",
+    }
+    objects, _ = render(
+        {
+            "prometheusSelector": 'job="engines",ns="{namespace}",svc="{name}"',
+            "tunerTickSeconds": 2,
+            "modelDownloaderImage": "registry.local/downloader:1",
+        }
+    )
     env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
     assert read <= set(env), read - set(env)
     assert env["SPECFLEET_PROMETHEUS_SELECTOR"] == 'job="engines",ns="{namespace}",svc="{name}"'
@@ -161,7 +191,9 @@ def test_every_operator_setting_is_a_value() -> None:
     assert env["SPECFLEET_MODEL_DOWNLOADER_IMAGE"] == "registry.local/downloader:1"
 
 
-@pytest.mark.parametrize("values", [None, NON_DEFAULT, CLUSTER_WIDE], ids=["default", "custom", "cluster-wide"])
+@pytest.mark.parametrize(
+    "values", [None, NON_DEFAULT, CLUSTER_WIDE], ids=["default", "custom", "cluster-wide"]
+)
 def test_notes_commands_name_their_namespace(values: dict[str, Any] | None) -> None:
     _, notes = render(values)
     commands = [line.strip() for line in notes.splitlines() if line.strip().startswith("kubectl")]

@@ -37,8 +37,13 @@ def rendered_objects() -> dict[str, list[dict[str, Any]]]:
         doc = yaml.safe_load(path.read_text())
         doc["metadata"].update(namespace=USER_NAMESPACE, uid="uid-1234")
         isvc = load_inference_service(doc)
-        children = [render_deployment(isvc), render_service(isvc), render_secret(isvc, new_admin_token()),
-                    render_pdb(isvc), render_servicemonitor(isvc)]
+        children = [
+            render_deployment(isvc),
+            render_service(isvc),
+            render_secret(isvc, new_admin_token()),
+            render_pdb(isvc),
+            render_servicemonitor(isvc),
+        ]
         files[f"isvc-{path.stem}.yaml"] = [child for child in children if child]
     return files
 
@@ -47,8 +52,23 @@ def run_checkov(folder: Path) -> dict[str, Any]:
     if not CHECKOV.exists():
         pytest.fail(f"{CHECKOV} is missing: run `bash .ci/setup`, which installs checkov in its own venv")
     # --skip-download: no policies or guidelines fetched from the network; the checks are those of the pin.
-    proc = subprocess.run([str(CHECKOV), "--directory", str(folder), "--framework", "kubernetes", "--output", "json",
-                           "--compact", "--skip-download"], capture_output=True, text=True, cwd=folder, timeout=300)
+    proc = subprocess.run(
+        [
+            str(CHECKOV),
+            "--directory",
+            str(folder),
+            "--framework",
+            "kubernetes",
+            "--output",
+            "json",
+            "--compact",
+            "--skip-download",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=folder,
+        timeout=300,
+    )
     assert proc.returncode in (0, 1), f"checkov failed to run:\n{proc.stderr[-3000:]}"
     return json.loads(proc.stdout)
 
@@ -58,21 +78,37 @@ def test_checkov_findings_are_exactly_the_accepted_ones(tmp_path: Path) -> None:
         (tmp_path / name).write_text(yaml.safe_dump_all(objects))
     report = run_checkov(tmp_path)
     summary = report["summary"]
-    print(f"checkov {summary['checkov_version']}: {summary['passed']} passed, {summary['failed']} failed "
-          f"over {summary['resource_count']} resources")
+    print(
+        f"checkov {summary['checkov_version']}: {summary['passed']} passed, {summary['failed']} failed "
+        f"over {summary['resource_count']} resources"
+    )
     assert summary["parsing_errors"] == 0 and summary["resource_count"] >= 20, summary
     baseline = yaml.safe_load(BASELINE.read_text())
     for entry in baseline:
         assert set(entry) == {"check", "title", "resources", "reason"} and len(entry["reason"]) > 40, entry
     findings = {(f["check_id"], f["resource"], f["check_name"]) for f in report["results"]["failed_checks"]}
-    accepted = {(check, resource) for check, resource, _ in findings
-                for entry in baseline if entry["check"] == check
-                and any(fnmatch.fnmatchcase(resource, pattern) for pattern in entry["resources"])}
-    new = sorted(f"{check} {title} on {resource}" for check, resource, title in findings
-                 if (check, resource) not in accepted)
-    assert not new, "new checkov findings: fix them or accept them with a reason in checkov_baseline.yaml:\n" + \
-        "\n".join(new)
-    stale = [f"{entry['check']} {pattern}" for entry in baseline for pattern in entry["resources"]
-             if not any(check == entry["check"] and fnmatch.fnmatchcase(resource, pattern)
-                        for check, resource in accepted)]
+    accepted = {
+        (check, resource)
+        for check, resource, _ in findings
+        for entry in baseline
+        if entry["check"] == check
+        and any(fnmatch.fnmatchcase(resource, pattern) for pattern in entry["resources"])
+    }
+    new = sorted(
+        f"{check} {title} on {resource}"
+        for check, resource, title in findings
+        if (check, resource) not in accepted
+    )
+    assert not new, (
+        "new checkov findings: fix them or accept them with a reason in checkov_baseline.yaml:\n"
+        + "\n".join(new)
+    )
+    stale = [
+        f"{entry['check']} {pattern}"
+        for entry in baseline
+        for pattern in entry["resources"]
+        if not any(
+            check == entry["check"] and fnmatch.fnmatchcase(resource, pattern) for check, resource in accepted
+        )
+    ]
     assert not stale, f"checkov no longer finds these; remove them from checkov_baseline.yaml: {stale}"

@@ -24,7 +24,13 @@ def ready_status(fake: FakeKube) -> str | None:
 
 def args_of(fake: FakeKube) -> list[str]:
     deployment = fake.get(*DEPLOY, NS, "smollm2") or {}
-    return deployment.get("spec", {}).get("template", {}).get("spec", {}).get("containers", [{}])[0].get("args", [])
+    return (
+        deployment.get("spec", {})
+        .get("template", {})
+        .get("spec", {})
+        .get("containers", [{}])[0]
+        .get("args", [])
+    )
 
 
 @pytest.fixture
@@ -47,15 +53,23 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
         wait_for("Ready=Unknown on the first visit", lambda: ready_status(fake_kube) == "Unknown")
 
         deployment = fake_kube.get(*DEPLOY, NS, "smollm2")
-        deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
-                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
+        deployment["status"] = {
+            "observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
+            "replicas": 1,
+            "updatedReplicas": 1,
+            "readyReplicas": 1,
+            "availableReplicas": 1,
+        }
         fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
         wait_for("Ready=True after the pods are ready", lambda: ready_status(fake_kube) == "True")
 
         isvc = fake_kube.get(*ISVC, NS, "smollm2")
         isvc["spec"]["batching"]["maxNumSeqs"] = 8  # type: ignore[index]
         fake_kube.put(*ISVC, NS, isvc)  # type: ignore[arg-type]
-        wait_for("the spec change in the Deployment", lambda: "8" == args_of(fake_kube)[args_of(fake_kube).index("--max-num-seqs") + 1])
+        wait_for(
+            "the spec change in the Deployment",
+            lambda: "8" == args_of(fake_kube)[args_of(fake_kube).index("--max-num-seqs") + 1],
+        )
 
         fake_kube.remove(*DEPLOY, NS, "smollm2")
         wait_for("the deleted Deployment to come back", lambda: fake_kube.get(*DEPLOY, NS, "smollm2"))
@@ -67,12 +81,20 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
     assert not fake_kube.get(*ISVC, NS, "smollm2")["metadata"].get("finalizers")  # type: ignore[index]
     fake_kube.remove(*ISVC, NS, "smollm2")
     assert fake_kube.get(*ISVC, NS, "smollm2") is None
-    assert fake_kube.get(*DEPLOY, NS, "smollm2") is None and fake_kube.get("/api/v1", "secrets", NS, "smollm2-admin") is None
-    assert not fake_kube.answered(403), [(r.method, r.path) for r in fake_kube.answered(403)]  # the chart's RBAC suffices
+    assert (
+        fake_kube.get(*DEPLOY, NS, "smollm2") is None
+        and fake_kube.get("/api/v1", "secrets", NS, "smollm2-admin") is None
+    )
+    assert not fake_kube.answered(403), [
+        (r.method, r.path) for r in fake_kube.answered(403)
+    ]  # the chart's RBAC suffices
     assert not fake_kube.answered(422), [(r.method, r.path) for r in fake_kube.answered(422)]
-    writes = [r for r in fake_kube.requests if r.method in ("PUT", "PATCH") and "/inferenceservices/" in r.path]
-    assert writes and all(r.path.endswith("/status") or "spec" not in (r.body or {}) for r in writes
-                          if isinstance(r.body, dict))
+    writes = [
+        r for r in fake_kube.requests if r.method in ("PUT", "PATCH") and "/inferenceservices/" in r.path
+    ]
+    assert writes and all(
+        r.path.endswith("/status") or "spec" not in (r.body or {}) for r in writes if isinstance(r.body, dict)
+    )
     assert all("/spec" not in op.get("path", "") for r in writes if isinstance(r.body, list) for op in r.body)
     events = [r.body for r in fake_kube.requests if r.method == "POST" and r.path.endswith("/events")]
     assert {"Created", "Ready"} <= {e.get("reason") for e in events}
@@ -99,7 +121,9 @@ def test_invalid_spec_is_reported_in_status_and_events(fake_kube: FakeKube, kube
         conds = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions", [])}
         return conds.get("Degraded", {}).get("reason") == "InvalidSpec"
 
-    with KopfRunner(["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"], timeout=60):
+    with KopfRunner(
+        ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"], timeout=60
+    ):
         wait_for("Degraded=InvalidSpec", degraded)
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is None
     events = [r.body for r in fake_kube.requests if r.method == "POST" and r.path.endswith("/events")]

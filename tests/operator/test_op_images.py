@@ -22,7 +22,9 @@ from specfleet.operator.cli import OPERATOR_MODULES, OPTIONAL_MODULES
 from specfleet.operator.render.deployment import RUN_AS_USER, render_deployment
 from specfleet.operator.resources import ENGINE_PORT
 
-DOCKERFILES = sorted(str(p.relative_to(REPO)) for p in REPO.glob("*/Dockerfile*") if p.suffix != ".dockerignore")
+DOCKERFILES = sorted(
+    str(p.relative_to(REPO)) for p in REPO.glob("*/Dockerfile*") if p.suffix != ".dockerignore"
+)
 ENGINE_DOCKERFILES = [name for name in DOCKERFILES if name.startswith("engine/")]
 CHART = REPO / "charts" / "specfleet"
 
@@ -46,23 +48,32 @@ def replays(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Futu
     """All images replayed side by side (pip is mostly waiting on disk and unpacking; CI has two cores)."""
     root = tmp_path_factory.mktemp("images")
     with ThreadPoolExecutor(max_workers=len(DOCKERFILES)) as pool:
-        yield {name: pool.submit(replay, REPO / name, REPO, root / name.replace("/", "_"))
-               for name in DOCKERFILES}
+        yield {
+            name: pool.submit(replay, REPO / name, REPO, root / name.replace("/", "_"))
+            for name in DOCKERFILES
+        }
 
 
 def test_the_replay_covers_every_dockerfile_in_the_repository() -> None:
     assert DOCKERFILES == ["engine/Dockerfile", "engine/Dockerfile.cuda", "operator/Dockerfile"]
     for name in DOCKERFILES:
-        assert parse(REPO / name).pip_installs, f"{name} installs nothing with pip: the replay would prove nothing"
+        assert parse(REPO / name).pip_installs, (
+            f"{name} installs nothing with pip: the replay would prove nothing"
+        )
 
 
 def test_the_replay_refuses_what_it_cannot_judge_and_drops_only_unreachable_indexes(tmp_path: Path) -> None:
     dockerfile = tmp_path / "Dockerfile"
-    dockerfile.write_text("FROM python:3.11-slim\nRUN pip install . \\\n && curl -sSL https://x/install.sh | sh\n")
+    dockerfile.write_text(
+        "FROM python:3.11-slim\nRUN pip install . \\\n && curl -sSL https://x/install.sh | sh\n"
+    )
     with pytest.raises(ValueError, match="does not know the RUN command 'curl"):
         parse(dockerfile)
-    assert replayed_pip_args(["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"]) == \
-        replayed_pip_args(["--extra-index-url=https://example/simple", "torch==2.13.0"]) == ["torch==2.13.0"]
+    assert (
+        replayed_pip_args(["torch==2.13.0", "--index-url", "https://download.pytorch.org/whl/cpu"])
+        == replayed_pip_args(["--extra-index-url=https://example/simple", "torch==2.13.0"])
+        == ["torch==2.13.0"]
+    )
 
 
 def test_operator_image_loads_every_handler_and_has_no_torch(replays: dict[str, Future[Replay]]) -> None:
@@ -71,8 +82,13 @@ def test_operator_image_loads_every_handler_and_has_no_torch(replays: dict[str, 
     assert probe.returncode == 0, f"the operator image cannot load its handlers:\n{probe.stderr[-3000:]}"
     in_image = json.loads(probe.stdout)
     # The same probe in the test venv, where every extra is installed: the image must load the same handlers.
-    here = subprocess.run([sys.executable, "-P", "-c", HANDLER_PROBE], capture_output=True, text=True,
-                          cwd=image.venv, check=True)
+    here = subprocess.run(
+        [sys.executable, "-P", "-c", HANDLER_PROBE],
+        capture_output=True,
+        text=True,
+        cwd=image.venv,
+        check=True,
+    )
     assert in_image == json.loads(here.stdout)
     assert in_image["modules"] == [*OPERATOR_MODULES, *OPTIONAL_MODULES]
     assert any(":specfleet.tuner." in h for h in in_image["handlers"]), in_image["handlers"]
@@ -83,21 +99,28 @@ def test_operator_image_loads_every_handler_and_has_no_torch(replays: dict[str, 
 
 
 def test_cpu_engine_image_serves_help_and_builds_its_native_kernels(
-        replays: dict[str, Future[Replay]], tmp_path: Path) -> None:
+    replays: dict[str, Future[Replay]], tmp_path: Path
+) -> None:
     image = replays["engine/Dockerfile"].result()
     assert image.dockerfile.entrypoint == '["python", "-m", "specfleet.engine"]'
     cli = image.run("-m", "specfleet.engine", "--help")
     assert cli.returncode == 0 and "--model" in cli.stdout, cli.stderr[-3000:]
     # The image brings its own g++ (the replay uses this machine's): without one the kernels fall back.
     assert "g++" in image.dockerfile.apt_packages
-    build = image.run("-c", "from specfleet.kernels import cpu_native; assert cpu_native.library() is not None",
-                      env={"SPECFLEET_CACHE": str(tmp_path)})
+    build = image.run(
+        "-c",
+        "from specfleet.kernels import cpu_native; assert cpu_native.library() is not None",
+        env={"SPECFLEET_CACHE": str(tmp_path)},
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     assert list(tmp_path.glob("native/*/libspecfleet_cpu.so"))
     # The default CMD serves the bundled model: the loader's own lookup finds its GGUF (not converted here).
     model = json.loads(image.dockerfile.cmd)[json.loads(image.dockerfile.cmd).index("--model") + 1]
-    bundled = image.run("-c", "from specfleet.engine.model_loader import _bundled_gguf; "
-                        f"print(_bundled_gguf({model.removeprefix('bundled://')!r}))")
+    bundled = image.run(
+        "-c",
+        "from specfleet.engine.model_loader import _bundled_gguf; "
+        f"print(_bundled_gguf({model.removeprefix('bundled://')!r}))",
+    )
     assert bundled.returncode == 0, bundled.stderr[-3000:]
 
 
@@ -139,20 +162,25 @@ def test_engine_images_keep_their_caches_on_the_pods_emptydir(name: str) -> None
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
     for var in ("SPECFLEET_CACHE", "XDG_CACHE_HOME", "HF_HOME"):
         assert dockerfile.env[var] == env[var], f"{name} and the rendered pod disagree on {var}"
-        assert any(env[var].startswith(path) for path in writable), f"{var}={env[var]} is on the read-only root"
+        assert any(env[var].startswith(path) for path in writable), (
+            f"{var}={env[var]} is on the read-only root"
+        )
 
 
 def test_operator_image_entry_point_matches_the_chart() -> None:
     dockerfile = parse(REPO / "operator/Dockerfile")
-    chart = yaml.safe_load((CHART / "templates" / "deployment.yaml").read_text().split("command:")[1].split("\n")[0])
+    chart = yaml.safe_load(
+        (CHART / "templates" / "deployment.yaml").read_text().split("command:")[1].split("\n")[0]
+    )
     assert dockerfile.entrypoint == json.dumps(chart)
     assert dockerfile.pip_installs == [[".[operator]"]], "the operator image installs the `operator` extra"
     chart_uid = re.search(r"runAsUser: (\d+)", (CHART / "templates" / "deployment.yaml").read_text())
     assert chart_uid and int(chart_uid.group(1)) == RUN_AS_USER
 
 
-def test_an_optional_handler_module_is_skipped_only_when_absent(tmp_path: Path,
-                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_optional_handler_module_is_skipped_only_when_absent(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from specfleet.operator import cli
 
     (tmp_path / "sf_broken_plugin").mkdir()

@@ -41,8 +41,11 @@ def metrics_url() -> str:
 def series(url: str, name: str) -> dict[str, float]:
     """`{labels}` -> value of every sample of `name` on the operator's /metrics, for service NAME."""
     text = httpx.get(f"{url}/metrics", timeout=5).text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
-            if f'namespace="{NS}"' in m.group(1) and f'service="{NAME}"' in m.group(1)}
+    return {
+        m.group(1): float(m.group(2))
+        for m in re.finditer(rf"^{name}\{{([^}}]*)\}} (\S+)$", text, re.MULTILINE)
+        if f'namespace="{NS}"' in m.group(1) and f'service="{NAME}"' in m.group(1)
+    }
 
 
 def alert_expr(name: str) -> str:
@@ -57,8 +60,8 @@ def query(prom: str, promql: str) -> list[dict]:
 
 
 def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service(
-        fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str,
-        prometheus_factory) -> None:  # type: ignore[no-untyped-def]
+    fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str, prometheus_factory
+) -> None:  # type: ignore[no-untyped-def]
     from kopf.testing import KopfRunner
 
     monkeypatch.setenv("KUBECONFIG", str(fake_kube.write_kubeconfig(tmp_path / "kubeconfig", NS)))
@@ -70,8 +73,11 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
     fake_kube.put(*ISVC, NS, doc)
 
     def ready() -> set[str]:
-        return {labels for labels, value in series(metrics_url, "specfleet_inferenceservice_condition").items()
-                if 'type="Ready"' in labels and value == 1}
+        return {
+            labels
+            for labels, value in series(metrics_url, "specfleet_inferenceservice_condition").items()
+            if 'type="Ready"' in labels and value == 1
+        }
 
     args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
     with KopfRunner(args, timeout=60) as runner:
@@ -82,28 +88,47 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
         assert series(metrics_url, "specfleet_inferenceservice_observed_generation") == {key: 0.0}
 
         deployment = fake_kube.get(*DEPLOY, NS, NAME)
-        deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
-                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
+        deployment["status"] = {
+            "observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
+            "replicas": 1,
+            "updatedReplicas": 1,
+            "readyReplicas": 1,
+            "availableReplicas": 1,
+        }
         fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
-        wait_for("Ready=True as the only Ready series", lambda: len(ready()) == 1 and 'status="True"' in next(iter(ready())))
+        wait_for(
+            "Ready=True as the only Ready series",
+            lambda: len(ready()) == 1 and 'status="True"' in next(iter(ready())),
+        )
         assert series(metrics_url, "specfleet_inferenceservice_observed_generation") == {key: 1.0}
 
         # the alert rules' own expressions, on what a real Prometheus scraped from the operator
-        wait_for("the operator's series in Prometheus", lambda: query(
-            prom, f'specfleet_inferenceservice_condition{{namespace="{NS}", type="Ready", status="True"}}'), timeout=30)
+        wait_for(
+            "the operator's series in Prometheus",
+            lambda: query(
+                prom, f'specfleet_inferenceservice_condition{{namespace="{NS}", type="Ready", status="True"}}'
+            ),
+            timeout=30,
+        )
         # (the registry is the process's: other tests' services may be in it, so look at this one only)
         for alert in ("SpecfleetOperatorNotReconciling", "SpecfleetInferenceServiceDegraded"):
-            assert [r for r in query(prom, alert_expr(alert))
-                    if (r["metric"]["namespace"], r["metric"]["service"]) == (NS, NAME)] == [], alert
+            assert [
+                r
+                for r in query(prom, alert_expr(alert))
+                if (r["metric"]["namespace"], r["metric"]["service"]) == (NS, NAME)
+            ] == [], alert
 
         fake_kube.remove(*ISVC, NS, NAME)
-        wait_for("the deleted service's series gone", lambda: not series(
-            metrics_url, "specfleet_inferenceservice_generation") and not ready())
+        wait_for(
+            "the deleted service's series gone",
+            lambda: not series(metrics_url, "specfleet_inferenceservice_generation") and not ready(),
+        )
     assert runner.exception is None, runner.output
 
 
 def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
-        fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str) -> None:
+    fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str
+) -> None:
     """The API server errs on every Deployment write (503): the operator sees generation 2 but never writes
     a status for it, which SpecfleetOperatorNotReconciling reads. (A child the API server refuses with a
     4xx is reported as Degraded instead, with the generation observed.)"""
@@ -116,21 +141,39 @@ def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
     doc["metadata"]["name"] = NAME
     fake_kube.put(*ISVC, NS, doc)
     key = f'namespace="{NS}",service="{NAME}"'
-    with KopfRunner(["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"], timeout=60):
+    with KopfRunner(
+        ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"], timeout=60
+    ):
         deployment = wait_for("the Deployment", lambda: fake_kube.get(*DEPLOY, NS, NAME))
-        deployment["status"] = {"observedGeneration": deployment["metadata"]["generation"],
-                                "replicas": 1, "updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
+        deployment["status"] = {
+            "observedGeneration": deployment["metadata"]["generation"],
+            "replicas": 1,
+            "updatedReplicas": 1,
+            "readyReplicas": 1,
+            "availableReplicas": 1,
+        }
         fake_kube.put(*DEPLOY, NS, deployment)
-        wait_for("generation 1 reconciled", lambda: series(
-            metrics_url, "specfleet_inferenceservice_observed_generation").get(key) == 1.0)
+        wait_for(
+            "generation 1 reconciled",
+            lambda: series(metrics_url, "specfleet_inferenceservice_observed_generation").get(key) == 1.0,
+        )
         for _ in range(1000):  # every write of the Deployment from now on
             fake_kube.fail_next("PATCH", "/deployments/", status=503)
         isvc = fake_kube.get(*ISVC, NS, NAME)
         isvc["spec"]["batching"]["maxNumSeqs"] = 8  # type: ignore[index]
         fake_kube.put(*ISVC, NS, isvc)  # type: ignore[arg-type]
-        wait_for("generation 2 seen", lambda: series(metrics_url, "specfleet_inferenceservice_generation").get(key) == 2.0)
-        wait_for("a few failed reconciles", lambda: sum(
-            1 for r in fake_kube.requests if r.method == "PATCH" and f"/deployments/{NAME}" in r.path) >= 4, timeout=30)
+        wait_for(
+            "generation 2 seen",
+            lambda: series(metrics_url, "specfleet_inferenceservice_generation").get(key) == 2.0,
+        )
+        wait_for(
+            "a few failed reconciles",
+            lambda: (
+                sum(1 for r in fake_kube.requests if r.method == "PATCH" and f"/deployments/{NAME}" in r.path)
+                >= 4
+            ),
+            timeout=30,
+        )
         assert series(metrics_url, "specfleet_inferenceservice_observed_generation")[key] == 1.0
         fake_kube.remove(*ISVC, NS, NAME)
 

@@ -44,5 +44,7 @@ def test_every_column_points_at_a_schema_field() -> None:
                 continue
             assert part in node.get("properties", {}), f"{column['name']}: {path} has no field {part}"
             node = node["properties"][part]
-        kind = {"integer": "integer", "number": "number", "string": "string", "date": "string"}[column["type"]]
+        kind = {"integer": "integer", "number": "number", "string": "string", "date": "string"}[
+            column["type"]
+        ]
         assert node.get("type") in (kind, "integer" if kind == "number" else kind), (column["name"], node)

@@ -40,6 +40,7 @@ def update_spec(fake: FakeKube, **spec_changes: Any) -> None:
 
 def reconcile(fake: FakeKube, config: OperatorConfig = CONFIG) -> Outcome:
     """One pass, as the kopf handler runs it: reconcile, then server-side apply the reconcile's status."""
+
     async def run() -> Outcome:
         client = KubeClient(fake.url)
         try:
@@ -50,20 +51,31 @@ def reconcile(fake: FakeKube, config: OperatorConfig = CONFIG) -> Outcome:
             return outcome
         finally:
             await client.close()
+
     return asyncio.run(run())
 
 
-def set_deployment_status(fake: FakeKube, ready: int, updated: int | None = None, replicas: int | None = None,
-                          synced: bool = True, **extra: Any) -> None:
+def set_deployment_status(
+    fake: FakeKube,
+    ready: int,
+    updated: int | None = None,
+    replicas: int | None = None,
+    synced: bool = True,
+    **extra: Any,
+) -> None:
     """As the Deployment controller reports (available = ready: no minReadySeconds)."""
     deployment = fake.get(*DEPLOY, NS, "smollm2")
     assert deployment is not None
     desired = deployment["spec"]["replicas"]
     generation = deployment["metadata"]["generation"]
-    deployment["status"] = {"observedGeneration": generation if synced else generation - 1,
-                            "replicas": desired if replicas is None else replicas,
-                            "updatedReplicas": desired if updated is None else updated, "readyReplicas": ready,
-                            "availableReplicas": ready, **extra}
+    deployment["status"] = {
+        "observedGeneration": generation if synced else generation - 1,
+        "replicas": desired if replicas is None else replicas,
+        "updatedReplicas": desired if updated is None else updated,
+        "readyReplicas": ready,
+        "availableReplicas": ready,
+        **extra,
+    }
     fake.put(*DEPLOY, NS, deployment)
 
 
@@ -93,7 +105,9 @@ def test_new_service_creates_owned_children_and_reports_pending(fake_kube: FakeK
     assert {e.reason for e in outcome.events} == {"Created"}
     set_deployment_status(fake_kube, ready=1)
     reconcile(fake_kube)
-    assert fake_kube.get(*ISVC, NS, "smollm2")["status"]["observedGeneration"] == isvc["metadata"]["generation"]  # type: ignore[index]
+    assert (
+        fake_kube.get(*ISVC, NS, "smollm2")["status"]["observedGeneration"] == isvc["metadata"]["generation"]
+    )  # type: ignore[index]
 
 
 def test_status_follows_deployment_readiness(fake_kube: FakeKube) -> None:
@@ -110,9 +124,18 @@ def test_status_follows_deployment_readiness(fake_kube: FakeKube) -> None:
     assert conditions(fake_kube)["Degraded"] == ("False", "AsExpected")
     assert fake_kube.get(*ISVC, NS, "smollm2")["status"]["readyReplicas"] == 2  # type: ignore[index]
     assert "Ready" in {e.reason for e in outcome.events}
-    set_deployment_status(fake_kube, ready=0, conditions=[
-        {"type": "Progressing", "status": "False", "reason": "ProgressDeadlineExceeded",
-         "message": "ReplicaSet has timed out progressing"}])
+    set_deployment_status(
+        fake_kube,
+        ready=0,
+        conditions=[
+            {
+                "type": "Progressing",
+                "status": "False",
+                "reason": "ProgressDeadlineExceeded",
+                "message": "ReplicaSet has timed out progressing",
+            }
+        ],
+    )
     outcome = reconcile(fake_kube)
     assert conditions(fake_kube)["Degraded"] == ("True", "ProgressDeadlineExceeded")
     assert any(e.type == "Warning" for e in outcome.events)
@@ -133,7 +156,10 @@ def test_spec_change_updates_the_deployment_and_second_pass_is_a_no_op(fake_kube
     assert fake_kube.get(*PDB, NS, "smollm2") is not None  # three replicas now
     again = fake_kube.get(*DEPLOY, NS, "smollm2")
     outcome = reconcile(fake_kube)
-    assert fake_kube.get(*DEPLOY, NS, "smollm2")["metadata"]["resourceVersion"] == again["metadata"]["resourceVersion"]  # type: ignore[index]
+    assert (
+        fake_kube.get(*DEPLOY, NS, "smollm2")["metadata"]["resourceVersion"]
+        == again["metadata"]["resourceVersion"]
+    )  # type: ignore[index]
     assert not {e.reason for e in outcome.events} & {"Created", "Updated"}
     update_spec(fake_kube, replicas=1)
     reconcile(fake_kube)
@@ -168,15 +194,20 @@ def test_the_operator_never_writes_spec(fake_kube: FakeKube) -> None:
     set_deployment_status(fake_kube, ready=1)
     update_spec(fake_kube, replicas=2)
     reconcile(fake_kube)
-    isvc_writes = [r for r in fake_kube.requests
-                   if r.method in ("PUT", "PATCH", "POST") and "/inferenceservices" in r.path]
+    isvc_writes = [
+        r
+        for r in fake_kube.requests
+        if r.method in ("PUT", "PATCH", "POST") and "/inferenceservices" in r.path
+    ]
     assert isvc_writes, "expected status writes"
     for request in isvc_writes:
         assert request.path.endswith("/status") or "spec" not in (request.body or {}), request
 
 
 def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
-    create_isvc(fake_kube, admit=False, speculative={"method": "draft"})  # an older CRD let it in; the operator must not
+    create_isvc(
+        fake_kube, admit=False, speculative={"method": "draft"}
+    )  # an older CRD let it in; the operator must not
     outcome = reconcile(fake_kube)
     assert outcome.invalid and "draftModel" in outcome.invalid
     assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")
@@ -188,7 +219,9 @@ def test_invalid_spec_is_reported_not_rolled_out(fake_kube: FakeKube) -> None:
 def test_disaggregation_is_reported_not_ignored(fake_kube: FakeKube) -> None:
     """The operator renders no prefill/decode roles: an object stored past the CEL rule is an invalid spec,
     not one aggregated Deployment that silently ignores the field."""
-    create_isvc(fake_kube, admit=False, disaggregation={"prefill": {"replicas": 1}, "decode": {"replicas": 1}})
+    create_isvc(
+        fake_kube, admit=False, disaggregation={"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+    )
     outcome = reconcile(fake_kube)
     assert outcome.invalid and "not rendered by the operator yet; use specfleet up" in outcome.invalid
     assert conditions(fake_kube)["Degraded"] == ("True", "InvalidSpec")
@@ -200,8 +233,13 @@ def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:
     reconcile(fake_kube)
     uid = fake_kube.get(*ISVC, NS, "smollm2")["metadata"]["uid"]  # type: ignore[index]
     rbac = "/apis/rbac.authorization.k8s.io/v1"
-    router_objects = [(DEPLOY, "smollm2-router"), (SERVICE, "smollm2-engines"), (("/api/v1", "serviceaccounts"),
-                      "smollm2-router"), ((rbac, "roles"), "smollm2-router"), ((rbac, "rolebindings"), "smollm2-router")]
+    router_objects = [
+        (DEPLOY, "smollm2-router"),
+        (SERVICE, "smollm2-engines"),
+        (("/api/v1", "serviceaccounts"), "smollm2-router"),
+        ((rbac, "roles"), "smollm2-router"),
+        ((rbac, "rolebindings"), "smollm2-router"),
+    ]
     for kind, name in router_objects:
         child = fake_kube.get(*kind, NS, name)
         assert child is not None and child["metadata"]["ownerReferences"][0]["uid"] == uid, (kind, name)

@@ -21,8 +21,13 @@ ACTIONLINT = Path(sys.executable).parent / "actionlint"  # the test extra's acti
 
 
 def actionlint(*paths: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(ACTIONLINT), "-no-color", *map(str, paths)], capture_output=True, text=True,
-                          cwd=REPO, timeout=120)
+    return subprocess.run(
+        [str(ACTIONLINT), "-no-color", *map(str, paths)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+    )
 
 
 def test_workflows_pass_actionlint() -> None:
@@ -31,10 +36,14 @@ def test_workflows_pass_actionlint() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-@pytest.mark.parametrize(("mistake", "fix"), [
-    ("          platforms: linux/amd64", "          platform: linux/amd64"),  # an input the action lacks
-    ("needs.version.outputs.version", "needs.version.outputs.versoin"),  # an output that does not exist
-], ids=["unknown-input", "unknown-output"])
+@pytest.mark.parametrize(
+    ("mistake", "fix"),
+    [
+        ("          platforms: linux/amd64", "          platform: linux/amd64"),  # an input the action lacks
+        ("needs.version.outputs.version", "needs.version.outputs.versoin"),  # an output that does not exist
+    ],
+    ids=["unknown-input", "unknown-output"],
+)
 def test_actionlint_catches_a_broken_release_workflow(tmp_path: Path, mistake: str, fix: str) -> None:
     text = RELEASE.read_text()
     assert mistake in text
@@ -57,7 +66,9 @@ def pushed_tags(version: str) -> dict[str, str]:
     template = build["with"]["tags"]
     out = {}
     for entry in job["strategy"]["matrix"]["include"]:
-        tag = template.replace("${{ env.REGISTRY }}", registry).replace("${{ needs.version.outputs.version }}", version)
+        tag = template.replace("${{ env.REGISTRY }}", registry).replace(
+            "${{ needs.version.outputs.version }}", version
+        )
         for key, value in entry.items():
             tag = tag.replace(f"${{{{ matrix.{key} }}}}", value)
         assert "${{" not in tag, f"the release tag {tag!r} uses an expression this test does not evaluate"

@@ -24,7 +24,9 @@ from specfleet.operator.render import (
 )
 from specfleet.router.cli import build_parser as router_parser
 
-CONFIG = OperatorConfig(engine_image="registry.example/engine:cuda", engine_cpu_image="registry.example/engine:cpu")
+CONFIG = OperatorConfig(
+    engine_image="registry.example/engine:cuda", engine_cpu_image="registry.example/engine:cpu"
+)
 
 
 def isvc_from(name: str, uid: str = "uid-1234", **changes: Any) -> InferenceService:
@@ -68,8 +70,16 @@ def test_cpu_example_runs_the_engine_contract() -> None:
     assert c["command"] == ["python", "-m", "specfleet.engine"]
     args = c["args"]
     assert flag(args, "--model") == "bundled://smollm2-135m-instruct"
-    assert (flag(args, "--port"), flag(args, "--max-num-seqs"), flag(args, "--max-num-batched-tokens")) == ("8000", "16", "512")
-    assert (flag(args, "--block-size"), flag(args, "--max-model-len"), flag(args, "--dtype")) == ("16", "2048", "float32")
+    assert (flag(args, "--port"), flag(args, "--max-num-seqs"), flag(args, "--max-num-batched-tokens")) == (
+        "8000",
+        "16",
+        "512",
+    )
+    assert (flag(args, "--block-size"), flag(args, "--max-model-len"), flag(args, "--dtype")) == (
+        "16",
+        "2048",
+        "float32",
+    )
     assert (flag(args, "--speculative-method"), flag(args, "--num-speculative-tokens")) == ("none", "0")
     assert "--draft-model" not in args and "--no-prefix-caching" not in args
     assert not any("gpu" in key for key in c["resources"]["requests"])
@@ -103,7 +113,10 @@ def test_gpu_hf_example_requests_gpus_schedules_and_downloads() -> None:
     assert c["resources"]["requests"]["nvidia.com/gpu"] == c["resources"]["limits"]["nvidia.com/gpu"] == "1"
     assert pod["tolerations"] == [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}]
     assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
-    assert (flag(c["args"], "--speculative-method"), flag(c["args"], "--num-speculative-tokens")) == ("ngram", "4")
+    assert (flag(c["args"], "--speculative-method"), flag(c["args"], "--num-speculative-tokens")) == (
+        "ngram",
+        "4",
+    )
     (init,) = pod["initContainers"]
     assert "meta-llama/Meta-Llama-3.1-8B-Instruct" in init["command"]
     # The HF token reaches only the download step, as a read-only Secret file huggingface_hub reads.
@@ -143,8 +156,11 @@ def test_draft_model_and_pvc_sources_mount_claims_read_only() -> None:
 
 
 def test_int8_copy_of_the_target_as_draft() -> None:
-    isvc = isvc_from("smollm2-cpu.yaml", speculative__method="draft",
-                     speculative__draftModel={"source": "bundled://smollm2-135m-instruct", "quantization": "int8"})
+    isvc = isvc_from(
+        "smollm2-cpu.yaml",
+        speculative__method="draft",
+        speculative__draftModel={"source": "bundled://smollm2-135m-instruct", "quantization": "int8"},
+    )
     args = engine(render_deployment(isvc, CONFIG))["args"]
     assert flag(args, "--draft-model") == "bundled://smollm2-135m-instruct"
     assert flag(args, "--draft-quantization") == "int8"
@@ -157,15 +173,23 @@ def test_model_quantization_reaches_the_engine_command_line(quantization: str) -
     from specfleet.engine.config import QUANTIZATIONS
     from specfleet.operator.spec import ModelSpec
 
-    assert set(get_args(ModelSpec.model_fields["quantization"].annotation)) == {"none", *filter(None, QUANTIZATIONS)}
+    assert set(get_args(ModelSpec.model_fields["quantization"].annotation)) == {
+        "none",
+        *filter(None, QUANTIZATIONS),
+    }
     isvc = isvc_from("smollm2-cpu.yaml", model__quantization=quantization)
     args = engine(render_deployment(isvc, CONFIG))["args"]
     assert (flag(args, "--quantization") if "--quantization" in args else "none") == quantization
 
 
-@pytest.mark.parametrize(("example", "split", "size"), [("llama3-8b-ngram-gpu.yaml", "tensor", 2),
-                                                        ("llama3-8b-ngram-gpu.yaml", "pipeline", 4),
-                                                        ("smollm2-cpu.yaml", "tensor", 3)])
+@pytest.mark.parametrize(
+    ("example", "split", "size"),
+    [
+        ("llama3-8b-ngram-gpu.yaml", "tensor", 2),
+        ("llama3-8b-ngram-gpu.yaml", "pipeline", 4),
+        ("smollm2-cpu.yaml", "tensor", 3),
+    ],
+)
 def test_a_split_model_gets_one_gpu_per_rank_and_its_flag(example: str, split: str, size: int) -> None:
     gpus = 0 if "cpu" in example else size
     isvc = isvc_from(example, resources__gpus=gpus, **{f"engine__{split}ParallelSize": size})
@@ -189,7 +213,9 @@ def test_disable_by_batch_size_reaches_the_engine_command_line() -> None:
 
 
 def test_zero_replicas_and_edge_settings() -> None:
-    isvc = isvc_from("smollm2-cpu.yaml", replicas=0, engine__prefixCaching=False, engine__extraArgs=["--seed", "7"])
+    isvc = isvc_from(
+        "smollm2-cpu.yaml", replicas=0, engine__prefixCaching=False, engine__extraArgs=["--seed", "7"]
+    )
     deployment = render_deployment(isvc, CONFIG)
     args = engine(deployment)["args"]
     assert deployment["spec"]["replicas"] == 0
@@ -202,10 +228,19 @@ def test_image_override_and_scheduling_extras() -> None:
     isvc = isvc_from(
         "smollm2-cpu.yaml",
         engine__image="mirror.local/specfleet:dev",
-        scheduling={"priorityClassName": "llm-high", "runtimeClassName": "nvidia",
-                    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
-                        "nodeSelectorTerms": [{"matchExpressions": [
-                            {"key": "gpu", "operator": "In", "values": ["h100"]}]}]}}}},
+        scheduling={
+            "priorityClassName": "llm-high",
+            "runtimeClassName": "nvidia",
+            "affinity": {
+                "nodeAffinity": {
+                    "requiredDuringSchedulingIgnoredDuringExecution": {
+                        "nodeSelectorTerms": [
+                            {"matchExpressions": [{"key": "gpu", "operator": "In", "values": ["h100"]}]}
+                        ]
+                    }
+                }
+            },
+        },
     )
     deployment = render_deployment(isvc, CONFIG)
     pod = deployment["spec"]["template"]["spec"]
@@ -222,7 +257,9 @@ def test_rendering_is_deterministic_and_ignores_tuned_status() -> None:
     tuned = load_inference_service(tuned_doc)
     assert render_deployment(isvc, CONFIG) == render_deployment(tuned, CONFIG)
     args = engine(render_deployment(isvc, CONFIG))["args"]
-    assert flag(args, "--num-speculative-tokens") == "4"  # the spec's value: tuning goes through the admin API
+    assert (
+        flag(args, "--num-speculative-tokens") == "4"
+    )  # the spec's value: tuning goes through the admin API
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
@@ -240,8 +277,11 @@ def test_service_selects_the_deployments_pods_without_the_router() -> None:
     monitor = render_servicemonitor(isvc)
     assert _selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])
     endpoint = monitor["spec"]["endpoints"][0]
-    assert {k: endpoint[k] for k in ("port", "path", "interval")} == {"port": "http", "path": "/metrics",
-                                                                       "interval": "15s"}
+    assert {k: endpoint[k] for k in ("port", "path", "interval")} == {
+        "port": "http",
+        "path": "/metrics",
+        "interval": "15s",
+    }
     assert render_router_children(isvc, CONFIG) == []
 
 
@@ -255,9 +295,13 @@ def test_router_stands_between_the_service_and_the_engines() -> None:
     engine_pods = engines["spec"]["template"]["metadata"]["labels"]
     # clients reach the router pods only; the router finds the engines through the headless Service
     assert service["metadata"]["name"] == "smollm2" and service["spec"]["ports"][0]["port"] == 8000
-    assert _selects(service["spec"]["selector"], router_pods) and not _selects(service["spec"]["selector"], engine_pods)
+    assert _selects(service["spec"]["selector"], router_pods) and not _selects(
+        service["spec"]["selector"], engine_pods
+    )
     assert headless["metadata"]["name"] == "smollm2-engines" and headless["spec"]["clusterIP"] == "None"
-    assert _selects(headless["spec"]["selector"], engine_pods) and not _selects(headless["spec"]["selector"], router_pods)
+    assert _selects(headless["spec"]["selector"], engine_pods) and not _selects(
+        headless["spec"]["selector"], router_pods
+    )
     assert _selects(router["spec"]["selector"]["matchLabels"], router_pods)
     # the engines' ServiceMonitor scrapes the headless Service, not the router, with job = the service's name
     monitor = render_servicemonitor(isvc)
@@ -268,33 +312,56 @@ def test_router_stands_between_the_service_and_the_engines() -> None:
     container = router["spec"]["template"]["spec"]["containers"][0]
     args = router_parser().parse_args(container["args"])
     assert (args.service, args.namespace, args.policy, args.load_factor, args.block_size, args.port) == (
-        "smollm2-engines", "team-a", "least-loaded", 1.5, 16, 8000)
-    assert container["command"] == ["python", "-m", "specfleet.router"] and container["image"] == CONFIG.router_image
+        "smollm2-engines",
+        "team-a",
+        "least-loaded",
+        1.5,
+        16,
+        8000,
+    )
+    assert (
+        container["command"] == ["python", "-m", "specfleet.router"]
+        and container["image"] == CONFIG.router_image
+    )
     # its ServiceAccount may read EndpointSlices in this namespace, and nothing else
     account = router["spec"]["template"]["spec"]["serviceAccountName"]
     assert children["ServiceAccount"]["metadata"]["name"] == account == "smollm2-router"
-    assert children["Role"]["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
-                                          "verbs": ["get", "list", "watch"]}]
-    assert children["RoleBinding"]["subjects"] == [{"kind": "ServiceAccount", "name": account, "namespace": "team-a"}]
+    assert children["Role"]["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+    assert children["RoleBinding"]["subjects"] == [
+        {"kind": "ServiceAccount", "name": account, "namespace": "team-a"}
+    ]
     assert children["RoleBinding"]["roleRef"]["name"] == children["Role"]["metadata"]["name"]
 
 
-@pytest.mark.parametrize(("ttft_ms", "tpot_ms", "ttft", "tpot"), [
-    (500, 50, "0.5", "0.05"),  # the CRD's defaults: exact bucket bounds
-    (1000, 100, "1", "0.1"),  # "1", never "1.0": the rules strip a bucket's trailing ".0"
-    (300, 27, "0.25", "0.025"),  # between two bounds: the lower one (stricter, never a missing bucket)
-    (1, 1, "0.001", "0.001"),  # the smallest SLO the CRD allows is the smallest bound
-    (600000, 60000, "80", "5"),  # above the top bound: the top bound
-])
+@pytest.mark.parametrize(
+    ("ttft_ms", "tpot_ms", "ttft", "tpot"),
+    [
+        (500, 50, "0.5", "0.05"),  # the CRD's defaults: exact bucket bounds
+        (1000, 100, "1", "0.1"),  # "1", never "1.0": the rules strip a bucket's trailing ".0"
+        (300, 27, "0.25", "0.025"),  # between two bounds: the lower one (stricter, never a missing bucket)
+        (1, 1, "0.001", "0.001"),  # the smallest SLO the CRD allows is the smallest bound
+        (600000, 60000, "80", "5"),  # above the top bound: the top bound
+    ],
+)
 def test_service_carries_its_slo_as_bucket_bounds_and_the_monitor_copies_them(
-        ttft_ms: int, tpot_ms: int, ttft: str, tpot: str) -> None:
+    ttft_ms: int, tpot_ms: int, ttft: str, tpot: str
+) -> None:
     from specfleet.engine.server.metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
 
     isvc = isvc_from("smollm2-cpu.yaml", slo__ttftP95Ms=ttft_ms, slo__tpotP95Ms=tpot_ms)
     # on the engines' Service: the headless one with the router (the default), the client one without
     labels = render_engines_service(isvc)["metadata"]["labels"]
-    plain = render_service(isvc_from("smollm2-cpu.yaml", routing={"enabled": False}, slo__ttftP95Ms=ttft_ms,
-                                     slo__tpotP95Ms=tpot_ms))["metadata"]["labels"]
+    plain = render_service(
+        isvc_from(
+            "smollm2-cpu.yaml", routing={"enabled": False}, slo__ttftP95Ms=ttft_ms, slo__tpotP95Ms=tpot_ms
+        )
+    )["metadata"]["labels"]
     assert (plain["specfleet.io/slo-ttft-seconds"], plain["specfleet.io/slo-tpot-seconds"]) == (ttft, tpot)
     assert (labels["specfleet.io/slo-ttft-seconds"], labels["specfleet.io/slo-tpot-seconds"]) == (ttft, tpot)
     assert float(ttft) in LATENCY_BUCKETS and float(tpot) in TOKEN_LATENCY_BUCKETS

@@ -39,16 +39,28 @@ def status(fake: FakeKube) -> dict[str, Any]:
 
 def tuner_writes(fake: FakeKube, reason: str) -> None:
     """The tuner's write, as its kopf timer does it: its share of status under its own field manager."""
+
     async def run() -> None:
         client = KubeClient(fake.url)
         try:
-            await client.apply_status(NS, "smollm2", {
-                "tuning": {"numSpeculativeTokens": 2, "reason": reason,
-                           "observed": {"acceptanceRate": None, "goodput": 1.5}},  # None: not observed this time
-                "conditions": [{"type": "Tuned", "status": "True", "reason": "Holding", "message": reason}],
-            }, TUNER_FIELD_MANAGER)
+            await client.apply_status(
+                NS,
+                "smollm2",
+                {
+                    "tuning": {
+                        "numSpeculativeTokens": 2,
+                        "reason": reason,
+                        "observed": {"acceptanceRate": None, "goodput": 1.5},
+                    },  # None: not observed this time
+                    "conditions": [
+                        {"type": "Tuned", "status": "True", "reason": "Holding", "message": reason}
+                    ],
+                },
+                TUNER_FIELD_MANAGER,
+            )
         finally:
             await client.close()
+
     asyncio.run(run())
 
 
@@ -65,7 +77,10 @@ def test_the_reconcile_and_the_tuner_keep_each_others_conditions(fake_kube: Fake
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
     owners = fake_kube.fields(*ISVC, NS, "smollm2")
     assert all("Tuned" not in f and "tuning" not in f for f in owners["specfleet-operator"])
-    assert all(f.startswith((".status.tuning", ".status.conditions[type=Tuned]")) for f in owners[TUNER_FIELD_MANAGER])
+    assert all(
+        f.startswith((".status.tuning", ".status.conditions[type=Tuned]"))
+        for f in owners[TUNER_FIELD_MANAGER]
+    )
 
 
 def test_autotune_off_the_reconcile_owns_tuning_and_gives_it_up_when_it_turns_on(fake_kube: FakeKube) -> None:
@@ -101,6 +116,7 @@ def test_reconciles_of_one_object_never_overlap(fake_kube: FakeKube, monkeypatch
             await asyncio.gather(*(handlers.converge(body, memo, logging.getLogger("t")) for _ in range(3)))
         finally:
             await memo.client.close()
+
     asyncio.run(run())
     assert overlaps[0] == 1
 
@@ -136,8 +152,9 @@ def test_ready_means_the_rollout_is_complete(fake_kube: FakeKube) -> None:
     assert conditions(fake_kube)["Progressing"] == ("False", "RolloutComplete")
 
 
-def test_a_deployment_change_reaches_status_through_the_watch(fake_kube: FakeKube,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_a_deployment_change_reaches_status_through_the_watch(
+    fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The handler kopf calls for every event of an owned Deployment: status follows the pods within
     seconds, not at the next timer (which this test never runs)."""
     create_isvc(fake_kube)
@@ -148,19 +165,26 @@ def test_a_deployment_change_reaches_status_through_the_watch(fake_kube: FakeKub
     async def run() -> None:
         memo = kopf.Memo(config=CONFIG, client=KubeClient(fake_kube.url))
         try:
-            await handlers.deployment_changed(body=fake_kube.get(*DEPLOY, NS, "smollm2"), memo=memo,
-                                              logger=logging.getLogger("t"))
+            await handlers.deployment_changed(
+                body=fake_kube.get(*DEPLOY, NS, "smollm2"), memo=memo, logger=logging.getLogger("t")
+            )
         finally:
             await memo.client.close()
+
     asyncio.run(run())
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
-    registered = [h for h in kopf.get_default_registry()._watching.get_all_handlers()
-                  if h.fn is handlers.deployment_changed]
+    registered = [
+        h
+        for h in kopf.get_default_registry()._watching.get_all_handlers()
+        if h.fn is handlers.deployment_changed
+    ]
     assert registered and registered[0].labels == {"app.kubernetes.io/managed-by": "specfleet-operator"}
 
 
 @pytest.mark.parametrize("code, reason", [(422, "ChildInvalid"), (403, "ChildForbidden")])
-def test_a_refused_child_is_degraded_with_the_servers_message(fake_kube: FakeKube, code: int, reason: str) -> None:
+def test_a_refused_child_is_degraded_with_the_servers_message(
+    fake_kube: FakeKube, code: int, reason: str
+) -> None:
     create_isvc(fake_kube)
     reconcile(fake_kube)
     update_spec(fake_kube, replicas=2)
@@ -177,8 +201,9 @@ def test_a_refused_child_is_degraded_with_the_servers_message(fake_kube: FakeKub
 
 
 def _monitoring_fake(chart_values: dict[str, Any]) -> FakeKube:
-    return FakeKube(with_monitoring=True,
-                    rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}, **chart_values})).start()
+    return FakeKube(
+        with_monitoring=True, rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}, **chart_values})
+    ).start()
 
 
 def test_service_monitor_follows_the_charts_setting() -> None:
@@ -212,8 +237,13 @@ def test_no_prometheus_operator_is_a_condition(fake_kube: FakeKube) -> None:
 
 
 def test_a_users_secret_of_the_same_name_is_never_adopted(fake_kube: FakeKube) -> None:
-    mine = {"apiVersion": "v1", "kind": "Secret", "type": "Opaque", "metadata": {"name": "smollm2-admin"},
-            "data": {"token": base64.b64encode(b"the-users-own-secret").decode()}}
+    mine = {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "type": "Opaque",
+        "metadata": {"name": "smollm2-admin"},
+        "data": {"token": base64.b64encode(b"the-users-own-secret").decode()},
+    }
     fake_kube.put(*SECRET, NS, mine)
     create_isvc(fake_kube)
     outcome = reconcile(fake_kube)
@@ -243,7 +273,10 @@ def test_the_admin_api_has_its_own_port_which_the_service_does_not_expose() -> N
     container = render_deployment(isvc, CONFIG)["spec"]["template"]["spec"]["containers"][0]
     parsed = build_parser().parse_args(container["args"])  # the engine's own parser reads the pod's flags
     assert (parsed.host, parsed.port, parsed.admin_port) == ("0.0.0.0", ENGINE_PORT, ADMIN_PORT)
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {"http": ENGINE_PORT, "admin": ADMIN_PORT}
+    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+        "http": ENGINE_PORT,
+        "admin": ADMIN_PORT,
+    }
     service = render_service(isvc)
     assert [p["port"] for p in service["spec"]["ports"]] == [ENGINE_PORT]
     k8s_validate(service)
@@ -256,12 +289,16 @@ def test_network_policy_admits_only_the_operator_to_the_admin_port() -> None:
 
     objects = _render_chart('{"networkPolicy": {"enabled": true}}', "sf", "specfleet-system")
     (deployment,) = [o for o in objects if o["kind"] == "Deployment"]
-    env = {e["name"]: e.get("value", "") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    env = {
+        e["name"]: e.get("value", "") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    }
     env["POD_NAMESPACE"] = "specfleet-system"  # the downward API's value
     config = OperatorConfig.from_env(env)
     assert config.network_policy and not OperatorConfig.from_env({}).network_policy
     assert dict(config.operator_pod_labels) == deployment["spec"]["selector"]["matchLabels"]
-    fake = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}, "networkPolicy": {"enabled": True}})).start()
+    fake = FakeKube(
+        rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}, "networkPolicy": {"enabled": True}})
+    ).start()
     try:
         create_isvc(fake)
         reconcile(fake, OperatorConfig(**{**config.__dict__, "engine_cpu_image": CONFIG.engine_cpu_image}))
@@ -272,9 +309,13 @@ def test_network_policy_admits_only_the_operator_to_the_admin_port() -> None:
         assert api_rule == {"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}
         (source,) = admin_rule["from"]
         assert admin_rule["ports"] == [{"port": ADMIN_PORT, "protocol": "TCP"}]
-        assert source["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "specfleet-system"}
+        assert source["namespaceSelector"]["matchLabels"] == {
+            "kubernetes.io/metadata.name": "specfleet-system"
+        }
         pod_labels = deployment["spec"]["template"]["metadata"]["labels"]
-        assert source["podSelector"]["matchLabels"].items() <= pod_labels.items()  # selects the operator's pods
+        assert (
+            source["podSelector"]["matchLabels"].items() <= pod_labels.items()
+        )  # selects the operator's pods
     finally:
         fake.stop()
     with pytest.raises(ValueError, match="POD_NAMESPACE"):

@@ -90,7 +90,10 @@ def test_prefix_policy_reasons():
     assert bounded.url != first.url and bounded.reason == "ring"
     policy.routed(short, bounded.url)
     holder.outstanding = 3  # the other engine holds 5 of the 10 blocks; the bound excludes the holder
-    assert (policy.choose(tenant, eps).reason, policy.choose(tenant, eps).match_blocks) == ("prefix-bounded", 5)
+    assert (policy.choose(tenant, eps).reason, policy.choose(tenant, eps).match_blocks) == (
+        "prefix-bounded",
+        5,
+    )
     # sessions stick while the engine is under the cap
     s = RouteRequest((1, 2), session="chat-7")
     policy.routed(s, "http://e0")
@@ -123,8 +126,11 @@ def test_endpoint_set_routes_only_ready_not_draining():
 
 
 @settings(max_examples=120, deadline=None)
-@given(n=st.integers(1, 6), factor=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
-       ops=st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 50)), max_size=200))
+@given(
+    n=st.integers(1, 6),
+    factor=st.sampled_from([1.0, 1.1, 1.25, 2.0]),
+    ops=st.lists(st.tuples(st.booleans(), st.integers(0, 7), st.integers(0, 50)), max_size=200),
+)
 def test_prefix_policy_never_exceeds_the_load_cap(n, factor, ops):
     """Whatever arrives and leaves, the engine chosen ends at most at ceil(c * total / n) in flight, and
     a choice always exists while any engine is routable."""
@@ -132,7 +138,9 @@ def test_prefix_policy_never_exceeds_the_load_cap(n, factor, ops):
     rng_tenants = [tuple(range(t * 1000, t * 1000 + 8)) for t in range(8)]
     for arrive, tenant, pick in ops:
         if arrive or not any(e.outstanding for e in eps):
-            req = RouteRequest(rng_tenants[tenant][: 1 + pick % 8], session=f"s{pick % 3}" if pick % 5 == 0 else None)
+            req = RouteRequest(
+                rng_tenants[tenant][: 1 + pick % 8], session=f"s{pick % 3}" if pick % 5 == 0 else None
+            )
             cap = load_cap(eps, factor)
             choice = policy.choose(req, eps)
             assert choice is not None

@@ -28,7 +28,9 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
     asyncio.run(asyncio.wait_for(test(), timeout=30))
 
 
-async def start_router(urls: list[str], policy: str = "round-robin", **options: float) -> tuple[Router, str, object]:
+async def start_router(
+    urls: list[str], policy: str = "round-robin", **options: float
+) -> tuple[Router, str, object]:
     router = Router(EndpointSet(urls, ready=True), make_policy(policy), **options)  # type: ignore[arg-type]
     port = free_port()
     runner = await serve(router, "127.0.0.1", port)
@@ -38,8 +40,12 @@ async def start_router(urls: list[str], policy: str = "round-robin", **options: 
 def test_prompt_text_of_completions_and_chat():
     assert prompt_text({"prompt": "abc"}) == ("abc", None)
     assert prompt_text({"prompt": [1, 2, 3]}) == ("", [1, 2, 3])
-    chat = {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": [{"type": "text",
-                                                                                        "text": "U"}]}]}
+    chat = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": [{"type": "text", "text": "U"}]},
+        ]
+    }
     assert prompt_text(chat) == ("system\nS\nuser\nU\n", None)
     assert prompt_text("not a dict") == ("", None)
 

@@ -41,18 +41,31 @@ class LiveServer:
         return self.state.engine
 
     def kv_blocks_in_use(self) -> int:
-        return self.async_engine.call_sync(lambda engine: engine.kv_blocks_in_use())
+        return self.async_engine.call_sync("kv_blocks_in_use")
 
     def wait_idle(self, timeout: float = 60.0) -> None:
         deadline = time.monotonic() + timeout
         while self.async_engine.num_in_flight and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert self.async_engine.num_in_flight == 0, f"{self.async_engine.num_in_flight} requests still in flight"
+        assert self.async_engine.num_in_flight == 0, (
+            f"{self.async_engine.num_in_flight} requests still in flight"
+        )
 
 
 @pytest.fixture(scope="session")
-def engine() -> Any:
-    pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
+def engine() -> Iterator[Any]:
+    """The engine core in its own process, as `specfleet serve` runs it, and the client that talks to it."""
+    from specfleet.engine import EngineConfig
+    from specfleet.engine.core.client import EngineCoreClient
+
+    client = EngineCoreClient(EngineConfig(**ENGINE_KWARGS), log_level="warning")
+    yield client
+    client.stop()
+
+
+@pytest.fixture(scope="session")
+def offline_engine() -> Any:
+    """An in-process engine with the server's settings: the oracle a served request is compared with."""
     from specfleet.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(**ENGINE_KWARGS))
@@ -74,6 +87,12 @@ def serve_in_thread(app: Any) -> tuple[Any, threading.Thread, str]:
         assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
         time.sleep(0.02)
     return server, thread, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="session")
+def serve_app() -> Any:
+    """`serve_in_thread`, for a test that needs an app of its own."""
+    return serve_in_thread
 
 
 @pytest.fixture(scope="session")

@@ -30,12 +30,29 @@ def test_admin_api_only_on_the_admin_port(tmp_path: Path) -> None:
     port, admin_port = _free_port(), _free_port()
     api, admin = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{admin_port}"
     log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "specfleet.engine", "--model", "bundled://smollm2-135m-instruct",
-           "--port", str(port), "--admin-port", str(admin_port), "--max-model-len", "512", "--kv-cache-gib", "0.1",
-           "--drain-timeout", "5", "--log-level", "warning"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specfleet.engine",
+        "--model",
+        "bundled://smollm2-135m-instruct",
+        "--port",
+        str(port),
+        "--admin-port",
+        str(admin_port),
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "0.1",
+        "--drain-timeout",
+        "5",
+        "--log-level",
+        "warning",
+    ]
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
-                                env={**os.environ, "SPECFLEET_ADMIN_TOKEN": TOKEN})
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, "SPECFLEET_ADMIN_TOKEN": TOKEN}
+        )
     try:
         deadline = time.monotonic() + 180
         while True:
@@ -50,7 +67,9 @@ def test_admin_api_only_on_the_admin_port(tmp_path: Path) -> None:
         on_api = httpx.get(f"{api}/admin/config", headers=AUTH, timeout=10)
         assert on_api.status_code == 404 and on_api.json()["error"]["code"] == "wrong_port"
         assert httpx.get(f"{admin}/admin/config", headers=AUTH, timeout=10).json()["max_num_seqs"] > 0
-        assert httpx.get(f"{admin}/admin/config", timeout=10).status_code == 401  # the token is still required
+        assert (
+            httpx.get(f"{admin}/admin/config", timeout=10).status_code == 401
+        )  # the token is still required
         assert httpx.get(f"{admin}/v1/models", timeout=10).status_code == 404
         assert httpx.get(f"{api}/v1/models", timeout=10).status_code == 200
         assert httpx.get(f"{api}/metrics", timeout=10).status_code == 200
@@ -63,6 +82,20 @@ def test_admin_api_only_on_the_admin_port(tmp_path: Path) -> None:
 
 
 def test_admin_port_must_differ_from_the_api_port() -> None:
-    result = subprocess.run([sys.executable, "-m", "specfleet.engine", "--model", "bundled://x", "--port", "8000",
-                             "--admin-port", "8000"], capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "specfleet.engine",
+            "--model",
+            "bundled://x",
+            "--port",
+            "8000",
+            "--admin-port",
+            "8000",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2 and "--admin-port 8000 must differ from --port" in result.stderr

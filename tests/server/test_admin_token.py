@@ -23,7 +23,9 @@ def test_the_variable_still_works_and_nothing_set_turns_the_admin_api_off() -> N
 
 
 @pytest.mark.parametrize("content", [None, "", "  \n"], ids=["missing", "empty", "blank"])
-def test_an_unreadable_or_empty_file_is_an_error_naming_the_variable(tmp_path: Path, content: str | None) -> None:
+def test_an_unreadable_or_empty_file_is_an_error_naming_the_variable(
+    tmp_path: Path, content: str | None
+) -> None:
     path = tmp_path / "token"
     if content is not None:
         path.write_text(content)
@@ -32,4 +34,7 @@ def test_an_unreadable_or_empty_file_is_an_error_naming_the_variable(tmp_path: P
 
 
 def test_the_operator_renders_the_names_the_engine_reads() -> None:
-    assert (resources.ADMIN_TOKEN_ENV, resources.ADMIN_TOKEN_FILE_ENV) == (ADMIN_TOKEN_ENV, ADMIN_TOKEN_FILE_ENV)
+    assert (resources.ADMIN_TOKEN_ENV, resources.ADMIN_TOKEN_FILE_ENV) == (
+        ADMIN_TOKEN_ENV,
+        ADMIN_TOKEN_FILE_ENV,
+    )

@@ -20,11 +20,31 @@ def test_prompt_mix_is_deterministic() -> None:
 
 
 @pytest.mark.parametrize("load", [["--max-concurrency", "3"], ["--request-rate", "20"]])
-def test_bench_serve_reports_latencies(server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str],
-                                       load: list[str]) -> None:
-    code = bench_serve.main(["serve", "--url", server.url, "--num-prompts", "5", *load, "--min-output-len", "3",
-                             "--max-output-len", "5", "--slo", "ttft:60000", "tpot:60000",
-                             "--result-dir", str(tmp_path), "--label", "run", "--no-progress"])
+def test_bench_serve_reports_latencies(
+    server: Any, tmp_path: Path, capsys: pytest.CaptureFixture[str], load: list[str]
+) -> None:
+    code = bench_serve.main(
+        [
+            "serve",
+            "--url",
+            server.url,
+            "--num-prompts",
+            "5",
+            *load,
+            "--min-output-len",
+            "3",
+            "--max-output-len",
+            "5",
+            "--slo",
+            "ttft:60000",
+            "tpot:60000",
+            "--result-dir",
+            str(tmp_path),
+            "--label",
+            "run",
+            "--no-progress",
+        ]
+    )
     assert code == 0
     out = capsys.readouterr().out.strip().splitlines()
     summary = json.loads(out[-1])

@@ -13,8 +13,12 @@ import pytest
 
 pytestmark = pytest.mark.slow
 
-PROMPTS = ["Write a haiku about the sea.", "List three prime numbers.", "What is the capital of Italy?",
-           "Describe a cat in one sentence."]
+PROMPTS = [
+    "Write a haiku about the sea.",
+    "List three prime numbers.",
+    "What is the capital of Italy?",
+    "Describe a cat in one sentence.",
+]
 
 
 def _success_count(server: Any, reason: str) -> float:
@@ -29,15 +33,25 @@ def _kv_usage(server: Any) -> float:
     return float(match.group(1))
 
 
-def test_32_concurrent_streaming_clients_get_correct_output(client: Any, server: Any, model_name: str) -> None:
-    reference = {p: client.chat.completions.create(model=model_name, messages=[{"role": "user", "content": p}],
-                                                   max_tokens=8, temperature=0).choices[0]
-                 for p in PROMPTS}
+def test_32_concurrent_streaming_clients_get_correct_output(
+    client: Any, server: Any, model_name: str
+) -> None:
+    reference = {
+        p: client.chat.completions.create(
+            model=model_name, messages=[{"role": "user", "content": p}], max_tokens=8, temperature=0
+        ).choices[0]
+        for p in PROMPTS
+    }
 
     async def one(aclient: openai.AsyncOpenAI, prompt: str) -> tuple[str, str | None, int]:
         stream = await aclient.chat.completions.create(
-            model=model_name, messages=[{"role": "user", "content": prompt}], max_tokens=8, temperature=0,
-            stream=True, stream_options={"include_usage": True})
+            model=model_name,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=8,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
         text, finish, tokens = "", None, -1
         async for chunk in stream:
             for choice in chunk.choices:
@@ -48,8 +62,9 @@ def test_32_concurrent_streaming_clients_get_correct_output(client: Any, server:
         return text, finish, tokens
 
     async def run_all() -> list[tuple[str, str | None, int]]:
-        async with openai.AsyncOpenAI(base_url=f"{server.url}/v1", api_key="x", max_retries=0,
-                                      timeout=180) as aclient:
+        async with openai.AsyncOpenAI(
+            base_url=f"{server.url}/v1", api_key="x", max_retries=0, timeout=180
+        ) as aclient:
             return await asyncio.gather(*(one(aclient, PROMPTS[i % len(PROMPTS)]) for i in range(32)))
 
     results = asyncio.run(run_all())
@@ -64,8 +79,13 @@ def test_32_concurrent_streaming_clients_get_correct_output(client: Any, server:
 
 def test_disconnecting_clients_free_their_kv_blocks(server: Any, model_name: str) -> None:
     aborted_before = _success_count(server, "abort")
-    body = {"model": model_name, "prompt": "Tell me a very long story about dragons.", "max_tokens": 400,
-            "ignore_eos": True, "stream": True}
+    body = {
+        "model": model_name,
+        "prompt": "Tell me a very long story about dragons.",
+        "max_tokens": 400,
+        "ignore_eos": True,
+        "stream": True,
+    }
 
     async def leave_after_two_chunks(aclient: httpx.AsyncClient) -> int:
         received = 0
@@ -98,9 +118,12 @@ def test_disconnecting_clients_free_their_kv_blocks(server: Any, model_name: str
 def test_full_waiting_queue_gets_429_with_retry_after(server: Any, model_name: str) -> None:
     server.async_engine.max_waiting = 1
     try:
+
         async def one(aclient: httpx.AsyncClient) -> httpx.Response:
-            return await aclient.post(f"{server.url}/v1/completions",
-                                      json={"model": model_name, "prompt": "Hello there", "max_tokens": 2})
+            return await aclient.post(
+                f"{server.url}/v1/completions",
+                json={"model": model_name, "prompt": "Hello there", "max_tokens": 2},
+            )
 
         async def run_all() -> list[httpx.Response]:
             async with httpx.AsyncClient(timeout=60) as aclient:

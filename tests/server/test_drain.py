@@ -21,11 +21,33 @@ SECRET_PROMPT = "zebra-violet-unicorn says"
 
 
 def test_cli_flags_map_onto_engine_config() -> None:
-    args = build_parser().parse_args([
-        "--model", "file:///models/x", "--max-num-seqs", "12", "--max-num-batched-tokens", "512",
-        "--block-size", "32", "--max-model-len", "4096", "--dtype", "bfloat16", "--speculative-method", "draft",
-        "--num-speculative-tokens", "3", "--draft-model", "file:///models/d", "--no-prefix-caching",
-        "--kv-cache-memory-fraction", "0.5", "--kv-cache-gib", "1.5"])
+    args = build_parser().parse_args(
+        [
+            "--model",
+            "file:///models/x",
+            "--max-num-seqs",
+            "12",
+            "--max-num-batched-tokens",
+            "512",
+            "--block-size",
+            "32",
+            "--max-model-len",
+            "4096",
+            "--dtype",
+            "bfloat16",
+            "--speculative-method",
+            "draft",
+            "--num-speculative-tokens",
+            "3",
+            "--draft-model",
+            "file:///models/d",
+            "--no-prefix-caching",
+            "--kv-cache-memory-fraction",
+            "0.5",
+            "--kv-cache-gib",
+            "1.5",
+        ]
+    )
     kwargs = engine_config_kwargs(args)
     assert kwargs["model"] == "file:///models/x" and kwargs["max_num_seqs"] == 12
     assert kwargs["max_num_batched_tokens"] == 512 and kwargs["block_size"] == 32
@@ -39,7 +61,13 @@ def test_cli_flags_map_onto_engine_config() -> None:
 
 
 def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_tokens: int) -> None:
-    body = {"prompt": SECRET_PROMPT, "max_tokens": max_tokens, "ignore_eos": True, "temperature": 0, "stream": True}
+    body = {
+        "prompt": SECRET_PROMPT,
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0,
+        "stream": True,
+    }
     chunks: list[str] = []
     try:
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=120) as resp:
@@ -57,8 +85,21 @@ def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, P
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log_path = tmp_path / "server.log"
-    cmd = [sys.executable, "-m", "specfleet.engine", "serve", "--model", "bundled://smollm2-135m-instruct",
-           "--port", str(port), "--max-model-len", "512", "--kv-cache-gib", "0.1", *flags]
+    cmd = [
+        sys.executable,
+        "-m",
+        "specfleet.engine",
+        "serve",
+        "--model",
+        "bundled://smollm2-135m-instruct",
+        "--port",
+        str(port),
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "0.1",
+        *flags,
+    ]
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ})
     try:
@@ -163,8 +204,11 @@ def test_sigterm_fails_readiness_before_refusing_requests(tmp_path: Path) -> Non
     log_text = log_path.read_text()
     assert code == 0, log_text[-3000:]
     assert results and results[0][0] == 200 and results[0][1][-1] == "[DONE]", results
-    assert log_text.index("event=shutdown_delay") < log_text.index("event=drain_start") < log_text.index(
-        "event=drain_done")
+    assert (
+        log_text.index("event=shutdown_delay")
+        < log_text.index("event=drain_start")
+        < log_text.index("event=drain_done")
+    )
 
 
 def test_invalid_engine_flags_exit_2_before_loading(capsys: pytest.CaptureFixture[str]) -> None:

@@ -39,55 +39,156 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
     ("n too large", "/v1/completions", {**COMPLETION, "n": 1000}, 400, "n"),
     ("negative seed", "/v1/completions", {**COMPLETION, "seed": -1}, 400, "seed"),
     ("logprobs too many", "/v1/completions", {**COMPLETION, "logprobs": 50}, 400, "logprobs"),
-    ("presence_penalty out of range", "/v1/completions", {**COMPLETION, "presence_penalty": 3}, 400,
-     "presence_penalty"),
+    (
+        "presence_penalty out of range",
+        "/v1/completions",
+        {**COMPLETION, "presence_penalty": 3},
+        400,
+        "presence_penalty",
+    ),
     ("empty stop string", "/v1/completions", {**COMPLETION, "stop": [""]}, 400, "stop"),
-    ("negative stop token", "/v1/completions", {**COMPLETION, "stop_token_ids": [-1]}, 400, "stop_token_ids.0"),
-    ("stop token beyond the vocabulary", "/v1/completions", {**COMPLETION, "min_tokens": 1, "stop_token_ids": [10**30]},
-     400, "stop_token_ids"),
+    (
+        "negative stop token",
+        "/v1/completions",
+        {**COMPLETION, "stop_token_ids": [-1]},
+        400,
+        "stop_token_ids.0",
+    ),
+    (
+        "stop token beyond the vocabulary",
+        "/v1/completions",
+        {**COMPLETION, "min_tokens": 1, "stop_token_ids": [10**30]},
+        400,
+        "stop_token_ids",
+    ),
     ("min_tokens above max_tokens", "/v1/completions", {**COMPLETION, "min_tokens": 5}, 400, "min_tokens"),
     ("unknown field", "/v1/completions", {**COMPLETION, "frobnicate": True}, 400, "frobnicate"),
-    ("logit_bias out of range", "/v1/completions", {**COMPLETION, "logit_bias": {"1": 500}}, 400, "logit_bias"),
-    ("logit_bias key not a token id", "/v1/completions", {**COMPLETION, "logit_bias": {"a": 1}}, 400, "logit_bias"),
-    ("logit_bias beyond the vocabulary", "/v1/completions", {**COMPLETION, "logit_bias": {"99999999": 1}}, 400,
-     "logit_bias"),
+    (
+        "logit_bias out of range",
+        "/v1/completions",
+        {**COMPLETION, "logit_bias": {"1": 500}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias key not a token id",
+        "/v1/completions",
+        {**COMPLETION, "logit_bias": {"a": 1}},
+        400,
+        "logit_bias",
+    ),
+    (
+        "logit_bias beyond the vocabulary",
+        "/v1/completions",
+        {**COMPLETION, "logit_bias": {"99999999": 1}},
+        400,
+        "logit_bias",
+    ),
     ("min_p out of range", "/v1/completions", {**COMPLETION, "min_p": 1.5}, 400, "min_p"),
-    ("repetition_penalty zero", "/v1/completions", {**COMPLETION, "repetition_penalty": 0}, 400,
-     "repetition_penalty"),
-    ("allowed_token_ids empty", "/v1/completions", {**COMPLETION, "allowed_token_ids": []}, 400,
-     "allowed_token_ids"),
+    (
+        "repetition_penalty zero",
+        "/v1/completions",
+        {**COMPLETION, "repetition_penalty": 0},
+        400,
+        "repetition_penalty",
+    ),
+    (
+        "allowed_token_ids empty",
+        "/v1/completions",
+        {**COMPLETION, "allowed_token_ids": []},
+        400,
+        "allowed_token_ids",
+    ),
     ("bad_words with an empty word", "/v1/completions", {**COMPLETION, "bad_words": [" "]}, 400, "bad_words"),
-    ("prompt_logprobs too many", "/v1/completions", {**COMPLETION, "prompt_logprobs": 30}, 400, "prompt_logprobs"),
+    (
+        "prompt_logprobs too many",
+        "/v1/completions",
+        {**COMPLETION, "prompt_logprobs": 30},
+        400,
+        "prompt_logprobs",
+    ),
     ("best_of differs from n", "/v1/completions", {**COMPLETION, "best_of": 3}, 400, None),
-    ("stream_options without stream", "/v1/completions", {**COMPLETION, "stream_options": {"include_usage": True}},
-     400, None),
+    (
+        "stream_options without stream",
+        "/v1/completions",
+        {**COMPLETION, "stream_options": {"include_usage": True}},
+        400,
+        None,
+    ),
     ("unknown model", "/v1/completions", {**COMPLETION, "model": "gpt-17"}, 404, "model"),
     ("chat without messages", "/v1/chat/completions", {"max_tokens": 2}, 400, "messages"),
     ("chat empty messages", "/v1/chat/completions", {"messages": []}, 400, "messages"),
-    ("chat bad role", "/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400,
-     "messages.0.role"),
+    (
+        "chat bad role",
+        "/v1/chat/completions",
+        {"messages": [{"role": "wizard", "content": "x"}]},
+        400,
+        "messages.0.role",
+    ),
     ("chat unsupported tools", "/v1/chat/completions", {**CHAT, "tools": []}, 400, "tools"),
     ("chat top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, None),
-    ("chat unknown response_format", "/v1/chat/completions", {**CHAT, "response_format": {"type": "yaml"}}, 400,
-     "response_format.type"),
-    ("chat uncompilable json_schema", "/v1/chat/completions",
-     {**CHAT, "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
-     400, "response_format.json_schema.schema"),
-    ("uncompilable guided_regex", "/v1/completions", {**COMPLETION, "guided_regex": "(a|b"}, 400, "guided_regex"),
-    ("two structured-output fields", "/v1/completions", {**COMPLETION, "guided_regex": "a+", "guided_choice": ["a"]},
-     400, "guided_choice"),
-    ("unknown structured_outputs key", "/v1/completions", {**COMPLETION, "structured_outputs": {"xml": "<a/>"}},
-     400, "structured_outputs.xml"),
-    ("chat prompt too long", "/v1/chat/completions", {"messages": [{"role": "user", "content": LONG_PROMPT}]},
-     400, "messages"),
-    ("chat max_completion_tokens beyond context", "/v1/chat/completions",
-     {**CHAT, "max_completion_tokens": 100000}, 400, "max_tokens"),
+    (
+        "chat unknown response_format",
+        "/v1/chat/completions",
+        {**CHAT, "response_format": {"type": "yaml"}},
+        400,
+        "response_format.type",
+    ),
+    (
+        "chat uncompilable json_schema",
+        "/v1/chat/completions",
+        {
+            **CHAT,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "nope"}},
+            },
+        },
+        400,
+        "response_format.json_schema.schema",
+    ),
+    (
+        "uncompilable guided_regex",
+        "/v1/completions",
+        {**COMPLETION, "guided_regex": "(a|b"},
+        400,
+        "guided_regex",
+    ),
+    (
+        "two structured-output fields",
+        "/v1/completions",
+        {**COMPLETION, "guided_regex": "a+", "guided_choice": ["a"]},
+        400,
+        "guided_choice",
+    ),
+    (
+        "unknown structured_outputs key",
+        "/v1/completions",
+        {**COMPLETION, "structured_outputs": {"xml": "<a/>"}},
+        400,
+        "structured_outputs.xml",
+    ),
+    (
+        "chat prompt too long",
+        "/v1/chat/completions",
+        {"messages": [{"role": "user", "content": LONG_PROMPT}]},
+        400,
+        "messages",
+    ),
+    (
+        "chat max_completion_tokens beyond context",
+        "/v1/chat/completions",
+        {**CHAT, "max_completion_tokens": 100000},
+        400,
+        "max_tokens",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("name", "route", "body", "status", "param"), CASES, ids=[c[0] for c in CASES])
-def test_bad_input_gets_openai_error(server: Any, name: str, route: str, body: Any, status: int,
-                                     param: str | None) -> None:
+def test_bad_input_gets_openai_error(
+    server: Any, name: str, route: str, body: Any, status: int, param: str | None
+) -> None:
     url = f"{server.url}{route}"
     if body is None:
         resp = httpx.post(url, content=b'{"prompt": "x", ', headers={"content-type": "application/json"})
@@ -102,7 +203,9 @@ def test_bad_input_gets_openai_error(server: Any, name: str, route: str, body: A
         assert param.split(".")[0] in error["message"], error
 
 
-@pytest.mark.parametrize(("method", "path", "status"), [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)])
+@pytest.mark.parametrize(
+    ("method", "path", "status"), [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)]
+)
 def test_unknown_routes_get_error_body(server: Any, method: str, path: str, status: int) -> None:
     resp = httpx.request(method, f"{server.url}{path}")
     assert resp.status_code == status
@@ -114,7 +217,14 @@ def test_no_blocks_leak_after_errors(server: Any) -> None:
     assert server.kv_blocks_in_use() == 0
 
 
-CAPS = {"max_tokens": 2, "max_completion_tokens": 2, "min_tokens": 2, "n": 2, "logprobs": 2, "top_logprobs": 2}
+CAPS = {
+    "max_tokens": 2,
+    "max_completion_tokens": 2,
+    "min_tokens": 2,
+    "n": 2,
+    "logprobs": 2,
+    "top_logprobs": 2,
+}
 
 
 def _cap(body: Any) -> None:
@@ -141,15 +251,24 @@ def test_schemathesis_finds_no_5xx(server: Any) -> None:
     seen: list[int] = []
     for operation in operations:
         has_body = operation.method.upper() in ("POST", "PATCH")
-        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,):
+        for mode in (
+            (GenerationMode.POSITIVE, GenerationMode.NEGATIVE) if has_body else (GenerationMode.POSITIVE,)
+        ):
             examples = 8 if has_body else 2
 
             @given(case=operation.as_strategy(generation_mode=mode))
-            @settings(max_examples=examples, deadline=None, phases=[Phase.generate], database=None,
-                      suppress_health_check=list(HealthCheck))
+            @settings(
+                max_examples=examples,
+                deadline=None,
+                phases=[Phase.generate],
+                database=None,
+                suppress_health_check=list(HealthCheck),
+            )
             def run(case: Any) -> None:
                 _cap(case.body)
-                response = case.call_and_validate(base_url=server.url, checks=[not_a_server_error], timeout=60)
+                response = case.call_and_validate(
+                    base_url=server.url, checks=[not_a_server_error], timeout=60
+                )
                 seen.append(response.status_code)
 
             run()

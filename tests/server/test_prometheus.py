@@ -14,20 +14,34 @@ import pytest
 pytestmark = pytest.mark.slow
 
 DESIGN_METRICS = [
-    "specfleet_time_to_first_token_seconds", "specfleet_time_per_output_token_seconds",
-    "specfleet_inter_token_latency_seconds", "specfleet_e2e_request_latency_seconds",
-    "specfleet_request_queue_time_seconds", "specfleet_step_duration_seconds", "specfleet_batch_size",
-    "specfleet_num_requests_running", "specfleet_num_requests_waiting", "specfleet_kv_cache_usage_ratio",
-    "specfleet_num_speculative_tokens", "specfleet_max_num_seqs", "specfleet_max_num_batched_tokens",
-    "specfleet_prompt_tokens_total", "specfleet_generation_tokens_total", "specfleet_request_success_total",
-    "specfleet_num_preemptions_total", "specfleet_prefix_cache_queries_total", "specfleet_prefix_cache_hits_total",
-    "specfleet_spec_decode_drafts_total", "specfleet_spec_decode_draft_tokens_total",
+    "specfleet_time_to_first_token_seconds",
+    "specfleet_time_per_output_token_seconds",
+    "specfleet_inter_token_latency_seconds",
+    "specfleet_e2e_request_latency_seconds",
+    "specfleet_request_queue_time_seconds",
+    "specfleet_step_duration_seconds",
+    "specfleet_batch_size",
+    "specfleet_num_requests_running",
+    "specfleet_num_requests_waiting",
+    "specfleet_kv_cache_usage_ratio",
+    "specfleet_num_speculative_tokens",
+    "specfleet_max_num_seqs",
+    "specfleet_max_num_batched_tokens",
+    "specfleet_prompt_tokens_total",
+    "specfleet_generation_tokens_total",
+    "specfleet_request_success_total",
+    "specfleet_num_preemptions_total",
+    "specfleet_prefix_cache_queries_total",
+    "specfleet_prefix_cache_hits_total",
+    "specfleet_spec_decode_drafts_total",
+    "specfleet_spec_decode_draft_tokens_total",
     "specfleet_spec_decode_accepted_tokens_total",
 ]
-ACCEPTANCE = ("sum(rate(specfleet_spec_decode_accepted_tokens_total[1m])) / "
-              "sum(rate(specfleet_spec_decode_draft_tokens_total[1m]))")
-TTFT_P95 = ("histogram_quantile(0.95, sum by (le) "
-            "(rate(specfleet_time_to_first_token_seconds_bucket[1m])))")
+ACCEPTANCE = (
+    "sum(rate(specfleet_spec_decode_accepted_tokens_total[1m])) / "
+    "sum(rate(specfleet_spec_decode_draft_tokens_total[1m]))"
+)
+TTFT_P95 = "histogram_quantile(0.95, sum by (le) (rate(specfleet_time_to_first_token_seconds_bucket[1m])))"
 
 
 def _has_spec_decode() -> bool:
@@ -70,7 +84,9 @@ def test_metrics_endpoint_has_every_design_name(server: Any) -> None:
     assert re.search(r'^specfleet_request_success_total\{[^}]*finished_reason="stop"', text, re.MULTILINE)
 
 
-def test_promql_acceptance_rate_and_ttft_p95(prometheus: str, server: Any, client: Any, model_name: str) -> None:
+def test_promql_acceptance_rate_and_ttft_p95(
+    prometheus: str, server: Any, client: Any, model_name: str
+) -> None:
     wait_for_value(prometheus, 'up{job="specfleet-test"}', lambda v: v == 1.0)
     time.sleep(1.5)  # a scrape before the load, so rate() sees the increase
     repetitive = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,"  # n-gram drafts hit here
@@ -78,13 +94,17 @@ def test_promql_acceptance_rate_and_ttft_p95(prometheus: str, server: Any, clien
         client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=0)
     ttft_p95 = wait_for_value(prometheus, TTFT_P95, lambda v: math.isfinite(v) and v > 0)
     assert 0 < ttft_p95 < 80
-    stats = server.async_engine.call_sync(lambda engine: engine.stats.num_draft_tokens)
+    stats = server.async_engine.call_sync("stats")["num_draft_tokens"]
     if stats == 0 and not _has_spec_decode():
-        pytest.skip("speculative decoding is not in the engine yet (specfleet.engine.spec_decode is empty): "
-                    "TTFT p95 checked, the acceptance rate has no draft tokens to divide")
+        pytest.skip(
+            "speculative decoding is not in the engine yet (specfleet.engine.spec_decode is empty): "
+            "TTFT p95 checked, the acceptance rate has no draft tokens to divide"
+        )
     if stats == 0:
-        pytest.fail("the engine reported no speculative draft tokens with speculative_method='ngram', k=2: "
-                    "the acceptance-rate PromQL has nothing to divide")
+        pytest.fail(
+            "the engine reported no speculative draft tokens with speculative_method='ngram', k=2: "
+            "the acceptance-rate PromQL has nothing to divide"
+        )
     rate = wait_for_value(prometheus, ACCEPTANCE, lambda v: math.isfinite(v))
     assert 0.0 <= rate <= 1.0
     assert query(prometheus, 'specfleet_num_speculative_tokens{model_name!=""}')

@@ -14,8 +14,10 @@ class FakeTokenizer:
         return "".join(chr(ord("a") + i % 26) for i in ids)
 
 
-@pytest.mark.parametrize(("prompt", "expected"), [
-    ("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])])
+@pytest.mark.parametrize(
+    ("prompt", "expected"),
+    [("hi", ["hi"]), (["a", "b"], ["a", "b"]), ([1, 2], [[1, 2]]), ([[1], [2, 3]], [[1], [2, 3]])],
+)
 def test_prompt_shapes(prompt: object, expected: list[object]) -> None:
     assert CompletionRequest(prompt=prompt).prompts() == expected
 
@@ -23,15 +25,32 @@ def test_prompt_shapes(prompt: object, expected: list[object]) -> None:
 def test_sampling_defaults_and_aliases() -> None:
     assert CompletionRequest(prompt="x").to_sampling_params().max_tokens == 16
     assert CompletionRequest(prompt="x", max_tokens=None).to_sampling_params().max_tokens == 16
-    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}], max_tokens=9,
-                                 max_completion_tokens=5, logprobs=True, top_logprobs=3, stop="END")
+    chat = ChatCompletionRequest(
+        messages=[{"role": "user", "content": "x"}],
+        max_tokens=9,
+        max_completion_tokens=5,
+        logprobs=True,
+        top_logprobs=3,
+        stop="END",
+    )
     params = chat.to_sampling_params()
     assert params.max_tokens == 5 and params.logprobs == 3 and params.stop == ["END"]
-    assert ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params().max_tokens is None
+    assert (
+        ChatCompletionRequest(messages=[{"role": "user", "content": "x"}]).to_sampling_params().max_tokens
+        is None
+    )
 
 
-@pytest.mark.parametrize("body", [{"prompt": "x", "logit_bias": {"x": 1.0}}, {"prompt": "x", "n": 0},
-                                  {"prompt": "x", "min_p": 2}, {"prompt": []}, {"prompt": "x", "stop": [""]}])
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt": "x", "logit_bias": {"x": 1.0}},
+        {"prompt": "x", "n": 0},
+        {"prompt": "x", "min_p": 2},
+        {"prompt": []},
+        {"prompt": "x", "stop": [""]},
+    ],
+)
 def test_rejected_bodies(body: dict[str, object]) -> None:
     with pytest.raises(ValidationError):
         CompletionRequest(**body)
@@ -40,10 +59,16 @@ def test_rejected_bodies(body: dict[str, object]) -> None:
 def test_completion_deltas_concatenate_and_finish_once() -> None:
     text = serving.TokenText(FakeTokenizer())
     cursor = serving.ChoiceCursor()
-    lps = [PositionLogprobs(0, -0.1, {0: -0.1}), PositionLogprobs(1, -0.2, {1: -0.2}), PositionLogprobs(2, -0.3, {2: -0.3})]
-    states = [CompletionOutput(0, "a", [0], None, None, lps[:1]),
-              CompletionOutput(0, "a", [0], None, None, lps[:1]),  # nothing new: no chunk
-              CompletionOutput(0, "abc", [0, 1, 2], "length", None, lps)]
+    lps = [
+        PositionLogprobs(0, -0.1, {0: -0.1}),
+        PositionLogprobs(1, -0.2, {1: -0.2}),
+        PositionLogprobs(2, -0.3, {2: -0.3}),
+    ]
+    states = [
+        CompletionOutput(0, "a", [0], None, None, lps[:1]),
+        CompletionOutput(0, "a", [0], None, None, lps[:1]),  # nothing new: no chunk
+        CompletionOutput(0, "abc", [0, 1, 2], "length", None, lps),
+    ]
     choices = [serving.completion_delta(s, cursor, 0, True, text) for s in states]
     assert choices[1] is None
     assert choices[0]["text"] + choices[2]["text"] == "abc"

@@ -17,14 +17,22 @@ pytestmark = pytest.mark.slow
 
 def refused(server: Any) -> dict[str, float]:
     text = httpx.get(f"{server.url}/metrics", timeout=10).text
-    return {m["reason"]: float(m["value"]) for m in re.finditer(
-        r'^specfleet_requests_refused_total\{[^}]*reason="(?P<reason>[a-z_]+)"[^}]*\} (?P<value>\S+)$', text,
-        re.MULTILINE)}
+    return {
+        m["reason"]: float(m["value"])
+        for m in re.finditer(
+            r'^specfleet_requests_refused_total\{[^}]*reason="(?P<reason>[a-z_]+)"[^}]*\} (?P<value>\S+)$',
+            text,
+            re.MULTILINE,
+        )
+    }
 
 
 def post(server: Any, model_name: str) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/completions", json={"model": model_name, "prompt": "Hi", "max_tokens": 1},
-                      timeout=60)
+    return httpx.post(
+        f"{server.url}/v1/completions",
+        json={"model": model_name, "prompt": "Hi", "max_tokens": 1},
+        timeout=60,
+    )
 
 
 @contextmanager
@@ -39,7 +47,9 @@ def setting(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 def test_each_refusal_is_counted_once_under_its_reason(server: Any, model_name: str) -> None:
     before = refused(server)
-    assert set(before) == {"queue_full", "draining", "not_ready"}, before  # every series from the first scrape
+    assert set(before) == {"queue_full", "draining", "not_ready"}, (
+        before
+    )  # every series from the first scrape
 
     with setting(server.async_engine, "max_waiting", 0):
         answers = [post(server, model_name) for _ in range(3)]

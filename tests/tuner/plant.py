@@ -16,8 +16,29 @@ from dataclasses import dataclass, field
 
 from specfleet.tuner.types import Observation, TunedConfig
 
-BUCKETS = (0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75,
-           1.0, 2.5, 5.0, 10.0, 20.0)
+BUCKETS = (
+    0.005,
+    0.01,
+    0.015,
+    0.02,
+    0.025,
+    0.03,
+    0.04,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+)
 
 
 @dataclass(frozen=True)
@@ -79,7 +100,9 @@ class Plant:
     def _jitter(self, value: float) -> float:
         return value * (1.0 + self.rng.gauss(0.0, self.noise)) if self.noise else value
 
-    def observe(self, t: float, config: TunedConfig | None, running_config: TunedConfig | None = None) -> Observation:
+    def observe(
+        self, t: float, config: TunedConfig | None, running_config: TunedConfig | None = None
+    ) -> Observation:
         cfg = running_config or config
         assert cfg is not None
         k = cfg.num_speculative_tokens

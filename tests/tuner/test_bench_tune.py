@@ -10,14 +10,23 @@ GRID = {f"k={k},seqs={s}": TunedConfig(k, s, 1024) for k in (0, 2) for s in (8, 
 
 
 def test_configs_whose_max_num_seqs_never_binds_share_a_measurement() -> None:
-    assert sorted(equivalent_groups(GRID, 2)) == [["k=0,seqs=8", "k=0,seqs=32"], ["k=2,seqs=8", "k=2,seqs=32"]]
+    assert sorted(equivalent_groups(GRID, 2)) == [
+        ["k=0,seqs=8", "k=0,seqs=32"],
+        ["k=2,seqs=8", "k=2,seqs=32"],
+    ]
     assert len(equivalent_groups(GRID, 32)) == 4  # at 32 in flight, 8 sequences per step binds
     # a different step budget is a different behaviour even when max_num_seqs does not bind
     assert len(equivalent_groups({"a": TunedConfig(2, 8, 512), "b": TunedConfig(2, 32, 1024)}, 1)) == 2
 
 
 def p(goodput: float, attainment: float = 1.0) -> dict[str, float]:
-    return {"goodput": goodput, "throughput": goodput, "requests": 10, "slo_attainment": attainment, "seconds": 60}
+    return {
+        "goodput": goodput,
+        "throughput": goodput,
+        "requests": 10,
+        "slo_attainment": attainment,
+        "seconds": 60,
+    }
 
 
 def test_summary_compares_the_tuner_with_the_best_static_overall_and_per_phase() -> None:
@@ -39,7 +48,9 @@ def test_the_hindsight_best_is_picked_on_one_pass_and_valued_on_the_other() -> N
     out = summarize([first, second], [{"a": p(76)}], {}, [])
     assert out["best_static_goodput"] == 70 and out["best_static_config"] == "k=2 / k=4"
     assert out["per_phase_ratio"] == {"a": pytest.approx(76 / 70, abs=1e-3)}
-    assert out["per_phase_ratio_min_vs_max"] == pytest.approx(76 / 80, abs=1e-3)  # against the averaged passes
+    assert out["per_phase_ratio_min_vs_max"] == pytest.approx(
+        76 / 80, abs=1e-3
+    )  # against the averaged passes
     # a config best on both passes is valued at its mean
     out = summarize([first, {"k=2": {"a": p(80)}, "k=4": {"a": p(60)}}], [{"a": p(76)}], {}, [])
     assert out["best_static_config"] == "k=2" and out["best_static_goodput"] == 85

@@ -22,9 +22,12 @@ from specfleet.tuner.types import SLO, LiveSettings, Observation, TuneBounds, Tu
 from .plant import Plant
 
 INTERVAL = 10.0
-PARAMS = PolicyParams(slo=SLO(ttft_p95_s=2.0, tpot_p95_s=0.2),
-                      bounds=TuneBounds(k=(0, 8), max_num_seqs=(4, 64), max_num_batched_tokens=(256, 4096)),
-                      window_s=INTERVAL, interval_s=INTERVAL)
+PARAMS = PolicyParams(
+    slo=SLO(ttft_p95_s=2.0, tpot_p95_s=0.2),
+    bounds=TuneBounds(k=(0, 8), max_num_seqs=(4, 64), max_num_batched_tokens=(256, 4096)),
+    window_s=INTERVAL,
+    interval_s=INTERVAL,
+)
 URL = "http://engine-0:8000"
 
 
@@ -63,8 +66,13 @@ class PlantEngines:
 
 
 def loop(engines: PlantEngines, params: PolicyParams = PARAMS) -> ServiceTuner:
-    return ServiceTuner("ns/svc", Policy(params, engines.running), engines, engines,  # type: ignore[arg-type]
-                        engines.endpoints)
+    return ServiceTuner(
+        "ns/svc",
+        Policy(params, engines.running),
+        engines,
+        engines,  # type: ignore[arg-type]
+        engines.endpoints,
+    )
 
 
 def ticks(tuner: ServiceTuner, n: int, frozen_by: str | None = None) -> list[Tick]:
@@ -100,7 +108,10 @@ def test_the_frozen_status_shows_who_froze_it_and_what_runs() -> None:
     cond = tuned_condition(tick)
     assert (cond.status, cond.reason) == ("False", "Frozen")
     status = status_patch(tick, tuner.policy.current, {}, 3, "2026-01-01T00:00:00Z")
-    assert status["tuning"]["frozenBy"] == "spec.autotune.freeze" and status["tuning"]["numSpeculativeTokens"] == 2
+    assert (
+        status["tuning"]["frozenBy"] == "spec.autotune.freeze"
+        and status["tuning"]["numSpeculativeTokens"] == 2
+    )
     assert transition_events(tick) == [("Normal", "TuningFrozen", tick.decision.reason)]
     (after,) = ticks(tuner, 1)
     resumed = status_patch(after, tuner.policy.current, status, 3, "2026-01-01T00:00:10Z")
@@ -109,14 +120,27 @@ def test_the_frozen_status_shows_who_froze_it_and_what_runs() -> None:
 
 
 def test_a_pinned_knob_never_changes_while_the_others_do() -> None:
-    doc = {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "p"},
-           "spec": {"model": {"source": "bundled://smollm2-135m-instruct"},
-                    "batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
-                    "speculative": {"method": "ngram", "numSpeculativeTokens": 4},
-                    "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
-                    "autotune": {"enabled": True, "intervalSeconds": 10, "pins": {"numSpeculativeTokens": 4},
-                                 "bounds": {"numSpeculativeTokens": [0, 8], "maxNumSeqs": [4, 64],
-                                            "maxNumBatchedTokens": [256, 4096]}}}}
+    doc = {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "p"},
+        "spec": {
+            "model": {"source": "bundled://smollm2-135m-instruct"},
+            "batching": {"maxNumSeqs": 64, "maxNumBatchedTokens": 2048},
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 4},
+            "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
+            "autotune": {
+                "enabled": True,
+                "intervalSeconds": 10,
+                "pins": {"numSpeculativeTokens": 4},
+                "bounds": {
+                    "numSpeculativeTokens": [0, 8],
+                    "maxNumSeqs": [4, 64],
+                    "maxNumBatchedTokens": [256, 4096],
+                },
+            },
+        },
+    }
     spec = load_inference_service(doc).spec
     params = params_from_spec(spec)
     assert params.bounds.k == (4, 4)
@@ -126,10 +150,15 @@ def test_a_pinned_knob_never_changes_while_the_others_do() -> None:
     seen = ticks(tuner, 20)
     assert engines.pushes, [t.decision.reason for t in seen]
     assert {c.num_speculative_tokens for c in engines.pushes} == {4}
-    assert {(c.max_num_seqs, c.max_num_batched_tokens) for c in engines.pushes} - {(64, 2048)}, "nothing else moved"
+    assert {(c.max_num_seqs, c.max_num_batched_tokens) for c in engines.pushes} - {(64, 2048)}, (
+        "nothing else moved"
+    )
 
-    unpinned = params_from_spec(spec.model_copy(update={"autotune": spec.autotune.model_copy(
-        update={"pins": type(spec.autotune.pins)()})}))
+    unpinned = params_from_spec(
+        spec.model_copy(
+            update={"autotune": spec.autotune.model_copy(update={"pins": type(spec.autotune.pins)()})}
+        )
+    )
     control = PlantEngines(Plant(demand=48, per_pos=(0.4, 0.25, 0.15, 0.1)), spec_config(spec))
     ticks(loop(control, unpinned), 20)
     assert control.running.num_speculative_tokens != 4  # the pin, not the load, held k
@@ -155,8 +184,12 @@ def test_specfleet_up_freezes_from_the_yaml_or_while_its_freeze_file_exists(tmp_
     from specfleet.fleet.local import build_parser
     from specfleet.fleet.supervisor import LocalFleet
 
-    doc = {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService", "metadata": {"name": "f"},
-           "spec": {"model": {"source": "bundled://smollm2-135m-instruct"}, "autotune": {"enabled": True}}}
+    doc = {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "f"},
+        "spec": {"model": {"source": "bundled://smollm2-135m-instruct"}, "autotune": {"enabled": True}},
+    }
     fleet = LocalFleet(load_inference_service(doc), log_dir=tmp_path)
     assert fleet.freeze_file == tmp_path / "tuner-freeze" and fleet.frozen_by is None
     fleet.freeze_file.touch()

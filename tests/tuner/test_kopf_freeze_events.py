@@ -47,7 +47,8 @@ def k(url: str) -> int:
 
 
 def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
-        engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kopf.testing import KopfRunner
     from specfleet.tuner import handlers as tuner_handlers
 
@@ -58,23 +59,46 @@ def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
     doc["metadata"]["name"] = "frz"
     doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
     doc["spec"]["batching"] = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512}
-    doc["spec"]["autotune"] = {"enabled": True, "intervalSeconds": 5,
-                               "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 16],
-                                          "maxNumBatchedTokens": [256, 1024]}}
+    doc["spec"]["autotune"] = {
+        "enabled": True,
+        "intervalSeconds": 5,
+        "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 16], "maxNumBatchedTokens": [256, 1024]},
+    }
     fake_kube.put(*ISVC, NS, doc)
     token = base64.b64encode(ADMIN_TOKEN.encode()).decode()
-    fake_kube.put("/api/v1", "secrets", NS, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                                              "metadata": {"name": "frz-admin", "namespace": NS},
-                                              "data": {"token": token}})
-    pod = {"apiVersion": "v1", "kind": "Pod",
-           "metadata": {"name": "frz-0", "namespace": NS, "labels": {"serving.specfleet.io/inferenceservice": "frz"}},
-           "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "False"}]}}
+    fake_kube.put(
+        "/api/v1",
+        "secrets",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {"name": "frz-admin", "namespace": NS},
+            "data": {"token": token},
+        },
+    )
+    pod = {
+        "apiVersion": "v1",
+        "kind": "Pod",
+        "metadata": {
+            "name": "frz-0",
+            "namespace": NS,
+            "labels": {"serving.specfleet.io/inferenceservice": "frz"},
+        },
+        "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "False"}]},
+    }
     fake_kube.put("/api/v1", "pods", NS, pod)
 
     def events() -> list[tuple[str, str, str]]:
-        return [(e.get("type", ""), e.get("reason", ""), e.get("message", "")) for r in fake_kube.requests
-                if r.method == "POST" and r.path.endswith("/events") and isinstance(e := r.body, dict)
-                and (e.get("involvedObject") or {}).get("name") == "frz"]
+        return [
+            (e.get("type", ""), e.get("reason", ""), e.get("message", ""))
+            for r in fake_kube.requests
+            if r.method == "POST"
+            and r.path.endswith("/events")
+            and isinstance(e := r.body, dict)
+            and (e.get("involvedObject") or {}).get("name") == "frz"
+        ]
 
     def reasons() -> list[str]:
         return [reason for _, reason, _ in events() if reason.startswith("Tuning")]
@@ -105,14 +129,23 @@ def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
 
         annotate("true")
         wait_for("TuningFrozen", lambda: "TuningFrozen" in reasons(), timeout=30)
-        wait_for("Tuned=False/Frozen", lambda: (tuned().get("status"), tuned().get("reason")) == ("False", "Frozen"))
+        wait_for(
+            "Tuned=False/Frozen",
+            lambda: (tuned().get("status"), tuned().get("reason")) == ("False", "Frozen"),
+        )
         assert isvc()["status"]["tuning"]["frozenBy"] == "annotation specfleet.io/tuner-freeze=true"
-        httpx.patch(f"{engine_url}/admin/config", json={"num_speculative_tokens": 1}, headers=AUTH,
-                    timeout=10).raise_for_status()  # an SRE sets k by hand during the incident
+        httpx.patch(
+            f"{engine_url}/admin/config", json={"num_speculative_tokens": 1}, headers=AUTH, timeout=10
+        ).raise_for_status()  # an SRE sets k by hand during the incident
         # the next frozen interval reports what the engine runs; two more intervals push nothing over it
-        wait_for("status showing the hand-set k", lambda: isvc()["status"]["tuning"]["numSpeculativeTokens"] == 1,
-                 timeout=30)
-        time.sleep(2 * 5 + 1)  # intervalSeconds 5 (the reconcile also writes status, so count time, not writes)
+        wait_for(
+            "status showing the hand-set k",
+            lambda: isvc()["status"]["tuning"]["numSpeculativeTokens"] == 1,
+            timeout=30,
+        )
+        time.sleep(
+            2 * 5 + 1
+        )  # intervalSeconds 5 (the reconcile also writes status, so count time, not writes)
         assert k(engine_url) == 1, "the frozen tuner pushed its config over the hand-set one"
         assert isvc()["status"]["tuning"]["numSpeculativeTokens"] == 1
 
@@ -122,7 +155,9 @@ def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
         assert "frozenBy" not in isvc()["status"]["tuning"]  # the null in the merge patch removed it
 
     assert runner.exception is None, runner.output
-    order = [r for r in reasons() if r in ("TuningStatic", "TuningRecovered", "TuningFrozen", "TuningResumed")]
+    order = [
+        r for r in reasons() if r in ("TuningStatic", "TuningRecovered", "TuningFrozen", "TuningResumed")
+    ]
     assert order == ["TuningStatic", "TuningRecovered", "TuningFrozen", "TuningResumed"], events()
     kinds = {reason: kind for kind, reason, _ in events()}
     assert kinds["TuningStatic"] == "Warning" and kinds["TuningFrozen"] == "Normal"

@@ -32,7 +32,9 @@ AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
 
 @pytest.fixture
 def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
-    server = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})).start()  # the chart's RBAC, enforced
+    server = FakeKube(
+        rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})
+    ).start()  # the chart's RBAC, enforced
     monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
     server.add_namespace(NS)
     yield server
@@ -47,7 +49,9 @@ def engine_set(url: str, **values: int) -> None:
     httpx.patch(f"{url}/admin/config", json=values, headers=AUTH, timeout=10).raise_for_status()
 
 
-def _autotuned_service(engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+def _autotuned_service(
+    engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> dict[str, Any]:
     """An autotuned smollm2 (spec k = 3) whose one ready pod is the engine at `engine_url`, and its admin
     Secret; returns the InferenceService."""
     from specfleet.tuner import handlers as tuner_handlers
@@ -58,24 +62,46 @@ def _autotuned_service(engine_url: str, fake_kube: FakeKube, monkeypatch: pytest
     doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
     doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
     doc["spec"]["batching"] = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512}
-    doc["spec"]["autotune"] = {"enabled": True, "intervalSeconds": 5,
-                               "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 16],
-                                          "maxNumBatchedTokens": [256, 1024]}}
+    doc["spec"]["autotune"] = {
+        "enabled": True,
+        "intervalSeconds": 5,
+        "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 16], "maxNumBatchedTokens": [256, 1024]},
+    }
     fake_kube.put(*ISVC, NS, doc)
     token = base64.b64encode(ADMIN_TOKEN.encode()).decode()
-    fake_kube.put("/api/v1", "secrets", NS, {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
-                                              "metadata": {"name": "smollm2-admin", "namespace": NS},
-                                              "data": {"token": token}})
-    fake_kube.put("/api/v1", "pods", NS, {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {"name": "smollm2-0", "namespace": NS, "labels": {"serving.specfleet.io/inferenceservice": "smollm2"}},
-        "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "True"}]},
-    })
+    fake_kube.put(
+        "/api/v1",
+        "secrets",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "Secret",
+            "type": "Opaque",
+            "metadata": {"name": "smollm2-admin", "namespace": NS},
+            "data": {"token": token},
+        },
+    )
+    fake_kube.put(
+        "/api/v1",
+        "pods",
+        NS,
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {
+                "name": "smollm2-0",
+                "namespace": NS,
+                "labels": {"serving.specfleet.io/inferenceservice": "smollm2"},
+            },
+            "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "True"}]},
+        },
+    )
     return doc
 
 
 def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
-        engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from kopf.testing import KopfRunner
 
     _autotuned_service(engine_url, fake_kube, monkeypatch)
@@ -86,14 +112,21 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
 
     args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
     with KopfRunner(args, timeout=120) as runner:
-        wait_for("the spec's k pushed to the ready pod", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
-                 timeout=60)
+        wait_for(
+            "the spec's k pushed to the ready pod",
+            lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
+            timeout=60,
+        )
         status = wait_for("status.tuning", tuning, timeout=60)
         # a pod that restarts comes back with its command-line config; the next interval fixes it
-        httpx.patch(f"{engine_url}/admin/config", json={"num_speculative_tokens": 0}, headers=AUTH,
-                    timeout=10).raise_for_status()
-        wait_for("the config pushed again", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
-                 timeout=60)
+        httpx.patch(
+            f"{engine_url}/admin/config", json={"num_speculative_tokens": 0}, headers=AUTH, timeout=10
+        ).raise_for_status()
+        wait_for(
+            "the config pushed again",
+            lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
+            timeout=60,
+        )
 
     assert runner.exception is None, runner.output
     assert not fake_kube.answered(403), [(r.method, r.path) for r in fake_kube.answered(403)]
@@ -102,13 +135,17 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
     conditions = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions", [])}
     assert "Tuned" in conditions and conditions["Tuned"].get("reason"), conditions
     assert isvc["spec"]["speculative"]["numSpeculativeTokens"] == 3  # spec is the user's: never written
-    writes = [r for r in fake_kube.requests if r.method in ("PUT", "PATCH") and "/inferenceservices/" in r.path]
-    assert writes and all(r.path.endswith("/status") or "spec" not in (r.body or {}) for r in writes
-                          if isinstance(r.body, dict))
+    writes = [
+        r for r in fake_kube.requests if r.method in ("PUT", "PATCH") and "/inferenceservices/" in r.path
+    ]
+    assert writes and all(
+        r.path.endswith("/status") or "spec" not in (r.body or {}) for r in writes if isinstance(r.body, dict)
+    )
 
 
 def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
-        engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch) -> None:
+    engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """status.tuning from a previous operator (k = 5, learned step costs) is where a new one continues; a
     /scale write (generation bump) keeps it; a change of a field the tuner depends on (the SLO) rebuilds the
     policy from the spec (k = 3)."""
@@ -120,20 +157,39 @@ def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
     spec = _autotuned_service(engine_url, fake_kube, monkeypatch)["spec"]
     fingerprint = tuner_fingerprint(load_inference_service({**_isvc_shell(), "spec": spec}).spec)
     learned = [[1.0, 0.0, 0.02], [4.0, 0.0, 0.03], [8.0, 0.0, 0.05]]
-    previous = {"tuning": {"numSpeculativeTokens": 5, "maxNumSeqs": 16, "maxNumBatchedTokens": 512,
-                           "resume": {"specHash": fingerprint, "costPoints": learned, "plainCostPoints": learned,
-                                      "acceptance": [{"demand": 1.0, "perPos": [0.9, 0.8], "share": 1.0,
-                                                      "ageSeconds": 10.0}]}}}
+    previous = {
+        "tuning": {
+            "numSpeculativeTokens": 5,
+            "maxNumSeqs": 16,
+            "maxNumBatchedTokens": 512,
+            "resume": {
+                "specHash": fingerprint,
+                "costPoints": learned,
+                "plainCostPoints": learned,
+                "acceptance": [{"demand": 1.0, "perPos": [0.9, 0.8], "share": 1.0, "ageSeconds": 10.0}],
+            },
+        }
+    }
     isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
     fake_kube.put(*ISVC, NS, {**isvc, "status": previous})
 
     def status_writes() -> int:
-        return sum(1 for r in fake_kube.requests if r.method == "PATCH" and "/inferenceservices/" in r.path
-                   and isinstance(r.body, dict) and "tuning" in (r.body.get("status") or {}))
+        return sum(
+            1
+            for r in fake_kube.requests
+            if r.method == "PATCH"
+            and "/inferenceservices/" in r.path
+            and isinstance(r.body, dict)
+            and "tuning" in (r.body.get("status") or {})
+        )
 
     args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
     with KopfRunner(args, timeout=150) as runner:
-        wait_for("the resumed k pushed", lambda: engine_config(engine_url)["num_speculative_tokens"] == 5, timeout=60)
+        wait_for(
+            "the resumed k pushed",
+            lambda: engine_config(engine_url)["num_speculative_tokens"] == 5,
+            timeout=60,
+        )
         isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
         generation = isvc["metadata"]["generation"]
         isvc["spec"]["replicas"] = 2  # what `kubectl scale isvc/smollm2 --replicas=2` writes
@@ -142,12 +198,19 @@ def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
         seen = status_writes()
         wait_for("two tuner intervals after the scale", lambda: status_writes() >= seen + 2, timeout=60)
         after_scale = engine_config(engine_url)["num_speculative_tokens"]
-        resume = ((fake_kube.get(*ISVC, NS, "smollm2") or {}).get("status") or {}).get("tuning", {}).get("resume", {})
+        resume = (
+            ((fake_kube.get(*ISVC, NS, "smollm2") or {}).get("status") or {})
+            .get("tuning", {})
+            .get("resume", {})
+        )
         isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
         isvc["spec"]["slo"] = {"ttftP95Ms": 900, "tpotP95Ms": 80}
         fake_kube.put(*ISVC, NS, isvc)
-        wait_for("the spec's k after an SLO change", lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
-                 timeout=60)
+        wait_for(
+            "the spec's k after an SLO change",
+            lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
+            timeout=60,
+        )
 
     assert runner.exception is None, runner.output
     assert after_scale == 5, "scaling reset the tuner to the spec's config"
@@ -155,8 +218,11 @@ def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
 
 
 def _isvc_shell() -> dict[str, Any]:
-    return {"apiVersion": "serving.specfleet.io/v1alpha1", "kind": "InferenceService",
-            "metadata": {"name": "smollm2", "namespace": NS}}
+    return {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "smollm2", "namespace": NS},
+    }
 
 
 def test_between_intervals_only_pods_not_yet_configured_get_the_config(engine_url: str) -> None:
@@ -179,8 +245,13 @@ def test_between_intervals_only_pods_not_yet_configured_get_the_config(engine_ur
         return list(ready)
 
     async def scenario() -> list[int]:
-        tuner = ServiceTuner("t/x", Policy(PARAMS, TunedConfig(5, 16, 512)), None,  # type: ignore[arg-type]
-                             AdminActuator(ADMIN_TOKEN), endpoints)
+        tuner = ServiceTuner(
+            "t/x",
+            Policy(PARAMS, TunedConfig(5, 16, 512)),
+            None,  # type: ignore[arg-type]
+            AdminActuator(ADMIN_TOKEN),
+            endpoints,
+        )
         try:
             seen = []
             await tuner.sync_new_pods()

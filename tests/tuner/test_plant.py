@@ -18,7 +18,9 @@ def test_plant_does_not_import_the_policy() -> None:
     assert not [m for m in imported if "policy" in m or "goodput" in m], imported
 
 
-@pytest.mark.parametrize("tokens, ms", [(1, 18.0), (5, 21.6), (8, 30.0), (32, 105.0), (64, 197.0), (96, 289.0)])
+@pytest.mark.parametrize(
+    "tokens, ms", [(1, 18.0), (5, 21.6), (8, 30.0), (32, 105.0), (64, 197.0), (96, 289.0)]
+)
 def test_step_table_reads_the_measured_figures(tokens: float, ms: float) -> None:
     """Through the documented points, and past the last at the slope of the last two (2.875 ms a token)."""
     assert CPU_2CORES.seconds(tokens) == pytest.approx(ms / 1000)

@@ -14,11 +14,17 @@ from .plant import CPU_2CORES, GPU_LIKE, Plant
 
 INTERVAL = 10.0
 SLO_CPU = SLO(ttft_p95_s=2.0, tpot_p95_s=0.2)
-PARAMS = PolicyParams(slo=SLO_CPU, bounds=TuneBounds(k=(0, 8), max_num_seqs=(4, 64), max_num_batched_tokens=(256, 4096)),
-                      window_s=INTERVAL, interval_s=INTERVAL)
+PARAMS = PolicyParams(
+    slo=SLO_CPU,
+    bounds=TuneBounds(k=(0, 8), max_num_seqs=(4, 64), max_num_batched_tokens=(256, 4096)),
+    window_s=INTERVAL,
+    interval_s=INTERVAL,
+)
 
 
-def run(plant: Plant, policy: Policy, start: TunedConfig, steps: int, t0: float = 0.0) -> tuple[TunedConfig, list[Decision]]:
+def run(
+    plant: Plant, policy: Policy, start: TunedConfig, steps: int, t0: float = 0.0
+) -> tuple[TunedConfig, list[Decision]]:
     """Closed loop: the plant runs the policy's last config; returns the final config and every decision."""
     config = start
     decisions = []
@@ -45,14 +51,23 @@ def test_low_load_with_high_acceptance_raises_k() -> None:
 
 def test_high_load_turns_speculation_off() -> None:
     start = TunedConfig(4, 64, 2048)
-    final, decisions = run(Plant(demand=48, steps=CPU_2CORES.with_compute(1 / 3), per_pos=(0.4, 0.25, 0.15, 0.1)), Policy(PARAMS), start, 6)
+    final, decisions = run(
+        Plant(demand=48, steps=CPU_2CORES.with_compute(1 / 3), per_pos=(0.4, 0.25, 0.15, 0.1)),
+        Policy(PARAMS),
+        start,
+        6,
+    )
     assert final.num_speculative_tokens == 0, [d.reason for d in decisions]
     assert len(changes(decisions)) <= 2
 
 
 # An SLO every config meets, so that goodput is throughput and only the probe's measurement decides.
-LOOSE = PolicyParams(slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0), bounds=TuneBounds(k=(0, 8), max_num_seqs=(32, 32)),
-                     window_s=INTERVAL, interval_s=INTERVAL)
+LOOSE = PolicyParams(
+    slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0),
+    bounds=TuneBounds(k=(0, 8), max_num_seqs=(32, 32)),
+    window_s=INTERVAL,
+    interval_s=INTERVAL,
+)
 
 
 def test_high_load_probes_speculation_off_when_the_draft_cost_is_invisible() -> None:
@@ -63,7 +78,9 @@ def test_high_load_probes_speculation_off_when_the_draft_cost_is_invisible() -> 
     assert final.num_speculative_tokens == 0, [d.reason for d in decisions]
     moved = changes(decisions)
     assert len(moved) == 1 and "probing speculation off" in moved[0].reason, [d.reason for d in moved]
-    assert plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(2, 32, 1024)).generation_rate
+    assert (
+        plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(2, 32, 1024)).generation_rate
+    )
 
 
 def test_no_probe_at_low_load_even_when_the_draft_makes_steps_look_compute_bound() -> None:
@@ -82,13 +99,20 @@ def test_a_probe_that_loses_is_reverted() -> None:
     plant = Plant(demand=32, per_pos=(0.9, 0.85, 0.8, 0.75), steps=GPU_LIKE)
     final, decisions = run(plant, Policy(LOOSE), TunedConfig(2, 32, 1024), 20)
     kinds = [d.kind for d in changes(decisions)]
-    assert final.num_speculative_tokens >= 2 and kinds[:2] == ["change", "revert"], [d.reason for d in decisions]
+    assert final.num_speculative_tokens >= 2 and kinds[:2] == ["change", "revert"], [
+        d.reason for d in decisions
+    ]
     assert len(kinds) <= 3
 
 
 # A dead band no prediction clears, so that only the up-probe can raise k.
-DEAF = PolicyParams(slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0), bounds=TuneBounds(k=(0, 8), max_num_seqs=(32, 32)),
-                    window_s=INTERVAL, interval_s=INTERVAL, dead_band=10.0)
+DEAF = PolicyParams(
+    slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0),
+    bounds=TuneBounds(k=(0, 8), max_num_seqs=(32, 32)),
+    window_s=INTERVAL,
+    interval_s=INTERVAL,
+    dead_band=10.0,
+)
 
 
 def test_low_load_probes_a_longer_draft_while_its_last_position_is_accepted() -> None:
@@ -100,11 +124,15 @@ def test_low_load_probes_a_longer_draft_while_its_last_position_is_accepted() ->
     moved = changes(decisions)
     assert [d.config.num_speculative_tokens for d in moved if d.config] == [5], [d.reason for d in decisions]
     assert "probing a longer draft" in moved[0].reason
-    assert plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(2, 32, 1024)).generation_rate
+    assert (
+        plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(2, 32, 1024)).generation_rate
+    )
 
 
 def test_no_longer_draft_probe_when_the_last_position_is_rarely_accepted() -> None:
-    final, decisions = run(Plant(demand=1, per_pos=(0.5, 0.3, 0.2, 0.1)), Policy(DEAF), TunedConfig(2, 32, 1024), 12)
+    final, decisions = run(
+        Plant(demand=1, per_pos=(0.5, 0.3, 0.2, 0.1)), Policy(DEAF), TunedConfig(2, 32, 1024), 12
+    )
     assert changes(decisions) == [], [d.reason for d in changes(decisions)]
 
 
@@ -124,7 +152,9 @@ def test_rarely_accepted_last_positions_are_probed_off() -> None:
     moved = changes(decisions)
     assert len(moved) == 1 and "probing a shorter draft" in moved[0].reason, [d.reason for d in moved]
     assert final.num_speculative_tokens == 2
-    assert plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(4, 32, 1024)).generation_rate
+    assert (
+        plant.observe(0, final).generation_rate > plant.observe(0, TunedConfig(4, 32, 1024)).generation_rate
+    )
     # a last position near the line (7%: under the 8% that decides what to drop, over the 5.3% that
     # starts a probe) is left alone, so a kept probe is not followed by another
     _, decisions = run(Plant(demand=2, per_pos=(0.3, 0.07)), Policy(DEAF), TunedConfig(2, 32, 1024), 10)
@@ -176,8 +206,9 @@ def test_guard_off_where_it_cannot_trip_or_is_not_wanted() -> None:
     busy = Policy(PARAMS)
     run(Plant(demand=48, per_pos=(0.3, 0.1)), busy, TunedConfig(0, 32, 1024), 6)
     assert busy.guard == 0  # the batch cannot reach twice 48
-    unmanaged = Policy(PolicyParams(slo=SLO_CPU, bounds=PARAMS.bounds, window_s=INTERVAL, interval_s=INTERVAL,
-                                    guard=False))
+    unmanaged = Policy(
+        PolicyParams(slo=SLO_CPU, bounds=PARAMS.bounds, window_s=INTERVAL, interval_s=INTERVAL, guard=False)
+    )
     run(Plant(demand=1), unmanaged, TunedConfig(0, 32, 1024), 12)
     assert unmanaged.guard == 0
 
@@ -287,8 +318,16 @@ def test_missing_data_holds_config() -> None:
 
 def test_idle_service_holds() -> None:
     policy = Policy(PARAMS)
-    idle = Observation(time=0.0, config=TunedConfig(0, 16, 512), running=0.0, waiting=0.0, request_rate=0.0,
-                       generation_rate=0.0, tpot_p95_s=None, ttft_p95_s=None)
+    idle = Observation(
+        time=0.0,
+        config=TunedConfig(0, 16, 512),
+        running=0.0,
+        waiting=0.0,
+        request_rate=0.0,
+        generation_rate=0.0,
+        tpot_p95_s=None,
+        ttft_p95_s=None,
+    )
     decision = policy.decide(idle)
     assert decision.kind in {"idle", "missing"} and decision.config is None
 
@@ -316,15 +355,19 @@ def test_refused_config_goes_back_and_is_never_retried() -> None:
     seq_bounds=st.tuples(st.integers(1, 64), st.integers(1, 256)).map(sorted),
     missing=st.lists(st.booleans(), min_size=25, max_size=25),
 )
-def test_bounds_never_crossed(demands: list[float], acceptance: float, k_bounds: list[int],
-                              seq_bounds: list[int], missing: list[bool]) -> None:
+def test_bounds_never_crossed(
+    demands: list[float], acceptance: float, k_bounds: list[int], seq_bounds: list[int], missing: list[bool]
+) -> None:
     bounds = TuneBounds(k=tuple(k_bounds), max_num_seqs=tuple(seq_bounds), max_num_batched_tokens=(256, 4096))
     policy = Policy(PolicyParams(slo=SLO_CPU, bounds=bounds, window_s=INTERVAL, interval_s=INTERVAL))
     config = TunedConfig(k_bounds[1], seq_bounds[1], 4096)
     for i, demand in enumerate(demands):
         plant = Plant(demand=demand, per_pos=tuple(acceptance ** (j + 1) for j in range(8)))
-        obs = Observation(time=i * INTERVAL, config=config, error="down") if missing[i] else \
-            plant.observe(i * INTERVAL, config)
+        obs = (
+            Observation(time=i * INTERVAL, config=config, error="down")
+            if missing[i]
+            else plant.observe(i * INTERVAL, config)
+        )
         decision = policy.decide(obs)
         assert decision.reason
         if decision.config is not None:

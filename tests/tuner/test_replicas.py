@@ -12,12 +12,21 @@ CONFIG = TunedConfig(0, 16, 512)
 SLO_ = SLO(2.0, 0.05)
 # 18 ms floor, 3 ms per token (the bundled model on 2 cores, tuner/policy/model.py): at k=0 the mean TPOT
 # stays under 0.8 x 50 ms up to 11 sequences per engine.
-MODEL = LoadModel(demand=1.0, per_pos=(), proposal_share=0.0, prefill_per_output=0.0, cost=StepCost(0.018, 0.003))
+MODEL = LoadModel(
+    demand=1.0, per_pos=(), proposal_share=0.0, prefill_per_output=0.0, cost=StepCost(0.018, 0.003)
+)
 
 
 def obs(t: float, demand: float, waiting: float = 0.0, rate: float = 1.0) -> Observation:
-    return Observation(time=t, config=CONFIG, pods=1, running=demand - waiting, waiting=waiting, request_rate=rate,
-                       generation_rate=10.0)
+    return Observation(
+        time=t,
+        config=CONFIG,
+        pods=1,
+        running=demand - waiting,
+        waiting=waiting,
+        request_rate=rate,
+        generation_rate=10.0,
+    )
 
 
 def policy(replicas: int = 1, **params: float) -> ReplicaPolicy:
@@ -66,8 +75,16 @@ def test_a_brief_rise_inside_the_window_blocks_a_scale_down():
 
 def test_slo_missed_with_requests_waiting_adds_a_replica():
     p = policy()
-    miss = Observation(time=0.0, config=CONFIG, pods=1, running=6, waiting=2, request_rate=1.0, generation_rate=10.0,
-                       tpot_cdf=[(0.05, 0.5), (0.2, 1.0)])
+    miss = Observation(
+        time=0.0,
+        config=CONFIG,
+        pods=1,
+        running=6,
+        waiting=2,
+        request_rate=1.0,
+        generation_rate=10.0,
+        tpot_cdf=[(0.05, 0.5), (0.2, 1.0)],
+    )
     d = p.decide(0.0, miss, MODEL, CONFIG, SLO_)
     assert (d.kind, d.replicas) == ("scale-up", 2) and "SLO attainment is 0.50" in d.reason
 

@@ -26,22 +26,43 @@ def test_cdf_and_deltas() -> None:
     cdf = to_cdf(BUCKETS)
     assert fraction_below(cdf, 0.2) == pytest.approx(0.5)
     assert fraction_below(cdf, 0.35) == pytest.approx(0.7)
-    assert subtract([(0.1, 5.0), (math.inf, 8.0)], [(0.1, 2.0), (math.inf, 3.0)]) == [(0.1, 3.0), (math.inf, 5.0)]
-    assert subtract([(0.1, 1.0), (math.inf, 1.0)], [(0.1, 2.0), (math.inf, 3.0)]) == [(0.1, 1.0), (math.inf, 1.0)]
+    assert subtract([(0.1, 5.0), (math.inf, 8.0)], [(0.1, 2.0), (math.inf, 3.0)]) == [
+        (0.1, 3.0),
+        (math.inf, 5.0),
+    ]
+    assert subtract([(0.1, 1.0), (math.inf, 1.0)], [(0.1, 2.0), (math.inf, 3.0)]) == [
+        (0.1, 1.0),
+        (math.inf, 1.0),
+    ]
 
 
 def _tick(kind: str, config: TunedConfig | None, failed: dict[str, str] | None = None) -> Tick:
-    obs = Observation(time=1.0, config=TunedConfig(0, 16, 512), tpot_p95_s=0.05, ttft_p95_s=0.3,
-                      request_rate=2.0, draft_token_rate=10.0, accepted_rate=6.0)
+    obs = Observation(
+        time=1.0,
+        config=TunedConfig(0, 16, 512),
+        tpot_p95_s=0.05,
+        ttft_p95_s=0.3,
+        request_rate=2.0,
+        draft_token_rate=10.0,
+        accepted_rate=6.0,
+    )
     applied = ApplyResult(config or TunedConfig(0, 16, 512), failed=failed or {})
-    return Tick(Decision(1.0, config, f"{kind} because of reasons", kind, observed_goodput=12.5), obs, applied,
-                guard=7)
+    return Tick(
+        Decision(1.0, config, f"{kind} because of reasons", kind, observed_goodput=12.5),
+        obs,
+        applied,
+        guard=7,
+    )
 
 
 def test_positions_past_the_k_in_force_are_left_out() -> None:
     """Counters of positions 2 and 3 linger from an earlier k=4 but were not drafted under k=2: reading
     them as never accepted would tell the tuner that a longer draft gains nothing."""
-    rates = {"spec_decode_drafts": 10.0, "spec_decode_draft_tokens": 20.0, "spec_decode_accepted_tokens": 15.0}
+    rates = {
+        "spec_decode_drafts": 10.0,
+        "spec_decode_draft_tokens": 20.0,
+        "spec_decode_accepted_tokens": 15.0,
+    }
     per_pos = {0: 8.0, 1: 7.0, 2: 0.0, 3: 0.0}
 
     def positions(config: TunedConfig | None) -> tuple[float, ...]:
@@ -55,16 +76,29 @@ def test_positions_past_the_k_in_force_are_left_out() -> None:
 
 def test_status_patch_writes_tuning_and_only_the_tuners_condition() -> None:
     config = TunedConfig(2, 16, 512)
-    previous = {"conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": ""}]}
+    previous = {
+        "conditions": [{"type": "Ready", "status": "True", "reason": "AllReplicasReady", "message": ""}]
+    }
     patch = status_patch(_tick("change", config), config, previous, 3, "2026-01-01T00:00:00Z")
     tuning = patch["tuning"]
-    assert (tuning["numSpeculativeTokens"], tuning["maxNumSeqs"], tuning["maxNumBatchedTokens"]) == (2, 16, 512)
+    assert (tuning["numSpeculativeTokens"], tuning["maxNumSeqs"], tuning["maxNumBatchedTokens"]) == (
+        2,
+        16,
+        512,
+    )
     assert tuning["speculativeDisableByBatchSize"] == 7
-    assert tuning["observed"] == {"acceptanceRate": 0.6, "ttftP95Ms": 300.0, "tpotP95Ms": 50.0, "goodput": 12.5,
-                                  "requestRate": 2.0}
+    assert tuning["observed"] == {
+        "acceptanceRate": 0.6,
+        "ttftP95Ms": 300.0,
+        "tpotP95Ms": 50.0,
+        "goodput": 12.5,
+        "requestRate": 2.0,
+    }
     assert tuning["lastDecisionTime"] == "2026-01-01T00:00:00Z" and "reasons" in tuning["reason"]
     types = {c["type"]: c for c in patch["conditions"]}
-    assert set(types) == {"Tuned"}  # the reconcile's Ready is its own (server-side apply keeps it; tests/operator)
+    assert set(types) == {
+        "Tuned"
+    }  # the reconcile's Ready is its own (server-side apply keeps it; tests/operator)
     assert types["Tuned"]["status"] == "True" and types["Tuned"]["reason"] == "ConfigChanged"
     assert event_for(_tick("change", config).decision) == ("Normal", "Tuned", "change because of reasons")
 

@@ -18,8 +18,16 @@ MAX_TOKENS = 12
 
 async def _requests(url: str, n: int) -> int:
     async with httpx.AsyncClient(timeout=120) as client:
-        bodies = [{"model": "smollm2-135m-instruct", "prompt": f"Count from {i} to 20:", "max_tokens": MAX_TOKENS,
-                   "temperature": 0, "ignore_eos": True} for i in range(n)]
+        bodies = [
+            {
+                "model": "smollm2-135m-instruct",
+                "prompt": f"Count from {i} to 20:",
+                "max_tokens": MAX_TOKENS,
+                "temperature": 0,
+                "ignore_eos": True,
+            }
+            for i in range(n)
+        ]
         responses = await asyncio.gather(*(client.post(f"{url}/v1/completions", json=b) for b in bodies))
     assert all(r.status_code == 200 for r in responses), [r.text for r in responses]
     return sum(r.json()["usage"]["completion_tokens"] for r in responses)
@@ -53,12 +61,15 @@ def test_scrape_source_computes_rates_latencies_and_config(engine_url: str) -> N
 def test_scrape_window_reaches_back_to_the_last_finished_requests(engine_url: str) -> None:
     """A window in which no request finished (requests under heavy load finish in waves) takes its latency
     from the last ones that did, up to max_window_factor windows back; a plain window reports none."""
+
     async def scenario() -> None:
         async def endpoints() -> list[str]:
             return [engine_url]
 
-        reaching, plain = ScrapeSource(endpoints, window_s=1.0, max_window_factor=30.0), \
-            ScrapeSource(endpoints, window_s=1.0, max_window_factor=1.0)
+        reaching, plain = (
+            ScrapeSource(endpoints, window_s=1.0, max_window_factor=30.0),
+            ScrapeSource(endpoints, window_s=1.0, max_window_factor=1.0),
+        )
         for source in (reaching, plain):
             await source.observe()
         await _requests(engine_url, 2)
@@ -84,8 +95,11 @@ def test_actuator_patches_verifies_and_reapplies(engine_url: str) -> None:
         assert again.unchanged == [engine_url] and not again.patched  # idempotent: no PATCH
         # a restarted pod comes back with the spec's values: the next interval re-applies
         async with httpx.AsyncClient() as client:
-            reset = await client.patch(f"{engine_url}/admin/config", json=TunedConfig(0, 16, 512).as_admin(),
-                                       headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})
+            reset = await client.patch(
+                f"{engine_url}/admin/config",
+                json=TunedConfig(0, 16, 512).as_admin(),
+                headers={"Authorization": f"Bearer {ADMIN_TOKEN}"},
+            )
             assert reset.status_code == 200
         healed = await actuator.ensure([engine_url], target)
         assert healed.patched == [engine_url] and await actuator.read(engine_url) == target
@@ -94,16 +108,20 @@ def test_actuator_patches_verifies_and_reapplies(engine_url: str) -> None:
         assert guarded.patched == [engine_url]
         assert (await actuator.ensure([engine_url], LiveSettings(target, **guard))).unchanged == [engine_url]
         async with httpx.AsyncClient() as client:
-            now = (await client.get(f"{engine_url}/admin/config",
-                                    headers={"Authorization": f"Bearer {ADMIN_TOKEN}"})).json()
+            now = (
+                await client.get(
+                    f"{engine_url}/admin/config", headers={"Authorization": f"Bearer {ADMIN_TOKEN}"}
+                )
+            ).json()
         assert now == {**target.as_admin(), **guard}
         refused = await actuator.ensure([engine_url], TunedConfig(99, 12, 600))
         assert engine_url in refused.refused and "num_speculative_tokens" in refused.refused[engine_url]
         wrong = AdminActuator("not-the-token-at-all")
         denied = await wrong.ensure([engine_url], target)
         assert "admin token" in denied.failed[engine_url]
-        restored = await actuator.ensure([engine_url], LiveSettings(TunedConfig(0, 16, 512),
-                                                                    speculative_disable_by_batch_size=0))
+        restored = await actuator.ensure(
+            [engine_url], LiveSettings(TunedConfig(0, 16, 512), speculative_disable_by_batch_size=0)
+        )
         assert restored.ok
         await actuator.close()
         await wrong.close()

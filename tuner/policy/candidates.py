@@ -26,7 +26,9 @@ class Scored:
 
 def _k_options(current: int, bounds: TuneBounds, limits: StepLimits) -> list[int]:
     low, high = bounds.k
-    options = {k for k in range(current - limits.max_k_step, current + limits.max_k_step + 1) if low <= k <= high}
+    options = {
+        k for k in range(current - limits.max_k_step, current + limits.max_k_step + 1) if low <= k <= high
+    }
     if low == 0:
         options.add(0)
     return sorted(options or {max(low, min(high, current))})
@@ -34,13 +36,25 @@ def _k_options(current: int, bounds: TuneBounds, limits: StepLimits) -> list[int
 
 def _seqs_options(current: int, bounds: TuneBounds, limits: StepLimits) -> list[int]:
     f = limits.max_seqs_factor
-    raw = {current, round(current / f), round(current * f), *(round(current * x) for x in limits.seqs_factors)}
+    raw = {
+        current,
+        round(current / f),
+        round(current * f),
+        *(round(current * x) for x in limits.seqs_factors),
+    }
     low, high = bounds.max_num_seqs
     return sorted({max(low, min(high, max(1, s))) for s in raw})
 
 
-def batched_tokens_for(k: int, seqs: int, current: TunedConfig, obs: Observation, slo: SLO,
-                       bounds: TuneBounds, limits: StepLimits) -> int:
+def batched_tokens_for(
+    k: int,
+    seqs: int,
+    current: TunedConfig,
+    obs: Observation,
+    slo: SLO,
+    bounds: TuneBounds,
+    limits: StepLimits,
+) -> int:
     """The step token budget: room for every sequence's decode and draft tokens, grown while TTFT misses
     its target with TPOT to spare (more prefill per step), shrunk while TPOT misses (less prefill)."""
     budget = current.max_num_batched_tokens
@@ -57,14 +71,17 @@ def batched_tokens_for(k: int, seqs: int, current: TunedConfig, obs: Observation
     return max(low, min(high, budget))
 
 
-def candidates(current: TunedConfig, obs: Observation, slo: SLO, bounds: TuneBounds,
-               limits: StepLimits) -> list[TunedConfig]:
+def candidates(
+    current: TunedConfig, obs: Observation, slo: SLO, bounds: TuneBounds, limits: StepLimits
+) -> list[TunedConfig]:
     out = []
     for k in _k_options(current.num_speculative_tokens, bounds, limits):
         for seqs in _seqs_options(current.max_num_seqs, bounds, limits):
             tokens = batched_tokens_for(k, seqs, current, obs, slo, bounds, limits)
             out.append(bounds.clamp(TunedConfig(k, seqs, tokens)))
-    return sorted(set(out), key=lambda c: (c.num_speculative_tokens, c.max_num_seqs, c.max_num_batched_tokens))
+    return sorted(
+        set(out), key=lambda c: (c.num_speculative_tokens, c.max_num_seqs, c.max_num_batched_tokens)
+    )
 
 
 def score(config: TunedConfig, current: TunedConfig, obs: Observation, slo: SLO, model: LoadModel) -> Scored:
@@ -94,7 +111,9 @@ def best(options: list[Scored], current: TunedConfig, limit_s: float, change_pen
     """The highest predicted goodput among the candidates predicted to keep TPOT p95 under `limit_s`, each
     knob changed costing `change_penalty` of it (near-ties go to the smaller change)."""
     safe = [s for s in options if s.tpot_p95_s is None or s.tpot_p95_s <= limit_s]
-    return max(safe, key=lambda s: s.goodput * (1.0 - change_penalty * distance(s.config, current)), default=None)
+    return max(
+        safe, key=lambda s: s.goodput * (1.0 - change_penalty * distance(s.config, current)), default=None
+    )
 
 
 def fastest(options: list[Scored]) -> Scored | None:

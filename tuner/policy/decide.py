@@ -49,8 +49,13 @@ class Policy:
                 return self._hold(now, "missing", reasons.UNKNOWN_CONFIG)
             self.current = self.last_good = obs.config
         if not p.bounds.contains(self.current):
-            return self._change(now, p.bounds.clamp(self.current), "change",
-                                reasons.out_of_bounds(self.current, p.bounds), probation=False)
+            return self._change(
+                now,
+                p.bounds.clamp(self.current),
+                "change",
+                reasons.out_of_bounds(self.current, p.bounds),
+                probation=False,
+            )
         self.memory.learn(obs)
         demand = obs.demand
         if (demand or 0.0) < p.min_demand and (obs.request_rate or 0.0) * p.window_s < 1.0:
@@ -99,18 +104,27 @@ class Policy:
         off = shift.off_on_rise(self.current, obs, after, knee, self.params, self._tabooed(now))
         if off is not None:
             self.probation = None  # the load it would be judged at is gone
-            return self._change(now, off, "change", reasons.shift_off(self.current, off, what, batch, knee),
-                                probation=False)
+            return self._change(
+                now, off, "change", reasons.shift_off(self.current, off, what, batch, knee), probation=False
+            )
         # on only when the count was low at the previous interval too: under a heavy closed loop requests
         # finish in waves, and one scrape can land in the trough of one
         load = max(after, previous or 0.0)
-        on = None if previous is None else shift.on_on_fall(self.current, obs, load, knee, self.params,
-                                                            self.memory, self._tabooed(now))
+        on = (
+            None
+            if previous is None
+            else shift.on_on_fall(self.current, obs, load, knee, self.params, self.memory, self._tabooed(now))
+        )
         if on is not None:
             config, gain = on
             self.probation = None
-            decision = self._change(now, config, "change",
-                                    reasons.shift_on(self.current, config, what, batch, knee, gain), probation=False)
+            decision = self._change(
+                now,
+                config,
+                "change",
+                reasons.shift_on(self.current, config, what, batch, knee, gain),
+                probation=False,
+            )
             self.guard = self._guard_at(load, obs.engines)
             return decision
         return self._hold(now, "hold", reasons.shift_hold(self.current, what))
@@ -128,7 +142,9 @@ class Policy:
                 return verdict
         return self._search(now, obs, goodput, share)
 
-    def _judge(self, now: float, obs: Observation, goodput: float | None, share: float | None) -> Decision | None:
+    def _judge(
+        self, now: float, obs: Observation, goodput: float | None, share: float | None
+    ) -> Decision | None:
         """Step 5: the first clean window after a change judges it at a comparable load; a change that lost
         is reverted and its move tabooed at this load, a probe that held keeps the way back tabooed."""
         trial, self.probation = self.probation, None
@@ -144,9 +160,18 @@ class Policy:
                 self.taboo.forbid(trial.tried, trial.previous, obs.demand, now + p.taboo_s)
             return None
         self.taboo.forbid(trial.previous, trial.tried, obs.demand, now + p.taboo_s)
-        reason = reasons.revert(trial.tried, trial.previous, lost, goodput, share, trial.baseline_goodput,
-                                trial.baseline_attainment)
-        return self._change(now, trial.previous, "revert", reason, probation=False, goodput=goodput, share=share)
+        reason = reasons.revert(
+            trial.tried,
+            trial.previous,
+            lost,
+            goodput,
+            share,
+            trial.baseline_goodput,
+            trial.baseline_attainment,
+        )
+        return self._change(
+            now, trial.previous, "revert", reason, probation=False, goodput=goodput, share=share
+        )
 
     def _search(self, now: float, obs: Observation, goodput: float | None, share: float | None) -> Decision:
         """Steps 6-7: the best candidate one bounded step away if it clears the dead band (or meets a
@@ -160,9 +185,11 @@ class Policy:
         here = score(current, current, obs, p.slo, model)
         limit = p.slo.tpot_p95_s * p.slo_headroom
         tabooed = self._tabooed(now)
-        options = [score(c, current, obs, p.slo, model)
-                   for c in candidates(current, obs, p.slo, p.bounds, p.limits)
-                   if c != current and not tabooed(c, obs.demand)]
+        options = [
+            score(c, current, obs, p.slo, model)
+            for c in candidates(current, obs, p.slo, p.bounds, p.limits)
+            if c != current and not tabooed(c, obs.demand)
+        ]
         tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s
         top = best(options, current, limit, p.change_penalty)
         if not options:
@@ -170,29 +197,59 @@ class Policy:
         seen = reasons.figures(obs, goodput, share)
         if top is None:  # nothing is predicted to meet the target: move towards it as far as one step goes
             quick = fastest(options)
-            if quick is None or here.tpot_p95_s is None or quick.tpot_p95_s is None or \
-                    quick.tpot_p95_s > here.tpot_p95_s * (1.0 - p.dead_band):
+            if (
+                quick is None
+                or here.tpot_p95_s is None
+                or quick.tpot_p95_s is None
+                or quick.tpot_p95_s > here.tpot_p95_s * (1.0 - p.dead_band)
+            ):
                 return self._hold(now, "hold", reasons.none_meets(current, limit), goodput, share)
-            return self._change(now, quick.config, "change",
-                                reasons.towards_target(current, quick, obs, p.slo.tpot_p95_s, seen),
-                                goodput=goodput, share=share, predicted=quick.goodput, demand=obs.demand)
+            return self._change(
+                now,
+                quick.config,
+                "change",
+                reasons.towards_target(current, quick, obs, p.slo.tpot_p95_s, seen),
+                goodput=goodput,
+                share=share,
+                predicted=quick.goodput,
+                demand=obs.demand,
+            )
         if here.goodput > 0:
             gain = top.goodput / here.goodput - 1.0
         else:
             gain = float("inf") if top.goodput > 0 else 0.0
         if gain > p.dead_band or (tpot_over and top.goodput >= here.goodput * (1.0 - p.dead_band)):
-            reason = reasons.better(current, top, obs, p.slo.tpot_p95_s, gain,
-                                    tpot_over and gain <= p.dead_band, seen)
-            return self._change(now, top.config, "change", reason, goodput=goodput, share=share,
-                                predicted=top.goodput, demand=obs.demand)
+            reason = reasons.better(
+                current, top, obs, p.slo.tpot_p95_s, gain, tpot_over and gain <= p.dead_band, seen
+            )
+            return self._change(
+                now,
+                top.config,
+                "change",
+                reason,
+                goodput=goodput,
+                share=share,
+                predicted=top.goodput,
+                demand=obs.demand,
+            )
         knee = self._knee()
         for probe in PROBES:
             found = probe(current, obs, p, knee, tabooed)
             if found is not None:
                 config, why = found
-                return self._change(now, config, "change", reasons.probe(current, config, why, gain, seen),
-                                    goodput=goodput, share=share, demand=obs.demand, probe=True)
-        return self._hold(now, "hold", reasons.dead_band(current, top, gain, p.dead_band, seen), goodput, share)
+                return self._change(
+                    now,
+                    config,
+                    "change",
+                    reasons.probe(current, config, why, gain, seen),
+                    goodput=goodput,
+                    share=share,
+                    demand=obs.demand,
+                    probe=True,
+                )
+        return self._hold(
+            now, "hold", reasons.dead_band(current, top, gain, p.dead_band, seen), goodput, share
+        )
 
     # -- helpers -----------------------------------------------------------------------------------
 
@@ -206,15 +263,27 @@ class Policy:
     def _tabooed(self, now: float) -> Tabooed:
         return lambda config, load: self.taboo.covers(config, load, now, self.params)
 
-    def _hold(self, now: float, kind: str, why: str, goodput: float | None = None,
-              share: float | None = None) -> Decision:
+    def _hold(
+        self, now: float, kind: str, why: str, goodput: float | None = None, share: float | None = None
+    ) -> Decision:
         if kind == "missing":
             why = reasons.fail_static(why, self.current)
         return Decision(now, None, why, kind, observed_goodput=goodput, slo_attainment=share)
 
-    def _change(self, now: float, config: TunedConfig, kind: str, reason: str, *, probation: bool = True,
-                goodput: float | None = None, share: float | None = None, predicted: float | None = None,
-                demand: float | None = None, probe: bool = False) -> Decision:
+    def _change(
+        self,
+        now: float,
+        config: TunedConfig,
+        kind: str,
+        reason: str,
+        *,
+        probation: bool = True,
+        goodput: float | None = None,
+        share: float | None = None,
+        predicted: float | None = None,
+        demand: float | None = None,
+        probe: bool = False,
+    ) -> Decision:
         previous = self.before_change = self.current
         if probation and previous is not None:
             self.probation = Probation(previous, config, goodput, share, demand, now, probe)

@@ -14,12 +14,15 @@ from .params import ModelParams, PolicyParams
 
 class Memory:
     def __init__(self, params: ModelParams) -> None:
-        self.cost_points: deque[tuple[float, float, float]] = deque(maxlen=params.cost_windows)  # (decode, prefill, s)
+        self.cost_points: deque[tuple[float, float, float]] = deque(
+            maxlen=params.cost_windows
+        )  # (decode, prefill, s)
         # The same from windows without proposals: the target's own step, free of any proposer's cost.
         self.plain_cost_points: deque[tuple[float, float, float]] = deque(maxlen=params.cost_windows)
         # (demand, per_pos, share, time) of recent windows that verified drafts
-        self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = \
-            deque(maxlen=params.acceptance_windows)
+        self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = deque(
+            maxlen=params.acceptance_windows
+        )
 
     def learn(self, obs: Observation) -> None:
         if obs.step_duration_s and obs.batch_size and obs.step_rate:
@@ -49,8 +52,9 @@ class Memory:
         per_pos: tuple[float, ...] = ()
         share = params.model.prior_proposal_share
         for demand, pos, seen_share, seen_at in reversed(self.acceptance):
-            if seen_at == obs.time or (obs.time - seen_at <= params.acceptance_ttl_s
-                                       and similar(demand, obs.demand, params)):
+            if seen_at == obs.time or (
+                obs.time - seen_at <= params.acceptance_ttl_s and similar(demand, obs.demand, params)
+            ):
                 per_pos, share = pos, seen_share
                 break
         prefill = (obs.prompt_rate or 0.0) / obs.generation_rate if obs.generation_rate else 0.0

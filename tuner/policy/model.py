@@ -50,7 +50,9 @@ class StepCost:
         return self.c0 / self.c1
 
 
-def fit_step_cost(points: Sequence[tuple[float, float, float]], params: ModelParams = DEFAULT) -> StepCost | None:
+def fit_step_cost(
+    points: Sequence[tuple[float, float, float]], params: ModelParams = DEFAULT
+) -> StepCost | None:
     """Fit `c0`, `c1` to (decode tokens per step, prefill tokens per step, step seconds) points.
 
     For each ratio `c1/c0` the scale is a closed-form least squares of relative error (so that 20 ms and
@@ -120,8 +122,14 @@ class LoadModel:
         p = self.proposal_share if k > 0 else 0.0
         per_seq = 1.0 + p * expected_accepted(self.per_pos, k, self.params)
         step = self.cost.step(step_tokens(batch, k, p), batch * per_seq * self.prefill_per_output)
-        return Prediction(config, batch, batch * per_seq / step, step / per_seq, step,
-                          max(0.0, per_engine(self.demand, self.engines) - config.max_num_seqs))
+        return Prediction(
+            config,
+            batch,
+            batch * per_seq / step,
+            step / per_seq,
+            step,
+            max(0.0, per_engine(self.demand, self.engines) - config.max_num_seqs),
+        )
 
 
 def attainment(obs: Observation, slo: SLO, tpot_scale: float = 1.0, ttft_scale: float = 1.0) -> float | None:

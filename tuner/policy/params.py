@@ -85,7 +85,9 @@ class PolicyParams:
     min_demand: float = 0.05  # below this (requests in the system) the service counts as idle
     limits: StepLimits = field(default_factory=StepLimits)
     model: ModelParams = field(default_factory=ModelParams)
-    up_probe_acceptance: float = 0.5  # raise k as a measurement while its last position is accepted this often
+    up_probe_acceptance: float = (
+        0.5  # raise k as a measurement while its last position is accepted this often
+    )
     # drop, as a measurement, the last positions accepted less often than this, when the last one is
     # accepted less than `down_probe_start` times as often (hysteresis: a position near the line is not
     # probed twice: 8% decides what to drop, 5.3% starts a probe). Below the break-even: on chat at

@@ -22,8 +22,9 @@ Tabooed = Callable[[TunedConfig, float | None], bool]  # (config, load) -> measu
 Probe = Callable[[TunedConfig, Observation, PolicyParams, float, Tabooed], tuple[TunedConfig, str] | None]
 
 
-def probe_off(current: TunedConfig, obs: Observation, params: PolicyParams, knee: float,
-              tabooed: Tabooed) -> tuple[TunedConfig, str] | None:
+def probe_off(
+    current: TunedConfig, obs: Observation, params: PolicyParams, knee: float, tabooed: Tabooed
+) -> tuple[TunedConfig, str] | None:
     """Speculation off, to be measured, when the batch alone fills the step past the knee (compute-bound),
     so every proposed token costs compute, and the proposer's own cost is invisible to a model of the
     target's step. Not when k = 0 is already tabooed at this load."""
@@ -38,8 +39,9 @@ def probe_off(current: TunedConfig, obs: Observation, params: PolicyParams, knee
     return off, reasons.probe_off(batch, knee)
 
 
-def probe_up(current: TunedConfig, obs: Observation, params: PolicyParams, knee: float,
-             tabooed: Tabooed) -> tuple[TunedConfig, str] | None:
+def probe_up(
+    current: TunedConfig, obs: Observation, params: PolicyParams, knee: float, tabooed: Tabooed
+) -> tuple[TunedConfig, str] | None:
     """k up one bounded step, to be measured, when the model calls it a wash but cannot know: the drafts
     are still accepted at their last position (`up_probe_acceptance`), so positions past it are
     unmeasured, and the verification step is under the knee (memory-bound: more draft tokens cost little)."""
@@ -62,14 +64,19 @@ def probe_up(current: TunedConfig, obs: Observation, params: PolicyParams, knee:
     return up, reasons.probe_up(acc[k - 1], tokens, knee)
 
 
-def probe_down(current: TunedConfig, obs: Observation, params: PolicyParams, knee: float,
-               tabooed: Tabooed) -> tuple[TunedConfig, str] | None:
+def probe_down(
+    current: TunedConfig, obs: Observation, params: PolicyParams, knee: float, tabooed: Tabooed
+) -> tuple[TunedConfig, str] | None:
     """The mirror of `probe_up`: the last position is rarely accepted (under `down_probe_start` of
     `down_probe_acceptance`), so drop the positions under `down_probe_acceptance` from the end (down to
     at least 1, and one bounded step), to be measured."""
     k, low = current.num_speculative_tokens, params.bounds.k[0]
     acc = obs.accepted_per_pos
-    if k <= max(1, low) or len(acc) < k or acc[k - 1] >= params.down_probe_acceptance * params.down_probe_start:
+    if (
+        k <= max(1, low)
+        or len(acc) < k
+        or acc[k - 1] >= params.down_probe_acceptance * params.down_probe_start
+    ):
         return None
     kept = max([i + 1 for i in range(k) if acc[i] >= params.down_probe_acceptance], default=1)
     new_k = max(kept, low, 1, k - params.limits.max_k_step)
@@ -79,4 +86,8 @@ def probe_down(current: TunedConfig, obs: Observation, params: PolicyParams, kne
     return down, reasons.probe_down(acc[k - 1])
 
 
-PROBES: tuple[Probe, ...] = (probe_off, probe_up, probe_down)  # tried in this order; the first that fires wins
+PROBES: tuple[Probe, ...] = (
+    probe_off,
+    probe_up,
+    probe_down,
+)  # tried in this order; the first that fires wins

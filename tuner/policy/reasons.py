@@ -14,10 +14,12 @@ def ms(seconds: float | None) -> str:
 def figures(obs: Observation, goodput: float | None, share: float | None) -> str:
     """What the window measured, appended to the reasons of the search's decisions."""
     acc = obs.acceptance_rate
-    return (f"observed goodput {'n/a' if goodput is None else f'{goodput:.1f}'} tok/s, "
-            f"SLO attainment {'n/a' if share is None else f'{share:.0%}'}, "
-            f"TPOT p95 {ms(obs.tpot_p95_s)}, TTFT p95 {ms(obs.ttft_p95_s)}, "
-            f"in system {obs.demand or 0:.1f}, acceptance {'n/a' if acc is None else f'{acc:.2f}'}")
+    return (
+        f"observed goodput {'n/a' if goodput is None else f'{goodput:.1f}'} tok/s, "
+        f"SLO attainment {'n/a' if share is None else f'{share:.0%}'}, "
+        f"TPOT p95 {ms(obs.tpot_p95_s)}, TTFT p95 {ms(obs.ttft_p95_s)}, "
+        f"in system {obs.demand or 0:.1f}, acceptance {'n/a' if acc is None else f'{acc:.2f}'}"
+    )
 
 
 def fail_static(why: str, held: TunedConfig | None) -> str:
@@ -30,6 +32,7 @@ def frozen(by: str, held: TunedConfig | None) -> str:
 
 
 # -- steps 1-2: nothing to decide on ----------------------------------------------------------------
+
 
 def no_observation(obs: Observation | None) -> str:
     return f"no observation ({obs.error if obs else 'none'})"
@@ -47,20 +50,25 @@ def out_of_bounds(config: TunedConfig, bounds: TuneBounds) -> str:
 
 # -- step 3: load shift -----------------------------------------------------------------------------
 
+
 def shifting(before: float, after: float) -> str:
     return f"load shifting: {after:.0f} requests in the system now against {before:.1f} over the window"
 
 
 def shift_off(current: TunedConfig, off: TunedConfig, what: str, batch: float, knee: float) -> str:
-    return (f"{current.short()} -> {off.short()}: {what}; {batch:.0f} sequences per step are past the step "
-            f"cost's knee ({knee:.0f} tokens), where speculation costs compute: off now, searched afresh at "
-            "the first window at the new load")
+    return (
+        f"{current.short()} -> {off.short()}: {what}; {batch:.0f} sequences per step are past the step "
+        f"cost's knee ({knee:.0f} tokens), where speculation costs compute: off now, searched afresh at "
+        "the first window at the new load"
+    )
 
 
 def shift_on(current: TunedConfig, on: TunedConfig, what: str, batch: float, knee: float, gain: float) -> str:
-    return (f"{current.short()} -> {on.short()}: {what}; {batch:.0f} sequences per step are under the step "
-            f"cost's knee ({knee:.0f} tokens) with speculation off: predicted goodput {gain:+.0%} at the new "
-            "load; on now, searched afresh at the first window at the new load")
+    return (
+        f"{current.short()} -> {on.short()}: {what}; {batch:.0f} sequences per step are under the step "
+        f"cost's knee ({knee:.0f} tokens) with speculation off: predicted goodput {gain:+.0%} at the new "
+        "load; on now, searched afresh at the first window at the new load"
+    )
 
 
 def shift_hold(current: TunedConfig, what: str) -> str:
@@ -69,70 +77,114 @@ def shift_hold(current: TunedConfig, what: str) -> str:
 
 # -- steps 4-5: cooldown and probation --------------------------------------------------------------
 
+
 def cooldown(left_s: float) -> str:
     return f"cooldown: {left_s:.0f}s until a window without samples from before the last change"
 
 
-def revert(tried: TunedConfig, previous: TunedConfig, lost: bool, goodput: float | None, share: float | None,
-           baseline_goodput: float | None, baseline_attainment: float | None) -> str:
-    what = (f"goodput {goodput:.1f} < {baseline_goodput:.1f} tok/s before" if lost
-            else f"SLO attainment {share:.0%} < {baseline_attainment:.0%} before")
+def revert(
+    tried: TunedConfig,
+    previous: TunedConfig,
+    lost: bool,
+    goodput: float | None,
+    share: float | None,
+    baseline_goodput: float | None,
+    baseline_attainment: float | None,
+) -> str:
+    what = (
+        f"goodput {goodput:.1f} < {baseline_goodput:.1f} tok/s before"
+        if lost
+        else f"SLO attainment {share:.0%} < {baseline_attainment:.0%} before"
+    )
     return f"reverted {tried.short()}: {what}; back to {previous.short()}"
 
 
 # -- steps 6-7: search and probes -------------------------------------------------------------------
 
+
 def nothing_left(current: TunedConfig) -> str:
-    return (f"keeping {current.short()}: no other config within the bounds that was not measured worse at "
-            "this load")
+    return (
+        f"keeping {current.short()}: no other config within the bounds that was not measured worse at "
+        "this load"
+    )
 
 
 def none_meets(current: TunedConfig, limit_s: float) -> str:
-    return f"no candidate keeps TPOT p95 under {limit_s * 1000:.0f} ms or lowers it; holding {current.short()}"
+    return (
+        f"no candidate keeps TPOT p95 under {limit_s * 1000:.0f} ms or lowers it; holding {current.short()}"
+    )
 
 
-def towards_target(current: TunedConfig, fastest: Scored, obs: Observation, target_s: float, seen: str) -> str:
-    return (f"{current.short()} -> {fastest.config.short()}: TPOT p95 {ms(obs.tpot_p95_s)} over target "
-            f"{ms(target_s)}, no config one step away meets it; predicted {ms(fastest.tpot_p95_s)}; "
-            f"{seen}")
+def towards_target(
+    current: TunedConfig, fastest: Scored, obs: Observation, target_s: float, seen: str
+) -> str:
+    return (
+        f"{current.short()} -> {fastest.config.short()}: TPOT p95 {ms(obs.tpot_p95_s)} over target "
+        f"{ms(target_s)}, no config one step away meets it; predicted {ms(fastest.tpot_p95_s)}; "
+        f"{seen}"
+    )
 
 
-def better(current: TunedConfig, best: Scored, obs: Observation, target_s: float, gain: float, for_tpot: bool,
-           seen: str) -> str:
-    why = f"TPOT p95 {ms(obs.tpot_p95_s)} over target {ms(target_s)}" if for_tpot else f"predicted goodput +{gain:.0%}"
-    return (f"{current.short()} -> {best.config.short()}: {why} "
-            f"(predicted {best.goodput:.1f} tok/s, TPOT p95 {ms(best.tpot_p95_s)}); {seen}")
+def better(
+    current: TunedConfig,
+    best: Scored,
+    obs: Observation,
+    target_s: float,
+    gain: float,
+    for_tpot: bool,
+    seen: str,
+) -> str:
+    why = (
+        f"TPOT p95 {ms(obs.tpot_p95_s)} over target {ms(target_s)}"
+        if for_tpot
+        else f"predicted goodput +{gain:.0%}"
+    )
+    return (
+        f"{current.short()} -> {best.config.short()}: {why} "
+        f"(predicted {best.goodput:.1f} tok/s, TPOT p95 {ms(best.tpot_p95_s)}); {seen}"
+    )
 
 
 def probe(current: TunedConfig, config: TunedConfig, why: str, gain: float, seen: str) -> str:
-    return (f"{current.short()} -> {config.short()}: {why} (best alternative predicted {gain:+.0%}); kept "
-            f"unless measured goodput drops; {seen}")
+    return (
+        f"{current.short()} -> {config.short()}: {why} (best alternative predicted {gain:+.0%}); kept "
+        f"unless measured goodput drops; {seen}"
+    )
 
 
 def dead_band(current: TunedConfig, best: Scored, gain: float, band: float, seen: str) -> str:
-    return (f"keeping {current.short()}: best alternative {best.config.short()} predicts {gain:+.0%} "
-            f"(dead band {band:.0%}); {seen}")
+    return (
+        f"keeping {current.short()}: best alternative {best.config.short()} predicts {gain:+.0%} "
+        f"(dead band {band:.0%}); {seen}"
+    )
 
 
 def probe_off(batch: float, knee: float) -> str:
-    return (f"probing speculation off: {batch:.0f} sequences per step are past the step cost's knee "
-            f"({knee:.0f} tokens), where what proposing costs (a draft model's own passes) can outweigh what "
-            "it saves and the model cannot see it")
+    return (
+        f"probing speculation off: {batch:.0f} sequences per step are past the step cost's knee "
+        f"({knee:.0f} tokens), where what proposing costs (a draft model's own passes) can outweigh what "
+        "it saves and the model cannot see it"
+    )
 
 
 def probe_up(last: float, tokens: float, knee: float) -> str:
-    return (f"probing a longer draft: its last position is still accepted {last:.0%} of the time and the "
-            f"verification step ({tokens:.1f} tokens) is under the knee ({knee:.0f} tokens), where more "
-            "draft tokens cost little and the model's extrapolation past the measured positions is a guess")
+    return (
+        f"probing a longer draft: its last position is still accepted {last:.0%} of the time and the "
+        f"verification step ({tokens:.1f} tokens) is under the knee ({knee:.0f} tokens), where more "
+        "draft tokens cost little and the model's extrapolation past the measured positions is a guess"
+    )
 
 
 def probe_down(last: float) -> str:
-    return (f"probing a shorter draft: its last position is accepted only {last:.0%} of the time, and what "
-            "a rarely accepted draft token costs (a longer verification, the proposer's work) is below what "
-            "the step-cost model resolves")
+    return (
+        f"probing a shorter draft: its last position is accepted only {last:.0%} of the time, and what "
+        "a rarely accepted draft token costs (a longer verification, the proposer's work) is below what "
+        "the step-cost model resolves"
+    )
 
 
 # -- engines --------------------------------------------------------------------------------------------
+
 
 def refused(config: TunedConfig, error: str, back_to: TunedConfig | None) -> str:
     return f"engines refused {config.short()}: {error}" + (f"; back to {back_to.short()}" if back_to else "")

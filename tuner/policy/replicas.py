@@ -44,7 +44,9 @@ class ReplicaParams:
 
     def __post_init__(self) -> None:
         if not 0 <= self.min_replicas <= self.max_replicas:
-            raise ValueError(f"minReplicas={self.min_replicas} must be >= 0 and <= maxReplicas={self.max_replicas}")
+            raise ValueError(
+                f"minReplicas={self.min_replicas} must be >= 0 and <= maxReplicas={self.max_replicas}"
+            )
 
 
 @dataclass(frozen=True)
@@ -78,13 +80,24 @@ class ReplicaPolicy:
     _recommendations: list[tuple[float, int]] = field(default_factory=list)
     _since: float | None = None  # the first recommendation since the last change
 
-    def decide(self, now: float, obs: Observation | None, model: LoadModel | None, config: TunedConfig | None,
-               slo: SLO, queued: int = 0) -> ReplicaDecision:
+    def decide(
+        self,
+        now: float,
+        obs: Observation | None,
+        model: LoadModel | None,
+        config: TunedConfig | None,
+        slo: SLO,
+        queued: int = 0,
+    ) -> ReplicaDecision:
         p, current = self.params, self.replicas
         if current == 0:  # scale from zero: no engine can be observed; the router's queue is the signal
             if queued > 0 and p.max_replicas > 0:
-                return self._change(now, 1, "scale-up", f"{queued} request(s) wait in the router with no replica "
-                                    "(scale from zero)")
+                return self._change(
+                    now,
+                    1,
+                    "scale-up",
+                    f"{queued} request(s) wait in the router with no replica (scale from zero)",
+                )
             return ReplicaDecision(now, 0, 0, "hold", "no replica and no request waiting")
         target, why = self._recommend(obs, model, config, slo, queued)
         target = max(p.min_replicas, min(p.max_replicas, target))
@@ -99,39 +112,68 @@ class ReplicaPolicy:
             stable = min(r for t, r in self._recommendations if now - t <= p.scale_up_window_s)
         else:
             if now - self._since < p.scale_down_window_s:
-                return ReplicaDecision(now, current, current, "stabilizing", f"{why}; a scale-down waits until the "
-                                       f"recommendation held for the {p.scale_down_window_s:.0f}s window")
+                return ReplicaDecision(
+                    now,
+                    current,
+                    current,
+                    "stabilizing",
+                    f"{why}; a scale-down waits until the "
+                    f"recommendation held for the {p.scale_down_window_s:.0f}s window",
+                )
             stable = max(r for t, r in self._recommendations if now - t <= p.scale_down_window_s)
         if stable == current:
-            return ReplicaDecision(now, current, current, "stabilizing", f"{why}; not yet stable over the window")
+            return ReplicaDecision(
+                now, current, current, "stabilizing", f"{why}; not yet stable over the window"
+            )
         if now - self.last_change < p.cooldown_s:
-            return ReplicaDecision(now, current, current, "cooldown", f"{why}; in the {p.cooldown_s:.0f}s cooldown "
-                                   "after the last replica change")
+            return ReplicaDecision(
+                now,
+                current,
+                current,
+                "cooldown",
+                f"{why}; in the {p.cooldown_s:.0f}s cooldown after the last replica change",
+            )
         step = current + (1 if stable > current else -1)
         return self._change(now, step, "scale-up" if step > current else "scale-down", why)
 
-    def _recommend(self, obs: Observation | None, model: LoadModel | None, config: TunedConfig | None, slo: SLO,
-                   queued: int) -> tuple[int, str]:
+    def _recommend(
+        self,
+        obs: Observation | None,
+        model: LoadModel | None,
+        config: TunedConfig | None,
+        slo: SLO,
+        queued: int,
+    ) -> tuple[int, str]:
         p, current = self.params, self.replicas
         if obs is None or obs.error:
             return current, "no observation: replicas held"
         demand = (obs.demand or 0.0) + queued
         idle = demand < 0.5 and (obs.request_rate or 0.0) == 0.0
         if idle:
-            return p.min_replicas, f"idle: no request in the system; the floor is minReplicas={p.min_replicas}"
+            return (
+                p.min_replicas,
+                f"idle: no request in the system; the floor is minReplicas={p.min_replicas}",
+            )
         share = attainment(obs, slo)
         missed = share is not None and share < p.min_attainment and (obs.waiting or 0.0) > 0
         if model is None or config is None:
             if missed:
-                return current + 1, (f"SLO attainment is {share:.2f} with {obs.waiting:.0f} requests waiting "
-                                     "(the goodput model has too few measurements yet)")
+                return current + 1, (
+                    f"SLO attainment is {share:.2f} with {obs.waiting:.0f} requests waiting "
+                    "(the goodput model has too few measurements yet)"
+                )
             return current, "the goodput model has too few measurements yet: replicas held"
         cap = capacity_per_replica(model, config, slo, p.tpot_margin)
         need = math.ceil(demand / cap)
-        what = (f"{demand:.1f} requests in the system at {cap:.0f} per replica (the goodput model's capacity "
-                f"with {config.short()} at TPOT <= {p.tpot_margin:g} x {slo.tpot_p95_s * 1000:.0f} ms)")
+        what = (
+            f"{demand:.1f} requests in the system at {cap:.0f} per replica (the goodput model's capacity "
+            f"with {config.short()} at TPOT <= {p.tpot_margin:g} x {slo.tpot_p95_s * 1000:.0f} ms)"
+        )
         if need <= current and missed:
-            return current + 1, f"{what} fit in {current}, but SLO attainment is {share:.2f} with requests waiting"
+            return (
+                current + 1,
+                f"{what} fit in {current}, but SLO attainment is {share:.2f} with requests waiting",
+            )
         if need > current:
             return need, f"{what} need {need} replicas"
         fewer = math.ceil(demand / (cap * p.headroom))
@@ -140,6 +182,8 @@ class ReplicaPolicy:
         return current, f"{what} need {current} replica(s)"
 
     def _change(self, now: float, replicas: int, kind: str, reason: str) -> ReplicaDecision:
-        decision = ReplicaDecision(now, replicas, self.replicas, kind, f"{kind} {self.replicas} -> {replicas}: {reason}")
+        decision = ReplicaDecision(
+            now, replicas, self.replicas, kind, f"{kind} {self.replicas} -> {replicas}: {reason}"
+        )
         self.replicas, self.last_change, self._since = replicas, now, now
         return decision

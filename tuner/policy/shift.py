@@ -18,31 +18,49 @@ from .params import PolicyParams
 from .probes import Tabooed
 
 
-def off_on_rise(current: TunedConfig, obs: Observation, load: float, knee: float, params: PolicyParams,
-                tabooed: Tabooed) -> TunedConfig | None:
+def off_on_rise(
+    current: TunedConfig, obs: Observation, load: float, knee: float, params: PolicyParams, tabooed: Tabooed
+) -> TunedConfig | None:
     """Speculation off, when the batch at `load` requests in the system is at or past the knee."""
     off = current.with_(num_speculative_tokens=0)
-    if current.num_speculative_tokens > 0 and params.bounds.k[0] == 0 and \
-            batch_per_engine(load, obs.engines, current.max_num_seqs) >= knee and not tabooed(off, load):
+    if (
+        current.num_speculative_tokens > 0
+        and params.bounds.k[0] == 0
+        and batch_per_engine(load, obs.engines, current.max_num_seqs) >= knee
+        and not tabooed(off, load)
+    ):
         return off
     return None
 
 
-def on_on_fall(current: TunedConfig, obs: Observation, load: float, knee: float, params: PolicyParams,
-               memory: Memory, tabooed: Tabooed) -> tuple[TunedConfig, float] | None:
+def on_on_fall(
+    current: TunedConfig,
+    obs: Observation,
+    load: float,
+    knee: float,
+    params: PolicyParams,
+    memory: Memory,
+    tabooed: Tabooed,
+) -> tuple[TunedConfig, float] | None:
     """The mirror of `off_on_rise`: the load fell under the knee (memory-bound, where drafts are cheap)
     with k = 0. The k the model predicts best at the new load (acceptance as remembered for such a load,
     else the prior), with its predicted gain, if it clears the dead band; None otherwise."""
-    if current.num_speculative_tokens > 0 or params.bounds.k[1] == 0 or load < 1.0 or \
-            batch_per_engine(load, obs.engines, current.max_num_seqs) >= knee:
+    if (
+        current.num_speculative_tokens > 0
+        or params.bounds.k[1] == 0
+        or load < 1.0
+        or batch_per_engine(load, obs.engines, current.max_num_seqs) >= knee
+    ):
         return None
     model = memory.model_at(obs, load, params)
     if model is None:
         return None
     here = model.predict(current).throughput
-    options = [c for c in candidates(current, obs, params.slo, params.bounds, params.limits)
-               if c.num_speculative_tokens > 0 and c.max_num_seqs == current.max_num_seqs
-               and not tabooed(c, load)]
+    options = [
+        c
+        for c in candidates(current, obs, params.slo, params.bounds, params.limits)
+        if c.num_speculative_tokens > 0 and c.max_num_seqs == current.max_num_seqs and not tabooed(c, load)
+    ]
     best = max(options, key=lambda c: model.predict(c).throughput, default=None)
     if best is None or here <= 0:
         return None

@@ -27,13 +27,19 @@ class Probation:
 
     def lost(self, goodput: float | None, params: PolicyParams) -> bool:
         """Goodput fell by more than the revert margin."""
-        return (goodput is not None and self.baseline_goodput is not None
-                and goodput < self.baseline_goodput * (1.0 - params.revert_margin))
+        return (
+            goodput is not None
+            and self.baseline_goodput is not None
+            and goodput < self.baseline_goodput * (1.0 - params.revert_margin)
+        )
 
     def missed(self, share: float | None, params: PolicyParams) -> bool:
         """SLO attainment fell by more than the revert margin (in points)."""
-        return (share is not None and self.baseline_attainment is not None
-                and share < self.baseline_attainment - params.revert_margin)
+        return (
+            share is not None
+            and self.baseline_attainment is not None
+            and share < self.baseline_attainment - params.revert_margin
+        )
 
 
 def directions(before: TunedConfig, after: TunedConfig) -> list[tuple[str, Span]]:
@@ -61,14 +67,19 @@ class Taboo:
 
     def refuse(self, config: TunedConfig, before: TunedConfig | None) -> None:
         """Each value of `config` that differs from `before`, at any load, for ever (an engine refused it)."""
-        self.entries += [(knob, (value, value), None, float("inf")) for knob, value in config.as_admin().items()
-                         if before is None or before.as_admin()[knob] != value]
+        self.entries += [
+            (knob, (value, value), None, float("inf"))
+            for knob, value in config.as_admin().items()
+            if before is None or before.as_admin()[knob] != value
+        ]
 
     def covers(self, config: TunedConfig, demand: float | None, now: float, params: PolicyParams) -> bool:
         self.entries = [t for t in self.entries if t[3] > now]
         values = config.as_admin()
-        return any(low <= values[knob] <= high and similar(d, demand, params)
-                   for knob, (low, high), d, _ in self.entries)
+        return any(
+            low <= values[knob] <= high and similar(d, demand, params)
+            for knob, (low, high), d, _ in self.entries
+        )
 
 
 @dataclass
@@ -78,7 +89,9 @@ class Shift:
     since: float | None = None
     count_before: float | None = None
 
-    def see(self, now: float, obs: Observation, params: PolicyParams) -> tuple[float, float, float | None] | None:
+    def see(
+        self, now: float, obs: Observation, params: PolicyParams
+    ) -> tuple[float, float, float | None] | None:
         """(the window's mean, the count now, the count at the previous interval) while the load is
         shifting and the hold has not outlasted `shift_hold_s`; None when the window is at one load."""
         before, after = obs.demand, obs.in_system_now

@@ -1,0 +1,307 @@
+"""The engine core process: the scheduler and the model in a busy loop fed by ZeroMQ (vLLM V1's EngineCore).
+
+`python -m specfleet.engine.core.proc --input ADDR --output ADDR --config JSON` connects a PULL socket to
+the server's input address and a PUSH socket to its output address, loads the engine, sends `Ready`, then
+loops: take every waiting input without blocking, run one step, push a `StepReport`. It never waits on
+the server: a PUSH send only queues the message for ZeroMQ's I/O thread. While idle it blocks on its
+input for at most `HEARTBEAT_S` and then reports anyway, so the server can tell a live idle core from a
+hung one. It has no HTTP, no tokenizer on its hot path and no text: stop strings are the server's, which
+ends a sample with `FinishSequence`.
+
+It exits when its parent (the server) is gone, so a killed server leaves no orphan holding the model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import pickle
+import signal
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import zmq
+from specfleet.engine.config import EngineConfig
+from specfleet.engine.detokenizer import TextCursor
+from specfleet.engine.outputs import PositionLogprobs, RequestOutput
+from specfleet.engine.sampling_params import ParameterError
+
+from .messages import (
+    ENCODER,
+    INPUT_DECODERS,
+    AddRequest,
+    AddResult,
+    Dead,
+    FinishSequence,
+    Logprobs,
+    Ready,
+    RequestType,
+    SeqDelta,
+    StepReport,
+    UtilityCall,
+    UtilityResult,
+)
+
+log = logging.getLogger("specfleet.engine.core")
+# An idle core reports this often; the server's readiness wants a report within HEARTBEAT_TIMEOUT_S
+# (client.py), 60 times this, so that one long prefill step is not mistaken for a hang.
+HEARTBEAT_S = 1.0
+# ZeroMQ keeps unsent messages this long at close, so the `Dead` message gets out (vLLM: 4 s).
+LINGER_MS = 4000
+
+# What the server may call between steps: name -> fn(engine, **kwargs) -> msgpack-encodable result.
+UTILITIES: dict[str, Callable[..., Any]] = {
+    "live_config": lambda engine: engine.live_config().as_dict(),
+    "update_config": lambda engine, **changes: engine.update_config(**changes).as_dict(),
+    "kv_blocks_in_use": lambda engine: engine.kv_blocks_in_use(),
+    "stats": lambda engine: engine.stats,
+    # disaggregation: the KV connector's counters (None without a kv_role)
+    "kv_transfer_stats": lambda engine: engine.kv_connector.stats if engine.kv_connector else None,
+}
+
+
+def encode_logprobs(lp: PositionLogprobs) -> Logprobs:
+    return Logprobs(lp.token_id, lp.logprob, lp[lp.token_id].rank, list(lp.top), list(lp.top.values()))
+
+
+class EngineCore:
+    """One engine and the bookkeeping that turns its cumulative outputs into per-step deltas."""
+
+    def __init__(self, engine: Any, cursors: list[TextCursor]) -> None:
+        self.engine = engine
+        self._new_cursors = cursors  # filled by the engine's text_cursor factory during add_request
+        self._cursors: dict[str, list[TextCursor]] = {}
+        self._sent: dict[str, list[int]] = {}  # request id -> output tokens sent per sample (-1: finished)
+        self._prompt_sent: set[str] = set()
+
+    # -- inputs ------------------------------------------------------------------------------------
+    def add(self, msg: AddRequest) -> AddResult:
+        params = pickle.loads(msg.params)
+        self._new_cursors.clear()
+        try:
+            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.kv_transfer_params)
+        except ParameterError as exc:
+            return AddResult(msg.request_id, str(exc), exc.param, exc.code)
+        except ValueError as exc:
+            return AddResult(msg.request_id, str(exc))
+        self._cursors[msg.request_id] = list(self._new_cursors)
+        self._sent[msg.request_id] = [0] * params.n
+        return AddResult(msg.request_id)
+
+    def abort(self, request_ids: list[str]) -> None:
+        for request_id in request_ids:
+            self.engine.abort(request_id)
+            self._forget(request_id)
+
+    def finish_sequence(self, msg: FinishSequence) -> None:
+        self.engine.finish_sequence(msg.request_id, msg.index, msg.reason)
+        sent = self._sent.get(msg.request_id)
+        if sent is not None:
+            sent[msg.index] = -1
+            if all(n < 0 for n in sent):
+                self._forget(msg.request_id)
+
+    def utility(self, msg: UtilityCall) -> UtilityResult:
+        fn = UTILITIES.get(msg.method)
+        try:
+            if fn is None:
+                raise ValueError(f"unknown utility {msg.method!r}; known: {sorted(UTILITIES)}")
+            return UtilityResult(msg.call_id, msgspec.Raw(ENCODER.encode(fn(self.engine, **msg.kwargs))))
+        except ParameterError as exc:
+            return UtilityResult(msg.call_id, error=str(exc), param=exc.param, code=exc.code)
+        except Exception as exc:
+            return UtilityResult(msg.call_id, error=f"{type(exc).__name__}: {exc}")
+
+    def _forget(self, request_id: str) -> None:
+        self._cursors.pop(request_id, None)
+        self._sent.pop(request_id, None)
+        self._prompt_sent.discard(request_id)
+
+    # -- the step ----------------------------------------------------------------------------------
+    def step(self) -> StepReport:
+        try:
+            outputs = self.engine.step()
+        except Exception as exc:  # the engine broke: fail what is in flight, keep serving
+            log.exception("event=engine_step_failed error=%s", type(exc).__name__)
+            aborted = list(self._sent)
+            self.abort(aborted)
+            return self.report(True, aborted=aborted, error=f"{type(exc).__name__}: {exc}")
+        deltas = [d for out in outputs for d in self._deltas(out)]
+        return self.report(True, deltas)
+
+    def report(
+        self,
+        stepped: bool,
+        deltas: list[SeqDelta] | None = None,
+        aborted: list[str] | None = None,
+        error: str | None = None,
+    ) -> StepReport:
+        engine = self.engine
+        return StepReport(
+            deltas or [],
+            aborted or [],
+            engine.stats,
+            stepped,
+            engine.kv_blocks_in_use(),
+            engine.live_config().as_dict(),
+            error,
+        )
+
+    def _deltas(self, out: RequestOutput) -> list[SeqDelta]:
+        rid = out.request_id
+        sent, cursors = self._sent.get(rid), self._cursors.get(rid)
+        if sent is None or cursors is None:
+            return []
+        deltas = []
+        prompt_lps = None
+        if (
+            out.prompt_logprobs is not None
+            and rid not in self._prompt_sent
+            and all(lp is not None for lp in out.prompt_logprobs[1:])
+        ):
+            self._prompt_sent.add(rid)
+            prompt_lps = [None if lp is None else encode_logprobs(lp) for lp in out.prompt_logprobs]
+        for c in out.outputs:
+            done = sent[c.index]
+            if done < 0:
+                continue
+            new = c.token_ids[done:]
+            if not new and c.finish_reason is None and prompt_lps is None:
+                continue
+            delta = SeqDelta(
+                rid,
+                c.index,
+                new,
+                cursors[c.index].upto,
+                c.finish_reason,
+                c.stop_reason if isinstance(c.stop_reason, int) else None,
+            )
+            if c.logprobs:
+                delta.logprobs = [encode_logprobs(lp) for lp in c.logprobs[done:]]
+            if done == 0:
+                delta.num_cached_tokens = out.num_cached_tokens
+                if out.metrics is not None:
+                    delta.first_scheduled_time = out.metrics.first_scheduled_time
+            if prompt_lps is not None:
+                delta.prompt_logprobs, prompt_lps = prompt_lps, None
+            if out.finished and out.kv_transfer_params is not None:
+                delta.kv_transfer_params = out.kv_transfer_params
+            sent[c.index] = -1 if c.finish_reason is not None else done + len(new)
+            deltas.append(delta)
+        if out.finished:
+            self._forget(rid)
+        return deltas
+
+
+def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
+    ctx = zmq.Context()
+    out = ctx.socket(zmq.PUSH)
+    out.setsockopt(zmq.LINGER, LINGER_MS)
+    out.connect(output_addr)
+    inp = ctx.socket(zmq.PULL)
+    inp.connect(input_addr)
+    parent = os.getppid()
+    try:
+        from specfleet.engine.llm_engine import Engine
+
+        cursors: list[TextCursor] = []
+
+        def cursor() -> TextCursor:
+            cursors.append(TextCursor())
+            return cursors[-1]
+
+        engine = Engine(config, text_cursor=cursor)
+        core = EngineCore(engine, cursors)
+        out.send(
+            ENCODER.encode(
+                Ready(
+                    engine.model_name,
+                    engine.max_model_len,
+                    engine.runner.vocab_size,
+                    sorted(engine.eos_token_ids),
+                    engine.live_config().as_dict(),
+                    os.getpid(),
+                )
+            )
+        )
+        _loop(core, inp, out, parent)
+    except BaseException as exc:
+        if isinstance(exc, SystemExit) and not exc.code:
+            return 0
+        log.exception("event=engine_core_failed error=%s", type(exc).__name__)
+        out.send(ENCODER.encode(Dead(f"{type(exc).__name__}: {exc}")))
+        return 1
+    finally:
+        out.close()
+        inp.close()
+        ctx.term()
+    return 0
+
+
+def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
+    engine = core.engine
+    last_report = time.monotonic()
+    while True:
+        busy = engine.has_unfinished_requests()
+        if busy or inp.poll(HEARTBEAT_S * 1000):
+            replies = _drain(core, inp)
+            for reply in replies:
+                out.send(ENCODER.encode(reply))
+        if os.getppid() != parent:
+            log.warning("event=engine_core_orphaned parent=%d: the server is gone, exiting", parent)
+            return
+        if engine.has_unfinished_requests():
+            out.send(ENCODER.encode(core.step()))
+            last_report = time.monotonic()
+        else:
+            engine.poll_kv_transfers()  # a finished hold's blocks come back while idle too
+            if time.monotonic() - last_report >= HEARTBEAT_S or busy:
+                out.send(ENCODER.encode(core.report(False)))  # idle (or just went idle): gauges and heartbeat
+                last_report = time.monotonic()
+
+
+def _drain(core: EngineCore, inp: zmq.Socket) -> list[Any]:
+    """Every input waiting now, in order; the replies to send."""
+    replies = []
+    while True:
+        try:
+            kind, payload = inp.recv_multipart(zmq.NOBLOCK)
+        except zmq.Again:
+            return replies
+        msg = INPUT_DECODERS[kind].decode(payload)
+        if kind == RequestType.ADD.value:
+            replies.append(core.add(msg))
+        elif kind == RequestType.ABORT.value:
+            core.abort(msg.request_ids)
+        elif kind == RequestType.FINISH_SEQ.value:
+            core.finish_sequence(msg)
+        else:
+            replies.append(core.utility(msg))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m specfleet.engine.core.proc", description=__doc__.split("\n")[0]
+    )
+    p.add_argument("--input", required=True, help="the server's input address (ZeroMQ, the core connects)")
+    p.add_argument("--output", required=True, help="the server's output address")
+    p.add_argument("--config", required=True, help="EngineConfig's fields as JSON")
+    p.add_argument("--log-level", default="info")
+    args = p.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    # Ctrl-C is the server's to handle (it drains, then stops the core with SIGTERM).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    return serve(EngineConfig(**json.loads(args.config)), args.input, args.output)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -118,7 +118,9 @@ class Engine:
         self.text_cursor = text_cursor
         self.token_text = TokenText(self.tokenizer) if text_cursor is None else None
         # Pipeline parallelism: micro-batches launched into the stages and not yet collected, oldest first.
-        self._pipeline_depth = self.runner.pipeline_depth if config.pipeline_overlap else 1
+        self._pipeline_depth = self.scheduler.micro_batches = (
+            self.runner.pipeline_depth if config.pipeline_overlap else 1
+        )
         self._in_flight: deque[tuple[SchedulerOutput, InFlight]] = deque()
         log.info(
             "event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
@@ -357,7 +359,7 @@ class Engine:
         compares the two on one engine: a process holds one process group, so one split engine)."""
         if self._in_flight:
             raise RuntimeError("micro-batches are in flight: change the overlap between generations")
-        self._pipeline_depth = self.runner.pipeline_depth if on else 1
+        self._pipeline_depth = self.scheduler.micro_batches = self.runner.pipeline_depth if on else 1
 
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -393,8 +395,7 @@ class Engine:
         while len(self._in_flight) < self._pipeline_depth:
             busy = frozenset(item.seq.seq_id for sched, _ in self._in_flight for item in sched.scheduled)
             self._propose(busy, keep=bool(self._in_flight))
-            active = len(self.scheduler.running) + len(self.scheduler.waiting)
-            sched = self.scheduler.schedule(busy, max_seqs=max(1, -(-active // self._pipeline_depth)))
+            sched = self.scheduler.schedule(busy)
             if sched.empty:
                 if sched.finished:  # ended for want of room: report them now
                     outputs += self._postprocess(sched, None, [])

@@ -55,6 +55,10 @@ class Scheduler:
     ):
         self.kv = block_manager
         self.max_num_seqs = max_num_seqs
+        # Micro-batches in flight at once (pipeline parallelism with overlap; 1 otherwise): each takes up
+        # to max_num_seqs sequences, so overlap adds concurrency instead of splitting one batch (a decode
+        # step's cost hardly depends on its rows, so halving a batch would double the cost per token).
+        self.micro_batches = 1
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -98,13 +102,14 @@ class Scheduler:
         seq.spec_token_ids = []
 
     # -- one step ------------------------------------------------------------------------------------
-    def schedule(self, busy: frozenset[int] = frozenset(), max_seqs: int | None = None) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[int] = frozenset()) -> SchedulerOutput:
         """One step's batch. Pipeline parallelism schedules micro-batches while earlier ones are still in
         the stages: `busy` holds the seq_ids in flight (neither scheduled again nor preempted until their
-        step comes back) and `max_seqs` caps this micro-batch so the sequences spread over the stages."""
+        step comes back). Each micro-batch takes at most `max_num_seqs` sequences, and up to
+        `max_num_seqs * micro_batches` run at once (vLLM's virtual engines: one batch per stage)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        room = max_seqs if max_seqs is not None else len(self.running) + len(self.waiting)
+        room = self.max_num_seqs
 
         i, stalled = 0, False
         while i < len(self.running) and budget > 0 and room > 0:
@@ -161,7 +166,8 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, room: int) -> int:
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and room > 0 and len(self.running) < self.max_num_seqs:
+        limit = self.max_num_seqs * self.micro_batches
+        while self.waiting and budget > 0 and room > 0 and len(self.running) < limit:
             seq = self.waiting[0]
             parent = seq.parent
             if (

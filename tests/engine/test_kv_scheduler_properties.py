@@ -151,6 +151,7 @@ def test_pipelined_micro_batches_never_touch_sequences_in_flight(
     rng = random.Random(seed)
     kv = BlockManager(num_blocks, BS, enable_prefix_caching=True)
     sched = Scheduler(kv, max_seqs, budget, max_model_len=64)
+    sched.micro_batches = depth
     for i, p in enumerate(prompts):
         sched.add(Sequence(i, f"r{i}", 0, list(p), len(p), SamplingParams(max_tokens=rng.randint(1, 12))))
     flight: deque = deque()
@@ -162,8 +163,8 @@ def test_pipelined_micro_batches_never_touch_sequences_in_flight(
             for seq in sched.running:
                 if not seq.in_prefill and spec and seq.seq_id not in busy and not seq.spec_token_ids:
                     seq.spec_token_ids = [rng.randrange(6) for _ in range(spec)]
-            active = len(sched.running) + len(sched.waiting)
-            out = sched.schedule(busy, max_seqs=max(1, -(-active // depth)))
+            out = sched.schedule(busy)
+            assert len(out.scheduled) <= max_seqs and len(sched.running) <= max_seqs * depth
             assert not busy & {item.seq.seq_id for item in out.scheduled}, (
                 "a sequence in flight was scheduled"
             )

@@ -24,6 +24,10 @@ BENCHES = {
     "serve": ("specfleet.bench.serve", "latency and goodput of any OpenAI-compatible server"),
     "spec": ("specfleet.bench.spec", "speculative decoding speedup by method, k and load"),
     "pd": ("specfleet.bench.pd", "prefill/decode disaggregation against aggregated engines at equal cores"),
+    "pp": (
+        "specfleet.bench.pipeline",
+        "pipeline parallelism: decode throughput with and without micro-batch overlap",
+    ),
     "quant": ("specfleet.bench.quant", "quantized weights: perplexity, greedy agreement, c=1 decode TPOT"),
     "llamacpp": (
         "specfleet.bench.llamacpp",

@@ -114,8 +114,16 @@ class EngineConfig:
     )
     pipeline_parallel_size: int = _opt(
         1,
-        "pipeline stages one model copy is split into (runs of layers, one process each; GPUs on CUDA); "
-        "not combined with tensor parallelism yet",
+        "pipeline stages one model copy is split into (runs of layers, one process each, or "
+        "tensor_parallel_size each; GPUs on CUDA)",
+    )
+    # vLLM's virtual engines: with P stages, P micro-batches in flight keep every stage busy in the steady
+    # state; one turns that off (a step then runs through every stage before the next starts).
+    pipeline_overlap: bool = _opt(
+        True,
+        "pipeline parallelism: run one micro-batch through the stages at a time "
+        "instead of one per stage in flight",
+        flag="--no-pipeline-overlap",
     )
     kv_role: str | None = _opt(
         None,
@@ -182,15 +190,11 @@ class EngineConfig:
         for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
             if size < 1:
                 raise ValueError(f"{name}={size} must be >= 1")
-        if tp > 1 and pp > 1:
+        if tp > 1 and self.quantization not in (None, "int8"):
             raise ValueError(
-                f"tensor_parallel_size={tp} with pipeline_parallel_size={pp}: one split at a time "
-                "for now; use one of them"
-            )
-        if (tp > 1 or pp > 1) and self.quantization:
-            raise ValueError(
-                f"quantization={self.quantization!r} runs in one process; it is not split across "
-                "ranks yet: use tensor_parallel_size=1 and pipeline_parallel_size=1 with it"
+                f"quantization={self.quantization!r} with tensor_parallel_size={tp}: its packed "
+                "blocks (scales per block along the input dimension) are not sliced by head or MLP "
+                "row; split it with pipeline_parallel_size instead, or use quantization='int8'"
             )
         for name, allowed in (
             ("quantization", QUANTIZATIONS),

@@ -9,6 +9,7 @@ import itertools
 import logging
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -19,7 +20,7 @@ from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams
 from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
-from specfleet.engine.model_runner import ModelRunner, ModelRunnerOutput, SpecStats
+from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from specfleet.engine.sampler import sample_seed
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
@@ -116,6 +117,11 @@ class Engine:
         self._seq_ids = itertools.count()
         self.text_cursor = text_cursor
         self.token_text = TokenText(self.tokenizer) if text_cursor is None else None
+        # Pipeline parallelism: micro-batches launched into the stages and not yet collected, oldest first.
+        self._pipeline_depth = self.scheduler.micro_batches = (
+            self.runner.pipeline_depth if config.pipeline_overlap else 1
+        )
+        self._in_flight: deque[tuple[SchedulerOutput, InFlight]] = deque()
         log.info(
             "event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
             self.model_name,
@@ -131,6 +137,13 @@ class Engine:
         thread); idempotent."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        while self._in_flight:  # let the stages finish what they hold before they are told to stop
+            sched, flight = self._in_flight.popleft()
+            try:
+                self.runner.collect(flight.num_tokens)
+            except RuntimeError as exc:
+                log.warning("event=pipeline_drain_failed error=%s", exc)
+                break
         close = getattr(self.runner.model, "close", None)
         if close is not None:
             close()
@@ -344,8 +357,17 @@ class Engine:
         self.scheduler.max_num_seqs = self._live.max_num_seqs
         self.scheduler.max_num_batched_tokens = self._live.max_num_batched_tokens
 
+    def set_pipeline_overlap(self, on: bool) -> None:
+        """Turn pipeline parallelism's micro-batch overlap on or off between steps (`specfleet bench pp`
+        compares the two on one engine: a process holds one process group, so one split engine)."""
+        if self._in_flight:
+            raise RuntimeError("micro-batches are in flight: change the overlap between generations")
+        self._pipeline_depth = self.scheduler.micro_batches = self.runner.pipeline_depth if on else 1
+
     # -- the step -------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._pipeline_depth > 1:
+            return self._pipelined_step()
         start = time.perf_counter()
         self._apply_pending()
         if self.kv_connector is not None:
@@ -363,13 +385,48 @@ class Engine:
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
 
-    def _propose(self) -> None:
-        """Give every decoding sequence up to k proposals to verify in this step (none when k = 0)."""
+    def _pipelined_step(self) -> list[RequestOutput]:
+        """Pipeline parallelism with overlap (vLLM's virtual engines): keep up to one micro-batch per stage
+        in flight, each over sequences no other in-flight micro-batch holds, then collect the oldest, sample
+        it and return its outputs. Stage 0 (this process) runs its layers on the next micro-batch while the
+        later stages work on the earlier ones. A sequence's tokens, proposals, blocks and preemption are
+        only touched while it is not in flight, so each step of a sequence sees exactly what a step without
+        overlap would: greedy output is the same, speculation verifies through every stage as before."""
+        start = time.perf_counter()
+        self._apply_pending()
+        outputs: list[RequestOutput] = []
+        while len(self._in_flight) < self._pipeline_depth:
+            busy = frozenset(item.seq.seq_id for sched, _ in self._in_flight for item in sched.scheduled)
+            self._propose(busy, keep=bool(self._in_flight))
+            sched = self.scheduler.schedule(busy)
+            if sched.empty:
+                if sched.finished:  # ended for want of room: report them now
+                    outputs += self._postprocess(sched, None, [])
+                break
+            sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
+            self._track_kv_peak()
+            self._in_flight.append((sched, self.runner.launch(sched)))
+            self.stats.peak_micro_batches_in_flight = max(
+                self.stats.peak_micro_batches_in_flight, len(self._in_flight)
+            )
+        if not self._in_flight:
+            return outputs
+        sched, flight = self._in_flight.popleft()
+        result = self.runner.finish(sched, flight)
+        changed = self.scheduler.update(sched, result.sampled, self._stop)
+        outputs += self._postprocess(sched, result, changed)
+        self._record(sched, changed, result.spec, time.perf_counter() - start)
+        return outputs
+
+    def _propose(self, busy: frozenset[int] = frozenset(), keep: bool = False) -> None:
+        """Give every decoding sequence up to k proposals to verify in this step (none when k = 0); `busy`:
+        sequences in flight in the pipeline, whose proposals are already on their way; `keep`: leave the
+        proposals of a sequence an earlier micro-batch of this step did not take (its tokens are unchanged)."""
         if self.proposer is None or self._speculation_disabled_by_batch():
             return
         seqs, ks = [], []
         for seq in self.scheduler.running:
-            if seq.in_prefill:
+            if seq.in_prefill or seq.seq_id in busy or (keep and seq.spec_token_ids):
                 continue
             k = self._k_for(seq)
             if k:

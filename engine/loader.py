@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -88,18 +89,22 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
             f"quantization='gguf' needs a GGUF model (a .gguf file or bundled://), not {config.model!r}"
         )
     cls = model_class(hf_config.architectures)
-    split = (
-        ("tensor", config.tensor_parallel_size)
-        if config.tensor_parallel_size > 1
-        else ("pipeline", config.pipeline_parallel_size)
-        if config.pipeline_parallel_size > 1
-        else None
-    )
+    tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
+    split = ("tensor", tp) if tp > 1 else ("pipeline", pp) if pp > 1 else None
     if split is not None:
-        if quantization:  # an AWQ/GPTQ checkpoint's own quantization is only known here
+        if tp > 1 and quantization not in (None, "int8"):  # an AWQ/GPTQ checkpoint's own is only known here
             raise ValueError(
-                f"{split[0]}_parallel_size={split[1]}: quantization={quantization!r} runs in one "
-                "process; it is not split across ranks yet"
+                f"tensor_parallel_size={tp}: quantization={quantization!r} packs weights in blocks "
+                "along the input dimension with per-block scales, which are not sliced by head or "
+                "MLP row; split it with pipeline_parallel_size instead (whole layers per stage), "
+                "or use quantization='int8'"
+            )
+        if quantization not in (None, "int8") and config.quantized_activations != "int8":
+            # The stage workers build their layers with the default activation path.
+            raise ValueError(
+                f"quantized_activations={config.quantized_activations!r}: split engines run "
+                f"{quantization} weights with int8 activations only; use tensor_parallel_size=1 "
+                "and pipeline_parallel_size=1 for the exact float32 path"
             )
         if not issubclass(cls, LlamaModel):
             raise ValueError(
@@ -108,7 +113,15 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
             )
         from specfleet.engine.distributed.workers import SplitModel
 
-        model = SplitModel(str(resolved.path), split[0], split[1], dtype, device)
+        model = SplitModel(
+            str(resolved.path),
+            tp,
+            pp,
+            dtype,
+            device,
+            quantization=quantization,
+            gguf=str(resolved.gguf) if resolved.gguf else None,
+        )
     else:
         model = cls(
             hf_config,
@@ -124,12 +137,18 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
 
 
 def _state(resolved, hf_config, quantization: str | None) -> dict:
-    """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ)."""
-    state = load_state_dict(resolved.path)
+    return checkpoint_state(resolved.path, resolved.gguf, hf_config, quantization)
+
+
+def checkpoint_state(path: Path, gguf: Path | None, hf_config, quantization: str | None) -> dict:
+    """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ).
+    Each rank of a split model reads its own copy through this too."""
+    state = load_state_dict(path)
     if quantization == "gguf":
         from specfleet.engine.quant.gguf_file import read_quantized
 
-        state.update(read_quantized(resolved.gguf, hf_config))
+        assert gguf is not None, "quantization='gguf' comes with the GGUF file it reads (resolve_model)"
+        state.update(read_quantized(gguf, hf_config))
     elif quantization in ("awq", "gptq"):
         from specfleet.engine.quant.awq_gptq import quantized_state
 

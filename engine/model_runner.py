@@ -66,6 +66,17 @@ class BatchInputs:
     token_starts: list[int]  # [num_scheduled] each sequence's first flat row
 
 
+@dataclass
+class InFlight:
+    """A micro-batch launched into the pipeline and not yet collected."""
+
+    inputs: BatchInputs
+
+    @property
+    def num_tokens(self) -> int:
+        return self.inputs.input_ids.shape[0]
+
+
 @dataclass(eq=False)
 class SampleRows:
     """One sampling sequence's k + 1 consecutive rows of the step's logits (k proposals to verify, then the
@@ -112,21 +123,59 @@ class ModelRunner:
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.vocab_size = a.vocab_size
 
+    @property
+    def pipeline_depth(self) -> int:
+        """Micro-batches the model can have in flight at once (its pipeline stages; 1 unless split so)."""
+        return getattr(self.model, "pipeline_depth", 1)
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        return self._with_threads(sched, lambda: self._step(sched))
+
+    @torch.inference_mode()
+    def launch(self, sched: SchedulerOutput) -> InFlight:
+        """Pipeline parallelism: run the first stage on a micro-batch and send it on; the later stages work
+        on it while this process launches the next one. `finish` collects and samples it."""
+        return InFlight(self._with_threads(sched, lambda: self._launch(sched, pipelined=True))[0])
+
+    @torch.inference_mode()
+    def finish(self, sched: SchedulerOutput, flight: InFlight) -> ModelRunnerOutput:
+        hidden = self.collect(flight.num_tokens)
+        return self._with_threads(sched, lambda: self._finish(sched, flight.inputs, hidden))
+
+    def collect(self, num_tokens: int) -> torch.Tensor:
+        """The hidden states of the oldest micro-batch in flight (pipeline parallelism)."""
+        return self._stages().collect(num_tokens)
+
+    def _stages(self) -> SplitModel:
+        model = self.model
+        assert not isinstance(model, LlamaModel), "pipelined steps need a model split into stages"
+        return model
+
+    def _step(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+        inputs, hidden = self._launch(sched, pipelined=False)
+        assert hidden is not None  # an unpipelined launch runs the forward pass
+        return self._finish(sched, inputs, hidden)
+
+    def _with_threads(self, sched: SchedulerOutput, run):
         single = self.model.device.type == "cpu" and sched.num_batched_tokens <= SINGLE_THREAD_MAX_TOKENS
         if not single or torch.get_num_threads() == 1:
-            return self._execute(sched)
+            return run()
         threads = torch.get_num_threads()
         torch.set_num_threads(1)
         try:
-            return self._execute(sched)
+            return run()
         finally:
             torch.set_num_threads(threads)
 
-    def _execute(self, sched: SchedulerOutput) -> ModelRunnerOutput:
+    def _launch(self, sched: SchedulerOutput, pipelined: bool) -> tuple[BatchInputs, torch.Tensor | None]:
         inputs = self.prepare(sched.scheduled)
-        hidden = self._forward(inputs)
+        if pipelined:
+            self._stages().launch(inputs.input_ids, inputs.positions, self.kv_caches, inputs.meta, self.attn)
+            return inputs, None
+        return inputs, self._forward(inputs)
+
+    def _finish(self, sched: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor) -> ModelRunnerOutput:
         if inputs.sample_rows:
             out = self._sample(sched, self._sample_logits(inputs, hidden))
         else:

@@ -55,6 +55,10 @@ class Scheduler:
     ):
         self.kv = block_manager
         self.max_num_seqs = max_num_seqs
+        # Micro-batches in flight at once (pipeline parallelism with overlap; 1 otherwise): each takes up
+        # to max_num_seqs sequences, so overlap adds concurrency instead of splitting one batch (a decode
+        # step's cost hardly depends on its rows, so halving a batch would double the cost per token).
+        self.micro_batches = 1
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
         self.waiting: deque[Sequence] = deque()
@@ -98,36 +102,52 @@ class Scheduler:
         seq.spec_token_ids = []
 
     # -- one step ------------------------------------------------------------------------------------
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, busy: frozenset[int] = frozenset()) -> SchedulerOutput:
+        """One step's batch. Pipeline parallelism schedules micro-batches while earlier ones are still in
+        the stages: `busy` holds the seq_ids in flight (neither scheduled again nor preempted until their
+        step comes back). Each micro-batch takes at most `max_num_seqs` sequences, and up to
+        `max_num_seqs * micro_batches` run at once (vLLM's virtual engines: one batch per stage)."""
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
+        room = self.max_num_seqs
 
-        i = 0
-        while i < len(self.running) and budget > 0:
+        i, stalled = 0, False
+        while i < len(self.running) and budget > 0 and room > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens_with_spec - seq.num_computed_tokens, budget)
-            if num_new <= 0:
+            if num_new <= 0 or seq.seq_id in busy:
                 i += 1
                 continue
-            num_new = self._make_room(seq, num_new, out)
+            num_new = self._make_room(seq, num_new, out, busy)
+            if num_new < 0:
+                stalled = True  # only sequences in flight could make room: wait for their step to come back
+                i += 1
+                continue
             if not num_new:
                 break  # the sequence preempted itself or ended: nothing later in the list can run either
             self.kv.allocate(seq, seq.num_computed_tokens + num_new)
             out.scheduled.append(self._scheduled(out, seq, num_new))
             budget -= num_new
+            room -= 1
             i += 1
 
-        if not out.num_preemptions:
-            budget = self._admit_waiting(out, budget)
+        if not out.num_preemptions and not stalled:
+            budget = self._admit_waiting(out, budget, room)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
-    def _make_room(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> int:
-        """Free blocks for `num_new` more tokens of a running sequence by preempting the latest arrivals;
-        returns how many tokens can now be scheduled (0: `seq` was preempted or finished)."""
+    def _make_room(
+        self, seq: Sequence, num_new: int, out: SchedulerOutput, busy: frozenset[int] = frozenset()
+    ) -> int:
+        """Free blocks for `num_new` more tokens of a running sequence by preempting the latest arrivals
+        that are not in flight; returns how many tokens can now be scheduled (0: `seq` was preempted or
+        finished; -1: only sequences in flight hold the blocks it needs)."""
         while not self.kv.can_allocate(seq, seq.num_computed_tokens + num_new):
-            if len(self.running) > 1:
-                victim = self.running[-1]
+            idle = [s for s in self.running if s.seq_id not in busy] if busy else self.running
+            if len(idle) == 1 and len(self.running) > 1 and not seq.spec_token_ids:
+                return -1
+            if len(idle) > 1:
+                victim = idle[-1]
                 self._preempt(victim)
                 out.num_preemptions += 1
                 if victim is seq:
@@ -144,9 +164,10 @@ class Scheduler:
             return 0
         return num_new
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int) -> int:
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, room: int) -> int:
         skipped: list[Sequence] = []
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        limit = self.max_num_seqs * self.micro_batches
+        while self.waiting and budget > 0 and room > 0 and len(self.running) < limit:
             seq = self.waiting[0]
             parent = seq.parent
             if (
@@ -182,6 +203,7 @@ class Scheduler:
             self.running.append(seq)
             out.scheduled.append(self._scheduled(out, seq, num_new))
             budget -= num_new
+            room -= 1
         self.waiting.extendleft(reversed(skipped))
         return budget
 

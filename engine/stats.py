@@ -40,6 +40,7 @@ class EngineStats:
     accepted_per_pos: list[int] = field(default_factory=list)
     peak_kv_slots_allocated: int = 0  # slots in allocated blocks, at the peak
     peak_kv_slots_used: int = 0  # of those, slots holding a token, at the same moment
+    peak_micro_batches_in_flight: int = 0  # pipeline parallelism: most micro-batches in the stages at once
     last_step: StepStats = field(default_factory=StepStats)
 
     def add_step(self, step: StepStats) -> None:

@@ -203,6 +203,11 @@ def _pad(v: torch.Tensor, n: int) -> torch.Tensor:
     return out
 
 
+def int8_column_scale(weight_t: torch.Tensor) -> torch.Tensor:
+    """Symmetric max-abs int8 scale of each output column of an [in, out] weight."""
+    return weight_t.abs().amax(dim=0).clamp_min(1e-12) / 127.0
+
+
 class PackedLinear:
     """``x @ weight_t (+ bias) (+ residual)`` for a fixed [in, out] weight, packed for the native kernel.
 
@@ -210,13 +215,22 @@ class PackedLinear:
     max-abs): a quarter of the bytes, for a quantized draft model. Activations stay float32.
     """
 
-    def __init__(self, weight_t: torch.Tensor, bias: torch.Tensor | None = None, quantize: str | None = None):
+    def __init__(
+        self,
+        weight_t: torch.Tensor,
+        bias: torch.Tensor | None = None,
+        quantize: str | None = None,
+        int8_scale: torch.Tensor | None = None,
+    ):
+        """`int8_scale`: the column scales to quantize with instead of this weight's own max-abs (a
+        tensor-parallel slice of a row-parallel weight keeps the whole weight's scales, so its codes are the
+        unsplit model's)."""
         _check("weight_t", weight_t, dim=2)
         self._lib = _lib_or_raise()
         self.in_features, self.out_features = weight_t.shape
         self.scale = None
         if quantize == "int8":
-            scale = weight_t.abs().amax(dim=0).clamp_min(1e-12) / 127.0
+            scale = int8_column_scale(weight_t) if int8_scale is None else int8_scale
             q = torch.round(weight_t / scale).clamp_(-127, 127).to(torch.int8)
             self.panels, self.scale = pack_panels(q), _pad(scale, self.out_features)
         elif quantize is None:

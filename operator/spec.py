@@ -123,20 +123,19 @@ class ModelSpec(ModelSource):
     cache: ModelCacheSpec = _default_obj(ModelCacheSpec)
 
 
-ONE_SPLIT = (
-    "engine.tensorParallelSize and engine.pipelineParallelSize: one split at a time (one of them must be 1)"
-)
 GPUS_PER_SPLIT = (
     "resources.gpus must be 0 (CPU ranks) or the GPUs of one pod: engine.tensorParallelSize x "
     "engine.pipelineParallelSize / engine.nodes (one GPU per rank)"
 )
 QUANTIZED_SPLIT = (
-    "model.quantization runs in one process: it needs tensorParallelSize and pipelineParallelSize 1"
+    "model.quantization gguf, awq and gptq pack weights in blocks with per-block scales that are "
+    "not sliced by attention head: with them engine.tensorParallelSize must be 1 "
+    "(pipelineParallelSize splits them into stages; int8 splits either way)"
 )
 # Multi-node (a LeaderWorkerSet): pipeline stages spread over the pods of a group, an equal run on each.
 NODES_SPLIT = (
     "engine.nodes > 1 spreads pipeline stages over pods: it needs pipelineParallelSize > 1 and a "
-    "multiple of nodes (tensorParallelSize stays 1)"
+    "multiple of nodes"
 )
 # Prefill/decode roles: the KV connector moves one process's cache, and the router runs both halves.
 DISAGGREGATION_SPLIT = (
@@ -157,7 +156,6 @@ class EngineSpec(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
             "x-kubernetes-validations": [
-                cel("self.tensorParallelSize == 1 || self.pipelineParallelSize == 1", ONE_SPLIT),
                 cel(
                     "self.nodes == 1 || (self.pipelineParallelSize > 1 && self.pipelineParallelSize % self.nodes == 0)",
                     NODES_SPLIT,
@@ -693,8 +691,7 @@ class InferenceServiceSpec(_Spec):
                     GPUS_PER_SPLIT,
                 ),
                 cel(
-                    "self.model.quantization == 'none' || "
-                    "(self.engine.tensorParallelSize == 1 && self.engine.pipelineParallelSize == 1)",
+                    "self.model.quantization in ['none', 'int8'] || self.engine.tensorParallelSize == 1",
                     QUANTIZED_SPLIT,
                 ),
                 cel(
@@ -756,8 +753,6 @@ class InferenceServiceSpec(_Spec):
             self.resources.gpus,
         )
         nodes = self.engine.nodes
-        if tp > 1 and pp > 1:
-            raise ValueError(f"engine.tensorParallelSize={tp}, pipelineParallelSize={pp}: {ONE_SPLIT}")
         if nodes > 1 and (pp == 1 or pp % nodes):
             raise ValueError(f"engine.nodes={nodes} with pipelineParallelSize={pp}: {NODES_SPLIT}")
         if gpus != 0 and gpus * nodes != tp * pp:
@@ -765,7 +760,7 @@ class InferenceServiceSpec(_Spec):
                 f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}, "
                 f"nodes={nodes}: {GPUS_PER_SPLIT}"
             )
-        if self.model.quantization != "none" and tp * pp > 1:
+        if self.model.quantization not in ("none", "int8") and tp > 1:
             raise ValueError(f"model.quantization={self.model.quantization}: {QUANTIZED_SPLIT}")
         if self.disaggregation is not None:
             if tp * pp * nodes > 1:

@@ -40,21 +40,47 @@ class ShardedLlama(LlamaModel):
     def __init__(
         self,
         hf_config,
-        state: dict[str, torch.Tensor],
+        state: dict,
         dtype: torch.dtype,
         device: torch.device,
         group: RankGroup,
         native: bool | None = None,
+        quantize: str | None = None,
     ):
-        self.plan = p = shard_plan(hf_config, group.size, group.rank)
+        self.plan = p = shard_plan(hf_config, group.tp_size, group.tp_rank)
+        self.split_tensors = group.tp_size > 1  # one rank per stage: the layers run whole, no collectives
+        if self.split_tensors and quantize not in (None, "int8"):
+            raise ValueError(
+                f"quantization={quantize!r} with tensor_parallel_size={group.tp_size}: its packed "
+                "blocks are not sliced by head or MLP row; use pipeline_parallel_size to split it"
+            )
         head_dim = LlamaArgs.from_hf(hf_config).head_dim
-        super().__init__(rank_config(hf_config, p), shard_state(state, p, head_dim), dtype, device, native)
+        local = shard_state(state, p, head_dim) if self.split_tensors else state
+        super().__init__(rank_config(hf_config, p), local, dtype, device, native, quantize)
         self.group = group
         self.vocab_size = hf_config.vocab_size
         self.args = replace(self.args, vocab_size=self.vocab_size)  # the runner sees gathered logits
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers if self.split_tensors else ()):
             layer.reduce = group.all_reduce
-            layer.owns_residual = group.rank == 0
+            layer.owns_residual = group.tp_rank == 0
+            if quantize == "int8" and self.ops.native:
+                self._whole_int8_scales(layer, i, state, local)
+
+    def _whole_int8_scales(self, layer, index: int, state: dict, local: dict) -> None:
+        """Row-parallel o and down hold a slice of their input columns: quantized with the slice's own
+        max-abs, their codes would differ from the unsplit model's; quantize them with the whole weight's
+        column scales instead, so every rank holds exactly its slice of the unsplit int8 weights."""
+        from specfleet.kernels.cpu_native import PackedLinear, int8_column_scale
+
+        for attr, name in (("o", "self_attn.o_proj.weight"), ("down", "mlp.down_proj.weight")):
+            key = next(k for k in (f"model.layers.{index}.{name}", f"layers.{index}.{name}") if k in state)
+            whole = state[key].to(self.dtype)
+            sliced = local[key].to(device=self.device, dtype=self.dtype)
+            setattr(
+                layer,
+                attr,
+                PackedLinear(sliced.t(), quantize="int8", int8_scale=int8_column_scale(whole.t())),
+            )
 
     def describe(self) -> str:
         return (
@@ -63,6 +89,8 @@ class ShardedLlama(LlamaModel):
         )
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if not self.split_tensors:
+            return super().embed_tokens(input_ids)
         start = self.plan.vocab.start
         local = input_ids - start
         mine = (local >= 0) & (local < self.plan.vocab_shard)
@@ -71,4 +99,6 @@ class ShardedLlama(LlamaModel):
         return self.group.all_reduce(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if not self.split_tensors:
+            return super().logits(hidden)
         return self.group.all_gather_last(super().logits(hidden))[:, : self.vocab_size]

@@ -1,8 +1,8 @@
 """Processes of a split model: rank 0 is the engine's own process, ranks 1.. are workers it spawns.
 
-A model is split either by tensor parallelism (`ShardedLlama`: every rank holds a slice of every layer)
-or by pipeline parallelism (`StageLlama`: every rank holds a run of layers); both at once is not
-supported yet. The engine's scheduler runs once, on rank 0. `SplitModel` stands where the runner expects
+A model is split by tensor parallelism (`ShardedLlama`: every rank holds a slice of every layer), by
+pipeline parallelism (`StageLlama`: every stage holds a run of layers), or both (each stage's run of
+layers sliced over its own ranks). The engine's scheduler runs once, on rank 0. `SplitModel` stands where the runner expects
 a model: each `forward` call (and with tensor parallelism each `logits` call) is sent to every worker over
 a pipe (the step's ids, positions and attention metadata, a few KB), then run on rank 0's own part; the
 communication inside the forward pass meets the workers' identical calls. Each rank keeps its own paged KV cache with its KV heads, allocated on the
@@ -53,30 +53,34 @@ def _threads_per_rank(size: int) -> int:
 
 def _load_part(
     model_path: str,
-    split: str,
     dtype: torch.dtype,
     device: torch.device,
     group: RankGroup,
     native: bool | None,
+    quantization: str | None,
+    gguf: str | None,
 ) -> ShardedLlama | StageLlama:
-    """The rank's part of the checkpoint: a tensor-parallel slice or a pipeline stage."""
+    """The rank's part of the checkpoint: a tensor-parallel slice, a pipeline stage, or a stage's slice."""
     from pathlib import Path
 
-    from specfleet.engine.model_loader import load_hf_config, load_state_dict
+    from specfleet.engine.loader import checkpoint_state
+    from specfleet.engine.model_loader import load_hf_config
 
-    path = Path(model_path)
-    cls = ShardedLlama if split == "tensor" else StageLlama
-    return cls(load_hf_config(path), load_state_dict(path), dtype, device, group, native)
+    path, hf_config = Path(model_path), load_hf_config(Path(model_path))
+    state = checkpoint_state(path, Path(gguf) if gguf else None, hf_config, quantization)
+    cls = StageLlama if group.stages > 1 else ShardedLlama
+    return cls(hf_config, state, dtype, device, group, native, quantization)
 
 
 def _worker_main(
     rank: int,
     address: GroupAddress,
     model_path: str,
-    split: str,
     dtype: torch.dtype,
     device_type: str,
     native: bool | None,
+    quantization: str | None,
+    gguf: str | None,
     conn: multiprocessing.connection.Connection,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
@@ -85,7 +89,7 @@ def _worker_main(
     if device.type == "cuda":
         torch.cuda.set_device(device)
     group = RankGroup(address, rank)
-    model = _load_part(model_path, split, dtype, device, group, native)
+    model = _load_part(model_path, dtype, device, group, native, quantization, gguf)
     conn.send(("ready", rank))
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     attn = None
@@ -137,25 +141,28 @@ def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
 class SplitModel:
     """Rank 0's model: its own part, and the workers driven in lockstep with it.
 
-    split: "tensor" (tensor parallelism over `size` ranks) or "pipeline" (`size` stages)."""
+    `tp` ranks per stage (tensor parallelism), `pp` stages (pipeline parallelism), `tp * pp` processes."""
 
     def __init__(
         self,
         model_path: str,
-        split: str,
-        size: int,
+        tp: int,
+        pp: int,
         dtype: torch.dtype,
         device: torch.device,
         native: bool | None = None,
+        quantization: str | None = None,
+        gguf: str | None = None,
     ):
-        if split not in ("tensor", "pipeline"):
-            raise ValueError(f"split={split!r} is not 'tensor' or 'pipeline'")
+        size = tp * pp
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
-                f"{split}_parallel_size={size} needs {size} CUDA devices; {torch.cuda.device_count()} visible"
+                f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {size} CUDA devices; "
+                f"{torch.cuda.device_count()} visible"
             )
-        self.split = split
-        address = GroupAddress("127.0.0.1", _free_port(), size, backend_for(device))
+        self.tp, self.pp = tp, pp
+        self.split = "tensor" if pp == 1 else "pipeline" if tp == 1 else "tensor-and-pipeline"
+        address = GroupAddress("127.0.0.1", _free_port(), size, backend_for(device), tp)
         ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []
@@ -165,7 +172,7 @@ class SplitModel:
                 target=_worker_main,
                 name=f"specfleet-tp-rank{rank}",
                 daemon=True,
-                args=(rank, address, model_path, split, dtype, device.type, native, theirs),
+                args=(rank, address, model_path, dtype, device.type, native, quantization, gguf, theirs),
             )
             proc.start()
             theirs.close()
@@ -174,7 +181,7 @@ class SplitModel:
         if device.type == "cuda":
             device = torch.device("cuda", 0)
         self.group = RankGroup(address, 0)
-        self.local = _load_part(model_path, split, dtype, device, self.group, native)
+        self.local = _load_part(model_path, dtype, device, self.group, native, quantization, gguf)
         for rank, conn in enumerate(self._conns, start=1):
             if not conn.poll(STARTUP_TIMEOUT_S):
                 raise WorkerDied(self._death(f"rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f}s"))
@@ -182,15 +189,16 @@ class SplitModel:
         self.args, self.embed = self.local.args, self.local.embed
         self.dtype, self.device = self.local.dtype, self.local.device
         log.info(
-            "event=split_model_ready split=%s size=%d backend=%s rank0=%s",
-            split,
-            size,
+            "event=split_model_ready tp=%d pp=%d backend=%s rank0=%s",
+            tp,
+            pp,
             address.backend,
             self.local.describe(),
         )
 
-    def _send(self, message: tuple) -> None:
-        for conn in self._conns:
+    def _send(self, message: tuple, ranks: int | None = None) -> None:
+        """To every worker, or to ranks 1..ranks-1 only."""
+        for conn in self._conns[: None if ranks is None else ranks - 1]:
             try:
                 conn.send(message)
             except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
@@ -214,9 +222,36 @@ class SplitModel:
                 self._death(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
             ) from exc
 
+    @property
+    def pipeline_depth(self) -> int:
+        """How many micro-batches can usefully be in flight at once: one per pipeline stage (tensor
+        parallelism runs every rank on the same batch: one)."""
+        return self.pp
+
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, attn
     ):
+        self._send_step(input_ids, positions, kv_caches, meta, attn)
+        return self._run(self.local.forward, input_ids, positions, kv_caches, meta, attn)
+
+    def launch(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, kv_caches, meta: AttentionMetadata, attn
+    ) -> None:
+        """Pipeline: start a micro-batch through the stages without waiting for its output (`collect`)."""
+        self._send_step(input_ids, positions, kv_caches, meta, attn)
+        self._run(self._stage().launch, input_ids, positions, kv_caches, meta, attn)
+
+    def collect(self, num_tokens: int) -> torch.Tensor:
+        """Pipeline: the hidden states of the oldest micro-batch launched and not collected yet."""
+        return self._run(self._stage().collect, num_tokens)
+
+    def _stage(self) -> StageLlama:
+        assert isinstance(self.local, StageLlama), (
+            "launch/collect need pipeline stages (pipeline_parallel_size > 1)"
+        )
+        return self.local
+
+    def _send_step(self, input_ids, positions, kv_caches, meta: AttentionMetadata, attn) -> None:
         cache = (kv_caches[0][0].shape[0], kv_caches[0][0].shape[1], attn.name)
         self._send(
             (
@@ -227,11 +262,10 @@ class SplitModel:
                 cache,
             )
         )
-        return self._run(self.local.forward, input_ids, positions, kv_caches, meta, attn)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.split == "tensor":  # vocab-parallel lm_head: every rank computes its shard
-            self._send(("logits", hidden.cpu()))
+        if self.tp > 1:  # vocab-parallel lm_head: every rank of stage 0 computes its shard
+            self._send(("logits", hidden.cpu()), ranks=self.tp)
         return self._run(self.local.logits, hidden)
 
     def close(self) -> None:

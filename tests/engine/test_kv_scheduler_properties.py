@@ -128,3 +128,64 @@ def test_trim_frees_rejected_tail_blocks():
     assert kv.num_free_blocks == 5
     kv.trim(s, 5)
     assert len(s.block_table) == 2 and kv.num_free_blocks == 6
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    depth=st.integers(2, 3),
+    num_blocks=st.integers(10, 40),
+    max_seqs=st.integers(1, 6),
+    budget=st.integers(4, 40),
+    prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=8),
+    spec=st.integers(0, 3),
+)
+def test_pipelined_micro_batches_never_touch_sequences_in_flight(
+    seed, depth, num_blocks, max_seqs, budget, prompts, spec
+):
+    # The engine's pipelined step, without a model: up to `depth` micro-batches in flight, the oldest
+    # completed each step. A sequence in flight is never scheduled again, preempted or given new blocks
+    # by another micro-batch, and every request still finishes without a leaked block.
+    from collections import deque
+
+    rng = random.Random(seed)
+    kv = BlockManager(num_blocks, BS, enable_prefix_caching=True)
+    sched = Scheduler(kv, max_seqs, budget, max_model_len=64)
+    sched.micro_batches = depth
+    for i, p in enumerate(prompts):
+        sched.add(Sequence(i, f"r{i}", 0, list(p), len(p), SamplingParams(max_tokens=rng.randint(1, 12))))
+    flight: deque = deque()
+    for _ in range(800):
+        if not sched.has_unfinished() and not flight:
+            break
+        while len(flight) < depth:
+            busy = frozenset(item.seq.seq_id for out, _ in flight for item in out.scheduled)
+            for seq in sched.running:
+                if not seq.in_prefill and spec and seq.seq_id not in busy and not seq.spec_token_ids:
+                    seq.spec_token_ids = [rng.randrange(6) for _ in range(spec)]
+            out = sched.schedule(busy)
+            assert len(out.scheduled) <= max_seqs and len(sched.running) <= max_seqs * depth
+            assert not busy & {item.seq.seq_id for item in out.scheduled}, (
+                "a sequence in flight was scheduled"
+            )
+            if out.empty:
+                break
+            tables = {item.seq.seq_id: list(item.seq.block_table) for item in out.scheduled}
+            flight.append((out, tables))
+        for out, tables in flight:  # nothing in flight lost or changed its blocks
+            for item in out.scheduled:
+                if not item.seq.is_finished:
+                    assert (
+                        item.seq.status.name == "RUNNING" and item.seq.block_table == tables[item.seq.seq_id]
+                    )
+        if flight:
+            out, _ = flight.popleft()
+            _fake_model_step(sched, out, rng)
+        for seq in list(sched.running):
+            if seq.num_output_tokens >= seq.params.max_tokens:
+                sched.finish(seq, "length")
+        if rng.random() < 0.05 and sched.running:
+            sched.finish(rng.choice(sched.running), "abort")  # in flight or not
+        check_invariants(kv, sched)
+    assert not sched.has_unfinished() and not flight, "requests starved"
+    assert kv.num_free_blocks == num_blocks, "blocks leaked after every request finished or aborted"

@@ -185,3 +185,86 @@ def test_kv_transfer_params_are_validated(tiny_llama, prefill):
         Engine(model="bundled://smollm2-135m-instruct", kv_role="middle")
     with pytest.raises(ValueError, match="moves one process's cache"):
         Engine(model="bundled://smollm2-135m-instruct", kv_role="decode", tensor_parallel_size=3)
+
+
+DECODER = """
+import json, sys
+from specfleet.engine.llm_engine import Engine
+from specfleet.engine.sampling_params import SamplingParams
+model, prompt, params = sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3])
+engine = Engine(model=model, kv_role="decode", **json.loads(sys.argv[4]))
+engine.add_request("p", prompt, SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True), params)
+print("pulling", flush=True)
+while engine.has_unfinished_requests():
+    engine.step()
+"""
+
+
+def test_decode_engine_killed_mid_pull_leaks_nothing_on_the_prefill_side(
+    tiny_llama, prefill, reference, monkeypatch
+):
+    # A real decode engine in its own process asks for the blocks; the prefill engine's server thread is
+    # held inside the read of the blocks until that process has been killed (SIGKILL), so the answer goes
+    # to a peer that is gone. The prefill side must end the hold and give every block back; the request is
+    # then retried (a fresh prefill and a decoder in this process) and completes with the aggregated output.
+    import json
+    import subprocess
+    import sys
+    import threading
+
+    from specfleet.engine.kv_transfer import zmq_transport
+
+    prompt = _prompts()[4]
+    prefill.add_request(
+        "p", prompt, SamplingParams(temperature=0.0, max_tokens=1), {"do_remote_decode": True}
+    )
+    outs = []
+    while prefill.has_unfinished_requests():
+        outs += [o for o in prefill.step() if o.finished]
+    params = outs[0].kv_transfer_params
+    assert prefill.kv.num_used_blocks == params["num_blocks"] and prefill.kv_connector.num_holds == 1
+
+    asked, killed, real_read = threading.Event(), threading.Event(), zmq_transport.read_blocks
+
+    def read_after_the_decoder_died(caches, block_ids):
+        asked.set()
+        assert killed.wait(60), "the decoder was not killed"
+        return real_read(caches, block_ids)
+
+    monkeypatch.setattr(zmq_transport, "read_blocks", read_after_the_decoder_died)
+    decoder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            DECODER,
+            tiny_llama,
+            json.dumps(prompt),
+            json.dumps(params),
+            json.dumps(COMMON),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert asked.wait(120), "the decode engine never asked for the blocks"
+        decoder.kill()
+        assert decoder.wait(30) == -9
+    finally:
+        killed.set()
+        if decoder.poll() is None:
+            decoder.kill()
+    monkeypatch.setattr(zmq_transport, "read_blocks", real_read)
+    deadline = time.monotonic() + 5
+    while prefill.kv_connector.num_holds and time.monotonic() < deadline:
+        prefill.poll_kv_transfers()
+        time.sleep(0.01)
+    _assert_no_leaks(prefill)
+
+    decode = _decode(tiny_llama)  # the retry: another prefill and decode of the same request
+    try:
+        (out,) = generate_disaggregated(prefill, decode, [prompt], GREEDY)
+        assert out.outputs[0].token_ids == reference[4]
+        _assert_no_leaks(prefill, decode)
+    finally:
+        decode.close()

@@ -185,3 +185,77 @@ def test_pp2_equals_pp1_under_preemption(tmp_path, bundled_path):
     model = _tiny("qwen2", tmp_path, bundled_path, vocab=49152)
     tight = {"num_kv_blocks": 14, "max_model_len": 48, "max_num_seqs": 3}
     _same(_run(model, 2, split="pipeline", preempts=True, **tight), _run(model, 1, preempts=True, **tight))
+
+
+def test_pp2_keeps_two_micro_batches_in_flight_and_equals_pp1_with_speculation_under_preemption(
+    tmp_path, bundled_path
+):
+    # Overlap (vLLM's virtual engines) splits the sequences over two micro-batches in flight at once: each
+    # sequence's steps, proposals (n-gram) and preemptions must still match one process token for token.
+    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    tight = {
+        "num_kv_blocks": 14,
+        "max_model_len": 48,
+        "max_num_seqs": 3,
+        "speculative_config": {"method": "ngram", "num_speculative_tokens": 2},
+    }
+    prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]
+    one = _run(model, 1, prompts, preempts=True, **tight)
+    llm = LLM(model=model, block_size=4, pipeline_parallel_size=2, **tight)
+    try:
+        outs = [r.outputs[0] for r in llm.generate(prompts, GREEDY)]
+        stats = llm.engine.stats
+        assert stats.peak_micro_batches_in_flight == 2 and stats.num_preemptions > 0
+        assert stats.num_drafts > 0
+        assert llm.engine.kv.num_used_blocks == 0  # every block came back
+    finally:
+        llm.close()
+    _same(
+        ([o.token_ids for o in outs], [[next(iter(lp.values())).logprob for lp in o.logprobs] for o in outs]),
+        one,
+    )
+
+
+def test_pp2_without_overlap_runs_one_micro_batch_at_a_time(tmp_path, bundled_path):
+    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    llm = LLM(model=model, block_size=4, pipeline_parallel_size=2, pipeline_overlap=False)
+    try:
+        outs = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        assert llm.engine.stats.peak_micro_batches_in_flight == 0
+    finally:
+        llm.close()
+    assert outs == _run(model, 1)[0]
+
+
+def test_tp2_x_pp2_on_a_random_model_equals_one_process(tmp_path, bundled_path):
+    # Four ranks: each of two stages holds one layer split over its two ranks (a vocabulary of 49157 pads
+    # the last vocab shard); the stages overlap two micro-batches.
+    model = _tiny("qwen2", tmp_path, bundled_path, vocab=49157)
+    ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
+    _same(_run(model, 2, pipeline_parallel_size=2, **ngram), _run(model, 1))
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
+def test_int8_split_equals_the_unsplit_int8_engine(tp, pp, tmp_path, bundled_path):
+    # Each rank quantizes its part at load; a row-parallel slice keeps the whole weight's column scales, so
+    # the ranks together hold exactly the unsplit int8 codes (only the order of the partial sums differs).
+    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    _same(
+        _run(model, tp, pipeline_parallel_size=pp, quantization="int8"), _run(model, 1, quantization="int8")
+    )
+
+
+def test_gguf_splits_into_pipeline_stages_and_is_refused_under_tensor_parallelism():
+    prompts, params = (
+        ["The capital of France is"],
+        SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0),
+    )
+    gguf = {"quantization": "gguf"}
+    _same(
+        _run("bundled://smollm2-135m-instruct", 2, prompts, params, split="pipeline", **gguf),
+        _run("bundled://smollm2-135m-instruct", 1, prompts, params, **gguf),
+    )
+    with pytest.raises(
+        ValueError, match=r"quantization='gguf' with tensor_parallel_size=3: .*pipeline_parallel_size"
+    ):
+        LLM(model="bundled://smollm2-135m-instruct", quantization="gguf", tensor_parallel_size=3)

@@ -40,8 +40,10 @@ def test_sampling_params_name_the_field(kwargs, words):
             "speculative_disable_by_batch_size=-1 must be an integer >= 0",
         ),
         ({"tensor_parallel_size": 0}, "tensor_parallel_size=0 must be >= 1"),
-        ({"tensor_parallel_size": 2, "pipeline_parallel_size": 2}, "one split at a time"),
-        ({"tensor_parallel_size": 2, "quantization": "int8"}, "it is not split across ranks yet"),
+        (
+            {"tensor_parallel_size": 2, "quantization": "gguf"},
+            "quantization='gguf' with tensor_parallel_size=2",
+        ),
         ({"quantization": "int4"}, "quantization='int4' is not one of"),
         ({"draft_quantization": "int8"}, "draft_quantization needs speculative_method='draft'"),
         (

@@ -167,17 +167,9 @@ INVALID = {
         {"spec.engine.tensorParallelSize": 2, "spec.resources.gpus": 1},
         "resources.gpus must be 0",
     ),
-    "tensor and pipeline at once": (
-        {
-            "spec.engine.tensorParallelSize": 2,
-            "spec.engine.pipelineParallelSize": 2,
-            "spec.resources.gpus": 4,
-        },
-        "one split at a time",
-    ),
-    "quantized and split": (
-        {"spec.engine.pipelineParallelSize": 2, "spec.resources.gpus": 2, "spec.model.quantization": "int8"},
-        "model.quantization runs in one process",
+    "gguf under tensor parallelism": (
+        {"spec.engine.tensorParallelSize": 3, "spec.resources.gpus": 3, "spec.model.quantization": "gguf"},
+        "tensorParallelSize must be 1",
     ),
     "unknown method": ({"spec.speculative.method": "medusa"}, "medusa"),
     "block size not a power of two": ({"spec.engine.blockSize": 24}, "24"),
@@ -323,3 +315,17 @@ def test_crd_and_model_agree_on_cross_field_rules(
     }
     doc = _with(changes)
     assert (admission_errors(doc) == []) == _accepted_by_model(doc)
+
+
+def test_tensor_and_pipeline_parallelism_together_with_int8_are_accepted() -> None:
+    doc = _with(
+        {
+            "spec.engine.tensorParallelSize": 2,
+            "spec.engine.pipelineParallelSize": 2,
+            "spec.resources.gpus": 4,
+            "spec.model.quantization": "int8",
+        }
+    )
+    assert admission_errors(doc) == []
+    engine = load_inference_service(doc).spec.engine
+    assert (engine.tensor_parallel_size, engine.pipeline_parallel_size) == (2, 2)

@@ -122,7 +122,7 @@ def release(params: dict[str, Any]) -> None:
             params.get("transfer_id"),
         )
         return
-    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(RELEASE_TIMEOUT_S * 1000))
     sock.setsockopt(zmq.SNDTIMEO, int(RELEASE_TIMEOUT_S * 1000))

@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from quant_packers import pack_awq, pack_gptq, pack_q4_k
+from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k
 from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels import cpu_native

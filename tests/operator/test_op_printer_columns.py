@@ -6,10 +6,12 @@ from __future__ import annotations
 import re
 
 from isvc_schema_tools import crd_schema, load_crd
+from specfleet.engine.knobs import KNOBS as ENGINE_KNOBS
 from specfleet.operator.status import TuningStatus
 
-# the knobs are the integer fields of the tuning status: a knob added there needs a column
-KNOBS = [name for name, field in TuningStatus.model_fields.items() if field.annotation == int | None]
+# the engine's live knobs (their one declaration), each reported in the tuning status: a knob added there
+# needs a column; the status's other integers (changesThisLoad) are not knobs
+KNOBS = [knob.name for knob in ENGINE_KNOBS]
 
 
 def columns() -> list[dict]:

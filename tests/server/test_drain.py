@@ -59,6 +59,8 @@ def test_cli_flags_map_onto_engine_config() -> None:
 
 
 def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_tokens: int) -> None:
+    """Stream one completion; `first_chunk` is set at its first SSE chunk, or when it ended without one
+    (a refusal or an error), so that a waiter never sits out its timeout on a stream that failed."""
     body = {
         "prompt": SECRET_PROMPT,
         "max_tokens": max_tokens,
@@ -76,6 +78,8 @@ def _stream(url: str, results: list[Any], first_chunk: threading.Event, max_toke
         results.append((resp.status_code, chunks))
     except Exception as exc:  # recorded, asserted below
         results.append((None, [repr(exc)]))
+    finally:
+        first_chunk.set()
 
 
 def _start(tmp_path: Path, *flags: str) -> tuple[subprocess.Popen[bytes], str, Path]:
@@ -96,7 +100,7 @@ def _serve_under_load(tmp_path: Path, drain_timeout: float, max_tokens: int) -> 
         for t in threads:
             t.start()
         for ev in started:
-            assert ev.wait(120), "no stream started"
+            assert ev.wait(120) and all(r[0] == 200 for r in results), f"a stream failed: {results}"
         proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
         while httpx.get(f"{url}/ready", timeout=5).status_code != 503:
@@ -147,16 +151,23 @@ def test_drain_timeout_aborts_what_is_left_and_still_exits_0(tmp_path: Path) -> 
 def test_sigterm_fails_readiness_before_refusing_requests(tmp_path: Path) -> None:
     """The pod's termination order (docs/operator.md, Rollouts): at SIGTERM /ready fails at once, yet a
     request that was routed before the endpoint went is still served during --shutdown-delay; only then do
-    new requests get 503, while the one in flight finishes; exit 0."""
+    new requests get 503, while the one in flight is still streaming; exit 0.
+
+    The in-flight stream asks for far more tokens than any machine decodes in the delay window and the drain
+    timeout then cuts it, so the drain window is open when the late request arrives however fast the host
+    is (with a stream that could finish inside the delay, the server had exited before the late request)."""
     pytest.importorskip("specfleet.engine.llm_engine", reason="the engine core is not in the tree yet")
-    delay = 5.0
-    proc, url, log_path = _start(tmp_path, "--drain-timeout", "60", "--shutdown-delay", str(delay))
+    delay, drain_timeout = 5.0, 3.0
+    room = ("--max-model-len", "4096", "--kv-cache-gib", "0.5")  # for the long stream: ~46 KB of KV a token
+    proc, url, log_path = _start(
+        tmp_path, *room, "--drain-timeout", str(drain_timeout), "--shutdown-delay", str(delay)
+    )
     results: list[Any] = []
     try:
         started = threading.Event()
-        stream = threading.Thread(target=_stream, args=(url, results, started, 160))
+        stream = threading.Thread(target=_stream, args=(url, results, started, 4000))
         stream.start()
-        assert started.wait(120), "the stream did not start"
+        assert started.wait(120) and not results, f"the stream did not start: {results}"
         proc.send_signal(signal.SIGTERM)
         sent = time.monotonic()
         while httpx.get(f"{url}/ready", timeout=5).status_code != 503:
@@ -179,9 +190,11 @@ def test_sigterm_fails_readiness_before_refusing_requests(tmp_path: Path) -> Non
     log_text = log_path.read_text()
     assert code == 0, log_text[-3000:]
     assert results and results[0][0] == 200 and results[0][1][-1] == "[DONE]", results
+    assert '"finish_reason":"abort"' in results[0][1][-2], results[0][1][-3:]
     assert (
         log_text.index("event=shutdown_delay")
         < log_text.index("event=drain_start")
+        < log_text.index("event=drain_timeout aborted=1")
         < log_text.index("event=drain_done")
     )
 

@@ -11,84 +11,44 @@ request); kopf posts Events itself.
 
 from __future__ import annotations
 
-import base64
 import time
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
-from fake_kube import FakeKube, Rbac
+from fake_kube import FakeKube  # tests/ is on sys.path (rootdir conftest)
 from helpers import wait_for
 
-from .conftest import ADMIN_TOKEN
+from .cluster import (
+    AUTH,
+    AUTOTUNED_SPEC,
+    ISVC,
+    SERVICE_LABEL,
+    aim_tuner_at,
+    engine_config,
+    example_service,
+    operator_args,
+    put_pod,
+    put_service,
+)
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).parents[2]
 NS = "team-f"
-ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
-AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
-@pytest.fixture
-def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
-    server = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})).start()  # the chart's RBAC
-    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
-    server.add_namespace(NS)
-    yield server
-    server.stop()
 
 
 def k(url: str) -> int:
-    return httpx.get(f"{url}/admin/config", headers=AUTH, timeout=10).json()["num_speculative_tokens"]
+    return engine_config(url)["num_speculative_tokens"]
 
 
 def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
     engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kopf.testing import KopfRunner
-    from specfleet.tuner import handlers as tuner_handlers
 
-    host, port = engine_url.removeprefix("http://").split(":")
-    monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))
-    monkeypatch.setattr(tuner_handlers, "ADMIN_PORT", int(port))  # the engine serves its admin API beside it
-    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
-    doc["metadata"]["name"] = "frz"
-    doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
-    doc["spec"]["batching"] = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512}
-    doc["spec"]["autotune"] = {
-        "enabled": True,
-        "intervalSeconds": 5,
-        "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 16], "maxNumBatchedTokens": [256, 1024]},
-    }
-    fake_kube.put(*ISVC, NS, doc)
-    token = base64.b64encode(ADMIN_TOKEN.encode()).decode()
-    fake_kube.put(
-        "/api/v1",
-        "secrets",
-        NS,
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "type": "Opaque",
-            "metadata": {"name": "frz-admin", "namespace": NS},
-            "data": {"token": token},
-        },
-    )
-    pod = {
-        "apiVersion": "v1",
-        "kind": "Pod",
-        "metadata": {
-            "name": "frz-0",
-            "namespace": NS,
-            "labels": {"serving.specfleet.io/inferenceservice": "frz"},
-        },
-        "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "False"}]},
-    }
-    fake_kube.put("/api/v1", "pods", NS, pod)
+    host = aim_tuner_at(engine_url, monkeypatch)
+    put_service(fake_kube, NS, example_service("frz", **AUTOTUNED_SPEC))
+    pod = put_pod(fake_kube, NS, "frz-0", {SERVICE_LABEL: "frz"}, host, ready=False)
 
     def events() -> list[tuple[str, str, str]]:
         return [
@@ -118,8 +78,7 @@ def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
             annotations["specfleet.io/tuner-freeze"] = value
         fake_kube.put(*ISVC, NS, obj)
 
-    args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
-    with KopfRunner(args, timeout=150) as runner:
+    with KopfRunner(operator_args(NS), timeout=150) as runner:
         wait_for("TuningStatic while no pod is ready", lambda: "TuningStatic" in reasons(), timeout=40)
         wait_for("Tuned=False/MetricsUnavailable", lambda: tuned().get("reason") == "MetricsUnavailable")
         pod["status"]["conditions"][0]["status"] = "True"

@@ -9,44 +9,31 @@ pushes it again after the pod lost it (as a restarted pod does), and writes `sta
 
 from __future__ import annotations
 
-import base64
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
-from fake_kube import FakeKube, Rbac  # tests/ is on sys.path (rootdir conftest)
+from fake_kube import FakeKube  # tests/ is on sys.path (rootdir conftest)
 from helpers import wait_for
 
+from .cluster import (
+    AUTH,
+    AUTOTUNED_SPEC,
+    ISVC,
+    SERVICE_LABEL,
+    aim_tuner_at,
+    engine_config,
+    engine_set,
+    example_service,
+    operator_args,
+    put_pod,
+    put_service,
+)
 from .conftest import ADMIN_TOKEN
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).parents[2]
 NS = "team-t"
-ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
-AUTH = {"Authorization": f"Bearer {ADMIN_TOKEN}"}
-
-
-@pytest.fixture
-def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
-    server = FakeKube(
-        rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})
-    ).start()  # the chart's RBAC, enforced
-    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
-    server.add_namespace(NS)
-    yield server
-    server.stop()
-
-
-def engine_config(url: str) -> dict[str, int]:
-    return httpx.get(f"{url}/admin/config", headers=AUTH, timeout=10).json()
-
-
-def engine_set(url: str, **values: int) -> None:
-    httpx.patch(f"{url}/admin/config", json=values, headers=AUTH, timeout=10).raise_for_status()
 
 
 def _autotuned_service(
@@ -54,48 +41,10 @@ def _autotuned_service(
 ) -> dict[str, Any]:
     """An autotuned smollm2 (spec k = 3) whose one ready pod is the engine at `engine_url`, and its admin
     Secret; returns the InferenceService."""
-    from specfleet.tuner import handlers as tuner_handlers
-
-    host, port = engine_url.removeprefix("http://").split(":")
-    monkeypatch.setattr(tuner_handlers, "ENGINE_PORT", int(port))  # pods listen on 8000; this one elsewhere
-    monkeypatch.setattr(tuner_handlers, "ADMIN_PORT", int(port))  # ... and serves its admin API beside it
-    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
-    doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 3}
-    doc["spec"]["batching"] = {"maxNumSeqs": 16, "maxNumBatchedTokens": 512}
-    doc["spec"]["autotune"] = {
-        "enabled": True,
-        "intervalSeconds": 5,
-        "bounds": {"numSpeculativeTokens": [0, 6], "maxNumSeqs": [4, 16], "maxNumBatchedTokens": [256, 1024]},
-    }
-    fake_kube.put(*ISVC, NS, doc)
-    token = base64.b64encode(ADMIN_TOKEN.encode()).decode()
-    fake_kube.put(
-        "/api/v1",
-        "secrets",
-        NS,
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "type": "Opaque",
-            "metadata": {"name": "smollm2-admin", "namespace": NS},
-            "data": {"token": token},
-        },
-    )
-    fake_kube.put(
-        "/api/v1",
-        "pods",
-        NS,
-        {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": "smollm2-0",
-                "namespace": NS,
-                "labels": {"serving.specfleet.io/inferenceservice": "smollm2"},
-            },
-            "status": {"podIP": host, "conditions": [{"type": "Ready", "status": "True"}]},
-        },
-    )
+    host = aim_tuner_at(engine_url, monkeypatch)
+    doc = example_service("smollm2", **AUTOTUNED_SPEC)
+    put_service(fake_kube, NS, doc)
+    put_pod(fake_kube, NS, "smollm2-0", {SERVICE_LABEL: "smollm2"}, host, ready=True)
     return doc
 
 
@@ -110,8 +59,7 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
     def tuning() -> dict[str, Any]:
         return ((fake_kube.get(*ISVC, NS, "smollm2") or {}).get("status") or {}).get("tuning") or {}
 
-    args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
-    with KopfRunner(args, timeout=120) as runner:
+    with KopfRunner(operator_args(NS), timeout=120) as runner:
         wait_for(
             "the spec's k pushed to the ready pod",
             lambda: engine_config(engine_url)["num_speculative_tokens"] == 3,
@@ -183,8 +131,7 @@ def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
             and "tuning" in (r.body.get("status") or {})
         )
 
-    args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
-    with KopfRunner(args, timeout=150) as runner:
+    with KopfRunner(operator_args(NS), timeout=150) as runner:
         wait_for(
             "the resumed k pushed",
             lambda: engine_config(engine_url)["num_speculative_tokens"] == 5,

@@ -11,37 +11,23 @@ does. The cold start measured is therefore the relay's delay, not a model load.
 
 from __future__ import annotations
 
-import base64
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-import yaml
-from fake_kube import FakeKube, Rbac  # tests/ is on sys.path (rootdir conftest)
+from fake_kube import FakeKube  # tests/ is on sys.path (rootdir conftest)
 from helpers import free_port, stop_process, wait_for, wait_http_ready
 
-from .conftest import ADMIN_TOKEN
+from .cluster import ISVC, example_service, operator_args, put_pod, put_service
 
 pytestmark = pytest.mark.slow
 
-REPO = Path(__file__).parents[2]
 NS = "team-z"
-ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
-
-
-@pytest.fixture
-def fake_kube(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeKube]:
-    server = FakeKube(rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}})).start()
-    monkeypatch.setenv("KUBECONFIG", str(server.write_kubeconfig(tmp_path / "kubeconfig", NS)))
-    server.add_namespace(NS)
-    yield server
-    server.stop()
 
 
 class Relay:
@@ -92,41 +78,17 @@ def _service(fake_kube: FakeKube, router_port: int, monkeypatch: pytest.MonkeyPa
     monkeypatch.setattr(
         tuner_handlers, "ROUTER_PORT", router_port
     )  # router pods listen on 8000; this one elsewhere
-    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
-    doc["spec"]["replicas"] = 0
-    doc["spec"]["speculative"] = {"method": "ngram", "numSpeculativeTokens": 0}
-    doc["spec"]["autotune"] = {"enabled": True, "intervalSeconds": 5}
-    doc["spec"]["autoscaling"] = {"enabled": True, "minReplicas": 0, "maxReplicas": 2}
-    doc["spec"]["routing"] = {"queueTimeoutSeconds": 120}
-    fake_kube.put(*ISVC, NS, doc)
-    token = base64.b64encode(ADMIN_TOKEN.encode()).decode()
-    fake_kube.put(
-        "/api/v1",
-        "secrets",
-        NS,
-        {
-            "apiVersion": "v1",
-            "kind": "Secret",
-            "type": "Opaque",
-            "metadata": {"name": "smollm2-admin", "namespace": NS},
-            "data": {"token": token},
-        },
+    doc = example_service(
+        "smollm2",
+        replicas=0,
+        speculative={"method": "ngram", "numSpeculativeTokens": 0},
+        autotune={"enabled": True, "intervalSeconds": 5},
+        autoscaling={"enabled": True, "minReplicas": 0, "maxReplicas": 2},
+        routing={"queueTimeoutSeconds": 120},
     )
-    fake_kube.put(
-        "/api/v1",
-        "pods",
-        NS,
-        {  # the router's pod, ready; no engine pod (zero replicas)
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {
-                "name": "smollm2-router-0",
-                "namespace": NS,
-                "labels": router_selector_labels("smollm2"),
-            },
-            "status": {"podIP": "127.0.0.1", "conditions": [{"type": "Ready", "status": "True"}]},
-        },
-    )
+    put_service(fake_kube, NS, doc)
+    # the router's pod, ready; no engine pod (zero replicas)
+    put_pod(fake_kube, NS, "smollm2-router-0", router_selector_labels("smollm2"), "127.0.0.1", ready=True)
 
 
 def test_a_queued_request_scales_from_zero_and_the_cold_start_is_reported(
@@ -171,8 +133,7 @@ def test_a_queued_request_scales_from_zero_and_the_cold_start_is_reported(
     try:
         wait_http_ready(f"http://127.0.0.1:{router_port}/health", router, log)
         sender = threading.Thread(target=client, daemon=True)
-        args = ["run", "--standalone", "--namespace", NS, "-m", "specfleet.operator.handlers"]
-        with KopfRunner(args, timeout=150) as runner:
+        with KopfRunner(operator_args(NS), timeout=150) as runner:
             sender.start()
             scaled = wait_for(
                 "status.autoscaling.replicas = 1",

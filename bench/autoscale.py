@@ -20,9 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specfleet.bench.tune import Phase, run_phase
+from specfleet.bench.tune import Phase, bench_service, bench_spec, run_phase
 from specfleet.fleet.supervisor import LocalFleet
-from specfleet.operator import load_inference_service
 from specfleet.tuner.actuator import AdminActuator
 from specfleet.tuner.loop import Tick
 from specfleet.tuner.types import LiveSettings, TunedConfig
@@ -40,43 +39,16 @@ def phases(args: argparse.Namespace) -> tuple[Phase, ...]:
 
 
 def _isvc(args: argparse.Namespace, autoscaling: bool, replicas: int) -> Any:
-    return load_inference_service(
-        {
-            "apiVersion": "serving.specfleet.io/v1alpha1",
-            "kind": "InferenceService",
-            "metadata": {"name": "bench"},
-            "spec": {
-                "model": {
-                    "source": "bundled://smollm2-135m-instruct",
-                    "dtype": "float32",
-                    "maxModelLen": 1024,
-                },
-                "engine": {"drainTimeoutSeconds": 5},
-                "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 1024},
-                "speculative": {"method": "ngram", "numSpeculativeTokens": 0},
-                "replicas": replicas,
-                "resources": {"gpus": 0},
-                "slo": {"ttftP95Ms": args.ttft_ms, "tpotP95Ms": args.tpot_ms},
-                "routing": {"policy": "least-loaded"},
-                "autotune": {
-                    "enabled": autoscaling,
-                    "intervalSeconds": 5,
-                    "bounds": {
-                        "numSpeculativeTokens": [0, 6],
-                        "maxNumSeqs": [4, 64],
-                        "maxNumBatchedTokens": [256, 2048],
-                    },
-                },
-                "autoscaling": {
-                    "enabled": autoscaling,
-                    "minReplicas": 1,
-                    "maxReplicas": 2,
-                    "scaleDownStabilizationSeconds": args.scale_down_window,
-                    "cooldownSeconds": args.cooldown,
-                },
-            },
-        }
-    )
+    spec = bench_spec(args, {"method": "ngram", "numSpeculativeTokens": 0}, replicas, autotune=autoscaling)
+    spec["routing"] = {"policy": "least-loaded"}
+    spec["autoscaling"] = {
+        "enabled": autoscaling,
+        "minReplicas": 1,
+        "maxReplicas": 2,
+        "scaleDownStabilizationSeconds": args.scale_down_window,
+        "cooldownSeconds": args.cooldown,
+    }
+    return bench_service(spec)
 
 
 class ReplicaMeter:

@@ -67,38 +67,48 @@ def _speculative(method: str) -> dict[str, Any]:
     return {"method": method, "numSpeculativeTokens": 0}
 
 
-def _isvc(args: argparse.Namespace) -> Any:
-    if args.file:
-        return load_inference_service(args.file)
+def bench_spec(
+    args: argparse.Namespace, speculative: dict[str, Any], replicas: int, autotune: bool = True
+) -> dict[str, Any]:
+    """The InferenceService spec the fleet benchmarks share: the bundled model at fp32, batch limits with
+    room for the grid's largest static config, the SLO from the command line, the tuner every 5 s within
+    the grid's bounds."""
+    return {
+        "model": {"source": "bundled://smollm2-135m-instruct", "dtype": "float32", "maxModelLen": 1024},
+        "engine": {"drainTimeoutSeconds": 5},
+        "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 1024},
+        "speculative": speculative,
+        "replicas": replicas,
+        "resources": {"gpus": 0},
+        "slo": {"ttftP95Ms": args.ttft_ms, "tpotP95Ms": args.tpot_ms},
+        "autotune": {
+            "enabled": autotune,
+            "intervalSeconds": 5,
+            "bounds": {
+                "numSpeculativeTokens": [0, 6],
+                "maxNumSeqs": [4, 64],
+                "maxNumBatchedTokens": [256, 2048],
+            },
+        },
+    }
+
+
+def bench_service(spec: dict[str, Any]) -> Any:
+    """`spec` as the InferenceService named "bench"."""
     return load_inference_service(
         {
             "apiVersion": "serving.specfleet.io/v1alpha1",
             "kind": "InferenceService",
             "metadata": {"name": "bench"},
-            "spec": {
-                "model": {
-                    "source": "bundled://smollm2-135m-instruct",
-                    "dtype": "float32",
-                    "maxModelLen": 1024,
-                },
-                "engine": {"drainTimeoutSeconds": 5},
-                "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 1024},
-                "speculative": _speculative(args.method),
-                "replicas": args.replicas,
-                "resources": {"gpus": 0},
-                "slo": {"ttftP95Ms": args.ttft_ms, "tpotP95Ms": args.tpot_ms},
-                "autotune": {
-                    "enabled": True,
-                    "intervalSeconds": 5,
-                    "bounds": {
-                        "numSpeculativeTokens": [0, 6],
-                        "maxNumSeqs": [4, 64],
-                        "maxNumBatchedTokens": [256, 2048],
-                    },
-                },
-            },
+            "spec": spec,
         }
     )
+
+
+def _isvc(args: argparse.Namespace) -> Any:
+    if args.file:
+        return load_inference_service(args.file)
+    return bench_service(bench_spec(args, _speculative(args.method), args.replicas))
 
 
 async def _one(client: httpx.AsyncClient, url: str, phase: Phase, i: int) -> tuple[float, float, int] | None:

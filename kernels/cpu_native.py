@@ -19,6 +19,7 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -352,8 +353,13 @@ class QuantLinear:
         self.out_features, self.in_features = weight.shape
         self.group_size, self.bits, self.fmt = weight.group_size, weight.bits, weight.fmt
         self.activations = activations if dot_supported(weight) else "float32"
+        # One call shape for the three kernels: (x, rows, K, ldx, codes, scales, mins, half, group, N, bias,
+        # residual, ldr, y, ldy, threads); the int8-activation kernel also takes the code width after ldx.
+        self._kernel: Callable[..., None]
         if self.activations == "int8":
             self.codes, self.scales, self.mins = pack_dot_panels(weight)
+            qdot, is_q4 = self._lib.sf_linear_qdot, int(weight.bits == 4)
+            self._kernel = lambda x, rows, k, ldx, *rest: qdot(x, rows, k, ldx, is_q4, *rest)
         else:
             self.codes, self.scales, self.mins = pack_quant_panels(weight)
             self._kernel = self._lib.sf_linear_q4 if weight.bits == 4 else self._lib.sf_linear_q8g
@@ -378,45 +384,24 @@ class QuantLinear:
         half = int(self.scales.dtype == torch.float16)
         bias = None if self.bias is None else self.bias.data_ptr()
         res = None if residual is None else residual.data_ptr()
-        if self.activations == "int8":
-            self._lib.sf_linear_qdot(
-                x.data_ptr(),
-                rows,
-                self.in_features,
-                ldx,
-                int(self.bits == 4),
-                self.codes.data_ptr(),
-                self.scales.data_ptr(),
-                mins,
-                half,
-                self.group_size,
-                self.out_features,
-                bias,
-                res,
-                ldr,
-                y.data_ptr(),
-                self.out_features,
-                num_threads(),
-            )
-        else:
-            self._kernel(
-                x.data_ptr(),
-                rows,
-                self.in_features,
-                ldx,
-                self.codes.data_ptr(),
-                self.scales.data_ptr(),
-                mins,
-                half,
-                self.group_size,
-                self.out_features,
-                bias,
-                res,
-                ldr,
-                y.data_ptr(),
-                self.out_features,
-                num_threads(),
-            )
+        self._kernel(
+            x.data_ptr(),
+            rows,
+            self.in_features,
+            ldx,
+            self.codes.data_ptr(),
+            self.scales.data_ptr(),
+            mins,
+            half,
+            self.group_size,
+            self.out_features,
+            bias,
+            res,
+            ldr,
+            y.data_ptr(),
+            self.out_features,
+            num_threads(),
+        )
         return y
 
 

@@ -14,9 +14,9 @@ decode engine too. A client that leaves while the prefill runs, or a decode engi
 gets its hold released at once (not after the prefill engine's hold timeout). A decode engine whose pull
 fails recomputes the prompt itself.
 
-The hold release speaks the KV connector's ZeroMQ request (engine/kv_transfer/wire.py is the engine's side
-of the same message; the router imports nothing of the engine). pyzmq comes with the engine's install; a
-router without it logs and leaves the hold to its timeout.
+The hold release is the KV connector's own ZeroMQ request (engine/kv_transfer/wire.py: plain Python and
+pyzmq, no torch, the one module of the engine the router imports, and only here). pyzmq comes with the
+engine's install; a router without it logs and leaves the hold to its timeout.
 """
 
 from __future__ import annotations
@@ -113,24 +113,15 @@ def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
 
 def release(params: dict[str, Any]) -> None:
     """The decode engine will not take the KV (the client left, or the decode engine is gone): the prefill
-    engine drops its hold now. Same message as engine/kv_transfer/wire.py's release_hold."""
-    try:
-        import zmq  # with the engine's install; the router's image has it only where disaggregation runs
-    except ImportError:
-        logger.warning(
-            "event=kv_release_skipped transfer_id=%s error='pyzmq is not installed'",
-            params.get("transfer_id"),
-        )
+    engine drops its hold now."""
+    try:  # pyzmq: with the engine's install; the router's image has it only where disaggregation runs
+        from specfleet.engine.kv_transfer.wire import KVTransferParams, release_hold
+    except ImportError as error:
+        logger.warning("event=kv_release_skipped transfer_id=%s error=%r", params.get("transfer_id"), error)
         return
-    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.REQ)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.setsockopt(zmq.RCVTIMEO, int(RELEASE_TIMEOUT_S * 1000))
-    sock.setsockopt(zmq.SNDTIMEO, int(RELEASE_TIMEOUT_S * 1000))
     try:
-        sock.connect(f"tcp://{params['remote_host']}:{int(params['remote_port'])}")
-        sock.send(json.dumps({"transfer_id": params["transfer_id"], "release": True}).encode())
-        sock.recv_multipart()
-    except (zmq.ZMQError, KeyError, ValueError, TypeError) as error:
+        held = KVTransferParams.from_dict(params)
+    except (ValueError, TypeError) as error:
         logger.warning("event=kv_release_failed transfer_id=%s error=%r", params.get("transfer_id"), error)
-    finally:
-        sock.close(linger=0)
+        return
+    release_hold(held, RELEASE_TIMEOUT_S)

@@ -1,6 +1,5 @@
-"""The ZeroMQ request side of the KV transport, without torch: a decode engine's pulls and releases go
-through it. The router sends the same release message itself (router/disaggregation.py), since it imports
-nothing of the engine."""
+"""The ZeroMQ request side of the KV transport, without torch: a decode engine's pulls and releases, and the
+router's releases (router/disaggregation.py, the one engine module the router imports), go through it."""
 
 from __future__ import annotations
 
@@ -11,6 +10,8 @@ import zmq
 from specfleet.engine.kv_transfer.base import KVTransferError, KVTransferParams
 
 log = logging.getLogger("specfleet.engine.kv_transfer")
+
+__all__ = ["KVTransferError", "KVTransferParams", "release_hold"]
 
 
 def _request(params: KVTransferParams, message: dict, timeout_s: float) -> list[bytes]:
@@ -26,6 +27,8 @@ def _request(params: KVTransferParams, message: dict, timeout_s: float) -> list[
         raise KVTransferError(
             f"prefill engine at {params.remote_host}:{params.remote_port} did not answer within {timeout_s}s"
         ) from exc
+    except zmq.ZMQError as exc:  # an address that does not resolve, a context being torn down
+        raise KVTransferError(f"prefill engine at {params.remote_host}:{params.remote_port}: {exc}") from exc
     finally:
         sock.close(linger=0)
 

@@ -82,6 +82,7 @@ def figures(summary: dict[str, Any]) -> dict[str, Any]:
         "ttft_p50_ms": None if summary["p50_ttft_ms"] is None else round(summary["p50_ttft_ms"], 2),
         "completed": summary["completed"],
         "failed": summary["failed"],
+        **({"errors": summary["errors"]} if summary.get("errors") else {}),
     }
 
 
@@ -123,11 +124,21 @@ async def _wait_ready(url: str, path: str, proc: subprocess.Popen, timeout_s: fl
             await asyncio.sleep(0.5)
 
 
-async def measure(
-    url: str, model: str, quick: bool, concurrency: tuple[int, ...]
-) -> dict[int, dict[str, Any]]:
+async def served_model(url: str) -> str:
+    """The model id the server answers to (`/v1/models`, as an OpenAI client finds it): specfleet serves
+    `bundled://smollm2-135m-instruct` as `smollm2-135m-instruct` and refuses other names with a 404."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        response = await client.get(f"{url}/v1/models")
+        response.raise_for_status()
+        return str(response.json()["data"][0]["id"])
+
+
+async def measure(url: str, quick: bool, concurrency: tuple[int, ...]) -> dict[int, dict[str, Any]]:
     """One warm-up request, then each concurrency in turn against one running server."""
-    await run(client_args(url, 1), model, requests_for(1, True)[:1])
+    model = await served_model(url)
+    warm, _ = await run(client_args(url, 1), model, requests_for(1, True)[:1])
+    if not all(r.ok for r in warm):  # a server that refuses the request refuses all: say why, once
+        raise RuntimeError(f"{url} refused the warm-up request: {warm[0].error}")
     out = {}
     for c in concurrency:
         results, duration = await run(client_args(url, c), model, requests_for(c, quick))
@@ -154,7 +165,6 @@ def bench_server(
     log_dir: Path,
     quick: bool,
     concurrency: tuple[int, ...],
-    model: str,
 ) -> dict[int, dict[str, Any]]:
     url = f"http://127.0.0.1:{port}"
     log = (log_dir / f"{name}.log").open("wb")
@@ -164,7 +174,7 @@ def bench_server(
     )
     try:
         asyncio.run(_wait_ready(url, ready_path, proc, timeout_s=900))
-        return asyncio.run(measure(url, model, quick, concurrency))
+        return asyncio.run(measure(url, quick, concurrency))
     finally:
         _stop(proc)
         log.close()
@@ -211,7 +221,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
 
     if args.llama_cpp_url:  # a llama-server already running (started by hand, or on another port)
-        llama = asyncio.run(measure(args.llama_cpp_url.rstrip("/"), "bundled", args.quick, concurrency))
+        llama = asyncio.run(measure(args.llama_cpp_url.rstrip("/"), args.quick, concurrency))
     else:
         port = free_port()
         llama = bench_server(
@@ -222,7 +232,6 @@ def main(argv: list[str] | None = None) -> int:
             args.log_dir,
             args.quick,
             concurrency,
-            "bundled",
         )
     specfleet = {}
     for name in configs:
@@ -241,9 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             "32",
             *CONFIGS[name],
         ]
-        specfleet[name] = bench_server(
-            name, cmd, "/ready", port, args.log_dir, args.quick, concurrency, args.model
-        )
+        specfleet[name] = bench_server(name, cmd, "/ready", port, args.log_dir, args.quick, concurrency)
     result = {
         "bench": "llamacpp",
         "quick": args.quick,

@@ -58,3 +58,40 @@ def test_bench_serve_forwards_the_comparison_and_checks_its_flags(capsys) -> Non
     with pytest.raises(SystemExit):
         llamacpp.main(["--concurrency", "1,64"])
     assert "each must be in 1..32" in capsys.readouterr().err
+
+
+def test_measure_asks_the_server_for_its_model_and_completes_every_request(server) -> None:
+    """Against a real server (uvicorn over a socket): the client sends the id `/v1/models` gives, not the
+    model flag (a run that sent `bundled://...` got a 404 for every request and reported throughput 0)."""
+    import asyncio
+
+    figures = asyncio.run(llamacpp.measure(server.url, quick=True, concurrency=(2,)))
+    assert figures[2]["failed"] == 0 and "errors" not in figures[2], figures
+    assert figures[2]["completed"] == len(llamacpp.requests_for(2, quick=True))
+    assert figures[2]["throughput_tok_s"] > 0 and figures[2]["tpot_p50_ms"] > 0
+
+
+def test_a_server_that_refuses_the_warm_up_stops_the_run_with_its_answer(serve_app) -> None:
+    """A server that refuses every request is named with its error, not measured as 0 tok/s."""
+    import asyncio
+
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse
+
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    def models() -> dict:
+        return {"object": "list", "data": [{"id": "m", "object": "model"}]}
+
+    @app.post("/v1/chat/completions")
+    def refuse() -> JSONResponse:
+        return JSONResponse({"error": {"message": "no capacity", "code": "busy"}}, status_code=503)
+
+    uv, thread, url = serve_app(app)
+    try:
+        with pytest.raises(RuntimeError, match="refused the warm-up request: .*no capacity"):
+            asyncio.run(llamacpp.measure(url, quick=True, concurrency=(1,)))
+    finally:
+        uv.should_exit = True
+        thread.join(15)

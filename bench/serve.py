@@ -14,6 +14,8 @@ import math
 import random
 import sys
 import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -117,7 +119,7 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, 
     last = start
     chunks = 0
     try:
-        async with client.stream("POST", args.url.rstrip("/") + path, json=body) as resp:
+        async with _stream_reusing_safely(client, args.url.rstrip("/") + path, body) as resp:
             if resp.status_code != 200:
                 result.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return result
@@ -145,6 +147,27 @@ async def send(client: httpx.AsyncClient, args: argparse.Namespace, model: str, 
     except (httpx.HTTPError, json.JSONDecodeError) as exc:
         result.error = f"{type(exc).__name__}: {exc}"
     return result
+
+
+@asynccontextmanager
+async def _stream_reusing_safely(
+    client: httpx.AsyncClient, url: str, body: dict[str, Any]
+) -> AsyncIterator[httpx.Response]:
+    """POST and stream, once more on a fresh connection if a pooled keep-alive connection was closed by the
+    server before it answered anything: llama-server (cpp-httplib) closes each connection after a fixed
+    number of requests, and the client can pick it from the pool just then ("Server disconnected without
+    sending a response"). Nothing was processed, so sending again is safe; a drop after the response
+    started is reported as the request's failure."""
+    for attempt in (1, 2):
+        answered = False
+        try:
+            async with client.stream("POST", url, json=body) as resp:
+                answered = True
+                yield resp
+                return
+        except httpx.RemoteProtocolError as exc:
+            if answered or attempt == 2 or "without sending a response" not in str(exc):
+                raise
 
 
 async def run(args: argparse.Namespace, model: str, mix: list[BenchRequest]) -> tuple[list[Result], float]:

@@ -51,10 +51,21 @@ CONFIGS: dict[str, list[str]] = {
 }
 
 
-def requests_for(concurrency: int, quick: bool) -> list[BenchRequest]:
+PROMPT_SETS = ("mix", "chat", "grounded")
+
+
+def requests_for(concurrency: int, quick: bool, prompts: str = "mix") -> list[BenchRequest]:
     """Prompts for one concurrency: enough for the closed loop to stay full (3 rounds, 2 with --quick), at
-    least 16 (4 with --quick) so that c=1 has a stable median. Chat and grounded prompts interleaved."""
-    pool = [p for pair in zip(chat_prompts(), grounded_prompts()) for p in pair]
+    least 16 (4 with --quick) so that c=1 has a stable median. `prompts`: chat and grounded interleaved
+    (mix), or one set (n-gram's target is stated on the grounded set, whose answers copy their input)."""
+    if prompts not in PROMPT_SETS:
+        raise ValueError(f"prompts={prompts!r} is not one of {PROMPT_SETS}")
+    chat, grounded = chat_prompts(), grounded_prompts()
+    pool = {
+        "mix": [p for pair in zip(chat, grounded) for p in pair],
+        "chat": chat,
+        "grounded": grounded,
+    }[prompts]
     n = max(4 if quick else 16, (2 if quick else 3) * concurrency)
     return [BenchRequest(pool[i % len(pool)], OUTPUT_TOKENS) for i in range(n)]
 
@@ -133,7 +144,9 @@ async def served_model(url: str) -> str:
         return str(response.json()["data"][0]["id"])
 
 
-async def measure(url: str, quick: bool, concurrency: tuple[int, ...]) -> dict[int, dict[str, Any]]:
+async def measure(
+    url: str, quick: bool, concurrency: tuple[int, ...], prompts: str = "mix"
+) -> dict[int, dict[str, Any]]:
     """One warm-up request, then each concurrency in turn against one running server."""
     model = await served_model(url)
     warm, _ = await run(client_args(url, 1), model, requests_for(1, True)[:1])
@@ -141,7 +154,7 @@ async def measure(url: str, quick: bool, concurrency: tuple[int, ...]) -> dict[i
         raise RuntimeError(f"{url} refused the warm-up request: {warm[0].error}")
     out = {}
     for c in concurrency:
-        results, duration = await run(client_args(url, c), model, requests_for(c, quick))
+        results, duration = await run(client_args(url, c), model, requests_for(c, quick, prompts))
         out[c] = figures(summarize(results, duration, {}))
         print(f"  c={c}: {out[c]}", file=sys.stderr, flush=True)
     return out
@@ -165,6 +178,7 @@ def bench_server(
     log_dir: Path,
     quick: bool,
     concurrency: tuple[int, ...],
+    prompts: str,
 ) -> dict[int, dict[str, Any]]:
     url = f"http://127.0.0.1:{port}"
     log = (log_dir / f"{name}.log").open("wb")
@@ -174,7 +188,7 @@ def bench_server(
     )
     try:
         asyncio.run(_wait_ready(url, ready_path, proc, timeout_s=900))
-        return asyncio.run(measure(url, quick, concurrency))
+        return asyncio.run(measure(url, quick, concurrency, prompts))
     finally:
         _stop(proc)
         log.close()
@@ -190,6 +204,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--concurrency", default=",".join(map(str, CONCURRENCY)), help="closed-loop concurrencies"
+    )
+    parser.add_argument(
+        "--prompts",
+        choices=PROMPT_SETS,
+        default="mix",
+        help="chat and grounded prompts interleaved, or one set (the n-gram target: grounded)",
     )
     parser.add_argument(
         "--model",
@@ -221,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
 
     if args.llama_cpp_url:  # a llama-server already running (started by hand, or on another port)
-        llama = asyncio.run(measure(args.llama_cpp_url.rstrip("/"), args.quick, concurrency))
+        llama = asyncio.run(measure(args.llama_cpp_url.rstrip("/"), args.quick, concurrency, args.prompts))
     else:
         port = free_port()
         llama = bench_server(
@@ -232,6 +252,7 @@ def main(argv: list[str] | None = None) -> int:
             args.log_dir,
             args.quick,
             concurrency,
+            args.prompts,
         )
     specfleet = {}
     for name in configs:
@@ -250,10 +271,13 @@ def main(argv: list[str] | None = None) -> int:
             "32",
             *CONFIGS[name],
         ]
-        specfleet[name] = bench_server(name, cmd, "/ready", port, args.log_dir, args.quick, concurrency)
+        specfleet[name] = bench_server(
+            name, cmd, "/ready", port, args.log_dir, args.quick, concurrency, args.prompts
+        )
     result = {
         "bench": "llamacpp",
         "quick": args.quick,
+        "prompts": args.prompts,
         "output_tokens": OUTPUT_TOKENS,
         "concurrency": concurrency,
         "load_avg_before": [round(x, 2) for x in load_before],

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from specfleet.bench import llamacpp, serve
+from specfleet.bench.prompts import grounded_prompts
 
 
 def _fig(throughput: float, tpot: float | None) -> dict:
@@ -48,6 +49,11 @@ def test_prompts_fill_the_closed_loop() -> None:
         assert {r.max_tokens for r in full} == {llamacpp.OUTPUT_TOKENS}
     prompts = [r.prompt for r in llamacpp.requests_for(8, quick=False)]
     assert any(p.startswith("Repeat the following text") for p in prompts)  # grounded prompts for n-gram
+    assert not all(p.startswith("Repeat the following text") for p in prompts)  # and chat ones
+    grounded = {r.prompt for r in llamacpp.requests_for(8, quick=False, prompts="grounded")}
+    assert grounded and grounded <= set(grounded_prompts())
+    with pytest.raises(ValueError, match="prompts='code' is not one of"):
+        llamacpp.requests_for(1, quick=True, prompts="code")
 
 
 def test_bench_serve_forwards_the_comparison_and_checks_its_flags(capsys) -> None:

@@ -34,6 +34,7 @@ def isvc(
     tokens: int = 512,
     tune: bool = False,
     prefix_caching: bool = True,
+    routing: dict | None = None,
 ):
     spec = {
         "model": {"source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
@@ -43,6 +44,7 @@ def isvc(
         "replicas": replicas,
         "resources": {"gpus": 0},
         "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
+        "routing": routing or {},
     }
     if tune:
         spec["autotune"] = {
@@ -167,6 +169,40 @@ def test_router_spreads_load_over_replicas():
     assert min(counts) > 0.35 * len(reqs)
     assert two["p95_tpot_ms"] < one["p95_tpot_ms"]
     assert two["cost"]["replica_seconds"] == pytest.approx(2 * two["duration_s"], rel=1e-3)
+
+
+def test_prefix_routing_keeps_each_group_on_one_engine_where_round_robin_spreads_it():
+    # 16 groups x 16 blocks of shared prefix is 256 blocks: all of the 256 one engine holds (running
+    # sequences need some too), half of it when each group has one home. Round-robin makes both engines
+    # hold every group, so the LRU evicts prefixes that the prefix policy would have kept.
+    reqs = list(
+        Synthetic(
+            rates=((0.0, 4.0),),
+            duration_s=40,
+            prompt=Lengths("uniform", 280, 320),
+            output=Lengths("fixed", 16, 16),
+            prefix_groups=16,
+            prefix_tokens=256,
+            prefix_share=1.0,
+            seed=3,
+        ).requests()
+    )
+    hit = {}
+    for policy in ("round-robin", "prefix"):
+        run = SimFleet(isvc(replicas=2, routing={"policy": policy}), PROFILE).run(reqs)
+        summary = summarize(run, PROFILE, {})
+        assert summary["routing_policy"] == policy and summary["completed"] == len(reqs)
+        assert min(sum(1 for r in run.records if r.engine == e) for e in (0, 1)) > 0.3 * len(reqs)
+        hit[policy] = summary["prefix_cache_hit_rate"]
+    assert hit["prefix"] > hit["round-robin"] + 0.05, hit
+
+
+def test_routing_policy_follows_the_spec_as_the_operator_renders_it():
+    assert SimFleet(isvc(), PROFILE).routing.name == "prefix"  # spec.routing.policy's default
+    assert SimFleet(isvc(routing={"policy": "round-robin"}), PROFILE).routing.name == "round-robin"
+    # no router in front: the Service spreads requests, stood in for by least-loaded (as `specfleet up`)
+    assert SimFleet(isvc(routing={"enabled": False}), PROFILE).routing.name == "least-loaded"
+    assert SimFleet(isvc(), PROFILE, policy="least-loaded").routing.name == "least-loaded"
 
 
 def test_real_tuner_policy_runs_on_simulated_observations():

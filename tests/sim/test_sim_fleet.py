@@ -303,6 +303,8 @@ def test_plan_finds_fewest_replicas_and_writes_a_valid_isvc(tmp_path, capsys):
             "256",
             "--tokens",
             "8192",
+            "--tp",
+            "1",
             "--out",
             str(out),
         ]
@@ -313,6 +315,73 @@ def test_plan_finds_fewest_replicas_and_writes_a_valid_isvc(tmp_path, capsys):
     assert result["runner_up"] is not None
     isvc_doc = load_inference_service(str(out))
     assert isvc_doc.spec.replicas == result["best"]["replicas"] >= 1
+
+
+def test_plan_searches_tensor_parallelism_on_a_roofline_and_writes_a_valid_tp2_isvc(tmp_path, capsys):
+    # Llama-3-8B on an L4 (an estimate): 16 GB of weights at 240 GB/s make every tp=1 step >= 71 ms, past
+    # the 50 ms TPOT SLO at any replica count; two ranks halve the weight reads per GPU
+    out = tmp_path / "planned.yaml"
+    code = plan_main(
+        [
+            "--model",
+            "hf://meta-llama/Llama-3.1-8B-Instruct",
+            "--profile",
+            "roofline:l4",
+            "--workload",
+            "synthetic",
+            "--rate",
+            "4",
+            "--duration",
+            "6",
+            "--prompt-len",
+            "fixed:256",
+            "--output-len",
+            "fixed:32",
+            "--slo",
+            "ttft_p95=1000,tpot_p95=50",
+            "--tp",
+            "1",
+            "2",
+            "--seqs",
+            "16",
+            "32",
+            "--tokens",
+            "2048",
+            "--max-replicas",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["searched"]["tp"] == [1, 2] and result["estimate"] is True
+    assert "plan: tp=1 k=0 seqs=16 tokens=2048 replicas=2" in captured.err  # tp=1 was tried, and missed
+    assert result["best"]["config"].startswith("tp=2 ") and result["best"]["gpus"] == 2
+    assert result["best"]["profile"] == "roofline-llama3-8b-l4-tp2"
+    assert result["runner_up"]["config"].startswith("tp=2 ")
+    planned = load_inference_service(str(out))  # the operator's own model accepts it
+    assert planned.spec.engine.tensor_parallel_size == 2 and planned.spec.resources.gpus == 2
+    assert (tmp_path / "planned-sim" / "timeline.png").stat().st_size > 0
+
+
+def test_plan_refuses_a_tp_the_profile_does_not_cover(capsys):
+    common = ["--model", "hf://org/model", "--workload", "synthetic", "--slo", "ttft_p95=500,tpot_p95=30"]
+    assert plan_main([*common, "--tp", "2"]) == 2  # the bundled CPU profile: measured at tp=1
+    assert "--tp 2: profile cpu-smollm2" in capsys.readouterr().err
+    assert plan_main([*common, "--profile", "roofline:h100-sxm:qwen2.5-7b", "--tp", "8"]) == 2
+    assert "28 attention heads" in capsys.readouterr().err
+
+
+def test_plan_searches_the_tp_degrees_the_profile_covers_by_default(tmp_path, capsys):
+    common = ["--model", "hf://org/model", "--workload", "synthetic", "--rate", "1", "--duration", "3"]
+    common += ["--slo", "ttft_p95=5000,tpot_p95=500", "--seqs", "16", "--tokens", "2048"]
+    for profile, tps in (("roofline:l4", [1, 2, 4, 8]), ("roofline:h100-sxm:llama3-70b:2", [2, 4, 8])):
+        assert plan_main([*common, "--profile", profile, "--out", str(tmp_path / "p.yaml")]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["searched"]["tp"] == tps
+    assert plan_main([*common, "--out", str(tmp_path / "p.yaml")]) == 0  # measured: its own tp
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["searched"]["tp"] == [1]
 
 
 def test_bench_sim_reads_the_machine_speed_from_the_steps_mix():

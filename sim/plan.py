@@ -116,6 +116,15 @@ def fewest_replicas(
     fast: bool,
     log: Any,
 ) -> Found | None:
+    # every token after the first waits at least a lone sequence's decode step: past the TPOT SLO, no
+    # replica count helps (without speculation; accepted proposals put several tokens in one step)
+    floor = profile.step_s(1, streams=1)
+    if c.k == 0 and floor > slo["tpot"]:
+        log(
+            f"plan: {c.short()}: a lone decode step takes {floor * 1000:.1f} ms > the TPOT SLO "
+            f"{slo['tpot'] * 1000:g} ms at any replica count: skipped"
+        )
+        return None
     cache: dict[int, dict[str, Any]] = {}
 
     def at(r: int) -> dict[str, Any]:
@@ -145,6 +154,24 @@ def fewest_replicas(
         else:
             low = mid
     return Found(c, high, at(high))
+
+
+def rank(f: Found) -> tuple[float, ...]:
+    """The cost rule: fewest GPUs held (replicas x tp) over the same workload; between equals the lower
+    TPOT p95, then the lower TTFT p95 (more headroom), then the smaller batch limits (less memory)."""
+    s = f.summary
+    c = f.candidate
+    return (
+        f.replicas * c.tp,
+        s["p95_tpot_ms"] or 0.0,
+        s["p95_ttft_ms"],
+        c.max_num_seqs,
+        c.max_num_batched_tokens,
+    )
+
+
+def predicted(f: Found) -> tuple[float, ...]:
+    return (f.replicas * f.candidate.tp, *rank(f)[1:3])
 
 
 def parse_slo(text: str) -> dict[str, float]:
@@ -272,10 +299,12 @@ def main(argv: list[str] | None = None) -> int:
             f"specfleet plan: no config meets {args.slo} within {args.max_replicas} replicas", file=sys.stderr
         )
         return 1
-    # cost: GPUs held over the same workload; between equals, the lower TPOT p95 (more headroom)
-    found.sort(key=lambda f: (f.replicas * f.candidate.tp, f.summary["p95_tpot_ms"] or 0.0))
+    found.sort(key=rank)
     best = found[0]
-    runner = next((f for f in found[1:] if f.candidate != best.candidate), None)
+    # configs that predict the same as the winner (a batch limit the workload never reaches) are its
+    # equivalents, not a second choice: the runner-up is the next config that predicts something else
+    equivalents = [f for f in found[1:] if predicted(f) == predicted(best)]
+    runner = next((f for f in found[1:] if predicted(f) != predicted(best)), None)
     doc = isvc_for(args.model, best.candidate, best.replicas, args.method, slo, args.max_model_len)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
@@ -306,6 +335,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {
         "best": figures(best),
         "runner_up": figures(runner) if runner else None,
+        "equivalents": [f.candidate.short() for f in equivalents],
         "yaml": args.out,
         "sim_out": str(sim_out),
         "searched": {"tp": tps, "k": ks, "seqs": args.seqs, "tokens": args.tokens},
@@ -313,7 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         "estimate": base.estimate,
     }
     print(
-        f"cheapest: {result['best']}\nrunner-up: {result['runner_up']}\nwrote {args.out} and "
+        f"cheapest: {result['best']}\n"
+        + (f"  predicted the same: {', '.join(result['equivalents'])}\n" if equivalents else "")
+        + f"runner-up: {result['runner_up']}\nwrote {args.out} and "
         f"{sim_out}/timeline.png" + ("\nnote: the profile is an ESTIMATE" if base.estimate else "")
     )
     print(json.dumps(result, separators=(",", ":")))

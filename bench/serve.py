@@ -290,29 +290,47 @@ def plot(results: list[Result], path: Path, title: str) -> None:
     plt.close(fig)
 
 
+def context_tokens(done: list[tuple[Result, BenchRequest]]) -> float:
+    """Tokens of one CONTEXT paragraph on the server's tokenizer, from the usage it reported: the median of
+    (tokens_j - tokens_i) / (n_j - n_i) over requests with the same question and n_i != n_j paragraphs
+    (exact where paragraphs tokenize alike); with no such pair, the run's tokens per character."""
+    by_question: dict[str, list[tuple[int, int]]] = {}
+    for r, req in done:
+        n = req.prompt.count(CONTEXT)
+        by_question.setdefault(req.prompt[n * len(CONTEXT) :], []).append((n, r.prompt_tokens))
+    slopes = [
+        (tb - ta) / (nb - na)
+        for rows in by_question.values()
+        for i, (na, ta) in enumerate(rows)
+        for nb, tb in rows[i + 1 :]
+        if nb != na
+    ]
+    if slopes:
+        return float(np.median(slopes))
+    chars = sum(len(req.prompt) for _, req in done)
+    return len(CONTEXT) * sum(r.prompt_tokens for r, _ in done) / max(chars, 1)
+
+
 def write_trace(results: list[Result], mix: list[BenchRequest], path: str) -> None:
-    """The run as a `specfleet simulate` trace: one JSONL line per completed request. Requests with the same
-    number of context paragraphs share a prefix (the paragraphs); its length in tokens is not known here,
-    so the group is recorded without `prefix_tokens`."""
+    """The run as a `specfleet simulate` trace: one JSONL line per completed request. A prompt with n
+    context paragraphs starts with them, so every such request is in one prefix group (0) with
+    `prefix_tokens` = n paragraphs' tokens (`context_tokens`, rounded down): two of them share the shorter
+    run of paragraphs, in the simulator (a group's shared ids are by position) as on the server. What every
+    prompt shares ahead of the paragraphs (a BOS token, a chat template's header: a block or so) is not
+    recorded."""
     from specfleet.sim.workload import SimRequest, save_trace
 
     done = [(r, req) for r, req in zip(results, mix) if r.ok and r.prompt_tokens and r.output_tokens]
     t0 = min((r.sent_s for r, _ in done), default=0.0)
-    save_trace(
-        sorted(
-            (
-                SimRequest(
-                    round(r.sent_s - t0, 6),
-                    r.prompt_tokens,
-                    r.output_tokens,
-                    req.prompt.count(CONTEXT) or None,
-                )
-                for r, req in done
-            ),
-            key=lambda x: x.arrival_s,
-        ),
-        path,
-    )
+    per_context = context_tokens(done) if done else 0.0
+
+    def request(r: Result, req: BenchRequest) -> SimRequest:
+        n = req.prompt.count(CONTEXT)
+        shared = min(int(per_context * n), r.prompt_tokens - 1)
+        group = 0 if shared > 0 else None
+        return SimRequest(round(r.sent_s - t0, 6), r.prompt_tokens, r.output_tokens, group, max(shared, 0))
+
+    save_trace(sorted((request(r, req) for r, req in done), key=lambda x: x.arrival_s), path)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -350,7 +368,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--trace-out",
         default=None,
         metavar="FILE.jsonl",
-        help="record the run as a simulator trace (arrival, prompt and output tokens; specfleet simulate)",
+        help="record the run as a simulator trace (arrival, prompt and output tokens, the shared context "
+        "paragraphs as a prefix; specfleet simulate)",
     )
     p.add_argument("--no-progress", action="store_true")
     return p

@@ -27,7 +27,7 @@ from aiohttp import web
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.endpoints import EndpointSet
-from specfleet.router.policies import make_policy
+from specfleet.router.policies import service_policy
 from specfleet.router.prefix import BlockHasher, stable_hash
 from specfleet.router.proxy import Router, serve
 from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
@@ -127,11 +127,9 @@ class LocalFleet:
     def __post_init__(self) -> None:
         spec = self.isvc.spec
         routing = spec.routing
-        name = self.policy or (routing.policy if routing.enabled else "least-loaded")
-        options = {"load_factor": routing.load_factor_percent / 100} if name == "prefix" else {}
         self.router = Router(
             EndpointSet(),
-            make_policy(name, **options),
+            service_policy(routing.policy, routing.enabled, routing.load_factor_percent, self.policy),
             BlockHasher(spec.engine.block_size, None, stable_hash(spec.model.source)),
             session_header=routing.session_header or None,
             queue_timeout_s=float(routing.queue_timeout_seconds),

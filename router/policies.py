@@ -189,3 +189,18 @@ def make_policy(name: str, **options: float | int) -> RoutingPolicy:
     if name not in POLICIES:
         raise ValueError(f"routing policy {name!r} is not one of {', '.join(POLICIES)}")
     return POLICIES[name](**options)
+
+
+# With `routing.enabled: false` no router runs: the Service spreads requests over the engines itself. The
+# local fleet and the simulator stand in for that with least-loaded (no prefix affinity, even spread).
+UNROUTED_POLICY = "least-loaded"
+
+
+def service_policy(
+    policy: str, enabled: bool, load_factor_percent: int, override: str | None = None
+) -> RoutingPolicy:
+    """The policy an InferenceService's router runs, from its `spec.routing` (policy, enabled,
+    loadFactorPercent) as the operator renders the router's flags; `override` replaces the policy's name."""
+    name = override or (policy if enabled else UNROUTED_POLICY)
+    options = {"load_factor": load_factor_percent / 100} if name == "prefix" else {}
+    return make_policy(name, **options)

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 from specfleet.operator.inference_service import InvalidInferenceService, load_inference_service
+from specfleet.router.policies import POLICIES
 
 from .fleet import SimFleet
 from .profile import Profile
@@ -111,6 +112,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="a new replica's start-up delay before it is routable (default: the profile's startup_s)",
     )
+    p.add_argument(
+        "--policy",
+        default=None,
+        choices=list(POLICIES),
+        help="routing policy (default: spec.routing.policy; least-loaded with routing disabled)",
+    )
     p.add_argument("--sim-seed", type=int, default=0)
     return p
 
@@ -132,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             accepted_per_pos=acceptance,
             autoscale=args.autoscale,
             startup_s=args.startup_s,
+            policy=args.policy,
         )
     except (InvalidInferenceService, OSError, ValueError) as error:
         print(f"specfleet simulate: {error}", file=sys.stderr)

@@ -1,7 +1,8 @@
 """The fleet over simulated time: arrivals, the router, the engines' steps and the tuner, as one event loop.
 
-Events, in time order: a request arrives (the router's `least-loaded` policy, specfleet.router, least outstanding requests,
-chooses its engine), an engine's step ends (the engine applies it and plans the next), the tuner's
+Events, in time order: a request arrives (the router's policy from `spec.routing`, specfleet.router's
+own code, chooses its engine: prefix affinity over the prompt's chained block hashes, least-loaded or
+round-robin), an engine's step ends (the engine applies it and plans the next), the tuner's
 interval (the real `ServiceTuner.tick`: its `ScrapeSource` reads the simulated engines' snapshots, the
 real `Policy` decides, an actuator sets the engines' live settings as the admin API would). The proxy's
 and the HTTP path's overhead is the profile's `request_overhead_s`, half on the way in, half on the way
@@ -22,7 +23,8 @@ from typing import Any
 from specfleet.engine.knobs import LiveConfig
 from specfleet.operator.inference_service import InferenceService
 from specfleet.router.endpoints import EndpointSet
-from specfleet.router.policies import LeastLoaded, RouteRequest
+from specfleet.router.policies import RouteRequest, service_policy
+from specfleet.router.prefix import chain_hashes, stable_hash, token_blocks
 from specfleet.tuner.actuator import ApplyResult
 from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, replica_params, spec_config
 from specfleet.tuner.policy import Policy
@@ -111,6 +113,7 @@ class SimRun:
     max_replicas: int = 0
     replica_decisions: list[dict[str, Any]] = field(default_factory=list)
     rejected: int = 0  # answered 503: no replica ready within the router's queue timeout
+    routing_policy: str = ""  # the router policy that chose every request's engine
 
 
 class SimFleet:
@@ -130,6 +133,7 @@ class SimFleet:
         accepted_per_pos: tuple[float, ...] = (),
         autoscale: bool | None = None,
         startup_s: float | None = None,
+        policy: str | None = None,
     ) -> None:
         spec = isvc.spec
         self.isvc = isvc
@@ -192,7 +196,10 @@ class SimFleet:
         self.endpoints = EndpointSet()  # the router's, as `specfleet up` runs it
         for _ in range(self.replicas):
             self._add_engine(0.0, ready=True)
-        self.routing = LeastLoaded()
+        routing = spec.routing  # as the operator renders the router (and `specfleet up` runs it)
+        self.routing = service_policy(routing.policy, routing.enabled, routing.load_factor_percent, policy)
+        # the router hashes a prompt's token blocks as the engine's prefix cache does, seeded by the model
+        self._hash_seed = stable_hash(spec.model.source)
         self.tuner: ServiceTuner | None = None
         self.replica_policy: ReplicaPolicy | None = None
         self.replica_decisions: list[ReplicaDecision] = []
@@ -268,7 +275,8 @@ class SimFleet:
         # `EndpointSet.routable()` sorts every endpoint; its result changes only with the set's version (the
         # endpoints' in-flight counts are live in the same objects)
         routable, routable_version = self.endpoints.routable(), self.endpoints.version
-        route = RouteRequest()
+        hashed = self.routing.name == "prefix"  # the other policies never read the hashes
+        block_size = self._engine_args["block_size"]
 
         def start(engine: SimEngine, t: float) -> None:
             nonlocal in_flight
@@ -299,6 +307,13 @@ class SimFleet:
             nonlocal in_flight, routable, routable_version
             if routable_version != self.endpoints.version:  # the router's set, read again on a change
                 routable, routable_version = self.endpoints.routable(), self.endpoints.version
+            route = (
+                RouteRequest(
+                    tuple(chain_hashes(token_blocks(request.prompt_ids(index), block_size), self._hash_seed))
+                )
+                if hashed
+                else RouteRequest()
+            )
             choice = self.routing.choose(route, routable)
             if choice is None:  # no engine ready: the router holds it (scale from zero) or answers 503
                 if self.queue_timeout_s <= 0:
@@ -472,4 +487,5 @@ class SimFleet:
                 if d.changed
             ],
             rejected=self.rejected,
+            routing_policy=self.routing.name,
         )

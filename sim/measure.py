@@ -15,6 +15,8 @@ import sys
 import time
 from dataclasses import dataclass
 
+from specfleet.engine.config import SPECULATIVE_METHODS
+
 from .profile import StepPoint, fit_error, fitted_profile
 
 
@@ -168,7 +170,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--out", required=True, help="profile JSON to write")
     p.add_argument("--model", default="bundled://smollm2-135m-instruct")
-    p.add_argument("--method", default="none", choices=["none", "ngram", "draft"], help="speculative method")
+    p.add_argument("--method", default="none", choices=SPECULATIVE_METHODS, help="speculative method")
     p.add_argument("--draft-model", default=None)
     p.add_argument("--draft-quantization", default=None, choices=["int8"])
     p.add_argument(

@@ -1,10 +1,12 @@
 """`specfleet plan`: the cheapest fleet that meets an SLO on a workload, found by simulation.
 
-For each engine config of the grid (k x max_num_seqs x max_num_batched_tokens, and tensor parallelism
-when the profile is a roofline that can be re-derived for it), the fewest replicas whose simulated TTFT
-p95 and TPOT p95 meet the SLO are found by doubling then bisection (more replicas never hurt latency
-under least-outstanding routing: the search assumes it). Cost is the GPUs held (replicas x tp); the
-cheapest config wins, ties to the better TPOT p95; the runner-up is the next cheapest config.
+For each engine config of the grid (tensor parallelism x k x max_num_seqs x max_num_batched_tokens), the
+fewest replicas whose simulated TTFT p95 and TPOT p95 meet the SLO are found by doubling then bisection
+(more replicas never hurt latency under load-bounded routing: the search assumes it). Tensor parallelism
+is searched over the degrees the profile covers (`roofline.tp_degrees`): a roofline estimate is derived
+again at each degree, a measured profile covers the one it was timed at. Cost is the GPUs held
+(replicas x tp); the cheapest config wins, ties to the better TPOT p95; the runner-up is the next
+cheapest config.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.operator.inference_service import InferenceService, load_inference_service
 
 from .cli import add_workload_args, load_profile, workload_from_args
-from .fleet import SimFleet
+from .fleet import SimFleet, SimRun
 from .profile import Profile
-from .report import summarize
-from .roofline import roofline_profile
+from .report import summarize, write
+from .roofline import at_tp, covers_tp, tp_degrees
 from .workload import SimRequest
 
 
@@ -67,7 +70,8 @@ def isvc_for(
         "metadata": {"name": name},
         "spec": {
             "model": {"source": model, "maxModelLen": max_model_len},
-            "engine": {"tensorParallelSize": 1},
+            # one GPU per rank (spec rule: resources.gpus x nodes = tensorParallelSize x pipelineParallelSize)
+            "engine": {"tensorParallelSize": c.tp},
             "batching": {"maxNumSeqs": c.max_num_seqs, "maxNumBatchedTokens": c.max_num_batched_tokens},
             "speculative": speculative,
             "replicas": replicas,
@@ -77,12 +81,18 @@ def isvc_for(
     }
 
 
+def simulate_run(
+    profile: Profile, isvc_doc: dict[str, Any], requests: list[SimRequest], slo: dict[str, float], fast: bool
+) -> tuple[SimRun, dict[str, Any]]:
+    isvc: InferenceService = load_inference_service(isvc_doc)
+    run = SimFleet(isvc, profile, tune=False, fast=fast).run(requests)
+    return run, summarize(run, profile, slo, isvc.spec.resources.gpus)
+
+
 def simulate(
     profile: Profile, isvc_doc: dict[str, Any], requests: list[SimRequest], slo: dict[str, float], fast: bool
 ) -> dict[str, Any]:
-    isvc: InferenceService = load_inference_service(isvc_doc)
-    run = SimFleet(isvc, profile, tune=False, fast=fast).run(requests)
-    return summarize(run, profile, slo, isvc.spec.resources.gpus)
+    return simulate_run(profile, isvc_doc, requests, slo, fast)[1]
 
 
 def meets(summary: dict[str, Any], slo: dict[str, float]) -> bool:
@@ -106,6 +116,15 @@ def fewest_replicas(
     fast: bool,
     log: Any,
 ) -> Found | None:
+    # every token after the first waits at least a lone sequence's decode step: past the TPOT SLO, no
+    # replica count helps (without speculation; accepted proposals put several tokens in one step)
+    floor = profile.step_s(1, streams=1)
+    if c.k == 0 and floor > slo["tpot"]:
+        log(
+            f"plan: {c.short()}: a lone decode step takes {floor * 1000:.1f} ms > the TPOT SLO "
+            f"{slo['tpot'] * 1000:g} ms at any replica count: skipped"
+        )
+        return None
     cache: dict[int, dict[str, Any]] = {}
 
     def at(r: int) -> dict[str, Any]:
@@ -137,6 +156,24 @@ def fewest_replicas(
     return Found(c, high, at(high))
 
 
+def rank(f: Found) -> tuple[float, ...]:
+    """The cost rule: fewest GPUs held (replicas x tp) over the same workload; between equals the lower
+    TPOT p95, then the lower TTFT p95 (more headroom), then the smaller batch limits (less memory)."""
+    s = f.summary
+    c = f.candidate
+    return (
+        f.replicas * c.tp,
+        s["p95_tpot_ms"] or 0.0,
+        s["p95_ttft_ms"],
+        c.max_num_seqs,
+        c.max_num_batched_tokens,
+    )
+
+
+def predicted(f: Found) -> tuple[float, ...]:
+    return (f.replicas * f.candidate.tp, *rank(f)[1:3])
+
+
 def parse_slo(text: str) -> dict[str, float]:
     out = {}
     for item in text.split(","):
@@ -163,12 +200,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="model source URI for the YAML (e.g. hf://meta-llama/...)")
     p.add_argument(
-        "--profile", default=None, help="profile JSON, or roofline:HARDWARE[:MODEL] (then --tp is searched)"
+        "--profile",
+        default=None,
+        help="profile JSON, or roofline:HARDWARE[:MODEL] (an estimate; then TP is searched)",
     )
     add_workload_args(p)
     p.add_argument("--slo", required=True, help="ttft_p95=MS,tpot_p95=MS")
     p.add_argument(
-        "--method", default="none", choices=["none", "ngram", "draft"], help="speculative method for k > 0"
+        "--method", default="none", choices=SPECULATIVE_METHODS, help="speculative method for k > 0"
     )
     p.add_argument(
         "--ks", type=int, nargs="+", default=None, help="k values (default 0, or 0 2 4 with a method)"
@@ -176,7 +215,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seqs", type=int, nargs="+", default=[32, 64, 128, 256])
     p.add_argument("--tokens", type=int, nargs="+", default=[2048, 8192])
     p.add_argument(
-        "--tp", type=int, nargs="+", default=[1], help="tensor parallel degrees (roofline profiles only)"
+        "--tp",
+        type=int,
+        nargs="+",
+        default=None,
+        help="tensor parallel degrees (default: those the profile covers: a roofline estimate 1 2 4 8 where "
+        "the model splits and fits, a measured profile its own)",
     )
     p.add_argument("--max-replicas", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -184,6 +228,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--exact", action="store_true", help="simulate every step with the scheduler (default: fast mode)"
     )
     p.add_argument("--out", default="planned-isvc.yaml", help="InferenceService YAML to write")
+    p.add_argument(
+        "--sim-out",
+        default=None,
+        help="directory for the cheapest config's simulation (summary.json, requests.jsonl, timeline.png; "
+        "default: the YAML's name with -sim)",
+    )
     return p
 
 
@@ -193,25 +243,38 @@ def main(argv: list[str] | None = None) -> int:
         slo = parse_slo(args.slo)
         base = load_profile(args.profile)
         requests = workload_from_args(args)
-        if len(args.tp) > 1 or args.tp != [1]:
-            if not (args.profile or "").startswith("roofline:"):
-                raise ValueError(
-                    "--tp beyond 1 needs a roofline profile (a measured one covers the TP it was measured at)"
+        tps = sorted(set(args.tp)) if args.tp else list(tp_degrees(base))
+        for tp in tps:
+            problem = covers_tp(base, tp)
+            if problem:
+                raise ValueError(f"--tp {tp}: {problem}")
+        ks = args.ks or ([0, 2, 4] if args.method != "none" else [0])
+        profiles = {tp: at_tp(base, tp) for tp in tps}
+        # every spec rule (parallelism, batching, speculation) checked before the search, not in it
+        for tp in tps:
+            load_inference_service(
+                isvc_for(
+                    args.model,
+                    Candidate(max(ks), min(args.seqs), max(args.tokens), tp),
+                    1,
+                    args.method,
+                    slo,
+                    args.max_model_len,
                 )
+            )
     except (OSError, ValueError) as error:
         print(f"specfleet plan: {error}", file=sys.stderr)
         return 2
-    ks = args.ks or ([0, 2, 4] if args.method != "none" else [0])
+    if profiles[tps[0]].estimate:
+        print(f"note: profile {base.name} is an ESTIMATE ({base.notes})", file=sys.stderr)
 
     def log(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
+    log(f"plan: searching tp={tps} k={ks} seqs={args.seqs} tokens={args.tokens}")
     found: list[Found] = []
-    for tp in args.tp:
-        profile = base
-        if tp != 1:
-            parts = (args.profile or "").split(":")[1:]
-            profile = roofline_profile(parts[0], parts[1] if len(parts) > 1 else "llama3-8b", tp)
+    for tp in tps:
+        profile = profiles[tp]
         for k in ks:
             for seqs in args.seqs:
                 for tokens in args.tokens:
@@ -236,12 +299,24 @@ def main(argv: list[str] | None = None) -> int:
             f"specfleet plan: no config meets {args.slo} within {args.max_replicas} replicas", file=sys.stderr
         )
         return 1
-    # cost: GPUs held over the same workload; between equals, the lower TPOT p95 (more headroom)
-    found.sort(key=lambda f: (f.replicas * f.candidate.tp, f.summary["p95_tpot_ms"] or 0.0))
+    found.sort(key=rank)
     best = found[0]
-    runner = next((f for f in found[1:] if f.candidate != best.candidate), None)
+    # configs that predict the same as the winner (a batch limit the workload never reaches) are its
+    # equivalents, not a second choice: the runner-up is the next config that predicts something else
+    equivalents = [f for f in found[1:] if predicted(f) == predicted(best)]
+    runner = next((f for f in found[1:] if predicted(f) != predicted(best)), None)
     doc = isvc_for(args.model, best.candidate, best.replicas, args.method, slo, args.max_model_len)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(yaml.safe_dump(doc, sort_keys=False))
+    sim_out = Path(args.sim_out or Path(args.out).with_suffix("").as_posix() + "-sim")
+    run, _ = simulate_run(profiles[best.candidate.tp], doc, requests, slo, not args.exact)
+    write(
+        run,
+        best.summary,
+        sim_out,
+        f"plan: {best.replicas} x ({best.candidate.short()}), profile {best.summary['profile']['name']}"
+        + (" (estimate)" if best.summary["profile"]["estimate"] else ""),
+    )
 
     def figures(f: Found) -> dict[str, Any]:
         s = f.summary
@@ -254,18 +329,24 @@ def main(argv: list[str] | None = None) -> int:
             "tpot_p95_ms": round(s["p95_tpot_ms"] or 0.0, 2),
             "throughput_tok_s": round(s["output_throughput"], 1),
             "slo_attainment": round(s["slo_attainment"], 3),
+            "profile": s["profile"]["name"],
         }
 
     result = {
         "best": figures(best),
         "runner_up": figures(runner) if runner else None,
+        "equivalents": [f.candidate.short() for f in equivalents],
         "yaml": args.out,
+        "sim_out": str(sim_out),
+        "searched": {"tp": tps, "k": ks, "seqs": args.seqs, "tokens": args.tokens},
         "profile": base.name,
         "estimate": base.estimate,
     }
     print(
-        f"cheapest: {result['best']}\nrunner-up: {result['runner_up']}\nwrote {args.out}"
-        + ("\nnote: the profile is an ESTIMATE" if base.estimate else "")
+        f"cheapest: {result['best']}\n"
+        + (f"  predicted the same: {', '.join(result['equivalents'])}\n" if equivalents else "")
+        + f"runner-up: {result['runner_up']}\nwrote {args.out} and "
+        f"{sim_out}/timeline.png" + ("\nnote: the profile is an ESTIMATE" if base.estimate else "")
     )
     print(json.dumps(result, separators=(",", ":")))
     return 0

@@ -13,7 +13,9 @@ scheduling and sampling included), since the grid is measured with the engine.
 
 Two kinds: `measured` (`specfleet profile`, least squares over the grid) and `roofline` (an estimate for
 hardware not at hand from memory bandwidth and FLOP/s; labelled `estimate: true` in the file and in every
-report that uses it). A profile also carries the KV capacity in blocks, the speculative acceptance per
+report that uses it). A profile's costs are for one engine of `tp` tensor-parallel ranks: a measured one
+covers the degree it was timed at only; a roofline one keeps the inputs it was derived from
+(`RooflineInputs`), so `sim.roofline.at_tp` derives it again at another degree. A profile also carries the KV capacity in blocks, the speculative acceptance per
 position and the share of steps that carry a proposal, and the front end's per-request overhead.
 """
 
@@ -44,6 +46,17 @@ class StepPoint:
 
 
 @dataclass(frozen=True)
+class RooflineInputs:
+    """What a roofline profile was derived from (table names and assumed shares), to derive it at another TP."""
+
+    hardware: str  # a key of sim.roofline.HARDWARE
+    model: str  # a key of sim.roofline.MODELS
+    bandwidth_efficiency: float
+    flops_efficiency: float
+    step_overhead_s: float
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     kind: str  # measured | roofline
@@ -68,6 +81,8 @@ class Profile:
     model: str = ""
     notes: str = ""
     points: tuple[StepPoint, ...] = field(default=(), repr=False)
+    tp: int = 1  # tensor-parallel ranks of the engine these costs are for (one GPU each)
+    roofline: RooflineInputs | None = None  # a roofline profile's inputs (None: measured, or an older file)
 
     def __post_init__(self) -> None:
         if self.kind not in ("measured", "roofline"):
@@ -91,6 +106,8 @@ class Profile:
             raise ValueError(
                 f"num_kv_blocks={self.num_kv_blocks} and block_size={self.block_size} must be >= 1"
             )
+        if not isinstance(self.tp, int) or self.tp < 1:
+            raise ValueError(f"profile tp={self.tp!r} must be an integer >= 1")
         if not self.startup_s >= 0:
             raise ValueError(f"startup_s={self.startup_s} must be >= 0 seconds")
         if any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos) or not 0.0 <= self.proposal_share <= 1.0:
@@ -145,6 +162,8 @@ class Profile:
             data["knots"] = tuple((float(a), float(b)) for a, b in data["knots"])
             data["points"] = tuple(StepPoint(**p) for p in data.get("points", ()))
             data["accepted_per_pos"] = tuple(float(a) for a in data.get("accepted_per_pos", ()))
+            if data.get("roofline") is not None:
+                data["roofline"] = RooflineInputs(**data["roofline"])
             return cls(**data)
         except (KeyError, TypeError) as error:
             raise ValueError(f"not a specfleet profile: {error}") from None

@@ -86,6 +86,7 @@ def summarize(
     summary["preemptions"] = sum(r["preemptions"] for r in rows)
     prompt = sum(r["prompt_tokens"] for r in rows)
     summary["prefix_cache_hit_rate"] = sum(r["cached_tokens"] for r in rows) / prompt if prompt else 0.0
+    summary["routing_policy"] = run.routing_policy
     replica_seconds = run.replica_seconds
     summary["cost"] = {
         "replica_seconds": round(replica_seconds, 1),

@@ -5,14 +5,16 @@ A decode step reads every weight once (memory-bound) or computes 2 FLOPs per par
 token's K and V. Sustained shares of the datasheet figures (`bandwidth_efficiency`, `flops_efficiency`)
 and a per-step overhead stand in for kernels that are not perfect; they are assumptions, not
 measurements, and the profile says so (`estimate: true`). Tensor parallelism divides weights, FLOPs and
-KV over `tp` devices and adds two all-reduces of the activations per layer over the interconnect.
+KV over `tp` devices (KV heads are replicated where `tp` exceeds them, as the engine's sharding does) and
+adds two all-reduces of the activations per layer over the interconnect. A roofline profile keeps its
+inputs, so `at_tp` derives the same estimate at another degree: the planner searches TP with it.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .profile import DEFAULT_KNOTS, Profile
+from .profile import DEFAULT_KNOTS, Profile, RooflineInputs
 
 
 @dataclass(frozen=True)
@@ -36,13 +38,27 @@ class ModelShape:
     params: float
     layers: int
     hidden: int
+    heads: int
     kv_heads: int
     head_dim: int
+    intermediate: int
     bytes_per_param: float = 2.0
 
     @property
     def kv_bytes_per_token(self) -> float:
         return 2 * self.layers * self.kv_heads * self.head_dim * self.bytes_per_param
+
+    def split_problem(self, tp: int) -> str | None:
+        """Why `tp` ranks cannot split this model, or None: the engine's sharding rule
+        (engine/distributed/sharding.py: heads and MLP width divisible, KV heads a multiple or a divisor)."""
+        problems = []
+        if self.heads % tp:
+            problems.append(f"{self.heads} attention heads")
+        if self.kv_heads % tp and tp % self.kv_heads:
+            problems.append(f"{self.kv_heads} KV heads (neither a multiple nor a divisor of tp)")
+        if self.intermediate % tp:
+            problems.append(f"an MLP width of {self.intermediate}")
+        return f"tp={tp} does not divide {self.name}'s {' and '.join(problems)}" if problems else None
 
 
 # Datasheet figures (NVIDIA product pages: H100 SXM 3.35 TB/s and 989 TFLOP/s dense BF16; H200 4.8 TB/s;
@@ -56,16 +72,19 @@ HARDWARE = {
         Hardware("l4", 300e9, 121e12, 24e9, 32e9),
     )
 }
-# Model cards (config.json): parameters, layers, hidden size, KV heads, head dim.
+# Model cards (config.json): parameters, layers, hidden size, attention heads, KV heads, head dim, MLP width.
 MODELS = {
     m.name: m
     for m in (
-        ModelShape("llama3-8b", 8.03e9, 32, 4096, 8, 128),
-        ModelShape("llama3-70b", 70.6e9, 80, 8192, 8, 128),
-        ModelShape("qwen2.5-7b", 7.6e9, 28, 3584, 4, 128),
-        ModelShape("smollm2-135m", 135e6, 30, 576, 3, 64),
+        ModelShape("llama3-8b", 8.03e9, 32, 4096, 32, 8, 128, 14336),
+        ModelShape("llama3-70b", 70.6e9, 80, 8192, 64, 8, 128, 28672),
+        ModelShape("qwen2.5-7b", 7.6e9, 28, 3584, 28, 4, 128, 18944),
+        ModelShape("smollm2-135m", 135e6, 30, 576, 9, 3, 64, 1536),
     )
 }
+# The degrees the planner tries by default: engine.tensorParallelSize allows 1-8 (one 8-GPU node), and
+# powers of two are the ones the listed models' heads divide.
+TP_DEGREES = (1, 2, 4, 8)
 
 # Assumed sustained shares of the datasheet: decode GEMVs reach ~80% of HBM bandwidth and large GEMMs
 # ~60% of peak FLOP/s in published vLLM/SGLang kernel benchmarks; 4 ms of per-step overhead (scheduling,
@@ -96,6 +115,9 @@ def roofline_profile(
     m = _lookup(MODELS, model, "model")
     if tp < 1:
         raise ValueError(f"tp={tp} must be >= 1")
+    problem = m.split_problem(tp)
+    if problem:
+        raise ValueError(problem)
     bw = hw.bandwidth_bytes_s * bandwidth_efficiency * tp
     fl = hw.flops * flops_efficiency * tp
     weights = m.params * m.bytes_per_param
@@ -105,7 +127,10 @@ def roofline_profile(
             f"{m.name} ({weights / 1e9:.0f} GB of weights) does not fit {tp} x {hw.name} "
             f"({hw.memory_bytes / 1e9:.0f} GB): raise tp"
         )
-    blocks = int(free // (m.kv_bytes_per_token * block_size))
+    # past the KV heads each rank holds whole heads, replicated: each token's KV is stored and read that
+    # many times over
+    kv_bytes = m.kv_bytes_per_token * max(1, tp // m.kv_heads)
+    blocks = int(free // (kv_bytes * block_size))
 
     def allreduce(tokens: float) -> float:  # two per layer, ring: 2 (tp-1)/tp of the activations each way
         if tp == 1:
@@ -124,7 +149,7 @@ def roofline_profile(
         estimate=True,
         knots=knots,
         prefill_s_per_token=2 * m.params / fl + allreduce(1),
-        context_s_per_token=m.kv_bytes_per_token / bw,
+        context_s_per_token=kv_bytes / bw,
         num_kv_blocks=blocks,
         block_size=block_size,
         accepted_per_pos=accepted_per_pos,
@@ -132,11 +157,64 @@ def roofline_profile(
         startup_s=POD_START_S + weights / WEIGHT_LOAD_BYTES_S,
         hardware=f"{tp} x {hw.name}",
         model=m.name,
+        tp=tp,
+        roofline=RooflineInputs(hw.name, m.name, bandwidth_efficiency, flops_efficiency, step_overhead_s),
         notes=(
             f"ESTIMATE from datasheet figures ({hw.bandwidth_bytes_s / 1e12:.2f} TB/s, {hw.flops / 1e12:.0f} "
             f"TFLOP/s) at assumed efficiencies {bandwidth_efficiency:.0%} / {flops_efficiency:.0%} and "
             f"{step_overhead_s * 1e3:.0f} ms per step; not measured"
         ),
+    )
+
+
+def covers_tp(profile: Profile, tp: int) -> str | None:
+    """Why `profile` cannot give step costs at `tp`, or None. A measured profile covers the degree it was
+    timed at; a roofline one (with its inputs) any degree that splits the model and holds its weights."""
+    if tp == profile.tp:
+        return None
+    if profile.roofline is None:
+        return (
+            f"profile {profile.name} ({profile.kind}) covers tp={profile.tp} only: measure one at tp={tp} "
+            "or use a roofline estimate (roofline:HARDWARE[:MODEL])"
+        )
+    try:
+        at_tp(profile, tp)
+    except ValueError as error:
+        return str(error)
+    return None
+
+
+def tp_degrees(profile: Profile) -> tuple[int, ...]:
+    """The degrees a profile covers among TP_DEGREES (a measured profile: its own)."""
+    if profile.roofline is None:
+        return (profile.tp,)
+    return tuple(tp for tp in TP_DEGREES if covers_tp(profile, tp) is None)
+
+
+def at_tp(profile: Profile, tp: int) -> Profile:
+    """The same roofline estimate for an engine of `tp` ranks; what the profile carries beyond the
+    roofline (speculative acceptance, serving overheads, start-up) is kept."""
+    if tp == profile.tp:
+        return profile
+    inputs = profile.roofline
+    if inputs is None:
+        raise ValueError(covers_tp(profile, tp))
+    derived = roofline_profile(
+        inputs.hardware,
+        inputs.model,
+        tp,
+        block_size=profile.block_size,
+        bandwidth_efficiency=inputs.bandwidth_efficiency,
+        flops_efficiency=inputs.flops_efficiency,
+        step_overhead_s=inputs.step_overhead_s,
+    )
+    return derived.with_(
+        accepted_per_pos=profile.accepted_per_pos,
+        proposal_share=profile.proposal_share,
+        request_overhead_s=profile.request_overhead_s,
+        step_overhead_s=profile.step_overhead_s,
+        stream_overhead_s=profile.stream_overhead_s,
+        startup_s=profile.startup_s,
     )
 
 

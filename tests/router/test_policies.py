@@ -152,3 +152,15 @@ def test_prefix_policy_never_exceeds_the_load_cap(n, factor, ops):
         else:
             busy = [e for e in eps if e.outstanding]
             busy[pick % len(busy)].outstanding -= 1
+
+
+def test_service_policy_is_spec_routing_as_the_operator_renders_it_for_the_simulator_and_the_local_fleet():
+    from specfleet.router.policies import service_policy
+
+    prefix = service_policy("prefix", True, 150)
+    assert isinstance(prefix, PrefixAffinity) and prefix.load_factor == 1.5
+    assert service_policy("round-robin", True, 125).name == "round-robin"
+    assert service_policy("prefix", False, 125).name == "least-loaded"  # no router: the Service spreads
+    assert service_policy("prefix", True, 125, override="round-robin").name == "round-robin"
+    with pytest.raises(ValueError, match="is not one of"):
+        service_policy("fastest", True, 125)

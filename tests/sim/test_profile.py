@@ -62,3 +62,33 @@ def test_default_profile_is_the_bundled_models_cpu_costs():
     assert p.kind == "measured" and not p.estimate
     assert p.decode_s(1) == pytest.approx(0.018) and p.decode_s(64) == pytest.approx(0.197)
     assert load_profile("roofline:h100-sxm:llama3-8b:2").hardware == "2 x h100-sxm"
+
+
+def test_a_roofline_profile_covers_the_tp_degrees_its_model_splits_and_fits_a_measured_one_its_own(tmp_path):
+    from specfleet.sim.cli import load_profile
+    from specfleet.sim.roofline import at_tp, covers_tp, tp_degrees
+
+    assert tp_degrees(roofline_profile("h100-sxm", "llama3-8b")) == (1, 2, 4, 8)
+    assert tp_degrees(roofline_profile("h100-sxm", "llama3-70b", tp=2)) == (2, 4, 8)  # 141 GB of weights
+    assert tp_degrees(roofline_profile("h100-sxm", "qwen2.5-7b")) == (1, 2, 4)  # 28 heads: 8 does not divide
+    with pytest.raises(ValueError, match="28 attention heads"):
+        roofline_profile("h100-sxm", "qwen2.5-7b", tp=8)
+    measured = load_profile(None)
+    assert tp_degrees(measured) == (1,) and "covers tp=1 only" in (covers_tp(measured, 2) or "")
+    # derived again from the inputs it keeps (also through its JSON file), with what it carries beyond
+    base = roofline_profile("l4", "llama3-8b").with_(accepted_per_pos=(0.7, 0.5), request_overhead_s=0.01)
+    base.save(tmp_path / "l4.json")
+    two = at_tp(Profile.load(tmp_path / "l4.json"), 2)
+    assert two.tp == 2 and two.estimate and two.kind == "roofline" and "ESTIMATE" in two.notes
+    assert two.decode_s(1) == pytest.approx(roofline_profile("l4", "llama3-8b", tp=2).decode_s(1))
+    assert two.decode_s(1) < base.decode_s(1) and two.num_kv_blocks > 2 * base.num_kv_blocks
+    assert (two.accepted_per_pos, two.request_overhead_s) == ((0.7, 0.5), 0.01)
+
+
+def test_profile_and_plan_offer_the_engines_speculative_methods():
+    from specfleet.engine.config import SPECULATIVE_METHODS
+    from specfleet.sim import measure, plan
+
+    for parser in (measure.build_parser(), plan.build_parser()):
+        (method,) = [a for a in parser._actions if a.dest == "method"]
+        assert method.choices is SPECULATIVE_METHODS  # the one list, not a copy that can drift

@@ -34,6 +34,7 @@ def isvc(
     tokens: int = 512,
     tune: bool = False,
     prefix_caching: bool = True,
+    routing: dict | None = None,
 ):
     spec = {
         "model": {"source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
@@ -43,6 +44,7 @@ def isvc(
         "replicas": replicas,
         "resources": {"gpus": 0},
         "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
+        "routing": routing or {},
     }
     if tune:
         spec["autotune"] = {
@@ -169,6 +171,40 @@ def test_router_spreads_load_over_replicas():
     assert two["cost"]["replica_seconds"] == pytest.approx(2 * two["duration_s"], rel=1e-3)
 
 
+def test_prefix_routing_keeps_each_group_on_one_engine_where_round_robin_spreads_it():
+    # 16 groups x 16 blocks of shared prefix is 256 blocks: all of the 256 one engine holds (running
+    # sequences need some too), half of it when each group has one home. Round-robin makes both engines
+    # hold every group, so the LRU evicts prefixes that the prefix policy would have kept.
+    reqs = list(
+        Synthetic(
+            rates=((0.0, 4.0),),
+            duration_s=40,
+            prompt=Lengths("uniform", 280, 320),
+            output=Lengths("fixed", 16, 16),
+            prefix_groups=16,
+            prefix_tokens=256,
+            prefix_share=1.0,
+            seed=3,
+        ).requests()
+    )
+    hit = {}
+    for policy in ("round-robin", "prefix"):
+        run = SimFleet(isvc(replicas=2, routing={"policy": policy}), PROFILE).run(reqs)
+        summary = summarize(run, PROFILE, {})
+        assert summary["routing_policy"] == policy and summary["completed"] == len(reqs)
+        assert min(sum(1 for r in run.records if r.engine == e) for e in (0, 1)) > 0.3 * len(reqs)
+        hit[policy] = summary["prefix_cache_hit_rate"]
+    assert hit["prefix"] > hit["round-robin"] + 0.05, hit
+
+
+def test_routing_policy_follows_the_spec_as_the_operator_renders_it():
+    assert SimFleet(isvc(), PROFILE).routing.name == "prefix"  # spec.routing.policy's default
+    assert SimFleet(isvc(routing={"policy": "round-robin"}), PROFILE).routing.name == "round-robin"
+    # no router in front: the Service spreads requests, stood in for by least-loaded (as `specfleet up`)
+    assert SimFleet(isvc(routing={"enabled": False}), PROFILE).routing.name == "least-loaded"
+    assert SimFleet(isvc(), PROFILE, policy="least-loaded").routing.name == "least-loaded"
+
+
 def test_real_tuner_policy_runs_on_simulated_observations():
     reqs = list(
         Synthetic(
@@ -263,10 +299,12 @@ def test_plan_finds_fewest_replicas_and_writes_a_valid_isvc(tmp_path, capsys):
             "--slo",
             "ttft_p95=500,tpot_p95=30",
             "--seqs",
-            "64",
+            "16",
             "256",
             "--tokens",
             "8192",
+            "--tp",
+            "1",
             "--out",
             str(out),
         ]
@@ -277,6 +315,74 @@ def test_plan_finds_fewest_replicas_and_writes_a_valid_isvc(tmp_path, capsys):
     assert result["runner_up"] is not None
     isvc_doc = load_inference_service(str(out))
     assert isvc_doc.spec.replicas == result["best"]["replicas"] >= 1
+
+
+def test_plan_searches_tensor_parallelism_on_a_roofline_and_writes_a_valid_tp2_isvc(tmp_path, capsys):
+    # Llama-3-8B on an L4 (an estimate): 16 GB of weights at 240 GB/s make every tp=1 step >= 70.9 ms, past
+    # the 50 ms TPOT SLO at any replica count; two ranks halve the weight reads per GPU
+    out = tmp_path / "planned.yaml"
+    code = plan_main(
+        [
+            "--model",
+            "hf://meta-llama/Llama-3.1-8B-Instruct",
+            "--profile",
+            "roofline:l4",
+            "--workload",
+            "synthetic",
+            "--rate",
+            "4",
+            "--duration",
+            "6",
+            "--prompt-len",
+            "fixed:256",
+            "--output-len",
+            "fixed:32",
+            "--slo",
+            "ttft_p95=1000,tpot_p95=50",
+            "--tp",
+            "1",
+            "2",
+            "--seqs",
+            "16",
+            "32",
+            "--tokens",
+            "2048",
+            "--max-replicas",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
+    assert code == 0
+    captured = capsys.readouterr()
+    result = json.loads(captured.out.strip().splitlines()[-1])
+    assert result["searched"]["tp"] == [1, 2] and result["estimate"] is True
+    assert "plan: tp=1 k=0 seqs=16 tokens=2048: a lone decode step takes 70.9 ms" in captured.err
+    assert result["best"]["config"].startswith("tp=2 ") and result["best"]["gpus"] == 2
+    assert result["best"]["profile"] == "roofline-llama3-8b-l4-tp2"
+    # seqs=16 and 32 predict the same at this load: equivalents, and no second choice is left
+    assert result["equivalents"] == ["tp=2 k=0 seqs=32 tokens=2048"] and result["runner_up"] is None
+    planned = load_inference_service(str(out))  # the operator's own model accepts it
+    assert planned.spec.engine.tensor_parallel_size == 2 and planned.spec.resources.gpus == 2
+    assert (tmp_path / "planned-sim" / "timeline.png").stat().st_size > 0
+
+
+def test_plan_refuses_a_tp_the_profile_does_not_cover(capsys):
+    common = ["--model", "hf://org/model", "--workload", "synthetic", "--slo", "ttft_p95=500,tpot_p95=30"]
+    assert plan_main([*common, "--tp", "2"]) == 2  # the bundled CPU profile: measured at tp=1
+    assert "--tp 2: profile cpu-smollm2" in capsys.readouterr().err
+    assert plan_main([*common, "--profile", "roofline:h100-sxm:qwen2.5-7b", "--tp", "8"]) == 2
+    assert "28 attention heads" in capsys.readouterr().err
+
+
+def test_plan_searches_the_tp_degrees_the_profile_covers_by_default(tmp_path, capsys):
+    common = ["--model", "hf://org/model", "--workload", "synthetic", "--rate", "1", "--duration", "3"]
+    common += ["--slo", "ttft_p95=5000,tpot_p95=500", "--seqs", "16", "--tokens", "2048"]
+    for profile, tps in (("roofline:l4", [1, 2, 4, 8]), ("roofline:h100-sxm:llama3-70b:2", [2, 4, 8])):
+        assert plan_main([*common, "--profile", profile, "--out", str(tmp_path / "p.yaml")]) == 0
+        assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["searched"]["tp"] == tps
+    assert plan_main([*common, "--out", str(tmp_path / "p.yaml")]) == 0  # measured: its own tp
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1])["searched"]["tp"] == [1]
 
 
 def test_bench_sim_reads_the_machine_speed_from_the_steps_mix():

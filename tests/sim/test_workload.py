@@ -84,21 +84,50 @@ def test_lengths_and_rates_parse_or_say_how():
         parse_rates("fast")
 
 
-def test_bench_serve_records_a_trace_the_simulator_reads(tmp_path):
+def test_bench_serve_records_a_trace_whose_shared_paragraphs_hit_the_simulators_prefix_cache(tmp_path):
     from specfleet.bench.serve import CONTEXT, BenchRequest, Result, write_trace
+    from specfleet.operator import load_inference_service
+    from specfleet.sim.fleet import SimFleet
+    from specfleet.sim.profile import Profile
 
-    mix = [BenchRequest(CONTEXT * 2 + "Q1", 8), BenchRequest("Q2", 8), BenchRequest("Q3", 8)]
+    # a server whose tokenizer makes a paragraph 40 tokens and a question 5; the usage is all bench sees
+    mix = [BenchRequest(CONTEXT * n + f"Q{i}", 8) for i, n in enumerate((8, 0, 8, 2, 4))]
+    mix.append(BenchRequest(CONTEXT * 2 + "Q4", 8))  # Q4 again, with 2 paragraphs less: 80 tokens less
+    tokens = [40 * req.prompt.count(CONTEXT) + 5 for req in mix]
     results = [
-        Result(ok=True, output_tokens=8, prompt_tokens=40, sent_s=100.5),
-        Result(ok=True, output_tokens=6, prompt_tokens=5, sent_s=100.0),
-        Result(ok=False, sent_s=100.7),
+        Result(ok=True, output_tokens=8, prompt_tokens=t, sent_s=100.0 + i) for i, t in enumerate(tokens)
     ]
+    results[1] = Result(ok=False, sent_s=101.0)  # failed requests are left out
     write_trace(results, mix, str(tmp_path / "t.jsonl"))
     trace = load_trace(tmp_path / "t.jsonl")
-    assert [(r.arrival_s, r.prompt_tokens, r.output_tokens, r.prefix_group) for r in trace] == [
-        (0.0, 5, 6, None),
-        (0.5, 40, 8, 2),
+    assert [(r.arrival_s, r.prompt_tokens, r.prefix_group, r.prefix_tokens) for r in trace] == [
+        (0.0, 325, 0, 320),
+        (2.0, 325, 0, 320),
+        (3.0, 85, 0, 80),
+        (4.0, 165, 0, 160),
+        (5.0, 85, 0, 80),
     ]
+    # replayed: each request reuses the full blocks of the paragraphs an earlier one left in the cache
+    isvc = load_inference_service(
+        {
+            "apiVersion": "serving.specfleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "t"},
+            "spec": {"model": {"source": "bundled://x"}, "resources": {"gpus": 0}},
+        }
+    )
+    profile = Profile("p", "measured", False, ((1, 0.01),), prefill_s_per_token=1e-4)
+    run = SimFleet(isvc, profile).run(trace)
+    cached = [r.cached_tokens for r in sorted(run.records, key=lambda r: r.index)]
+    assert cached == [0, 320, 80, 160, 80]  # 20, 5, 10 and 5 blocks of 16 tokens
+
+
+def test_bench_serve_estimates_a_paragraphs_tokens_without_repeated_questions():
+    from specfleet.bench.serve import CONTEXT, BenchRequest, Result, context_tokens
+
+    mix = [BenchRequest(CONTEXT * n + q, 8) for n, q in ((1, "Alpha?"), (4, "Beta?"))]
+    done = [(Result(ok=True, prompt_tokens=len(req.prompt) // 4), req) for req in mix]
+    assert context_tokens(done) == pytest.approx(len(CONTEXT) / 4, rel=0.02)  # the run's tokens per char
 
 
 def test_bench_sim_prompts_keep_the_traces_prefix_structure_in_real_token_ids():

@@ -282,7 +282,7 @@ def test_recreate_strategy_rolls_out(smollm2: str, namespace: str) -> None:
 def test_scale_subresource(smollm2: str, namespace: str) -> None:
     kubectl("scale", "isvc", smollm2, "-n", namespace, "--replicas=2")
     wait_for("a PodDisruptionBudget at 2 replicas", lambda: get("pdb", smollm2, namespace), timeout=60)
-    assert get("deployment", smollm2, namespace)["spec"]["replicas"] == 2  # type: ignore[index]
+    assert get("deployment", smollm2, namespace)["spec"]["replicas"] == 2
     # a /scale write bumps the generation; status catches up once the Deployment controller has seen it
     wait_for(
         "status.observedGeneration to follow the scale",

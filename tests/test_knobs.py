@@ -125,7 +125,7 @@ def test_gauges_and_both_tuner_readers_know_every_knob() -> None:
         )
         return [{"metric": {}, "value": [0, str(VALUES[knob.name])]}] if knob else []
 
-    source._query = answer  # type: ignore[method-assign]
+    source._query = answer
     assert asyncio.run(source.observe()).config == searched
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from cluster import RELEASE, kubectl
+from specfleet.fleet.supervisor import free_port  # tests/helpers.py's; tests/ is not on a `pytest e2e` path
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_IMAGE = os.environ.get("SPECFLEET_OPERATOR_IMAGE", "specfleet/operator:e2e")
@@ -114,12 +114,6 @@ def http_status(url: str) -> int | None:
         return error.code
     except OSError:
         return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_ready_status_and_openai_request(smollm2: str, namespace: str) -> None:

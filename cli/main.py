@@ -6,8 +6,6 @@ import argparse
 import importlib
 import sys
 
-from specfleet.engine.config import SPECULATIVE_METHODS
-
 # subcommand -> (module, function taking argv, one-line help)
 COMMANDS = {
     "serve": ("specfleet.engine.server.cli", "main", "run one engine with the OpenAI-compatible API"),
@@ -79,28 +77,32 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def generate_main(argv: list[str]) -> int:
+    from specfleet.engine.args import add_engine_args, engine_config_kwargs
+
     parser = argparse.ArgumentParser(prog="specfleet generate", description="Generate text offline.")
     parser.add_argument("prompts", nargs="+", help="one or more prompts")
-    parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
-    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument(
+        "--seed",
+        dest="sampling_seed",
+        metavar="SEED",
+        type=int,
+        default=None,
+        help="every prompt's sampling seed",
+    )
     parser.add_argument("--raw", action="store_true", help="plain completion instead of the chat template")
-    parser.add_argument("--speculative-method", default="none", choices=SPECULATIVE_METHODS)
-    parser.add_argument("--num-speculative-tokens", type=int, default=0)
-    parser.add_argument("--draft-model", default=None)
+    # `specfleet serve`'s engine flags; `--seed` above is the requests' (the engine's own stays 0).
+    add_engine_args(parser, exclude=("seed",))
     args = parser.parse_args(argv)
 
     from specfleet.engine import LLM, SamplingParams
 
     try:
-        llm = LLM(
-            model=args.model,
-            speculative_method=args.speculative_method,
-            num_speculative_tokens=args.num_speculative_tokens,
-            draft_model=args.draft_model,
+        llm = LLM(**engine_config_kwargs(args))
+        params = SamplingParams(
+            temperature=args.temperature, max_tokens=args.max_tokens, seed=args.sampling_seed
         )
-        params = SamplingParams(temperature=args.temperature, max_tokens=args.max_tokens, seed=args.seed)
         if args.raw:
             results = llm.generate(args.prompts, params)
         else:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import time
 import urllib.error
@@ -21,6 +20,7 @@ from typing import Any
 
 import pytest
 from cluster import RELEASE, kubectl
+from specfleet.fleet.supervisor import free_port  # tests/helpers.py's; tests/ is not on a `pytest e2e` path
 
 REPO = Path(__file__).resolve().parents[1]
 OPERATOR_IMAGE = os.environ.get("SPECFLEET_OPERATOR_IMAGE", "specfleet/operator:e2e")
@@ -114,12 +114,6 @@ def http_status(url: str) -> int | None:
         return error.code
     except OSError:
         return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def test_ready_status_and_openai_request(smollm2: str, namespace: str) -> None:
@@ -282,7 +276,7 @@ def test_recreate_strategy_rolls_out(smollm2: str, namespace: str) -> None:
 def test_scale_subresource(smollm2: str, namespace: str) -> None:
     kubectl("scale", "isvc", smollm2, "-n", namespace, "--replicas=2")
     wait_for("a PodDisruptionBudget at 2 replicas", lambda: get("pdb", smollm2, namespace), timeout=60)
-    assert get("deployment", smollm2, namespace)["spec"]["replicas"] == 2  # type: ignore[index]
+    assert get("deployment", smollm2, namespace)["spec"]["replicas"] == 2
     # a /scale write bumps the generation; status catches up once the Deployment controller has seen it
     wait_for(
         "status.observedGeneration to follow the scale",

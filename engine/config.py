@@ -38,9 +38,10 @@ KV_ROLES = ("prefill", "decode")
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
-    """A field with its help text. `specfleet serve`'s flags are generated from EngineConfig's fields
-    (engine/server/cli.py): `--field-name`, the field's default and type, and these; `cli` may add `choices`,
-    a `flag` spelled otherwise (a bool field then flips its default) and a `cli_default` the CLI resolves."""
+    """A field with its help text. The engine flags (`specfleet serve`, `specfleet generate`) are generated
+    from EngineConfig's fields (engine/args.py): `--field-name`, the field's default and type, and these;
+    `cli` may add `choices`, a `flag` spelled otherwise (a bool field then flips its default) and a
+    `cli_default` the CLI resolves."""
     return field(default=default, metadata={"help": help, **cli})
 
 

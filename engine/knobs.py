@@ -3,7 +3,9 @@
 Everything that names a knob is derived from this declaration: the engine's limits in `update_config`,
 the admin API's body and validation (`server/protocol.py`, `server/admin.py`), the config gauges (`server/metrics.py`), the
 tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`tuner/types.py`), its two readers (PromQL
-in `sources.py`, the direct scrape in `snapshot.py`) and the CRD's `autotune.bounds` (`operator/spec.py`).
+in `sources.py`, the direct scrape in `snapshot.py`), the CRD's `autotune.bounds` (`operator/spec.py`),
+and the flags of the engines that the operator and `specfleet up` start: each searched knob's start value
+(`operator/render/deployment.py`) and its ceiling (`fleet/supervisor.py`).
 `tests/test_knobs.py` walks the declaration and checks that each of them knows every knob.
 
 Two scopes. An engine knob (`ENGINE`, the fields of `LiveConfig`) is set through each engine's admin API
@@ -43,6 +45,9 @@ class Knob:
     # search this knob; a policy rule sets it (`LiveSettings`), or nothing does.
     search: tuple[int, int] | None = None
     spec_path: str | None = None  # where the InferenceService spec holds its start value (searched knobs)
+    # The `EngineConfig` field that sets `ceiling` at start: `specfleet up` passes its flag to cover the
+    # tuner's bounds. Empty for a service knob, whose `ceiling` is a spec field.
+    ceiling_field: str = ""
     scope: str = ENGINE  # ENGINE or SERVICE: who actuates it and who reports it (see the module's docstring)
 
     @property
@@ -75,11 +80,11 @@ def _declare(
     default: int | Any = MISSING,
     search: tuple[int, int] | None = None,
     spec_path: str | None = None,
+    ceiling_field: str = "",
     scope: str = ENGINE,
 ) -> Any:
-    return field(
-        default=default, metadata={KNOB: Knob("", help, minimum, ceiling, label, search, spec_path, scope)}
-    )
+    knob = Knob("", help, minimum, ceiling, label, search, spec_path, ceiling_field, scope)
+    return field(default=default, metadata={KNOB: knob})
 
 
 @dataclass
@@ -93,6 +98,7 @@ class LiveConfig:
         help="Speculative tokens per step (k)",
         minimum=0,
         ceiling="speculative_tokens_limit",
+        ceiling_field="max_num_speculative_tokens",
         label="k",
         search=(0, 8),
         spec_path="speculative.num_speculative_tokens",
@@ -101,6 +107,7 @@ class LiveConfig:
         help="Live max_num_seqs",
         minimum=1,
         ceiling="seqs_limit",
+        ceiling_field="max_num_seqs_limit",
         label="seqs",
         search=(8, 256),
         spec_path="batching.max_num_seqs",
@@ -109,6 +116,7 @@ class LiveConfig:
         help="Live max_num_batched_tokens",
         minimum=1,
         ceiling="batched_tokens_limit",
+        ceiling_field="max_num_batched_tokens_limit",
         label="tokens",
         search=(512, 8192),
         spec_path="batching.max_num_batched_tokens",
@@ -118,6 +126,7 @@ class LiveConfig:
         help="Batch size above which a step proposes nothing (0: never)",
         minimum=0,
         ceiling="seqs_limit",
+        ceiling_field="max_num_seqs_limit",
         label="guard",
         default=0,
     )

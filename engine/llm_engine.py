@@ -317,10 +317,6 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
-    @property
-    def num_unfinished_requests(self) -> int:
-        return len(self._requests)
-
     def kv_blocks_in_use(self) -> int:
         return self.kv.num_used_blocks  # referenced blocks; cached free ones are not in use
 

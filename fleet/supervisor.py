@@ -24,6 +24,8 @@ from pathlib import Path
 
 import httpx
 from aiohttp import web
+from specfleet.engine.args import flag_args
+from specfleet.engine.knobs import SEARCHED
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.endpoints import EndpointSet
@@ -71,17 +73,9 @@ def local_engine_command(
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at : at + 2]
-    high = spec.autotune.bounds.model_dump()  # knob name -> [min, max] (the fields are made from the knobs)
-    args += [
-        "--host",
-        "127.0.0.1",
-        "--max-num-seqs-limit",
-        str(max(high["max_num_seqs"][1], spec.batching.max_num_seqs)),
-        "--max-num-batched-tokens-limit",
-        str(max(high["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens)),
-        "--max-num-speculative-tokens",
-        str(max(high["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens)),
-    ]
+    bounds, start = spec.autotune.bounds.model_dump(), spec.start_values()  # knob name -> [min, max], value
+    ceilings = {k.ceiling_field: max(bounds[k.name][1], start[k.name]) for k in SEARCHED}
+    args += ["--host", "127.0.0.1", *flag_args(ceilings)]
     return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
 
 

@@ -1,12 +1,14 @@
 """Test helpers shared by every test folder (tests/ is on sys.path through the rootdir conftest): free
-ports, waiting until something holds or a server answers ready, starting an engine server process and
-stopping a child process."""
+ports, waiting until something holds or a server answers ready, serving an ASGI app from a thread, starting
+an engine server process and stopping a child process."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,7 +17,7 @@ from typing import Any
 import httpx
 from specfleet.fleet.supervisor import free_port
 
-__all__ = ["free_port", "start_server", "stop_process", "wait_for", "wait_http_ready"]
+__all__ = ["free_port", "serve_in_thread", "start_server", "stop_process", "wait_for", "wait_http_ready"]
 
 # The bundled model with a small cache: what a test server needs unless it says otherwise.
 SERVER_ARGS = (
@@ -62,6 +64,26 @@ def wait_http_ready(
         except httpx.TransportError:
             pass
         time.sleep(interval)
+
+
+def serve_in_thread(app: Any) -> tuple[Any, threading.Thread, str]:
+    """A real uvicorn server for `app` on a free loopback port, run in a daemon thread, once it has started:
+    (server, thread, base URL). Stop it with `server.should_exit = True`, then `thread.join(...)`."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.02)
+    return server, thread, f"http://127.0.0.1:{port}"
 
 
 def stop_process(proc: subprocess.Popen[Any], timeout: float = 20.0) -> None:

@@ -57,6 +57,9 @@ def test_declaration_is_well_formed() -> None:
             f"{knob.name}'s ceiling {knob.ceiling} is not on EngineConfig"
         )
         assert knob.gauge == f"specfleet_{knob.name}" and knob.help
+        above = getattr(engine, knob.ceiling) + 1
+        raised = EngineConfig(speculative_method="ngram", **{knob.ceiling_field: above})
+        assert getattr(raised, knob.ceiling) == above, f"{knob.ceiling_field} does not set {knob.ceiling}"
         if knob.searched:
             assert knob.search and knob.minimum <= knob.search[0] <= knob.search[1], knob
             assert knob.spec_path, f"{knob.name} is searched but the spec has no start value for it"
@@ -125,7 +128,7 @@ def test_gauges_and_both_tuner_readers_know_every_knob() -> None:
         )
         return [{"metric": {}, "value": [0, str(VALUES[knob.name])]}] if knob else []
 
-    source._query = answer  # type: ignore[method-assign]
+    source._query = answer
     assert asyncio.run(source.observe()).config == searched
 
 
@@ -145,6 +148,45 @@ def test_tuner_types_know_every_knob() -> None:
         assert getattr(narrow.clamp(config), knob.name) == knob.minimum
     with pytest.raises(KeyError, match="not a searched knob"):
         TuneBounds(not_a_knob=(0, 1))
+
+
+def test_engine_command_lines_set_every_searched_knob() -> None:
+    """The engine flags the operator's Deployment passes set each searched knob's start value from the spec,
+    and those of `specfleet up`'s engines also raise its ceiling over the tuner's bounds; the engine's own
+    parser reads both back. Every value differs from the engine's default, so a missing flag fails."""
+    from specfleet.engine.server.cli import build_parser, engine_config_kwargs
+    from specfleet.fleet.supervisor import local_engine_command
+    from specfleet.operator.inference_service import load_inference_service
+    from specfleet.operator.render.deployment import engine_args
+
+    start = {k.name: (k.search or (0, 0))[0] + 1 for k in SEARCHED}  # inside what the CRD accepts
+    high = {k.name: (k.search or (0, 0))[1] + 5 + i for i, k in enumerate(SEARCHED)}
+    spec: dict[str, Any] = {**SPEC, "speculative": dict(SPEC["speculative"])}
+    for knob in SEARCHED:
+        *parents, leaf = (knob.spec_path or "").split(".")
+        node = spec
+        for part in parents:
+            node = node.setdefault(camel(part), {})
+        node[camel(leaf)] = start[knob.name]
+    spec["autotune"] = {"bounds": {k.crd_name: [k.minimum, high[k.name]] for k in SEARCHED}}
+    isvc = load_inference_service(
+        {
+            "apiVersion": "serving.specfleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "knobs"},
+            "spec": spec,
+        }
+    )
+
+    def parsed(args: list[str]) -> EngineConfig:
+        return EngineConfig(**engine_config_kwargs(build_parser().parse_args(args)))
+
+    pod = parsed(engine_args(isvc.spec, "bundled://smollm2-135m-instruct", None))
+    local = parsed(local_engine_command(isvc, 9000)[3:])  # past `python -m specfleet.engine`
+    default = EngineConfig(speculative_method="ngram")
+    for knob in SEARCHED:
+        assert getattr(pod, knob.name) == getattr(local, knob.name) == start[knob.name]
+        assert getattr(local, knob.ceiling) == high[knob.name] != getattr(default, knob.ceiling)
 
 
 def test_typed_copies_fail_at_import_when_a_knob_is_missing() -> None:

@@ -9,11 +9,11 @@ import signal
 import socket
 import sys
 import time
-from dataclasses import fields
 from types import FrameType
-from typing import Any, get_args, get_type_hints
+from typing import Any
 
 import uvicorn
+from specfleet.engine.args import add_engine_args, engine_config_kwargs
 from specfleet.engine.config import EngineConfig
 
 from .admin import token_from_env
@@ -21,7 +21,6 @@ from .app import build_state, create_app
 from .state import ServerState
 
 logger = logging.getLogger("specfleet.engine.server")
-DEFAULT_K = 4  # --num-speculative-tokens when a speculative method is given without it
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -62,38 +61,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineConfig` field, generated from the field (as vLLM does from its config
-    dataclasses): `--field-name`, its type, default and help text, and the `choices`, `flag` or
-    `cli_default` its metadata adds (see `config._opt`)."""
-    hints = get_type_hints(EngineConfig)
-    group = parser.add_argument_group("engine", "EngineConfig's fields (specfleet.engine.config)")
-    for f in fields(EngineConfig):
-        meta = f.metadata
-        flag = meta.get("flag", "--" + f.name.replace("_", "-"))
-        if hints[f.name] is bool:  # a flag that flips the default
-            group.add_argument(
-                flag, dest=f.name, action="store_false" if f.default else "store_true", help=meta.get("help")
-            )
-            continue
-        kinds = [t for t in get_args(hints[f.name]) if t is not type(None)] or [hints[f.name]]
-        group.add_argument(
-            flag,
-            dest=f.name,
-            type=kinds[0],  # str for text fields: argparse's identity conversion
-            default=meta.get("cli_default", f.default),
-            choices=meta.get("choices"),
-            help=meta.get("help"),
-        )
-
-
-def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
-    kwargs = {f.name: getattr(args, f.name) for f in fields(EngineConfig)}
-    if kwargs["num_speculative_tokens"] is None:
-        kwargs["num_speculative_tokens"] = DEFAULT_K if kwargs["speculative_method"] != "none" else 0
-    return kwargs
 
 
 class DrainingServer(uvicorn.Server):

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from specfleet.engine.args import flag_args
+
 from ..config import OperatorConfig
 from ..inference_service import InferenceService
 from ..resources import (
@@ -81,10 +83,6 @@ def engine_args(
         str(ENGINE_PORT),
         "--admin-port",
         str(ADMIN_PORT),
-        "--max-num-seqs",
-        str(spec.batching.max_num_seqs),
-        "--max-num-batched-tokens",
-        str(spec.batching.max_num_batched_tokens),
         "--block-size",
         str(spec.engine.block_size),
         "--max-model-len",
@@ -93,8 +91,7 @@ def engine_args(
         spec.model.dtype,
         "--speculative-method",
         method,
-        "--num-speculative-tokens",
-        str(spec.speculative.num_speculative_tokens if method != "none" else 0),
+        *flag_args(spec.start_values()),  # each searched knob's start value (engine/knobs.py)
         "--kv-cache-memory-fraction",
         str(spec.engine.kv_cache_memory_fraction),
         "--drain-timeout",

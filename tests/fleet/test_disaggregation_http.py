@@ -5,7 +5,6 @@ the prefill engine's held blocks back."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -13,7 +12,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import free_port
+from helpers import free_port, serve_in_thread
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.core.client import EngineCoreClient
 from specfleet.router import disaggregation
@@ -23,24 +22,6 @@ from specfleet.router.proxy import Router, serve
 
 COMMON = dict(block_size=4, num_kv_blocks=128, max_model_len=256, max_num_batched_tokens=64)
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "extra_body": {"ignore_eos": True}}
-
-
-def _serve(app: Any) -> tuple[Any, threading.Thread, str]:
-    import uvicorn
-
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    server = uvicorn.Server(
-        uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=1)
-    )
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
 def _serve_router(router: Router) -> tuple[Any, str]:
@@ -80,7 +61,7 @@ def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
     servers, urls, states = [], {}, {}
     for role, engine in engines.items():
         states[role] = build_state(engine)
-        server, thread, urls[role] = _serve(create_app(states[role]))
+        server, thread, urls[role] = serve_in_thread(create_app(states[role]))
         servers.append((server, thread))
     for url in urls.values():
         assert httpx.get(f"{url}/ready", timeout=10).status_code == 200

@@ -43,7 +43,7 @@ def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
     lines: queue.Queue[str] = queue.Queue()
     seen: list[str] = []
     threading.Thread(
-        target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],  # type: ignore[union-attr]
+        target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],
         daemon=True,
     ).start()
 

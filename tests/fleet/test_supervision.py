@@ -27,7 +27,7 @@ def tiny_fleet(tiny_llama: str, replicas: int, **fleet_options: object) -> Local
     doc["spec"]["engine"]["drainTimeoutSeconds"] = 2
     return LocalFleet(
         load_inference_service(doc), tune=False, engine_extra_args=["--kv-cache-gib=0.05"], **fleet_options
-    )  # type: ignore[arg-type]
+    )
 
 
 async def until(what: str, check, timeout_s: float = 30.0) -> None:

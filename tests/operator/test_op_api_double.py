@@ -134,13 +134,13 @@ def test_status_subresource_and_generation(fake_kube: FakeKube) -> None:
         MERGE,
     )
     stored = fake_kube.get(*ISVC, NS, "smollm2")
-    assert stored["status"]["replicas"] == 2 and stored["spec"]["replicas"] == 1  # type: ignore[index]
-    assert stored["metadata"]["generation"] == 1  # type: ignore[index]
+    assert stored["status"]["replicas"] == 2 and stored["spec"]["replicas"] == 1
+    assert stored["metadata"]["generation"] == 1
     # spec and /scale writes bump the generation
     scaled = call(fake_kube, "PATCH", f"{ISVC_PATH}/smollm2/scale", {"spec": {"replicas": 3}}, MERGE)
     assert scaled.status_code == 200 and scaled.json()["kind"] == "Scale"
     stored = fake_kube.get(*ISVC, NS, "smollm2")
-    assert stored["spec"]["replicas"] == 3 and stored["metadata"]["generation"] == 2  # type: ignore[index]
+    assert stored["spec"]["replicas"] == 3 and stored["metadata"]["generation"] == 2
 
 
 def test_custom_resources_are_defaulted_pruned_and_validated(fake_kube: FakeKube) -> None:
@@ -161,7 +161,7 @@ def test_custom_resources_are_defaulted_pruned_and_validated(fake_kube: FakeKube
         {"status": {"kopf": {"progress": {}}, "replicas": 1}},
         MERGE,
     )
-    assert fake_kube.get(*ISVC, NS, "smollm2")["status"] == {"replicas": 1}  # type: ignore[index]
+    assert fake_kube.get(*ISVC, NS, "smollm2")["status"] == {"replicas": 1}
     bad = call(
         fake_kube,
         "PATCH",
@@ -181,7 +181,7 @@ def test_merge_patch_replaces_lists_and_server_side_apply_merges_list_maps(fake_
     path = f"{ISVC_PATH}/smollm2/status"
     call(fake_kube, "PATCH", path, {"status": {"conditions": [ready]}}, MERGE)
     call(fake_kube, "PATCH", path, {"status": {"conditions": [tuned]}}, MERGE)
-    assert [c["type"] for c in fake_kube.get(*ISVC, NS, "smollm2")["status"]["conditions"]] == ["Tuned"]  # type: ignore[index]
+    assert [c["type"] for c in fake_kube.get(*ISVC, NS, "smollm2")["status"]["conditions"]] == ["Tuned"]
 
     def apply(manager: str, status: dict[str, Any], force: bool = True) -> httpx.Response:
         body = {
@@ -195,7 +195,7 @@ def test_merge_patch_replaces_lists_and_server_side_apply_merges_list_maps(fake_
     assert apply("operator", {"conditions": [ready], "replicas": 1}).status_code == 200
     assert apply("tuner", {"conditions": [tuned], "tuning": {"reason": "x"}}).status_code == 200
     assert apply("operator", {"conditions": [{**ready, "status": "False"}]}).status_code == 200
-    status = fake_kube.get(*ISVC, NS, "smollm2")["status"]  # type: ignore[index]
+    status = fake_kube.get(*ISVC, NS, "smollm2")["status"]
     assert {c["type"]: c["status"] for c in status["conditions"]} == {"Ready": "False", "Tuned": "True"}
     assert "replicas" not in status  # the operator stopped applying it and nobody else owns it
     assert status["tuning"] == {"reason": "x"}

@@ -54,18 +54,18 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
 
         deployment = fake_kube.get(*DEPLOY, NS, "smollm2")
         deployment["status"] = {
-            "observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
+            "observedGeneration": deployment["metadata"]["generation"],
             "replicas": 1,
             "updatedReplicas": 1,
             "readyReplicas": 1,
             "availableReplicas": 1,
         }
-        fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
+        fake_kube.put(*DEPLOY, NS, deployment)
         wait_for("Ready=True after the pods are ready", lambda: ready_status(fake_kube) == "True")
 
         isvc = fake_kube.get(*ISVC, NS, "smollm2")
-        isvc["spec"]["batching"]["maxNumSeqs"] = 8  # type: ignore[index]
-        fake_kube.put(*ISVC, NS, isvc)  # type: ignore[arg-type]
+        isvc["spec"]["batching"]["maxNumSeqs"] = 8
+        fake_kube.put(*ISVC, NS, isvc)
         wait_for(
             "the spec change in the Deployment",
             lambda: "8" == args_of(fake_kube)[args_of(fake_kube).index("--max-num-seqs") + 1],
@@ -78,7 +78,7 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
     assert runner.exit_code == 0, runner.output
     # kopf's timers hold no finalizer: with the operator gone (uninstalled, crash-looping) a deletion does not
     # hang, and the owner references garbage-collect every child.
-    assert not fake_kube.get(*ISVC, NS, "smollm2")["metadata"].get("finalizers")  # type: ignore[index]
+    assert not fake_kube.get(*ISVC, NS, "smollm2")["metadata"].get("finalizers")
     fake_kube.remove(*ISVC, NS, "smollm2")
     assert fake_kube.get(*ISVC, NS, "smollm2") is None
     assert (

@@ -54,7 +54,7 @@ def query(prom: str, promql: str) -> list[dict]:
 
 def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service(
     fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str, prometheus_factory
-) -> None:  # type: ignore[no-untyped-def]
+) -> None:
     from kopf.testing import KopfRunner
 
     monkeypatch.setenv("KUBECONFIG", str(fake_kube.write_kubeconfig(tmp_path / "kubeconfig", NS)))
@@ -82,13 +82,13 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
 
         deployment = fake_kube.get(*DEPLOY, NS, NAME)
         deployment["status"] = {
-            "observedGeneration": deployment["metadata"]["generation"],  # type: ignore[index]
+            "observedGeneration": deployment["metadata"]["generation"],
             "replicas": 1,
             "updatedReplicas": 1,
             "readyReplicas": 1,
             "availableReplicas": 1,
         }
-        fake_kube.put(*DEPLOY, NS, deployment)  # type: ignore[arg-type]
+        fake_kube.put(*DEPLOY, NS, deployment)
         wait_for(
             "Ready=True as the only Ready series",
             lambda: len(ready()) == 1 and 'status="True"' in next(iter(ready())),
@@ -153,8 +153,8 @@ def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
         for _ in range(1000):  # every write of the Deployment from now on
             fake_kube.fail_next("PATCH", "/deployments/", status=503)
         isvc = fake_kube.get(*ISVC, NS, NAME)
-        isvc["spec"]["batching"]["maxNumSeqs"] = 8  # type: ignore[index]
-        fake_kube.put(*ISVC, NS, isvc)  # type: ignore[arg-type]
+        isvc["spec"]["batching"]["maxNumSeqs"] = 8
+        fake_kube.put(*ISVC, NS, isvc)
         wait_for(
             "generation 2 seen",
             lambda: series(metrics_url, "specfleet_inferenceservice_generation").get(key) == 2.0,

@@ -98,7 +98,7 @@ def test_new_service_creates_owned_children_and_reports_pending(fake_kube: FakeK
     assert secret is not None and secret["metadata"]["ownerReferences"][0]["uid"] == uid
     assert fake_kube.get(*PDB, NS, "smollm2") is None  # one replica
     assert conditions(fake_kube)["Ready"] == ("Unknown", "Pending")
-    status = fake_kube.get(*ISVC, NS, "smollm2")["status"]  # type: ignore[index]
+    status = fake_kube.get(*ISVC, NS, "smollm2")["status"]
     assert status["endpoint"] == "http://smollm2.team-a.svc:8000/v1"
     assert "observedGeneration" not in status  # nothing known about this generation's rollout yet
     assert status["tuning"]["maxNumSeqs"] == 16
@@ -107,7 +107,7 @@ def test_new_service_creates_owned_children_and_reports_pending(fake_kube: FakeK
     reconcile(fake_kube)
     assert (
         fake_kube.get(*ISVC, NS, "smollm2")["status"]["observedGeneration"] == isvc["metadata"]["generation"]
-    )  # type: ignore[index]
+    )
 
 
 def test_status_follows_deployment_readiness(fake_kube: FakeKube) -> None:
@@ -122,7 +122,7 @@ def test_status_follows_deployment_readiness(fake_kube: FakeKube) -> None:
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
     assert conditions(fake_kube)["Progressing"] == ("False", "RolloutComplete")
     assert conditions(fake_kube)["Degraded"] == ("False", "AsExpected")
-    assert fake_kube.get(*ISVC, NS, "smollm2")["status"]["readyReplicas"] == 2  # type: ignore[index]
+    assert fake_kube.get(*ISVC, NS, "smollm2")["status"]["readyReplicas"] == 2
     assert "Ready" in {e.reason for e in outcome.events}
     set_deployment_status(
         fake_kube,
@@ -159,7 +159,7 @@ def test_spec_change_updates_the_deployment_and_second_pass_is_a_no_op(fake_kube
     assert (
         fake_kube.get(*DEPLOY, NS, "smollm2")["metadata"]["resourceVersion"]
         == again["metadata"]["resourceVersion"]
-    )  # type: ignore[index]
+    )
     assert not {e.reason for e in outcome.events} & {"Created", "Updated"}
     update_spec(fake_kube, replicas=1)
     reconcile(fake_kube)
@@ -169,14 +169,14 @@ def test_spec_change_updates_the_deployment_and_second_pass_is_a_no_op(fake_kube
 def test_deleted_children_are_recreated_and_the_token_survives(fake_kube: FakeKube) -> None:
     create_isvc(fake_kube)
     reconcile(fake_kube)
-    token = read_admin_token(fake_kube.get(*SECRET, NS, "smollm2-admin"))  # type: ignore[arg-type]
+    token = read_admin_token(fake_kube.get(*SECRET, NS, "smollm2-admin"))
     fake_kube.remove(*DEPLOY, NS, "smollm2")
     fake_kube.remove(*SERVICE, NS, "smollm2")
     reconcile(fake_kube)
     assert fake_kube.get(*DEPLOY, NS, "smollm2") is not None
     assert fake_kube.get(*SERVICE, NS, "smollm2") is not None
     reconcile(fake_kube)
-    assert read_admin_token(fake_kube.get(*SECRET, NS, "smollm2-admin")) == token  # type: ignore[arg-type]
+    assert read_admin_token(fake_kube.get(*SECRET, NS, "smollm2-admin")) == token
 
 
 def test_a_conflict_is_retried(fake_kube: FakeKube) -> None:
@@ -236,7 +236,7 @@ def test_disaggregation_stored_past_admission_without_the_router_is_reported_not
 def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:
     create_isvc(fake_kube)
     reconcile(fake_kube)
-    uid = fake_kube.get(*ISVC, NS, "smollm2")["metadata"]["uid"]  # type: ignore[index]
+    uid = fake_kube.get(*ISVC, NS, "smollm2")["metadata"]["uid"]
     rbac = "/apis/rbac.authorization.k8s.io/v1"
     router_objects = [
         (DEPLOY, "smollm2-router"),
@@ -249,11 +249,11 @@ def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:
         child = fake_kube.get(*kind, NS, name)
         assert child is not None and child["metadata"]["ownerReferences"][0]["uid"] == uid, (kind, name)
     service = fake_kube.get(*SERVICE, NS, "smollm2")
-    assert service["spec"]["selector"] == {"serving.specfleet.io/router": "smollm2"}  # type: ignore[index]
+    assert service["spec"]["selector"] == {"serving.specfleet.io/router": "smollm2"}
     update_spec(fake_kube, routing={"enabled": False})
     outcome = reconcile(fake_kube)
     for kind, name in router_objects:
         assert fake_kube.get(*kind, NS, name) is None, (kind, name)
     service = fake_kube.get(*SERVICE, NS, "smollm2")
-    assert service["spec"]["selector"] == {"serving.specfleet.io/inferenceservice": "smollm2"}  # type: ignore[index]
+    assert service["spec"]["selector"] == {"serving.specfleet.io/inferenceservice": "smollm2"}
     assert sum(e.reason == "Deleted" for e in outcome.events) == 5

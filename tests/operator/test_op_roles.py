@@ -272,7 +272,7 @@ def test_reconcile_rolls_out_both_roles_and_reports_ready_when_both_are(fake_kub
     report(fake_kube, "smollm2-decode", 2)
     reconcile(fake_kube)
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
-    status = fake_kube.get(*ISVC, NS, "smollm2")["status"]  # type: ignore[index]
+    status = fake_kube.get(*ISVC, NS, "smollm2")["status"]
     assert (status["replicas"], status["readyReplicas"]) == (3, 3)
     assert fake_kube.get(*("/apis/policy/v1", "poddisruptionbudgets"), NS, "smollm2") is not None
 
@@ -290,14 +290,14 @@ def test_switching_roles_off_and_on_leaves_no_stale_engines(fake_kube: FakeKube)
         assert fake_kube.get(*DEPLOY, NS, name) is None and fake_kube.get(*SERVICE, NS, name) is None
     assert fake_kube.get(*SERVICE, NS, "smollm2-engines") is not None
     doc = copy.deepcopy(fake_kube.get(*ISVC, NS, "smollm2"))
-    doc["spec"]["disaggregation"] = {}  # type: ignore[index]
+    doc["spec"]["disaggregation"] = {}
     fake_kube.put(*ISVC, NS, doc)
     reconcile(fake_kube)
     assert (
         fake_kube.get(*DEPLOY, NS, "smollm2") is None
         and fake_kube.get(*SERVICE, NS, "smollm2-engines") is None
     )
-    assert fake_kube.get(*DEPLOY, NS, "smollm2-decode")["spec"]["replicas"] == 1  # type: ignore[index]
+    assert fake_kube.get(*DEPLOY, NS, "smollm2-decode")["spec"]["replicas"] == 1
 
 
 def test_admission_refuses_roles_without_the_router(fake_kube: FakeKube) -> None:
@@ -411,8 +411,8 @@ def test_reconcile_applies_the_leader_worker_set_where_its_crd_is_installed() ->
         reconcile(fake)
         assert conditions(fake)["Ready"] == ("True", "AllReplicasReady")
         doc = copy.deepcopy(fake.get(*ISVC, NS, "smollm2"))
-        doc["spec"]["engine"]["nodes"] = 1  # type: ignore[index]
-        doc["spec"]["resources"]["gpus"] = 4  # type: ignore[index]
+        doc["spec"]["engine"]["nodes"] = 1
+        doc["spec"]["resources"]["gpus"] = 4
         fake.put(*ISVC, NS, doc)
         reconcile(fake)
         assert fake.get(*LWS, NS, "smollm2") is None and fake.get(*DEPLOY, NS, "smollm2") is not None

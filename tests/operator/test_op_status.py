@@ -127,7 +127,7 @@ def test_ready_means_the_rollout_is_complete(fake_kube: FakeKube) -> None:
     set_deployment_status(fake_kube, ready=2)
     reconcile(fake_kube)
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
-    generation = fake_kube.get(*ISVC, NS, "smollm2")["metadata"]["generation"]  # type: ignore[index]
+    generation = fake_kube.get(*ISVC, NS, "smollm2")["metadata"]["generation"]
     assert status(fake_kube)["observedGeneration"] == generation
 
     update_spec(fake_kube, batching={"maxNumSeqs": 8, "maxNumBatchedTokens": 2048})

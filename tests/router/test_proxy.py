@@ -31,7 +31,7 @@ def run(test: Callable[[], Awaitable[None]]) -> None:
 async def start_router(
     urls: list[str], policy: str = "round-robin", **options: float
 ) -> tuple[Router, str, object]:
-    router = Router(EndpointSet(urls, ready=True), make_policy(policy), **options)  # type: ignore[arg-type]
+    router = Router(EndpointSet(urls, ready=True), make_policy(policy), **options)
     port = free_port()
     runner = await serve(router, "127.0.0.1", port)
     return router, f"http://127.0.0.1:{port}", runner

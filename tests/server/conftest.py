@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -11,6 +9,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import serve_in_thread
 
 ADMIN_TOKEN = "test-admin-token"
 MODEL = "bundled://smollm2-135m-instruct"
@@ -69,24 +68,6 @@ def offline_engine() -> Any:
     from specfleet.engine import Engine, EngineConfig
 
     return Engine(EngineConfig(**ENGINE_KWARGS))
-
-
-def serve_in_thread(app: Any) -> tuple[Any, threading.Thread, str]:
-    import uvicorn
-
-    sock = socket.socket()
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(app, log_level="warning", access_log=False, timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.02)
-    return server, thread, f"http://127.0.0.1:{port}"
 
 
 @pytest.fixture(scope="session")

@@ -51,7 +51,7 @@ def _has_spec_decode() -> bool:
 
 
 @pytest.fixture(scope="module")
-def prometheus(server: Any, prometheus_factory) -> str:  # type: ignore[no-untyped-def]
+def prometheus(server: Any, prometheus_factory) -> str:
     return prometheus_factory("specfleet-test", [server.url])
 
 

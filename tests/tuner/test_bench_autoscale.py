@@ -38,7 +38,7 @@ def test_the_meter_integrates_running_engines() -> None:
     fleet = _Fleet([_Engine(), _Engine(running=False)])
 
     async def scenario() -> float:
-        with ReplicaMeter(fleet, period_s=0.02) as meter:  # type: ignore[arg-type]
+        with ReplicaMeter(fleet, period_s=0.02) as meter:
             await asyncio.sleep(0.2)
             fleet.engines[1].running = True  # a scale-up: the new engine costs from its start
             await asyncio.sleep(0.2)

@@ -98,7 +98,7 @@ async def _phase(
     return ks
 
 
-def test_tuner_turns_speculation_on_at_low_load_and_off_at_high_load(prometheus_factory) -> None:  # type: ignore[no-untyped-def]
+def test_tuner_turns_speculation_on_at_low_load_and_off_at_high_load(prometheus_factory) -> None:
     isvc = load_inference_service(ISVC)
 
     async def scenario() -> None:

@@ -70,7 +70,7 @@ def loop(engines: PlantEngines, params: PolicyParams = PARAMS) -> ServiceTuner:
         "ns/svc",
         Policy(params, engines.running),
         engines,
-        engines,  # type: ignore[arg-type]
+        engines,
         engines.endpoints,
     )
 
@@ -180,7 +180,7 @@ def test_failing_static_and_recovering_are_reported_once_each() -> None:
     assert transition_events(back[0])[0][:2] == ("Normal", "TuningRecovered")
 
 
-def test_specfleet_up_freezes_from_the_yaml_or_while_its_freeze_file_exists(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_specfleet_up_freezes_from_the_yaml_or_while_its_freeze_file_exists(tmp_path) -> None:
     from specfleet.fleet.local import build_parser
     from specfleet.fleet.supervisor import LocalFleet
 

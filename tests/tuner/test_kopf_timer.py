@@ -195,7 +195,7 @@ def test_between_intervals_only_pods_not_yet_configured_get_the_config(engine_ur
         tuner = ServiceTuner(
             "t/x",
             Policy(PARAMS, TunedConfig(5, 16, 512)),
-            None,  # type: ignore[arg-type]
+            None,
             AdminActuator(ADMIN_TOKEN),
             endpoints,
         )

@@ -31,7 +31,7 @@ def obs(t: float, demand: float, waiting: float = 0.0, rate: float = 1.0) -> Obs
 
 def policy(replicas: int = 1, **params: float) -> ReplicaPolicy:
     defaults = {"min_replicas": 1, "max_replicas": 3, "scale_down_window_s": 60.0, "cooldown_s": 30.0}
-    return ReplicaPolicy(ReplicaParams(**{**defaults, **params}), replicas)  # type: ignore[arg-type]
+    return ReplicaPolicy(ReplicaParams(**{**defaults, **params}), replicas)
 
 
 def test_capacity_per_replica_from_the_model():

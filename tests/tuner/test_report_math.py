@@ -110,4 +110,4 @@ def test_missing_data_and_apply_failures_show_in_the_condition() -> None:
     failed = status_patch(_tick("hold", None, {"http://10.0.0.1:8000": "ConnectError"}), None, {}, 1, "t")
     cond = {c["type"]: c for c in failed["conditions"]}["Tuned"]
     assert cond["status"] == "False" and cond["reason"] == "ApplyFailed" and "10.0.0.1" in cond["message"]
-    assert event_for(_tick("revert", TunedConfig(0, 16, 512)).decision)[:2] == ("Warning", "TuningReverted")  # type: ignore[index]
+    assert event_for(_tick("revert", TunedConfig(0, 16, 512)).decision)[:2] == ("Warning", "TuningReverted")

@@ -24,8 +24,6 @@ from pathlib import Path
 
 import httpx
 from aiohttp import web
-from specfleet.engine.args import flag_args
-from specfleet.engine.knobs import SEARCHED
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.endpoints import EndpointSet
@@ -52,7 +50,7 @@ def local_engine_command(
     isvc: InferenceService, port: int, extra: list[str] | None = None, admin_port: int | None = None
 ) -> list[str]:
     """The pod's engine command line, on loopback ports (the admin API on `admin_port`, or beside the API
-    when None), with ceilings that cover the tuner's bounds."""
+    when None); the ceilings covering the tuner's bounds come with the pod's command line."""
     spec = isvc.spec
     for name, source in (
         ("model.source", spec.model.source),
@@ -73,9 +71,7 @@ def local_engine_command(
     if "--kv-cache-memory-fraction" in args and spec.resources.gpus == 0:
         at = args.index("--kv-cache-memory-fraction")
         del args[at : at + 2]
-    bounds, start = spec.autotune.bounds.model_dump(), spec.start_values()  # knob name -> [min, max], value
-    ceilings = {k.ceiling_field: max(bounds[k.name][1], start[k.name]) for k in SEARCHED}
-    args += ["--host", "127.0.0.1", *flag_args(ceilings)]
+    args += ["--host", "127.0.0.1"]
     return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
 
 

@@ -797,6 +797,12 @@ class InferenceServiceSpec(_Spec):
         """Each searched knob's value at pod start, as the engine's command line sets it."""
         return {k.name: 0 if self._pinned(k) else self._at(k) for k in SEARCHED}
 
+    def ceiling_values(self) -> dict[str, int]:
+        """Each searched knob's ceiling flag (`Knob.ceiling_field`) as the engine's command line sets it: high
+        enough for the tuner's bounds and the start value, so that no value the tuner may push is refused."""
+        bounds, start = self.autotune.bounds.model_dump(), self.start_values()
+        return {k.ceiling_field: max(bounds[k.name][1], start[k.name]) for k in SEARCHED}
+
     def tuned_bounds(self) -> dict[str, tuple[int, int]]:
         """The tuner's [min, max] per searched knob, from `autotune.bounds`; a knob in `autotune.pins` is
         [pin, pin], so the tuner moves it to the pin and never away."""

@@ -152,8 +152,8 @@ def test_tuner_types_know_every_knob() -> None:
 
 def test_engine_command_lines_set_every_searched_knob() -> None:
     """The engine flags the operator's Deployment passes set each searched knob's start value from the spec,
-    and those of `specfleet up`'s engines also raise its ceiling over the tuner's bounds; the engine's own
-    parser reads both back. Every value differs from the engine's default, so a missing flag fails."""
+    and raise its ceiling over the tuner's bounds (a pod whose ceiling stayed the engine's default refused
+    the tuner's higher values), as `specfleet up`'s engines do; the engine's own parser reads both back. Every value differs from the engine's default, so a missing flag fails."""
     from specfleet.engine.server.cli import build_parser, engine_config_kwargs
     from specfleet.fleet.supervisor import local_engine_command
     from specfleet.operator.inference_service import load_inference_service
@@ -186,7 +186,8 @@ def test_engine_command_lines_set_every_searched_knob() -> None:
     default = EngineConfig(speculative_method="ngram")
     for knob in SEARCHED:
         assert getattr(pod, knob.name) == getattr(local, knob.name) == start[knob.name]
-        assert getattr(local, knob.ceiling) == high[knob.name] != getattr(default, knob.ceiling)
+        assert getattr(pod, knob.ceiling) == getattr(local, knob.ceiling) == high[knob.name]
+        assert high[knob.name] != getattr(default, knob.ceiling)
 
 
 def test_typed_copies_fail_at_import_when_a_knob_is_missing() -> None:

@@ -92,6 +92,7 @@ def engine_args(
         "--speculative-method",
         method,
         *flag_args(spec.start_values()),  # each searched knob's start value (engine/knobs.py)
+        *flag_args(spec.ceiling_values()),  # and its ceiling, covering the tuner's bounds
         "--kv-cache-memory-fraction",
         str(spec.engine.kv_cache_memory_fraction),
         "--drain-timeout",

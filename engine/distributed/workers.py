@@ -40,6 +40,10 @@ log = logging.getLogger("specfleet.engine.distributed")
 # How long rank 0 waits for a live worker to join the group, and then to load its slice, before giving up:
 # a 70B checkpoint read from a network volume takes minutes.
 STARTUP_TIMEOUT_S = 600.0
+# How long a failed collective or pipe waits for a worker to exit, to name it and its exit code: a peer's
+# death closes its sockets and its sentinel at once, so this is only spent when the failure was something
+# else (every worker then still runs).
+EXIT_WAIT_S = 5.0
 # How often rank 0 looks at a worker's process while it waits for the worker's next start-up message: a
 # dead worker is reported within this (its pipe's EOF usually wakes the wait at once).
 STARTUP_POLL_S = 0.1
@@ -192,7 +196,7 @@ class SplitModel:
             try:
                 self.group = RankGroup(address, 0)
             except RuntimeError as exc:  # the rendezvous timed out: a worker died after saying it joins
-                raise WorkerDied(self._death(f"the process group did not form ({exc})")) from exc
+                raise WorkerDied(self._death(f"the process group did not form: {exc}")) from exc
             self.local = _load_part(model_path, dtype, device, self.group, native, quantization, gguf)
             self._await_workers("ready", "loading its part of the model")
         except BaseException:
@@ -224,8 +228,7 @@ class SplitModel:
             try:
                 got = conn.recv()
             except (EOFError, OSError) as exc:
-                proc.join(timeout=5)  # the pipe closes as the process ends: wait for its exit code
-                raise WorkerDied(self._death(f"rank {rank} exited while {what}")) from exc
+                raise WorkerDied(self._death(f"rank {rank} was {what}")) from exc
             assert got == (message, rank), f"rank {rank} sent {got!r} where {message!r} was due"
 
     def _send(self, message: tuple, ranks: int | None = None) -> None:
@@ -234,16 +237,24 @@ class SplitModel:
             try:
                 conn.send(message)
             except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
-                raise WorkerDied(self._death(f"could not send a step ({exc})")) from exc
+                raise WorkerDied(self._death(f"could not send a step: {exc}")) from exc
 
     def _death(self, what: str) -> str:
+        """The message of a `WorkerDied`: `what` failed, and which ranks have exited with which code.
+
+        A dying process closes its files (its sockets, its sentinel pipe) before it can be reaped, and a
+        large one on a loaded host takes a while in between: wait for a sentinel, then reap its process."""
+        ready = multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=EXIT_WAIT_S)
+        for proc in self._procs:
+            if proc.sentinel in ready:
+                proc.join()  # exiting: a blocking waitpid, done once the kernel has torn it down
         dead = [
             f"rank {r} exited with code {p.exitcode}"
             for r, p in enumerate(self._procs, 1)
             if not p.is_alive()
         ]
         return (
-            f"{self.split}-parallel worker failure: {what}; {', '.join(dead) or 'all workers still running'}"
+            f"{self.split}-parallel worker failure: {', '.join(dead) or 'all workers still running'} ({what})"
         )
 
     def _run(self, call, *args):
@@ -251,7 +262,9 @@ class SplitModel:
             return call(*args)
         except RuntimeError as exc:  # a collective that lost a peer
             raise WorkerDied(
-                self._death(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self._death(
+                    f"a collective failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                )
             ) from exc
 
     @property
@@ -304,7 +317,7 @@ class SplitModel:
         """`WorkerDied` if a worker has exited: the engine core asks while idle, when no collective would
         tell it."""
         if not all(proc.is_alive() for proc in self._procs):
-            raise WorkerDied(self._death("a worker exited while the engine was idle"))
+            raise WorkerDied(self._death("found while the engine was idle"))
 
     def close(self) -> None:
         self._stop_workers(grace_s=10)

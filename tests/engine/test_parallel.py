@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import multiprocessing
 import shutil
+import subprocess
+import sys
 from typing import Any, NamedTuple
 
 import pytest
 import torch
 from specfleet.engine import LLM, SamplingParams
 from specfleet.engine.distributed import WorkerDied
+from specfleet.engine.distributed.comm import COLLECTIVE_TIMEOUT_S
 from specfleet.engine.distributed.pipeline import stage_layers
 from specfleet.engine.distributed.sharding import plan, shard_state
 
@@ -216,6 +219,24 @@ def test_a_dead_worker_fails_the_step_with_its_rank_and_exit_code(tmp_path, bund
         llm.close()
 
 
+def test_a_worker_that_dies_before_joining_the_group_is_worker_died_at_once(tmp_path, tiny_llama):
+    # A script without `if __name__ == "__main__":` (a common mistake with the spawn method): the worker
+    # re-runs it on start, fails there before it joins the process group, and exits. Rank 0 must say so
+    # instead of waiting in the group's rendezvous until its timeout.
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(
+        f"from specfleet.engine import LLM\nLLM(model={tiny_llama!r}, tensor_parallel_size=2)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=COLLECTIVE_TIMEOUT_S * 0.75
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert (
+        "WorkerDied: tensor-parallel worker failure: rank 1 exited with code 1 "
+        "(rank 1 was joining the process group)" in done.stderr
+    ), done.stderr[-3000:]
+
+
 def test_a_worker_that_dies_while_loading_is_worker_died_and_leaves_no_group(tmp_path, bundled_path):
     # A checkpoint that lacks a tensor of its last layer: stage 0 (this process, layer 0) loads, stage 1
     # fails on the missing tensor and exits while rank 0 waits for it to be ready.
@@ -227,7 +248,8 @@ def test_a_worker_that_dies_while_loading_is_worker_died_and_leaves_no_group(tmp
     del state["model.layers.1.mlp.down_proj.weight"]
     save_file(state, weights, metadata={"format": "pt"})
     with pytest.raises(
-        WorkerDied, match=r"rank 1 exited while loading its part of the model; rank 1 exited with code 1"
+        WorkerDied,
+        match=r"worker failure: rank 1 exited with code 1 \(rank 1 was loading its part of the model\)",
     ):
         LLM(model=model, block_size=4, pipeline_parallel_size=2)
     assert not multiprocessing.active_children()

@@ -148,6 +148,13 @@ class Engine:
         if close is not None:
             close()
 
+    def check_health(self) -> None:
+        """Raise if a part the engine runs on is gone: a split model's dead worker is `WorkerDied` (a step
+        finds it too; this is for an idle engine, which runs no collective that would)."""
+        check = getattr(self.runner.model, "check_workers", None)
+        if check is not None:
+            check()
+
     # -- requests ------------------------------------------------------------------------------------
     def add_request(
         self,

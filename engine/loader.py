@@ -12,7 +12,7 @@ import torch
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
 from specfleet.engine.models import model_class
-from specfleet.engine.models.llama import LlamaModel
+from specfleet.engine.models.llama import LlamaArgs, LlamaModel
 from specfleet.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch.distributed and multiprocessing load only for a split model
@@ -111,6 +111,7 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
                 f"{split[0]}_parallel_size={split[1]}: architecture {hf_config.architectures} "
                 "cannot be split yet"
             )
+        _check_split(hf_config, tp, pp)
         from specfleet.engine.distributed.workers import SplitModel
 
         model = SplitModel(
@@ -134,6 +135,17 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     return LoadedModel(
         model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer)
     )
+
+
+def _check_split(hf_config, tp: int, pp: int) -> None:
+    """Refuse sizes the model's shapes cannot be split by here, before any worker process starts (each rank
+    would refuse them too, but only once all of them had been spawned)."""
+    from specfleet.engine.distributed.pipeline import stage_layers
+    from specfleet.engine.distributed.sharding import check_size
+
+    a = LlamaArgs.from_hf(hf_config)
+    check_size(a.num_heads, a.num_kv_heads, a.intermediate_size, tp)
+    stage_layers(a.num_layers, pp, 0)
 
 
 def _state(resolved, hf_config, quantization: str | None) -> dict:

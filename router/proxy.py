@@ -209,10 +209,19 @@ class Router:
             else None
         )
         if pd_body is not None:
-            try:
-                held = await disaggregation.prefill(
+            # Shielded from the handler's cancellation: a client that leaves while the prefill engine works
+            # would otherwise lose the answer that names the hold the engine has just made, and the blocks
+            # would wait out the hold's timeout; the prefill finishes and its hold is released instead.
+            prefilling = asyncio.ensure_future(
+                disaggregation.prefill(
                     self.client(), self.endpoints, request.match_info["path"], pd_body, headers
                 )
+            )
+            try:
+                held = await asyncio.shield(prefilling)
+            except asyncio.CancelledError:
+                prefilling.add_done_callback(_release_when_prefilled)
+                raise
             except disaggregation.Refusal as refusal:
                 self.metrics.requests.labels("", "client_error").inc()
                 return web.Response(
@@ -326,6 +335,18 @@ class Router:
             return out
         finally:
             upstream.close()  # on a client disconnect this drops the engine's connection: it aborts
+
+
+def _release_when_prefilled(prefilling: asyncio.Future[dict[str, Any] | None]) -> None:
+    """The client left during the prefill: release the hold the prefill engine made, if it made one."""
+    if prefilling.cancelled() or prefilling.exception() is not None:
+        return
+    held = prefilling.result()
+    if held is not None:
+        logger.info(
+            "event=kv_release reason=client_gone_during_prefill transfer_id=%s", held.get("transfer_id")
+        )
+        asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
 
 
 class _RetryableFailure(Exception):

@@ -8,7 +8,9 @@ input for at most `HEARTBEAT_S` and then reports anyway, so the server can tell 
 hung one. It has no HTTP, no tokenizer on its hot path and no text: stop strings are the server's, which
 ends a sample with `FinishSequence`.
 
-It exits when its parent (the server) is gone, so a killed server leaves no orphan holding the model.
+It exits when its parent (the server) is gone, so a killed server leaves no orphan holding the model, and
+when a worker of a split model dies (`WorkerDied`, in a step or found by the idle heartbeat's check): the
+server then fails what is in flight, takes readiness down and exits non-zero, as for the core's own death.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import msgspec
 import zmq
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.detokenizer import TextCursor
+from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.outputs import PositionLogprobs, RequestOutput
 from specfleet.engine.sampling_params import ParameterError
 
@@ -126,7 +129,9 @@ class EngineCore:
     def step(self) -> StepReport:
         try:
             outputs = self.engine.step()
-        except Exception as exc:  # the engine broke: fail what is in flight, keep serving
+        except WorkerDied:  # a rank of the split model is gone: no step can run again, so the core exits
+            raise
+        except Exception as exc:  # the step broke: fail what is in flight, keep serving
             log.exception("event=engine_step_failed error=%s", type(exc).__name__)
             aborted = list(self._sent)
             self.abort(aborted)
@@ -233,7 +238,10 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
     except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
             return 0
-        log.exception("event=engine_core_failed error=%s", type(exc).__name__)
+        if isinstance(exc, WorkerDied):  # the message names the rank and its exit code; no traceback
+            log.error("event=engine_worker_died %s; the engine core exits", exc)
+        else:
+            log.exception("event=engine_core_failed error=%s", type(exc).__name__)
         out.send(ENCODER.encode(Dead(f"{type(exc).__name__}: {exc}")))
         return 1
     finally:
@@ -261,6 +269,7 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
         else:
             engine.poll_kv_transfers()  # a finished hold's blocks come back while idle too
             if time.monotonic() - last_report >= HEARTBEAT_S or busy:
+                engine.check_health()  # a dead split-model worker: WorkerDied, the core exits
                 out.send(ENCODER.encode(core.report(False)))  # idle (or just went idle): gauges and heartbeat
                 last_report = time.monotonic()
 

@@ -56,21 +56,39 @@ def plan(
     num_heads: int, num_kv_heads: int, intermediate_size: int, vocab_size: int, size: int, rank: int
 ) -> ShardPlan:
     """The rank's plan; refuses, naming the numbers, a size the model's shapes cannot be split by."""
-    if size < 1 or not 0 <= rank < size:
-        raise ValueError(f"tensor_parallel_size={size}, rank={rank}: need size >= 1 and 0 <= rank < size")
+    check_size(num_heads, num_kv_heads, intermediate_size, size)
+    if not 0 <= rank < size:
+        raise ValueError(f"tensor_parallel_size={size}, rank={rank}: need 0 <= rank < size")
+    return ShardPlan(rank, size, num_heads, num_kv_heads, intermediate_size, vocab_size)
+
+
+def check_size(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> None:
+    """Refuse a tensor_parallel_size the model's shapes cannot be split by, naming its shapes and the sizes
+    that would do. The engine asks before it starts any worker (loader.py), every rank again in `plan`."""
+    if not isinstance(size, int) or size < 1:
+        raise ValueError(f"tensor_parallel_size={size!r} must be an integer >= 1")
+    problems = _problems(num_heads, num_kv_heads, intermediate_size, size)
+    if problems:
+        valid = [
+            n for n in range(1, num_heads + 1) if not _problems(num_heads, num_kv_heads, intermediate_size, n)
+        ]
+        listed = " and ".join([", ".join(problems[:-1]), problems[-1]] if len(problems) > 1 else problems)
+        raise ValueError(
+            f"tensor_parallel_size={size} does not divide the model's {listed} (the model: "
+            f"{num_heads} attention heads, {num_kv_heads} KV heads, MLP width {intermediate_size}; the size "
+            f"must divide all three, or be a multiple of the KV heads); use one of {', '.join(map(str, valid))}"
+        )
+
+
+def _problems(num_heads: int, num_kv_heads: int, intermediate_size: int, size: int) -> list[str]:
     problems = []
     if num_heads % size:
         problems.append(f"{num_heads} attention heads")
     if num_kv_heads % size and size % num_kv_heads:
-        problems.append(f"{num_kv_heads} KV heads (neither a multiple nor a divisor of the size)")
+        problems.append(f"{num_kv_heads} KV heads")
     if intermediate_size % size:
-        problems.append(f"an MLP width of {intermediate_size}")
-    if problems:
-        raise ValueError(
-            f"tensor_parallel_size={size} does not divide the model's {' and '.join(problems)}; "
-            f"use a size that divides {num_heads} attention heads"
-        )
-    return ShardPlan(rank, size, num_heads, num_kv_heads, intermediate_size, vocab_size)
+        problems.append(f"MLP width of {intermediate_size}")
+    return problems
 
 
 def _rows(weight: torch.Tensor, units: range, unit: int) -> torch.Tensor:

@@ -11,7 +11,10 @@ copy rank 0's threads and CUDA state) and load and slice the checkpoint themselv
 
 A worker that dies makes rank 0's next collective fail (gloo sees the closed connection; NCCL times out
 after COLLECTIVE_TIMEOUT_S): rank 0 then raises `WorkerDied` naming the rank and its exit code, instead of
-hanging. A worker whose pipe closes (rank 0 gone) exits.
+hanging; an idle engine finds out from `check_workers`. At start, each worker says on its pipe that it is
+about to join the process group and, later, that its part is loaded; rank 0 waits for each message while
+watching the worker's process, so a worker that dies before joining or while loading is a `WorkerDied` at
+once, not a wait in the group's rendezvous or a raw EOFError. A worker whose pipe closes (rank 0 gone) exits.
 """
 
 from __future__ import annotations
@@ -20,24 +23,30 @@ import logging
 import multiprocessing.connection
 import os
 import socket
+import time
 from dataclasses import replace
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
+from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.distributed.comm import GroupAddress, RankGroup, backend_for
 from specfleet.engine.distributed.pipeline import StageLlama
 from specfleet.engine.distributed.sharded_llama import ShardedLlama
 
 log = logging.getLogger("specfleet.engine.distributed")
 
-# How long rank 0 waits for a worker to load its slice and join the group before giving up.
+# How long rank 0 waits for a live worker to join the group, and then to load its slice, before giving up:
+# a 70B checkpoint read from a network volume takes minutes.
 STARTUP_TIMEOUT_S = 600.0
-
-
-class WorkerDied(RuntimeError):
-    pass
+# How long a failed collective or pipe waits for a worker to exit, to name it and its exit code: a peer's
+# death closes its sockets and its sentinel at once, so this is only spent when the failure was something
+# else (every worker then still runs).
+EXIT_WAIT_S = 5.0
+# How often rank 0 looks at a worker's process while it waits for the worker's next start-up message: a
+# dead worker is reported within this (its pipe's EOF usually wakes the wait at once).
+STARTUP_POLL_S = 0.1
 
 
 def _free_port() -> int:
@@ -88,6 +97,7 @@ def _worker_main(
     device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    conn.send(("joining", rank))
     group = RankGroup(address, rank)
     model = _load_part(model_path, dtype, device, group, native, quantization, gguf)
     conn.send(("ready", rank))
@@ -180,21 +190,46 @@ class SplitModel:
             self._conns.append(ours)
         if device.type == "cuda":
             device = torch.device("cuda", 0)
-        self.group = RankGroup(address, 0)
-        self.local = _load_part(model_path, dtype, device, self.group, native, quantization, gguf)
-        for rank, conn in enumerate(self._conns, start=1):
-            if not conn.poll(STARTUP_TIMEOUT_S):
-                raise WorkerDied(self._death(f"rank {rank} did not start within {STARTUP_TIMEOUT_S:.0f}s"))
-            conn.recv()
+        self.group: RankGroup | None = None
+        try:
+            self._await_workers("joining", "joining the process group")
+            try:
+                self.group = RankGroup(address, 0)
+            except RuntimeError as exc:  # the rendezvous timed out: a worker died after saying it joins
+                raise WorkerDied(self._death(f"the process group did not form: {exc}")) from exc
+            self.local = _load_part(model_path, dtype, device, self.group, native, quantization, gguf)
+            self._await_workers("ready", "loading its part of the model")
+        except BaseException:
+            self._stop_workers(grace_s=0)  # the others wait in the rendezvous or load: nothing to finish
+            raise
         self.args, self.embed = self.local.args, self.local.embed
         self.dtype, self.device = self.local.dtype, self.local.device
         log.info(
-            "event=split_model_ready tp=%d pp=%d backend=%s rank0=%s",
+            "event=split_model_ready tp=%d pp=%d backend=%s rank0=%s workers=%s",
             tp,
             pp,
             address.backend,
             self.local.describe(),
+            ",".join(f"rank{r}:pid{p.pid}" for r, p in enumerate(self._procs, 1)),
         )
+
+    def _await_workers(self, message: str, what: str) -> None:
+        """Wait for `message` from every worker (`what` it is doing meanwhile), at most STARTUP_TIMEOUT_S
+        for each, watching its process: `WorkerDied` as soon as one exits instead."""
+        for rank, (conn, proc) in enumerate(zip(self._conns, self._procs), start=1):
+            deadline = time.monotonic() + STARTUP_TIMEOUT_S
+            while not conn.poll(STARTUP_POLL_S):
+                if not proc.is_alive() and not conn.poll(0):
+                    break  # dead without a word: reported below
+                if time.monotonic() > deadline:
+                    raise WorkerDied(
+                        self._death(f"rank {rank} was still {what} after {STARTUP_TIMEOUT_S:.0f}s")
+                    )
+            try:
+                got = conn.recv()
+            except (EOFError, OSError) as exc:
+                raise WorkerDied(self._death(f"rank {rank} was {what}")) from exc
+            assert got == (message, rank), f"rank {rank} sent {got!r} where {message!r} was due"
 
     def _send(self, message: tuple, ranks: int | None = None) -> None:
         """To every worker, or to ranks 1..ranks-1 only."""
@@ -202,16 +237,24 @@ class SplitModel:
             try:
                 conn.send(message)
             except (BrokenPipeError, ConnectionResetError, EOFError) as exc:
-                raise WorkerDied(self._death(f"could not send a step ({exc})")) from exc
+                raise WorkerDied(self._death(f"could not send a step: {exc}")) from exc
 
     def _death(self, what: str) -> str:
+        """The message of a `WorkerDied`: `what` failed, and which ranks have exited with which code.
+
+        A dying process closes its files (its sockets, its sentinel pipe) before it can be reaped, and a
+        large one on a loaded host takes a while in between: wait for a sentinel, then reap its process."""
+        ready = multiprocessing.connection.wait([p.sentinel for p in self._procs], timeout=EXIT_WAIT_S)
+        for proc in self._procs:
+            if proc.sentinel in ready:
+                proc.join()  # exiting: a blocking waitpid, done once the kernel has torn it down
         dead = [
             f"rank {r} exited with code {p.exitcode}"
             for r, p in enumerate(self._procs, 1)
             if not p.is_alive()
         ]
         return (
-            f"{self.split}-parallel worker failure: {what}; {', '.join(dead) or 'all workers still running'}"
+            f"{self.split}-parallel worker failure: {', '.join(dead) or 'all workers still running'} ({what})"
         )
 
     def _run(self, call, *args):
@@ -219,7 +262,9 @@ class SplitModel:
             return call(*args)
         except RuntimeError as exc:  # a collective that lost a peer
             raise WorkerDied(
-                self._death(str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                self._death(
+                    f"a collective failed: {str(exc).splitlines()[0] if str(exc) else type(exc).__name__}"
+                )
             ) from exc
 
     @property
@@ -268,14 +313,28 @@ class SplitModel:
             self._send(("logits", hidden.cpu()), ranks=self.tp)
         return self._run(self.local.logits, hidden)
 
+    def check_workers(self) -> None:
+        """`WorkerDied` if a worker has exited: the engine core asks while idle, when no collective would
+        tell it."""
+        if not all(proc.is_alive() for proc in self._procs):
+            raise WorkerDied(self._death("found while the engine was idle"))
+
     def close(self) -> None:
+        self._stop_workers(grace_s=10)
+
+    def _stop_workers(self, grace_s: float) -> None:
+        """Tell every worker to stop, give each `grace_s` to exit, then kill it."""
         for conn in self._conns:
             try:
                 conn.send(("stop",))
             except OSError:
                 pass
         for proc in self._procs:
-            proc.join(timeout=10)
+            proc.join(timeout=grace_s)
             if proc.is_alive():
                 proc.kill()
-        self.group.close()
+                proc.join()
+        for conn in self._conns:
+            conn.close()
+        if self.group is not None:
+            self.group.close()

@@ -3,14 +3,19 @@ gloo) against the whole model in one process."""
 
 from __future__ import annotations
 
+import multiprocessing
 import shutil
+import subprocess
+import sys
+from typing import Any, NamedTuple
 
 import pytest
 import torch
 from specfleet.engine import LLM, SamplingParams
+from specfleet.engine.distributed import WorkerDied
+from specfleet.engine.distributed.comm import COLLECTIVE_TIMEOUT_S
 from specfleet.engine.distributed.pipeline import stage_layers
 from specfleet.engine.distributed.sharding import plan, shard_state
-from specfleet.engine.distributed.workers import WorkerDied
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_numbers():
@@ -22,6 +27,20 @@ def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match="MLP width of 1536"):
         plan(9, 3, 1536, 49152, 9, 0)
     assert len(plan(9, 3, 1536, 49152, 3, 2).heads) == 3
+
+
+def test_llm_refuses_a_size_that_does_not_divide_the_heads_before_it_starts_any_worker():
+    # SmolLM2-135M splits only by 1 or 3 (9 heads, 3 KV heads, MLP width 1536 = 2^9 x 3)
+    with pytest.raises(
+        ValueError,
+        match=r"tensor_parallel_size=2 does not divide the model's 9 attention heads and 3 KV heads "
+        r"\(the model: 9 attention heads, 3 KV heads, MLP width 1536.*use one of 1, 3$",
+    ):
+        LLM(model="bundled://smollm2-135m-instruct", tensor_parallel_size=2)
+    assert not multiprocessing.active_children()  # refused in this process: no rank was spawned
+    with pytest.raises(ValueError, match="pipeline_parallel_size=31 must be between 1 and the model's 30"):
+        LLM(model="bundled://smollm2-135m-instruct", pipeline_parallel_size=31)
+    assert not multiprocessing.active_children()
 
 
 def _state(hidden=16, heads=4, kv=2, head_dim=4, inter=24, vocab=10):
@@ -121,14 +140,36 @@ GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=
 LOGPROB_ATOL = 1e-3
 
 
-def _run(model: str, size: int, prompts=PROMPTS, params=GREEDY, split="tensor", preempts=False, **kwargs):
+class Run(NamedTuple):
+    tokens: list[list[int]]
+    logprobs: list[list[float]]
+    stats: Any  # EngineStats at the end of the run
+
+
+def _run(
+    model: str,
+    size: int,
+    prompts=PROMPTS,
+    params=GREEDY,
+    split="tensor",
+    preempts=False,
+    then=(),
+    **kwargs,
+) -> Run:
+    """Generate `prompts` in one call, then `then` in a second (whose repeats of earlier prompts can only
+    hit the prefix cache: within one call every prompt is scheduled before any block is cached)."""
     llm = LLM(model=model, block_size=4, **{f"{split}_parallel_size": size}, **kwargs)
     try:
-        outs = [r.outputs[0] for r in llm.generate(prompts, params)]
-        assert (llm.engine.stats.num_preemptions > 0) == preempts
+        outs = [r.outputs[0] for batch in (prompts, then) if batch for r in llm.generate(batch, params)]
+        stats = llm.engine.stats
+        assert (stats.num_preemptions > 0) == preempts
     finally:
         llm.close()
-    return [o.token_ids for o in outs], [[next(iter(lp.values())).logprob for lp in o.logprobs] for o in outs]
+    return Run(
+        [o.token_ids for o in outs],
+        [[next(iter(lp.values())).logprob for lp in o.logprobs] for o in outs],
+        stats,
+    )
 
 
 def _same(a, b):
@@ -146,24 +187,73 @@ def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tmp_path, bund
 
 
 def test_tp3_on_the_bundled_model_equals_tp1_with_speculation_and_prefix_hits():
-    prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is"]  # a prefix hit
+    # The second call repeats the first prompt: its full blocks come from the prefix cache, i.e. from every
+    # rank's own KV cache (each holds its KV head), and the tokens after them must still be TP=1's. The
+    # second prompt repeats itself, so the n-gram proposer has drafts to make.
+    first = ["The capital of France is the city of", "one two three one two three one two three one"]
+    again = ["The capital of France is the city of"]
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
-    one = _run("bundled://smollm2-135m-instruct", 1, prompts)
-    _same(_run("bundled://smollm2-135m-instruct", 3, prompts), one)
-    _same(_run("bundled://smollm2-135m-instruct", 3, prompts, **ngram), one)
+    one = _run("bundled://smollm2-135m-instruct", 1, first, then=again)
+    plain = _run("bundled://smollm2-135m-instruct", 3, first, then=again)
+    spec = _run("bundled://smollm2-135m-instruct", 3, first, then=again, **ngram)
+    for run in (one, plain, spec):
+        assert run.stats.prefix_cache_hits >= 4  # the first 4-token block of the repeated 8-token prompt
+    assert spec.stats.num_drafts > 0 and spec.stats.num_accepted_tokens > 0
+    _same(plain, one)
+    _same(spec, one)
 
 
 def test_a_dead_worker_fails_the_step_with_its_rank_and_exit_code(tmp_path, bundled_path):
     llm = LLM(model=_tiny("llama", tmp_path, bundled_path, vocab=49152), block_size=4, tensor_parallel_size=2)
     try:
         llm.generate([[1, 2, 3]], GREEDY)
+        llm.engine.check_health()  # all ranks alive
         worker = llm.engine.runner.model._procs[0]
         worker.kill()
         worker.join(timeout=10)
         with pytest.raises(WorkerDied, match=r"rank 1 exited with code -9"):
+            llm.engine.check_health()  # what the engine core asks while idle
+        with pytest.raises(WorkerDied, match=r"rank 1 exited with code -9"):
             llm.generate([[1, 2, 3]], GREEDY)
     finally:
         llm.close()
+
+
+def test_a_worker_that_dies_before_joining_the_group_is_worker_died_at_once(tmp_path, tiny_llama):
+    # A script without `if __name__ == "__main__":` (a common mistake with the spawn method): the worker
+    # re-runs it on start, fails there before it joins the process group, and exits. Rank 0 must say so
+    # instead of waiting in the group's rendezvous until its timeout.
+    script = tmp_path / "no_main_guard.py"
+    script.write_text(
+        f"from specfleet.engine import LLM\nLLM(model={tiny_llama!r}, tensor_parallel_size=2)\n"
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=COLLECTIVE_TIMEOUT_S * 0.75
+    )
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert (
+        "WorkerDied: tensor-parallel worker failure: rank 1 exited with code 1 "
+        "(rank 1 was joining the process group)" in done.stderr
+    ), done.stderr[-3000:]
+
+
+def test_a_worker_that_dies_while_loading_is_worker_died_and_leaves_no_group(tmp_path, bundled_path):
+    # A checkpoint that lacks a tensor of its last layer: stage 0 (this process, layer 0) loads, stage 1
+    # fails on the missing tensor and exits while rank 0 waits for it to be ready.
+    from safetensors.torch import load_file, save_file
+
+    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    weights = tmp_path / "model.safetensors"
+    state = load_file(weights)
+    del state["model.layers.1.mlp.down_proj.weight"]
+    save_file(state, weights, metadata={"format": "pt"})
+    with pytest.raises(
+        WorkerDied,
+        match=r"worker failure: rank 1 exited with code 1 \(rank 1 was loading its part of the model\)",
+    ):
+        LLM(model=model, block_size=4, pipeline_parallel_size=2)
+    assert not multiprocessing.active_children()
+    assert not torch.distributed.is_initialized()  # the next split engine of this process can start
 
 
 def test_stages_are_equal_runs_of_layers():
@@ -232,7 +322,10 @@ def test_tp2_x_pp2_on_a_random_model_equals_one_process(tmp_path, bundled_path):
     # the last vocab shard); the stages overlap two micro-batches.
     model = _tiny("qwen2", tmp_path, bundled_path, vocab=49157)
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
-    _same(_run(model, 2, pipeline_parallel_size=2, **ngram), _run(model, 1))
+    prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]  # a repeating prompt: the n-gram proposer drafts
+    split = _run(model, 2, prompts, pipeline_parallel_size=2, **ngram)
+    assert split.stats.num_drafts > 0
+    _same(split, _run(model, 1, prompts))
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])

@@ -5,6 +5,8 @@ the prefill engine's held blocks back."""
 
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -165,6 +167,43 @@ def test_client_gone_before_the_decode_releases_the_hold(fleet):
     assert params["num_blocks"] >= 2 and _blocks(fleet["states"]["prefill"]) == params["num_blocks"]
     disaggregation.release(params)
     _wait_no_blocks(fleet["states"]["prefill"], timeout_s=3)
+
+
+@pytest.mark.parametrize("leaves", ["during the prefill", "at the first streamed token"])
+def test_a_client_that_drops_its_connection_mid_request_leaks_no_blocks_on_either_engine(fleet, leaves):
+    # A real client socket through the router: it sends a streaming request and closes the connection
+    # right away (the router's handler is cancelled while it waits for the prefill engine) or once the
+    # decode engine's first token arrived (the router's write fails, it drops the decode engine's
+    # connection, which aborts). Either way both engines get every block back well before the prefill
+    # engine's hold would time out (kv_transfer_timeout_s, 60 s).
+    urls, states = fleet["urls"], fleet["states"]
+    host, port = urls["proxy"].removeprefix("http://").split(":")
+    request = {"prompt": " ".join(["word"] * 120), "temperature": 0, "ignore_eos": True}  # ~120 tokens
+    # The same prompt once to the end: the router then has a pooled connection to the prefill engine and
+    # that engine the prompt in its prefix cache, so the prefill of the request below ends (and holds the
+    # blocks) before the engine could notice that the router's connection closed.
+    warm = httpx.post(f"{urls['proxy']}/v1/completions", json={**request, "max_tokens": 2}, timeout=60)
+    assert warm.status_code == 200
+    _wait_no_blocks(states["prefill"])
+    body = json.dumps({**request, "max_tokens": 120, "stream": True}).encode()
+    head = (
+        f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    pulls = fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"]
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(head + body)
+        if leaves == "at the first streamed token":
+            got = b""
+            while b"data: " not in got:
+                chunk = sock.recv(4096)
+                assert chunk, got
+                got += chunk
+            assert b"[DONE]" not in got  # it leaves mid-stream
+    _wait_no_blocks(states["prefill"], timeout_s=5)
+    _wait_no_blocks(states["decode"], timeout_s=5)
+    if leaves == "at the first streamed token":  # the KV had moved: the decode engine pulled it
+        assert fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"] == pulls + 1
 
 
 def test_bad_kv_transfer_params_are_a_400_naming_the_field(fleet):

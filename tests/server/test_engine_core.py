@@ -33,29 +33,7 @@ def test_sigkill_of_the_core_fails_in_flight_requests_and_exits_non_zero(tmp_pat
             f"{url}/v1/completions", json={"prompt": "Hello", "max_tokens": 3, "temperature": 0}, timeout=60
         )
         assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] == 3
-        result: dict[str, Any] = {}
-        started = threading.Event()
-
-        def stream() -> None:
-            try:
-                with httpx.stream(
-                    "POST",
-                    f"{url}/v1/completions",
-                    timeout=60,
-                    json={"prompt": "Count: 1, 2, 3,", "max_tokens": 400, "stream": True, "ignore_eos": True},
-                ) as resp:
-                    result["status"] = resp.status_code
-                    result["lines"] = []
-                    for line in resp.iter_lines():
-                        if line.startswith("data: "):
-                            result["lines"].append(line[6:])
-                            started.set()
-            except Exception as exc:  # the server may go away mid-stream: recorded, asserted below
-                result["error"] = repr(exc)
-            started.set()
-
-        thread = threading.Thread(target=stream)
-        thread.start()
+        result, started, thread = _stream_in_background(url, "Count: 1, 2, 3,")
         assert started.wait(60)
         os.kill(core_pid, signal.SIGKILL)
         code = proc.wait(30)
@@ -70,10 +48,84 @@ def test_sigkill_of_the_core_fails_in_flight_requests_and_exits_non_zero(tmp_pat
         rf"event=engine_core_dead the engine core \(pid {core_pid}\) exited: killed by SIGKILL", log_text
     )
     assert "event=exit reason=engine_core_dead exit_code=1" in log_text
-    # The stream that was running did not end as if it had finished: an error chunk, or a cut connection.
+    _assert_failed_midway(result)
+
+
+def _stream_in_background(url: str, prompt: str) -> tuple[dict[str, Any], threading.Event, threading.Thread]:
+    """A long streaming completion in a thread: (its result, set at the first chunk, the thread)."""
+    result: dict[str, Any] = {}
+    started = threading.Event()
+
+    def stream() -> None:
+        try:
+            with httpx.stream(
+                "POST",
+                f"{url}/v1/completions",
+                timeout=60,
+                json={"prompt": prompt, "max_tokens": 400, "stream": True, "ignore_eos": True},
+            ) as resp:
+                result["status"] = resp.status_code
+                result["lines"] = []
+                for line in resp.iter_lines():
+                    if line.startswith("data: "):
+                        result["lines"].append(line[6:])
+                        started.set()
+        except Exception as exc:  # the server may go away mid-stream: recorded, asserted below
+            result["error"] = repr(exc)
+        started.set()
+
+    thread = threading.Thread(target=stream)
+    thread.start()
+    return result, started, thread
+
+
+def _assert_failed_midway(result: dict[str, Any]) -> None:
+    """The stream that was running did not end as if it had finished: an error chunk, or a cut connection."""
     lines = result.get("lines", [])
     assert not any('"finish_reason":"length"' in line for line in lines), lines[-3:]
     assert "error" in result or any('"error"' in line for line in lines), result
+
+
+def test_sigkill_of_a_tensor_parallel_worker_takes_the_served_engine_down(
+    tmp_path: Path, tiny_llama: str
+) -> None:
+    # TP=2 on the tiny random llama over gloo: rank 1 is a process the core spawned. Its death fails the
+    # core's next collective; the core exits naming the rank and its exit code, and the server takes the
+    # core-death path: in-flight requests fail, readiness down, exit 1.
+    log_path = tmp_path / "server.log"
+    args = (
+        "--model",
+        tiny_llama,
+        "--tensor-parallel-size",
+        "2",
+        "--max-model-len",
+        "512",
+        "--kv-cache-gib",
+        "0.02",
+    )
+    proc, url = start_server(log_path, *args)
+    try:
+        match = re.search(r"event=split_model_ready tp=2 .* workers=rank1:pid(\d+)", log_path.read_text())
+        assert match, log_path.read_text()[-2000:]
+        result, started, thread = _stream_in_background(url, "Count: 1, 2, 3,")
+        assert started.wait(60) and result.get("lines"), result
+        os.kill(int(match.group(1)), signal.SIGKILL)
+        code = proc.wait(60)
+        thread.join(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    log_text = log_path.read_text()
+    assert code == 1, log_text[-3000:]
+    assert re.search(
+        r"event=engine_worker_died tensor-parallel worker failure: rank 1 exited with code -9 \(.*\); "
+        r"the engine core exits",
+        log_text,
+    ), log_text[-3000:]
+    assert re.search(r"event=engine_core_dead .*; failing 1 in-flight requests, readiness down", log_text)
+    assert "event=exit reason=engine_core_dead exit_code=1" in log_text
+    _assert_failed_midway(result)
 
 
 def test_ready_and_new_requests_answer_503_once_the_core_is_dead(serve_app: Any) -> None:

@@ -330,20 +330,7 @@ class Engine:
             return LiveConfig(**{**self._live.as_dict(), **self._pending})
 
     def update_config(self, **changes: int) -> LiveConfig:
-        limits = {knob.name: (knob.minimum, getattr(self.config, knob.ceiling)) for knob in KNOBS}
-        for name, value in changes.items():
-            if name not in limits:
-                raise ParameterError(name, f"{name} is not a live setting; use one of {sorted(limits)}")
-            low, high = limits[name]
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                why = (
-                    " (no speculative method configured at start)"
-                    if name == "num_speculative_tokens" and not high
-                    else ""
-                )
-                raise ParameterError(
-                    name, f"{name}={value!r} must be an integer between {low} and {high}{why}"
-                )
+        self.config.check_live(changes)
         with self._lock:
             self._pending.update(changes)
         return self.live_config()

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
-from specfleet.engine.knobs import KNOBS, LiveConfig
-from specfleet.engine.sampling_params import ParameterError
+from specfleet.engine.knobs import LiveConfig
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -235,32 +233,3 @@ class EngineConfig:
     def speculative_tokens_limit(self) -> int:
         """Ceiling for the live k: none without a speculative method (there is no proposer)."""
         return self.max_num_speculative_tokens if self.speculative_method != "none" else 0
-
-    def check_live(self, changes: Mapping[str, int]) -> None:
-        """Refuse live knob values outside [the knob's minimum, its ceiling fixed at start], naming the
-        field and the limit: the admin API's 400 and `--live-config-file`'s check at start."""
-        limits = {knob.name: (knob.minimum, getattr(self, knob.ceiling)) for knob in KNOBS}
-        for name, value in changes.items():
-            if name not in limits:
-                raise ParameterError(name, f"{name} is not a live setting; use one of {sorted(limits)}")
-            low, high = limits[name]
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                why = (
-                    " (no speculative method configured at start)"
-                    if name == "num_speculative_tokens" and not high
-                    else ""
-                )
-                raise ParameterError(
-                    name, f"{name}={value!r} must be an integer between {low} and {high}{why}"
-                )
-
-    def with_live(self, changes: Mapping[str, int]) -> EngineConfig:
-        """This config starting on other live values (checked as `check_live` does). The ceilings stay the
-        ones this config fixes: a lower start value must not lower a default ceiling with it."""
-        self.check_live(changes)
-        return replace(
-            self,
-            max_num_seqs_limit=self.seqs_limit,
-            max_num_batched_tokens_limit=self.batched_tokens_limit,
-            **changes,
-        )

@@ -19,6 +19,7 @@ from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, Tok
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams
 from specfleet.engine.kv_transfer.connector import KVConnector
+from specfleet.engine.live_config import check_live
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -330,7 +331,7 @@ class Engine:
             return LiveConfig(**{**self._live.as_dict(), **self._pending})
 
     def update_config(self, **changes: int) -> LiveConfig:
-        self.config.check_live(changes)
+        check_live(self.config, changes)
         with self._lock:
             self._pending.update(changes)
         return self.live_config()

@@ -4,7 +4,9 @@
 The fleet supervises its engines as a Deployment would: an engine that exits is taken out of routing at
 once, logged with its exit code and last log lines, and restarted with backoff (engines.py). Readiness is
 each engine's `/ready`. `scale_to` starts or retires engines (a retiring one drains: nothing new is
-routed to it, and SIGTERM lets it finish what it has).
+routed to it, and SIGTERM lets it finish what it has). Every start, a restart included, is on the tuner's
+config in force (`LOG_DIR/live-config.json`, the engines' `--live-config-file`, written just before), and
+its cold start (process start to first ready probe) is reported and kept in `startups`.
 
 `LocalFleet` is the programmatic form (tests and `specfleet bench tune|route` use it); `local.main` is the CLI.
 """

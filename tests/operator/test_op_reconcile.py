@@ -10,9 +10,9 @@ import yaml
 from fake_kube import FakeKube
 from isvc_schema_tools import REPO
 from specfleet.operator.config import OperatorConfig
+from specfleet.operator.inference_service import parse_inference_service
 from specfleet.operator.kube import KubeClient
 from specfleet.operator.reconcile import Outcome, Reconciler
-from specfleet.operator.inference_service import parse_inference_service
 from specfleet.operator.render import read_admin_token, render_tuned_config
 from specfleet.operator.resources import FIELD_MANAGER, TUNER_FIELD_MANAGER
 

@@ -210,7 +210,6 @@ def _volumes(spec: InferenceServiceSpec, isvc_name: str, role: str | None) -> li
         "configMap": {"name": tuned_config_name(isvc_name), "optional": True},
     }
     return [
-        *([tuned_config] if tuned(role) else []),
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
         # The token as a read-only file (mode 0440, group fsGroup) instead of an environment variable.
@@ -223,6 +222,7 @@ def _volumes(spec: InferenceServiceSpec, isvc_name: str, role: str | None) -> li
             },
         },
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+        *([tuned_config] if tuned(role) else []),
     ]
 
 

@@ -7,7 +7,10 @@ First every static point of the grid (replicas x k x max_num_seqs, each config p
 admin API, the replica count set by starting or retiring engines) runs the phases; then a fresh fleet,
 tuned and autoscaled by the tuner, runs the same phases. A replica costs from its start to its exit
 (loading included): replica-seconds are sampled every half second. Goodput counts the output tokens of
-requests that meet both SLO targets. Prints progress, writes JSON, and prints the summary as its last line.
+requests that meet both SLO targets. The cold start of each engine the joint run starts (a scale-up, or a
+restart) is the supervisor's: from its process start to its first ready probe, model load included; the
+router's scale-from-zero wait would be reported too, but `minReplicas: 1` never reaches zero. Prints
+progress, writes JSON, and prints the summary as its last line.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from specfleet.bench.tune import Phase, bench_service, bench_spec, run_phase
+from specfleet.fleet.engines import Startup
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.tuner.actuator import AdminActuator
 from specfleet.tuner.loop import Tick
@@ -148,6 +152,27 @@ def summarize_run(figures: dict[str, dict[str, float]], replica_seconds: float) 
     }
 
 
+def cold_starts(startups: list[Startup], t0: float, from_zero_s: float | None) -> dict[str, Any]:
+    """The engines started after the fleet's own start (`cause` scale-up or restart): when each became
+    ready (seconds after `t0`) and how long it took from its process start; `from_zero_s` is the router's
+    wait for the first request held with no engine ready (`specfleet_router_cold_start_seconds`)."""
+    later = [s for s in startups if s.cause != "start"]
+    scale_ups = [s.seconds for s in later if s.cause == "scale-up"]
+    return {
+        "cold_starts": [
+            {
+                "engine": s.index,
+                "cause": s.cause,
+                "t": round(s.ready_at - t0, 1),
+                "seconds": round(s.seconds, 2),
+            }
+            for s in later
+        ],
+        "cold_start_s_max": round(max(scale_ups), 2) if scale_ups else None,
+        "scale_from_zero_cold_start_s": None if from_zero_s is None else round(from_zero_s, 2),
+    }
+
+
 async def joint(args: argparse.Namespace) -> dict[str, Any]:
     """A fresh fleet at one replica, the tuner deciding config and replicas, through the phases."""
     fleet = LocalFleet(
@@ -200,12 +225,19 @@ async def joint(args: argparse.Namespace) -> dict[str, Any]:
             if d.changed
         ],
         "replicas_timeline": [(round(t - t0, 1), n) for t, n in samples[:: max(1, len(samples) // 200)]],
+        **cold_starts(fleet.startups, t0, fleet.router.cold_start_s),
     }
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
     static = await static_grid(args)
-    tuned = await joint(args)
+    return summarize(args, static, await joint(args))
+
+
+def summarize(
+    args: argparse.Namespace, static: dict[str, dict[str, Any]], tuned: dict[str, Any]
+) -> dict[str, Any]:
+    """The JSON: the joint run against the best static point, its replica and config churn, cold starts."""
     best = max(static, key=lambda n: static[n]["goodput_per_replica_s"])
     best_value = static[best]["goodput_per_replica_s"]
     return {
@@ -219,6 +251,9 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "config_changes_per_transition_max": max(tuned["config_changes"].values(), default=0),
         "replica_changes_per_transition": tuned["replica_changes"],
         "replica_seconds": round(tuned["replica_seconds"], 1),
+        "cold_start_s_max": tuned["cold_start_s_max"],
+        "cold_start_s": [c["seconds"] for c in tuned["cold_starts"] if c["cause"] == "scale-up"],
+        "scale_from_zero_cold_start_s": tuned["scale_from_zero_cold_start_s"],
         "phases": [p.name for p in phases(args)],
         "phase_seconds": args.phase_seconds,
         "static": static,

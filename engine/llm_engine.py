@@ -19,6 +19,7 @@ from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, Tok
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams
 from specfleet.engine.kv_transfer.connector import KVConnector
+from specfleet.engine.live_config import check_live
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
@@ -333,20 +334,7 @@ class Engine:
             return LiveConfig(**{**self._live.as_dict(), **self._pending})
 
     def update_config(self, **changes: int) -> LiveConfig:
-        limits = {knob.name: (knob.minimum, getattr(self.config, knob.ceiling)) for knob in KNOBS}
-        for name, value in changes.items():
-            if name not in limits:
-                raise ParameterError(name, f"{name} is not a live setting; use one of {sorted(limits)}")
-            low, high = limits[name]
-            if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-                why = (
-                    " (no speculative method configured at start)"
-                    if name == "num_speculative_tokens" and not high
-                    else ""
-                )
-                raise ParameterError(
-                    name, f"{name}={value!r} must be an integer between {low} and {high}{why}"
-                )
+        check_live(self.config, changes)
         with self._lock:
             self._pending.update(changes)
         return self.live_config()

@@ -34,6 +34,17 @@ def describe_exit(code: int) -> str:
     return f"exit code {code}"
 
 
+@dataclass(frozen=True)
+class Startup:
+    """One engine start that reached /ready: its cold start, from its process start to its first ready
+    probe (model load included), as a pod's is from container start to Ready."""
+
+    index: int
+    cause: str  # EngineProcess.cause
+    ready_at: float  # monotonic
+    seconds: float
+
+
 @dataclass
 class EngineProcess:
     index: int
@@ -49,6 +60,8 @@ class EngineProcess:
     retiring: bool = False  # being scaled down: its exit is expected, never restarted
     exit_codes: list[int] = field(default_factory=list)
     role: str | None = None  # "prefill"/"decode" with spec.disaggregation (its --kv-role), None: aggregated
+    cause: str = "start"  # why its process last started: "start" (with the fleet), "scale-up", "restart"
+    ready_at: float | None = None  # when it first answered /ready since that start (None: not yet)
 
     @property
     def url(self) -> str:
@@ -66,6 +79,7 @@ class EngineProcess:
             log.close()
         self.started_at = time.monotonic()
         self.restart_at = None
+        self.ready_at = None
 
     def reap(self, now: float) -> int | None:
         """If the process exited: its code, with the restart scheduled (unless retiring); else None."""

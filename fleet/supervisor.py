@@ -4,7 +4,9 @@
 The fleet supervises its engines as a Deployment would: an engine that exits is taken out of routing at
 once, logged with its exit code and last log lines, and restarted with backoff (engines.py). Readiness is
 each engine's `/ready`. `scale_to` starts or retires engines (a retiring one drains: nothing new is
-routed to it, and SIGTERM lets it finish what it has).
+routed to it, and SIGTERM lets it finish what it has). Every start, a restart included, is on the tuner's
+config in force (`LOG_DIR/live-config.json`, the engines' `--live-config-file`, written just before), and
+its cold start (process start to first ready probe) is reported and kept in `startups`.
 
 `LocalFleet` is the programmatic form (tests and `specfleet bench tune|route` use it); `local.main` is the CLI.
 """
@@ -12,6 +14,7 @@ routed to it, and SIGTERM lets it finish what it has).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import secrets
 import socket
@@ -34,7 +37,7 @@ from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
 from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
 from specfleet.tuner.types import SLO
 
-from .engines import EngineProcess, describe_exit
+from .engines import EngineProcess, Startup, describe_exit
 
 SUPERVISE_PERIOD_S = 0.2  # how soon an exited engine leaves routing (a poll of each process)
 READY_PERIOD_S = 0.5  # how often each running engine's /ready is probed
@@ -129,6 +132,7 @@ class LocalFleet:
         self.replica_decisions: list[ReplicaDecision] = []
         self._cold_start: float | None = None
         self.cold_start_s: float | None = None
+        self.startups: list[Startup] = []  # every engine start that reached /ready, in order
         if spec.autoscaling.enabled:
             self.replica_policy = ReplicaPolicy(replica_params(spec), self.isvc.desired_replicas)
             self.router.on_queue = self._on_queue
@@ -138,6 +142,12 @@ class LocalFleet:
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
         self._env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
+
+    @property
+    def live_config_file(self) -> Path:
+        """The engines' `--live-config-file`: the tuner's config in force, rewritten before each start."""
+        assert self.log_dir is not None  # set in __post_init__
+        return self.log_dir / "live-config.json"
 
     def admin_url(self, engine_url: str) -> str:
         """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
@@ -164,12 +174,15 @@ class LocalFleet:
         return [e.url for e in self.router.endpoints.routable()]
 
     # ---- engines -------------------------------------------------------------------------------------
-    def _new_engine(self, role: str | None = None) -> EngineProcess:
+    def _new_engine(self, role: str | None = None, cause: str = "start") -> EngineProcess:
         """`role`: "prefill" or "decode" with spec.disaggregation (the engine's --kv-role and its role in the
-        router's endpoint set), None for an aggregated engine."""
+        router's endpoint set), None for an aggregated engine. The engines the tuner tunes (all but
+        prefill's) start on its config in force (`--live-config-file`)."""
         index = max((e.index for e in self.engines), default=-1) + 1
         port, admin_port = free_port(), free_port()
         extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
+        if role != "prefill":
+            extra.append(f"--live-config-file={self.live_config_file}")
         command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
         engine = EngineProcess(
             index,
@@ -178,17 +191,39 @@ class LocalFleet:
             self._env,
             self.log_dir / f"engine-{index}.log",  # type: ignore[operator]
             role=role,
+            cause=cause,
         )
         self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
-        engine.start()
+        self._start(engine)
         self.engines.append(engine)
         self.router.endpoints.set_state(engine.url, ready=False, draining=False, role=role)
         return engine
+
+    def _start(self, engine: EngineProcess) -> None:
+        """Start (or restart) an engine's process on the tuner's config in force: the file its
+        `--live-config-file` names is written first, so a new engine serves its first request tuned (none
+        yet, or tuning off: no file, and the engine starts on the spec's values, its flags)."""
+        settings = self.tuner.in_force if self.tuner is not None else None
+        path = self.live_config_file
+        if settings is None:
+            path.unlink(missing_ok=True)
+        else:
+            staged = path.with_suffix(".tmp")  # renamed into place: an engine never reads half a file
+            staged.write_text(json.dumps(settings.as_admin()))
+            os.replace(staged, path)
+        engine.start()
 
     def _set_routing(self, engine: EngineProcess, ready: bool, draining: bool = False) -> None:
         current = self.router.endpoints.get(engine.url)
         if current is not None and (current.ready, current.draining) == (ready, draining):
             return
+        if ready and engine.ready_at is None:
+            engine.ready_at = time.monotonic()
+            startup = Startup(
+                engine.index, engine.cause, engine.ready_at, engine.ready_at - engine.started_at
+            )
+            self.startups.append(startup)
+            self.say(f"[fleet] engine {engine.index} ready {startup.seconds:.1f}s after its {engine.cause}")
         if ready and self._cold_start is not None:
             self.cold_start_s = time.monotonic() - self._cold_start
             self._cold_start = None
@@ -287,10 +322,11 @@ class LocalFleet:
                     self._on_exit(engine, code)
                 if engine.proc is None and engine.restart_at is not None and now >= engine.restart_at:
                     engine.restarts += 1
+                    engine.cause = "restart"
                     self.say(
                         f"[fleet] restarting engine {engine.index} ({engine.url}), restart {engine.restarts}"
                     )
-                    engine.start()
+                    self._start(engine)
             await asyncio.sleep(SUPERVISE_PERIOD_S)
 
     def _on_exit(self, engine: EngineProcess, code: int) -> None:
@@ -332,7 +368,7 @@ class LocalFleet:
             raise ValueError(f"replicas={replicas} must be >= 0")
         active = [e for e in self.engines if not e.retiring and e.role != "prefill"]
         for _ in range(replicas - len(active)):
-            engine = self._new_engine(self._scaled_role)
+            engine = self._new_engine(self._scaled_role, "scale-up")
             self.say(f"[fleet] scaling up: started engine {engine.index} ({engine.url})")
         for engine in sorted(active, key=lambda e: e.index, reverse=True)[: max(0, len(active) - replicas)]:
             engine.retiring = True

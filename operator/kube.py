@@ -23,6 +23,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "Role": ("rbac.authorization.k8s.io/v1", "roles"),
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "Secret": ("v1", "secrets"),
+    "ConfigMap": ("v1", "configmaps"),
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),

@@ -44,6 +44,7 @@ from .resources import (
     engine_workload_name,
     engines_service_name,
     router_name,
+    tuned_config_name,
 )
 
 T = TypeVar("T")
@@ -137,6 +138,16 @@ class Reconciler:
             if policy is not None:
                 children["NetworkPolicy"] = policy
         monitored = await self._service_monitor(isvc, children)
+        if (
+            not isvc.spec.autotune.enabled
+        ):  # the tuner writes it (tuner/handlers.py); untuned, no pod reads it
+            await self._delete_owned(
+                "ConfigMap",
+                isvc,
+                events,
+                tuned_config_name(isvc.name),
+                "autotune is off: pods start on the spec",
+            )
 
         conds = deployment_conditions(isvc, workloads)
         if conflict is not None or refused:

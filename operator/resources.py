@@ -29,6 +29,10 @@ ADMIN_TOKEN_FILE_ENV = "SPECFLEET_ADMIN_TOKEN_FILE"
 ADMIN_TOKEN_DIR = "/var/run/secrets/specfleet/admin"
 # The engine's caches (native kernels, converted models, HF, Triton) on the pod's writable emptyDir.
 CACHE_DIR = "/cache"
+# The `NAME-tuned` ConfigMap (the tuner's config in force), mounted here read-only: the engine starts on
+# the values in its file (`--live-config-file`), so a new pod serves its first request tuned.
+TUNED_CONFIG_DIR = "/etc/specfleet/tuned"
+TUNED_CONFIG_VOLUME = "tuned-config"
 
 LABEL_ISVC = f"{GROUP}/inferenceservice"
 # With spec.disaggregation each engine pod carries its role (prefill or decode); the role's Deployment and
@@ -56,6 +60,10 @@ MANAGED_BY = "specfleet-operator"
 
 def admin_secret_name(isvc_name: str) -> str:
     return f"{isvc_name}-admin"
+
+
+def tuned_config_name(isvc_name: str) -> str:
+    return f"{isvc_name}-tuned"
 
 
 def selector_labels(isvc_name: str) -> dict[str, str]:

@@ -17,6 +17,8 @@ from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import REPLICAS, SEARCHED, Knob, camel
 from specfleet.router.policies import DEFAULT_POLICY, POLICIES
 
+from .resources import TUNED_CONFIG_DIR, TUNED_CONFIG_VOLUME
+
 # A field whose CRD schema is the Kubernetes OpenAPI definition named here (see `upstream`).
 K8S_SCHEMA_KEY = "x-specfleet-kubernetes-schema"
 
@@ -374,13 +376,14 @@ RESERVED_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm")
+RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm", TUNED_CONFIG_VOLUME)
 RESERVED_VOLUME_PREFIXES = ("model-", "draft-")
 RESERVED_MOUNT_PATHS = (
     "/tmp",
     "/cache",
     "/dev/shm",
     "/var/run/secrets/specfleet/admin",
+    TUNED_CONFIG_DIR,
     "/models/model",
     "/models/draft",
 )

@@ -58,6 +58,7 @@ DISCOVERY = {
     "/api/v1": [
         ("services", "Service", True, ["status"]),
         ("secrets", "Secret", True, []),
+        ("configmaps", "ConfigMap", True, []),
         ("serviceaccounts", "ServiceAccount", True, []),
         ("events", "Event", True, []),
         ("namespaces", "Namespace", False, ["status"]),

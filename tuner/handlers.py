@@ -6,7 +6,9 @@ selector label), the admin token from the `NAME-admin` Secret the reconcile crea
 `autotune.prometheusURL` (else the operator's default, else a direct scrape of the pods). It writes only
 `status.tuning` and the `Tuned` condition (with autoscaling on, `status.autoscaling`: the replica count the
 reconcile renders into the Deployment), plus an Event per change and per transition (frozen, resumed,
-failing static, recovered); never `spec`.
+failing static, recovered); never `spec`. The config the engines accepted goes into the `NAME-tuned`
+ConfigMap the engine pods mount (operator/render/tuned.py), so a pod of a scale-up or a restart starts on
+it; the pod template is not touched, so tuning rolls nothing.
 
 Autoscaling reads the routers too (`router_signals.py`): at every timer tick while the service has zero
 replicas, so that a request the router holds brings the first pod within one tick (5 s), not one interval;
@@ -19,6 +21,7 @@ every tick, so removing it resumes tuning within one interval too.
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -32,6 +35,7 @@ from specfleet.operator.handlers import autotune_enabled, kube_client
 from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
 from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
+from specfleet.operator.render.tuned import render_tuned_config
 from specfleet.operator.resources import (
     ADMIN_PORT,
     AUTOSCALER_FIELD_MANAGER,
@@ -193,7 +197,8 @@ async def tune(
         entry = tuners[uid] = (tuner, fingerprint, 0.0)
     tuner, _fingerprint, last = entry
     if time.monotonic() - last < tuner.policy.params.interval_s:
-        await tuner.sync_new_pods()  # a pod of a scale-up gets the tuned config now, not at the next interval
+        await tuner.sync_new_pods()  # a pod that started before its file was written: tuned within a tick
+        await publish_in_force(client, body, tuner, memo, logger)
         replicas = _replica_policy(memo, uid, generation, body)
         if replicas is not None and replicas.replicas == 0:  # scale from zero: the routers' queue, every tick
             signals = await router_signals(client, meta["namespace"], meta["name"])
@@ -205,6 +210,7 @@ async def tune(
         return
     tuners[uid] = (tuner, fingerprint, time.monotonic())
     tick = await tuner.tick(frozen_by(body))
+    await publish_in_force(client, body, tuner, memo, logger)
     now = timestamp()
     replicas = _replica_policy(memo, uid, generation, body)
     if replicas is not None:  # the replica knob, from the same observation and model as the config
@@ -242,6 +248,31 @@ async def tune(
         post = kopf.warn if kind == "Warning" else kopf.info
         post(body, reason=reason, message=message[:1000])
     logger.debug("tuner tick: %s", tick.decision.reason)
+
+
+async def publish_in_force(
+    client: KubeClient, body: kopf.Body, tuner: ServiceTuner, memo: kopf.Memo, logger: kopf.Logger
+) -> None:
+    """The config the engines accepted (`ServiceTuner.in_force`) into `NAME-tuned`, under the spec's key,
+    when either changed since this operator last wrote it: what the next pod starts on. A refused write
+    is logged and tried again at the next tick; the pods it misses are tuned by `sync_new_pods`."""
+    if tuner.in_force is None:
+        return
+    written: dict[str, str] = memo.setdefault("tuned_written", {})
+    meta = body["metadata"]
+    isvc = parse_inference_service(body, f"{meta['namespace']}/{meta['name']}")
+    configmap = render_tuned_config(isvc, tuner.in_force.as_admin())
+    content = json.dumps(configmap["data"], sort_keys=True)
+    if written.get(meta["uid"]) == content:
+        return
+    try:
+        await client.apply(configmap, TUNER_FIELD_MANAGER)
+    except ApiError as error:
+        logger.warning(
+            "event=tuned_config_refused configmap=%s error=%s", configmap["metadata"]["name"], error
+        )
+        return
+    written[meta["uid"]] = content
 
 
 async def _autoscaled(
@@ -283,6 +314,7 @@ async def forget(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: An
     if event.get("type") != "DELETED":
         return
     memo.setdefault("replica_policies", {}).pop(meta["uid"], None)
+    memo.setdefault("tuned_written", {}).pop(meta["uid"], None)
     entry = memo.setdefault("tuners", {}).pop(meta["uid"], None)
     if entry is not None:
         await entry[0].close()

@@ -1,7 +1,10 @@
 """One tuning loop for one service: observe, decide, actuate. The local fleet and the operator share it.
 
 `tick()` runs one interval: read the source, let the policy decide, then make every ready engine run the
-policy's config (a restarted pod is brought back to it), and report what happened. Frozen (`frozen_by`:
+policy's config (a restarted pod is brought back to it), and report what happened. `in_force` is the
+config engines accepted last: what a new engine starts on (`specfleet up` writes it to the engines'
+`--live-config-file`, the operator's timer to the `NAME-tuned` ConfigMap the pods mount), so a pod of a
+scale-up or a restart serves its first request tuned; `sync_new_pods` is the check behind it. Frozen (`frozen_by`:
 spec.autotune.freeze, the annotation, `specfleet up`'s freeze file), it only observes: no decision, no push,
 so a config someone sets by hand during an incident stays. It also reports the transitions an SRE wants to
 see as Events: frozen / resumed, and failing static (metrics missing) / recovered.
@@ -125,13 +128,20 @@ class ServiceTuner:
         self.actuator = actuator
         self.endpoints = endpoints
         self.synced: set[str] = set()  # engines that ran the policy's config at the last push
+        # the settings engines accepted at the last push that reached one: what a new engine starts on
+        self.in_force: LiveSettings | None = None
         self.frozen_by: str | None = None  # as of the last tick; set from status when the loop is rebuilt
         self.static = False  # whether the last tick failed static (metrics missing)
         self.static_intervals = 0  # consecutive ticks that failed static
 
+    def _accepted(self, applied: ApplyResult, settings: LiveSettings) -> None:
+        if applied.patched or applied.unchanged:
+            self.in_force = settings
+
     async def sync_new_pods(self) -> ApplyResult | None:
-        """Between intervals: push the config in force to ready engines not seen at the last push (a pod of
-        a scale-up, or one that restarted), so they serve the tuned config within seconds, not the spec's."""
+        """Between intervals: push the config in force to ready engines not seen at the last push. A new
+        engine already starts on `in_force` (its live-config file); this brings one that could not (its
+        file was written after it started, or it was started by hand) to it within a timer tick."""
         desired = self.policy.current
         if desired is None or self.frozen_by is not None:  # frozen: the tuner touches no pod
             return None
@@ -140,8 +150,10 @@ class ServiceTuner:
         if not new:
             return None
         guard = self.policy.guard if self.policy.manages_guard else None
-        applied = await self.actuator.ensure(new, LiveSettings(desired, guard))
+        settings = LiveSettings(desired, guard)
+        applied = await self.actuator.ensure(new, settings)
         self.synced.update(applied.unchanged + applied.patched)
+        self._accepted(applied, settings)
         return applied
 
     async def tick(self, frozen_by: str | None = None) -> Tick:
@@ -159,13 +171,16 @@ class ServiceTuner:
         guard = self.policy.guard if self.policy.manages_guard else None
         if desired is not None:
             urls = await self.endpoints()
-            applied = await self.actuator.ensure(urls, LiveSettings(desired, guard))
+            settings = LiveSettings(desired, guard)
+            applied = await self.actuator.ensure(urls, settings)
             if applied.refused:
                 message = next(iter(applied.refused.values()))
                 decision = self.policy.rejected(obs.time, desired, message)
                 if decision.config is not None:
-                    applied = await self.actuator.ensure(urls, LiveSettings(decision.config, guard))
+                    settings = LiveSettings(decision.config, guard)
+                    applied = await self.actuator.ensure(urls, settings)
             self.synced = set(applied.unchanged + applied.patched)
+            self._accepted(applied, settings)
             if applied.failed:
                 logger.warning(
                     "event=tuner_apply_failed service=%s %s",

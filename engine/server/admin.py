@@ -4,11 +4,17 @@ names (pods: the mounted admin Secret) or else from SPECFLEET_ADMIN_TOKEN (`spec
 No token configured: 403 (the admin API is off). Missing or wrong token: 401. A value outside the
 ceilings fixed at start: 400 naming the field and the limit. The response is the config now in force
 (applied by the engine at its next step).
+
+`--live-config-file` (`live_config_from_file`) is the same body as a file, read once at start: the
+values a new pod should start on (in the cluster the operator's `NAME-tuned` ConfigMap, mounted; in
+`specfleet up` a file the fleet writes), checked as a PATCH is, so a bad value stops the start with the
+field and the limit named instead of being served.
 """
 
 from __future__ import annotations
 
 import hmac
+import json
 import logging
 import os
 from collections.abc import Mapping
@@ -16,7 +22,10 @@ from pathlib import Path
 from typing import Any
 
 from fastapi import APIRouter, Request
+from pydantic import ValidationError
+from specfleet.engine.config import EngineConfig
 from specfleet.engine.knobs import KNOBS
+from specfleet.engine.live_config import start_on
 from specfleet.engine.sampling_params import ParameterError
 
 from .errors import APIError
@@ -48,6 +57,47 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
     if not token:
         raise ValueError(f"{ADMIN_TOKEN_FILE_ENV}={path!r} is empty; it must hold the admin token")
     return token
+
+
+def live_config_from_file(config: EngineConfig, path: str | Path) -> EngineConfig:
+    """`config` starting on the live values in the JSON file `path` (the body of `PATCH /admin/config`),
+    checked as the admin API checks a PATCH: the knobs' types and minimums (`AdminConfigPatch`), then the
+    ceilings fixed at start (`live_config.check_live`). A missing file leaves `config` as the flags made
+    it (a service not tuned yet). Raises ValueError naming the file, the field and the limit."""
+    where = f"--live-config-file {path}"
+    try:
+        text = Path(path).read_text()
+    except FileNotFoundError:
+        logger.info("event=live_config_file_absent path=%s start=flags", path)
+        return config
+    except OSError as exc:
+        raise ValueError(f"{where} cannot be read ({exc.strerror})") from None
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
+        raise ValueError(f"{where} is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise ValueError(f'{where} must hold a JSON object of live knobs, e.g. {{"max_num_seqs": 32}}')
+    try:
+        changes = AdminConfigPatch.model_validate(body).changes()
+        live = start_on(config, changes)
+    except ValidationError as exc:
+        raise ValueError(f"{where}: {'; '.join(map(_problem, exc.errors()))}") from None
+    except ParameterError as exc:
+        raise ValueError(f"{where}: {exc}") from None
+    logger.info(
+        "event=live_config_file_applied path=%s %s", path, " ".join(f"{k}={v}" for k, v in changes.items())
+    )
+    return live
+
+
+def _problem(error: Any) -> str:
+    """One pydantic error as `field=value: why` (the why names the limit: `greater than or equal to 1`)."""
+    why = str(error["msg"]).removeprefix("Value error, ")
+    field = ".".join(map(str, error["loc"]))
+    if error.get("type") == "extra_forbidden":
+        return f"{field} is not a live knob; use one of {[k.name for k in KNOBS]}"
+    return f"{field}={error.get('input')!r}: {why}" if field else why
 
 
 def _authorize(state: ServerState, request: Request) -> None:

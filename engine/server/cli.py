@@ -16,7 +16,7 @@ import uvicorn
 from specfleet.engine.args import add_engine_args, engine_config_kwargs
 from specfleet.engine.config import EngineConfig
 
-from .admin import token_from_env
+from .admin import live_config_from_file, token_from_env
 from .app import build_state, create_app
 from .state import ServerState
 
@@ -58,6 +58,14 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         help="seconds after SIGTERM during which /ready already fails but new requests are still "
         "served (clients routed before the endpoint was removed), before they get 503",
+    )
+    p.add_argument(
+        "--live-config-file",
+        default=None,
+        metavar="PATH",
+        help="start on the live knobs in this JSON file (the body of PATCH /admin/config, checked as the "
+        "admin API checks it), over their flags; a missing file leaves the flags' values (pods: the "
+        "operator's NAME-tuned ConfigMap, the tuner's config in force)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
@@ -160,6 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         try:
             config = EngineConfig(**engine_config_kwargs(args))
+            if args.live_config_file:  # before the model loads: a bad value fails the start at once
+                config = live_config_from_file(config, args.live_config_file)
             admin_token = token_from_env()  # a bad token file fails now, not after minutes of loading
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)

@@ -10,6 +10,7 @@ from .router import (
     render_router_rbac,
 )
 from .secret import new_admin_token, read_admin_token, render_secret
+from .tuned import render_tuned_config
 from .workloads import render_engine_workloads, render_leader_worker_set
 
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
     "render_secret",
     "render_service",
     "render_servicemonitor",
+    "render_tuned_config",
     "resolve_source",
     "wants_pdb",
 ]

@@ -1,11 +1,14 @@
 """The engine Deployment: one pod template per InferenceService, a pure function of its spec.
 
 Tuned values (k, batch limits) never enter the template: the tuner pushes them to running pods through
-the admin API, so tuning causes no rollout. A spec change does, as users expect.
+the admin API, and a new pod starts on them from the `NAME-tuned` ConfigMap it mounts (tuned.py), which
+the template names but does not contain, so tuning causes no rollout. A spec change does, as users expect.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import math
 from typing import Any
 
@@ -23,10 +26,13 @@ from ..resources import (
     ENGINE_PORT,
     KV_TRANSFER_PORT,
     LABEL_ROLE,
+    TUNED_CONFIG_DIR,
+    TUNED_CONFIG_VOLUME,
     admin_secret_name,
     common_labels,
     engine_workload_name,
     role_selector_labels,
+    tuned_config_name,
 )
 from ..spec import InferenceServiceSpec
 from .common import child_metadata
@@ -117,6 +123,29 @@ def engine_args(
     return args + role_args(role) + list(spec.engine.extra_args)
 
 
+def live_config_file(spec: InferenceServiceSpec) -> str:
+    """The key of the `NAME-tuned` ConfigMap this spec's engines start on: named by a hash of their command
+    line, which fixes the ceilings an engine checks the values against. A pod of another template (a spec
+    change rolling out) finds no file under its name and starts on its flags, never on values tuned under
+    other ceilings; the tuner writes the new name at its next tick (tuner/handlers.py)."""
+    draft = spec.speculative.draft_model
+    command = engine_args(spec, spec.model.source, draft.source if draft else None)
+    return f"live-config-{hashlib.sha256(json.dumps(command).encode()).hexdigest()[:12]}.json"
+
+
+def tuned(role: str | None) -> bool:
+    """Whether the tuner tunes this role's engines: all but prefill's (tuner/handlers.py)."""
+    return role != "prefill"
+
+
+def _with_live_config(args: list[str], spec: InferenceServiceSpec, role: str | None) -> list[str]:
+    """`--live-config-file` for a tuned role, before the user's `engine.extraArgs` (last, so they win)."""
+    if not tuned(role):
+        return args
+    at = len(args) - len(spec.engine.extra_args)
+    return [*args[:at], "--live-config-file", f"{TUNED_CONFIG_DIR}/{live_config_file(spec)}", *args[at:]]
+
+
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     """preStop sleep + the engine's shutdown delay + its drain timeout + a margin (see the constants)."""
     return (
@@ -172,7 +201,12 @@ def _probes(spec: InferenceServiceSpec) -> dict[str, Any]:
     }
 
 
-def _volumes(spec: InferenceServiceSpec, isvc_name: str) -> list[dict[str, Any]]:
+def _volumes(spec: InferenceServiceSpec, isvc_name: str, role: str | None) -> list[dict[str, Any]]:
+    # optional: before the tuner's first push there is no ConfigMap, and the engine starts on its flags
+    tuned_config = {
+        "name": TUNED_CONFIG_VOLUME,
+        "configMap": {"name": tuned_config_name(isvc_name), "optional": True},
+    }
     return [
         {"name": "tmp", "emptyDir": {}},
         {"name": "cache", "emptyDir": {}},
@@ -186,6 +220,7 @@ def _volumes(spec: InferenceServiceSpec, isvc_name: str) -> list[dict[str, Any]]
             },
         },
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": spec.resources.shm_size}},
+        *([tuned_config] if tuned(role) else []),
     ]
 
 
@@ -233,7 +268,9 @@ def _pod_spec(
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.engine"],
-        "args": engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None, role),
+        "args": _with_live_config(
+            engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None, role), spec, role
+        ),
         "ports": [
             {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
             # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
@@ -256,6 +293,11 @@ def _pod_spec(
             {"name": "cache", "mountPath": CACHE_DIR},
             {"name": "admin-token", "mountPath": ADMIN_TOKEN_DIR, "readOnly": True},
             {"name": "dshm", "mountPath": "/dev/shm"},
+            *(
+                [{"name": TUNED_CONFIG_VOLUME, "mountPath": TUNED_CONFIG_DIR, "readOnly": True}]
+                if tuned(role)
+                else []
+            ),
             *model.mounts,
             *draft.mounts,
             *(dict(m) for m in spec.pod.volume_mounts),
@@ -275,7 +317,7 @@ def _pod_spec(
         },
         "containers": [container],
         "volumes": [
-            *_volumes(spec, isvc.name),
+            *_volumes(spec, isvc.name, role),
             *model.volumes,
             *draft.volumes,
             *(dict(v) for v in spec.pod.volumes),

@@ -1,6 +1,8 @@
 """`specfleet up` supervises its engines like a Deployment: kill -9 one of two engines and it leaves
 routing at once (requests keep succeeding on the survivor), is reported with its exit code and last log
-lines, is reaped (no zombie) and comes back after its backoff. Then scaling 2 -> 1 drains the newest. Real engines (a tiny random-weight llama), real router, real sockets."""
+lines, is reaped (no zombie) and comes back after its backoff, on the tuner's config in force (its
+--live-config-file). Then scaling 2 -> 1 drains the newest. Real engines (a tiny random-weight llama), real
+router, real sockets."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import pytest
 import yaml
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator.inference_service import load_inference_service
+from specfleet.tuner.types import LiveSettings, TunedConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 EXAMPLE = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "smollm2-cpu.yaml")
@@ -25,9 +28,8 @@ def tiny_fleet(tiny_llama: str, replicas: int, **fleet_options: object) -> Local
     doc["spec"]["model"]["maxModelLen"] = 512
     doc["spec"]["replicas"] = replicas
     doc["spec"]["engine"]["drainTimeoutSeconds"] = 2
-    return LocalFleet(
-        load_inference_service(doc), tune=False, engine_extra_args=["--kv-cache-gib=0.05"], **fleet_options
-    )
+    options = {"tune": False, **fleet_options}
+    return LocalFleet(load_inference_service(doc), engine_extra_args=["--kv-cache-gib=0.05"], **options)
 
 
 async def until(what: str, check, timeout_s: float = 30.0) -> None:
@@ -41,9 +43,14 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
     said: list[str] = []
 
     async def run() -> None:
-        fleet = tiny_fleet(tiny_llama, 2, say=said.append, policy="round-robin")
+        # tuning on, with an interval longer than the test: its one push is the first tick's, at start
+        fleet = tiny_fleet(tiny_llama, 2, say=said.append, policy="round-robin", tune=True, interval_s=600)
         await fleet.start(ready_timeout_s=120)
         try:
+            await until("the tuner's first push", lambda: bool(fleet.ticks), 30)
+            assert fleet.tuner is not None and fleet.tuner.in_force is not None  # the spec's config, accepted
+            tuned = LiveSettings(TunedConfig(0, 8, 1024))  # as if a later interval had tuned it
+            fleet.tuner.policy.current, fleet.tuner.in_force = tuned.config, tuned
             victim, survivor = fleet.engines
             async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as client:
                 model = (await client.get("/v1/models")).json()["data"][0]["id"]
@@ -74,6 +81,10 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
                     60,
                 )
                 assert victim.restarts == 1 and victim.running
+                admin = {"Authorization": f"Bearer {fleet.token}"}
+                restarted = await client.get(f"{fleet.admin_url(victim.url)}/admin/config", headers=admin)
+                assert {k: restarted.json()[k] for k in tuned.as_admin()} == tuned.as_admin()  # started tuned
+                assert [(s.index, s.cause) for s in fleet.startups][-1] == (victim.index, "restart")
                 # scale 2 -> 1: the newest engine drains and stops (scale-up: tests/fleet/test_autoscale.py)
                 await fleet.scale_to(1)
                 await until("the retired engine to stop", lambda: len(fleet.engines) == 1, 30)

@@ -10,10 +10,11 @@ import yaml
 from fake_kube import FakeKube
 from isvc_schema_tools import REPO
 from specfleet.operator.config import OperatorConfig
+from specfleet.operator.inference_service import parse_inference_service
 from specfleet.operator.kube import KubeClient
 from specfleet.operator.reconcile import Outcome, Reconciler
-from specfleet.operator.render import read_admin_token
-from specfleet.operator.resources import FIELD_MANAGER
+from specfleet.operator.render import read_admin_token, render_tuned_config
+from specfleet.operator.resources import FIELD_MANAGER, TUNER_FIELD_MANAGER
 
 NS = "team-a"
 ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
@@ -21,6 +22,7 @@ DEPLOY = ("/apis/apps/v1", "deployments")
 SERVICE = ("/api/v1", "services")
 SECRET = ("/api/v1", "secrets")
 PDB = ("/apis/policy/v1", "poddisruptionbudgets")
+CONFIGMAP = ("/api/v1", "configmaps")
 CONFIG = OperatorConfig(engine_cpu_image="registry.example/engine:cpu")
 
 
@@ -164,6 +166,48 @@ def test_spec_change_updates_the_deployment_and_second_pass_is_a_no_op(fake_kube
     update_spec(fake_kube, replicas=1)
     reconcile(fake_kube)
     assert fake_kube.get(*PDB, NS, "smollm2") is None
+
+
+def test_a_tuning_change_rolls_nothing_and_autotune_off_removes_the_tuned_configmap(
+    fake_kube: FakeKube,
+) -> None:
+    """The tuner's writes of `NAME-tuned` (as tuner/handlers.py applies it, with the chart's RBAC) leave the
+    Deployment as it was: the template names the ConfigMap, it does not hold its values. Turning autotune
+    off deletes it, so new pods start on the spec's values again."""
+    create_isvc(fake_kube, autotune={"enabled": True})
+    reconcile(fake_kube)
+    before = fake_kube.get(*DEPLOY, NS, "smollm2")
+    assert (
+        before is not None and fake_kube.get(*CONFIGMAP, NS, "smollm2-tuned") is None
+    )  # the tuner's to write
+
+    async def tuner_writes(values: dict[str, int]) -> None:
+        client = KubeClient(fake_kube.url)
+        try:
+            body = await client.get(f"{ISVC[0]}/namespaces/{NS}/{ISVC[1]}/smollm2")
+            assert body is not None
+            await client.apply(
+                render_tuned_config(parse_inference_service(body, "smollm2"), values), TUNER_FIELD_MANAGER
+            )
+        finally:
+            await client.close()
+
+    for seqs in (8, 12):
+        asyncio.run(tuner_writes({"max_num_seqs": seqs, "num_speculative_tokens": 0}))
+        outcome = reconcile(fake_kube)
+        after = fake_kube.get(*DEPLOY, NS, "smollm2")
+        assert after is not None and after["metadata"]["generation"] == before["metadata"]["generation"]
+        assert after["spec"]["template"] == before["spec"]["template"]
+        assert not {e.reason for e in outcome.events} & {"Updated", "Deleted"}
+    configmap = fake_kube.get(*CONFIGMAP, NS, "smollm2-tuned")
+    assert configmap is not None and '"max_num_seqs": 12' in next(iter(configmap["data"].values()))
+    assert (
+        configmap["metadata"]["ownerReferences"][0]["uid"] == before["metadata"]["ownerReferences"][0]["uid"]
+    )
+    update_spec(fake_kube, autotune={"enabled": False})
+    outcome = reconcile(fake_kube)
+    assert fake_kube.get(*CONFIGMAP, NS, "smollm2-tuned") is None
+    assert any(e.reason == "Deleted" and "ConfigMap smollm2-tuned" in e.message for e in outcome.events)
 
 
 def test_deleted_children_are_recreated_and_the_token_survives(fake_kube: FakeKube) -> None:

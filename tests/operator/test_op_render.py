@@ -22,7 +22,9 @@ from specfleet.operator.render import (
     render_secret,
     render_service,
     render_servicemonitor,
+    render_tuned_config,
 )
+from specfleet.operator.render.deployment import live_config_file
 from specfleet.router.cli import build_parser as router_parser
 
 CONFIG = OperatorConfig(
@@ -265,6 +267,48 @@ def test_rendering_is_deterministic_and_ignores_tuned_status() -> None:
     assert (
         flag(args, "--num-speculative-tokens") == "4"
     )  # the spec's value: tuning goes through the admin API
+
+
+def test_new_pods_start_on_the_tuned_configmap_which_the_template_names_but_does_not_hold() -> None:
+    """The pod mounts `NAME-tuned` (optional: absent before the tuner's first push) and passes the file of
+    this spec's key to `--live-config-file`; the tuner's ConfigMap holds the values under that same key.
+    The key follows the engine's command line (its ceilings), not fields the pods do not see."""
+    isvc = isvc_from("llama3-8b-autotune.yaml")
+    deployment = render_deployment(isvc, CONFIG)
+    c, pod = engine(deployment), deployment["spec"]["template"]["spec"]
+    path = flag(c["args"], "--live-config-file")
+    assert build_parser().parse_args(c["args"]).live_config_file == path  # the engine's parser takes it
+    (mount,) = [m for m in c["volumeMounts"] if path.startswith(m["mountPath"] + "/")]
+    (volume,) = [v for v in pod["volumes"] if v["name"] == mount["name"]]
+    assert mount["readOnly"] is True and volume["configMap"] == {
+        "name": "llama3-8b-tuned-tuned",
+        "optional": True,
+    }
+    configmap = render_tuned_config(isvc, {"num_speculative_tokens": 2, "max_num_seqs": 96})
+    k8s_validate(configmap)
+    assert configmap["metadata"]["name"] == "llama3-8b-tuned-tuned"  # NAME-tuned
+    assert configmap["metadata"]["ownerReferences"][0]["uid"] == "uid-1234"
+    assert list(configmap["data"]) == [path.rsplit("/", 1)[1]] == [live_config_file(isvc.spec)]
+    assert (
+        configmap["data"][live_config_file(isvc.spec)] == '{"max_num_seqs": 96, "num_speculative_tokens": 2}'
+    )
+    # same pods, same file: the SLO, the tuner's interval and the replica count are not on the command line
+    same = isvc_from("llama3-8b-autotune.yaml", slo__ttftP95Ms=900, autotune__intervalSeconds=60, replicas=3)
+    assert live_config_file(same.spec) == live_config_file(isvc.spec)
+    # other ceilings, other file: a rolling-out pod never starts on values tuned for the old command line
+    for changes in ({"speculative__method": "none"}, {"batching__maxNumSeqs": 32}):
+        assert (
+            live_config_file(isvc_from("llama3-8b-autotune.yaml", **changes).spec) != path.rsplit("/", 1)[1]
+        )
+
+
+def test_prefill_engines_keep_the_specs_values_and_decode_engines_start_tuned() -> None:
+    isvc = isvc_from("smollm2-cpu-pd.yaml")
+    by_role = {d["metadata"]["name"]: engine(d) for d in render_engine_workloads(isvc, CONFIG)}
+    assert "--live-config-file" in by_role["smollm2-pd-decode"]["args"]
+    prefill = by_role["smollm2-pd-prefill"]
+    assert "--live-config-file" not in prefill["args"]
+    assert not any(m["name"] == "tuned-config" for m in prefill["volumeMounts"])
 
 
 def _selects(selector: dict[str, str], labels: dict[str, str]) -> bool:

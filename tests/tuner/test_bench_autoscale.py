@@ -1,13 +1,23 @@
-"""`bench autoscale`'s arithmetic: goodput per replica-second, SLO attainment weighted by requests, and the
-replica-seconds meter (a replica costs while its process runs, starting and draining included)."""
+"""`bench autoscale`'s arithmetic: goodput per replica-second, SLO attainment weighted by requests, the
+replica-seconds meter (a replica costs while its process runs, starting and draining included) and the
+cold starts its JSON reports."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 
 import pytest
-from specfleet.bench.autoscale import ReplicaMeter, build_parser, phases, summarize_run
+from specfleet.bench.autoscale import (
+    ReplicaMeter,
+    build_parser,
+    cold_starts,
+    phases,
+    summarize,
+    summarize_run,
+)
+from specfleet.fleet.engines import Startup
 
 
 def test_goodput_per_replica_second_counts_good_tokens_over_the_replicas_paid_for() -> None:
@@ -50,3 +60,38 @@ def test_the_meter_integrates_running_engines() -> None:
 def test_the_load_rises_and_falls() -> None:
     names = [(p.name, p.concurrency) for p in phases(build_parser().parse_args([]))]
     assert [c for _, c in names] == [2, 24, 2] and len({n for n, _ in names}) == 3
+
+
+def test_cold_starts_are_the_engines_started_during_the_run_and_reach_the_summary() -> None:
+    """The supervisor's startups (process start to first ready probe): the fleet's own engine at start is
+    not a cold start of the run; a scale-up is, and a restart is listed apart. The router's scale-from-zero
+    wait (None here: minReplicas 1 never reaches zero) is carried as measured."""
+    startups = [
+        Startup(0, "start", ready_at=95.0, seconds=4.0),
+        Startup(1, "scale-up", ready_at=130.0, seconds=6.25),
+        Startup(1, "restart", ready_at=160.0, seconds=3.0),
+        Startup(2, "scale-up", ready_at=190.0, seconds=5.5),
+    ]
+    colds = cold_starts(startups, t0=100.0, from_zero_s=None)
+    assert colds["cold_starts"] == [
+        {"engine": 1, "cause": "scale-up", "t": 30.0, "seconds": 6.25},
+        {"engine": 1, "cause": "restart", "t": 60.0, "seconds": 3.0},
+        {"engine": 2, "cause": "scale-up", "t": 90.0, "seconds": 5.5},
+    ]
+    assert colds["cold_start_s_max"] == 6.25 and colds["scale_from_zero_cold_start_s"] is None
+    assert cold_starts(startups[:1], 100.0, 2.345) == {
+        "cold_starts": [],
+        "cold_start_s_max": None,
+        "scale_from_zero_cold_start_s": 2.35,
+    }
+    figures = {"p": {"goodput": 1.0, "seconds": 10.0, "requests": 1, "slo_attainment": 1.0}}
+    run = {**summarize_run(figures, 10.0), "replica_changes": {}, "config_changes": {}, **colds}
+    out = summarize(
+        build_parser().parse_args([]), {"replicas=1,k=0,seqs=32": summarize_run(figures, 10.0)}, run
+    )
+    assert (out["cold_start_s"], out["cold_start_s_max"], out["scale_from_zero_cold_start_s"]) == (
+        [6.25, 5.5],
+        6.25,
+        None,
+    )
+    assert json.loads(json.dumps(out)) == out  # the JSON the bench writes

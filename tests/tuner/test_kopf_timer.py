@@ -3,18 +3,21 @@ edge (tests/fake_kube.py, an HTTP server), one real engine process as the servic
 
 It checks the operator-side wiring the policy tests cannot: the timer builds the service's tuner from the
 spec and the admin Secret, finds the ready pod, pushes the spec's config to it through the admin API,
-pushes it again after the pod lost it (as a restarted pod does), and writes `status.tuning` and the
-`Tuned` condition, never `spec`.
+pushes it again after the pod lost it (as a restarted pod does), writes the config the pod accepted into
+the `NAME-tuned` ConfigMap under the file name the Deployment's pods start on, and writes `status.tuning`
+and the `Tuned` condition, never `spec`.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import httpx
 import pytest
 from fake_kube import FakeKube  # tests/ is on sys.path (rootdir conftest)
 from helpers import wait_for
+from specfleet.engine.knobs import camel
 
 from .cluster import (
     AUTH,
@@ -52,8 +55,10 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
     engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from kopf.testing import KopfRunner
+    from specfleet.operator import load_inference_service
+    from specfleet.operator.render.deployment import live_config_file
 
-    _autotuned_service(engine_url, fake_kube, monkeypatch)
+    doc = _autotuned_service(engine_url, fake_kube, monkeypatch)
     engine_set(engine_url, num_speculative_tokens=0)
 
     def tuning() -> dict[str, Any]:
@@ -66,6 +71,11 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
             timeout=60,
         )
         status = wait_for("status.tuning", tuning, timeout=60)
+        configmap = wait_for(
+            "the tuned ConfigMap",
+            lambda: fake_kube.get("/api/v1", "configmaps", NS, "smollm2-tuned"),
+            timeout=30,
+        )
         # a pod that restarts comes back with its command-line config; the next interval fixes it
         httpx.patch(
             f"{engine_url}/admin/config", json={"num_speculative_tokens": 0}, headers=AUTH, timeout=10
@@ -79,6 +89,13 @@ def test_kopf_timer_pushes_the_config_to_ready_pods_and_reports_in_status(
     assert runner.exception is None, runner.output
     assert not fake_kube.answered(403), [(r.method, r.path) for r in fake_kube.answered(403)]
     assert status.get("reason"), status  # every interval says why it holds or changes
+    # what a new pod starts on: the config the ready pod accepted, in the file its template names
+    # (tests/operator/test_op_render.py: the template's --live-config-file is this spec's key)
+    started_on = live_config_file(load_inference_service({**_isvc_shell(), "spec": doc["spec"]}).spec)
+    values = json.loads(configmap["data"][started_on])
+    assert values["num_speculative_tokens"] == 3 and {"max_num_seqs", "max_num_batched_tokens"} <= set(values)
+    assert values == {name: status[camel(name)] for name in values}, (values, status)
+    assert configmap["metadata"]["ownerReferences"][0]["kind"] == "InferenceService"
     isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
     conditions = {c["type"]: c for c in (isvc.get("status") or {}).get("conditions", [])}
     assert "Tuned" in conditions and conditions["Tuned"].get("reason"), conditions

@@ -56,6 +56,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
+# The tuner's config in force, NAME-tuned, which new engine pods start on (deleted with autotune off).
+- apiGroups: [""]
+  resources: ["configmaps"]
+  verbs: ["get", "create", "patch", "delete"]
 # The router per InferenceService: its Service, ServiceAccount and a Role to read the engines'
 # EndpointSlices (the operator must hold what the Role grants to create it), deleted with routing off.
 - apiGroups: [""]

@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
+from specfleet.engine.input_buffers import StepBuffers
 from specfleet.engine.models.llama import LlamaModel
 from specfleet.engine.outputs import PositionLogprobs
 from specfleet.engine.sampler import (
@@ -122,6 +123,9 @@ class ModelRunner:
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.vocab_size = a.vocab_size
+        # A step's inputs are read until it is collected: one set per micro-batch in flight, and one for
+        # the step being prepared.
+        self.buffers = StepBuffers(model.device, ring=self.pipeline_depth + 1)
 
     @property
     def pipeline_depth(self) -> int:
@@ -263,32 +267,18 @@ class ModelRunner:
             n = item.num_spec_tokens + 1 if item.sample else 0
             sample_rows.extend(range(len(ids) - n, len(ids)))
             sample_counts.append(n)
-        device = self.model.device
-        width = max(len(t) for t in tables)
-        block_tables = torch.tensor(
-            [t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device
-        )
-        starts = [0]
-        for q in qlens:
-            starts.append(starts[-1] + q)
+        t = self.buffers.fill(ids, positions, slots, qlens, slens, tables)
         meta = AttentionMetadata(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=device),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=device),
-            seq_lens=torch.tensor(slens, dtype=torch.int32, device=device),
-            block_tables=block_tables,
+            slot_mapping=t.slot_mapping,
+            query_start_loc=t.query_start_loc,
+            seq_lens=t.seq_lens,
+            block_tables=t.block_tables,
             query_lens_cpu=qlens,
             seq_lens_cpu=slens,
             block_size=bs,
         )
         self.attn.prepare(meta)
-        return BatchInputs(
-            torch.tensor(ids, dtype=torch.int64, device=device),
-            torch.tensor(positions, dtype=torch.int64, device=device),
-            meta,
-            sample_rows,
-            sample_counts,
-            token_starts,
-        )
+        return BatchInputs(t.input_ids, t.positions, meta, sample_rows, sample_counts, token_starts)
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""

@@ -27,6 +27,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 import torch.multiprocessing as mp
 from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
@@ -125,10 +126,12 @@ def _worker_main(
                             for _ in range(a.num_layers)
                         ]
                         attn = get_attention_backend(backend, device, dtype)
-                    meta = _to(meta, device)
+                    meta = _received(meta, device)
                     assert attn is not None, "made with the KV caches on the first forward"
                     attn.prepare(meta)
-                    model.forward(input_ids.to(device), positions.to(device), kv_caches, meta, attn)
+                    input_ids = torch.from_numpy(input_ids).to(device)
+                    positions = torch.from_numpy(positions).to(device)
+                    model.forward(input_ids, positions, kv_caches, meta, attn)
                 elif command == "logits":
                     (hidden,) = payload
                     model.logits(hidden.to(device))
@@ -136,16 +139,27 @@ def _worker_main(
         group.close()
 
 
-def _to(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
-    if device.type == "cpu":
-        return meta
-    return replace(
-        meta,
-        **{
-            f: getattr(meta, f).to(device)
-            for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
-        },
-    )
+_META_TENSORS = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+
+
+def _by_value(tensor: torch.Tensor) -> np.ndarray:
+    """A step's integer input as a numpy copy, pickled by value through the pipe. A tensor would go through
+    torch.multiprocessing's shared-memory handover, which moves the sender's storage into a shared segment:
+    per step a segment and a file descriptor for each input, and the runner's persistent input buffers
+    (engine/input_buffers.py) would lose the memory their numpy views write to."""
+    return tensor.cpu().numpy().copy()
+
+
+def _step_message(input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, cache) -> tuple:
+    # numpy arrays in the tensor fields for the journey: `_received` makes them tensors again
+    arrays: dict[str, Any] = {f: _by_value(getattr(meta, f)) for f in _META_TENSORS}
+    meta = replace(meta, backend_state=None, **arrays)
+    return ("forward", _by_value(input_ids), _by_value(positions), meta, cache)
+
+
+def _received(meta: AttentionMetadata, device: torch.device) -> AttentionMetadata:
+    tensors: dict[str, Any] = {f: torch.from_numpy(getattr(meta, f)).to(device) for f in _META_TENSORS}
+    return replace(meta, **tensors)
 
 
 class SplitModel:
@@ -298,15 +312,7 @@ class SplitModel:
 
     def _send_step(self, input_ids, positions, kv_caches, meta: AttentionMetadata, attn) -> None:
         cache = (kv_caches[0][0].shape[0], kv_caches[0][0].shape[1], attn.name)
-        self._send(
-            (
-                "forward",
-                input_ids.cpu(),
-                positions.cpu(),
-                _to(replace(meta, backend_state=None), torch.device("cpu")),
-                cache,
-            )
-        )
+        self._send(_step_message(input_ids, positions, meta, cache))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:  # vocab-parallel lm_head: every rank of stage 0 computes its shard

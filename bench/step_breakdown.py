@@ -18,6 +18,8 @@ from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
+from specfleet.engine.config import QUANTIZATIONS
+
 PARTS = ("schedule", "prepare", "forward", "logits", "sample", "update", "postprocess")
 
 
@@ -81,11 +83,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=40, help="measured decode steps per batch size")
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--model", default="bundled://smollm2-135m-instruct")
+    p.add_argument(
+        "--quantization", default=None, choices=[q for q in QUANTIZATIONS if q], help="as `specfleet serve`'s"
+    )
     args = p.parse_args(argv)
     from specfleet.engine import Engine, EngineConfig
 
     engine = Engine(
-        EngineConfig(model=args.model, max_model_len=1024, kv_cache_gib=0.5, max_num_seqs=max(args.batch))
+        EngineConfig(
+            model=args.model,
+            quantization=args.quantization,
+            max_model_len=1024,
+            kv_cache_gib=0.5,
+            max_num_seqs=max(args.batch),
+        )
     )
     for batch in args.batch:
         print(json.dumps({"batch": batch, "ms": measure(engine, batch, args.steps, args.warmup)}), flush=True)

@@ -6,7 +6,9 @@ through the engine's prompt logprobs) and greedy agreement with float32 over the
 divergence, `exact` the share of prompts identical to float32), for every weight form the engine runs:
 float32, int8, the bundled GGUF as stored (Q4_1 projections, Q8_0 head), the bundled model's float32
 weights re-quantized with gguf-py's quantizers to Q4_0 and Q8_0, and 4-bit groups of 64 with zero points
-(the form AWQ and GPTQ checkpoints run in; plain round-to-nearest here, without their calibration).
+(the form AWQ and GPTQ checkpoints run in; plain round-to-nearest here, without their calibration), and
+the same 4-bit weights written as AutoAWQ GEMM and GPTQ v1 checkpoints (act-order too) and loaded from
+disk through the checkpoint readers.
 Q4_K needs input sizes that are multiples of 256, and this model's 576 is not (llama.cpp falls back per
 tensor too): it is reported as not applicable.
 
@@ -97,13 +99,67 @@ def requantized(kind: str):
     return read
 
 
+# AWQ/GPTQ checkpoints written from the bundled float32 weights: 4-bit, groups of 64, zero points,
+# round-to-nearest (no calibration: the tools' activation-aware scaling and error feedback are not
+# reproduced, so these rows bound the formats' kernels and layout, not the tools' accuracy).
+CHECKPOINT_GROUP = 64
+CHECKPOINTS = ("awq", "gptq", "gptq-act-order")
+REQUANTIZED = ("Q4_0", "Q8_0", "int4-g64")  # the bundled float32 weights through the GGUF path
+QUALITY_KINDS = (*KINDS, *REQUANTIZED, *CHECKPOINTS)
+
+
+def write_checkpoint(kind: str, out: Path) -> None:
+    """An AutoAWQ GEMM (`awq`) or GPTQ v1 (`gptq`, `gptq-act-order`: desc_act with a shuffled g_idx)
+    checkpoint of the bundled model in `out`; the tied embedding and head stay float, as both tools
+    leave them."""
+    import shutil
+
+    from safetensors.torch import save_file
+    from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq
+    from specfleet.engine.model_loader import load_state_dict, resolve_model
+
+    source = resolve_model(BUNDLED).path
+    tensors: dict[str, torch.Tensor] = {}
+    for name, w in load_state_dict(source).items():
+        if not name.endswith("_proj.weight"):
+            tensors[name] = w.contiguous()
+            continue
+        if kind == "awq":
+            packed, _ = pack_awq(w, CHECKPOINT_GROUP)
+        else:
+            packed, _ = pack_gptq(w, CHECKPOINT_GROUP, act_order=kind == "gptq-act-order")
+        tensors.update({f"{name.removesuffix('.weight')}.{k}": v.contiguous() for k, v in packed.items()})
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "model.safetensors")
+    config = json.loads((source / "config.json").read_text())
+    method = "awq" if kind == "awq" else "gptq"
+    config["quantization_config"] = {"quant_method": method, "bits": 4, "group_size": CHECKPOINT_GROUP}
+    config["quantization_config"].update(
+        {"zero_point": True, "version": "gemm"}
+        if method == "awq"
+        else {"desc_act": kind == "gptq-act-order", "sym": False}
+    )
+    (out / "config.json").write_text(json.dumps(config))
+    for f in source.iterdir():
+        if f.name.startswith("tokenizer") or f.name in ("chat_template.jinja", "generation_config.json"):
+            shutil.copy(f, out / f.name)
+
+
 @contextmanager
 def weights(kind: str):
-    """Engine kwargs for one weight form; re-quantized forms swap the GGUF reader for the run."""
+    """Engine kwargs for one weight form: re-quantized forms swap the GGUF reader for the run, AWQ/GPTQ
+    forms load a checkpoint written for the run."""
+    import tempfile
+
     import specfleet.engine.quant.gguf_file as gguf_file
 
+    if kind in CHECKPOINTS:
+        with tempfile.TemporaryDirectory(prefix=f"specfleet-{kind}-") as tmp:
+            write_checkpoint(kind, Path(tmp))
+            yield {"model": f"file://{tmp}"}
+        return
     original = gguf_file.read_quantized
-    if kind in ("Q4_0", "Q8_0", "int4-g64"):
+    if kind in REQUANTIZED:
         gguf_file.read_quantized = requantized(kind)
     try:
         yield KINDS.get(kind, {"quantization": "gguf"})
@@ -147,7 +203,7 @@ def quality(kinds: list[str]) -> dict:
     reference: list[list[int]] = []
     for kind in ["fp32", *(k for k in kinds if k != "fp32")]:
         with weights(kind) as kw:
-            llm = LLM(model=BUNDLED, max_model_len=2048, kv_cache_gib=0.5, **kw)
+            llm = LLM(**{"model": BUNDLED, **kw}, max_model_len=2048, kv_cache_gib=0.5)
             start = time.perf_counter()
             tokens = greedy(llm, prompts)
             if kind == "fp32":
@@ -312,8 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--kinds",
         default=None,
-        help="comma-separated subset (quality: fp32,int8,gguf,gguf-f32act,"
-        "Q4_0,Q8_0,int4-g64; speed: fp32,int8,gguf,gguf-f32act; stepcost: fp32,int8,gguf)",
+        help="comma-separated subset (quality: " + ",".join(QUALITY_KINDS) + "; speed: "
+        "fp32,int8,gguf,gguf-f32act; stepcost: fp32,int8,gguf)",
     )
     parser.add_argument(
         "--runs",
@@ -324,8 +380,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=None, help="speed: torch and native kernel threads")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
+    if args.kinds:
+        allowed = QUALITY_KINDS if args.mode == "quality" else tuple(KINDS)
+        unknown = sorted(set(args.kinds.split(",")) - set(allowed))
+        if unknown:
+            parser.error(f"--kinds: unknown {unknown} for {args.mode}; choose from {','.join(allowed)}")
     if args.mode == "quality":
-        kinds = (args.kinds or "fp32,int8,gguf,gguf-f32act,Q4_0,Q8_0,int4-g64").split(",")
+        kinds = args.kinds.split(",") if args.kinds else list(QUALITY_KINDS)
         result = {
             "bench": "quant-quality",
             "text": TEXT.name,

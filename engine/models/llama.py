@@ -160,6 +160,16 @@ class LlamaLayer:
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.owns_residual = True
 
+    def decode_weights(self) -> cpu_native.DecodeLayerWeights | None:
+        """This layer for cpu_native.DecodeLayers, or None when one of its linears has no native form."""
+        qkv, o, gate_up, down = (
+            lin.descriptor() if isinstance(lin, cpu_native.PackedLinear | cpu_native.QuantLinear) else None
+            for lin in (self.qkv, self.o, self.gate_up, self.down)
+        )
+        if qkv is None or o is None or gate_up is None or down is None:
+            return None
+        return cpu_native.DecodeLayerWeights(qkv, o, gate_up, down, self.input_norm, self.post_norm)
+
     def _row_parallel(self, linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
             return linear(x, residual=residual)
@@ -224,6 +234,7 @@ class LlamaModel:
         cos, sin = rope_tables(config, args.head_dim, args.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
+        self._fused: tuple[int, cpu_native.DecodeLayers | None] | None = None  # (KV cache pointer, layers)
 
     def forward(
         self,
@@ -234,11 +245,56 @@ class LlamaModel:
         attn: AttentionBackend,
     ) -> torch.Tensor:  # [num_tokens, hidden]
         x = self.embed_tokens(input_ids)
+        fused = self._decode_layers(kv_caches, meta, attn)
+        if fused is not None:
+            state = meta.backend_state
+            return fused(
+                x,
+                positions,
+                self.cos,
+                self.sin,
+                meta.slot_mapping,
+                meta.block_tables,
+                state.short_seqs,
+                meta.query_start_loc,
+                meta.seq_lens,
+            )
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, k_cache, v_cache, meta, attn)
         return x
+
+    def _decode_layers(self, kv_caches, meta: AttentionMetadata, attn: AttentionBackend):
+        """The layers as one native call (cpu_native.DecodeLayers) for a step the native attention backend
+        runs with short queries only (decode, verification), when every layer can: native kernels, no
+        tensor-parallel collective, no act-order input permutation. None: the per-layer path."""
+        state = getattr(meta, "backend_state", None)
+        if (
+            attn.name != "native"
+            or getattr(state, "longs", True)
+            or getattr(state, "short_seqs", None) is None
+        ):
+            return None
+        key = kv_caches[0][0].data_ptr() if kv_caches else 0
+        cached = self._fused
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        fused = None
+        layers = self.layers[: len(kv_caches)]
+        if (
+            self.ops.native
+            and len(layers) == len(kv_caches)
+            and all(layer.reduce is None for layer in layers)
+        ):
+            weights = [w for w in (layer.decode_weights() for layer in layers) if w is not None]
+            if len(weights) == len(layers):
+                a = self.args
+                fused = cpu_native.DecodeLayers(
+                    weights, kv_caches, a.num_heads, a.rms_norm_eps, layers[0].scale
+                )
+        self._fused = (key, fused)
+        return fused
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
         return self.embed.index_select(0, input_ids)

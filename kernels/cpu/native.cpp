@@ -641,7 +641,7 @@ void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t
 
 extern "C" {
 
-int sf_abi_version() { return 5; }
+int sf_abi_version() { return 6; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -696,12 +696,18 @@ void sf_linear_qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int q4, c
   dot_linear<false>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
 }
 
-// 1 when the integer dot products compiled to vpdpbusd (AVX512-VNNI); 0: a portable (slow) loop.
-int sf_has_vnni() {
+// Which instructions the integer dot products (dot4/dot8 above) compiled to, for logs and benchmarks.
+const char* sf_dot_backend() {
 #if defined(__AVX512VNNI__)
-  return 1;
+  return "avx512-vnni";
+#elif defined(__AVX512BW__)
+  return "avx512bw";
+#elif defined(__AVXVNNI__)
+  return "avx-vnni";
+#elif defined(__AVX2__)
+  return "avx2";
 #else
-  return 0;
+  return "portable";
 #endif
 }
 
@@ -807,6 +813,126 @@ void sf_paged_attention_f32(const float* q, int64_t ldq, const float* k_cache, c
         for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
       }
     }
+  }
+}
+
+
+// ---- The decoder layers of a decode step in one call -------------------------------------------------
+//
+// A decode step at low batch is a few microseconds of math per op and 30 layers x ~16 ops; called from
+// Python one op at a time, the calls cost as much as the math. sf_decode_layers runs every layer of
+// steps whose queries are all short (decode, speculative verification) from descriptors built once:
+// the same kernels as the per-op path (the same linears, rms_norm, silu_mul and paged attention), and
+// rotary and the KV write as LlamaLayer.forward does them in torch (x * cos rounded, then
+// roll(x, D/2) * sin added with one rounding, as torch's addcmul does with its fused multiply-add), so the
+// two paths agree bit for bit.
+struct sf_linear_desc {
+  int32_t kind;  // 0 float32 panels, 1 int8 panels, 2 4-bit float-act, 3 8-bit float-act, 4 int8-act dot
+  int32_t q4;  // kind 4: 4-bit codes (else 8-bit)
+  int32_t half_scales;  // kinds 2-4: scales/mins are IEEE halfs
+  int32_t reserved;
+  const void* codes;  // panels (kinds 0-1) or codes
+  const void* scale;  // kind 1: per-column scale; kinds 2-4: per-group scales
+  const void* mins;  // kinds 2-4: per-group mins or null
+  const float* bias;  // padded to the panels, or null
+  int64_t K, N, G;
+};
+
+struct sf_layer_desc {
+  sf_linear_desc qkv, o, gate_up, down;
+  const float* input_norm;
+  const float* post_norm;
+  float* k_cache;  // [blocks, BS, KVH, D]
+  float* v_cache;
+};
+
+struct sf_model_desc {
+  int64_t hidden, heads, kv_heads, head_dim, intermediate, block_size;
+  float eps, scale;
+};
+
+}  // extern "C"
+
+namespace {
+
+void run_linear(const sf_linear_desc& L, const float* x, int64_t M, int64_t ldx, const float* res, int64_t ldr,
+                float* y, int64_t ldy, int threads) {
+  switch (L.kind) {
+    case 0:
+      return linear(x, M, L.K, ldx, static_cast<const float*>(L.codes), nullptr, L.N, L.bias, res, ldr, y, ldy,
+                    threads);
+    case 1:
+      return linear(x, M, L.K, ldx, static_cast<const int8_t*>(L.codes), static_cast<const float*>(L.scale), L.N,
+                    L.bias, res, ldr, y, ldy, threads);
+    case 2:
+      return sf_linear_q4(x, M, L.K, ldx, static_cast<const uint8_t*>(L.codes), L.scale, L.mins, L.half_scales,
+                          L.G, L.N, L.bias, res, ldr, y, ldy, threads);
+    case 3:
+      return sf_linear_q8g(x, M, L.K, ldx, static_cast<const int8_t*>(L.codes), L.scale, L.mins, L.half_scales,
+                           L.G, L.N, L.bias, res, ldr, y, ldy, threads);
+    default:
+      return sf_linear_qdot(x, M, L.K, ldx, L.q4, static_cast<const uint8_t*>(L.codes), L.scale, L.mins,
+                            L.half_scales, L.G, L.N, L.bias, res, ldr, y, ldy, threads);
+  }
+}
+
+// Rotary on `heads` heads of D values starting at row (stride ld): v = v * cos + roll(v, D/2) * sin.
+void rotate(float* rows, int64_t T, int64_t ld, int64_t heads, int64_t D, const int64_t* positions,
+            const float* cos, const float* sin) {
+  std::vector<float> tmp(D);
+  const int64_t half = D / 2;
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cos + positions[t] * D;
+    const float* s = sin + positions[t] * D;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* v = rows + t * ld + h * D;
+      std::copy(v, v + D, tmp.begin());
+      for (int64_t d = 0; d < D; ++d) {
+        const float a = tmp[d] * c[d];
+        v[d] = std::fma(tmp[(d + half) % D], s[d], a);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// Every layer over x [T, hidden] (updated in place) for a step whose sequences `seqs` all have short
+// queries: positions [T] (int64), cos/sin [max_position, D] (sin sign-folded, engine/models/llama.py),
+// slots [T] (int64, < 0: a padding row, not written), block_tables/query_start/seq_lens as for
+// sf_paged_attention_f32.
+void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64_t num_layers, float* x,
+                      int64_t T, const int64_t* positions, const float* cos, const float* sin, const int64_t* slots,
+                      const int32_t* block_tables, int64_t bt_stride, const int32_t* seqs, int64_t nseqs,
+                      const int32_t* query_start, const int32_t* seq_lens, int threads) {
+  const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->intermediate;
+  const int64_t qkv_w = (NH + 2 * KVH) * D;
+  thread_local std::vector<float> h, qkv, att, gu, act;
+  h.resize(T * H);
+  qkv.resize(T * qkv_w);
+  att.resize(T * NH * D);
+  gu.resize(T * 2 * I);
+  act.resize(T * I);
+  for (int64_t l = 0; l < num_layers; ++l) {
+    const sf_layer_desc& L = layers[l];
+    sf_rms_norm_f32(x, T, H, L.input_norm, m->eps, h.data());
+    run_linear(L.qkv, h.data(), T, H, nullptr, 0, qkv.data(), qkv_w, threads);
+    rotate(qkv.data(), T, qkv_w, NH + KVH, D, positions, cos, sin);
+    for (int64_t t = 0; t < T; ++t) {
+      if (slots[t] < 0) continue;
+      const float* k = qkv.data() + t * qkv_w + NH * D;
+      std::copy(k, k + KVH * D, L.k_cache + slots[t] * KVH * D);
+      std::copy(k + KVH * D, k + 2 * KVH * D, L.v_cache + slots[t] * KVH * D);
+    }
+    sf_paged_attention_f32(qkv.data(), qkv_w, L.k_cache, L.v_cache, block_tables, bt_stride, seqs, nseqs,
+                           query_start, seq_lens, NH, KVH, D, m->block_size, m->scale, att.data(), threads);
+    run_linear(L.o, att.data(), T, NH * D, x, H, x, H, threads);
+    sf_rms_norm_f32(x, T, H, L.post_norm, m->eps, h.data());
+    run_linear(L.gate_up, h.data(), T, H, nullptr, 0, gu.data(), 2 * I, threads);
+    sf_silu_mul_f32(gu.data(), T, I, act.data());
+    run_linear(L.down, act.data(), T, I, x, H, x, H, threads);
   }
 }
 

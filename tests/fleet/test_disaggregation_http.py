@@ -94,6 +94,23 @@ def _wait_no_blocks(state: Any, timeout_s: float = 10.0) -> None:
     assert _blocks(state) == 0
 
 
+def _finished(state: Any) -> float:
+    """Requests the server has finished (its specfleet_request_success counter, all reasons)."""
+    return sum(
+        sample.value
+        for metric in state.metrics.success.collect()
+        for sample in metric.samples
+        if sample.name.endswith("_total")
+    )
+
+
+def _wait_finished(state: Any, count: float, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while _finished(state) < count and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert _finished(state) >= count
+
+
 def _client(url: str):
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
@@ -191,6 +208,7 @@ def test_a_client_that_drops_its_connection_mid_request_leaks_no_blocks_on_eithe
         f"Content-Length: {len(body)}\r\n\r\n"
     ).encode()
     pulls = fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"]
+    prefilled = _finished(states["prefill"])
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         sock.sendall(head + body)
         if leaves == "at the first streamed token":
@@ -200,6 +218,9 @@ def test_a_client_that_drops_its_connection_mid_request_leaks_no_blocks_on_eithe
                 assert chunk, got
                 got += chunk
             assert b"[DONE]" not in got  # it leaves mid-stream
+    # The prefill ends after the client left: until then the engine holds no blocks yet, which is not
+    # the release this test is about.
+    _wait_finished(states["prefill"], prefilled + 1)
     _wait_no_blocks(states["prefill"], timeout_s=5)
     _wait_no_blocks(states["decode"], timeout_s=5)
     if leaves == "at the first streamed token":  # the KV had moved: the decode engine pulled it

@@ -1,0 +1,173 @@
+"""The layers of a decode step in one native call (cpu_native.DecodeLayers) against the per-layer path they
+replace: the same hidden states and the same KV cache contents, bit for bit, for every weight form the
+native kernels run (float32, int8, 4-bit and 8-bit grouped codes with float or int8 activations), with and
+without q/k/v bias, for decode and verification rows, and with a padding row that writes no slot."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from specfleet.engine.attention.base import AttentionMetadata
+from specfleet.engine.attention.native_backend import NativeAttentionBackend
+from specfleet.engine.models.llama import LlamaModel
+from specfleet.kernels import cpu_native
+from specfleet.kernels.quantized import QuantTensor
+
+pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native CPU kernels did not build")
+
+BLOCK = 4
+HIDDEN, INTER, LAYERS = 128, 256, 2
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _config(arch: str):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
+    return cls(
+        vocab_size=256,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,  # head_dim 32: the native attention needs multiples of 16
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
+    )
+
+
+def _state(config) -> dict[str, torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _grouped(w: torch.Tensor, bits: int) -> QuantTensor:
+    """Round-to-nearest codes in groups of 32 (4-bit with mins, as GGUF Q4_1; 8-bit symmetric, as Q8_0)."""
+    n, k = w.shape
+    g = w.reshape(n, k // 32, 32)
+    if bits == 4:
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 15).clamp_min(1e-8)
+        codes = ((g - lo[..., None]) / scale[..., None]).round().clamp(0, 15).to(torch.uint8)
+        return QuantTensor(codes.reshape(n, k), scale, lo, 32, 4, "test:q4")
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-8)
+    codes = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8)
+    return QuantTensor(codes.reshape(n, k), scale, None, 32, 8, "test:q8")
+
+
+def _model(arch: str, form: str) -> LlamaModel:
+    config = _config(arch)
+    state = _state(config)
+    quantize, activations = None, "int8"
+    if form == "int8":
+        quantize = "int8"
+    elif form != "float32":
+        bits, activations = (4 if form.startswith("q4") else 8), form.split("-")[1]
+        quantize = "gguf"
+        for name, w in list(state.items()):
+            if any(p in name for p in PROJECTIONS) and name.endswith("weight"):
+                state[name] = _grouped(w, bits)
+    return LlamaModel(
+        config, state, torch.float32, torch.device("cpu"), quantize=quantize, activations=activations
+    )
+
+
+def _caches(model: LlamaModel, blocks: int = 16) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    a = model.args
+    g = torch.Generator().manual_seed(1)
+    shape = (blocks, BLOCK, a.num_kv_heads, a.head_dim)
+    return [(torch.randn(shape, generator=g), torch.randn(shape, generator=g)) for _ in range(a.num_layers)]
+
+
+def _step(query_lens: list[int], seq_lens: list[int], padding: int = 0):
+    """A step's inputs: sequence b owns blocks 4b..4b+3 and queries its last query_lens[b] positions;
+    `padding` rows after them belong to no sequence and have slot -1 (nothing is written for them)."""
+    ids, positions, slots = [], [], []
+    for b, (q, s) in enumerate(zip(query_lens, seq_lens)):
+        for pos in range(s - q, s):
+            ids.append((7 * b + pos) % 256)
+            positions.append(pos)
+            slots.append(4 * b * BLOCK + pos)
+    ids += [0] * padding
+    positions += [0] * padding
+    slots += [-1] * padding
+    starts = [0]
+    for q in query_lens:
+        starts.append(starts[-1] + q)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(
+            [[4 * b + j for j in range(4)] for b in range(len(seq_lens))], dtype=torch.int32
+        ),
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        block_size=BLOCK,
+    )
+    return torch.tensor(ids), torch.tensor(positions), meta
+
+
+def _both_paths(model: LlamaModel, query_lens, seq_lens, padding=0):
+    attn = NativeAttentionBackend()
+    ids, positions, meta = _step(query_lens, seq_lens, padding)
+    attn.prepare(meta)
+    fused_caches = _caches(model)
+    layered_caches = copy.deepcopy(fused_caches)
+    fused = model.forward(ids, positions, fused_caches, meta, attn)
+    assert model._decode_layers(fused_caches, meta, attn) is not None, "the fused path was not taken"
+    per_layer = copy.copy(model)
+    per_layer._decode_layers = lambda *args: None  # the per-layer loop of LlamaModel.forward
+    layered = per_layer.forward(ids, positions, layered_caches, meta, attn)
+    return fused, layered, fused_caches, layered_caches
+
+
+FORMS = ("float32", "int8", "q4-int8", "q4-float32", "q8-int8", "q8-float32")
+
+
+@pytest.mark.parametrize("form", FORMS)
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_decode_layers_equal_the_per_layer_path(arch: str, form: str) -> None:
+    model = _model(arch, form)
+    # decode rows, a verification of 3 rows, and a padding row after them
+    fused, layered, fc, lc = _both_paths(model, query_lens=[1, 3, 1], seq_lens=[5, 9, 13], padding=1)
+    real = fused.shape[0] - 1
+    assert torch.equal(fused[:real], layered[:real])
+    for (fk, fv), (lk, lv) in zip(fc, lc, strict=True):
+        assert torch.equal(fk, lk) and torch.equal(fv, lv)
+
+
+def test_a_prefill_chunk_keeps_the_per_layer_path() -> None:
+    model = _model("llama", "float32")
+    attn = NativeAttentionBackend()
+    ids, positions, meta = _step([20], [20])  # longer than the native backend's short queries
+    attn.prepare(meta)
+    assert model._decode_layers(_caches(model), meta, attn) is None
+
+
+def test_bad_inputs_are_refused_naming_the_tensor() -> None:
+    model = _model("llama", "float32")
+    attn = NativeAttentionBackend()
+    ids, positions, meta = _step([1], [5])
+    attn.prepare(meta)
+    fused = model._decode_layers(_caches(model), meta, attn)
+    assert fused is not None
+    x = model.embed_tokens(ids)
+    args = (model.cos, model.sin, meta.slot_mapping, meta.block_tables, meta.backend_state.short_seqs)
+    rest = (meta.query_start_loc, meta.seq_lens)
+    with pytest.raises(ValueError, match="positions must be a CPU torch.int64"):
+        fused(x, positions.to(torch.int32), *args, *rest)
+    with pytest.raises(ValueError, match="rotary table"):
+        fused(x, torch.tensor([10_000]), *args, *rest)
+    with pytest.raises(ValueError, match=f"x must be contiguous \\[tokens, {HIDDEN}\\]"):
+        fused(x[:, :64], positions, *args, *rest)

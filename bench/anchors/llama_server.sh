@@ -12,9 +12,12 @@
 #   LLAMA_CPP_PYTHON_VERSION  sdist version to take llama.cpp from (default 0.3.36, the pin)
 #   SPECFLEET_LLAMA_CACHE     where the build lives (default ~/.cache/specfleet/llama.cpp)
 #   LLAMA_BUILD_JOBS          parallel compile jobs (default 2; use 1 on a loaded machine)
-#   LLAMA_CMAKE_ARGS          extra cmake -D flags. On the 2-core dev VM the GGML_NATIVE=ON build died with
-#                             SIGILL (invalid opcode in libggml-cpu at threadpool init; its cpuinfo lists
-#                             amx_tile/amx_int8): try "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+#   LLAMA_CMAKE_ARGS          extra cmake -D flags
+#   LLAMA_AMX                 1: let -march=native generate AMX tile code (default: off). On a Sapphire Rapids
+#                             VM, ggml's native build ran tile instructions without first asking the kernel
+#                             for the tile state (arch_prctl ARCH_REQ_XCOMP_PERM) and died with SIGILL at its
+#                             first matmul (`tilezero` in libggml-cpu), while a test program that asks first
+#                             ran them; GGML_AMX_*=OFF does not help, since -march=native still enables AMX
 #   LLAMA_THREADS             -t for the server (default 2: this machine's cores)
 #   LLAMA_PARALLEL            -np, server slots (default 32: the highest concurrency the comparison runs)
 #   LLAMA_CTX                 -c, total context over all slots (default 16384: 512 tokens per slot at -np 32)
@@ -52,8 +55,14 @@ build() {  # `build force`: reconfigure and rebuild (incremental) even when the 
     (
         cd "$SRC"
         # shellcheck disable=SC2086  # LLAMA_CMAKE_ARGS is a list of -D flags
+        local no_amx=()
+        if [[ "${LLAMA_AMX:-0}" != 1 ]]; then
+            # explicit -mno-* flags win over -march=native whatever their order on the command line
+            no_amx=("-DCMAKE_C_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+                "-DCMAKE_CXX_FLAGS=-mno-amx-tile -mno-amx-int8 -mno-amx-bf16")
+        fi
         cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
-            ${LLAMA_CMAKE_ARGS:-} >&2
+            "${no_amx[@]}" ${LLAMA_CMAKE_ARGS:-} >&2
         cmake --build build -j"$JOBS" --target llama-server >&2
     )
     [[ -x "$BIN" ]] || { echo "llama_server.sh: build finished but $BIN is missing" >&2; exit 1; }

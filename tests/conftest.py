@@ -7,6 +7,11 @@ import os
 
 # Every block the prefix cache registers is checked against the tokens its K/V was computed from.
 os.environ.setdefault("SPECFLEET_KV_DEBUG", "1")
+# The tests run engines, workers and clients side by side on a runner's few cores: OpenMP threads that
+# spin at their barriers while the threads they wait for are descheduled make a step cost twice as much
+# or worse there (docs/engine_core.md). Set before torch loads libgomp; the servers the tests start inherit
+# it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import shutil
 import subprocess
 from collections.abc import Callable, Iterator

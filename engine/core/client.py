@@ -124,12 +124,21 @@ class EngineCoreClient:
         # leaves open). The core ignores SIGINT, so the terminal's Ctrl-C stays the server's.
         self.proc = subprocess.Popen(cmd)
         try:
+            # The tokenizer loads while the core process loads the model, on the other core, instead of after.
+            # A model that cannot be found fails in the core too, with the core's own message: wait for it.
+            tokenizer, tokenizer_error = None, None
+            try:
+                tokenizer = load_tokenizer(resolve_model(config.model).path)
+            except Exception as exc:
+                tokenizer_error = exc
             ready = self._wait_ready(ready_timeout_s)
+            if tokenizer is None:
+                raise RuntimeError(f"the tokenizer did not load: {tokenizer_error}") from tokenizer_error
         except BaseException:
             self._kill()
             raise
         self.pid = ready.pid
-        self.info = CoreInfo(ready, load_tokenizer(resolve_model(config.model).path))
+        self.info = CoreInfo(ready, tokenizer)
         self.processor = OutputProcessor(self.info.tokenizer)
         self.live = LiveConfig(**ready.live)
         self.last_seen = time.monotonic()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from specfleet.engine.knobs import KNOBS, SERVICE_KNOBS
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
-from specfleet.engine.structured_output import spec_from_request
+from specfleet.engine.structured_output.request_fields import spec_from_request
 
 MAX_N = 16
 MAX_STOP = 16

@@ -1,7 +1,9 @@
 """`specfleet bench autoscale`: the joint tuner (config and replicas) against the best static (replicas, k,
 max_num_seqs) in hindsight, on goodput per replica-second, under a load that rises and falls.
 
-`specfleet up`'s local fleet (bundled model) with `autoscaling: {minReplicas: 1, maxReplicas: 2}`. The load
+`specfleet up`'s local fleet (bundled model) with `autoscaling: {minReplicas: 1, maxReplicas: 2}`, each engine
+pinned to a core of its own (`--cpus-per-engine 1`), so that a replica is a fixed share of the machine as a
+GPU replica is one device. The load
 is `bench tune`'s closed-loop driver over chat prompts: low, high, low (default concurrency 2, 24, 2).
 First every static point of the grid (replicas x k x max_num_seqs, each config pushed live through the
 admin API, the replica count set by starting or retiring engines) runs the phases; then a fresh fleet,
@@ -100,6 +102,7 @@ async def static_grid(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
         _isvc(args, autoscaling=False, replicas=max(args.grid_replicas)),
         tune=False,
         engine_extra_args=_engine_args(),
+        cpus_per_engine=args.cpus_per_engine or None,
     )
     print(f"static grid: starting {max(args.grid_replicas)} engine(s); logs in {fleet.log_dir}", flush=True)
     await fleet.start()
@@ -180,6 +183,7 @@ async def joint(args: argparse.Namespace) -> dict[str, Any]:
         interval_s=args.interval,
         window_s=args.window,
         engine_extra_args=_engine_args(),
+        cpus_per_engine=args.cpus_per_engine or None,
     )
     figures: dict[str, dict[str, float]] = {}
     marks: list[tuple[float, str]] = []  # (monotonic start, phase)
@@ -273,6 +277,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-replicas", type=int, nargs="+", default=[1, 2])
     p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument("--grid-seqs", type=int, nargs="+", default=[32])
+    # One core of its own per replica, as each GPU replica has its own device: unpinned, a second engine on
+    # this 2-core machine shares the first one's cores and adds cost without capacity (docs/tuner.md).
+    p.add_argument(
+        "--cpus-per-engine",
+        type=int,
+        default=1,
+        help="cores pinned to each engine (specfleet up --cpus-per-engine); 0: every engine on every core",
+    )
     p.add_argument("--interval", type=float, default=4.0, help="tuner interval (s)")
     p.add_argument("--window", type=float, default=8.0, help="metrics window (s)")
     # A bench-sized HPA: the defaults (300 s down-window, 60 s cooldown) outlast a phase here.
@@ -281,7 +293,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--cooldown", type=int, default=20, help="spec.autoscaling.cooldownSeconds")
     p.add_argument("--ttft-ms", type=int, default=6000)
-    p.add_argument("--tpot-ms", type=int, default=400)
+    # Between what one pinned replica and two reach at the high phase: one core served 24 streams at TPOT
+    # p95 289 ms and two at 187 ms (2026-12-02, quiet 2-core VM, 40 s closed loop each; 2 streams: 64 ms),
+    # so the high phase needs the second replica and the low ones do not.
+    p.add_argument("--tpot-ms", type=int, default=230)
     p.add_argument("--out-dir", default="bench/results", help="where autoscale.json goes")
     return p
 

@@ -11,6 +11,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .cores import pin
+
 # Restart backoff, as the kubelet's CrashLoopBackOff but scaled to a laptop: the kubelet waits 10 s doubling
 # to 5 min; a local engine loads in 2-10 s, so 1 s doubling to 30 s keeps a crash loop from eating the
 # CPU while a one-off crash is back within seconds. An engine that ran this long resets the backoff.
@@ -62,6 +64,7 @@ class EngineProcess:
     role: str | None = None  # "prefill"/"decode" with spec.disaggregation (its --kv-role), None: aggregated
     cause: str = "start"  # why its process last started: "start" (with the fleet), "scale-up", "restart"
     ready_at: float | None = None  # when it first answered /ready since that start (None: not yet)
+    cpus: frozenset[int] | None = None  # the cores it is pinned to (cores.py), None: every core
 
     @property
     def url(self) -> str:
@@ -72,11 +75,14 @@ class EngineProcess:
         return self.proc is not None and self.proc.poll() is None
 
     def start(self) -> None:
+        env = self.env if self.cpus is None else {**self.env, "OMP_NUM_THREADS": str(len(self.cpus))}
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
         finally:
             log.close()
+        if self.cpus is not None:  # before the child imports torch, whose thread pool it then sizes
+            pin(self.proc.pid, self.cpus)
         self.started_at = time.monotonic()
         self.restart_at = None
         self.ready_at = None

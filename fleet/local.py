@@ -17,6 +17,7 @@ from specfleet.operator.inference_service import InvalidInferenceService, load_i
 from specfleet.router.policies import POLICIES
 from specfleet.tuner.loop import Tick
 
+from .cores import CorePool
 from .supervisor import LocalFleet
 
 
@@ -62,6 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="PATH",
         help="while this file exists the tuner changes nothing (default: LOG_DIR/tuner-freeze); "
         "spec.autotune.freeze in the YAML freezes it from the start",
+    )
+    p.add_argument(
+        "--cpus-per-engine",
+        type=int,
+        default=None,
+        metavar="N",
+        help="pin each engine to N cores of its own and N threads, as the kubelet's static CPU manager "
+        "does (default: every engine on every core)",
     )
     p.add_argument(
         "--engine-arg",
@@ -148,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        CorePool().check(args.cpus_per_engine or 1)
+    except ValueError as error:
+        print(f"specfleet up: --cpus-per-engine: {error}", file=sys.stderr)
+        return 2
     fleet = LocalFleet(
         isvc,
         host=args.host,
@@ -161,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         on_tick=print_tick,
         policy=args.policy,
         freeze_file=Path(args.freeze_file) if args.freeze_file else None,
+        cpus_per_engine=args.cpus_per_engine,
     )
     return asyncio.run(run(fleet))
 

@@ -37,6 +37,7 @@ from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
 from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
 from specfleet.tuner.types import SLO
 
+from .cores import CorePool
 from .engines import EngineProcess, Startup, describe_exit
 
 SUPERVISE_PERIOD_S = 0.2  # how soon an exited engine leaves routing (a poll of each process)
@@ -112,6 +113,8 @@ class LocalFleet:
     freeze_file: Path | None = None  # while this file exists the tuner is frozen (None: LOG_DIR/tuner-freeze)
     token: str = field(default_factory=lambda: secrets.token_urlsafe(24))
     policy: str | None = None  # None: spec.routing.policy (least-loaded with routing disabled)
+    # each engine pinned to this many cores of its own (cores.py); None: every engine on every core
+    cpus_per_engine: int | None = None
     say: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
     engines: list[EngineProcess] = field(default_factory=list)
     admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
@@ -136,6 +139,9 @@ class LocalFleet:
         if spec.autoscaling.enabled:
             self.replica_policy = ReplicaPolicy(replica_params(spec), self.isvc.desired_replicas)
             self.router.on_queue = self._on_queue
+        self.cores = CorePool()
+        if self.cpus_per_engine is not None:
+            self.cores.check(self.cpus_per_engine)  # a count the machine lacks is refused before any start
         self._runner: web.AppRunner | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._http: httpx.AsyncClient | None = None
@@ -192,12 +198,23 @@ class LocalFleet:
             self.log_dir / f"engine-{index}.log",  # type: ignore[operator]
             role=role,
             cause=cause,
+            cpus=self._take_cores(index),
         )
         self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
         self._start(engine)
         self.engines.append(engine)
         self.router.endpoints.set_state(engine.url, ready=False, draining=False, role=role)
         return engine
+
+    def _take_cores(self, index: int) -> frozenset[int] | None:
+        if self.cpus_per_engine is None:
+            return None
+        cpus, exclusive = self.cores.take(self.cpus_per_engine)
+        self.say(
+            f"[fleet] engine {index} pinned to cores {','.join(map(str, sorted(cpus)))}"
+            + ("" if exclusive else " (shared: every core is held by another engine)")
+        )
+        return cpus
 
     def _start(self, engine: EngineProcess) -> None:
         """Start (or restart) an engine's process on the tuner's config in force: the file its
@@ -333,6 +350,8 @@ class LocalFleet:
         if engine.retiring:
             self.engines.remove(engine)
             self.router.endpoints.remove(engine.url)
+            if engine.cpus is not None:
+                self.cores.give_back(engine.cpus)
         else:
             self.router.endpoints.set_state(engine.url, ready=False, draining=False)
         self.router.endpoints_changed([engine.url])  # its prefix cache is gone with it

@@ -44,7 +44,17 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
 
     async def run() -> None:
         # tuning on, with an interval longer than the test: its one push is the first tick's, at start
-        fleet = tiny_fleet(tiny_llama, 2, say=said.append, policy="round-robin", tune=True, interval_s=600)
+        # each engine on one core of its own (fleet/cores.py): a restart keeps its cores, a retirement frees them
+        pinned = 1 if len(os.sched_getaffinity(0)) >= 2 else None
+        fleet = tiny_fleet(
+            tiny_llama,
+            2,
+            say=said.append,
+            policy="round-robin",
+            tune=True,
+            interval_s=600,
+            cpus_per_engine=pinned,
+        )
         await fleet.start(ready_timeout_s=120)
         try:
             await until("the tuner's first push", lambda: bool(fleet.ticks), 30)
@@ -52,6 +62,10 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
             tuned = LiveSettings(TunedConfig(0, 8, 1024))  # as if a later interval had tuned it
             fleet.tuner.policy.current, fleet.tuner.in_force = tuned.config, tuned
             victim, survivor = fleet.engines
+            if pinned:
+                assert victim.cpus is not None and survivor.cpus is not None
+                assert len(victim.cpus) == len(survivor.cpus) == 1 and not victim.cpus & survivor.cpus
+                assert victim.proc is not None and os.sched_getaffinity(victim.proc.pid) == victim.cpus
             async with httpx.AsyncClient(base_url=fleet.url, timeout=30) as client:
                 model = (await client.get("/v1/models")).json()["data"][0]["id"]
                 body = {"model": model, "prompt": "Hello there", "max_tokens": 2}
@@ -81,6 +95,8 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
                     60,
                 )
                 assert victim.restarts == 1 and victim.running
+                if pinned:
+                    assert victim.proc is not None and os.sched_getaffinity(victim.proc.pid) == victim.cpus
                 admin = {"Authorization": f"Bearer {fleet.token}"}
                 restarted = await client.get(f"{fleet.admin_url(victim.url)}/admin/config", headers=admin)
                 assert {k: restarted.json()[k] for k in tuned.as_admin()} == tuned.as_admin()  # started tuned
@@ -89,6 +105,10 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
                 await fleet.scale_to(1)
                 await until("the retired engine to stop", lambda: len(fleet.engines) == 1, 30)
                 assert [e.url for e in fleet.router.endpoints.routable()] == [victim.url]
+                if pinned:  # the retired engine's core is free again; the survivor's is still held
+                    assert survivor.cpus is not None and victim.cpus is not None
+                    assert all(fleet.cores.held[c] == 0 for c in survivor.cpus)
+                    assert all(fleet.cores.held[c] == 1 for c in victim.cpus)
                 assert any(
                     f"engine {survivor.index} ({survivor.url}) stopped (exit code 0)" in line for line in said
                 )

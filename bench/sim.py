@@ -21,7 +21,7 @@ import random
 import statistics
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -205,7 +205,7 @@ class StepMix:
     """What an engine's steps held over a run, from the counters and histograms /metrics exports."""
 
     steps: float = 0.0
-    seconds: float = 0.0  # of `Engine.step()` (the serving overheads left out)
+    seconds: float = 0.0  # of `Engine.step()`: the core's, without the server's work beside it
     sequences: float = 0.0  # sequence-steps (the batch-size histogram's sum)
     prompt_tokens: float = 0.0  # prompt tokens computed
     draft_tokens: float = 0.0
@@ -217,6 +217,10 @@ class StepMix:
         self.prompt_tokens += counters.get("prompt_tokens", 0.0)
         self.draft_tokens += counters.get("spec_decode_draft_tokens", 0.0)
 
+    def since(self, earlier: StepMix) -> StepMix:
+        """The steps between two reads of the same engines."""
+        return StepMix(*(a - b for a, b in zip(astuple(self), astuple(earlier))))
+
     def speed(self, profile: Profile) -> float:
         """Measured over predicted mean step, the prediction at this mix's mean step (the profile's model
         costs only): above 1, the steps ran slower than the profile says for the same work."""
@@ -224,8 +228,7 @@ class StepMix:
             return 1.0
         n = self.steps
         d = self.draft_tokens / n
-        model = profile.with_(step_overhead_s=0.0, stream_overhead_s=0.0)
-        predicted = model.step_s(self.sequences / n + d, self.prompt_tokens / n, 0.0, d)
+        predicted = profile.core_s(self.sequences / n + d, self.prompt_tokens / n, 0.0, d)
         return (self.seconds / n) / predicted if predicted > 0 else 1.0
 
 
@@ -241,9 +244,9 @@ async def real_mix(urls: list[str]) -> StepMix:
     return mix
 
 
-def sim_mix(fleet: SimFleet, profile: Profile) -> StepMix:
-    """The simulated engines' steps, the same figures from their metrics; the serving loop's per-step and
-    per-stream overheads taken out, as the engine's own step histogram leaves them out."""
+def sim_mix(fleet: SimFleet) -> StepMix:
+    """The simulated engines' steps, the same figures from their metrics (their step histograms hold the
+    core's seconds, as the engine's own does: the server's work is beside it)."""
     mix = StepMix()
     for e in fleet.engines:
         h = e.metrics.histograms
@@ -252,7 +255,6 @@ def sim_mix(fleet: SimFleet, profile: Profile) -> StepMix:
             {name: hist.sum for name, hist in h.items()},
             {name: float(hist.count) for name, hist in h.items()},
         )
-    mix.seconds -= mix.steps * profile.step_overhead_s + mix.sequences * profile.stream_overhead_s
     return mix
 
 
@@ -268,15 +270,24 @@ def rescaled(profile: Profile, factor: float) -> Profile:
 
 
 BURST = 8  # concurrent requests of the batch measurement: a batch the light and heavy loads both reach
+PACED = 1.1  # a TPOT this much above the core's mean step: the server set the pace (below: noise, the core
+# loop's own work around `Engine.step()`)
 
 
-async def overheads(url: str, profile: Profile) -> tuple[float, float, float]:
+async def overheads(
+    url: str, engine_urls: list[str], profile: Profile
+) -> tuple[float, float, float, dict[str, float]]:
     """The serving path's costs the profile does not hold, from streamed requests (8-token prompt, 17 tokens
-    out): per request, a lone request's TTFT minus the prefill step (HTTP, proxy, tokenizer); per step, a
-    lone request's TPOT minus a one-token decode step (the serving loop's work outside `Engine.step()`);
-    per stream, how much more that gap is per sequence when `BURST` requests decode together (each
-    sequence's chunk is detokenised, framed and written every step). Medians of 5 lone requests and of
-    the burst's requests."""
+    out), read as the simulator models them: a two-stage pipeline (`Profile.period_s`), the API server's
+    work on a step's output (`step_overhead_s + stream_overhead_s * streams`) beside the core's next step,
+    a token reaching its client when the server has sent it. A stream's TPOT is then the longer of the
+    core's step and the server's work, so the server's work is observable only where it set the pace:
+    each phase (5 lone requests one after another, then `BURST` at once) sets the clients' median TPOT
+    against the engines' own mean `Engine.step()` and mean batch over the phase (their /metrics
+    histograms: the machine's speed at that moment, not the profile's; with two engines the burst splits),
+    and `server_work` turns the two into per-step and per-stream costs. Per request: a lone request's TTFT
+    minus the prefill step and the server's work on the first token (HTTP, proxy, tokenizer; server work
+    hidden behind the core only delays each token, and lands here). Also returns what the phases measured."""
 
     async def one(client: httpx.AsyncClient, i: int) -> tuple[float, float]:
         body = {
@@ -298,21 +309,48 @@ async def overheads(url: str, profile: Profile) -> tuple[float, float, float]:
         first = first or end
         return first - start, (end - first) / 16
 
-    per_request, per_step = [], []
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
-        for i in range(5):
-            ttft, tpot = await one(client, i)
-            per_request.append(ttft - profile.step_s(0, 8, 0))
-            per_step.append(tpot - profile.step_s(1, 0, 16))
+        before = await real_mix(engine_urls)
+        lone = [await one(client, i) for i in range(5)]
+        between = await real_mix(engine_urls)
         burst = await asyncio.gather(*(one(client, 100 + i) for i in range(BURST)))
-    step = max(0.0, statistics.median(per_step))
-    gap = statistics.median(tpot for _, tpot in burst) - profile.step_s(BURST, 0, 16 * BURST)
-    return (
-        max(0.0, statistics.median(per_request)),
-        step,
-        max(0.0, (gap - step) / (BURST - 1)),
-    )
+        after = await real_mix(engine_urls)
+
+    def phase(rows: list[tuple[float, float]], mix: StepMix) -> tuple[float, float, float]:
+        """The clients' median TPOT, the engines' mean core step and mean batch over the phase."""
+        tpot = statistics.median(t for _, t in rows)
+        core = mix.seconds / mix.steps if mix.steps else 0.0
+        batch = mix.sequences / mix.steps if mix.steps else 1.0
+        return tpot, core, batch
+
+    tpot1, core1, batch1 = lone_phase = phase(lone, between.since(before))
+    tpotb, coreb, batchb = burst_phase = phase(list(burst), after.since(between))
+    step, stream = server_work(lone_phase, burst_phase)
+    request = statistics.median(ttft for ttft, _ in lone) - profile.core_s(0, 8, 0) - (step + stream)
+    seen = {
+        "lone_tpot_ms": round(tpot1 * 1000, 1),
+        "lone_core_step_ms": round(core1 * 1000, 1),
+        "burst_tpot_ms": round(tpotb * 1000, 1),
+        "burst_core_step_ms": round(coreb * 1000, 1),
+        "burst_batch": round(batchb, 2),
+    }
+    return max(0.0, request), step, stream, seen
+
+
+def server_work(lone: tuple[float, float, float], burst: tuple[float, float, float]) -> tuple[float, float]:
+    """`step_overhead_s` and `stream_overhead_s` from two phases' (client TPOT, core's mean step, mean
+    batch), under the pipeline: a phase whose TPOT is more than `PACED` times the core's step was paced by
+    the server, whose work per step is then that TPOT; in the other the server's work was hidden (0)."""
+    (tpot1, core1, batch1), (tpotb, coreb, batchb) = lone, burst
+    server1 = tpot1 if tpot1 > PACED * core1 else 0.0
+    serverb = tpotb if tpotb > PACED * coreb else 0.0
+    if server1 and serverb and batchb > batch1:  # both phases server-bound: the line through both
+        stream = max(0.0, (serverb - server1) / (batchb - batch1))
+        return max(0.0, server1 - batch1 * stream), stream
+    if serverb:  # the lone request's server work was hidden: all of the burst's is taken as per stream
+        return 0.0, serverb / batchb
+    return server1, 0.0  # hidden at the burst's batch: nothing per stream is observable
 
 
 def decisions(ticks: list[Any]) -> list[str]:
@@ -334,7 +372,9 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     await fleet.start()
     startup_s = time.perf_counter() - started
     try:
-        request_overhead, step_overhead, stream_overhead = await overheads(fleet.url, profile)
+        request_overhead, step_overhead, stream_overhead, seen = await overheads(
+            fleet.url, fleet.engine_urls, profile
+        )
         if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
             fleet.tuner = fleet._build_tuner()
             fleet.ticks.clear()
@@ -385,7 +425,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     # steps, their seconds, sequences, prompt and draft tokens), relative to the same ratio in the
     # simulation: the machine's speed during the run, measured by the engine, not fitted to the latencies
     # being compared.
-    factor = real_steps.speed(tuned) / sim_mix(raw_fleet, tuned).speed(tuned)
+    factor = real_steps.speed(tuned) / sim_mix(raw_fleet).speed(tuned)
     sim, run, _ = await simulate(rescaled(tuned, factor))
     errors = errors_of(sim)
     result = {
@@ -401,6 +441,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         "request_overhead_ms": round(request_overhead * 1000, 1),
         "step_overhead_ms": round(step_overhead * 1000, 1),
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
+        "overhead_phases": seen,
         "acceptance": [round(a, 3) for a in acceptance],
         "proposal_share": round(share, 3),
     }

@@ -2,7 +2,10 @@
 
 `start_step(now)` does what `Engine.step()` does before the model runs (apply pending live settings,
 propose, schedule) and returns when the step ends, from the profile; `finish_step()` does what it does
-after (the scheduler's `update` with the sampled tokens, stop checks, statistics). Sampled tokens come
+after (the scheduler's `update` with the sampled tokens, stop checks, statistics). A step's end is the
+two-stage pipeline of the engine core and the API server (`Profile.period_s`): the core's step, or the
+server's work on the previous step's output if that is longer; the step's tokens reach their clients
+when the server has sent them, `Profile.server_s` after the step's end. Sampled tokens come
 from the workload: a request ends with "length" at its output length; speculative proposals are accepted
 position by position with the profile's (or workload's) probabilities.
 
@@ -71,7 +74,9 @@ class Plan:
 
     start: float
     sched: SchedulerOutput | None  # None: a fast-mode decode run planned without the scheduler
-    durations: list[float]  # one per step: > 1 only for a fast-mode run
+    durations: list[float]  # one per step (its period, `Profile.period_s`): > 1 only for a fast-mode run
+    cores: list[float]  # the core's own seconds of each step (`Profile.core_s`: the step histogram's)
+    server_s: float  # the server's work on each step's output (a run's steps all stream the same batch)
     decode_tokens: int
     proposals: int
 
@@ -116,6 +121,7 @@ class SimEngine:
         self.records: dict[int, Record] = {}  # seq_id -> its request's record, while in the engine
         self.targets: dict[int, int] = {}  # seq_id -> output length
         self.plan: Plan | None = None
+        self.server_free_s = 0.0  # when the API server finishes the last step's output (`Profile.period_s`)
         self.version = 0  # bumps when a planned step's end moves (the fleet's heap entries go stale)
         self.params = SamplingParams(max_tokens=None)
         self.steps = 0
@@ -174,15 +180,16 @@ class SimEngine:
         if not self.scheduler.has_unfinished():
             return None
         if self.fast:
-            run = self._decode_run(now, horizon)
+            run, cores = self._decode_run(now, horizon)
             if run:
-                self.plan = Plan(now, None, run, len(self.scheduler.running), 0)
+                batch = len(self.scheduler.running)
+                self.plan = Plan(now, None, run, cores, self.profile.server_s(batch), batch, 0)
                 self.version += 1
                 return self.plan
         proposals = self._propose()
         sched = self.scheduler.schedule()
         for seq in sched.finished:  # no room in the cache for its context: "length", as the engine ends it
-            self._finish(seq, now, "length")
+            self._finish(seq, max(now, self.server_free_s), "length")  # after its tokens the server holds
         if sched.empty:
             return None
         decode = prefill = context = streams = 0
@@ -198,11 +205,16 @@ class SimEngine:
                 and self.records[item.seq.seq_id].first_scheduled_s is None
             ):
                 self.records[item.seq.seq_id].first_scheduled_s = now
-        d = self.profile.step_s(decode, prefill, context, proposals, streams)
-        durations = [d]
+        p = self.profile
+        core = p.core_s(decode, prefill, context, proposals)
+        d = p.period_s(core, self.server_free_s - now)
+        durations, cores = [d], [core]
+        server = p.server_s(streams)
         if self.fast and not prefill and not proposals and not sched.num_preemptions:
-            durations += self._run_length(sched, now + d, horizon)
-        self.plan = Plan(now, sched, durations, decode, proposals)
+            more, more_cores = self._run_length(sched, now + d, horizon, server)
+            durations += more
+            cores += more_cores
+        self.plan = Plan(now, sched, durations, cores, server, decode, proposals)
         self.version += 1
         return self.plan
 
@@ -218,46 +230,55 @@ class SimEngine:
             if t >= at:
                 if i + 1 < len(plan.durations):
                     del plan.durations[i + 1 :]
+                    del plan.cores[i + 1 :]
                     self.version += 1
                     return True
                 return False
         return False
 
-    def _decode_run(self, now: float, horizon: float) -> list[float]:
+    def _decode_run(self, now: float, horizon: float) -> tuple[list[float], list[float]]:
         """Fast mode, before the scheduler: when every running sequence is decoding (one token to compute,
         no proposal), nobody can be admitted and the budget covers the batch, the scheduler's next steps
-        are pure decode until the first finish, a full cache or the horizon: their durations (empty when
-        the scheduler must run)."""
+        are pure decode until the first finish, a full cache or the horizon: their durations and core
+        seconds (empty when the scheduler must run)."""
         s = self.scheduler
         running = s.running
         if not running or (s.waiting and len(running) < s.max_num_seqs):
-            return []
+            return [], []
         if len(running) > s.max_num_batched_tokens:
-            return []
+            return [], []
         k = self.live.num_speculative_tokens
         guard = self.live.speculative_disable_by_batch_size
         if k and not (guard and min(len(running) + len(s.waiting), s.max_num_seqs) > guard):
-            return []  # `_propose` would draw proposals: the scheduler's path
+            return [], []  # `_propose` would draw proposals: the scheduler's path
         targets = self.targets
         steps = None
         context = 0
         for q in running:
             n = len(q.token_ids)
             if q.num_computed_tokens != n - 1 or n <= q.num_prompt_tokens or q.spec_token_ids:
-                return []
+                return [], []
             left = targets[q.seq_id] - (n - q.num_prompt_tokens)
             steps = left if steps is None or left < steps else steps
             context += n - 1
-        return self._durations(running, steps or 0, context, now, horizon, 0)
+        return self._durations(running, steps or 0, context, now, horizon, 0, self.server_free_s - now)
 
     def _durations(
-        self, seqs: list[Sequence], steps: int, context: int, t: float, horizon: float, ahead: int
-    ) -> list[float]:
+        self,
+        seqs: list[Sequence],
+        steps: int,
+        context: int,
+        t: float,
+        horizon: float,
+        ahead: int,
+        behind: float,
+    ) -> tuple[list[float], list[float]]:
         """Up to `steps` pure-decode steps of `seqs` from `t` (context `context` at the first), as many as
-        the cache holds without preempting anyone and as start before `horizon`. `ahead`: tokens each
-        sequence already holds beyond its computed ones."""
+        the cache holds without preempting anyone and as start before `horizon`: their durations and core
+        seconds. `ahead`: tokens each sequence already holds beyond its computed ones; `behind`: the
+        server's work left on the previous step's output at `t` (`Profile.period_s`)."""
         if steps <= 0:
-            return []
+            return [], []
         kv = self.kv
         free = kv.num_free_blocks
         bs = kv.block_size
@@ -269,30 +290,38 @@ class SimEngine:
                 break
             steps //= 2
         batch = len(seqs)
-        # step j reads j * batch more context tokens than the first: the profile is linear in context
         p = self.profile
-        base = p.decode_s(batch) + p.step_overhead_s + p.stream_overhead_s * batch  # `step_s`'s order
-        per_token = self.profile.context_s_per_token
-        out = []
+        server = p.server_s(batch)  # every sequence streams a token in every step of the run
+        # step j reads j * batch more context tokens than the first: `core_s` is linear in context, and
+        # `core_s(batch) + context_s_per_token * c` is `core_s(batch, 0, c)` to the last bit
+        base, per_token, period = p.core_s(batch), p.context_s_per_token, p.period_s
+        out: list[float] = []
+        cores: list[float] = []
         for j in range(steps):
             if t >= horizon:
                 break
-            d = base + per_token * (context + j * batch)
+            core = base + per_token * (context + j * batch)
+            d = period(core, behind)
             out.append(d)
+            cores.append(core)
             t += d
-        return out
+            behind = server
+        return out, cores
 
-    def _run_length(self, sched: SchedulerOutput, t: float, horizon: float) -> list[float]:
-        """Durations of the identical decode steps that may follow this one (fast mode)."""
+    def _run_length(
+        self, sched: SchedulerOutput, t: float, horizon: float, server: float
+    ) -> tuple[list[float], list[float]]:
+        """Durations and core seconds of the identical decode steps that may follow this one (fast mode);
+        `server`: the server's work on this step's output."""
         s = self.scheduler
         if len(sched.scheduled) != len(s.running) or (s.waiting and len(s.running) < s.max_num_seqs):
-            return []
+            return [], []
         seqs = [item.seq for item in sched.scheduled]
         # nothing may finish before the run's last step: the first finisher ends the run
         steps = min(self.targets[q.seq_id] - q.num_output_tokens for q in seqs) - 1
         # the scheduled step (not yet applied) adds one token to each sequence and to the context
         context = sum(q.num_computed_tokens for q in seqs) + len(seqs)
-        return self._durations(seqs, steps, context, t, horizon, 1)
+        return self._durations(seqs, steps, context, t, horizon, 1, server)
 
     def take_done(self) -> list[Record]:
         done, self.done = self.done, []
@@ -305,7 +334,7 @@ class SimEngine:
         sched = plan.sched
         if sched is None:  # a fast-mode decode run planned without the scheduler
             self.fast_runs += 1
-            return self._repeat_decode(plan.start, plan.durations)
+            return self._repeat_decode(plan.start, plan.durations, plan.cores, plan.server_s)
         now = plan.start + plan.durations[0]
         sampled: list[list[int]] = []
         accepted_total = drafts = draft_tokens = 0
@@ -323,7 +352,9 @@ class SimEngine:
                     per_pos[i] += 1
             sampled.append([OUTPUT_ID] * (n + 1))
         changed = self.scheduler.update(sched, sampled)
-        finished = self._emit(changed, now)
+        # the server takes the step's output now and sends its tokens when done with them
+        self.server_free_s = sent = now + plan.server_s
+        finished = self._emit(changed, sent)
         m = self.metrics
         m.counters["prompt_tokens"] += sched.num_prompt_tokens
         m.counters["generation_tokens"] += sum(n for _, n in changed)
@@ -333,19 +364,24 @@ class SimEngine:
         for i, c in enumerate(per_pos):
             if c:
                 m.per_pos[i] += c
-        m.histograms["step_duration_seconds"].observe(plan.durations[0])
+        m.histograms["step_duration_seconds"].observe(plan.cores[0])
         m.histograms["batch_size"].observe(len(sched.scheduled))
         self.steps += 1
         if len(plan.durations) > 1:
             self.fast_runs += 1
-            finished += self._repeat_decode(now, plan.durations[1:])
+            finished += self._repeat_decode(now, plan.durations[1:], plan.cores[1:], plan.server_s)
         return finished
 
-    def _repeat_decode(self, start: float, durations: list[float]) -> list[Record]:
+    def _repeat_decode(
+        self, start: float, durations: list[float], cores: list[float], server: float
+    ) -> list[Record]:
         """A fast-mode run's further steps, all at once: each running sequence gains one token per step,
         exactly as the scheduler would have given it (room checked by `_durations`); only the last step
-        can finish a sequence."""
+        can finish a sequence. Its tokens reach their clients `server` after each step's end; the gaps
+        between them are the steps' periods (the first also moves by the change in the server's work from
+        the step before the run: left out of `itl_max` and the kept ITLs, as the run's histograms are)."""
         n, end = len(durations), start + sum(durations)
+        self.server_free_s = sent = end + server
         longest = max(durations)
         finished = []
         kv, bs, records, targets = self.kv, self.kv.block_size, self.records, self.targets
@@ -360,21 +396,22 @@ class SimEngine:
             if (computed + n) // bs > computed // bs:  # else no block filled up for the prefix cache
                 kv.cache_full_blocks(seq)
             rec = records[seq.seq_id]
-            rec.itl_sum += end - rec.last_emit_s
+            rec.itl_sum += sent - rec.last_emit_s
             rec.itl_count += n
             if longest > rec.itl_max:
                 rec.itl_max = longest
             if self.keep_itls:
                 rec.itls.extend(durations)
-            rec.last_emit_s = end
+            rec.last_emit_s = sent
             if len(seq.token_ids) - seq.num_prompt_tokens >= targets[seq.seq_id]:
-                finished.append(self._finish(seq, end, "length"))
+                finished.append(self._finish(seq, sent, "length"))
         m = self.metrics
         m.counters["generation_tokens"] += batch * n
         # the run's steps differ only by their growing context: observed at their mean (a 1% bucket of the
         # ITL percentiles, a step-duration bucket apart at most)
         mean = (end - start) / n
-        m.histograms["step_duration_seconds"].observe(mean, n)
+        # the step histogram holds the core's seconds, as the engine's own does (the same when none waited)
+        m.histograms["step_duration_seconds"].observe(mean if cores == durations else sum(cores) / n, n)
         self.itl_hist.observe(mean, batch * n)
         m.histograms["batch_size"].observe(batch, n)
         self.steps += n

@@ -1,7 +1,8 @@
 """Profiles: what one engine step costs, as a function of what the scheduler put in it.
 
-    step_s = D(decode_tokens) + prefill_s_per_token * prefill_tokens + context_s_per_token * context_tokens
+    core_s = D(decode_tokens) + prefill_s_per_token * prefill_tokens + context_s_per_token * context_tokens
              + draft_s_per_token * draft_tokens
+    server_s = step_overhead_s + stream_overhead_s * streams
 
 `decode_tokens` are the tokens of sequences past their prompt (one each, plus k verified proposals),
 `D` a piecewise-linear curve through knots (the memory-bound floor, then the compute-bound slope: the
@@ -10,6 +11,10 @@ knee the tuner's step-cost model fits as `c0`, `c1`), `prefill_tokens` prompt (o
 model's cost; n-gram lookup is free). Like Vidur's execution-time predictor, one regression over a grid
 measured on the engine itself; unlike it, at the whole-step level (the engine's own `Engine.step()` time,
 scheduling and sampling included), since the grid is measured with the engine.
+
+`core_s` is the engine core's step; `server_s` is the API server's work on a step's output (`streams`:
+the sequences that emit a token in it, each a detokenised SSE chunk). The two run in separate processes
+(docs/engine_core.md), so a step's seconds are a two-stage pipeline, not a sum (`period_s`).
 
 Two kinds: `measured` (`specfleet profile`, least squares over the grid) and `roofline` (an estimate for
 hardware not at hand from memory bandwidth and FLOP/s; labelled `estimate: true` in the file and in every
@@ -70,9 +75,11 @@ class Profile:
     accepted_per_pos: tuple[float, ...] = ()  # P(position i accepted | a draft)
     proposal_share: float = 1.0  # share of decoding sequence-steps that get a proposal (n-gram: < 1)
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
-    step_overhead_s: float = 0.0  # added to every step: the serving loop's work outside `Engine.step()`
-    # added per sequence that streams a token in a step: the serving loop's per-chunk work (detokenise,
-    # the SSE chunk, the HTTP write), which grows with the batch where the lone-request overhead does not
+    # The API server's work on each step's output (`server_s`), in its own process beside the core: it
+    # overlaps the core's next step (`period_s`). Per step: the serving loop's work outside `Engine.step()`
+    step_overhead_s: float = 0.0
+    # per sequence that streams a token in a step: the per-chunk work (detokenise, the SSE chunk, the
+    # HTTP write), which grows with the batch where the per-step work does not
     stream_overhead_s: float = 0.0
     startup_s: float = (
         0.0  # a new replica's pod start to ready (process, imports, weights): autoscaling's delay
@@ -123,6 +130,46 @@ class Profile:
         x0, x1, y0, y1 = xs[j - 1], xs[j], ys[j - 1], ys[j]
         return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
 
+    def core_s(
+        self,
+        decode_tokens: float,
+        prefill_tokens: float = 0.0,
+        context_tokens: float = 0.0,
+        draft_tokens: float = 0.0,
+    ) -> float:
+        """The engine core's seconds for one step (`Engine.step()`: scheduling, the model, sampling): what
+        the engine's own step-duration histogram measures."""
+        return (
+            self.decode_s(decode_tokens)
+            + self.prefill_s_per_token * prefill_tokens
+            + self.context_s_per_token * context_tokens
+            + self.draft_s_per_token * draft_tokens
+        )
+
+    def server_s(self, streams: float) -> float:
+        """The API server's seconds for one step's output: `step_overhead_s`, plus `stream_overhead_s` per
+        sequence that emits a token in the step (its chunk detokenised, framed as SSE and written)."""
+        return self.step_overhead_s + self.stream_overhead_s * streams
+
+    @staticmethod
+    def period_s(core_s: float, server_behind_s: float) -> float:
+        """A step's seconds in the two-stage pipeline of the engine core and the API server.
+
+        The core runs step N while the server works on step N-1's output, and hands step N's output over
+        only when the server has finished N-1's (the core is at most one step ahead of the server). So
+        step N, started at `start`, ends at `max(start + core_s(N), server_free)`, where `server_free` is
+        when the server finishes step N-1's output; the server then works on step N's output, and its
+        tokens reach their clients at `end + server_s(N)`. Back to back, `server_behind_s` is
+        `server_s(N-1)`:
+
+            step period = max(core_s(this step), server_s(previous step's streams))
+
+        After an idle gap it is what is left of the server's work (negative: none). With zero serving
+        overheads the period is the core's step, exactly. One step deep is the model's choice: the real
+        core never blocks on the server (its reports queue), which in a steady state gives the clients the
+        same token rate, the longer stage's."""
+        return core_s if core_s >= server_behind_s else server_behind_s
+
     def step_s(
         self,
         decode_tokens: float,
@@ -131,14 +178,10 @@ class Profile:
         draft_tokens: float = 0.0,
         streams: float = 0.0,
     ) -> float:
-        """One step's seconds; `streams`: the sequences that emit a token in it (each a streamed chunk)."""
-        return (
-            self.decode_s(decode_tokens)
-            + self.step_overhead_s
-            + self.stream_overhead_s * streams
-            + self.prefill_s_per_token * prefill_tokens
-            + self.context_s_per_token * context_tokens
-            + self.draft_s_per_token * draft_tokens
+        """A step's period when it repeats back to back (the server's work on the previous step is this
+        step's): `max(core_s, server_s(streams))`; `streams`: the sequences that emit a token in it."""
+        return self.period_s(
+            self.core_s(decode_tokens, prefill_tokens, context_tokens, draft_tokens), self.server_s(streams)
         )
 
     @functools.cached_property
@@ -254,7 +297,7 @@ def fit_error(profile: Profile, points: Sequence[StepPoint] | None = None) -> di
     """Median and worst relative error of the profile on points (its own by default)."""
     pts = profile.points if points is None else points
     errs = [
-        abs(profile.step_s(p.decode_tokens, p.prefill_tokens, p.context_tokens, p.draft_tokens) - p.seconds)
+        abs(profile.core_s(p.decode_tokens, p.prefill_tokens, p.context_tokens, p.draft_tokens) - p.seconds)
         / p.seconds
         for p in pts
         if p.seconds > 0

@@ -409,6 +409,10 @@ class LocalFleet:
 
     async def tick(self) -> Tick:
         assert self.tuner is not None, "tuning is off for this fleet"
+        if (
+            self.replica_policy is not None
+        ):  # the config leaves capacity to the replica knob while it has room
+            self.tuner.policy.replica_room = self.replica_policy.room
         tick = await self.tuner.tick(self.frozen_by)
         self.ticks.append(tick)
         if self.on_tick is not None:

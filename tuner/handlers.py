@@ -209,10 +209,11 @@ async def tune(
                 await _autoscaled(client, body, meta, status, decision, signals)
         return
     tuners[uid] = (tuner, fingerprint, time.monotonic())
+    replicas = _replica_policy(memo, uid, generation, body)
+    tuner.policy.replica_room = replicas is not None and replicas.room  # capacity is the replica knob's then
     tick = await tuner.tick(frozen_by(body))
     await publish_in_force(client, body, tuner, memo, logger)
     now = timestamp()
-    replicas = _replica_policy(memo, uid, generation, body)
     if replicas is not None:  # the replica knob, from the same observation and model as the config
         obs = tick.observation
         signals = await router_signals(client, meta["namespace"], meta["name"])

@@ -373,3 +373,47 @@ def test_bounds_never_crossed(
         if decision.config is not None:
             assert bounds.contains(decision.config), (decision.config, bounds)
             config = decision.config
+
+
+def test_while_the_replica_knob_has_room_tpot_over_target_adds_replicas_instead_of_cutting_the_batch() -> (
+    None
+):
+    """The joint loop: the same overload as above (at 32 sequences), with the replica knob beside the policy
+    (maxReplicas 2, a new replica serving two intervals after it is asked for). The config does not cut
+    max_num_seqs below the requests per engine while a replica can still be added or is starting (that
+    would only queue them); once both replicas serve, the batch limit is the config's to try again."""
+    from specfleet.tuner.policy.replicas import ReplicaParams, ReplicaPolicy
+
+    plant = Plant(demand=64)
+    policy = Policy(PARAMS)
+    replicas = ReplicaPolicy(ReplicaParams(min_replicas=1, max_replicas=2, cooldown_s=0.0), 1)
+    config, started = TunedConfig(0, 32, 2048), None
+    seqs: dict[bool, list[int]] = {True: [], False: []}  # max_num_seqs decided with and without room
+    for i in range(16):
+        t = i * INTERVAL
+        if started is not None and t - started >= 2 * INTERVAL:
+            plant.pods = replicas.replicas  # the new replica is ready and routed to
+        policy.replica_room = replicas.room
+        obs = plant.observe(t, config)
+        decision = policy.decide(obs)
+        if decision.config is not None:
+            config = decision.config
+        seqs[policy.replica_room].append(config.max_num_seqs)
+        scaled = replicas.decide(t, obs, policy.model(obs), policy.current, SLO_CPU)
+        if scaled.changed:
+            started = t
+    assert replicas.replicas == 2 and plant.pods == 2
+    assert seqs[True] and min(seqs[True]) == 32  # held while a replica could be added or was starting
+    assert min(seqs[False]) < 32  # both serving, TPOT still over: the config tried a cut (judged as any)
+
+
+def test_a_hold_for_the_replica_knob_says_so() -> None:
+    plant = Plant(demand=64)
+    policy = Policy(PARAMS)
+    policy.replica_room = True
+    config = TunedConfig(0, 64, 2048)
+    reasons = [policy.decide(plant.observe(i * INTERVAL, config)).reason for i in range(4)]
+    assert policy.current == config
+    assert any("capacity is the replica knob's" in r and "64 requests per engine" in r for r in reasons), (
+        reasons
+    )

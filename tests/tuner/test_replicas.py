@@ -3,6 +3,8 @@ stabilization windows and a cooldown, one replica per change, bounds, scale to a
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from specfleet.tuner.policy.model import LoadModel, StepCost
 from specfleet.tuner.policy.replicas import ReplicaParams, ReplicaPolicy, capacity_per_replica
@@ -128,3 +130,12 @@ def test_status_and_event_of_a_decision():
     hold = p.decide(5.0, obs(5.0, 30), MODEL, CONFIG, SLO_)
     assert autoscaling_status(hold, status, "2026-01-01T00:00:05Z")["lastScaleTime"] == "2026-01-01T00:00:00Z"
     assert scale_event(hold) is None
+
+
+def test_room_while_below_the_maximum_or_a_new_replica_is_not_serving_yet():
+    p = policy(1, max_replicas=2, cooldown_s=0.0)
+    assert p.room  # 1 of 2
+    p.decide(0.0, obs(0.0, demand=30, waiting=10), MODEL, CONFIG, SLO_)
+    assert p.replicas == 2 and p.room  # asked for, and the observation still shows one pod serving
+    p.decide(10.0, replace(obs(10.0, demand=30, waiting=10), pods=2), MODEL, CONFIG, SLO_)
+    assert p.serving == 2 and not p.room  # both serve: nothing left to add

@@ -116,6 +116,12 @@ def best(options: list[Scored], current: TunedConfig, limit_s: float, change_pen
     )
 
 
+def queues(config: TunedConfig, current: TunedConfig, requests_per_engine: float) -> bool:
+    """Whether `config` cuts max_num_seqs below the requests each engine holds: fewer slots than requests
+    leave some waiting, which lowers TPOT by moving the time into TTFT rather than adding capacity."""
+    return config.max_num_seqs < min(current.max_num_seqs, requests_per_engine)
+
+
 def fastest(options: list[Scored]) -> Scored | None:
     """The candidate predicted to lower TPOT most (then the one with more goodput)."""
     return min(options, key=lambda s: (s.tpot_p95_s or 0.0, -s.goodput), default=None)

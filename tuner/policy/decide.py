@@ -7,8 +7,8 @@ from dataclasses import replace
 
 from ..types import Decision, Observation, TunedConfig
 from . import reasons, shift
-from .candidates import best, candidates, fastest, score
-from .load import batch_per_engine, similar
+from .candidates import best, candidates, fastest, queues, score
+from .load import batch_per_engine, per_engine, similar
 from .memory import Memory
 from .model import LoadModel, attainment, observed_goodput
 from .params import PolicyParams
@@ -31,6 +31,11 @@ class Policy:
         self.shift = Shift()
         self.level = Level()  # the load level and the changes made in it (churn)
         self.guard = 0  # speculative_disable_by_batch_size for the engines (0: never); see `shift.guard_at`
+        # Set by whoever runs the replica knob beside this policy, before each interval: True while it can
+        # still add capacity (`ReplicaPolicy.room`). Then a TPOT over target is the replica knob's to fix,
+        # and the search takes no max_num_seqs below the requests per engine: that would only turn TPOT
+        # into queueing (TTFT) while the new replica starts, and squeeze the capacity the knob reads.
+        self.replica_room = False
 
     @property
     def manages_guard(self) -> bool:
@@ -196,15 +201,22 @@ class Policy:
         here = score(current, current, obs, p.slo, model)
         limit = p.slo.tpot_p95_s * p.slo_headroom
         tabooed = self._tabooed(now)
-        options = [
-            score(c, current, obs, p.slo, model)
+        allowed = [
+            c
             for c in candidates(current, obs, p.slo, p.bounds, p.limits)
             if c != current and not tabooed(c, obs.demand)
         ]
+        requests = per_engine(obs.demand or 0.0, obs.engines)
+        left_to_replicas = self.replica_room and any(queues(c, current, requests) for c in allowed)
+        if self.replica_room:
+            allowed = [c for c in allowed if not queues(c, current, requests)]
+        options = [score(c, current, obs, p.slo, model) for c in allowed]
         # TPOT misses its target now: a change towards it needs room for itself only (the SLO comes before the
         # budget); it is still judged, so a move the model got wrong is reverted (that revert may be a third)
         tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s
         top = best(options, current, limit, p.change_penalty)
+        if left_to_replicas and (top is None or not options):
+            return self._hold(now, "hold", reasons.to_replicas(current, requests), goodput, share)
         if not options:
             return self._hold(now, "hold", reasons.nothing_left(current), goodput, share)
         seen = reasons.figures(obs, goodput, share)

@@ -115,6 +115,13 @@ def none_meets(current: TunedConfig, limit_s: float) -> str:
     )
 
 
+def to_replicas(current: TunedConfig, requests_per_engine: float) -> str:
+    return (
+        f"holding {current.short()}: capacity is the replica knob's while it can add replicas; no "
+        f"max_num_seqs below the {requests_per_engine:.0f} requests per engine (they would wait instead)"
+    )
+
+
 def towards_target(
     current: TunedConfig, fastest: Scored, obs: Observation, target_s: float, seen: str
 ) -> str:

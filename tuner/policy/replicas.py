@@ -83,6 +83,14 @@ class ReplicaPolicy:
     last_change: float = -math.inf
     _recommendations: list[tuple[float, int]] = field(default_factory=list)
     _since: float | None = None  # the first recommendation since the last change
+    serving: int | None = None  # pods serving at the last observation (None: none seen yet)
+
+    @property
+    def room(self) -> bool:
+        """Whether this knob can still add capacity: below maxReplicas, or a replica it added is not serving
+        yet. The config policy then leaves a TPOT over target to it (`Policy.replica_room`)."""
+        wanted = self.replicas
+        return wanted < self.params.max_replicas or (self.serving is not None and self.serving < wanted)
 
     def decide(
         self,
@@ -94,6 +102,8 @@ class ReplicaPolicy:
         queued: int = 0,
     ) -> ReplicaDecision:
         p, current = self.params, self.replicas
+        if obs is not None and not obs.error:
+            self.serving = obs.pods
         if current == 0:  # scale from zero: no engine can be observed; the router's queue is the signal
             if queued > 0 and p.max_replicas > 0:
                 return self._change(

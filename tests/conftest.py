@@ -17,7 +17,14 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
-from helpers import free_port, stop_process, wait_http_ready
+from helpers import (
+    TOKENIZER_FILES,
+    free_port,
+    stop_process,
+    tiny_config,
+    wait_http_ready,
+    write_tiny_checkpoint,
+)
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -35,32 +42,13 @@ def bundled_path():
 def tiny_llama(bundled_path, tmp_path_factory: pytest.TempPathFactory):
     """A 2-layer llama with random weights and the bundled tokenizer: an engine in a second, for tests of
     scheduling and semantics that do not need a model that writes well. Returns a `file://` URI."""
-    import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
-
-    path = tmp_path_factory.mktemp("tiny-llama")
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-        bos_token_id=1,
-        eos_token_id=2,
+    path = write_tiny_checkpoint(
+        tmp_path_factory.mktemp("tiny-llama"),
+        tiny_config("llama", max_position_embeddings=512, bos_token_id=1, eos_token_id=2),
+        std=0.2,  # weights large enough that sampled and greedy tokens vary
+        tokenizer_from=bundled_path,
+        tokenizer_files=(*TOKENIZER_FILES, "chat_template.jinja"),
     )
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # weights large enough that sampled and greedy tokens vary
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(path)
-    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        shutil.copy(bundled_path / name, path / name)
     return f"file://{path}"
 
 

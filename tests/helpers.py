@@ -1,10 +1,12 @@
 """Test helpers shared by every test folder (tests/ is on sys.path through the rootdir conftest): free
 ports, waiting until something holds or a server answers ready, serving an ASGI app from a thread, starting
-an engine server process and stopping a child process."""
+an engine server process and stopping a child process, and tiny random-weight checkpoints (torch and
+transformers are imported inside those functions: tests that never load a model import this module too)."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -17,7 +19,19 @@ from typing import Any
 import httpx
 from specfleet.fleet.supervisor import free_port
 
-__all__ = ["free_port", "serve_in_thread", "start_server", "stop_process", "wait_for", "wait_http_ready"]
+__all__ = [
+    "copy_tokenizer",
+    "free_port",
+    "serve_in_thread",
+    "start_server",
+    "stop_process",
+    "tiny_config",
+    "tiny_model",
+    "tiny_state",
+    "wait_for",
+    "wait_http_ready",
+    "write_tiny_checkpoint",
+]
 
 # The bundled model with a small cache: what a test server needs unless it says otherwise.
 SERVER_ARGS = (
@@ -115,3 +129,83 @@ def start_server(
         proc.wait()
         raise
     return proc, url
+
+
+# The tokenizer files a served checkpoint folder needs (the bundled model's: a vocab of 49152, tiny_config's).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+_TINY_ARCHITECTURES = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+}
+
+
+def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
+    """The transformers config of a tiny `kind` model (llama, mistral without a sliding window, qwen2 with
+    q/k/v bias): 2 layers, hidden 64, MLP 128, 4 attention heads over 2 KV heads (head dim 16), the bundled
+    tokenizer's vocab of 49152, 256 positions, untied embeddings; `overrides` replace or add fields."""
+    import transformers
+
+    config_class, architecture = _TINY_ARCHITECTURES[kind]
+    fields: dict[str, Any] = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=False,
+    )
+    if kind == "mistral":
+        fields["sliding_window"] = None
+    fields["architectures"] = [architecture]
+    return getattr(transformers, config_class)(**{**fields, **overrides})
+
+
+def tiny_model(config: Any, *, seed: int = 0, std: float | None = None) -> Any:
+    """A float32 transformers model of `config` in eval mode, its weights drawn after
+    `torch.manual_seed(seed)`: transformers' init, or every parameter drawn again from N(0, std) (std 0.2
+    gives logits spread enough that greedy and sampled tokens vary)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
+    if std is not None:
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, std)
+    return model
+
+
+def tiny_state(config: Any, *, seed: int = 0, std: float | None = None) -> dict[str, Any]:
+    """The weights of `tiny_model(config, seed=seed, std=std)` by name, as tensors of their own."""
+    model = tiny_model(config, seed=seed, std=std)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def copy_tokenizer(source: Path, path: Path, names: tuple[str, ...] = TOKENIZER_FILES) -> None:
+    """Copies the tokenizer files `names` from the model folder `source` into `path`."""
+    for name in names:
+        shutil.copy(source / name, path / name)
+
+
+def write_tiny_checkpoint(
+    path: Path,
+    config: Any,
+    *,
+    seed: int = 0,
+    std: float | None = None,
+    tokenizer_from: Path | None = None,
+    tokenizer_files: tuple[str, ...] = TOKENIZER_FILES,
+) -> Path:
+    """Saves `tiny_model(config, seed=seed, std=std)` as a transformers checkpoint in `path` (config,
+    generation config, safetensors), with `tokenizer_files` copied from the model folder `tokenizer_from`
+    when given. Returns `path`: serve it as `f"file://{path}"`."""
+    path = Path(path)
+    tiny_model(config, seed=seed, std=std).save_pretrained(path)
+    if tokenizer_from is not None:
+        copy_tokenizer(Path(tokenizer_from), path, tokenizer_files)
+    return path

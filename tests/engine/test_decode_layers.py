@@ -9,6 +9,7 @@ import copy
 
 import pytest
 import torch
+from helpers import tiny_config, tiny_state
 from specfleet.engine.attention.base import AttentionMetadata
 from specfleet.engine.attention.native_backend import NativeAttentionBackend
 from specfleet.engine.models.llama import LlamaModel
@@ -23,32 +24,15 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def _config(arch: str):
-    from transformers import LlamaConfig, Qwen2Config
-
-    cls = Qwen2Config if arch == "qwen2" else LlamaConfig
-    return cls(
+    # 4 attention heads: head_dim 32, as the native attention needs multiples of 16
+    return tiny_config(
+        arch,
         vocab_size=256,
         hidden_size=HIDDEN,
         intermediate_size=INTER,
         num_hidden_layers=LAYERS,
-        num_attention_heads=4,  # head_dim 32: the native attention needs multiples of 16
-        num_key_value_heads=2,
         max_position_embeddings=128,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        architectures=["Qwen2ForCausalLM" if arch == "qwen2" else "LlamaForCausalLM"],
     )
-
-
-def _state(config) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
 
 
 def _grouped(w: torch.Tensor, bits: int) -> QuantTensor:
@@ -67,7 +51,7 @@ def _grouped(w: torch.Tensor, bits: int) -> QuantTensor:
 
 def _model(arch: str, form: str) -> LlamaModel:
     config = _config(arch)
-    state = _state(config)
+    state = tiny_state(config, std=0.2)
     quantize, activations = None, "int8"
     if form == "int8":
         quantize = "int8"

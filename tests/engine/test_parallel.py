@@ -4,13 +4,13 @@ gloo) against the whole model in one process."""
 from __future__ import annotations
 
 import multiprocessing
-import shutil
 import subprocess
 import sys
 from typing import Any, NamedTuple
 
 import pytest
 import torch
+from helpers import tiny_config, write_tiny_checkpoint
 from specfleet.engine import LLM, SamplingParams
 from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.distributed.comm import COLLECTIVE_TIMEOUT_S
@@ -100,33 +100,9 @@ def test_the_slices_of_all_ranks_put_back_together_are_the_weights(size):
 
 
 def _tiny(kind: str, tmp_path, bundled_path, vocab: int):
-    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config
-
-    common = dict(
-        vocab_size=vocab,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=kind == "llama",
-    )
-    config = {
-        "llama": lambda: LlamaConfig(**common, architectures=["LlamaForCausalLM"]),
-        "mistral": lambda: MistralConfig(**common, sliding_window=None, architectures=["MistralForCausalLM"]),
-        "qwen2": lambda: Qwen2Config(**common, architectures=["Qwen2ForCausalLM"]),
-    }[kind]()
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32).eval()
-    with torch.no_grad():  # random weights large enough that greedy tokens vary
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    model.save_pretrained(tmp_path)
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bundled_path / name, tmp_path / name)
-    return f"file://{tmp_path}"
+    """A tiny random `kind` model of `vocab` tokens (tied embeddings for llama), the bundled tokenizer."""
+    config = tiny_config(kind, vocab_size=vocab, tie_word_embeddings=kind == "llama")
+    return f"file://{write_tiny_checkpoint(tmp_path, config, std=0.2, tokenizer_from=bundled_path)}"
 
 
 PROMPTS = [

@@ -11,11 +11,11 @@ agreement with transformers tests/engine/test_architectures.py checks).
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
 import torch
+from helpers import copy_tokenizer, tiny_config, tiny_state
 from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k
 from specfleet.engine import LLM, SamplingParams
 from specfleet.engine.models.llama import LlamaModel
@@ -97,34 +97,6 @@ def test_gguf_needs_a_gguf_source(tiny_llama) -> None:
         LLM(model=tiny_llama, quantization="gguf")
 
 
-def _tiny_config(hidden: int, inter: int):
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=512,
-        hidden_size=hidden,
-        intermediate_size=inter,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        rms_norm_eps=1e-6,
-        tie_word_embeddings=False,
-        architectures=["LlamaForCausalLM"],
-    )
-
-
-def _random_state(config, seed: int = 0) -> dict[str, torch.Tensor]:
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.2)
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
-
-
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -133,8 +105,8 @@ def test_q4_k_model_matches_its_dequantized_weights() -> None:
     512, every projection in Q4_K (test packer, checked in tests/kernels against gguf's dequantizer)."""
     from specfleet.engine.quant.gguf_blocks import decode
 
-    config = _tiny_config(256, 512)
-    state = _random_state(config)
+    config = tiny_config("llama", vocab_size=512, hidden_size=256, intermediate_size=512)
+    state = tiny_state(config, std=0.2)
     quant, dequant = dict(state), dict(state)
     for name, w in state.items():
         if any(p in name for p in PROJECTIONS):
@@ -163,17 +135,15 @@ def _write_checkpoint(path, config, state, qconfig, bundled_path) -> None:
     if qconfig:
         cfg["quantization_config"] = qconfig
     (path / "config.json").write_text(json.dumps(cfg))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bundled_path / name, path / name)
+    copy_tokenizer(bundled_path, path)
 
 
 @pytest.mark.parametrize("method,act_order", [("awq", False), ("gptq", False), ("gptq", True)])
 def test_awq_gptq_checkpoints_match_their_dequantized_weights(
     method, act_order, tmp_path, bundled_path
 ) -> None:
-    config = _tiny_config(128, 256)
-    config.vocab_size = 49152  # the bundled tokenizer's
-    state = _random_state(config)
+    config = tiny_config("llama", hidden_size=128, intermediate_size=256)  # the bundled tokenizer's vocab
+    state = tiny_state(config, std=0.2)
     packed, dequant = {}, {}
     for name, w in state.items():
         module = name.removesuffix(".weight")
@@ -197,8 +167,7 @@ def test_awq_gptq_checkpoints_match_their_dequantized_weights(
 
 
 def test_quantization_must_match_the_checkpoint(tmp_path, bundled_path) -> None:
-    config = _tiny_config(64, 128)
-    config.vocab_size = 49152
+    config = tiny_config("llama")
     _write_checkpoint(
         tmp_path / "q", config, {}, {"quant_method": "awq", "bits": 4, "group_size": 32}, bundled_path
     )

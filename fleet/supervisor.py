@@ -268,7 +268,12 @@ class LocalFleet:
         )
         for _ in range(replicas):
             self._new_engine(self._scaled_role)
-        await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
+        try:
+            await self._wait_ready(ready_timeout_s or float(spec.engine.startup_timeout_seconds))
+        except BaseException:  # a start that fails (or is cancelled) leaves no engine process behind
+            for engine in self.engines:
+                engine.kill()  # each engine's core exits with its server (engine/core/proc.py)
+            raise
         encode = local_tokenizer(spec.model.source)
         if encode is not None:
             self.router.hasher = BlockHasher(spec.engine.block_size, encode, self.router.hasher.seed)

@@ -118,3 +118,16 @@ def test_kill_9_of_one_engine_is_reported_rerouted_and_restarted(tiny_llama: str
         assert codes == [0], (codes, said, [e.tail() for e in fleet.engines])
 
     asyncio.run(run())
+
+
+def test_a_start_that_times_out_leaves_no_engine_process(tiny_llama: str) -> None:
+    async def run() -> None:
+        fleet = tiny_fleet(tiny_llama, 2)
+        with pytest.raises(TimeoutError, match="engines not ready after 0s"):
+            await fleet.start(ready_timeout_s=0.3)
+        assert len(fleet.engines) == 2 and not any(e.running for e in fleet.engines)
+        assert all(
+            e.exit_codes == [] and e.proc is not None and e.proc.returncode == -9 for e in fleet.engines
+        )
+
+    asyncio.run(run())

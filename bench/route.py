@@ -7,7 +7,8 @@ turns that resend their whole history; closed loop at `--concurrency` conversati
 streaming chat completions. Per policy: prefix hit rate from the engines' own counters
 (`specfleet_prefix_cache_hits / _queries`), TTFT p50/p95 and output throughput measured by the client.
 The two-engine fleets get `--kv-cache-gib` each; the one-engine reference gets twice that (the same
-memory), so its hit rate is what the whole fleet's cache could hold with perfect locality.
+memory), so its hit rate is what the whole fleet's cache could hold with perfect locality. Every engine
+runs on one core of its own (`--cpus-per-engine 1`), as each replica of a GPU fleet has its own device.
 
 Writes JSON and a PNG next to it; the last stdout line is the JSON summary.
 """
@@ -168,6 +169,7 @@ async def run_config(args: argparse.Namespace, name: str, replicas: int, policy:
         policy=policy,
         engine_extra_args=[f"--kv-cache-gib={kv_gib}"],
         say=lambda line: print(line, flush=True),
+        cpus_per_engine=args.cpus_per_engine or None,
     )
     print(f"[bench route] {name}: starting {replicas} engine(s), policy {policy}", flush=True)
     await fleet.start()
@@ -318,6 +320,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--system-sentences", type=int, default=14, help="handbook rules per system prompt (~28 tokens each)"
     )
     p.add_argument("--max-tokens", type=int, default=24)
+    # One core of its own per engine, as each GPU replica has its own device: unpinned, two engines of two
+    # threads each share two cores and every latency measures their contention (docs/router.md).
+    p.add_argument(
+        "--cpus-per-engine",
+        type=int,
+        default=1,
+        help="cores pinned to each engine (specfleet up --cpus-per-engine); 0: every engine on every core",
+    )
     p.add_argument(
         "--kv-cache-gib",
         type=float,

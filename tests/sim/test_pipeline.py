@@ -9,9 +9,9 @@ import pytest
 from specfleet.bench.sim import server_work
 from specfleet.sim.fleet import SimFleet
 from specfleet.sim.report import summarize
-from specfleet.sim.workload import Lengths, SimRequest, Synthetic
+from specfleet.sim.workload import SimRequest
 
-from .test_sim_fleet import PROFILE, isvc
+from .test_sim_fleet import PROFILE, isvc, mixed_requests
 
 
 def step_histogram(fleet: SimFleet) -> tuple[float, int]:
@@ -95,17 +95,7 @@ def test_zero_serving_overheads_give_the_core_steps():
 
 
 def test_fast_mode_equals_exact_mode_with_serving_overheads():
-    w = Synthetic(
-        rates=((0.0, 4.0),),
-        duration_s=30,
-        prompt=Lengths("uniform", 16, 200),
-        output=Lengths("uniform", 8, 120),
-        prefix_groups=2,
-        prefix_tokens=32,
-        prefix_share=0.5,
-        seed=7,
-    )
-    reqs = list(w.requests())
+    reqs = mixed_requests()
     # the server's 2 + 3 ms a stream: hidden below 6 streams, the pace from 7 (and at 16 against 44 ms)
     p = PROFILE.with_(num_kv_blocks=64, step_overhead_s=0.002, stream_overhead_s=0.003)
     exact_fleet = SimFleet(isvc(replicas=2), p)

@@ -133,7 +133,8 @@ def test_speculation_cuts_steps_by_the_accepted_length():
     assert none.steps == 101
 
 
-def test_fast_mode_equals_exact_mode():
+def mixed_requests() -> list[SimRequest]:
+    """30 s of 4 req/s with shared prefixes that preempt in a 64-block cache: the fast-vs-exact workload."""
     w = Synthetic(
         rates=((0.0, 4.0),),
         duration_s=30,
@@ -144,7 +145,11 @@ def test_fast_mode_equals_exact_mode():
         prefix_share=0.5,
         seed=7,
     )
-    reqs = list(w.requests())
+    return list(w.requests())
+
+
+def test_fast_mode_equals_exact_mode():
+    reqs = mixed_requests()
     exact = SimFleet(isvc(replicas=2), PROFILE.with_(num_kv_blocks=64)).run(reqs)
     fleet = SimFleet(isvc(replicas=2), PROFILE.with_(num_kv_blocks=64), fast=True)
     fast = fleet.run(reqs)

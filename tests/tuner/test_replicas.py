@@ -139,3 +139,18 @@ def test_room_while_below_the_maximum_or_a_new_replica_is_not_serving_yet():
     assert p.replicas == 2 and p.room  # asked for, and the observation still shows one pod serving
     p.decide(10.0, replace(obs(10.0, demand=30, waiting=10), pods=2), MODEL, CONFIG, SLO_)
     assert p.serving == 2 and not p.room  # both serve: nothing left to add
+
+
+def test_a_rise_scales_up_at_the_first_interval_from_the_count_now():
+    p = policy(1, max_replicas=3, cooldown_s=0.0)
+    # the window's mean still mostly the old load (2.5); the gauges already show 30 in the system
+    rising = replace(obs(0.0, demand=2.5), in_system_now=30.0)
+    decision = p.decide(0.0, rising, MODEL, CONFIG, SLO_)
+    assert decision.kind == "scale-up" and decision.replicas == 2
+    assert "30.0 requests in the system" in decision.reason
+
+
+def test_a_fall_seen_only_now_does_not_scale_down_before_the_window():
+    p = policy(2, scale_down_window_s=60.0)
+    falling = replace(obs(0.0, demand=20.0), in_system_now=1.0)  # the mean still counts the old load
+    assert p.decide(0.0, falling, MODEL, CONFIG, SLO_).replicas == 2

@@ -25,7 +25,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from specfleet.bench.tune import Phase, bench_service, bench_spec, run_phase
+from specfleet.bench.closed_loop import Phase, run_phase
+from specfleet.bench.tune import bench_service, bench_spec
 from specfleet.fleet.engines import Startup
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.tuner.actuator import AdminActuator

@@ -6,7 +6,8 @@ max_tokens a user of each would ask for: a copied passage is long, a chat answer
 requests stop at EOS). Every static config of the grid (k x max_num_seqs) runs each phase,
 pushed live through the admin API, in two passes (the second in reverse order); a fresh tuner runs the
 same phases back to back before them and again after them, and the two are averaged. Goodput is measured
-by the client: output tokens/s of requests whose TTFT and TPOT meet the SLO. Prints progress, writes
+by the client over each phase's window (bench/closed_loop.py): output tokens/s of requests whose TTFT and
+TPOT meet the SLO. Prints progress, writes
 JSON and a PNG timeline, and prints the JSON summary as its last line.
 """
 
@@ -18,42 +19,24 @@ import contextlib
 import json
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-import httpx
-from specfleet.bench.prompts import chat_prompts, grounded_prompts
+from specfleet.bench.closed_loop import Phase, run_phase
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.tuner.actuator import AdminActuator
 from specfleet.tuner.types import LiveSettings, TunedConfig
 
-
-@dataclass(frozen=True)
-class Phase:
-    name: str
-    concurrency: int
-    grounded: bool
-    max_tokens: int
-
-
 PHASES = (
     Phase("grounded-c1", 1, True, 128),
     Phase("chat-c32", 32, False, 48),
     Phase("chat-c2", 2, False, 96),
 )
-_PROMPTS: dict[bool, list[str]] = {}
 NO_GUARD = 0  # speculative_disable_by_batch_size of the static configs: they speculate at any batch size
 WARM_UP = Phase("warm-up", 4, False, 32)  # before a tuner pass that comes first; not measured
-
-
-def _prompt(phase: Phase, i: int) -> str:
-    if phase.grounded not in _PROMPTS:
-        _PROMPTS[phase.grounded] = grounded_prompts() if phase.grounded else chat_prompts()
-    prompts = _PROMPTS[phase.grounded]
-    return prompts[i % len(prompts)]
 
 
 def _speculative(method: str) -> dict[str, Any]:
@@ -109,72 +92,6 @@ def _isvc(args: argparse.Namespace) -> Any:
     if args.file:
         return load_inference_service(args.file)
     return bench_service(bench_spec(args, _speculative(args.method), args.replicas))
-
-
-async def _one(client: httpx.AsyncClient, url: str, phase: Phase, i: int) -> tuple[float, float, int] | None:
-    """One streamed request: (TTFT, TPOT, output tokens). It stops at EOS: a grounded answer ends with the
-    copied passage, and tokens forced past EOS would be unrelated free text."""
-    body = {
-        "model": "smollm2-135m-instruct",
-        "messages": [{"role": "user", "content": _prompt(phase, i)}],
-        "max_tokens": phase.max_tokens,
-        "temperature": 0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start = time.monotonic()
-    first = None
-    tokens = 0
-    try:
-        async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                return None
-            async for line in response.aiter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
-                if chunk.get("usage"):
-                    tokens = int(chunk["usage"]["completion_tokens"])
-                elif first is None:
-                    first = time.monotonic()
-    except httpx.HTTPError:
-        return None
-    end = time.monotonic()
-    if first is None or tokens < 1:
-        return None
-    return first - start, (end - first) / max(tokens - 1, 1), tokens
-
-
-async def run_phase(url: str, phase: Phase, seconds: float, slo: tuple[float, float]) -> dict[str, float]:
-    """Closed-loop load for `seconds`; goodput counts requests finished inside the window meeting the SLO."""
-    results: list[tuple[float, float, int]] = []
-    failed = 0
-    deadline = time.monotonic() + seconds
-    started = time.monotonic()
-    async with httpx.AsyncClient(timeout=300) as client:
-
-        async def worker(w: int) -> None:
-            nonlocal failed
-            i = 0
-            while time.monotonic() < deadline:
-                r = await _one(client, url, phase, w * 10000 + i)
-                i += 1
-                if r is None:
-                    failed += 1
-                elif time.monotonic() <= deadline + 2.0:
-                    results.append(r)
-
-        await asyncio.gather(*(worker(w) for w in range(phase.concurrency)))
-    elapsed = time.monotonic() - started
-    good = [r for r in results if r[0] <= slo[0] and r[1] <= slo[1]]
-    total = len(results) + failed
-    return {
-        "goodput": sum(r[2] for r in good) / elapsed,
-        "throughput": sum(r[2] for r in results) / elapsed,
-        "requests": total,
-        "slo_attainment": len(good) / total if total else 0.0,
-        "seconds": elapsed,
-    }
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:

@@ -12,7 +12,6 @@ bit in torch (any device); the tests hold the two equal.
 from __future__ import annotations
 
 import torch
-import xgrammar as xgr
 
 _BIT = torch.arange(32, dtype=torch.int32)
 
@@ -59,6 +58,8 @@ def apply_token_bitmask_(
     if bool(zero.any()):
         logits.view(num_rows, words, 32).masked_fill_(zero.unsqueeze(-1), float("-inf"))
         bitmask = bitmask.masked_fill(zero, -1)
+    import xgrammar as xgr  # here, not at the top: the model runner imports this module in every engine
+
     xgr.apply_token_bitmask_inplace(logits, bitmask, backend="cpu")
     return dead
 

@@ -6,12 +6,15 @@ proposals cut to what the grammar allows and the bitmask the runner applies to t
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
 import torch
-from specfleet.engine.structured_output.backend import GrammarBackend
 from specfleet.engine.structured_output.bitmask import allocate_bitmask
 from specfleet.engine.structured_output.spec import StructuredOutputSpec
 from specfleet.engine.structured_output.speculative import draft_bitmask
+
+if TYPE_CHECKING:  # the backend imports xgrammar (about 2 s of a cold start): the first structured request
+    from specfleet.engine.structured_output.backend import GrammarBackend  # loads it, as vLLM does
 
 
 class StructuredOutputManager:
@@ -28,7 +31,9 @@ class StructuredOutputManager:
     def backend(self) -> GrammarBackend:
         if (
             self._backend is None
-        ):  # 0.3 s for a 49k vocabulary: only engines that serve structured requests pay
+        ):  # import and build: ~2 s, paid once, by engines that serve structured requests
+            from specfleet.engine.structured_output.backend import GrammarBackend
+
             self._backend = GrammarBackend(
                 self.tokenizer, self.vocab_size, self.eos_token_ids, max_rollback_tokens=self.max_k + 1
             )

@@ -9,10 +9,13 @@ forbids, since the target could never accept it (its masked probability is 0).""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
 from specfleet.engine.structured_output.bitmask import allocate_bitmask
-from specfleet.engine.structured_output.matcher import GrammarMatcher
+
+if TYPE_CHECKING:  # the matcher's module imports xgrammar, which only a structured request should load
+    from specfleet.engine.structured_output.matcher import GrammarMatcher
 
 
 def draft_bitmask(

@@ -10,6 +10,7 @@ or a plain path. A GGUF file is converted once into a safetensors folder under t
 from __future__ import annotations
 
 import hashlib
+import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -19,6 +20,8 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
 
 from specfleet.engine.models import ARCHITECTURES
 from specfleet.engine.tokenizer import Tokenizer
@@ -160,10 +163,26 @@ def _save_plain(model, folder: Path) -> None:
         model.generation_config.save_pretrained(folder)
 
 
-def load_hf_config(path: Path):
-    from transformers import AutoConfig
+class ModelConfig(SimpleNamespace):
+    """A checkpoint's configuration as transformers reads it (defaults filled in, RoPE parameters
+    standardized), held as plain attributes: what the model classes read, loaded without transformers."""
 
-    config = AutoConfig.from_pretrained(path)
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    def to_transformers(self) -> Any:
+        """The transformers config object, for transformers' own functions (a non-default RoPE's tables)."""
+        from transformers import AutoConfig
+
+        values = self.to_dict()
+        return AutoConfig.for_model(values.pop("model_type"), **values)
+
+
+def load_hf_config(path: Path) -> ModelConfig:
+    """config.json as transformers normalizes it. The normalized form is kept under the cache root, keyed by
+    the file's bytes and transformers' version, so later loads (each engine start, each tensor- or
+    pipeline-parallel worker) skip transformers' config classes, whose import took 2-6 s on one core."""
+    config = ModelConfig(**_normalized_config(path))
     archs = getattr(config, "architectures", None) or []
     if not any(a in ARCHITECTURES for a in archs):
         raise ValueError(
@@ -171,6 +190,31 @@ def load_hf_config(path: Path):
             f"supported: {', '.join(ARCHITECTURES)}"
         )
     return config
+
+
+def _normalized_config(path: Path) -> dict[str, Any]:
+    file = path / "config.json"
+    if not file.is_file():  # transformers' own error names what is missing
+        from transformers import AutoConfig
+
+        AutoConfig.from_pretrained(path)
+    raw = file.read_bytes()
+    key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()).hexdigest()[:16]
+    cached = cache_root() / "configs" / f"{key}.json"
+    if cached.is_file():
+        return json.loads(cached.read_text())
+    from transformers import AutoConfig
+
+    values = json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as out:
+            out.write(json.dumps(values))
+        os.replace(tmp, cached)  # atomic: concurrent engines and workers read a whole file or none
+    except OSError as exc:  # a read-only cache costs the import on every start, nothing else
+        log.warning("event=config_cache_unwritable path=%s error=%s", cached, exc)
+    return values
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

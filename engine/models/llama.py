@@ -67,7 +67,8 @@ def rope_tables(config, head_dim: int, max_position: int) -> tuple[torch.Tensor,
     else:
         from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu")
+        hf = config.to_transformers() if hasattr(config, "to_transformers") else config  # a ModelConfig
+        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * scaling, emb.sin() * scaling

@@ -39,14 +39,15 @@ def hf_reference(bundled_path):
     tok = AutoTokenizer.from_pretrained(bundled_path)
     model = AutoModelForCausalLM.from_pretrained(bundled_path, dtype=torch.float32).eval()
     model.generation_config.eos_token_id = None  # like ignore_eos: never stop early, never mask
-    refs = []
+    # One left-padded batch (the mask keeps padding out of attention and positions): the same tokens as
+    # one prompt at a time (checked on 2026-12-02), in a third of the time.
+    tok.padding_side = "left"
     with torch.inference_mode():
-        for prompt in PROMPTS:
-            ids = tok(prompt, return_tensors="pt").input_ids
-            out = model.generate(
-                ids, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0
-            )
-            refs.append(out[0, ids.shape[1] :].tolist())
+        batch = tok(PROMPTS, return_tensors="pt", padding=True)
+        out = model.generate(
+            **batch, do_sample=False, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0
+        )
+    refs = out[:, batch.input_ids.shape[1] :].tolist()
     assert all(len(r) == NEW_TOKENS for r in refs)
     return refs
 

@@ -184,6 +184,28 @@ def test_load_falling_under_the_knee_turns_speculation_on_at_once() -> None:
     assert "load shifting" in decision.reason and "under the step cost's knee" in decision.reason
 
 
+def test_load_falling_takes_the_shortest_draft_predicted_near_the_best() -> None:
+    """The fall rule decides on acceptance not measured at the new load, and its choice holds for the
+    level, so of the drafts predicted within `shift_on_tie` of the best it takes the shortest: here the
+    model puts k=3 a few percent ahead of k=2 (a tie it cannot resolve), and k=2 is what it turns on."""
+    policy = Policy(PARAMS)
+    settled, _ = run(Plant(demand=32, per_pos=(0.3, 0.1)), policy, TunedConfig(0, 32, 1024), 6)
+    falling = Plant(demand=32, demand_now=2)
+    policy.decide(falling.observe(500.0, settled))
+    obs = falling.observe(500.0 + INTERVAL, settled)
+    model = policy.memory.model_at(obs, 2.0, PARAMS)
+    assert model is not None
+    predicted = {k: model.predict(settled.with_(num_speculative_tokens=k)).throughput for k in range(1, 5)}
+    near = [k for k, t in predicted.items() if t >= (1.0 - PARAMS.shift_on_tie) * max(predicted.values())]
+    assert max(predicted, key=lambda k: predicted[k]) > min(near), predicted  # the case: a near-tie
+
+    decision = policy.decide(obs)
+
+    assert decision.config is not None and decision.config.num_speculative_tokens == min(near), decision.reason
+    gain = predicted[min(near)] / model.predict(settled).throughput - 1.0
+    assert f"{gain:+.0%}" in decision.reason  # the gain quoted is the chosen draft's
+
+
 @pytest.mark.parametrize("pods", [1, 2])
 def test_guard_is_the_rise_rule_moved_into_the_engine(pods: int) -> None:
     """`guard` (the engines' speculative_disable_by_batch_size) is the largest batch per engine at which

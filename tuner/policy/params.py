@@ -112,6 +112,14 @@ class PolicyParams:
     # hold through a load shift at most this many windows: a "shift" that outlasts them is the load (a
     # window shorter than the requests makes the mean jumpy); two, so one wave's trough is not taken
     shift_hold_windows: float = 2.0
+    # The fall rule turns speculation on with the shortest draft predicted within this share of the best.
+    # It decides on acceptance not yet measured at the new load (the prior, or what a similar load showed)
+    # and its choice holds for the level (the churn budget leaves no room for a judged change after it),
+    # where the model errs toward longer drafts: at concurrency 2 on chat (bench tune, 2026-12-02) it put
+    # k=3 1-2% ahead of k=2, which measured 13% higher (83-88 against 74 tok/s); the roofline underprices a
+    # step's extra tokens at small batches (docs/tuner.md, the shorter-draft probe). Half the dead band:
+    # a tie the model cannot resolve, not a gain it predicts.
+    shift_on_tie: float = 0.05
     guard: bool = True  # keep the engines' speculative_disable_by_batch_size at the load-shift rule's batch
     # Config changes per load level, reverts and reverted probes included: more than two after one load
     # change is flapping on an SRE's dashboard (issue 18: a run made three, a shorter-draft probe k 4 -> 2

@@ -43,8 +43,9 @@ def on_on_fall(
     tabooed: Tabooed,
 ) -> tuple[TunedConfig, float] | None:
     """The mirror of `off_on_rise`: the load fell under the knee (memory-bound, where drafts are cheap)
-    with k = 0. The k the model predicts best at the new load (acceptance as remembered for such a load,
-    else the prior), with its predicted gain, if it clears the dead band; None otherwise."""
+    with k = 0. The shortest k the model predicts within `shift_on_tie` of the best at the new load
+    (acceptance as remembered for such a load, else the prior), with its predicted gain, if it clears
+    the dead band; None otherwise."""
     if (
         current.num_speculative_tokens > 0
         or params.bounds.k[1] == 0
@@ -61,10 +62,16 @@ def on_on_fall(
         for c in candidates(current, obs, params.slo, params.bounds, params.limits)
         if c.num_speculative_tokens > 0 and c.max_num_seqs == current.max_num_seqs and not tabooed(c, load)
     ]
-    best = max(options, key=lambda c: model.predict(c).throughput, default=None)
-    if best is None or here <= 0:
+    if not options or here <= 0:
         return None
-    gain = model.predict(best).throughput / here - 1.0
+    predicted = [(model.predict(c).throughput, c) for c in options]
+    top = max(t for t, _ in predicted)
+    # the shortest draft predicted within `shift_on_tie` of the best (see PolicyParams)
+    throughput, best = min(
+        ((t, c) for t, c in predicted if t >= (1.0 - params.shift_on_tie) * top),
+        key=lambda tc: tc[1].num_speculative_tokens,
+    )
+    gain = throughput / here - 1.0
     return (best, gain) if gain > params.dead_band else None
 
 

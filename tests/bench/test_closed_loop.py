@@ -55,6 +55,18 @@ def test_a_request_is_judged_on_what_had_arrived_by_the_end() -> None:
     assert window_figures([], 0.0, 1.0, SLO)["slo_attainment"] == 0.0
 
 
+def test_tpot_p95_is_the_nearest_rank_of_the_judged_requests_own_tpot() -> None:
+    """Each request's TPOT over its own tokens (as the SLO judges it), p95 by nearest rank over the judged
+    requests: 20 requests at 10..200 ms read 190 ms; a request with one token or none has no TPOT."""
+    streams = [paced(0.0, 0.1, (i + 1) / 100, 5) for i in range(20)]
+    streams += [paced(0.0, 0.1, 0.0, 1), Stream(0.0, failed=True)]
+    out = window_figures(streams, 0.0, 10.0, (0.5, 1.0))
+    assert out["tpot_p95_s"] == pytest.approx(0.19)
+    assert streams[0].tpot(10.0) == pytest.approx(0.01) and streams[20].tpot(10.0) is None
+    assert streams[1].tpot(0.1 + 0.02 * 2) == pytest.approx(0.02)  # over the tokens arrived by then
+    assert window_figures([], 0.0, 1.0, SLO)["tpot_p95_s"] == 0.0
+
+
 TOKEN_GAP_S = 0.05  # the fake engine's pace: 20 tokens per second per stream
 
 

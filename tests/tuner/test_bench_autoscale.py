@@ -11,11 +11,13 @@ from dataclasses import dataclass, field
 import pytest
 from specfleet.bench.autoscale import (
     ReplicaMeter,
+    _isvc,
     build_parser,
     cold_starts,
     phases,
     summarize,
     summarize_run,
+    tpot_target,
 )
 from specfleet.fleet.engines import Startup
 
@@ -60,6 +62,27 @@ def test_the_meter_integrates_running_engines() -> None:
 def test_the_load_rises_and_falls() -> None:
     names = [(p.name, p.concurrency) for p in phases(build_parser().parse_args([]))]
     assert [c for _, c in names] == [2, 24, 2] and len({n for n, _ in names}) == 3
+
+
+def test_the_tpot_target_lies_between_one_replica_and_two() -> None:
+    """Calibrated (the default): the geometric mean of the TPOT p95 the fewest and the most replicas
+    reached at the high phase, so the high phase needs the second replica; the figures go in the JSON."""
+    assert build_parser().parse_args([]).tpot_ms is None
+    assert build_parser().parse_args(["--tpot-ms", "230"]).tpot_ms == 230
+    out = tpot_target({1: 289.0, 2: 187.0})
+    assert out == {"tpot_target_ms": 232, "tpot_p95_ms_by_replicas": {"1": 289.0, "2": 187.0}}
+    assert 187.0 < out["tpot_target_ms"] < 289.0
+    assert tpot_target({2: 100.0, 1: 100.0})["tpot_target_ms"] == 100  # no gain from more: said, not hidden
+
+
+def test_the_fleets_spec_carries_the_slo_once_it_is_known() -> None:
+    """The static grid's fleet starts before the calibration and runs no tuner: no SLO in its spec; the
+    joint fleet's tuner gets the calibrated target."""
+    args = build_parser().parse_args([])
+    static = _isvc(args, autoscaling=False, replicas=2)
+    args.tpot_ms = 233
+    joint = _isvc(args, autoscaling=True, replicas=1)
+    assert static.spec.slo.tpot_p95_ms != 233 and joint.spec.slo.tpot_p95_ms == 233
 
 
 def test_cold_starts_are_the_engines_started_during_the_run_and_reach_the_summary() -> None:

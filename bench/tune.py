@@ -23,7 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from specfleet.bench.closed_loop import Phase, run_phase
+from specfleet.bench.closed_loop import Phase, prime, run_phase
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
@@ -132,9 +132,11 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
             args.tuner_passes == 2
         ):  # tuner, static, static reversed, tuner: drift that is linear in time cancels
             await run_phase(fleet.url, WARM_UP, 10.0, slo)
+            await prime(fleet.url, PHASES)
             await tuner_pass()
             await grid_pass(reverse=False)
         else:  # static, tuner, static reversed
+            await prime(fleet.url, PHASES)
             await grid_pass(reverse=False)
             await tuner_pass()
         if args.static_passes > 1:

@@ -12,7 +12,8 @@ from typing import Any
 
 import pytest
 from helpers import serve_in_thread
-from specfleet.bench.closed_loop import Phase, Stream, run_phase, window_figures
+from specfleet.bench.closed_loop import Phase, Stream, prime, run_phase, window_figures
+from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, StreamingResponse
@@ -71,14 +72,16 @@ TOKEN_GAP_S = 0.05  # the fake engine's pace: 20 tokens per second per stream
 
 
 @pytest.fixture
-def paced_server() -> Iterator[tuple[str, dict[str, list[bool]]]]:
+def paced_server() -> Iterator[tuple[str, dict[str, list[Any]]]]:
     """A real uvicorn server streaming chat chunks with continuous usage at TOKEN_GAP_S per token; it records
     each stream's end (finished or cut by the client's disconnect). Under /refuse every request gets a 503."""
-    seen: dict[str, list[bool]] = {"ended": [], "finished": []}
+    seen: dict[str, list[Any]] = {"ended": [], "finished": [], "prompts": []}
     lock = threading.Lock()
 
     async def chat(request: Request) -> Any:
         body = await request.json()
+        with lock:
+            seen["prompts"].append((body["messages"][0]["content"], body["max_tokens"]))
 
         async def events() -> AsyncIterator[str]:
             done = False
@@ -114,7 +117,7 @@ def paced_server() -> Iterator[tuple[str, dict[str, list[bool]]]]:
 
 
 def test_requests_longer_than_the_window_still_measure_and_are_cut_at_its_end(
-    paced_server: tuple[str, dict[str, list[bool]]],
+    paced_server: tuple[str, dict[str, list[Any]]],
 ) -> None:
     """Three streams of 200 tokens (10 s each) in a 1.5 s window: none finishes, yet goodput reads about the
     pace (3 x 20 tok/s), and each request is cut when the window closes, so the server sees it end."""
@@ -130,7 +133,7 @@ def test_requests_longer_than_the_window_still_measure_and_are_cut_at_its_end(
 
 
 def test_short_requests_loop_and_refusals_are_misses_without_a_hot_loop(
-    paced_server: tuple[str, dict[str, list[bool]]],
+    paced_server: tuple[str, dict[str, list[Any]]],
 ) -> None:
     url, _ = paced_server
     out = asyncio.run(run_phase(url, Phase("short", 2, False, 4), 1.0, (1.0, 0.2)))
@@ -138,3 +141,18 @@ def test_short_requests_loop_and_refusals_are_misses_without_a_hot_loop(
     refused = asyncio.run(run_phase(f"{url}/refuse", Phase("refused", 2, False, 4), 1.0, (1.0, 0.2)))
     assert refused["goodput"] == 0 and refused["slo_attainment"] == 0.0
     assert 2 <= refused["requests"] <= 2 * (1.0 / 0.1 + 1)  # paced by the retry pause, not a hot loop
+
+
+def test_prime_sends_every_prompt_of_the_phases_once_for_one_token(
+    paced_server: tuple[str, dict[str, list[Any]]],
+) -> None:
+    """Before the first measurement every prompt a phase may send is seen once (one output token), so each
+    phase meets the same warm prefix cache; a prompt set no phase uses is not sent."""
+    url, seen = paced_server
+    phases = (Phase("g", 1, True, 8), Phase("c", 4, False, 8), Phase("c2", 2, False, 8))
+    sent = asyncio.run(prime(url, phases))
+    expected = chat_prompts() + grounded_prompts()
+    assert sent == len(expected) and sorted(seen["prompts"]) == sorted((text, 1) for text in expected)
+    seen["prompts"].clear()
+    assert asyncio.run(prime(url, (Phase("c", 4, False, 8),))) == len(chat_prompts())
+    assert {text for text, _ in seen["prompts"]} == set(chat_prompts())

@@ -201,7 +201,9 @@ def test_load_falling_takes_the_shortest_draft_predicted_near_the_best() -> None
 
     decision = policy.decide(obs)
 
-    assert decision.config is not None and decision.config.num_speculative_tokens == min(near), decision.reason
+    assert decision.config is not None and decision.config.num_speculative_tokens == min(near), (
+        decision.reason
+    )
     gain = predicted[min(near)] / model.predict(settled).throughput - 1.0
     assert f"{gain:+.0%}" in decision.reason  # the gain quoted is the chosen draft's
 

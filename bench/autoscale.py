@@ -333,7 +333,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--high", type=int, default=24, help="concurrency of the high phase")
     # Loads that stay several times longer than a scale-up takes (one interval to see the rise, 14-17 s of
     # cold start here): with 90 s phases those ~20 s at one replica were a fifth of the high phase, and SLO
-    # attainment read 0.70-0.88 in four runs; with 240 s, 0.939 and 0.951 (docs/tuner.md, runs 8-10).
+    # attainment read 0.70-0.88 in runs 6, 7 and 10; with 240 s, 0.939 and 0.951 (docs/tuner.md, runs 8 and 11).
     p.add_argument("--phase-seconds", type=float, default=240.0, help="joint run: seconds per phase")
     p.add_argument(
         "--static-seconds", type=float, default=30.0, help="static grid: seconds per phase per point"

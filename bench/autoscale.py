@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from specfleet.bench import stoppable
 from specfleet.bench.closed_loop import Phase, run_phase
 from specfleet.bench.tune import bench_service, bench_spec
 from specfleet.fleet.engines import Startup
@@ -380,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
             min(args.scale_down_window, 15),
             min(args.cooldown, 10),
         )
-    result = asyncio.run(bench(args))
+    result = stoppable.run(bench(args))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "autoscale.json").write_text(json.dumps(result, indent=2))

@@ -16,7 +16,6 @@ young to judge and counts nowhere.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import json
 import math
@@ -170,11 +169,15 @@ async def run_phase(url: str, phase: Phase, seconds: float, slo: tuple[float, fl
 
         start = time.monotonic()
         loops = [asyncio.create_task(client_loop(w)) for w in range(phase.concurrency)]
-        await asyncio.sleep(seconds)
-        end = time.monotonic()
-        for loop in loops:
-            loop.cancel()
-        for loop in loops:
-            with contextlib.suppress(asyncio.CancelledError):
-                await loop
+        try:
+            await asyncio.sleep(seconds)
+        finally:  # also when the benchmark is stopped: no client outlives the connection pool
+            end = time.monotonic()
+            for loop in loops:
+                loop.cancel()
+            failures = [
+                r for r in await asyncio.gather(*loops, return_exceptions=True) if isinstance(r, Exception)
+            ]
+            if failures:  # a bug in the client, not a failed request (those are counted, not raised)
+                raise failures[0]
     return window_figures(streams, start, end, slo)

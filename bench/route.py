@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from specfleet.bench import stoppable
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.router.policies import POLICIES
@@ -352,7 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     import yaml
 
     args.isvc = yaml.safe_load(Path(args.file).read_text())
-    result = asyncio.run(bench(args))
+    result = stoppable.run(bench(args))
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=2))
     plot(result, out.with_suffix(".png"))

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from specfleet.bench import stoppable
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.sim.fleet import SimFleet
@@ -536,7 +537,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = asyncio.run(bench(args))
+    result = stoppable.run(bench(args))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "sim.json").write_text(json.dumps(result, indent=1))

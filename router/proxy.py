@@ -311,9 +311,11 @@ class Router:
                 async for chunk in upstream.content.iter_any():
                     await out.write(chunk)
                 await out.write_eof()
-            except (ConnectionResetError, asyncio.CancelledError):
+            except asyncio.CancelledError:  # aiohttp cancels the handler when its client leaves
                 outcome = "disconnected"
                 raise
+            except ConnectionResetError:  # or a write finds the client's transport already closing
+                outcome = "disconnected"  # nothing to tell it; raising would only log a handler error
             except (aiohttp.ClientError, TimeoutError) as error:  # the engine failed mid-stream: no retry
                 outcome = "broken"
                 logger.warning("event=broken engine=%s error=%r", url, f"{type(error).__name__}: {error}")

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from collections.abc import Awaitable, Callable
 
 import aiohttp
+import pytest
+from aiohttp import web
 from helpers import free_port
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy
@@ -125,6 +128,56 @@ def test_sse_is_forwarded_unbuffered():
             await engine.stop()
 
     run(test)
+
+
+def test_a_client_leaving_while_the_router_writes_is_a_disconnect_not_an_error(
+    caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+):
+    """A client that leaves between two chunks of its stream: the router's next write finds the
+    transport closing (aiohttp raises ClientConnectionResetError, a ConnectionResetError). Under load the
+    write comes before aiohttp cancels the handler; here the client's transport is closed just before
+    the router's second write, so that order is certain. The router counts a `disconnected`, drops the
+    engine's connection, and leaves no handler error in the log (it logged a traceback per stream that a
+    closed-loop benchmark's window cut)."""
+    write = web.StreamResponse.write
+    router_port: list[int] = []
+    writes: dict[int, int] = {}  # id of a response of the router -> chunks written so far
+
+    async def write_after_the_client_left(self: web.StreamResponse, data: bytes) -> None:
+        request = self._req
+        if request is not None and request.url.port in router_port:
+            writes[id(self)] = writes.get(id(self), 0) + 1
+            if writes[id(self)] == 2:
+                assert request.transport is not None
+                request.transport.close()
+        await write(self, data)
+
+    monkeypatch.setattr(web.StreamResponse, "write", write_after_the_client_left)
+
+    async def test() -> None:
+        engine = await FakeEngine("forever", stream_forever).start()
+        router, url, runner = await start_router([engine.url])
+        router_port.append(int(url.rsplit(":", 1)[1]))
+        try:
+            async with aiohttp.ClientSession() as client:
+                r = await client.post(f"{url}/v1/completions", json={**BODY, "stream": True})
+                await r.content.readuntil(b"\n\n")
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.content.read()
+            await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
+            for _ in range(50):
+                if router.endpoints.get(engine.url).outstanding == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert router.endpoints.get(engine.url).outstanding == 0
+            assert router.metrics.requests.labels(engine.url, "disconnected")._value.get() == 1
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+
+    with caplog.at_level(logging.ERROR, logger="aiohttp.server"):
+        run(test)
+    assert [r.getMessage() for r in caplog.records if r.name == "aiohttp.server"] == []
 
 
 def test_client_disconnect_reaches_the_engine():

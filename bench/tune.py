@@ -23,6 +23,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from specfleet.bench import stoppable
 from specfleet.bench.closed_loop import Phase, prime, run_phase
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.fleet.supervisor import LocalFleet
@@ -384,7 +385,15 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specfleet bench tune", description=__doc__.splitlines()[0])
     p.add_argument("-f", "--file", default=None, help="InferenceService YAML (default: a built-in CPU one)")
     p.add_argument("--replicas", type=int, default=1)
-    p.add_argument("--phase-seconds", type=float, default=60.0, help="tuner run: seconds per phase")
+    p.add_argument(
+        "--phase-seconds",
+        type=float,
+        # A fresh tuner runs the spec's k=0 for its first interval (~4.4 s: a rate needs two scrapes), at
+        # 0.4x of k=4 on grounded-c1: ~5 % of a 60 s phase, the whole margin of the 0.95 per-phase
+        # target on this host's +-4 % noise; ~2 % of 120 s (docs/tuner.md, "Where a tuner pass loses").
+        default=120.0,
+        help="tuner run: seconds per phase",
+    )
     p.add_argument(
         "--static-seconds", type=float, default=15.0, help="static grid: seconds per phase per config"
     )
@@ -429,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    result = asyncio.run(bench(args))
+    result = stoppable.run(bench(args))
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune.json").write_text(json.dumps(result, indent=2))

@@ -130,6 +130,18 @@ def test_sse_is_forwarded_unbuffered():
     run(test)
 
 
+async def disconnected(router: Router, engine: FakeEngine) -> None:
+    """The engine saw its connection dropped, the router's handler unwound and released the engine's
+    slot, and the request counts once as `disconnected`."""
+    await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
+    for _ in range(50):
+        if router.endpoints.get(engine.url).outstanding == 0:
+            break
+        await asyncio.sleep(0.05)
+    assert router.endpoints.get(engine.url).outstanding == 0
+    assert router.metrics.requests.labels(engine.url, "disconnected")._value.get() == 1
+
+
 def test_a_client_leaving_while_the_router_writes_is_a_disconnect_not_an_error(
     caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ):
@@ -164,13 +176,7 @@ def test_a_client_leaving_while_the_router_writes_is_a_disconnect_not_an_error(
                 await r.content.readuntil(b"\n\n")
                 with pytest.raises(aiohttp.ClientPayloadError):
                     await r.content.read()
-            await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
-            for _ in range(50):
-                if router.endpoints.get(engine.url).outstanding == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert router.endpoints.get(engine.url).outstanding == 0
-            assert router.metrics.requests.labels(engine.url, "disconnected")._value.get() == 1
+            await disconnected(router, engine)
         finally:
             await runner.cleanup()
             await engine.stop()
@@ -189,13 +195,7 @@ def test_client_disconnect_reaches_the_engine():
                 r = await client.post(f"{url}/v1/completions", json={**BODY, "stream": True})
                 await r.content.readuntil(b"\n\n")
                 r.close()  # the client goes away mid-stream
-            await asyncio.wait_for(engine.disconnected.wait(), timeout=5)
-            for _ in range(50):  # the router's handler unwinds and releases the engine's slot
-                if router.endpoints.get(engine.url).outstanding == 0:
-                    break
-                await asyncio.sleep(0.05)
-            assert router.endpoints.get(engine.url).outstanding == 0
-            assert router.metrics.requests.labels(engine.url, "disconnected")._value.get() == 1
+            await disconnected(router, engine)
         finally:
             await runner.cleanup()
             await engine.stop()

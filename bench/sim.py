@@ -183,7 +183,7 @@ def figures(rows: list[dict[str, float]]) -> dict[str, float]:
 
 async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float]:
     """Per-position acceptance and the share of decoding sequence-steps that got a proposal, from /metrics."""
-    from specfleet.tuner.snapshot import parse_metrics
+    from specfleet.tuner.snapshot import PER_POSITION, parse_metrics
 
     drafts = steps_seqs = 0.0
     per_pos: dict[int, float] = {}
@@ -192,7 +192,7 @@ async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float]:
             snap = parse_metrics((await client.get(f"{url}/metrics")).text, 0.0)
             drafts += snap.counters.get("spec_decode_drafts", 0.0)
             steps_seqs += snap.sums.get("batch_size", 0.0)
-            for pos, v in snap.per_pos.items():
+            for pos, v in snap.per_pos[PER_POSITION[0]].items():
                 per_pos[pos] = per_pos.get(pos, 0.0) + v
     if not drafts:
         return (), 1.0

@@ -28,6 +28,7 @@ from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
+from specfleet.engine.spec_decode.shadow import ShadowDrafts
 from specfleet.engine.stats import EngineStats, StepStats
 from specfleet.engine.stop import Finish, StopChecker
 from specfleet.engine.structured_output.manager import StructuredOutputManager
@@ -94,6 +95,15 @@ class Engine:
         self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
+        # n-gram lookups scored on steps that verify no drafts (spec_decode/shadow.py): the tuner's reading
+        # of the traffic's acceptance while speculation is off
+        self.shadow = (
+            ShadowDrafts(
+                config.max_num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+            )
+            if config.speculative_method == "ngram"
+            else None
+        )
         self.kv_connector: KVConnector | None = None
         if config.kv_role is not None:
             self.kv_connector = KVConnector(
@@ -413,17 +423,20 @@ class Engine:
         """Give every decoding sequence up to k proposals to verify in this step (none when k = 0); `busy`:
         sequences in flight in the pipeline, whose proposals are already on their way; `keep`: leave the
         proposals of a sequence an earlier micro-batch of this step did not take (its tokens are unchanged)."""
-        if self.proposer is None or self._speculation_disabled_by_batch():
+        if self.proposer is None:
             return
         seqs, ks = [], []
-        for seq in self.scheduler.running:
-            if seq.in_prefill or seq.seq_id in busy or (keep and seq.spec_token_ids):
-                continue
-            k = self._k_for(seq)
-            if k:
-                seqs.append(seq)
-                ks.append(k)
+        if not self._speculation_disabled_by_batch():
+            for seq in self.scheduler.running:
+                if seq.in_prefill or seq.seq_id in busy or (keep and seq.spec_token_ids):
+                    continue
+                k = self._k_for(seq)
+                if k:
+                    seqs.append(seq)
+                    ks.append(k)
         if not seqs:
+            if self.shadow is not None:
+                self.shadow.look(self.scheduler.running, busy)
             return
         for seq, proposal in zip(seqs, self.proposer.propose(seqs, ks)):
             seq.spec_token_ids, seq.spec_probs = proposal.token_ids, proposal.probs
@@ -574,4 +587,9 @@ class Engine:
         )
         self.stats.prefix_cache_queries = self.scheduler.prefix_queries
         self.stats.prefix_cache_hits = self.scheduler.prefix_hits
+        if self.shadow is not None:
+            self.shadow.score([seq for seq, _ in changed])
+            shadow = self.shadow.stats
+            self.stats.shadow_lookups, self.stats.shadow_drafts = shadow.lookups, shadow.drafts
+            self.stats.shadow_accepted_per_pos = list(shadow.accepted_per_pos)
         self.stats.add_step(step)

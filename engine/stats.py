@@ -38,6 +38,10 @@ class EngineStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    # n-gram drafts scored on steps that verified none (spec_decode/shadow.py)
+    shadow_lookups: int = 0
+    shadow_drafts: int = 0
+    shadow_accepted_per_pos: list[int] = field(default_factory=list)
     peak_kv_slots_allocated: int = 0  # slots in allocated blocks, at the peak
     peak_kv_slots_used: int = 0  # of those, slots holding a token, at the same moment
     peak_micro_batches_in_flight: int = 0  # pipeline parallelism: most micro-batches in the stages at once

@@ -19,7 +19,7 @@ from specfleet.engine.server.metrics import (
     STEP_BUCKETS,
     TOKEN_LATENCY_BUCKETS,
 )
-from specfleet.tuner.snapshot import Snapshot
+from specfleet.tuner.snapshot import PER_POSITION, Snapshot
 
 P = METRIC_PREFIX
 
@@ -64,7 +64,7 @@ class EngineMetrics:
         snap = Snapshot(now)
         snap.counters.update(self.counters)
         snap.requests = self.requests
-        snap.per_pos.update(self.per_pos)
+        snap.per_pos[PER_POSITION[0]].update(self.per_pos)  # the simulator models verified drafts only
         for name, h in self.histograms.items():
             snap.buckets[name].update(h.cumulative())
             snap.sums[name] = h.sum

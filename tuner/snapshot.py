@@ -23,7 +23,12 @@ COUNTERS = (
     "spec_decode_drafts",
     "spec_decode_draft_tokens",
     "spec_decode_accepted_tokens",
+    "spec_decode_shadow_lookups",
+    "spec_decode_shadow_drafts",
 )
+# per draft position (label `position`): verified drafts' accepted tokens, and shadow drafts' (the engine's
+# n-gram lookups scored while it verifies none, engine/spec_decode/shadow.py)
+PER_POSITION = ("spec_decode_accepted_tokens_per_pos", "spec_decode_shadow_accepted_tokens_per_pos")
 HISTOGRAMS = (
     "time_to_first_token_seconds",
     "time_per_output_token_seconds",
@@ -37,12 +42,15 @@ CONFIG_GAUGES = tuple(knob.gauge[len(P) :] for knob in SEARCHED)
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", *CONFIG_GAUGES)
 
 
+PerPosition = dict[str, dict[int, float]]  # family (PER_POSITION) -> draft position -> value
+
+
 @dataclass
 class Snapshot:
     time: float
     counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     requests: float = 0.0  # finished requests, every reason
-    per_pos: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    per_pos: PerPosition = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     buckets: dict[str, dict[float, float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float))
     )
@@ -70,8 +78,8 @@ def parse_metrics(text: str, time: float) -> Snapshot:
                 snap.counters[short[:-6]] += value
             elif short == "request_success_total":
                 snap.requests += value
-            elif short == "spec_decode_accepted_tokens_per_pos_total":
-                snap.per_pos[int(labels.get("position", "0"))] += value
+            elif short.endswith("_total") and short[:-6] in PER_POSITION:
+                snap.per_pos[short[:-6]][int(labels.get("position", "0"))] += value
             elif short.endswith("_bucket") and short[:-7] in HISTOGRAMS:
                 snap.buckets[short[:-7]][float(labels["le"])] += value
             elif short.endswith("_sum") and short[:-4] in HISTOGRAMS:
@@ -90,7 +98,7 @@ def _delta(after: float, before: float) -> float:
 @dataclass
 class _Sums:
     rates: dict[str, float] = field(default_factory=lambda: defaultdict(float))
-    per_pos: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    per_pos: PerPosition = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     buckets: dict[str, dict[float, float]] = field(
         default_factory=lambda: defaultdict(lambda: defaultdict(float))
     )
@@ -111,8 +119,9 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
         for name in COUNTERS:
             acc.rates[name] += _delta(after.counters.get(name, 0.0), before.counters.get(name, 0.0)) / dt
         acc.rates["requests"] += _delta(after.requests, before.requests) / dt
-        for pos, value in after.per_pos.items():
-            acc.per_pos[pos] += _delta(value, before.per_pos.get(pos, 0.0)) / dt
+        for family in PER_POSITION:
+            for pos, value in after.per_pos[family].items():
+                acc.per_pos[family][pos] += _delta(value, before.per_pos[family].get(pos, 0.0)) / dt
         for hist in HISTOGRAMS:
             delta = subtract(sorted(after.buckets[hist].items()), sorted(before.buckets[hist].items()))
             for le, count in delta:
@@ -141,7 +150,7 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
 def build_observation(
     now: float,
     rates: dict[str, float],
-    per_pos: dict[int, float],
+    per_pos: PerPosition,
     buckets: dict[str, list[tuple[float, float]]],
     sums: dict[str, float],
     count_rates: dict[str, float],
@@ -167,10 +176,18 @@ def build_observation(
         waiting = min(in_system, sums.get("request_queue_time_seconds", 0.0))
         running = max(0.0, in_system - waiting)
     drafts = rates.get("spec_decode_drafts", 0.0)
+    verified = per_pos.get(PER_POSITION[0], {})
     # Positions past the k in force were not drafted in this window (their counters only linger from an
     # earlier, larger k): leave them out rather than report them as never accepted.
-    drafted = max(per_pos, default=-1) + 1 if config is None else config.num_speculative_tokens
-    positions = [per_pos.get(i, 0.0) / drafts for i in range(drafted)] if drafts > 0 else []
+    drafted = max(verified, default=-1) + 1 if config is None else config.num_speculative_tokens
+    positions = [verified.get(i, 0.0) / drafts for i in range(drafted)] if drafts > 0 else []
+    shadow_drafts = rates.get("spec_decode_shadow_drafts", 0.0)
+    shadow = per_pos.get(PER_POSITION[1], {})
+    shadow_positions = (
+        [shadow.get(i, 0.0) / shadow_drafts for i in range(max(shadow, default=-1) + 1)]
+        if shadow_drafts > 0
+        else []
+    )
     tpot, ttft = (
         buckets.get("time_per_output_token_seconds", []),
         buckets.get("time_to_first_token_seconds", []),
@@ -197,4 +214,7 @@ def build_observation(
         draft_token_rate=rates.get("spec_decode_draft_tokens", 0.0),
         accepted_rate=rates.get("spec_decode_accepted_tokens", 0.0),
         accepted_per_pos=tuple(positions),
+        shadow_lookup_rate=rates.get("spec_decode_shadow_lookups", 0.0),
+        shadow_draft_rate=shadow_drafts,
+        shadow_accepted_per_pos=tuple(shadow_positions),
     )

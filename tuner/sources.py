@@ -15,7 +15,16 @@ from typing import Any, Protocol
 import httpx
 from specfleet.engine.knobs import SEARCHED
 
-from .snapshot import COUNTERS, HISTOGRAMS, P, Snapshot, build_observation, observe_pairs, parse_metrics
+from .snapshot import (
+    COUNTERS,
+    HISTOGRAMS,
+    PER_POSITION,
+    P,
+    Snapshot,
+    build_observation,
+    observe_pairs,
+    parse_metrics,
+)
 from .types import Observation, TunedConfig
 
 Endpoints = Callable[[], Awaitable[list[str]]]  # base URLs (http://host:port) of the ready pods
@@ -133,7 +142,8 @@ class PrometheusSource:
         s, w = self.selector, window or self.window
         q = {f"rate:{c}": self._rate(f"{P}{c}_total", w) for c in COUNTERS}
         q["rate:requests"] = self._rate(f"{P}request_success_total", w)
-        q["per_pos"] = f"sum by (position) (rate({P}spec_decode_accepted_tokens_per_pos_total{{{s}}}[{w}]))"
+        for family in PER_POSITION:
+            q[f"per_pos:{family}"] = f"sum by (position) (rate({P}{family}_total{{{s}}}[{w}]))"
         for h in HISTOGRAMS:
             q[f"buckets:{h}"] = f"sum by (le) (rate({P}{h}_bucket{{{s}}}[{w}]))"
             q[f"sum:{h}"] = self._rate(f"{P}{h}_sum", w)
@@ -192,7 +202,13 @@ class PrometheusSource:
             )
         rates = {c: scalar(f"rate:{c}") or 0.0 for c in COUNTERS}
         rates["requests"] = scalar("rate:requests") or 0.0
-        per_pos = {int(r["metric"].get("position", 0)): float(r["value"][1]) for r in results["per_pos"]}
+        per_pos = {
+            family: {
+                int(r["metric"].get("position", 0)): float(r["value"][1])
+                for r in results[f"per_pos:{family}"]
+            }
+            for family in PER_POSITION
+        }
         buckets = {
             h: [(float(r["metric"]["le"]), float(r["value"][1])) for r in results[f"buckets:{h}"]]
             for h in HISTOGRAMS

@@ -154,6 +154,10 @@ class Observation:
     draft_token_rate: float | None = None
     accepted_rate: float | None = None
     accepted_per_pos: tuple[float, ...] = ()  # P(position i accepted | a draft), i = 0..
+    # The same for the engines' shadow drafts: n-gram lookups scored on steps that verified none
+    shadow_lookup_rate: float | None = None  # lookups/s, a draft found or not
+    shadow_draft_rate: float | None = None  # of those, drafts found /s
+    shadow_accepted_per_pos: tuple[float, ...] = ()
     error: str | None = None  # the source could not be read (Prometheus down, every pod unreachable)
 
     @property
@@ -168,6 +172,13 @@ class Observation:
         if not (self.draft_rate and self.step_rate and self.batch_size):
             return None
         return min(1.0, self.draft_rate / (self.step_rate * self.batch_size))
+
+    @property
+    def shadow_share(self) -> float | None:
+        """Share of shadow lookups that found a draft: the proposal share speculation would have."""
+        if not (self.shadow_lookup_rate and self.shadow_draft_rate is not None):
+            return None
+        return min(1.0, self.shadow_draft_rate / self.shadow_lookup_rate)
 
     @property
     def engines(self) -> int:

@@ -71,6 +71,24 @@ _COUNTERS = {  # name without _total -> (help, EngineStats attribute)
     "specfleet_spec_decode_drafts": ("Speculative drafts verified", "num_drafts"),
     "specfleet_spec_decode_draft_tokens": ("Speculative tokens proposed", "num_draft_tokens"),
     "specfleet_spec_decode_accepted_tokens": ("Speculative tokens accepted", "num_accepted_tokens"),
+    "specfleet_spec_decode_shadow_lookups": (
+        "N-gram lookups scored on steps that verified no drafts (found a draft or not)",
+        "shadow_lookups",
+    ),
+    "specfleet_spec_decode_shadow_drafts": (
+        "Of the shadow lookups, those that found a draft",
+        "shadow_drafts",
+    ),
+}
+_PER_POSITION = {  # name without _total -> (help, EngineStats attribute: a list indexed by draft position)
+    "specfleet_spec_decode_accepted_tokens_per_pos": (
+        "Accepted speculative tokens by draft position",
+        "accepted_per_pos",
+    ),
+    "specfleet_spec_decode_shadow_accepted_tokens_per_pos": (
+        "Shadow drafts whose tokens up to this position all came out (what verification would accept)",
+        "shadow_accepted_per_pos",
+    ),
 }
 
 
@@ -122,14 +140,12 @@ class ServerMetrics:
             ["model_name", "reason"],
             registry=r,
         )
-        self.accepted_per_pos = Counter(
-            "specfleet_spec_decode_accepted_tokens_per_pos",
-            "Accepted speculative tokens by draft position",
-            ["model_name", "position"],
-            registry=r,
-        )
+        self.per_position = {
+            attr: Counter(name, doc, ["model_name", "position"], registry=r)
+            for name, (doc, attr) in _PER_POSITION.items()
+        }
         self._seen: dict[str, int] = {attr: 0 for attr in self.counters}
-        self._seen_per_pos: list[int] = []
+        self._seen_per_pos: dict[str, list[int]] = {attr: [] for attr in self.per_position}
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         for reason in REFUSAL_REASONS:
@@ -168,12 +184,15 @@ class ServerMetrics:
             if total > self._seen[attr]:
                 counter.labels(m).inc(total - self._seen[attr])
                 self._seen[attr] = total
-        for pos, total in enumerate(stats.accepted_per_pos):
-            if pos >= len(self._seen_per_pos):
-                self._seen_per_pos.append(0)
-            if total > self._seen_per_pos[pos]:
-                self.accepted_per_pos.labels(m, str(pos)).inc(total - self._seen_per_pos[pos])
-                self._seen_per_pos[pos] = total
+        for attr, counter in self.per_position.items():
+            seen = self._seen_per_pos[attr]
+            for pos, total in enumerate(getattr(stats, attr)):
+                if pos >= len(seen):
+                    seen.append(0)
+                    counter.labels(m, str(pos))  # a position drafted and never accepted reads 0, not absent
+                if total > seen[pos]:
+                    counter.labels(m, str(pos)).inc(total - seen[pos])
+                    seen[pos] = total
 
     def refuse(self, reason: str) -> None:
         """Count one request answered 429/503 before admission; `reason` is one of REFUSAL_REASONS."""

@@ -3,9 +3,11 @@ across batching, chunked prefill, preemption and live k changes; every KV block 
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from specfleet.engine import LLM, SamplingParams
 from specfleet.engine.spec_decode.make_draft import truncate_layers
+from specfleet.engine.spec_decode.ngram import ngram_lookup
 
 pytestmark = pytest.mark.slow
 
@@ -95,6 +97,65 @@ def test_ngram_disable_by_batch_size(ngram_llm, reference):
     assert sum(drafts for batch, drafts in drafts_by_batch if batch == 1) > 0  # the last one speculated
     assert [done[f"guard-{i}"][:N] for i in range(len(PROMPTS))] == reference
     assert engine.kv_blocks_in_use() == 0
+
+
+def replay_shadow(prompt_ids: list[int], output: list[int], length: int) -> tuple[int, int, list[int]]:
+    """The shadow drafts one sequence decoding alone gets, from its tokens: a lookup at every step it holds
+    no draft (the first once the prompt is in, the next after the draft's first differing token or its
+    last), scored against the tokens after it; one still open at the end is not counted."""
+    tokens = [*prompt_ids, *output]
+    lookups = drafts = 0
+    accepted = [0] * length
+    pos = len(prompt_ids) + 1  # the prefill step emits the first token
+    while pos < len(tokens):
+        draft = ngram_lookup(np.asarray(tokens[:pos]), length, 1, 4)
+        if not draft:
+            lookups, pos = lookups + 1, pos + 1
+            continue
+        emitted = tokens[pos : pos + len(draft)]
+        matched = next((i for i, (d, t) in enumerate(zip(draft, emitted)) if d != t), len(emitted))
+        if matched == len(emitted) and matched < len(draft):
+            break  # the sequence ended with the draft still open
+        lookups, drafts = lookups + 1, drafts + 1
+        for i in range(matched):
+            accepted[i] += 1
+        pos += min(matched + 1, len(draft))
+    return lookups, drafts, accepted
+
+
+def test_ngram_shadow_drafts_at_k0_score_what_verification_would_accept(ngram_llm, reference):
+    """With k = 0 the engine scores n-gram lookups against the tokens that follow: exactly the replay of
+    the same lookups over the output, and close to what verified drafts accept on the same prompts."""
+    engine = ngram_llm.engine
+    length = engine.config.max_num_speculative_tokens
+    expected = (0, 0, [0] * length)
+    for prompt, ref in zip(PROMPTS, reference):  # one at a time: the replay assumes a sequence alone
+        before = (
+            engine.stats.shadow_lookups,
+            engine.stats.shadow_drafts,
+            list(engine.stats.shadow_accepted_per_pos),
+        )
+        assert tokens(ngram_llm.generate([prompt], greedy(k=0))) == [ref]
+        got = (
+            engine.stats.shadow_lookups - before[0],
+            engine.stats.shadow_drafts - before[1],
+            [a - b for a, b in zip(engine.stats.shadow_accepted_per_pos, before[2] or [0] * length)],
+        )
+        want = replay_shadow(engine.tokenizer.encode(prompt), ref, length)
+        assert got == want, prompt[:30]
+        expected = (
+            expected[0] + want[0],
+            expected[1] + want[1],
+            [a + b for a, b in zip(expected[2], want[2])],
+        )
+    assert expected[1] > 10 and expected[2][0] > 0  # the copy prompt found and matched drafts
+
+    verified = engine.stats.num_drafts, list(engine.stats.accepted_per_pos)
+    ngram_llm.generate(PROMPTS, greedy(k=length))
+    drafts = engine.stats.num_drafts - verified[0]
+    first = (engine.stats.accepted_per_pos[0] - (verified[1] or [0])[0]) / drafts
+    # the same quantity from other starting points: a draft after a miss starts one token later
+    assert abs(expected[2][0] / expected[1] - first) < 0.15
 
 
 def test_ngram_preemption_mid_speculation(reference):

@@ -105,6 +105,7 @@ class Plant:
     noise: float = 0.0
     demand_now: float | None = None  # the gauges' count at the window's end, when the load just moved
     pods: int = 1  # engines the demand is spread over evenly; rates and counts are their sums
+    shadow: bool = False  # with k = 0 the engines score n-gram lookups (engine/spec_decode/shadow.py)
     seed: int = 0
 
     def __post_init__(self) -> None:
@@ -131,6 +132,13 @@ class Plant:
         tpot = step / per_seq
         ttft = step * 2 + waiting / (self.pods * batch) * step * self.output_tokens_per_request / per_seq
         drafts = batch * self.proposal_share * step_rate if k else 0.0
+        # one lookup per sequence-step while none is being scored: a scored draft holds its sequence
+        # for its accepted tokens and the one after
+        lookups = (
+            batch * step_rate / (1.0 + self.proposal_share * sum(self.per_pos))
+            if self.shadow and not k
+            else 0.0
+        )
         return Observation(
             time=t,
             config=config,
@@ -153,4 +161,7 @@ class Plant:
             draft_token_rate=drafts * k,
             accepted_rate=drafts * sum(self.per_pos[:k]),
             accepted_per_pos=tuple(self._jitter(a) for a in self.per_pos[:k]) if k else (),
+            shadow_lookup_rate=lookups or None,
+            shadow_draft_rate=lookups * self.proposal_share or None,
+            shadow_accepted_per_pos=tuple(self._jitter(a) for a in self.per_pos) if lookups else (),
         )

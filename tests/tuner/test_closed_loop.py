@@ -138,6 +138,9 @@ def test_tuner_turns_speculation_on_at_low_load_and_off_at_high_load(prometheus_
         decisions = [t.decision for t in fleet.ticks]
         assert all(d.reason for d in decisions)
         assert any(t.observation.error is None for t in fleet.ticks), "no PromQL observation ever succeeded"
+        # before the first change (k = 0) PromQL read the engines' shadow drafts on the grounded prompt
+        shadow = [t.observation for t in fleet.ticks if t.observation.shadow_accepted_per_pos]
+        assert shadow and shadow[0].shadow_share and shadow[0].shadow_accepted_per_pos[0] > 0, shadow[:1]
         changes = [d for d in decisions if d.changed]
         assert changes and all("->" in d.reason or "reverted" in d.reason for d in changes)
         assert codes == [0, 0]

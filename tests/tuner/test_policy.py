@@ -294,6 +294,32 @@ def test_acceptance_measured_at_another_load_is_not_assumed() -> None:
     assert model is not None and model.per_pos == ()
 
 
+def test_the_new_traffics_shadow_drafts_outweigh_a_level_remembered_at_a_like_load() -> None:
+    """bench tune's chat-c2 fall: a grounded window whose load read 1.3 counts as like 2 requests, so
+    without shadow drafts the tuner took grounded's acceptance for chat's, went to a long draft and had to
+    revert it; with them, the window at the fall (speculation off) measured chat's own acceptance, and
+    the tuner took the short draft that chat's acceptance pays for, and kept it."""
+    chat = (0.4, 0.25, 0.1, 0.05)
+
+    def after_the_fall(shadow: bool) -> tuple[list[Decision], Policy]:
+        policy = Policy(PARAMS)
+        grounded = Plant(demand=1.3, per_pos=(0.95,) * 8, shadow=shadow)
+        on, _ = run(grounded, policy, TunedConfig(0, 32, 1024), 12)
+        off, _ = run(Plant(demand=32, per_pos=chat, shadow=shadow), policy, on, 6, t0=200.0)
+        assert off.num_speculative_tokens == 0
+        _, decisions = run(Plant(demand=2, per_pos=chat, shadow=shadow), policy, off, 3, t0=300.0)
+        return changes(decisions), policy
+
+    without, _ = after_the_fall(shadow=False)
+    assert [d.kind for d in without] == ["change", "revert"], [d.reason for d in without]
+    assert without[0].config is not None and without[0].config.num_speculative_tokens >= 4
+    kept, policy = after_the_fall(shadow=True)
+    assert [d.kind for d in kept] == ["change"], [d.reason for d in kept]
+    assert kept[0].config is not None and 0 < kept[0].config.num_speculative_tokens <= 2
+    model = policy.model(Plant(demand=2, per_pos=chat, shadow=True).observe(400.0, TunedConfig(0, 32, 1024)))
+    assert model is not None and model.per_pos[0] == pytest.approx(chat[0])  # chat's, not grounded's 0.95
+
+
 def test_tpot_over_target_lowers_max_num_seqs() -> None:
     plant = Plant(demand=64)  # TPOT p95 at batch 64: ~0.45 s, over the 0.2 s target
     start = TunedConfig(0, 64, 2048)

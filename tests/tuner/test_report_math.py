@@ -9,7 +9,7 @@ from specfleet.tuner.actuator import ApplyResult
 from specfleet.tuner.histogram import fraction_below, quantile, subtract, to_cdf
 from specfleet.tuner.loop import Tick
 from specfleet.tuner.report import event_for, status_patch
-from specfleet.tuner.snapshot import build_observation
+from specfleet.tuner.snapshot import PER_POSITION, build_observation, observe_pairs, parse_metrics
 from specfleet.tuner.types import Decision, Observation, TunedConfig
 
 BUCKETS = [(0.1, 10.0), (0.2, 50.0), (0.5, 90.0), (math.inf, 100.0)]
@@ -63,7 +63,7 @@ def test_positions_past_the_k_in_force_are_left_out() -> None:
         "spec_decode_draft_tokens": 20.0,
         "spec_decode_accepted_tokens": 15.0,
     }
-    per_pos = {0: 8.0, 1: 7.0, 2: 0.0, 3: 0.0}
+    per_pos = {PER_POSITION[0]: {0: 8.0, 1: 7.0, 2: 0.0, 3: 0.0}}
 
     def positions(config: TunedConfig | None) -> tuple[float, ...]:
         obs = build_observation(1.0, rates, per_pos, {}, {}, {}, 3.0, 1.0, 0.1, config, 1)
@@ -72,6 +72,29 @@ def test_positions_past_the_k_in_force_are_left_out() -> None:
 
     assert positions(TunedConfig(2, 8, 512)) == pytest.approx((0.8, 0.7))
     assert positions(None) == pytest.approx((0.8, 0.7, 0.0, 0.0))  # pods disagree: every position seen
+
+
+def test_shadow_drafts_read_as_acceptance_per_position_and_a_share_found() -> None:
+    """k = 0: the engine's shadow counters, through its /metrics text and two scrapes, give P(first i + 1
+    tokens came out) for every position it scored (0 included) and the share of lookups that found one."""
+
+    def text(lookups: float, drafts: float, accepted: list[float]) -> str:
+        lines = [
+            f'specfleet_spec_decode_shadow_lookups_total{{model_name="m"}} {lookups}',
+            f'specfleet_spec_decode_shadow_drafts_total{{model_name="m"}} {drafts}',
+        ]
+        lines += [
+            f'specfleet_spec_decode_shadow_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {a}'
+            for i, a in enumerate(accepted)
+        ]
+        return "\n".join(lines) + "\n"
+
+    before = parse_metrics(text(10, 5, [2, 1, 0, 0]), 0.0)
+    after = parse_metrics(text(50, 25, [12, 6, 2, 0]), 2.0)
+    obs = observe_pairs([(before, after)], 2.0)
+    assert obs.shadow_share == pytest.approx(0.5)
+    assert obs.shadow_accepted_per_pos == pytest.approx((0.5, 0.25, 0.1, 0.0))
+    assert obs.accepted_per_pos == () and obs.acceptance_rate is None  # nothing verified
 
 
 def test_status_patch_writes_tuning_and_only_the_tuners_condition() -> None:

@@ -54,6 +54,11 @@ def test_scrape_source_computes_rates_latencies_and_config(engine_url: str) -> N
         assert obs.ttft_p95_s is not None and obs.tpot_cdf and obs.tpot_cdf[-1][1] == pytest.approx(1.0)
         assert obs.step_duration_s and obs.batch_size and obs.batch_size >= 1
         assert obs.demand is not None and obs.demand > 0  # Little's law over the window
+        # k = 0: the engine scored n-gram lookups instead ("0, 1, 2, ..." repeats ", "); the share found
+        # and P(first i + 1 tokens came out), one per position up to the engine's ceiling, non-increasing
+        assert obs.shadow_lookup_rate and obs.shadow_share and 0 < obs.shadow_share <= 1
+        acc = obs.shadow_accepted_per_pos
+        assert len(acc) == 8 and all(1 >= a >= b >= 0 for a, b in zip(acc, acc[1:])), acc
 
     asyncio.run(scenario())
 

@@ -19,7 +19,8 @@ class Memory:
         )  # (decode, prefill, s)
         # The same from windows without proposals: the target's own step, free of any proposer's cost.
         self.plain_cost_points: deque[tuple[float, float, float]] = deque(maxlen=params.cost_windows)
-        # (demand, per_pos, share, time) of recent windows that verified drafts
+        # (demand, per_pos, share, time) of recent windows that verified drafts, or with speculation off,
+        # scored the engines' shadow drafts (the n-gram lookups they score while verifying none)
         self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = deque(
             maxlen=params.acceptance_windows
         )
@@ -34,6 +35,10 @@ class Memory:
         share = obs.proposal_share
         if share is not None and obs.accepted_per_pos:
             self.acceptance.append((obs.demand, tuple(obs.accepted_per_pos), share, obs.time))
+        elif (shadow := obs.shadow_share) is not None and obs.shadow_accepted_per_pos:
+            # the traffic of this very window, where the acceptance remembered for its load may come
+            # from other prompts (a copy-heavy level's drafts, read at a chat level of the same size)
+            self.acceptance.append((obs.demand, tuple(obs.shadow_accepted_per_pos), shadow, obs.time))
 
     def knee(self, params: ModelParams) -> float:
         """Tokens per step where the target's step turns compute-bound, from windows without proposals

@@ -14,11 +14,17 @@ def ms(seconds: float | None) -> str:
 def figures(obs: Observation, goodput: float | None, share: float | None) -> str:
     """What the window measured, appended to the reasons of the search's decisions."""
     acc = obs.acceptance_rate
+    if acc is not None:
+        acceptance = f"{acc:.2f}"
+    elif obs.shadow_accepted_per_pos:  # speculation off: what the shadow drafts' first tokens did
+        acceptance = "shadow " + "/".join(f"{a:.2f}" for a in obs.shadow_accepted_per_pos[:3])
+    else:
+        acceptance = "n/a"
     return (
         f"observed goodput {'n/a' if goodput is None else f'{goodput:.1f}'} tok/s, "
         f"SLO attainment {'n/a' if share is None else f'{share:.0%}'}, "
         f"TPOT p95 {ms(obs.tpot_p95_s)}, TTFT p95 {ms(obs.ttft_p95_s)}, "
-        f"in system {obs.demand or 0:.1f}, acceptance {'n/a' if acc is None else f'{acc:.2f}'}"
+        f"in system {obs.demand or 0:.1f}, acceptance {acceptance}"
     )
 
 

@@ -52,6 +52,14 @@ def _prompt(phase: Phase, i: int) -> str:
     return prompts[i % len(prompts)]
 
 
+# Where each client of each phase is in its prompt sequence: the phase's next window carries on from there,
+# as a service's traffic does. Started afresh at the first prompt, every window of a phase would over-weight
+# the head of the list: a 30 s static window of grounded-c1 sends ~15 of its 11 prompts (the first four
+# twice), the tuner's 120 s one ~60 (each five or six times), and the prompts differ in length and in how
+# much of them a draft can copy.
+_NEXT: dict[tuple[str, int], int] = {}
+
+
 def _body(prompt: str, max_tokens: int) -> dict[str, object]:
     return {
         "model": "smollm2-135m-instruct",
@@ -160,7 +168,8 @@ async def run_phase(url: str, phase: Phase, seconds: float, slo: tuple[float, fl
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def client_loop(w: int) -> None:
-            for i in itertools.count():
+            for i in itertools.count(_NEXT.get((phase.name, w), 0)):
+                _NEXT[(phase.name, w)] = i + 1
                 stream = Stream(time.monotonic())
                 streams.append(stream)
                 await _send(client, url, phase, w * 10000 + i, stream)

@@ -143,6 +143,24 @@ def test_short_requests_loop_and_refusals_are_misses_without_a_hot_loop(
     assert 2 <= refused["requests"] <= 2 * (1.0 / 0.1 + 1)  # paced by the retry pause, not a hot loop
 
 
+def test_a_phase_carries_on_through_its_prompts_from_one_window_to_the_next(
+    paced_server: tuple[str, dict[str, list[Any]]],
+) -> None:
+    """A second window of a phase starts where the first left off, so short windows sample the prompt
+    list as a long one does instead of each sending its head again."""
+    url, seen = paced_server
+    seen["prompts"].clear()
+    phase = Phase("carry-on", 1, True, 2)  # 2 tokens at 50 ms: a few requests per 0.35 s window
+    asyncio.run(run_phase(url, phase, 0.35, (1.0, 0.2)))
+    first = [text for text, _ in seen["prompts"]]
+    asyncio.run(run_phase(url, phase, 0.35, (1.0, 0.2)))
+    second = [text for text, _ in seen["prompts"]][len(first) :]
+    prompts = grounded_prompts()
+    assert 2 <= len(first) < len(prompts) and second, (len(first), len(second))
+    assert first == prompts[: len(first)]
+    assert second[0] == prompts[len(first)]  # not prompts[0] again
+
+
 def test_prime_sends_every_prompt_of_the_phases_once_for_one_token(
     paced_server: tuple[str, dict[str, list[Any]]],
 ) -> None:

@@ -20,12 +20,14 @@ PARAMS = PolicyParams(
     window_s=INTERVAL,
     interval_s=INTERVAL,
 )
-# A dead band no prediction clears, so that only the probes move k (the probes are what gets reverted).
+# A dead band no prediction clears (for the start's inherited config too), so that only the probes move k
+# (the probes are what gets reverted).
 DEAF = replace(
     PARAMS,
     slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0),
     bounds=TuneBounds(k=(0, 8), max_num_seqs=(32, 32)),
     dead_band=10.0,
+    inherited_band=10.0,
 )
 RARE_LAST = dict(per_pos=(0.3, 0.2, 0.05, 0.03), spec_overhead=0.005)  # a shorter-draft probe fires here
 

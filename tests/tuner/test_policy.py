@@ -105,13 +105,14 @@ def test_a_probe_that_loses_is_reverted() -> None:
     assert len(kinds) <= 3
 
 
-# A dead band no prediction clears, so that only the up-probe can raise k.
+# A dead band no prediction clears (for the start's inherited config too), so that only the probes move k.
 DEAF = PolicyParams(
     slo=SLO(ttft_p95_s=60.0, tpot_p95_s=5.0),
     bounds=TuneBounds(k=(0, 8), max_num_seqs=(32, 32)),
     window_s=INTERVAL,
     interval_s=INTERVAL,
     dead_band=10.0,
+    inherited_band=10.0,
 )
 
 

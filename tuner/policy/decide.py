@@ -243,11 +243,12 @@ class Policy:
                 predicted=quick.goodput,
                 demand=obs.demand,
             )
+        band = p.inherited_band if self._inherited() else p.dead_band
         if here.goodput > 0:
             gain = top.goodput / here.goodput - 1.0
         else:
             gain = float("inf") if top.goodput > 0 else 0.0
-        if gain > p.dead_band or (tpot_over and top.goodput >= here.goodput * (1.0 - p.dead_band)):
+        if gain > band or (tpot_over and top.goodput >= here.goodput * (1.0 - p.dead_band)):
             reason = reasons.better(
                 current, top, obs, p.slo.tpot_p95_s, gain, tpot_over and gain <= p.dead_band, seen
             )
@@ -282,11 +283,19 @@ class Policy:
                     demand=obs.demand,
                     probe=True,
                 )
-        return self._hold(
-            now, "hold", reasons.dead_band(current, top, gain, p.dead_band, seen), goodput, share
-        )
+        return self._hold(now, "hold", reasons.dead_band(current, top, gain, band, seen), goodput, share)
 
     # -- helpers -----------------------------------------------------------------------------------
+
+    def _inherited(self) -> bool:
+        """Whether the config in force was set before this load level began (by the spec, or chosen for
+        another load) and nothing has changed it since."""
+        since = self.level.since
+        return (
+            self.level.changes == 0
+            and since is not None
+            and (self.last_change is None or self.last_change < since)
+        )
 
     def _knee(self) -> float:
         return self.memory.knee(self.params.model)

@@ -8,7 +8,7 @@ from dataclasses import replace
 
 from ..types import Observation
 from .load import similar
-from .model import LoadModel, fit_step_cost
+from .model import LoadModel, StepCost, fit_step_cost
 from .params import ModelParams, PolicyParams
 
 
@@ -24,6 +24,9 @@ class Memory:
         self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = deque(
             maxlen=params.acceptance_windows
         )
+        # the fits of the points above, by the points they were fitted to (one fit per learned window,
+        # however often an interval asks: a fit tries every shape and ratio of `model.py`)
+        self._fits: dict[tuple[ModelParams, tuple[tuple[float, float, float], ...]], StepCost | None] = {}
 
     def learn(self, obs: Observation) -> None:
         if obs.step_duration_s and obs.batch_size and obs.step_rate:
@@ -32,6 +35,7 @@ class Memory:
             self.cost_points.append((obs.batch_size + drafted, prefill, obs.step_duration_s))
             if not drafted:
                 self.plain_cost_points.append((obs.batch_size, prefill, obs.step_duration_s))
+            self._fits.clear()
         share = obs.proposal_share
         if share is not None and obs.accepted_per_pos:
             self.acceptance.append((obs.demand, tuple(obs.accepted_per_pos), share, obs.time))
@@ -43,15 +47,21 @@ class Memory:
     def knee(self, params: ModelParams) -> float:
         """Tokens per step where the target's step turns compute-bound, from windows without proposals
         (with them, a draft's passes would read as compute); the prior's knee until there are some."""
-        plain = fit_step_cost(list(self.plain_cost_points), params)
+        plain = self._fit(self.plain_cost_points, params)
         if plain is None or plain.c1 <= 0:
             return 1.0 / params.prior_cost_ratio
         return plain.knee
 
+    def _fit(self, points: deque[tuple[float, float, float]], params: ModelParams) -> StepCost | None:
+        key = (params, tuple(points))
+        if key not in self._fits:
+            self._fits[key] = fit_step_cost(list(points), params)
+        return self._fits[key]
+
     def model(self, obs: Observation, params: PolicyParams) -> LoadModel | None:
         """The goodput model at `obs`'s load: the step cost fitted to every window, the acceptance last
         measured at a load like this one within `acceptance_ttl_s` (or in this very window), else the prior."""
-        cost = fit_step_cost(list(self.cost_points), params.model)
+        cost = self._fit(self.cost_points, params.model)
         if cost is None or obs.demand is None:
             return None
         per_pos: tuple[float, ...] = ()

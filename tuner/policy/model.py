@@ -1,11 +1,15 @@
 """The goodput model: what a config would do at the load observed now, from what was measured.
 
-Step cost: one engine step over `n` tokens in the forward pass costs `t(n) = sqrt(c0^2 + (c1 * n)^2)`
+Step cost: one engine step over `n` tokens in the forward pass costs `t(n) = (c0^s + (c1 * n)^s)^(1/s)`
 seconds, a smooth roofline: `c0` is the memory-bound floor (the weights' traffic and per-op overhead,
 paid once per step however few tokens it has), `c1` the compute cost per token once the step is
-compute-bound (measured on the bundled 135M model, 2 CPU cores: 18 ms at 1 token, 30 ms at 8, 105 ms
-at 32, 197 ms at 64; c0 = 18 ms, c1 = 3 ms fits within 10%). Prefill chunks are compute-bound and add
-`c1` per prompt token on top.
+compute-bound, and the shape `s` how sharp the corner between them is (2: the hypotenuse; larger, a
+flatter floor and a sharper knee, as on a GPU; smaller, a floor on which every token already costs, as
+on a CPU). Measured on the bundled 135M model, 2 CPU cores (Intel host): 18 ms at 1 token, 30 ms at 8,
+105 ms at 32, 197 ms at 64; c0 = 18 ms, c1 = 3 ms, s = 2 fits within 10%. On the AMD host (2026-12-02):
+19.5 ms at 1, 21 at 2, 26.5 at 4, 36 at 8, 64 at 16, 117 at 31, where s = 2 underprices a batch of 2's
+verification tokens by 5-7 % and s = 1.5 fits within 3 % (docs/tuner.md, "The step cost's shape"); the
+fit picks the shape with the ratio. Prefill chunks are compute-bound and add `c1` per prompt token on top.
 A decode step with batch `B` and `k` speculative tokens processes about `B * (1 + p * k)` tokens, where
 `p` is the share of sequence-steps that carried a proposal (n-gram finds no match on some), and emits
 `B * (1 + p * E_k)` tokens with `E_k = sum_{i<k} a_i`, `a_i` = P(position i accepted) from the
@@ -30,19 +34,29 @@ from .params import ModelParams
 
 DEFAULT = ModelParams()
 
-# Ratios c1/c0 the fit tries, 1e-3 .. 1, ten per decade: from a GPU's knee at a thousand tokens to a
-# step that is compute-bound from its first token; a tenth of a decade is finer than the fit's noise.
-RATIOS = tuple(10 ** (e / 10) for e in range(-30, 1))
+# Ratios c1/c0 the fit tries, 1e-3 .. 1, twenty per decade: from a GPU's knee at a thousand tokens to a
+# step that is compute-bound from its first token. Ten per decade was too coarse: neighbouring ratios
+# (0.126 and 0.158) moved a batch of 2's predicted gain from a draft of 4 by 15 points on one host's
+# windows, so which side of the dead band a draft fell on depended on the grid.
+RATIOS = tuple(10 ** (e / 20) for e in range(-60, 1))
+# Shapes the fit tries (`s` above): 1.5 for a CPU's floor, where every token already costs (the AMD
+# host's curve), 2 the hypotenuse, 3 a GPU-like flat floor with a sharp knee. Not 1: an affine step has
+# no floor at all; on the AMD host's windows it fitted best yet overpriced verification at a batch of 2
+# by 10-15 %, the points of one tuner pass (1-4 tokens, then 30) leaving the curve between them free.
+SHAPES = (1.5, 2.0, 3.0)
 
 
 @dataclass(frozen=True)
 class StepCost:
     c0: float  # seconds per step when memory-bound: the floor
     c1: float  # seconds per token when compute-bound
+    shape: float = 2.0  # how sharp the corner between the floor and the slope is (SHAPES)
 
     def step(self, decode_tokens: float, prefill_tokens: float = 0.0) -> float:
         """Decode and verification tokens ride on the floor; prefill chunks are compute-bound."""
-        return math.hypot(self.c0, self.c1 * max(decode_tokens, 1.0)) + self.c1 * max(prefill_tokens, 0.0)
+        return _corner(self.c0, self.c1 * max(decode_tokens, 1.0), self.shape) + self.c1 * max(
+            prefill_tokens, 0.0
+        )
 
     @property
     def knee(self) -> float:
@@ -53,30 +67,39 @@ class StepCost:
 def fit_step_cost(
     points: Sequence[tuple[float, float, float]], params: ModelParams = DEFAULT
 ) -> StepCost | None:
-    """Fit `c0`, `c1` to (decode tokens per step, prefill tokens per step, step seconds) points.
+    """Fit `c0`, `c1` and the shape to (decode tokens per step, prefill tokens per step, step seconds)
+    points.
 
-    For each ratio `c1/c0` the scale is a closed-form least squares of relative error (so that 20 ms and
-    200 ms steps weigh alike); the ratio with the least error wins when the points span at least a
-    factor of 2 in decode tokens and it fits clearly better than the prior, else the prior ratio
-    (`ModelParams.fit_*`).
+    For each shape and ratio `c1/c0` the scale is a closed-form least squares of relative error (so that
+    20 ms and 200 ms steps weigh alike); the pair with the least error wins when the points span at
+    least a factor of 2 in decode tokens and it fits clearly better than the prior, else the prior ratio
+    at the hypotenuse's shape (`ModelParams.fit_*`).
     """
     pts = [(d, p, t) for d, p, t in points if d > 0 and t > 0]
     if not pts:
         return None
 
-    def fit(ratio: float) -> tuple[float, float]:
-        q = [(math.hypot(1.0, ratio * max(d, 1.0)) + ratio * max(p, 0.0)) / t for d, p, t in pts]
+    def fit(ratio: float, shape: float) -> tuple[float, float]:
+        q = [(_corner(1.0, ratio * max(d, 1.0), shape) + ratio * max(p, 0.0)) / t for d, p, t in pts]
         c0 = sum(q) / sum(x * x for x in q)
         return sum((c0 * x - 1.0) ** 2 for x in q), c0
 
-    ratio = prior = params.prior_cost_ratio
+    prior = (params.prior_cost_ratio, 2.0)
+    ratio, shape = prior
     decode = [d for d, _, _ in pts]
     if len(pts) >= params.fit_min_points and max(decode) >= params.fit_min_span * min(decode):
-        best = min(RATIOS, key=lambda r: fit(r)[0])
-        if fit(best)[0] < params.fit_min_gain * fit(prior)[0]:
-            ratio = best
-    c0 = fit(ratio)[1]
-    return StepCost(c0, c0 * ratio)
+        best = min(((r, s) for s in SHAPES for r in RATIOS), key=lambda rs: fit(*rs)[0])
+        if fit(*best)[0] < params.fit_min_gain * fit(*prior)[0]:
+            ratio, shape = best
+    c0 = fit(ratio, shape)[1]
+    return StepCost(c0, c0 * ratio, shape)
+
+
+def _corner(floor: float, slope: float, shape: float) -> float:
+    """The smooth maximum of the floor and the slope term: their `shape`-norm."""
+    if shape == 2.0:
+        return math.hypot(floor, slope)
+    return float((floor**shape + slope**shape) ** (1.0 / shape))
 
 
 def expected_accepted(per_pos: Sequence[float], k: int, params: ModelParams = DEFAULT) -> float:

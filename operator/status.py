@@ -40,6 +40,9 @@ class AcceptanceWindow(_Status):
     per_pos: list[float] = Field(default_factory=list, max_length=64)
     share: float = 0.0
     age_seconds: float = 0.0
+    shadow: bool = Field(
+        False, description="Measured by the engines' shadow drafts (speculation off), not by verified drafts."
+    )
 
 
 class TuningResume(_Status):

@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from specfleet.tuner.policy.model import LoadModel, StepCost, fit_step_cost
+from specfleet.tuner.policy.model import LoadModel, StepCost, fit_step_cost, shadow_steps
 from specfleet.tuner.policy.params import ModelParams
 from specfleet.tuner.types import TunedConfig
 
@@ -25,11 +25,73 @@ def test_fit_recovers_the_roofline_across_regimes(c0: float, c1: float) -> None:
     cost = fit_step_cost(points)
     assert cost is not None
     assert cost.c0 == pytest.approx(c0, rel=0.15) and cost.c1 == pytest.approx(c1, rel=0.3)
+    if c1 * 128 > 2 * c0:  # the points reach past the knee: the corner's shape shows
+        assert cost.shape == 2.0
+
+
+# Step times on the 2-core AMD host (2026-12-02; the bundled model at fp32, chat through the API, closed
+# loops at k=0 and concurrency 1 to 32): (decode tokens per step, prefill tokens per step, seconds).
+AMD_PLAIN = (
+    (1.0, 0.09, 0.0195),
+    (1.98, 0.15, 0.0210),
+    (3.96, 0.33, 0.0258),
+    (7.93, 0.7, 0.0372),
+    (15.8, 1.2, 0.0640),
+    (30.7, 4.8, 0.117),
+)
+# ... and verification steps at concurrency 2 (drafts of k=2 and k=4, n-gram on chat)
+AMD_VERIFY = ((3.97, 0.21, 0.0265), (5.6, 0.23, 0.0288))
+
+
+def test_fit_takes_the_shape_of_the_corner() -> None:
+    """A CPU's floor already costs per token (the AMD host's curve: 1.5); the hypotenuse (2) is recovered
+    from itself; a GPU-like step, flat for a hundred tokens and then compute-bound, takes the sharp corner (3).
+    On the CPU the fit of the plain windows prices the verification steps it never saw within 5 %, where
+    the hypotenuse's best fit underprices a batch of 2's draft of 4 (the search's long drafts there, which
+    probation reverted: docs/tuner.md)."""
+    from .plant import GPU_LIKE
+
+    cpu = fit_step_cost(list(AMD_PLAIN))
+    assert cpu is not None and cpu.shape == 1.5
+    for decode, prefill, seconds in AMD_PLAIN + AMD_VERIFY:
+        assert cpu.step(decode, prefill) == pytest.approx(seconds, rel=0.05), decode
+    base = AMD_PLAIN[1]
+    for decode, prefill, seconds in AMD_VERIFY:  # as the model uses it: a ratio to the config in force
+        measured = seconds / base[2]
+        assert cpu.step(decode, prefill) / cpu.step(*base[:2]) == pytest.approx(measured, rel=0.05)
+    gpu = [(n, 0.0, GPU_LIKE.seconds(n)) for n in (1, 8, 32, 64, 128, 256, 384, 512)]
+    fitted = fit_step_cost(gpu)
+    assert fitted is not None and fitted.shape == 3.0
+    assert fitted.knee == pytest.approx(200, rel=0.25)
+
+
+def test_shadow_acceptance_is_read_as_runs_that_verification_covers_in_steps() -> None:
+    """The AMD host's chat at concurrency 2 (2026-12-02): shadow drafts at k=0 read these per lookup
+    (position 0 at 0.27, where verified drafts at k=2 read 0.33 on the same traffic). As runs, they give
+    the tokens per sequence-step that verification measured at k=2 and k=4 within 3 %, where reading
+    them per step (`1 + p E_k`) gives 1.20 and 1.29."""
+    shadow, share = (0.27, 0.16, 0.10, 0.08, 0.07, 0.06, 0.05, 0.045), 0.47
+    measured = {2: 1.275, 4: 1.335}  # emitted / (steps x batch) over the static windows
+    for k, tokens in measured.items():
+        per_step, drafted = shadow_steps(shadow, share, k)
+        assert per_step == pytest.approx(tokens, rel=0.03), k
+        assert 1.0 + share * sum(shadow[:k]) < 0.97 * tokens  # the per-step reading underprices it
+        assert share < drafted < 1.0  # inside a run every step carries a draft
+    # longer drafts never emit less per step, and a draft as long as every run is the runs' own length
+    steps = [shadow_steps(shadow, share, k)[0] for k in range(1, 12)]
+    assert steps == sorted(steps)
+    assert shadow_steps(shadow, share, 8)[0] == pytest.approx(1.0 + share * sum(shadow))
+    # a model on shadow acceptance predicts with it; on verified acceptance, per step as before
+    cost = StepCost(0.018, 0.003)
+    runs = LoadModel(2.0, shadow, share, 0.0, cost, shadow=True).predict(TunedConfig(2, 32, 1024))
+    steps_read = LoadModel(2.0, shadow, share, 0.0, cost).predict(TunedConfig(2, 32, 1024))
+    assert runs.throughput > steps_read.throughput
 
 
 def test_one_regime_uses_the_prior_ratio() -> None:
     cost = fit_step_cost([(1.0, 0.0, 0.02), (1.1, 0.0, 0.021), (1.0, 0.0, 0.019)])
     assert cost is not None and cost.c1 / cost.c0 == pytest.approx(ModelParams().prior_cost_ratio)
+    assert cost.shape == 2.0
     assert cost.step(1.05) == pytest.approx(0.02, rel=0.05)
     assert fit_step_cost([]) is None
 

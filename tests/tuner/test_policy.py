@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import re
 
 import pytest
 from hypothesis import given, settings
@@ -319,6 +320,27 @@ def test_the_new_traffics_shadow_drafts_outweigh_a_level_remembered_at_a_like_lo
     assert kept[0].config is not None and 0 < kept[0].config.num_speculative_tokens <= 2
     model = policy.model(Plant(demand=2, per_pos=chat, shadow=True).observe(400.0, TunedConfig(0, 32, 1024)))
     assert model is not None and model.per_pos[0] == pytest.approx(chat[0])  # chat's, not grounded's 0.95
+
+
+def test_an_inherited_config_yields_to_a_gain_under_the_dead_band() -> None:
+    """Chat at concurrency 2 where a short draft is predicted +9 %: under the dead band, over
+    `inherited_band`. A config nothing chose for this load (the spec's k=0 here) yields to it, and
+    probation judges the move like any other; the same config chosen at this load holds."""
+    chat = Plant(demand=2, per_pos=(0.25, 0.15, 0.08, 0.04), shadow=True)
+    inherited = Policy(PARAMS)
+    _, decisions = run(chat, inherited, TunedConfig(0, 32, 1024), 6)
+    moved = changes(decisions)
+    assert [d.kind for d in moved] == ["change"], [d.reason for d in decisions]
+    assert moved[0].config is not None and moved[0].config.num_speculative_tokens > 0
+    gain = re.search(r"predicted goodput \+(\d+)%", moved[0].reason)
+    assert gain is not None and 100 * PARAMS.inherited_band < int(gain[1]) < 100 * PARAMS.dead_band
+    assert inherited.probation is None  # judged at the next clean window, and kept
+    chosen = Policy(PARAMS)  # k=0 chosen at this load: the change that set it came after the level began
+    chosen.level.begin(0.0, chat.demand, settled=True)
+    chosen.last_change = 0.0
+    _, decisions = run(chat, chosen, TunedConfig(0, 32, 1024), 6, t0=INTERVAL)
+    assert changes(decisions) == [], [d.reason for d in changes(decisions)]
+    assert "dead band 10%" in decisions[-1].reason
 
 
 def test_tpot_over_target_lowers_max_num_seqs() -> None:

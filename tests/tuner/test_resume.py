@@ -50,8 +50,10 @@ def test_scaling_and_pod_settings_keep_the_fingerprint_and_tuner_inputs_change_i
 def _learned() -> tuple[Policy, float]:
     policy = Policy(PARAMS)
     steps = 14
-    run(Plant(demand=2), policy, TunedConfig(0, 16, 512), steps)
+    run(Plant(demand=2, shadow=True), policy, TunedConfig(0, 16, 512), steps)
     assert policy.memory.cost_points and policy.memory.acceptance, "the run taught the policy nothing"
+    # speculation off at first (shadow drafts), then on (verified ones): the snapshot keeps which is which
+    assert {shadow for *_, shadow in policy.memory.acceptance} == {True, False}
     return policy, (steps - 1) * PARAMS.interval_s
 
 
@@ -76,8 +78,8 @@ def test_a_restored_policy_continues_with_what_was_learned() -> None:
     ]
     assert fresh.memory.knee(PARAMS.model) == policy.memory.knee(PARAMS.model)
     # acceptance keeps its age, so the TTL goes on counting from when it was measured
-    ages = [now - seen for *_, seen in policy.memory.acceptance]
-    assert [later - seen for *_, seen in fresh.memory.acceptance] == ages
+    ages = [(now - seen, shadow) for _, _, _, seen, shadow in policy.memory.acceptance]
+    assert [(later - seen, shadow) for _, _, _, seen, shadow in fresh.memory.acceptance] == ages
 
 
 def test_a_snapshot_of_another_spec_or_a_broken_one_is_ignored() -> None:

@@ -12,6 +12,11 @@ from .model import LoadModel, StepCost, fit_step_cost
 from .params import ModelParams, PolicyParams
 
 
+# One window's acceptance: (requests in the system, P(position i accepted | a draft), share of
+# sequence-steps or lookups with a draft, time, whether the engines' shadow drafts measured it)
+Acceptance = tuple[float | None, tuple[float, ...], float, float, bool]
+
+
 class Memory:
     def __init__(self, params: ModelParams) -> None:
         self.cost_points: deque[tuple[float, float, float]] = deque(
@@ -19,11 +24,9 @@ class Memory:
         )  # (decode, prefill, s)
         # The same from windows without proposals: the target's own step, free of any proposer's cost.
         self.plain_cost_points: deque[tuple[float, float, float]] = deque(maxlen=params.cost_windows)
-        # (demand, per_pos, share, time) of recent windows that verified drafts, or with speculation off,
-        # scored the engines' shadow drafts (the n-gram lookups they score while verifying none)
-        self.acceptance: deque[tuple[float | None, tuple[float, ...], float, float]] = deque(
-            maxlen=params.acceptance_windows
-        )
+        # (demand, per_pos, share, time, shadow) of recent windows that verified drafts, or with speculation
+        # off, scored the engines' shadow drafts (the n-gram lookups they score while verifying none)
+        self.acceptance: deque[Acceptance] = deque(maxlen=params.acceptance_windows)
         # the fits of the points above, by the points they were fitted to (one fit per learned window,
         # however often an interval asks: a fit tries every shape and ratio of `model.py`)
         self._fits: dict[tuple[ModelParams, tuple[tuple[float, float, float], ...]], StepCost | None] = {}
@@ -38,11 +41,11 @@ class Memory:
             self._fits.clear()
         share = obs.proposal_share
         if share is not None and obs.accepted_per_pos:
-            self.acceptance.append((obs.demand, tuple(obs.accepted_per_pos), share, obs.time))
+            self.acceptance.append((obs.demand, tuple(obs.accepted_per_pos), share, obs.time, False))
         elif (shadow := obs.shadow_share) is not None and obs.shadow_accepted_per_pos:
             # the traffic of this very window, where the acceptance remembered for its load may come
             # from other prompts (a copy-heavy level's drafts, read at a chat level of the same size)
-            self.acceptance.append((obs.demand, tuple(obs.shadow_accepted_per_pos), shadow, obs.time))
+            self.acceptance.append((obs.demand, tuple(obs.shadow_accepted_per_pos), shadow, obs.time, True))
 
     def knee(self, params: ModelParams) -> float:
         """Tokens per step where the target's step turns compute-bound, from windows without proposals
@@ -65,15 +68,15 @@ class Memory:
         if cost is None or obs.demand is None:
             return None
         per_pos: tuple[float, ...] = ()
-        share = params.model.prior_proposal_share
-        for demand, pos, seen_share, seen_at in reversed(self.acceptance):
+        share, shadow = params.model.prior_proposal_share, False
+        for demand, pos, seen_share, seen_at, seen_shadow in reversed(self.acceptance):
             if seen_at == obs.time or (
                 obs.time - seen_at <= params.acceptance_ttl_s and similar(demand, obs.demand, params)
             ):
-                per_pos, share = pos, seen_share
+                per_pos, share, shadow = pos, seen_share, seen_shadow
                 break
         prefill = (obs.prompt_rate or 0.0) / obs.generation_rate if obs.generation_rate else 0.0
-        return LoadModel(obs.demand, per_pos, share, prefill, cost, obs.engines, params.model)
+        return LoadModel(obs.demand, per_pos, share, prefill, cost, obs.engines, params.model, shadow)
 
     def model_at(self, obs: Observation, load: float, params: PolicyParams) -> LoadModel | None:
         """The model at `load` requests in the system, none waiting (a load the window has not seen yet)."""

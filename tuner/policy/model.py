@@ -13,7 +13,8 @@ fit picks the shape with the ratio. Prefill chunks are compute-bound and add `c1
 A decode step with batch `B` and `k` speculative tokens processes about `B * (1 + p * k)` tokens, where
 `p` is the share of sequence-steps that carried a proposal (n-gram finds no match on some), and emits
 `B * (1 + p * E_k)` tokens with `E_k = sum_{i<k} a_i`, `a_i` = P(position i accepted) from the
-per-position counters. Prefill rides along at the observed ratio of prompt tokens to output tokens.
+per-position counters (from shadow drafts, which are scored per run rather than per step: `shadow_steps`).
+Prefill rides along at the observed ratio of prompt tokens to output tokens.
 
 Speculation pays below the knee `n = c0 / c1` (memory-bound decode, small batch: verifying k more
 tokens costs little) and costs above it (large batch: every token costs compute). The model is only
@@ -102,6 +103,25 @@ def _corner(floor: float, slope: float, shape: float) -> float:
     return float((floor**shape + slope**shape) ** (1.0 / shape))
 
 
+def shadow_steps(per_pos: Sequence[float], share: float, k: int) -> tuple[float, float]:
+    """(tokens emitted per sequence-step, share of sequence-steps carrying a draft) that speculation at
+    `k` would have, from shadow drafts' acceptance: each shadow draft is scored up to its full length
+    (`per_pos[i]` = P(its first i + 1 tokens came out) per lookup that found one, `share` of lookups), so
+    one draft that matched `M` tokens is a run that verification at `k` covers in ceil((M + 1) / (k + 1))
+    steps, a fresh lookup at each. Verified drafts' per-position acceptance counts each of those steps
+    as a draft: it is per step, and on the same traffic higher at the first position (chat at
+    concurrency 2: 0.33 verified at k=2 against 0.27 shadow). Read per step as `1 + p E_k`, shadow
+    acceptance put k=2 at 1.20 tokens per step and k=4 at 1.29 where they measured 1.27-1.28 and
+    1.33-1.34; read as runs, 1.30 and 1.35 (docs/tuner.md). A run as long as the drafts is taken to end
+    there."""
+    at_least = [1.0, *(max(0.0, min(1.0, a)) for a in per_pos)]  # P(M >= m), m = 0 .. len(per_pos)
+    runs = [at_least[m] - (at_least[m + 1] if m + 1 < len(at_least) else 0.0) for m in range(len(at_least))]
+    tokens = sum(p * (m + 1) for m, p in enumerate(runs))  # per lookup with a draft: M matched, one more
+    steps = sum(p * math.ceil((m + 1) / (k + 1)) for m, p in enumerate(runs))
+    per_lookup_steps = 1.0 - share + share * steps
+    return (1.0 - share + share * tokens) / per_lookup_steps, share * steps / per_lookup_steps
+
+
 def expected_accepted(per_pos: Sequence[float], k: int, params: ModelParams = DEFAULT) -> float:
     """E[accepted tokens | a draft of k]; the prior when nothing was measured; positions beyond those
     measured decay geometrically."""
@@ -138,12 +158,16 @@ class LoadModel:
     cost: StepCost
     engines: int = 1  # the demand is spread over them evenly; the prediction is per engine
     params: ModelParams = DEFAULT
+    shadow: bool = False  # per_pos and proposal_share are shadow drafts' (per lookup), not verified ones'
 
     def predict(self, config: TunedConfig) -> Prediction:
         k = config.num_speculative_tokens
         batch = max(1.0, batch_per_engine(self.demand, self.engines, config.max_num_seqs))
-        p = self.proposal_share if k > 0 else 0.0
-        per_seq = 1.0 + p * expected_accepted(self.per_pos, k, self.params)
+        if k > 0 and self.shadow and self.per_pos:
+            per_seq, p = shadow_steps(self.per_pos, self.proposal_share, k)
+        else:
+            p = self.proposal_share if k > 0 else 0.0
+            per_seq = 1.0 + p * expected_accepted(self.per_pos, k, self.params)
         step = self.cost.step(step_tokens(batch, k, p), batch * per_seq * self.prefill_per_output)
         return Prediction(
             config,

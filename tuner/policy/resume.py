@@ -34,8 +34,9 @@ def snapshot(policy: Policy, now: float, spec_hash: str) -> dict[str, Any]:
                 "perPos": [_round(a) for a in per_pos],
                 "share": _round(share),
                 "ageSeconds": _round(max(0.0, now - seen_at)),
+                "shadow": shadow,
             }
-            for demand, per_pos, share, seen_at in memory.acceptance
+            for demand, per_pos, share, seen_at, shadow in memory.acceptance
         ],
     }
 
@@ -56,6 +57,7 @@ def restore(policy: Policy, tuning: dict[str, Any], now: float, spec_hash: str) 
                 tuple(float(x) for x in a["perPos"]),
                 float(a["share"]),
                 now - float(a["ageSeconds"]),
+                bool(a.get("shadow", False)),  # absent: written before shadow drafts, so verified
             )
             for a in resume.get("acceptance") or []
         ]

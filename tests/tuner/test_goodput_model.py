@@ -66,25 +66,30 @@ def test_fit_takes_the_shape_of_the_corner() -> None:
 
 
 def test_shadow_acceptance_is_read_as_runs_that_verification_covers_in_steps() -> None:
-    """The AMD host's chat at concurrency 2 (2026-12-02): shadow drafts at k=0 read these per lookup
-    (position 0 at 0.27, where verified drafts at k=2 read 0.33 on the same traffic). As runs, they give
-    the tokens per sequence-step that verification measured at k=2 and k=4 within 3 %, where reading
-    them per step (`1 + p E_k`) gives 1.20 and 1.29."""
-    shadow, share = (0.27, 0.16, 0.10, 0.08, 0.07, 0.06, 0.05, 0.045), 0.47
+    """The AMD host (2026-12-02), bench tune's fleet (drafts of up to 6): shadow drafts at k=0 per lookup,
+    against the tokens per sequence-step verification then measured. Chat at concurrency 2 (position 0 at
+    0.27 shadow, 0.33 verified at k=2): read per step (`1 + p E_k`) the shadow figures underprice k=2 and
+    k=4 by 4-6 %; as runs they are within 5 %. Grounded prompts at concurrency 1: runs that match the
+    whole draft go on, and k=4 measured 10 % more tokens per step than k=3; cut at the draft's length the
+    runs would call it 2 %, and the model took k=3."""
+    chat, chat_share = (0.27, 0.16, 0.10, 0.08, 0.07, 0.06), 0.47
     measured = {2: 1.275, 4: 1.335}  # emitted / (steps x batch) over the static windows
     for k, tokens in measured.items():
-        per_step, drafted = shadow_steps(shadow, share, k)
-        assert per_step == pytest.approx(tokens, rel=0.03), k
-        assert 1.0 + share * sum(shadow[:k]) < 0.97 * tokens  # the per-step reading underprices it
-        assert share < drafted < 1.0  # inside a run every step carries a draft
-    # longer drafts never emit less per step, and a draft as long as every run is the runs' own length
-    steps = [shadow_steps(shadow, share, k)[0] for k in range(1, 12)]
-    assert steps == sorted(steps)
-    assert shadow_steps(shadow, share, 8)[0] == pytest.approx(1.0 + share * sum(shadow))
+        per_step, drafted = shadow_steps(chat, chat_share, k)
+        assert per_step == pytest.approx(tokens, rel=0.05), k
+        assert 1.0 + chat_share * sum(chat[:k]) < 0.97 * tokens  # the per-step reading underprices it
+        assert chat_share < drafted < 1.0  # inside a run every step carries a draft
+    grounded, grounded_share = (0.81, 0.75, 0.70, 0.60, 0.56, 0.55), 0.8
+    k3, k4 = (shadow_steps(grounded, grounded_share, k)[0] for k in (3, 4))
+    assert k3 == pytest.approx(2.81, rel=0.05) and k4 / k3 >= 3.10 / 2.81  # measured: 2.81 and 3.10
+    # longer drafts never emit less per step
+    for traffic, share in ((chat, chat_share), (grounded, grounded_share)):
+        steps = [shadow_steps(traffic, share, k)[0] for k in range(1, 7)]
+        assert steps == sorted(steps)
     # a model on shadow acceptance predicts with it; on verified acceptance, per step as before
     cost = StepCost(0.018, 0.003)
-    runs = LoadModel(2.0, shadow, share, 0.0, cost, shadow=True).predict(TunedConfig(2, 32, 1024))
-    steps_read = LoadModel(2.0, shadow, share, 0.0, cost).predict(TunedConfig(2, 32, 1024))
+    runs = LoadModel(2.0, chat, chat_share, 0.0, cost, shadow=True).predict(TunedConfig(2, 32, 1024))
+    steps_read = LoadModel(2.0, chat, chat_share, 0.0, cost).predict(TunedConfig(2, 32, 1024))
     assert runs.throughput > steps_read.throughput
 
 

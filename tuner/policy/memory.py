@@ -11,7 +11,6 @@ from .load import similar
 from .model import LoadModel, StepCost, fit_step_cost
 from .params import ModelParams, PolicyParams
 
-
 # One window's acceptance: (requests in the system, P(position i accepted | a draft), share of
 # sequence-steps or lookups with a draft, time, whether the engines' shadow drafts measured it)
 Acceptance = tuple[float | None, tuple[float, ...], float, float, bool]

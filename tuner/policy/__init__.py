@@ -12,7 +12,8 @@ Per interval (`decide.Policy.decide`):
    (`state.py`);
 6. search: candidates one bounded step away (k +-4 or off, max_num_seqs x2 or /2), scored by predicted
    goodput (`model.py`, `candidates.py`); change only if the best beats the config in force by more than
-   the dead band, or if the SLO is missed now and the candidate is predicted to meet it;
+   the dead band (`inherited_band`, for a config set before this load level began and unchanged since),
+   or if the SLO is missed now and the candidate is predicted to meet it;
 7. probes, where the model cannot tell (`probes.py`): speculation off past the knee (a proposer's own cost
    is invisible to it), a longer draft below it (acceptance past the measured positions is a guess), a
    shorter one when the last positions are rarely accepted; each judged by probation like any change.

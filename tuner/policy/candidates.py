@@ -116,21 +116,6 @@ def best(options: list[Scored], current: TunedConfig, limit_s: float, change_pen
     )
 
 
-def shortest_near_best(predicted: list[tuple[float, TunedConfig]], tie: float) -> tuple[float, TunedConfig]:
-    """Of (predicted goodput, config) pairs, the shortest draft predicted within `tie` of the best, among
-    those with the best's `max_num_seqs` (`PolicyParams.shift_on_tie`: the model underprices a step's
-    extra tokens at small batches, so a near-tie between draft lengths goes to the shorter one)."""
-    top, config = max(predicted, key=lambda tc: tc[0])
-    near = [
-        (t, c)
-        for t, c in predicted
-        if t >= (1.0 - tie) * top and c.max_num_seqs == config.max_num_seqs and c.num_speculative_tokens > 0
-    ]
-    if config.num_speculative_tokens == 0 or not near:
-        return top, config
-    return min(near, key=lambda tc: tc[1].num_speculative_tokens)
-
-
 def queues(config: TunedConfig, current: TunedConfig, requests_per_engine: float) -> bool:
     """Whether `config` cuts max_num_seqs below the requests each engine holds: fewer slots than requests
     leave some waiting, which lowers TPOT by moving the time into TTFT rather than adding capacity."""

@@ -243,7 +243,8 @@ class Policy:
                 predicted=quick.goodput,
                 demand=obs.demand,
             )
-        band = p.inherited_band if self._inherited() else p.dead_band
+        inherited = self._inherited()
+        band = p.inherited_band if inherited else p.dead_band
         if here.goodput > 0:
             gain = top.goodput / here.goodput - 1.0
         else:
@@ -283,7 +284,9 @@ class Policy:
                     demand=obs.demand,
                     probe=True,
                 )
-        return self._hold(now, "hold", reasons.dead_band(current, top, gain, band, seen), goodput, share)
+        return self._hold(
+            now, "hold", reasons.dead_band(current, top, gain, band, inherited, seen), goodput, share
+        )
 
     # -- helpers -----------------------------------------------------------------------------------
 

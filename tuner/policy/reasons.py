@@ -165,10 +165,13 @@ def probe(current: TunedConfig, config: TunedConfig, why: str, gain: float, seen
     )
 
 
-def dead_band(current: TunedConfig, best: Scored, gain: float, band: float, seen: str) -> str:
+def dead_band(
+    current: TunedConfig, best: Scored, gain: float, band: float, inherited: bool, seen: str
+) -> str:
+    whose = ", the config this load level inherited" if inherited else ""
     return (
         f"keeping {current.short()}: best alternative {best.config.short()} predicts {gain:+.0%} "
-        f"(dead band {band:.0%}); {seen}"
+        f"(dead band {band:.0%}{whose}); {seen}"
     )
 
 

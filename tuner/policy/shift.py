@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ..types import Observation, TunedConfig
-from .candidates import candidates, shortest_near_best
+from .candidates import candidates
 from .load import batch_per_engine, per_engine, rise_at
 from .memory import Memory
 from .params import PolicyParams
@@ -64,8 +64,12 @@ def on_on_fall(
     ]
     if not options or here <= 0:
         return None
-    throughput, best = shortest_near_best(
-        [(model.predict(c).throughput, c) for c in options], params.shift_on_tie
+    predicted = [(model.predict(c).throughput, c) for c in options]
+    top = max(t for t, _ in predicted)
+    # the shortest draft predicted within `shift_on_tie` of the best (see PolicyParams)
+    throughput, best = min(
+        ((t, c) for t, c in predicted if t >= (1.0 - params.shift_on_tie) * top),
+        key=lambda tc: tc[1].num_speculative_tokens,
     )
     gain = throughput / here - 1.0
     return (best, gain) if gain > params.dead_band else None

@@ -8,7 +8,18 @@ Layouts (llama.cpp ggml-common.h; gguf-py quants.py is the reference the tests c
   Q4_K (144 bytes / 256): fp16 d, fp16 dmin, 12 bytes of eight 6-bit scales and mins, 128 nibble bytes
        (per 64 values: 32 bytes, low nibbles the first 32, high nibbles the next 32); sub-block j of 32
        values: W = d * sc_j * q - dmin * m_j, so a group of 32 with scale d * sc_j and min -dmin * m_j.
-Every form decodes exactly: each scale and min is the same float32 product the reference dequantizer forms.
+  Q5_0 (22 bytes / 32): fp16 d, 4 bytes qh (little-endian uint32, bit j = fifth bit of value j), 16 nibble
+       bytes as Q4_0; W = d * (q - 16) with q = nibble | bit << 4: int8 codes q - 16, scale d, no min.
+  Q5_1 (24 bytes / 32): fp16 d, fp16 m, qh, 16 nibble bytes; W = d * q + m: int8 codes q, scale d, min m.
+  Q5_K (176 bytes / 256): fp16 d, fp16 dmin, 12 scale/min bytes as Q4_K, 32 bytes qh (bit i of byte l =
+       fifth bit of value l of sub-block i), 128 nibble bytes as Q4_K; sub-blocks of 32 as Q4_K.
+  Q6_K (210 bytes / 256): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales, fp16 d
+       (last). Per 128 values: ql[0:32] low nibbles, ql[32:64] low, ql[0:32] high, ql[32:64] high, each
+       with qh[l] bits 0-1, 2-3, 4-5, 6-7 on top; W = d * sc_s * (q - 32) per sub-block s of 16 values:
+       int8 codes q - 32, groups of 16, scale d * sc_s.
+The 5- and 6-bit types keep one int8 code per value (the 8-bit kernels run them; a packed 5/6-bit layout
+would stream fewer bytes, docs/kernels.md). Every form decodes exactly: each scale and min is the same
+float32 product the reference dequantizer forms.
 """
 
 from __future__ import annotations
@@ -17,7 +28,16 @@ import numpy as np
 import torch
 from specfleet.kernels.quantized import QuantTensor
 
-BLOCK_BYTES = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q8_0": (32, 34), "Q4_K": (256, 144)}
+BLOCK_BYTES = {
+    "Q4_0": (32, 18),
+    "Q4_1": (32, 20),
+    "Q5_0": (32, 22),
+    "Q5_1": (32, 24),
+    "Q8_0": (32, 34),
+    "Q4_K": (256, 144),
+    "Q5_K": (256, 176),
+    "Q6_K": (256, 210),
+}
 NATIVE_TYPES = tuple(BLOCK_BYTES)
 
 
@@ -28,6 +48,16 @@ def _f16(raw: np.ndarray) -> np.ndarray:
 def _nibbles_32(qs: np.ndarray) -> np.ndarray:
     """[..., 16] bytes -> [..., 32] codes: the low nibbles, then the high ones."""
     return np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+
+
+def _fifth_bits_32(qh: np.ndarray) -> np.ndarray:
+    """[..., 4] bytes (a little-endian uint32) -> [..., 32] bits, bit j for value j."""
+    word = np.ascontiguousarray(qh).view("<u4")  # [..., 1]
+    return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
+
+
+def _int8(codes: np.ndarray, offset: int) -> torch.Tensor:
+    return torch.from_numpy((codes.astype(np.int16) - offset).astype(np.int8))
 
 
 def decode(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantTensor:
@@ -44,6 +74,8 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantTens
             f"{values}-value blocks of {nbytes} bytes"
         )
     blocks = raw.reshape(n, k // values, nbytes)
+    if type_name in ("Q5_0", "Q5_1", "Q5_K", "Q6_K"):
+        return _decode_5_6(blocks, type_name, n, k)
     if type_name == "Q8_0":
         codes = np.ascontiguousarray(blocks[..., 2:]).view(np.int8).reshape(n, k)
         return QuantTensor(
@@ -92,3 +124,46 @@ def q4k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
     mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
     return sc, mn
+
+
+def _decode_5_6(blocks: np.ndarray, type_name: str, n: int, k: int) -> QuantTensor:
+    """Q5_0, Q5_1, Q5_K, Q6_K blocks [N, K / values, bytes] -> int8 codes (layouts in the module doc)."""
+    fmt = f"gguf:{type_name}"
+    if type_name in ("Q5_0", "Q5_1"):
+        d = _f16(blocks[..., :2])[..., 0]
+        at = 2 if type_name == "Q5_0" else 4
+        q = _nibbles_32(blocks[..., at + 4 :]) | (_fifth_bits_32(blocks[..., at : at + 4]) << 4)
+        if type_name == "Q5_0":
+            return QuantTensor(_int8(q.reshape(n, k), 16), torch.from_numpy(d), None, 32, 8, fmt)
+        m = _f16(blocks[..., 2:4])[..., 0]
+        return QuantTensor(_int8(q.reshape(n, k), 0), torch.from_numpy(d), torch.from_numpy(m), 32, 8, fmt)
+    nb = k // 256
+    if type_name == "Q5_K":
+        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
+        sc, mn = q4k_scale_min(blocks[..., 4:16])
+        qh = blocks[..., 16:48]  # [n, nb, 32]
+        qs = blocks[..., 48:].reshape(n, nb, 4, 32)
+        low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb, 8, 32)
+        high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # sub-block i: bit i
+        scales = (d * sc.astype(np.float32)).reshape(n, k // 32)
+        mins = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
+        return QuantTensor(
+            _int8((low | (high << 4)).reshape(n, k), 0),
+            torch.from_numpy(scales),
+            torch.from_numpy(mins),
+            32,
+            8,
+            fmt,
+        )
+    # Q6_K
+    ql = blocks[..., :128].reshape(n, nb, 2, 64)
+    low = np.stack([ql & 0x0F, ql >> 4], axis=3).reshape(n, nb, 2, 4, 32)  # [half][nibble][l < 32][32]
+    qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32)
+    high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # [half][chunk][32]
+    d = _f16(blocks[..., 208:210])  # [n, nb, 1]
+    scales = (d * np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)).reshape(
+        n, k // 16
+    )
+    return QuantTensor(
+        _int8((low | (high << 4)).reshape(n, k), 32), torch.from_numpy(scales), None, 16, 8, fmt
+    )

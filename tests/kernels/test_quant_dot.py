@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k
+from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k, pack_q5_k
 from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels import cpu_native
@@ -69,7 +69,8 @@ def _check(q: QuantTensor, reference_weight: torch.Tensor, rows: int, seed: int 
 def _gguf(type_name: str, shape: tuple[int, int], seed: int = 1) -> tuple[QuantTensor, torch.Tensor]:
     w = np.random.default_rng(seed).normal(0, 0.5, size=shape).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[type_name]
-    raw = pack_q4_k(w) if type_name == "Q4_K" else gguf.quants.quantize(w, qtype)
+    packers = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k}  # gguf-py has no quantizer for these
+    raw = packers[type_name](w) if type_name in packers else gguf.quants.quantize(w, qtype)
     return decode(raw, type_name, shape), torch.from_numpy(
         gguf.quants.dequantize(raw, qtype).astype(np.float32)
     )
@@ -77,7 +78,16 @@ def _gguf(type_name: str, shape: tuple[int, int], seed: int = 1) -> tuple[QuantT
 
 @pytest.mark.parametrize(
     "type_name,shape",
-    [("Q4_0", (33, 96)), ("Q4_1", (7, 64)), ("Q4_1", (100, 576)), ("Q8_0", (45, 160)), ("Q4_K", (37, 512))],
+    [
+        ("Q4_0", (33, 96)),
+        ("Q4_1", (7, 64)),
+        ("Q4_1", (100, 576)),
+        ("Q8_0", (45, 160)),
+        ("Q4_K", (37, 512)),
+        ("Q5_0", (100, 576)),
+        ("Q5_1", (7, 96)),
+        ("Q5_K", (37, 512)),
+    ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 5, 11])
 def test_gguf_types_with_int8_activations(type_name: str, shape: tuple[int, int], rows: int) -> None:

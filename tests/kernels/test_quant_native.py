@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k
+from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k, pack_q5_k, pack_q6_k
 from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels import cpu_native
@@ -36,12 +36,23 @@ def _check_linear(q, reference_weight: torch.Tensor, rows: int, seed: int = 0) -
 
 def _gguf_roundtrip(type_name: str, w: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
     qtype = gguf.GGMLQuantizationType[type_name]
-    raw = pack_q4_k(w) if type_name == "Q4_K" else gguf.quants.quantize(w, qtype)
+    packers = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k}  # gguf-py has no quantizer for these
+    raw = packers[type_name](w) if type_name in packers else gguf.quants.quantize(w, qtype)
     return raw, torch.from_numpy(gguf.quants.dequantize(raw, qtype).astype(np.float32))
 
 
 @pytest.mark.parametrize(
-    "type_name,shape", [("Q4_0", (33, 96)), ("Q4_1", (7, 64)), ("Q8_0", (45, 160)), ("Q4_K", (37, 512))]
+    "type_name,shape",
+    [
+        ("Q4_0", (33, 96)),
+        ("Q4_1", (7, 64)),
+        ("Q8_0", (45, 160)),
+        ("Q4_K", (37, 512)),
+        ("Q5_0", (37, 576)),  # llama.cpp's Q5_0 goes on rows that are not a multiple of 256 (SmolLM2: 576)
+        ("Q5_1", (7, 96)),
+        ("Q5_K", (37, 512)),
+        ("Q6_K", (37, 512)),
+    ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 11])
 def test_gguf_types_match_gguf_dequantize(type_name: str, shape: tuple[int, int], rows: int) -> None:
@@ -51,8 +62,36 @@ def test_gguf_types_match_gguf_dequantize(type_name: str, shape: tuple[int, int]
     assert q.dequantize().equal(reference)  # the decoded codes, scales and mins are exact
     assert (q.dequantize() - torch.from_numpy(w)).abs().max() < 0.3  # and they are a quantization of w
     _check_linear(q, reference, rows)
-    # GGUF's fp16 d and m stream as halfs; Q4_K's d * sc products need float32 to stay exact
-    assert (cpu_native.QuantLinear(q).scales.dtype == torch.float16) == (type_name != "Q4_K")
+    # GGUF's fp16 d and m stream as halfs; the K types' d * sc products need float32 to stay exact
+    assert (cpu_native.QuantLinear(q).scales.dtype == torch.float16) == (not type_name.endswith("_K"))
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_random_blocks_decode_as_gguf_dequantize(type_name: str) -> None:
+    """Any bytes are a valid block once its fp16 fields are finite: every code, high bit and 6-bit scale
+    pattern decodes bit for bit as gguf-py's dequantizer reads it."""
+    from specfleet.engine.quant.gguf_blocks import BLOCK_BYTES
+
+    rng = np.random.default_rng(3)
+    n, k = 9, 512
+    values, nbytes = BLOCK_BYTES[type_name]
+    raw = rng.integers(0, 256, size=(n, k // values * nbytes), dtype=np.uint8)
+    blocks = raw.reshape(n, k // values, nbytes)
+    half_fields = {"Q5_0": [0], "Q5_1": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[type_name]
+    for at in half_fields:
+        halves = rng.normal(0, 0.01, size=blocks.shape[:2]).astype(np.float16)
+        blocks[..., at : at + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
+    assert decode(raw, type_name, (n, k)).dequantize().equal(torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("type_name", ["Q5_K", "Q6_K"])
+def test_k_packers_are_gguf_blocks(type_name: str) -> None:
+    """The test-only Q5_K and Q6_K packers write what gguf-py reads, close to the input."""
+    w = np.random.default_rng(4).normal(0, 1.0, size=(3, 512)).astype(np.float32)
+    packer = pack_q5_k if type_name == "Q5_K" else pack_q6_k
+    back = gguf.quants.dequantize(packer(w), gguf.GGMLQuantizationType[type_name])
+    assert np.abs(back - w).max() < 0.15
 
 
 def test_q4_k_packer_is_gguf_q4_k() -> None:
@@ -67,8 +106,8 @@ def test_q4_k_packer_is_gguf_q4_k() -> None:
 def test_decode_refuses_wrong_sizes() -> None:
     with pytest.raises(ValueError, match="do not match 32-value blocks of 20 bytes"):
         decode(np.zeros((4, 21), dtype=np.uint8), "Q4_1", (4, 32))
-    with pytest.raises(ValueError, match="Q6_K is not run natively"):
-        decode(np.zeros((4, 210), dtype=np.uint8), "Q6_K", (4, 256))
+    with pytest.raises(ValueError, match="Q2_K is not run natively"):
+        decode(np.zeros((4, 84), dtype=np.uint8), "Q2_K", (4, 256))
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])

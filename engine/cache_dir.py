@@ -5,7 +5,7 @@ On a cold cache several processes ask for one entry at once: the API server load
 engine core loads the weights, tensor- and pipeline-parallel workers read the config, `specfleet up` starts
 engines together. `ensure_folder` and `ensure_file` make an entry single-flight and atomic:
 
-- an exclusive ``flock`` on ``<target>.lock`` beside the target serializes the makers of one key (the kernel
+- an exclusive ``flock`` on ``.<name>.lock`` beside the target serializes the makers of one key (the kernel
   drops it when its holder dies, so a crash never leaves it held; the lock file itself is never removed);
 - under the lock the target is checked again, so whoever waited finds it made and makes nothing;
 - the maker writes into a fresh ``.<name>.partial-*`` beside the target, fsyncs it and renames it onto the
@@ -85,7 +85,7 @@ def _ensure(target: Path, make: Callable[[Path], object], whole: Callable[[], bo
 
 @contextmanager
 def _locked(target: Path) -> Iterator[None]:
-    lock = target.with_name(target.name + ".lock")
+    lock = target.with_name(f".{target.name}.lock")  # hidden, as the partials: listings show entries
     try:
         fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
     except OSError as exc:

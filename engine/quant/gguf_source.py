@@ -13,11 +13,10 @@ import hashlib
 import json
 import logging
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from specfleet.engine import model_loader
+from specfleet.engine.cache_dir import ensure_folder
 from specfleet.engine.model_loader import ResolvedModel
 
 log = logging.getLogger("specfleet.engine.loader")
@@ -51,27 +50,18 @@ def resolve_gguf(source: str) -> ResolvedModel | None:
 
 
 def metadata_folder(gguf: Path) -> Path:
-    """config.json, generation_config.json and the tokenizer of a GGUF file, made once, keyed by the
-    file's identity; written into a temporary folder and renamed into place, so readers see all or none."""
+    """config.json, generation_config.json and the tokenizer of a GGUF file, made once across processes,
+    keyed by the file's identity; readers see all or none (cache_dir.py)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
     target = model_loader.cache_root() / "models" / f"{gguf.stem}-{key}-metadata"
-    if (target / MARKER).exists():
-        return target
-    log.info("event=gguf_metadata file=%s target=%s", gguf, target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}.partial-"))
-    try:
-        _write_metadata(gguf, tmp)
-        (tmp / MARKER).write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
-        try:
-            os.replace(tmp, target)
-        except OSError:
-            if not (target / MARKER).exists():  # not another process that finished first: a real error
-                raise
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
-    return target
+
+    def write(folder: Path) -> None:
+        log.info("event=gguf_metadata file=%s target=%s", gguf, target)
+        _write_metadata(gguf, folder)
+        (folder / MARKER).write_text(json.dumps({"gguf": str(gguf), "size": stat.st_size}))
+
+    return ensure_folder(target, write, marker=MARKER)
 
 
 def _write_metadata(gguf: Path, folder: Path) -> None:

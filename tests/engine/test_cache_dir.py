@@ -155,7 +155,7 @@ def test_processes_converting_one_gguf_at_once_convert_it_once(tmp_path: Path) -
     assert not watch.errors, f"a whole folder changed under its readers: {watch.errors[:5]}"
     models = tmp_path / "cache" / "models"
     target = Path(paths.pop())
-    assert sorted(p.name for p in models.iterdir()) == sorted([target.name, target.name + ".lock"])
+    assert sorted(p.name for p in models.iterdir()) == sorted([target.name, f".{target.name}.lock"])
     assert sorted(p.name for p in target.iterdir()) == sorted(
         ["config.json", "model.safetensors", "tokenizer.json", model_loader.CONVERTED]
     )
@@ -193,7 +193,7 @@ def test_a_conversion_killed_midway_leaves_nothing_in_the_way(
     monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))
     path = model_loader.resolve_model(f"file://{gguf}").path
     assert (path / model_loader.CONVERTED).is_file() and (path / "tokenizer.json").is_file()
-    assert sorted(p.name for p in models.iterdir()) == sorted([path.name, path.name + ".lock"])
+    assert sorted(p.name for p in models.iterdir()) == sorted([path.name, f".{path.name}.lock"])
 
 
 def test_a_folder_without_its_marker_is_made_again(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -230,7 +230,7 @@ def test_threads_asking_for_one_file_make_it_once(tmp_path: Path) -> None:
     for t in threads:
         t.join(30)
     assert len(made) == 1 and results == [{"whole": True}] * 6
-    assert sorted(p.name for p in target.parent.iterdir()) == ["k.json", "k.json.lock"]
+    assert sorted(p.name for p in target.parent.iterdir()) == [".k.json.lock", "k.json"]
 
 
 def test_an_unwritable_cache_says_which_folder_and_what_to_set(tmp_path: Path) -> None:

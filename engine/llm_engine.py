@@ -17,7 +17,7 @@ from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
 from specfleet.engine.knobs import KNOBS
-from specfleet.engine.kv_transfer.base import KVTransferParams
+from specfleet.engine.kv_transfer.base import KVTransferParams, encode_logprob
 from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.live_config import check_live
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
@@ -34,6 +34,12 @@ from specfleet.engine.stop import Finish, StopChecker
 from specfleet.engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("specfleet.engine")
+# How long an empty step waits for a KV pull in flight to end (kv_transfer/connector.py) before it returns:
+# the caller (the engine core's loop) takes new inputs and sends its report between steps, so this bounds
+# the extra latency of a request that arrives while the engine only waits on pulls (20 ms, under one step).
+KV_PULL_WAIT_S = 0.02
+# The same bound for an empty step while only grammars compile (structured_output/manager.py).
+GRAMMAR_WAIT_S = 0.02
 
 
 class _Request:
@@ -133,6 +139,7 @@ class Engine:
             self.runner.pipeline_depth if config.pipeline_overlap else 1
         )
         self._in_flight: deque[tuple[SchedulerOutput, InFlight]] = deque()
+        self._grammar_failed: list[Sequence] = []  # ended by a failed compile, reported by _postprocess
         log.info(
             "event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
             self.model_name,
@@ -212,17 +219,23 @@ class Engine:
                     params.skip_special_tokens,
                 )
             )
-        if params.structured_outputs is not None:
-            self.structured.attach(seqs, params.structured_outputs)
+        if params.structured_outputs is not None:  # the prefill's first token must be the grammar's first
+            first = "kv_transfer_params.first_token_id" if isinstance(remote, KVTransferParams) else None
+            self.structured.attach(seqs, params.structured_outputs, first)
         if isinstance(remote, KVTransferParams):
             assert self.kv_connector is not None, "_remote_params accepts remote KV only with a kv_role"
-            self.kv_connector.add_remote(seqs[0], remote)
+            try:
+                self.kv_connector.add_remote(seqs[0], remote)
+            except ValueError as exc:
+                raise ParameterError("kv_transfer_params", str(exc)) from exc
             detoks[0].update(seqs[0].output_token_ids, check_stop=False)
         else:
             for seq in seqs:
                 self.scheduler.add(seq)
         req = self._requests[request_id] = _Request(request_id, text, ids, seqs, detoks)
         req.remote_decode = remote is True
+        if isinstance(remote, KVTransferParams) and params.logprobs is not None:
+            req.logprobs[0].append(self._first_token_logprobs(remote, params.logprobs))
         if params.prompt_logprobs is not None:
             req.prompt_logprobs = [None] * len(ids)
 
@@ -250,6 +263,26 @@ class Engine:
             remote = KVTransferParams.from_dict(data)
         except (TypeError, ValueError) as exc:
             raise ParameterError("kv_transfer_params", str(exc)) from exc
+        vocab = self.runner.vocab_size
+        if remote.first_token_id >= vocab:
+            raise ParameterError(
+                "kv_transfer_params",
+                f"kv_transfer_params.first_token_id must be in [0, {vocab}), got {remote.first_token_id}",
+            )
+        if params.logprobs is not None:
+            lps = remote.first_token_logprobs
+            if lps is None or len(lps["top"]) < params.logprobs:
+                raise ParameterError(
+                    "kv_transfer_params",
+                    f"logprobs={params.logprobs} through a remote prefill needs "
+                    "kv_transfer_params.first_token_logprobs with at least that many top entries (the "
+                    "prefill engine returns them when its request asks for logprobs)",
+                )
+            if any(t >= vocab for t, _ in lps["top"]):
+                raise ParameterError(
+                    "kv_transfer_params",
+                    f"kv_transfer_params.first_token_logprobs.top ids must be in [0, {vocab})",
+                )
         if params.n != 1 or (params.max_tokens is not None and params.max_tokens < 2):
             raise ParameterError(
                 "kv_transfer_params",
@@ -257,6 +290,15 @@ class Engine:
                 f"it needs n=1 and max_tokens >= 2, got n={params.n} max_tokens={params.max_tokens}",
             )
         return remote
+
+    def _first_token_logprobs(self, remote: KVTransferParams, num_top: int) -> PositionLogprobs:
+        """The prefill's logprobs of the first token (validated by _remote_params), the decode engine's
+        first logprobs entry: it does not sample that token itself."""
+        data = remote.first_token_logprobs
+        assert data is not None, "_remote_params requires them with logprobs"
+        top = {t: lp for t, lp in data["top"][:num_top]}
+        lp = PositionLogprobs(remote.first_token_id, data["logprob"], top, data["rank"])
+        return lp.decode_with(self.token_text) if self.token_text is not None else lp
 
     def _on_finish(self, seq: Sequence, reason: str) -> None:
         req = self._requests.get(seq.request_id)
@@ -371,12 +413,17 @@ class Engine:
             return self._pipelined_step()
         start = time.perf_counter()
         self._apply_pending()
+        self._poll_grammars()
         if self.kv_connector is not None:
             self.kv_connector.poll()
             self.kv_connector.admit_remote()
         self._propose()
         sched = self.scheduler.schedule()
         if sched.empty:
+            if self.kv_connector is not None:  # only pulls in flight: wait for one rather than spin
+                self.kv_connector.wait(KV_PULL_WAIT_S)
+            if self.structured.num_compiling:  # only grammars compiling: wait for one rather than spin
+                self.structured.wait(GRAMMAR_WAIT_S)
             return self._postprocess(sched, None, [])
         sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
         self._track_kv_peak()
@@ -395,13 +442,14 @@ class Engine:
         overlap would: greedy output is the same, speculation verifies through every stage as before."""
         start = time.perf_counter()
         self._apply_pending()
+        self._poll_grammars()
         outputs: list[RequestOutput] = []
         while len(self._in_flight) < self._pipeline_depth:
             busy = frozenset(item.seq.seq_id for sched, _ in self._in_flight for item in sched.scheduled)
             self._propose(busy, keep=bool(self._in_flight))
             sched = self.scheduler.schedule(busy)
             if sched.empty:
-                if sched.finished:  # ended for want of room: report them now
+                if sched.finished or self._grammar_failed:  # ended for want of room or grammar: report now
                     outputs += self._postprocess(sched, None, [])
                 break
             sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
@@ -419,6 +467,16 @@ class Engine:
         self._record(sched, changed, result.spec, time.perf_counter() - start)
         return outputs
 
+    def _poll_grammars(self) -> None:
+        """Grammars compiled since the last step join their sequences (which the scheduler then admits); a
+        compile that failed ends its request with "abort" and a logged error (admission already ran every
+        check that makes a 400, on the same grammar: structured_output/admission.py)."""
+        for seq, error in self.structured.poll():
+            log.warning("event=grammar_compile_failed request_id=%s error=%s", seq.request_id, error)
+            if self.kv_connector is None or not self.kv_connector.abort(seq):
+                self.scheduler.finish(seq, "abort")
+            self._grammar_failed.append(seq)
+
     def _propose(self, busy: frozenset[int] = frozenset(), keep: bool = False) -> None:
         """Give every decoding sequence up to k proposals to verify in this step (none when k = 0); `busy`:
         sequences in flight in the pipeline, whose proposals are already on their way; `keep`: leave the
@@ -428,7 +486,12 @@ class Engine:
         seqs, ks = [], []
         if not self._speculation_disabled_by_batch():
             for seq in self.scheduler.running:
-                if seq.in_prefill or seq.seq_id in busy or (keep and seq.spec_token_ids):
+                if (
+                    seq.in_prefill
+                    or seq.seq_id in busy
+                    or (keep and seq.spec_token_ids)
+                    or seq.grammar_pending
+                ):
                     continue
                 k = self._k_for(seq)
                 if k:
@@ -498,6 +561,10 @@ class Engine:
             if seq.seq_id in lp_by_seq:
                 req.logprobs[seq.index].extend(lp_by_seq[seq.seq_id])
             touched[req.request_id] = req
+        for seq in self._grammar_failed:  # a grammar that failed to compile: ended with "abort"
+            if (req := self._requests.get(seq.request_id)) is not None:
+                touched[req.request_id] = req
+        self._grammar_failed.clear()
         for seq in sched.finished:  # no room in the cache: ended with "length"
             if (req := self._requests.get(seq.request_id)) is not None:
                 log.warning(
@@ -541,6 +608,14 @@ class Engine:
         held = (
             self.kv_connector.held.pop(req.seqs[0].seq_id, None) if self.kv_connector and finished else None
         )
+        if held is not None and req.seqs[0].params.logprobs is not None and req.logprobs[0]:
+            first = req.logprobs[0][0]  # the decode engine reports it: it does not sample this token
+            held = replace(
+                held,
+                first_token_logprobs=encode_logprob(
+                    first.token_id, first.logprob, first[first.token_id].rank, first.top
+                ),
+            )
         return RequestOutput(
             req.request_id,
             req.prompt,

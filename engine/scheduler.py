@@ -86,13 +86,15 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def finish(self, seq: Sequence, reason: str, stop_reason: str | int | None = None) -> None:
-        """End a sequence (stop, length, abort) and return its blocks. Safe to call twice."""
+        """End a sequence (stop, length, abort) and return its blocks. Safe to call twice, and on a sequence
+        in neither queue (a remote one a KV connector still holds or is pulling for): there is nothing to
+        unqueue then, and its blocks are returned all the same."""
         if seq.status is Status.FINISHED:
             return
-        if seq.status is Status.RUNNING:
-            self.running.remove(seq)
-        else:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
         if self.on_finish is not None:
             self.on_finish(seq, reason)
         self.kv.free_seq(seq)
@@ -115,7 +117,7 @@ class Scheduler:
         while i < len(self.running) and budget > 0 and room > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens_with_spec - seq.num_computed_tokens, budget)
-            if num_new <= 0 or seq.seq_id in busy:
+            if num_new <= 0 or seq.seq_id in busy or seq.grammar_pending:
                 i += 1
                 continue
             num_new = self._make_room(seq, num_new, out, busy)
@@ -169,6 +171,9 @@ class Scheduler:
         limit = self.max_num_seqs * self.micro_batches
         while self.waiting and budget > 0 and room > 0 and len(self.running) < limit:
             seq = self.waiting[0]
+            if seq.grammar_pending:  # its grammar compiles off the step (vLLM's WAITING_FOR_FSM)
+                skipped.append(self.waiting.popleft())
+                continue
             parent = seq.parent
             if (
                 parent is not None
@@ -249,6 +254,10 @@ class Scheduler:
             seq.num_computed_tokens += item.num_new_tokens
             if not item.sample:
                 self.kv.cache_full_blocks(seq)
+                continue
+            if not tokens:  # its grammar allowed no token (model_runner.py): it ends, emitting nothing
+                self.finish(seq, "abort")
+                changed.append((seq, 0))
                 continue
             # Of the k proposals, the first len(tokens) - 1 were accepted; the rest are recomputed.
             rejected = item.num_spec_tokens - (len(tokens) - 1)

@@ -13,6 +13,9 @@ from specfleet.engine.sampling_params import SamplingParams
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    # A remote-prefilled sequence whose KV a worker thread is pulling (kv_transfer/connector.py): in no
+    # queue, its blocks allocated and not yet written (vLLM's name for the state)
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     FINISHED = "finished"
 
 
@@ -39,6 +42,8 @@ class Sequence:
     first_token_time: float | None = None
     seed: int | None = None  # a seeded request's per-sample seed (sampler.sample_seed)
     grammar: Any = None  # GrammarMatcher of a structured request, at the end of token_ids
+    # its grammar is compiling (vLLM's WAITING_FOR_FSM): the scheduler passes it over until it is ready
+    grammar_pending: bool = False
     grammar_rows: Any = None  # [len(spec_token_ids) + 1, ceil(vocab / 32)] int32 masks for the proposals
 
     @property

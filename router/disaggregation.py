@@ -69,6 +69,21 @@ class Refusal(Exception):
         self.status, self.content, self.content_type = status, content, content_type
 
 
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    """The prefill leg: the same request for its first token only. `min_tokens` is clamped to that one
+    token (min_tokens >= 1 keeps the first token from being a stop token, as in the aggregated run; more
+    would be a 400 against max_tokens=1); the decode engine counts the first token toward the rest.
+    Everything else stays, logprobs included: the prefill engine returns the first token's logprobs in
+    its kv_transfer_params and the decode engine reports them, so the client gets one per token."""
+    one = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+    one.pop("stream_options", None)
+    one.pop("max_completion_tokens", None)
+    min_tokens = body.get("min_tokens")
+    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 1:
+        one["min_tokens"] = 1
+    return one
+
+
 async def prefill(
     session: aiohttp.ClientSession,
     endpoints: EndpointSet,
@@ -78,9 +93,7 @@ async def prefill(
 ) -> dict[str, Any] | None:
     """Run the prefill: the kv_transfer_params to continue with on a decode engine, or None to run the
     request aggregated. Raises Refusal for the prefill engine's 4xx."""
-    one = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    one.pop("stream_options", None)
-    one.pop("max_completion_tokens", None)
+    one = prefill_body(body)
     headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
     for endpoint in endpoints.prefill_routable():
         endpoints.acquire(endpoint.url)

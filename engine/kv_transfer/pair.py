@@ -23,10 +23,10 @@ def generate_disaggregated(
     """One finished output per prompt, in order (the decode engine's, or the prefill's when it ended)."""
     ids = [f"pd-{i}" for i in range(len(prompts))]
     handoff = params.max_tokens is None or params.max_tokens >= 2  # else the prefill's token is the answer
+    # The first token only; min_tokens clamped to it, as the router's prefill leg does
     for request_id, prompt in zip(ids, prompts):
-        prefill.add_request(
-            request_id, prompt, replace(params, max_tokens=1), {"do_remote_decode": True} if handoff else None
-        )
+        first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        prefill.add_request(request_id, prompt, first, {"do_remote_decode": True} if handoff else None)
     done: dict[str, RequestOutput] = {}
     while len(done) < len(ids):
         if prefill.has_unfinished_requests():

@@ -4,6 +4,7 @@ the pair's greedy output equals one aggregated engine's token for token, and no 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
@@ -265,6 +266,325 @@ def test_decode_engine_killed_mid_pull_leaks_nothing_on_the_prefill_side(
     try:
         (out,) = generate_disaggregated(prefill, decode, [prompt], GREEDY)
         assert out.outputs[0].token_ids == reference[4]
+        _assert_no_leaks(prefill, decode)
+    finally:
+        decode.close()
+
+
+# -- issue 33: inputs and peers that must not take a decode engine down ------------------------------------
+
+
+def _good_params(**changes) -> dict:
+    """kv_transfer_params for the prompt [5, 6] at block size 4 (2 tokens, 1 block)."""
+    return {
+        **dict(
+            remote_host="127.0.0.1",
+            remote_port=1,
+            transfer_id="t",
+            num_tokens=2,
+            num_blocks=1,
+            first_token_id=9,
+        ),
+        **changes,
+    }
+
+
+@pytest.mark.parametrize(
+    ("changes", "names"),
+    [
+        ({"num_tokens": 2.0, "num_blocks": 1.0}, ["num_tokens", "integer", "2.0"]),  # the issue's repro
+        ({"num_blocks": True}, ["num_blocks", "integer", "bool"]),
+        ({"num_blocks": 0}, ["num_blocks", ">= 1"]),
+        ({"remote_port": 0}, ["remote_port", "[1, 65535]"]),
+        ({"remote_port": 65536}, ["remote_port", "[1, 65535]"]),
+        ({"remote_port": "5555"}, ["remote_port", "integer"]),
+        ({"remote_host": ""}, ["remote_host", "non-empty string"]),
+        ({"transfer_id": 7}, ["transfer_id", "non-empty string"]),
+        ({"first_token_id": -1}, ["first_token_id", ">= 0"]),
+        ({"first_token_id": 49152}, ["first_token_id", "[0, 49152)"]),  # the tiny model's vocab
+        ({"first_token_id": 1e3}, ["first_token_id", "integer"]),
+    ],
+)
+def test_kv_transfer_params_types_and_ranges_are_parameter_errors_naming_the_field(
+    tiny_llama, changes, names
+):
+    decode = _decode(tiny_llama)
+    try:
+        with pytest.raises(ParameterError) as caught:
+            decode.add_request("v", [5, 6], SamplingParams(max_tokens=4), _good_params(**changes))
+        assert caught.value.param == "kv_transfer_params"
+        for name in names:
+            assert name in str(caught.value), (name, str(caught.value))
+        assert not decode.has_unfinished_requests() and decode.kv.num_used_blocks == 0
+        decode.step()  # nothing was queued that a step could trip on
+    finally:
+        decode.close()
+
+
+def test_scheduler_finish_of_a_sequence_in_no_queue_frees_its_blocks():
+    from specfleet.engine.block_manager import BlockManager
+    from specfleet.engine.scheduler import Scheduler
+    from specfleet.engine.sequence import Sequence, Status
+
+    kv = BlockManager(8, BLOCK, True)
+    sched = Scheduler(kv, 4, 64, 64)
+    seq = Sequence(0, "r", 0, [1, 2, 3, 4, 5], 4, SamplingParams())
+    kv.allocate(seq, seq.num_tokens)  # as a KV connector does for a remote sequence it is loading
+    seq.status = Status.WAITING_FOR_REMOTE_KVS
+    sched.finish(seq, "abort")
+    assert seq.is_finished and kv.num_used_blocks == 0
+    sched.finish(seq, "abort")  # twice: a no-op
+
+
+def _run(engine: Engine) -> dict:
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    return done
+
+
+def _prefilled(prefill: Engine, request_id: str, prompt: list[int], params: SamplingParams) -> dict:
+    """The prefill engine's first token and kv_transfer_params for `prompt`, the router's first leg."""
+    first = replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    prefill.add_request(request_id, prompt, first, {"do_remote_decode": True})
+    (out,) = _run(prefill).values()
+    assert out.kv_transfer_params is not None
+    return out.kv_transfer_params
+
+
+def test_any_connector_error_is_that_requests_fallback_not_a_dead_engine(
+    tiny_llama, prefill, reference, monkeypatch
+):
+    # The issue's crash: an error in the connector other than KVTransferError escaped the step, and the
+    # cleanup raised again in Scheduler.finish. Any such error now makes the request recompute its prompt.
+    from specfleet.engine.kv_transfer import zmq_transport
+
+    def broken(*args, **kwargs):
+        raise TypeError("slice indices must be integers")
+
+    prompt = _prompts()[4]
+    params = _prefilled(prefill, "p", prompt, GREEDY)
+    monkeypatch.setattr(zmq_transport, "write_blocks", broken)
+    decode = _decode(tiny_llama)
+    try:
+        decode.add_request("p", prompt, GREEDY, params)
+        decode.add_request("innocent", _prompts()[1], GREEDY)
+        done = _run(decode)
+        assert done["p"].outputs[0].token_ids == reference[4]
+        assert done["innocent"].outputs[0].token_ids == reference[1]
+        assert decode.kv_connector.stats.fallbacks == 1
+        assert decode.kv.num_used_blocks == 0
+    finally:
+        decode.close()
+
+
+def test_the_pull_runs_off_the_engine_thread_and_a_hung_peer_falls_back(tiny_llama, reference):
+    # A prefill peer that takes the request and never answers (a ROUTER socket nobody serves: the
+    # process is SIGSTOPped, say). The decode engine keeps stepping its other request at full pace while
+    # the remote one waits in WAITING_FOR_REMOTE_KVS, then recomputes the prompt at the timeout.
+    import zmq
+    from specfleet.engine.sequence import Status
+
+    hung = zmq.Context.instance().socket(zmq.ROUTER)
+    hung.setsockopt(zmq.LINGER, 0)
+    port = hung.bind_to_random_port("tcp://127.0.0.1")
+    timeout_s = 1.5
+    decode = _decode(tiny_llama, kv_transfer_timeout_s=timeout_s)
+    try:
+        prompt = _prompts()[4]
+        remote = _good_params(
+            remote_port=port,
+            num_tokens=len(prompt),
+            num_blocks=-(-len(prompt) // BLOCK),
+            first_token_id=reference[4][0],
+        )
+        decode.add_request("local", _prompts()[1], replace(GREEDY, max_tokens=200))
+        decode.add_request("remote", prompt, GREEDY, remote)
+        start = time.monotonic()
+        slowest, steps = 0.0, 0
+        remote_seq = decode._requests["remote"].seqs[0]
+        while remote_seq.status is not Status.RUNNING and time.monotonic() - start < 3 * timeout_s:
+            t0 = time.monotonic()
+            decode.step()
+            slowest, steps = max(slowest, time.monotonic() - t0), steps + 1
+            if steps == 2:
+                assert remote_seq.status is Status.WAITING_FOR_REMOTE_KVS
+                assert decode.kv_connector.stats.waiting_for_remote_kvs == 1
+        waited = time.monotonic() - start
+        assert waited >= timeout_s * 0.9, "the remote request left the wait before the timeout"
+        assert slowest < timeout_s / 3, f"a step took {slowest:.2f}s: the pull blocked it"
+        assert steps > 10
+        done = _run(decode)
+        assert done["remote"].outputs[0].token_ids == reference[4]
+        assert decode.kv_connector.stats.fallbacks == 1
+        assert decode.kv.num_used_blocks == 0
+    finally:
+        decode.close()
+        hung.close(linger=0)
+
+
+def test_abort_during_the_pull_frees_the_blocks_and_ignores_the_answer(tiny_llama, prefill, reference):
+    import zmq
+    from specfleet.engine.sequence import Status
+
+    hung = zmq.Context.instance().socket(zmq.ROUTER)
+    hung.setsockopt(zmq.LINGER, 0)
+    port = hung.bind_to_random_port("tcp://127.0.0.1")
+    decode = _decode(tiny_llama, kv_transfer_timeout_s=0.5)
+    try:
+        prompt = _prompts()[1]
+        remote = _good_params(
+            remote_port=port,
+            num_tokens=len(prompt),
+            num_blocks=-(-len(prompt) // BLOCK),
+            first_token_id=reference[1][0],
+        )
+        decode.add_request("remote", prompt, GREEDY, remote)
+        decode.step()
+        assert decode._requests["remote"].seqs[0].status is Status.WAITING_FOR_REMOTE_KVS
+        assert decode.kv.num_used_blocks > 0
+        decode.abort("remote")
+        assert decode.kv.num_used_blocks == 0 and not decode.has_unfinished_requests()
+        time.sleep(0.7)  # the worker's pull times out: its answer is dropped
+        decode.step()
+        assert decode.kv.num_used_blocks == 0 and decode.kv_connector.stats.fallbacks == 0
+    finally:
+        decode.close()
+        hung.close(linger=0)
+
+
+def _ask(port: int, frames: list[bytes], kind: int | None = None) -> list[bytes] | None:
+    import zmq
+
+    sock = zmq.Context.instance().socket(kind if kind is not None else zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)
+    try:
+        sock.connect(f"tcp://127.0.0.1:{port}")
+        sock.send_multipart(frames)
+        return sock.recv_multipart()
+    except zmq.Again:
+        return None
+    finally:
+        sock.close(linger=0)
+
+
+def test_the_kv_server_thread_survives_any_message(tiny_llama, prefill, reference):
+    import json
+    import socket
+
+    import zmq
+
+    params = _prefilled(prefill, "g", _prompts()[4], GREEDY)
+    port = params["remote_port"]
+    tid = params["transfer_id"]
+    bad = [
+        b"\xff\xfe not json",
+        b"[1, 2, 3]",
+        b'"a string"',
+        b'{"transfer_id": 7}',
+        b'{"transfer_id": "no-such-hold"}',
+        json.dumps({"transfer_id": tid, "first_block": "x"}).encode(),
+        json.dumps({"transfer_id": tid, "first_block": -1}).encode(),
+        json.dumps({"transfer_id": tid, "first_block": 1.5}).encode(),
+        json.dumps({"transfer_id": tid, "first_block": 10**9}).encode(),
+    ]
+    for body in bad:
+        answer = _ask(port, [body])
+        assert answer is not None, f"no answer to {body!r}: the server thread is gone"
+        header = json.loads(answer[0])
+        assert header["ok"] is False and header["error"], (body, header)
+    assert _ask(port, [b"a", b"b", b"c"], zmq.DEALER) is not None  # frames no REQ sends
+    assert _ask(port, [b"x" * (128 * 1024)]) is None  # too large: ZeroMQ drops the sender, no answer
+    with socket.create_connection(("127.0.0.1", port)) as raw:  # not ZeroMQ at all
+        raw.sendall(b"GET / HTTP/1.1\r\n\r\n" + bytes(range(256)) * 8)
+    # Still serving: the real pull of the same hold goes through (no fallback), output as aggregated.
+    decode = _decode(tiny_llama)
+    try:
+        decode.add_request("g", _prompts()[4], GREEDY, params)
+        assert _run(decode)["g"].outputs[0].token_ids == reference[4]
+        assert decode.kv_connector.stats.transfers == 1 and decode.kv_connector.stats.fallbacks == 0
+    finally:
+        decode.close()
+    _assert_no_leaks(prefill)
+
+
+class _DeviceTensor(torch.Tensor):
+    """A tensor that, like a CUDA tensor, refuses `.numpy()` until it is copied to the host (`.cpu()`)."""
+
+    def numpy(self, *args, **kwargs):
+        raise TypeError("can't convert cuda:0 device type tensor to numpy. Use Tensor.cpu() first.")
+
+    def cpu(self, *args, **kwargs):
+        return self.as_subclass(torch.Tensor)
+
+
+def test_blocks_are_served_through_a_host_copy(tiny_llama, prefill, reference, monkeypatch):
+    from specfleet.engine.kv_transfer import zmq_transport
+
+    real_read = zmq_transport.read_blocks
+    monkeypatch.setattr(
+        zmq_transport, "read_blocks", lambda caches, ids: real_read(caches, ids).as_subclass(_DeviceTensor)
+    )
+    decode = _decode(tiny_llama)
+    try:
+        (out,) = generate_disaggregated(prefill, decode, [_prompts()[4]], GREEDY)
+        assert out.outputs[0].token_ids == reference[4]
+        assert decode.kv_connector.stats.transfers == 1 and decode.kv_connector.stats.fallbacks == 0
+    finally:
+        decode.close()
+
+
+def _aggregated(tiny_llama, prompts: list[list[int]], params: SamplingParams) -> list:
+    engine = Engine(model=tiny_llama, **COMMON)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"a{i}", prompt, replace(params))
+    done = _run(engine)
+    return [done[f"a{i}"] for i in range(len(prompts))]
+
+
+def test_logprobs_through_the_pair_equal_aggregated(tiny_llama, prefill):
+    params = replace(GREEDY, logprobs=3)
+    want = _aggregated(tiny_llama, _prompts(), params)
+    decode = _decode(tiny_llama)
+    try:
+        got = generate_disaggregated(prefill, decode, _prompts(), params)
+        for g, w in zip(got, want):
+            g, w = g.outputs[0], w.outputs[0]
+            assert g.token_ids == w.token_ids
+            assert len(g.logprobs) == len(w.logprobs) == len(w.token_ids)
+            for gp, wp in zip(g.logprobs, w.logprobs):
+                assert gp.token_id == wp.token_id and list(gp.top) == list(wp.top)
+                assert gp.logprob == pytest.approx(wp.logprob, abs=1e-4)
+                assert list(gp.top.values()) == pytest.approx(list(wp.top.values()), abs=1e-4)
+                assert gp[gp.token_id].rank == wp[wp.token_id].rank
+                assert gp[gp.token_id].decoded_token == wp[wp.token_id].decoded_token
+            assert g.cumulative_logprob == pytest.approx(w.cumulative_logprob, abs=1e-3)
+        _assert_no_leaks(prefill, decode)
+    finally:
+        decode.close()
+    with pytest.raises(ParameterError, match="first_token_logprobs"):  # logprobs the prefill did not send
+        d = _decode(tiny_llama)
+        try:
+            d.add_request("x", [5, 6], params, _good_params())
+        finally:
+            d.close()
+
+
+@pytest.mark.parametrize("min_tokens", [2, 3, 6])
+def test_min_tokens_through_the_pair_equal_aggregated(tiny_llama, prefill, reference, min_tokens):
+    # The second token of the greedy answer as a stop token: aggregated, min_tokens holds it off until
+    # min_tokens tokens are out; through the pair the prefill leg keeps min_tokens to its one token and
+    # the decode engine counts that token toward the rest.
+    stop = reference[4][1]
+    params = replace(GREEDY, stop_token_ids=[stop], ignore_eos=False, min_tokens=min_tokens)
+    (want,) = _aggregated(tiny_llama, [_prompts()[4]], params)
+    assert len(want.outputs[0].token_ids) >= min_tokens
+    decode = _decode(tiny_llama)
+    try:
+        (got,) = generate_disaggregated(prefill, decode, [_prompts()[4]], params)
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+        assert decode.kv_connector.stats.transfers == 1
         _assert_no_leaks(prefill, decode)
     finally:
         decode.close()

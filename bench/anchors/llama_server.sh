@@ -4,6 +4,9 @@
 #   bench/anchors/llama_server.sh build            # build llama-server once (cached outside the repo)
 #   bench/anchors/llama_server.sh serve [PORT]     # build if needed, then serve the bundled GGUF (default 8088)
 #   bench/anchors/llama_server.sh path             # print the cached binary's path (build if needed)
+#   bench/anchors/llama_server.sh quantize IN OUT TYPE [ARGS...]
+#                                                  # llama-quantize (built alone if needed), e.g. the bundled
+#                                                  # Q4_1 file to Q4_K_M with --allow-requantize as ARGS
 #
 # The source is the llama.cpp vendored in the llama-cpp-python sdist at a pinned version, so the anchor is a
 # fixed, reproducible build. Not part of CI (about 8 minutes of compiling on 2 cores).
@@ -33,8 +36,10 @@ PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BIN="$SRC/build/bin/llama-server"
 
-build() {  # `build force`: reconfigure and rebuild (incremental) even when the binary exists
-    if [[ -x "$BIN" && "${1:-}" != force ]]; then
+build() {  # `build force`: reconfigure and rebuild (incremental) even when the binary exists; $2: target
+    local target="${2:-llama-server}"
+    local bin="$SRC/build/bin/$target"
+    if [[ -x "$bin" && "${1:-}" != force ]]; then
         return 0
     fi
     mkdir -p "$CACHE"
@@ -63,9 +68,9 @@ build() {  # `build force`: reconfigure and rebuild (incremental) even when the 
         fi
         cmake -B build -DLLAMA_CURL=OFF -DGGML_NATIVE=ON -DLLAMA_BUILD_SERVER=ON -DCMAKE_BUILD_TYPE=Release \
             "${no_amx[@]}" ${LLAMA_CMAKE_ARGS:-} >&2
-        cmake --build build -j"$JOBS" --target llama-server >&2
+        cmake --build build -j"$JOBS" --target "$target" >&2
     )
-    [[ -x "$BIN" ]] || { echo "llama_server.sh: build finished but $BIN is missing" >&2; exit 1; }
+    [[ -x "$bin" ]] || { echo "llama_server.sh: build finished but $bin is missing" >&2; exit 1; }
 }
 
 bundled_gguf() {
@@ -91,8 +96,21 @@ case "$cmd" in
         exec "$BIN" -m "$model" --host 127.0.0.1 --port "$port" \
             -t "${LLAMA_THREADS:-2}" -np "${LLAMA_PARALLEL:-32}" -c "${LLAMA_CTX:-16384}"
         ;;
+    quantize)
+        # llama.cpp's own quantizer: the reference for the mixes it publishes (Q4_K_M puts Q5_0 on rows that
+        # are not a multiple of 256 and Q6_K on the head and half of ffn_down)
+        build "" llama-quantize
+        shift
+        if [[ $# -lt 3 ]]; then
+            echo "usage: $0 quantize IN.gguf OUT.gguf TYPE [llama-quantize options before IN]" >&2
+            exit 2
+        fi
+        in="$1" out="$2" type="$3"
+        shift 3
+        exec "$SRC/build/bin/llama-quantize" "$@" "$in" "$out" "$type"
+        ;;
     *)
-        echo "usage: $0 {build|serve [PORT]|path}" >&2
+        echo "usage: $0 {build|serve [PORT]|path|quantize IN OUT TYPE [ARGS...]}" >&2
         exit 2
         ;;
 esac

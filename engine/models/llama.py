@@ -226,12 +226,14 @@ class LlamaModel:
         if lm_head is None or (args.tie_word_embeddings and not isinstance(lm_head, QuantTensor)):
             lm_head = self.embed  # a quantized head of a tied model is the checkpoint's quantized embedding
         self.lm_head = ops.linear(lm_head)
+        state.pop("lm_head.weight", None)  # packed above
         self.layers = []
         for i in range(args.num_layers):
             prefix = f"layers.{i}."
-            self.layers.append(
-                LlamaLayer(args, {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}, ops)
-            )
+            # popped: a layer's checkpoint tensors are freed once it has packed them, so loading holds one
+            # layer's worth of both forms at a time rather than every layer's
+            names = [k for k in state if k.startswith(prefix)]
+            self.layers.append(LlamaLayer(args, {k[len(prefix) :]: state.pop(k) for k in names}, ops))
         cos, sin = rope_tables(config, args.head_dim, args.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device

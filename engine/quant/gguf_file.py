@@ -1,5 +1,5 @@
-"""A GGUF file's weights under the Hugging Face names the model reads, read tensor by tensor from a
-memory map: `read_state` is the whole checkpoint of ``--quantization gguf`` (no float32 copy of the file is
+"""A GGUF file's weights under the Hugging Face names the model reads, read tensor by tensor (each read
+on its own, no map of the whole file): `read_state` is the whole checkpoint of ``--quantization gguf`` (no float32 copy of the file is
 made, on disk or in memory), `read_quantized` its projections alone.
 
 The projections (q, k, v, o, gate, up, down, and the output head) of a type the kernels run
@@ -20,6 +20,7 @@ import logging
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -150,26 +151,49 @@ def float_name(gguf_name: str) -> str | None:
     return None
 
 
-def _raw(blob: np.memmap, t: TensorInfo) -> tuple[np.ndarray, int]:
-    """A tensor's bytes as a view of the memory map, [rows, bytes per row], and its row count."""
+def _raw(f: BinaryIO, t: TensorInfo) -> tuple[np.ndarray, int]:
+    """A tensor's bytes, [rows, bytes per row], and its row count. Read with a plain read rather than kept as
+    a view of a memory map: mapped pages count in the process's resident memory for as long as the map
+    lives, so the engine would hold the file once more beside the blocks decoded from it."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     values, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType(t.type_id)]
     cols, rows = t.shape[0], int(np.prod(t.shape[1:], dtype=np.int64))
     size = rows * (cols // values) * nbytes
-    return blob[t.offset : t.offset + size].reshape(rows, -1), rows
+    f.seek(t.offset)
+    data = np.empty(size, dtype=np.uint8)
+    if f.readinto(memoryview(data)) != size:  # type: ignore[attr-defined]
+        raise ValueError(f"GGUF tensor {t.name}: the file ends before its {size} bytes")
+    return data.reshape(rows, -1), rows
 
 
-def _dequantized(blob: np.memmap, t: TensorInfo) -> torch.Tensor:
+def _dequantized(blob: BinaryIO, t: TensorInfo) -> torch.Tensor:
     """One tensor in float32, torch order (outermost GGUF dimension first)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    raw, _ = _raw(blob, t)
-    values = np.asarray(dequantize(np.asarray(raw), GGMLQuantizationType(t.type_id)), dtype=np.float32)
-    if not values.flags.writeable:  # F32 comes back as a view of the memory map: own it
-        values = values.copy()
-    return torch.from_numpy(values.reshape(tuple(reversed(t.shape))))
+    raw, rows = _raw(blob, t)
+    qtype = GGMLQuantizationType(t.type_id)
+    out = np.empty((rows, t.shape[0]), dtype=np.float32)
+    for i in range(0, rows, _ROWS_PER_CHUNK):
+        out[i : i + _ROWS_PER_CHUNK] = dequantize(np.asarray(raw[i : i + _ROWS_PER_CHUNK]), qtype)
+    return torch.from_numpy(out.reshape(tuple(reversed(t.shape))))
+
+
+# Rows dequantized at a time: the dequantizers' temporaries (several float32 copies of their input) then stay
+# a few MB instead of several times a 49k-row embedding (113 MB in float32 for SmolLM2).
+_ROWS_PER_CHUNK = 2048
+
+
+def _dequantize_rows(q: QuantTensor) -> torch.Tensor:
+    """`q.dequantize()` a chunk of rows at a time, into one float32 tensor (same values)."""
+    n, k = q.shape
+    out = torch.empty(n, k)
+    for i in range(0, n, _ROWS_PER_CHUNK):
+        out[i : i + _ROWS_PER_CHUNK] = q.select_rows(
+            torch.arange(i, min(n, i + _ROWS_PER_CHUNK))
+        ).dequantize()
+    return out
 
 
 def read_state(path: Path, hf_config) -> dict[str, torch.Tensor | QuantTensor]:
@@ -188,7 +212,19 @@ def _read(path: Path, hf_config, floats: bool) -> dict[str, torch.Tensor | Quant
     kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
     permuted = getattr(hf_config, "model_type", "llama") in _PERMUTED
     infos = tensor_infos(path)
-    blob = np.memmap(path, dtype=np.uint8, mode="r")
+    with path.open("rb") as f:
+        return _read_tensors(f, infos, heads, kv_heads, permuted, floats, path.name)
+
+
+def _read_tensors(
+    blob: BinaryIO,
+    infos: list[TensorInfo],
+    heads: int,
+    kv_heads: int,
+    permuted: bool,
+    floats: bool,
+    file: str,
+) -> dict[str, torch.Tensor | QuantTensor]:
     out: dict[str, torch.Tensor | QuantTensor] = {}
     skipped: dict[int, int] = {}
     embed: QuantTensor | None = None
@@ -217,7 +253,7 @@ def _read(path: Path, hf_config, floats: bool) -> dict[str, torch.Tensor | Quant
         if t.name == "token_embd.weight":
             embed = q
             if floats:  # a row lookup: float32 rows
-                out["embed_tokens.weight"] = q.dequantize()
+                out["embed_tokens.weight"] = _dequantize_rows(q)
             continue
         assert name is not None  # only token_embd.weight has no HF name, and it continued above
         if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
@@ -231,7 +267,7 @@ def _read(path: Path, hf_config, floats: bool) -> dict[str, torch.Tensor | Quant
         out["lm_head.weight"] = embed
     log.info(
         "event=gguf_quantized file=%s native=%d float32_fallback_ggml_types=%s",
-        path.name,
+        file,
         sum(isinstance(v, QuantTensor) for v in out.values()),
         skipped or "none",
     )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -25,6 +26,8 @@ from specfleet.engine.structured_output.bitmask import apply_token_bitmask_
 
 if TYPE_CHECKING:
     from specfleet.engine.distributed.workers import SplitModel
+
+log = logging.getLogger("specfleet.engine")
 
 # On CPU a one-token step is mostly small ops, which lose more to OpenMP overhead than its GEMVs gain
 # from a second thread (measured on 2 cores: 40 ms against 44 ms per SmolLM2 decode step).
@@ -50,7 +53,9 @@ class SpecStats:
 
 @dataclass
 class ModelRunnerOutput:
-    sampled: list[list[int]]  # [num_scheduled] tokens each sequence gained ([] mid-prefill)
+    # [num_scheduled] tokens each sequence gained ([] mid-prefill, or a sampling sequence whose grammar
+    # allows no token: the scheduler ends it)
+    sampled: list[list[int]]
     logprobs: list[list[PositionLogprobs] | None]  # [num_scheduled] one per gained token, when requested
     spec: SpecStats = field(default_factory=SpecStats)
     # [num_scheduled] (first prompt position covered, logprobs of the prompt tokens after it), when requested
@@ -87,6 +92,7 @@ class SampleRows:
     k: int  # proposals verified in these rows
     start: int  # first row
     tokens: list[int] = field(default_factory=list)  # emitted: accepted proposals, then one sampled token
+    dead: bool = False  # a grammar mask row of the sequence allows no token: it emits nothing, and ends
     logprobs: list[PositionLogprobs] | None = None  # one per emitted token, when requested
 
     @property
@@ -282,20 +288,24 @@ class ModelRunner:
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""
-        if (
-            sched.grammar_bitmask is not None
-        ):  # before everything that reads logits: sampling and verification
-            apply_token_bitmask_(logits, sched.grammar_bitmask)
         rows: list[SampleRows] = []
         for item in sched.scheduled:
             if item.sample:
                 rows.append(SampleRows(item.seq, item.num_spec_tokens, rows[-1].end if rows else 0))
+        # logprobs report the model's own distribution (before the grammar mask, bias and penalties), as
+        # vLLM's default does: the mask writes -inf in place, so they read a copy taken before it
+        raw = logits
+        if sched.grammar_bitmask is not None:  # before everything that samples or verifies
+            if any(r.seq.params.logprobs is not None for r in rows):
+                raw = logits.clone()
+            dead = apply_token_bitmask_(logits, sched.grammar_bitmask).tolist()
+            for r in rows:  # a row that allows no token: the grammar is at a dead end, nothing is sampled
+                r.dead = any(dead[r.start : r.end])
         if all(_plain_greedy(r) for r in rows):  # no per-row settings to build: the argmax is the token
             for r, token in zip(rows, logits.argmax(dim=-1).tolist()):
                 r.tokens = [token]
-            return self._collect(sched, rows, logits)
+            return self._collect(sched, rows, raw)
         row_seqs = [r.seq for r in rows for _ in range(r.k + 1)]
-        raw = logits  # logprobs report the model's own distribution, as vLLM's default does
         batch = self.sampling_batch(row_seqs, logits.device)
         logits = apply_penalties(logits, batch)
         plain = [r for r in rows if not r.k]
@@ -351,7 +361,11 @@ class ModelRunner:
     def _collect(
         self, sched: SchedulerOutput, rows: list[SampleRows], logits: torch.Tensor
     ) -> ModelRunnerOutput:
-        want = [(r, n) for r in rows if (n := r.seq.params.logprobs) is not None]
+        for r in rows:
+            if r.dead:  # emit nothing rather than a token the grammar did not allow; the scheduler ends it
+                log.warning("event=grammar_dead_end request_id=%s", r.seq.request_id)
+                r.tokens = []
+        want = [(r, n) for r in rows if (n := r.seq.params.logprobs) is not None and r.tokens]
         if want:
             tokens = torch.tensor([t for r, _ in want for t in r.tokens], device=logits.device)
             top = max(n for _, n in want)
@@ -374,7 +388,7 @@ class ModelRunner:
             r = next(taken)
             sampled.append(r.tokens)
             logprobs.append(r.logprobs)
-            if r.k:
+            if r.k and r.tokens:
                 spec_stats.add(r.k, len(r.tokens) - 1)
         return ModelRunnerOutput(sampled, logprobs, spec=spec_stats)
 

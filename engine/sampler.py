@@ -16,6 +16,9 @@ import torch
 from specfleet.engine.outputs import PositionLogprobs
 from specfleet.engine.sequence import Sequence
 
+# A token the model gives no probability (a -inf logit) reports this logprob: JSON has no -Infinity, and
+# vLLM's OpenAI server clamps to the same value.
+LOGPROB_FLOOR = -9999.0
 NoiseKey = tuple[int, int]  # (a sample's seed, the output position being sampled)
 _MASK64 = (1 << 64) - 1
 
@@ -212,8 +215,10 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, default: torch.Generator)
 
 def logprobs_for(logits: torch.Tensor, tokens: torch.Tensor, num_top: int) -> list[PositionLogprobs]:
     """Logprobs of the model's own distribution (before bias, penalties and temperature), as vLLM's
-    default reports them: the chosen token with its rank, and the top `num_top`."""
+    default reports them: the chosen token with its rank, and the top `num_top`. Every value is finite:
+    -inf and NaN become LOGPROB_FLOOR here, the one source of every logprob the engine reports."""
     logp = logits.float().log_softmax(dim=-1)
+    logp = torch.nan_to_num(logp, nan=LOGPROB_FLOOR, neginf=LOGPROB_FLOOR).clamp_min_(LOGPROB_FLOOR)
     chosen_t = logp.gather(1, tokens.view(-1, 1))
     ranks = (logp > chosen_t).sum(dim=1).add(1).tolist()
     chosen = chosen_t.squeeze(1).tolist()

@@ -7,7 +7,9 @@ arrived running sequence is preempted by recompute: its blocks are freed and it 
 of the queue, keeping its output, and its prompt and output are recomputed later (mostly prefix hits).
 A sequence that is alone and still cannot get a block (a cache smaller than its context, which the engine
 refuses at start) first loses its proposals and then finishes with "length": nothing queued may wait on
-it forever.
+it forever. A structured sequence whose grammar is still compiling (`seq.grammar_pending`, vLLM's
+WAITING_FOR_FSM) is passed over, waiting or running, until it is ready; a sampling sequence that comes back
+from the runner with no token (its grammar allowed none) ends with "abort".
 """
 
 from __future__ import annotations

@@ -9,10 +9,11 @@ import json
 import re
 import threading
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 import xgrammar as xgr
+from specfleet.engine.structured_output.admission import AdmissionCheck
 from specfleet.engine.structured_output.bitmask import allocate_bitmask
 from specfleet.engine.structured_output.errors import StructuredOutputError
 from specfleet.engine.structured_output.matcher import GrammarMatcher
@@ -28,8 +29,9 @@ _XGR_NOISE = re.compile(r"\[\d\d:\d\d:\d\d\] \S+:\d+: |Check failed: \(.*?\) is 
 class GrammarBackend:
     """One per engine (the tokenizer's vocabulary is preprocessed once, ~0.5 s for 49k tokens).
 
-    `compile` is thread-safe, so the server can compile a request's spec off the engine thread (xgrammar
-    releases the GIL while it compiles) and answer 400 before the request is queued."""
+    `check` is the engine thread's cheap admission (parse, empty language, a prefix the grammar refuses:
+    400s); `compile` is the expensive part, thread-safe, which the engine runs in its compile pool (xgrammar
+    releases the GIL while it compiles) while the request waits for its grammar."""
 
     def __init__(
         self,
@@ -49,46 +51,79 @@ class GrammarBackend:
             tokenizer, vocab_size=vocab_size, stop_token_ids=sorted(set(stop_token_ids))
         )
         self._compiler = xgr.GrammarCompiler(self._info, max_threads=2, cache_enabled=False)
+        self._admission = AdmissionCheck(self._info, cache_size)
         self._cache: OrderedDict[StructuredOutputSpec, xgr.CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
-        c = self._compiler
-        # kind -> (what it is, in error messages; how it compiles)
-        self._compilers = {
+        # kind -> (what it is, in error messages; how its grammar is built: parsing only, cheap)
+        self._builders: dict[str, tuple[str, Callable[[StructuredOutputSpec], xgr.Grammar]]] = {
             "json_object": (
                 "JSON object grammar",
-                lambda spec: c.compile_json_schema(
+                lambda spec: xgr.Grammar.from_json_schema(
                     '{"type": "object"}', any_whitespace=False, separators=JSON_SEPARATORS
                 ),
             ),
             "json_schema": (
                 "JSON schema",
-                lambda spec: c.compile_json_schema(
-                    spec.value, any_whitespace=False, separators=JSON_SEPARATORS
+                lambda spec: xgr.Grammar.from_json_schema(
+                    _text(spec), any_whitespace=False, separators=JSON_SEPARATORS
                 ),
             ),
-            "regex": ("regular expression", lambda spec: c.compile_regex(spec.value)),
-            "choice": ("choice list", lambda spec: c.compile_grammar(choice_grammar(spec.value))),
-            "grammar": ("EBNF grammar", lambda spec: c.compile_grammar(spec.value)),
+            "regex": ("regular expression", lambda spec: xgr.Grammar.from_regex(_text(spec))),
+            "choice": (
+                "choice list",
+                lambda spec: xgr.Grammar.from_ebnf(choice_grammar(_choices(spec))),
+            ),
+            "grammar": ("EBNF grammar", lambda spec: xgr.Grammar.from_ebnf(_text(spec))),
         }
 
     @property
     def kinds(self) -> tuple[str, ...]:
-        return tuple(self._compilers)
+        return tuple(self._builders)
 
-    def compile(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
-        """The compiled grammar of `spec` (cached, LRU); StructuredOutputError names what failed."""
+    def describe(self, spec: StructuredOutputSpec) -> str:
+        """What `spec` is, for messages: "the regular expression in structured_outputs.regex"."""
+        where = f" in {spec.source}" if spec.source else ""
+        return f"the {self._builders[spec.kind][0]}{where}"
+
+    def grammar(self, spec: StructuredOutputSpec) -> xgr.Grammar:
+        """`spec` parsed into xgrammar's grammar (no tokenizer work); StructuredOutputError names what failed."""
+        try:
+            return self._builders[spec.kind][1](spec)
+        except (RuntimeError, ValueError) as e:
+            raise StructuredOutputError(
+                f"cannot compile {self.describe(spec)}: {_clean(e)}", spec.source
+            ) from None
+
+    def check(
+        self, spec: StructuredOutputSpec, prefix: Sequence[int] = (), prefix_param: str | None = None
+    ) -> None:
+        """Admission, cheap enough for the engine thread: `spec` parses, matches some output, and accepts
+        `prefix` (output tokens the request brings, the prefill's first token) as its start. Errors name
+        the field (`spec.source`, or `prefix_param` for a refused prefix token). See admission.py."""
+        self._admission.check(spec, self.grammar, self.describe(spec), prefix, prefix_param)
+
+    def cached(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar | None:
+        """The compiled grammar of `spec` if it is in the cache (and then most recently used), else None."""
         with self._lock:
             if spec in self._cache:
                 self._cache.move_to_end(spec)
                 return self._cache[spec]
-        what, compile_ = self._compilers[spec.kind]
+        return None
+
+    def compile(self, spec: StructuredOutputSpec) -> xgr.CompiledGrammar:
+        """The compiled grammar of `spec` (cached, LRU); StructuredOutputError names what failed.
+        The expensive part (the token masks of every grammar state: 30 ms to 0.4 s) runs in xgrammar's C++
+        with the GIL released, so the engine calls this from its compile pool (manager.py)."""
+        compiled = self.cached(spec)
+        if compiled is not None:
+            return compiled
+        grammar = self.grammar(spec)
         try:
-            compiled = compile_(spec)
+            compiled = self._compiler.compile_grammar(grammar)
         except (RuntimeError, ValueError) as e:
-            where = f" in {spec.source}" if spec.source else ""
             raise StructuredOutputError(
-                f"cannot compile the {what}{where}: {_clean(e)}", spec.source
+                f"cannot compile {self.describe(spec)}: {_clean(e)}", spec.source
             ) from None
         with self._lock:
             self._cache[spec] = compiled
@@ -97,9 +132,11 @@ class GrammarBackend:
                 self._cache.popitem(last=False)
         return compiled
 
-    def matcher(self, spec: StructuredOutputSpec) -> GrammarMatcher:
-        """A fresh matcher at the start of `spec`'s grammar (compiling it unless cached)."""
-        return GrammarMatcher(self.compile(spec), self.max_rollback_tokens)
+    def matcher(
+        self, spec: StructuredOutputSpec, compiled: xgr.CompiledGrammar | None = None
+    ) -> GrammarMatcher:
+        """A fresh matcher at the start of `spec`'s grammar (`compiled`, or compiled here unless cached)."""
+        return GrammarMatcher(compiled or self.compile(spec), self.max_rollback_tokens)
 
     def allocate_bitmask(self, num_rows: int) -> torch.Tensor:
         """[num_rows, ceil(vocab / 32)] int32, every token allowed."""
@@ -109,6 +146,16 @@ class GrammarBackend:
 def choice_grammar(choices: Iterable[str]) -> str:
     """EBNF for "exactly one of these strings" (JSON string escapes are EBNF's too)."""
     return "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in choices)
+
+
+def _text(spec: StructuredOutputSpec) -> str:
+    assert isinstance(spec.value, str), f"a {spec.kind} spec holds its value as text"
+    return spec.value
+
+
+def _choices(spec: StructuredOutputSpec) -> tuple[str, ...]:
+    assert isinstance(spec.value, tuple), "a choice spec holds its strings as a tuple"
+    return spec.value
 
 
 def _clean(error: Exception) -> str:

@@ -1,20 +1,35 @@
 """`StructuredOutputManager`: the engine's side of structured outputs (vLLM V1 has a class of that name).
 
-One backend, built at the first structured request; a matcher per structured sequence; per step, the
-proposals cut to what the grammar allows and the bitmask the runner applies to the logits."""
+One backend, built at the first structured request; admission checks on the engine thread, compiles in a
+pool (a request waits for its grammar, as vLLM's WAITING_FOR_FSM, while the others step); a matcher per
+structured sequence; per step, the proposals cut to what the grammar allows and the bitmask the runner
+applies to the logits."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
-from typing import TYPE_CHECKING
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
+from specfleet.engine.sequence import Sequence
 from specfleet.engine.structured_output.bitmask import allocate_bitmask
+from specfleet.engine.structured_output.errors import StructuredOutputError
 from specfleet.engine.structured_output.spec import StructuredOutputSpec
 from specfleet.engine.structured_output.speculative import draft_bitmask
 
 if TYPE_CHECKING:  # the backend imports xgrammar (about 2 s of a cold start): the first structured request
     from specfleet.engine.structured_output.backend import GrammarBackend  # loads it, as vLLM does
+
+
+@dataclass
+class _Compile:
+    """A grammar compiling in the pool, and the sequences that wait for it."""
+
+    future: Future[Any]
+    spec: StructuredOutputSpec
+    seqs: list[Sequence]
 
 
 class StructuredOutputManager:
@@ -26,6 +41,10 @@ class StructuredOutputManager:
         self.eos_token_ids = set(eos_token_ids)
         self.max_k = max_num_speculative_tokens
         self._backend: GrammarBackend | None = None
+        # One compile at a time: xgrammar's compiler already spreads one grammar over two threads
+        # (backend.py), and a queue of distinct schemas is served in arrival order.
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
+        self._compiling: list[_Compile] = []
 
     @property
     def backend(self) -> GrammarBackend:
@@ -39,11 +58,68 @@ class StructuredOutputManager:
             )
         return self._backend
 
-    def attach(self, seqs: list, spec: StructuredOutputSpec) -> None:
-        """Give each sequence a matcher at the grammar's start; StructuredOutputError if it cannot compile."""
-        self.backend.compile(spec)
+    def attach(self, seqs: list, spec: StructuredOutputSpec, prefix_param: str | None = None) -> None:
+        """Give each of a new request's sequences its grammar. The checks that make a 400 run here
+        (StructuredOutputError: the spec does not parse, matches no output, or refuses the output tokens
+        the request arrived with, which `prefix_param` names); a grammar in the cache is attached now,
+        any other compiles in the pool while its sequences wait (`seq.grammar_pending`), and `poll`
+        attaches it when it is ready."""
+        backend = self.backend
+        backend.check(spec, seqs[0].output_token_ids, prefix_param)
+        compiled = backend.cached(spec)
+        if compiled is not None:
+            for seq in seqs:
+                self._start(seq, spec, compiled, prefix_param)
+            return
         for seq in seqs:
-            seq.grammar = self.backend.matcher(spec)
+            seq.grammar_pending = True
+        self._compiling.append(_Compile(self._pool.submit(backend.compile, spec), spec, seqs))
+
+    def poll(self) -> list[tuple[Sequence, str]]:
+        """Attach the grammars compiled since the last call to their (unfinished) sequences; returns the
+        sequences whose compile failed, with the error, for the engine to end."""
+        failed: list[tuple[Sequence, str]] = []
+        waiting: list[_Compile] = []
+        for job in self._compiling:
+            if not job.future.done():
+                waiting.append(job)
+                continue
+            error = job.future.exception()
+            for seq in job.seqs:
+                if seq.is_finished:
+                    continue
+                seq.grammar_pending = False
+                if error is not None:
+                    failed.append((seq, str(error)))
+                    continue
+                try:
+                    self._start(seq, job.spec, job.future.result())
+                except StructuredOutputError as exc:  # admission accepted this prefix: not expected
+                    failed.append((seq, str(exc)))
+        self._compiling = waiting
+        return failed
+
+    @property
+    def num_compiling(self) -> int:
+        return len(self._compiling)
+
+    def wait(self, timeout: float) -> None:
+        """Block until a compile in flight finishes, or `timeout` seconds (a step with nothing else to do)."""
+        if self._compiling:
+            wait([job.future for job in self._compiling], timeout, FIRST_COMPLETED)
+
+    def _start(
+        self, seq: Sequence, spec: StructuredOutputSpec, compiled: Any, prefix_param: str | None = None
+    ) -> None:
+        """A matcher at the grammar's start, advanced through the sequence's output so far."""
+        matcher = self.backend.matcher(spec, compiled)
+        output = seq.output_token_ids
+        if output and not matcher.accept_tokens(output):
+            raise StructuredOutputError(
+                f"the output tokens {output} are not allowed by {self.backend.describe(spec)}",
+                prefix_param or spec.source,
+            )
+        seq.grammar = matcher
 
     def filter_proposals(self, seq) -> None:
         """Cut a structured sequence's proposals at the first the grammar forbids; keep the k + 1 mask rows."""

@@ -129,3 +129,64 @@ def test_bad_schema_is_a_400_naming_the_field(client: Any, model_name: str) -> N
         )
     assert "minItems is greater than maxItems" in str(info.value)
     assert info.value.body["param"] == "guided_json"
+
+
+def _strict_json(text: str) -> Any:
+    """json.loads that refuses -Infinity, Infinity and NaN (not JSON: a strict client fails on them)."""
+
+    def refuse(name: str) -> Any:
+        raise ValueError(f"{name} is not JSON")
+
+    return json.loads(text, parse_constant=refuse)
+
+
+@pytest.mark.parametrize("extra", [{"guided_choice": ["yes", "no"]}, {"guided_regex": "[0-9]{2}"}])
+def test_structured_logprobs_are_finite_json(server: Any, model_name: str, extra: dict) -> None:
+    import httpx
+
+    body = {
+        "model": model_name,
+        "messages": MESSAGES,
+        "max_tokens": 6,
+        "temperature": 0,
+        "logprobs": True,
+        "top_logprobs": 5,
+        **extra,
+    }
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert resp.status_code == 200, resp.text
+    content = _strict_json(resp.text)["choices"][0]["logprobs"]["content"]
+    assert content and all(len(entry["top_logprobs"]) == 5 for entry in content)
+    values = [entry["logprob"] for entry in content]
+    values += [top["logprob"] for entry in content for top in entry["top_logprobs"]]
+    assert all(-9999.0 <= v <= 0.0 for v in values), values
+    streamed = []
+    with httpx.stream(
+        "POST", f"{server.url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as sse:
+        assert sse.status_code == 200
+        for line in sse.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                chunk = _strict_json(line.removeprefix("data: "))
+                for choice in chunk["choices"]:
+                    streamed += (choice.get("logprobs") or {}).get("content") or []
+    assert [e["token"] for e in streamed] == [e["token"] for e in content]
+    assert [e["logprob"] for e in streamed] == pytest.approx([e["logprob"] for e in content], abs=1e-3)
+
+
+@pytest.mark.parametrize(
+    ("extra", "param"),
+    [
+        ({"structured_outputs": {"regex": r"[^\s\S]"}}, "structured_outputs.regex"),
+        ({"guided_regex": r"[^\s\S]"}, "guided_regex"),
+    ],
+)
+def test_a_grammar_that_matches_nothing_is_a_400(
+    client: Any, model_name: str, extra: dict, param: str
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=model_name, messages=MESSAGES, max_tokens=5, extra_body=extra)
+    assert "matches no output" in str(info.value)
+    assert info.value.body["param"] == param

@@ -237,6 +237,133 @@ def test_bad_kv_transfer_params_are_a_400_naming_the_field(fleet):
     assert response.json()["error"]["param"] == "kv_transfer_params"
 
 
+def _innocent_stream(url: str, results: list[Any], first: threading.Event, max_tokens: int = 60) -> None:
+    """A streaming completion on `url`, to the end: (status, completion tokens streamed, finish_reason)."""
+    body = {"prompt": "A long story about", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    tokens, finish = 0, None
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    tokens += 1
+                    finish = chunk["choices"][0]["finish_reason"] or finish
+                    first.set()
+        results.append((r.status_code, tokens, finish))
+    except Exception as exc:  # recorded, asserted by the caller
+        results.append((None, 0, repr(exc)))
+    first.set()
+
+
+@pytest.mark.parametrize(
+    ("params", "named"),
+    [
+        # The issue's repro: counts as JSON floats for a 2-token prompt at block size 4 (they compare equal
+        # to the prompt's 2 tokens and 1 block, and then broke the connector's slicing: a dead core).
+        ({"num_tokens": 2.0, "num_blocks": 1.0, "first_token_id": 9}, "kv_transfer_params.num_tokens"),
+        ({"num_tokens": 2, "num_blocks": 1, "first_token_id": 10**6}, "kv_transfer_params.first_token_id"),
+    ],
+)
+def test_malformed_kv_transfer_params_are_a_400_while_an_innocent_stream_completes(fleet, params, named):
+    url = fleet["urls"]["decode"]
+    results: list[Any] = []
+    first = threading.Event()
+    innocent = threading.Thread(target=_innocent_stream, args=(url, results, first))
+    innocent.start()
+    assert first.wait(30)
+    bad = {"remote_host": "127.0.0.1", "remote_port": 1, "transfer_id": "x", **params}
+    response = httpx.post(
+        f"{url}/v1/completions",
+        timeout=30,
+        json={"prompt": [5, 6], "max_tokens": 4, "kv_transfer_params": bad},
+    )
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == "kv_transfer_params" and named in error["message"]
+    innocent.join(60)
+    assert results == [(200, 60, "length")]
+    assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
+    _wait_no_blocks(fleet["states"]["decode"])
+
+
+def _completion_logprobs(url: str, body: dict[str, Any]) -> tuple[list[str], list[float], list[dict]]:
+    """(tokens, token_logprobs, top_logprobs) of a completion, JSON or streamed (joined over chunks)."""
+    if not body.get("stream"):
+        response = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        lp = response.json()["choices"][0]["logprobs"]
+        return lp["tokens"], lp["token_logprobs"], lp["top_logprobs"]
+    tokens: list[str] = []
+    values: list[float] = []
+    tops: list[dict] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                lp = json.loads(line[6:])["choices"][0]["logprobs"]
+                if lp:
+                    tokens += lp["tokens"]
+                    values += lp["token_logprobs"]
+                    tops += lp["top_logprobs"]
+    return tokens, values, tops
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_logprobs_through_prefill_decode_equal_aggregated(fleet, stream):
+    urls = fleet["urls"]
+    body = {
+        "prompt": "The quick brown fox jumps over",
+        "max_tokens": 10,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": 3,
+        "stream": stream,
+    }
+    pulls = fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"]
+    want = _completion_logprobs(urls["aggregated"], body)
+    got = _completion_logprobs(urls["proxy"], body)
+    assert fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"] == pulls + 1
+    assert len(got[0]) == len(want[0]) == 10
+    assert got[0] == want[0]
+    assert got[1] == pytest.approx(want[1], abs=1e-4)
+    for g, w in zip(got[2], want[2]):
+        assert list(g) == list(w) and list(g.values()) == pytest.approx(list(w.values()), abs=1e-4)
+    # Chat: logprobs + top_logprobs, streamed, one entry per token.
+    chat = {
+        "messages": [{"role": "user", "content": "Name three colours, please."}],
+        "max_tokens": 8,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logprobs": True,
+        "top_logprobs": 2,
+    }
+    entries = []
+    for url in (urls["aggregated"], urls["proxy"]):
+        response = httpx.post(f"{url}/v1/chat/completions", json=chat, timeout=60)
+        assert response.status_code == 200, response.text
+        entries.append(response.json()["choices"][0]["logprobs"]["content"])
+    assert len(entries[1]) == len(entries[0]) == 8
+    for g, w in zip(*entries):
+        assert g["token"] == w["token"] and g["logprob"] == pytest.approx(w["logprob"], abs=1e-4)
+        assert [t["token"] for t in g["top_logprobs"]] == [t["token"] for t in w["top_logprobs"]]
+    _wait_no_blocks(fleet["states"]["prefill"])
+
+
+@pytest.mark.parametrize("min_tokens", [2, 5, 10])
+def test_min_tokens_through_prefill_decode_equal_aggregated(fleet, min_tokens):
+    urls = fleet["urls"]
+    body = {"prompt": "Once upon a time", "max_tokens": 10, "temperature": 0, "min_tokens": min_tokens}
+    pulls = fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"]
+    want = httpx.post(f"{urls['aggregated']}/v1/completions", json=body, timeout=60)
+    got = httpx.post(f"{urls['proxy']}/v1/completions", json=body, timeout=60)
+    assert got.status_code == want.status_code == 200, got.text
+    assert got.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+    assert got.json()["usage"]["completion_tokens"] >= min_tokens
+    assert fleet["engines"]["decode"].call_sync("kv_transfer_stats")["transfers"] == pulls + 1
+    one = disaggregation.prefill_body({**body, "stream": True})
+    assert one["min_tokens"] == 1 and one["max_tokens"] == 1 and one["stream"] is False
+
+
 def test_which_requests_take_the_two_engine_path():
     assert disaggregation.covered({"prompt": "hi", "max_tokens": 8})
     assert disaggregation.covered({"messages": [], "max_completion_tokens": 8})

@@ -162,7 +162,7 @@ def _raw(f: BinaryIO, t: TensorInfo) -> tuple[np.ndarray, int]:
     size = rows * (cols // values) * nbytes
     f.seek(t.offset)
     data = np.empty(size, dtype=np.uint8)
-    if f.readinto(memoryview(data)) != size:  # type: ignore[attr-defined]
+    if f.readinto(data.data) != size:
         raise ValueError(f"GGUF tensor {t.name}: the file ends before its {size} bytes")
     return data.reshape(rows, -1), rows
 

@@ -19,8 +19,8 @@ from __future__ import annotations
 import logging
 import struct
 from dataclasses import dataclass
+from io import BufferedReader
 from pathlib import Path
-from typing import BinaryIO
 
 import numpy as np
 import torch
@@ -151,7 +151,7 @@ def float_name(gguf_name: str) -> str | None:
     return None
 
 
-def _raw(f: BinaryIO, t: TensorInfo) -> tuple[np.ndarray, int]:
+def _raw(f: BufferedReader, t: TensorInfo) -> tuple[np.ndarray, int]:
     """A tensor's bytes, [rows, bytes per row], and its row count. Read with a plain read rather than kept as
     a view of a memory map: mapped pages count in the process's resident memory for as long as the map
     lives, so the engine would hold the file once more beside the blocks decoded from it."""
@@ -167,7 +167,7 @@ def _raw(f: BinaryIO, t: TensorInfo) -> tuple[np.ndarray, int]:
     return data.reshape(rows, -1), rows
 
 
-def _dequantized(blob: BinaryIO, t: TensorInfo) -> torch.Tensor:
+def _dequantized(blob: BufferedReader, t: TensorInfo) -> torch.Tensor:
     """One tensor in float32, torch order (outermost GGUF dimension first)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
@@ -217,7 +217,7 @@ def _read(path: Path, hf_config, floats: bool) -> dict[str, torch.Tensor | Quant
 
 
 def _read_tensors(
-    blob: BinaryIO,
+    blob: BufferedReader,
     infos: list[TensorInfo],
     heads: int,
     kv_heads: int,

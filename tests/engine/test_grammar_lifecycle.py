@@ -107,6 +107,7 @@ def test_a_dead_end_mid_output_ends_the_request_without_an_unconstrained_token(e
     done = _run(engine, {"dead": ([5, 6, 7], _params(constraint))})
     out = done["dead"].outputs[0]
     assert out.text == start, out.text
+    assert len(out.token_ids) == 1, out.token_ids  # the start's token, and nothing unconstrained after it
     assert out.finish_reason == "abort"
     assert engine.kv_blocks_in_use() == 0
 

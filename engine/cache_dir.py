@@ -1,5 +1,5 @@
 """Entries of the cache under ``$SPECFLEET_CACHE`` (default ``~/.cache/specfleet``), each made once across
-processes: a GGUF file converted to a safetensors folder, a normalized config.json.
+processes: a GGUF file converted to a safetensors folder (or its metadata alone), a normalized config.json.
 
 On a cold cache several processes ask for one entry at once: the API server loads the tokenizer while the
 engine core loads the weights, tensor- and pipeline-parallel workers read the config, `specfleet up` starts

@@ -180,9 +180,10 @@ class KVConnector:
             seq = pull.seq
             if seq.is_finished:  # ended while it waited (a stop string in the first token's text)
                 continue
+            if pull.error is not None:
+                self._fall_back(seq, pull.error)
+                continue
             try:
-                if pull.error is not None:
-                    raise pull.error
                 self.consumer.write(pull.block_ids, pull.data, time.perf_counter() - pull.start)
                 self._loaded(seq, pull.params, pull.num_hits, len(pull.block_ids))
             except Exception as exc:
@@ -190,7 +191,8 @@ class KVConnector:
         now = time.monotonic()
         for pull in [p for p in self._pulls.values() if p.deadline <= now]:
             del self._pulls[pull.seq.seq_id]
-            self._fall_back(pull.seq, KVTransferError("the pull's worker did not return by its deadline"))
+            if not pull.seq.is_finished:
+                self._fall_back(pull.seq, KVTransferError("the pull's worker did not return by its deadline"))
         self.stats.waiting_for_remote_kvs = len(self._pulls)
 
     def _fall_back(self, seq: Sequence, exc: BaseException) -> None:

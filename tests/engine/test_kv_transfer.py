@@ -588,3 +588,40 @@ def test_min_tokens_through_the_pair_equal_aggregated(tiny_llama, prefill, refer
         _assert_no_leaks(prefill, decode)
     finally:
         decode.close()
+
+
+def test_a_pull_stuck_past_its_deadline_falls_back_and_a_finished_one_is_dropped(
+    tiny_llama, reference, monkeypatch
+):
+    import threading
+
+    from specfleet.engine.kv_transfer.connector import PULL_DEADLINE_MARGIN_S
+    from specfleet.engine.sequence import Status
+
+    timeout_s = 0.1
+    decode = _decode(tiny_llama, kv_transfer_timeout_s=timeout_s)
+    late = threading.Event()
+    # Workers stuck outside their sockets' timeouts (whatever the cause) until `late` is set.
+    monkeypatch.setattr(decode.kv_connector.consumer, "fetch", lambda *args: late.wait(30) and None)
+    try:
+        for request_id, i in (("stuck", 4), ("ended", 1)):
+            prompt = _prompts()[i]
+            remote = _good_params(
+                num_tokens=len(prompt), num_blocks=-(-len(prompt) // BLOCK), first_token_id=reference[i][0]
+            )
+            decode.add_request(request_id, prompt, GREEDY, remote)
+        decode.step()
+        stuck, ended = (decode._requests[r].seqs[0] for r in ("stuck", "ended"))
+        assert stuck.status is ended.status is Status.WAITING_FOR_REMOTE_KVS
+        decode.finish_sequence("ended", 0)  # the server matched a stop string in its first token's text
+        assert ended.is_finished and "ended" not in decode._requests
+        assert decode.kv.num_used_blocks == len(stuck.block_table)
+        time.sleep(2 * timeout_s + PULL_DEADLINE_MARGIN_S + 0.1)
+        decode.step()
+        assert stuck.status is not Status.WAITING_FOR_REMOTE_KVS and decode.kv_connector.stats.fallbacks == 1
+        late.set()  # the workers return after all: their answers are dropped
+        assert _run(decode)["stuck"].outputs[0].token_ids == reference[4]
+        assert decode.kv_connector.stats.fallbacks == 1 and decode.kv.num_used_blocks == 0
+    finally:
+        late.set()
+        decode.close()

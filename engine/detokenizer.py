@@ -47,8 +47,9 @@ class IncrementalDetokenizer:
         return head + output_ids[max(0, start - c) : max(0, end - c)]
 
     def update(self, output_ids: list[int], check_stop: bool = True) -> str | None:
-        """Take the output so far; returns the stop string that matched, if any. `check_stop=False` grows
-        the text without looking for stop strings (before `min_tokens`, as vLLM ignores them there)."""
+        """Take the output so far; returns the stop string that matched, if any: the first (leftmost) one
+        ending in the text this call added. `check_stop=False` grows the text without looking for stop
+        strings (within the first `min_tokens` tokens, as vLLM ignores them there)."""
         decode, skip = self.tokenizer.decode, self.skip_special_tokens
         before = len(self.text)
         prefix = decode(self._ids(output_ids, self.prefix_offset, self.read_offset), skip_special_tokens=skip)
@@ -57,8 +58,9 @@ class IncrementalDetokenizer:
             self.text += full[len(prefix) :]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.context) + len(output_ids)
         if check_stop and self.stop and len(self.text) > before:
-            start = max(0, before - self.hold)
-            found = [(i, s) for s in self.stop if (i := self.text.find(s, start)) >= 0]
+            # Only a stop string that ends in the text this update added: one wholly inside text grown
+            # unchecked (before `min_tokens`) must not match later (vLLM's `check_stop_strings` window).
+            found = [(i, s) for s in self.stop if (i := self.text.find(s, max(0, before - len(s) + 1))) >= 0]
             if found:
                 index, stop = min(found)
                 self.text = self.text[: index + len(stop)] if self.include_stop else self.text[:index]

@@ -377,6 +377,26 @@ class Engine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests)
 
+    def has_pending_background_work(self) -> bool:
+        """Whether something outside the step may make a waiting request schedulable with no new input:
+        a KV hold that will end (its blocks return), a remote KV pull queued or in flight, a grammar
+        compiling. The engine core polls an engine whose step scheduled nothing at a short interval
+        while this holds, and otherwise sleeps until an input arrives (core/proc.py, `_loop`)."""
+        connector = self.kv_connector
+        if connector is not None and (connector.num_holds or connector.has_remote()):
+            return True
+        return bool(self.structured.num_compiling)
+
+    def discard(self, request_id: str) -> None:
+        """Undo a request whose `add_request` raised part-way (the engine core turns such a failure into
+        that request's error): whatever of it reached the scheduler's queues leaves them and returns its
+        blocks, so no sequence runs for a request nobody follows."""
+        self.abort(request_id)
+        sched = self.scheduler
+        for seq in [s for s in (*sched.waiting, *sched.running) if s.request_id == request_id]:
+            if self.kv_connector is None or not self.kv_connector.abort(seq):
+                sched.finish(seq, "abort")
+
     def kv_blocks_in_use(self) -> int:
         return self.kv.num_used_blocks  # referenced blocks; cached free ones are not in use
 

@@ -201,12 +201,15 @@ class Scheduler:
                 break
             self.kv.allocate(seq, cached + num_new, hits)
             self.waiting.popleft()
-            seq.num_computed_tokens = seq.num_cached_tokens = cached
+            seq.num_computed_tokens = cached
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += cached
             seq.status = Status.RUNNING
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
+                # The prompt's cached tokens, once, as vLLM reports them: a preempted sequence readmitted
+                # later finds its output's blocks cached too, which are not the prompt's.
+                seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
             self.running.append(seq)
             out.scheduled.append(self._scheduled(out, seq, num_new))
             budget -= num_new

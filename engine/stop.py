@@ -4,9 +4,10 @@ back afterwards.
 
 Conditions, in order, for the token just appended (the first that holds wins, so that the text, the tokens
 and finish_reason / stop_reason agree even when one speculative step yields several): a stop token, EOS
-(unless `ignore_eos`), a stop string in the text, `max_tokens` or the model's context; as in vLLM, stop
-tokens and strings count only from `min_tokens` on, and a stop token's text is not output unless
-`include_stop_str_in_output`. A structured sequence's grammar then takes the token: a token it refuses
+(unless `ignore_eos`), a stop string in the text, `max_tokens` or the model's context; as in vLLM, a stop
+token counts from output token number `min_tokens` on, a stop string only when it ends after the first
+`min_tokens` tokens (vLLM's detokenizer checks once `len(output) > min_tokens`, in the text the new token
+added), and a stop token's text is not output unless `include_stop_str_in_output`. A structured sequence's grammar then takes the token: a token it refuses
 aborts the sequence, and a grammar that ended (on a stop token `ignore_eos` let through) ends it.
 """
 
@@ -66,7 +67,7 @@ class StopChecker:
             if params.include_stop_str_in_output:
                 text.update(seq.output_token_ids, check_stop=False)
             return finish
-        if (matched := text.update(seq.output_token_ids, active)) is not None:
+        if (matched := text.update(seq.output_token_ids, produced > params.min_tokens)) is not None:
             return Finish("stop", matched)
         if produced == params.max_tokens or pos + 1 >= self.max_model_len:
             return Finish("length")

@@ -37,6 +37,7 @@ from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 from .messages import (
     ENCODER,
+    INTERNAL_ERROR,
     OUTPUT_DECODER,
     Abort,
     AddRequest,
@@ -55,6 +56,9 @@ logger = logging.getLogger("specfleet.engine.server")
 # A core that sends nothing for this long is taken as hung (it reports every step and every second
 # while idle; vLLM's proposed health ping waits 60 s too): long enough for one long prefill step.
 HEARTBEAT_TIMEOUT_S = 60.0
+# How often the watchdog thread looks at the time of the last report: a hang is noticed within this of
+# HEARTBEAT_TIMEOUT_S, whether or not anything polls /ready.
+WATCHDOG_INTERVAL_S = 1.0
 READY_TIMEOUT_S = 900.0  # loading (and converting a GGUF once) may take minutes on a cold node
 STOP_TIMEOUT_S = 10.0
 
@@ -64,7 +68,14 @@ class QueueFullError(Exception):
 
 
 class EngineDeadError(RuntimeError):
-    """The engine core process is gone; nothing in flight can finish here."""
+    """The engine core process is gone (exited, or hung and killed); nothing in flight can finish here: the
+    API answers 503 `engine_dead` with Retry-After, so a router retries the request on another replica."""
+
+
+class EngineInternalError(RuntimeError):
+    """The core's `add_request` raised something else than a ParameterError or ValueError: a bug of the
+    engine's, not of the request (which passed validation). That request fails (500 `internal_error`);
+    the core serves on."""
 
 
 class CoreInfo:
@@ -83,10 +94,17 @@ class CoreInfo:
 
 class EngineCoreClient:
     def __init__(
-        self, config: EngineConfig, *, log_level: str = "info", ready_timeout_s: float = READY_TIMEOUT_S
+        self,
+        config: EngineConfig,
+        *,
+        log_level: str = "info",
+        ready_timeout_s: float = READY_TIMEOUT_S,
+        heartbeat_timeout_s: float = HEARTBEAT_TIMEOUT_S,
     ) -> None:
-        """Start the core process and wait until its model is loaded. RuntimeError when it fails to."""
+        """Start the core process and wait until its model is loaded. RuntimeError when it fails to.
+        `heartbeat_timeout_s`: how long the core may send nothing before it is declared hung."""
         self.config = config
+        self.heartbeat_timeout_s = heartbeat_timeout_s
         self.metrics: Any = None  # ServerMetrics, set by the server
         self.max_waiting = 512
         self.on_dead: list[Callable[[str], None]] = []
@@ -167,6 +185,7 @@ class EngineCoreClient:
         if self._reader is None:
             self._reader = self._loop.create_task(self._read())
             threading.Thread(target=self._watch_process, name="specfleet-core-monitor", daemon=True).start()
+            threading.Thread(target=self._watchdog, name="specfleet-core-watchdog", daemon=True).start()
             if self.metrics is not None:
                 self.metrics.set_live_config(self.live)
 
@@ -193,15 +212,37 @@ class EngineCoreClient:
 
     @property
     def alive(self) -> bool:
-        """The core runs and reported within HEARTBEAT_TIMEOUT_S (/ready requires it)."""
-        if self.dead is not None:
-            return False
-        if time.monotonic() - self.last_seen > HEARTBEAT_TIMEOUT_S:
-            self._die(
-                f"no report from the engine core (pid {self.pid}) for {HEARTBEAT_TIMEOUT_S:.0f} s: hung"
-            )
-            return False
-        return True
+        """The core runs and reported within `heartbeat_timeout_s` (/ready requires it)."""
+        if self.dead is None:
+            self._check_heartbeat()
+        return self.dead is None
+
+    def _watchdog(self) -> None:
+        """A thread: notice a hung core by itself (no report for `heartbeat_timeout_s`), not only when
+        something polls /ready. The verdict is taken on the event loop, where the reader notes reports."""
+        interval = min(WATCHDOG_INTERVAL_S, self.heartbeat_timeout_s / 4)
+        while self.dead is None and not self._stopping and self._loop is not None:
+            time.sleep(interval)
+            if time.monotonic() - self.last_seen > self.heartbeat_timeout_s:
+                try:
+                    self._loop.call_soon_threadsafe(self._check_heartbeat)
+                except RuntimeError:  # loop closed
+                    return
+
+    def _check_heartbeat(self) -> None:
+        """On the loop: a core silent for longer than `heartbeat_timeout_s` is hung. It is killed (a hung
+        process would keep the model's memory, and its late reports must not reach a failed request),
+        then the death path runs: in-flight requests get 503, readiness goes down, `on_dead` runs."""
+        silent = time.monotonic() - self.last_seen
+        if self.dead is not None or self._stopping or silent <= self.heartbeat_timeout_s:
+            return
+        reason = (
+            f"no report from the engine core (pid {self.pid}) for {silent:.0f} s "
+            f"(limit {self.heartbeat_timeout_s:.0f} s): hung, killed"
+        )
+        self._die(reason)
+        if self.proc.poll() is None:
+            self.proc.kill()
 
     def _watch_process(self) -> None:
         code = self.proc.wait()
@@ -370,11 +411,12 @@ class EngineCoreClient:
             return
         self.processor.drop(msg.request_id)
         self.streams.pop(msg.request_id, None)
-        stream.reject(
-            ParameterError(msg.param, msg.error, msg.code or "invalid_value")
-            if msg.param
-            else ValueError(msg.error)
-        )
+        if msg.code == INTERNAL_ERROR:
+            stream.reject(EngineInternalError(msg.error))
+        elif msg.param:
+            stream.reject(ParameterError(msg.param, msg.error, msg.code or "invalid_value"))
+        else:
+            stream.reject(ValueError(msg.error))
 
     def _on_utility(self, msg: UtilityResult) -> None:
         future = self._calls.pop(msg.call_id, None)

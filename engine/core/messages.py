@@ -85,11 +85,16 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):
     pid: int
 
 
+# AddResult.code of an add_request that raised something else than a ParameterError or ValueError: the
+# engine's bug, not the request's; that request fails, the core serves on.
+INTERNAL_ERROR = "internal_error"
+
+
 class AddResult(msgspec.Struct, tag="added", array_like=True, gc=False, omit_defaults=True):
     request_id: str
     error: str | None = None  # None: accepted
     param: str | None = None  # a ParameterError's field
-    code: str | None = None
+    code: str | None = None  # a ParameterError's code, or INTERNAL_ERROR
 
 
 class UtilityResult(msgspec.Struct, tag="utility", array_like=True, gc=False, omit_defaults=True):

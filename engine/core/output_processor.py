@@ -1,7 +1,8 @@
 """The server's half of a request: the core's token deltas -> text, stop strings, cumulative RequestOutputs.
 
 As in vLLM V1's `OutputProcessor`: the core decides token-level stops (EOS, `stop_token_ids`, max_tokens,
-the context); stop strings are matched here, token by token in order, from `min_tokens` on. A sample that
+the context); stop strings are matched here, token by token in order, ending after the first `min_tokens`
+tokens (as vLLM's detokenizer: a stop string that ends inside token number `min_tokens` does not count). A sample that
 a stop string ends here is truncated after that token and handed back in `to_finish`, for the client to
 tell the core, which has usually run a step or two further by then (those tokens are dropped).
 """
@@ -130,7 +131,7 @@ class OutputProcessor:
         last = len(tokens) - 1
         for pos in range(start, min(len(tokens), d.text_upto)):
             # The core's own stop token ends a sample without a stop-string check at that token.
-            check = pos + 1 >= params.min_tokens and not (pos == last and d.finish_reason == "stop")
+            check = pos + 1 > params.min_tokens and not (pos == last and d.finish_reason == "stop")
             matched = sample.detok.update(tokens if pos == last else tokens[: pos + 1], check)
             if matched is not None:
                 del tokens[pos + 1 :]

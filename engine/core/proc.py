@@ -37,6 +37,7 @@ from specfleet.engine.sampling_params import ParameterError
 from .messages import (
     ENCODER,
     INPUT_DECODERS,
+    INTERNAL_ERROR,
     AddRequest,
     AddResult,
     Dead,
@@ -54,6 +55,11 @@ log = logging.getLogger("specfleet.engine.core")
 # An idle core reports this often; the server's readiness wants a report within HEARTBEAT_TIMEOUT_S
 # (client.py), 60 times this, so that one long prefill step is not mistaken for a hang.
 HEARTBEAT_S = 1.0
+# An empty step (nothing could be scheduled) while the engine has background work that may make a request
+# schedulable without any new input (a KV hold to expire, a remote KV pull, a grammar compile): the loop
+# waits this long for input before it steps again. 20 ms: under one decode step, so a request that becomes
+# schedulable starts about as soon as it would have in a busy loop, at ~50 cheap empty steps a second.
+BACKGROUND_POLL_S = 0.02
 # ZeroMQ keeps unsent messages this long at close, so the `Dead` message gets out (vLLM: 4 s).
 LINGER_MS = 4000
 
@@ -92,6 +98,14 @@ class EngineCore:
             return AddResult(msg.request_id, str(exc), exc.param, exc.code)
         except ValueError as exc:
             return AddResult(msg.request_id, str(exc))
+        except Exception as exc:
+            # The engine's bug, not the request's (it passed validation): this request fails, the core
+            # serves on with everything else in flight.
+            log.exception(
+                "event=add_request_failed request_id=%s error=%s", msg.request_id, type(exc).__name__
+            )
+            self.engine.discard(msg.request_id)
+            return AddResult(msg.request_id, f"{type(exc).__name__}: {exc}", code=INTERNAL_ERROR)
         self._cursors[msg.request_id] = list(self._new_cursors)
         self._sent[msg.request_id] = [0] * params.n
         return AddResult(msg.request_id)
@@ -127,6 +141,9 @@ class EngineCore:
 
     # -- the step ----------------------------------------------------------------------------------
     def step(self) -> StepReport:
+        """One engine step. `stepped` in the report is whether a batch ran: an empty step (nothing could be
+        scheduled) reports stepped=False, so the server records nothing into the step histograms."""
+        before = self.engine.stats.num_steps
         try:
             outputs = self.engine.step()
         except WorkerDied:  # a rank of the split model is gone: no step can run again, so the core exits
@@ -137,7 +154,7 @@ class EngineCore:
             self.abort(aborted)
             return self.report(True, aborted=aborted, error=f"{type(exc).__name__}: {exc}")
         deltas = [d for out in outputs for d in self._deltas(out)]
-        return self.report(True, deltas)
+        return self.report(self.engine.stats.num_steps != before, deltas)
 
     def report(
         self,
@@ -252,23 +269,45 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
 
 
 def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
+    """Take inputs, step, report. The loop never spins: an idle engine blocks on its input (reporting every
+    HEARTBEAT_S), and so does an engine whose last step scheduled nothing (`stalled`: every request waits on
+    something), for BACKGROUND_POLL_S when the engine has background work that may unblock a request
+    (`has_pending_background_work`), else until an input arrives or a heartbeat is due. Empty steps send
+    a report only when they end or change something, or as the heartbeat."""
     engine = core.engine
     last_report = time.monotonic()
+    stalled = False
     while True:
         busy = engine.has_unfinished_requests()
-        if busy or inp.poll(int(HEARTBEAT_S * 1000)):
+        if busy and not stalled:
+            timeout_s = 0.0
+        elif busy and engine.has_pending_background_work():
+            timeout_s = BACKGROUND_POLL_S
+        else:  # idle, or stalled on nothing that moves by itself: until an input or the next heartbeat
+            timeout_s = max(0.0, last_report + HEARTBEAT_S - time.monotonic())
+        if timeout_s == 0.0 or inp.poll(int(timeout_s * 1000)):
             replies = _drain(core, inp)
             for reply in replies:
                 out.send(ENCODER.encode(reply))
+            stalled = False  # an input may have changed what can be scheduled
         if os.getppid() != parent:
             log.warning("event=engine_core_orphaned parent=%d: the server is gone, exiting", parent)
             return
+        heartbeat_due = time.monotonic() - last_report >= HEARTBEAT_S
         if engine.has_unfinished_requests():
-            out.send(ENCODER.encode(core.step()))
-            last_report = time.monotonic()
+            report = core.step()
+            went_stalled = not report.stepped and not stalled
+            stalled = not report.stepped
+            news = report.stepped or report.deltas or report.aborted or report.error or went_stalled
+            if news or heartbeat_due:
+                if stalled and heartbeat_due:
+                    engine.check_health()  # no collective runs while stalled either
+                out.send(ENCODER.encode(report))
+                last_report = time.monotonic()
         else:
+            stalled = False
             engine.poll_kv_transfers()  # a finished hold's blocks come back while idle too
-            if time.monotonic() - last_report >= HEARTBEAT_S or busy:
+            if heartbeat_due or busy:
                 engine.check_health()  # a dead split-model worker: WorkerDied, the core exits
                 out.send(ENCODER.encode(core.report(False)))  # idle (or just went idle): gauges and heartbeat
                 last_report = time.monotonic()

@@ -10,7 +10,7 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
-from specfleet.engine.core.client import EngineDeadError, QueueFullError
+from specfleet.engine.core.client import EngineDeadError, EngineInternalError, QueueFullError
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
@@ -22,6 +22,8 @@ from .streams import RequestStream
 
 router = APIRouter()
 QUEUE_RETRY_AFTER_S = 1
+# A dead engine core: the server exits and its pod restarts (tens of seconds); a router retries elsewhere at once.
+ENGINE_DEAD_RETRY_AFTER_S = 5
 DISCONNECT_POLL_S = 0.25
 
 
@@ -87,12 +89,10 @@ async def _submit(
             streams.append(await state.async_engine.generate(request_id, prompt, params, kv_transfer_params))
     except EngineDeadError as exc:
         _close(streams)
-        raise APIError(
-            503,
-            f"the engine is down ({exc}); retry on another replica",
-            code="engine_dead",
-            headers={"Retry-After": "5"},
-        ) from exc
+        raise engine_dead(exc) from exc
+    except EngineInternalError as exc:
+        _close(streams)
+        raise APIError(500, f"the engine failed to add the request: {exc}", code="internal_error") from exc
     except QueueFullError as exc:
         _close(streams)
         state.metrics.refuse("queue_full")
@@ -111,6 +111,17 @@ async def _submit(
     return streams
 
 
+def engine_dead(exc: EngineDeadError) -> APIError:
+    """503 + Retry-After for a request the engine core's death ended, before or after it started: not the
+    request's fault and not a 500, so a router can tell "retry on another replica" from a bug."""
+    return APIError(
+        503,
+        f"the engine is down ({exc}); retry on another replica",
+        code="engine_dead",
+        headers={"Retry-After": str(ENGINE_DEAD_RETRY_AFTER_S)},
+    )
+
+
 def _close(streams: list[RequestStream]) -> None:
     for stream in streams:
         stream.close()
@@ -118,8 +129,11 @@ def _close(streams: list[RequestStream]) -> None:
 
 async def _final(stream: RequestStream) -> RequestOutput:
     last: RequestOutput | None = None
-    async for output in stream:
-        last = output
+    try:
+        async for output in stream:
+            last = output
+    except EngineDeadError as exc:
+        raise engine_dead(exc) from exc
     if last is None or not last.finished:
         raise APIError(
             503,
@@ -263,6 +277,9 @@ async def _stream_body(
                     "usage": serving.usage([finals[p] for p in sorted(finals)]),
                 }
             )
+    except EngineDeadError as exc:  # the same body a non-streamed request gets with its 503
+        dead = engine_dead(exc)
+        yield serving.sse(error_body(dead.status, dead.message, None, dead.code))
     except Exception as exc:
         yield serving.sse(
             error_body(500, f"generation failed: {type(exc).__name__}: {exc}", None, "engine_error")

@@ -1,4 +1,11 @@
-"""RequestStream: one request's outputs on the event loop, with the timestamps its latency metrics need."""
+"""RequestStream: one request's outputs on the event loop, with the timestamps its latency metrics need.
+
+Outputs are cumulative (each holds the tokens, text, logprobs and finish of every step so far), so what a
+stream holds for its reader is one pending output, not a queue: an output delivered while the reader has
+not taken the previous one replaces it, and the reader's next chunk covers both steps (vLLM's
+`RequestOutputCollector` merges the same way). A slow SSE reader costs one output's memory, not one per
+step (a queue of cumulative outputs grew as the square of the output length).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +16,7 @@ from typing import Any
 
 from specfleet.engine.outputs import RequestOutput
 
-_END = object()
+_END = object()  # the stream ended without a finished output (aborted)
 
 
 class RequestStream:
@@ -26,7 +33,9 @@ class RequestStream:
         self.request_id = request_id
         self.n = n
         self.accepted: asyncio.Future[None] = loop.create_future()
-        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._pending: RequestOutput | None = None  # the latest output the reader has not taken
+        self._end: Any = None  # then: _END or the exception that ended the stream
+        self._wake = asyncio.Event()
         self._on_close = on_close
         self._on_finish = on_finish
         self.arrival = time.monotonic()
@@ -75,20 +84,28 @@ class RequestStream:
         self.prompt_tokens = len(output.prompt_token_ids)
         self.cached_tokens = output.num_cached_tokens
         self.last = output
-        self._queue.put_nowait(output)
+        self._pending = output  # cumulative: it holds whatever an untaken earlier output held
+        self._wake.set()
         if output.finished:
             reasons = [o.finish_reason for o in output.outputs if o.finish_reason]
             self._finish(reasons[0] if reasons else "stop")
 
     def aborted(self) -> None:
         if not self.finished:
-            self._queue.put_nowait(_END)
+            self._end = _END
+            self._wake.set()
             self._finish("abort")
 
     def fail(self, exc: BaseException) -> None:
         if not self.finished:
-            self._queue.put_nowait(exc)
+            self._end = exc
+            self._wake.set()
             self._finish("abort")
+
+    @property
+    def num_pending(self) -> int:
+        """Outputs delivered and not yet taken by the reader: at most one, whatever the reader does."""
+        return int(self._pending is not None)
 
     def _queue_time(self, output: RequestOutput, step_start: float) -> float:
         m = output.metrics
@@ -112,14 +129,18 @@ class RequestStream:
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while True:
-            item = await self._queue.get()
-            if item is _END:
+            if self._pending is not None:
+                item, self._pending = self._pending, None
+                yield item
+                if item.finished:
+                    return
+            elif self._end is not None:  # after the last output delivered, as a queue would have it
+                if isinstance(self._end, BaseException):
+                    raise self._end
                 return
-            if isinstance(item, BaseException):
-                raise item
-            yield item
-            if item.finished:
-                return
+            else:
+                self._wake.clear()
+                await self._wake.wait()
 
     # ---- metrics ---------------------------------------------------------------------------------
     @property

@@ -15,14 +15,24 @@ hanging; an idle engine finds out from `check_workers`. At start, each worker sa
 about to join the process group and, later, that its part is loaded; rank 0 waits for each message while
 watching the worker's process, so a worker that dies before joining or while loading is a `WorkerDied` at
 once, not a wait in the group's rendezvous or a raw EOFError. A worker whose pipe closes (rank 0 gone) exits.
+
+The spawn method imports the main script again in every worker before the worker's function runs. A script
+that creates its `LLM(tensor_parallel_size=2)` at top level, without an `if __name__ == "__main__":`
+guard, thus makes each worker build an engine of its own, which tries to spawn ranks while still
+bootstrapping, and Python's error says so only in the worker's stderr. A `SplitModel` made in a worker
+that is still bootstrapping leaves a note for rank 0 and raises; rank 0 turns the worker's exit into a
+`WorkerDied` that names the script and says what to do, as vLLM's troubleshooting guide does.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
 import multiprocessing.connection
 import os
 import socket
+import sys
+import tempfile
 import time
 from dataclasses import replace
 from typing import Any
@@ -48,6 +58,36 @@ EXIT_WAIT_S = 5.0
 # How often rank 0 looks at a worker's process while it waits for the worker's next start-up message: a
 # dead worker is reported within this (its pipe's EOF usually wakes the wait at once).
 STARTUP_POLL_S = 0.1
+
+
+def _bootstrap_note(parent_pid: int) -> str:
+    """Where a worker still importing the main script tells rank 0 (pid `parent_pid`) so."""
+    return os.path.join(tempfile.gettempdir(), f"specfleet-unguarded-main-{parent_pid}")
+
+
+def _unguarded_main_message(script: str) -> str:
+    return (
+        f"the script {script} creates the engine at its top level, without an "
+        '`if __name__ == "__main__":` guard: a split model starts its ranks with the spawn method, which '
+        "imports the main script again in every rank, so each rank ran the script and tried to start an "
+        'engine of its own. Put the code that creates the LLM under `if __name__ == "__main__":` '
+        "(https://docs.python.org/3/library/multiprocessing.html#the-spawn-and-forkserver-start-methods)"
+    )
+
+
+def _refuse_while_bootstrapping() -> None:
+    """In a spawned worker that is still importing the main script: leave the note and raise (the error a
+    spawn here would raise, Python's "An attempt has been made to start a new process before the current
+    process has finished its bootstrapping phase", does not say which code to move)."""
+    if not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main script"
+    try:  # spawn starts the worker as rank 0's direct child (fork + exec); parent_process() is not set yet
+        with open(_bootstrap_note(os.getppid()), "w") as f:
+            f.write(script)
+    except OSError:
+        pass  # rank 0 then reports the bare exit code; this worker's stderr has the message below
+    raise RuntimeError(_unguarded_main_message(script))
 
 
 def _free_port() -> int:
@@ -179,6 +219,7 @@ class SplitModel:
         gguf: str | None = None,
     ):
         size = tp * pp
+        _refuse_while_bootstrapping()
         if device.type == "cuda" and torch.cuda.device_count() < size:
             raise ValueError(
                 f"tensor_parallel_size={tp} x pipeline_parallel_size={pp} needs {size} CUDA devices; "
@@ -267,6 +308,15 @@ class SplitModel:
             for r, p in enumerate(self._procs, 1)
             if not p.is_alive()
         ]
+        note = _bootstrap_note(os.getpid())
+        if os.path.exists(note):  # a worker re-ran an unguarded main script (see the module's docstring)
+            try:
+                with open(note) as f:
+                    script = f.read()
+                os.unlink(note)
+            except OSError:
+                script = "the main script"
+            return f"{', '.join(dead) or 'a worker failed'} while starting: {_unguarded_main_message(script)}"
         return (
             f"{self.split}-parallel worker failure: {', '.join(dead) or 'all workers still running'} ({what})"
         )

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from specfleet.engine.config import EngineConfig
-from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer, resolve_model
+from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer
 from specfleet.engine.models import model_class
 from specfleet.engine.models.llama import LlamaArgs, LlamaModel
 from specfleet.engine.tokenizer import Tokenizer
@@ -140,13 +141,9 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
 def _resolve(config: EngineConfig):
     """The model's folder; for ``--quantization gguf`` over a GGUF file, a folder without weights (they are
     read from the file tensor by tensor, gguf_source.py), never the float32 conversion."""
-    if config.quantization == "gguf":
-        from specfleet.engine.quant.gguf_source import resolve_gguf
+    from specfleet.engine.quant.gguf_source import resolve_source
 
-        resolved = resolve_gguf(config.model)
-        if resolved is not None:
-            return resolved
-    return resolve_model(config.model)
+    return resolve_source(config.model, config.quantization)
 
 
 def _check_split(hf_config, tp: int, pp: int) -> None:
@@ -160,19 +157,28 @@ def _check_split(hf_config, tp: int, pp: int) -> None:
     stage_layers(a.num_layers, pp, 0)
 
 
-def _state(resolved, hf_config, quantization: str | None) -> dict:
+def _state(resolved, hf_config, quantization: str | None) -> Mapping:
+    """The single model's weights. GGUF: read lazily, as the model takes each layer's tensors (GGUFState), so
+    loading holds the packed model plus one layer's decoded tensors."""
+    if quantization == "gguf":
+        from specfleet.engine.quant.gguf_file import read_state
+
+        assert resolved.gguf is not None, (
+            "quantization='gguf' comes with the GGUF file it reads (resolve_gguf)"
+        )
+        return read_state(resolved.gguf, hf_config)
     return checkpoint_state(resolved.path, resolved.gguf, hf_config, quantization)
 
 
 def checkpoint_state(path: Path, gguf: Path | None, hf_config, quantization: str | None) -> dict:
     """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ).
-    Each rank of a split model reads its own copy through this too. GGUF: every tensor from the file (the
-    folder may hold no weights)."""
+    Each rank of a split model reads its own copy through this. GGUF: every tensor from the file (the
+    folder may hold no weights), decoded at once: a rank takes its stage's layers from the whole."""
     if quantization == "gguf":
         from specfleet.engine.quant.gguf_file import read_state
 
-        assert gguf is not None, "quantization='gguf' comes with the GGUF file it reads (resolve_model)"
-        return read_state(gguf, hf_config)  # tensor by tensor from the memory-mapped file, no float32 copy
+        assert gguf is not None, "quantization='gguf' comes with the GGUF file it reads (resolve_gguf)"
+        return dict(read_state(gguf, hf_config))
     state = load_state_dict(path)
     if quantization in ("awq", "gptq"):
         from specfleet.engine.quant.awq_gptq import quantized_state
@@ -206,7 +212,7 @@ def checkpoint_quantization(requested: str | None, hf_config, path) -> str | Non
 def bytes_per_block(model: LlamaModel | SplitModel, block_size: int) -> int:
     """K and V of every layer for one block of `block_size` tokens."""
     a = model.args
-    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * model.embed.element_size()
+    return 2 * a.num_layers * block_size * a.num_kv_heads * a.head_dim * torch.finfo(model.dtype).bits // 8
 
 
 def kv_cache_blocks(

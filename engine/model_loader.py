@@ -203,9 +203,13 @@ def _normalized_config(path: Path) -> dict[str, Any]:
 
 
 def load_tokenizer(path: Path) -> Tokenizer:
+    """The folder's tokenizer. AutoTokenizer is handed the normalized config (`load_hf_config`'s cache):
+    without it, it loads the config with transformers' own classes, whose import (torch.distributed,
+    accelerate, sympy) adds about 100 MB to every engine process's memory for nothing it keeps."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(path)
+    config = ModelConfig(**_normalized_config(path)) if (path / "config.json").is_file() else None
+    return AutoTokenizer.from_pretrained(path, config=config)
 
 
 def load_state_dict(path: Path) -> dict:

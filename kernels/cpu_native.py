@@ -540,6 +540,30 @@ class QuantLinear:
             _check("bias", bias, dim=1)
             self.bias = _pad(bias, self.out_features)
 
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the weight, [len(index), K] float32, read back from the packed panels: equal to
+        ``QuantTensor.select_rows(index).dequantize()``. A tied embedding looks its rows up here, so the
+        model holds the table once, in the head's layout."""
+        if self.perm is not None:
+            raise ValueError(f"{self.fmt}: an act-order weight's rows are not read back")
+        index = index.to(torch.int64)
+        panel, col = index // PANEL, index % PANEL
+        k, rows = self.in_features, index.shape[0]
+        if self.activations == "int8":  # dot panels [panel, K / chunk, half, 16, 4] (pack_dot_panels)
+            b = self.codes[panel, :, col // 16, col % 16, :]  # [rows, K / chunk, 4]
+            if self.bits == 8:
+                codes = (b ^ 0x80).view(torch.int8).reshape(rows, k)
+            else:  # low nibble: row k0 + i, high: k0 + 4 + i
+                codes = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(rows, k)
+        else:  # float panels [panel, K (or K / 2 for 4-bit), 32] (pack_quant_panels)
+            b = self.codes[panel, :, col]
+            codes = b if self.bits == 8 else torch.stack([b & 0x0F, b >> 4], dim=2).reshape(rows, k)
+        g = self.group_size
+        w = codes.float() * self.scales[panel, :, col].float().repeat_interleave(g, dim=1)
+        if self.mins is not None:
+            w += self.mins[panel, :, col].float().repeat_interleave(g, dim=1)
+        return w
+
     def descriptor(self) -> LinearDesc | None:
         """This linear for sf_decode_layers; None for an act-order weight (its input is permuted first)."""
         if self.perm is not None:

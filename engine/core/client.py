@@ -32,7 +32,8 @@ import msgspec
 import zmq
 import zmq.asyncio
 from specfleet.engine.config import EngineConfig, LiveConfig
-from specfleet.engine.model_loader import load_tokenizer, resolve_model
+from specfleet.engine.model_loader import load_tokenizer
+from specfleet.engine.quant.gguf_source import resolve_source
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 from .messages import (
@@ -146,7 +147,7 @@ class EngineCoreClient:
             # A model that cannot be found fails in the core too, with the core's own message: wait for it.
             tokenizer, tokenizer_error = None, None
             try:
-                tokenizer = load_tokenizer(resolve_model(config.model).path)
+                tokenizer = load_tokenizer(resolve_source(config.model, config.quantization).path)
             except Exception as exc:
                 tokenizer_error = exc
             ready = self._wait_ready(ready_timeout_s)

@@ -94,6 +94,7 @@ class ShardedLlama(LlamaModel):
         start = self.plan.vocab.start
         local = input_ids - start
         mine = (local >= 0) & (local < self.plan.vocab_shard)
+        assert self.embed is not None  # a vocab-split table is dense (quantized ones are not split)
         x = self.embed.index_select(0, local.clamp(0, self.plan.vocab_shard - 1))
         x = x * mine.unsqueeze(1).to(x.dtype)  # rows of other ranks' tokens are zero before the sum
         return self.group.all_reduce(x)

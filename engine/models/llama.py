@@ -216,24 +216,36 @@ class LlamaModel:
     ):
         self.args = args = LlamaArgs.from_hf(config)
         self.ops = ops = Ops(dtype, device, native, quantize, activations)
-        state = {
-            k.removeprefix("model."): v if isinstance(v, QuantTensor) else v.to(device=device, dtype=dtype)
-            for k, v in state.items()
-        }
-        self.embed = _dense(state, "embed_tokens.weight")
-        self.norm = _dense(state, "norm.weight").contiguous()
-        lm_head = state.get("lm_head.weight")
+        # Names without the `model.` prefix -> the state's own. The state may be lazy (a GGUF file read tensor
+        # by tensor, gguf_file.GGUFState): each tensor is taken when its layer is built and dropped once the
+        # layer has packed it, so loading holds the packed model plus one layer's checkpoint tensors.
+        names = {k.removeprefix("model."): k for k in state}
+
+        def take(name: str) -> torch.Tensor | QuantTensor:
+            v = state[names[name]]
+            return v if isinstance(v, QuantTensor) else v.to(device=device, dtype=dtype)
+
+        embed = take("embed_tokens.weight")
+        self.norm = _dense({"norm.weight": take("norm.weight")}, "norm.weight").contiguous()
+        lm_head = take("lm_head.weight") if "lm_head.weight" in names else None
         if lm_head is None or (args.tie_word_embeddings and not isinstance(lm_head, QuantTensor)):
-            lm_head = self.embed  # a quantized head of a tied model is the checkpoint's quantized embedding
+            lm_head = embed  # a quantized head of a tied model is the checkpoint's quantized embedding
         self.lm_head = ops.linear(lm_head)
-        state.pop("lm_head.weight", None)  # packed above
+        # The embedding table: dense rows, or a quantized table whose looked-up rows are dequantized per step
+        # (a GGUF's Q8_0 embedding would be 4x its size in float32); a tied one is read from the head's
+        # packed panels, so the model holds it once.
+        self.embed: torch.Tensor | None = None if isinstance(embed, QuantTensor) else embed
+        self._quant_embed: QuantTensor | None = None
+        if isinstance(embed, QuantTensor) and not (
+            lm_head is embed and isinstance(self.lm_head, cpu_native.QuantLinear)
+        ):
+            self._quant_embed = embed
+        del embed, lm_head
         self.layers = []
         for i in range(args.num_layers):
             prefix = f"layers.{i}."
-            # popped: a layer's checkpoint tensors are freed once it has packed them, so loading holds one
-            # layer's worth of both forms at a time rather than every layer's
-            names = [k for k in state if k.startswith(prefix)]
-            self.layers.append(LlamaLayer(args, {k[len(prefix) :]: state.pop(k) for k in names}, ops))
+            layer = [k for k in names if k.startswith(prefix)]
+            self.layers.append(LlamaLayer(args, {k[len(prefix) :]: take(k) for k in layer}, ops))
         cos, sin = rope_tables(config, args.head_dim, args.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
@@ -300,7 +312,12 @@ class LlamaModel:
         return fused
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [num_tokens] -> [num_tokens, hidden]
-        return self.embed.index_select(0, input_ids)
+        if self.embed is not None:
+            return self.embed.index_select(0, input_ids)
+        if self._quant_embed is not None:
+            return self._quant_embed.select_rows(input_ids).dequantize()
+        assert isinstance(self.lm_head, cpu_native.QuantLinear)  # the tied quantized table (__init__)
+        return self.lm_head.weight_rows(input_ids)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(self.ops.rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()

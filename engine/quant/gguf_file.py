@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import struct
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from io import BufferedReader
 from pathlib import Path
@@ -131,6 +132,9 @@ def tensor_infos(path: Path) -> list[TensorInfo]:
         shape = tuple(take("Q") for _ in range(n_dims))
         infos.append((name, take("I"), shape, take("Q")))
     start = -(-pos // alignment) * alignment
+    # The helpers above form a reference cycle (skip_value calls itself) that holds `data` until the garbage
+    # collector runs: released here, the 64 MB read is freed now rather than resident through the load.
+    data.release()
     return [TensorInfo(name, t, shape, start + off) for name, t, shape, off in infos]
 
 
@@ -185,90 +189,92 @@ def _dequantized(blob: BufferedReader, t: TensorInfo) -> torch.Tensor:
 _ROWS_PER_CHUNK = 2048
 
 
-def _dequantize_rows(q: QuantTensor) -> torch.Tensor:
-    """`q.dequantize()` a chunk of rows at a time, into one float32 tensor (same values)."""
-    n, k = q.shape
-    out = torch.empty(n, k)
-    for i in range(0, n, _ROWS_PER_CHUNK):
-        out[i : i + _ROWS_PER_CHUNK] = q.select_rows(
-            torch.arange(i, min(n, i + _ROWS_PER_CHUNK))
-        ).dequantize()
-    return out
+class GGUFState(Mapping[str, "torch.Tensor | QuantTensor"]):
+    """Every weight of the file by Hugging Face name (no ``model.`` prefix), read from the file only when
+    asked for and never kept: the model takes one layer's tensors, packs them into its kernels' layouts and
+    drops them before it asks for the next layer's, so loading holds the packed model plus one layer.
+
+    Projections and the embedding of a native type are `QuantTensor`s (the embedding a quantized row table,
+    not float32: it is as large as every projection of a small model together); the rest is dequantized to
+    float32. ``lm_head.weight`` is listed only when the file has ``output.weight``: without it the head is
+    the embedding (llama.cpp's tied head), which the model then reads once for both."""
+
+    def __init__(self, path: Path, hf_config):
+        self.path = path
+        self._heads = hf_config.num_attention_heads
+        self._kv_heads = getattr(hf_config, "num_key_value_heads", None) or self._heads
+        self._permuted = getattr(hf_config, "model_type", "llama") in _PERMUTED
+        self._infos: dict[str, TensorInfo] = {}
+        for t in tensor_infos(path):
+            name = hf_name(t.name) or float_name(t.name)
+            if name is not None:
+                self._infos[name] = t
+        self.native = [k for k, t in self._infos.items() if _is_native(t)]
+        skipped: dict[int, int] = {}
+        for k, t in self._infos.items():
+            if (hf_name(t.name) or k == "embed_tokens.weight") and not _is_native(t):
+                skipped[t.type_id] = skipped.get(t.type_id, 0) + 1
+        log.info(
+            "event=gguf_quantized file=%s native=%d float32_fallback_ggml_types=%s",
+            path.name,
+            len(self.native),
+            skipped or "none",
+        )
+
+    def __len__(self) -> int:
+        return len(self._infos)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._infos)
+
+    def __getitem__(self, name: str) -> torch.Tensor | QuantTensor:
+        t = self._infos[name]
+        with self.path.open("rb") as f:
+            if not _is_native(t):
+                w = _dequantized(f, t)
+                if self._permuted and name.endswith(_QK):
+                    w = w[self._unpermute(name, w.shape[0])]
+                return w
+            k, n = t.shape
+            raw, _ = _raw(f, t)
+        q = decode(raw, _TYPE_NAMES[t.type_id], (n, k))
+        del raw  # the blocks: the codes hold the tensor now
+        if self._permuted and name.endswith(_QK):
+            q = q.select_rows(self._unpermute(name, n))
+        return q
+
+    def _unpermute(self, name: str, rows: int) -> torch.Tensor:
+        return unpermute_rows(rows, self._heads if "q_proj" in name else self._kv_heads)
 
 
-def read_state(path: Path, hf_config) -> dict[str, torch.Tensor | QuantTensor]:
-    """Every weight of the file, by HF name (no ``model.`` prefix), one tensor at a time: projections of a
-    native type as `QuantTensor`s decoded from the memory-mapped blocks, the rest dequantized to float32."""
-    return _read(path, hf_config, floats=True)
+# q/k weights and biases, whose rows llama.cpp's converter permutes
+_QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")
+
+
+def _is_native(t: TensorInfo) -> bool:
+    """Whether the tensor stays quantized: a projection or the embedding, of a type the kernels run."""
+    return (
+        t.type_id in _TYPE_NAMES
+        and len(t.shape) == 2
+        and (hf_name(t.name) is not None or t.name == "token_embd.weight")
+    )
+
+
+def read_state(path: Path, hf_config) -> GGUFState:
+    """Every weight of the file, by HF name, read lazily (`GGUFState`)."""
+    return GGUFState(path, hf_config)
 
 
 def read_quantized(path: Path, hf_config) -> dict[str, QuantTensor]:
-    """Projection weights of the file whose type the kernels run natively, by Hugging Face name."""
-    return {k: v for k, v in _read(path, hf_config, floats=False).items() if isinstance(v, QuantTensor)}
-
-
-def _read(path: Path, hf_config, floats: bool) -> dict[str, torch.Tensor | QuantTensor]:
-    heads = hf_config.num_attention_heads
-    kv_heads = getattr(hf_config, "num_key_value_heads", None) or heads
-    permuted = getattr(hf_config, "model_type", "llama") in _PERMUTED
-    infos = tensor_infos(path)
-    with path.open("rb") as f:
-        return _read_tensors(f, infos, heads, kv_heads, permuted, floats, path.name)
-
-
-def _read_tensors(
-    blob: BufferedReader,
-    infos: list[TensorInfo],
-    heads: int,
-    kv_heads: int,
-    permuted: bool,
-    floats: bool,
-    file: str,
-) -> dict[str, torch.Tensor | QuantTensor]:
-    out: dict[str, torch.Tensor | QuantTensor] = {}
-    skipped: dict[int, int] = {}
-    embed: QuantTensor | None = None
-    for t in infos:
-        name = hf_name(t.name)
-        if name is None and t.name != "token_embd.weight":
-            fname = float_name(t.name)
-            if floats and fname is not None:
-                w = _dequantized(blob, t)
-                if permuted and fname.endswith(("q_proj.bias", "k_proj.bias")):
-                    w = w[unpermute_rows(w.shape[0], heads if "q_proj" in fname else kv_heads)]
-                out[fname] = w
-            continue
-        if t.type_id not in _TYPE_NAMES or len(t.shape) != 2:
-            skipped[t.type_id] = skipped.get(t.type_id, 0) + 1
-            if floats:
-                w = _dequantized(blob, t)
-                target = name or "embed_tokens.weight"
-                if permuted and target.endswith(("q_proj.weight", "k_proj.weight")):
-                    w = w[unpermute_rows(w.shape[0], heads if "q_proj" in target else kv_heads)]
-                out[target] = w
-            continue
-        k, n = t.shape
-        raw, _ = _raw(blob, t)
-        q = decode(np.asarray(raw), _TYPE_NAMES[t.type_id], (n, k))
-        if t.name == "token_embd.weight":
-            embed = q
-            if floats:  # a row lookup: float32 rows
-                out["embed_tokens.weight"] = _dequantize_rows(q)
-            continue
-        assert name is not None  # only token_embd.weight has no HF name, and it continued above
-        if permuted and name.endswith(("q_proj.weight", "k_proj.weight")):
-            q = q.select_rows(unpermute_rows(n, heads if "q_proj" in name else kv_heads))
-        out[name] = q
-    if (
-        "lm_head.weight" not in out
-        and embed is not None
-        and not any(t.name == "output.weight" for t in infos)
-    ):
-        out["lm_head.weight"] = embed
-    log.info(
-        "event=gguf_quantized file=%s native=%d float32_fallback_ggml_types=%s",
-        file,
-        sum(isinstance(v, QuantTensor) for v in out.values()),
-        skipped or "none",
-    )
+    """Projection weights of the file whose type the kernels run natively, by Hugging Face name; with no
+    ``output.weight``, the quantized embedding as ``lm_head.weight`` (the tied head)."""
+    state = GGUFState(path, hf_config)
+    out: dict[str, QuantTensor] = {}
+    for name in state.native:
+        q = state[name]
+        assert isinstance(q, QuantTensor)
+        if name != "embed_tokens.weight":
+            out[name] = q
+        elif "lm_head.weight" not in state:
+            out["lm_head.weight"] = q
     return out

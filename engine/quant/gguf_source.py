@@ -49,6 +49,17 @@ def resolve_gguf(source: str) -> ResolvedModel | None:
     return ResolvedModel(source, metadata_folder(gguf), name, gguf)
 
 
+def resolve_source(source: str, quantization: str | None) -> ResolvedModel:
+    """What a process that serves `source` reads: with ``--quantization gguf`` and a GGUF file, the
+    metadata-only folder (the engine's loader, the API server's tokenizer); otherwise resolve_model's
+    folder (a GGUF file converted to float32 once)."""
+    if quantization == "gguf":
+        resolved = resolve_gguf(source)
+        if resolved is not None:
+            return resolved
+    return model_loader.resolve_model(source)
+
+
 def metadata_folder(gguf: Path) -> Path:
     """config.json, generation_config.json and the tokenizer of a GGUF file, made once across processes,
     keyed by the file's identity; readers see all or none (cache_dir.py)."""

@@ -80,9 +80,14 @@ def _quantize(w: np.ndarray, qtype: Q) -> np.ndarray:
     return gguf.quants.quantize(w, qtype)
 
 
-def _write_files(tmp_path: Path, bundled_path: Path):
-    config = tiny_config("llama", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE)
+def _write_files(tmp_path: Path, bundled_path: Path, tied: bool = False):
+    """The GGUF file and its float32 reference; `tied`: no output.weight (the head is the embedding)."""
+    config = tiny_config(
+        "llama", hidden_size=HIDDEN, intermediate_size=INTERMEDIATE, tie_word_embeddings=tied
+    )
     state = tiny_state(config, std=0.2)
+    if tied:
+        state.pop("lm_head.weight", None)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
     writer = gguf.GGUFWriter(tmp_path / "tiny.gguf", "llama")
     dequantized = {}
@@ -133,8 +138,8 @@ def test_gguf_q5_q6_model_loads_lazily_and_matches_its_dequantized_weights(
     assert formats["layers.1.mlp.down_proj.weight"] == "gguf:Q5_K"
     assert formats["layers.0.self_attn.q_proj.weight"] == "gguf:Q5_0"
     assert formats["lm_head.weight"] == "gguf:Q5_1"
-    assert len(formats) == 2 * 7 + 1  # every projection and the head stay quantized
-    assert state["embed_tokens.weight"].dtype == torch.float32  # a row lookup: float32 rows
+    assert formats["embed_tokens.weight"] == "gguf:Q8_0"  # a quantized row table, not float32 rows
+    assert len(formats) == 2 * 7 + 2  # every projection, the head and the embedding stay quantized
     expected = [
         r.outputs[0].token_ids
         for r in LLM(model=f"file://{ref}", block_size=4, kv_cache_gib=0.02).generate(PROMPTS, GREEDY)
@@ -153,3 +158,68 @@ def test_gguf_q5_q6_model_loads_lazily_and_matches_its_dequantized_weights(
     folders = [p for p in (cache / "models").iterdir() if not p.name.startswith(".")]
     assert [p.name.endswith("-metadata") for p in folders] == [True]
     assert not list(folders[0].glob("*.safetensors"))
+
+
+@pytest.mark.parametrize("activations", ["float32", "int8"])
+def test_gguf_loads_one_layer_at_a_time_and_keeps_the_embedding_quantized(
+    tmp_path: Path, bundled_path: Path, monkeypatch: pytest.MonkeyPatch, activations: str
+) -> None:
+    """The memory property of --quantization gguf, structurally: the model asks for a layer's tensors only
+    once every earlier layer's decoded tensors are gone (held: the packed model plus one layer), and a tied
+    quantized embedding lives once, in the head's packed panels (no float32 table of vocab rows)."""
+    import weakref
+
+    from specfleet.engine.models.llama import LlamaModel
+    from specfleet.engine.quant.gguf_file import GGUFState
+
+    config, path, ref = _write_files(tmp_path, bundled_path, tied=True)
+    state = GGUFState(path, config)
+    handed: list[tuple[int, weakref.ref]] = []  # (layer, a decoded projection handed out)
+
+    class Watched(dict):
+        def __getitem__(self, name: str):
+            layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
+            alive = [n for n, r in handed if r() is not None and -1 < n < layer]
+            assert not alive, f"{name} asked for while layers {alive} are still decoded"
+            value = state[name]
+            if isinstance(value, QuantTensor):  # decoded codes (float norms are the model's own, kept)
+                handed.append((layer, weakref.ref(value)))
+            return value
+
+    model = LlamaModel(
+        config,
+        Watched.fromkeys(state),
+        torch.float32,
+        torch.device("cpu"),
+        quantize="gguf",
+        activations=activations,
+    )
+    assert sorted({n for n, _ in handed}) == [-1, 0, 1]
+    assert model.embed is None and isinstance(model.lm_head, cpu_native.QuantLinear)
+    tensors = [t for t in vars(model).values() if isinstance(t, torch.Tensor)]
+    assert not [t for t in tensors if t.dtype == torch.float32 and t.shape[0] == config.vocab_size]
+    ids = torch.tensor([0, 5, 31, 32, 33, 1000, config.vocab_size - 1])
+    embed = state["embed_tokens.weight"]
+    assert isinstance(embed, QuantTensor) and embed.fmt == "gguf:Q8_0"
+    assert torch.equal(model.embed_tokens(ids), embed.select_rows(ids).dequantize())
+    if activations == "float32":  # exact: the float32 engine's greedy tokens over the dequantized weights
+        expected = [
+            r.outputs[0].token_ids
+            for r in LLM(model=f"file://{ref}", block_size=4, kv_cache_gib=0.02).generate(PROMPTS, GREEDY)
+        ]
+        from specfleet.engine.quant import gguf_source
+
+        def metadata(gguf_path: Path, folder: Path) -> None:
+            (folder / "config.json").write_text(json.dumps(config.to_dict()))
+            copy_tokenizer(bundled_path, folder)
+
+        monkeypatch.setattr(gguf_source, "_write_metadata", metadata)
+        monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))
+        llm = LLM(
+            model=f"file://{path}",
+            quantization="gguf",
+            quantized_activations="float32",
+            block_size=4,
+            kv_cache_gib=0.02,
+        )
+        assert [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)] == expected

@@ -158,6 +158,8 @@ def test_gguf_q5_q6_model_loads_lazily_and_matches_its_dequantized_weights(
     folders = [p for p in (cache / "models").iterdir() if not p.name.startswith(".")]
     assert [p.name.endswith("-metadata") for p in folders] == [True]
     assert not list(folders[0].glob("*.safetensors"))
+    # the API server's process reads its tokenizer from the same folder (engine/core/client.py)
+    assert gguf_source.resolve_source(f"file://{path}", "gguf").path == folders[0]
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])

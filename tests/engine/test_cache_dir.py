@@ -187,7 +187,8 @@ def test_a_conversion_killed_midway_leaves_nothing_in_the_way(
     stub = type("Stub", (), {"from_pretrained": classmethod(lambda cls, *a, **k: cls())})
     stub.save_pretrained = lambda self, folder: (Path(folder) / "tokenizer.json").write_text("{}")
     fake = ModuleType("transformers")
-    fake.AutoTokenizer = fake.AutoModelForCausalLM = stub  # type: ignore[attr-defined]
+    setattr(fake, "AutoTokenizer", stub)  # noqa: B010 (a module built at run time has no such attribute)
+    setattr(fake, "AutoModelForCausalLM", stub)  # noqa: B010
     monkeypatch.setitem(sys.modules, "transformers", fake)
     monkeypatch.setattr(model_loader, "_save_plain", save_plain)
     monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))

@@ -1,7 +1,9 @@
 """Status from what exists: conditions Ready/Progressing/Degraded, replica counts and the endpoint.
 
-Pure functions of the InferenceService and its engine workloads as the API server reports them: one
-Deployment, one per role with spec.disaggregation (Ready only when every role is), or a LeaderWorkerSet.
+Pure functions of the InferenceService and its workloads as the API server reports them: the engines' (one
+Deployment, one per role with spec.disaggregation, or a LeaderWorkerSet) and, with routing on, the router
+Deployment. Ready only when every one of them is: clients reach the engines through the router, so a router
+that cannot start (ImagePullBackOff) is a service that does not answer.
 """
 
 from __future__ import annotations
@@ -34,12 +36,15 @@ class Cond:
 
 @dataclass(frozen=True)
 class Workload:
-    """One engine workload (Deployment or LeaderWorkerSet) as the API server reports it, and the count of
-    pods (LeaderWorkerSet: groups) it should run."""
+    """One workload (Deployment or LeaderWorkerSet) as the API server reports it, and the count of pods
+    (LeaderWorkerSet: groups) it should run. `engines`: its pods are engines, counted in status.replicas
+    (the scale subresource's); the router's are not. `pods`: the label selector of its pods, for messages."""
 
     name: str
     desired: int
     obj: dict[str, Any] | None
+    engines: bool = True
+    pods: str = ""
 
 
 @dataclass(frozen=True)
@@ -93,8 +98,8 @@ def deployment_conditions(isvc: InferenceService, workloads: list[Workload]) -> 
     """Ready/Progressing/Degraded over every engine workload: each is judged alone, then Ready is True only
     when all are, Progressing when any rolls, Degraded when any is (messages name the workload)."""
     if len(workloads) == 1:
-        return _workload_conditions(isvc, workloads[0].desired, workloads[0].obj)
-    judged = [(w.name, _workload_conditions(isvc, w.desired, w.obj)) for w in workloads]
+        return _workload_conditions(isvc, workloads[0])
+    judged = [(w.name, _workload_conditions(isvc, w)) for w in workloads]
 
     def combined(index: int, status_order: tuple[str, ...]) -> Cond:
         conds = [(name, c[index]) for name, c in judged]
@@ -116,9 +121,8 @@ def deployment_conditions(isvc: InferenceService, workloads: list[Workload]) -> 
     return [ready, progressing, combined(2, ("True", "False"))]
 
 
-def _workload_conditions(
-    isvc: InferenceService, desired: int, deployment: dict[str, Any] | None
-) -> list[Cond]:
+def _workload_conditions(isvc: InferenceService, workload: Workload) -> list[Cond]:
+    desired, deployment = workload.desired, workload.obj
     rollout = Rollout.of(desired, deployment)
     if rollout is None:
         return [
@@ -155,7 +159,7 @@ def _workload_conditions(
             "Degraded",
             "True",
             "ProgressDeadlineExceeded",
-            f"{message}; check `kubectl describe pods -l {LABEL_ISVC}={isvc.name}`",
+            f"{message}; check `kubectl describe pods -l {workload.pods or f'{LABEL_ISVC}={isvc.name}'}`",
         )
     elif failure.get("status") == "True":
         degraded = Cond(
@@ -233,7 +237,7 @@ def build_status(
     known = observed if observed is not None else all(r is not None and r.synced for r in rollouts)
     stamped = isvc.metadata.generation if known else previous.get("observedGeneration")
     conds = conditions if conditions is not None else deployment_conditions(isvc, workloads)
-    statuses = [(w.obj or {}).get("status") or {} for w in workloads]
+    statuses = [(w.obj or {}).get("status") or {} for w in workloads if w.engines]
     status: dict[str, Any] = {
         "conditions": condition_entries(previous.get("conditions") or [], conds, stamped, now),
         "replicas": sum(s.get("replicas", 0) for s in statuses),

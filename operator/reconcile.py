@@ -125,7 +125,8 @@ class Reconciler:
         service = await self._child(render_service(isvc), events, refused)
         if service is not None:
             children["Service"] = service
-        await self._converge_router(isvc, children, events, refused)
+        router = await self._converge_router(isvc, children, events, refused)
+        workloads = [*workloads, *router]  # the router is in the data path: one more workload to be Ready
         pdb = render_pdb(isvc)
         if pdb is not None:
             applied = await self._child(pdb, events, refused)
@@ -342,12 +343,23 @@ class Reconciler:
         children: dict[str, dict[str, Any]],
         events: list[Event],
         refused: list[Refusal],
-    ) -> None:
-        """With routing on, the router's RBAC, the engines' headless Service and the router Deployment;
-        with it off, none of them (deleted if this InferenceService owns them)."""
+    ) -> list[Workload]:
+        """With routing on, the router's RBAC, the engines' headless Service, the router Deployment and its
+        PDB; with it off, none of them (deleted if this InferenceService owns them). Returns the router
+        Deployment as a workload for the conditions (a refused one as it runs now), or none."""
         wanted = render_router_children(isvc, self.config)
+        router: list[Workload] = []
         for obj in wanted:
             applied = await self._child(obj, events, refused)
+            if obj["kind"] == "Deployment":
+                name = obj["metadata"]["name"]
+                current = applied or await self.client.get(object_path("Deployment", isvc.namespace, name))
+                selector = ",".join(f"{k}={v}" for k, v in obj["spec"]["selector"]["matchLabels"].items())
+                router.append(
+                    Workload(
+                        f"Deployment {name}", obj["spec"]["replicas"], current, engines=False, pods=selector
+                    )
+                )
             if applied is not None:
                 role = obj["metadata"]["labels"].get(LABEL_ROLE)
                 key = (
@@ -365,6 +377,7 @@ class Reconciler:
             name = router_name(isvc.name)
             services = [("Service", engines_service_name(isvc.name, role)) for role in (None, *ROLES)]
             for kind, child in (
+                ("PodDisruptionBudget", name),
                 ("Deployment", name),
                 *services,
                 ("RoleBinding", name),
@@ -372,6 +385,7 @@ class Reconciler:
                 ("ServiceAccount", name),
             ):
                 await self._delete_owned(kind, isvc, events, child, "routing is disabled")
+        return router
 
     async def _delete_owned(
         self,

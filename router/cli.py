@@ -14,6 +14,7 @@ from .endpoints import EndpointSet
 from .policies import DEFAULT_POLICY, POLICIES, make_policy
 from .prefix import BlockHasher, stable_hash
 from .proxy import Router, serve
+from .shutdown import drain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -74,6 +75,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds a request waits for a ready engine (scale from zero); 0 answers 503 at once",
     )
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting at most")
+    # the engine's flags, with the engine's meaning (engine/server/cli.py; router/shutdown.py)
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=30.0,
+        help="seconds in-flight requests (streams included) may take to finish after SIGTERM",
+    )
+    p.add_argument(
+        "--shutdown-delay",
+        type=float,
+        default=0.0,
+        help="seconds after SIGTERM during which /ready already fails but new requests are still "
+        "served (clients routed before the endpoint was removed), before they get 503",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -89,8 +104,10 @@ def load_encoder(path: str):  # returns a text -> ids function
 def build_router(args: argparse.Namespace) -> Router:
     if args.block_size < 1:
         raise ValueError(f"--block-size={args.block_size} must be >= 1")
-    if args.max_retries < 0 or args.max_queue < 0 or args.queue_timeout < 0:
-        raise ValueError("--max-retries, --max-queue and --queue-timeout must be >= 0")
+    if min(args.max_retries, args.max_queue, args.queue_timeout, args.drain_timeout, args.shutdown_delay) < 0:
+        raise ValueError(
+            "--max-retries, --max-queue, --queue-timeout, --drain-timeout and --shutdown-delay must be >= 0"
+        )
     options = {"load_factor": args.load_factor} if args.policy == "prefix" else {}
     encode = load_encoder(args.tokenizer) if args.tokenizer else None
     hasher = BlockHasher(args.block_size, encode, stable_hash(args.model) if args.model else 0)
@@ -135,13 +152,17 @@ async def run(args: argparse.Namespace) -> int:
     logging.getLogger("specfleet.router").info(
         "event=listening host=%s port=%d policy=%s", args.host, args.port, args.policy
     )
-    stop = asyncio.Event()
+    stop, forced = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains; a second one skips the drain's waits
+        (forced if stop.is_set() else stop).set()
+
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(sig, on_signal)
     await stop.wait()
-    router.stopping = True  # /ready turns 503; in-flight requests finish during cleanup
-    for task in tasks:
+    await drain(router, args.shutdown_delay, args.drain_timeout, forced)
+    for task in tasks:  # discovery ran through the drain: streams may still have needed a new engine
         task.cancel()
     await runner.cleanup()
     return 0

@@ -102,7 +102,8 @@ class Router:
     max_queue: int = 256  # requests waiting at most; more get 503 at once
     connect_timeout_s: float = 5.0
     request_timeout_s: float = 3600.0
-    stopping: bool = False
+    stopping: bool = False  # SIGTERM came: /ready fails so the Service drops this pod (router/shutdown.py)
+    draining: bool = False  # after the shutdown delay: new requests get 503, in-flight ones finish
     metrics: RouterMetrics = field(default_factory=RouterMetrics)
     on_queue: Callable[[int], None] | None = (
         None  # called with the queue's length when a request starts waiting
@@ -114,6 +115,12 @@ class Router:
         self._waiting = 0
         self.cold_start_s: float | None = None  # the last scale from zero: the first queued request's wait
         self.synced = False  # discovery reported at least once: before that, an empty set means "unknown"
+        self._in_flight = 0
+
+    @property
+    def in_flight(self) -> int:
+        """Client requests this router is handling now (streams included, until their last byte)."""
+        return self._in_flight
 
     # ---- endpoint changes (discovery and the local fleet call this) -------------------------------
     @property
@@ -196,9 +203,16 @@ class Router:
         return choice
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
-        if self.stopping:
+        if self.draining:
             self.metrics.requests.labels("", "unavailable").inc()
             return _error(503, "the router is stopping; retry against another endpoint", 5)
+        self._in_flight += 1
+        try:
+            return await self._route(request)
+        finally:
+            self._in_flight -= 1
+
+    async def _route(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
         route = self.route_request(body, request.headers) if request.method == "POST" else RouteRequest()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
@@ -379,17 +393,35 @@ def create_app(router: Router) -> web.Application:
     async def on_cleanup(_: web.Application) -> None:
         await router.close()
 
+    async def close_when_stopping(_: web.Request, response: web.StreamResponse) -> None:
+        """Once stopping, every response ends its connection: a keep-alive client's next request opens a new
+        one, which the Service sends to a router that is not stopping."""
+        if router.stopping:
+            response.force_close()  # the server closes the connection after this response
+            response.headers["Connection"] = "close"  # and says so (the headers are built before this hook)
+
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/v1/{path:.*}", router.forward)
     app.on_cleanup.append(on_cleanup)
+    app.on_response_prepare.append(close_when_stopping)
     return app
+
+
+# The runner's cleanup (after the drain: router/shutdown.py) gives requests still running this long to end
+# before it cancels them; the drain has already waited for them, so this only lets last bytes leave.
+CLEANUP_GRACE_SECONDS = 0.5
 
 
 async def serve(router: Router, host: str, port: int) -> web.AppRunner:
     """Start the router's server on the running loop; the caller keeps the runner and cleans it up."""
-    runner = web.AppRunner(create_app(router), handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(
+        create_app(router),
+        handler_cancellation=True,
+        access_log=None,
+        shutdown_timeout=CLEANUP_GRACE_SECONDS,
+    )
     await runner.setup()
     await web.TCPSite(runner, host, port).start()
     return runner

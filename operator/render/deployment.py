@@ -303,7 +303,6 @@ def _pod_spec(
             *(dict(m) for m in spec.pod.volume_mounts),
         ],
     }
-    sched = spec.scheduling
     pod: dict[str, Any] = {
         "automountServiceAccountToken": spec.pod.automount_service_account_token,
         "enableServiceLinks": False,
@@ -326,7 +325,15 @@ def _pod_spec(
     init = [*model.init_containers, *draft.init_containers]
     if init:
         pod["initContainers"] = init
-    optional = {
+    pod.update(pod_passthrough(spec))
+    return pod
+
+
+def pod_passthrough(spec: InferenceServiceSpec) -> dict[str, Any]:
+    """spec.scheduling's and spec.pod's pod-level fields as the pod spec spells them, the unset ones left
+    out: the engine pods take them all, the router pods some of them (router.py, ROUTER_POD_FIELDS)."""
+    sched = spec.scheduling
+    fields = {
         "nodeSelector": dict(sched.node_selector),
         "tolerations": [dict(t) for t in sched.tolerations],
         "affinity": dict(sched.affinity),
@@ -336,8 +343,7 @@ def _pod_spec(
         "serviceAccountName": spec.pod.service_account_name,
         "imagePullSecrets": [dict(s) for s in spec.pod.image_pull_secrets],
     }
-    pod.update({key: value for key, value in optional.items() if value})
-    return pod
+    return {key: value for key, value in fields.items() if value}
 
 
 def _sum_quantities(values: list[str | None]) -> str | None:

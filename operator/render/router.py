@@ -22,13 +22,28 @@ from ..resources import (
     router_name,
     router_selector_labels,
 )
+from ..spec import RouterPodSpec
 from .common import owner_reference
-from .deployment import CONTAINER_SECURITY_CONTEXT, RUN_AS_USER
+from .deployment import (
+    CONTAINER_SECURITY_CONTEXT,
+    PRESTOP_SLEEP_SECONDS,
+    RUN_AS_USER,
+    SHUTDOWN_DELAY_SECONDS,
+    pod_passthrough,
+    termination_grace_seconds,
+)
 from .slo import slo_service_labels
 
 # The router holds no model: a few hundred MB covers aiohttp, the prefix index (65,536 hashes per engine,
 # ~10 MB) and its buffers; one core forwards thousands of requests a second.
 ROUTER_RESOURCES = {"requests": {"cpu": "250m", "memory": "256Mi"}, "limits": {"cpu": "2", "memory": "1Gi"}}
+# What the router pods take from the engines' pod passthrough (pull secrets, node selector, tolerations,
+# affinity, priority class), unless routing.pod sets it. Not the ServiceAccount (the router's own holds its
+# EndpointSlice RBAC; the pull secrets go on the pod, so it needs none of the engines'), the runtime class
+# (a GPU runtime) or the topology spread constraints (they select engine pods).
+ROUTER_PASSTHROUGH = tuple(RouterPodSpec().model_dump(by_alias=True))
+# Preferred, not required: two router pods may share a node when no other fits (a one-node cluster).
+HOSTNAME_TOPOLOGY = "kubernetes.io/hostname"
 
 
 def _metadata(isvc: InferenceService, name: str, labels: dict[str, str]) -> dict[str, Any]:
@@ -75,7 +90,33 @@ def router_args(isvc: InferenceService) -> list[str]:
         str(spec.engine.block_size),
         "--model",
         spec.model.source,
+        # the engine's termination sequence and timings (deployment.py): an in-flight stream gets as long
+        # through a router restart as through an engine's
+        "--shutdown-delay",
+        str(SHUTDOWN_DELAY_SECONDS),
+        "--drain-timeout",
+        str(spec.engine.drain_timeout_seconds),
     ]
+
+
+def router_placement(isvc: InferenceService) -> dict[str, Any]:
+    """The router pod's pull secrets and placement: the engines' (ROUTER_PASSTHROUGH), each replaced by
+    routing.pod's value where that is set, plus a preferred anti-affinity that spreads the router pods
+    over nodes (a node drain then takes one of them, not all)."""
+    inherited = {k: v for k, v in pod_passthrough(isvc.spec).items() if k in ROUTER_PASSTHROUGH}
+    placement = {k: v for k, v in {**inherited, **isvc.spec.routing.pod.overrides()}.items() if v}
+    affinity = dict(placement.get("affinity") or {})
+    anti = dict(affinity.get("podAntiAffinity") or {})
+    spread = {
+        "weight": 100,
+        "podAffinityTerm": {
+            "labelSelector": {"matchLabels": router_selector_labels(isvc.name)},
+            "topologyKey": HOSTNAME_TOPOLOGY,
+        },
+    }
+    preferred = "preferredDuringSchedulingIgnoredDuringExecution"
+    anti[preferred] = [*anti.get(preferred, []), spread]
+    return {**placement, "affinity": {**affinity, "podAntiAffinity": anti}}
 
 
 def render_router_deployment(isvc: InferenceService, config: OperatorConfig | None = None) -> dict[str, Any]:
@@ -96,6 +137,9 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
             "failureThreshold": 3,
         },
         "resources": ROUTER_RESOURCES,
+        # The pod leaves the Service's endpoints while this runs; SIGTERM comes after it (the engine's
+        # PRESTOP_SLEEP_SECONDS, for the same EndpointSlice propagation).
+        "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": CONTAINER_SECURITY_CONTEXT,
     }
     return {
@@ -105,6 +149,8 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
         "spec": {
             "replicas": routing.replicas,
             "selector": {"matchLabels": router_selector_labels(isvc.name)},
+            # a router pod is small and starts in seconds: surge one, never below the ready count
+            "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
             "template": {
                 "metadata": {
                     "labels": router_labels(isvc.name),
@@ -123,8 +169,9 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
-                    # A router pod finishes its streams on SIGTERM; a minute covers typical generations.
-                    "terminationGracePeriodSeconds": 60,
+                    # preStop + shutdown delay + drain timeout + margin, as the engine's (router_args)
+                    "terminationGracePeriodSeconds": termination_grace_seconds(isvc.spec),
+                    **router_placement(isvc),
                 },
             },
         },
@@ -181,10 +228,31 @@ def render_router_rbac(isvc: InferenceService) -> list[dict[str, Any]]:
     ]
 
 
+def render_router_pdb(isvc: InferenceService) -> dict[str, Any]:
+    """At most one router pod voluntarily evicted at a time (a node drain, a cluster upgrade): with two or
+    more the others keep serving. maxUnavailable, not minAvailable, so that one router pod never blocks a
+    drain; a pod that is not ready may always be evicted (it serves nothing)."""
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(isvc, router_name(isvc.name), router_labels(isvc.name)),
+        "spec": {
+            "maxUnavailable": 1,
+            "selector": {"matchLabels": router_selector_labels(isvc.name)},
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
 def render_router_children(
     isvc: InferenceService, config: OperatorConfig | None = None
 ) -> list[dict[str, Any]]:
     """Everything routing adds, in apply order (RBAC before the pods that use it); [] when routing is off."""
     if not isvc.spec.routing.enabled:
         return []
-    return [*render_router_rbac(isvc), *engines_services(isvc), render_router_deployment(isvc, config)]
+    return [
+        *render_router_rbac(isvc),
+        *engines_services(isvc),
+        render_router_deployment(isvc, config),
+        render_router_pdb(isvc),
+    ]

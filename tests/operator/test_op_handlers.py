@@ -9,6 +9,7 @@ import yaml
 from fake_kube import FakeKube
 from helpers import wait_for
 from isvc_schema_tools import REPO
+from rollouts import report_router_rolled_out
 from specfleet.operator.cli import build_parser, main
 
 NS = "team-a"
@@ -61,6 +62,8 @@ def test_operator_converges_and_keeps_converging(fake_kube: FakeKube, kubeconfig
             "availableReplicas": 1,
         }
         fake_kube.put(*DEPLOY, NS, deployment)
+        wait_for("the router Deployment", lambda: fake_kube.get(*DEPLOY, NS, "smollm2-router"))
+        report_router_rolled_out(fake_kube, NS, "smollm2")
         wait_for("Ready=True after the pods are ready", lambda: ready_status(fake_kube) == "True")
 
         isvc = fake_kube.get(*ISVC, NS, "smollm2")
@@ -155,5 +158,7 @@ def test_operator_runs_prefill_and_decode_roles(fake_kube: FakeKube, kubeconfig:
                 "availableReplicas": count,
             }
             fake_kube.put(*DEPLOY, NS, deployment)
+        wait_for("the router Deployment", lambda: fake_kube.get(*DEPLOY, NS, "smollm2-router"))
+        report_router_rolled_out(fake_kube, NS, "smollm2")
         wait_for("Ready=True once both roles are ready", lambda: ready_status(fake_kube) == "True")
     assert runner.exit_code == 0, runner.output

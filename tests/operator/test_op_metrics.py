@@ -14,6 +14,7 @@ import yaml
 from fake_kube import FakeKube
 from helpers import free_port, wait_for
 from isvc_schema_tools import REPO
+from rollouts import report_router_rolled_out
 
 NS = "team-a"  # the namespace the API double grants the chart's RBAC in (conftest.py)
 NAME = "metered"  # not a name other tests leave series for in this process's registry
@@ -89,6 +90,8 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
             "availableReplicas": 1,
         }
         fake_kube.put(*DEPLOY, NS, deployment)
+        wait_for("the router Deployment", lambda: fake_kube.get(*DEPLOY, NS, f"{NAME}-router"))
+        report_router_rolled_out(fake_kube, NS, NAME)
         wait_for(
             "Ready=True as the only Ready series",
             lambda: len(ready()) == 1 and 'status="True"' in next(iter(ready())),
@@ -146,6 +149,8 @@ def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
             "availableReplicas": 1,
         }
         fake_kube.put(*DEPLOY, NS, deployment)
+        wait_for("the router Deployment", lambda: fake_kube.get(*DEPLOY, NS, f"{NAME}-router"))
+        report_router_rolled_out(fake_kube, NS, NAME)
         wait_for(
             "generation 1 reconciled",
             lambda: series(metrics_url, "specfleet_inferenceservice_observed_generation").get(key) == 1.0,

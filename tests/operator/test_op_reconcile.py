@@ -9,6 +9,7 @@ from typing import Any
 import yaml
 from fake_kube import FakeKube
 from isvc_schema_tools import REPO
+from rollouts import report_rollout, report_router_rolled_out
 from specfleet.operator.config import OperatorConfig
 from specfleet.operator.inference_service import parse_inference_service
 from specfleet.operator.kube import KubeClient
@@ -63,22 +64,14 @@ def set_deployment_status(
     updated: int | None = None,
     replicas: int | None = None,
     synced: bool = True,
+    router: bool = True,
     **extra: Any,
 ) -> None:
-    """As the Deployment controller reports (available = ready: no minReadySeconds)."""
-    deployment = fake.get(*DEPLOY, NS, "smollm2")
-    assert deployment is not None
-    desired = deployment["spec"]["replicas"]
-    generation = deployment["metadata"]["generation"]
-    deployment["status"] = {
-        "observedGeneration": generation if synced else generation - 1,
-        "replicas": desired if replicas is None else replicas,
-        "updatedReplicas": desired if updated is None else updated,
-        "readyReplicas": ready,
-        "availableReplicas": ready,
-        **extra,
-    }
-    fake.put(*DEPLOY, NS, deployment)
+    """The engine Deployment's status as its controller reports it; with `router`, the router Deployment
+    (when routing renders one) has finished its rollout, so the engines' state decides Ready."""
+    report_rollout(fake, NS, "smollm2", ready, updated, replicas, synced, **extra)
+    if router and fake.get(*DEPLOY, NS, "smollm2-router") is not None:
+        report_router_rolled_out(fake, NS, "smollm2")
 
 
 def conditions(fake: FakeKube) -> dict[str, tuple[str, str]]:
@@ -284,6 +277,7 @@ def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:
     rbac = "/apis/rbac.authorization.k8s.io/v1"
     router_objects = [
         (DEPLOY, "smollm2-router"),
+        (PDB, "smollm2-router"),
         (SERVICE, "smollm2-engines"),
         (("/api/v1", "serviceaccounts"), "smollm2-router"),
         ((rbac, "roles"), "smollm2-router"),
@@ -300,4 +294,4 @@ def test_router_children_follow_routing_enabled(fake_kube: FakeKube) -> None:
         assert fake_kube.get(*kind, NS, name) is None, (kind, name)
     service = fake_kube.get(*SERVICE, NS, "smollm2")
     assert service["spec"]["selector"] == {"serving.specfleet.io/inferenceservice": "smollm2"}
-    assert sum(e.reason == "Deleted" for e in outcome.events) == 5
+    assert sum(e.reason == "Deleted" for e in outcome.events) == 6

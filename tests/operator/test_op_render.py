@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 import yaml
-from isvc_schema_tools import EXAMPLES, REPO, k8s_validate
+from isvc_schema_tools import EXAMPLES, REPO, apply_defaults, crd_schema, k8s_validate
 from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 from specfleet.operator import InferenceService, load_inference_service
 from specfleet.operator.config import OperatorConfig
@@ -445,3 +445,109 @@ def test_autoscaling_replicas_come_from_the_tuners_status_never_from_a_spec_writ
     assert render_deployment(load_inference_service(doc), CONFIG)["spec"]["replicas"] == 3
     doc["spec"]["autoscaling"]["enabled"] = False  # off: spec.replicas again (an HPA/KEDA may drive it)
     assert render_deployment(load_inference_service(doc), CONFIG)["spec"]["replicas"] == 1
+
+
+# ---- the router as a workload of its own: placement, replicas, disruption, termination -------------------
+PLACEMENT = {
+    "pod__imagePullSecrets": [{"name": "mirror-pull"}],
+    "pod__serviceAccountName": "engines",
+    "scheduling__nodeSelector": {"pool": "inference"},
+    "scheduling__tolerations": [
+        {"key": "dedicated", "operator": "Equal", "value": "llm", "effect": "NoSchedule"}
+    ],
+    "scheduling__priorityClassName": "llm-high",
+    "scheduling__runtimeClassName": "nvidia",
+    "scheduling__affinity": {
+        "nodeAffinity": {
+            "requiredDuringSchedulingIgnoredDuringExecution": {
+                "nodeSelectorTerms": [
+                    {"matchExpressions": [{"key": "zone", "operator": "In", "values": ["a"]}]}
+                ]
+            }
+        }
+    },
+}
+
+
+def router_deployment(isvc: InferenceService) -> dict[str, Any]:
+    (router,) = [o for o in render_router_children(isvc, CONFIG) if o["kind"] == "Deployment"]
+    k8s_validate(router)
+    return router
+
+
+def test_router_pods_take_the_engines_pull_secrets_and_placement_but_keep_their_service_account() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", **PLACEMENT)
+    pod = router_deployment(isvc)["spec"]["template"]["spec"]
+    assert pod["imagePullSecrets"] == [{"name": "mirror-pull"}]  # a private mirror serves the router too
+    assert pod["nodeSelector"] == {"pool": "inference"} and pod["priorityClassName"] == "llm-high"
+    assert pod["tolerations"] == PLACEMENT["scheduling__tolerations"]
+    assert pod["affinity"]["nodeAffinity"] == PLACEMENT["scheduling__affinity"]["nodeAffinity"]
+    # its own ServiceAccount (EndpointSlice RBAC), no GPU runtime class
+    assert pod["serviceAccountName"] == "smollm2-router" and "runtimeClassName" not in pod
+
+
+def test_routing_pod_replaces_the_passthrough_field_by_field() -> None:
+    isvc = isvc_from(
+        "smollm2-cpu.yaml",
+        **PLACEMENT,
+        routing__pod={
+            "nodeSelector": {"pool": "cpu"},
+            "tolerations": [],
+            "imagePullSecrets": [{"name": "r"}],
+        },
+    )
+    pod = router_deployment(isvc)["spec"]["template"]["spec"]
+    assert pod["nodeSelector"] == {"pool": "cpu"} and pod["imagePullSecrets"] == [{"name": "r"}]
+    assert "tolerations" not in pod  # set to empty: none for the router, whatever the engines have
+    assert pod["priorityClassName"] == "llm-high"  # unset in routing.pod: the engines' value
+    # the engines keep theirs
+    engines = render_deployment(isvc, CONFIG)["spec"]["template"]["spec"]
+    assert engines["nodeSelector"] == {"pool": "inference"} and engines["tolerations"]
+
+
+def test_two_router_pods_spread_over_nodes_with_a_pdb() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", **PLACEMENT)
+    router = router_deployment(isvc)
+    assert router["spec"]["replicas"] == 2
+    assert router["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    labels = router["spec"]["template"]["metadata"]["labels"]
+    anti = router["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    (term,) = anti["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert term["podAffinityTerm"]["topologyKey"] == "kubernetes.io/hostname"
+    assert _selects(term["podAffinityTerm"]["labelSelector"]["matchLabels"], labels)
+    (pdb,) = [o for o in render_router_children(isvc, CONFIG) if o["kind"] == "PodDisruptionBudget"]
+    k8s_validate(pdb)
+    assert pdb["metadata"]["name"] == "smollm2-router" and pdb["spec"]["maxUnavailable"] == 1
+    assert _selects(pdb["spec"]["selector"]["matchLabels"], labels)
+    engine_pods = render_deployment(isvc, CONFIG)["spec"]["template"]["metadata"]["labels"]
+    assert not _selects(pdb["spec"]["selector"]["matchLabels"], engine_pods)
+    assert isvc_from("smollm2-cpu.yaml", routing__replicas=3).spec.routing.replicas == 3
+
+
+def test_router_terminates_as_the_engine_does() -> None:
+    """preStop sleep, then SIGTERM with the engine's --shutdown-delay and --drain-timeout, and a grace period
+    covering all of them: the same numbers as the engine pod's."""
+    isvc = isvc_from("smollm2-cpu.yaml", engine__drainTimeoutSeconds=45)
+    router, engines = router_deployment(isvc), render_deployment(isvc, CONFIG)
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert container["lifecycle"] == engine(engines)["lifecycle"]
+    grace = router["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace == engines["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    args = router_parser().parse_args(container["args"])
+    engine_args = build_parser().parse_args(engine(engines)["args"])
+    assert (args.shutdown_delay, args.drain_timeout) == (engine_args.shutdown_delay, 45)
+    prestop = int(container["lifecycle"]["preStop"]["exec"]["command"][1])
+    assert grace > prestop + args.shutdown_delay + args.drain_timeout
+
+
+def test_routing_pod_fields_the_api_server_defaults_stay_unset() -> None:
+    """Through the CRD's defaulting (as the API server stores the object) an unset routing.pod field is still
+    unset, so the router takes the engines' value: no `priorityClassName: ""` filled in."""
+    doc = yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
+    doc["metadata"].update(namespace="team-a", uid="uid-1234", generation=1)
+    doc["spec"]["scheduling"] = {"priorityClassName": "llm-high"}
+    doc["spec"]["routing"] = {"pod": {"nodeSelector": {"pool": "cpu"}}}
+    stored = apply_defaults(crd_schema(), doc)
+    assert stored["spec"]["routing"]["pod"] == {"nodeSelector": {"pool": "cpu"}}
+    pod = router_deployment(load_inference_service(stored))["spec"]["template"]["spec"]
+    assert (pod["priorityClassName"], pod["nodeSelector"]) == ("llm-high", {"pool": "cpu"})

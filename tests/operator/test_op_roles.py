@@ -17,6 +17,7 @@ import yaml
 from fake_kube import FakeKube, Rbac
 from isvc_schema_tools import REPO, admission_errors, k8s_validate
 from kube_admission import apply_defaults, cel_errors, prune, schema_errors
+from rollouts import report_router_rolled_out
 from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 from specfleet.operator import InferenceService, load_inference_service
 from specfleet.operator.conditions import Workload, deployment_conditions
@@ -271,6 +272,9 @@ def test_reconcile_rolls_out_both_roles_and_reports_ready_when_both_are(fake_kub
     assert conditions(fake_kube)["Ready"] == ("Unknown", "Pending")  # decode not reported yet
     report(fake_kube, "smollm2-decode", 2)
     reconcile(fake_kube)
+    assert conditions(fake_kube)["Ready"] == ("Unknown", "Pending")  # the router not reported yet
+    report_router_rolled_out(fake_kube, NS, "smollm2")
+    reconcile(fake_kube)
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
     status = fake_kube.get(*ISVC, NS, "smollm2")["status"]
     assert (status["replicas"], status["readyReplicas"]) == (3, 3)
@@ -408,6 +412,7 @@ def test_reconcile_applies_the_leader_worker_set_where_its_crd_is_installed() ->
             "updatedReplicas": 2,
         }
         fake.put(*LWS, NS, lws)
+        report_router_rolled_out(fake, NS, "smollm2")
         reconcile(fake)
         assert conditions(fake)["Ready"] == ("True", "AllReplicasReady")
         doc = copy.deepcopy(fake.get(*ISVC, NS, "smollm2"))

@@ -12,6 +12,7 @@ from typing import Any
 import kopf
 import pytest
 from fake_kube import FakeKube, Rbac
+from rollouts import report_rollout
 from specfleet.operator import handlers
 from specfleet.operator.config import OperatorConfig
 from specfleet.operator.kube import KubeClient
@@ -320,3 +321,53 @@ def test_network_policy_admits_only_the_operator_to_the_admin_port() -> None:
         fake.stop()
     with pytest.raises(ValueError, match="POD_NAMESPACE"):
         OperatorConfig.from_env({"SPECFLEET_NETWORK_POLICY": "true"})
+
+
+def test_a_router_that_cannot_start_is_not_ready_and_then_degraded(fake_kube: FakeKube) -> None:
+    """The router is in the data path: engines all ready behind router pods stuck in ImagePullBackOff (never
+    ready) is a service that answers nobody, which Ready, Progressing and Degraded say."""
+    create_isvc(fake_kube)
+    reconcile(fake_kube)
+    set_deployment_status(fake_kube, ready=1, router=False)
+    report_rollout(fake_kube, NS, "smollm2-router", ready=0)  # 2 pods created, pulling fails
+    reconcile(fake_kube)
+    assert conditions(fake_kube)["Ready"] == ("False", "ReplicasNotReady")
+    ready = next(c for c in status(fake_kube)["conditions"] if c["type"] == "Ready")
+    assert "Deployment smollm2-router: scaling to 2 replicas: 0/2 available" in ready["message"]
+    assert conditions(fake_kube)["Progressing"] == ("True", "RollingOut")
+    assert (status(fake_kube)["replicas"], status(fake_kube)["readyReplicas"]) == (1, 1)  # engines only
+
+    deadline = {
+        "type": "Progressing",
+        "status": "False",
+        "reason": "ProgressDeadlineExceeded",
+        "message": 'ReplicaSet "smollm2-router-5d4" has timed out progressing.',
+    }
+    report_rollout(fake_kube, NS, "smollm2-router", ready=0, conditions=[deadline])
+    reconcile(fake_kube)
+    assert conditions(fake_kube)["Degraded"] == ("True", "ProgressDeadlineExceeded")
+    assert conditions(fake_kube)["Progressing"] == ("False", "ProgressDeadlineExceeded")
+    degraded = next(c for c in status(fake_kube)["conditions"] if c["type"] == "Degraded")
+    assert "kubectl describe pods -l serving.specfleet.io/router=smollm2" in degraded["message"]
+
+    report_rollout(fake_kube, NS, "smollm2-router")  # the pull secret arrived: both router pods ready
+    reconcile(fake_kube)
+    assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
+    assert conditions(fake_kube)["Degraded"] == ("False", "AsExpected")
+
+
+def test_a_router_rollout_is_progressing_and_routing_off_leaves_it_out(fake_kube: FakeKube) -> None:
+    create_isvc(fake_kube)
+    reconcile(fake_kube)
+    set_deployment_status(fake_kube, ready=1)
+    reconcile(fake_kube)
+    assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")
+    # an operator upgrade rolls the router: one surge pod of the new template, two old ones
+    report_rollout(fake_kube, NS, "smollm2-router", ready=2, updated=1, replicas=3)
+    reconcile(fake_kube)
+    assert conditions(fake_kube)["Ready"] == ("False", "RollingOut")
+    assert conditions(fake_kube)["Progressing"] == ("True", "RollingOut")
+    update_spec(fake_kube, routing={"enabled": False})
+    reconcile(fake_kube)
+    assert fake_kube.get(*DEPLOY, NS, "smollm2-router") is None
+    assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")

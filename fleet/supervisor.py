@@ -477,7 +477,7 @@ class LocalFleet:
 
     async def stop(self, drain_timeout_s: float | None = None) -> list[int | None]:
         """Stop taking requests, SIGTERM the engines (they finish in-flight work), wait; exit codes."""
-        self.router.stopping = True
+        self.router.stopping = self.router.draining = True  # /ready fails and new requests get 503
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -18,7 +18,19 @@ from typing import Any
 import yaml
 from pydantic import BaseModel
 
-from .resources import GROUP, KIND, LIST_KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
+from .inference_service import NAME_PATTERN
+from .resources import (
+    DNS1035_LABEL_MAX,
+    GROUP,
+    KIND,
+    LIST_KIND,
+    LONGEST_CHILD_SUFFIX,
+    MAX_NAME_LENGTH,
+    PLURAL,
+    SHORT_NAMES,
+    SINGULAR,
+    VERSION,
+)
 from .spec import K8S_SCHEMA_KEY, InferenceServiceSpec
 from .status import InferenceServiceStatus
 
@@ -88,8 +100,9 @@ PRINTER_COLUMNS = [
     {"name": "LastDecision", "type": "date", "jsonPath": ".status.tuning.lastDecisionTime", "priority": 1},
 ]
 NAME_RULE = {
-    "rule": "self.metadata.name.matches('^[a-z]([-a-z0-9]*[a-z0-9])?$') && size(self.metadata.name) <= 63",
-    "message": "metadata.name must be a DNS-1035 label of at most 63 characters (it names the Service)",
+    "rule": f"self.metadata.name.matches('{NAME_PATTERN}') && size(self.metadata.name) <= {MAX_NAME_LENGTH}",
+    "message": f"metadata.name must be a DNS-1035 label of at most {MAX_NAME_LENGTH} characters: it names "
+    f"the Service, and the longest child name, NAME{LONGEST_CHILD_SUFFIX}, must fit in {DNS1035_LABEL_MAX}",
 }
 
 
@@ -160,7 +173,11 @@ def structural(node: dict[str, Any], defs: dict[str, Any]) -> dict[str, Any]:
     """One pydantic JSON-schema node -> one structural OpenAPI v3 node."""
     if K8S_SCHEMA_KEY in node:
         upstream = kubernetes_schema(node[K8S_SCHEMA_KEY])
-        kept = {k: v for k, v in node.items() if k in ("description", "maxItems", "type")}
+        kept = {
+            k: v
+            for k, v in node.items()
+            if k in ("description", "maxItems", "type", "x-kubernetes-validations")
+        }
         if node.get("type") == "array":
             return {**kept, "items": upstream}
         return {**upstream, **{k: v for k, v in kept.items() if k != "type"}}

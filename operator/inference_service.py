@@ -9,7 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from .resources import API_VERSION, KIND, ROLES
+from .resources import API_VERSION, KIND, MAX_NAME_LENGTH, ROLES
 from .spec import InferenceServiceSpec
 from .status import InferenceServiceStatus
 
@@ -23,7 +23,8 @@ class InvalidInferenceService(ValueError):
 class ObjectMeta(BaseModel):
     model_config = ConfigDict(populate_by_name=True, extra="ignore", frozen=True)
 
-    name: str = Field(pattern=NAME_PATTERN, max_length=63)
+    # a DNS-1035 label short enough that every child's name (NAME-engines...) is one too (resources.py)
+    name: str = Field(pattern=NAME_PATTERN, max_length=MAX_NAME_LENGTH)
     namespace: str = "default"
     uid: str = ""
     generation: int = 0

@@ -57,13 +57,25 @@ LABEL_COMPONENT = "app.kubernetes.io/component"
 LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY = "specfleet-operator"
 
+# The suffixes of the children's names (`NAME-engines`...). A Service name is a DNS-1035 label and the name
+# is a label value on every child: each must fit in 63 characters, so the InferenceService's own name is
+# refused at admission beyond MAX_NAME_LENGTH (the CRD's root rule and ObjectMeta.name).
+ADMIN_SUFFIX = "-admin"
+TUNED_SUFFIX = "-tuned"
+ROUTER_SUFFIX = "-router"
+ENGINES_SUFFIX = "-engines"
+CHILD_NAME_SUFFIXES = (ADMIN_SUFFIX, TUNED_SUFFIX, ROUTER_SUFFIX, ENGINES_SUFFIX, *(f"-{r}" for r in ROLES))
+DNS1035_LABEL_MAX = 63
+MAX_NAME_LENGTH = DNS1035_LABEL_MAX - max(len(s) for s in CHILD_NAME_SUFFIXES)
+LONGEST_CHILD_SUFFIX = max(CHILD_NAME_SUFFIXES, key=len)
+
 
 def admin_secret_name(isvc_name: str) -> str:
-    return f"{isvc_name}-admin"
+    return f"{isvc_name}{ADMIN_SUFFIX}"
 
 
 def tuned_config_name(isvc_name: str) -> str:
-    return f"{isvc_name}-tuned"
+    return f"{isvc_name}{TUNED_SUFFIX}"
 
 
 def selector_labels(isvc_name: str) -> dict[str, str]:
@@ -106,13 +118,13 @@ def router_labels(isvc_name: str) -> dict[str, str]:
 
 
 def router_name(isvc_name: str) -> str:
-    return f"{isvc_name}-router"
+    return f"{isvc_name}{ROUTER_SUFFIX}"
 
 
 def engines_service_name(isvc_name: str, role: str | None = None) -> str:
     """The engines' headless Service: its EndpointSlices are what the router watches. With roles, one per
     role, named as the role's Deployment (NAME-prefill, NAME-decode)."""
-    return engine_workload_name(isvc_name, role) if role else f"{isvc_name}-engines"
+    return engine_workload_name(isvc_name, role) if role else f"{isvc_name}{ENGINES_SUFFIX}"
 
 
 def endpoint(isvc_name: str, namespace: str) -> str:

@@ -9,15 +9,39 @@ the same table of invalid inputs.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+import re
+from typing import TYPE_CHECKING, Annotated, Any, Literal, cast
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, create_model, model_validator
+from annotated_types import Ge, Le
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    create_model,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
-from pydantic.fields import FieldInfo
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import REPLICAS, SEARCHED, Knob, camel
 from specfleet.router.policies import DEFAULT_POLICY, POLICIES
 
+from .engine_flags import RESERVED_ARG_PATTERN, RESERVED_ARGS_MESSAGE, reserved_args
+from .kube_grammar import (
+    AFFINITY,
+    DNS1123_SUBDOMAIN,
+    LABEL_KEY_PATTERN,
+    LABEL_VALUE_MAX,
+    LABEL_VALUE_PATTERN,
+    OPTIONAL_DNS1123_SUBDOMAIN,
+    TOLERATION,
+    TOPOLOGY_SPREAD_CONSTRAINT,
+    Shape,
+    toleration_cel,
+    toleration_errors,
+    unknown_fields,
+)
 from .resources import TUNED_CONFIG_DIR, TUNED_CONFIG_VOLUME
 
 # A field whose CRD schema is the Kubernetes OpenAPI definition named here (see `upstream`).
@@ -28,38 +52,46 @@ SOURCE_PATTERN = r"^(bundled://[a-z0-9][a-z0-9.-]*|pvc://[a-z0-9]([-a-z0-9]*[a-z
 # integer-exponent suffix), without the sign: requests and sizes are never negative. `1.2.3`, `1Gii` and
 # `-16Gi` are refused at admission instead of by the API server when the Deployment is applied.
 QUANTITY_PATTERN = r"^\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
-# A Deployment's maxSurge / maxUnavailable: a count or a percentage.
-INT_OR_PERCENT_PATTERN = r"^[0-9]+%?$"
+# The same with a non-zero digit: a size or request that must be positive (memory "0" or shmSize "0" would
+# give the engine nothing to run in).
+POSITIVE_QUANTITY_PATTERN = (
+    r"^\+?([0-9]*[1-9][0-9]*(\.[0-9]*)?|[0-9]*\.[0-9]*[1-9][0-9]*)([KMGTPE]i|[numkMGTPE]|[eE][+-]?[0-9]+)?$"
+)
+# A Deployment's maxSurge / maxUnavailable: a count or a percentage, without leading zeros ("00" is no
+# number the API server reads); maxUnavailable's percentage is at most 100%.
+INT_OR_PERCENT_PATTERN = r"^(0|[1-9][0-9]*)%?$"
+INT_OR_PERCENT_TO_100_PATTERN = r"^(0|[1-9][0-9]*|([0-9]|[1-9][0-9]|100)%)$"
 
 
 def _quantity_to_str(value: Any) -> Any:
-    return str(value) if isinstance(value, int | float) and not isinstance(value, bool) else value
+    """An int-or-string field takes an integer or a string, as the API server does: a float is refused."""
+    if isinstance(value, float):
+        raise ValueError(
+            f"{value!r} is a float: write an integer, or the quantity as a string ({str(value)!r})"
+        )
+    return str(value) if isinstance(value, int) and not isinstance(value, bool) else value
 
 
-# A Kubernetes resource quantity: YAML may write `cpu: 4` or `cpu: "500m"` (`minimum` binds the integer form).
-Quantity = Annotated[
-    str,
-    BeforeValidator(_quantity_to_str),
-    Field(
-        pattern=QUANTITY_PATTERN,
-        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN, "minimum": 0},
-    ),
+def _int_or_string(pattern: str, minimum: int, **limits: Any) -> Any:
+    """An int-or-string field's limits: `pattern` binds the string form, `minimum` the integer form."""
+    return Field(
+        pattern=pattern,
+        **limits,
+        json_schema_extra={"x-kubernetes-int-or-string": True, "pattern": pattern, "minimum": minimum},
+    )
+
+
+# A Kubernetes resource quantity: YAML may write `cpu: 4` or `cpu: "500m"`.
+Quantity = Annotated[str, BeforeValidator(_quantity_to_str), _int_or_string(QUANTITY_PATTERN, 0)]
+PositiveQuantity = Annotated[
+    str, BeforeValidator(_quantity_to_str), _int_or_string(POSITIVE_QUANTITY_PATTERN, 1)
 ]
 IntOrPercent = Annotated[
-    str,
-    BeforeValidator(_quantity_to_str),
-    Field(
-        pattern=INT_OR_PERCENT_PATTERN,
-        max_length=8,
-        json_schema_extra={
-            "x-kubernetes-int-or-string": True,
-            "pattern": INT_OR_PERCENT_PATTERN,
-            "minimum": 0,
-        },
-    ),
+    str, BeforeValidator(_quantity_to_str), _int_or_string(INT_OR_PERCENT_PATTERN, 0, max_length=8)
 ]
-# [min, max] pairs for the tuner's search space.
-Bounds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=2, max_length=2)]
+IntOrPercentTo100 = Annotated[
+    str, BeforeValidator(_quantity_to_str), _int_or_string(INT_OR_PERCENT_TO_100_PATTERN, 0, max_length=8)
+]
 
 
 def cel(rule: str, message: str) -> dict[str, Any]:
@@ -75,12 +107,34 @@ def _default_obj(factory: type[_Spec]) -> Any:
     return Field(default_factory=factory, json_schema_extra={"default": {}})
 
 
+# An hf:// source becomes a path: with model.cache.claimName the engine mounts `ORG/NAME/REVISION` of the
+# claim as a subPath, which may not climb out of it (the API server refuses a `..` segment).
+HF_PARENT_SEGMENT = "^hf://(.*[/@])?[.][.]([/@].*)?$"
+HF_PARENT_MESSAGE = (
+    "source: an hf://ORG/NAME@REVISION source may not have a '..' segment: it becomes a path in "
+    "model.cache.claimName (the engine's subPath), which may not leave the claim"
+)
+
+
 class ModelSource(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"!self.source.matches('{HF_PARENT_SEGMENT}')", HF_PARENT_MESSAGE)
+            ]
+        }
+    )
     source: str = Field(
         pattern=SOURCE_PATTERN,
         max_length=512,
         description="Model URI: bundled://NAME, pvc://CLAIM/PATH, file:///ABS/PATH or hf://ORG/NAME[@REVISION].",
     )
+
+    @model_validator(mode="after")
+    def _no_parent_segment(self) -> ModelSource:
+        if re.fullmatch(HF_PARENT_SEGMENT, self.source):
+            raise ValueError(f"{self.source!r}: {HF_PARENT_MESSAGE}")
+        return self
 
 
 class DraftModelSpec(ModelSource):
@@ -92,7 +146,7 @@ class DraftModelSpec(ModelSource):
 
 
 class ModelCacheSpec(_Spec):
-    size_limit: Quantity = Field(
+    size_limit: PositiveQuantity = Field(
         "40Gi",
         description="hf:// sources without claimName: the size of the pod's download volume, requested as "
         "ephemeral-storage so the scheduler places the pod where it fits (an 8B model in bf16 is ~16 GB).",
@@ -121,6 +175,7 @@ class ModelSpec(ModelSource):
     hf_token_secret: str | None = Field(
         None,
         max_length=253,
+        pattern=DNS1123_SUBDOMAIN,
         description="Secret (key HF_TOKEN) the hf:// download step reads, for gated models.",
     )
     cache: ModelCacheSpec = _default_obj(ModelCacheSpec)
@@ -149,10 +204,24 @@ DISAGGREGATION_ROUTING = (
     "spec.disaggregation needs routing.enabled: the router sends each request's prompt to a "
     "prefill engine and its stream to a decode engine"
 )
+# Scale to zero: with no engine, only a request the router holds wakes the service (the tuner scales 0 -> 1
+# on the router's queue gauge); with routing off, or a queue timeout of 0, the router (or the Service)
+# answers 503 at once, the tuner never sees demand and the service stays at zero.
+SCALE_TO_ZERO = (
+    "autoscaling.minReplicas 0 needs routing.enabled and routing.queueTimeoutSeconds > 0: at zero engines "
+    "only a request the router holds wakes the service; without a queue it is refused at once and the "
+    "service stays at zero"
+)
 DISAGGREGATION_REPLICAS = (
     "with spec.disaggregation the engine counts are disaggregation.prefill.replicas and "
     "disaggregation.decode.replicas: leave spec.replicas at 1 (kubectl scale does not apply)"
 )
+
+
+def _no_operator_flags(args: list[str]) -> list[str]:
+    if reserved := reserved_args(args):
+        raise ValueError(f"{reserved}: {RESERVED_ARGS_MESSAGE}")
+    return args
 
 
 class EngineSpec(_Spec):
@@ -201,8 +270,17 @@ class EngineSpec(_Spec):
     startup_timeout_seconds: int = Field(
         900, ge=30, le=7200, description="How long the model may take to load before the pod is restarted."
     )
-    extra_args: list[Annotated[str, Field(max_length=1024)]] = Field(
-        default_factory=list, max_length=64, description="Appended to the engine command line as given."
+    extra_args: Annotated[
+        list[Annotated[str, Field(max_length=1024)]], AfterValidator(_no_operator_flags)
+    ] = Field(
+        default_factory=list,
+        max_length=64,
+        description="Appended to the engine command line as given; not the flags the operator sets itself.",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"self.all(a, !a.matches('{RESERVED_ARG_PATTERN}'))", RESERVED_ARGS_MESSAGE)
+            ]
+        },
     )
 
 
@@ -253,9 +331,9 @@ class SpeculativeSpec(_Spec):
 class ResourcesSpec(_Spec):
     gpus: int = Field(1, ge=0, le=16, description="GPUs per replica; 0 runs the engine on CPU.")
     gpu_resource_name: str = Field("nvidia.com/gpu", pattern=r"^[a-z0-9.-]+/[a-z0-9.-]+$", max_length=253)
-    cpu: Quantity = "4"
-    memory: Quantity = "16Gi"
-    shm_size: Quantity = Field("1Gi", description="Size of the in-memory /dev/shm volume.")
+    cpu: PositiveQuantity = "4"
+    memory: PositiveQuantity = "16Gi"
+    shm_size: PositiveQuantity = Field("1Gi", description="Size of the in-memory /dev/shm volume.")
 
 
 class DisaggregationRole(_Spec):
@@ -280,21 +358,76 @@ def upstream(definition: str, **extra: Any) -> Any:
     return {K8S_SCHEMA_KEY: definition, **extra}
 
 
+def _shaped(shape: Shape, what: str) -> AfterValidator:
+    """Refuse the keys an upstream object does not have (the API server refuses them under kubectl's Strict
+    field validation; the CRD carries the upstream schema, pydantic this shape of it)."""
+
+    def check(value: Any) -> Any:
+        if errors := unknown_fields(value, shape, what):
+            raise ValueError("; ".join(errors))
+        return value
+
+    return AfterValidator(check)
+
+
+def _check_tolerations(value: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    errors = [
+        e
+        for i, t in enumerate(value)
+        for e in (
+            unknown_fields(t, TOLERATION, f"tolerations[{i}]") or toleration_errors(t, f"tolerations[{i}]")
+        )
+    ]
+    if errors:
+        raise ValueError("; ".join(errors))
+    return value
+
+
+def _check_label_keys(value: dict[str, str]) -> dict[str, str]:
+    if bad := [k for k in value if not re.fullmatch(LABEL_KEY_PATTERN, k)]:
+        raise ValueError(f"nodeSelector keys {bad}: {NODE_SELECTOR_KEYS}")
+    return value
+
+
+NODE_SELECTOR_KEYS = (
+    "a label key is a name of at most 63 characters (letters, digits, '-', '_', '.'; alphanumeric at both "
+    "ends), optionally prefixed by a DNS subdomain and '/'"
+)
+LabelValue = Annotated[str, Field(max_length=LABEL_VALUE_MAX, pattern=LABEL_VALUE_PATTERN)]
+# A name the API server checks as a DNS-1123 subdomain on the child ("" where the field is optional).
+OptionalName = Annotated[str, Field(max_length=253, pattern=OPTIONAL_DNS1123_SUBDOMAIN)]
+
+
 class SchedulingSpec(_Spec):
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(
-        default_factory=list, max_length=64, json_schema_extra=upstream("io.k8s.api.core.v1.Toleration")
+    node_selector: Annotated[dict[str, LabelValue], AfterValidator(_check_label_keys)] = Field(
+        default_factory=dict,
+        max_length=64,
+        description="Node labels the engine pods require (label keys and values, as the Pod's nodeSelector).",
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel(f"self.all(k, k.matches('{LABEL_KEY_PATTERN}'))", f"nodeSelector: {NODE_SELECTOR_KEYS}")
+            ]
+        },
     )
-    affinity: dict[str, Any] = Field(
+    tolerations: Annotated[list[dict[str, Any]], AfterValidator(_check_tolerations)] = Field(
+        default_factory=list,
+        max_length=64,
+        json_schema_extra=upstream(
+            "io.k8s.api.core.v1.Toleration", **{"x-kubernetes-validations": toleration_cel()}
+        ),
+    )
+    affinity: Annotated[dict[str, Any], _shaped(AFFINITY, "affinity")] = Field(
         default_factory=dict, json_schema_extra=upstream("io.k8s.api.core.v1.Affinity")
     )
-    topology_spread_constraints: list[dict[str, Any]] = Field(
+    topology_spread_constraints: Annotated[
+        list[dict[str, Any]], _shaped((TOPOLOGY_SPREAD_CONSTRAINT,), "topologySpreadConstraints")
+    ] = Field(
         default_factory=list,
         max_length=16,
         json_schema_extra=upstream("io.k8s.api.core.v1.TopologySpreadConstraint"),
     )
-    priority_class_name: str = Field("", max_length=253)
-    runtime_class_name: str = Field("", max_length=253)
+    priority_class_name: OptionalName = ""
+    runtime_class_name: OptionalName = ""
 
 
 GPU_SAFE_ROLLOUT = (
@@ -329,7 +462,7 @@ class RolloutSpec(_Spec):
         "and maxUnavailable 0.",
     )
     max_surge: IntOrPercent | None = Field(None, description="Pods above replicas during a RollingUpdate.")
-    max_unavailable: IntOrPercent | None = Field(
+    max_unavailable: IntOrPercentTo100 | None = Field(
         None, description="Pods below replicas during a RollingUpdate."
     )
 
@@ -418,7 +551,7 @@ class PodTemplateSpec(_Spec):
             ]
         }
     )
-    service_account_name: str = Field("", max_length=253, description="ServiceAccount of the engine pods.")
+    service_account_name: OptionalName = Field("", description="ServiceAccount of the engine pods.")
     automount_service_account_token: bool = Field(
         False,
         description="Mount the ServiceAccount's token (workload identity); the engine itself never uses it.",
@@ -475,6 +608,30 @@ class SLOSpec(_Spec):
     tpot_p95_ms: int = Field(50, ge=1, le=60000, description="Time-per-output-token p95 target.")
 
 
+# The spec sections that hold a searched knob's start value (Knob.spec_path).
+_KNOB_SECTIONS: dict[str, type[_Spec]] = {"speculative": SpeculativeSpec, "batching": BatchingSpec}
+
+
+def knob_limits(knob: Knob) -> tuple[int, int]:
+    """The [minimum, maximum] of the spec field that holds a searched knob (`speculative.numSpeculativeTokens`:
+    [0, 16]): its autotune bounds and pin stay within them, so the tuner never pushes a value the field
+    itself refuses."""
+    section, name = (knob.spec_path or "").split(".")
+    metadata = _KNOB_SECTIONS[section].model_fields[name].metadata
+    low = next(m.ge for m in metadata if isinstance(m, Ge))
+    high = next(m.le for m in metadata if isinstance(m, Le))
+    return cast(int, low), cast(int, high)
+
+
+def _bounds(knob: Knob) -> Any:
+    """[min, max] for the tuner's search space: from the lowest value the admin API accepts to the most the
+    knob's spec field does."""
+    return Annotated[
+        list[Annotated[int, Field(ge=knob.minimum, le=knob_limits(knob)[1])]],
+        Field(min_length=2, max_length=2),
+    ]
+
+
 class _AutotuneBounds(_Spec):
     model_config = ConfigDict(
         json_schema_extra={
@@ -503,7 +660,7 @@ else:
     AutotuneBounds = create_model(
         "AutotuneBounds",
         __base__=_AutotuneBounds,
-        **{k.name: (Bounds, list(k.search or ())) for k in SEARCHED},
+        **{k.name: (_bounds(k), list(k.search or ())) for k in SEARCHED},
     )
 
 
@@ -524,6 +681,7 @@ else:
                 Field(
                     None,
                     ge=k.minimum,
+                    le=knob_limits(k)[1],
                     description=f"Hold {k.label} at this value (inside autotune.bounds); unset: tuned.",
                 ),
             )
@@ -576,46 +734,6 @@ class AutotuneSpec(_Spec):
         return self
 
 
-# The placement and pull fields the router pods take from the engines' (spec.pod, spec.scheduling), each of
-# which `routing.pod` may set for the router alone; the same field definitions (limits, schemas) as there.
-ROUTER_POD_FIELDS = (
-    (PodTemplateSpec, "image_pull_secrets"),
-    (SchedulingSpec, "node_selector"),
-    (SchedulingSpec, "tolerations"),
-    (SchedulingSpec, "affinity"),
-    (SchedulingSpec, "priority_class_name"),
-)
-
-
-def _unset_by_default(field: FieldInfo) -> tuple[Any, FieldInfo]:
-    """The field as it is, but with no default the API server would fill in (`priorityClassName: ""`), so
-    that unset and set-to-empty stay apart."""
-    annotation: Any = field.annotation
-    if field.default_factory is not None:
-        return annotation, field
-    return annotation | None, FieldInfo.merge_field_infos(field, default=None)
-
-
-class _RouterPodSpec(_Spec):
-    """The router pods' placement: a field set here (even to empty) replaces the engines' value for the
-    router pods; a field left unset takes it from spec.pod / spec.scheduling (docs/operator.md)."""
-
-    def overrides(self) -> dict[str, Any]:
-        """The fields set here, as the pod spec spells them (an empty value: none for the router)."""
-        return self.model_dump(by_alias=True, include=self.model_fields_set)
-
-
-if TYPE_CHECKING:
-    RouterPodSpec = _RouterPodSpec
-else:
-    RouterPodSpec = create_model(
-        "RouterPodSpec",
-        __base__=_RouterPodSpec,
-        __doc__=_RouterPodSpec.__doc__,
-        **{name: _unset_by_default(model.model_fields[name]) for model, name in ROUTER_POD_FIELDS},
-    )
-
-
 class RoutingSpec(_Spec):
     enabled: bool = Field(
         True,
@@ -642,12 +760,7 @@ class RoutingSpec(_Spec):
         "(prefix policy); empty turns session affinity off.",
     )
     replicas: int = Field(
-        2,
-        ge=1,
-        le=100,
-        description="Router pods (stateless; each keeps its own prefix index). Two by default, on different "
-        "nodes where the scheduler can: the router is in the path of every request, so one pod restarting "
-        "(an operator upgrade rolls it, a node drain evicts it) must leave another serving.",
+        1, ge=1, le=100, description="Router pods (stateless; each keeps its own prefix index)."
     )
     queue_timeout_seconds: int = Field(
         0,
@@ -658,7 +771,6 @@ class RoutingSpec(_Spec):
     image: str | None = Field(
         None, max_length=512, description="Router image; empty means the operator's own."
     )
-    pod: RouterPodSpec = _default_obj(RouterPodSpec)
 
 
 class AutoscalingSpec(_Spec):
@@ -752,6 +864,11 @@ class InferenceServiceSpec(_Spec):
                 cel("!has(self.disaggregation) || self.routing.enabled", DISAGGREGATION_ROUTING),
                 cel("!has(self.disaggregation) || self.replicas == 1", DISAGGREGATION_REPLICAS),
                 cel(
+                    "!self.autoscaling.enabled || self.autoscaling.minReplicas > 0 || "
+                    "(self.routing.enabled && self.routing.queueTimeoutSeconds > 0)",
+                    SCALE_TO_ZERO,
+                ),
+                cel(
                     "self.batching.maxNumBatchedTokens >= self.batching.maxNumSeqs",
                     "batching.maxNumBatchedTokens must be >= batching.maxNumSeqs (each sequence needs a token)",
                 ),
@@ -822,6 +939,16 @@ class InferenceServiceSpec(_Spec):
                 raise ValueError(f"routing.enabled=false: {DISAGGREGATION_ROUTING}")
             if self.replicas != 1:
                 raise ValueError(f"replicas={self.replicas}: {DISAGGREGATION_REPLICAS}")
+        scaling, routing = self.autoscaling, self.routing
+        if (
+            scaling.enabled
+            and scaling.min_replicas == 0
+            and not (routing.enabled and routing.queue_timeout_seconds > 0)
+        ):
+            raise ValueError(
+                f"routing.enabled={routing.enabled}, routing.queueTimeoutSeconds={routing.queue_timeout_seconds}: "
+                f"{SCALE_TO_ZERO}"
+            )
         if self.autotune.enabled:
             bounds = self.autotune.bounds.model_dump(by_alias=True)
             for knob, (path, key) in zip(SEARCHED, _TUNED, strict=True):

@@ -46,9 +46,19 @@ def prune(schema: dict[str, Any], value: Any, top: bool = True) -> Any:
     return value
 
 
+def int_or_string(schema: dict[str, Any]) -> dict[str, Any]:
+    """`x-kubernetes-int-or-string` as the API server reads it: an integer or a string, never a float
+    (JSON Schema does not know the extension, so a float would pass)."""
+    # every dict below is a schema or a map of them (properties): both recurse the same way
+    out = {k: int_or_string(v) if isinstance(v, dict) else v for k, v in schema.items()}
+    if schema.get("x-kubernetes-int-or-string"):
+        out["anyOf"] = [{"type": "integer"}, {"type": "string"}]
+    return out
+
+
 def schema_errors(schema: dict[str, Any], obj: dict[str, Any]) -> list[str]:
     validator = jsonschema.Draft7Validator(
-        {k: v for k, v in schema.items() if not k.startswith("x-kubernetes")}
+        int_or_string({k: v for k, v in schema.items() if not k.startswith("x-kubernetes")})
     )
     return [
         f"{'.'.join(map(str, e.absolute_path)) or '<root>'}: {e.message}" for e in validator.iter_errors(obj)

@@ -31,7 +31,7 @@ from specfleet.engine.knobs import (
     get_knob,
 )
 from specfleet.operator.crd import model_schema
-from specfleet.operator.spec import AutotuneBounds, InferenceServiceSpec
+from specfleet.operator.spec import AutotuneBounds, InferenceServiceSpec, knob_limits
 from specfleet.operator.status import TuningStatus
 from specfleet.tuner.snapshot import parse_metrics
 from specfleet.tuner.sources import PrometheusSource
@@ -221,7 +221,7 @@ def test_crd_knows_every_searched_knob() -> None:
                     "autotune": {
                         "enabled": True,
                         "bounds": {
-                            **{k.crd_name: [0, 1 << 20] for k in SEARCHED},
+                            **{k.crd_name: [k.minimum, knob_limits(k)[1]] for k in SEARCHED},
                             knob.crd_name: wide[knob.crd_name],
                         },
                     },

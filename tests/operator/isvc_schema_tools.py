@@ -11,7 +11,11 @@ from typing import Any
 import jsonschema
 import kubernetes_validate
 import yaml
-from kube_admission import apply_defaults, cel_errors  # tests/ is on sys.path (rootdir conftest)
+from kube_admission import (  # tests/ is on sys.path (rootdir conftest)
+    apply_defaults,
+    cel_errors,
+    int_or_string,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 CRD_PATH = REPO / "crds" / "inferenceservice.yaml"
@@ -53,7 +57,7 @@ def _strict(schema: dict[str, Any]) -> dict[str, Any]:
 
 @functools.cache
 def _validator() -> jsonschema.Draft7Validator:
-    return jsonschema.Draft7Validator(_strict(crd_schema()))
+    return jsonschema.Draft7Validator(int_or_string(_strict(crd_schema())))
 
 
 def schema_errors(obj: dict[str, Any]) -> list[str]:

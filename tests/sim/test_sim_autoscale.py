@@ -90,8 +90,12 @@ def test_no_replica_then_the_router_queue_starts_one():
     assert len(run.records) == 6 and run.rejected == 0
     first = min(run.records, key=lambda r: r.index)
     assert first.first_token_s - first.arrival_s >= PROFILE.startup_s  # the cold start is in its TTFT
-    # without a queue timeout the router answers 503 at once: nothing is served, nothing hangs
-    cold = SimFleet(autoscaled(min_replicas=0, replicas=0, queue_timeout=0), PROFILE).run(reqs)
+    # without a queue timeout the router answers 503 at once: nothing is served, nothing hangs (and the
+    # service never wakes, which is why admission refuses minReplicas 0 without one: spec.SCALE_TO_ZERO)
+    zero = autoscaled(min_replicas=0, replicas=0, queue_timeout=60)
+    unqueued = zero.spec.routing.model_copy(update={"queue_timeout_seconds": 0})
+    isvc = zero.model_copy(update={"spec": zero.spec.model_copy(update={"routing": unqueued})})
+    cold = SimFleet(isvc, PROFILE).run(reqs)
     assert cold.rejected == 6 and not cold.records
 
 

@@ -23,6 +23,7 @@ from pydantic import (
     model_validator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic.fields import FieldInfo
 from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import REPLICAS, SEARCHED, Knob, camel
 from specfleet.router.policies import DEFAULT_POLICY, POLICIES
@@ -734,6 +735,46 @@ class AutotuneSpec(_Spec):
         return self
 
 
+# The placement and pull fields the router pods take from the engines' (spec.pod, spec.scheduling), each of
+# which `routing.pod` may set for the router alone; the same field definitions (limits, schemas) as there.
+ROUTER_POD_FIELDS = (
+    (PodTemplateSpec, "image_pull_secrets"),
+    (SchedulingSpec, "node_selector"),
+    (SchedulingSpec, "tolerations"),
+    (SchedulingSpec, "affinity"),
+    (SchedulingSpec, "priority_class_name"),
+)
+
+
+def _unset_by_default(field: FieldInfo) -> tuple[Any, FieldInfo]:
+    """The field as it is, but with no default the API server would fill in (`priorityClassName: ""`), so
+    that unset and set-to-empty stay apart."""
+    annotation: Any = field.annotation
+    if field.default_factory is not None:
+        return annotation, field
+    return annotation | None, FieldInfo.merge_field_infos(field, default=None)
+
+
+class _RouterPodSpec(_Spec):
+    """The router pods' placement: a field set here (even to empty) replaces the engines' value for the
+    router pods; a field left unset takes it from spec.pod / spec.scheduling (docs/operator.md)."""
+
+    def overrides(self) -> dict[str, Any]:
+        """The fields set here, as the pod spec spells them (an empty value: none for the router)."""
+        return self.model_dump(by_alias=True, include=self.model_fields_set)
+
+
+if TYPE_CHECKING:
+    RouterPodSpec = _RouterPodSpec
+else:
+    RouterPodSpec = create_model(
+        "RouterPodSpec",
+        __base__=_RouterPodSpec,
+        __doc__=_RouterPodSpec.__doc__,
+        **{name: _unset_by_default(model.model_fields[name]) for model, name in ROUTER_POD_FIELDS},
+    )
+
+
 class RoutingSpec(_Spec):
     enabled: bool = Field(
         True,
@@ -760,7 +801,12 @@ class RoutingSpec(_Spec):
         "(prefix policy); empty turns session affinity off.",
     )
     replicas: int = Field(
-        1, ge=1, le=100, description="Router pods (stateless; each keeps its own prefix index)."
+        2,
+        ge=1,
+        le=100,
+        description="Router pods (stateless; each keeps its own prefix index). Two by default, on different "
+        "nodes where the scheduler can: the router is in the path of every request, so one pod restarting "
+        "(an operator upgrade rolls it, a node drain evicts it) must leave another serving.",
     )
     queue_timeout_seconds: int = Field(
         0,
@@ -771,6 +817,7 @@ class RoutingSpec(_Spec):
     image: str | None = Field(
         None, max_length=512, description="Router image; empty means the operator's own."
     )
+    pod: RouterPodSpec = _default_obj(RouterPodSpec)
 
 
 class AutoscalingSpec(_Spec):

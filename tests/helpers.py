@@ -5,6 +5,7 @@ transformers are imported inside those functions: tests that never load a model 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -53,6 +54,28 @@ def wait_for(what: str, check: Callable[[], Any], timeout: float = 20.0, interva
             return result
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def stream_completion(
+    url: str, body: dict[str, Any], timeout: float = 60.0, on_chunk: Callable[[], object] | None = None
+) -> tuple[int, int, str | None]:
+    """A streamed /v1/completions to its end: (status, completion tokens, finish_reason); `on_chunk` is called
+    at each chunk. Tokens are read from the closing usage chunk, not counted as chunks: a reader that falls
+    behind gets the steps it missed as one merged chunk (docs/engine_core.md, Streams)."""
+    body = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    tokens, finish = 0, None
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if on_chunk is not None:
+                on_chunk()
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+            for choice in chunk.get("choices", []):
+                finish = choice.get("finish_reason") or finish
+    return response.status_code, tokens, finish
 
 
 def wait_http_ready(

@@ -47,9 +47,7 @@ def test_a_context_that_fills_the_cache_runs_to_length_and_the_next_request_foll
 
 def _model(layers: int, kv_heads: int, head_dim: int, element_size: int):
     args = SimpleNamespace(num_layers=layers, num_kv_heads=kv_heads, head_dim=head_dim)
-    return SimpleNamespace(
-        args=args, embed=torch.empty(0, dtype={4: torch.float32, 2: torch.bfloat16}[element_size])
-    )
+    return SimpleNamespace(args=args, dtype={4: torch.float32, 2: torch.bfloat16}[element_size])
 
 
 def test_cuda_budget_covers_target_and_draft_caches_from_one_fraction():

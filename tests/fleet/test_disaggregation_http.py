@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import free_port, serve_in_thread
+from helpers import free_port, serve_in_thread, stream_completion
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.core.client import EngineCoreClient
 from specfleet.router import disaggregation
@@ -238,18 +238,11 @@ def test_bad_kv_transfer_params_are_a_400_naming_the_field(fleet):
 
 
 def _innocent_stream(url: str, results: list[Any], first: threading.Event, max_tokens: int = 60) -> None:
-    """A streaming completion on `url`, to the end: (status, completion tokens streamed, finish_reason)."""
+    """A streaming completion on `url`, to the end: (status, completion tokens, finish_reason); `first` is
+    set at its first chunk."""
     body = {"prompt": "A long story about", "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    tokens, finish = 0, None
     try:
-        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=60) as r:
-            for line in r.iter_lines():
-                if line.startswith("data: ") and line != "data: [DONE]":
-                    chunk = json.loads(line[6:])
-                    tokens += 1
-                    finish = chunk["choices"][0]["finish_reason"] or finish
-                    first.set()
-        results.append((r.status_code, tokens, finish))
+        results.append(stream_completion(url, body, on_chunk=first.set))
     except Exception as exc:  # recorded, asserted by the caller
         results.append((None, 0, repr(exc)))
     first.set()

@@ -27,7 +27,7 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from helpers import free_port, wait_http_ready
+from helpers import free_port, stream_completion, wait_http_ready
 
 pytestmark = pytest.mark.slow
 
@@ -126,20 +126,12 @@ def _streams(url: str, stop: threading.Event, results: list[Any]) -> None:
         "max_tokens": STREAM_TOKENS,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
     }
     while not stop.is_set():
-        tokens, finish, status = 0, None, None
         try:
-            with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as response:
-                status = response.status_code
-                for line in response.iter_lines():
-                    if line.startswith("data: ") and line != "data: [DONE]":
-                        tokens += 1
-                        finish = json.loads(line[6:])["choices"][0]["finish_reason"] or finish
+            results.append(stream_completion(url, body))
         except Exception as exc:  # recorded, asserted at the end
-            finish = repr(exc)
-        results.append((status, tokens, finish))
+            results.append((None, 0, repr(exc)))
 
 
 def _prefilled(prefill_url: str, prompt: str) -> dict[str, Any]:

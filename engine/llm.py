@@ -117,7 +117,7 @@ class LLM:
         done: dict[str, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="generate", disable=not use_tqdm)
         while len(done) < len(ids):
-            for out in self.engine.step():
+            for out in self.engine.step_or_wait():
                 if out.finished and out.request_id in wanted:
                     done[out.request_id] = out
                     bar.update(1)

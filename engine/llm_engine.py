@@ -34,12 +34,12 @@ from specfleet.engine.stop import Finish, StopChecker
 from specfleet.engine.structured_output.manager import StructuredOutputManager
 
 log = logging.getLogger("specfleet.engine")
-# How long an empty step waits for a KV pull in flight to end (kv_transfer/connector.py) before it returns:
-# the caller (the engine core's loop) takes new inputs and sends its report between steps, so this bounds
-# the extra latency of a request that arrives while the engine only waits on pulls (20 ms, under one step).
-KV_PULL_WAIT_S = 0.02
-# The same bound for an empty step while only grammars compile (structured_output/manager.py).
-GRAMMAR_WAIT_S = 0.02
+# After a step that scheduled nothing while a KV pull or a grammar compile is in flight, the caller waits
+# this long for something to change before it steps again, rather than spinning: 20 ms, under one decode
+# step, so a request that becomes schedulable starts about as soon as it would in a busy loop, at ~50 cheap
+# empty steps a second. The offline loops wait on the engine (`wait_for_background`); the engine core's
+# loop waits on its input socket for the same time instead (core/proc.py), so a new request is not delayed.
+BACKGROUND_WAIT_S = 0.02
 
 
 class _Request:
@@ -387,6 +387,24 @@ class Engine:
             return True
         return bool(self.structured.num_compiling)
 
+    def wait_for_background(self, timeout_s: float = BACKGROUND_WAIT_S) -> None:
+        """After a step that ran no batch: block until a KV pull or a grammar compile in flight ends, or
+        `timeout_s`, so that a loop stepping the engine does not spin. Returns at once when neither is in
+        flight."""
+        if self.kv_connector is not None and self.kv_connector.has_remote():
+            self.kv_connector.wait(timeout_s)
+        elif self.structured.num_compiling:
+            self.structured.wait(timeout_s)
+
+    def step_or_wait(self) -> list[RequestOutput]:
+        """One step, then `wait_for_background` if it ran no batch: what a loop that only steps the engine
+        (offline generation, the P/D pair) calls."""
+        before = self.stats.num_steps
+        outputs = self.step()
+        if self.stats.num_steps == before:
+            self.wait_for_background()
+        return outputs
+
     def discard(self, request_id: str) -> None:
         """Undo a request whose `add_request` raised part-way (the engine core turns such a failure into
         that request's error): whatever of it reached the scheduler's queues leaves them and returns its
@@ -439,11 +457,7 @@ class Engine:
             self.kv_connector.admit_remote()
         self._propose()
         sched = self.scheduler.schedule()
-        if sched.empty:
-            if self.kv_connector is not None:  # only pulls in flight: wait for one rather than spin
-                self.kv_connector.wait(KV_PULL_WAIT_S)
-            if self.structured.num_compiling:  # only grammars compiling: wait for one rather than spin
-                self.structured.wait(GRAMMAR_WAIT_S)
+        if sched.empty:  # the caller waits (`wait_for_background`) rather than stepping again at once
             return self._postprocess(sched, None, [])
         sched.grammar_bitmask = self.structured.bitmask(sched.scheduled)
         self._track_kv_peak()

@@ -55,11 +55,6 @@ log = logging.getLogger("specfleet.engine.core")
 # An idle core reports this often; the server's readiness wants a report within HEARTBEAT_TIMEOUT_S
 # (client.py), 60 times this, so that one long prefill step is not mistaken for a hang.
 HEARTBEAT_S = 1.0
-# An empty step (nothing could be scheduled) while the engine has background work that may make a request
-# schedulable without any new input (a KV hold to expire, a remote KV pull, a grammar compile): the loop
-# waits this long for input before it steps again. 20 ms: under one decode step, so a request that becomes
-# schedulable starts about as soon as it would have in a busy loop, at ~50 cheap empty steps a second.
-BACKGROUND_POLL_S = 0.02
 # ZeroMQ keeps unsent messages this long at close, so the `Dead` message gets out (vLLM: 4 s).
 LINGER_MS = 4000
 
@@ -271,9 +266,11 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
 def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> None:
     """Take inputs, step, report. The loop never spins: an idle engine blocks on its input (reporting every
     HEARTBEAT_S), and so does an engine whose last step scheduled nothing (`stalled`: every request waits on
-    something), for BACKGROUND_POLL_S when the engine has background work that may unblock a request
+    something), for BACKGROUND_WAIT_S when the engine has background work that may unblock a request
     (`has_pending_background_work`), else until an input arrives or a heartbeat is due. Empty steps send
     a report only when they end or change something, or as the heartbeat."""
+    from specfleet.engine.llm_engine import BACKGROUND_WAIT_S  # the engine module is loaded by now
+
     engine = core.engine
     last_report = time.monotonic()
     stalled = False
@@ -282,7 +279,7 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
         if busy and not stalled:
             timeout_s = 0.0
         elif busy and engine.has_pending_background_work():
-            timeout_s = BACKGROUND_POLL_S
+            timeout_s = BACKGROUND_WAIT_S
         else:  # idle, or stalled on nothing that moves by itself: until an input or the next heartbeat
             timeout_s = max(0.0, last_report + HEARTBEAT_S - time.monotonic())
         if timeout_s == 0.0 or inp.poll(int(timeout_s * 1000)):

@@ -30,7 +30,7 @@ def generate_disaggregated(
     done: dict[str, RequestOutput] = {}
     while len(done) < len(ids):
         if prefill.has_unfinished_requests():
-            outs = prefill.step()
+            outs = prefill.step_or_wait()
         else:
             prefill.poll_kv_transfers()
             outs = []
@@ -44,7 +44,7 @@ def generate_disaggregated(
                     out.request_id, out.prompt_token_ids, replace(params), out.kv_transfer_params
                 )
         if decode.has_unfinished_requests():
-            for out in decode.step():
+            for out in decode.step_or_wait():
                 if out.finished:
                     done[out.request_id] = out
     prefill.poll_kv_transfers()

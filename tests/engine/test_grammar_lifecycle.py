@@ -173,3 +173,35 @@ def test_a_compile_that_fails_late_ends_its_request(engine, monkeypatch):
     out = done["late"].outputs[0]
     assert out.finish_reason == "abort" and out.token_ids == []
     assert engine.kv_blocks_in_use() == 0
+
+
+def test_an_empty_step_returns_at_once_and_the_offline_loop_waits_for_the_compile(engine, monkeypatch):
+    """The wait after a step that scheduled nothing has one home per loop: `Engine.step` returns at once
+    (the engine core's loop then waits on its input, so a new request is taken without delay), and
+    `step_or_wait` (offline loops) blocks until the compile ends instead of spinning."""
+    from specfleet.engine.structured_output.backend import GrammarBackend
+
+    release = threading.Event()
+    real = GrammarBackend.compile
+
+    def held_compile(self, spec):
+        release.wait(10)
+        return real(self, spec)
+
+    monkeypatch.setattr(GrammarBackend, "compile", held_compile)
+    waits: list[float] = []
+    real_wait = engine.structured.wait
+    monkeypatch.setattr(
+        engine.structured, "wait", lambda timeout: waits.append(timeout) or real_wait(timeout)
+    )
+    engine.add_request("held", [8, 9, 10], _params({"regex": "[0-9]{2}"}))
+    assert engine.step() == [] and waits == []  # the step itself never blocks
+    engine.step_or_wait()
+    assert waits, "step_or_wait stepped again without waiting for the compile"
+    release.set()
+    done = {}
+    deadline = time.monotonic() + 60
+    while engine.has_unfinished_requests() and time.monotonic() < deadline:
+        done.update({o.request_id: o for o in engine.step_or_wait() if o.finished})
+    assert re.fullmatch("[0-9]{2}", done["held"].outputs[0].text)
+    assert engine.kv_blocks_in_use() == 0

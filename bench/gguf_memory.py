@@ -15,6 +15,8 @@ Three ratios to the file's size, each net of the KV cache:
   ratio_above_runtime  (peak - runtime - KV) / file: the model and its tokenizer
   ratio_model          (peak - runtime - tokenizer - KV) / file: the weights as loaded and served, with the
                        step's activations and logits; the bound docs/kernels.md states is on this one
+and the weights alone: ratio_packed_weights, the bytes of every packed linear's tensors (codes, 5-bit
+planes, scales, mins, biases; the head included) over the file's.
 Prints one JSON object.
 """
 
@@ -29,7 +31,7 @@ import sys
 from pathlib import Path
 
 CHILD = r"""
-import json, resource, sys
+import gc, json, resource, sys
 import torch
 from specfleet.engine import LLM, SamplingParams, loader
 from specfleet.engine.model_loader import load_tokenizer
@@ -54,8 +56,11 @@ loaded = peak()
 out = llm.generate(["The capital of France is"] * args["requests"],
                    SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True))
 kv = sum(k.nbytes + v.nbytes for k, v in llm.engine.runner.kv_caches)
+linears = [o for o in gc.get_objects() if isinstance(o, (cpu_native.QuantLinear, cpu_native.PackedLinear))]
+tensors = {t.data_ptr(): t.nbytes for o in linears for t in vars(o).values() if isinstance(t, torch.Tensor)}
 print(json.dumps({"runtime_rss_bytes": runtime, "tokenizer_rss_bytes": with_tokenizer - runtime,
                   "after_load_rss_bytes": loaded, "peak_rss_bytes": peak(), "kv_cache_bytes": kv,
+                  "packed_weight_bytes": sum(tensors.values()),
                   "tokens": sum(len(r.outputs[0].token_ids) for r in out)}))
 """
 
@@ -116,6 +121,8 @@ def main(argv: list[str] | None = None) -> None:
         "ratio": round((peak - kv) / file_bytes, 3),
         "ratio_above_runtime": round((peak - runtime - kv) / file_bytes, 3),
         "ratio_model": round((peak - runtime - tokenizer - kv) / file_bytes, 3),
+        "packed_weight_bytes": median("packed_weight_bytes"),
+        "ratio_packed_weights": round(median("packed_weight_bytes") / file_bytes, 3),
         "tokens": runs[-1]["tokens"],
     }
     print(json.dumps(result, indent=2))

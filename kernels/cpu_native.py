@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 6
+ABI_VERSION = 7
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -84,9 +84,9 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_abi_version.restype = i32
     lib.sf_linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_i8.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, p, i64, i32]
-    lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_q8g.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
-    lib.sf_linear_qdot.argtypes = [p, i64, i64, i64, i32, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_qdot.argtypes = [p, i64, i64, i64, i32, p, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_dot_backend.restype = ctypes.c_char_p
     lib.sf_rms_norm_f32.argtypes = [p, i64, i64, p, f32, p]
     lib.sf_silu_mul_f32.argtypes = [p, i64, i64, p]
@@ -223,6 +223,7 @@ class LinearDesc(ctypes.Structure):
         ("codes", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),
         ("mins", ctypes.c_void_p),
+        ("high", ctypes.c_void_p),
         ("bias", ctypes.c_void_p),
         ("K", ctypes.c_int64),
         ("N", ctypes.c_int64),
@@ -476,30 +477,80 @@ def _scale_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     return scales, mins
 
 
-def pack_quant_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+@dataclass(frozen=True)
+class QuantPanels:
+    """A `QuantTensor` in one of the kernels' panel layouts. `high`: for 5-bit codes, the fifth bits
+    (`fifth_bit_plane`) beside the nibble panels in `codes`, which then hold the low 4 bits; else None."""
+
+    codes: torch.Tensor
+    high: torch.Tensor | None
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.high, self.scales, self.mins) if t is not None)
+
+
+def fifth_bit_plane(lo: torch.Tensor, hi: torch.Tensor, unit: int) -> torch.Tensor:
+    """The fifth bits of 5-bit codes laid out as nibble bytes: `lo` holds the codes whose low 4 bits go into
+    each byte's low nibble, `hi` those of its high nibble, both in the bytes' order. Per `unit` bytes (the
+    kernel's vector: 16 on the float path, 64 on the dot path) and per pair of units: a little-endian bit
+    mask of unit 0's low nibbles, one of its high nibbles, then unit 1's two (native.cpp, "5-bit codes").
+    Flat uint8, one bit per code."""
+    bits = torch.stack([lo.reshape(-1, 2, unit) >> 4, hi.reshape(-1, 2, unit) >> 4], dim=2)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (bits.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _nibble_bytes(
+    lo: torch.Tensor, hi: torch.Tensor, bits: int, unit: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bytes holding `lo` in their low nibbles and `hi` in their high ones, and for 5-bit codes their plane."""
+    if bits == 4:
+        return (lo | (hi << 4)).contiguous(), None
+    return ((lo & 0x0F) | ((hi & 0x0F) << 4)).contiguous(), fifth_bit_plane(lo, hi, unit)
+
+
+# The float path reads 16 nibble bytes (16 columns of a row pair) per vector, the dot path 64 (16 columns x
+# 4 rows); each 5-bit plane is laid out per such unit.
+FLOAT_UNIT, DOT_UNIT = 16, 64
+
+
+def pack_quant_panels(q: QuantTensor) -> QuantPanels:
     """Codes, scales and mins in the float kernel's panels: 32 output columns per panel, each a sequential
-    stream. 4-bit codes: byte (k / 2, c) holds row k's code in its low nibble, row k + 1's in its high."""
+    stream. 4- and 5-bit codes: byte (k / 2, c) holds row k's code (its low 4 bits) in its low nibble, row
+    k + 1's in its high; a 5-bit weight's plane then has [panel][K / 2][2 (columns 0-15, 16-31)][2 (low,
+    high nibbles)][2 bytes]."""
     codes = pack_panels(q.codes.t())  # [panels, K, 32], padding columns get code 0
-    if q.bits == 4:
-        codes = (codes[:, 0::2] | (codes[:, 1::2] << 4)).contiguous()
-    return (codes, *_scale_panels(q))
+    high = None
+    if q.bits in (4, 5):
+        codes, high = _nibble_bytes(codes[:, 0::2], codes[:, 1::2], q.bits, FLOAT_UNIT)
+        if high is not None:
+            high = high.view(codes.shape[0], -1, 2, 2, FLOAT_UNIT // 8)
+    return QuantPanels(codes, high, *_scale_panels(q))
 
 
-def pack_dot_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def pack_dot_panels(q: QuantTensor) -> QuantPanels:
     """Codes in the int8-activation kernel's panels (native.cpp, "dot panels"): per 32-column panel and
-    chunk of input rows (8 for 4-bit, 4 for 8-bit), [half][column 0..15][i 0..3], so that one 64-byte load is
-    16 columns x 4 rows. 4-bit: row k0 + i in the low nibble, k0 + 4 + i in the high; 8-bit: code + 128."""
+    chunk of input rows (8 for 4- and 5-bit, 4 for 8-bit), [half][column 0..15][i 0..3], so that one 64-byte
+    load is 16 columns x 4 rows. 4-bit: row k0 + i in the low nibble, k0 + 4 + i in the high; 5-bit: their
+    low 4 bits so, and a plane [panel][K / 8][2 (half)][2 (low, high nibbles)][8 bytes]; 8-bit: code + 128."""
     n, k = q.shape
     panels = -(-n // PANEL)
     codes = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
     codes[:n] = q.codes.view(torch.uint8) if q.bits == 8 else q.codes
+    high = None
     if q.bits == 8:
         codes[:n] ^= 0x80  # two's complement int8 -> code + 128 as uint8
-        codes = codes.view(panels, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4)
+        codes = codes.view(panels, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
     else:
         c = codes.view(panels, 2, 16, k // 8, 2, 4)  # [..., lo/hi half of the 8 rows, i]
-        codes = (c[:, :, :, :, 0] | (c[:, :, :, :, 1] << 4)).permute(0, 3, 1, 2, 4)
-    return (codes.contiguous(), *_scale_panels(q))
+        lo, hi = (c[:, :, :, :, j].permute(0, 3, 1, 2, 4).contiguous() for j in (0, 1))
+        codes, high = _nibble_bytes(lo, hi, q.bits, DOT_UNIT)
+        if high is not None:
+            high = high.view(panels, -1, 2, 2, DOT_UNIT // 8)
+    return QuantPanels(codes, high, *_scale_panels(q))
 
 
 def dot_supported(q: QuantTensor) -> bool:
@@ -509,7 +560,8 @@ def dot_supported(q: QuantTensor) -> bool:
 
 class QuantLinear:
     """``x @ W.T (+ bias) (+ residual)`` for a grouped-quantized weight (`QuantTensor`): GGUF Q4_0,
-    Q4_1, Q4_K, Q8_0, AWQ, GPTQ. The codes stay packed.
+    Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, AWQ, GPTQ. The codes stay packed (5-bit ones as nibbles plus a
+    plane of fifth bits, 6-bit ones as int8).
 
     ``activations="int8"`` (default where the weight's groups are whole 32-blocks): each call quantizes x
     per row and 32-block to int8 (max-abs / 127, as llama.cpp's Q8_0/Q8_1) and runs integer dot products
@@ -525,15 +577,24 @@ class QuantLinear:
         self.group_size, self.bits, self.fmt = weight.group_size, weight.bits, weight.fmt
         self.activations = activations if dot_supported(weight) else "float32"
         # One call shape for the three kernels: (x, rows, K, ldx, codes, scales, mins, half, group, N, bias,
-        # residual, ldr, y, ldy, threads); the int8-activation kernel also takes the code width after ldx.
+        # residual, ldr, y, ldy, threads); the int8-activation kernel also takes the code width after ldx,
+        # and the nibble kernels the 5-bit plane (or null) after the codes.
         self._kernel: Callable[..., None]
+        packed = pack_dot_panels(weight) if self.activations == "int8" else pack_quant_panels(weight)
+        self.codes, self.high, self.scales, self.mins = packed.codes, packed.high, packed.scales, packed.mins
+        self.packed_nbytes = packed.nbytes
+        high = None if self.high is None else self.high.data_ptr()
+        nibbles = weight.bits in (4, 5)
         if self.activations == "int8":
-            self.codes, self.scales, self.mins = pack_dot_panels(weight)
-            qdot, is_q4 = self._lib.sf_linear_qdot, int(weight.bits == 4)
-            self._kernel = lambda x, rows, k, ldx, *rest: qdot(x, rows, k, ldx, is_q4, *rest)
+            qdot = self._lib.sf_linear_qdot
+            self._kernel = lambda x, rows, k, ldx, codes, *rest: qdot(
+                x, rows, k, ldx, int(nibbles), codes, high, *rest
+            )
+        elif nibbles:
+            q4 = self._lib.sf_linear_q4
+            self._kernel = lambda x, rows, k, ldx, codes, *rest: q4(x, rows, k, ldx, codes, high, *rest)
         else:
-            self.codes, self.scales, self.mins = pack_quant_panels(weight)
-            self._kernel = self._lib.sf_linear_q4 if weight.bits == 4 else self._lib.sf_linear_q8g
+            self._kernel = self._lib.sf_linear_q8g
         self.perm = weight.perm
         self.bias = None
         if bias is not None:
@@ -555,27 +616,44 @@ class QuantLinear:
                 codes = (b ^ 0x80).view(torch.int8).reshape(rows, k)
             else:  # low nibble: row k0 + i, high: k0 + 4 + i
                 codes = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(rows, k)
-        else:  # float panels [panel, K (or K / 2 for 4-bit), 32] (pack_quant_panels)
+        else:  # float panels [panel, K (or K / 2 for nibbles), 32] (pack_quant_panels)
             b = self.codes[panel, :, col]
             codes = b if self.bits == 8 else torch.stack([b & 0x0F, b >> 4], dim=2).reshape(rows, k)
+        if self.high is not None:
+            codes = codes | (self._fifth_bits(panel, col) << 4)
         g = self.group_size
         w = codes.float() * self.scales[panel, :, col].float().repeat_interleave(g, dim=1)
         if self.mins is not None:
             w += self.mins[panel, :, col].float().repeat_interleave(g, dim=1)
         return w
 
+    def _fifth_bits(self, panel: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """The fifth bits of columns (panel, col) from the plane [panel, K / chunk, half, low/high nibble,
+        unit / 8 bytes], [len(col), K] uint8 in the input's order (as the nibbles are read back)."""
+        assert self.high is not None
+        plane = self.high[panel, :, col // 16]  # [rows, K / chunk, 2, unit / 8]
+        unit = plane.shape[-1] * 8
+        shifts = torch.arange(8, dtype=torch.uint8)
+        bits = ((plane.unsqueeze(-1) >> shifts) & 1).flatten(-2)  # [rows, K / chunk, 2, unit]
+        per = unit // 16  # rows of one column per nibble half: 1 on the float path, 4 on the dot path
+        at = ((col % 16) * per).unsqueeze(1) + torch.arange(per)  # [rows, per]
+        picked = torch.take_along_dim(bits, at[:, None, None, :], dim=3)  # [rows, K / chunk, 2, per]
+        return picked.reshape(col.shape[0], self.in_features)
+
     def descriptor(self) -> LinearDesc | None:
         """This linear for sf_decode_layers; None for an act-order weight (its input is permuted first)."""
         if self.perm is not None:
             return None
         dot = self.activations == "int8"
+        nibbles = self.bits in (4, 5)
         return LinearDesc(
-            kind=4 if dot else 2 if self.bits == 4 else 3,
-            q4=int(self.bits == 4),
+            kind=4 if dot else 2 if nibbles else 3,
+            q4=int(nibbles),
             half_scales=int(self.scales.dtype == torch.float16),
             codes=self.codes.data_ptr(),
             scale=self.scales.data_ptr(),
             mins=None if self.mins is None else self.mins.data_ptr(),
+            high=None if self.high is None else self.high.data_ptr(),
             bias=None if self.bias is None else self.bias.data_ptr(),
             K=self.in_features,
             N=self.out_features,

@@ -1,11 +1,11 @@
 """One in-memory form for grouped weight-only quantization, whatever the checkpoint's format.
 
-GGUF Q4_0/Q4_1/Q4_K/Q8_0, AWQ and GPTQ all store a weight [out, in] as small integer codes with, per
+GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K/Q6_K/Q8_0, AWQ and GPTQ all store a weight [out, in] as small integer codes with, per
 output row and group of ``group_size`` input columns, a scale and an offset:
 ``W[n, k] = codes[n, k] * scales[n, k // G] + mins[n, k // G]``. The format readers (engine/quant/)
 decode each format into a `QuantTensor`; the kernels (native CPU: kernels/cpu_native.py, Triton:
 kernels/quant_matmul.py) pack it into their own layouts. Keeping one form means one kernel per code
-width instead of one per format, and one reference (`dequantize`) for every test.
+width (4, 5 or 8 bits) instead of one per format, and one reference (`dequantize`) for every test.
 
 GPTQ act-order checkpoints quantize input columns in a permuted order; `perm` records it: the weight's
 column ``j`` multiplies ``x[:, perm[j]]``, so ``y = x[:, perm] @ W.T``.
@@ -21,7 +21,7 @@ import torch
 
 @dataclass(frozen=True)
 class QuantTensor:
-    codes: torch.Tensor  # [N, K] uint8 codes 0..15 (bits=4) or int8 (bits=8)
+    codes: torch.Tensor  # [N, K] uint8 codes 0..15 (bits=4), 0..31 (bits=5) or int8 (bits=8)
     scales: torch.Tensor  # [N, K // group_size] float32
     mins: torch.Tensor | None  # [N, K // group_size] float32 offsets, None for symmetric codes
     group_size: int
@@ -31,9 +31,9 @@ class QuantTensor:
 
     def __post_init__(self) -> None:
         n, k = self.codes.shape
-        if self.bits not in (4, 8):
-            raise ValueError(f"{self.fmt}: bits={self.bits} is not 4 or 8")
-        want = torch.uint8 if self.bits == 4 else torch.int8
+        if self.bits not in (4, 5, 8):
+            raise ValueError(f"{self.fmt}: bits={self.bits} is not 4, 5 or 8")
+        want = torch.int8 if self.bits == 8 else torch.uint8
         if self.codes.dtype != want:
             raise ValueError(f"{self.fmt}: {self.bits}-bit codes must be {want}, got {self.codes.dtype}")
         if self.group_size < 2 or self.group_size % 2 or k % self.group_size:
@@ -82,24 +82,48 @@ class QuantTensor:
             mins=None if self.mins is None else self.mins.index_select(0, index),
         )
 
+    def widened(self, bits: int) -> QuantTensor:
+        """The same weight with `bits`-wide codes (4 -> 5 keeps the uint8 codes; -> 8 makes them int8), so
+        that it can share a kernel with wider parts. Exact: an int8 code ``q - 2**(b-1)`` with no offset
+        replaces ``q`` when the offsets are exactly ``-2**(b-1)`` times the scales (GGUF Q4_0, Q5_0)."""
+        if bits == self.bits:
+            return self
+        if bits < self.bits or bits not in (5, 8):
+            raise ValueError(f"{self.fmt}: {self.bits}-bit codes cannot widen to {bits} bits")
+        if bits == 5:
+            return replace(self, bits=5)
+        half = 1 << (self.bits - 1)
+        if self.mins is not None and torch.equal(self.mins, self.scales * -half):
+            codes = (self.codes.to(torch.int16) - half).to(torch.int8)
+            return replace(self, codes=codes, mins=None, bits=8)
+        return replace(self, codes=self.codes.to(torch.int8), bits=8)
+
+    def with_mins(self) -> QuantTensor:
+        """The same weight with explicit (zero) offsets, to share a kernel with asymmetric parts."""
+        return self if self.mins is not None else replace(self, mins=torch.zeros_like(self.scales))
+
     @staticmethod
     def cat(parts: Sequence[QuantTensor]) -> QuantTensor | None:
-        """Stack along the output dim (fused q/k/v, gate/up); None when the parts cannot share a kernel."""
+        """Stack along the output dim (fused q/k/v, gate/up); None when the parts cannot share a kernel
+        (different group sizes, input sizes or column orders). Parts of different code widths are widened
+        to the widest (GGUF Q4_K_M puts Q5_0 on q/k and Q8_0 on v), and symmetric parts get zero offsets
+        beside asymmetric ones: both exact, and cheaper than the float32 path a mixed group would take."""
         first = parts[0]
         for p in parts[1:]:
-            if (p.bits, p.group_size, p.shape[1], p.mins is None) != (
-                first.bits,
-                first.group_size,
-                first.shape[1],
-                first.mins is None,
-            ) or not _same_perm(p.perm, first.perm):
+            if (p.group_size, p.shape[1]) != (first.group_size, first.shape[1]) or not _same_perm(
+                p.perm, first.perm
+            ):
                 return None
+        bits = max(p.bits for p in parts)
+        parts = [p.widened(bits) for p in parts]
+        if any(p.mins is None for p in parts) and any(p.mins is not None for p in parts):
+            parts = [p.with_mins() for p in parts]
+        mins = [p.mins for p in parts if p.mins is not None]
         return replace(
-            first,
+            parts[0],
             codes=torch.cat([p.codes for p in parts]),
             scales=torch.cat([p.scales for p in parts]),
-            # the loop above checked that all parts have mins or none has
-            mins=None if first.mins is None else torch.cat([p.mins for p in parts if p.mins is not None]),
+            mins=torch.cat(mins) if mins else None,
             fmt="+".join(dict.fromkeys(p.fmt for p in parts)),
         )
 

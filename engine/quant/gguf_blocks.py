@@ -9,17 +9,17 @@ Layouts (llama.cpp ggml-common.h; gguf-py quants.py is the reference the tests c
        (per 64 values: 32 bytes, low nibbles the first 32, high nibbles the next 32); sub-block j of 32
        values: W = d * sc_j * q - dmin * m_j, so a group of 32 with scale d * sc_j and min -dmin * m_j.
   Q5_0 (22 bytes / 32): fp16 d, 4 bytes qh (little-endian uint32, bit j = fifth bit of value j), 16 nibble
-       bytes as Q4_0; W = d * (q - 16) with q = nibble | bit << 4: int8 codes q - 16, scale d, no min.
-  Q5_1 (24 bytes / 32): fp16 d, fp16 m, qh, 16 nibble bytes; W = d * q + m: int8 codes q, scale d, min m.
+       bytes as Q4_0; W = d * (q - 16) with q = nibble | bit << 4: 5-bit codes q, scale d, min -16 d.
+  Q5_1 (24 bytes / 32): fp16 d, fp16 m, qh, 16 nibble bytes; W = d * q + m: 5-bit codes q, scale d, min m.
   Q5_K (176 bytes / 256): fp16 d, fp16 dmin, 12 scale/min bytes as Q4_K, 32 bytes qh (bit i of byte l =
        fifth bit of value l of sub-block i), 128 nibble bytes as Q4_K; sub-blocks of 32 as Q4_K.
   Q6_K (210 bytes / 256): 128 bytes ql (low 4 bits), 64 bytes qh (high 2 bits), 16 int8 scales, fp16 d
        (last). Per 128 values: ql[0:32] low nibbles, ql[32:64] low, ql[0:32] high, ql[32:64] high, each
        with qh[l] bits 0-1, 2-3, 4-5, 6-7 on top; W = d * sc_s * (q - 32) per sub-block s of 16 values:
        int8 codes q - 32, groups of 16, scale d * sc_s.
-The 5- and 6-bit types keep one int8 code per value (the 8-bit kernels run them; a packed 5/6-bit layout
-would stream fewer bytes, docs/kernels.md). Every form decodes exactly: each scale and min is the same
-float32 product the reference dequantizer forms.
+The 5-bit types decode to 5-bit codes (the kernels keep them as nibbles plus a plane of fifth bits); Q6_K
+keeps one int8 code per value (the 8-bit kernels run it). Every form decodes exactly: each scale and min is
+the same float32 product the reference dequantizer forms (Q5_0's -16 d is a power-of-two multiple of d).
 """
 
 from __future__ import annotations
@@ -127,16 +127,16 @@ def q4k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _decode_5_6(blocks: np.ndarray, type_name: str, n: int, k: int) -> QuantTensor:
-    """Q5_0, Q5_1, Q5_K, Q6_K blocks [N, K / values, bytes] -> int8 codes (layouts in the module doc)."""
+    """Q5_0, Q5_1, Q5_K, Q6_K blocks [N, K / values, bytes] -> 5-bit or int8 codes (layouts in the module doc)."""
     fmt = f"gguf:{type_name}"
     if type_name in ("Q5_0", "Q5_1"):
         d = _f16(blocks[..., :2])[..., 0]
         at = 2 if type_name == "Q5_0" else 4
         q = _nibbles_32(blocks[..., at + 4 :]) | (_fifth_bits_32(blocks[..., at : at + 4]) << 4)
-        if type_name == "Q5_0":
-            return QuantTensor(_int8(q.reshape(n, k), 16), torch.from_numpy(d), None, 32, 8, fmt)
-        m = _f16(blocks[..., 2:4])[..., 0]
-        return QuantTensor(_int8(q.reshape(n, k), 0), torch.from_numpy(d), torch.from_numpy(m), 32, 8, fmt)
+        m = np.float32(-16.0) * d if type_name == "Q5_0" else _f16(blocks[..., 2:4])[..., 0]
+        return QuantTensor(
+            torch.from_numpy(q.reshape(n, k)), torch.from_numpy(d), torch.from_numpy(m), 32, 5, fmt
+        )
     nb = k // 256
     if type_name == "Q5_K":
         d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
@@ -148,11 +148,11 @@ def _decode_5_6(blocks: np.ndarray, type_name: str, n: int, k: int) -> QuantTens
         scales = (d * sc.astype(np.float32)).reshape(n, k // 32)
         mins = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
         return QuantTensor(
-            _int8((low | (high << 4)).reshape(n, k), 0),
+            torch.from_numpy((low | (high << 4)).reshape(n, k)),
             torch.from_numpy(scales),
             torch.from_numpy(mins),
             32,
-            8,
+            5,
             fmt,
         )
     # Q6_K

@@ -287,6 +287,56 @@ inline v16 load(const uint16_t* p) {
 #endif
 #endif
 
+// ---- 5-bit codes: a nibble in the 4-bit panels plus a fifth bit from a separate plane -------------------
+// The plane holds one bit per code in the order of the nibble bytes the code completes: per unit of nibble
+// bytes (16 on the float path, 64 on the dot path), a little-endian mask of their low nibbles' fifth bits,
+// then one of their high nibbles' (kernels/cpu_native.py: fifth_bit_plane). 4 bytes per 32 codes.
+inline uint16_t load_u16(const uint8_t* p) {
+  uint16_t v;
+  __builtin_memcpy(&v, p, 2);
+  return v;
+}
+inline uint64_t load_u64(const uint8_t* p) {
+  uint64_t v;
+  __builtin_memcpy(&v, p, 8);
+  return v;
+}
+// 16 mask bits -> 16 floats, 16.0f where the bit is set: the float path adds it to the nibble's value.
+inline v16 fifth_bit_floats(uint16_t m) {
+#if defined(__AVX512F__)
+  return (v16)_mm512_maskz_mov_ps(m, _mm512_set1_ps(16.0f));
+#else
+  const i16 lanes = {i8x8{0, 1, 2, 3, 4, 5, 6, 7}, i8x8{8, 9, 10, 11, 12, 13, 14, 15}};
+  return to_float(((splat_i(m) >> lanes) & 1) << 4);
+#endif
+}
+#if !defined(__AVX512F__) && defined(__AVX2__)
+inline u8x32 fifth_bit_bytes32(uint32_t m) {  // byte i = 16 where bit i is set
+  const __m256i idx = _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3,
+                                       3, 3, 3, 3, 3, 3, 3);  // in-lane shuffle: each lane holds all 4 bytes
+  const __m256i sel = _mm256_set1_epi64x(static_cast<long long>(0x8040201008040201ULL));
+  const __m256i b = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32(static_cast<int>(m)), idx), sel);
+  return (u8x32)_mm256_and_si256(_mm256_cmpeq_epi8(b, sel), _mm256_set1_epi8(16));
+}
+#endif
+// 64 mask bits -> 64 bytes, 16 where the bit is set: the dot path adds it to the nibble.
+inline u8x64 fifth_bit_bytes(uint64_t m) {
+#if defined(__AVX512BW__)
+  return (u8x64)_mm512_maskz_mov_epi8(m, _mm512_set1_epi8(16));
+#elif defined(__AVX512F__)
+  u8x64 out;
+  for (int i = 0; i < 64; ++i) out[i] = static_cast<uint8_t>(((m >> i) & 1) << 4);
+  return out;
+#elif defined(__AVX2__)
+  return {fifth_bit_bytes32(static_cast<uint32_t>(m)), fifth_bit_bytes32(static_cast<uint32_t>(m >> 32))};
+#else
+  u8x64 out;
+  for (int i = 0; i < 32; ++i)
+    out.lo[i] = static_cast<uint8_t>(((m >> i) & 1) << 4), out.hi[i] = static_cast<uint8_t>(((m >> (32 + i)) & 1) << 4);
+  return out;
+#endif
+}
+
 // exp(x) for 16 lanes: Cody-Waite range reduction and the Cephes expf polynomial (about 1 ulp).
 // Inputs below -87 give ~1e-38 instead of 0, which is harmless as a softmax weight.
 inline v16 vexp(v16 x) {
@@ -397,9 +447,12 @@ void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* panels, 
 
 // R rows of x against one grouped-quantized panel. Q4: codes are [K / 2][32] bytes, byte (k / 2, c)
 // holding column c of row k in its low nibble and of row k + 1 in its high nibble; otherwise int8
-// [K][32]. scale and mins are [K / G][32]: W[k, c] = code * scale[k / G, c] (+ mins[k / G, c]).
-template <int R, bool Q4, typename S>
-inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* codes, const S* scale,
+// [K][32]. Q5 (with Q4): the nibbles are the low 4 bits of 5-bit codes and `high` holds their fifth bits,
+// 8 bytes per 32 nibble bytes (masks of bytes 0-15's low nibbles, their high nibbles, then bytes 16-31's).
+// scale and mins are [K / G][32]: W[k, c] = code * scale[k / G, c] (+ mins[k / G, c]).
+template <int R, bool Q4, bool Q5, typename S>
+inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* codes, const uint8_t* high,
+                         const S* scale,
                          const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
                          int64_t ldy, int cols) {
   v16 a0[R], a1[R];
@@ -415,6 +468,11 @@ inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* cod
         v16 w0, w1, v0, v1;  // w: row k, v: row k + 1; 0: columns 0-15, 1: columns 16-31
         load_nibbles(c, w0, v0);
         load_nibbles(c + 16, w1, v1);
+        if constexpr (Q5) {
+          const uint8_t* h = high + k * 4;  // 8 plane bytes per row pair
+          w0 += fifth_bit_floats(load_u16(h)), v0 += fifth_bit_floats(load_u16(h + 2));
+          w1 += fifth_bit_floats(load_u16(h + 4)), v1 += fifth_bit_floats(load_u16(h + 6));
+        }
         w0 = w0 * s0 + m0, w1 = w1 * s1 + m1, v0 = v0 * s0 + m0, v1 = v1 * s1 + m1;
 #pragma GCC unroll 8
         for (int r = 0; r < R; ++r) {
@@ -440,18 +498,22 @@ inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* cod
   store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
 }
 
-template <bool Q4, typename S, int R = kRows>
-inline void qlinear_rows(int rows, const float* x, int64_t ldx, int64_t K, const void* codes, const S* scale,
-                         const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
-                         int64_t ldy, int cols) {
+template <bool Q4, bool Q5, typename S, int R = kRows>
+inline void qlinear_rows(int rows, const float* x, int64_t ldx, int64_t K, const void* codes, const uint8_t* high,
+                         const S* scale, const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr,
+                         float* y, int64_t ldy, int cols) {
   if constexpr (R > 0) {
-    if (rows == R) return qlinear_tile<R, Q4, S>(x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
-    return qlinear_rows<Q4, S, R - 1>(rows, x, ldx, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    if (rows == R)
+      return qlinear_tile<R, Q4, Q5, S>(x, ldx, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return qlinear_rows<Q4, Q5, S, R - 1>(rows, x, ldx, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy,
+                                          cols);
   }
 }
 
-template <bool Q4, typename S>
-void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* codes, const S* scale,
+// high: Q5's fifth-bit plane, K * 4 bytes per panel (null otherwise).
+template <bool Q4, bool Q5, typename S>
+void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* codes, const uint8_t* high,
+             const S* scale,
              const S* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
              int64_t ldy, int threads) {
   const int64_t np = (N + kPanel - 1) / kPanel, groups = K / G;
@@ -459,13 +521,14 @@ void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* code
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t p = 0; p < np; ++p) {
     const void* c = static_cast<const uint8_t*>(codes) + p * panel_bytes;
+    const uint8_t* h = Q5 ? high + p * K * 4 : nullptr;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     const S* s = scale + p * groups * kPanel;
     const S* mn = mins ? mins + p * groups * kPanel : nullptr;
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-      qlinear_rows<Q4, S>(rows, x + m0 * ldx, ldx, K, c, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
+      qlinear_rows<Q4, Q5, S>(rows, x + m0 * ldx, ldx, K, c, h, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
                        y + m0 * ldy + p * kPanel, ldy, cols);
     }
   }
@@ -485,6 +548,8 @@ void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* code
 //   4-bit: per 8 input rows k0..k0+7, 128 bytes = [half h: columns 16h..16h+15][column c][i in 0..3], the
 //          byte holding row k0+i's code in its low nibble and row k0+4+i's in its high nibble. One 64-byte
 //          load is then 16 columns x 4 rows per nibble half: exactly vpdpbusd's 16 lanes x 4 bytes.
+//   5-bit: the 4-bit layout's nibbles hold the low 4 bits; a plane holds the fifth bits, per 8 input rows 32
+//          bytes: the 64-bit masks of bytes 0-63's low nibbles, their high nibbles, bytes 64-127's low, high.
 //   8-bit: per 4 input rows, 128 bytes = [h][c][i] = code(k0+i, 16h+c) + 128 (vpdpbusd's weight operand
 //          is unsigned; the 128 * sum(xq) it adds is subtracted per block).
 // Scales and mins: [K/G][32] per panel as for the float path; G a multiple of 32.
@@ -525,9 +590,14 @@ struct QuantizedRows {
   const int32_t* xqs;  // [M][K / 32] sums of xq (for the 8-bit codes' +128)
 };
 
-template <int R, bool Q4, typename S>
-inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const S* scale, const S* mins, int64_t G,
-                     const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int cols) {
+// maddubs (AVX512BW, AVX2) sums into int16 lanes: 5-bit pairs reach 31 * 127 * 2 = 7874, so a block's 8
+// steps (62992) would overflow; Q5 widens after each 8 rows (2 steps, 15748) instead of once per block.
+constexpr bool kSum4Narrow = !std::is_same_v<Sum4, i16>;
+
+template <int R, bool Q4, bool Q5, typename S>
+inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, const S* scale,
+                     const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
+                     int64_t ldy, int cols) {
   const int64_t nb = K / kQBlock, per_group = G / kQBlock;
   v16 a0[R], a1[R], s0{}, s1{}, m0{}, m1{};
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
@@ -540,12 +610,17 @@ inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const S* 
     i16 i0[R], i1[R];
     if constexpr (Q4) {
       Sum4 p0[R], p1[R];
-      for (int r = 0; r < R; ++r) p0[r] = p1[r] = Sum4{};
+      for (int r = 0; r < R; ++r) p0[r] = p1[r] = Sum4{}, i0[r] = i1[r] = i16{};
       const uint8_t* c = codes + b * (kQBlock / 8) * 128;
 #pragma GCC unroll 4
       for (int j = 0; j < kQBlock / 8; ++j, c += 128) {
         const u8x64 raw0 = load_bytes(c), raw1 = load_bytes(c + 64);
-        const u8x64 lo0 = raw0 & 0x0F, hi0 = raw0 >> 4, lo1 = raw1 & 0x0F, hi1 = raw1 >> 4;
+        u8x64 lo0 = raw0 & 0x0F, hi0 = raw0 >> 4, lo1 = raw1 & 0x0F, hi1 = raw1 >> 4;
+        if constexpr (Q5) {
+          const uint8_t* h = high + (b * (kQBlock / 8) + j) * 32;
+          lo0 += fifth_bit_bytes(load_u64(h)), hi0 += fifth_bit_bytes(load_u64(h + 8));
+          lo1 += fifth_bit_bytes(load_u64(h + 16)), hi1 += fifth_bit_bytes(load_u64(h + 24));
+        }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
           const int8_t* xr = x.xq + r * K + b * kQBlock + j * 8;
@@ -553,8 +628,11 @@ inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const S* 
           p0[r] = dot4(dot4(p0[r], lo0, xa), hi0, xb);
           p1[r] = dot4(dot4(p1[r], lo1, xa), hi1, xb);
         }
+        if constexpr (Q5 && kSum4Narrow) {
+          for (int r = 0; r < R; ++r) i0[r] += sum4(p0[r]), i1[r] += sum4(p1[r]), p0[r] = p1[r] = Sum4{};
+        }
       }
-      for (int r = 0; r < R; ++r) i0[r] = sum4(p0[r]), i1[r] = sum4(p1[r]);
+      for (int r = 0; r < R; ++r) i0[r] += sum4(p0[r]), i1[r] += sum4(p1[r]);
     } else {
       for (int r = 0; r < R; ++r) i0[r] = i1[r] = i16{};
       const uint8_t* c = codes + b * (kQBlock / 4) * 128;
@@ -590,17 +668,19 @@ inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const S* 
   store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
 }
 
-template <bool Q4, typename S, int R = kDotRows>
-inline void dot_rows(int rows, QuantizedRows x, int64_t K, const uint8_t* codes, const S* scale, const S* mins,
-                     int64_t G, const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int cols) {
+template <bool Q4, bool Q5, typename S, int R = kDotRows>
+inline void dot_rows(int rows, QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, const S* scale,
+                     const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
+                     int64_t ldy, int cols) {
   if constexpr (R > 0) {
-    if (rows == R) return dot_tile<R, Q4, S>(x, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
-    return dot_rows<Q4, S, R - 1>(rows, x, K, codes, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    if (rows == R) return dot_tile<R, Q4, Q5, S>(x, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return dot_rows<Q4, Q5, S, R - 1>(rows, x, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy, cols);
   }
 }
 
-template <bool Q4, typename S>
-void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const S* scale,
+template <bool Q4, bool Q5, typename S>
+void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const uint8_t* high,
+                const S* scale,
                 const S* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
                 int64_t ldy, int threads) {
   // Scratch for the quantized rows, reused across calls (the engine calls from one thread at a time).
@@ -624,6 +704,7 @@ void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t p = 0; p < np; ++p) {
     const uint8_t* c = codes + p * panel_bytes;
+    const uint8_t* h = Q5 ? high + p * K * 4 : nullptr;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
     const S* s = scale + p * groups * kPanel;
     const S* mn = mins ? mins + p * groups * kPanel : nullptr;
@@ -631,17 +712,27 @@ void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t
     for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kDotRows, M - m0));
       const QuantizedRows xr{q + m0 * K, d + m0 * nb, sum + m0 * nb, qsum + m0 * nb};
-      dot_rows<Q4, S>(rows, xr, K, c, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
+      dot_rows<Q4, Q5, S>(rows, xr, K, c, h, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
                       y + m0 * ldy + p * kPanel, ldy, cols);
     }
   }
+}
+
+// sf_linear_qdot's dispatch on the code width.
+template <typename S>
+void qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int q4, const uint8_t* codes, const uint8_t* high,
+          const S* s, const S* m, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+          int64_t ldy, int threads) {
+  if (q4 && high) return dot_linear<true, true>(x, M, K, ldx, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  if (q4) return dot_linear<true, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  dot_linear<false, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
 }
 
 }  // namespace
 
 extern "C" {
 
-int sf_abi_version() { return 6; }
+int sf_abi_version() { return 7; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -656,16 +747,22 @@ void sf_linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_
 }
 
 // As sf_linear_f32 over 4-bit codes in groups of G input rows (G even, K a multiple of G):
-// W[k, n] = code[k, n] * scale[k / G, n] + mins[k / G, n]; layout in qlinear_tile. scale and mins are
+// W[k, n] = code[k, n] * scale[k / G, n] + mins[k / G, n]; layout in qlinear_tile. With `high` (else
+// null), 5-bit codes: the nibbles are their low 4 bits and `high` their fifth-bit plane. scale and mins are
 // float32, or IEEE halfs when half_scales (GGUF's own fp16 d and m: a bit per weight less to stream).
-void sf_linear_q4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const void* scale,
-                  const void* mins, int half_scales, int64_t G, int64_t N, const float* bias, const float* res,
-                  int64_t ldr, float* y, int64_t ldy, int threads) {
-  if (half_scales)
-    return qlinear<true>(x, M, K, ldx, codes, static_cast<const uint16_t*>(scale), static_cast<const uint16_t*>(mins),
-                         G, N, bias, res, ldr, y, ldy, threads);
-  qlinear<true>(x, M, K, ldx, codes, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
-                res, ldr, y, ldy, threads);
+void sf_linear_q4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const uint8_t* high,
+                  const void* scale, const void* mins, int half_scales, int64_t G, int64_t N, const float* bias,
+                  const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
+  if (half_scales) {
+    const auto* s = static_cast<const uint16_t*>(scale);
+    const auto* m = static_cast<const uint16_t*>(mins);
+    if (high) return qlinear<true, true>(x, M, K, ldx, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    return qlinear<true, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  }
+  const auto* s = static_cast<const float*>(scale);
+  const auto* m = static_cast<const float*>(mins);
+  if (high) return qlinear<true, true>(x, M, K, ldx, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  qlinear<true, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
 }
 
 // The same over int8 codes (GGUF Q8_0): W[k, n] = code[k, n] * scale[k / G, n] (+ mins[k / G, n]).
@@ -673,27 +770,23 @@ void sf_linear_q8g(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
                    const void* mins, int half_scales, int64_t G, int64_t N, const float* bias, const float* res,
                    int64_t ldr, float* y, int64_t ldy, int threads) {
   if (half_scales)
-    return qlinear<false>(x, M, K, ldx, codes, static_cast<const uint16_t*>(scale),
-                          static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
-  qlinear<false>(x, M, K, ldx, codes, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
-                 res, ldr, y, ldy, threads);
+    return qlinear<false, false>(x, M, K, ldx, codes, nullptr, static_cast<const uint16_t*>(scale),
+                                 static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
+  qlinear<false, false>(x, M, K, ldx, codes, nullptr, static_cast<const float*>(scale),
+                        static_cast<const float*>(mins), G, N, bias, res, ldr, y, ldy, threads);
 }
 
 // As sf_linear_q4 / sf_linear_q8g with x quantized to int8 per 32-block first (see dot_linear): codes in
-// the dot panels' layout, K and G multiples of 32. q4: 4-bit codes; otherwise 8-bit codes stored + 128.
+// the dot panels' layout, K and G multiples of 32. q4: nibble codes (5-bit with the plane `high`, else
+// 4-bit); otherwise 8-bit codes stored + 128.
 void sf_linear_qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int q4, const uint8_t* codes,
-                    const void* scale, const void* mins, int half_scales, int64_t G, int64_t N, const float* bias,
-                    const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
-  if (half_scales) {
-    const auto* s = static_cast<const uint16_t*>(scale);
-    const auto* m = static_cast<const uint16_t*>(mins);
-    if (q4) return dot_linear<true>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
-    return dot_linear<false>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
-  }
-  const auto* s = static_cast<const float*>(scale);
-  const auto* m = static_cast<const float*>(mins);
-  if (q4) return dot_linear<true>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
-  dot_linear<false>(x, M, K, ldx, codes, s, m, G, N, bias, res, ldr, y, ldy, threads);
+                    const uint8_t* high, const void* scale, const void* mins, int half_scales, int64_t G, int64_t N,
+                    const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
+  if (half_scales)
+    return qdot(x, M, K, ldx, q4, codes, high, static_cast<const uint16_t*>(scale),
+                static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
+  qdot(x, M, K, ldx, q4, codes, high, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
+       res, ldr, y, ldy, threads);
 }
 
 // Which instructions the integer dot products (dot4/dot8 above) compiled to, for logs and benchmarks.
@@ -828,12 +921,13 @@ void sf_paged_attention_f32(const float* q, int64_t ldq, const float* k_cache, c
 // two paths agree bit for bit.
 struct sf_linear_desc {
   int32_t kind;  // 0 float32 panels, 1 int8 panels, 2 4-bit float-act, 3 8-bit float-act, 4 int8-act dot
-  int32_t q4;  // kind 4: 4-bit codes (else 8-bit)
+  int32_t q4;  // kind 4: nibble codes (else 8-bit)
   int32_t half_scales;  // kinds 2-4: scales/mins are IEEE halfs
   int32_t reserved;
   const void* codes;  // panels (kinds 0-1) or codes
   const void* scale;  // kind 1: per-column scale; kinds 2-4: per-group scales
   const void* mins;  // kinds 2-4: per-group mins or null
+  const uint8_t* high;  // kinds 2 and 4 (nibbles): the fifth-bit plane of 5-bit codes, or null for 4-bit
   const float* bias;  // padded to the panels, or null
   int64_t K, N, G;
 };
@@ -865,13 +959,13 @@ void run_linear(const sf_linear_desc& L, const float* x, int64_t M, int64_t ldx,
       return linear(x, M, L.K, ldx, static_cast<const int8_t*>(L.codes), static_cast<const float*>(L.scale), L.N,
                     L.bias, res, ldr, y, ldy, threads);
     case 2:
-      return sf_linear_q4(x, M, L.K, ldx, static_cast<const uint8_t*>(L.codes), L.scale, L.mins, L.half_scales,
+      return sf_linear_q4(x, M, L.K, ldx, static_cast<const uint8_t*>(L.codes), L.high, L.scale, L.mins, L.half_scales,
                           L.G, L.N, L.bias, res, ldr, y, ldy, threads);
     case 3:
       return sf_linear_q8g(x, M, L.K, ldx, static_cast<const int8_t*>(L.codes), L.scale, L.mins, L.half_scales,
                            L.G, L.N, L.bias, res, ldr, y, ldy, threads);
     default:
-      return sf_linear_qdot(x, M, L.K, ldx, L.q4, static_cast<const uint8_t*>(L.codes), L.scale, L.mins,
+      return sf_linear_qdot(x, M, L.K, ldx, L.q4, static_cast<const uint8_t*>(L.codes), L.high, L.scale, L.mins,
                             L.half_scales, L.G, L.N, L.bias, res, ldr, y, ldy, threads);
   }
 }

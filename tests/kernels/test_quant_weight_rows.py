@@ -13,14 +13,14 @@ pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kerne
 
 
 @pytest.mark.parametrize("activations", ["int8", "float32"])
-@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("bits", [4, 5, 8])
 @pytest.mark.parametrize("mins", [True, False])
 @pytest.mark.parametrize("group", [32, 16])  # 16: Q6_K's groups, float panels only (dot_supported)
 def test_weight_rows_equal_the_dequantized_rows(activations: str, bits: int, mins: bool, group: int) -> None:
     g = torch.Generator().manual_seed(bits + group)
     n, k = 70, 128
-    if bits == 4:
-        codes = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    if bits in (4, 5):
+        codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
     else:
         codes = torch.randint(-128, 128, (n, k), generator=g).to(torch.int8)
     scales = torch.rand(n, k // group, generator=g) + 0.01

@@ -199,7 +199,7 @@ async def tune(
     if time.monotonic() - last < tuner.policy.params.interval_s:
         await tuner.sync_new_pods()  # a pod that started before its file was written: tuned within a tick
         await publish_in_force(client, body, tuner, memo, logger)
-        replicas = _replica_policy(memo, uid, generation, body)
+        replicas = _replica_policy(memo, uid, body)
         if replicas is not None and replicas.replicas == 0:  # scale from zero: the routers' queue, every tick
             signals = await router_signals(client, meta["namespace"], meta["name"])
             if signals.queued > 0:
@@ -209,7 +209,7 @@ async def tune(
                 await _autoscaled(client, body, meta, status, decision, signals)
         return
     tuners[uid] = (tuner, fingerprint, time.monotonic())
-    replicas = _replica_policy(memo, uid, generation, body)
+    replicas = _replica_policy(memo, uid, body)
     tuner.policy.replica_room = replicas is not None and replicas.room  # capacity is the replica knob's then
     tick = await tuner.tick(frozen_by(body))
     await publish_in_force(client, body, tuner, memo, logger)
@@ -294,19 +294,20 @@ async def _autoscaled(
         kopf.info(body, reason=scaled[1], message=scaled[2][:1000])
 
 
-def _replica_policy(memo: kopf.Memo, uid: str, generation: int, body: kopf.Body) -> ReplicaPolicy | None:
-    """One replica policy per service with autoscaling on, started from the count in force; reset by a
-    spec change like the tuner."""
-    policies: dict[str, tuple[ReplicaPolicy, int]] = memo.setdefault("replica_policies", {})
+def _replica_policy(memo: kopf.Memo, uid: str, body: kopf.Body) -> ReplicaPolicy | None:
+    """One replica policy per service with autoscaling on, started from the count in force. Rebuilt only when
+    its settings (`replica_params`: the bounds, windows, cooldown) change: a `/scale` write or any other spec
+    change bumps the generation too, and must not restart its cooldown or its stabilization windows."""
+    policies: dict[str, ReplicaPolicy] = memo.setdefault("replica_policies", {})
     isvc = parse_inference_service(body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}")
     if not isvc.spec.autoscaling.enabled:
         policies.pop(uid, None)
         return None
-    entry = policies.get(uid)
-    if entry is None or entry[1] != generation:
-        entry = (ReplicaPolicy(replica_params(isvc.spec), isvc.desired_replicas), generation)
-        policies[uid] = entry
-    return entry[0]
+    params = replica_params(isvc.spec)
+    policy = policies.get(uid)
+    if policy is None or policy.params != params:
+        policy = policies[uid] = ReplicaPolicy(params, isvc.desired_replicas)
+    return policy
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -181,6 +181,74 @@ def test_a_restarted_operator_resumes_and_scaling_keeps_the_tuned_config(
     assert resume.get("specHash") == fingerprint and resume.get("costPoints", [])[:3] == learned, resume
 
 
+def test_a_kubectl_scale_keeps_the_replica_policys_cooldown(
+    engine_url: str, fake_kube: FakeKube, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The replica knob remembers its last change across a `/scale` write (a spec change that leaves its
+    settings alone): an idle service at 3 replicas scales down to 2 at once (no stabilization window), then
+    holds in the cooldown although `kubectl scale` bumped the generation in between; a policy rebuilt by
+    that write would have no last change and scale down to 1 at its next interval. A change of the knob's
+    own settings (`spec.autoscaling`) does take effect."""
+    from kopf.testing import KopfRunner
+
+    aim_tuner_at(engine_url, monkeypatch)
+    host = engine_url.removeprefix("http://").split(":")[0]
+    doc = example_service(
+        "smollm2",
+        **AUTOTUNED_SPEC,
+        # a cooldown far longer than the test (about 30 s), so that only a forgotten last change ends it
+        autoscaling={
+            "enabled": True,
+            "minReplicas": 1,
+            "maxReplicas": 3,
+            "scaleDownStabilizationSeconds": 0,
+            "cooldownSeconds": 600,
+        },
+    )
+    put_service(fake_kube, NS, doc)
+    put_pod(fake_kube, NS, "smollm2-0", {SERVICE_LABEL: "smollm2"}, host, ready=True)
+    isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
+    # a previous operator's count: three replicas, the one pod here idle
+    fake_kube.put(*ISVC, NS, {**isvc, "status": {"autoscaling": {"replicas": 3, "reason": "earlier"}}})
+
+    def autoscaling() -> dict[str, Any]:
+        return ((fake_kube.get(*ISVC, NS, "smollm2") or {}).get("status") or {}).get("autoscaling") or {}
+
+    def decisions() -> int:
+        return sum(
+            1
+            for r in fake_kube.requests
+            if r.method == "PATCH"
+            and r.path.endswith("/status")
+            and isinstance(r.body, dict)
+            and "autoscaling" in (r.body.get("status") or {})
+        )
+
+    with KopfRunner(operator_args(NS), timeout=150) as runner:
+        down = wait_for(
+            "the idle service scaled down to 2",
+            lambda: autoscaling().get("replicas") == 2 and autoscaling(),
+            timeout=60,
+        )
+        isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
+        isvc["spec"]["replicas"] = 2  # what `kubectl scale isvc/smollm2 --replicas=2` writes
+        fake_kube.put(*ISVC, NS, isvc)
+        seen = decisions()
+        wait_for("two replica decisions after the scale", lambda: decisions() >= seen + 2, timeout=60)
+        after = autoscaling()
+        # a change of the knob's own settings does rebuild it: no cooldown now, so down to the floor
+        isvc = fake_kube.get(*ISVC, NS, "smollm2") or {}
+        isvc["spec"]["autoscaling"]["cooldownSeconds"] = 0
+        fake_kube.put(*ISVC, NS, isvc)
+        wait_for(
+            "the floor after the cooldown's change", lambda: autoscaling().get("replicas") == 1, timeout=60
+        )
+
+    assert runner.exception is None, runner.output
+    assert down["reason"].startswith("scale-down 3 -> 2: idle"), down
+    assert after.get("replicas") == 2 and "cooldown" in after.get("reason", ""), after
+
+
 def _isvc_shell() -> dict[str, Any]:
     return {
         "apiVersion": "serving.specfleet.io/v1alpha1",

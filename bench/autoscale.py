@@ -332,9 +332,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="shorter phases and a smaller grid: a few minutes")
     p.add_argument("--low", type=int, default=2, help="concurrency of the low phases")
     p.add_argument("--high", type=int, default=24, help="concurrency of the high phase")
-    # Loads that stay several times longer than a scale-up takes (one interval to see the rise, 14-17 s of
-    # cold start here): with 90 s phases those ~20 s at one replica were a fifth of the high phase, and SLO
-    # attainment read 0.70-0.88 in runs 6, 7 and 10; with 240 s, 0.939 and 0.951 (docs/tuner.md, runs 8 and 11).
+    # Loads that stay several times longer than a scale-up takes (one interval to see the rise, then the
+    # cold start): docs/decisions/008-bench-phase-lengths.md.
     p.add_argument("--phase-seconds", type=float, default=240.0, help="joint run: seconds per phase")
     p.add_argument(
         "--static-seconds", type=float, default=30.0, help="static grid: seconds per phase per point"
@@ -343,7 +342,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument("--grid-seqs", type=int, nargs="+", default=[32])
     # One core of its own per replica, as each GPU replica has its own device: unpinned, a second engine on
-    # this 2-core machine shares the first one's cores and adds cost without capacity (docs/tuner.md).
+    # this 2-core machine shares the first one's cores and adds cost without capacity
+    # (docs/decisions/008-bench-phase-lengths.md).
     p.add_argument(
         "--cpus-per-engine",
         type=int,

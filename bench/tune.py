@@ -388,9 +388,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--phase-seconds",
         type=float,
-        # A fresh tuner runs the spec's k=0 for its first interval (~4.4 s: a rate needs two scrapes), at
-        # 0.4x of k=4 on grounded-c1: ~5 % of a 60 s phase, the whole margin of the 0.95 per-phase
-        # target on this host's +-4 % noise; ~2 % of 120 s (docs/tuner.md, "Where a tuner pass loses").
+        # A fresh tuner runs the spec's k=0 for its first interval (a rate needs two scrapes): ~5 % of a
+        # 60 s phase, the whole margin of the 0.95 per-phase target on a 2-core host's noise; ~2 % of 120 s
+        # (docs/decisions/008-bench-phase-lengths.md).
         default=120.0,
         help="tuner run: seconds per phase",
     )

@@ -14,7 +14,8 @@ scheduling and sampling included), since the grid is measured with the engine.
 
 `core_s` is the engine core's step; `server_s` is the API server's work on a step's output (`streams`:
 the sequences that emit a token in it, each a detokenised SSE chunk). The two run in separate processes
-(docs/engine_core.md), so a step's seconds are a two-stage pipeline, not a sum (`period_s`).
+(docs/engine_core.md), so a step's seconds are a two-stage pipeline, not a sum (`period_s`; why, and the
+runs that showed it: docs/decisions/014-sim-serving-pipeline.md).
 
 Two kinds: `measured` (`specfleet profile`, least squares over the grid) and `roofline` (an estimate for
 hardware not at hand from memory bandwidth and FLOP/s; labelled `estimate: true` in the file and in every

@@ -5,11 +5,9 @@ seconds, a smooth roofline: `c0` is the memory-bound floor (the weights' traffic
 paid once per step however few tokens it has), `c1` the compute cost per token once the step is
 compute-bound, and the shape `s` how sharp the corner between them is (2: the hypotenuse; larger, a
 flatter floor and a sharper knee, as on a GPU; smaller, a floor on which every token already costs, as
-on a CPU). Measured on the bundled 135M model, 2 CPU cores (Intel host): 18 ms at 1 token, 30 ms at 8,
-105 ms at 32, 197 ms at 64; c0 = 18 ms, c1 = 3 ms, s = 2 fits within 10%. On the AMD host (2026-12-02):
-19.5 ms at 1, 21 at 2, 26.5 at 4, 36 at 8, 64 at 16, 117 at 31, where s = 2 underprices a batch of 2's
-verification tokens by 5-7 % and s = 1.5 fits within 3 % (docs/tuner.md, "The step cost's shape"); the
-fit picks the shape with the ratio. Prefill chunks are compute-bound and add `c1` per prompt token on top.
+on a CPU); the fit picks the shape with the ratio. Why this form, the prior and the shapes, with the
+measurements that set them: see docs/decisions/001-step-cost-model.md. Prefill chunks are compute-bound
+and add `c1` per prompt token on top.
 A decode step with batch `B` and `k` speculative tokens processes about `B * (1 + p * k)` tokens, where
 `p` is the share of sequence-steps that carried a proposal (n-gram finds no match on some), and emits
 `B * (1 + p * E_k)` tokens with `E_k = sum_{i<k} a_i`, `a_i` = P(position i accepted) from the
@@ -36,14 +34,12 @@ from .params import ModelParams
 DEFAULT = ModelParams()
 
 # Ratios c1/c0 the fit tries, 1e-3 .. 1, twenty per decade: from a GPU's knee at a thousand tokens to a
-# step that is compute-bound from its first token. Ten per decade was too coarse: neighbouring ratios
-# (0.126 and 0.158) moved a batch of 2's predicted gain from a draft of 4 by 15 points on one host's
-# windows, so which side of the dead band a draft fell on depended on the grid.
+# step that is compute-bound from its first token; ten per decade was too coarse (which side of the dead
+# band a draft fell on depended on the grid): see docs/decisions/001-step-cost-model.md.
 RATIOS = tuple(10 ** (e / 20) for e in range(-60, 1))
-# Shapes the fit tries (`s` above): 1.5 for a CPU's floor, where every token already costs (the AMD
-# host's curve), 2 the hypotenuse, 3 a GPU-like flat floor with a sharp knee. Not 1: an affine step has
-# no floor at all; on the AMD host's windows it fitted best yet overpriced verification at a batch of 2
-# by 10-15 %, the points of one tuner pass (1-4 tokens, then 30) leaving the curve between them free.
+# Shapes the fit tries (`s` above): 1.5 for a CPU's floor, where every token already costs, 2 the
+# hypotenuse, 3 a GPU-like flat floor with a sharp knee. Not 1 (an affine step has no floor and
+# overpriced verification at a batch of 2): see docs/decisions/001-step-cost-model.md.
 SHAPES = (1.5, 2.0, 3.0)
 
 
@@ -111,14 +107,10 @@ def shadow_steps(
     (`per_pos[i]` = P(its first i + 1 tokens came out) per lookup that found one, `share` of lookups), so
     one draft that matched `M` tokens is a run that verification at `k` covers in ceil((M + 1) / (k + 1))
     steps, a fresh lookup at each. Verified drafts' per-position acceptance counts each of those steps
-    as a draft: it is per step, and on the same traffic higher at the first position (chat at
-    concurrency 2: 0.33 verified at k=2 against 0.27 shadow). Read per step as `1 + p E_k`, shadow
-    acceptance put k=2 at 1.20 tokens per step and k=4 at 1.29 where they measured 1.27-1.28 and
-    1.33-1.34; read as runs, 1.31 and 1.38 (docs/tuner.md). A run that matched the whole draft goes on for
-    one more draft length, decaying as `expected_accepted` extrapolates positions: a copied passage runs
-    on, and cut at the draft's length (6), grounded prompts' runs read k=3 and k=4 as 2.82 and 2.88 tokens
-    per step where they measured 2.81 and 3.10, so the model took k=3 where k=4 paid 5 % more; extended,
-    2.91 and 3.47. The levels run high (chat +3 %), the ranking holds."""
+    as a draft: it is per step, so shadow figures read per step as `1 + p E_k` underprice a draft. A run
+    that matched the whole draft goes on for one more draft length, decaying as `expected_accepted`
+    extrapolates positions (a copied passage runs on). The levels run a little high; the ranking, which
+    the search uses, matches the measured one: see docs/decisions/002-shadow-drafts-as-runs.md."""
     at_least = [1.0, *(max(0.0, min(1.0, a)) for a in per_pos)]  # P(M >= m), m = 0 .. len(per_pos)
     ratio = params.decay_ratio
     if len(at_least) >= 3 and at_least[-2] > 0:

@@ -40,10 +40,10 @@ class StepLimits:
 class ModelParams:
     """The goodput model's priors and the fit's rules (`model.py`), and how much it remembers (`memory.py`)."""
 
-    # c1/c0 of the step cost before the observed points span enough tokens per step to fit both: measured
-    # for the bundled 135M model on a 2-core CPU (c0 = 18 ms, c1 = 3 ms: the knee at 6 tokens). GPUs have
-    # a far smaller ratio (a knee at hundreds of tokens), which only makes the prior conservative about
-    # speculation there.
+    # c1/c0 of the step cost before the observed points span enough tokens per step to fit both: the
+    # bundled 135M model on a 2-core CPU, the knee at 6 tokens (docs/decisions/001-step-cost-model.md).
+    # GPUs have a far smaller ratio (a knee at hundreds of tokens), which only makes the prior
+    # conservative about speculation there.
     prior_cost_ratio: float = 1 / 6
     # per-position acceptance before any draft was verified at a load like the one now (n-gram on chat
     # text): low, so that speculation is tried where it is cheap (under the knee) and nowhere else
@@ -75,12 +75,12 @@ class PolicyParams:
     bounds: TuneBounds = field(default_factory=TuneBounds)
     window_s: float = 30.0  # rate window of the observations
     interval_s: float = 30.0
-    dead_band: float = 0.10  # a change must promise this much more goodput
+    # A change must promise this much more goodput (docs/decisions/003-dead-band-and-inherited-band.md) ...
+    dead_band: float = 0.10
     # ... unless the config in force was inherited: set before this load level began (the spec's, or the one
     # chosen for the load before) and unchanged since. The dead band guards a config chosen at this load
-    # against a model's noise; an inherited one has no such claim. On bench tune's chat at concurrency 2
-    # (2026-12-02, AMD host) k=2 measured 6-18 % over the k=0 inherited from concurrency 32 across three
-    # runs, a gain the dead band let pass unclaimed; what the move risks, probation still judges.
+    # against a model's noise; an inherited one has no such claim, and what the move risks, probation still
+    # judges (docs/decisions/003-dead-band-and-inherited-band.md).
     inherited_band: float = 0.05
     revert_margin: float = 0.05  # a change that lost this much goodput (or attainment) is reverted
     slo_headroom: float = 0.9  # candidates must keep predicted TPOT p95 under this share of the target
@@ -96,9 +96,8 @@ class PolicyParams:
     )
     # drop, as a measurement, the last positions accepted less often than this, when the last one is
     # accepted less than `down_probe_start` times as often (hysteresis: a position near the line is not
-    # probed twice: 8% decides what to drop, 5.3% starts a probe). Below the break-even: on chat at
-    # concurrency 2, k=4 with its last position at 8% measured equal to k=2, so a probe there measures only
-    # noise (and a noisy window reverts it: one change more)
+    # probed twice: 8% decides what to drop, 5.3% starts a probe). Both under the break-even, where a probe
+    # measures only noise: see docs/decisions/005-shorter-draft-probe-lines.md
     down_probe_acceptance: float = 0.08
     down_probe_start: float = 2 / 3
     # Two loads are "similar" (a probation's comparison holds, acceptance and taboos carry over) when
@@ -121,15 +120,14 @@ class PolicyParams:
     # The fall rule turns speculation on with the shortest draft predicted within this share of the best.
     # It decides on acceptance not yet measured at the new load (the prior, or what a similar load showed)
     # and its choice holds for the level (the churn budget leaves no room for a judged change after it),
-    # where the model errs toward longer drafts: at concurrency 2 on chat (bench tune, 2026-12-02) it put
-    # k=3 1-2% ahead of k=2, which measured 13% higher (83-88 against 74 tok/s); the roofline underprices a
-    # step's extra tokens at small batches (docs/tuner.md, the shorter-draft probe). Half the dead band:
-    # a tie the model cannot resolve, not a gain it predicts.
+    # where the model errs toward longer drafts (the roofline underprices a step's extra tokens at small
+    # batches). Half the dead band: a tie the model cannot resolve, not a gain it predicts. See
+    # docs/decisions/004-fall-rule-shortest-draft.md.
     shift_on_tie: float = 0.05
     guard: bool = True  # keep the engines' speculative_disable_by_batch_size at the load-shift rule's batch
     # Config changes per load level, reverts and reverted probes included: more than two after one load
-    # change is flapping on an SRE's dashboard (issue 18: a run made three, a shorter-draft probe k 4 -> 2
-    # reverted 2 -> 4 after the load-shift change). A change that probation may revert needs room for its
+    # change is flapping on an SRE's dashboard (docs/decisions/006-churn-budget.md). A change that
+    # probation may revert needs room for its
     # revert too; the load-shift rules (step 3, not judged) and a change made while TPOT misses its target
     # (the SLO first; its revert, if the model was wrong, may be a third) need room for one.
     max_changes_per_load: int = 2

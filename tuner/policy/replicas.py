@@ -39,8 +39,8 @@ class ReplicaParams:
     # One fewer replica only if the demand then loads the rest to at most 80% of their capacity: a load
     # that wobbles by 20% does not flap between two counts.
     headroom: float = 0.8
-    # The model predicts a mean TPOT; the SLO is a p95. 0.8 of the target for the mean left the p95 within
-    # it in `bench tune`'s phases (TPOT p95/mean 1.1-1.25 on the bundled model).
+    # The model predicts a mean TPOT; the SLO is a p95. 0.8 of the target for the mean leaves the p95 within
+    # it (docs/decisions/009-replica-knob.md).
     tpot_margin: float = 0.8
     # An SLO attainment below this with requests waiting adds a replica whatever the model says.
     min_attainment: float = 0.9
@@ -79,8 +79,8 @@ def capacity_per_replica(model: LoadModel, config: TunedConfig, slo: SLO, margin
 def rising_demand(obs: Observation) -> float:
     """Requests in the system for the replica count: the window's mean, or the count at its end when that
     is higher. A rise then shows at the first interval after it, as the config's load-shift rule reads it,
-    instead of once the rate window has filled with it (8-19 s later in `bench autoscale`, a fifth of its
-    high phase at one replica); a fall still waits for the window, and a scale-down for its own window."""
+    instead of once the rate window has filled with it (docs/decisions/009-replica-knob.md); a fall still
+    waits for the window, and a scale-down for its own window."""
     return max(obs.demand or 0.0, obs.in_system_now or 0.0)
 
 

@@ -88,7 +88,7 @@ class Level:
     at a load shift's first window, or when a clean window's load has moved from the level's as far as a
     shift (`load.shifting`: a drift the shift rule did not see within one window). Not at a load merely
     unlike the level's (`similar`): a closed loop at concurrency 2 reads 1.1 to 2.2 from window to window,
-    and each such reading would renew the budget (bench autoscale made three changes in that phase so).
+    and each such reading would renew the budget (docs/decisions/006-churn-budget.md).
     After a shift the windows' mean lags the load by up to a window, so the level's load is read from the
     first window that begins after the shift."""
 

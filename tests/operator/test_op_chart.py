@@ -151,6 +151,40 @@ def test_watched_namespaces_that_do_not_exist_yet_are_created_first() -> None:
     assert by_kind(objects, "Namespace") == []
 
 
+def argocd_sync_options(obj: dict[str, Any]) -> dict[str, str]:
+    """An object's `argocd.argoproj.io/sync-options` as Argo CD reads it: comma-separated, white-space
+    trimmed, each `Name=value`."""
+    value = (obj["metadata"].get("annotations") or {}).get("argocd.argoproj.io/sync-options", "")
+    pairs = [item.strip().partition("=") for item in value.split(",") if item.strip()]
+    return {name.strip(): setting.strip() for name, _, setting in pairs}
+
+
+def test_argo_cd_never_prunes_or_deletes_a_watched_namespace() -> None:
+    """The shipped Argo CD Application (automated `prune: true`) renders the chart with `helm template`,
+    where `lookup` sees no cluster, so every watched namespace is a Namespace of the Application: dropping
+    one from `watch.namespaces` would make Argo CD prune it, and deleting the Application would delete
+    it, with every InferenceService in it. Each carries Prune=false and Delete=false for Argo CD, and Helm's
+    keep policy for `helm uninstall` and Flux's HelmRelease."""
+    app = yaml.safe_load((REPO / "deploy" / "gitops-examples" / "argocd-application.yaml").read_text())
+    assert app["spec"]["syncPolicy"]["automated"]["prune"] is True  # what makes a rendered Namespace at risk
+    source = app["spec"]["source"]
+    with helm.Chart.load(REPO / source["path"]) as chart:
+        rendered = chart.render(
+            values=source["helm"]["valuesObject"],
+            name=source["helm"]["releaseName"],
+            namespace=app["spec"]["destination"]["namespace"],
+            is_install=True,
+        )
+    rendered.pop("specfleet/templates/NOTES.txt")
+    objects = [doc for text in rendered.values() for doc in yaml.safe_load_all(text) if doc]
+    namespaces = by_kind(objects, "Namespace")
+    assert [n["metadata"]["name"] for n in namespaces] == ["team-a"]  # the release's is Argo CD's own
+    for namespace in [*namespaces, *by_kind(render(NON_DEFAULT)[0], "Namespace")]:
+        options = argocd_sync_options(namespace)
+        assert (options.get("Prune"), options.get("Delete")) == ("false", "false"), namespace["metadata"]
+        assert namespace["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+
+
 @pytest.mark.parametrize(
     "values",
     [

@@ -52,6 +52,10 @@ class SamplingParams:
     bad_words_token_ids: list[list[int]] | None = field(default=None, repr=False, compare=False)
     # A StructuredOutputSpec, or vLLM's dict spelling ({"json": schema} | regex | choice | grammar | json_object)
     structured_outputs: Any = None
+    # A reasoning model's end of thinking (`</think>` as token ids): the structured output constrains only
+    # the tokens after the output holds these (None: from the first token). Set by the server's reasoning
+    # parser (engine/server/reasoning.py), as vLLM's reasoner gates its grammar.
+    reasoning_end_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -120,6 +124,12 @@ class SamplingParams:
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1:
             raise ParameterError(
                 "truncate_prompt_tokens", f"truncate_prompt_tokens={self.truncate_prompt_tokens} must be >= 1"
+            )
+        end = self.reasoning_end_token_ids
+        if end is not None and (not end or min(end) < 0):
+            raise ParameterError(
+                "reasoning_end_token_ids",
+                "reasoning_end_token_ids must be a non-empty list of token ids >= 0",
             )
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ParameterError(

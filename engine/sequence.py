@@ -45,6 +45,9 @@ class Sequence:
     # its grammar is compiling (vLLM's WAITING_FOR_FSM): the scheduler passes it over until it is ready
     grammar_pending: bool = False
     grammar_rows: Any = None  # [len(spec_token_ids) + 1, ceil(vocab / 32)] int32 masks for the proposals
+    # the grammar of a request that reasons first, at its start: it becomes `grammar` once the output ends
+    # with params.reasoning_end_token_ids (until then the output is free)
+    grammar_after_reasoning: Any = None
 
     @property
     def num_tokens(self) -> int:

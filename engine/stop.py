@@ -42,6 +42,8 @@ class Grammars(Protocol):
 
     def accept(self, seq: Sequence, token: int) -> str: ...
 
+    def end_reasoning(self, seq: Sequence) -> None: ...
+
 
 # The scheduler's question after each appended token: does the sequence end here?
 StopCheck = Callable[[Sequence], Finish | None]
@@ -71,7 +73,9 @@ class StopChecker:
             return Finish("stop", matched)
         if produced == params.max_tokens or pos + 1 >= self.max_model_len:
             return Finish("length")
-        if seq.grammar is not None:
+        if seq.grammar_after_reasoning is not None:  # the grammar starts after the reasoning's end
+            self.structured.end_reasoning(seq)
+        elif seq.grammar is not None:
             verdict = self.structured.accept(seq, token)
             if verdict == "rejected":
                 log.warning("event=grammar_rejected request_id=%s token=%d", seq.request_id, token)

@@ -65,7 +65,7 @@ class StructuredOutputManager:
         any other compiles in the pool while its sequences wait (`seq.grammar_pending`), and `poll`
         attaches it when it is ready."""
         backend = self.backend
-        backend.check(spec, seqs[0].output_token_ids, prefix_param)
+        backend.check(spec, after_reasoning(seqs[0]) or [], prefix_param)
         compiled = backend.cached(spec)
         if compiled is not None:
             for seq in seqs:
@@ -113,7 +113,10 @@ class StructuredOutputManager:
     ) -> None:
         """A matcher at the grammar's start, advanced through the sequence's output so far."""
         matcher = self.backend.matcher(spec, compiled)
-        output = seq.output_token_ids
+        output = after_reasoning(seq)
+        if output is None:  # still reasoning: the grammar waits (end_reasoning starts it)
+            seq.grammar_after_reasoning = matcher
+            return
         if output and not matcher.accept_tokens(output):
             raise StructuredOutputError(
                 f"the output tokens {output} are not allowed by {self.backend.describe(spec)}",
@@ -121,8 +124,26 @@ class StructuredOutputManager:
             )
         seq.grammar = matcher
 
+    def end_reasoning(self, seq: Sequence) -> None:
+        """After each token of a sequence whose grammar waits for the reasoning: start it once the output
+        ends with the reasoning's end marker (the marker itself is free text)."""
+        end = seq.params.reasoning_end_token_ids
+        if end and seq.token_ids[-len(end) :] == end and seq.num_output_tokens >= len(end):
+            seq.grammar, seq.grammar_after_reasoning = seq.grammar_after_reasoning, None
+
     def filter_proposals(self, seq) -> None:
-        """Cut a structured sequence's proposals at the first the grammar forbids; keep the k + 1 mask rows."""
+        """Cut a structured sequence's proposals at the first the grammar forbids; keep the k + 1 mask rows.
+        A sequence still reasoning keeps its proposals only up to the one that would end the reasoning: the
+        token that ends it is the last of its step, so the tokens after it are sampled under the grammar."""
+        if seq.grammar_after_reasoning is not None and seq.spec_token_ids:
+            cut = _reasoning_end_at(
+                seq.output_token_ids, seq.spec_token_ids, seq.params.reasoning_end_token_ids
+            )
+            if cut is not None:
+                del seq.spec_token_ids[cut:]
+                if seq.spec_probs is not None:
+                    seq.spec_probs = seq.spec_probs[:cut] if cut else None
+            return
         if seq.grammar is None or not seq.spec_token_ids:
             return
         if seq.grammar_rows is None:
@@ -167,3 +188,26 @@ class StructuredOutputManager:
             mask[row, word] &= ~(1 << bit) if bit < 31 else 0x7FFFFFFF
         if not bool(mask[row].ne(0).any()):
             mask[row] = saved
+
+
+def after_reasoning(seq: Sequence) -> list[int] | None:
+    """The output tokens a grammar constrains: all of them, or (a request that reasons first) those after
+    the reasoning's end marker; None while the reasoning has not ended."""
+    output = seq.output_token_ids
+    end = seq.params.reasoning_end_token_ids
+    if not end:
+        return output
+    for start in range(len(output) - len(end), -1, -1):
+        if output[start : start + len(end)] == end:
+            return output[start + len(end) :]
+    return None
+
+
+def _reasoning_end_at(output: list[int], proposals: list[int], end: list[int]) -> int | None:
+    """The index of the proposal that would complete `end` after `output`, or None."""
+    tokens = output[-(len(end) - 1) :] if len(end) > 1 else []
+    for j, token in enumerate(proposals):
+        tokens.append(token)
+        if tokens[-len(end) :] == end:
+            return j
+    return None

@@ -1,6 +1,6 @@
 """`GrammarBackend`: compiles specs to grammars for one tokenizer (xgrammar), with a cache keyed by spec.
 
-Why xgrammar: docs/structured_outputs.md (measured on this machine against llguidance and outlines-core).
+Why xgrammar (measured against llguidance and outlines-core): see docs/decisions/016-xgrammar.md.
 """
 
 from __future__ import annotations

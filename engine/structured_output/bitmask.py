@@ -5,8 +5,8 @@ place and the sampler applies it to logits without conversion. `apply_token_bitm
 of 0 (32 forbidden tokens) with one broadcast `masked_fill_`, then leaves the rest to xgrammar's CPU
 kernel, which skips words of -1 and is fast on the few mixed ones but slow on long runs of 0: 0.2-0.4 ms
 for 32 rows inside a JSON string, ~2 ms for 32 mostly-forbidden rows, where either alone took 13-190 ms
-on the loaded 2-core machine (docs/structured_outputs.md). `apply_token_bitmask_reference_` unpacks every
-bit in torch (any device); the tests hold the two equal.
+on the loaded 2-core machine (docs/results/2026-12-01-structured-mask.md).
+`apply_token_bitmask_reference_` unpacks every bit in torch (any device); the tests hold the two equal.
 """
 
 from __future__ import annotations

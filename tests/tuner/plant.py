@@ -69,17 +69,18 @@ class StepTable:
 
 
 # The bundled model (SmolLM2-135M, float32, native kernels) on the 2-core CPU, from the figures measured in
-# the docs: 18 ms at 1 token, 30 ms at 8, 105 ms at 32, 197 ms at 64 (docs/tuner.md, "The goodput model")
-# and a verification of k = 4 at concurrency 1 (5 tokens) at about 1.2x a one-token step (docs/architecture.md,
-# "Performance notes"). A fresh measurement on the shared 2-core machine was tried and read 4-5x these
-# (load average 9 from other work), so the documented figures stand.
+# the docs: 18 ms at 1 token, 30 ms at 8, 105 ms at 32, 197 ms at 64 (docs/decisions/001-step-cost-model.md)
+# and a verification of k = 4 at concurrency 1 (5 tokens) at about 1.2x a one-token step
+# (docs/decisions/013-native-cpu-linear.md). A fresh measurement on the shared 2-core machine was tried and
+# read 4-5x these (load average 9 from other work), so the documented figures stand.
 CPU_2CORES = StepTable(((1, 18.0), (5, 21.6), (8, 30.0), (32, 105.0), (64, 197.0)))
 
 # The same machine running the bundled GGUF's Q4_1/Q8_0 weights as stored (`--quantization gguf`, int8
 # activations): the one-token step at 0.28x float32's (the mean of two same-process A/B measurements on the
-# shared machine, 0.30 and 0.255: docs/tuner.md), the time above the floor kept. The compute per token of the
-# int8 dot products is lower than float32's too, but the batch points of those runs were too noisy (load
-# average 12-15 on 2 cores) to say by how much, so the float32 slope stands in as an upper bound.
+# shared machine, 0.30 and 0.255: docs/results/2026-12-01-bench-quant-stepcost.md), the time above the floor
+# kept. The compute per token of the int8 dot products is lower than float32's too, but the batch points of
+# those runs were too noisy (load average 12-15 on 2 cores) to say by how much, so the float32 slope stands
+# in as an upper bound.
 CPU_2CORES_GGUF = CPU_2CORES.with_floor(0.28)
 
 # Hardware whose knee lies far above the CPU's (GPU-like: compute per token tiny next to the weights'

@@ -48,7 +48,7 @@ def test_fit_takes_the_shape_of_the_corner() -> None:
     from itself; a GPU-like step, flat for a hundred tokens and then compute-bound, takes the sharp corner (3).
     On the CPU the fit of the plain windows prices the verification steps it never saw within 5 %, where
     the hypotenuse's best fit underprices a batch of 2's draft of 4 (the search's long drafts there, which
-    probation reverted: docs/tuner.md)."""
+    probation reverted: docs/decisions/001-step-cost-model.md)."""
     from .plant import GPU_LIKE
 
     cpu = fit_step_cost(list(AMD_PLAIN))
@@ -136,11 +136,12 @@ def _fitted(table) -> StepCost:
 
 def test_fit_follows_a_quantized_engines_lower_floor() -> None:
     """A gguf engine streams a fifth of float32's weight bytes and runs integer dot products: its one-token
-    step is 0.28x float32's (measured, docs/tuner.md). Fitted from the windows a plant on each step table
-    reports (loads 1..32, prefill riding along), the gguf engine's c0 falls at least as far and its knee moves
-    from ~5 tokens to about one: speculation's verification tokens cost compute sooner on it. The smooth
-    roofline fits the lowered table less well at one token (the table keeps float32's kinked slope on a
-    lower floor), so that point's tolerance is wider; the model is used as a ratio, docs/tuner.md."""
+    step is 0.28x float32's (measured, docs/results/2026-12-01-bench-quant-stepcost.md). Fitted from the
+    windows a plant on each step table reports (loads 1..32, prefill riding along), the gguf engine's c0 falls
+    at least as far and its knee moves from ~5 tokens to about one: speculation's verification tokens cost
+    compute sooner on it. The smooth roofline fits the lowered table less well at one token (the table keeps
+    float32's kinked slope on a lower floor), so that point's tolerance is wider; the model is used as a ratio
+    (docs/tuner.md)."""
     from .plant import CPU_2CORES, CPU_2CORES_GGUF
 
     fp32, gguf = _fitted(CPU_2CORES), _fitted(CPU_2CORES_GGUF)

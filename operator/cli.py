@@ -7,6 +7,9 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+from typing import Any
+
+from .leadership import LeaseElector, LeaseTimings, default_identity, namespace_from_env, run_elected
 
 OPERATOR_MODULES = ("specfleet.operator.handlers",)
 # Loaded when present, so that the tuner can add its per-service loops without touching this file.
@@ -48,6 +51,49 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="do not coordinate with other operator instances (no kopf peering objects)",
     )
+    election = parser.add_argument_group(
+        "leader election", "several replicas, one of them active: the holder of a coordination.k8s.io Lease"
+    )
+    election.add_argument(
+        "--leader-elect",
+        action="store_true",
+        help="run handlers only while holding the Lease; the other replicas wait as standbys",
+    )
+    election.add_argument(
+        "--leader-election-namespace",
+        default=None,
+        metavar="NS",
+        help="namespace of the Lease (default: $POD_NAMESPACE, the operator's own namespace)",
+    )
+    election.add_argument(
+        "--leader-election-id",
+        default="specfleet-operator",
+        metavar="NAME",
+        help="name of the Lease; one per operator installation (default: %(default)s)",
+    )
+    timings = LeaseTimings()
+    election.add_argument(
+        "--leader-election-lease-duration",
+        type=float,
+        default=timings.lease_duration_s,
+        metavar="S",
+        help="a standby takes over a holder that has not renewed for this long (default: %(default)s)",
+    )
+    election.add_argument(
+        "--leader-election-renew-deadline",
+        type=float,
+        default=timings.renew_deadline_s,
+        metavar="S",
+        help="the holder stops its handlers and exits when it could not renew for this long "
+        "(default: %(default)s)",
+    )
+    election.add_argument(
+        "--leader-election-retry-period",
+        type=float,
+        default=timings.retry_period_s,
+        metavar="S",
+        help="how often the holder renews and a standby looks (default: %(default)s)",
+    )
     parser.add_argument("--verbose", "-v", action="store_true", help="debug logging")
     return parser
 
@@ -86,6 +132,22 @@ def main(argv: list[str]) -> int:
             f"specfleet operator: --metrics-port and --liveness-port are both {args.metrics_port}; use two ports"
         )
         return 2
+    try:
+        timings = LeaseTimings(
+            args.leader_election_lease_duration,
+            args.leader_election_renew_deadline,
+            args.leader_election_retry_period,
+        )
+    except ValueError as error:
+        print(f"specfleet operator: {error}")
+        return 2
+    lease_namespace = args.leader_election_namespace or namespace_from_env()
+    if args.leader_elect and not lease_namespace:
+        print(
+            "specfleet operator: --leader-elect needs the Lease's namespace: "
+            "--leader-election-namespace NS or $POD_NAMESPACE"
+        )
+        return 2
     import kopf  # imported here so that `specfleet --help` stays fast
 
     logging.basicConfig(
@@ -104,18 +166,32 @@ def main(argv: list[str]) -> int:
         from . import metrics
 
         metrics.serve(args.metrics_port)
-    try:
-        asyncio.run(
-            kopf.operator(
-                standalone=args.standalone,
-                clusterwide=args.all_namespaces,
-                namespaces=args.namespace,
-                liveness_endpoint=liveness,
-            )
+
+    async def operate() -> None:
+        await kopf.operator(
+            standalone=args.standalone,
+            clusterwide=args.all_namespaces,
+            namespaces=args.namespace,
+            liveness_endpoint=liveness,
         )
+
+    try:
+        if not args.leader_elect:
+            asyncio.run(operate())
+            return 0
+
+        def connect() -> Any:
+            """The operator's login (handlers.login): the in-cluster service account, else the kubeconfig."""
+            settings = kopf.OperatorSettings()
+            return kopf.login_with_service_account(settings=settings) or kopf.login_with_kubeconfig(
+                settings=settings
+            )
+
+        assert lease_namespace is not None
+        elector = LeaseElector(connect, lease_namespace, args.leader_election_id, default_identity(), timings)
+        return asyncio.run(run_elected(elector, operate, args.liveness_port))
     except KeyboardInterrupt:
         return 130
-    return 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,8 @@ enforces the API server semantics the operator depends on:
   `x-kubernetes-list-type: map` lists (the CRD's `status.conditions`, by `type`) and `ownerReferences`
   (by uid) item by item, removes fields a manager stops applying when no one else owns them, and answers
   409 on a conflicting field unless `force=true` (which takes the field over).
+- Leases (coordination.k8s.io/v1, leader election): an update must carry the resourceVersion it read (none:
+  422, a stale one: 409), MicroTime fields decode strictly (400) and the spec's numbers are validated (422).
 - Deletion: an object with finalizers gets `deletionTimestamp` and stays until the last finalizer goes;
   no finalizer may be added to it meanwhile. Deleting an object garbage-collects, at once, every object
   whose owner references all point to deleted objects.
@@ -34,6 +36,7 @@ import datetime
 import functools
 import itertools
 import json
+import re
 import threading
 import uuid
 from collections.abc import Coroutine, Iterable
@@ -68,6 +71,7 @@ DISCOVERY = {
     "/apis/policy/v1": [("poddisruptionbudgets", "PodDisruptionBudget", True, ["status"])],
     "/apis/networking.k8s.io/v1": [("networkpolicies", "NetworkPolicy", True, [])],
     "/apis/discovery.k8s.io/v1": [("endpointslices", "EndpointSlice", True, [])],
+    "/apis/coordination.k8s.io/v1": [("leases", "Lease", True, [])],
     "/apis/rbac.authorization.k8s.io/v1": [
         ("roles", "Role", True, []),
         ("rolebindings", "RoleBinding", True, []),
@@ -306,6 +310,56 @@ def del_at(obj: dict[str, Any], path: FieldPath) -> None:
 
 def _render_path(path: FieldPath) -> str:
     return "".join(f"[{s[1]}={s[2]}]" if isinstance(s, tuple) else f".{s}" for s in path)
+
+
+# ---- built-in kinds the double validates ------------------------------------------------------------
+MICRO_TIME = re.compile(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{6}(Z|[+-]\d\d:\d\d)")
+
+
+def _admit_any(method: str, key: Key, new: dict[str, Any]) -> web.Response | None:
+    return None
+
+
+def _admit_lease(method: str, key: Key, new: dict[str, Any]) -> web.Response | None:
+    """A coordination.k8s.io/v1 Lease as the API server takes it: updates must carry the resourceVersion
+    they read (the Lease strategy allows no unconditional update, so a stale one is a 409), MicroTime
+    fields have exactly six fractional digits (anything else fails to decode: 400), and the spec's
+    numbers are validated (422)."""
+    name = f'Lease.coordination.k8s.io "{key[3]}"'
+    if method == "PUT" and not (new.get("metadata") or {}).get("resourceVersion"):
+        return _status(
+            422,
+            f"{name} is invalid: metadata.resourceVersion: Invalid value: 0x0: must be specified for an update",
+            "Invalid",
+        )
+    spec = new.get("spec") or {}
+    for field_name in ("acquireTime", "renewTime"):
+        value = spec.get(field_name)
+        if value is not None and not (isinstance(value, str) and MICRO_TIME.fullmatch(value)):
+            return _status(
+                400,
+                f'Lease in version "v1" cannot be handled as a Lease: spec.{field_name}: parsing time '
+                f'{json.dumps(value)} as "2006-01-02T15:04:05.000000Z07:00": cannot parse',
+                "BadRequest",
+            )
+    errors = []
+    duration, transitions = spec.get("leaseDurationSeconds"), spec.get("leaseTransitions")
+    if duration is not None and (not isinstance(duration, int) or duration <= 0):
+        errors.append(f"spec.leaseDurationSeconds: Invalid value: {duration}: must be greater than 0")
+    if transitions is not None and (not isinstance(transitions, int) or transitions < 0):
+        errors.append(
+            f"spec.leaseTransitions: Invalid value: {transitions}: must be greater than or equal to 0"
+        )
+    if spec.get("holderIdentity") is not None and not isinstance(spec["holderIdentity"], str):
+        errors.append(f"spec.holderIdentity: Invalid value: {spec['holderIdentity']!r}: must be a string")
+    if spec.get("preferredHolder") and not spec.get("strategy"):
+        errors.append("spec.preferredHolder: Forbidden: may only be specified if `strategy` is defined")
+    if errors:
+        return _status(422, f"{name} is invalid: " + "; ".join(errors), "Invalid")
+    return None
+
+
+BUILTIN_ADMISSION = {("/apis/coordination.k8s.io/v1", "leases"): _admit_lease}
 
 
 # ---- the server ----------------------------------------------------------------------------------------
@@ -670,6 +724,9 @@ class FakeKube:
         problem = self._owner_reference_problem(key, old_meta, meta)
         if problem:
             return _status(403, problem, "Forbidden")
+        refused = BUILTIN_ADMISSION.get(key[:2], _admit_any)(request.method, key, new)
+        if refused is not None:
+            return refused
         crd = self.crds.get(key[:2])
         if crd is not None:
             # ratcheting (Kubernetes >= 1.30): a write that leaves an invalid spec as it was is not refused for it

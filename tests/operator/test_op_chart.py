@@ -37,6 +37,11 @@ def by_kind(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
 
 
+def watch_roles(objects: list[dict[str, Any]], kind: str = "Role") -> list[dict[str, Any]]:
+    """The Roles (or RoleBindings) of the watched namespaces: all but leader election's own."""
+    return [o for o in by_kind(objects, kind) if not o["metadata"]["name"].endswith("-leader-election")]
+
+
 def operator_container(objects: list[dict[str, Any]]) -> dict[str, Any]:
     (deployment,) = by_kind(objects, "Deployment")
     return deployment["spec"]["template"]["spec"]["containers"][0]
@@ -75,8 +80,8 @@ def test_default_scope_is_the_release_namespace() -> None:
     objects, _ = render(None)
     args = operator_container(objects)["args"]
     assert f"--namespace={NS}" in args and "--all-namespaces" not in args and "--standalone" in args
-    assert [r["metadata"]["namespace"] for r in by_kind(objects, "Role")] == [NS]
-    (binding,) = by_kind(objects, "RoleBinding")
+    assert [r["metadata"]["namespace"] for r in watch_roles(objects)] == [NS]
+    (binding,) = watch_roles(objects, "RoleBinding")
     assert binding["subjects"][0] == {"kind": "ServiceAccount", "name": "sf-operator", "namespace": NS}
 
 
@@ -89,8 +94,8 @@ def test_custom_values_reach_the_operator() -> None:
     assert env["SPECFLEET_ENGINE_IMAGE"] == "registry.local/engine:cuda"
     assert env["SPECFLEET_ENGINE_CPU_IMAGE"] == "registry.local/engine:cpu"
     assert env["SPECFLEET_PROMETHEUS_URL"] == "http://prometheus.monitoring:9090"
-    assert sorted(r["metadata"]["namespace"] for r in by_kind(objects, "Role")) == ["team-a", "team-b"]
-    groups = {g for role in by_kind(objects, "Role") for rule in role["rules"] for g in rule["apiGroups"]}
+    assert sorted(r["metadata"]["namespace"] for r in watch_roles(objects)) == ["team-a", "team-b"]
+    groups = {g for role in watch_roles(objects) for rule in role["rules"] for g in rule["apiGroups"]}
     assert "monitoring.coreos.com" not in groups
     assert (
         by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["tolerations"]
@@ -101,7 +106,7 @@ def test_custom_values_reach_the_operator() -> None:
 def test_cluster_wide_uses_a_cluster_role() -> None:
     objects, notes = render(CLUSTER_WIDE)
     assert "--all-namespaces" in operator_container(objects)["args"]
-    assert not by_kind(objects, "Role")
+    assert not watch_roles(objects)
     names = {r["metadata"]["name"] for r in by_kind(objects, "ClusterRole")}
     assert names == {"sf-operator", "sf-operator-discovery"}
     assert "all namespaces" in notes
@@ -236,6 +241,45 @@ def test_notes_commands_name_their_namespace(values: dict[str, Any] | None) -> N
         assert re.search(r" -n [a-z0-9-]+ ", command), command
     expected = "team-a" if values is NON_DEFAULT else "default" if values is CLUSTER_WIDE else NS
     assert f"kubectl -n {expected} apply -f examples/smollm2-cpu.yaml" in commands
+
+
+@pytest.mark.parametrize("values", [None, CLUSTER_WIDE], ids=["default", "cluster-wide"])
+def test_two_replicas_elect_a_leader_through_a_lease_in_the_release_namespace(
+    values: dict[str, Any] | None,
+) -> None:
+    objects, _ = render(values)
+    (deployment,) = by_kind(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 2
+    # a rolling update starts the new standby before it stops an old replica
+    assert deployment["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 1, "maxUnavailable": 0}
+    args = operator_container(objects)["args"]
+    assert {"--leader-elect", "--leader-election-id=sf-operator"} <= set(args)
+    env = {e["name"]: e for e in operator_container(objects)["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    (role,) = [r for r in by_kind(objects, "Role") if r not in watch_roles(objects)]
+    assert role["metadata"]["namespace"] == NS
+    assert role["rules"] == [
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"], "verbs": ["get", "create", "update"]}
+    ]
+    assert not any(
+        "leases" in rule["resources"]
+        for r in watch_roles(objects) + by_kind(objects, "ClusterRole")
+        for rule in r["rules"]
+    )
+    anti = deployment["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    assert anti["preferredDuringSchedulingIgnoredDuringExecution"][0]["podAffinityTerm"]["topologyKey"] == (
+        "kubernetes.io/hostname"
+    )
+
+
+def test_without_leader_election_one_replica_and_no_lease() -> None:
+    objects, _ = render({"leaderElection": {"enabled": False}, "replicas": 1})
+    (deployment,) = by_kind(objects, "Deployment")
+    assert deployment["spec"]["replicas"] == 1 and deployment["spec"]["strategy"] == {"type": "Recreate"}
+    assert not any(a.startswith("--leader-elect") for a in operator_container(objects)["args"])
+    assert watch_roles(objects) == by_kind(objects, "Role")
+    with pytest.raises(helm.HelmError, match="replicas=2 needs leaderElection.enabled=true"):
+        render({"leaderElection": {"enabled": False}})
 
 
 def test_bad_values_fail_with_a_message() -> None:

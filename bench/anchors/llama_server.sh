@@ -4,6 +4,8 @@
 #   bench/anchors/llama_server.sh build            # build llama-server once (cached outside the repo)
 #   bench/anchors/llama_server.sh serve [PORT]     # build if needed, then serve the bundled GGUF (default 8088)
 #   bench/anchors/llama_server.sh path             # print the cached binary's path (build if needed)
+#   bench/anchors/llama_server.sh source           # print the llama.cpp source tree (convert_hf_to_gguf.py);
+#                                                  # builds llama-quantize alone if needed, not the server
 #   bench/anchors/llama_server.sh quantize IN OUT TYPE [ARGS...]
 #                                                  # llama-quantize (built alone if needed), e.g. the bundled
 #                                                  # Q4_1 file to Q4_K_M with --allow-requantize as ARGS
@@ -96,6 +98,10 @@ case "$cmd" in
         exec "$BIN" -m "$model" --host 127.0.0.1 --port "$port" \
             -t "${LLAMA_THREADS:-2}" -np "${LLAMA_PARALLEL:-32}" -c "${LLAMA_CTX:-16384}"
         ;;
+    source)
+        build "" llama-quantize
+        echo "$SRC"
+        ;;
     quantize)
         # llama.cpp's own quantizer: the reference for the mixes it publishes (Q4_K_M puts Q5_0 on rows that
         # are not a multiple of 256 and Q6_K on the head and half of ffn_down)
@@ -110,7 +116,7 @@ case "$cmd" in
         exec "$SRC/build/bin/llama-quantize" "$@" "$in" "$out" "$type"
         ;;
     *)
-        echo "usage: $0 {build|serve [PORT]|path|quantize IN OUT TYPE [ARGS...]}" >&2
+        echo "usage: $0 {build|serve [PORT]|path|source|quantize IN OUT TYPE [ARGS...]}" >&2
         exit 2
         ;;
 esac

@@ -16,7 +16,6 @@ touches whole rows, so it is done on the codes, scales and mins without dequanti
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import struct
 from collections.abc import Iterator, Mapping
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from specfleet.engine.heap import release_free_memory
 from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels.quantized import QuantTensor
 
@@ -232,7 +232,12 @@ class GGUFState(Mapping[str, "torch.Tensor | QuantTensor"]):
     def __getitem__(self, name: str) -> torch.Tensor | QuantTensor:
         t = self._infos[name]
         layer = name.split(".")[1] if name.startswith("layers.") else None
-        if layer != self._layer:  # the previous layer's temporaries are freed: give their pages back
+        if layer != self._layer:
+            # The previous layer's temporaries are freed: give their pages back. Decoding a layer allocates
+            # numpy temporaries of a few MB; once the embedding's 30 MB temporaries are freed, glibc serves
+            # allocations below that size from its heap rather than their own maps (its mmap threshold
+            # follows the largest chunk freed), and a freed heap chunk below live ones stays resident. Over
+            # 30 layers that held about 27 MB at the end of the load, the process's peak, for nothing.
             self._layer = layer
             release_free_memory()
         with self.path.open("rb") as f:
@@ -252,28 +257,6 @@ class GGUFState(Mapping[str, "torch.Tensor | QuantTensor"]):
     def _unpermute(self, name: str, rows: int) -> torch.Tensor:
         return unpermute_rows(rows, self._heads if "q_proj" in name else self._kv_heads)
 
-
-def release_free_memory() -> None:
-    """Return the C heap's free pages to the system (glibc's malloc_trim; nothing elsewhere).
-
-    Decoding a layer allocates numpy temporaries of a few MB; once the embedding's 30 MB temporaries are
-    freed, glibc serves allocations below that size from its heap rather than their own maps (its mmap
-    threshold follows the largest chunk freed), and a freed heap chunk below live ones stays resident. Over
-    30 layers that held about 27 MB at the end of the load, the process's peak, for nothing."""
-    if _libc is not None:
-        _libc.malloc_trim(0)
-
-
-def _load_libc() -> ctypes.CDLL | None:
-    try:
-        libc = ctypes.CDLL("libc.so.6")
-        libc.malloc_trim.argtypes = [ctypes.c_size_t]
-        return libc
-    except (OSError, AttributeError):
-        return None
-
-
-_libc = _load_libc()
 
 # q/k weights and biases, whose rows llama.cpp's converter permutes
 _QK = ("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")

@@ -43,6 +43,7 @@ class Dockerfile:
     env: dict[str, str] = field(default_factory=dict)
     copies: list[tuple[str, str]] = field(default_factory=list)  # (source in the context, dest under WORKDIR)
     pip_installs: list[list[str]] = field(default_factory=list)  # argv after `pip install`, as written
+    pip_check: bool = False  # a `pip check` follows the installs
     apt_packages: list[str] = field(default_factory=list)
     user: str = ""
     expose: str = ""
@@ -76,6 +77,8 @@ def _run_commands(dockerfile: Dockerfile, args: str) -> None:
         argv = shlex.split(command)
         if argv[:2] == ["pip", "install"]:
             dockerfile.pip_installs.append(argv[2:])
+        elif argv[:2] == ["pip", "check"]:
+            dockerfile.pip_check = True  # run after the installs: what the image's build would fail on
         elif argv[:1] == ["apt-get"]:
             if "install" in argv:
                 dockerfile.apt_packages += [
@@ -196,6 +199,11 @@ def replay(path: Path, repo: Path, workdir: Path) -> Replay:
                 f"{path.name}: `pip install {shlex.join(argv)}` failed:\n{proc.stdout}\n{proc.stderr}"
             )
         steps.append(f"`pip install {shlex.join(argv)}` {time.monotonic() - step_started:.0f}s")
+    if dockerfile.pip_check:
+        check = [str(env_dir / "bin" / "python"), "-P", "-m", "pip", "check"]
+        proc = subprocess.run(check, cwd=build, env=pip_env, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{path.name}: `pip check` failed:\n{proc.stdout}\n{proc.stderr}")
     seconds = time.monotonic() - started
     print(
         f"image replay: {path.parent.name}/{path.name} installed in {seconds:.0f}s: {'; '.join(steps)}",

@@ -173,7 +173,9 @@ def test_operator_image_entry_point_matches_the_chart() -> None:
         (CHART / "templates" / "deployment.yaml").read_text().split("command:")[1].split("\n")[0]
     )
     assert dockerfile.entrypoint == json.dumps(chart)
-    assert dockerfile.pip_installs == [[".[operator]"]], "the operator image installs the `operator` extra"
+    # the locked dependencies (base and `operator` extra, tests/operator/test_op_lock.py), then the project alone
+    assert dockerfile.pip_installs == [["--no-deps", "-r", "requirements.lock"], ["--no-deps", "."]]
+    assert ("operator/requirements.lock", "./") in dockerfile.copies and dockerfile.pip_check
     chart_uid = re.search(r"runAsUser: (\d+)", (CHART / "templates" / "deployment.yaml").read_text())
     assert chart_uid and int(chart_uid.group(1)) == RUN_AS_USER
 

@@ -18,6 +18,11 @@ class OperatorConfig:
     engine_cpu_image: str = DEFAULT_ENGINE_CPU_IMAGE  # pods with resources.gpus == 0
     prometheus_url: str = ""  # default for spec.autotune.prometheusURL
     reconcile_interval_seconds: float = 30.0  # the level-based timer; events also trigger a reconcile
+    # Children the operator does not watch (Services, RBAC, PDBs, the NetworkPolicy, the admin Secret) are
+    # re-applied when their last apply is this old, one per reconcile: a manual edit is undone within it.
+    # 30 min keeps 200 services under 2 API calls/s (~14 re-applies each per period: 200 * 14 / 1800 s =
+    # 1.6/s; docs/operator.md, "API calls"); the watched Deployments are repaired at their next event.
+    resync_interval_seconds: float = 1800.0
     model_downloader_image: str = ""  # empty: the engine image runs the hf:// download step
     router_image: str = DEFAULT_ROUTER_IMAGE  # default for spec.routing.image
     # The chart's serviceMonitor.enabled: whether to apply a ServiceMonitor per service (its RBAC rule
@@ -40,22 +45,22 @@ class OperatorConfig:
                 f"reconcile interval {self.reconcile_interval_seconds!r}s must be > 0; "
                 "set SPECFLEET_RECONCILE_INTERVAL to a positive number of seconds"
             )
+        if self.resync_interval_seconds <= 0:
+            raise ValueError(
+                f"resync interval {self.resync_interval_seconds!r}s must be > 0; "
+                "set SPECFLEET_RESYNC_INTERVAL to a positive number of seconds"
+            )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> OperatorConfig:
         env = os.environ if env is None else env
-        interval = env.get("SPECFLEET_RECONCILE_INTERVAL", "30")
-        try:
-            seconds = float(interval)
-        except ValueError:
-            raise ValueError(
-                f"SPECFLEET_RECONCILE_INTERVAL={interval!r} is not a number; set it to seconds, e.g. 30"
-            ) from None
+        seconds = _seconds(env, "SPECFLEET_RECONCILE_INTERVAL", "30")
         return cls(
             engine_image=env.get("SPECFLEET_ENGINE_IMAGE", DEFAULT_ENGINE_IMAGE),
             engine_cpu_image=env.get("SPECFLEET_ENGINE_CPU_IMAGE", DEFAULT_ENGINE_CPU_IMAGE),
             prometheus_url=env.get("SPECFLEET_PROMETHEUS_URL", ""),
             reconcile_interval_seconds=seconds,
+            resync_interval_seconds=_seconds(env, "SPECFLEET_RESYNC_INTERVAL", "1800"),
             model_downloader_image=env.get("SPECFLEET_MODEL_DOWNLOADER_IMAGE", ""),
             router_image=env.get("SPECFLEET_ROUTER_IMAGE", DEFAULT_ROUTER_IMAGE),
             service_monitor=_flag(env, "SPECFLEET_SERVICE_MONITOR", True),
@@ -68,6 +73,14 @@ class OperatorConfig:
         if override:
             return override
         return self.engine_image if gpus > 0 else self.engine_cpu_image
+
+
+def _seconds(env: Mapping[str, str], name: str, default: str) -> float:
+    value = env.get(name, default)
+    try:
+        return float(value)
+    except ValueError:
+        raise ValueError(f"{name}={value!r} is not a number; set it to seconds, e.g. {default}") from None
 
 
 def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:

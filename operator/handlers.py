@@ -7,7 +7,7 @@ resource in its own module (see `cli.OPERATOR_MODULES`), gated with `when=autotu
 
 from __future__ import annotations
 
-import asyncio
+import copy
 import dataclasses
 import logging
 from collections.abc import Mapping
@@ -20,6 +20,7 @@ from .conditions import timestamp
 from .config import OperatorConfig
 from .kube import ApiError, KubeClient, object_path
 from .reconcile import Outcome, Reconciler
+from .registry import Registry
 from .resources import API_VERSION, FIELD_MANAGER, GROUP, KIND, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
 
 CONFIG = OperatorConfig.from_env()
@@ -41,7 +42,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
     memo.config = CONFIG
-    memo.client = None
+    memo.registry = Registry()  # every object's memo is a shallow copy of this one: they share it
     drop_finalizer_requirements(kopf.get_default_registry())
 
 
@@ -55,48 +56,69 @@ def login(**kwargs: Any) -> kopf.ConnectionInfo | None:
 
 @kopf.on.cleanup()
 async def close_client(memo: kopf.Memo, **_: Any) -> None:
-    if getattr(memo, "client", None) is not None:
-        await memo.client.close()
+    client = registry_of(memo).client
+    if client is not None:
+        await client.close()
+
+
+def registry_of(memo: kopf.Memo) -> Registry:
+    """The operator-wide registry `configure` put on the memo (every object's memo shares it)."""
+    registry = memo.get("registry")
+    if not isinstance(registry, Registry):
+        raise RuntimeError(
+            "the memo has no operator registry: run the handlers under kopf with specfleet.operator.handlers "
+            "loaded (its startup handler sets memo.registry), or pass kopf.Memo(registry=Registry(...))"
+        )
+    return registry
 
 
 def kube_client(memo: kopf.Memo) -> KubeClient:
-    """The operator's API client, built from kopf's login on first use; other handler modules (the
+    """The operator's one API client, built from kopf's login on first use; other handler modules (the
     tuner's) share it through this function."""
-    if getattr(memo, "client", None) is None:
+    registry = registry_of(memo)
+    if registry.client is None:
         if "info" not in _credentials:
             raise kopf.TemporaryError(
                 "no Kubernetes credentials yet; retrying", delay=TEMPORARY_DELAY_SECONDS
             )
-        memo.client = KubeClient.from_connection_info(_credentials["info"])
-    return memo.client
+        registry.client = KubeClient.from_connection_info(_credentials["info"])
+    return registry.client
 
 
-def _lock(memo: kopf.Memo, uid: str) -> asyncio.Lock:
-    """One reconcile at a time per InferenceService (the update handler, the timer and the Deployment
-    watch can fire together; kopf serializes only its own change handlers)."""
-    locks: dict[str, asyncio.Lock] = memo.setdefault("reconcile_locks", {})
-    return locks.setdefault(uid, asyncio.Lock())
-
-
-async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger) -> Outcome:
+async def converge(
+    body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger, cause: str = "timer"
+) -> Outcome:
     """Reconcile one InferenceService and write the reconcile's share of its status (server-side apply,
-    field manager `specfleet-operator`), then post the Events."""
+    field manager `specfleet-operator`) when it changed, then post the Events. One reconcile at a time per
+    InferenceService, whatever started it (`cause`: the timer, a change, a workload's watch event)."""
     meta = body["metadata"]
-    async with _lock(memo, meta["uid"]):
+    registry = registry_of(memo)
+    memory = registry.service(meta["uid"])
+    if memory is None:
+        return Outcome(status={})  # deleted: its DELETED event was handled
+    async with memory.lock:
+        # the newest of: this body (kopf's, or the owner a workload's event names), the watch's last, the
+        # answer to the last status write (the watch may not have delivered it yet)
+        current = memory.see(copy.deepcopy(dict(body)))
+        if registry.known(meta["uid"]) is not memory:
+            return Outcome(status={})  # deleted meanwhile: nothing to report on
         client = kube_client(memo)
         try:
-            current = await client.get(object_path(KIND, meta["namespace"], meta["name"]))
-            if current is None or current["metadata"].get("uid") != meta["uid"]:
-                return Outcome(status={})  # deleted (or replaced) meanwhile: nothing to report on
             metrics.saw_generation(
                 meta["namespace"], meta["name"], int(current["metadata"].get("generation") or 0), meta["uid"]
             )
-            outcome = await Reconciler(client, memo.config).reconcile(current, now=timestamp())
-            await client.apply_status(meta["namespace"], meta["name"], outcome.status, FIELD_MANAGER)
+            outcome = await Reconciler(client, memo.config, memory).reconcile(current, now=timestamp())
+            if memory.status_changed(dict(current.get("status") or {}), outcome.status):
+                answer = await client.apply_status(
+                    meta["namespace"], meta["name"], outcome.status, FIELD_MANAGER
+                )
+                memory.wrote(outcome.status)
+                if answer is not None:
+                    memory.see(answer)
             metrics.reconciled(meta["namespace"], meta["name"], outcome.status, meta["uid"])
         except ApiError as error:
             if error.status == 401:
-                memo.client = None  # credentials rotated: rebuild from kopf's fresh login next time
+                registry.client = None  # credentials rotated: rebuild from kopf's fresh login next time
             raise kopf.TemporaryError(f"{error}; retrying", delay=TEMPORARY_DELAY_SECONDS) from error
         except OSError as error:  # connection refused/reset: the API server is restarting
             raise kopf.TemporaryError(
@@ -107,7 +129,11 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger
         post(
             cast(kopf.Body, dict(current)), reason=event.reason, message=event.message
         )  # kopf reads it as a Body
-    logger.debug("reconciled: %s", {c["type"]: c["status"] for c in outcome.status.get("conditions", [])})
+    logger.debug(
+        "reconciled cause=%s conditions=%s",
+        cause,
+        {c["type"]: c["status"] for c in outcome.status.get("conditions", [])},
+    )
     return outcome
 
 
@@ -122,10 +148,12 @@ async def converge(body: Mapping[str, Any], memo: kopf.Memo, logger: kopf.Logger
     initial_delay=min(5.0, CONFIG.reconcile_interval_seconds),
     sharp=False,
 )
-async def reconcile(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+async def reconcile(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, reason: Any = None, **_: Any
+) -> None:
     if body["metadata"].get("deletionTimestamp"):
         return  # being deleted: the children go with it (owner references)
-    outcome = await converge(body, memo, logger)
+    outcome = await converge(body, memo, logger, cause=str(getattr(reason, "value", reason) or "timer"))
     if outcome.invalid:
         raise kopf.PermanentError(
             f"{outcome.invalid}\nFix the spec; the operator retries on the next change."
@@ -145,28 +173,47 @@ def _owner(body: Mapping[str, Any]) -> dict[str, Any] | None:
 
 @kopf.on.event("apps", "v1", "deployments", labels={LABEL_MANAGED_BY: MANAGED_BY})
 @kopf.on.event("leaderworkerset.x-k8s.io", "v1", "leaderworkersets", labels={LABEL_MANAGED_BY: MANAGED_BY})
-async def deployment_changed(body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, **_: Any) -> None:
+async def deployment_changed(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, type: str | None = None, **_: Any
+) -> None:
     """The Deployment (or LeaderWorkerSet) controller's progress reaches status within seconds, not at the
-    next timer: any change to an owned engine workload (its status, a deletion, a manual edit) reconciles
-    its owner. kopf watches leaderworkersets only where the cluster serves them (it follows the CRDs)."""
+    next timer: a change to an owned workload that a reconcile reads (its status, its generation, which
+    anyone's spec edit moves, a deletion) reconciles its owner; other events (the echo of the operator's
+    own apply, label edits) do not. kopf watches leaderworkersets only where the cluster serves them."""
     owner = _owner(body)
     if owner is None:
         return
-    namespace = body["metadata"]["namespace"]
-    isvc = await kube_client(memo).get(object_path(KIND, namespace, owner["name"]))
+    memory = registry_of(memo).known(owner.get("uid", ""))
+    if memory is not None:
+        key = (str(body.get("kind")), str(body["metadata"]["name"]))
+        if not memory.observe(key, dict(body), deleted=type == "DELETED"):
+            return
+        isvc = memory.isvc
+    else:
+        isvc = None  # not reconciled since the operator started: read its owner
+    if isvc is None:
+        namespace = body["metadata"]["namespace"]
+        isvc = await kube_client(memo).get(object_path(KIND, namespace, owner["name"]))
     if (
         isvc is None
         or isvc["metadata"].get("uid") != owner.get("uid")
         or isvc["metadata"].get("deletionTimestamp")
     ):
         return
-    await converge(isvc, memo, logger)
+    await converge(isvc, memo, logger, cause=f"{body.get('kind')}/{body['metadata']['name']}")
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)
-async def forget_lock(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+async def remember_service(event: kopf.RawEvent, meta: kopf.Meta, memo: kopf.Memo, **_: Any) -> None:
+    """Every InferenceService event keeps its newest body in the registry (a workload's event reconciles
+    from it, without a read); DELETED forgets the service: its lock, its memory."""
+    registry = registry_of(memo)
     if event.get("type") == "DELETED":
-        memo.setdefault("reconcile_locks", {}).pop(meta["uid"], None)
+        registry.forget(meta["uid"])
+        return
+    memory = registry.service(meta["uid"])
+    if memory is not None:
+        memory.see(dict(event["object"]))
 
 
 def drop_finalizer_requirements(registry: Any) -> int:

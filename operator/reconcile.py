@@ -8,6 +8,7 @@ it returns the status to write and the Events to post, and the kopf handlers do 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -23,6 +24,7 @@ from .conditions import (
 from .config import OperatorConfig
 from .inference_service import InferenceService, InvalidInferenceService, parse_inference_service
 from .kube import ApiError, KubeClient, object_path
+from .registry import ChildKey, ServiceMemory, digest
 from .render import (
     new_admin_token,
     render_engine_workloads,
@@ -49,6 +51,7 @@ from .resources import (
 
 T = TypeVar("T")
 LWS_API = "leaderworkerset.x-k8s.io/v1"
+ADMIN_TOKEN = "admin-token"  # the Secret's memory entry: its data is never rewritten, only its ownership
 CONFLICT_ATTEMPTS = 4
 
 
@@ -101,13 +104,33 @@ def _fatal(error: ApiError) -> bool:
     return error.retryable or error.status == 401
 
 
+# Stale children (unchanged, last applied over a resync period ago) re-applied per pass: one keeps every
+# steady reconcile at <= 2 API calls (one re-apply, one status write when something moved) and still
+# renews all ~14 children of a service within 14 timer ticks (7 min at 30 s), well inside the period.
+RENEWALS_PER_PASS = 1
+
+
 class Reconciler:
-    def __init__(self, client: KubeClient, config: OperatorConfig) -> None:
+    """One pass over one InferenceService. With the operator's `ServiceMemory` it applies only what
+    changed since its last apply (and one stale child per pass); without one (a fresh memory) it applies
+    every child, reading each first, as a first pass after the operator starts does."""
+
+    def __init__(
+        self,
+        client: KubeClient,
+        config: OperatorConfig,
+        memory: ServiceMemory | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.client = client
         self.config = config
+        self.memory = memory if memory is not None else ServiceMemory()
+        self._clock = clock
+        self._renewals = RENEWALS_PER_PASS
 
     async def reconcile(self, body: Mapping[str, Any], now: str) -> Outcome:
         previous = dict(body.get("status") or {})
+        self.memory.saw_generation(int(body["metadata"].get("generation") or 0))
         try:
             isvc = parse_inference_service(
                 body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}"
@@ -201,7 +224,7 @@ class Reconciler:
         the workloads and whether any was not rolled out."""
         wanted = render_engine_workloads(isvc, self.config)
         workloads, not_rolled_out = [], False
-        lws_served = await self.client.has_api(LWS_API)
+        lws_served = await self._has_api(LWS_API)
         for obj in wanted:
             name = obj["metadata"]["name"]
             missing = obj["kind"] == "LeaderWorkerSet" and not lws_served
@@ -243,6 +266,8 @@ class Reconciler:
         returned message names the conflict, and no pod is rolled out that would mount it."""
         name = admin_secret_name(isvc.name)
         path = object_path("Secret", isvc.namespace, name)
+        if self._skip(("Secret", name), ADMIN_TOKEN):
+            return None  # checked within the resync period: created by us, owned by this service
         existing = await self.client.get(path)
         if existing is None:
             secret = render_secret(isvc, new_admin_token())
@@ -254,7 +279,7 @@ class Reconciler:
                 refused.append(_refusal(secret, error))
                 return None
             events.append(Event("Normal", "Created", f"created Secret {name} (admin token)"))
-            return None
+            return None  # checked again next pass (its answer holds the token: not kept in memory)
         labels = existing["metadata"].get("labels") or {}
         if labels.get(LABEL_MANAGED_BY) != MANAGED_BY or labels.get(LABEL_ISVC) != isvc.name:
             return (
@@ -267,6 +292,7 @@ class Reconciler:
             await self.client.merge_patch(
                 path, {"metadata": {"ownerReferences": [*owners, owner_reference(isvc)]}}
             )
+        self.memory.record(("Secret", name), ADMIN_TOKEN, {"metadata": {}}, self._clock())
         return None
 
     async def _child(
@@ -288,7 +314,7 @@ class Reconciler:
         `Monitored` condition, never a failed reconcile."""
         if not self.config.service_monitor:
             return None
-        if not await self.client.has_api("monitoring.coreos.com/v1"):
+        if not await self._has_api("monitoring.coreos.com/v1"):
             return Cond(
                 "Monitored",
                 "False",
@@ -325,10 +351,37 @@ class Reconciler:
             f"ServiceMonitor {isvc.name} scrapes the engine pods",
         )
 
+    def _skip(self, key: ChildKey, rendered: str) -> bool:
+        """Whether the child is as last applied: unchanged render, unchanged on the server as far as the
+        watches tell, and applied within the resync period (or stale, with this pass's renewals spent)."""
+        state = self.memory.state(key, rendered, self._clock(), self.config.resync_interval_seconds)
+        if state == "stale" and self._renewals > 0:
+            self._renewals -= 1
+            return False
+        return state != "changed"
+
+    async def _has_api(self, group_version: str) -> bool:
+        """Discovery, asked again once a resync period (a CRD installed later is found then)."""
+        served, at = self.memory.apis.get(group_version, (False, -float("inf")))
+        if self._clock() - at >= self.config.resync_interval_seconds:
+            if at > -float("inf"):  # reconciles of other services meanwhile keep the last answer
+                self.memory.apis[group_version] = (served, self._clock())
+            served = await self.client.has_api(group_version)
+            self.memory.apis[group_version] = (served, self._clock())
+        return served
+
     async def _apply(self, obj: dict[str, Any], events: list[Event]) -> dict[str, Any]:
+        """Server-side apply of one child; a child as last applied is not sent again. The state before
+        (for the Created and Updated events) is the one the memory holds, read only when it holds none."""
         meta = obj["metadata"]
-        before = await self.client.get(object_path(obj["kind"], meta["namespace"], meta["name"]))
+        key, rendered = (obj["kind"], meta["name"]), digest(obj)
+        if self._skip(key, rendered):
+            return self.memory.objects[key]
+        before = self.memory.objects.get(key)
+        if before is None:
+            before = await self.client.get(object_path(obj["kind"], meta["namespace"], meta["name"]))
         after = await self.client.apply(obj)
+        self.memory.record(key, rendered, after, self._clock())
         what = f"{obj['kind']} {meta['name']}"
         if before is None:
             events.append(Event("Normal", "Created", f"created {what}"))
@@ -396,12 +449,15 @@ class Reconciler:
         why: str = "not needed at this replica count",
     ) -> None:
         name = name or isvc.name
+        if (kind, name) in self.memory.absent:
+            return  # checked since the spec last changed, and nothing of ours was there
         path = object_path(kind, isvc.namespace, name)
         existing = await self.client.get(path)
         owners = (existing or {}).get("metadata", {}).get("ownerReferences") or []
         if existing is not None and any(o.get("uid") == isvc.metadata.uid for o in owners):
             await self.client.delete(path)
             events.append(Event("Normal", "Deleted", f"deleted {kind} {name} ({why})"))
+        self.memory.gone((kind, name))
 
 
 def _refused_conditions(

@@ -17,6 +17,7 @@ from specfleet.operator import handlers
 from specfleet.operator.config import OperatorConfig
 from specfleet.operator.kube import KubeClient
 from specfleet.operator.reconcile import Reconciler
+from specfleet.operator.registry import Registry
 from specfleet.operator.resources import TUNER_FIELD_MANAGER
 from test_op_reconcile import (
     CONFIG,
@@ -111,12 +112,12 @@ def test_reconciles_of_one_object_never_overlap(fake_kube: FakeKube, monkeypatch
     monkeypatch.setattr(kopf, "info", lambda *a, **k: None)
 
     async def run() -> None:
-        memo = kopf.Memo(config=CONFIG, client=KubeClient(fake_kube.url))
+        memo = kopf.Memo(config=CONFIG, registry=Registry(KubeClient(fake_kube.url)))
         body = fake_kube.get(*ISVC, NS, "smollm2")
         try:
             await asyncio.gather(*(handlers.converge(body, memo, logging.getLogger("t")) for _ in range(3)))
         finally:
-            await memo.client.close()
+            await memo.registry.client.close()
 
     asyncio.run(run())
     assert overlaps[0] == 1
@@ -164,13 +165,13 @@ def test_a_deployment_change_reaches_status_through_the_watch(
     monkeypatch.setattr(kopf, "info", lambda *a, **k: None)
 
     async def run() -> None:
-        memo = kopf.Memo(config=CONFIG, client=KubeClient(fake_kube.url))
+        memo = kopf.Memo(config=CONFIG, registry=Registry(KubeClient(fake_kube.url)))
         try:
             await handlers.deployment_changed(
                 body=fake_kube.get(*DEPLOY, NS, "smollm2"), memo=memo, logger=logging.getLogger("t")
             )
         finally:
-            await memo.client.close()
+            await memo.registry.client.close()
 
     asyncio.run(run())
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")

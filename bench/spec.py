@@ -1,7 +1,8 @@
 """`specfleet bench spec`: speculative decoding speedup by method, k and load, in one run.
 
 Workloads: input-grounded (repeat, edit or summarise a given passage or code: the output copies the
-input) and free chat. For each method (n-gram; draft unless --draft-model none) and k in --ks, it runs
+input) and free chat. For each declared method (engine/spec_decode/methods.py; one that needs a draft model
+unless --draft-model none) and k in --ks, it runs
 the workload at concurrency 1 (one request at a time) and at --high-concurrency (all at once), and
 reports per-request output tokens/s (end to end: output tokens over the request's latency, prefill
 included; speedups use this one), per-request decode tokens/s (after the first token: what speculation
@@ -21,6 +22,7 @@ from pathlib import Path
 
 from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from specfleet.engine import LLM, SamplingParams
+from specfleet.engine.spec_decode.methods import METHODS
 
 
 def run(
@@ -91,6 +93,22 @@ def sweep(
     return rows
 
 
+def method_kwargs(draft_model: str, draft_quantization: str) -> dict[str, dict[str, str | None]]:
+    """Every declared method's LLM keyword arguments; a method that needs a draft model gets --draft-model
+    (and is skipped with 'none')."""
+    methods: dict[str, dict[str, str | None]] = {}
+    for spec in METHODS.values():
+        if not spec.needs_draft_model:
+            methods[spec.name] = {"speculative_method": spec.name}
+        elif draft_model != "none":
+            methods[spec.name] = {
+                "speculative_method": spec.name,
+                "draft_model": draft_model,
+                "draft_quantization": None if draft_quantization == "none" else draft_quantization,
+            }
+    return methods
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="specfleet bench spec", description=__doc__)
     parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
@@ -122,14 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
     workloads = {"grounded": grounded_prompts(), "chat": chat_prompts()}
-    methods: dict[str, dict[str, str | None]] = {"ngram": {"speculative_method": "ngram"}}
-    if args.draft_model != "none":
-        quant = None if args.draft_quantization == "none" else args.draft_quantization
-        methods["draft"] = {
-            "speculative_method": "draft",
-            "draft_model": args.draft_model,
-            "draft_quantization": quant,
-        }
+    methods = method_kwargs(args.draft_model, args.draft_quantization)
 
     rows = []
     for method, kwargs in methods.items():
@@ -194,10 +205,7 @@ def main(argv: list[str] | None = None) -> int:
         return statistics.median(vals) if vals else None
 
     result = {
-        "ngram_grounded_speedup": speedup("ngram", "grounded", 1),
-        "ngram_chat_speedup": speedup("ngram", "chat", 1),
-        "draft_grounded_speedup": speedup("draft", "grounded", 1),
-        "draft_chat_speedup": speedup("draft", "chat", 1),
+        **{f"{m}_{w}_speedup": speedup(m, w, 1) for m in METHODS for w in workloads},
         "high_load_speedup": max(
             filter(None, [speedup(m, w, args.high_concurrency) for m in methods for w in workloads])
         ),

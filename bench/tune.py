@@ -25,7 +25,7 @@ from typing import Any
 
 from specfleet.bench import stoppable
 from specfleet.bench.closed_loop import Phase, prime, run_phase
-from specfleet.engine.config import SPECULATIVE_METHODS
+from specfleet.engine.spec_decode.methods import METHODS
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.tuner.actuator import AdminActuator
@@ -41,14 +41,12 @@ WARM_UP = Phase("warm-up", 4, False, 32)  # before a tuner pass that comes first
 
 
 def _speculative(method: str) -> dict[str, Any]:
-    """ngram, or the draft that pays for the bundled model: its own weights in int8."""
-    if method == "draft":
-        return {
-            "method": "draft",
-            "numSpeculativeTokens": 0,
-            "draftModel": {"source": "bundled://smollm2-135m-instruct", "quantization": "int8"},
-        }
-    return {"method": method, "numSpeculativeTokens": 0}
+    """The method's spec; a method that needs a draft model gets the draft that pays for the bundled model:
+    its own weights in int8."""
+    spec: dict[str, Any] = {"method": method, "numSpeculativeTokens": 0}
+    if METHODS[method].needs_draft_model:
+        spec["draftModel"] = {"source": "bundled://smollm2-135m-instruct", "quantization": "int8"}
+    return spec
 
 
 def bench_spec(
@@ -160,7 +158,7 @@ async def run_tuner(
 ) -> dict[str, dict[str, float]]:
     """The phases back to back under a fresh tuner (from k=0); appends to the timeline and counts the
     changes of each transition (keyed "pass N: phase")."""
-    fleet.tuner = fleet._build_tuner()
+    fleet.tuner = fleet.new_tuner()
     if not args.guard:
         fleet.tuner.policy.params = replace(fleet.tuner.policy.params, guard=False)
     t0 = time.monotonic()
@@ -415,7 +413,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grid-k", type=int, nargs="+", default=[0, 2, 4])
     p.add_argument(
         "--method",
-        choices=[m for m in SPECULATIVE_METHODS if m != "none"],
+        choices=list(METHODS),
         default="ngram",
         help="speculative method of the fleet (ignored with --file): ngram (3.5x on grounded "
         "prompts at concurrency 1, 0.4x on chat at 32) or draft, the int8 copy of the "

@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from specfleet.engine.knobs import LiveConfig
+from specfleet.engine.spec_decode.methods import (
+    METHODS,
+    NONE,
+    SPECULATIVE_METHODS,
+    method,
+    methods_with_draft_model,
+)
 
 __all__ = [
     "ATTENTION_BACKENDS",
@@ -18,9 +26,6 @@ __all__ = [
     "LiveConfig",
 ]
 
-# The speculative methods, in one place: EngineConfig's check, the CLI's choices and the CRD's enum read
-# this tuple. "none" proposes nothing.
-SPECULATIVE_METHODS = ("none", "ngram", "draft")
 # Weight quantizations. int8: the float weights quantized at load (one scale per output column). gguf: a
 # GGUF file's Q4_0/Q4_1/Q4_K/Q8_0 tensors run as stored. awq, gptq: the checkpoint's 4-bit weights (also
 # picked up from its quantization_config when the field is unset). All run on the native CPU kernels;
@@ -35,6 +40,10 @@ ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 # Prefill/decode disaggregation (engine/kv_transfer/): a prefill engine holds each prompt's KV blocks for
 # a decode engine, which pulls them.
 KV_ROLES = ("prefill", "decode")
+
+
+def _any_of(names: Iterable[str]) -> str:
+    return " or ".join(map(repr, names))
 
 
 def _opt(default: Any, help: str, **cli: Any) -> Any:
@@ -161,12 +170,9 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} exceeds "
                 f"max_num_batched_tokens_limit={self.batched_tokens_limit}"
             )
-        if self.speculative_method not in SPECULATIVE_METHODS:
-            raise ValueError(
-                f"speculative_method={self.speculative_method!r} is not one of {SPECULATIVE_METHODS}"
-            )
-        if self.speculative_method == "draft" and not self.draft_model:
-            raise ValueError("speculative_method='draft' needs draft_model (a model source URI)")
+        spec = method(self.speculative_method)  # refuses an unknown name, listing the known ones
+        if spec is not None and spec.needs_draft_model and not self.draft_model:
+            raise ValueError(f"speculative_method={spec.name!r} needs draft_model (a model source URI)")
         if not 0 <= self.num_speculative_tokens <= self.max_num_speculative_tokens:
             raise ValueError(
                 f"num_speculative_tokens={self.num_speculative_tokens} must be between 0 and "
@@ -180,8 +186,8 @@ class EngineConfig:
                 f"speculative_disable_by_batch_size={self.speculative_disable_by_batch_size!r} must be "
                 "an integer >= 0 (0: never disable)"
             )
-        if self.speculative_method == "none" and self.num_speculative_tokens:
-            raise ValueError("num_speculative_tokens > 0 needs speculative_method 'ngram' or 'draft'")
+        if spec is None and self.num_speculative_tokens:
+            raise ValueError(f"num_speculative_tokens > 0 needs speculative_method {_any_of(METHODS)}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError(
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
@@ -215,8 +221,10 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be between 0 and 65535")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
-        if self.draft_quantization and self.speculative_method != "draft":
-            raise ValueError("draft_quantization needs speculative_method='draft'")
+        if self.draft_quantization and not (spec is not None and spec.needs_draft_model):
+            raise ValueError(
+                f"draft_quantization needs speculative_method={_any_of(methods_with_draft_model())}"
+            )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(
                 f"attention_backend={self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
@@ -233,4 +241,4 @@ class EngineConfig:
     @property
     def speculative_tokens_limit(self) -> int:
         """Ceiling for the live k: none without a speculative method (there is no proposer)."""
-        return self.max_num_speculative_tokens if self.speculative_method != "none" else 0
+        return self.max_num_speculative_tokens if self.speculative_method != NONE else 0

@@ -10,6 +10,7 @@ from specfleet.engine.config import EngineConfig
 from specfleet.engine.llm_engine import Engine
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.spec_decode.methods import VLLM_DRAFT_MODEL, VLLM_NAMES
 from tqdm import tqdm
 
 Prompt = (
@@ -25,7 +26,6 @@ SPECULATIVE_CONFIG_FIELDS = {
     "prompt_lookup_max": "prompt_lookup_max",
     "disable_by_batch_size": "speculative_disable_by_batch_size",
 }
-SPECULATIVE_METHOD_NAMES = {"ngram": "ngram", "draft_model": "draft", "draft": "draft"}
 
 
 def engine_config_from_vllm_kwargs(model: str, kwargs: dict[str, Any]) -> EngineConfig:
@@ -43,13 +43,13 @@ def engine_config_from_vllm_kwargs(model: str, kwargs: dict[str, Any]) -> Engine
                 f"speculative_config keys {unknown} are not supported; use "
                 f"{sorted(SPECULATIVE_CONFIG_FIELDS) + ['method']}"
             )
-        method = spec.pop("method", None) or ("draft_model" if spec.get("model") else None)
-        if method not in SPECULATIVE_METHOD_NAMES:
+        method = spec.pop("method", None) or (VLLM_DRAFT_MODEL if spec.get("model") else None)
+        if method not in VLLM_NAMES:
             raise ValueError(
                 f"speculative_config method={method!r} is not supported; use one of "
-                f"{sorted(SPECULATIVE_METHOD_NAMES)} (a 'model' implies draft_model)"
+                f"{sorted(VLLM_NAMES)} (a 'model' implies {VLLM_DRAFT_MODEL})"
             )
-        kwargs["speculative_method"] = SPECULATIVE_METHOD_NAMES[method]
+        kwargs["speculative_method"] = VLLM_NAMES[method]
         kwargs.update({SPECULATIVE_CONFIG_FIELDS[k]: v for k, v in spec.items()})
     return EngineConfig(model=model, **kwargs)
 

@@ -28,6 +28,7 @@ from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
+from specfleet.engine.spec_decode.methods import method
 from specfleet.engine.spec_decode.shadow import ShadowDrafts
 from specfleet.engine.stats import EngineStats, StepStats
 from specfleet.engine.stop import Finish, StopChecker
@@ -102,12 +103,13 @@ class Engine:
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
         # n-gram lookups scored on steps that verify no drafts (spec_decode/shadow.py): the tuner's reading
-        # of the traffic's acceptance while speculation is off
+        # of the traffic's acceptance while speculation is off, for the methods that declare it
+        spec = method(config.speculative_method)
         self.shadow = (
             ShadowDrafts(
                 config.max_num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
             )
-            if config.speculative_method == "ngram"
+            if spec is not None and spec.shadow_drafts
             else None
         )
         self.kv_connector: KVConnector | None = None

@@ -24,8 +24,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 from pydantic.fields import FieldInfo
-from specfleet.engine.config import SPECULATIVE_METHODS
 from specfleet.engine.knobs import REPLICAS, SEARCHED, Knob, camel
+from specfleet.engine.spec_decode.methods import SPECULATIVE_METHODS, methods_with_draft_model
 from specfleet.router.policies import DEFAULT_POLICY, POLICIES
 
 from .engine_flags import RESERVED_ARG_PATTERN, RESERVED_ARGS_MESSAGE, reserved_args
@@ -290,20 +290,27 @@ class BatchingSpec(_Spec):
     max_num_batched_tokens: int = Field(2048, ge=16, le=1048576, description="Token budget of one step.")
 
 
+def _draft_model_rules(methods: tuple[str, ...]) -> list[Any]:
+    """draftModel set exactly with a method that needs one (spec_decode/methods.py), as CEL rules; their
+    Python twin is SpeculativeSpec._draft_model_matches_method."""
+    if not methods:
+        return [cel("!has(self.draftModel)", "draftModel is not used by any speculative method")]
+    names = " or ".join(methods)
+    return [
+        cel(
+            " && ".join(f"self.method != '{m}'" for m in methods) + " || has(self.draftModel)",
+            f"method: {names} needs draftModel.source (the small model that proposes tokens)",
+        ),
+        cel(
+            " || ".join(f"self.method == '{m}'" for m in methods) + " || !has(self.draftModel)",
+            f"draftModel is only used with method: {names}; set method: {methods[0]} or remove draftModel",
+        ),
+    ]
+
+
 class SpeculativeSpec(_Spec):
     model_config = ConfigDict(
-        json_schema_extra={
-            "x-kubernetes-validations": [
-                cel(
-                    "self.method != 'draft' || has(self.draftModel)",
-                    "method: draft needs draftModel.source (the small model that proposes tokens)",
-                ),
-                cel(
-                    "self.method == 'draft' || !has(self.draftModel)",
-                    "draftModel is only used with method: draft; set method: draft or remove draftModel",
-                ),
-            ]
-        }
+        json_schema_extra={"x-kubernetes-validations": _draft_model_rules(methods_with_draft_model())}
     )
     method: Literal[SPECULATIVE_METHODS] = "none"  # type: ignore[valid-type]
     num_speculative_tokens: int = Field(4, ge=0, le=16, description="k: tokens proposed per step (0 = off).")
@@ -319,12 +326,14 @@ class SpeculativeSpec(_Spec):
 
     @model_validator(mode="after")
     def _draft_model_matches_method(self) -> SpeculativeSpec:
-        if self.method == "draft" and self.draft_model is None:
-            raise ValueError("speculative.method='draft' needs speculative.draftModel.source")
-        if self.method != "draft" and self.draft_model is not None:
+        needs = methods_with_draft_model()
+        if self.method in needs and self.draft_model is None:
+            raise ValueError(f"speculative.method={self.method!r} needs speculative.draftModel.source")
+        if self.method not in needs and self.draft_model is not None:
+            names = " or ".join(map(repr, needs)) or "no method"
             raise ValueError(
-                f"speculative.draftModel is only used with method 'draft', not {self.method!r}; "
-                "set method: draft or remove draftModel"
+                f"speculative.draftModel is only used with method {names}, not {self.method!r}; "
+                f"set method: {needs[0] if needs else '...'} or remove draftModel"
             )
         return self
 

@@ -1,22 +1,30 @@
-"""Build the configured proposer: none, n-gram, or a draft model checked against the target."""
+"""Build the configured proposer (spec_decode/methods.py names each method's builder here), and load the
+draft model of a method that needs one, checked against the target."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import replace
 
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.loader import LoadedModel, load_model
 from specfleet.engine.model_runner import ModelRunner
+from specfleet.engine.spec_decode.methods import method
 from specfleet.engine.spec_decode.proposer import Proposer
+
+# What a method's builder gets: the config, the target, the draft model if load_draft loaded one, and the
+# number of KV blocks.
+Builder = Callable[[EngineConfig, LoadedModel, LoadedModel | None, int], Proposer]
 
 
 def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel | None:
-    """The draft model of a `draft` proposer, loaded before the KV caches are sized so that both caches
-    come out of one memory budget; None for other methods."""
-    if config.speculative_method != "draft":
+    """The draft model of a method that needs one, loaded before the KV caches are sized so that both
+    caches come out of one memory budget; None for other methods."""
+    spec = method(config.speculative_method)
+    if spec is None or not spec.needs_draft_model:
         return None
-    assert config.draft_model is not None, "EngineConfig's checks require draft_model with method draft"
+    assert config.draft_model is not None, "EngineConfig's checks require draft_model with this method"
     draft_config = replace(
         config,
         model=config.draft_model,
@@ -39,13 +47,17 @@ def load_draft(config: EngineConfig, target: LoadedModel) -> LoadedModel | None:
     return draft
 
 
-def _ngram(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int) -> Proposer:
+def build_ngram(
+    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int
+) -> Proposer:
     from specfleet.engine.spec_decode.ngram import NgramProposer
 
     return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
 
 
-def _draft(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int) -> Proposer:
+def build_draft(
+    config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int
+) -> Proposer:
     from specfleet.engine.spec_decode.draft import DraftModelProposer
 
     if draft is None:
@@ -61,25 +73,22 @@ def _draft(config: EngineConfig, target: LoadedModel, draft: LoadedModel | None,
     return DraftModelProposer(runner, num_blocks, config.block_size)
 
 
-# speculative_method -> builder. A new proposer is one entry here (and its name in config.SPECULATIVE_METHODS,
-# which a test keeps equal to these keys plus "none").
-PROPOSERS: dict[str, Callable[[EngineConfig, LoadedModel, LoadedModel | None, int], Proposer]] = {
-    "ngram": _ngram,
-    "draft": _draft,
-}
+def builder(target: str) -> Builder:
+    """A method's builder from its "module:function" declaration."""
+    module, _, name = target.partition(":")
+    found = getattr(importlib.import_module(module), name, None)
+    if not callable(found):
+        raise ValueError(f"speculative method builder {target!r} names no function")
+    return found
 
 
 def build_proposer(
     config: EngineConfig, target: LoadedModel, draft: LoadedModel | None, num_blocks: int
 ) -> Proposer | None:
-    if config.speculative_method == "none":
+    spec = method(config.speculative_method)  # refuses an unknown name, listing the known ones
+    if spec is None:
         return None
-    builder = PROPOSERS.get(config.speculative_method)
-    if builder is None:
-        raise ValueError(
-            f"speculative_method={config.speculative_method!r} has no proposer; known: {sorted(PROPOSERS)}"
-        )
-    return builder(config, target, draft, num_blocks)
+    return builder(spec.builder)(config, target, draft, num_blocks)
 
 
 def check_same_vocabulary(target_tokenizer, draft_tokenizer, source: str) -> None:

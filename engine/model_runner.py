@@ -7,7 +7,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
-from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
+from specfleet.engine.attention.base import AttentionMetadata
+from specfleet.engine.attention.registry import get_attention_backend
 from specfleet.engine.input_buffers import StepBuffers
 from specfleet.engine.models.llama import LlamaModel
 from specfleet.engine.outputs import PositionLogprobs

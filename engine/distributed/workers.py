@@ -40,7 +40,8 @@ from typing import Any
 import numpy as np
 import torch
 import torch.multiprocessing as mp
-from specfleet.engine.attention.base import AttentionMetadata, get_attention_backend
+from specfleet.engine.attention.base import AttentionMetadata
+from specfleet.engine.attention.registry import get_attention_backend
 from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.distributed.comm import GroupAddress, RankGroup, backend_for
 from specfleet.engine.distributed.pipeline import StageLlama

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from specfleet.engine.attention.base import ATTENTION_BACKENDS, get_attention_backend
+from specfleet.engine.attention.registry import ATTENTION_BACKENDS, get_attention_backend
 from specfleet.engine.config import ATTENTION_BACKENDS as CONFIG_BACKENDS
 from specfleet.engine.config import SPECULATIVE_METHODS, EngineConfig
 from specfleet.engine.models import ARCHITECTURES, model_class

@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 from specfleet.bench.gpu.paged_cases import TOLERANCE, make_case
-from specfleet.engine.attention.base import get_attention_backend
 from specfleet.engine.attention.native_backend import NativeAttentionBackend
+from specfleet.engine.attention.registry import get_attention_backend
 from specfleet.engine.attention.torch_backend import TorchAttentionBackend
 from specfleet.kernels import cpu_native
 
@@ -185,7 +185,7 @@ def test_auto_picks_native_on_cpu_float32_only() -> None:
 def test_disabled_by_environment_falls_back_to_torch() -> None:
     code = (
         "from specfleet.kernels import cpu_native; import torch\n"
-        "from specfleet.engine.attention.base import get_attention_backend\n"
+        "from specfleet.engine.attention.registry import get_attention_backend\n"
         "assert not cpu_native.available()\n"
         "print(get_attention_backend('auto', torch.device('cpu')).name)"
     )

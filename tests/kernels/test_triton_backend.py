@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from specfleet.bench.gpu.paged_cases import TOLERANCE, make_case
-from specfleet.engine.attention.base import get_attention_backend
+from specfleet.engine.attention.registry import get_attention_backend
 from specfleet.engine.attention.torch_backend import TorchAttentionBackend
 from specfleet.engine.attention.triton_backend import TritonAttentionBackend
 

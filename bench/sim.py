@@ -377,7 +377,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
             fleet.url, fleet.engine_urls, profile
         )
         if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
-            fleet.tuner = fleet._build_tuner()
+            fleet.tuner = fleet.new_tuner()
             fleet.ticks.clear()
         rows = await replay(fleet.url, requests, c.copy)
         acceptance, share = await scrape_acceptance(fleet.engine_urls)

@@ -1,6 +1,7 @@
 """The live knobs, declared once: the fields of `LiveConfig`, each with a `Knob` record of its facts.
 
-Everything that names a knob is derived from this declaration: the engine's limits in `update_config`,
+Everything that names a knob is derived from this declaration: the engine's limits in `update_config`
+and the simulated engine's (`live_limits`, `live_refusal`; `sim/engine.py`),
 the admin API's body and validation (`server/protocol.py`, `server/admin.py`), the config gauges (`server/metrics.py`), the
 tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`tuner/types.py`), its two readers (PromQL
 in `sources.py`, the direct scrape in `snapshot.py`), the CRD's `autotune.bounds` (`operator/spec.py`),
@@ -21,6 +22,7 @@ Plain Python on purpose: the operator and the tuner import this module, and they
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any
 
@@ -178,6 +180,29 @@ def get_knob(name: str) -> Knob:
         return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"{name!r} is not a live knob; use one of {sorted(_BY_NAME)}") from None
+
+
+def live_limits(ceiling_of: Callable[[Knob], int]) -> dict[str, tuple[int, int]]:
+    """Each engine knob's accepted range: [its minimum, its ceiling fixed at start], the ceiling read by
+    `ceiling_of` (the engine's `EngineConfig.<Knob.ceiling>`, the simulator's start limits)."""
+    return {knob.name: (knob.minimum, ceiling_of(knob)) for knob in KNOBS}
+
+
+def live_refusal(limits: Mapping[str, tuple[int, int]], name: str, value: Any) -> str | None:
+    """Why a live value is refused, naming the field and the limit (None: accepted). One rule for the
+    engine's `update_config` (live_config.check_live raises it as a 400) and the simulated engine's."""
+    if name not in limits:
+        return f"{name} is not a live setting; use one of {sorted(limits)}"
+    low, high = limits[name]
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        # k's ceiling is 0 when the engine started without a proposer
+        why = (
+            " (no speculative method configured at start)"
+            if name == "num_speculative_tokens" and not high
+            else ""
+        )
+        return f"{name}={value!r} must be an integer between {low} and {high}{why}"
+    return None
 
 
 def check_fields(cls: type, expected: tuple[str, ...], what: str) -> None:

@@ -11,25 +11,18 @@ from dataclasses import replace
 from typing import Any
 
 from specfleet.engine.config import EngineConfig
-from specfleet.engine.knobs import KNOBS
+from specfleet.engine.knobs import live_limits, live_refusal
 from specfleet.engine.sampling_params import ParameterError
 
 
 def check_live(config: EngineConfig, changes: Mapping[str, int]) -> None:
     """Refuse live knob values outside [the knob's minimum, its ceiling fixed at start by `config`],
     naming the field and the limit."""
-    limits = {knob.name: (knob.minimum, getattr(config, knob.ceiling)) for knob in KNOBS}
+    limits = live_limits(lambda knob: getattr(config, knob.ceiling))
     for name, value in changes.items():
-        if name not in limits:
-            raise ParameterError(name, f"{name} is not a live setting; use one of {sorted(limits)}")
-        low, high = limits[name]
-        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-            why = (
-                " (no speculative method configured at start)"
-                if name == "num_speculative_tokens" and not high
-                else ""
-            )
-            raise ParameterError(name, f"{name}={value!r} must be an integer between {low} and {high}{why}")
+        why = live_refusal(limits, name, value)
+        if why is not None:
+            raise ParameterError(name, why)
 
 
 def start_on(config: EngineConfig, changes: Mapping[str, int]) -> EngineConfig:

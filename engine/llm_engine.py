@@ -29,6 +29,7 @@ from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
 from specfleet.engine.spec_decode.methods import method
+from specfleet.engine.spec_decode.rules import k_room, proposal_length, speculation_off
 from specfleet.engine.spec_decode.shadow import ShadowDrafts
 from specfleet.engine.stats import EngineStats, StepStats
 from specfleet.engine.stop import Finish, StopChecker
@@ -546,11 +547,13 @@ class Engine:
         for) is larger than `speculative_disable_by_batch_size`: past the step cost's knee a draft token
         costs as much as a sequence's own, so a load that rose between two tuner intervals gets no drafts
         from its first step."""
-        limit = self._live.speculative_disable_by_batch_size
-        if not limit:
-            return False
         sched = self.scheduler
-        return min(len(sched.running) + len(sched.waiting), sched.max_num_seqs) > limit
+        return speculation_off(
+            len(sched.running),
+            len(sched.waiting),
+            sched.max_num_seqs,
+            self._live.speculative_disable_by_batch_size,
+        )
 
     def _k_for(self, seq: Sequence) -> int:
         params = seq.params
@@ -561,10 +564,9 @@ class Engine:
         )
         if not k or params.depends_on_history or seq.num_output_tokens < params.min_tokens:
             return 0  # penalties, bad words and min_tokens depend on each earlier token: one at a time
-        room = self.max_model_len - seq.num_tokens - 1
-        if params.max_tokens is not None:
-            room = min(room, params.max_tokens - seq.num_output_tokens - 1)
-        return max(0, min(k, room, self.config.max_num_speculative_tokens))
+        left = None if params.max_tokens is None else params.max_tokens - seq.num_output_tokens
+        room = k_room(self.max_model_len, seq.num_tokens, left)
+        return proposal_length(k, room, self.config.max_num_speculative_tokens)
 
     def _postprocess(
         self, sched: SchedulerOutput, result: ModelRunnerOutput | None, changed: list[tuple[Sequence, int]]

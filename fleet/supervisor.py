@@ -4,7 +4,8 @@
 The fleet supervises its engines as a Deployment would: an engine that exits is taken out of routing at
 once, logged with its exit code and last log lines, and restarted with backoff (engines.py). Readiness is
 each engine's `/ready`. `scale_to` starts or retires engines (a retiring one drains: nothing new is
-routed to it, and SIGTERM lets it finish what it has). Every start, a restart included, is on the tuner's
+routed to it, and SIGTERM lets it finish what it has); it is the fleet's side of the tuner's `Scaler`
+port (`queued`, `scale`), so the replica knob runs here as in the cluster and the simulator. Every start, a restart included, is on the tuner's
 config in force (`LOG_DIR/live-config.json`, the engines' `--live-config-file`, written just before), and
 its cold start (process start to first ready probe) is reported and kept in `startups`.
 
@@ -35,7 +36,6 @@ from specfleet.router.prefix import BlockHasher, stable_hash
 from specfleet.router.proxy import Router, serve
 from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
 from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
-from specfleet.tuner.types import SLO
 
 from .cores import CorePool
 from .engines import EngineProcess, Startup, describe_exit
@@ -278,14 +278,18 @@ class LocalFleet:
         if encode is not None:
             self.router.hasher = BlockHasher(spec.engine.block_size, encode, self.router.hasher.seed)
         self.port = self.port or free_port(self.host)
+        if self.tuning or self.replica_policy is not None:  # before the router serves: its queue scales
+            self.tuner = self.new_tuner()
         self._runner = await serve(self.router, self.host, self.port)
         self.router.endpoints_changed()
         self._tasks += [asyncio.create_task(self._supervise()), asyncio.create_task(self._watch_ready())]
-        if self.tuning or self.replica_policy is not None:
-            self.tuner = self._build_tuner()
+        if self.tuner is not None:
             self._tasks.append(asyncio.create_task(self._tune_forever()))
 
-    def _build_tuner(self) -> ServiceTuner:
+    def new_tuner(self) -> ServiceTuner:
+        """A fresh tuner for this fleet: its ready engines, their admin ports, and the fleet as the replica
+        knob's scaler when autoscaling is on."""
+
         async def ready() -> list[str]:
             return self.ready_urls()
 
@@ -299,6 +303,8 @@ class LocalFleet:
             prometheus_selector=self.prometheus_selector or f'job="{self.isvc.name}"',
             interval_s=self.interval_s,
             window_s=self.window_s,
+            replicas=self.replica_policy,
+            scaler=self if self.replica_policy is not None else None,
         )
 
     async def _probe(self, client: httpx.AsyncClient, url: str) -> bool:
@@ -413,12 +419,9 @@ class LocalFleet:
         return None
 
     async def tick(self) -> Tick:
+        """One interval of the tuner (`ServiceTuner.interval`: the config, then the replica knob)."""
         assert self.tuner is not None, "tuning is off for this fleet"
-        if (
-            self.replica_policy is not None
-        ):  # the config leaves capacity to the replica knob while it has room
-            self.tuner.policy.replica_room = self.replica_policy.room
-        tick = await self.tuner.tick(self.frozen_by)
+        tick = await self.tuner.interval(self.frozen_by)
         self.ticks.append(tick)
         if self.on_tick is not None:
             self.on_tick(tick)
@@ -429,45 +432,34 @@ class LocalFleet:
         interval = self.tuner.policy.params.interval_s
         while True:  # the first tick at once: the scrape source needs it as the base of its first window
             try:
-                tick = await self.tick()
-                await self.autoscale(tick)
+                await self.tick()
             except Exception as error:
                 self.say(f"[tuner] interval failed: {type(error).__name__}: {error}")
             await asyncio.sleep(interval)
 
-    async def autoscale(self, tick: Tick) -> ReplicaDecision | None:
-        """The replica knob, from the same observation and goodput model as the tick's config decision."""
-        if self.replica_policy is None or self.tuner is None:
-            return None
-        policy, obs = self.tuner.policy, tick.observation
-        decision = self.replica_policy.decide(
-            time.monotonic(),
-            obs,
-            policy.model(obs) if not obs.error else None,
-            policy.current,
-            policy.params.slo,
-            self.router.queued,
-        )
-        await self._act(decision)
-        return decision
-
     def _on_queue(self, waiting: int) -> None:
         """The router holds a request with no engine ready: with zero replicas, start one now (not at the
         next tuner interval)."""
-        if self.replica_policy is None or self.replica_policy.replicas > 0 or self.router.stopping:
+        if self.tuner is None or self.replica_policy is None or self.replica_policy.replicas > 0:
+            return
+        if self.router.stopping:
             return
         self._cold_start = time.monotonic()
-        decision = self.replica_policy.decide(
-            time.monotonic(),
-            None,
-            None,
-            None,
-            self.tuner.policy.params.slo if self.tuner else SLO(1.0, 1.0),
-            waiting,
-        )
-        self._tasks.append(asyncio.create_task(self._act(decision)))
+        # `from_zero` decides before its first await (`waiting` is given): a second request queued before
+        # this task runs finds one replica already asked for
+        self._tasks.append(asyncio.create_task(self._from_zero(self.tuner, waiting)))
 
-    async def _act(self, decision: ReplicaDecision) -> None:
+    @staticmethod
+    async def _from_zero(tuner: ServiceTuner, waiting: int) -> None:
+        await tuner.from_zero(waiting)
+
+    # ---- the tuner's `Scaler` port ----------------------------------------------------------------------
+    async def queued(self) -> int:
+        """Requests the router holds while no engine is ready."""
+        return self.router.queued
+
+    async def scale(self, decision: ReplicaDecision) -> None:
+        """A replica decision: kept (`replica_decisions`), said, and on a change run by `scale_to`."""
         if decision.kind != "hold" or decision.changed:
             self.replica_decisions.append(decision)
         if decision.changed or decision.kind in ("stabilizing", "cooldown"):

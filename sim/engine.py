@@ -22,10 +22,11 @@ import random
 from dataclasses import dataclass, field
 
 from specfleet.engine.block_manager import BlockManager
-from specfleet.engine.knobs import LiveConfig
+from specfleet.engine.knobs import LiveConfig, live_limits, live_refusal
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
+from specfleet.engine.spec_decode.rules import k_room, proposal_length, speculation_off
 from specfleet.tuner.policy.params import ModelParams
 
 from .metrics import EngineMetrics, LogHistogram
@@ -60,12 +61,16 @@ class Record:
 
 @dataclass(frozen=True)
 class Limits:
-    """Ceilings fixed at start (the engine's `*_limit` and `max_num_speculative_tokens`)."""
+    """What is fixed at start: the context length and each live knob's ceiling (`ceilings`: a `LiveConfig`
+    whose every field is that knob's ceiling, the engine's `EngineConfig.<Knob.ceiling>`; `sim/fleet.py`
+    builds it from the pod's flags)."""
 
     max_model_len: int
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    max_k: int
+    ceilings: LiveConfig
+
+    @property
+    def max_k(self) -> int:
+        return self.ceilings.num_speculative_tokens
 
 
 @dataclass
@@ -152,18 +157,14 @@ class SimEngine:
 
     # -- live settings (the admin API) ----------------------------------------------------------------
     def update_config(self, **changes: int) -> str | None:
-        """As `Engine.update_config`: an error message for a value past a ceiling, else None (applied at
-        the next step)."""
-        ceilings = {
-            "num_speculative_tokens": self.limits.max_k,
-            "max_num_seqs": self.limits.max_num_seqs,
-            "max_num_batched_tokens": self.limits.max_num_batched_tokens,
-            "speculative_disable_by_batch_size": self.limits.max_num_seqs,
-        }
+        """As `Engine.update_config`, by the same rule (`knobs.live_refusal`): the message for a value
+        outside [the knob's minimum, its ceiling], else None (applied at the next step)."""
+        ceilings = self.limits.ceilings
+        limits = live_limits(lambda knob: getattr(ceilings, knob.name))
         for name, value in changes.items():
-            low = 1 if name in ("max_num_seqs", "max_num_batched_tokens") else 0
-            if not low <= value <= ceilings[name]:
-                return f"{name}={value} must be an integer between {low} and {ceilings[name]}"
+            why = live_refusal(limits, name, value)
+            if why is not None:
+                return why
         self.pending.update(changes)
         return None
 
@@ -249,7 +250,7 @@ class SimEngine:
             return [], []
         k = self.live.num_speculative_tokens
         guard = self.live.speculative_disable_by_batch_size
-        if k and not (guard and min(len(running) + len(s.waiting), s.max_num_seqs) > guard):
+        if k and not speculation_off(len(running), len(s.waiting), s.max_num_seqs, guard):
             return [], []  # `_propose` would draw proposals: the scheduler's path
         targets = self.targets
         steps = None
@@ -463,25 +464,24 @@ class SimEngine:
 
     # -- speculation ------------------------------------------------------------------------------------
     def _propose(self) -> int:
-        """As `Engine._propose`: up to k placeholder proposals per decoding sequence (the guard and the room
-        left as the engine computes them); the profile's proposal share decides which get any."""
+        """As `Engine._propose`: up to k placeholder proposals per decoding sequence, by the engine's own
+        rules (`spec_decode/rules.py`: the batch guard, the k-room rule, the proposal length); the
+        profile's proposal share decides which get any."""
         k_live = self.live.num_speculative_tokens
         if not k_live:
             return 0
         s = self.scheduler
         guard = self.live.speculative_disable_by_batch_size
-        if guard and min(len(s.running) + len(s.waiting), s.max_num_seqs) > guard:
+        if speculation_off(len(s.running), len(s.waiting), s.max_num_seqs, guard):
             return 0
         share = self.profile.proposal_share
         total = 0
+        max_len, ceiling, targets = self.limits.max_model_len, self.limits.max_k, self.targets
         for seq in s.running:
             if seq.in_prefill:
                 continue
-            room = min(
-                self.limits.max_model_len - seq.num_tokens - 1,
-                self.targets[seq.seq_id] - seq.num_output_tokens - 1,
-            )
-            k = max(0, min(k_live, room, self.limits.max_k))
+            room = k_room(max_len, seq.num_tokens, targets[seq.seq_id] - seq.num_output_tokens)
+            k = proposal_length(k_live, room, ceiling)
             if k and (share >= 1.0 or self.rng.random() < share):
                 seq.spec_token_ids = [-1] * k
                 total += k

@@ -1,12 +1,14 @@
 """The fleet over simulated time: arrivals, the router, the engines' steps and the tuner, as one event loop.
 
-Events, in time order: a request arrives (the router's policy from `spec.routing`, specfleet.router's
-own code, chooses its engine: prefix affinity over the prompt's chained block hashes, least-loaded or
-round-robin), an engine's step ends (the engine applies it and plans the next), the tuner's
-interval (the real `ServiceTuner.tick`: its `ScrapeSource` reads the simulated engines' snapshots, the
-real `Policy` decides, an actuator sets the engines' live settings as the admin API would). The proxy's
-and the HTTP path's overhead is the profile's `request_overhead_s`, half on the way in, half on the way
-out.
+Events, in time order, each with its handler (`SimFleet._on_*`, dispatched by kind): a request arrives
+(the router's policy from `spec.routing`, specfleet.router's own code, chooses its engine: prefix affinity
+over the prompt's chained block hashes, least-loaded or round-robin), it reaches its engine, an engine's
+step ends (the engine applies it and plans the next), a new replica is ready, the tuner's interval (the
+real `ServiceTuner.interval`, as the operator and `specfleet up` run it: its `ScrapeSource` reads the
+simulated engines' snapshots, the real `Policy` decides, an actuator sets the engines' live settings as
+the admin API would, and with autoscaling the real replica policy decides through the fleet's side of the
+`Scaler` port, `SimFleet.scale`). The proxy's and the HTTP path's overhead is the profile's
+`request_overhead_s`, half on the way in, half on the way out.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ import heapq
 import random
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specfleet.engine.knobs import LiveConfig
+from specfleet.engine.config import EngineConfig
+from specfleet.engine.knobs import KNOBS, LiveConfig
 from specfleet.operator.inference_service import InferenceService
+from specfleet.operator.spec import InferenceServiceSpec
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import RouteRequest, service_policy
 from specfleet.router.prefix import chain_hashes, stable_hash, token_blocks
@@ -78,6 +82,22 @@ class SimSource(ScrapeSource):
 
     async def observe(self) -> Observation:
         return replace(await super().observe(), time=self.fleet.now)
+
+
+def start_limits(spec: InferenceServiceSpec) -> Limits:
+    """What a pod of `spec` starts with: its context length and each live knob's ceiling, derived as the
+    engine derives them (`EngineConfig.<Knob.ceiling>`) from the flags the operator passes it (the start
+    values and `ceiling_values`), so a knob added to the declaration is simulated with no change here."""
+    draft = spec.speculative.draft_model
+    flags: dict[str, Any] = {**spec.start_values(), **spec.ceiling_values()}
+    config = EngineConfig(
+        max_model_len=spec.model.max_model_len,
+        speculative_method=spec.speculative.method,
+        draft_model=draft.source if draft is not None else None,
+        **flags,
+    )
+    ceilings = LiveConfig(**{knob.name: getattr(config, knob.ceiling) for knob in KNOBS})
+    return Limits(spec.model.max_model_len, ceilings)
 
 
 @dataclass
@@ -158,25 +178,12 @@ class SimFleet:
         self.itl = LogHistogram()
         self.sample_s = sample_s
         start = spec_config(spec)
-        bounds = spec.autotune.bounds.model_dump()  # knob name -> [min, max]
-        method = spec.speculative.method
-        self._limits = Limits(
-            max_model_len=spec.model.max_model_len,
-            max_num_seqs=max(bounds["max_num_seqs"][1], spec.batching.max_num_seqs),
-            max_num_batched_tokens=max(
-                bounds["max_num_batched_tokens"][1], spec.batching.max_num_batched_tokens
-            ),
-            max_k=0
-            if method == "none"
-            else max(bounds["num_speculative_tokens"][1], spec.speculative.num_speculative_tokens),
-        )
+        self._limits = start_limits(spec)
         # what a pod's command line starts it with; the tuner brings a new pod to its config at its next tick
         self._live = LiveConfig(
-            num_speculative_tokens=start.num_speculative_tokens,
-            max_num_seqs=start.max_num_seqs,
-            max_num_batched_tokens=start.max_num_batched_tokens,
+            **spec.start_values(),
             speculative_disable_by_batch_size=spec.speculative.disable_by_batch_size
-            if method != "none"
+            if spec.speculative.method != "none"
             else 0,
         )
         self._rng = random.Random(seed)
@@ -205,6 +212,8 @@ class SimFleet:
         self.replica_decisions: list[ReplicaDecision] = []
         self.queue: deque[tuple[float, int, SimRequest]] = deque()  # the router's: no engine is ready
         self.rejected = 0  # 503s: no engine ready within the router's queue timeout
+        if self.autoscaling:
+            self.replica_policy = ReplicaPolicy(replica_params(spec), self.replicas)
         if self.tuning:
             params = params_from_spec(spec, interval_s, window_s)
             self.tuner = ServiceTuner(
@@ -213,9 +222,12 @@ class SimFleet:
                 SimSource(self, params.window_s),
                 SimActuator(self),
                 self.ready_urls,
+                replicas=self.replica_policy,
+                scaler=self if self.replica_policy is not None else None,
+                clock=lambda: self.now,
             )
-        if self.autoscaling:
-            self.replica_policy = ReplicaPolicy(replica_params(spec), self.replicas)
+        self._run = _Run()
+        self._aio: asyncio.AbstractEventLoop | None = None
 
     def _add_engine(self, t: float, ready: bool) -> SimEngine:
         index = len(self.engines)
@@ -245,213 +257,223 @@ class SimFleet:
     async def ready_urls(self) -> list[str]:
         return [u for u in self.urls if (e := self.endpoints.get(u)) is not None and e.routable]
 
+    # -- the tuner's `Scaler` port -----------------------------------------------------------------------
+    async def queued(self) -> int:
+        """Requests the router holds while no replica is ready."""
+        return len(self.queue)
+
+    async def scale(self, decision: ReplicaDecision) -> None:
+        """As the local fleet's `scale_to`, at the simulated now: new engines join routing once started
+        (`startup_s` later); the newest retire (drained, then stopped)."""
+        if decision.kind != "hold" or decision.changed:
+            self.replica_decisions.append(decision)
+        if not decision.changed:
+            return
+        t, active = self.now, self.active
+        for _ in range(decision.replicas - len(active)):
+            engine = self._add_engine(t, ready=False)
+            self._run.starting += 1
+            self._push(t + self.startup_s, READY, engine.index)
+        for engine in sorted(active, key=lambda e: e.index, reverse=True)[
+            : max(0, len(active) - decision.replicas)
+        ]:
+            self.retiring.add(engine.index)
+            self.endpoints.set_state(self.urls[engine.index], ready=False, draining=True)
+            if self._drained(engine):
+                self._stop(engine, t)
+
     # -- the event loop --------------------------------------------------------------------------------------
     def run(self, requests: Iterable[SimRequest]) -> SimRun:
         wall, cpu = time.perf_counter(), time.process_time()
-        loop = asyncio.new_event_loop()
-        heap: list[tuple[float, int, int, Any, Any]] = []
-        order = 0
-
-        def push(t: float, kind: int, a: Any = None, b: Any = None) -> None:
-            nonlocal order
-            order += 1
-            heapq.heappush(heap, (t, kind, order, a, b))
-
-        source = iter(enumerate(requests))
-        pending = next(source, None)
-        if pending is not None:
-            push(pending[1].arrival_s, ARRIVE, pending)
-        interval = self.tuner.policy.params.interval_s if self.tuner else self.sample_s
-        push(0.0, TICK)
-        half = self.profile.request_overhead_s / 2
-        records: list[Record] = []
-        timeline: list[Timeline] = []
-        ticks: list[Tick] = []
-        in_flight = 0
-        arrivals_since_tick = 0
-        next_tick = 0.0
-        first_arrival = pending[1].arrival_s if pending else 0.0
-        starting = 0  # engines created and not yet ready
-        # `EndpointSet.routable()` sorts every endpoint; its result changes only with the set's version (the
-        # endpoints' in-flight counts are live in the same objects)
-        routable, routable_version = self.endpoints.routable(), self.endpoints.version
-        hashed = self.routing.name == "prefix"  # the other policies never read the hashes
-        block_size = self._engine_args["block_size"]
-
-        def start(engine: SimEngine, t: float) -> None:
-            nonlocal in_flight
-            plan = engine.start_step(t, horizon=next_tick if self.tuner else float("inf"))
-            if plan is not None:
-                push(plan.end, STEP, engine.index, engine.version)
-            for record in engine.take_done():
-                self.endpoints.release(self.urls[record.engine])
-                record.finish_s = (record.finish_s or t) + half
-                if record.first_token_s is not None:
-                    record.first_token_s += half
-                records.append(record)
-                in_flight -= 1
-            if engine.index in self.retiring and drained(engine):
-                stop(engine, t)  # the pod exits
-
-        def drained(engine: SimEngine) -> bool:  # nothing routed to it is left (delivered or on its way)
-            endpoint = self.endpoints.get(self.urls[engine.index])
-            return endpoint is None or endpoint.outstanding == 0
-
-        def stop(engine: SimEngine, t: float) -> None:
-            self.retiring.discard(engine.index)
-            self.stopped_s[engine.index] = t
-            self.endpoints.remove(self.urls[engine.index])
-            self.routing.forget(self.urls[engine.index])
-
-        def route_to_engine(t: float, index: int, request: SimRequest) -> None:
-            nonlocal in_flight, routable, routable_version
-            if routable_version != self.endpoints.version:  # the router's set, read again on a change
-                routable, routable_version = self.endpoints.routable(), self.endpoints.version
-            route = (
-                RouteRequest(
-                    tuple(chain_hashes(token_blocks(request.prompt_ids(index), block_size), self._hash_seed))
-                )
-                if hashed
-                else RouteRequest()
-            )
-            choice = self.routing.choose(route, routable)
-            if choice is None:  # no engine ready: the router holds it (scale from zero) or answers 503
-                if self.queue_timeout_s <= 0:
-                    self.rejected += 1
-                    return
-                self.queue.append((t, index, request))
-                if self.replica_policy is not None and self.replica_policy.replicas == 0:
-                    scale(t, self.replica_policy.decide(t, None, None, None, slo(), len(self.queue)))
-                return
-            url = choice.url
-            self.routing.routed(route, url)
-            self.endpoints.acquire(url)
-            engine = self.by_url[url]
-            record = Record(
-                index, request.arrival_s, engine.index, request.prompt_tokens, request.output_tokens
-            )
-            push(t + half, DELIVER, (engine, request, record))
-            in_flight += 1
-
-        def slo():
-            assert self.tuner is not None
-            return self.tuner.policy.params.slo
-
-        def scale(t: float, decision: ReplicaDecision) -> None:
-            """As the local fleet's `scale_to`: new engines join routing once started; the newest retire
-            (drained, then stopped)."""
-            nonlocal starting
-            if decision.kind != "hold" or decision.changed:
-                self.replica_decisions.append(decision)
-            if not decision.changed:
-                return
-            active = self.active
-            for _ in range(decision.replicas - len(active)):
-                engine = self._add_engine(t, ready=False)
-                starting += 1
-                push(t + self.startup_s, READY, engine.index)
-            for engine in sorted(active, key=lambda e: e.index, reverse=True)[
-                : max(0, len(active) - decision.replicas)
-            ]:
-                self.retiring.add(engine.index)
-                self.endpoints.set_state(self.urls[engine.index], ready=False, draining=True)
-                if drained(engine):
-                    stop(engine, t)
-
+        self._aio = asyncio.new_event_loop()
+        r = self._run = _Run(
+            source=iter(enumerate(requests)),
+            interval=self.tuner.policy.params.interval_s if self.tuner else self.sample_s,
+            half=self.profile.request_overhead_s / 2,
+            hashed=self.routing.name == "prefix",  # the other policies never read the hashes
+            routable=self.endpoints.routable(),
+            routable_version=self.endpoints.version,
+        )
+        r.pending = next(r.source, None)
+        if r.pending is not None:
+            r.first_arrival = r.pending[1].arrival_s
+            self._push(r.first_arrival, ARRIVE, r.pending)
+        self._push(0.0, TICK)
+        handlers = (self._on_arrive, self._on_deliver, self._on_step, self._on_ready, self._on_tick)
+        heap = r.heap
         while heap:
             t, kind, _, a, b = heapq.heappop(heap)
             self.now = t
-            if kind == ARRIVE:
-                index, request = a
-                route_to_engine(t, index, request)
-                arrivals_since_tick += 1
-                pending = next(source, None)
-                if pending is not None:
-                    if pending[1].arrival_s < t:
-                        raise ValueError(
-                            f"request {pending[0]} arrives at {pending[1].arrival_s}s, before the one "
-                            f"ahead of it ({t}s): sort the trace by arrival_s"
-                        )
-                    push(pending[1].arrival_s, ARRIVE, pending)
-            elif kind == DELIVER:
-                engine, request, record = a
-                if engine.cut(t):
-                    push(engine.plan.end, STEP, engine.index, engine.version)
-                engine.add(request, record, t)
-                if engine.plan is None:
-                    start(engine, t)
-            elif kind == STEP:
-                engine = self.engines[a]
-                if b != engine.version or engine.plan is None:
-                    continue  # a fast-mode run that an arrival cut short: its new end is queued
-                engine.finish_step()
-                start(engine, t)
-            elif kind == READY:  # a new pod loaded its model: routable; the router's queue drains to it
-                starting -= 1
-                engine = self.engines[a]
-                if self.stopped_s[a] is not None or a in self.retiring:
-                    continue  # scaled down again before it was ready
-                self.endpoints.set_state(self.urls[engine.index], ready=True, draining=False)
-                held, self.queue = self.queue, deque()
-                for queued_at, index, request in held:
-                    if t - queued_at > self.queue_timeout_s:
-                        self.rejected += 1
-                    else:
-                        route_to_engine(t, index, request)
-            else:  # TICK
-                for engine in self.engines:
-                    if engine.cut(t):
-                        assert engine.plan is not None, "cut() returns True only for a planned step"
-                        push(engine.plan.end, STEP, engine.index, engine.version)
-                active = self.active
-                entry = Timeline(
-                    t,
-                    len(active),
-                    sum(len(e.scheduler.running) for e in self.engines),
-                    sum(len(e.scheduler.waiting) for e in self.engines),
-                    (active[0].live_config() if active else self._live).as_dict(),
-                    arrivals_per_s=arrivals_since_tick / interval if t > 0 else 0.0,
-                    ready=len(self.endpoints.routable()),
-                    queued=len(self.queue),
-                )
-                arrivals_since_tick = 0
-                if self.tuner is not None:
-                    tick = loop.run_until_complete(self.tuner.tick())
-                    ticks.append(tick)
-                    entry.kind, entry.reason = tick.decision.kind, tick.decision.reason
-                    entry.tpot_p95_s, entry.ttft_p95_s = (
-                        tick.observation.tpot_p95_s,
-                        tick.observation.ttft_p95_s,
-                    )
-                    if active:
-                        entry.config = active[0].live_config().as_dict()
-                    if self.replica_policy is not None:  # as the local fleet's `autoscale`
-                        obs, policy = tick.observation, self.tuner.policy
-                        decision = self.replica_policy.decide(
-                            t,
-                            obs,
-                            policy.model(obs) if not obs.error else None,
-                            policy.current,
-                            policy.params.slo,
-                            len(self.queue),
-                        )
-                        scale(t, decision)
-                        entry.replicas, entry.ready = len(self.active), len(self.endpoints.routable())
-                        if decision.kind != "hold" or decision.changed:
-                            entry.reason = f"{entry.reason}; replicas: {decision.reason}"
-                timeline.append(entry)
-                for engine in self.engines:  # settings take effect at the next step; an idle engine has none
-                    if engine.plan is None and engine.scheduler.has_unfinished():
-                        start(engine, t)
-                if pending is not None or in_flight or self.queue or starting:
-                    next_tick = t + interval
-                    push(next_tick, TICK)
+            handlers[kind](t, a, b)
         self.rejected += len(self.queue)  # still held at the end: no engine ever became ready
         self.queue.clear()
         if self.tuner is not None:
-            loop.run_until_complete(self.tuner.close())
-        loop.close()
-        end = max((r.finish_s or 0.0 for r in records), default=first_arrival)
+            self._aio.run_until_complete(self.tuner.close())
+        self._aio.close()
+        return self._result(time.perf_counter() - wall, time.process_time() - cpu)
+
+    def _push(self, t: float, kind: int, a: Any = None, b: Any = None) -> None:
+        r = self._run
+        r.order += 1
+        heapq.heappush(r.heap, (t, kind, r.order, a, b))
+
+    def _start(self, engine: SimEngine, t: float) -> None:
+        """Plan the engine's next step (up to the next tuner interval: settings change there) and hand the
+        requests it finished back to the router."""
+        r = self._run
+        plan = engine.start_step(t, horizon=r.next_tick if self.tuner else float("inf"))
+        if plan is not None:
+            self._push(plan.end, STEP, engine.index, engine.version)
+        for record in engine.take_done():
+            self.endpoints.release(self.urls[record.engine])
+            record.finish_s = (record.finish_s or t) + r.half
+            if record.first_token_s is not None:
+                record.first_token_s += r.half
+            r.records.append(record)
+            r.in_flight -= 1
+        if engine.index in self.retiring and self._drained(engine):
+            self._stop(engine, t)  # the pod exits
+
+    def _drained(self, engine: SimEngine) -> bool:
+        """Nothing routed to it is left (delivered or on its way)."""
+        endpoint = self.endpoints.get(self.urls[engine.index])
+        return endpoint is None or endpoint.outstanding == 0
+
+    def _stop(self, engine: SimEngine, t: float) -> None:
+        self.retiring.discard(engine.index)
+        self.stopped_s[engine.index] = t
+        self.endpoints.remove(self.urls[engine.index])
+        self.routing.forget(self.urls[engine.index])
+
+    def _route(self, t: float, index: int, request: SimRequest) -> None:
+        """The router: the policy's engine, else (no engine ready) held for scale from zero, or a 503."""
+        r = self._run
+        if r.routable_version != self.endpoints.version:  # the router's set, read again on a change
+            r.routable, r.routable_version = self.endpoints.routable(), self.endpoints.version
+        route = (
+            RouteRequest(
+                tuple(
+                    chain_hashes(
+                        token_blocks(request.prompt_ids(index), self._engine_args["block_size"]),
+                        self._hash_seed,
+                    )
+                )
+            )
+            if r.hashed
+            else RouteRequest()
+        )
+        choice = self.routing.choose(route, r.routable)
+        if choice is None:
+            if self.queue_timeout_s <= 0:
+                self.rejected += 1
+                return
+            self.queue.append((t, index, request))
+            if (
+                self.tuner is not None
+                and self.replica_policy is not None
+                and self.replica_policy.replicas == 0
+            ):
+                assert self._aio is not None
+                self._aio.run_until_complete(self.tuner.from_zero(len(self.queue)))
+            return
+        url = choice.url
+        self.routing.routed(route, url)
+        self.endpoints.acquire(url)
+        engine = self.by_url[url]
+        record = Record(index, request.arrival_s, engine.index, request.prompt_tokens, request.output_tokens)
+        self._push(t + r.half, DELIVER, (engine, request, record))
+        r.in_flight += 1
+
+    def _on_arrive(self, t: float, a: Any, b: Any) -> None:
+        r = self._run
+        index, request = a
+        self._route(t, index, request)
+        r.arrivals_since_tick += 1
+        r.pending = next(r.source, None)
+        if r.pending is not None:
+            if r.pending[1].arrival_s < t:
+                raise ValueError(
+                    f"request {r.pending[0]} arrives at {r.pending[1].arrival_s}s, before the one "
+                    f"ahead of it ({t}s): sort the trace by arrival_s"
+                )
+            self._push(r.pending[1].arrival_s, ARRIVE, r.pending)
+
+    def _on_deliver(self, t: float, a: Any, b: Any) -> None:
+        engine, request, record = a
+        if engine.cut(t):
+            self._push(engine.plan.end, STEP, engine.index, engine.version)
+        engine.add(request, record, t)
+        if engine.plan is None:
+            self._start(engine, t)
+
+    def _on_step(self, t: float, a: Any, b: Any) -> None:
+        engine = self.engines[a]
+        if b != engine.version or engine.plan is None:
+            return  # a fast-mode run that an arrival cut short: its new end is queued
+        engine.finish_step()
+        self._start(engine, t)
+
+    def _on_ready(self, t: float, a: Any, b: Any) -> None:
+        """A new pod loaded its model: routable; the router's queue drains to it."""
+        self._run.starting -= 1
+        if self.stopped_s[a] is not None or a in self.retiring:
+            return  # scaled down again before it was ready
+        self.endpoints.set_state(self.urls[a], ready=True, draining=False)
+        held, self.queue = self.queue, deque()
+        for queued_at, index, request in held:
+            if t - queued_at > self.queue_timeout_s:
+                self.rejected += 1
+            else:
+                self._route(t, index, request)
+
+    def _on_tick(self, t: float, a: Any, b: Any) -> None:
+        """The tuner's interval (config and replicas, `ServiceTuner.interval`) and the timeline's sample."""
+        r = self._run
+        for engine in self.engines:
+            if engine.cut(t):
+                assert engine.plan is not None, "cut() returns True only for a planned step"
+                self._push(engine.plan.end, STEP, engine.index, engine.version)
+        active = self.active
+        entry = Timeline(
+            t,
+            len(active),
+            sum(len(e.scheduler.running) for e in self.engines),
+            sum(len(e.scheduler.waiting) for e in self.engines),
+            (active[0].live_config() if active else self._live).as_dict(),
+            arrivals_per_s=r.arrivals_since_tick / r.interval if t > 0 else 0.0,
+            ready=len(self.endpoints.routable()),
+            queued=len(self.queue),
+        )
+        r.arrivals_since_tick = 0
+        if self.tuner is not None:
+            assert self._aio is not None
+            tick = self._aio.run_until_complete(self.tuner.interval())
+            r.ticks.append(tick)
+            self._sample(entry, tick, active)
+        r.timeline.append(entry)
+        for engine in self.engines:  # settings take effect at the next step; an idle engine has none
+            if engine.plan is None and engine.scheduler.has_unfinished():
+                self._start(engine, t)
+        if r.pending is not None or r.in_flight or self.queue or r.starting:
+            r.next_tick = t + r.interval
+            self._push(r.next_tick, TICK)
+
+    def _sample(self, entry: Timeline, tick: Tick, active: list[SimEngine]) -> None:
+        """What the interval decided and saw, into its timeline entry."""
+        entry.kind, entry.reason = tick.decision.kind, tick.decision.reason
+        entry.tpot_p95_s, entry.ttft_p95_s = tick.observation.tpot_p95_s, tick.observation.ttft_p95_s
+        if active:
+            entry.config = active[0].live_config().as_dict()
+        decision = tick.replicas
+        if decision is not None:
+            entry.replicas, entry.ready = len(self.active), len(self.endpoints.routable())
+            if decision.kind != "hold" or decision.changed:
+                entry.reason = f"{entry.reason}; replicas: {decision.reason}"
+
+    def _result(self, wall_s: float, cpu_s: float) -> SimRun:
+        r = self._run
+        records, timeline, ticks = r.records, r.timeline, r.ticks
+        end = max((rec.finish_s or 0.0 for rec in records), default=r.first_arrival)
         decisions = [
             {
                 "t": round(k.decision.time, 3),
@@ -462,7 +484,7 @@ class SimFleet:
             for k in ticks
             if k.decision.changed
         ]
-        span = (first_arrival, end)
+        span = (r.first_arrival, end)
         lives = [
             max(0.0, min(stopped if stopped is not None else end, span[1]) - max(started, span[0]))
             for started, stopped in zip(self.started_s, self.stopped_s)
@@ -471,16 +493,16 @@ class SimFleet:
             records,
             timeline,
             ticks,
-            end - first_arrival,
-            time.perf_counter() - wall,
+            end - r.first_arrival,
+            wall_s,
             self.replicas,
             sum(e.steps for e in self.engines),
             self.itl,
-            unfinished=in_flight,
+            unfinished=r.in_flight,
             decisions=decisions,
-            cpu_s=time.process_time() - cpu,
+            cpu_s=cpu_s,
             replica_seconds=sum(lives),
-            max_replicas=max([self.replicas, *(t.replicas for t in timeline)]),
+            max_replicas=max([self.replicas, *(entry.replicas for entry in timeline)]),
             replica_decisions=[
                 {"t": round(d.time, 3), "kind": d.kind, "replicas": d.replicas, "reason": d.reason}
                 for d in self.replica_decisions
@@ -489,3 +511,28 @@ class SimFleet:
             rejected=self.rejected,
             routing_policy=self.routing.name,
         )
+
+
+@dataclass
+class _Run:
+    """The event loop's state over one `SimFleet.run`."""
+
+    heap: list[tuple[float, int, int, Any, Any]] = field(default_factory=list)
+    order: int = 0  # ties at one time and kind pop in push order
+    source: Iterator[tuple[int, SimRequest]] = field(default_factory=lambda: iter(()))
+    pending: tuple[int, SimRequest] | None = None  # the next arrival, pushed; the rest wait in `source`
+    first_arrival: float = 0.0
+    interval: float = 10.0
+    half: float = 0.0  # half the profile's request overhead: on the way in, and on the way out
+    hashed: bool = False
+    # `EndpointSet.routable()` sorts every endpoint; its result changes only with the set's version (the
+    # endpoints' in-flight counts are live in the same objects)
+    routable: list[Any] = field(default_factory=list)
+    routable_version: int = -1
+    records: list[Record] = field(default_factory=list)
+    timeline: list[Timeline] = field(default_factory=list)
+    ticks: list[Tick] = field(default_factory=list)
+    in_flight: int = 0
+    arrivals_since_tick: int = 0
+    next_tick: float = 0.0
+    starting: int = 0  # engines created and not yet ready

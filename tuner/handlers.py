@@ -22,8 +22,8 @@ every tick, so removing it resumes tuning within one interval too.
 from __future__ import annotations
 
 import json
+import math
 import os
-import time
 from typing import Any
 from urllib.parse import quote
 
@@ -53,7 +53,7 @@ from specfleet.operator.resources import (
 from specfleet.operator.spec import FREEZE_ANNOTATION
 
 from .actuator import admin_on_port
-from .loop import ServiceTuner, build_tuner, replica_params, tuner_fingerprint
+from .loop import ServiceTuner, Tick, build_tuner, replica_params, tuner_fingerprint
 from .policy.replicas import ReplicaDecision, ReplicaPolicy
 from .policy.resume import restore, snapshot
 from .report import autoscaling_status, event_for, scale_event, status_patch, transition_events
@@ -154,6 +154,71 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
     )
 
 
+class StatusScaler:
+    """The operator's `Scaler`: the routers' queue from their pods, a decision into `status.autoscaling`
+    (under its own field manager; the reconcile renders the count into the Deployment, which the
+    InferenceService's `/scale` reads back) with a `Scaled` Event on a change. Built per timer tick: it
+    writes against that tick's body and status. Its write comes before the tuner's own status apply: an
+    operator upgraded from one whose tuner manager owned status.autoscaling hands it over here, so that
+    apply (which no longer sends it) cannot remove it."""
+
+    def __init__(self, client: KubeClient, body: kopf.Body, status: kopf.Status) -> None:
+        self.client, self.body, self.status = client, body, status
+        self.signals = RouterSignals()  # as of the last `queued()`: the cold start goes with the decision
+
+    async def queued(self) -> int:
+        meta = self.body["metadata"]
+        self.signals = await router_signals(self.client, meta["namespace"], meta["name"])
+        return self.signals.queued
+
+    async def scale(self, decision: ReplicaDecision) -> None:
+        meta = self.body["metadata"]
+        update = autoscaling_status(
+            decision, dict(self.status).get("autoscaling"), timestamp(), self.signals.cold_start_s
+        )
+        await self.client.apply_status(
+            meta["namespace"], meta["name"], {"autoscaling": update}, AUTOSCALER_FIELD_MANAGER
+        )
+        scaled = scale_event(decision)
+        if scaled is not None:
+            kopf.info(self.body, reason=scaled[1], message=scaled[2][:1000])
+
+
+async def _tuner_of(
+    client: KubeClient, body: kopf.Body, status: kopf.Status, memo: kopf.Memo, logger: kopf.Logger
+) -> tuple[ServiceTuner, str, float] | None:
+    """This service's tuner, with the fingerprint it was built under and the time of its last interval:
+    rebuilt only when a field the tuner depends on changed (bounds, SLO, method, model, ...), since a
+    /scale write bumps the generation too and must not make the tuner forget what it learned. None for
+    a spec the reconcile reports as InvalidSpec."""
+    # uid -> (tuner, fingerprint of the spec fields it depends on, its clock at its last interval)
+    tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
+    meta = body["metadata"]
+    try:
+        fingerprint = tuner_fingerprint(
+            parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec
+        )
+    except InvalidInferenceService:
+        return None
+    entry = tuners.get(meta["uid"])
+    if entry is not None and entry[1] == fingerprint:
+        return entry
+    if entry is not None:
+        await entry[0].close()
+    try:
+        tuner = await _build(client, body, memo)
+    except ApiError as error:
+        raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
+    _restore(tuner, status)
+    # a restarted operator continues from status.tuning, if it was learned under this same spec
+    if entry is None and restore(tuner.policy, dict(status).get("tuning") or {}, tuner.clock(), fingerprint):
+        logger.info(
+            "event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else ""
+        )
+    entry = tuners[meta["uid"]] = (tuner, fingerprint, -math.inf)
+    return entry
+
+
 @kopf.timer(
     GROUP,
     VERSION,
@@ -166,79 +231,49 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
 async def tune(
     body: kopf.Body, meta: kopf.Meta, status: kopf.Status, memo: kopf.Memo, logger: kopf.Logger, **_: Any
 ) -> None:
-    # uid -> (tuner, fingerprint of the spec fields it depends on, monotonic time of its last interval)
-    tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
-    uid, generation = meta["uid"], int(meta.get("generation") or 0)
-    try:
-        fingerprint = tuner_fingerprint(
-            parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec
-        )
-    except InvalidInferenceService:
-        return  # the reconcile reports InvalidSpec
-    entry = tuners.get(uid)
+    """Every tick: the tuner's interval once `autotune.intervalSeconds` have passed (`ServiceTuner.interval`,
+    the sequence every host shares), else the between-interval work (new pods, scale from zero)."""
     client = kube_client(memo)
-    # Rebuilt only when a field the tuner depends on changed (bounds, SLO, method, model, ...): a /scale write
-    # bumps the generation too, and must not make the tuner forget what it learned.
-    if entry is None or entry[1] != fingerprint:
-        if entry is not None:
-            await entry[0].close()
-        try:
-            tuner = await _build(client, body, memo)
-        except ApiError as error:
-            raise kopf.TemporaryError(f"cannot read the admin Secret: {error}", delay=10) from error
-        _restore(tuner, status)
-        # a restarted operator continues from status.tuning, if it was learned under this same spec
-        if entry is None and restore(
-            tuner.policy, dict(status).get("tuning") or {}, time.monotonic(), fingerprint
-        ):
-            logger.info(
-                "event=tuner_resumed config=%s", tuner.policy.current.short() if tuner.policy.current else ""
-            )
-        entry = tuners[uid] = (tuner, fingerprint, 0.0)
-    tuner, _fingerprint, last = entry
-    if time.monotonic() - last < tuner.policy.params.interval_s:
+    entry = await _tuner_of(client, body, status, memo, logger)
+    if entry is None:
+        return
+    tuner, fingerprint, last = entry
+    tuner.replicas = _replica_policy(memo, meta["uid"], body)
+    tuner.scaler = StatusScaler(client, body, status)
+    if tuner.clock() - last < tuner.policy.params.interval_s:
         await tuner.sync_new_pods()  # a pod that started before its file was written: tuned within a tick
         await publish_in_force(client, body, tuner, memo, logger)
-        replicas = _replica_policy(memo, uid, body)
-        if replicas is not None and replicas.replicas == 0:  # scale from zero: the routers' queue, every tick
-            signals = await router_signals(client, meta["namespace"], meta["name"])
-            if signals.queued > 0:
-                decision = replicas.decide(
-                    time.monotonic(), None, None, None, tuner.policy.params.slo, signals.queued
-                )
-                await _autoscaled(client, body, meta, status, decision, signals)
+        await tuner.from_zero()  # scale from zero: the routers' queue, every tick
         return
-    tuners[uid] = (tuner, fingerprint, time.monotonic())
-    replicas = _replica_policy(memo, uid, body)
-    tuner.policy.replica_room = replicas is not None and replicas.room  # capacity is the replica knob's then
-    tick = await tuner.tick(frozen_by(body))
+    memo["tuners"][meta["uid"]] = (tuner, fingerprint, tuner.clock())
+    tick = await tuner.interval(frozen_by(body))
     await publish_in_force(client, body, tuner, memo, logger)
-    now = timestamp()
-    if replicas is not None:  # the replica knob, from the same observation and model as the config
-        obs = tick.observation
-        signals = await router_signals(client, meta["namespace"], meta["name"])
-        decision = replicas.decide(
-            time.monotonic(),
-            obs,
-            None if obs.error else tuner.policy.model(obs),
-            tuner.policy.current,
-            tuner.policy.params.slo,
-            signals.queued,
-        )
-        # before the tuner's own apply: an operator upgraded from one whose tuner manager owned
-        # status.autoscaling hands it over here, so that apply (which no longer sends it) cannot remove it
-        await _autoscaled(client, body, meta, status, decision, signals)
-    # The tuner's share of status (status.tuning, the Tuned condition) under its own field manager: the
-    # reconcile's conditions are another manager's entries of the same list-map, which this cannot touch.
+    await _report(client, body, status, tuner, tick, fingerprint, logger)
+
+
+async def _report(
+    client: KubeClient,
+    body: kopf.Body,
+    status: kopf.Status,
+    tuner: ServiceTuner,
+    tick: Tick,
+    fingerprint: str,
+    logger: kopf.Logger,
+) -> None:
+    """The tuner's share of status (status.tuning, the Tuned condition) under its own field manager (the
+    reconcile's conditions are another manager's entries of the same list-map, which this cannot touch),
+    its metrics, and an Event per change and per transition."""
+    meta = body["metadata"]
     update = status_patch(
         tick,
         tuner.policy.current,
         dict(status),
-        generation,
-        now,
-        resume=snapshot(tuner.policy, time.monotonic(), fingerprint),
+        int(meta.get("generation") or 0),
+        timestamp(),
+        resume=snapshot(tuner.policy, tuner.clock(), fingerprint),
     )
     await client.apply_status(meta["namespace"], meta["name"], update, TUNER_FIELD_MANAGER)
+    uid = meta["uid"]
     metrics.tuned(meta["namespace"], meta["name"], tuner.static_intervals, tick.frozen_by is not None, uid)
     if metrics.live(uid):
         metrics.set_conditions(
@@ -274,24 +309,6 @@ async def publish_in_force(
         )
         return
     written[meta["uid"]] = content
-
-
-async def _autoscaled(
-    client: KubeClient,
-    body: kopf.Body,
-    meta: kopf.Meta,
-    status: kopf.Status,
-    decision: ReplicaDecision,
-    signals: RouterSignals,
-) -> None:
-    """`status.autoscaling` under its own field manager, and the `Scaled` Event of a change."""
-    update = autoscaling_status(decision, dict(status).get("autoscaling"), timestamp(), signals.cold_start_s)
-    await client.apply_status(
-        meta["namespace"], meta["name"], {"autoscaling": update}, AUTOSCALER_FIELD_MANAGER
-    )
-    scaled = scale_event(decision)
-    if scaled is not None:
-        kopf.info(body, reason=scaled[1], message=scaled[2][:1000])
 
 
 def _replica_policy(memo: kopf.Memo, uid: str, body: kopf.Body) -> ReplicaPolicy | None:

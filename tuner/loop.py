@@ -1,7 +1,12 @@
-"""One tuning loop for one service: observe, decide, actuate. The local fleet and the operator share it.
+"""One tuning loop for one service: observe, decide, actuate. The operator, the local fleet and the
+simulator share it.
 
-`tick()` runs one interval: read the source, let the policy decide, then make every ready engine run the
-policy's config (a restarted pod is brought back to it), and report what happened. `in_force` is the
+`interval()` is the whole of one interval of joint tuning, the same in every host: tell the config policy
+whether the replica knob can still add capacity (`Policy.replica_room`), run the config's `tick()`, decide
+the replica count from the same observation and goodput model, and hand that decision to the host's
+`Scaler`. `from_zero()` is the one step between intervals: with zero replicas, a request the routers hold
+brings the first one at once. `tick()` alone reads the source, lets the policy decide, then makes every
+ready engine run the policy's config (a restarted pod is brought back to it), and reports what happened. `in_force` is the
 config engines accepted last: what a new engine starts on (`specfleet up` writes it to the engines'
 `--live-config-file`, the operator's timer to the `NAME-tuned` ConfigMap the pods mount), so a pod of a
 scale-up or a restart serves its first request tuned; `sync_new_pods` is the check behind it. Frozen (`frozen_by`:
@@ -15,14 +20,16 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 from specfleet.operator.spec import InferenceServiceSpec
 
 from .actuator import Actuator, AdminActuator, ApplyResult
 from .policy import Policy, PolicyParams
-from .policy.replicas import ReplicaParams
+from .policy.replicas import ReplicaDecision, ReplicaParams, ReplicaPolicy
 from .sources import Endpoints, PrometheusSource, ScrapeSource, Source
 from .types import SLO, Decision, LiveSettings, Observation, TuneBounds, TunedConfig
 
@@ -84,11 +91,13 @@ def build_tuner(
     prometheus_selector: str = "",
     interval_s: float | None = None,
     window_s: float | None = None,
+    replicas: ReplicaPolicy | None = None,
+    scaler: Scaler | None = None,
 ) -> ServiceTuner:
     """The one wiring of a service's tuner, shared by the operator's timer and the local fleet: the policy
     from the spec, metrics from Prometheus when a URL is given (else a direct scrape of `endpoints`), and
     the admin API of the same endpoints (`admin_url` maps one to its admin address) with the service's
-    admin token."""
+    admin token; with autoscaling, the replica policy and the host's scaler."""
     params = params_from_spec(spec, interval_s, window_s)
     source: Source = (
         PrometheusSource(prometheus_url, prometheus_selector, params.window_s)
@@ -101,6 +110,8 @@ def build_tuner(
         source,
         AdminActuator(admin_token, admin_url=admin_url),
         endpoints,
+        replicas=replicas,
+        scaler=scaler,
     )
 
 
@@ -112,21 +123,51 @@ class Tick:
     guard: int | None = None  # the engines' speculative_disable_by_batch_size (None: not managed)
     frozen_by: str | None = None  # who froze the tuner for this interval (None: tuning)
     transitions: tuple[str, ...] = ()  # of TRANSITIONS, entered at this interval
+    replicas: ReplicaDecision | None = None  # the replica knob's decision at this interval (None: not on)
 
 
 # What a tick can enter, in the order they are reported.
 TRANSITIONS = ("frozen", "resumed", "static", "recovered")
 
 
+class Scaler(Protocol):
+    """The replica knob's port: how one host reads its routers' queue and acts on a replica decision. The
+    operator writes `status.autoscaling` (its reconcile renders the count into the Deployment: a `/scale`
+    of its own), `specfleet up` starts or retires engine processes (`LocalFleet.scale_to`), the simulator
+    its simulated engines (`SimFleet.scale`). What to decide, and when, is `ServiceTuner`'s alone."""
+
+    async def queued(self) -> int:
+        """Requests the service's routers hold while no engine is ready."""
+        ...
+
+    async def scale(self, decision: ReplicaDecision) -> None:
+        """Act on one decision (a hold too: a host may report it); on a change, run `decision.replicas`."""
+        ...
+
+
 class ServiceTuner:
     def __init__(
-        self, name: str, policy: Policy, source: Source, actuator: Actuator, endpoints: Endpoints
+        self,
+        name: str,
+        policy: Policy,
+        source: Source,
+        actuator: Actuator,
+        endpoints: Endpoints,
+        *,
+        replicas: ReplicaPolicy | None = None,
+        scaler: Scaler | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self.policy = policy
         self.source = source
         self.actuator = actuator
         self.endpoints = endpoints
+        # The replica knob beside the config (None: autoscaling off); the host sets both, and the operator
+        # sets them again at every tick (its replica policy outlives a tuner rebuilt by a spec change).
+        self.replicas = replicas
+        self.scaler = scaler
+        self.clock = clock  # the replica policy's time (the simulator's is simulated), the host's intervals
         self.synced: set[str] = set()  # engines that ran the policy's config at the last push
         # the settings engines accepted at the last push that reached one: what a new engine starts on
         self.in_force: LiveSettings | None = None
@@ -197,6 +238,43 @@ class ServiceTuner:
             transitions.append("static" if static else "recovered")
             self.static = static
         return Tick(decision, obs, applied, guard, None, tuple(transitions))
+
+    async def interval(self, frozen_by: str | None = None) -> Tick:
+        """One interval of joint tuning. While the replica knob can still add capacity, a TPOT over target
+        is its to fix (the config search keeps max_num_seqs at the requests per engine); the replica count
+        is then decided from the tick's observation and the policy's goodput model, so both knobs read one
+        model, and the host's scaler acts on it."""
+        replicas, scaler = self.replicas, self.scaler
+        self.policy.replica_room = replicas is not None and scaler is not None and replicas.room
+        tick = await self.tick(frozen_by)
+        if replicas is None or scaler is None:
+            return tick
+        obs = tick.observation
+        tick.replicas = replicas.decide(
+            self.clock(),
+            obs,
+            None if obs.error else self.policy.model(obs),
+            self.policy.current,
+            self.policy.params.slo,
+            await scaler.queued(),
+        )
+        await scaler.scale(tick.replicas)
+        return tick
+
+    async def from_zero(self, queued: int | None = None) -> ReplicaDecision | None:
+        """Between intervals: with zero replicas and a request held by the routers (`queued`, else the
+        scaler's count), one replica now rather than at the next interval. None when there is nothing to
+        do. With `queued` given the decision is taken before the first await, so two callers in a row
+        bring one replica, not two."""
+        replicas, scaler = self.replicas, self.scaler
+        if replicas is None or scaler is None or replicas.replicas > 0:
+            return None
+        waiting = await scaler.queued() if queued is None else queued
+        if waiting <= 0:
+            return None
+        decision = replicas.decide(self.clock(), None, None, None, self.policy.params.slo, waiting)
+        await scaler.scale(decision)
+        return decision
 
     async def close(self) -> None:
         await self.source.close()

@@ -113,7 +113,7 @@ def test_tuner_turns_speculation_on_at_low_load_and_off_at_high_load(prometheus_
         admin = AdminActuator(fleet.token, admin_url=fleet.admin_url)
         try:
             fleet.prometheus_url = prometheus_factory("loop", fleet.engine_urls)
-            fleet.tuner = fleet._build_tuner()
+            fleet.tuner = fleet.new_tuner()
             on = await _phase(fleet, admin, 1, lambda i: GROUNDED, 24, lambda ks: all(k > 0 for k in ks), 100)
             assert on and all(k > 0 for k in on), [t.decision.reason for t in fleet.ticks]
             # with speculation on, each engine also stops proposing past the batch the tuner would turn it

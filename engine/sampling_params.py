@@ -6,16 +6,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from specfleet.engine.errors import ParameterError
+
+__all__ = ["LOGIT_BIAS_LIMIT", "MAX_LOGPROBS", "ParameterError", "SamplingParams"]
+
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
-
-
-class ParameterError(ValueError):
-    """A request parameter out of its limits: `param` names the field (the server's 400 says which), `code`
-    is OpenAI's error code."""
-
-    def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI and vLLM clamp a bias to [-100, 100]

@@ -3,7 +3,7 @@ naming the field."""
 
 from __future__ import annotations
 
-from specfleet.engine.sampling_params import ParameterError
+from specfleet.engine.errors import ParameterError
 
 
 class StructuredOutputError(ParameterError):

@@ -379,12 +379,6 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
         argv = argv[1:]
-    if (
-        "--compare-llama-cpp" in argv
-    ):  # llama.cpp's server and specfleet's configs side by side (bench/llamacpp.py)
-        from specfleet.bench import llamacpp
-
-        return llamacpp.main([a for a in argv if a != "--compare-llama-cpp"])
     parser = build_parser()
     args = parser.parse_args(argv)
     try:

@@ -4,7 +4,7 @@ from each server's figures (the real run needs the llama-server build and is not
 from __future__ import annotations
 
 import pytest
-from specfleet.bench import llamacpp, serve
+from specfleet.bench import llamacpp
 from specfleet.bench.prompts import grounded_prompts
 
 
@@ -56,9 +56,9 @@ def test_prompts_fill_the_closed_loop() -> None:
         llamacpp.requests_for(1, quick=True, prompts="code")
 
 
-def test_bench_serve_forwards_the_comparison_and_checks_its_flags(capsys) -> None:
+def test_the_comparison_checks_its_flags(capsys) -> None:
     with pytest.raises(SystemExit) as exit_:
-        serve.main(["--compare-llama-cpp", "--configs", "fp32,bf16"])
+        llamacpp.main(["--configs", "fp32,bf16"])
     assert exit_.value.code == 2
     assert "--configs: ['bf16'] not among" in capsys.readouterr().err
     with pytest.raises(SystemExit):

@@ -186,7 +186,7 @@ async def deployment_changed(
     memory = registry_of(memo).known(owner.get("uid", ""))
     if memory is not None:
         key = (str(body.get("kind")), str(body["metadata"]["name"]))
-        if not memory.observe(key, dict(body), deleted=type == "DELETED"):
+        if not memory.observe(key, copy.deepcopy(dict(body)), deleted=type == "DELETED"):
             return
         isvc = memory.isvc
     else:

@@ -203,7 +203,10 @@ class LeaseElector:
             text = await response.text()
         if response.status == 401:  # a rotated token: log in again on the next try
             await self.close()
-        return response.status, json.loads(text) if text else None
+        try:
+            return response.status, json.loads(text) if text else None
+        except ValueError:  # a proxy's error page
+            return response.status, {"message": text[:200]}
 
     async def try_acquire_or_renew(self, now: float) -> bool:
         """One attempt to hold the Lease (`now`: monotonic). The holder first writes its renewal over the
@@ -231,7 +234,10 @@ class LeaseElector:
             lease = {**lease, "spec": self.candidate.next_record(micro_time()).spec()}
             status, lease = await self._request("PUT", self.path, lease)  # 409: another one wrote first
         if status not in (200, 201):
-            log.debug("event=lease_write_refused lease=%s status=%s", self.path, status)
+            # 409: another candidate wrote first, as expected; anything else (403: RBAC) is worth a warning
+            level = logging.DEBUG if status == 409 else logging.WARNING
+            message = (lease or {}).get("message", "") if isinstance(lease, dict) else ""
+            log.log(level, "event=lease_refused lease=%s status=%s message=%s", self.path, status, message)
             return False
         return self._seen(lease, now)
 

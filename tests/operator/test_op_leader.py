@@ -203,3 +203,24 @@ def test_a_lost_lease_is_noticed_at_the_next_renewal(fake_kube: FakeKube, kubeco
         await a.close()
 
     asyncio.run(scenario())
+
+
+def test_a_refused_lease_is_a_warning_naming_the_status(
+    fake_kube: FakeKube, kubeconfig: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Lease where the chart grants none (a wrong --leader-election-namespace): the replica waits, and says
+    why at WARNING, not silently."""
+
+    def connect() -> Any:
+        return kopf.login_with_kubeconfig(settings=kopf.OperatorSettings())
+
+    async def scenario() -> bool:
+        candidate = LeaseElector(connect, "team-a", "specfleet-operator", "a", FAST)
+        try:
+            return await candidate.try_acquire_or_renew(time.monotonic())
+        finally:
+            await candidate.close()
+
+    with caplog.at_level("WARNING", logger="specfleet.operator.leadership"):
+        assert not asyncio.run(scenario())
+    assert any("status=403" in r.getMessage() and "leases" in r.getMessage() for r in caplog.records)

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -16,10 +16,13 @@ from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 from . import serving
 from .errors import APIError, error_body
-from .protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
+from .lenient import shown_name
+from .protocol import ALL_LOGPROBS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields
+from .request_ids import request_id
 from .state import ServerState, get_state
 from .streams import RequestStream
 
+logger = logging.getLogger("specfleet.engine.server")
 router = APIRouter()
 QUEUE_RETRY_AFTER_S = 1
 # A dead engine core: the server exits and its pod restarts (tens of seconds); a router retries elsewhere at once.
@@ -27,9 +30,40 @@ ENGINE_DEAD_RETRY_AFTER_S = 5
 DISCONNECT_POLL_S = 0.25
 
 
+def _check_fields(state: ServerState, body: SamplingFields, route: str) -> None:
+    """vLLM's leniency (lenient.py): a field asking for what is not implemented is a 400 naming it; other
+    unknown fields are ignored, each name logged once and every request counted."""
+    refused = body.refused_field()
+    if refused is not None:
+        raise APIError(400, refused[1], refused[0], "unsupported_value")
+    for field in map(shown_name, body.ignored_fields()):
+        if state.metrics.ignore_field(field):
+            logger.warning(
+                "event=ignored_request_field field=%s route=%s the field is accepted and ignored "
+                "(logged once per field name; counted in specfleet_ignored_request_fields_total)",
+                field,
+                route,
+            )
+
+
+def _check_all_logprobs(state: ServerState, body: SamplingFields) -> None:
+    """-1 asks for the whole vocabulary, which vLLM (at its default --max-logprobs 20) refuses too."""
+    for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
+        value = getattr(body, name, None)
+        if value == ALL_LOGPROBS and not isinstance(value, bool):
+            raise APIError(
+                400,
+                f"{name}=-1 asks for the whole vocabulary: requested logprobs of {state.vocab_size}, which is "
+                f"greater than max allowed: {MAX_LOGPROBS}",
+                name,
+                "invalid_value",
+            )
+
+
 def _sampling_params(
     state: ServerState, body: SamplingFields, prompt_lens: list[int | None]
 ) -> SamplingParams:
+    _check_all_logprobs(state, body)
     try:
         params = body.to_sampling_params()
     except ParameterError as exc:  # a StructuredOutputError too: it names the field it is about
@@ -83,10 +117,20 @@ async def _submit(
             "kv_transfer_params",
             "invalid_value",
         )
+    in_flight = getattr(state.async_engine, "streams", {})
+    for rid in ids:
+        if rid in in_flight:
+            raise APIError(
+                400,
+                f"request id {rid!r} is already in use by a request in flight; send a unique request_id "
+                "or X-Request-Id",
+                "request_id",
+                "invalid_value",
+            )
     streams: list[RequestStream] = []
     try:
-        for request_id, prompt in zip(ids, prompts, strict=True):
-            streams.append(await state.async_engine.generate(request_id, prompt, params, kv_transfer_params))
+        for rid, prompt in zip(ids, prompts, strict=True):
+            streams.append(await state.async_engine.generate(rid, prompt, params, kv_transfer_params))
     except EngineDeadError as exc:
         _close(streams)
         raise engine_dead(exc) from exc
@@ -300,9 +344,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     state = get_state(request)
     state.check_accepting()
     state.check_model(body.model)
+    _check_fields(state, body, "/v1/completions")
     prompts = body.prompts()
+    if not body.add_special_tokens:  # the engine would add BOS to text; token ids go in as they are
+        prompts = [
+            p if isinstance(p, list) else state.tokenizer.encode(p, add_special_tokens=False) for p in prompts
+        ]
     params = _sampling_params(state, body, [len(p) if isinstance(p, list) else None for p in prompts])
-    rid = f"cmpl-{uuid.uuid4().hex}"
+    rid = f"cmpl-{request_id(request, body.request_id)}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = await _submit(state, ids, prompts, params, "prompt", body.kv_transfer_params)
     if body.stream:
@@ -341,6 +390,7 @@ async def create_chat_completion(
     state = get_state(request)
     state.check_accepting()
     state.check_model(body.model)
+    _check_fields(state, body, "/v1/chat/completions")
     try:
         prompt_ids = list(state.engine.apply_chat_template([m.as_template_dict() for m in body.messages]))
     except Exception as exc:
@@ -351,7 +401,7 @@ async def create_chat_completion(
             "invalid_value",
         ) from exc
     params = _sampling_params(state, body, [len(prompt_ids)])
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
+    rid = f"chatcmpl-{request_id(request, body.request_id)}"
     streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params)
     num_logprobs = body.num_logprobs()
     if body.stream:

@@ -12,9 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from specfleet.engine.core.client import EngineCoreClient
 
-from . import admin, api
+from . import admin, api, tokens_api
 from .errors import error_response, install_error_handlers
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .request_ids import RequestIdHeader
 from .state import ServerState, get_state
 
 logger = logging.getLogger("specfleet.engine.server")
@@ -91,7 +92,9 @@ def create_app(state: ServerState) -> FastAPI:
     install_error_handlers(app)
     if state.admin_port is not None:
         app.add_middleware(AdminPortSplit, admin_port=state.admin_port)
+    app.add_middleware(RequestIdHeader)
     app.include_router(api.router)
+    app.include_router(tokens_api.router)
     app.include_router(admin.router)
 
     @app.get("/health")

@@ -61,6 +61,12 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 512)
 # Why a request was turned away before the engine took it: 429 queue_full (`--max-waiting` requests wait),
 # 503 draining (SIGTERM received) or 503 not_ready (the model is still loading). The `code` of the error body.
 REFUSAL_REASONS = ("queue_full", "draining", "not_ready")
+# Distinct `field` labels of specfleet_ignored_request_fields_total: clients choose the names, so the series
+# are capped (vLLM's request protocol has about 60 fields; SDKs add a handful). Later names count as "other".
+MAX_IGNORED_FIELD_LABELS = 100
+# Ignored names remembered so each is logged once: 10,000 names of at most 64 characters stay under 1 MB;
+# past that, new names are counted but not logged.
+MAX_IGNORED_FIELD_NAMES_LOGGED = 10_000
 
 _COUNTERS = {  # name without _total -> (help, EngineStats attribute)
     "specfleet_prompt_tokens": ("Prompt tokens computed", "prompt_tokens"),
@@ -140,12 +146,20 @@ class ServerMetrics:
             ["model_name", "reason"],
             registry=r,
         )
+        self.ignored_fields = Counter(
+            "specfleet_ignored_request_fields",
+            "Requests that carried a field this server accepts and ignores (an unknown one), by field name",
+            ["model_name", "field"],
+            registry=r,
+        )
         self.per_position = {
             attr: Counter(name, doc, ["model_name", "position"], registry=r)
             for name, (doc, attr) in _PER_POSITION.items()
         }
         self._seen: dict[str, int] = {attr: 0 for attr in self.counters}
         self._seen_per_pos: dict[str, list[int]] = {attr: [] for attr in self.per_position}
+        self._ignored_logged: set[str] = set()
+        self._ignored_labels: set[str] = set()
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         for reason in REFUSAL_REASONS:
@@ -199,6 +213,20 @@ class ServerMetrics:
         if reason not in REFUSAL_REASONS:
             raise ValueError(f"refusal reason {reason!r} is not one of {REFUSAL_REASONS}")
         self.refused.labels(self.model_name, reason).inc()
+
+    def ignore_field(self, field: str) -> bool:
+        """Count one request that carried the ignored `field`; True the first time the name is seen (the
+        caller logs it then). Past MAX_IGNORED_FIELD_LABELS names, new ones count under "other"."""
+        first = (
+            field not in self._ignored_logged and len(self._ignored_logged) < MAX_IGNORED_FIELD_NAMES_LOGGED
+        )
+        if first:
+            self._ignored_logged.add(field)
+        if field not in self._ignored_labels and len(self._ignored_labels) >= MAX_IGNORED_FIELD_LABELS:
+            field = "other"
+        self._ignored_labels.add(field)
+        self.ignored_fields.labels(self.model_name, field).inc()
+        return first
 
     def set_live_config(self, config: LiveConfig) -> None:
         for name, value in config.as_dict().items():

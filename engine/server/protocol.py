@@ -1,4 +1,5 @@
-"""OpenAI request bodies, validated at the HTTP boundary. Unknown fields are a 400 naming the field."""
+"""OpenAI request bodies, validated at the HTTP boundary. As in vLLM, an unknown field is accepted and reported
+(lenient.py) and null means the default; a bad value is a 400 naming the field."""
 
 from __future__ import annotations
 
@@ -9,10 +10,19 @@ from specfleet.engine.knobs import KNOBS, SERVICE_KNOBS
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.structured_output.request_fields import spec_from_request
 
-MAX_N = 16
+from .lenient import LenientModel
+
+# vLLM's VLLM_MAX_N_SEQUENCES default: samples are independent sequences in the scheduler, so n above
+# max_num_seqs queues like more requests would.
+MAX_N = 16384
 MAX_STOP = 16
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
+MIN_SEED = -(2**63)  # vLLM takes any int64 seed; the sampler mixes it to 64 bits, so negatives are distinct
+ALL_LOGPROBS = -1  # vLLM's "the whole vocabulary" for logprobs, top_logprobs and prompt_logprobs
+# Shown in logs and echoed in the X-Request-Id response header: visible ASCII only, so it cannot break
+# either; 256 covers UUIDs and trace ids with room to spare.
+REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"
 
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
@@ -21,12 +31,12 @@ class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-class StreamOptions(StrictModel):
+class StreamOptions(LenientModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(LenientModel):
     """The sampling fields both routes share (DESIGN.md section 5)."""
 
     model: str | None = Field(default=None, description="Served model name; omitted means the served one")
@@ -36,7 +46,7 @@ class SamplingFields(StrictModel):
     temperature: float = Field(default=1.0, ge=0.0, le=2.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
     top_k: int = Field(default=-1, ge=-1)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, max_length=MAX_STOP)
@@ -55,7 +65,12 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    prompt_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(default=None, ge=ALL_LOGPROBS, le=MAX_LOGPROBS)
+    request_id: str | None = Field(
+        default=None,
+        pattern=REQUEST_ID_PATTERN,
+        description="vLLM's request id (the X-Request-Id header wins); echoed in the response id and header",
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -160,10 +175,12 @@ class CompletionRequest(SamplingFields):
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
     max_tokens: int | None = Field(default=16, ge=1)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    logprobs: int | None = Field(default=None, ge=ALL_LOGPROBS, le=MAX_LOGPROBS)
     echo: bool = Field(default=False, description="Return the prompt before the completion")
     best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="Only best_of == n is supported")
     suffix: None = Field(default=None, description="suffix is not supported")
+    add_special_tokens: bool = Field(default=True, description="Whether text prompts get BOS etc.")
+    response_format: ResponseFormat | None = None
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:
@@ -193,12 +210,12 @@ class CompletionRequest(SamplingFields):
         return self.prompt_logprobs
 
 
-class TextPart(StrictModel):
+class TextPart(LenientModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(StrictModel):
+class ChatMessage(LenientModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
@@ -235,13 +252,13 @@ class ChatCompletionRequest(SamplingFields):
     )
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    top_logprobs: int | None = Field(default=None, ge=ALL_LOGPROBS, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs not in (None, 0) and not self.logprobs:  # vLLM's default is 0, asking nothing
             raise ValueError("top_logprobs needs logprobs=true")
         if not self.add_generation_prompt:
             raise ValueError("add_generation_prompt=false is not supported")

@@ -157,6 +157,7 @@ def chat_delta(
     cursor.text_len = len(output.text)
     if output.finished:
         choice["finish_reason"] = output.finish_reason
+        choice["stop_reason"] = output.stop_reason
         cursor.done = True
     return choice
 
@@ -194,6 +195,7 @@ def chat_choices(final: RequestOutput, num_logprobs: int | None, text: TokenText
                 if num_logprobs is not None
                 else None,
                 "finish_reason": out.finish_reason,
+                "stop_reason": out.stop_reason,  # vLLM's: the stop string or token id that ended it
             }
         )
     return choices

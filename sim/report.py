@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from specfleet.engine.knobs import SEARCHED
 
 from .fleet import SimRun
 from .profile import Profile
@@ -133,11 +134,10 @@ def plot(run: SimRun, path: Path, title: str) -> None:
         ("arrivals/s", [p.arrivals_per_s for p in tl]),
         ("in system (running+waiting)", [p.running + p.waiting for p in tl]),
         ("replicas (dashed: ready)", [p.replicas for p in tl]),
-        ("k", [p.config.get("num_speculative_tokens") for p in tl]),
-        ("max_num_seqs", [p.config.get("max_num_seqs") for p in tl]),
+        *((knob.label, [p.config.get(knob.name) for p in tl]) for knob in SEARCHED),  # the tuned config
         ("TPOT p95 seen by tuner (ms)", [p.tpot_p95_s * 1000 if p.tpot_p95_s else float("nan") for p in tl]),
     )
-    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 10), sharex=True)
+    fig, axes = plt.subplots(len(panels), 1, figsize=(9, 1.5 * len(panels)), sharex=True)
     for ax, (label, values) in zip(axes, panels, strict=True):
         ax.step(t, values, where="post", color="C0")
         if label.startswith("replicas"):  # the ones the router can send to: the rest are starting

@@ -1,15 +1,19 @@
 """The live knobs are declared once (`specfleet.engine.knobs`): walk the declaration and check that every
 part that names a knob knows each of them: the engine's limits, the admin API, the config gauges, the
 tuner's config, bounds and both readers (the direct scrape and PromQL), the CRD's autotune bounds and the
-tuning status. The expectations come from the declaration, so a part that hard-codes its own list and
-misses a knob fails here."""
+tuning status, and the simulator (its engines' limits and refusals, and no knob named by hand in sim/).
+The expectations come from the declaration, so a part that hard-codes its own list and misses a knob
+fails here."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import random
 import subprocess
 import sys
 from dataclasses import dataclass, fields
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -150,14 +154,10 @@ def test_tuner_types_know_every_knob() -> None:
         TuneBounds(not_a_knob=(0, 1))
 
 
-def test_engine_command_lines_set_every_searched_knob() -> None:
-    """The engine flags the operator's Deployment passes set each searched knob's start value from the spec,
-    and raise its ceiling over the tuner's bounds (a pod whose ceiling stayed the engine's default refused
-    the tuner's higher values), as `specfleet up`'s engines do; the engine's own parser reads both back. Every value differs from the engine's default, so a missing flag fails."""
-    from specfleet.engine.server.cli import build_parser, engine_config_kwargs
-    from specfleet.fleet.supervisor import local_engine_command
+def _raised_service() -> tuple[Any, dict[str, int], dict[str, int]]:
+    """An InferenceService whose every searched knob starts at a value and is bounded by a ceiling that
+    differ from the engine's defaults; returns it with the start values and the ceilings."""
     from specfleet.operator.inference_service import load_inference_service
-    from specfleet.operator.render.deployment import engine_args
 
     start = {k.name: (k.search or (0, 0))[0] + 1 for k in SEARCHED}  # inside what the CRD accepts
     high = {k.name: (k.search or (0, 0))[1] + 5 + i for i, k in enumerate(SEARCHED)}
@@ -177,17 +177,79 @@ def test_engine_command_lines_set_every_searched_knob() -> None:
             "spec": spec,
         }
     )
+    return isvc, start, high
+
+
+def _pod_config(isvc: Any) -> EngineConfig:
+    """The EngineConfig a pod of `isvc` runs: the operator's engine flags, read by the engine's parser."""
+    from specfleet.engine.server.cli import build_parser, engine_config_kwargs
+    from specfleet.operator.render.deployment import engine_args
+
+    args = engine_args(isvc.spec, "bundled://smollm2-135m-instruct", None)
+    return EngineConfig(**engine_config_kwargs(build_parser().parse_args(args)))
+
+
+def test_engine_command_lines_set_every_searched_knob() -> None:
+    """The engine flags the operator's Deployment passes set each searched knob's start value from the spec,
+    and raise its ceiling over the tuner's bounds (a pod whose ceiling stayed the engine's default refused
+    the tuner's higher values), as `specfleet up`'s engines do; the engine's own parser reads both back. Every value differs from the engine's default, so a missing flag fails."""
+    from specfleet.engine.server.cli import build_parser, engine_config_kwargs
+    from specfleet.fleet.supervisor import local_engine_command
+
+    isvc, start, high = _raised_service()
 
     def parsed(args: list[str]) -> EngineConfig:
         return EngineConfig(**engine_config_kwargs(build_parser().parse_args(args)))
 
-    pod = parsed(engine_args(isvc.spec, "bundled://smollm2-135m-instruct", None))
+    pod = _pod_config(isvc)
     local = parsed(local_engine_command(isvc, 9000)[3:])  # past `python -m specfleet.engine`
     default = EngineConfig(speculative_method="ngram")
     for knob in SEARCHED:
         assert getattr(pod, knob.name) == getattr(local, knob.name) == start[knob.name]
         assert getattr(pod, knob.ceiling) == getattr(local, knob.ceiling) == high[knob.name]
         assert high[knob.name] != getattr(default, knob.ceiling)
+
+
+def test_simulated_engines_have_the_pods_limits_and_refusals() -> None:
+    """The simulator's engine starts with every knob's ceiling a pod of the same spec has (derived from the
+    declaration, not listed), and refuses a value outside [minimum, ceiling] with the engine's own
+    message, naming the knob and the limit."""
+    from specfleet.engine.live_config import check_live
+    from specfleet.engine.sampling_params import ParameterError
+    from specfleet.sim.engine import SimEngine
+    from specfleet.sim.fleet import start_limits
+    from specfleet.sim.profile import Profile
+
+    isvc, _, _ = _raised_service()
+    pod = _pod_config(isvc)
+    limits = start_limits(isvc.spec)
+    profile = Profile("p", "measured", False, ((1, 0.02), (8, 0.02)), num_kv_blocks=64, block_size=16)
+    live = LiveConfig(**{k.name: k.minimum for k in KNOBS})
+    engine = SimEngine(0, profile, live, limits, block_size=16, prefix_caching=True, rng=random.Random(0))
+    for knob in KNOBS:
+        high = getattr(pod, knob.ceiling)
+        assert getattr(limits.ceilings, knob.name) == high, knob.name
+        for value in (knob.minimum - 1, high + 1):
+            with pytest.raises(ParameterError) as refused:
+                check_live(pod, {knob.name: value})
+            assert engine.update_config(**{knob.name: value}) == str(refused.value), knob.name
+        assert engine.update_config(**{knob.name: high}) is None
+        assert engine.live_config().as_dict()[knob.name] == high
+
+
+def test_the_simulator_names_no_engine_knob_by_hand() -> None:
+    """sim/ reaches every engine knob through the declaration (limits, refusals, the timeline's plot): a
+    knob's name written as a string there is a hand-made twin that a new knob would miss (a KeyError, or
+    a knob left out)."""
+    import specfleet.sim
+
+    names = {k.name for k in KNOBS}
+    found = []
+    for path in sorted(Path(specfleet.sim.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"sim/{path.name}:{node.lineno} {node.value!r}")
+    assert not found, f"knob names written by hand in the simulator: {found}"
 
 
 def test_typed_copies_fail_at_import_when_a_knob_is_missing() -> None:

@@ -32,6 +32,7 @@ ISVC = ("/apis/serving.specfleet.io/v1alpha1", "inferenceservices")
 # attribute that can list its handlers is asked (as tests/operator/test_op_images.py's probe does).
 PROBE = """
 import json, kopf
+from specfleet.operator import handlers
 from specfleet.operator.cli import load_handlers
 loaded = load_handlers()
 registry = kopf.get_default_registry()

@@ -177,7 +177,6 @@ class SimFleet:
         self.now = 0.0
         self.itl = LogHistogram()
         self.sample_s = sample_s
-        start = spec_config(spec)
         self._limits = start_limits(spec)
         # what a pod's command line starts it with; the tuner brings a new pod to its config at its next tick
         self._live = LiveConfig(
@@ -207,27 +206,29 @@ class SimFleet:
         self.routing = service_policy(routing.policy, routing.enabled, routing.load_factor_percent, policy)
         # the router hashes a prompt's token blocks as the engine's prefix cache does, seeded by the model
         self._hash_seed = stable_hash(spec.model.source)
-        self.tuner: ServiceTuner | None = None
-        self.replica_policy: ReplicaPolicy | None = None
         self.replica_decisions: list[ReplicaDecision] = []
         self.queue: deque[tuple[float, int, SimRequest]] = deque()  # the router's: no engine is ready
         self.rejected = 0  # 503s: no engine ready within the router's queue timeout
-        if self.autoscaling:
-            self.replica_policy = ReplicaPolicy(replica_params(spec), self.replicas)
-        if self.tuning:
-            params = params_from_spec(spec, interval_s, window_s)
-            self.tuner = ServiceTuner(
-                isvc.name,
-                Policy(params, start),
-                SimSource(self, params.window_s),
-                SimActuator(self),
-                self.ready_urls,
-                replicas=self.replica_policy,
-                scaler=self if self.replica_policy is not None else None,
-                clock=lambda: self.now,
-            )
+        self.replica_policy = ReplicaPolicy(replica_params(spec), self.replicas) if self.autoscaling else None
+        self.tuner = self._new_tuner(interval_s, window_s) if self.tuning else None
         self._run = _Run()
         self._aio: asyncio.AbstractEventLoop | None = None
+
+    def _new_tuner(self, interval_s: float | None, window_s: float | None) -> ServiceTuner:
+        """The real tuner on simulated engines: a scrape of their snapshots at simulated time, their live
+        settings as the admin API sets them, the fleet as the replica knob's scaler, simulated time."""
+        spec = self.isvc.spec
+        params = params_from_spec(spec, interval_s, window_s)
+        return ServiceTuner(
+            self.isvc.name,
+            Policy(params, spec_config(spec)),
+            SimSource(self, params.window_s),
+            SimActuator(self),
+            self.ready_urls,
+            replicas=self.replica_policy,
+            scaler=self if self.replica_policy is not None else None,
+            clock=lambda: self.now,
+        )
 
     def _add_engine(self, t: float, ready: bool) -> SimEngine:
         index = len(self.engines)

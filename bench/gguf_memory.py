@@ -41,7 +41,7 @@ import gc, json, resource, sys
 import torch
 from specfleet.engine import LLM, SamplingParams, loader
 from specfleet.engine.heap import release_free_memory
-from specfleet.engine.model_loader import load_tokenizer
+from specfleet.engine.checkpoint import load_tokenizer
 from specfleet.engine.quant.gguf_source import resolve_gguf
 from specfleet.kernels import cpu_native
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 from specfleet.engine import LLM, SamplingParams
-from specfleet.engine.model_loader import resolve_model
+from specfleet.engine.model_source import resolve_model
 
 
 def workload(num_prompts: int, seed: int = 0) -> list[tuple[list[int], int]]:

@@ -58,11 +58,11 @@ STEPCOST_BATCHES = (1, 2, 4, 8, 16, 32)  # decode batches the step-cost check ti
 def requantized(kind: str):
     """A read_quantized stand-in that quantizes the bundled model's float32 projections to `kind`."""
     import numpy as np
-    from specfleet.engine.model_loader import load_state_dict
+    from specfleet.engine.checkpoint import load_state_dict
     from specfleet.kernels.quantized import QuantTensor
 
     def read(path, hf_config):
-        from specfleet.engine.model_loader import resolve_model
+        from specfleet.engine.model_source import resolve_model
 
         state = load_state_dict(resolve_model(BUNDLED).path)
         out = {}
@@ -116,7 +116,8 @@ def write_checkpoint(kind: str, out: Path) -> None:
 
     from safetensors.torch import save_file
     from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq
-    from specfleet.engine.model_loader import load_state_dict, resolve_model
+    from specfleet.engine.checkpoint import load_state_dict
+    from specfleet.engine.model_source import resolve_model
 
     source = resolve_model(BUNDLED).path
     tensors: dict[str, torch.Tensor] = {}

@@ -50,7 +50,7 @@ BATCH = 32
 
 
 def _load_tokenizer():
-    from specfleet.engine.model_loader import resolve_model
+    from specfleet.engine.model_source import resolve_model
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(resolve_model("bundled://smollm2-135m-instruct").path)

@@ -1,18 +1,24 @@
-"""Build what an engine needs from its config: device, dtype, weights, tokenizer, KV cache size."""
+"""Build what an engine runs from its config: the device and dtype, the model (whole, or split over worker
+processes) from the folder's checkpoint (`checkpoint.py`, the folder from `model_source.py`), and the KV
+cache size."""
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from specfleet.engine.checkpoint import (
+    checkpoint_quantization,
+    checkpoint_state,
+    eos_ids,
+    load_hf_config,
+    load_tokenizer,
+)
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.heap import release_free_memory
-from specfleet.engine.model_loader import load_hf_config, load_state_dict, load_tokenizer
 from specfleet.engine.models import model_class
 from specfleet.engine.models.llama import LlamaArgs, LlamaModel
 from specfleet.engine.tokenizer import Tokenizer
@@ -50,20 +56,6 @@ def pick_dtype(name: str, device: torch.device) -> torch.dtype:
     if name not in DTYPES:
         raise ValueError(f"dtype={name!r} is not supported; use one of auto, {', '.join(DTYPES)}")
     return DTYPES[name]
-
-
-def eos_ids(path, hf_config, tokenizer) -> set[int]:
-    ids: set[int] = set()
-    sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
-    for value in sources:
-        if isinstance(value, int):
-            ids.add(value)
-        elif isinstance(value, list):
-            ids.update(v for v in value if isinstance(v, int))
-    return ids
 
 
 def load_model(config: EngineConfig, device: torch.device | None = None) -> LoadedModel:
@@ -173,45 +165,6 @@ def _state(resolved, hf_config, quantization: str | None) -> Mapping:
         )
         return read_state(resolved.gguf, hf_config)
     return checkpoint_state(resolved.path, resolved.gguf, hf_config, quantization)
-
-
-def checkpoint_state(path: Path, gguf: Path | None, hf_config, quantization: str | None) -> dict:
-    """The weights by name: float tensors, with the quantized ones as `QuantTensor`s (GGUF, AWQ, GPTQ).
-    Each rank of a split model reads its own copy through this. GGUF: every tensor from the file (the
-    folder may hold no weights), decoded at once: a rank takes its stage's layers from the whole."""
-    if quantization == "gguf":
-        from specfleet.engine.quant.gguf_file import read_state
-
-        assert gguf is not None, "quantization='gguf' comes with the GGUF file it reads (resolve_gguf)"
-        return dict(read_state(gguf, hf_config))
-    state = load_state_dict(path)
-    if quantization in ("awq", "gptq"):
-        from specfleet.engine.quant.awq_gptq import quantized_state
-
-        state = quantized_state(state, hf_config.quantization_config)
-    return state
-
-
-def checkpoint_quantization(requested: str | None, hf_config, path) -> str | None:
-    """The quantization to run: the requested one, or an AWQ/GPTQ checkpoint's own (its weights exist only
-    quantized, as in vLLM). A request that contradicts the checkpoint is refused."""
-    qconfig = getattr(hf_config, "quantization_config", None) or {}
-    if not isinstance(qconfig, dict):
-        qconfig = qconfig.to_dict()
-    method = qconfig.get("quant_method")
-    if method in ("awq", "gptq"):
-        if requested not in (None, method):
-            raise ValueError(
-                f"quantization={requested!r} but the model at {path} is a {method} checkpoint; "
-                f"use quantization={method!r} or leave it unset"
-            )
-        return method
-    if requested in ("awq", "gptq"):
-        raise ValueError(
-            f"quantization={requested!r} needs a {requested} checkpoint (config.json "
-            f"quantization_config.quant_method={requested!r}); the model at {path} has {method!r}"
-        )
-    return requested
 
 
 def bytes_per_block(model: LlamaModel | SplitModel, block_size: int) -> int:

@@ -85,7 +85,7 @@ def local_tokenizer(source: str) -> Callable[[str], list[int]] | None:
     if not source.startswith(("bundled://", "file://")):
         return None
     try:
-        from specfleet.engine.model_loader import resolve_model
+        from specfleet.engine.model_source import resolve_model
         from tokenizers import Tokenizer
 
         path = Path(resolve_model(source).path) / "tokenizer.json"

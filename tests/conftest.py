@@ -33,7 +33,7 @@ BUNDLED = "bundled://smollm2-135m-instruct"
 
 @pytest.fixture(scope="session")
 def bundled_path():
-    from specfleet.engine.model_loader import resolve_model
+    from specfleet.engine.model_source import resolve_model
 
     return resolve_model(BUNDLED).path
 

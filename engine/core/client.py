@@ -31,8 +31,8 @@ from typing import Any
 import msgspec
 import zmq
 import zmq.asyncio
+from specfleet.engine.checkpoint import load_tokenizer
 from specfleet.engine.config import EngineConfig, LiveConfig
-from specfleet.engine.model_loader import load_tokenizer
 from specfleet.engine.quant.gguf_source import resolve_source
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 

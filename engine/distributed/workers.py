@@ -114,8 +114,7 @@ def _load_part(
     """The rank's part of the checkpoint: a tensor-parallel slice, a pipeline stage, or a stage's slice."""
     from pathlib import Path
 
-    from specfleet.engine.loader import checkpoint_state
-    from specfleet.engine.model_loader import load_hf_config
+    from specfleet.engine.checkpoint import checkpoint_state, load_hf_config
 
     path, hf_config = Path(model_path), load_hf_config(Path(model_path))
     state = checkpoint_state(path, Path(gguf) if gguf else None, hf_config, quantization)

@@ -1,7 +1,7 @@
 """A GGUF model source for ``--quantization gguf``: the file itself, and a small folder beside it in the
 cache with only what is not a weight (config.json, generation_config.json, the tokenizer).
 
-model_loader's conversion writes the whole model in float32 (transformers dequantizes every tensor first),
+model_source's conversion writes the whole model in float32 (transformers dequantizes every tensor first),
 which is what the float32 engine reads. The quantized engine reads its weights from the GGUF tensor by
 tensor (`gguf_file.read_state`), so it resolves the source here instead and never makes that folder: its
 peak memory during load stays near the file's size, and the cache holds kilobytes, not an fp32 copy.
@@ -15,9 +15,9 @@ import logging
 import os
 from pathlib import Path
 
-from specfleet.engine import model_loader
+from specfleet.engine import model_source
 from specfleet.engine.cache_dir import ensure_folder
-from specfleet.engine.model_loader import ResolvedModel
+from specfleet.engine.model_source import ResolvedModel
 
 log = logging.getLogger("specfleet.engine.loader")
 
@@ -26,15 +26,15 @@ MARKER = "specfleet-gguf-metadata.json"  # written last: the folder is whole
 
 def gguf_file(source: str) -> tuple[Path, str] | None:
     """The GGUF file a model source names and the name it serves under, or None when it names a folder
-    (the same rules as model_loader.resolve_model, without converting anything)."""
+    (the same rules as model_source.resolve_model, without converting anything)."""
     scheme, sep, rest = source.partition("://")
     if not sep:
         scheme, rest = "file", os.path.abspath(source)
     if scheme == "bundled":
-        return model_loader._bundled_gguf(rest), rest
-    if scheme not in model_loader.SOURCES:
+        return model_source._bundled_gguf(rest), rest
+    if scheme not in model_source.SOURCES:
         return None  # resolve_model gives the error
-    path = model_loader.SOURCES[scheme](rest, source)
+    path = model_source.SOURCES[scheme](rest, source)
     if path.is_file() and path.suffix == ".gguf":
         return path, path.stem
     return None
@@ -57,7 +57,7 @@ def resolve_source(source: str, quantization: str | None) -> ResolvedModel:
         resolved = resolve_gguf(source)
         if resolved is not None:
             return resolved
-    return model_loader.resolve_model(source)
+    return model_source.resolve_model(source)
 
 
 def metadata_folder(gguf: Path) -> Path:
@@ -65,7 +65,7 @@ def metadata_folder(gguf: Path) -> Path:
     keyed by the file's identity; readers see all or none (cache_dir.py)."""
     stat = gguf.stat()
     key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
-    target = model_loader.cache_root() / "models" / f"{gguf.stem}-{key}-metadata"
+    target = model_source.cache_root() / "models" / f"{gguf.stem}-{key}-metadata"
 
     def write(folder: Path) -> None:
         log.info("event=gguf_metadata file=%s target=%s", gguf, target)
@@ -76,7 +76,7 @@ def metadata_folder(gguf: Path) -> Path:
 
 
 def _write_metadata(gguf: Path, folder: Path) -> None:
-    """What model_loader's conversion writes besides the weights, read from the GGUF's metadata alone."""
+    """What model_source's conversion writes besides the weights, read from the GGUF's metadata alone."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 

@@ -10,7 +10,8 @@ import json
 import shutil
 from pathlib import Path
 
-from specfleet.engine.model_loader import load_state_dict, resolve_model
+from specfleet.engine.checkpoint import load_state_dict
+from specfleet.engine.model_source import resolve_model
 
 TOKENIZER_FILES = (
     "tokenizer.json",

@@ -51,7 +51,8 @@ def test_quality_checkpoints_hold_the_bundled_weights_in_the_formats_layout(kind
     import torch
     from safetensors.torch import load_file
     from specfleet.bench import quant
-    from specfleet.engine.model_loader import load_state_dict, resolve_model
+    from specfleet.engine.checkpoint import load_state_dict
+    from specfleet.engine.model_source import resolve_model
     from specfleet.engine.quant.awq_gptq import quantized_state
 
     quant.write_checkpoint(kind, tmp_path)

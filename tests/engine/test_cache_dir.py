@@ -20,7 +20,7 @@ from types import ModuleType
 
 import pytest
 from helpers import wait_for
-from specfleet.engine import model_loader
+from specfleet.engine import model_source
 from specfleet.engine.cache_dir import CacheError, ensure_file, ensure_folder
 
 # Processes converting at once: the API server and the engine core of `specfleet serve`, plus the router's
@@ -52,7 +52,7 @@ class Stub:
 fake = ModuleType("transformers")
 fake.AutoTokenizer = fake.AutoModelForCausalLM = Stub
 sys.modules["transformers"] = fake
-from specfleet.engine import model_loader
+from specfleet.engine import model_source
 from specfleet.engine.cache_dir import CacheError, ensure_file, ensure_folder
 
 
@@ -64,11 +64,11 @@ def save_plain(model, folder):
     (Path(folder) / "model.safetensors").write_bytes(FILES["model.safetensors"])
 
 
-model_loader._save_plain = save_plain
+model_source._save_plain = save_plain
 print("ready", flush=True)
 while not go.exists():
     time.sleep(0.01)
-path = model_loader.resolve_model(f"file://{gguf}").path
+path = model_source.resolve_model(f"file://{gguf}").path
 time.sleep(convert_s)  # still reading the folder while the others finish
 read = {name: (path / name).read_bytes() for name in FILES}
 assert read == FILES, {name: len(data) for name, data in read.items()}
@@ -110,7 +110,7 @@ class FolderWatch:
             for folder, inode in list(self.seen.items()):
                 try:
                     now = os.stat(folder).st_ino
-                    whole = (folder / model_loader.CONVERTED).is_file()
+                    whole = (folder / model_source.CONVERTED).is_file()
                 except FileNotFoundError:
                     now, whole = None, False
                 if now != inode or not whole:
@@ -119,7 +119,7 @@ class FolderWatch:
                 for folder in self.models.iterdir():
                     if folder.name.startswith("."):  # a maker's own folder, not yet the entry
                         continue
-                    if folder not in self.seen and (folder / model_loader.CONVERTED).is_file():
+                    if folder not in self.seen and (folder / model_source.CONVERTED).is_file():
                         self.seen[folder] = os.stat(folder).st_ino
             time.sleep(0.005)
 
@@ -157,7 +157,7 @@ def test_processes_converting_one_gguf_at_once_convert_it_once(tmp_path: Path) -
     target = Path(paths.pop())
     assert sorted(p.name for p in models.iterdir()) == sorted([target.name, f".{target.name}.lock"])
     assert sorted(p.name for p in target.iterdir()) == sorted(
-        ["config.json", "model.safetensors", "tokenizer.json", model_loader.CONVERTED]
+        ["config.json", "model.safetensors", "tokenizer.json", model_source.CONVERTED]
     )
 
 
@@ -190,10 +190,10 @@ def test_a_conversion_killed_midway_leaves_nothing_in_the_way(
     setattr(fake, "AutoTokenizer", stub)  # noqa: B010 (a module built at run time has no such attribute)
     setattr(fake, "AutoModelForCausalLM", stub)  # noqa: B010
     monkeypatch.setitem(sys.modules, "transformers", fake)
-    monkeypatch.setattr(model_loader, "_save_plain", save_plain)
+    monkeypatch.setattr(model_source, "_save_plain", save_plain)
     monkeypatch.setenv("SPECFLEET_CACHE", str(tmp_path / "cache"))
-    path = model_loader.resolve_model(f"file://{gguf}").path
-    assert (path / model_loader.CONVERTED).is_file() and (path / "tokenizer.json").is_file()
+    path = model_source.resolve_model(f"file://{gguf}").path
+    assert (path / model_source.CONVERTED).is_file() and (path / "tokenizer.json").is_file()
     assert sorted(p.name for p in models.iterdir()) == sorted([path.name, f".{path.name}.lock"])
 
 

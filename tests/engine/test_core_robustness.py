@@ -45,7 +45,7 @@ def test_a_stop_string_ending_in_token_min_tokens_does_not_stop_the_engine(tiny_
 
 
 def test_a_stop_string_ending_in_token_min_tokens_does_not_stop_the_server(bundled_path) -> None:
-    from specfleet.engine.model_loader import load_tokenizer
+    from specfleet.engine.checkpoint import load_tokenizer
 
     tokenizer = load_tokenizer(bundled_path)
     ids = tokenizer.encode(" alpha beta gamma delta beta epsilon", add_special_tokens=False)

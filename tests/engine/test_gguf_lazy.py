@@ -120,7 +120,7 @@ def _write_files(tmp_path: Path, bundled_path: Path, tied: bool = False):
 def test_gguf_q5_q6_model_loads_lazily_and_matches_its_dequantized_weights(
     tmp_path: Path, bundled_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from specfleet.engine import loader
+    from specfleet.engine import checkpoint
     from specfleet.engine.quant import gguf_source
 
     config, path, ref = _write_files(tmp_path, bundled_path)
@@ -132,7 +132,7 @@ def test_gguf_q5_q6_model_loads_lazily_and_matches_its_dequantized_weights(
     monkeypatch.setattr(gguf_source, "_write_metadata", metadata)
     cache = tmp_path / "cache"
     monkeypatch.setenv("SPECFLEET_CACHE", str(cache))
-    state = loader.checkpoint_state(tmp_path, path, config, "gguf")
+    state = checkpoint.checkpoint_state(tmp_path, path, config, "gguf")
     formats = {k: v.fmt for k, v in state.items() if isinstance(v, QuantTensor)}
     assert formats["layers.0.mlp.down_proj.weight"] == "gguf:Q6_K"
     assert formats["layers.1.mlp.down_proj.weight"] == "gguf:Q5_K"

@@ -25,7 +25,7 @@ TOKENIZER = (
     + r"""
 import sys
 from pathlib import Path
-from specfleet.engine.model_loader import load_tokenizer
+from specfleet.engine.checkpoint import load_tokenizer
 
 tokenizer = load_tokenizer(Path(sys.argv[1]))
 print(json.dumps({"released_by_trim": trimmed(), "vocab": len(tokenizer)}))

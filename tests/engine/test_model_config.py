@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import tiny_config
-from specfleet.engine.model_loader import ModelConfig, load_hf_config
+from specfleet.engine.checkpoint import ModelConfig, load_hf_config
 from specfleet.engine.models.llama import LlamaArgs, rope_tables
 from transformers import AutoConfig
 
@@ -73,7 +73,7 @@ def test_a_cached_config_loads_without_transformers(tmp_path: Path, own_cache: P
     probe = (
         "import json, sys; from pathlib import Path; "
         "import specfleet.engine.distributed.workers, specfleet.engine.loader; "
-        "from specfleet.engine.model_loader import load_hf_config; "
+        "from specfleet.engine.checkpoint import load_hf_config; "
         f"c = load_hf_config(Path({str(path)!r})); "
         "print(json.dumps({'transformers': 'transformers' in sys.modules, 'config': c.to_dict()}))"
     )

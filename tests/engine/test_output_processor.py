@@ -13,7 +13,7 @@ from specfleet.engine.sampling_params import SamplingParams
 
 @pytest.fixture(scope="module")
 def tokenizer(bundled_path: Any) -> Any:
-    from specfleet.engine.model_loader import load_tokenizer
+    from specfleet.engine.checkpoint import load_tokenizer
 
     return load_tokenizer(bundled_path)
 

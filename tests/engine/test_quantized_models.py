@@ -37,7 +37,8 @@ def _tokens(llm: LLM, prompts=PROMPTS) -> list[list[int]]:
 
 
 def test_bundled_gguf_quantized_tensors_are_the_converted_weights(bundled_path) -> None:
-    from specfleet.engine.model_loader import load_hf_config, load_state_dict, resolve_model
+    from specfleet.engine.checkpoint import load_hf_config, load_state_dict
+    from specfleet.engine.model_source import resolve_model
     from specfleet.engine.quant.gguf_file import read_quantized
 
     resolved = resolve_model("bundled://smollm2-135m-instruct")

@@ -38,7 +38,7 @@ def test_registered_architectures_load_the_llama_family_class():
 
 
 def test_model_sources_refuse_an_unknown_scheme_naming_the_known_ones():
-    from specfleet.engine.model_loader import resolve_model
+    from specfleet.engine.model_source import resolve_model
 
     with pytest.raises(ValueError, match="use bundled://, file://, pvc://, hf://"):
         resolve_model("s3://bucket/model")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from specfleet.engine import EngineConfig, SamplingParams
-from specfleet.engine.model_loader import resolve_model
+from specfleet.engine.model_source import resolve_model
 
 
 @pytest.mark.parametrize(
@@ -73,7 +73,7 @@ def test_unknown_model_sources(source, words):
 
 def test_unsupported_architecture(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}')
-    from specfleet.engine.model_loader import load_hf_config
+    from specfleet.engine.checkpoint import load_hf_config
 
     with pytest.raises(ValueError, match="GPT2LMHeadModel.*not supported"):
         load_hf_config(tmp_path)

@@ -118,7 +118,7 @@ def test_cpu_engine_image_serves_help_and_builds_its_native_kernels(
     model = json.loads(image.dockerfile.cmd)[json.loads(image.dockerfile.cmd).index("--model") + 1]
     bundled = image.run(
         "-c",
-        "from specfleet.engine.model_loader import _bundled_gguf; "
+        "from specfleet.engine.model_source import _bundled_gguf; "
         f"print(_bundled_gguf({model.removeprefix('bundled://')!r}))",
     )
     assert bundled.returncode == 0, bundled.stderr[-3000:]

@@ -11,7 +11,6 @@ and a folder is seen whole or not at all (cache_dir.py).
 from __future__ import annotations
 
 import hashlib
-import importlib.metadata
 import importlib.util
 import json
 import logging
@@ -19,13 +18,8 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import SimpleNamespace
-from typing import Any
 
-from specfleet.engine.cache_dir import CacheError, cache_root, ensure_file, ensure_folder
-from specfleet.engine.heap import release_free_memory
-from specfleet.engine.models import ARCHITECTURES
-from specfleet.engine.tokenizer import Tokenizer
+from specfleet.engine.cache_dir import cache_root, ensure_folder
 
 log = logging.getLogger("specfleet.engine.loader")
 
@@ -147,83 +141,3 @@ def _save_plain(model, folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config, indent=2))
     if getattr(model, "generation_config", None) is not None:
         model.generation_config.save_pretrained(folder)
-
-
-class ModelConfig(SimpleNamespace):
-    """A checkpoint's configuration as transformers reads it (defaults filled in, RoPE parameters
-    standardized), held as plain attributes: what the model classes read, loaded without transformers."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return dict(vars(self))
-
-    def to_transformers(self) -> Any:
-        """The transformers config object, for transformers' own functions (a non-default RoPE's tables)."""
-        from transformers import AutoConfig
-
-        values = self.to_dict()
-        return AutoConfig.for_model(values.pop("model_type"), **values)
-
-
-def load_hf_config(path: Path) -> ModelConfig:
-    """config.json as transformers normalizes it. The normalized form is kept under the cache root, keyed by
-    the file's bytes and transformers' version, so later loads (each engine start, each tensor- or
-    pipeline-parallel worker) skip transformers' config classes, whose import took 2-6 s on one core."""
-    config = ModelConfig(**_normalized_config(path))
-    archs = getattr(config, "architectures", None) or []
-    if not any(a in ARCHITECTURES for a in archs):
-        raise ValueError(
-            f"model at {path}: architecture {archs or config.model_type!r} is not supported; "
-            f"supported: {', '.join(ARCHITECTURES)}"
-        )
-    return config
-
-
-def _normalized_config(path: Path) -> dict[str, Any]:
-    file = path / "config.json"
-    if not file.is_file():  # transformers' own error names what is missing
-        from transformers import AutoConfig
-
-        AutoConfig.from_pretrained(path)
-    raw = file.read_bytes()
-    key = hashlib.sha256(raw + importlib.metadata.version("transformers").encode()).hexdigest()[:16]
-    cached = cache_root() / "configs" / f"{key}.json"
-    if cached.is_file():
-        return json.loads(cached.read_text())
-
-    def normalize() -> dict[str, Any]:
-        from transformers import AutoConfig
-
-        return json.loads(AutoConfig.from_pretrained(path).to_json_string(use_diff=False))
-
-    try:
-        ensure_file(cached, lambda out: out.write_text(json.dumps(normalize())))
-    except CacheError as exc:  # a read-only cache costs the import on every start, nothing else
-        log.warning("event=config_cache_unwritable path=%s error=%s", cached, exc)
-        return normalize()
-    return json.loads(cached.read_text())
-
-
-def load_tokenizer(path: Path) -> Tokenizer:
-    """The folder's tokenizer. AutoTokenizer is handed the normalized config (`load_hf_config`'s cache):
-    without it, it loads the config with transformers' own classes, whose import (torch.distributed,
-    accelerate, sympy) adds about 100 MB to every engine process's memory for nothing it keeps."""
-    from transformers import AutoTokenizer
-
-    config = ModelConfig(**_normalized_config(path)) if (path / "config.json").is_file() else None
-    tokenizer = AutoTokenizer.from_pretrained(path, config=config)
-    # Parsing tokenizer.json frees more than the tokenizer keeps (SmolLM2's 49k-token BPE: 56 MB resident
-    # after the load, 24 MB once the freed heap is returned); what glibc would keep stays with the system.
-    release_free_memory()
-    return tokenizer
-
-
-def load_state_dict(path: Path) -> dict:
-    from safetensors.torch import load_file
-
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise ValueError(f"model at {path}: no *.safetensors weights found (convert .bin weights first)")
-    state: dict = {}
-    for f in files:
-        state.update(load_file(f))
-    return state

@@ -34,6 +34,7 @@ from specfleet.engine.spec_decode.shadow import ShadowDrafts
 from specfleet.engine.stats import EngineStats, StepStats
 from specfleet.engine.stop import Finish, StopChecker
 from specfleet.engine.structured_output.manager import StructuredOutputManager
+from specfleet.engine.tokenizer import chat_prompt_ids
 
 log = logging.getLogger("specfleet.engine")
 # After a step that scheduled nothing while a KV pull or a grammar compile is in flight, the caller waits
@@ -354,12 +355,7 @@ class Engine:
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
         """Prompt token ids for a conversation, ending with the assistant's turn to speak."""
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise ValueError(f"model {self.model_name!r} has no chat template; use completions instead")
-        ids = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-            ids = ids["input_ids"]
-        return list(ids)
+        return chat_prompt_ids(self.tokenizer, self.model_name, messages)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

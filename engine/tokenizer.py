@@ -29,3 +29,14 @@ class Tokenizer(Protocol):
         add_generation_prompt: bool = False,
         tokenize: bool = True,
     ) -> Any: ...
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, model_name: str, messages: list[dict]) -> list[int]:
+    """Prompt token ids for a conversation, ending with the assistant's turn to speak: the offline engine's
+    and the API server's (which holds the tokenizer without the engine) one rule."""
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(f"model {model_name!r} has no chat template; use completions instead")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+        ids = ids["input_ids"]
+    return list(ids)

@@ -35,6 +35,7 @@ from specfleet.engine.checkpoint import load_tokenizer
 from specfleet.engine.config import EngineConfig, LiveConfig
 from specfleet.engine.quant.gguf_source import resolve_source
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
+from specfleet.engine.tokenizer import chat_prompt_ids
 
 from .messages import (
     ENCODER,
@@ -88,9 +89,7 @@ class CoreInfo:
         self.tokenizer = tokenizer
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        from specfleet.engine.llm_engine import Engine
-
-        return Engine.apply_chat_template(self, messages)  # type: ignore[arg-type]  # reads tokenizer, model_name
+        return chat_prompt_ids(self.tokenizer, self.model_name, messages)
 
 
 class EngineCoreClient:

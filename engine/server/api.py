@@ -354,7 +354,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     rid = f"cmpl-{request_id(request, body.request_id)}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     streams = await _submit(state, ids, prompts, params, "prompt", body.kv_transfer_params)
-    if body.stream:
+    if body.stream and not body.scoring:
         return _streaming_response(
             _stream_body(
                 state,
@@ -370,17 +370,28 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         )
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
-    return JSONResponse(
-        {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": state.model_name,
-            "choices": serving.completion_choices(finals, body.n, body.logprobs is not None, text, body.echo),
-            "usage": serving.usage(finals),
-            **_kv_transfer(finals),
-        }
-    )
+    answer = {
+        "id": rid,
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": state.model_name,
+        "choices": serving.completion_choices(
+            finals, body.n, body.logprobs is not None, text, body.echo, body.scoring
+        ),
+        "usage": serving.usage(finals),
+        **_kv_transfer(finals),
+    }
+    if body.stream:  # scoring streamed: the whole answer is one chunk, as vLLM sends the prompt at once
+        return _streaming_response(_scoring_stream(answer, body.include_usage))
+    return JSONResponse(answer)
+
+
+async def _scoring_stream(answer: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
+    usage = answer.pop("usage")
+    yield serving.sse({**answer, **({"usage": None} if include_usage else {})})
+    if include_usage:
+        yield serving.sse({**answer, "choices": [], "usage": usage})
+    yield serving.SSE_DONE
 
 
 @router.post("/v1/chat/completions", response_model=None)

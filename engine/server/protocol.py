@@ -174,7 +174,8 @@ class CompletionRequest(SamplingFields):
         | TokenIds
         | Annotated[list[TokenIds], Field(min_length=1)]
     )
-    max_tokens: int | None = Field(default=16, ge=1)
+    # 0 only with echo: vLLM's scoring, the prompt and its logprobs back with no completion
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=ALL_LOGPROBS, le=MAX_LOGPROBS)
     echo: bool = Field(default=False, description="Return the prompt before the completion")
     best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="Only best_of == n is supported")
@@ -188,7 +189,16 @@ class CompletionRequest(SamplingFields):
             raise ValueError(f"best_of={self.best_of} is not supported: only best_of == n={self.n}")
         return self
 
+    @property
+    def scoring(self) -> bool:
+        """echo with max_tokens 0 (vLLM's): the prompt and its logprobs, nothing generated shown."""
+        return self.echo and self.max_tokens == 0
+
     def default_max_tokens(self) -> int | None:
+        if self.scoring:
+            return 1  # as vLLM: the engine computes one token, which the response leaves out
+        if self.max_tokens == 0:
+            raise ParameterError("max_tokens", "max_tokens=0 needs echo=true (scoring the prompt); else >= 1")
         return 16 if self.max_tokens is None else self.max_tokens  # OpenAI: null means the default, 16
 
     def prompts(self) -> list[str | list[int]]:

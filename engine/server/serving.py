@@ -163,18 +163,23 @@ def chat_delta(
 
 
 def completion_choices(
-    finals: list[RequestOutput], n: int, want_logprobs: bool, text: TokenText, echo: bool = False
+    finals: list[RequestOutput],
+    n: int,
+    want_logprobs: bool,
+    text: TokenText,
+    echo: bool = False,
+    scoring: bool = False,
 ) -> list[dict[str, Any]]:
+    """With `scoring` (echo and max_tokens 0), each choice is the prompt alone, as vLLM answers it."""
     choices = []
     for p, final in enumerate(finals):
         repeat = Echo.of(final, text) if echo else None
         for out in sorted(final.outputs, key=lambda o: o.index):
+            generated = [] if scoring else out.logprobs or []
             choice = {
                 "index": p * n + out.index,
-                "text": (repeat.text if repeat else "") + out.text,
-                "logprobs": completion_logprobs(out.logprobs or [], text, 0, repeat)
-                if want_logprobs
-                else None,
+                "text": (repeat.text if repeat else "") + ("" if scoring else out.text),
+                "logprobs": completion_logprobs(generated, text, 0, repeat) if want_logprobs else None,
                 "finish_reason": out.finish_reason,
                 "stop_reason": out.stop_reason,
             }

@@ -180,3 +180,26 @@ def test_logprobs_minus_one_is_the_whole_vocabulary_and_over_the_limit(
         f"requested logprobs of {server.state.vocab_size}" in error["message"]
         and "max allowed: 20" in error["message"]
     )
+
+
+def test_scoring_echo_with_max_tokens_zero_answers_the_prompt_logprobs(
+    client: Any, server: Any, model_name: str
+) -> None:
+    prompt = "The capital of France is Paris."
+    scored = client.completions.create(model=model_name, prompt=prompt, max_tokens=0, echo=True, logprobs=1)
+    choice = scored.choices[0]
+    count = httpx.post(f"{server.url}/tokenize", json={"prompt": prompt}).json()["count"]
+    assert choice.text == prompt and "".join(choice.logprobs.tokens) == prompt
+    lps = choice.logprobs.token_logprobs
+    assert len(lps) == count and lps[0] is None and all(lp is not None and lp <= 0 for lp in lps[1:])
+    generated = client.completions.create(
+        model=model_name, prompt=prompt, max_tokens=1, echo=True, logprobs=1, temperature=0
+    )
+    assert generated.choices[0].logprobs.token_logprobs[:count] == pytest.approx(lps, abs=1e-4)
+    streamed = list(
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=0, echo=True, stream=True)
+    )
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == prompt
+    refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
+    assert "echo" in refused.json()["error"]["message"]

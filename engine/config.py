@@ -1,12 +1,16 @@
-"""Engine configuration: one frozen object validated at start, plus the live knobs the tuner turns."""
+"""Engine configuration: one frozen object validated at start, plus the live knobs the tuner turns and their
+limits in one engine (`check_live`: the admin API's 400 and `--live-config-file`'s check at start).
+
+Plain Python: the operator and the tuner import it without torch."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from typing import Any
 
-from specfleet.engine.knobs import LiveConfig
+from specfleet.engine.errors import ParameterError
+from specfleet.engine.knobs import LiveConfig, live_limits, live_refusal
 from specfleet.engine.spec_decode.methods import (
     METHODS,
     NONE,
@@ -24,6 +28,8 @@ __all__ = [
     "SPECULATIVE_METHODS",
     "EngineConfig",
     "LiveConfig",
+    "check_live",
+    "start_on",
 ]
 
 # Weight quantizations. int8: the float weights quantized at load (one scale per output column). gguf: a
@@ -242,3 +248,26 @@ class EngineConfig:
     def speculative_tokens_limit(self) -> int:
         """Ceiling for the live k: none without a speculative method (there is no proposer)."""
         return self.max_num_speculative_tokens if self.speculative_method != NONE else 0
+
+
+def check_live(config: EngineConfig, changes: Mapping[str, int]) -> None:
+    """Refuse live knob values outside [the knob's minimum, its ceiling fixed at start by `config`],
+    naming the field and the limit."""
+    limits = live_limits(lambda knob: getattr(config, knob.ceiling))
+    for name, value in changes.items():
+        why = live_refusal(limits, name, value)
+        if why is not None:
+            raise ParameterError(name, why)
+
+
+def start_on(config: EngineConfig, changes: Mapping[str, int]) -> EngineConfig:
+    """`config` starting on other live values (checked as `check_live` does). The ceilings stay the ones
+    `config` fixes: a lower start value must not lower a default ceiling with it."""
+    check_live(config, changes)
+    values: dict[str, Any] = dict(changes)
+    return replace(
+        config,
+        max_num_seqs_limit=config.seqs_limit,
+        max_num_batched_tokens_limit=config.batched_tokens_limit,
+        **values,
+    )

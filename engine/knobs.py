@@ -190,7 +190,7 @@ def live_limits(ceiling_of: Callable[[Knob], int]) -> dict[str, tuple[int, int]]
 
 def live_refusal(limits: Mapping[str, tuple[int, int]], name: str, value: Any) -> str | None:
     """Why a live value is refused, naming the field and the limit (None: accepted). One rule for the
-    engine's `update_config` (live_config.check_live raises it as a 400) and the simulated engine's."""
+    engine's `update_config` (config.check_live raises it as a 400) and the simulated engine's."""
     if name not in limits:
         return f"{name} is not a live setting; use one of {sorted(limits)}"
     low, high = limits[name]

@@ -14,12 +14,11 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from specfleet.engine.block_manager import BlockManager
-from specfleet.engine.config import EngineConfig, LiveConfig
+from specfleet.engine.config import EngineConfig, LiveConfig, check_live
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams, encode_logprob
 from specfleet.engine.kv_transfer.connector import KVConnector
-from specfleet.engine.live_config import check_live
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput

@@ -214,7 +214,7 @@ def test_simulated_engines_have_the_pods_limits_and_refusals() -> None:
     """The simulator's engine starts with every knob's ceiling a pod of the same spec has (derived from the
     declaration, not listed), and refuses a value outside [minimum, ceiling] with the engine's own
     message, naming the knob and the limit."""
-    from specfleet.engine.live_config import check_live
+    from specfleet.engine.config import check_live
     from specfleet.engine.sampling_params import ParameterError
     from specfleet.sim.engine import SimEngine
     from specfleet.sim.fleet import start_limits

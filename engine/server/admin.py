@@ -23,9 +23,8 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from pydantic import ValidationError
-from specfleet.engine.config import EngineConfig
+from specfleet.engine.config import EngineConfig, start_on
 from specfleet.engine.knobs import KNOBS
-from specfleet.engine.live_config import start_on
 from specfleet.engine.sampling_params import ParameterError
 
 from .errors import APIError
@@ -62,7 +61,7 @@ def token_from_env(env: Mapping[str, str] | None = None) -> str | None:
 def live_config_from_file(config: EngineConfig, path: str | Path) -> EngineConfig:
     """`config` starting on the live values in the JSON file `path` (the body of `PATCH /admin/config`),
     checked as the admin API checks a PATCH: the knobs' types and minimums (`AdminConfigPatch`), then the
-    ceilings fixed at start (`live_config.check_live`). A missing file leaves `config` as the flags made
+    ceilings fixed at start (`config.check_live`). A missing file leaves `config` as the flags made
     it (a service not tuned yet). Raises ValueError naming the file, the field and the limit."""
     where = f"--live-config-file {path}"
     try:

@@ -156,8 +156,8 @@ async def _build(client: KubeClient, body: kopf.Body, memo: kopf.Memo) -> Servic
 
 class StatusScaler:
     """The operator's `Scaler`: the routers' queue from their pods, a decision into `status.autoscaling`
-    (under its own field manager; the reconcile renders the count into the Deployment, which the
-    InferenceService's `/scale` reads back) with a `Scaled` Event on a change. Built per timer tick: it
+    (under its own field manager; the reconcile renders the count into the Deployment, the operator never
+    writes `spec.replicas`) with a `Scaled` Event on a change. Built per timer tick: it
     writes against that tick's body and status. Its write comes before the tuner's own status apply: an
     operator upgraded from one whose tuner manager owned status.autoscaling hands it over here, so that
     apply (which no longer sends it) cannot remove it."""

@@ -159,10 +159,6 @@ class LocalFleet:
         """Where one engine's admin API listens (the tuner's actuator maps engine URLs through this)."""
         return self.admin_urls.get(engine_url, engine_url)
 
-    def engine_log(self, i: int) -> Path:
-        assert self.log_dir is not None  # set in __post_init__
-        return self.log_dir / f"engine-{i}.log"
-
     @property
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"

@@ -17,8 +17,6 @@ from specfleet.engine.knobs import camel
 from .inference_service import InferenceService
 from .resources import LABEL_ISVC, endpoint
 
-OWNED_TYPES = ("Ready", "Progressing", "Degraded", "Monitored")  # the reconcile's; the tuner owns Tuned
-
 
 def timestamp() -> str:
     """Now as the Kubernetes API writes times (RFC 3339, UTC, whole seconds): lastTransitionTime and the

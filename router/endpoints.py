@@ -97,6 +97,3 @@ class EndpointSet:
         if endpoint is None:
             return
         endpoint.outstanding = max(0, endpoint.outstanding - 1)
-
-    def total_outstanding(self) -> int:
-        return sum(e.outstanding for e in self._by_url.values())

@@ -7,16 +7,15 @@ from specfleet.engine.knobs import REPLICAS
 
 from .endpoints import EndpointSet
 
-# Outcomes of a request (the `outcome` label): ok (2xx/3xx), client_error (4xx), engine_error (5xx after
-# retries), broken (the engine failed after the first byte was sent: never retried), disconnected (the
-# client went away; the engine's request was aborted), unavailable (no ready engine: 503 + Retry-After).
-OUTCOMES = ("ok", "client_error", "engine_error", "broken", "disconnected", "unavailable")
-
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # Outcomes of a request (the `outcome` label): ok (2xx/3xx), client_error (4xx), engine_error (5xx
+        # after retries), broken (the engine failed after the first byte was sent: never retried),
+        # disconnected (the client went away; the engine's request was aborted), unavailable (no ready
+        # engine: 503 + Retry-After).
         self.requests = Counter(
             "specfleet_router_requests", "Requests by engine and outcome", ["engine", "outcome"], registry=r
         )

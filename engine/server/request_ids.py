@@ -8,10 +8,14 @@ measurable next to a forward pass).
 
 from __future__ import annotations
 
+import re
 import uuid
 from typing import Any
 
 from fastapi import Request
+
+from .errors import APIError
+from .protocol import REQUEST_ID_PATTERN
 
 HEADER = b"x-request-id"
 _STATE_KEY = "specfleet_request_id"
@@ -50,4 +54,13 @@ def request_id(request: Request, body_id: str | None) -> str:
     state = request.scope.setdefault("state", {})
     if body_id and not state.get(_FROM_HEADER_KEY):
         state[_STATE_KEY] = body_id
+    if state.get(_FROM_HEADER_KEY) and not re.match(REQUEST_ID_PATTERN, state[_STATE_KEY]):
+        # the body's request_id is held to the same pattern by its model
+        raise APIError(
+            400,
+            f"X-Request-Id={state[_STATE_KEY][:80]!r} must be 1-256 visible ASCII characters (it names the "
+            "request in logs)",
+            "X-Request-Id",
+            "invalid_value",
+        )
     return str(state.setdefault(_STATE_KEY, uuid.uuid4().hex))

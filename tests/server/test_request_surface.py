@@ -78,6 +78,10 @@ def test_request_ids_from_header_body_or_generated(
         f"{server.url}/v1/completions", json={"prompt": "Hi", "n": 0}, headers={"X-Request-Id": "e1"}
     )
     assert error.status_code == 400 and error.headers["x-request-id"] == "e1"
+    spaced = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": "Hi"}, headers={"X-Request-Id": "a b"}
+    )
+    assert spaced.status_code == 400 and spaced.json()["error"]["param"] == "X-Request-Id"
 
 
 def test_a_request_id_in_flight_is_refused_naming_request_id(server: Any, model_name: str) -> None:

@@ -98,6 +98,23 @@ class QuantTensor:
             return replace(self, codes=codes, mins=None, bits=8)
         return replace(self, codes=self.codes.to(torch.int8), bits=8)
 
+    def regrouped(self, group_size: int) -> QuantTensor:
+        """The same weight with smaller groups (each scale and offset repeated): exact, for a part that shares a
+        kernel with parts of finer groups (Q4_K's 32 beside Q6_K's 16)."""
+        if self.group_size % group_size:
+            raise ValueError(
+                f"{self.fmt}: groups of {self.group_size} cannot split into groups of {group_size}"
+            )
+        r = self.group_size // group_size
+        if r == 1:
+            return self
+        return replace(
+            self,
+            scales=self.scales.repeat_interleave(r, dim=1),
+            mins=None if self.mins is None else self.mins.repeat_interleave(r, dim=1),
+            group_size=group_size,
+        )
+
     def with_mins(self) -> QuantTensor:
         """The same weight with explicit (zero) offsets, to share a kernel with asymmetric parts."""
         return self if self.mins is not None else replace(self, mins=torch.zeros_like(self.scales))
@@ -105,17 +122,20 @@ class QuantTensor:
     @staticmethod
     def cat(parts: Sequence[QuantTensor]) -> QuantTensor | None:
         """Stack along the output dim (fused q/k/v, gate/up); None when the parts cannot share a kernel
-        (different group sizes, input sizes or column orders). Parts of different code widths are widened
-        to the widest (GGUF Q4_K_M puts Q5_0 on q/k and Q8_0 on v), and symmetric parts get zero offsets
-        beside asymmetric ones: both exact, and cheaper than the float32 path a mixed group would take."""
+        (input sizes, column orders, or group sizes that do not divide each other). Parts of different code
+        widths are widened to the widest (Q4_K_M puts Q5_0 on SmolLM2's q/k and Q8_0 on its v), parts of
+        coarser groups take the finest (Q4_K's 32 beside Q6_K's 16 in half of a 2048-wide model's v), and
+        symmetric parts get zero offsets beside asymmetric ones: all exact, and far smaller than the float32
+        weight a group that cannot fuse takes."""
         first = parts[0]
+        group = min(p.group_size for p in parts)
         for p in parts[1:]:
-            if (p.group_size, p.shape[1]) != (first.group_size, first.shape[1]) or not _same_perm(
-                p.perm, first.perm
-            ):
+            if p.shape[1] != first.shape[1] or not _same_perm(p.perm, first.perm):
                 return None
+        if any(p.group_size % group for p in parts):
+            return None
         bits = max(p.bits for p in parts)
-        parts = [p.widened(bits) for p in parts]
+        parts = [p.regrouped(group).widened(bits) for p in parts]
         if any(p.mins is None for p in parts) and any(p.mins is not None for p in parts):
             parts = [p.with_mins() for p in parts]
         mins = [p.mins for p in parts if p.mins is not None]

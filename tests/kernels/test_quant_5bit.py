@@ -54,7 +54,7 @@ def test_extreme_5_bit_codes(activations: str, code: int) -> None:
 def _gguf_part(name: str, w: np.ndarray) -> tuple[QuantTensor, torch.Tensor]:
     """A GGUF tensor of type `name` decoded, and gguf-py's dequantization of the same blocks."""
     qtype = gguf.GGMLQuantizationType[name]
-    packers = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k}  # gguf-py has no quantizer for these
+    packers = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k}  # gguf-py has no quantizer for these
     raw = packers[name](w) if name in packers else gguf.quants.quantize(w, qtype)
     return decode(raw, name, w.shape), torch.from_numpy(gguf.quants.dequantize(raw, qtype))
 
@@ -67,6 +67,7 @@ def _gguf_part(name: str, w: np.ndarray) -> tuple[QuantTensor, torch.Tensor]:
         (("Q5_K", "Q8_0", "Q5_K"), 512, 8, False),
         (("Q4_0", "Q5_0"), 576, 5, False),  # 4-bit codes are 5-bit codes as they are
         (("Q4_K", "Q5_1", "Q8_0"), 512, 8, False),
+        (("Q4_K", "Q4_K", "Q6_K"), 512, 8, False),  # a 2048-wide Q4_K_M's q, k, v: groups of 16, float path
     ],
 )
 @pytest.mark.parametrize("activations", ["int8", "float32"])
@@ -90,7 +91,8 @@ def test_mixed_width_parts_fuse_exactly(
     assert torch.equal(fused.dequantize(), ref)
     x = torch.from_numpy(rng.normal(0, 1, size=(7, k)).astype(np.float32))
     layer = cpu_native.QuantLinear(fused, activations=activations)
-    assert layer.activations == activations
+    # groups of 16 (Q6_K's) are not whole 32-blocks: that weight runs on the float path (dot_supported)
+    assert layer.activations == (activations if fused.group_size % 32 == 0 else "float32")
     got, exact = layer(x), x @ ref.t()
     if activations == "float32":
         torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-3)
@@ -101,11 +103,21 @@ def test_mixed_width_parts_fuse_exactly(
 
 
 def test_parts_that_cannot_share_a_kernel_stay_apart() -> None:
-    """Different group sizes (Q6_K's 16 beside Q8_0's 32) cannot fuse: the parts run on the float path."""
-    rng = np.random.default_rng(6)
-    q8, _ = _gguf_part("Q8_0", rng.normal(size=(8, 256)).astype(np.float32))
-    raw = pack_q6_k(rng.normal(size=(8, 256)).astype(np.float32))
-    parts = [decode(raw, "Q6_K", (8, 256)), q8]
+    """Parts whose input columns are in different orders (GPTQ act-order) cannot fuse: the group runs on the
+    float path, equal to the parts' own dequantized weights."""
+    g = torch.Generator().manual_seed(6)
+    parts = [
+        QuantTensor(
+            torch.randint(0, 16, (8, 64), generator=g, dtype=torch.uint8),
+            torch.rand(8, 2, generator=g),
+            torch.rand(8, 2, generator=g),
+            32,
+            4,
+            "gptq",
+            perm=torch.randperm(64, generator=g),
+        )
+        for _ in range(2)
+    ]
     assert QuantTensor.cat(parts) is None
     fused = cat_rows(parts)
     assert isinstance(fused, torch.Tensor)

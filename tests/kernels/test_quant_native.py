@@ -66,23 +66,66 @@ def test_gguf_types_match_gguf_dequantize(type_name: str, shape: tuple[int, int]
     assert (cpu_native.QuantLinear(q).scales.dtype == torch.float16) == (not type_name.endswith("_K"))
 
 
-@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
-def test_random_blocks_decode_as_gguf_dequantize(type_name: str) -> None:
-    """Any bytes are a valid block once its fp16 fields are finite: every code, high bit and 6-bit scale
-    pattern decodes bit for bit as gguf-py's dequantizer reads it."""
+HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_0": [0], "Q5_1": [0, 2]}
+HALF_FIELDS |= {"Q5_K": [0, 2], "Q6_K": [208]}  # byte offsets of each block's fp16 fields
+
+
+def _random_blocks(type_name: str, n: int, k: int, seed: int = 3) -> np.ndarray:
+    """Any bytes are a valid block once its fp16 fields are finite."""
     from specfleet.engine.quant.gguf_blocks import BLOCK_BYTES
 
-    rng = np.random.default_rng(3)
-    n, k = 9, 512
+    rng = np.random.default_rng(seed)
     values, nbytes = BLOCK_BYTES[type_name]
     raw = rng.integers(0, 256, size=(n, k // values * nbytes), dtype=np.uint8)
     blocks = raw.reshape(n, k // values, nbytes)
-    half_fields = {"Q5_0": [0], "Q5_1": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[type_name]
-    for at in half_fields:
+    for at in HALF_FIELDS[type_name]:
         halves = rng.normal(0, 0.01, size=blocks.shape[:2]).astype(np.float16)
         blocks[..., at : at + 2] = halves.view(np.uint8).reshape(*blocks.shape[:2], 2)
+    return raw
+
+
+@pytest.mark.parametrize("type_name", ["Q5_0", "Q5_1", "Q5_K", "Q6_K"])
+def test_random_blocks_decode_as_gguf_dequantize(type_name: str) -> None:
+    """Every code, high bit and 6-bit scale pattern decodes bit for bit as gguf-py's dequantizer reads it."""
+    n, k = 9, 512
+    raw = _random_blocks(type_name, n, k)
     reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
     assert decode(raw, type_name, (n, k)).dequantize().equal(torch.from_numpy(reference))
+
+
+@pytest.mark.parametrize("type_name", sorted(HALF_FIELDS))
+def test_large_tensors_decode_in_row_chunks(type_name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tensor larger than one decode step (gguf_blocks.DECODE_VALUES) decodes chunk by chunk into the same
+    codes, scales and mins: 11 rows in steps of 4 (a short last chunk), against gguf-py's dequantizer."""
+    from specfleet.engine.quant import gguf_blocks
+
+    n, k = 11, 512
+    raw = _random_blocks(type_name, n, k)
+    monkeypatch.setattr(gguf_blocks, "DECODE_VALUES", 4 * k)
+    reference = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[type_name]).astype(np.float32)
+    assert decode(raw, type_name, (n, k)).dequantize().equal(torch.from_numpy(reference))
+
+
+def test_decoding_a_vocabulary_table_holds_one_chunk_of_temporaries() -> None:
+    """A tied Q6_K embedding (the head of a Q4_K_M file) is the largest tensor a load decodes: its numpy
+    temporaries (traced by tracemalloc; the torch outputs are not) stay those of one chunk of
+    gguf_blocks.DECODE_VALUES values, about 10 bytes a value of the chunk (39 MB), where decoding the whole
+    table at once took 7.3 bytes a value of the table (122 MB for these 16M values)."""
+    import tracemalloc
+
+    from specfleet.engine.quant.gguf_blocks import DECODE_VALUES
+
+    k = 2048
+    n = 4 * DECODE_VALUES // k
+    raw = _random_blocks("Q6_K", n, k)
+    tracemalloc.start()
+    try:
+        q = decode(raw, "Q6_K", (n, k))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert q.codes.shape == (n, k)
+    assert peak < 12 * DECODE_VALUES, f"{peak / 2**20:.0f} MB of temporaries for {n * k / 2**20:.0f}M values"
 
 
 @pytest.mark.parametrize("type_name", ["Q5_K", "Q6_K"])

@@ -67,3 +67,31 @@ def test_each_verdict_matches_the_code() -> None:
                     assert field in declared or field in REFUSED_UNLESS_DEFAULT, f"{field} ({route})"
                 elif verdict == "ignored":
                     assert field not in REFUSED_UNLESS_DEFAULT, f"{field} ({route}) is refused, not ignored"
+
+
+def test_the_generator_reads_fields_as_pydantic_does() -> None:
+    """ClassVars and private names are not fields; a base class in the same file is followed, one elsewhere is
+    recorded as not followed (vLLM's OpenAIBaseModel declares no request field)."""
+    import ast
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen", ROOT / "tests/fixtures/generate_vllm_fields.py")
+    assert spec is not None and spec.loader is not None
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    source = """
+class Shared(OpenAIBaseModel):
+    model: str | None = None
+    field_names: ClassVar[set[str] | None] = None
+
+class ChatCompletionRequest(Shared):
+    messages: list[dict]
+    _DEFAULTS: dict = {}
+    n: int | None = 1
+    model: str | None = None
+    def helper(self) -> int:
+        local: int = 1
+        return local
+"""
+    fields, outside = gen.class_fields(ast.parse(source), "ChatCompletionRequest")
+    assert fields == ["model", "messages", "n"] and outside == ["OpenAIBaseModel"]

@@ -202,18 +202,18 @@ class Router:
             self.metrics.decisions.labels(self.policy.name, choice.reason).inc()
         return choice
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
+    async def forward(self, request: web.Request, body: bytes | None = None) -> web.StreamResponse:
+        """Forward one client request; `body` replaces the request's own (the gateway rewrites `model`)."""
         if self.draining:
             self.metrics.requests.labels("", "unavailable").inc()
             return _error(503, "the router is stopping; retry against another endpoint", 5)
         self._in_flight += 1
         try:
-            return await self._route(request)
+            return await self._route(request, await request.read() if body is None else body)
         finally:
             self._in_flight -= 1
 
-    async def _route(self, request: web.Request) -> web.StreamResponse:
-        body = await request.read()
+    async def _route(self, request: web.Request, body: bytes) -> web.StreamResponse:
         route = self.route_request(body, request.headers) if request.method == "POST" else RouteRequest()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         held: dict[str, Any] | None = None  # a prefill engine's hold on this prompt's KV blocks

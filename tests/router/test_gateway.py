@@ -1,0 +1,179 @@
+"""`specfleet router --gateway` over real sockets: two real engines (the tiny llama, each serving under a name
+of its own) behind one gateway, driven by the official openai client. Routing by `model` (served name and
+aliases), `/v1/models` as the union, an unknown model's 404 listing the known ones, the canary split by
+weight (exact, by smooth weighted round robin), sticky sessions, and a weight change followed at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+
+import pytest
+from helpers import free_port, start_server, stop_process
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.gateway import SERVICE_HEADER, Gateway, serve_gateway
+from specfleet.router.policies import service_policy
+from specfleet.router.prefix import BlockHasher
+from specfleet.router.proxy import Router
+
+openai = pytest.importorskip("openai")
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """Two engines: served name -> URL."""
+    logs = tmp_path_factory.mktemp("gateway-engines")
+    started = {}
+    try:
+        for name in ("engine-a", "engine-b"):
+            started[name] = start_server(
+                logs / f"{name}.log",
+                "--model",
+                tiny_llama,
+                "--served-model-name",
+                name,
+                "--max-model-len",
+                "256",
+                "--kv-cache-gib",
+                "0.05",
+            )
+        yield {name: url for name, (_, url) in started.items()}
+    finally:
+        for proc, _ in started.values():
+            stop_process(proc)
+
+
+def service_router(url: str) -> Router:
+    """A service's router as `specfleet router` builds it from the spec's defaults, over one engine."""
+    return Router(
+        EndpointSet([url], ready=True),
+        service_policy("prefix", True, 125),
+        BlockHasher(16),
+        "x-session-id",
+    )
+
+
+def run_gateway(gateway: Gateway, test: Callable[[openai.AsyncOpenAI], Awaitable[None]]) -> None:
+    async def main() -> None:
+        port = free_port()
+        runner = await serve_gateway(gateway, "127.0.0.1", port)
+        client = openai.AsyncOpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+        try:
+            await test(client)
+        finally:
+            await client.close()
+            await runner.cleanup()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=180))
+
+
+async def complete(client: openai.AsyncOpenAI, model: str, **extra: object) -> tuple[str, str]:
+    """One completion through the gateway: (the service header, the engine's served name)."""
+    raw = await client.completions.with_raw_response.create(
+        model=model, prompt="The gateway routes", max_tokens=2, **extra
+    )
+    return raw.headers[SERVICE_HEADER], raw.parse().model
+
+
+def test_routes_by_model_and_alias_and_lists_the_union(engines: dict[str, str]) -> None:
+    gateway = Gateway()
+    gateway.upsert("team-a/alpha", ["alpha", "chat"], 100, service_router(engines["engine-a"]))
+    gateway.upsert("team-b/beta", ["beta"], 100, service_router(engines["engine-b"]))
+    gateway.synced = True
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        models = await client.models.list()
+        assert [m.id for m in models.data] == ["alpha", "beta", "chat"]
+        assert await complete(client, "alpha") == ("team-a/alpha", "engine-a")
+        assert await complete(client, "chat") == ("team-a/alpha", "engine-a")  # an alias
+        assert await complete(client, "beta") == ("team-b/beta", "engine-b")
+        chat = await client.chat.completions.with_raw_response.create(
+            model="beta", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert chat.headers[SERVICE_HEADER] == "team-b/beta" and chat.parse().model == "engine-b"
+        stream = await client.chat.completions.create(
+            model="chat", max_tokens=3, stream=True, messages=[{"role": "user", "content": "hi"}]
+        )
+        chunks = [c async for c in stream]
+        assert chunks and {c.model for c in chunks} == {"engine-a"}
+
+        with pytest.raises(openai.NotFoundError) as missing:
+            await client.completions.create(model="gamma", prompt="x", max_tokens=1)
+        error = missing.value.body
+        assert isinstance(error, dict)
+        assert error["code"] == "model_not_found" and error["param"] == "model"
+        assert "`gamma`" in error["message"] and "alpha, beta, chat" in error["message"]
+        with pytest.raises(openai.NotFoundError):
+            await client.models.retrieve("gamma")
+        assert (await client.models.retrieve("chat")).id == "chat"
+
+    run_gateway(gateway, test)
+
+
+def test_canary_splits_by_weight_sticks_by_session_and_follows_a_weight_change(
+    engines: dict[str, str],
+) -> None:
+    gateway = Gateway()
+    gateway.upsert("prod/llm-v1", ["llm-v1", "llm"], 300, service_router(engines["engine-a"]))
+    canary = service_router(engines["engine-b"])
+    gateway.upsert("prod/llm-v2", ["llm-v2", "llm"], 100, canary)
+    gateway.synced = True
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        # 3:1 without a session: smooth weighted round robin gives exactly 6 and 2 in any 8 requests
+        answered = [await complete(client, "llm") for _ in range(8)]
+        assert Counter(service for service, _ in answered) == {"prod/llm-v1": 6, "prod/llm-v2": 2}
+        assert {(s, m) for s, m in answered} == {("prod/llm-v1", "engine-a"), ("prod/llm-v2", "engine-b")}
+        # a service's own name reaches it alone, whatever the weights
+        assert (await complete(client, "llm-v2"))[0] == "prod/llm-v2"
+
+        # a session id (header, else the body's `user`) keeps its service
+        by_session = {}
+        for i in range(24):
+            first = (await complete(client, "llm", extra_headers={"x-session-id": f"s{i}"}))[0]
+            again = (await complete(client, "llm", extra_headers={"x-session-id": f"s{i}"}))[0]
+            assert first == again, f"session s{i} moved from {first} to {again}"
+            by_session[f"s{i}"] = first
+        assert set(by_session.values()) == {"prod/llm-v1", "prod/llm-v2"}
+        users = {(await complete(client, "llm", user="u7"))[0] for _ in range(4)}
+        assert len(users) == 1
+
+        # the canary's weight goes to 0: nothing new reaches it, sessions included
+        gateway.upsert("prod/llm-v2", ["llm-v2", "llm"], 0, canary)
+        after = [await complete(client, "llm") for _ in range(4)]
+        after += [
+            await complete(client, "llm", extra_headers={"x-session-id": s})
+            for s, where in by_session.items()
+            if where == "prod/llm-v2"
+        ]
+        assert {service for service, _ in after} == {"prod/llm-v1"}
+        # and back to equal weights: 1:1
+        gateway.upsert("prod/llm-v2", ["llm-v2", "llm"], 300, canary)
+        even = Counter([(await complete(client, "llm"))[0] for _ in range(4)])
+        assert even == {"prod/llm-v1": 2, "prod/llm-v2": 2}
+
+    run_gateway(gateway, test)
+
+
+def test_a_canary_without_ready_engines_does_not_take_its_share(engines: dict[str, str]) -> None:
+    gateway = Gateway()
+    gateway.upsert("prod/llm-v1", ["llm"], 100, service_router(engines["engine-a"]))
+    down = Router(EndpointSet(), service_policy("prefix", True, 125), BlockHasher(16))
+    gateway.upsert("prod/llm-v2", ["llm"], 100, down)
+    gateway.upsert("prod/off", ["off"], 0, service_router(engines["engine-b"]))
+    gateway.synced = True
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        assert {(await complete(client, "llm"))[0] for _ in range(4)} == {"prod/llm-v1"}
+        with pytest.raises(openai.APIStatusError) as off:
+            await client.completions.create(model="off", prompt="x", max_tokens=1)
+        assert off.value.status_code == 503 and "routing.weight 0" in str(off.value.body)
+        with pytest.raises(openai.BadRequestError) as no_model:
+            await client.post("/completions", body={"prompt": "x"}, cast_to=object)
+        assert isinstance(no_model.value.body, dict) and no_model.value.body["param"] == "model"
+
+    run_gateway(gateway, test)

@@ -190,6 +190,7 @@ def test_fields_at_vllm_defaults_are_accepted(client: Any, model_name: str) -> N
         "logits_processors": None,
         "max_repetition_pattern_size": 0,
         "vllm_xargs": None,
+        "top_logprobs": 0,  # vLLM's default, sent without logprobs
     }
     resp = client.chat.completions.create(
         model=model_name, messages=[{"role": "user", "content": "Hi"}], max_tokens=2, extra_body=defaults

@@ -13,6 +13,7 @@ from dataclasses import fields
 from typing import Any, get_args, get_type_hints
 
 from specfleet.engine.config import EngineConfig
+from specfleet.engine.spec_decode.methods import NONE
 
 DEFAULT_K = 4  # --num-speculative-tokens when a speculative method is given without it
 _FIELDS = {f.name: f for f in fields(EngineConfig)}
@@ -68,5 +69,5 @@ def engine_config_kwargs(args: argparse.Namespace) -> dict[str, Any]:
     given = vars(args)
     kwargs = {name: given[name] for name in _FIELDS if name in given}
     if kwargs.get("num_speculative_tokens", 0) is None:
-        kwargs["num_speculative_tokens"] = DEFAULT_K if kwargs["speculative_method"] != "none" else 0
+        kwargs["num_speculative_tokens"] = DEFAULT_K if kwargs["speculative_method"] != NONE else 0
     return kwargs

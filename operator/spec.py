@@ -27,6 +27,7 @@ from pydantic.fields import FieldInfo
 from specfleet.engine.knobs import REPLICAS, SEARCHED, Knob, camel
 from specfleet.engine.spec_decode.methods import SPECULATIVE_METHODS, methods_with_draft_model
 from specfleet.router.policies import DEFAULT_POLICY, POLICIES
+from specfleet.router.weights import DEFAULT_WEIGHT, MAX_WEIGHT
 
 from .engine_flags import RESERVED_ARG_PATTERN, RESERVED_ARGS_MESSAGE, reserved_args
 from .kube_grammar import (
@@ -784,6 +785,13 @@ else:
     )
 
 
+# A model name as clients write it in `model` (OpenAI's and Hugging Face's: `org/name`, `name:tag`, dots).
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
+MODEL_NAME_MAX = 128
+ALIASES_UNIQUE = "routing.aliases must not repeat a name"
+_UNIQUE_ALIASES = "self.all(a, self.filter(b, b == a).size() == 1)"
+
+
 class RoutingSpec(_Spec):
     enabled: bool = Field(
         True,
@@ -827,6 +835,29 @@ class RoutingSpec(_Spec):
         None, max_length=512, description="Router image; empty means the operator's own."
     )
     pod: RouterPodSpec = _default_obj(RouterPodSpec)
+    aliases: list[
+        Annotated[str, Field(min_length=1, max_length=MODEL_NAME_MAX, pattern=MODEL_NAME_PATTERN)]
+    ] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Model names the gateway (`specfleet router --gateway`) also routes to this service, "
+        "besides its own name; services sharing a name split its traffic by weight (a canary).",
+        json_schema_extra={"x-kubernetes-validations": [cel(_UNIQUE_ALIASES, ALIASES_UNIQUE)]},
+    )
+    weight: int = Field(
+        DEFAULT_WEIGHT,
+        ge=0,
+        le=MAX_WEIGHT,
+        description="The gateway's share of a shared model name for this service, against the other "
+        "services serving it (weight / sum of weights); 0 takes it out of the split. Requests with a session "
+        "id stay on one service.",
+    )
+
+    @model_validator(mode="after")
+    def _unique_aliases(self) -> RoutingSpec:
+        if repeated := sorted({a for a in self.aliases if self.aliases.count(a) > 1}):
+            raise ValueError(f"routing.aliases repeats {repeated}: {ALIASES_UNIQUE}")
+        return self
 
 
 class AutoscalingSpec(_Spec):

@@ -182,6 +182,10 @@ INVALID = {
     "autoscaling min > max": ({"spec.autoscaling": {"minReplicas": 3, "maxReplicas": 2}}, "minReplicas"),
     "autoscaling without autotune": ({"spec.autoscaling": {"enabled": True, "maxReplicas": 2}}, "autotune"),
     "unknown routing policy": ({"spec.routing.policy": "random"}, "random"),
+    "routing weight above its bound": ({"spec.routing.weight": 1001}, "weight"),
+    "negative routing weight": ({"spec.routing.weight": -1}, "weight"),
+    "repeated alias": ({"spec.routing.aliases": ["llm", "chat", "llm"]}, "must not repeat"),
+    "alias with a space": ({"spec.routing.aliases": ["my model"]}, "aliases"),
     "bounds with three numbers": ({"spec.autotune": {"bounds": {"maxNumSeqs": [1, 2, 3]}}}, "maxNumSeqs"),
     "pin outside bounds": (
         {"spec.autotune": {"pins": {"maxNumSeqs": 300}, "bounds": {"maxNumSeqs": [4, 64]}}},
@@ -259,6 +263,19 @@ def test_disaggregation_is_accepted_by_the_cluster_and_by_specfleet_up() -> None
     assert spec.disaggregation is not None and spec.disaggregation.decode.replicas == 2
     defaulted = apply_defaults(crd_schema(), _with({"spec.disaggregation": {}}))
     assert defaulted["spec"]["disaggregation"] == {"prefill": {"replicas": 1}, "decode": {"replicas": 1}}
+
+
+def test_routing_weight_and_aliases_are_accepted_by_the_cluster_and_by_specfleet_up() -> None:
+    """A canary's fields: the API server defaults the weight to the model's default, and both accept
+    model names as clients write them."""
+    doc = _with(
+        {"spec.routing.aliases": ["llama", "meta-llama/Llama-3.1-8B", "llama:v2"], "spec.routing.weight": 5}
+    )
+    assert admission_errors(doc) == []
+    routing = load_inference_service(doc).spec.routing
+    assert (routing.weight, routing.aliases) == (5, ["llama", "meta-llama/Llama-3.1-8B", "llama:v2"])
+    defaulted = apply_defaults(crd_schema(), _with({}))
+    assert defaulted["spec"]["routing"]["weight"] == load_inference_service(CPU).spec.routing.weight == 100
 
 
 @settings(max_examples=60, deadline=None)

@@ -1,5 +1,5 @@
-"""`specfleet bench llamacpp` (also `specfleet bench serve --compare-llama-cpp`): llama.cpp's own server and
-specfleet side by side, one after the other, on the same prompts.
+"""`specfleet bench llamacpp`: llama.cpp's own server and specfleet side by side, one after the other, on
+the same prompts.
 
 llama.cpp's `llama-server` (built and started by bench/anchors/llama_server.sh: the llama.cpp vendored in
 the pinned llama-cpp-python sdist, `-t 2 -np 32 -c 16384`, the bundled GGUF) runs first, then

@@ -338,8 +338,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--url",
         required=True,
-        help="server base URL, e.g. http://127.0.0.1:8000 (or, instead of "
-        "it, --compare-llama-cpp [--quick]: llama.cpp's server against specfleet's configs)",
+        help="server base URL, e.g. http://127.0.0.1:8000 (`specfleet bench llamacpp` runs llama.cpp's "
+        "server against specfleet's configs)",
     )
     load = p.add_argument_group("load (default: all requests at once)")
     load.add_argument("--request-rate", type=float, default=math.inf, help="Poisson arrivals, requests/s")

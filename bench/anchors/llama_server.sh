@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# llama.cpp's own C++ server as the single-host anchor for `specfleet bench serve --compare-llama-cpp`.
+# llama.cpp's own C++ server as the single-host anchor for `specfleet bench llamacpp`.
 #
 #   bench/anchors/llama_server.sh build            # build llama-server once (cached outside the repo)
 #   bench/anchors/llama_server.sh serve [PORT]     # build if needed, then serve the bundled GGUF (default 8088)

@@ -82,6 +82,11 @@ def isvc_doc() -> dict[str, Any]:
     return yaml.safe_load((REPO / "examples" / "smollm2-cpu.yaml").read_text())
 
 
+def ready(fake: FakeKube) -> str | None:
+    conditions = ((fake.get(*ISVC, NS, "smollm2") or {}).get("status") or {}).get("conditions") or []
+    return next((c["status"] for c in conditions if c["type"] == "Ready"), None)
+
+
 def ready_replicas(fake: FakeKube) -> int | None:
     return ((fake.get(*ISVC, NS, "smollm2") or {}).get("status") or {}).get("readyReplicas")
 
@@ -130,7 +135,8 @@ def test_a_deployment_event_that_changes_nothing_the_status_reads_starts_no_reco
         wait_for("the router Deployment", lambda: fake_kube.get(*DEPLOY, NS, "smollm2-router"))
         report_rollout(fake_kube, NS, "smollm2")
         report_router_rolled_out(fake_kube, NS, "smollm2")
-        wait_for("one ready replica", lambda: ready_replicas(fake_kube) == 1)
+        wait_for("Ready: both rollouts' events handled", lambda: ready(fake_kube) == "True")
+        assert ready_replicas(fake_kube) == 1
         settled = probe.started["deployment_changed"]
         for n in range(3):  # someone labels the Deployment: a watch event, nothing the reconcile reads
             deployment = fake_kube.get(*DEPLOY, NS, "smollm2")

@@ -14,7 +14,7 @@ from specfleet.engine.core.client import EngineDeadError, EngineInternalError, Q
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
-from . import serving
+from . import chat, serving
 from .errors import APIError, error_body
 from .lenient import shown_name
 from .protocol import ALL_LOGPROBS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -46,6 +46,35 @@ def _check_fields(state: ServerState, body: SamplingFields, route: str) -> None:
             )
 
 
+def _check_token_ids(body: SamplingFields) -> None:
+    if body.return_token_ids and body.stream:
+        raise APIError(
+            400,
+            "return_token_ids is answered on non-streamed requests only; send stream=false or leave it out",
+            "return_token_ids",
+            "unsupported_value",
+        )
+
+
+def _with_token_ids(
+    body: SamplingFields, finals: list[RequestOutput], answer: dict[str, Any]
+) -> dict[str, Any]:
+    """vLLM's return_token_ids: each choice's `token_ids`, and the prompt's `prompt_token_ids` (per choice in
+    completions, where each prompt has its own; at the top of a chat response)."""
+    if not body.return_token_ids:
+        return answer
+    n = body.n
+    for choice in answer["choices"]:
+        final = finals[choice["index"] // n]
+        out = next(o for o in final.outputs if o.index == choice["index"] % n)
+        choice["token_ids"] = list(out.token_ids)
+        if not isinstance(body, ChatCompletionRequest):
+            choice["prompt_token_ids"] = list(final.prompt_token_ids)
+    if isinstance(body, ChatCompletionRequest):
+        answer["prompt_token_ids"] = list(finals[0].prompt_token_ids)
+    return answer
+
+
 def _check_all_logprobs(state: ServerState, body: SamplingFields) -> None:
     """-1 asks for the whole vocabulary, which vLLM (at its default --max-logprobs 20) refuses too."""
     for name in ("logprobs", "top_logprobs", "prompt_logprobs"):
@@ -64,6 +93,7 @@ def _sampling_params(
     state: ServerState, body: SamplingFields, prompt_lens: list[int | None]
 ) -> SamplingParams:
     _check_all_logprobs(state, body)
+    _check_token_ids(body)
     try:
         params = body.to_sampling_params()
     except ParameterError as exc:  # a StructuredOutputError too: it names the field it is about
@@ -269,6 +299,7 @@ async def _stream_body(
     logprobs: int | None,
     continuous_usage: bool = False,
     echo: bool = False,
+    shape: chat.ChatShape | None = None,
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     created, model = int(time.time()), state.model_name
@@ -283,7 +314,9 @@ async def _stream_body(
                 index = p * n + out.index
                 cursor = cursors.cursor(index)
                 choice = (
-                    serving.chat_delta(out, cursor, index, logprobs, text)
+                    (shape.delta if shape is not None else serving.chat_delta)(
+                        out, cursor, index, logprobs, text
+                    )
                     if chat
                     else serving.completion_delta(
                         out,
@@ -383,7 +416,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     }
     if body.stream:  # scoring streamed: the whole answer is one chunk, as vLLM sends the prompt at once
         return _streaming_response(_scoring_stream(answer, body.include_usage))
-    return JSONResponse(answer)
+    return _respond(body, finals, answer)
 
 
 async def _scoring_stream(answer: dict[str, Any], include_usage: bool) -> AsyncIterator[str]:
@@ -402,34 +435,40 @@ async def create_chat_completion(
     state.check_accepting()
     state.check_model(body.model)
     _check_fields(state, body, "/v1/chat/completions")
-    try:
-        prompt_ids = list(state.engine.apply_chat_template([m.as_template_dict() for m in body.messages]))
-    except Exception as exc:
-        raise APIError(
-            400,
-            f"messages cannot be rendered with the model's chat template: {exc}",
-            "messages",
-            "invalid_value",
-        ) from exc
+    plan = chat.plan(state.chat, body)  # tools and reasoning: checked before the template renders them
+    rendered = chat.render(state.chat, state.tokenizer, body)
+    prompt_ids = rendered.prompt_ids
     params = _sampling_params(state, body, [len(prompt_ids)])
+    chat.apply(plan, params, rendered, state.tokenizer)
+    shape = chat.ChatShape(plan) if plan.shaped else None
     rid = f"chatcmpl-{request_id(request, body.request_id)}"
     streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params)
     num_logprobs = body.num_logprobs()
     if body.stream:
         return _streaming_response(
             _stream_body(
-                state, streams, rid, True, body.n, body.include_usage, num_logprobs, body.continuous_usage
+                state,
+                streams,
+                rid,
+                True,
+                body.n,
+                body.include_usage,
+                num_logprobs,
+                body.continuous_usage,
+                shape=shape,
             )
         )
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
-    return JSONResponse(
+    return _respond(
+        body,
+        finals,
         {
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_name,
-            "choices": serving.chat_choices(finals[0], num_logprobs, text),
+            "choices": chat.choices(shape, serving.chat_choices(finals[0], num_logprobs, text), finals[0]),
             "usage": serving.usage(finals),
             **_kv_transfer(finals),
             **(
@@ -437,8 +476,12 @@ async def create_chat_completion(
                 if finals[0].prompt_logprobs is not None
                 else {}
             ),
-        }
+        },
     )
+
+
+def _respond(body: SamplingFields, finals: list[RequestOutput], answer: dict[str, Any]) -> JSONResponse:
+    return JSONResponse(_with_token_ids(body, finals, answer))
 
 
 def _kv_transfer(finals: list[RequestOutput]) -> dict[str, Any]:

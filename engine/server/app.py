@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, Response
 from specfleet.engine.core.client import EngineCoreClient
 
 from . import admin, api, tokens_api
+from .chat import ChatOptions
 from .errors import error_response, install_error_handlers
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .request_ids import RequestIdHeader
@@ -28,6 +29,7 @@ def build_state(
     max_waiting: int = 512,
     admin_token: str | None = None,
     admin_port: int | None = None,
+    chat: ChatOptions | None = None,
 ) -> ServerState:
     """The routes' state around a started engine core."""
     info = client.info
@@ -44,6 +46,7 @@ def build_state(
         vocab_size=len(info.tokenizer),
         admin_token=token,
         admin_port=admin_port,
+        chat=chat or ChatOptions(),
     )
 
 

@@ -18,6 +18,7 @@ from specfleet.engine.config import EngineConfig
 
 from .admin import live_config_from_file, token_from_env
 from .app import build_state, create_app
+from .chat import ChatOptions
 from .state import ServerState
 
 logger = logging.getLogger("specfleet.engine.server")
@@ -68,7 +69,57 @@ def build_parser() -> argparse.ArgumentParser:
         "operator's NAME-tuned ConfigMap, the tuner's config in force)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    add_chat_args(p)
     return p
+
+
+def add_chat_args(p: argparse.ArgumentParser) -> None:
+    """vLLM's flags for chat templates, tool calling and reasoning (docs/server.md, Tools and Reasoning)."""
+    from .reasoning import REASONING_PARSERS
+    from .tool_parsers import TOOL_PARSERS
+
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="a Jinja chat template file used instead of the model's (e.g. one that renders tools)",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="keyword arguments every chat template render gets, e.g. '{\"enable_thinking\": false}'; a "
+        "request's chat_template_kwargs override them",
+    )
+    p.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help='answer tool_choice="auto" (the default when tools are given) by reading the model\'s tool '
+        "calls with --tool-call-parser",
+    )
+    p.add_argument(
+        "--tool-call-parser",
+        default=None,
+        choices=sorted(TOOL_PARSERS),
+        help="the format the model writes tool calls in (with --enable-auto-tool-choice)",
+    )
+    p.add_argument(
+        "--reasoning-parser",
+        default=None,
+        choices=sorted(REASONING_PARSERS),
+        help="split <think>...</think> output into message.reasoning_content; structured outputs and tool "
+        "grammars then constrain only what follows the reasoning",
+    )
+
+
+def chat_options(args: argparse.Namespace) -> ChatOptions:
+    return ChatOptions.from_flags(
+        chat_template=args.chat_template,
+        enable_auto_tool_choice=args.enable_auto_tool_choice,
+        tool_call_parser=args.tool_call_parser,
+        reasoning_parser=args.reasoning_parser,
+        default_chat_template_kwargs=args.default_chat_template_kwargs,
+    )
 
 
 class DrainingServer(uvicorn.Server):
@@ -171,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
             if args.live_config_file:  # before the model loads: a bad value fails the start at once
                 config = live_config_from_file(config, args.live_config_file)
             admin_token = token_from_env()  # a bad token file fails now, not after minutes of loading
+            chat = chat_options(args)
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -194,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
         max_waiting=args.max_waiting,
         admin_token=admin_token,
         admin_port=args.admin_port,
+        chat=chat,
     )
     app = create_app(state)
     uv_config = uvicorn.Config(

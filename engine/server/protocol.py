@@ -11,11 +11,15 @@ from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.structured_output.request_fields import spec_from_request
 
 from .lenient import LenientModel
+from .tool_models import AssistantToolCall, ChatTool, ToolChoice
+from .tools import template_tool_calls
 
 # vLLM's VLLM_MAX_N_SEQUENCES default: samples are independent sequences in the scheduler, so n above
 # max_num_seqs queues like more requests would.
 MAX_N = 16384
 MAX_STOP = 16
+# Tools per request: OpenAI's own limit (its API refuses more than 128 functions).
+MAX_TOOLS = 128
 MAX_LOGPROBS = 20
 MAX_SEED = 2**63 - 1
 MIN_SEED = -(2**63)  # vLLM takes any int64 seed; the sampler mixes it to 64 bits, so negatives are distinct
@@ -70,6 +74,10 @@ class SamplingFields(LenientModel):
         default=None,
         pattern=REQUEST_ID_PATTERN,
         description="vLLM's request id (the X-Request-Id header wins); echoed in the response id and header",
+    )
+    return_token_ids: bool | None = Field(
+        default=None,
+        description="vLLM's: the prompt's and each choice's token ids in the (non-streamed) response",
     )
 
     @field_validator("logit_bias")
@@ -230,15 +238,20 @@ class ChatMessage(LenientModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
+    tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
 
-    def as_template_dict(self) -> dict[str, str]:
+    def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
             content = "".join(part.text for part in content)
         role = "system" if self.role == "developer" else self.role
-        message = {"role": role, "content": content or ""}
+        message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:
             message["name"] = self.name
+        if self.tool_call_id is not None:
+            message["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            message["tool_calls"] = template_tool_calls(self.tool_calls)
         return message
 
 
@@ -265,6 +278,12 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(default=None, ge=ALL_LOGPROBS, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
     add_generation_prompt: bool = True
+    # tool calling and reasoning (chat.py, tools.py, reasoning.py)
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    include_reasoning: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

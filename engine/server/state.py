@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import Request
 from specfleet.engine.core.client import EngineCoreClient
 
+from .chat import ChatOptions
 from .errors import APIError
 from .metrics import ServerMetrics
 
@@ -25,6 +26,7 @@ class ServerState:
     vocab_size: int
     admin_token: str | None = None
     admin_port: int | None = None  # the admin API's own port (None: served beside the OpenAI API)
+    chat: ChatOptions = field(default_factory=ChatOptions)  # chat template, tool and reasoning parsers
     ready: bool = False
     stopping: bool = False  # SIGTERM seen: /ready fails (the endpoint goes), requests are still served
     draining: bool = False  # after the shutdown delay: new requests get 503, in-flight ones finish

@@ -131,6 +131,13 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         400,
         "messages.0.role",
     ),
+    (
+        "chat tool_choice without tools",
+        "/v1/chat/completions",
+        {**CHAT, "tool_choice": "required"},
+        400,
+        "tool_choice",
+    ),
     ("chat top_logprobs without logprobs", "/v1/chat/completions", {**CHAT, "top_logprobs": 2}, 400, None),
     (
         "chat unknown response_format",

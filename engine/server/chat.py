@@ -7,6 +7,8 @@ The server's options (`--chat-template`, `--enable-auto-tool-choice`, `--tool-ca
 
 from __future__ import annotations
 
+import functools
+import inspect
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,20 +24,8 @@ from .reasoning import END, ReasoningParser, get_reasoning_parser
 from .tool_parsers import ToolParser, get_tool_parser
 from .tools import PartialCall, ToolPlan, new_call_id, plan_tools, required_calls, template_tools
 
-# Arguments of apply_chat_template that the request may not set through chat_template_kwargs: they are the
-# server's (the conversation, the tools, the template, how the result comes back).
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation",
-        "messages",
-        "tools",
-        "documents",
-        "chat_template",
-        "tokenize",
-        "return_dict",
-        "tokenizer",
-    }
-)
+# The name templates see the conversation under: never a chat_template_kwargs key (reserved_kwargs).
+CONVERSATION_NAMES = frozenset({"messages", "conversation"})
 
 
 @dataclass(frozen=True)
@@ -90,7 +80,7 @@ class Rendered:
 def render(options: ChatOptions, tokenizer: Any, body: Any) -> Rendered:
     """The prompt: the conversation through the chat template with the tools and template kwargs."""
     template_kwargs = {**options.default_template_kwargs, **(body.chat_template_kwargs or {})}
-    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs))
+    reserved = sorted(reserved_kwargs(type(tokenizer)) & set(template_kwargs))
     if reserved:
         raise APIError(
             400,
@@ -122,7 +112,19 @@ def render(options: ChatOptions, tokenizer: Any, body: Any) -> Rendered:
             "messages",
             "invalid_value",
         ) from exc
+    if not isinstance(text, str):  # a template kwarg that changed what comes back: not ours to guess
+        raise APIError(400, "the chat template did not render text", "chat_template_kwargs", "invalid_value")
     return Rendered(list(tokenizer.encode(text, add_special_tokens=False)), text)
+
+
+@functools.cache
+def reserved_kwargs(tokenizer_class: type) -> frozenset[str]:
+    """The names chat_template_kwargs may not set: the tokenizer's `apply_chat_template` parameters (the
+    conversation, tools, template, padding, how the result comes back: the server's to pass), read from its
+    signature, except add_generation_prompt; and the conversation's names."""
+    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters.items()
+    own = {name for name, p in parameters if p.kind is not p.VAR_KEYWORD and name != "add_generation_prompt"}
+    return frozenset(own - {"self"}) | CONVERSATION_NAMES
 
 
 @dataclass

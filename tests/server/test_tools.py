@@ -199,6 +199,11 @@ def test_auto_without_a_parser_is_a_400_naming_the_flags(client, server) -> None
         ({"tools": None, "tool_choice": "required"}, "tool_choice", "needs tools"),
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "keep one"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "may not set"),
+        (
+            {"chat_template_kwargs": {"return_tensors": "pt"}},
+            "chat_template_kwargs.return_tensors",
+            "may not set",
+        ),
     ],
 )
 def test_tool_requests_that_cannot_be_answered_are_400s_naming_the_field(

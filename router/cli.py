@@ -11,10 +11,12 @@ from pathlib import Path
 
 from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
+from .gateway import Gateway, serve_gateway
+from .gateway_discovery import DEFAULT_INTERVAL_S, InferenceServiceDiscovery
 from .policies import DEFAULT_POLICY, POLICIES, make_policy
 from .prefix import BlockHasher, stable_hash
 from .proxy import Router, serve
-from .shutdown import drain
+from .shutdown import Drainable, drain
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +40,32 @@ def build_parser() -> argparse.ArgumentParser:
         "--service",
         default=None,
         help="watch the EndpointSlices of this (headless) Service, in --namespace, in-cluster",
+    )
+    where.add_argument(
+        "--gateway",
+        action="store_true",
+        help="in-cluster: serve every InferenceService of --gateway-namespace (or --all-namespaces) that "
+        "matches --selector, routed by the request's model (docs/router.md, 'Gateway')",
+    )
+    p.add_argument(
+        "--gateway-namespace",
+        action="append",
+        default=None,
+        metavar="NS",
+        help="with --gateway: a namespace to serve (repeatable; default: the pod's own)",
+    )
+    p.add_argument(
+        "--all-namespaces", action="store_true", help="with --gateway: serve every namespace (a ClusterRole)"
+    )
+    p.add_argument(
+        "--selector", default="", help="with --gateway: label selector of the InferenceServices served"
+    )
+    p.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="with --gateway: seconds between two lists of the InferenceServices (a weight change takes "
+        "effect within one)",
     )
     p.add_argument(
         "--prefill-service",
@@ -122,7 +150,54 @@ def build_router(args: argparse.Namespace) -> Router:
     )
 
 
+async def run_gateway(args: argparse.Namespace) -> int:
+    if args.discovery_interval <= 0:
+        raise ValueError(f"--discovery-interval={args.discovery_interval} must be > 0")
+    if args.all_namespaces and args.gateway_namespace:
+        raise ValueError("--all-namespaces and --gateway-namespace exclude each other")
+    gateway = Gateway(args.session_header or None)
+    namespaces = (
+        None if args.all_namespaces else args.gateway_namespace or [InferenceServiceDiscovery.own_namespace()]
+    )
+    discovery = InferenceServiceDiscovery.in_cluster(
+        gateway,
+        namespaces,
+        selector=args.selector,
+        port_name=args.port_name,
+        interval_s=args.discovery_interval,
+        max_retries=args.max_retries,
+    )
+    task = asyncio.create_task(discovery.run())
+    runner = await serve_gateway(gateway, args.host, args.port)
+    logging.getLogger("specfleet.router").info(
+        "event=listening host=%s port=%d gateway=true namespaces=%s selector=%r",
+        args.host,
+        args.port,
+        "*" if namespaces is None else ",".join(namespaces),
+        args.selector,
+    )
+    await _until_signalled(gateway, args)
+    task.cancel()
+    await runner.cleanup()
+    return 0
+
+
+async def _until_signalled(target: Drainable, args: argparse.Namespace) -> None:
+    stop, forced = asyncio.Event(), asyncio.Event()
+
+    def on_signal() -> None:  # the first signal drains; a second one skips the drain's waits
+        (forced if stop.is_set() else stop).set()
+
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()
+    await drain(target, args.shutdown_delay, args.drain_timeout, forced)
+
+
 async def run(args: argparse.Namespace) -> int:
+    if args.gateway:
+        return await run_gateway(args)
     router = build_router(args)
 
     if args.prefill_service and not args.service:
@@ -152,16 +227,7 @@ async def run(args: argparse.Namespace) -> int:
     logging.getLogger("specfleet.router").info(
         "event=listening host=%s port=%d policy=%s", args.host, args.port, args.policy
     )
-    stop, forced = asyncio.Event(), asyncio.Event()
-
-    def on_signal() -> None:  # the first signal drains; a second one skips the drain's waits
-        (forced if stop.is_set() else stop).set()
-
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
-    await drain(router, args.shutdown_delay, args.drain_timeout, forced)
+    await _until_signalled(router, args)
     for task in tasks:  # discovery ran through the drain: streams may still have needed a new engine
         task.cancel()
     await runner.cleanup()

@@ -16,8 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-
-from .proxy import Router
+from typing import Protocol
 
 logger = logging.getLogger("specfleet.router")
 
@@ -25,7 +24,19 @@ logger = logging.getLogger("specfleet.router")
 POLL_SECONDS = 0.05
 
 
-async def drain(router: Router, shutdown_delay: float, drain_timeout: float, forced: asyncio.Event) -> None:
+class Drainable(Protocol):
+    """A router (proxy.Router) or a gateway over several (gateway.Gateway)."""
+
+    stopping: bool
+    draining: bool
+
+    @property
+    def in_flight(self) -> int: ...
+
+
+async def drain(
+    router: Drainable, shutdown_delay: float, drain_timeout: float, forced: asyncio.Event
+) -> None:
     """Steps 1 and 2 above; returns when nothing is in flight, at the drain timeout, or when `forced`."""
     router.stopping = True
     if shutdown_delay > 0:

@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 
 import pytest
-from helpers import free_port, start_server, stop_process
+from helpers import free_port
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.gateway import SERVICE_HEADER, Gateway, serve_gateway
 from specfleet.router.policies import service_policy
@@ -19,30 +19,6 @@ from specfleet.router.proxy import Router
 
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(240)
-
-
-@pytest.fixture(scope="module")
-def engines(tiny_llama: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
-    """Two engines: served name -> URL."""
-    logs = tmp_path_factory.mktemp("gateway-engines")
-    started = {}
-    try:
-        for name in ("engine-a", "engine-b"):
-            started[name] = start_server(
-                logs / f"{name}.log",
-                "--model",
-                tiny_llama,
-                "--served-model-name",
-                name,
-                "--max-model-len",
-                "256",
-                "--kv-cache-gib",
-                "0.05",
-            )
-        yield {name: url for name, (_, url) in started.items()}
-    finally:
-        for proc, _ in started.values():
-            stop_process(proc)
 
 
 def service_router(url: str) -> Router:

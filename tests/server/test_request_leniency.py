@@ -41,7 +41,7 @@ def test_fields_sdks_send_are_accepted_logged_once_and_counted(
     client: Any, server: Any, model_name: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     probe = f"sdk_probe_{uuid.uuid4().hex[:8]}"  # a name no other test sent, so its first log line is ours
-    extra = {probe: {"nested": True}, "guided_decoding_backend": "xgrammar", "return_token_ids": False}
+    extra = {probe: {"nested": True}, "guided_decoding_backend": "xgrammar", "service_tier": "auto"}
     before = ignored_counts(server)
     with caplog.at_level(logging.WARNING, logger=SERVER_LOGGER):
         for _ in range(2):
@@ -61,7 +61,7 @@ def test_fields_sdks_send_are_accepted_logged_once_and_counted(
     assert completion.choices[0].finish_reason in ("stop", "length")
     after = ignored_counts(server)
     assert counted(before, after, probe) >= 3  # every request counted
-    for field in ("store", "metadata", "reasoning_effort", "guided_decoding_backend", "return_token_ids"):
+    for field in ("store", "metadata", "reasoning_effort", "guided_decoding_backend", "service_tier"):
         assert counted(before, after, field) >= 2, field
     if probe in after:  # its own series (not "other"): exactly this test's three requests
         assert after[probe] - before.get(probe, 0) == 3

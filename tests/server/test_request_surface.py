@@ -207,3 +207,37 @@ def test_scoring_echo_with_max_tokens_zero_answers_the_prompt_logprobs(
     refused = httpx.post(f"{server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 0})
     assert refused.status_code == 400 and refused.json()["error"]["param"] == "max_tokens"
     assert "echo" in refused.json()["error"]["message"]
+
+
+def test_return_token_ids_on_non_streamed_responses(server: Any, model_name: str) -> None:
+    url = server.url
+    prompt = "Name a fruit:"
+    raw = httpx.post(
+        f"{url}/v1/completions",
+        json={"model": model_name, "prompt": prompt, "max_tokens": 4, "return_token_ids": True},
+        timeout=60,
+    ).json()
+    choice = raw["choices"][0]
+    assert (
+        choice["prompt_token_ids"] == httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    )
+    assert len(choice["token_ids"]) == raw["usage"]["completion_tokens"]
+    assert (
+        httpx.post(f"{url}/detokenize", json={"tokens": choice["token_ids"]}).json()["prompt"]
+        == choice["text"]
+    )
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"messages": CHAT, "max_tokens": 3, "temperature": 0, "return_token_ids": True},
+        timeout=60,
+    ).json()
+    assert chat["prompt_token_ids"] == httpx.post(f"{url}/tokenize", json={"messages": CHAT}).json()["tokens"]
+    assert len(chat["choices"][0]["token_ids"]) == chat["usage"]["completion_tokens"]
+    plain = httpx.post(f"{url}/v1/completions", json={"prompt": prompt, "max_tokens": 1}, timeout=60).json()
+    assert "token_ids" not in plain["choices"][0]  # only when asked, as vLLM
+    streamed = httpx.post(
+        f"{url}/v1/completions",
+        json={"prompt": prompt, "max_tokens": 2, "stream": True, "return_token_ids": True},
+        timeout=60,
+    )
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "return_token_ids"

@@ -7,7 +7,6 @@ The server's options (`--chat-template`, `--enable-auto-tool-choice`, `--tool-ca
 
 from __future__ import annotations
 
-import functools
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -117,14 +116,19 @@ def render(options: ChatOptions, tokenizer: Any, body: Any) -> Rendered:
     return Rendered(list(tokenizer.encode(text, add_special_tokens=False)), text)
 
 
-@functools.cache
-def reserved_kwargs(tokenizer_class: type) -> frozenset[str]:
+def reserved_kwargs(tokenizer_class: Any) -> frozenset[str]:
     """The names chat_template_kwargs may not set: the tokenizer's `apply_chat_template` parameters (the
     conversation, tools, template, padding, how the result comes back: the server's to pass), read from its
     signature, except add_generation_prompt; and the conversation's names."""
-    parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters.items()
-    own = {name for name, p in parameters if p.kind is not p.VAR_KEYWORD and name != "add_generation_prompt"}
-    return frozenset(own - {"self"}) | CONVERSATION_NAMES
+    reserved = _RESERVED.get(tokenizer_class)
+    if reserved is None:
+        parameters = inspect.signature(tokenizer_class.apply_chat_template).parameters.items()
+        own = {n for n, p in parameters if p.kind is not p.VAR_KEYWORD and n != "add_generation_prompt"}
+        reserved = _RESERVED[tokenizer_class] = frozenset(own - {"self"}) | CONVERSATION_NAMES
+    return reserved
+
+
+_RESERVED: dict[Any, frozenset[str]] = {}  # reserved_kwargs per tokenizer class (a signature read once)
 
 
 @dataclass

@@ -60,3 +60,41 @@ def test_a_bad_chat_flag_stops_the_start_naming_it(flags: list[str], message: st
     )
     assert proc.returncode == 2, proc.stderr
     assert message in proc.stderr
+
+
+def test_specfleet_serve_answers_tools_under_its_chat_flags(tmp_path: Path) -> None:
+    """The README's command with the chat flags: the template file and the parser reach the routes."""
+    import openai
+    from helpers import start_server, stop_process
+
+    proc, url = start_server(
+        tmp_path / "serve.log",
+        "--chat-template",
+        str(TEMPLATE),
+        "--enable-auto-tool-choice",
+        "--tool-call-parser",
+        "hermes",
+    )
+    try:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+        tool = {
+            "type": "function",
+            "function": {"name": "ping", "parameters": {"type": "object", "properties": {}}},
+        }
+        ask = [{"role": "user", "content": "Ping."}]
+        model = client.models.list().data[0].id
+        # auto is the default with tools: answered (no 400 naming the flags), by the hermes parser
+        assert client.chat.completions.create(model=model, messages=ask, tools=[tool], max_tokens=4).choices
+        named = client.chat.completions.create(
+            model=model,
+            messages=ask,
+            tools=[tool],
+            tool_choice={"type": "function", "function": {"name": "ping"}},
+            max_tokens=8,
+            temperature=0,
+        )
+        assert [(c.function.name, c.function.arguments) for c in named.choices[0].message.tool_calls] == [
+            ("ping", "{}")
+        ]
+    finally:
+        stop_process(proc)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -141,6 +142,9 @@ class ChatPlan:
     reasoning: ReasoningParser | None
     include_reasoning: bool = True
     reasoning_closed: bool = False  # the prompt closed the reasoning (set by `apply`): all output is answer
+    new_call_id: Callable[[], str] = (
+        new_call_id  # the server's parser's ids (Mistral's templates want 9 chars)
+    )
 
     @property
     def shaped(self) -> bool:
@@ -157,6 +161,7 @@ def plan(options: ChatOptions, body: Any) -> ChatPlan:
         options.tool_parser if tools.choice == "auto" else None,
         options.reasoning_parser,
         body.include_reasoning is not False,
+        new_call_id=options.tool_parser.call_id if options.tool_parser is not None else new_call_id,
     )
 
 
@@ -263,10 +268,9 @@ class ChatShape:
         if self.plan.reasoning is not None and self.plan.include_reasoning:
             target["reasoning_content"] = target["reasoning"] = reasoning
 
-    @staticmethod
-    def _call_id(sent: _Sent, i: int) -> str:
+    def _call_id(self, sent: _Sent, i: int) -> str:
         while len(sent.calls) <= i:
-            sent.calls.append((new_call_id(), 0))
+            sent.calls.append((self.plan.new_call_id(), 0))
         return sent.calls[i][0]
 
     def delta(

@@ -22,9 +22,13 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
+import string
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+from .tools import new_call_id
 
 Call = tuple[str, str]  # (function name, arguments as JSON text)
 
@@ -44,6 +48,11 @@ class ToolParser:
 
     def parse(self, text: str, final: bool, schemas: dict[str, Any]) -> AutoParse:
         raise NotImplementedError
+
+    @staticmethod
+    def call_id() -> str:
+        """A new tool call's id."""
+        return new_call_id()
 
 
 def held_back(text: str, marker: str) -> int:
@@ -148,6 +157,13 @@ class Llama3JsonParser(ToolParser):
 class MistralParser(ToolParser):
     name = "mistral"
     marker = "[TOOL_CALLS]"
+
+    @staticmethod
+    def call_id() -> str:
+        """Mistral's chat templates refuse a tool_call_id that is not 9 letters or digits (as vLLM's
+        mistral parser makes them), and the ids come back in the next turn's messages."""
+        return "".join(secrets.choice(string.ascii_letters + string.digits) for _ in range(9))
+
     _named = re.compile(r"\s*([A-Za-z0-9_.:-]+)\s*(?:\[ARGS\])?\s*")
 
     def parse(self, text: str, final: bool, schemas: dict[str, Any]) -> AutoParse:

@@ -150,7 +150,7 @@ def template_tool_calls(calls: list[AssistantToolCall]) -> list[dict[str, Any]]:
 
 
 def new_call_id() -> str:
-    """vLLM's tool-call id (`chatcmpl-tool-<hex>`)."""
+    """vLLM's tool-call id (`chatcmpl-tool-<hex>`), when no parser is configured."""
     return f"chatcmpl-tool-{uuid.uuid4().hex}"
 
 

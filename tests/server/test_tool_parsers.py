@@ -118,3 +118,10 @@ def test_reasoning_splits_and_streams_only_growing_parts(name, text, reasoning, 
         part = parser.split(text[:end], False)
         assert (whole.reasoning or "").startswith(part.reasoning or ""), (end, part)
         assert whole.content.startswith(part.content), (end, part)
+
+
+def test_call_ids_are_vllms_and_mistrals_are_nine_letters_or_digits() -> None:
+    """Mistral's chat templates refuse any other tool_call_id when the call comes back in the next turn."""
+    ids = {get_tool_parser("mistral").call_id() for _ in range(50)}
+    assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
+    assert get_tool_parser("hermes").call_id().startswith("chatcmpl-tool-")

@@ -245,7 +245,8 @@ def _cap(body: Any) -> None:
         return
     for key, cap in CAPS.items():
         value = body.get(key)
-        if isinstance(value, int) and not isinstance(value, bool) and value > cap:
+        # floats too: pydantic reads 4361.0 as n=4361, and n goes up to vLLM's 16384 per prompt
+        if isinstance(value, int | float) and not isinstance(value, bool) and value > cap:
             body[key] = cap
     if body.get("max_tokens") is None and body.get("max_completion_tokens") is None:
         body["max_tokens"] = 2  # chat's default is "up to the context"

@@ -1,8 +1,11 @@
-"""`specfleet up -f FILE.yaml [--prometheus-url URL]`: run an InferenceService on this machine.
+"""`specfleet up -f FILE.yaml [-f MORE.yaml ...] [--prometheus-url URL]`: run InferenceServices on this machine.
 
 Starts `spec.replicas` engine processes on loopback, the router in front (`spec.routing.policy`, or
 `--policy`), supervises the engines (an engine that exits is logged and restarted with backoff), the tuner when `spec.autotune.enabled` (or `--tune`), prints every tuner decision, and on
-Ctrl-C / SIGTERM drains and stops everything.
+Ctrl-C / SIGTERM drains and stops everything. With several files, each service is such a fleet with its
+router on a port of its own, and one gateway (router/gateway.py) on --port routes by the request's model,
+as `specfleet router --gateway` does in the cluster; the files' routing.weight and routing.aliases are
+read again every --discovery-interval, so editing a canary's weight moves its traffic.
 """
 
 from __future__ import annotations
@@ -13,12 +16,18 @@ import signal
 import sys
 from pathlib import Path
 
-from specfleet.operator.inference_service import InvalidInferenceService, load_inference_service
+from specfleet.operator.inference_service import (
+    InferenceService,
+    InvalidInferenceService,
+    load_inference_service,
+)
+from specfleet.router.gateway import Gateway, serve_gateway
+from specfleet.router.gateway_discovery import DEFAULT_INTERVAL_S
 from specfleet.router.policies import POLICIES
 from specfleet.tuner.loop import Tick
 
 from .cores import CorePool
-from .supervisor import LocalFleet
+from .supervisor import LocalFleet, free_port
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -28,7 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
         "replicas as engine processes, one OpenAI endpoint, the same tuner.",
     )
     p.add_argument(
-        "-f", "--file", required=True, help="InferenceService YAML (e.g. examples/smollm2-cpu.yaml)"
+        "-f",
+        "--file",
+        required=True,
+        action="append",
+        help="InferenceService YAML (e.g. examples/smollm2-cpu.yaml); repeat it for several services behind "
+        "one endpoint, routed by the request's model (the gateway: docs/router.md)",
+    )
+    p.add_argument(
+        "--discovery-interval",
+        type=float,
+        default=DEFAULT_INTERVAL_S,
+        help="with several -f: seconds between two reads of the files' routing.weight and routing.aliases",
     )
     p.add_argument("--host", default="127.0.0.1", help="address of the OpenAI endpoint")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI endpoint (0: any free port)")
@@ -144,40 +164,148 @@ async def run(fleet: LocalFleet) -> int:
     return 0 if all(c == 0 for c in codes) else 1
 
 
+def service_key(isvc: InferenceService) -> str:
+    """The gateway's name for a local service, as in the cluster: NAMESPACE/NAME (`default` when unset)."""
+    return f"{isvc.namespace}/{isvc.name}"
+
+
+def load_services(files: list[str]) -> list[InferenceService]:
+    """Each file's InferenceService; refuses a service without replicas and two files naming one service."""
+    services: list[InferenceService] = []
+    for file in files:
+        isvc = load_inference_service(file)
+        if isvc.spec.replicas < 1:
+            raise ValueError(f"{file} has spec.replicas={isvc.spec.replicas}; set it to 1 or more")
+        if any(service_key(isvc) == service_key(s) for s in services):
+            raise ValueError(f"{file}: {service_key(isvc)} is already given by another -f file; rename one")
+        services.append(isvc)
+    return services
+
+
+async def follow_files(
+    gateway: Gateway, files: list[str], fleets: list[LocalFleet], interval_s: float
+) -> None:
+    """Every interval: each file's routing.weight and routing.aliases into the gateway (an invalid edit is
+    reported and the last valid values stay)."""
+    reported: dict[str, str] = {}
+    while True:
+        for file, fleet in zip(files, fleets, strict=True):
+            try:
+                routing = load_inference_service(file).spec.routing
+            except (InvalidInferenceService, OSError) as error:
+                if reported.get(file) != str(error):
+                    print(f"[gateway] {file}: {error}; keeping its last routing", file=sys.stderr, flush=True)
+                reported[file] = str(error)
+                continue
+            reported.pop(file, None)
+            key = service_key(fleet.isvc)
+            before = gateway.services[key]
+            names = (fleet.isvc.name, *routing.aliases)
+            if (before.names, before.weight) != (names, routing.weight):
+                print(f"[gateway] {key}: names {', '.join(names)}, weight {routing.weight}", flush=True)
+            gateway.upsert(key, names, routing.weight, fleet.router)
+        await asyncio.sleep(interval_s)
+
+
+async def run_gateway(
+    fleets: list[LocalFleet], files: list[str], host: str, port: int, interval_s: float
+) -> int:
+    """Several fleets behind one gateway on host:port."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    gateway = Gateway()
+    runner = None
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        for fleet in fleets:
+            print(
+                f"starting {fleet.isvc.spec.replicas} engine(s) for {fleet.isvc.name}; logs in {fleet.log_dir}",
+                flush=True,
+            )
+
+        async def start_all() -> None:
+            await asyncio.gather(*(fleet.start() for fleet in fleets))
+
+        start = asyncio.create_task(start_all())
+        waiter = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+        if start in done:
+            start.result()
+            for fleet in fleets:
+                routing = fleet.isvc.spec.routing
+                gateway.upsert(
+                    service_key(fleet.isvc), (fleet.isvc.name, *routing.aliases), routing.weight, fleet.router
+                )
+            gateway.synced = True
+            port = port or free_port(host)
+            runner = await serve_gateway(gateway, host, port)
+            tasks.append(asyncio.create_task(follow_files(gateway, files, fleets, interval_s)))
+            print(
+                f"serving {', '.join(sorted(gateway.models()))} at http://{host}:{port}/v1 (gateway over "
+                f"{len(fleets)} services: "
+                + "; ".join(
+                    f"{service_key(f.isvc)} weight {f.isvc.spec.routing.weight} at {f.url}" for f in fleets
+                )
+                + f"); metrics at http://{host}:{port}/metrics",
+                flush=True,
+            )
+            await waiter
+        else:
+            start.cancel()
+        print("stopping: draining in-flight requests", flush=True)
+    except (RuntimeError, TimeoutError, ValueError) as error:
+        print(f"specfleet up: {error}", file=sys.stderr)
+        for fleet in fleets:
+            await fleet.stop(drain_timeout_s=0)
+        return 1
+    for task in tasks:
+        task.cancel()
+    codes = [code for fleet in fleets for code in await fleet.stop()]
+    if runner is not None:
+        await runner.cleanup()
+    print(f"stopped; engine exit codes {codes}", flush=True)
+    return 0 if all(c == 0 for c in codes) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
-        isvc = load_inference_service(args.file)
-    except (InvalidInferenceService, OSError) as error:
+        services = load_services(args.file)
+    except (InvalidInferenceService, OSError, ValueError) as error:
         print(f"specfleet up: {error}", file=sys.stderr)
         return 2
-    if isvc.spec.replicas < 1:
-        print(
-            f"specfleet up: {args.file} has spec.replicas={isvc.spec.replicas}; set it to 1 or more",
-            file=sys.stderr,
-        )
+    if args.discovery_interval <= 0:
+        print(f"specfleet up: --discovery-interval={args.discovery_interval} must be > 0", file=sys.stderr)
         return 2
     try:
         CorePool().check(args.cpus_per_engine or 1)
     except ValueError as error:
         print(f"specfleet up: --cpus-per-engine: {error}", file=sys.stderr)
         return 2
-    fleet = LocalFleet(
-        isvc,
-        host=args.host,
-        port=args.port,
-        prometheus_url=args.prometheus_url,
-        prometheus_selector=args.prometheus_selector,
-        tune=args.tune,
-        interval_s=args.interval,
-        window_s=args.window,
-        engine_extra_args=list(args.engine_arg),
-        on_tick=print_tick,
-        policy=args.policy,
-        freeze_file=Path(args.freeze_file) if args.freeze_file else None,
-        cpus_per_engine=args.cpus_per_engine,
-    )
-    return asyncio.run(run(fleet))
+    several = len(services) > 1
+    fleets = [
+        LocalFleet(
+            isvc,
+            host=args.host,
+            port=0 if several else args.port,  # with a gateway, each service's router on a port of its own
+            prometheus_url=args.prometheus_url,
+            prometheus_selector=args.prometheus_selector,
+            tune=args.tune,
+            interval_s=args.interval,
+            window_s=args.window,
+            engine_extra_args=list(args.engine_arg),
+            on_tick=print_tick,
+            policy=args.policy,
+            freeze_file=Path(args.freeze_file) if args.freeze_file else None,
+            cpus_per_engine=args.cpus_per_engine,
+        )
+        for isvc in services
+    ]
+    if several:
+        return asyncio.run(run_gateway(fleets, args.file, args.host, args.port, args.discovery_interval))
+    return asyncio.run(run(fleets[0]))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,129 @@
+"""`specfleet up -f a.yaml -f b.yaml`: two InferenceServices as local fleets of real engines (the tiny llama)
+behind one endpoint, driven by the official openai client: routing by model and alias, /v1/models as the
+union, an unknown model's 404 listing the known ones, the shared name split by weight, and an edit of one
+file's routing.weight followed within one --discovery-interval; SIGINT stops everything cleanly."""
+
+from __future__ import annotations
+
+import copy
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from helpers import free_port
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml").read_text())
+INTERVAL_S = 0.5
+
+
+def service(name: str, source: str, weight: int, aliases: list[str]) -> dict[str, Any]:
+    doc: dict[str, Any] = copy.deepcopy(EXAMPLE)
+    doc["metadata"] = {"name": name}
+    doc["spec"]["model"] = {"source": source, "dtype": "float32", "maxModelLen": 256}
+    doc["spec"]["routing"] = {"weight": weight, "aliases": aliases, "policy": "round-robin"}
+    return doc
+
+
+def test_up_with_two_files_serves_both_models_behind_one_endpoint(tiny_llama: str, tmp_path: Path) -> None:
+    openai = pytest.importorskip("openai")
+    files = {
+        "llm-v1": tmp_path / "v1.yaml",
+        "llm-v2": tmp_path / "v2.yaml",
+    }
+    files["llm-v1"].write_text(yaml.safe_dump(service("llm-v1", tiny_llama, 100, ["llm", "stable"])))
+    files["llm-v2"].write_text(yaml.safe_dump(service("llm-v2", tiny_llama, 100, ["llm"])))
+    port = free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "specfleet.fleet.local",
+            "-f",
+            str(files["llm-v1"]),
+            "-f",
+            str(files["llm-v2"]),
+            "--port",
+            str(port),
+            "--no-tune",
+            "--discovery-interval",
+            str(INTERVAL_S),
+            "--engine-arg=--kv-cache-gib=0.05",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    )
+    lines: queue.Queue[str] = queue.Queue()
+    seen: list[str] = []
+    assert proc.stdout is not None
+    stdout = proc.stdout
+    threading.Thread(
+        target=lambda: [lines.put(raw.decode(errors="replace")) for raw in stdout], daemon=True
+    ).start()
+
+    def wait_for(text: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in seen):
+            assert proc.poll() is None or not lines.empty(), "".join(seen)[-3000:]
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s}s:\n" + "".join(seen)[-3000:]
+            try:
+                seen.append(lines.get(timeout=0.2))
+            except queue.Empty:
+                pass
+
+    try:
+        wait_for(f"at http://127.0.0.1:{port}/v1 (gateway over 2 services", 240)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+        )
+
+        def service_of(model: str) -> str:
+            raw = client.completions.with_raw_response.create(model=model, prompt="up", max_tokens=1)
+            return raw.headers["x-specfleet-service"]
+
+        assert [m.id for m in client.models.list().data] == ["llm", "llm-v1", "llm-v2", "stable"]
+        assert service_of("stable") == "default/llm-v1" and service_of("llm-v2") == "default/llm-v2"
+        chat = client.chat.completions.create(
+            model="llm-v1", max_tokens=2, messages=[{"role": "user", "content": "hi"}]
+        )
+        assert chat.choices
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.completions.create(model="llm-v3", prompt="x", max_tokens=1)
+        assert "llm, llm-v1, llm-v2, stable" in str(missing.value)
+        assert Counter(service_of("llm") for _ in range(4)) == {"default/llm-v1": 2, "default/llm-v2": 2}
+
+        # the canary's file now says weight 0: within one interval nothing new reaches it
+        files["llm-v2"].write_text(yaml.safe_dump(service("llm-v2", tiny_llama, 0, ["llm"])))
+        edited = time.monotonic()
+        wait_for("[gateway] default/llm-v2: names llm-v2, llm, weight 0", 10)
+        assert time.monotonic() - edited <= INTERVAL_S + 1.0
+        assert {service_of("llm") for _ in range(4)} == {"default/llm-v1"}
+
+        proc.send_signal(signal.SIGINT)
+        wait_for("stopped; engine exit codes", 60)
+        assert proc.wait(30) == 0, "".join(seen)[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_up_refuses_two_files_naming_one_service(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from specfleet.fleet.local import main
+
+    for name in ("a.yaml", "b.yaml"):
+        (tmp_path / name).write_text(
+            yaml.safe_dump(service("llm", "bundled://smollm2-135m-instruct", 100, []))
+        )
+    assert main(["-f", str(tmp_path / "a.yaml"), "-f", str(tmp_path / "b.yaml")]) == 2
+    assert "default/llm is already given by another -f file" in capsys.readouterr().err

@@ -436,7 +436,7 @@ async def create_chat_completion(
     state.check_model(body.model)
     _check_fields(state, body, "/v1/chat/completions")
     plan = chat.plan(state.chat, body)  # tools and reasoning: checked before the template renders them
-    rendered = chat.render(state.chat, state.tokenizer, body)
+    rendered = chat.render(state.chat, state.tokenizer, body, plan)
     prompt_ids = rendered.prompt_ids
     params = _sampling_params(state, body, [len(prompt_ids)])
     chat.apply(plan, params, rendered, state.tokenizer)

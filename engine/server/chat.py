@@ -34,6 +34,7 @@ class ChatOptions:
     tool_parser: ToolParser | None = None  # set only with --enable-auto-tool-choice
     reasoning_parser: ReasoningParser | None = None
     default_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    exclude_tools_when_none: bool = False  # tool_choice "none" renders the prompt without the tools
 
     @classmethod
     def from_flags(
@@ -43,6 +44,7 @@ class ChatOptions:
         tool_call_parser: str | None = None,
         reasoning_parser: str | None = None,
         default_chat_template_kwargs: str | None = None,
+        exclude_tools_when_tool_choice_none: bool = False,
     ) -> ChatOptions:
         """ValueError naming the flag for a bad value: the server refuses to start."""
         if enable_auto_tool_choice and tool_call_parser is None:
@@ -68,6 +70,7 @@ class ChatOptions:
             tool_parser=get_tool_parser(tool_call_parser) if tool_call_parser else None,
             reasoning_parser=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
             default_template_kwargs=kwargs,
+            exclude_tools_when_none=exclude_tools_when_tool_choice_none,
         )
 
 
@@ -77,8 +80,9 @@ class Rendered:
     prompt_text: str
 
 
-def render(options: ChatOptions, tokenizer: Any, body: Any) -> Rendered:
+def render(options: ChatOptions, tokenizer: Any, body: Any, plan: ChatPlan) -> Rendered:
     """The prompt: the conversation through the chat template with the tools and template kwargs."""
+    tools = None if plan.tools.choice == "none" and options.exclude_tools_when_none else body.tools
     template_kwargs = {**options.default_template_kwargs, **(body.chat_template_kwargs or {})}
     reserved = sorted(reserved_kwargs(type(tokenizer)) & set(template_kwargs))
     if reserved:
@@ -100,7 +104,7 @@ def render(options: ChatOptions, tokenizer: Any, body: Any) -> Rendered:
     try:
         text = tokenizer.apply_chat_template(
             [m.as_template_dict() for m in body.messages],
-            tools=template_tools(body.tools),
+            tools=template_tools(tools),
             chat_template=template,
             tokenize=False,
             **template_kwargs,

@@ -98,6 +98,11 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
         "calls with --tool-call-parser",
     )
     p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='leave the tools out of the prompt when tool_choice is "none" (by default the template still gets them)',
+    )
+    p.add_argument(
         "--tool-call-parser",
         default=None,
         choices=sorted(TOOL_PARSERS),
@@ -119,6 +124,7 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
         tool_call_parser=args.tool_call_parser,
         reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
+        exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
     )
 
 

@@ -158,6 +158,29 @@ def test_tool_calls_and_tool_results_render_through_the_template(tool_server) ->
     assert '<tool_response id="call_w1">\nsunny, 24 C\n</tool_response>' in prompt
 
 
+def test_tool_choice_none_keeps_the_tools_in_the_prompt_unless_the_server_excludes_them(
+    tool_server, monkeypatch
+) -> None:
+    def prompt() -> str:
+        body = {
+            "messages": ASK,
+            "tools": [WEATHER],
+            "tool_choice": "none",
+            "max_tokens": 1,
+            "prompt_logprobs": 0,
+        }
+        response = httpx.post(f"{tool_server.url}/v1/chat/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        return "".join(
+            next(iter(e.values()))["decoded_token"] for e in response.json()["prompt_logprobs"][1:]
+        )
+
+    assert json.dumps(WEATHER) in prompt()
+    options = ChatOptions.from_flags(chat_template=str(TEMPLATE), exclude_tools_when_tool_choice_none=True)
+    monkeypatch.setattr(tool_server.state, "chat", options)
+    assert "<tools>" not in prompt() and "What is the weather in Paris" in prompt()
+
+
 def test_auto_reads_the_models_calls_and_gives_malformed_ones_back_as_content(client, tool_server) -> None:
     """The output is forced with a regex, so the parser's input is known: a well-formed hermes call, then
     the same with broken arguments."""

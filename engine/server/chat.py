@@ -325,6 +325,7 @@ class ChatShape:
         cursor.text_len = len(out.text)
         if out.finished:
             choice["finish_reason"] = self.finish_reason(out, read)
+            choice["stop_reason"] = out.stop_reason  # as the plain chat stream sends it (serving.chat_delta)
             cursor.done = True
         return choice
 

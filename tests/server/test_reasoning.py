@@ -57,7 +57,9 @@ def test_the_output_after_think_is_reasoning_and_streams_as_reasoning_deltas(cli
     chunks = client.chat.completions.create(
         model=served.state.model_name, messages=ASK, stream=True, extra_body=THINK, **FAST
     )
-    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    choices = [c.choices[0] for c in chunks if c.choices]
+    deltas = [c.delta for c in choices]
+    assert choices[-1].finish_reason == "length" and choices[-1].model_extra["stop_reason"] is None
     assert "".join((d.model_extra or {}).get("reasoning_content") or "" for d in deltas) == reasoning
     assert not "".join(d.content or "" for d in deltas)
     served.plain()

@@ -226,7 +226,15 @@ class InferenceServiceDiscovery:
         for task in tracked.tasks:
             task.cancel()
         self.tracked.pop(key, None)
+        tracked.tasks = [asyncio.get_running_loop().create_task(_close_when_idle(tracked.router))]
         logger.info("event=service_removed service=%s reason=%r", key, reason)
+
+
+async def _close_when_idle(router: Router, poll_s: float = 1.0) -> None:
+    """A router that left the table: its requests in flight (streams too) finish, then its connections close."""
+    while router.in_flight:
+        await asyncio.sleep(poll_s)
+    await router.close()
 
 
 def _logged(key: str, on_change: Callable[[States], None]) -> Callable[[States], None]:

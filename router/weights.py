@@ -64,7 +64,8 @@ class SmoothWeighted:
         total = sum(c.weight for c in live)
         for c in live:
             self.credit[c.key] = self.credit.get(c.key, 0) + c.weight
-        best = max(live, key=lambda c: (self.credit[c.key], c.key))
+        # the first of the most credited, by key, wins a tie (nginx takes the first in its list)
+        best = max(sorted(live, key=lambda c: c.key), key=lambda c: self.credit[c.key])
         self.credit[best.key] -= total
         return best.key
 

@@ -9,6 +9,7 @@ import asyncio
 from collections import Counter
 from collections.abc import Awaitable, Callable
 
+import aiohttp
 import pytest
 from helpers import free_port
 from specfleet.router.endpoints import EndpointSet
@@ -86,6 +87,17 @@ def test_routes_by_model_and_alias_and_lists_the_union(engines: dict[str, str]) 
         with pytest.raises(openai.NotFoundError):
             await client.models.retrieve("gamma")
         assert (await client.models.retrieve("chat")).id == "chat"
+
+        # one scrape for every service's router, each series labelled with its service
+        async with aiohttp.ClientSession() as http:
+            async with http.get(str(client.base_url).replace("/v1/", "/metrics")) as response:
+                text = await response.text()
+        served = {
+            line.split('service="')[1].split('"')[0]
+            for line in text.splitlines()
+            if line.startswith("specfleet_router_requests_total{") and 'outcome="ok"' in line
+        }
+        assert served == {"team-a/alpha", "team-b/beta"}
 
     run_gateway(gateway, test)
 

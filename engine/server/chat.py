@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,6 +24,8 @@ from .errors import APIError
 from .reasoning import END, ReasoningParser, get_reasoning_parser
 from .tool_parsers import ToolParser, get_tool_parser
 from .tools import PartialCall, ToolPlan, new_call_id, plan_tools, required_calls, template_tools
+
+log = logging.getLogger("specfleet.engine.server")
 
 # The name templates see the conversation under: never a chat_template_kwargs key (reserved_kwargs).
 CONVERSATION_NAMES = frozenset({"messages", "conversation"})
@@ -240,7 +243,11 @@ class ChatShape:
                 return _Read(reasoning, answer if final else "", [] if calls is None else calls)
             return _Read(reasoning, None, calls)
         assert plan.tool_parser is not None, "auto has its parser (plan_tools refuses it otherwise)"
-        parsed = plan.tool_parser.parse(answer, final, plan.schemas)
+        try:
+            parsed = plan.tool_parser.parse(answer, final, plan.schemas)
+        except Exception:  # a parser's bug must not fail the request: the text is the answer
+            log.exception("event=tool_parser_failed parser=%s", plan.tool_parser.name)
+            return _Read(reasoning, answer, [])
         calls = [PartialCall(name, arguments, True) for name, arguments in parsed.calls]
         return _Read(reasoning, parsed.content if parsed.content or not calls else None, calls)
 

@@ -212,7 +212,8 @@ class Qwen3XmlParser(ToolParser):
         if match is None:
             return None
         name = match.group(1)
-        properties = (schemas.get(name) or {}).get("properties") or {}
+        properties = (schemas.get(name) or {}).get("properties")
+        properties = properties if isinstance(properties, dict) else {}
         arguments = {
             key: _typed(_strip_newline(raw), properties.get(key))
             for key, raw in self._parameter.findall(match.group(2))

@@ -94,7 +94,15 @@ def required_schema(tools: list[ChatTool], one_call: bool = False) -> dict[str, 
     branches = []
     for tool in tools:
         params = dict(_parameters(tool))
-        for key, value in params.pop("$defs", {}).items():
+        tool_defs = params.pop("$defs", {})
+        if not isinstance(tool_defs, dict):
+            raise APIError(
+                400,
+                f"tools: {tool.function.name}'s parameters.$defs must be an object of schemas",
+                "tools",
+                "invalid_value",
+            )
+        for key, value in tool_defs.items():
             if key in defs and defs[key] != value:
                 raise APIError(
                     400,

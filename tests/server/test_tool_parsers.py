@@ -125,3 +125,9 @@ def test_call_ids_are_vllms_and_mistrals_are_nine_letters_or_digits() -> None:
     ids = {get_tool_parser("mistral").call_id() for _ in range(50)}
     assert len(ids) == 50 and all(len(i) == 9 and i.isalnum() and i.isascii() for i in ids)
     assert get_tool_parser("hermes").call_id().startswith("chatcmpl-tool-")
+
+
+def test_qwen3_xml_takes_a_schema_without_properties_as_untyped() -> None:
+    text = "<tool_call><function=f><parameter=n>\n7\n</parameter></function></tool_call>"
+    parsed = get_tool_parser("qwen3_xml").parse(text, True, {"f": {"type": "object", "properties": ["n"]}})
+    assert parsed.calls == [("f", '{"n": 7}')]

@@ -223,6 +223,14 @@ def test_auto_without_a_parser_is_a_400_naming_the_flags(client, server) -> None
         ({"tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice", "keep one"),
         ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs.tools", "may not set"),
         (
+            {
+                "tools": [{"type": "function", "function": {"name": "f", "parameters": {"$defs": 5}}}],
+                "tool_choice": "required",
+            },
+            "tools",
+            "$defs must be an object",
+        ),
+        (
             {"chat_template_kwargs": {"return_tensors": "pt"}},
             "chat_template_kwargs.return_tensors",
             "may not set",

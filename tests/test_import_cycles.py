@@ -5,12 +5,13 @@ client below bench llamacpp). Function-level imports count: a circle through one
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import grimp
 
-PACKAGES = tuple(
-    f"specfleet.{part}"
-    for part in ("cli", "engine", "kernels", "operator", "tuner", "fleet", "bench", "sim", "router")
-)
+PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
+PACKAGES = tuple(tomllib.loads(PYPROJECT.read_text())["tool"]["setuptools"]["package-dir"])
 
 
 def _circles(graph: grimp.ImportGraph) -> list[list[str]]:

@@ -14,7 +14,6 @@ lua51 = pytest.importorskip("lupa.lua51", reason="lupa is a test extra: pip inst
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPT = REPO / "deploy" / "argocd" / "inferenceservice-health.lua"
-CM = REPO / "deploy" / "argocd" / "argocd-cm.yaml"
 FIXTURES = REPO / "tests" / "fixtures" / "argocd-health"
 CASES = yaml.safe_load((FIXTURES / "health_test.yaml").read_text())["tests"]
 # Argo CD runs health scripts in gopher-lua (Lua 5.1) with only these libraries open: no os, io or require.
@@ -80,13 +79,6 @@ def test_a_stale_healthy_status_is_never_healthy() -> None:
     assert argocd_health(obj)["status"] == "Healthy"
     obj["metadata"]["generation"] += 1  # a spec just applied; the operator has not seen it yet
     assert argocd_health(obj)["status"] == "Progressing"
-
-
-def test_argocd_cm_snippet_installs_this_script() -> None:
-    cm = yaml.safe_load(CM.read_text())
-    assert cm["metadata"]["name"] == "argocd-cm"
-    key = "resource.customizations.health.serving.specfleet.io_InferenceService"
-    assert cm["data"][key] == SCRIPT.read_text(), "argocd-cm.yaml embeds a stale copy of the script"
 
 
 FLUX_KUSTOMIZATION = REPO / "deploy" / "gitops-examples" / "flux-kustomization.yaml"

@@ -1,5 +1,6 @@
 """The chart's monitoring values, rendered by Helm's own engine: the PrometheusRule (validated against the
-Prometheus Operator's CRD) and the Grafana dashboard ConfigMap, off by default and equal to deploy/monitoring."""
+Prometheus Operator's CRD) and the Grafana dashboard ConfigMap, off by default. The chart's files/ are
+written from deploy/monitoring by `python -m specfleet.operator.generate` (tests/test_generated.py)."""
 
 from __future__ import annotations
 
@@ -49,13 +50,6 @@ def render(values: dict[str, Any] | None) -> list[dict[str, Any]]:
 
 def kinds(objects: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [o for o in objects if o["kind"] == kind]
-
-
-@pytest.mark.parametrize("name", ["prometheus-rules.yaml", "grafana-dashboard.json"])
-def test_the_chart_ships_the_same_files_as_deploy_monitoring(name: str) -> None:
-    assert (CHART / "files" / name).read_bytes() == (MONITORING / name).read_bytes(), (
-        f"charts/specfleet/files/{name} is stale: cp deploy/monitoring/{name} charts/specfleet/files/"
-    )
 
 
 def test_monitoring_is_off_by_default() -> None:

@@ -93,7 +93,7 @@ def test_kustomize_ships_the_generated_crd_and_the_examples(folder: str) -> None
     objects = kustomize(folder)
     (crd,) = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
     assert crd == yaml.safe_load(CRD.read_text()), (
-        "deploy/kustomize/base/crds/inferenceservice.yaml is stale: run `python -m specfleet.operator.crd`"
+        "deploy/kustomize/base/crds/inferenceservice.yaml is stale: run `python -m specfleet.operator.generate`"
     )
     (namespace,) = [o for o in objects if o["kind"] == "Namespace"]
     assert namespace["metadata"]["name"] == NAMESPACE
@@ -106,7 +106,7 @@ def test_kustomize_ships_the_generated_crd_and_the_examples(folder: str) -> None
     expected = yaml.safe_load((REPO / "examples" / example).read_text())
     expected["metadata"]["namespace"] = NAMESPACE  # the operator watches its own namespace by default
     assert isvc == expected, (
-        f"deploy/kustomize/{folder}/inferenceservice.yaml is stale: cp examples/{example}"
+        f"deploy/kustomize/{folder}/inferenceservice.yaml is stale: run `python -m specfleet.operator.generate`"
     )
     assert crd_errors(CRD, isvc) == []
 

@@ -34,6 +34,7 @@ def test_the_flags_make_the_servers_chat_options() -> None:
     assert options.default_template_kwargs == {"enable_thinking": False}
 
 
+@pytest.mark.slow  # a `specfleet serve` process per case (it exits before the model loads)
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -62,6 +63,7 @@ def test_a_bad_chat_flag_stops_the_start_naming_it(flags: list[str], message: st
     assert message in proc.stderr
 
 
+@pytest.mark.slow  # starts `specfleet serve` with the bundled model
 def test_specfleet_serve_answers_tools_under_its_chat_flags(tmp_path: Path) -> None:
     """The README's command with the chat flags: the template file and the parser reach the routes."""
     import openai

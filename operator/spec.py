@@ -1,6 +1,6 @@
 """The InferenceService spec as pydantic models: the one source of truth for the CRD's spec schema.
 
-`crds/inferenceservice.yaml` is generated from these classes (`python -m specfleet.operator.crd`), so a
+`crds/inferenceservice.yaml` is generated from these classes (`python -m specfleet.operator.generate`), so a
 field, default, enum, bound or CEL rule is written once, here. Cross-field rules are written twice on
 purpose, side by side: as a CEL expression the API server enforces (`x-kubernetes-validations`) and as the
 equivalent Python check pydantic runs for `specfleet up` (no API server there); the tests evaluate both on

@@ -66,11 +66,18 @@ def test_langchain_structured_output(chat_model: Any, method: str) -> None:
 
 
 def test_langchain_bind_tools(chat_model: Any) -> None:
-    message = chat_model.bind_tools([get_weather], tool_choice="required").invoke(QUESTION)
+    bound = chat_model.bind_tools([get_weather], tool_choice="required")
+    message = bound.invoke(QUESTION)
     assert [call["name"] for call in message.tool_calls] == ["get_weather"] * len(message.tool_calls)
     assert message.tool_calls and all(
         isinstance(call["args"].get("city"), str) for call in message.tool_calls
     )
+    chunks = list(bound.stream(QUESTION))
+    merged = chunks[0]
+    for chunk in chunks[1:]:
+        merged += chunk  # LangChain's own accumulation of delta.tool_calls
+    streamed = [(c["name"], c["args"]) for c in merged.tool_calls]
+    assert streamed == [(c["name"], c["args"]) for c in message.tool_calls]
 
 
 def test_litellm_completion_and_stream(tool_server: Any, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -32,7 +32,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from .proxy import CLEANUP_GRACE_SECONDS, MAX_BODY_BYTES, Router
+from .proxy import MAX_BODY_BYTES, Router, start_app
 from .weights import Candidate, WeightedSplit
 
 logger = logging.getLogger("specfleet.router.gateway")
@@ -42,6 +42,9 @@ _SERVICE_KEY = web.RequestKey("specfleet_service", str)  # the request's slot fo
 # How long the name a service's engines serve (their `/v1/models`) is trusted before it is asked again: a
 # model change rolls the engines over minutes, and one GET per service per 30 s costs nothing.
 SERVED_NAME_TTL_S = 30.0
+# How long one engine's `/v1/models` may take before the next is asked: the request that found the cache
+# stale waits for it, and an engine's answer is a lookup in memory; the router's connect timeout is as long.
+SERVED_NAME_TIMEOUT_S = 5.0
 
 
 @dataclass
@@ -114,8 +117,7 @@ class Gateway:
     @stopping.setter
     def stopping(self, value: bool) -> None:
         self._stopping = value
-        for service in self.services.values():
-            service.router.stopping = value
+        self._set_on_routers("stopping", value)
 
     @property
     def draining(self) -> bool:
@@ -124,8 +126,11 @@ class Gateway:
     @draining.setter
     def draining(self, value: bool) -> None:
         self._draining = value
+        self._set_on_routers("draining", value)
+
+    def _set_on_routers(self, flag: str, value: bool) -> None:
         for service in self.services.values():
-            service.router.draining = value
+            setattr(service.router, flag, value)
 
     @property
     def in_flight(self) -> int:
@@ -135,6 +140,16 @@ class Gateway:
     def known(self) -> str:
         names = sorted(self.models())
         return ", ".join(names) if names else "none (no InferenceService discovered yet)"
+
+    def model_not_found(self, model: str) -> web.Response:
+        """OpenAI's 404 for a model nobody serves, listing the ones the gateway knows."""
+        return _error(
+            404,
+            f"The model `{model}` does not exist. Known models: {self.known()}.",
+            "invalid_request_error",
+            "model_not_found",
+            "model",
+        )
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # aiohttp keeps it: the service's router reads the same bytes
@@ -153,13 +168,7 @@ class Gateway:
             )
         table = self.models()
         if model not in table:
-            return _error(
-                404,
-                f"The model `{model}` does not exist. Known models: {self.known()}.",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            return self.model_not_found(model)
         session = request.headers.get(self.session_header) if self.session_header else None
         if not session and isinstance(parsed, dict) and isinstance(parsed.get("user"), str):
             session = parsed["user"] or None
@@ -184,7 +193,7 @@ class Gateway:
         `/v1/models`, cached SERVED_NAME_TTL_S; None while no engine answers (the body goes as it is)."""
         if service.served is not None and time.monotonic() - service.served_at < SERVED_NAME_TTL_S:
             return service.served
-        timeout = aiohttp.ClientTimeout(total=5)
+        timeout = aiohttp.ClientTimeout(total=SERVED_NAME_TIMEOUT_S)
         for endpoint in service.router.endpoints.routable():
             try:
                 async with service.router.client().get(f"{endpoint.url}/v1/models", timeout=timeout) as r:
@@ -218,13 +227,7 @@ class Gateway:
         name = request.match_info["name"]
         services = self.models().get(name)
         if services is None:
-            return _error(
-                404,
-                f"The model `{name}` does not exist. Known models: {self.known()}.",
-                "invalid_request_error",
-                "model_not_found",
-                "model",
-            )
+            return self.model_not_found(name)
         return web.json_response(self.model_card(name, services))
 
 
@@ -290,12 +293,4 @@ def create_gateway_app(gateway: Gateway) -> web.Application:
 
 
 async def serve_gateway(gateway: Gateway, host: str, port: int) -> web.AppRunner:
-    runner = web.AppRunner(
-        create_gateway_app(gateway),
-        handler_cancellation=True,
-        access_log=None,
-        shutdown_timeout=CLEANUP_GRACE_SECONDS,
-    )
-    await runner.setup()
-    await web.TCPSite(runner, host, port).start()
-    return runner
+    return await start_app(create_gateway_app(gateway), host, port)

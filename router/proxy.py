@@ -416,8 +416,14 @@ CLEANUP_GRACE_SECONDS = 0.5
 
 async def serve(router: Router, host: str, port: int) -> web.AppRunner:
     """Start the router's server on the running loop; the caller keeps the runner and cleans it up."""
+    return await start_app(create_app(router), host, port)
+
+
+async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner:
+    """Serve `app` (the router's or the gateway's) on host:port, cancelling a handler whose client left and
+    giving requests CLEANUP_GRACE_SECONDS at cleanup; the caller keeps the runner and cleans it up."""
     runner = web.AppRunner(
-        create_app(router),
+        app,
         handler_cancellation=True,
         access_log=None,
         shutdown_timeout=CLEANUP_GRACE_SECONDS,

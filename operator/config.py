@@ -18,10 +18,10 @@ class OperatorConfig:
     engine_cpu_image: str = DEFAULT_ENGINE_CPU_IMAGE  # pods with resources.gpus == 0
     prometheus_url: str = ""  # default for spec.autotune.prometheusURL
     reconcile_interval_seconds: float = 30.0  # the level-based timer; events also trigger a reconcile
-    # Children the operator does not watch (Services, RBAC, PDBs, the NetworkPolicy, the admin Secret) are
-    # re-applied when their last apply is this old, one per reconcile: a manual edit is undone within it.
+    # Every child is watched and repaired at its event; each is also re-applied when its last apply is this
+    # old, one per reconcile, in case a watch event was missed (the chart's resyncIntervalSeconds).
     # 30 min keeps 200 services under 2 API calls/s (~9 renewals each per period, measured: 200 * 9 /
-    # 1800 s = 1.0/s; docs/operator.md, "API calls"); the watched Deployments are repaired at their event.
+    # 1800 s = 1.0/s; docs/operator.md, "API calls").
     resync_interval_seconds: float = 1800.0
     model_downloader_image: str = ""  # empty: the engine image runs the hf:// download step
     router_image: str = DEFAULT_ROUTER_IMAGE  # default for spec.routing.image

@@ -18,12 +18,32 @@ import kopf
 from . import metrics
 from .conditions import timestamp
 from .config import OperatorConfig
-from .kube import ApiError, KubeClient, object_path
-from .reconcile import Outcome, Reconciler
+from .kube import KINDS, ApiError, KubeClient, object_path
+from .reconcile import WORKLOAD_KINDS, Outcome, Reconciler
 from .registry import Registry
-from .resources import API_VERSION, FIELD_MANAGER, GROUP, KIND, LABEL_MANAGED_BY, MANAGED_BY, PLURAL, VERSION
+from .resources import (
+    API_VERSION,
+    FIELD_MANAGER,
+    GROUP,
+    KIND,
+    LABEL_MANAGED_BY,
+    MANAGED_BY,
+    PLURAL,
+    VERSION,
+    tuned_config_name,
+)
 
 CONFIG = OperatorConfig.from_env()
+# (group, version, plural) of every kind of child (kube.KINDS), the workloads first: the operator watches
+# them, so a hand edit or deletion is repaired at its event, not at the resync. Not the admin Secret:
+# list/watch on Secrets would read every token in the namespace (the chart grants get on it by name only);
+# it is checked at the resync (OperatorConfig.resync_interval_seconds).
+UNWATCHED = (KIND, "Secret")
+WATCHED = [
+    (*api_version.rpartition("/")[::2], plural)
+    for kind, (api_version, plural) in sorted(KINDS.items(), key=lambda k: k[0] not in WORKLOAD_KINDS)
+    if kind not in UNWATCHED
+]
 TEMPORARY_DELAY_SECONDS = 10
 _credentials: dict[str, Any] = {}
 
@@ -41,6 +61,8 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(prefix=GROUP)
     settings.posting.level = logging.INFO
     settings.watching.server_timeout = 300
+    for group, version, plural in WATCHED:  # only the operator's children: filtered by the API server
+        settings.watching.label_selectors[group, version, plural] = f"{LABEL_MANAGED_BY}={MANAGED_BY}"
     memo.config = CONFIG
     memo.registry = Registry()  # every object's memo is a shallow copy of this one: they share it
     drop_finalizer_requirements(kopf.get_default_registry())
@@ -201,6 +223,36 @@ async def deployment_changed(
     ):
         return
     await converge(isvc, memo, logger, cause=f"{body.get('kind')}/{body['metadata']['name']}")
+
+
+def _watch_children(handler: Any) -> Any:
+    """Registers `handler` for every kind of child but the workloads (kube.KINDS)."""
+    for group, version, plural in WATCHED[2:]:
+        handler = kopf.on.event(group, version, plural, labels={LABEL_MANAGED_BY: MANAGED_BY})(handler)
+    return handler
+
+
+@_watch_children
+async def child_changed(
+    body: kopf.Body, memo: kopf.Memo, logger: kopf.Logger, type: str | None = None, **_: Any
+) -> None:
+    """A child the operator applied (Service, ServiceAccount, Role, RoleBinding, PodDisruptionBudget,
+    NetworkPolicy, ServiceMonitor) deleted, or edited where the operator rendered a field,
+    is applied again at once by a reconcile of its owner; the tuned ConfigMap, deleted, is restored. Events
+    that change nothing the operator owns (another tool's annotation, the echo of the operator's own
+    apply) make no API call. kopf watches servicemonitors only where the cluster serves them."""
+    owner = _owner(body)
+    memory = registry_of(memo).known((owner or {}).get("uid", ""))
+    if owner is None or memory is None or memory.isvc is None:
+        return  # not reconciled since the operator started: its first reconcile applies every child
+    kind, name = str(body.get("kind")), str(body["metadata"]["name"])
+    deleted = type == "DELETED"
+    if kind == "ConfigMap" and name == tuned_config_name(owner["name"]):
+        changed = memory.observe_tuned(copy.deepcopy(dict(body)), deleted)
+    else:
+        changed = memory.observe_child((kind, name), copy.deepcopy(dict(body)), deleted)
+    if changed and not memory.isvc["metadata"].get("deletionTimestamp"):
+        await converge(memory.isvc, memo, logger, cause=f"{kind}/{name}")
 
 
 @kopf.on.event(GROUP, VERSION, PLURAL)

@@ -24,7 +24,7 @@ from .conditions import (
 from .config import OperatorConfig
 from .inference_service import InferenceService, InvalidInferenceService, parse_inference_service
 from .kube import ApiError, KubeClient, object_path
-from .registry import ChildKey, ServiceMemory, digest
+from .registry import ChildKey, ServiceMemory, digest, owned_shape
 from .render import (
     new_admin_token,
     render_engine_workloads,
@@ -35,13 +35,14 @@ from .render import (
     render_service,
     render_servicemonitor,
 )
-from .render.common import owner_reference
+from .render.common import child_metadata, owner_reference
 from .resources import (
     LABEL_ISVC,
     LABEL_MANAGED_BY,
     LABEL_ROLE,
     MANAGED_BY,
     ROLES,
+    TUNER_FIELD_MANAGER,
     admin_secret_name,
     engine_workload_name,
     engines_service_name,
@@ -53,6 +54,7 @@ T = TypeVar("T")
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 ADMIN_TOKEN = "admin-token"  # the Secret's memory entry: its data is never rewritten, only its ownership
 CONFLICT_ATTEMPTS = 4
+WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
 
 @dataclass(frozen=True)
@@ -173,6 +175,9 @@ class Reconciler:
                 tuned_config_name(isvc.name),
                 "autotune is off: pods start on the spec",
             )
+            self.memory.tuned, self.memory.tuned_deleted = None, False
+        else:
+            await self._restore_tuned(isvc, events, refused)
 
         conds = deployment_conditions(isvc, workloads)
         if conflict is not None or refused:
@@ -293,8 +298,36 @@ class Reconciler:
             await self.client.merge_patch(
                 path, {"metadata": {"ownerReferences": [*owners, owner_reference(isvc)]}}
             )
-        self.memory.record(("Secret", name), ADMIN_TOKEN, {"metadata": {}}, self._clock())
+        # the token is not kept in memory: only what the watch compares (our labels) and the version
+        ours = {k: labels.get(k) for k in (LABEL_MANAGED_BY, LABEL_ISVC)}
+        stub = {"metadata": {"labels": ours, "resourceVersion": existing["metadata"].get("resourceVersion")}}
+        self.memory.record(("Secret", name), ADMIN_TOKEN, stub, self._clock(), {"metadata": {"labels": ours}})
         return None
+
+    async def _restore_tuned(
+        self, isvc: InferenceService, events: list[Event], refused: list[Refusal]
+    ) -> None:
+        """The tuned ConfigMap, deleted by hand, written again with the data its watch last saw, under the
+        tuner's field manager (the tuner writes it only when its config in force changes: without this,
+        pods that start meanwhile would start on the spec)."""
+        if not self.memory.tuned_deleted or self.memory.tuned is None:
+            return
+        name = tuned_config_name(isvc.name)
+        configmap = {
+            "apiVersion": "v1",
+            "kind": "ConfigMap",
+            "metadata": child_metadata(isvc, name),
+            "data": self.memory.tuned,
+        }
+        try:
+            await self.client.apply(configmap, TUNER_FIELD_MANAGER)
+        except ApiError as error:
+            if _fatal(error):
+                raise
+            refused.append(_refusal(configmap, error))
+            return
+        self.memory.tuned_deleted = False
+        events.append(Event("Normal", "Restored", f"restored ConfigMap {name} (the tuner's config in force)"))
 
     async def _child(
         self, obj: dict[str, Any], events: list[Event], refused: list[Refusal]
@@ -385,7 +418,8 @@ class Reconciler:
         if before is None:
             before = await self.client.get(object_path(obj["kind"], meta["namespace"], meta["name"]))
         after = await self.client.apply(obj)
-        self.memory.record(key, rendered, after, self._clock())
+        workload = obj["kind"] in WORKLOAD_KINDS  # watched for status and generation instead
+        self.memory.record(key, rendered, after, self._clock(), None if workload else owned_shape(obj))
         what = f"{obj['kind']} {meta['name']}"
         if before is None:
             events.append(Event("Normal", "Created", f"created {what}"))

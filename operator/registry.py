@@ -7,8 +7,10 @@ per InferenceService (by uid) one `ServiceMemory` with one lock, forgotten on it
 
 The memory is a cache in the controller-runtime sense: what the reconcile last applied (a digest of the
 rendered child and the server's answer) and what the watches reported since. A reconcile that renders
-what it applied before, onto children the watches saw unchanged, writes nothing; children the operator
-cannot watch are re-applied once `resync_seconds` have passed, one per pass (`Reconciler`).
+what it applied before, onto children the watches saw unchanged, writes nothing. Every kind of child is
+watched (handlers.py): a deletion, or an edit of a field the operator renders, forgets the apply so the
+next reconcile (started by that event) applies it again; every child is also re-applied once
+`resync_seconds` have passed, one per pass (`Reconciler`), in case a watch event was missed.
 """
 
 from __future__ import annotations
@@ -45,6 +47,29 @@ def newer(candidate: dict[str, Any], than: dict[str, Any] | None) -> bool:
         return True
 
 
+def owned_part(obj: Any, shape: Any) -> Any:
+    """The part of `obj` at the paths `shape` (a rendered child) sets: what the operator owns of it. Fields
+    others add (an annotation, managedFields, resourceVersion, server defaults beside the rendered ones)
+    are left out; a list is taken whole, except that its items are cut to the rendered items' shape when
+    both lists are equally long (a Service's ports gain a defaulted protocol)."""
+    if isinstance(shape, dict):
+        if not isinstance(obj, dict):
+            return obj
+        return {k: owned_part(obj.get(k), v) for k, v in shape.items()}
+    if isinstance(shape, list) and isinstance(obj, list) and len(obj) == len(shape):
+        return [owned_part(o, s) for o, s in zip(obj, shape, strict=True)]
+    return obj
+
+
+def owned_shape(rendered: dict[str, Any]) -> dict[str, Any]:
+    """What of a rendered child the watch compares: everything it renders but status, and of its metadata
+    the labels, annotations and owner references (not its name, resourceVersion or managedFields)."""
+    meta = rendered.get("metadata") or {}
+    shape = {k: v for k, v in rendered.items() if k not in ("apiVersion", "kind", "metadata", "status")}
+    shape["metadata"] = {k: meta[k] for k in ("labels", "annotations", "ownerReferences") if k in meta}
+    return shape
+
+
 def _watched_part(obj: dict[str, Any] | None) -> tuple[Any, ...]:
     """What a reconcile reads from a workload: its status, its generation (moved by anyone's spec edit)
     and whether it is being deleted."""
@@ -59,6 +84,9 @@ class Applied:
     digest: str
     generation: int | None  # metadata.generation in the server's answer to the apply
     at: float  # monotonic seconds
+    # the answer's fields the operator renders (`owned_part`): a watch event that differs here is an edit
+    # to undo; None for workloads, whose watch compares status and generation instead (`observe`)
+    owned: Any = None
 
 
 @dataclass
@@ -73,6 +101,10 @@ class ServiceMemory:
     isvc: dict[str, Any] | None = None  # the newest InferenceService body seen (watch, kopf, status answer)
     written: tuple[frozenset[str], frozenset[str]] | None = None  # status keys and condition types written
     apis: dict[str, tuple[bool, float]] = field(default_factory=dict)  # API group version -> served, when
+    # the tuned ConfigMap (the tuner writes it, the reconcile only restores it): its last data seen by the
+    # watch, and whether it was deleted since while the service still has autotune on
+    tuned: dict[str, str] | None = None
+    tuned_deleted: bool = False
 
     def saw_generation(self, generation: int) -> None:
         if generation != self.generation:
@@ -89,8 +121,12 @@ class ServiceMemory:
             return "changed"  # the watch saw someone else edit it
         return "current" if now - last.at < resync_seconds else "stale"
 
-    def record(self, key: ChildKey, rendered: str, answer: dict[str, Any], now: float) -> None:
-        self.applied[key] = Applied(rendered, (answer.get("metadata") or {}).get("generation"), now)
+    def record(
+        self, key: ChildKey, rendered: str, answer: dict[str, Any], now: float, shape: Any = None
+    ) -> None:
+        """An apply's answer; `shape` (`owned_shape` of the rendered child) is what its watch compares."""
+        owned = None if shape is None else owned_part(answer, shape)
+        self.applied[key] = Applied(rendered, (answer.get("metadata") or {}).get("generation"), now, owned)
         self.objects[key] = answer
         self.absent.discard(key)
 
@@ -109,6 +145,35 @@ class ServiceMemory:
             return False  # an event older than the apply answer already recorded
         self.objects[key] = obj
         return _watched_part(obj) != _watched_part(before)
+
+    def observe_child(self, key: ChildKey, obj: dict[str, Any], deleted: bool) -> bool:
+        """A watch event of a child other than a workload; True when the operator must apply it again: it
+        was deleted, or a field the operator rendered differs from the answer to its last apply. Other
+        changes (an annotation another tool adds, the echo of the operator's own apply) change nothing."""
+        last = self.applied.get(key)
+        if last is None:
+            return False  # not applied by this operator (yet), or deleted by the reconcile itself
+        if deleted:
+            self.applied.pop(key, None)
+            self.objects.pop(key, None)
+            return True
+        if not newer(obj, self.objects.get(key)) or last.owned is None:
+            return False
+        self.objects[key] = obj
+        if owned_part(obj, last.owned) == last.owned:
+            return False
+        self.applied.pop(key, None)  # applied again by the reconcile this event starts
+        return True
+
+    def observe_tuned(self, obj: dict[str, Any], deleted: bool) -> bool:
+        """A watch event of the tuned ConfigMap; True when it was deleted while its data is known (the
+        reconcile restores it, if autotune is still on)."""
+        if deleted:
+            self.tuned_deleted = self.tuned is not None
+            return self.tuned_deleted
+        self.tuned = dict(obj.get("data") or {})
+        self.tuned_deleted = False
+        return False
 
     def see(self, body: dict[str, Any]) -> dict[str, Any]:
         """Keep the newest InferenceService body; returns it."""

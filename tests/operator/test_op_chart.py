@@ -95,8 +95,15 @@ def test_custom_values_reach_the_operator() -> None:
     assert env["SPECFLEET_ENGINE_CPU_IMAGE"] == "registry.local/engine:cpu"
     assert env["SPECFLEET_PROMETHEUS_URL"] == "http://prometheus.monitoring:9090"
     assert sorted(r["metadata"]["namespace"] for r in watch_roles(objects)) == ["team-a", "team-b"]
-    groups = {g for role in watch_roles(objects) for rule in role["rules"] for g in rule["apiGroups"]}
-    assert "monitoring.coreos.com" not in groups
+    # serviceMonitor off: ServiceMonitors are only watched (read-only), never written
+    verbs = {
+        v
+        for role in watch_roles(objects)
+        for rule in role["rules"]
+        if "monitoring.coreos.com" in rule["apiGroups"]
+        for v in rule["verbs"]
+    }
+    assert verbs == {"list", "watch"}
     assert (
         by_kind(objects, "Deployment")[0]["spec"]["template"]["spec"]["tolerations"]
         == NON_DEFAULT["tolerations"]

@@ -53,27 +53,31 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["leaderworkerset.x-k8s.io"]
   resources: ["leaderworkersets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]
+# list/watch on every kind of child but the Secret: the operator watches its own children (label-selected
+# by the API server: app.kubernetes.io/managed-by=specfleet-operator) and repairs a deleted or hand-edited
+# one at its event. RBAC cannot narrow a list by label, and listing Secrets reads every token in the
+# namespace: the admin Secret is checked at the resync instead (resyncIntervalSeconds).
 - apiGroups: [""]
   resources: ["secrets"]
   verbs: ["get", "create", "patch"]
 # The tuner's config in force, NAME-tuned, which new engine pods start on (deleted with autotune off).
 - apiGroups: [""]
   resources: ["configmaps"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 # The router per InferenceService: its Service, ServiceAccount and a Role to read the engines'
 # EndpointSlices (the operator must hold what the Role grants to create it), deleted with routing off.
 - apiGroups: [""]
   resources: ["services", "serviceaccounts"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
-  verbs: ["get", "create", "patch", "delete"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: [""]
   resources: ["events"]
   verbs: ["create"]
@@ -83,6 +87,13 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: [""]
   resources: ["pods"]
   verbs: ["get", "list"]
+# Watched whether or not the operator writes them (its watches are registered when it starts): read-only.
+- apiGroups: ["networking.k8s.io"]
+  resources: ["networkpolicies"]
+  verbs: ["list", "watch"]
+- apiGroups: ["monitoring.coreos.com"]
+  resources: ["servicemonitors"]
+  verbs: ["list", "watch"]
 {{- if .Values.networkPolicy.enabled }}
 - apiGroups: ["networking.k8s.io"]
   resources: ["networkpolicies"]

@@ -218,16 +218,19 @@ def test_every_operator_setting_is_a_value() -> None:
     read = set()  # the operator's image runs operator/ and tuner/ (the local fleet, fleet/, runs outside)
     for path in [*(REPO / "operator").rglob("*.py"), *(REPO / "tuner").rglob("*.py")]:
         read |= set(re.findall(r"""(?:environ|env)\.get\(\s*["'](SPECFLEET_[A-Z_]+)""", path.read_text()))
+        read |= set(re.findall(r"""_seconds\(\s*env,\s*["'](SPECFLEET_[A-Z_]+)""", path.read_text()))
     assert read >= {
         "SPECFLEET_ENGINE_IMAGE",
         "SPECFLEET_PROMETHEUS_SELECTOR",
         "SPECFLEET_MODEL_DOWNLOADER_IMAGE",
+        "SPECFLEET_RESYNC_INTERVAL",
     }
     objects, _ = render(
         {
             "prometheusSelector": 'job="engines",ns="{namespace}",svc="{name}"',
             "tunerTickSeconds": 2,
             "modelDownloaderImage": "registry.local/downloader:1",
+            "resyncIntervalSeconds": 600,
         }
     )
     env = {e["name"]: e.get("value") for e in operator_container(objects)["env"]}
@@ -235,6 +238,14 @@ def test_every_operator_setting_is_a_value() -> None:
     assert env["SPECFLEET_PROMETHEUS_SELECTOR"] == 'job="engines",ns="{namespace}",svc="{name}"'
     assert env["SPECFLEET_TUNER_TICK_SECONDS"] == "2"
     assert env["SPECFLEET_MODEL_DOWNLOADER_IMAGE"] == "registry.local/downloader:1"
+    assert env["SPECFLEET_RESYNC_INTERVAL"] == "600"
+
+
+@pytest.mark.parametrize("seconds", [0, -5, "often"])
+def test_values_schema_refuses_a_resync_interval_that_is_not_a_positive_number(seconds: Any) -> None:
+    render({"resyncIntervalSeconds": 0.5})  # a known key: refused below for its value, not its name
+    with pytest.raises(helm.HelmError, match="at '/resyncIntervalSeconds': (exclusiveMinimum|got string)"):
+        render({"resyncIntervalSeconds": seconds})
 
 
 @pytest.mark.parametrize(

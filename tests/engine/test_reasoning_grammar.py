@@ -56,3 +56,27 @@ def test_an_end_marker_the_output_never_writes_leaves_it_free(engine: Engine) ->
         temperature=0.0, max_tokens=12, structured_outputs=CONSTRAINT, reasoning_end_token_ids=never
     )
     assert _run(engine, params) == free
+
+
+@pytest.mark.parametrize(
+    ("output", "proposals", "kept"),
+    [
+        # the marker [9, 4] would end at the third proposal: the drafts stop before it
+        pytest.param([5, 6], [8, 9, 4, 1], [8, 9], id="marker-in-the-drafts"),
+        # the first proposal would complete it: no drafts, the marker's token is sampled
+        pytest.param([5, 9], [4, 1, 2], [], id="marker-begun-in-the-output"),
+        pytest.param([5, 6], [1, 2, 3], [1, 2, 3], id="no-marker"),
+    ],
+)
+def test_drafts_stop_before_the_token_that_ends_the_reasoning(output, proposals, kept) -> None:
+    """So that the marker's last token is the last of its step and every token after it is masked."""
+    from specfleet.engine.sequence import Sequence
+    from specfleet.engine.structured_output.manager import StructuredOutputManager
+
+    manager = StructuredOutputManager(None, 16, [0], max_num_speculative_tokens=4)
+    params = SamplingParams(max_tokens=12, reasoning_end_token_ids=[9, 4])
+    seq = Sequence(0, "r", 0, [3, 3, *output], 2, params)
+    seq.grammar_after_reasoning = object()  # a grammar waiting for the reasoning to end
+    seq.spec_token_ids = list(proposals)
+    manager.filter_proposals(seq)
+    assert seq.spec_token_ids == kept

@@ -149,9 +149,8 @@ class ChatPlan:
     reasoning: ReasoningParser | None
     include_reasoning: bool = True
     reasoning_closed: bool = False  # the prompt closed the reasoning (set by `apply`): all output is answer
-    new_call_id: Callable[[], str] = (
-        new_call_id  # the server's parser's ids (Mistral's templates want 9 chars)
-    )
+    # the ids of the server's parser (Mistral's templates want 9 characters), else vLLM's
+    new_call_id: Callable[[], str] = new_call_id
 
     @property
     def shaped(self) -> bool:

@@ -30,6 +30,31 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 BUNDLED = "bundled://smollm2-135m-instruct"
 
+# The fast lane (`pytest -m "not slow"`) leaves out every test that asks, directly or through another fixture,
+# for one of these: each starts a model engine (the tiny llama's or the bundled model's), a server, a
+# Prometheus process or a real kopf operator over the API double (`kubeconfig`). pyproject.toml's `slow`
+# marker describes the same rule; tests that start such things inline carry the mark by hand.
+SLOW_FIXTURES = frozenset(
+    {
+        "tiny_llama",  # a model engine: every engine fixture (tiny, make_tiny, engines, fleet) builds on it
+        "engine",  # the bundled model's engine core process (tests/server) or a module's own engine
+        "offline_engine",
+        "server",  # uvicorn over a socket in front of an engine
+        "serve_app",
+        "engines",  # tests/router: engine servers
+        "engine_url",  # tests/tuner: an engine server
+        "prometheus_factory",  # a real Prometheus process
+        "kubeconfig",  # a real kopf operator (KopfRunner) against the API double over HTTP
+        "replays",  # tests/operator/test_op_images: each Dockerfile's pip steps replayed into a fresh venv
+    }
+)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.slow)
+
 
 @pytest.fixture(scope="session")
 def bundled_path():

@@ -128,6 +128,7 @@ class FolderWatch:
         self.thread.join(5)
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_processes_converting_one_gguf_at_once_convert_it_once(tmp_path: Path) -> None:
     gguf, go, count = _gguf(tmp_path), tmp_path / "go", tmp_path / "conversions"
@@ -161,6 +162,7 @@ def test_processes_converting_one_gguf_at_once_convert_it_once(tmp_path: Path) -
     )
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_a_conversion_killed_midway_leaves_nothing_in_the_way(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

@@ -51,6 +51,7 @@ def _released_by_trim(child: str, *args: str) -> int:
     return int(out["released_by_trim"])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc/self/statm")
 def test_tokenizer_load_leaves_no_freed_heap_resident(bundled_path: Path) -> None:
     """SmolLM2's 49k-token BPE parse freed about 32 MB that stayed resident (56 MB after the load, 24 MB once
@@ -60,6 +61,7 @@ def test_tokenizer_load_leaves_no_freed_heap_resident(bundled_path: Path) -> Non
     assert released < 4 * 2**20, f"{released / 2**20:.1f} MB freed but resident"
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim, /proc/self/statm")
 def test_model_load_leaves_no_freed_heap_resident(bundled_path: Path) -> None:
     """The bundled GGUF loaded as published: the last layers' and the head's decode temporaries stayed

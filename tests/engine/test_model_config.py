@@ -66,6 +66,7 @@ def test_a_non_default_rope_is_computed_by_transformers_from_the_plain_config(tm
     assert not torch.equal(default[0], rope_tables(plain, 16, 256)[0])  # the scaling did change the tables
 
 
+@pytest.mark.slow
 def test_a_cached_config_loads_without_transformers(tmp_path: Path, own_cache: Path) -> None:
     """What a tensor-parallel worker does on start: its rank 0 has read the config already."""
     path = _checkpoint(tmp_path / "m", "qwen2")

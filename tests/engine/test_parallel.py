@@ -154,6 +154,7 @@ def _same(a, b):
         assert torch.allclose(torch.tensor(x), torch.tensor(y), atol=LOGPROB_ATOL)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("kind", "size"), [("llama", 2), ("qwen2", 2), ("mistral", 4)])
 def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tmp_path, bundled_path):
     # 4 query heads, 2 KV heads: TP=4 replicates each KV head on two ranks; a vocabulary of 49157 is not a
@@ -162,6 +163,7 @@ def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tmp_path, bund
     _same(_run(model, size), _run(model, 1))
 
 
+@pytest.mark.slow
 def test_tp3_on_the_bundled_model_equals_tp1_with_speculation_and_prefix_hits():
     # The second call repeats the first prompt: its full blocks come from the prefix cache, i.e. from every
     # rank's own KV cache (each holds its KV head), and the tokens after them must still be TP=1's. The
@@ -179,6 +181,7 @@ def test_tp3_on_the_bundled_model_equals_tp1_with_speculation_and_prefix_hits():
     _same(spec, one)
 
 
+@pytest.mark.slow
 def test_a_dead_worker_fails_the_step_with_its_rank_and_exit_code(tmp_path, bundled_path):
     llm = LLM(model=_tiny("llama", tmp_path, bundled_path, vocab=49152), block_size=4, tensor_parallel_size=2)
     try:
@@ -216,6 +219,7 @@ def test_a_worker_that_dies_before_joining_the_group_is_worker_died_at_once(tmp_
     assert 'Put the code that creates the LLM under `if __name__ == "__main__":`' in last
 
 
+@pytest.mark.slow
 def test_a_worker_that_dies_while_loading_is_worker_died_and_leaves_no_group(tmp_path, bundled_path):
     # A checkpoint that lacks a tensor of its last layer: stage 0 (this process, layer 0) loads, stage 1
     # fails on the missing tensor and exits while rank 0 waits for it to be ready.
@@ -242,6 +246,7 @@ def test_stages_are_equal_runs_of_layers():
         stage_layers(2, 3, 0)
 
 
+@pytest.mark.slow
 def test_pp2_on_the_bundled_model_equals_pp1_with_speculation_and_prefix_hits():
     prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is"]
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
@@ -249,6 +254,7 @@ def test_pp2_on_the_bundled_model_equals_pp1_with_speculation_and_prefix_hits():
     _same(_run("bundled://smollm2-135m-instruct", 2, prompts, split="pipeline", **ngram), one)
 
 
+@pytest.mark.slow
 def test_pp2_equals_pp1_under_preemption(tmp_path, bundled_path):
     # 3 sequences of up to 35 tokens in blocks of 4 need 27 blocks; 14 force preemption by recompute
     model = _tiny("qwen2", tmp_path, bundled_path, vocab=49152)
@@ -256,6 +262,7 @@ def test_pp2_equals_pp1_under_preemption(tmp_path, bundled_path):
     _same(_run(model, 2, split="pipeline", preempts=True, **tight), _run(model, 1, preempts=True, **tight))
 
 
+@pytest.mark.slow
 def test_pp2_keeps_two_micro_batches_in_flight_and_equals_pp1_with_speculation_under_preemption(
     tmp_path, bundled_path
 ):
@@ -285,6 +292,7 @@ def test_pp2_keeps_two_micro_batches_in_flight_and_equals_pp1_with_speculation_u
     )
 
 
+@pytest.mark.slow
 def test_pp2_without_overlap_runs_one_micro_batch_at_a_time(tmp_path, bundled_path):
     model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
     llm = LLM(model=model, block_size=4, pipeline_parallel_size=2, pipeline_overlap=False)
@@ -296,6 +304,7 @@ def test_pp2_without_overlap_runs_one_micro_batch_at_a_time(tmp_path, bundled_pa
     assert outs == _run(model, 1)[0]
 
 
+@pytest.mark.slow
 def test_tp2_x_pp2_on_a_random_model_equals_one_process(tmp_path, bundled_path):
     # Four ranks: each of two stages holds one layer split over its two ranks (a vocabulary of 49157 pads
     # the last vocab shard); the stages overlap two micro-batches.
@@ -307,6 +316,7 @@ def test_tp2_x_pp2_on_a_random_model_equals_one_process(tmp_path, bundled_path):
     _same(split, _run(model, 1, prompts))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
 def test_int8_split_equals_the_unsplit_int8_engine(tp, pp, tmp_path, bundled_path):
     # Each rank quantizes its part at load; a row-parallel slice keeps the whole weight's column scales, so
@@ -317,6 +327,7 @@ def test_int8_split_equals_the_unsplit_int8_engine(tp, pp, tmp_path, bundled_pat
     )
 
 
+@pytest.mark.slow
 def test_gguf_splits_into_pipeline_stages_and_is_refused_under_tensor_parallelism():
     prompts, params = (
         ["The capital of France is"],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
+import pytest
 from specfleet.engine.spec_decode.rules import k_room, proposal_length, speculation_off
 
 
@@ -27,6 +28,7 @@ def test_the_k_room_keeps_the_bonus_token_inside_the_context_and_the_max_tokens(
     assert proposal_length(k=5, room=-1, ceiling=8) == 0  # past the context: none, never negative
 
 
+@pytest.mark.slow
 def test_the_rules_import_without_torch() -> None:
     code = "import sys, specfleet.engine.spec_decode.rules; assert 'torch' not in sys.modules, 'torch was imported'"
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -182,6 +182,7 @@ def test_auto_picks_native_on_cpu_float32_only() -> None:
         get_attention_backend("native", torch.device("cpu"), torch.bfloat16)
 
 
+@pytest.mark.slow
 def test_disabled_by_environment_falls_back_to_torch() -> None:
     code = (
         "from specfleet.kernels import cpu_native; import torch\n"

@@ -167,6 +167,7 @@ def covers(entry: dict[str, Any], check: str, resource: str) -> bool:
     return entry["check"] == check and any(fnmatch.fnmatchcase(resource, p) for p in entry["resources"])
 
 
+@pytest.mark.slow
 def test_checkov_findings_are_exactly_the_accepted_ones(tmp_path: Path) -> None:
     files = rendered_objects()
     scanned = {obj["kind"] for objects in files.values() for obj in objects}

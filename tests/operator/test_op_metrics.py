@@ -122,6 +122,7 @@ def test_conditions_and_generations_follow_the_reconcile_and_go_with_the_service
     assert runner.exception is None, runner.output
 
 
+@pytest.mark.slow
 def test_a_reconcile_that_keeps_failing_shows_generation_ahead(
     fake_kube: FakeKube, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, metrics_url: str
 ) -> None:

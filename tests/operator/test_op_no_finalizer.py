@@ -17,6 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 from fake_kube import FakeKube
 from helpers import wait_for
@@ -46,6 +47,7 @@ print(json.dumps({"loaded": loaded, "modules": modules, "requiring": requiring})
 """
 
 
+@pytest.mark.slow
 def test_after_startup_no_handler_the_image_loads_requires_a_finalizer() -> None:
     probe = subprocess.run([sys.executable, "-P", "-c", PROBE], capture_output=True, text=True, check=True)
     found = json.loads(probe.stdout)
@@ -54,6 +56,7 @@ def test_after_startup_no_handler_the_image_loads_requires_a_finalizer() -> None
     assert not found["requiring"], f"these handlers would make kopf add its finalizer: {found['requiring']}"
 
 
+@pytest.mark.slow
 def test_the_entry_point_with_every_handler_never_writes_a_finalizer(
     fake_kube: FakeKube, tmp_path: Path
 ) -> None:

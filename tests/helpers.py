@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import shutil
 import socket
 import subprocess
@@ -15,14 +16,19 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from specfleet.fleet.supervisor import free_port
 
+if TYPE_CHECKING:
+    from specfleet.sim.profile import Profile
+
 __all__ = [
     "copy_tokenizer",
+    "cpu_like_profile",
     "free_port",
+    "OutputWatch",
     "serve_in_thread",
     "start_server",
     "stop_process",
@@ -232,3 +238,51 @@ def write_tiny_checkpoint(
     if tokenizer_from is not None:
         copy_tokenizer(Path(tokenizer_from), path, tokenizer_files)
     return path
+
+
+def cpu_like_profile(num_kv_blocks: int, startup_s: float = 0.0) -> Profile:
+    """The simulator's test step cost, CPU-like: a 20 ms floor to 8 decode tokens, then 3 ms per token (188 ms
+    at 64), and 2 ms per prompt token; `startup_s` is a new replica's start-up delay (autoscaling tests)."""
+    from specfleet.sim.profile import Profile
+
+    return Profile(
+        "test",
+        "measured",
+        False,
+        ((1, 0.020), (8, 0.020), (64, 0.188)),
+        prefill_s_per_token=0.002,
+        num_kv_blocks=num_kv_blocks,
+        block_size=16,
+        startup_s=startup_s,
+    )
+
+
+class OutputWatch:
+    """A child process's stdout (stderr merged into it) read line by line on a thread, so that a test can wait
+    for a line while the process runs and show the output's tail when it fails."""
+
+    def __init__(self, proc: subprocess.Popen[bytes]) -> None:
+        assert proc.stdout is not None, "start the process with stdout=subprocess.PIPE"
+        stdout = proc.stdout
+        self.proc = proc
+        self.seen: list[str] = []
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(
+            target=lambda: [self._lines.put(raw.decode(errors="replace")) for raw in stdout], daemon=True
+        ).start()
+
+    def tail(self) -> str:
+        return "".join(self.seen)[-3000:]
+
+    def wait_for(self, text: str, timeout_s: float) -> None:
+        """Until a line holds `text`; fails with the output's tail when the process ended or time ran out."""
+        deadline = time.monotonic() + timeout_s
+        while not any(text in line for line in self.seen):
+            assert self.proc.poll() is None or not self._lines.empty(), self.tail()
+            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s}s:\n" + self.tail()
+            try:
+                # a line is taken as soon as it comes; 0.2 s is how often the deadline and the process are
+                # checked while none does
+                self.seen.append(self._lines.get(timeout=0.2))
+            except queue.Empty:
+                pass

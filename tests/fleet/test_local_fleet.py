@@ -4,16 +4,13 @@ SIGINT drains and stops every engine cleanly."""
 from __future__ import annotations
 
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from pathlib import Path
 
 import pytest
-from helpers import free_port
+from helpers import OutputWatch, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
@@ -40,25 +37,9 @@ def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
         stderr=subprocess.STDOUT,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
-    lines: queue.Queue[str] = queue.Queue()
-    seen: list[str] = []
-    threading.Thread(
-        target=lambda: [lines.put(raw.decode(errors="replace")) for raw in proc.stdout],
-        daemon=True,
-    ).start()
-
-    def wait_for(text: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any(text in line for line in seen):
-            assert proc.poll() is None or not lines.empty(), "".join(seen)[-3000:]
-            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s}s:\n" + "".join(seen)[-3000:]
-            try:
-                seen.append(lines.get(timeout=0.5))
-            except queue.Empty:
-                pass
-
+    out = OutputWatch(proc)
     try:
-        wait_for("serving bundled://smollm2-135m-instruct", 180)
+        out.wait_for("serving bundled://smollm2-135m-instruct", 180)
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120
         )
@@ -76,10 +57,10 @@ def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
         )
         pieces = [c.choices[0].delta.content or "" for c in stream if c.choices]
         assert len(pieces) >= 2 and "".join(pieces)
-        wait_for("[tuner]", 30)  # the tuner runs and prints its decisions
+        out.wait_for("[tuner]", 30)  # the tuner runs and prints its decisions
         proc.send_signal(signal.SIGINT)
-        assert proc.wait(60) == 0, "".join(seen)[-3000:]
-        wait_for("stopped; engine exit codes [0]", 5)
+        assert proc.wait(60) == 0, out.tail()
+        out.wait_for("stopped; engine exit codes [0]", 5)
     finally:
         if proc.poll() is None:
             proc.kill()

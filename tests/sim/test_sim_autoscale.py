@@ -5,23 +5,14 @@ queue."""
 from __future__ import annotations
 
 import pytest
+from helpers import cpu_like_profile
 from specfleet.operator import load_inference_service
 from specfleet.sim.fleet import SimFleet
-from specfleet.sim.profile import Profile
 from specfleet.sim.report import summarize
 from specfleet.sim.workload import Lengths, SimRequest, Synthetic
 
-# a CPU-like step cost: 20 ms floor to 8 tokens, then 3 ms per token; 2 ms per prompt token
-PROFILE = Profile(
-    "test",
-    "measured",
-    False,
-    ((1, 0.020), (8, 0.020), (64, 0.188)),
-    prefill_s_per_token=0.002,
-    num_kv_blocks=1024,
-    block_size=16,
-    startup_s=8.0,
-)
+# the CPU-like step cost; a new replica ready 8 s after it is started
+PROFILE = cpu_like_profile(num_kv_blocks=1024, startup_s=8.0)
 
 
 def autoscaled(min_replicas: int = 1, replicas: int = 1, queue_timeout: int = 0):

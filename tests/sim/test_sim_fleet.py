@@ -6,24 +6,16 @@ from __future__ import annotations
 import json
 
 import pytest
+from helpers import cpu_like_profile
 from specfleet.operator import load_inference_service
 from specfleet.sim.cli import main as simulate_main
 from specfleet.sim.fleet import SimFleet
 from specfleet.sim.plan import main as plan_main
-from specfleet.sim.profile import Profile
 from specfleet.sim.report import summarize
 from specfleet.sim.workload import Lengths, SimRequest, Synthetic, save_trace
 
-# a CPU-like step cost: 20 ms floor, 3 ms per token past 8 tokens, 2 ms per prompt token
-PROFILE = Profile(
-    "test",
-    "measured",
-    False,
-    ((1, 0.020), (8, 0.020), (64, 0.188)),
-    prefill_s_per_token=0.002,
-    num_kv_blocks=256,
-    block_size=16,
-)
+# the CPU-like step cost; 256 blocks of 16 slots
+PROFILE = cpu_like_profile(num_kv_blocks=256)
 
 
 def isvc(

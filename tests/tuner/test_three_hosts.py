@@ -21,12 +21,12 @@ from typing import Any
 import kopf
 import pytest
 from fake_kube import FakeKube  # tests/ is on sys.path (rootdir conftest)
+from helpers import cpu_like_profile
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.operator.config import OperatorConfig
 from specfleet.operator.kube import KubeClient
 from specfleet.sim.fleet import SimFleet
-from specfleet.sim.profile import Profile
 from specfleet.sim.workload import Lengths, Synthetic
 from specfleet.tuner import handlers
 from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
@@ -189,18 +189,9 @@ def local_host() -> tuple[Decisions, list[int]]:
     return asyncio.run(run())
 
 
-# a CPU-like step cost (tests/sim/test_sim_autoscale.py's): what the simulated engines run is not read by
+# the CPU-like step cost of tests/sim/test_sim_autoscale.py: what the simulated engines run is not read by
 # the script, only their count
-PROFILE = Profile(
-    "test",
-    "measured",
-    False,
-    ((1, 0.020), (8, 0.020), (64, 0.188)),
-    prefill_s_per_token=0.002,
-    num_kv_blocks=1024,
-    block_size=16,
-    startup_s=8.0,
-)
+PROFILE = cpu_like_profile(num_kv_blocks=1024, startup_s=8.0)
 
 
 def sim_host() -> tuple[Decisions, SimFleet, int]:

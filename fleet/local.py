@@ -14,8 +14,10 @@ import argparse
 import asyncio
 import signal
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+from aiohttp import web
 from specfleet.operator.inference_service import (
     InferenceService,
     InvalidInferenceService,
@@ -119,49 +121,71 @@ def print_tick(tick: Tick) -> None:
     print(f"[tuner] {d.kind}: {d.reason}{applied}", flush=True)
 
 
-async def run(fleet: LocalFleet) -> int:
+async def serve_fleets(
+    fleets: list[LocalFleet],
+    on_started: Callable[[], Awaitable[None]],
+    on_stopped: Callable[[], Awaitable[None]] | None = None,
+) -> int:
+    """Start the fleets (a Ctrl-C / SIGTERM during the start stops them), `on_started` once all serve, then
+    wait for the signal, drain and stop them, and `on_stopped`; 0 when every engine exited cleanly. A start
+    that fails (an engine that never got ready, a port already taken) stops every engine started so far."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     try:
-        print(
-            f"starting {fleet.isvc.spec.replicas} engine(s) for {fleet.isvc.name}; logs in {fleet.log_dir}",
-            flush=True,
-        )
-        start = asyncio.create_task(fleet.start())
+        for fleet in fleets:
+            print(
+                f"starting {fleet.isvc.spec.replicas} engine(s) for {fleet.isvc.name}; logs in {fleet.log_dir}",
+                flush=True,
+            )
+
+        async def start_all() -> None:
+            await asyncio.gather(*(fleet.start() for fleet in fleets))
+
+        start = asyncio.create_task(start_all())
         waiter = asyncio.create_task(stop.wait())
         done, _ = await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
         if start in done:
             start.result()
-            print(
-                f"serving {fleet.isvc.spec.model.source} at {fleet.url}/v1 over {len(fleet.engine_urls)} engine(s): "
-                f"{' '.join(fleet.engine_urls)}; routing: {fleet.router.policy.name} "
-                f"({fleet.router.hasher.unit} blocks); router metrics at {fleet.url}/metrics",
-                flush=True,
-            )
-            if fleet.tuner is not None:
-                src = (
-                    f"Prometheus {fleet.prometheus_url}" if fleet.prometheus_url else "direct /metrics scrape"
-                )
-                print(
-                    f"tuner on: every {fleet.tuner.policy.params.interval_s:.0f}s from {src}; Ctrl-C stops",
-                    flush=True,
-                )
-                print(
-                    f"freeze the tuner: touch {fleet.freeze_file}; resume: rm {fleet.freeze_file}", flush=True
-                )
+            await on_started()
             await waiter
         else:
             start.cancel()
         print("stopping: draining in-flight requests", flush=True)
-    except (RuntimeError, TimeoutError, ValueError) as error:
+    except (OSError, RuntimeError, TimeoutError, ValueError) as error:
         print(f"specfleet up: {error}", file=sys.stderr)
-        await fleet.stop(drain_timeout_s=0)
+        for fleet in fleets:
+            await fleet.stop(drain_timeout_s=0)
+        if on_stopped is not None:
+            await on_stopped()
         return 1
-    codes = await fleet.stop()
+    codes = [code for fleet in fleets for code in await fleet.stop()]
+    if on_stopped is not None:
+        await on_stopped()
     print(f"stopped; engine exit codes {codes}", flush=True)
     return 0 if all(c == 0 for c in codes) else 1
+
+
+async def run(fleet: LocalFleet) -> int:
+    """One fleet, its router on the endpoint."""
+
+    async def started() -> None:
+        print(
+            f"serving {fleet.isvc.spec.model.source} at {fleet.url}/v1 over {len(fleet.engine_urls)} engine(s): "
+            f"{' '.join(fleet.engine_urls)}; routing: {fleet.router.policy.name} "
+            f"({fleet.router.hasher.unit} blocks); router metrics at {fleet.url}/metrics",
+            flush=True,
+        )
+        if fleet.tuner is not None:
+            src = f"Prometheus {fleet.prometheus_url}" if fleet.prometheus_url else "direct /metrics scrape"
+            print(
+                f"tuner on: every {fleet.tuner.policy.params.interval_s:.0f}s from {src}; Ctrl-C stops",
+                flush=True,
+            )
+            print(f"freeze the tuner: touch {fleet.freeze_file}; resume: rm {fleet.freeze_file}", flush=True)
+
+    return await serve_fleets([fleet], started)
 
 
 def service_key(isvc: InferenceService) -> str:
@@ -211,62 +235,38 @@ async def run_gateway(
     fleets: list[LocalFleet], files: list[str], host: str, port: int, interval_s: float
 ) -> int:
     """Several fleets behind one gateway on host:port."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
     gateway = Gateway()
-    runner = None
+    runner: web.AppRunner | None = None
     tasks: list[asyncio.Task[None]] = []
-    try:
-        for fleet in fleets:
-            print(
-                f"starting {fleet.isvc.spec.replicas} engine(s) for {fleet.isvc.name}; logs in {fleet.log_dir}",
-                flush=True,
-            )
 
-        async def start_all() -> None:
-            await asyncio.gather(*(fleet.start() for fleet in fleets))
-
-        start = asyncio.create_task(start_all())
-        waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if start in done:
-            start.result()
-            for fleet in fleets:
-                routing = fleet.isvc.spec.routing
-                gateway.upsert(
-                    service_key(fleet.isvc), (fleet.isvc.name, *routing.aliases), routing.weight, fleet.router
-                )
-            gateway.synced = True
-            port = port or free_port(host)
-            runner = await serve_gateway(gateway, host, port)
-            tasks.append(asyncio.create_task(follow_files(gateway, files, fleets, interval_s)))
-            print(
-                f"serving {', '.join(sorted(gateway.models()))} at http://{host}:{port}/v1 (gateway over "
-                f"{len(fleets)} services: "
-                + "; ".join(
-                    f"{service_key(f.isvc)} weight {f.isvc.spec.routing.weight} at {f.url}" for f in fleets
-                )
-                + f"); metrics at http://{host}:{port}/metrics",
-                flush=True,
-            )
-            await waiter
-        else:
-            start.cancel()
-        print("stopping: draining in-flight requests", flush=True)
-    except (RuntimeError, TimeoutError, ValueError) as error:
-        print(f"specfleet up: {error}", file=sys.stderr)
+    async def started() -> None:
+        nonlocal runner, port
         for fleet in fleets:
-            await fleet.stop(drain_timeout_s=0)
-        return 1
-    for task in tasks:
-        task.cancel()
-    codes = [code for fleet in fleets for code in await fleet.stop()]
-    if runner is not None:
-        await runner.cleanup()
-    print(f"stopped; engine exit codes {codes}", flush=True)
-    return 0 if all(c == 0 for c in codes) else 1
+            routing = fleet.isvc.spec.routing
+            gateway.upsert(
+                service_key(fleet.isvc), (fleet.isvc.name, *routing.aliases), routing.weight, fleet.router
+            )
+        gateway.synced = True
+        port = port or free_port(host)
+        runner = await serve_gateway(gateway, host, port)
+        tasks.append(asyncio.create_task(follow_files(gateway, files, fleets, interval_s)))
+        print(
+            f"serving {', '.join(sorted(gateway.models()))} at http://{host}:{port}/v1 (gateway over "
+            f"{len(fleets)} services: "
+            + "; ".join(
+                f"{service_key(f.isvc)} weight {f.isvc.spec.routing.weight} at {f.url}" for f in fleets
+            )
+            + f"); metrics at http://{host}:{port}/metrics",
+            flush=True,
+        )
+
+    async def stopped() -> None:
+        for task in tasks:
+            task.cancel()
+        if runner is not None:
+            await runner.cleanup()
+
+    return await serve_fleets(fleets, started, stopped)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -5,13 +5,14 @@ file's routing.weight followed within one --discovery-interval; SIGINT stops eve
 
 from __future__ import annotations
 
+import asyncio
 import copy
+import errno
 import os
-import queue
 import signal
+import socket
 import subprocess
 import sys
-import threading
 import time
 from collections import Counter
 from pathlib import Path
@@ -19,7 +20,7 @@ from typing import Any
 
 import pytest
 import yaml
-from helpers import free_port
+from helpers import OutputWatch, free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml").read_text())
@@ -63,26 +64,9 @@ def test_up_with_two_files_serves_both_models_behind_one_endpoint(tiny_llama: st
         stderr=subprocess.STDOUT,
         env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
     )
-    lines: queue.Queue[str] = queue.Queue()
-    seen: list[str] = []
-    assert proc.stdout is not None
-    stdout = proc.stdout
-    threading.Thread(
-        target=lambda: [lines.put(raw.decode(errors="replace")) for raw in stdout], daemon=True
-    ).start()
-
-    def wait_for(text: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not any(text in line for line in seen):
-            assert proc.poll() is None or not lines.empty(), "".join(seen)[-3000:]
-            assert time.monotonic() < deadline, f"no {text!r} after {timeout_s}s:\n" + "".join(seen)[-3000:]
-            try:
-                seen.append(lines.get(timeout=0.2))
-            except queue.Empty:
-                pass
-
+    out = OutputWatch(proc)
     try:
-        wait_for(f"at http://127.0.0.1:{port}/v1 (gateway over 2 services", 240)
+        out.wait_for(f"at http://127.0.0.1:{port}/v1 (gateway over 2 services", 240)
         client = openai.OpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
         )
@@ -105,13 +89,13 @@ def test_up_with_two_files_serves_both_models_behind_one_endpoint(tiny_llama: st
         # the canary's file now says weight 0: within one interval nothing new reaches it
         files["llm-v2"].write_text(yaml.safe_dump(service("llm-v2", tiny_llama, 0, ["llm"])))
         edited = time.monotonic()
-        wait_for("[gateway] default/llm-v2: names llm-v2, llm, weight 0", 10)
+        out.wait_for("[gateway] default/llm-v2: names llm-v2, llm, weight 0", 10)
         assert time.monotonic() - edited <= INTERVAL_S + 1.0
         assert {service_of("llm") for _ in range(4)} == {"default/llm-v1"}
 
         proc.send_signal(signal.SIGINT)
-        wait_for("stopped; engine exit codes", 60)
-        assert proc.wait(30) == 0, "".join(seen)[-3000:]
+        out.wait_for("stopped; engine exit codes", 60)
+        assert proc.wait(30) == 0, out.tail()
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -127,3 +111,36 @@ def test_up_refuses_two_files_naming_one_service(tmp_path: Path, capsys: pytest.
         )
     assert main(["-f", str(tmp_path / "a.yaml"), "-f", str(tmp_path / "b.yaml")]) == 2
     assert "default/llm is already given by another -f file" in capsys.readouterr().err
+
+
+def test_up_whose_gateway_port_is_taken_stops_the_engines_it_started(
+    tiny_llama: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from specfleet.fleet.local import run_gateway
+    from specfleet.fleet.supervisor import LocalFleet
+    from specfleet.operator import load_inference_service
+
+    files = [tmp_path / "v1.yaml", tmp_path / "v2.yaml"]
+    for file, name in zip(files, ("llm-v1", "llm-v2"), strict=True):
+        file.write_text(yaml.safe_dump(service(name, tiny_llama, 100, [])))
+    fleets = [
+        LocalFleet(
+            load_inference_service(str(file)),
+            tune=False,
+            engine_extra_args=["--kv-cache-gib=0.05"],
+        )
+        for file in files
+    ]
+    with socket.socket() as taken:  # the gateway's port, held by someone else
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        try:
+            code = asyncio.run(run_gateway(fleets, [str(f) for f in files], "127.0.0.1", port, INTERVAL_S))
+            left = [e.url for fleet in fleets for e in fleet.engines if e.running]
+        finally:
+            for engine in (e for fleet in fleets for e in fleet.engines):
+                engine.kill()  # whatever the code under test left running
+    assert code == 1
+    assert f"specfleet up: [Errno {errno.EADDRINUSE}]" in capsys.readouterr().err
+    assert sum(len(fleet.engines) for fleet in fleets) == 2 and left == []

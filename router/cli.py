@@ -19,28 +19,8 @@ from .proxy import Router, serve
 from .shutdown import Drainable, drain
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="specfleet router",
-        description="One OpenAI endpoint in front of engines: "
-        "prefix-aware routing, retries before the first byte, SSE passthrough.",
-    )
-    p.add_argument("--host", default="0.0.0.0", help="listen address")
-    p.add_argument("--port", type=int, default=8080, help="listen port")
-    p.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="routing policy")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument(
-        "--endpoint",
-        action="append",
-        default=None,
-        metavar="URL",
-        help="a static engine URL (repeatable); its /ready is probed every second",
-    )
-    where.add_argument(
-        "--service",
-        default=None,
-        help="watch the EndpointSlices of this (headless) Service, in --namespace, in-cluster",
-    )
+def add_gateway_flags(p: argparse.ArgumentParser, where: argparse._MutuallyExclusiveGroup) -> None:
+    """--gateway (one of the ways to find engines, in `where`) and the flags that go with it."""
     where.add_argument(
         "--gateway",
         action="store_true",
@@ -67,6 +47,31 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --gateway: seconds between two lists of the InferenceServices (a weight change takes "
         "effect within one)",
     )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="specfleet router",
+        description="One OpenAI endpoint in front of engines: "
+        "prefix-aware routing, retries before the first byte, SSE passthrough.",
+    )
+    p.add_argument("--host", default="0.0.0.0", help="listen address")
+    p.add_argument("--port", type=int, default=8080, help="listen port")
+    p.add_argument("--policy", default=DEFAULT_POLICY, choices=list(POLICIES), help="routing policy")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument(
+        "--endpoint",
+        action="append",
+        default=None,
+        metavar="URL",
+        help="a static engine URL (repeatable); its /ready is probed every second",
+    )
+    where.add_argument(
+        "--service",
+        default=None,
+        help="watch the EndpointSlices of this (headless) Service, in --namespace, in-cluster",
+    )
+    add_gateway_flags(p, where)
     p.add_argument(
         "--prefill-service",
         default=None,

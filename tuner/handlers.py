@@ -60,6 +60,10 @@ from .report import autoscaling_status, event_for, scale_event, status_patch, tr
 from .router_signals import RouterSignals, read_router_signals
 
 TIMER_SECONDS = float(os.environ.get("SPECFLEET_TUNER_TICK_SECONDS", "5"))
+# The first tick after kopf starts (an operator restarted, or a standby newly elected): 1 s, not a whole
+# tick, so the tuner resumes from status.tuning.resume at once (a failover is within 15 s only then); the
+# tick is cheap and idempotent, and 1 s lets kopf's first listing deliver the services before it.
+FIRST_TICK_SECONDS = min(1.0, TIMER_SECONDS)
 # PromQL label matchers for a service's engine series; {namespace} and {name} are filled in. The default
 # matches the labels the Prometheus Operator adds when scraping through our ServiceMonitor: its `jobLabel`
 # makes job the InferenceService's name whichever Service lists the engines (`service` is `<name>-engines`
@@ -224,7 +228,7 @@ async def _tuner_of(
     VERSION,
     PLURAL,
     interval=TIMER_SECONDS,
-    initial_delay=TIMER_SECONDS,
+    initial_delay=FIRST_TICK_SECONDS,
     sharp=False,
     when=autotune_enabled,
 )

@@ -271,6 +271,23 @@ class OutputWatch:
             target=lambda: [self._lines.put(raw.decode(errors="replace")) for raw in stdout], daemon=True
         ).start()
 
+    @classmethod
+    def start(cls, *args: str) -> OutputWatch:
+        """`python ARGS` as a child (`-m specfleet.fleet.local ...`), its output watched."""
+        proc = subprocess.Popen(
+            [sys.executable, *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+        )
+        return cls(proc)
+
+    def kill(self) -> None:
+        """A test's cleanup: the child killed if it still runs."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
     def tail(self) -> str:
         return "".join(self.seen)[-3000:]
 

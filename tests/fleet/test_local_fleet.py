@@ -3,10 +3,7 @@ SIGINT drains and stops every engine cleanly."""
 
 from __future__ import annotations
 
-import os
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,25 +16,19 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
 def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
     openai = pytest.importorskip("openai")
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specfleet.fleet.local",
-            "-f",
-            str(EXAMPLE),
-            "--port",
-            str(port),
-            "--tune",
-            "--interval",
-            "5",
-            "--engine-arg=--kv-cache-gib=0.25",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    out = OutputWatch.start(
+        "-m",
+        "specfleet.fleet.local",
+        "-f",
+        str(EXAMPLE),
+        "--port",
+        str(port),
+        "--tune",
+        "--interval",
+        "5",
+        "--engine-arg=--kv-cache-gib=0.25",
     )
-    out = OutputWatch(proc)
+    proc = out.proc
     try:
         out.wait_for("serving bundled://smollm2-135m-instruct", 180)
         client = openai.OpenAI(
@@ -62,6 +53,4 @@ def test_local_fleet_serves_openai_client_and_stops_cleanly() -> None:
         assert proc.wait(60) == 0, out.tail()
         out.wait_for("stopped; engine exit codes [0]", 5)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        out.kill()

@@ -8,11 +8,8 @@ from __future__ import annotations
 import asyncio
 import copy
 import errno
-import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -44,27 +41,21 @@ def test_up_with_two_files_serves_both_models_behind_one_endpoint(tiny_llama: st
     files["llm-v1"].write_text(yaml.safe_dump(service("llm-v1", tiny_llama, 100, ["llm", "stable"])))
     files["llm-v2"].write_text(yaml.safe_dump(service("llm-v2", tiny_llama, 100, ["llm"])))
     port = free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "specfleet.fleet.local",
-            "-f",
-            str(files["llm-v1"]),
-            "-f",
-            str(files["llm-v2"]),
-            "--port",
-            str(port),
-            "--no-tune",
-            "--discovery-interval",
-            str(INTERVAL_S),
-            "--engine-arg=--kv-cache-gib=0.05",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},
+    out = OutputWatch.start(
+        "-m",
+        "specfleet.fleet.local",
+        "-f",
+        str(files["llm-v1"]),
+        "-f",
+        str(files["llm-v2"]),
+        "--port",
+        str(port),
+        "--no-tune",
+        "--discovery-interval",
+        str(INTERVAL_S),
+        "--engine-arg=--kv-cache-gib=0.05",
     )
-    out = OutputWatch(proc)
+    proc = out.proc
     try:
         out.wait_for(f"at http://127.0.0.1:{port}/v1 (gateway over 2 services", 240)
         client = openai.OpenAI(
@@ -97,9 +88,7 @@ def test_up_with_two_files_serves_both_models_behind_one_endpoint(tiny_llama: st
         out.wait_for("stopped; engine exit codes", 60)
         assert proc.wait(30) == 0, out.tail()
     finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+        out.kill()
 
 
 def test_up_refuses_two_files_naming_one_service(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

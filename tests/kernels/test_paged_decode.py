@@ -9,6 +9,10 @@ from specfleet.engine.attention.torch_backend import TorchAttentionBackend
 from specfleet.kernels.attention_reference import paged_attention_reference
 from specfleet.kernels.paged_decode import paged_decode_attention
 
+# Each case runs the attention kernel through Triton's interpreter on CPU, seconds per case: the fast lane
+# (`pytest -m "not slow"`) leaves them to the full suite and to `pytest tests/kernels`.
+pytestmark = pytest.mark.slow
+
 SEQ_LENS = [1, 7, 33, 129]
 GQA = [(4, 4), (9, 3), (8, 2)]  # (num_heads, num_kv_heads): ratios 1, 3, 4
 

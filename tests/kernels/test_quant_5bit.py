@@ -39,8 +39,9 @@ def test_q5_0_packs_to_six_bits_per_value(activations: str) -> None:
 @pytest.mark.parametrize("activations", ["int8", "float32"])
 @pytest.mark.parametrize("code", [0, 15, 16, 31])
 def test_extreme_5_bit_codes(activations: str, code: int) -> None:
-    """Every code 31 against x at its int8 maximum: the largest integer sums the dot path forms (the maddubs
-    backends widen their int16 sums every 8 rows for this)."""
+    """Every code one value (0 and 31, the range's ends; 15 and 16, either side of the fifth bit) against x
+    at its int8 extremes: 31 gives the largest integer sums the dot path forms (the maddubs backends widen
+    their int16 sums every 8 rows for this)."""
     n, k = 37, 256
     codes = torch.full((n, k), code, dtype=torch.uint8)
     scales = torch.full((n, k // 32), 0.25)

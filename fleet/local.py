@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import signal
 import sys
 from collections.abc import Awaitable, Callable
@@ -104,11 +105,21 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def print_tick(tick: Tick) -> None:
+def say_for(label: str | None) -> Callable[[str], None]:
+    """How a fleet's lines are printed: as they are for one service; with several, each after its service's
+    key, so that their tuner, autoscaler and engine lines can be told apart."""
+
+    def say(line: str) -> None:
+        print(line if label is None else f"{label} {line}", flush=True)
+
+    return say
+
+
+def print_tick(tick: Tick, say: Callable[[str], None] = say_for(None)) -> None:
     d = tick.decision
     for transition in tick.transitions:
         if transition != "frozen":  # the frozen decision below says it
-            print(f"[tuner] {transition}", flush=True)
+            say(f"[tuner] {transition}")
     if d.kind == "cooldown" or d.kind == "frozen" and "frozen" not in tick.transitions:
         return
     applied = ""
@@ -118,7 +129,7 @@ def print_tick(tick: Tick) -> None:
             f" [{tick.applied.config.short()}{guard} applied to {len(tick.applied.patched)} engine(s)"
             + (f", failed on {len(tick.applied.failed)}]" if tick.applied.failed else "]")
         )
-    print(f"[tuner] {d.kind}: {d.reason}{applied}", flush=True)
+    say(f"[tuner] {d.kind}: {d.reason}{applied}")
 
 
 async def serve_fleets(
@@ -269,6 +280,34 @@ async def run_gateway(
     return await serve_fleets(fleets, started, stopped)
 
 
+def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> list[LocalFleet]:
+    """One local fleet per service, from the command line; with several (a gateway in front), each router on
+    a port of its own and each fleet's lines labelled with its service."""
+    several = len(services) > 1
+    fleets = []
+    for isvc in services:
+        say = say_for(service_key(isvc) if several else None)
+        fleets.append(
+            LocalFleet(
+                isvc,
+                host=args.host,
+                port=0 if several else args.port,
+                prometheus_url=args.prometheus_url,
+                prometheus_selector=args.prometheus_selector,
+                tune=args.tune,
+                interval_s=args.interval,
+                window_s=args.window,
+                engine_extra_args=list(args.engine_arg),
+                on_tick=functools.partial(print_tick, say=say),
+                policy=args.policy,
+                freeze_file=Path(args.freeze_file) if args.freeze_file else None,
+                cpus_per_engine=args.cpus_per_engine,
+                say=say,
+            )
+        )
+    return fleets
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -284,26 +323,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"specfleet up: --cpus-per-engine: {error}", file=sys.stderr)
         return 2
-    several = len(services) > 1
-    fleets = [
-        LocalFleet(
-            isvc,
-            host=args.host,
-            port=0 if several else args.port,  # with a gateway, each service's router on a port of its own
-            prometheus_url=args.prometheus_url,
-            prometheus_selector=args.prometheus_selector,
-            tune=args.tune,
-            interval_s=args.interval,
-            window_s=args.window,
-            engine_extra_args=list(args.engine_arg),
-            on_tick=print_tick,
-            policy=args.policy,
-            freeze_file=Path(args.freeze_file) if args.freeze_file else None,
-            cpus_per_engine=args.cpus_per_engine,
-        )
-        for isvc in services
-    ]
-    if several:
+    fleets = build_fleets(args, services)
+    if len(fleets) > 1:
         return asyncio.run(run_gateway(fleets, args.file, args.host, args.port, args.discovery_interval))
     return asyncio.run(run(fleets[0]))
 

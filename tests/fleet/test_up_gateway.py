@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import errno
+import shutil
 import signal
 import socket
 import time
@@ -133,3 +134,41 @@ def test_up_whose_gateway_port_is_taken_stops_the_engines_it_started(
     assert code == 1
     assert f"specfleet up: [Errno {errno.EADDRINUSE}]" in capsys.readouterr().err
     assert sum(len(fleet.engines) for fleet in fleets) == 2 and left == []
+
+
+def test_with_several_files_each_service_s_lines_carry_its_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Two services' tuner, autoscaler and engine lines interleave on one terminal: each says whose it is.
+    One service's lines stay as they were."""
+    from specfleet.fleet.local import build_fleets, build_parser, load_services
+    from specfleet.tuner.loop import Tick
+    from specfleet.tuner.types import Decision, Observation
+
+    files = [tmp_path / "v1.yaml", tmp_path / "v2.yaml"]
+    for file, name in zip(files, ("llm-v1", "llm-v2"), strict=True):
+        file.write_text(yaml.safe_dump(service(name, "bundled://smollm2-135m-instruct", 100, [])))
+    hold = Tick(Decision(0.0, None, "within the SLO", "hold"), Observation(time=0.0, config=None), None)
+
+    args = build_parser().parse_args(["-f", str(files[0]), "-f", str(files[1]), "--tune"])
+    v1, v2 = build_fleets(args, load_services(args.file))
+    v1.say("[fleet] engine 0 exited with code 1")
+    assert v2.on_tick is not None
+    v2.on_tick(hold)
+    assert capsys.readouterr().out.splitlines() == [
+        "default/llm-v1 [fleet] engine 0 exited with code 1",
+        "default/llm-v2 [tuner] hold: within the SLO",
+    ]
+
+    args = build_parser().parse_args(["-f", str(files[0]), "--tune"])
+    (alone,) = build_fleets(args, load_services(args.file))
+    alone.say("[fleet] engine 0 exited with code 1")
+    assert alone.on_tick is not None
+    alone.on_tick(hold)
+    assert capsys.readouterr().out.splitlines() == [
+        "[fleet] engine 0 exited with code 1",
+        "[tuner] hold: within the SLO",
+    ]
+    for fleet in (v1, v2, alone):  # each made its log folder; nothing started in them
+        assert fleet.log_dir is not None
+        shutil.rmtree(fleet.log_dir)

@@ -42,6 +42,7 @@ def test_agreement_is_with_float32_even_when_float32_is_not_asked_for(
     assert both["fp32"]["agree_prefix"] == 1.0 and both["Q8_0"]["agree_prefix"] == 0.5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["awq", "gptq-act-order"])
 def test_quality_checkpoints_hold_the_bundled_weights_in_the_formats_layout(kind: str, tmp_path) -> None:
     """The AWQ/GPTQ rows run checkpoints written from the bundled float32 weights: a projection read back

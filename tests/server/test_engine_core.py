@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from helpers import start_server
 
 
@@ -22,6 +23,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
     return proc, url, log_path
 
 
+@pytest.mark.slow
 def test_sigkill_of_the_core_fails_in_flight_requests_and_exits_non_zero(tmp_path: Path) -> None:
     proc, url, log_path = _start(tmp_path)
     try:

@@ -1,7 +1,8 @@
 """KV cache blocks: O(1) allocate and free, reference counts, prefix caching with LRU eviction.
 
-A full block of verified tokens is registered under a chained hash (its parent's hash and its tokens),
-so a later prompt with the same prefix reuses it. Freed blocks stay in the hash table until they are
+A full block of verified tokens is registered under a chained hash (its parent's hash and its tokens;
+the first block also the request's `cache_salt`, as vLLM's extra keys), so a later prompt with the same
+prefix, and the same salt, reuses it; a salted block never matches another salt's or an unsalted one. Freed blocks stay in the hash table until they are
 evicted: the free pool is an ordered dict where blocks that hold nothing reusable go to the front and
 cached blocks to the back, so eviction takes the least recently freed cached block last.
 """
@@ -16,6 +17,10 @@ from specfleet.engine.sequence import Sequence
 # SPECFLEET_KV_DEBUG=1 records, for every slot, which token prefix its K/V was computed from, and checks
 # that a block registered in the prefix cache holds exactly the prefix its hash names (tests turn it on).
 KV_DEBUG = os.environ.get("SPECFLEET_KV_DEBUG", "") not in ("", "0")
+
+
+# A cached block's key: (parent block's hash or None, the block's tokens, cache_salt on the first block)
+BlockKey = tuple[int | None, tuple[int, ...], str | None]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -35,7 +40,8 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.ref_counts = [0] * num_blocks
         self.block_hash: list[int | None] = [None] * num_blocks
-        self.block_tokens: list[tuple[int, ...] | None] = [None] * num_blocks  # guards against collisions
+        # Each cached block's whole key (parent hash, tokens, salt): guards against hash collisions
+        self.block_key: list[BlockKey | None] = [None] * num_blocks
         self.hash_to_block: dict[int, int] = {}
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         # The chained hashes of each sequence's leading full blocks, as far as they were cached.
@@ -58,8 +64,12 @@ class BlockManager:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def _chain(self, parent: int | None, tokens: tuple[int, ...]) -> int:
-        return hash((parent, tokens))
+    def _key(self, seq: Sequence, index: int, parent: int | None) -> BlockKey:
+        """Block `index`'s key: its parent's hash and its tokens; the first block also carries the
+        request's cache_salt, which the chain passes on to every later block."""
+        bs = self.block_size
+        salt = seq.params.cache_salt if index == 0 else None
+        return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs]), salt
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks; the last token is never cached
@@ -67,12 +77,11 @@ class BlockManager:
         if not self.enable_prefix_caching:
             return []
         hits, parent = [], None
-        bs = self.block_size
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = self._chain(parent, tokens)
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            key = self._key(seq, i, parent)
+            h = hash(key)
             block = self.hash_to_block.get(h)
-            if block is None or self.block_tokens[block] != tokens:
+            if block is None or self.block_key[block] != key:
                 break
             hits.append(block)
             parent = h
@@ -141,14 +150,14 @@ class BlockManager:
         hashes = self._hashes.setdefault(seq.seq_id, [])
         for i in range(len(hashes), full):
             block = seq.block_table[i]
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = self._chain(hashes[-1] if hashes else None, tokens)
+            key = self._key(seq, i, hashes[-1] if hashes else None)
+            h = hash(key)
             hashes.append(h)
             if self.debug:
                 self._check_block(seq, i)
             # A block already registered elsewhere under the same content stays private.
             if self.block_hash[block] is None and h not in self.hash_to_block:
-                self.block_hash[block], self.block_tokens[block] = h, tokens
+                self.block_hash[block], self.block_key[block] = h, key
                 self.hash_to_block[h] = block
 
     def _check_block(self, seq: Sequence, index: int) -> None:
@@ -192,7 +201,7 @@ class BlockManager:
         if h is not None:  # evict: its content is about to be overwritten
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
-            self.block_hash[block] = self.block_tokens[block] = None
+            self.block_hash[block] = self.block_key[block] = None
         self.ref_counts[block] = 1
         return block
 

@@ -51,6 +51,9 @@ class SamplingParams:
     # the tokens after the output holds these (None: from the first token). Set by the server's reasoning
     # parser (engine/server/reasoning.py), as vLLM's reasoner gates its grammar.
     reasoning_end_token_ids: list[int] | None = None
+    # vLLM's per-request prefix-cache salt (one per tenant): the request's first block is hashed with it,
+    # so its cached blocks match only requests with the same salt (engine/block_manager.py)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -129,6 +132,10 @@ class SamplingParams:
         if self.num_speculative_tokens is not None and self.num_speculative_tokens < 0:
             raise ParameterError(
                 "num_speculative_tokens", f"num_speculative_tokens={self.num_speculative_tokens} must be >= 0"
+            )
+        if self.cache_salt is not None and (not isinstance(self.cache_salt, str) or not self.cache_salt):
+            raise ParameterError(
+                "cache_salt", f"cache_salt={self.cache_salt!r} must be a non-empty string if provided"
             )
         if any(not s for s in self.stop):
             raise ParameterError("stop", "stop must not contain empty strings")

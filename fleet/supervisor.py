@@ -456,9 +456,8 @@ class LocalFleet:
 
     async def scale(self, decision: ReplicaDecision) -> None:
         """A replica decision: kept (`replica_decisions`), said, and on a change run by `scale_to`."""
-        if decision.kind != "hold" or decision.changed:
+        if decision.notable:
             self.replica_decisions.append(decision)
-        if decision.changed or decision.kind in ("stabilizing", "cooldown"):
             self.say(f"[autoscaler] {decision.kind}: {decision.reason}")
         if decision.changed:
             await self.scale_to(decision.replicas)

@@ -266,7 +266,7 @@ class SimFleet:
     async def scale(self, decision: ReplicaDecision) -> None:
         """As the local fleet's `scale_to`, at the simulated now: new engines join routing once started
         (`startup_s` later); the newest retire (drained, then stopped)."""
-        if decision.kind != "hold" or decision.changed:
+        if decision.notable:
             self.replica_decisions.append(decision)
         if not decision.changed:
             return
@@ -468,7 +468,7 @@ class SimFleet:
         decision = tick.replicas
         if decision is not None:
             entry.replicas, entry.ready = len(self.active), len(self.endpoints.routable())
-            if decision.kind != "hold" or decision.changed:
+            if decision.notable:
                 entry.reason = f"{entry.reason}; replicas: {decision.reason}"
 
     def _result(self, wall_s: float, cpu_s: float) -> SimRun:

@@ -154,3 +154,18 @@ def test_a_fall_seen_only_now_does_not_scale_down_before_the_window():
     p = policy(2, scale_down_window_s=60.0)
     falling = replace(obs(0.0, demand=20.0), in_system_now=1.0)  # the mean still counts the old load
     assert p.decide(0.0, falling, MODEL, CONFIG, SLO_).replicas == 2
+
+
+def test_the_decisions_kept_are_changes_and_held_back_changes_not_plain_holds():
+    p = policy(replicas=2)
+    decisions = [
+        p.decide(t, obs(t, demand), MODEL, CONFIG, SLO_)
+        for t, demand in ((0.0, 9.5), (10.0, 4), (65.0, 4), (70.0, 30), (100.0, 30))
+    ]
+    assert [(d.kind, d.notable) for d in decisions] == [
+        ("hold", False),  # 9.5 requests keep two replicas: nothing to report
+        ("stabilizing", True),  # a scale-down held back by its window
+        ("scale-down", True),
+        ("cooldown", True),  # a scale-up held back by the cooldown
+        ("scale-up", True),
+    ]

@@ -65,6 +65,12 @@ class ReplicaDecision:
     def changed(self) -> bool:
         return self.replicas != self.previous
 
+    @property
+    def notable(self) -> bool:
+        """Worth keeping in a run's decisions: a change, or a reason one is held back (stabilizing, cooldown);
+        a plain hold that changes nothing is not (the local fleet, the simulator and its timeline agree)."""
+        return self.kind != "hold" or self.changed
+
 
 def capacity_per_replica(model: LoadModel, config: TunedConfig, slo: SLO, margin: float) -> float:
     """Requests in the system one engine holds with predicted mean TPOT <= margin * the p95 target."""

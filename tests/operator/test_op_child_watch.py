@@ -142,7 +142,14 @@ def test_a_hand_edited_network_policy_is_undone_and_an_annotation_makes_no_write
         time.sleep(1.0)  # room for any reconcile those events would start
         assert writes(fake_kube, mark) == []
 
-        # someone opens the policy to everyone: undone at the event
+        # the watches ask the API server for the operator's children only
+        listed = [r for r in fake_kube.requests if r.path.endswith(f"/namespaces/{NS}/networkpolicies")]
+        assert listed and all(
+            r.query.get("labelSelector") == "app.kubernetes.io/managed-by=specfleet-operator" for r in listed
+        ), [r.query for r in listed]
+
+        # someone opens the policy to everyone: undone at the event, with one write (its echo starts none)
+        edited = len(fake_kube.requests)
         opened = fake_kube.get(*POLICY, NS, "smollm2")
         assert opened is not None
         opened["spec"]["ingress"] = [{}]
@@ -154,6 +161,10 @@ def test_a_hand_edited_network_policy_is_undone_and_an_annotation_makes_no_write
                 == rendered["spec"]["ingress"]
             ),
         )
+        time.sleep(1.0)  # room for a reconcile the restore's own event would start
+        assert [w for w in writes(fake_kube, edited) if "networkpolicies" in w] == [
+            f"PATCH /apis/networking.k8s.io/v1/namespaces/{NS}/networkpolicies/smollm2"
+        ]
         after = fake_kube.get(*POLICY, NS, "smollm2")
         assert after is not None and after["metadata"]["annotations"]["audit.example.com/seen"] == "yes"
     assert runner.exception is None, runner.output

@@ -211,7 +211,7 @@ class SimFleet:
         self.rejected = 0  # 503s: no engine ready within the router's queue timeout
         self.replica_policy = ReplicaPolicy(replica_params(spec), self.replicas) if self.autoscaling else None
         self.tuner = self._new_tuner(interval_s, window_s) if self.tuning else None
-        self._run = _Run()
+        self._run = _Run(self.interval_s)  # each `run` starts a fresh one
         self._aio: asyncio.AbstractEventLoop | None = None
 
     def _new_tuner(self, interval_s: float | None, window_s: float | None) -> ServiceTuner:
@@ -283,13 +283,18 @@ class SimFleet:
             if self._drained(engine):
                 self._stop(engine, t)
 
+    @property
+    def interval_s(self) -> float:
+        """Seconds between two ticks: the tuner's interval, or the timeline's sample period without one."""
+        return self.tuner.policy.params.interval_s if self.tuner else self.sample_s
+
     # -- the event loop --------------------------------------------------------------------------------------
     def run(self, requests: Iterable[SimRequest]) -> SimRun:
         wall, cpu = time.perf_counter(), time.process_time()
         self._aio = asyncio.new_event_loop()
         r = self._run = _Run(
             source=iter(enumerate(requests)),
-            interval=self.tuner.policy.params.interval_s if self.tuner else self.sample_s,
+            interval=self.interval_s,
             half=self.profile.request_overhead_s / 2,
             hashed=self.routing.name == "prefix",  # the other policies never read the hashes
             routable=self.endpoints.routable(),
@@ -518,12 +523,12 @@ class SimFleet:
 class _Run:
     """The event loop's state over one `SimFleet.run`."""
 
+    interval: float  # seconds between two ticks (`SimFleet.interval_s`)
     heap: list[tuple[float, int, int, Any, Any]] = field(default_factory=list)
     order: int = 0  # ties at one time and kind pop in push order
     source: Iterator[tuple[int, SimRequest]] = field(default_factory=lambda: iter(()))
     pending: tuple[int, SimRequest] | None = None  # the next arrival, pushed; the rest wait in `source`
     first_arrival: float = 0.0
-    interval: float = 10.0
     half: float = 0.0  # half the profile's request overhead: on the way in, and on the way out
     hashed: bool = False
     # `EndpointSet.routable()` sorts every endpoint; its result changes only with the set's version (the

@@ -7,8 +7,8 @@ per InferenceService (by uid) one `ServiceMemory` with one lock, forgotten on it
 
 The memory is a cache in the controller-runtime sense: what the reconcile last applied (a digest of the
 rendered child and the server's answer) and what the watches reported since. A reconcile that renders
-what it applied before, onto children the watches saw unchanged, writes nothing. Every kind of child is
-watched (handlers.py): a deletion, or an edit of a field the operator renders, forgets the apply so the
+what it applied before, onto children the watches saw unchanged, writes nothing. Every kind of child but
+the admin Secret is watched (handlers.py): a deletion, or an edit of a field the operator renders, forgets the apply so the
 next reconcile (started by that event) applies it again; every child is also re-applied once
 `resync_seconds` have passed, one per pass (`Reconciler`), in case a watch event was missed.
 """

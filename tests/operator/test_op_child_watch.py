@@ -5,6 +5,7 @@ annotation another tool adds to a child makes no API write."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +21,7 @@ from rollouts import report_rollout, report_router_rolled_out
 from specfleet.operator import handlers
 from specfleet.operator.config import OperatorConfig
 from specfleet.operator.inference_service import parse_inference_service
-from specfleet.operator.registry import ServiceMemory
+from specfleet.operator.registry import ServiceMemory, digest, owned_shape
 from specfleet.operator.render.tuned import render_tuned_config
 
 NS = "team-a"
@@ -191,3 +192,40 @@ def test_a_deleted_tuned_configmap_comes_back_with_the_tuners_config(
         assert back["metadata"]["ownerReferences"][0]["uid"] == isvc["metadata"]["uid"]
     assert runner.exception is None, runner.output
     print(f"tuned ConfigMap restored {seconds:.2f} s after its deletion")
+
+
+def test_the_memory_tells_an_owned_change_from_metadata_noise() -> None:
+    """`ServiceMemory.observe_child` on hand-built watch events: only a deletion, or a rendered field that
+    differs from the apply's answer, asks for the child to be applied again."""
+    rendered = {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": {"name": "s", "namespace": NS, "labels": {"app": "s"}},
+        "spec": {"ports": [{"name": "http", "port": 80}], "selector": {"app": "s"}},
+    }
+    answer = copy.deepcopy(rendered)  # the server defaults fields beside the rendered ones
+    answer["metadata"].update(resourceVersion="10", uid="u1", managedFields=[{"manager": "specfleet"}])
+    answer["spec"].update(clusterIP="10.0.0.7", type="ClusterIP")
+    answer["spec"]["ports"][0].update(protocol="TCP", targetPort=80)
+    memory, key = ServiceMemory(), ("Service", "s")
+    memory.record(key, digest(rendered), answer, 0.0, owned_shape(rendered))
+
+    def event(version: str, edit: Any) -> dict[str, Any]:
+        obj = copy.deepcopy(answer)
+        obj["metadata"]["resourceVersion"] = version
+        edit(obj)
+        return obj
+
+    noise = event("11", lambda o: o["metadata"].update(annotations={"x": "y"}, managedFields=[]))
+    assert not memory.observe_child(key, noise, deleted=False)
+    assert memory.state(key, digest(rendered), 1.0, 1800) == "current"
+    assert not memory.observe_child(key, event("9", lambda o: o["spec"].update(selector={})), deleted=False)
+    port = event("12", lambda o: o["spec"]["ports"][0].update(port=8080))
+    assert memory.observe_child(key, port, deleted=False)
+    assert memory.state(key, digest(rendered), 1.0, 1800) == "changed"
+    memory.record(key, digest(rendered), event("13", lambda o: None), 2.0, owned_shape(rendered))
+    label = event("14", lambda o: o["metadata"]["labels"].update(app="other"))
+    assert memory.observe_child(key, label, deleted=False)
+    memory.record(key, digest(rendered), event("15", lambda o: None), 3.0, owned_shape(rendered))
+    assert memory.observe_child(key, event("16", lambda o: None), deleted=True)
+    assert not memory.observe_child(key, event("16", lambda o: None), deleted=True)  # already forgotten

@@ -2,7 +2,8 @@
 
 The engine's prefix cache registers each full block of `block_size` tokens under a chained hash (the
 parent block's hash and the block's tokens, engine/block_manager.py); a later prompt reuses the longest
-run of leading blocks it finds. The router hashes a prompt the same way, into the same chained blocks,
+run of leading blocks it finds, and a request's `cache_salt` salts its first block, so salted blocks serve
+only the same salt. The router hashes a prompt the same way, into the same chained blocks, salt included,
 and keeps per engine an LRU set of the block hashes it sent there (an approximate index, as GIE's and
 KubeAI's routers do: no feedback from the engine, so evictions there are not seen here; the LRU's size
 should match the engine's KV blocks).
@@ -68,10 +69,19 @@ class BlockHasher:
     def unit(self) -> str:
         return "tokens" if self.encode is not None else "chars"
 
-    def hashes(self, text: str) -> list[int]:
+    def salted_seed(self, cache_salt: object = None) -> int:
+        """The chain's seed for a request: with a `cache_salt` (a non-empty string, as the engine takes it)
+        the salt goes into the first block's hash, as in the engine, so two tenants' prompts never count
+        as each other's cached prefix; anything else is the engine's 400 and changes nothing here."""
+        if isinstance(cache_salt, str) and cache_salt:
+            return hash((self.seed, stable_hash(cache_salt)))
+        return self.seed
+
+    def hashes(self, text: str, cache_salt: object = None) -> list[int]:
+        seed = self.salted_seed(cache_salt)
         if self.encode is not None:
-            return chain_hashes(token_blocks(self.encode(text), self.block_size), self.seed)
-        return chain_hashes(char_blocks(text, self.block_size * CHARS_PER_TOKEN), self.seed)
+            return chain_hashes(token_blocks(self.encode(text), self.block_size), seed)
+        return chain_hashes(char_blocks(text, self.block_size * CHARS_PER_TOKEN), seed)
 
 
 class PrefixIndex:

@@ -185,12 +185,13 @@ class Router:
         except ValueError:
             parsed = None
         text, ids = prompt_text(parsed)
+        salt = parsed.get("cache_salt") if isinstance(parsed, dict) else None
         if ids is not None and self.hasher.encode is not None:
             from .prefix import chain_hashes, token_blocks
 
-            hashes = chain_hashes(token_blocks(ids, self.hasher.block_size), self.hasher.seed)
+            hashes = chain_hashes(token_blocks(ids, self.hasher.block_size), self.hasher.salted_seed(salt))
         else:
-            hashes = self.hasher.hashes(text) if text else []
+            hashes = self.hasher.hashes(text, salt) if text else []
         session = headers.get(self.session_header) if self.session_header else None
         return RouteRequest(tuple(hashes), session)
 

@@ -30,7 +30,6 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, str]] = {
     "min_repetition_pattern_size": (0, "repetition-pattern stopping is not implemented"),
     "repetition_min_count": (0, "repetition-pattern stopping is not implemented"),
     "return_tokens_as_token_ids": (False, "logprob tokens are always returned as text"),
-    "cache_salt": (None, "the prefix cache is not salted per request, so isolation cannot be promised"),
     "echo": (False, "chat echo (prepending the last message of the same role) is not implemented"),
     "continue_final_message": (False, "the chat template always starts a new assistant message"),
     "add_special_tokens": (False, "the chat template adds the model's special tokens itself"),

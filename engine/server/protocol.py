@@ -79,6 +79,11 @@ class SamplingFields(LenientModel):
         default=None,
         description="vLLM's: the prompt's and each choice's token ids in the (non-streamed) response",
     )
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        description="vLLM's prefix-cache salt: cached blocks are reused only by requests with the same salt",
+    )
 
     @field_validator("logit_bias")
     @classmethod
@@ -151,6 +156,7 @@ class SamplingFields(LenientModel):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
+            cache_salt=self.cache_salt,
             prompt_logprobs=self.num_prompt_logprobs(),
             structured_outputs=spec_from_request(
                 response_format=getattr(self, "response_format", None),

@@ -95,7 +95,7 @@ def _sampling_params(
     _check_all_logprobs(state, body)
     _check_token_ids(body)
     try:
-        params = body.to_sampling_params()
+        params = body.to_sampling_params(state.engine.sampling_defaults)
     except ParameterError as exc:  # a StructuredOutputError too: it names the field it is about
         raise APIError(400, str(exc), exc.param, exc.code) from exc
     except ValueError as exc:
@@ -444,20 +444,30 @@ async def create_chat_completion(
     rid = f"chatcmpl-{request_id(request, body.request_id)}"
     streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params)
     num_logprobs = body.num_logprobs()
+    echo = chat.echo_prefix(body)
     if body.stream:
-        return _streaming_response(
-            _stream_body(
-                state,
-                streams,
-                rid,
-                True,
-                body.n,
-                body.include_usage,
-                num_logprobs,
-                body.continuous_usage,
-                shape=shape,
-            )
+        stream = _stream_body(
+            state,
+            streams,
+            rid,
+            True,
+            body.n,
+            body.include_usage,
+            num_logprobs,
+            body.continuous_usage,
+            shape=shape,
         )
+        if echo:
+            first = _chunk(
+                "chat.completion.chunk",
+                rid,
+                int(time.time()),
+                state.model_name,
+                chat.echo_delta(echo, body.n),
+                body.include_usage,
+            )
+            stream = _after(serving.sse(first), stream)
+        return _streaming_response(stream)
     finals = await _collect(request, streams)
     text = serving.TokenText(state.tokenizer)
     return _respond(
@@ -468,7 +478,9 @@ async def create_chat_completion(
             "object": "chat.completion",
             "created": int(time.time()),
             "model": state.model_name,
-            "choices": chat.choices(shape, serving.chat_choices(finals[0], num_logprobs, text), finals[0]),
+            "choices": chat.echoed(
+                chat.choices(shape, serving.chat_choices(finals[0], num_logprobs, text), finals[0]), echo
+            ),
             "usage": serving.usage(finals),
             **_kv_transfer(finals),
             **(
@@ -478,6 +490,12 @@ async def create_chat_completion(
             ),
         },
     )
+
+
+async def _after(first: str, rest: AsyncIterator[str]) -> AsyncIterator[str]:
+    yield first
+    async for item in rest:
+        yield item
 
 
 def _respond(body: SamplingFields, finals: list[RequestOutput], answer: dict[str, Any]) -> JSONResponse:

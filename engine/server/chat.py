@@ -38,6 +38,7 @@ class ChatOptions:
     reasoning_parser: ReasoningParser | None = None
     default_template_kwargs: dict[str, Any] = field(default_factory=dict)
     exclude_tools_when_none: bool = False  # tool_choice "none" renders the prompt without the tools
+    trust_request_chat_template: bool = False  # a request's own `chat_template` runs only with this flag
 
     @classmethod
     def from_flags(
@@ -48,6 +49,7 @@ class ChatOptions:
         reasoning_parser: str | None = None,
         default_chat_template_kwargs: str | None = None,
         exclude_tools_when_tool_choice_none: bool = False,
+        trust_request_chat_template: bool = False,
     ) -> ChatOptions:
         """ValueError naming the flag for a bad value: the server refuses to start."""
         if enable_auto_tool_choice and tool_call_parser is None:
@@ -74,6 +76,7 @@ class ChatOptions:
             reasoning_parser=get_reasoning_parser(reasoning_parser) if reasoning_parser else None,
             default_template_kwargs=kwargs,
             exclude_tools_when_none=exclude_tools_when_tool_choice_none,
+            trust_request_chat_template=trust_request_chat_template,
         )
 
 
@@ -86,6 +89,31 @@ class Rendered:
 def render(options: ChatOptions, tokenizer: Any, body: Any, plan: ChatPlan) -> Rendered:
     """The prompt: the conversation through the chat template with the tools and template kwargs."""
     tools = None if plan.tools.choice == "none" and options.exclude_tools_when_none else body.tools
+    return render_with(options, tokenizer, body, tools)
+
+
+def render_with(options: ChatOptions, tokenizer: Any, body: Any, tools: Any) -> Rendered:
+    """`render` for any body with the chat template controls (chat completions', /tokenize's), as vLLM's:
+    `add_generation_prompt` opens the answer's turn, `continue_final_message` leaves the last message open
+    (no end of turn) for the model to continue, `documents` reach the template, a request's `chat_template`
+    replaces the server's when --trust-request-chat-template allows it, and `add_special_tokens` adds the
+    tokenizer's BOS and the like to what the template wrote."""
+    if body.continue_final_message and body.add_generation_prompt:  # vLLM refuses both too
+        raise APIError(
+            400,
+            "continue_final_message=true continues the last message and add_generation_prompt=true (the "
+            "default) starts a new one: send add_generation_prompt=false with it",
+            "continue_final_message",
+            "invalid_value",
+        )
+    if body.chat_template is not None and not options.trust_request_chat_template:
+        raise APIError(  # vLLM's gate: a template is code the server runs (Jinja, sandboxed or not)
+            400,
+            "chat_template is passed with the request, but the server was not started with "
+            "--trust-request-chat-template; leave it out to use the server's template",
+            "chat_template",
+            "invalid_value",
+        )
     template_kwargs = {**options.default_template_kwargs, **(body.chat_template_kwargs or {})}
     reserved = sorted(reserved_kwargs(type(tokenizer)) & set(template_kwargs))
     if reserved:
@@ -95,7 +123,7 @@ def render(options: ChatOptions, tokenizer: Any, body: Any, plan: ChatPlan) -> R
             f"chat_template_kwargs.{reserved[0]}",
             "invalid_value",
         )
-    template = options.chat_template
+    template = body.chat_template if body.chat_template is not None else options.chat_template
     if template is None and not getattr(tokenizer, "chat_template", None):
         raise APIError(
             400,
@@ -103,12 +131,14 @@ def render(options: ChatOptions, tokenizer: Any, body: Any, plan: ChatPlan) -> R
             "messages",
             "invalid_value",
         )
-    template_kwargs.setdefault("add_generation_prompt", True)
+    template_kwargs.setdefault("add_generation_prompt", body.add_generation_prompt)
     try:
         text = tokenizer.apply_chat_template(
             [m.as_template_dict() for m in body.messages],
             tools=template_tools(tools),
+            documents=body.documents,
             chat_template=template,
+            continue_final_message=body.continue_final_message,
             tokenize=False,
             **template_kwargs,
         )
@@ -121,7 +151,7 @@ def render(options: ChatOptions, tokenizer: Any, body: Any, plan: ChatPlan) -> R
         ) from exc
     if not isinstance(text, str):  # a template kwarg that changed what comes back: not ours to guess
         raise APIError(400, "the chat template did not render text", "chat_template_kwargs", "invalid_value")
-    return Rendered(list(tokenizer.encode(text, add_special_tokens=False)), text)
+    return Rendered(list(tokenizer.encode(text, add_special_tokens=body.add_special_tokens)), text)
 
 
 def reserved_kwargs(tokenizer_class: Any) -> frozenset[str]:
@@ -346,3 +376,32 @@ def choices(
     for choice in plain:
         choice["message"], choice["finish_reason"] = shape.message(outputs[choice["index"]])
     return plain
+
+
+def echo_prefix(body: Any) -> str:
+    """Chat `echo`, as vLLM's: the last message's content when it is the answering role's (the assistant's
+    with add_generation_prompt, else whichever role spoke last), to put before the answer; else ""."""
+    if not body.echo:
+        return ""
+    last = body.messages[-1]
+    role = "assistant" if body.add_generation_prompt else last.role
+    if last.role != role:
+        return ""
+    content = last.content
+    if isinstance(content, list):  # vLLM joins text parts with newlines here
+        return "\n".join(part.text for part in content)
+    return content or ""
+
+
+def echoed(choices: list[dict[str, Any]], prefix: str) -> list[dict[str, Any]]:
+    """Whole responses' choices with the echoed prefix before each message's content."""
+    if prefix:
+        for choice in choices:
+            choice["message"]["content"] = prefix + (choice["message"].get("content") or "")
+    return choices
+
+
+def echo_delta(prefix: str, n: int) -> list[dict[str, Any]]:
+    """A stream's first choices with echo: the prefix as each choice's first content delta."""
+    delta = {"role": "assistant", "content": prefix}
+    return [{"index": i, "delta": dict(delta), "logprobs": None, "finish_reason": None} for i in range(n)]

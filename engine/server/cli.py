@@ -92,6 +92,12 @@ def add_chat_args(p: argparse.ArgumentParser) -> None:
         "request's chat_template_kwargs override them",
     )
     p.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="accept a chat_template (Jinja text) in chat and /tokenize requests; without it such a request "
+        "is a 400, as in vLLM: a template is code the server runs on the client's behalf",
+    )
+    p.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
         help='answer tool_choice="auto" (the default when tools are given) by reading the model\'s tool '
@@ -125,6 +131,7 @@ def chat_options(args: argparse.Namespace) -> ChatOptions:
         reasoning_parser=args.reasoning_parser,
         default_chat_template_kwargs=args.default_chat_template_kwargs,
         exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+        trust_request_chat_template=args.trust_request_chat_template,
     )
 
 

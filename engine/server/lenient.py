@@ -17,7 +17,7 @@ from pydantic import BaseModel, ConfigDict, model_validator
 
 # A field of vLLM's request protocol that specfleet does not implement: the value accepted (vLLM's
 # default, which asks for nothing) and why any other value is refused. Only consulted for fields the
-# route's model does not declare, so completions' `echo` (declared, honoured) is not chat's `echo` (here).
+# route's model does not declare.
 REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, str]] = {
     "use_beam_search": (False, "beam search is not implemented"),
     "logits_processors": (None, "custom logits processors are not loaded by this server"),
@@ -30,11 +30,6 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, str]] = {
     "min_repetition_pattern_size": (0, "repetition-pattern stopping is not implemented"),
     "repetition_min_count": (0, "repetition-pattern stopping is not implemented"),
     "return_tokens_as_token_ids": (False, "logprob tokens are always returned as text"),
-    "echo": (False, "chat echo (prepending the last message of the same role) is not implemented"),
-    "continue_final_message": (False, "the chat template always starts a new assistant message"),
-    "add_special_tokens": (False, "the chat template adds the model's special tokens itself"),
-    "documents": (None, "the chat template is not given documents"),
-    "chat_template": (None, "per-request chat templates are not accepted; the model's template is used"),
 }
 
 

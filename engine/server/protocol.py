@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from specfleet.engine.knobs import KNOBS, SERVICE_KNOBS
-from specfleet.engine.sampling_params import ParameterError, SamplingParams
+from specfleet.engine.sampling_params import GENERATION_DEFAULT_FIELDS, ParameterError, SamplingParams
 from specfleet.engine.structured_output.request_fields import spec_from_request
 
 from .lenient import LenientModel
@@ -28,6 +29,10 @@ ALL_LOGPROBS = -1  # vLLM's "the whole vocabulary" for logprobs, top_logprobs an
 # either; 256 covers UUIDs and trace ids with room to spare.
 REQUEST_ID_PATTERN = r"^[\x21-\x7e]{1,256}$"
 
+# The sampling fields whose default the engine may set (checkpoint.GENERATION_DEFAULT_FIELDS, from
+# generation_config.json): a request that leaves one out samples with the engine's.
+DEFAULTED_FIELDS = tuple(GENERATION_DEFAULT_FIELDS)
+
 TokenIds = Annotated[list[Annotated[int, Field(ge=0)]], Field(min_length=1)]
 
 
@@ -47,9 +52,11 @@ class SamplingFields(LenientModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     n: int = Field(default=1, ge=1, le=MAX_N)
-    temperature: float = Field(default=1.0, ge=0.0, le=2.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=-1, ge=-1)
+    # None: the default in force, the model's generation_config.json's under --generation-config auto
+    # (as vLLM), else SamplingParams' own (to_sampling_params)
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=-1)
     seed: int | None = Field(default=None, ge=MIN_SEED, le=MAX_SEED)
     max_tokens: int | None = Field(default=None, ge=1)
     stop: str | list[str] | None = None
@@ -62,8 +69,8 @@ class SamplingFields(LenientModel):
     user: str | None = Field(default=None, description="End-user id (accepted, not used)")
     logit_bias: dict[str, float] | None = Field(default=None, description="Token id (as a string) -> bias")
     # vLLM's extra sampling fields (the openai client sends them in extra_body)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
+    min_p: float | None = Field(default=None, ge=0.0, le=1.0)
     allowed_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(default=None, min_length=1)
     bad_words: list[str] | None = None
     skip_special_tokens: bool = True
@@ -127,17 +134,18 @@ class SamplingFields(LenientModel):
     def num_logprobs(self) -> int | None:
         return None
 
-    def to_sampling_params(self) -> SamplingParams:
+    def to_sampling_params(self, defaults: Mapping[str, Any] | None = None) -> SamplingParams:
+        """The request's SamplingParams; a field it leaves out (or sends as null) takes `defaults` (the
+        engine's, from --generation-config), then SamplingParams' own."""
         max_tokens = self.default_max_tokens()
+        given = {name: getattr(self, name) for name in DEFAULTED_FIELDS}
+        defaulted = {**(defaults or {}), **{k: v for k, v in given.items() if v is not None}}
         if max_tokens is not None and self.min_tokens > max_tokens:
             raise ParameterError(
                 "min_tokens", f"min_tokens={self.min_tokens} must be <= max_tokens={max_tokens}"
             )
         return SamplingParams(
             n=self.n,
-            temperature=self.temperature,
-            top_p=self.top_p,
-            top_k=self.top_k,
             seed=self.seed,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -148,8 +156,6 @@ class SamplingFields(LenientModel):
             presence_penalty=self.presence_penalty,
             frequency_penalty=self.frequency_penalty,
             include_stop_str_in_output=self.include_stop_str_in_output,
-            repetition_penalty=self.repetition_penalty,
-            min_p=self.min_p,
             logit_bias={int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None,
             allowed_token_ids=self.allowed_token_ids,
             bad_words=self.bad_words,
@@ -166,6 +172,7 @@ class SamplingFields(LenientModel):
                 guided_grammar=self.guided_grammar,
                 structured_outputs=self.structured_outputs,
             ),
+            **{k: v for k, v in defaulted.items() if k in DEFAULTED_FIELDS},
         )
 
     def num_prompt_logprobs(self) -> int | None:
@@ -283,7 +290,14 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=ALL_LOGPROBS, le=MAX_LOGPROBS)
     response_format: ResponseFormat | None = None
+    # the chat template controls, as vLLM's (chat.render); continue_final_message needs
+    # add_generation_prompt=false, a per-request chat_template needs --trust-request-chat-template
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    documents: list[dict[str, str]] | None = None
+    add_special_tokens: bool = False  # the template writes the special tokens; true adds BOS etc. on top
+    echo: bool = False  # the last message's content before the answer when it is the answering role's
     # tool calling and reasoning (chat.py, tools.py, reasoning.py)
     tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
     tool_choice: ToolChoice | None = None
@@ -295,8 +309,6 @@ class ChatCompletionRequest(SamplingFields):
     def _check_logprobs(self) -> ChatCompletionRequest:
         if self.top_logprobs not in (None, 0) and not self.logprobs:  # vLLM's default is 0, asking nothing
             raise ValueError("top_logprobs needs logprobs=true")
-        if not self.add_generation_prompt:
-            raise ValueError("add_generation_prompt=false is not supported")
         return self
 
     def default_max_tokens(self) -> int | None:

@@ -1,7 +1,9 @@
 """vLLM's utility routes: POST /tokenize, POST /detokenize, GET /version, with vLLM's bodies.
 
 `/tokenize` takes `{"prompt": ...}` (tokenized as completions would, `add_special_tokens` true by default)
-or `{"messages": [...]}` (through the chat template, as chat completions would) and answers
+or `{"messages": [...]}` (through the chat template as chat completions would, with the same template
+controls: `add_generation_prompt`, `continue_final_message`, `chat_template`, `chat_template_kwargs`,
+`documents`, `tools`, `add_special_tokens` default false) and answers
 `{"count", "max_model_len", "tokens", "token_strs"}`; `/detokenize` takes `{"tokens": [...]}` and answers
 `{"prompt": text}`; `/version` answers `{"version": ...}`, specfleet's package version.
 """
@@ -15,10 +17,12 @@ from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import BaseModel, Field, ValidationError
 
+from . import chat as chat_template
 from .errors import APIError
 from .lenient import LenientModel
-from .protocol import ChatMessage
+from .protocol import MAX_TOOLS, ChatMessage
 from .state import ServerState, get_state
+from .tool_models import ChatTool
 
 router = APIRouter()
 
@@ -34,6 +38,12 @@ class TokenizeChatRequest(LenientModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    tools: list[ChatTool] | None = Field(default=None, max_length=MAX_TOOLS)
+    add_special_tokens: bool = False
     return_token_strs: bool = False
 
 
@@ -63,14 +73,7 @@ async def tokenize(request: Request, body: Annotated[dict[str, Any], Body()]) ->
     if "messages" in body:
         chat = _parse(TokenizeChatRequest, body)
         _checked(state, chat)
-        if not chat.add_generation_prompt:
-            raise APIError(400, "add_generation_prompt=false is not supported", "add_generation_prompt")
-        try:
-            ids = list(state.engine.apply_chat_template([m.as_template_dict() for m in chat.messages]))
-        except Exception as exc:
-            raise APIError(
-                400, f"messages cannot be rendered with the model's chat template: {exc}", "messages"
-            ) from exc
+        ids = chat_template.render_with(state.chat, state.tokenizer, chat, chat.tools).prompt_ids
         want_strs = chat.return_token_strs
     else:
         plain = _parse(TokenizeCompletionRequest, body)

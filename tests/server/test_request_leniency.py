@@ -155,8 +155,7 @@ def test_null_means_the_default(server: Any, model_name: str) -> None:
         ("completions", {"priority": 3}, "priority", "first come, first served"),
         ("completions", {"logits_processors": ["my.mod.Proc"]}, "logits_processors", "not loaded"),
         ("completions", {"request_id": "has space"}, "request_id", "should match pattern"),
-        ("chat", {"echo": True}, "echo", "chat echo"),
-        ("chat", {"continue_final_message": True}, "continue_final_message", "new assistant message"),
+        ("chat", {"continue_final_message": True}, "continue_final_message", "add_generation_prompt=false"),
         ("chat", {"max_repetition_pattern_size": 4}, "max_repetition_pattern_size", "not implemented"),
     ],
 )

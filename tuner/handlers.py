@@ -32,7 +32,11 @@ import kopf
 from specfleet.operator import metrics
 from specfleet.operator.conditions import timestamp
 from specfleet.operator.handlers import autotune_enabled, kube_client
-from specfleet.operator.inference_service import InvalidInferenceService, parse_inference_service
+from specfleet.operator.inference_service import (
+    InferenceService,
+    InvalidInferenceService,
+    parse_inference_service,
+)
 from specfleet.operator.kube import ApiError, KubeClient, object_path
 from specfleet.operator.render.secret import read_admin_token
 from specfleet.operator.render.tuned import render_tuned_config
@@ -189,21 +193,20 @@ class StatusScaler:
 
 
 async def _tuner_of(
-    client: KubeClient, body: kopf.Body, status: kopf.Status, memo: kopf.Memo, logger: kopf.Logger
-) -> tuple[ServiceTuner, str, float] | None:
+    client: KubeClient,
+    body: kopf.Body,
+    isvc: InferenceService,
+    status: kopf.Status,
+    memo: kopf.Memo,
+    logger: kopf.Logger,
+) -> tuple[ServiceTuner, str, float]:
     """This service's tuner, with the fingerprint it was built under and the time of its last interval:
     rebuilt only when a field the tuner depends on changed (bounds, SLO, method, model, ...), since a
-    /scale write bumps the generation too and must not make the tuner forget what it learned. None for
-    a spec the reconcile reports as InvalidSpec."""
+    /scale write bumps the generation too and must not make the tuner forget what it learned."""
     # uid -> (tuner, fingerprint of the spec fields it depends on, its clock at its last interval)
     tuners: dict[str, tuple[ServiceTuner, str, float]] = memo.setdefault("tuners", {})
     meta = body["metadata"]
-    try:
-        fingerprint = tuner_fingerprint(
-            parse_inference_service(body, f"{meta['namespace']}/{meta['name']}").spec
-        )
-    except InvalidInferenceService:
-        return None
+    fingerprint = tuner_fingerprint(isvc.spec)
     entry = tuners.get(meta["uid"])
     if entry is not None and entry[1] == fingerprint:
         return entry
@@ -238,11 +241,12 @@ async def tune(
     """Every tick: the tuner's interval once `autotune.intervalSeconds` have passed (`ServiceTuner.interval`,
     the sequence every host shares), else the between-interval work (new pods, scale from zero)."""
     client = kube_client(memo)
-    entry = await _tuner_of(client, body, status, memo, logger)
-    if entry is None:
-        return
-    tuner, fingerprint, last = entry
-    tuner.replicas = _replica_policy(memo, meta["uid"], body)
+    try:
+        isvc = parse_inference_service(body, f"{meta['namespace']}/{meta['name']}")
+    except InvalidInferenceService:
+        return  # the reconcile reports it as InvalidSpec
+    tuner, fingerprint, last = await _tuner_of(client, body, isvc, status, memo, logger)
+    tuner.replicas = _replica_policy(memo, meta["uid"], isvc)
     tuner.scaler = StatusScaler(client, body, status)
     if tuner.clock() - last < tuner.policy.params.interval_s:
         await tuner.sync_new_pods()  # a pod that started before its file was written: tuned within a tick
@@ -315,12 +319,11 @@ async def publish_in_force(
     written[meta["uid"]] = content
 
 
-def _replica_policy(memo: kopf.Memo, uid: str, body: kopf.Body) -> ReplicaPolicy | None:
+def _replica_policy(memo: kopf.Memo, uid: str, isvc: InferenceService) -> ReplicaPolicy | None:
     """One replica policy per service with autoscaling on, started from the count in force. Rebuilt only when
     its settings (`replica_params`: the bounds, windows, cooldown) change: a `/scale` write or any other spec
     change bumps the generation too, and must not restart its cooldown or its stabilization windows."""
     policies: dict[str, ReplicaPolicy] = memo.setdefault("replica_policies", {})
-    isvc = parse_inference_service(body, f"{body['metadata'].get('namespace')}/{body['metadata']['name']}")
     if not isvc.spec.autoscaling.enabled:
         policies.pop(uid, None)
         return None

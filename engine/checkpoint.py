@@ -19,6 +19,7 @@ from typing import Any
 from specfleet.engine.cache_dir import CacheError, cache_root, ensure_file
 from specfleet.engine.heap import release_free_memory
 from specfleet.engine.models import ARCHITECTURES
+from specfleet.engine.sampling_params import GENERATION_DEFAULT_FIELDS, ParameterError, SamplingParams
 from specfleet.engine.tokenizer import Tokenizer
 
 log = logging.getLogger("specfleet.engine.loader")
@@ -104,18 +105,64 @@ def load_state_dict(path: Path) -> dict:
     return state
 
 
-def eos_ids(path, hf_config, tokenizer) -> set[int]:
+def read_generation_config(folder: Path) -> dict[str, Any]:
+    """A folder's generation_config.json as a dict ({} when it has none)."""
+    file = Path(folder) / "generation_config.json"
+    if not file.is_file():
+        return {}
+    try:
+        values = json.loads(file.read_text())
+    except ValueError as exc:
+        raise ValueError(f"{file} is not valid JSON: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ValueError(f"{file} must hold a JSON object, got {type(values).__name__}")
+    return values
+
+
+def eos_ids(path, hf_config, tokenizer, generation_config: dict[str, Any] | None = None) -> set[int]:
     ids: set[int] = set()
     sources = [getattr(hf_config, "eos_token_id", None), tokenizer.eos_token_id]
-    gen = path / "generation_config.json"
-    if gen.exists():
-        sources.append(json.loads(gen.read_text()).get("eos_token_id"))
+    gen = read_generation_config(path) if generation_config is None else generation_config
+    sources.append(gen.get("eos_token_id"))
     for value in sources:
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, list):
             ids.update(v for v in value if isinstance(v, int))
     return ids
+
+
+GENERATION_CONFIG_MODES = ("auto", "vllm")  # or a folder holding generation_config.json
+
+
+def sampling_defaults(model_folder: Path, mode: str, generation_config: dict[str, Any]) -> dict[str, Any]:
+    """The request defaults `--generation-config` asks for: `vllm`, none (SamplingParams' own); `auto`,
+    those the model folder's generation_config.json (`generation_config`, read once by the loader) sets;
+    a folder, those of the generation_config.json in it. Checked here as SamplingParams checks a request,
+    so a file a request could not say is an error at start, naming the file and the field."""
+    if mode == "vllm":
+        return {}
+    source = Path(model_folder) / "generation_config.json"
+    if mode != "auto":
+        source = Path(mode) / "generation_config.json"
+        if not source.is_file():
+            raise ValueError(
+                f"generation_config={mode!r}: no generation_config.json in that folder; give a folder "
+                f"that holds one, or {' or '.join(map(repr, GENERATION_CONFIG_MODES))}"
+            )
+        generation_config = read_generation_config(Path(mode))
+    defaults = {
+        name: generation_config[name]
+        for name, hf_default in GENERATION_DEFAULT_FIELDS.items()
+        if generation_config.get(name) is not None and generation_config[name] != hf_default
+    }
+    try:
+        SamplingParams(**defaults)
+    except (ParameterError, TypeError) as exc:
+        raise ValueError(
+            f"{source}: {exc}; fix the file or start with generation_config='vllm' to ignore it"
+        ) from exc
+    return defaults
 
 
 def checkpoint_state(path: Path, gguf: Path | None, hf_config, quantization: str | None) -> dict:

@@ -120,6 +120,12 @@ class EngineConfig:
     )
     prompt_lookup_min: int = _opt(1, "n-gram proposer: shortest suffix to look up in the prompt")
     prompt_lookup_max: int = _opt(4, "n-gram proposer: longest suffix to look up in the prompt")
+    generation_config: str = _opt(
+        "auto",
+        "request defaults for temperature, top_p, top_k, min_p and repetition_penalty: auto (the model's "
+        "generation_config.json, as vLLM), vllm (SamplingParams' own), or a folder holding a "
+        "generation_config.json",
+    )
     seed: int = _opt(
         0, "seed of the engine's generator, which requests without a seed of their own draw from"
     )
@@ -161,6 +167,11 @@ class EngineConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if not isinstance(self.generation_config, str) or not self.generation_config:
+            raise ValueError(
+                f"generation_config={self.generation_config!r} must be 'auto', 'vllm' or a folder holding "
+                "generation_config.json"
+            )
         if self.block_size not in (1, 2, 4, 8, 16, 32, 64, 128, 256):
             raise ValueError(f"block_size={self.block_size} must be a power of two between 1 and 256")
         if self.max_model_len is not None and self.max_model_len < 1:

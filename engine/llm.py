@@ -70,6 +70,11 @@ class LLM:
     def get_tokenizer(self):
         return self.engine.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` samples with when given no SamplingParams: SamplingParams' defaults, with the
+        model's generation_config.json over them under `generation_config="auto"` (as vLLM)."""
+        return self.engine.default_sampling_params()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],
@@ -83,7 +88,9 @@ class LLM:
         prompts = [_prompt(p) for p in batch]
         params = sampling_params
         params_list = (
-            params if isinstance(params, (list, tuple)) else [params or SamplingParams()] * len(prompts)
+            params
+            if isinstance(params, (list, tuple))
+            else [params or self.get_default_sampling_params()] * len(prompts)
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")

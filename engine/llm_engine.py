@@ -85,6 +85,8 @@ class Engine:
             loaded.max_model_len,
         )
         self.eos_token_ids = loaded.eos_token_ids
+        # the request defaults --generation-config puts in force (vLLM's default sampling params)
+        self.sampling_defaults = dict(loaded.sampling_defaults)
         draft = load_draft(config, loaded)
         models = [loaded.model] + ([draft.model] if draft else [])
         num_blocks = kv_cache_blocks(config, models, self.max_model_len, loaded.model.device)
@@ -152,6 +154,18 @@ class Engine:
             self.max_model_len,
             self.runner.attn.name,
         )
+        if self.sampling_defaults:  # vLLM warns the same way: a request without them samples otherwise
+            log.warning(
+                "event=generation_config_defaults generation_config=%s %s Default sampling parameters have "
+                "been overridden by the model's generation config; start with --generation-config vllm to "
+                "use SamplingParams' own",
+                config.generation_config,
+                " ".join(f"{k}={v}" for k, v in sorted(self.sampling_defaults.items())),
+            )
+
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the request defaults in force (vLLM's LLM.get_default_sampling_params)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def close(self) -> None:
         """Stop what the engine started beside itself (tensor-parallel workers, the KV connector's server

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import torch
 from specfleet.engine.checkpoint import (
@@ -16,6 +16,8 @@ from specfleet.engine.checkpoint import (
     eos_ids,
     load_hf_config,
     load_tokenizer,
+    read_generation_config,
+    sampling_defaults,
 )
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.heap import release_free_memory
@@ -39,6 +41,8 @@ class LoadedModel:
     name: str
     max_model_len: int
     eos_token_ids: set[int]
+    # request defaults from generation_config.json (--generation-config; checkpoint.sampling_defaults)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
 
 def pick_device(name: str) -> torch.device:
@@ -130,8 +134,14 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     # (12 MB after SmolLM2's Q4_K_M, 22 MB after its Q4_1; engine/heap.py): give them back before the KV
     # cache and serving.
     release_free_memory()
+    generation = read_generation_config(resolved.path)  # read once: the eos ids and the request defaults
     return LoadedModel(
-        model, tokenizer, resolved.name, max_model_len, eos_ids(resolved.path, hf_config, tokenizer)
+        model,
+        tokenizer,
+        resolved.name,
+        max_model_len,
+        eos_ids(resolved.path, hf_config, tokenizer, generation),
+        sampling_defaults(resolved.path, config.generation_config, generation),
     )
 
 

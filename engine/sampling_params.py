@@ -8,12 +8,30 @@ from typing import Any
 
 from specfleet.engine.errors import ParameterError
 
-__all__ = ["LOGIT_BIAS_LIMIT", "MAX_LOGPROBS", "ParameterError", "SamplingParams"]
+__all__ = [
+    "GENERATION_DEFAULT_FIELDS",
+    "LOGIT_BIAS_LIMIT",
+    "MAX_LOGPROBS",
+    "ParameterError",
+    "SamplingParams",
+]
 
 MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI and vLLM clamp a bias to [-100, 100]
+
+# The request defaults vLLM takes from generation_config.json under `--generation-config auto`
+# (ModelConfig.get_diff_sampling_param), all of which SamplingParams has. vLLM reads the file through
+# transformers' GenerationConfig.to_diff_dict, which drops a value equal to transformers' own default, so a
+# file's `top_k: 50` (transformers' default) is not applied there either; these are those defaults.
+GENERATION_DEFAULT_FIELDS: dict[str, float | int | None] = {
+    "temperature": 1.0,
+    "top_p": 1.0,
+    "top_k": 50,
+    "min_p": None,
+    "repetition_penalty": 1.0,
+}
 
 
 @dataclass

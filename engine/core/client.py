@@ -86,6 +86,7 @@ class CoreInfo:
     def __init__(self, ready: Ready, tokenizer: Any) -> None:
         self.model_name, self.max_model_len = ready.model_name, ready.max_model_len
         self.vocab_size, self.eos_token_ids = ready.vocab_size, set(ready.eos_token_ids)
+        self.sampling_defaults = dict(ready.sampling_defaults)  # what a request leaves out samples with
         self.tokenizer = tokenizer
 
     def apply_chat_template(self, messages: list[dict]) -> list[int]:

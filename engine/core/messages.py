@@ -83,6 +83,7 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):
     eos_token_ids: list[int]
     live: dict[str, int]
     pid: int
+    sampling_defaults: dict[str, Any] = {}  # the request defaults in force (--generation-config)
 
 
 # AddResult.code of an add_request that raised something else than a ParameterError or ValueError: the

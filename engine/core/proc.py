@@ -243,6 +243,7 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
                     sorted(engine.eos_token_ids),
                     engine.live_config().as_dict(),
                     os.getpid(),
+                    engine.sampling_defaults,
                 )
             )
         )

@@ -25,6 +25,7 @@ def test_the_flags_make_the_servers_chat_options() -> None:
             "qwen3",
             "--default-chat-template-kwargs",
             '{"enable_thinking": false}',
+            "--trust-request-chat-template",
         ]
     )
     options = chat_options(args)
@@ -32,6 +33,8 @@ def test_the_flags_make_the_servers_chat_options() -> None:
     assert options.tool_parser is not None and options.tool_parser.name == "qwen3_xml"
     assert options.reasoning_parser is not None and options.reasoning_parser.name == "qwen3"
     assert options.default_template_kwargs == {"enable_thinking": False}
+    assert options.trust_request_chat_template
+    assert not chat_options(build_parser().parse_args([])).trust_request_chat_template  # vLLM's default
 
 
 @pytest.mark.slow  # a `specfleet serve` process per case (it exits before the model loads)

@@ -22,9 +22,10 @@ import socket
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 from aiohttp import web
@@ -143,7 +144,9 @@ class LocalFleet:
         if self.cpus_per_engine is not None:
             self.cores.check(self.cpus_per_engine)  # a count the machine lacks is refused before any start
         self._runner: web.AppRunner | None = None
-        self._tasks: list[asyncio.Task[None]] = []
+        # its background work (supervision, probes, the tuner, each scale from zero): a task leaves the set
+        # when it ends, so a long run that scales from zero often holds none that are done
+        self._tasks: set[asyncio.Task[None]] = set()
         self._http: httpx.AsyncClient | None = None
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
         self._env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
@@ -278,9 +281,15 @@ class LocalFleet:
             self.tuner = self.new_tuner()
         self._runner = await serve(self.router, self.host, self.port)
         self.router.endpoints_changed()
-        self._tasks += [asyncio.create_task(self._supervise()), asyncio.create_task(self._watch_ready())]
+        self._spawn(self._supervise())
+        self._spawn(self._watch_ready())
         if self.tuner is not None:
-            self._tasks.append(asyncio.create_task(self._tune_forever()))
+            self._spawn(self._tune_forever())
+
+    def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(work)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def new_tuner(self) -> ServiceTuner:
         """A fresh tuner for this fleet: its ready engines, their admin ports, and the fleet as the replica
@@ -443,7 +452,7 @@ class LocalFleet:
         self._cold_start = time.monotonic()
         # `from_zero` decides before its first await (`waiting` is given): a second request queued before
         # this task runs finds one replica already asked for
-        self._tasks.append(asyncio.create_task(self._from_zero(self.tuner, waiting)))
+        self._spawn(self._from_zero(self.tuner, waiting))
 
     @staticmethod
     async def _from_zero(tuner: ServiceTuner, waiting: int) -> None:
@@ -465,9 +474,10 @@ class LocalFleet:
     async def stop(self, drain_timeout_s: float | None = None) -> list[int | None]:
         """Stop taking requests, SIGTERM the engines (they finish in-flight work), wait; exit codes."""
         self.router.stopping = self.router.draining = True  # /ready fails and new requests get 503
-        for task in self._tasks:
+        tasks = list(self._tasks)
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         for engine in self.engines:
             self.router.endpoints.set_state(engine.url, ready=False, draining=True)
             engine.terminate()

@@ -1,0 +1,70 @@
+"""`specfleet up`'s life cycle on fleets that start with no engine (`minReplicas: 0`): they start and stop in
+a second, so what the fleet and the gateway do around them (scale from zero, a failed start, Ctrl-C) is
+seen without waiting for a model. Real routers and gateway on sockets; an engine process is started only
+where the case needs one (a tiny random-weight llama)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import yaml
+from specfleet.fleet.supervisor import LocalFleet
+from specfleet.operator.inference_service import load_inference_service
+
+pytestmark = pytest.mark.timeout(120)
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
+
+
+def service(name: str, source: str, replicas: int = 0) -> dict[str, Any]:
+    doc: dict[str, Any] = yaml.safe_load(EXAMPLE.read_text())
+    doc["metadata"] = {"name": name}
+    spec = doc["spec"]
+    spec["model"].update(source=source, maxModelLen=512)
+    spec["engine"]["drainTimeoutSeconds"] = 2
+    spec["replicas"] = replicas
+    if replicas == 0:
+        spec["autoscaling"] = {"enabled": True, "minReplicas": 0, "maxReplicas": 1}
+        spec["autotune"] = {"enabled": True}  # the replica knob is the tuner's
+    spec["routing"] = {"queueTimeoutSeconds": 60}
+    return doc
+
+
+def fleet_of(doc: dict[str, Any], **options: Any) -> LocalFleet:
+    return LocalFleet(
+        load_inference_service(doc),
+        interval_s=600,  # longer than any test here: the tuner's one interval is its first, at start
+        engine_extra_args=["--kv-cache-gib=0.05"],
+        **options,
+    )
+
+
+def test_each_scale_from_zero_leaves_no_finished_task_behind(tiny_llama: str) -> None:
+    """A fleet that scales from zero many times over a long run keeps only the work still running."""
+    said: list[str] = []
+    fleet = fleet_of(service("llm", tiny_llama), say=said.append)
+
+    async def run() -> list[asyncio.Task[None]]:
+        await fleet.start(ready_timeout_s=5)
+        assert fleet.engines == []
+        async with httpx.AsyncClient(base_url=fleet.url, timeout=60) as client:
+            held = asyncio.create_task(
+                client.post("/v1/completions", json={"model": "llm", "prompt": "hi", "max_tokens": 1})
+            )
+            try:
+                while not fleet.engines:  # the router holds the request and asks the fleet for a replica
+                    assert not held.done(), held
+                    await asyncio.sleep(0.05)
+                await asyncio.sleep(0.1)  # the scale from zero has returned: its task's callbacks run
+                return [t for t in fleet._tasks if t.done()]
+            finally:
+                held.cancel()
+                await asyncio.gather(held, return_exceptions=True)
+                await fleet.stop(drain_timeout_s=0)
+
+    assert asyncio.run(run()) == []
+    assert any("scaling up: started engine 0" in line for line in said), said
+    assert not any(e.running for e in fleet.engines)

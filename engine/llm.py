@@ -110,13 +110,29 @@ class LLM:
         messages: list[dict] | list[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        *,
+        chat_template: str | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
     ) -> list[RequestOutput]:
-        """Chat through the tokenizer's chat template; one conversation or a list of them."""
+        """Chat through the tokenizer's chat template (or `chat_template`, a Jinja string); one conversation
+        or a list of them. `continue_final_message=True` (with `add_generation_prompt=False`) continues the
+        last message instead of answering it, as vLLM's `LLM.chat`."""
         conversations = cast(
             "list[list[dict]]", [messages] if messages and isinstance(messages[0], dict) else messages
         )
         return self.generate(
-            [self.engine.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm
+            [
+                self.engine.apply_chat_template(
+                    c,
+                    chat_template=chat_template,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final_message,
+                )
+                for c in conversations
+            ],
+            sampling_params,
+            use_tqdm,
         )
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

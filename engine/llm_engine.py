@@ -12,6 +12,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import replace
+from typing import Any
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import EngineConfig, LiveConfig, check_live
@@ -366,9 +367,9 @@ class Engine:
                 "context_length_exceeded",
             )
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        """Prompt token ids for a conversation, ending with the assistant's turn to speak."""
-        return chat_prompt_ids(self.tokenizer, self.model_name, messages)
+    def apply_chat_template(self, messages: list[dict], **controls: Any) -> list[int]:
+        """Prompt token ids for a conversation (`chat_prompt_ids`' template controls)."""
+        return chat_prompt_ids(self.tokenizer, self.model_name, messages, **controls)
 
     def abort(self, request_id: str) -> None:
         req = self._requests.pop(request_id, None)

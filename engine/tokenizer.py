@@ -26,17 +26,39 @@ class Tokenizer(Protocol):
         self,
         conversation: list[dict[str, Any]],
         *,
+        chat_template: str | None = None,
         add_generation_prompt: bool = False,
+        continue_final_message: bool = False,
         tokenize: bool = True,
     ) -> Any: ...
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, model_name: str, messages: list[dict]) -> list[int]:
-    """Prompt token ids for a conversation, ending with the assistant's turn to speak: the offline engine's
-    and the API server's (which holds the tokenizer without the engine) one rule."""
-    if not getattr(tokenizer, "chat_template", None):
+def chat_prompt_ids(
+    tokenizer: Tokenizer,
+    model_name: str,
+    messages: list[dict],
+    *,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template: str | None = None,
+) -> list[int]:
+    """Prompt token ids for a conversation, by default ending with the assistant's turn to speak; as vLLM's
+    `LLM.chat`, `continue_final_message` leaves the last message open for the model to continue (with
+    `add_generation_prompt=False`), and `chat_template` replaces the model's template."""
+    if continue_final_message and add_generation_prompt:
+        raise ValueError(
+            "continue_final_message=True continues the last message and add_generation_prompt=True starts a "
+            "new one: pass add_generation_prompt=False with it"
+        )
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
         raise ValueError(f"model {model_name!r} has no chat template; use completions instead")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    ids = tokenizer.apply_chat_template(
+        messages,
+        chat_template=chat_template,
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=continue_final_message,
+        tokenize=True,
+    )
     if isinstance(ids, dict) or hasattr(ids, "input_ids"):
         ids = ids["input_ids"]
     return list(ids)

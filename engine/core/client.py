@@ -89,8 +89,8 @@ class CoreInfo:
         self.sampling_defaults = dict(ready.sampling_defaults)  # what a request leaves out samples with
         self.tokenizer = tokenizer
 
-    def apply_chat_template(self, messages: list[dict]) -> list[int]:
-        return chat_prompt_ids(self.tokenizer, self.model_name, messages)
+    def apply_chat_template(self, messages: list[dict], **controls: Any) -> list[int]:
+        return chat_prompt_ids(self.tokenizer, self.model_name, messages, **controls)
 
 
 class EngineCoreClient:

@@ -112,3 +112,19 @@ def test_penalties_reduce_repetition(llm):
         .token_ids
     )
     assert len(set(pen)) > len(set(plain))
+
+
+def test_chat_continues_a_final_message_and_takes_a_template(llm):
+    """vLLM's `LLM.chat` template controls: the last message left open, a template of the caller's own."""
+    started = [{"role": "user", "content": "Count to ten."}, {"role": "assistant", "content": "One, two,"}]
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    out = llm.chat(started, greedy, add_generation_prompt=False, continue_final_message=True)[0]
+    prompt = llm.tokenizer.decode(out.prompt_token_ids)
+    assert prompt.endswith("One, two,")  # no end of turn: the model writes on from there
+    raw = llm.generate({"prompt_token_ids": out.prompt_token_ids}, greedy)[0]
+    assert out.outputs[0].text == raw.outputs[0].text != ""
+    with pytest.raises(ValueError, match="add_generation_prompt=False"):
+        llm.chat(started, greedy, continue_final_message=True)
+    template = "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:"
+    own = llm.chat(started[:1], greedy, chat_template=template)[0]
+    assert llm.tokenizer.decode(own.prompt_token_ids) == "user: Count to ten.\nassistant:"

@@ -139,7 +139,8 @@ async def serve_fleets(
 ) -> int:
     """Start the fleets (a Ctrl-C / SIGTERM during the start stops them), `on_started` once all serve, then
     wait for the signal, drain and stop them, and `on_stopped`; 0 when every engine exited cleanly. A start
-    that fails (an engine that never got ready, a port already taken) stops every engine started so far."""
+    that fails (an engine that never got ready, a port already taken) cancels the other fleets' start-ups
+    and stops every engine started so far."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -152,17 +153,29 @@ async def serve_fleets(
             )
 
         async def start_all() -> None:
-            await asyncio.gather(*(fleet.start() for fleet in fleets))
+            """Every fleet's start at once; the first that fails cancels the others' (a cancelled start
+            kills its engines) and is raised as it is."""
+            try:
+                async with asyncio.TaskGroup() as group:
+                    for fleet in fleets:
+                        group.create_task(fleet.start())
+            except ExceptionGroup as failed:
+                raise failed.exceptions[0] from None
 
         start = asyncio.create_task(start_all())
         waiter = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
-        if start in done:
-            start.result()
-            await on_started()
-            await waiter
-        else:
-            start.cancel()
+        try:
+            done, _ = await asyncio.wait({start, waiter}, return_when=asyncio.FIRST_COMPLETED)
+            if start in done:
+                start.result()
+                await on_started()
+                await waiter
+            else:
+                start.cancel()
+                await asyncio.wait({start})  # every start-up has ended (and killed its engines)
+        finally:
+            waiter.cancel()
+            await asyncio.wait({waiter})
         print("stopping: draining in-flight requests", flush=True)
     except (OSError, RuntimeError, TimeoutError, ValueError) as error:
         print(f"specfleet up: {error}", file=sys.stderr)

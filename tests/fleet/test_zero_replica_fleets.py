@@ -68,3 +68,58 @@ def test_each_scale_from_zero_leaves_no_finished_task_behind(tiny_llama: str) ->
     assert asyncio.run(run()) == []
     assert any("scaling up: started engine 0" in line for line in said), said
     assert not any(e.running for e in fleet.engines)
+
+
+class Watched(LocalFleet):
+    """A fleet that notes, when it is told to stop, whether its own start was still running then."""
+
+    starting = False
+    stopped_while_starting: list[bool] | None = None
+
+    async def start(self, ready_timeout_s: float | None = None) -> None:
+        self.starting = True
+        try:
+            await super().start(ready_timeout_s)
+        finally:
+            self.starting = False
+
+    async def stop(self, drain_timeout_s: float | None = None) -> list[int | None]:
+        if self.stopped_while_starting is not None:
+            self.stopped_while_starting.append(self.starting)
+        return await super().stop(drain_timeout_s)
+
+
+def test_a_service_that_fails_to_start_cancels_the_others_start_ups_before_they_stop(
+    tiny_llama: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`specfleet up -f a.yaml -f b.yaml` where a cannot start: b's start-up ends (its engine killed) before
+    anything is stopped, and nothing of it is left running once `up` returns."""
+    from specfleet.fleet.local import serve_fleets
+
+    # a pvc:// model is the cluster's: `up` refuses it before starting any engine
+    broken = Watched(load_inference_service(service("broken", "pvc://models/llm", replicas=1)))
+    starting = Watched(
+        load_inference_service(service("llm", tiny_llama, replicas=1)),
+        engine_extra_args=["--kv-cache-gib=0.05"],
+    )
+    seen: list[bool] = []
+    broken.stopped_while_starting = starting.stopped_while_starting = seen
+
+    async def never() -> None:
+        raise AssertionError("a start that failed reported the fleets started")
+
+    async def run() -> tuple[int, list[asyncio.Task[Any]]]:
+        code = await serve_fleets([broken, starting], never)
+        return code, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+
+    try:
+        code, left = asyncio.run(run())
+    finally:
+        for engine in starting.engines:
+            engine.kill()  # whatever the code under test left running
+    assert code == 1
+    assert "model.source='pvc://models/llm' cannot run locally" in capsys.readouterr().err
+    assert seen == [False, False]  # neither was stopped while its start was still running
+    assert left == []
+    assert len(starting.engines) == 1 and starting.engines[0].proc is not None
+    assert starting.engines[0].proc.returncode == -9  # killed by its cancelled start, not left to stop

@@ -136,11 +136,13 @@ async def serve_fleets(
     fleets: list[LocalFleet],
     on_started: Callable[[], Awaitable[None]],
     on_stopped: Callable[[], Awaitable[None]] | None = None,
+    on_stopping: Callable[[], None] | None = None,
 ) -> int:
     """Start the fleets (a Ctrl-C / SIGTERM during the start stops them), `on_started` once all serve, then
-    wait for the signal, drain and stop them, and `on_stopped`; 0 when every engine exited cleanly. A start
-    that fails (an engine that never got ready, a port already taken) cancels the other fleets' start-ups
-    and stops every engine started so far."""
+    wait for the signal, `on_stopping` (what is in front of the fleets starts refusing new requests), drain
+    and stop them, and `on_stopped`; 0 when every engine exited cleanly. A start that fails (an engine that
+    never got ready, a port already taken) cancels the other fleets' start-ups and stops every engine
+    started so far."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -176,6 +178,8 @@ async def serve_fleets(
         finally:
             waiter.cancel()
             await asyncio.wait({waiter})
+        if on_stopping is not None:
+            on_stopping()
         print("stopping: draining in-flight requests", flush=True)
     except (OSError, RuntimeError, TimeoutError, ValueError) as error:
         print(f"specfleet up: {error}", file=sys.stderr)
@@ -284,13 +288,19 @@ async def run_gateway(
             flush=True,
         )
 
+    def stopping() -> None:
+        """As one service's router on stop (LocalFleet.stop) and the cluster's on SIGTERM (shutdown.py): at
+        once /ready fails, new requests get 503 and every response closes its connection, on every
+        service's router at the same time, while the fleets drain."""
+        gateway.stopping = gateway.draining = True
+
     async def stopped() -> None:
         for task in tasks:
             task.cancel()
         if runner is not None:
             await runner.cleanup()
 
-    return await serve_fleets(fleets, started, stopped)
+    return await serve_fleets(fleets, started, stopped, stopping)
 
 
 def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> list[LocalFleet]:

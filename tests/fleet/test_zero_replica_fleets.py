@@ -6,12 +6,14 @@ where the case needs one (a tiny random-weight llama)."""
 from __future__ import annotations
 
 import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import yaml
+from helpers import free_port
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator.inference_service import load_inference_service
 
@@ -123,3 +125,47 @@ def test_a_service_that_fails_to_start_cancels_the_others_start_ups_before_they_
     assert left == []
     assert len(starting.engines) == 1 and starting.engines[0].proc is not None
     assert starting.engines[0].proc.returncode == -9  # killed by its cancelled start, not left to stop
+
+
+def test_ctrl_c_makes_the_gateway_refuse_and_close_connections_while_the_services_stop(
+    tiny_llama: str, tmp_path: Path
+) -> None:
+    """`specfleet up -f a.yaml -f b.yaml`, then Ctrl-C: as one service's router does, the gateway's /ready
+    fails and its responses close their connections from the signal on, while each service drains."""
+    from specfleet.fleet.local import run_gateway
+
+    port = free_port()
+    ready = f"http://127.0.0.1:{port}/ready"
+    seen: list[tuple[int, str | None]] = []  # the gateway's /ready as each service is told to stop
+
+    class Probed(LocalFleet):
+        async def stop(self, drain_timeout_s: float | None = None) -> list[int | None]:
+            async with httpx.AsyncClient(timeout=5) as client:
+                answer = await client.get(ready)
+            seen.append((answer.status_code, answer.headers.get("connection")))
+            return await super().stop(drain_timeout_s)
+
+    files = [tmp_path / "v1.yaml", tmp_path / "v2.yaml"]
+    for file, name in zip(files, ("llm-v1", "llm-v2"), strict=True):
+        file.write_text(yaml.safe_dump(service(name, tiny_llama)))
+    fleets = [Probed(load_inference_service(str(file)), interval_s=600) for file in files]
+
+    async def ctrl_c_once_serving() -> None:
+        async with httpx.AsyncClient(timeout=5) as client:
+            while True:
+                try:
+                    if (await client.get(ready)).status_code == 200:
+                        break
+                except httpx.TransportError:
+                    pass  # not listening yet
+                await asyncio.sleep(0.05)
+        signal.raise_signal(signal.SIGINT)  # `up` handles it on its loop
+
+    async def run() -> int:
+        trigger = asyncio.create_task(ctrl_c_once_serving())
+        code = await run_gateway(fleets, [str(f) for f in files], "127.0.0.1", port, 0.5)
+        await trigger
+        return code
+
+    assert asyncio.run(run()) == 0
+    assert seen == [(503, "close"), (503, "close")]

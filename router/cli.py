@@ -183,6 +183,7 @@ async def run_gateway(args: argparse.Namespace) -> int:
     )
     await _until_signalled(gateway, args)
     task.cancel()
+    await asyncio.gather(task, return_exceptions=True)  # its watches stop, removed services' routers close
     await runner.cleanup()
     return 0
 

@@ -116,6 +116,8 @@ class InferenceServiceDiscovery:
     retry_s: float = 2.0  # an EndpointSlice watch's wait after an error
     on_apply: Callable[[], None] | None = None  # after each list applied (tests wait on it)
     tracked: dict[str, _Tracked] = field(default_factory=dict)
+    # the routers of services that left the table, each closing once its requests in flight are done
+    closing: set[asyncio.Task[None]] = field(default_factory=set, init=False, repr=False)
 
     @classmethod
     def in_cluster(
@@ -158,10 +160,11 @@ class InferenceServiceDiscovery:
                             self.interval_s,
                         )
                     await asyncio.sleep(self.interval_s)
-            finally:
-                for tracked in self.tracked.values():
-                    for task in tracked.tasks:
-                        task.cancel()
+            finally:  # the watches stop and the routers that left the table close now
+                tasks = [t for tracked in self.tracked.values() for t in tracked.tasks] + list(self.closing)
+                for task in tasks:
+                    task.cancel()
+                await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _list(self, session: aiohttp.ClientSession) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
@@ -226,15 +229,21 @@ class InferenceServiceDiscovery:
         for task in tracked.tasks:
             task.cancel()
         self.tracked.pop(key, None)
-        tracked.tasks = [asyncio.get_running_loop().create_task(_close_when_idle(tracked.router))]
+        tracked.tasks = []
+        closing = asyncio.get_running_loop().create_task(_close_when_idle(tracked.router))
+        self.closing.add(closing)
+        closing.add_done_callback(self.closing.discard)
         logger.info("event=service_removed service=%s reason=%r", key, reason)
 
 
 async def _close_when_idle(router: Router, poll_s: float = 1.0) -> None:
-    """A router that left the table: its requests in flight (streams too) finish, then its connections close."""
-    while router.in_flight:
-        await asyncio.sleep(poll_s)
-    await router.close()
+    """A router that left the table: its requests in flight (streams too) finish, then its connections close
+    (at once when the gateway stops: cancelled, it closes them all the same)."""
+    try:
+        while router.in_flight:
+            await asyncio.sleep(poll_s)
+    finally:
+        await router.close()
 
 
 def _logged(key: str, on_change: Callable[[States], None]) -> Callable[[States], None]:

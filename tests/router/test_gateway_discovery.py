@@ -177,3 +177,52 @@ def test_gateway_flags_are_checked_before_anything_starts(capsys: pytest.Capture
     assert "--discovery-interval=0.0 must be > 0" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--gateway", "--service", "llm-engines"])  # one source of engines at a time
+
+
+def test_a_removed_services_router_closes_when_the_gateway_stops_even_with_a_request_held() -> None:
+    """A service leaves the table while its router holds a request (no engine yet, within its queue
+    timeout): its router waits for that request before closing, and the gateway stopping ends that wait and
+    closes it, instead of leaving it open behind."""
+    kube = FakeKube().start()
+    try:
+        kube.add_namespace("prod")
+        doc = isvc("llm", "prod")
+        doc["spec"]["routing"]["queueTimeoutSeconds"] = 60  # the request waits for an engine, none comes
+        kube.put(ISVC_API, ISVC_PLURAL, "prod", doc)
+
+        async def test() -> bool:
+            gateway = Gateway()
+            discovery = InferenceServiceDiscovery(gateway, kube.url, ["prod"], interval_s=0.1, retry_s=0.1)
+            task = asyncio.create_task(discovery.run())
+            port = free_port()
+            runner = await serve_gateway(gateway, "127.0.0.1", port)
+            client = openai.AsyncOpenAI(
+                base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
+            )
+            held = None
+            try:
+                while "prod/llm" not in gateway.services:
+                    await asyncio.sleep(0.02)
+                router = gateway.services["prod/llm"].router
+                session = router.client()  # its connections to the engines
+                held = asyncio.create_task(client.completions.create(model="llm", prompt="x", max_tokens=1))
+                while router.in_flight == 0:
+                    await asyncio.sleep(0.02)
+                await asyncio.to_thread(kube.remove, ISVC_API, ISVC_PLURAL, "prod", "llm")
+                while "prod/llm" in gateway.services:
+                    await asyncio.sleep(0.02)
+                assert router.in_flight == 1 and not session.closed  # it waits for the held request
+                task.cancel()  # the gateway stops
+                await asyncio.gather(task, return_exceptions=True)
+                return session.closed
+            finally:
+                task.cancel()
+                if held is not None:
+                    held.cancel()
+                    await asyncio.gather(held, return_exceptions=True)
+                await client.close()
+                await runner.cleanup()
+
+        assert asyncio.run(asyncio.wait_for(test(), timeout=60))
+    finally:
+        kube.stop()

@@ -215,6 +215,11 @@ class Engine:
         if params.truncate_prompt_tokens is not None:
             ids = ids[-params.truncate_prompt_tokens :]
         self._check_request(ids, params)
+        if params.pooling is not None and (remote or not hasattr(self.runner.model, "final_norm")):
+            raise ParameterError(
+                "pooling",
+                "pooling needs an engine whose model is not split over workers, without kv_transfer",
+            )
         if params.bad_words:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         seqs: list[Sequence] = []
@@ -674,6 +679,7 @@ class Engine:
             req.metrics,
             req.prompt_logprobs,
             held.as_dict() if held else None,
+            _embedding(req.seqs[0]) if finished else None,
         )
 
     # -- statistics -------------------------------------------------------------------------------------
@@ -716,3 +722,10 @@ class Engine:
             self.stats.shadow_lookups, self.stats.shadow_drafts = shadow.lookups, shadow.drafts
             self.stats.shadow_accepted_per_pos = list(shadow.accepted_per_pos)
         self.stats.add_step(step)
+
+
+def _embedding(seq: Sequence) -> list[float] | None:
+    """A finished pooling request's embedding (None when it ended before its prompt did: an abort)."""
+    if seq.params.pooling is None or seq.pooled is None or seq.num_computed_tokens < seq.num_prompt_tokens:
+        return None
+    return seq.pooled.tolist()

@@ -192,7 +192,38 @@ class ModelRunner:
         else:
             out = ModelRunnerOutput([[] for _ in sched.scheduled], [None] * len(sched.scheduled))
         out.prompt_logprobs = self._prompt_logprobs(sched, inputs, hidden)
+        self._pool(sched, inputs, hidden)
         return out
+
+    def _pool(self, sched: SchedulerOutput, inputs: BatchInputs, hidden: torch.Tensor) -> None:
+        """Pooling requests: fold this step's prompt rows into `seq.pooled`; on the prompt's last row it
+        becomes the embedding. A chunk from position 0 starts over (a preempted sequence recomputes from
+        there: MEAN never takes prefix hits, block_manager.lookup_prefix)."""
+        for i, item in enumerate(sched.scheduled):
+            seq = item.seq
+            how = seq.params.pooling
+            start = seq.num_computed_tokens
+            end = min(start + item.num_new_tokens, seq.num_prompt_tokens)
+            if how is None or end <= start:
+                continue
+            first = inputs.token_starts[i]
+            if how == "MEAN":
+                rows = self._final_norm(hidden[first : first + end - start]).sum(dim=0)
+                seq.pooled = rows if start == 0 or seq.pooled is None else seq.pooled + rows
+            if end < seq.num_prompt_tokens:
+                continue
+            if how == "LAST":
+                seq.pooled = self._final_norm(hidden[first + end - start - 1 : first + end - start])[0]
+            else:
+                seq.pooled = seq.pooled / seq.num_prompt_tokens
+            if seq.params.pooling_normalize:
+                seq.pooled = torch.nn.functional.normalize(seq.pooled, dim=0)
+
+    def _final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        norm = getattr(self.model, "final_norm", None)
+        if norm is None:
+            raise RuntimeError("pooling needs a model that is not split over workers")
+        return norm(hidden)
 
     @torch.inference_mode()
     def next_token_logits(self, seqs: list[Sequence]) -> torch.Tensor:

@@ -66,6 +66,8 @@ class RequestOutput:
     prompt_logprobs: list[PositionLogprobs | None] | None = None  # when requested; the first is None
     # A prefill engine's finished request: where its prompt's KV blocks wait for a decode engine.
     kv_transfer_params: dict[str, Any] | None = None
+    # A finished pooling request (SamplingParams.pooling): its embedding, float32 as a list
+    embedding: list[float] | None = None
 
 
 @dataclass

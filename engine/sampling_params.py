@@ -12,6 +12,7 @@ __all__ = [
     "GENERATION_DEFAULT_FIELDS",
     "LOGIT_BIAS_LIMIT",
     "MAX_LOGPROBS",
+    "POOLING_TYPES",
     "ParameterError",
     "SamplingParams",
 ]
@@ -20,6 +21,10 @@ MAX_LOGPROBS = 20  # top alternatives per token, as OpenAI's top_logprobs
 
 
 LOGIT_BIAS_LIMIT = 100.0  # OpenAI and vLLM clamp a bias to [-100, 100]
+
+# How an embedding request's final hidden states become one vector, as vLLM's pooler types: the last
+# prompt token's state (vLLM's default for decoder models) or the mean over the prompt
+POOLING_TYPES = ("LAST", "MEAN")
 
 # The request defaults vLLM takes from generation_config.json under `--generation-config auto`
 # (ModelConfig.get_diff_sampling_param), all of which SamplingParams has. vLLM reads the file through
@@ -72,6 +77,11 @@ class SamplingParams:
     # vLLM's per-request prefix-cache salt (one per tenant): the request's first block is hashed with it,
     # so its cached blocks match only requests with the same salt (engine/block_manager.py)
     cache_salt: str | None = None
+    # An embedding request (vLLM's pooling runner): the prompt's final hidden states (after the model's
+    # last norm) pooled by this POOLING_TYPES name, L2-normalised when `pooling_normalize`; the request
+    # runs its prefill and ends there, answering `RequestOutput.embedding` (its one sampled token unused)
+    pooling: str | None = None
+    pooling_normalize: bool = True
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -155,6 +165,17 @@ class SamplingParams:
             raise ParameterError(
                 "cache_salt", f"cache_salt={self.cache_salt!r} must be a non-empty string if provided"
             )
+        if self.pooling is not None:
+            if self.pooling not in POOLING_TYPES:
+                raise ParameterError(
+                    "pooling", f"pooling={self.pooling!r} must be one of {', '.join(POOLING_TYPES)}"
+                )
+            if self.n != 1 or self.max_tokens != 1:
+                raise ParameterError(
+                    "pooling",
+                    f"pooling needs n=1 and max_tokens=1 (it generates nothing), got n={self.n} "
+                    f"max_tokens={self.max_tokens}",
+                )
         if any(not s for s in self.stop):
             raise ParameterError("stop", "stop must not contain empty strings")
 

@@ -48,6 +48,9 @@ class Sequence:
     # the grammar of a request that reasons first, at its start: it becomes `grammar` once the output ends
     # with params.reasoning_end_token_ids (until then the output is free)
     grammar_after_reasoning: Any = None
+    # a pooling request's [hidden] float32 state: the sum over the prompt rows computed so far (MEAN) or
+    # the last prompt row (LAST), then the embedding once the prompt is done (model_runner.py)
+    pooled: Any = None
 
     @property
     def num_tokens(self) -> int:

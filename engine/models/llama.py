@@ -319,5 +319,10 @@ class LlamaModel:
         assert isinstance(self.lm_head, cpu_native.QuantLinear)  # the tied quantized table (__init__)
         return self.lm_head.weight_rows(input_ids)
 
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, hidden] float32
+        """The last hidden states as transformers' `last_hidden_state` (after the final norm): what
+        pooling reads."""
+        return self.ops.rms_norm(hidden, self.norm, self.args.rms_norm_eps).float()
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(self.ops.rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()

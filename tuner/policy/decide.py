@@ -3,17 +3,44 @@ this package. The order and what each step does are in the package's docstring (
 
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from ..types import Decision, Observation, TunedConfig
 from . import reasons, shift
-from .candidates import best, candidates, fastest, queues, score
+from .candidates import Scored, best, candidates, fastest, queues, score
 from .load import batch_per_engine, per_engine, similar
 from .memory import Memory
 from .model import LoadModel, attainment, observed_goodput
 from .params import PolicyParams
 from .probes import PROBES, Tabooed
 from .state import Level, Probation, Shift, Taboo
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What the search's steps see in one interval: its figures, the config in force scored, and the
+    candidates one bounded step away."""
+
+    now: float
+    obs: Observation
+    goodput: float | None
+    share: float | None
+    current: TunedConfig
+    here: Scored
+    options: list[Scored]
+    top: Scored | None  # the best candidate predicted to meet the TPOT limit, if any
+    limit: float  # the TPOT p95 the candidates are held to: the target times the headroom
+    tpot_over: bool  # the observed TPOT p95 misses its target
+    requests: float  # requests per engine
+    left_to_replicas: bool  # some candidates were left out because they would queue while replicas can grow
+    seen: str  # what the window measured, for the reasons
+
+
+def _gain(here: Scored, top: Scored) -> float:
+    """The best candidate's predicted goodput gain over the config in force."""
+    if here.goodput > 0:
+        return top.goodput / here.goodput - 1.0
+    return float("inf") if top.goodput > 0 else 0.0
 
 
 class Policy:
@@ -191,15 +218,29 @@ class Policy:
 
     def _search(self, now: float, obs: Observation, goodput: float | None, share: float | None) -> Decision:
         """Steps 6-7: the best candidate one bounded step away if it clears the dead band (or meets a
-        missed TPOT target), else a probe, else hold."""
-        p = self.params
-        current = self.current
-        assert current is not None
+        missed TPOT target), else a probe, else hold. Each step returns its decision, or None to pass on."""
         model = self.model(obs)
         if model is None:
             return self._hold(now, "missing", reasons.NO_STEP_COST)
-        here = score(current, current, obs, p.slo, model)
-        limit = p.slo.tpot_p95_s * p.slo_headroom
+        s = self._options(now, obs, goodput, share, model)
+        if s.top is None:
+            return self._nothing_to_choose(s) or self._towards_target(s)
+        gain = _gain(s.here, s.top)
+        return (
+            self._nothing_to_choose(s)
+            or self._better(s, s.top, gain)
+            or self._probe(s, gain)
+            or self._dead_band(s, s.top, gain)
+        )
+
+    def _options(
+        self, now: float, obs: Observation, goodput: float | None, share: float | None, model: LoadModel
+    ) -> _Step:
+        """The candidates one bounded step away that are not tabooed (nor, while the replica knob has room,
+        queueing), scored at this interval's load."""
+        p = self.params
+        current = self.current
+        assert current is not None
         tabooed = self._tabooed(now)
         allowed = [
             c
@@ -211,81 +252,124 @@ class Policy:
         if self.replica_room:
             allowed = [c for c in allowed if not queues(c, current, requests)]
         options = [score(c, current, obs, p.slo, model) for c in allowed]
-        # TPOT misses its target now: a change towards it needs room for itself only (the SLO comes before the
-        # budget); it is still judged, so a move the model got wrong is reverted (that revert may be a third)
-        tpot_over = obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s
-        top = best(options, current, limit, p.change_penalty)
-        if left_to_replicas and (top is None or not options):
-            return self._hold(now, "hold", reasons.to_replicas(current, requests), goodput, share)
-        if not options:
-            return self._hold(now, "hold", reasons.nothing_left(current), goodput, share)
-        seen = reasons.figures(obs, goodput, share)
-        if top is None:  # nothing is predicted to meet the target: move towards it as far as one step goes
-            quick = fastest(options)
-            if (
-                quick is None
-                or here.tpot_p95_s is None
-                or quick.tpot_p95_s is None
-                or quick.tpot_p95_s > here.tpot_p95_s * (1.0 - p.dead_band)
-            ):
-                return self._hold(now, "hold", reasons.none_meets(current, limit), goodput, share)
-            if not self.level.room(1 if tpot_over else 2, p):
-                return self._spent(
-                    now, current, f"{quick.config.short()} would move towards the TPOT target", goodput, share
-                )
-            return self._change(
-                now,
-                quick.config,
-                "change",
-                reasons.towards_target(current, quick, obs, p.slo.tpot_p95_s, seen),
-                goodput=goodput,
-                share=share,
-                predicted=quick.goodput,
-                demand=obs.demand,
+        limit = p.slo.tpot_p95_s * p.slo_headroom
+        return _Step(
+            now=now,
+            obs=obs,
+            goodput=goodput,
+            share=share,
+            current=current,
+            here=score(current, current, obs, p.slo, model),
+            options=options,
+            top=best(options, current, limit, p.change_penalty),
+            limit=limit,
+            # TPOT misses its target now: a change towards it needs room for itself only (the SLO comes before
+            # the budget); it is still judged, so a move the model got wrong is reverted (that may be a third)
+            tpot_over=obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s,
+            requests=requests,
+            left_to_replicas=left_to_replicas,
+            seen=reasons.figures(obs, goodput, share),
+        )
+
+    def _nothing_to_choose(self, s: _Step) -> Decision | None:
+        """Hold when the replica knob is left the missed target, or no candidate is left at all."""
+        if s.left_to_replicas and (s.top is None or not s.options):
+            return self._hold(s.now, "hold", reasons.to_replicas(s.current, s.requests), s.goodput, s.share)
+        if not s.options:
+            return self._hold(s.now, "hold", reasons.nothing_left(s.current), s.goodput, s.share)
+        return None
+
+    def _towards_target(self, s: _Step) -> Decision:
+        """Nothing is predicted to meet the target: move towards it as far as one step goes, if that step is
+        clearly faster than the config in force."""
+        p = self.params
+        quick = fastest(s.options)
+        if (
+            quick is None
+            or s.here.tpot_p95_s is None
+            or quick.tpot_p95_s is None
+            or quick.tpot_p95_s > s.here.tpot_p95_s * (1.0 - p.dead_band)
+        ):
+            return self._hold(s.now, "hold", reasons.none_meets(s.current, s.limit), s.goodput, s.share)
+        if not self.level.room(1 if s.tpot_over else 2, p):
+            return self._spent(
+                s.now,
+                s.current,
+                f"{quick.config.short()} would move towards the TPOT target",
+                s.goodput,
+                s.share,
             )
-        inherited = self._inherited()
-        band = p.inherited_band if inherited else p.dead_band
-        if here.goodput > 0:
-            gain = top.goodput / here.goodput - 1.0
-        else:
-            gain = float("inf") if top.goodput > 0 else 0.0
-        if gain > band or (tpot_over and top.goodput >= here.goodput * (1.0 - p.dead_band)):
-            reason = reasons.better(
-                current, top, obs, p.slo.tpot_p95_s, gain, tpot_over and gain <= p.dead_band, seen
+        return self._change(
+            s.now,
+            quick.config,
+            "change",
+            reasons.towards_target(s.current, quick, s.obs, p.slo.tpot_p95_s, s.seen),
+            goodput=s.goodput,
+            share=s.share,
+            predicted=quick.goodput,
+            demand=s.obs.demand,
+        )
+
+    def _better(self, s: _Step, top: Scored, gain: float) -> Decision | None:
+        """The best candidate, when its predicted gain clears the dead band (or it keeps goodput within the
+        band while TPOT misses its target)."""
+        p = self.params
+        band = p.inherited_band if self._inherited() else p.dead_band
+        if not (gain > band or (s.tpot_over and top.goodput >= s.here.goodput * (1.0 - p.dead_band))):
+            return None
+        reason = reasons.better(
+            s.current, top, s.obs, p.slo.tpot_p95_s, gain, s.tpot_over and gain <= p.dead_band, s.seen
+        )
+        if not self.level.room(1 if s.tpot_over else 2, p):
+            return self._spent(
+                s.now, s.current, f"{top.config.short()} is predicted {gain:+.0%}", s.goodput, s.share
             )
-            if not self.level.room(1 if tpot_over else 2, p):
-                return self._spent(
-                    now, current, f"{top.config.short()} is predicted {gain:+.0%}", goodput, share
-                )
-            return self._change(
-                now,
-                top.config,
-                "change",
-                reason,
-                goodput=goodput,
-                share=share,
-                predicted=top.goodput,
-                demand=obs.demand,
-            )
+        return self._change(
+            s.now,
+            top.config,
+            "change",
+            reason,
+            goodput=s.goodput,
+            share=s.share,
+            predicted=top.goodput,
+            demand=s.obs.demand,
+        )
+
+    def _probe(self, s: _Step, gain: float) -> Decision | None:
+        """The first probe that finds a config to try, when no candidate clears the band."""
+        p = self.params
         knee = self._knee()
+        tabooed = self._tabooed(s.now)
         for probe in PROBES:
-            found = probe(current, obs, p, knee, tabooed)
+            found = probe(s.current, s.obs, p, knee, tabooed)
             if found is not None:
                 config, why = found
                 if not self.level.room(2, p):  # a probe is the change most likely to be reverted
-                    return self._spent(now, current, f"a probe of {config.short()} ({why})", goodput, share)
+                    return self._spent(
+                        s.now, s.current, f"a probe of {config.short()} ({why})", s.goodput, s.share
+                    )
                 return self._change(
-                    now,
+                    s.now,
                     config,
                     "change",
-                    reasons.probe(current, config, why, gain, seen),
-                    goodput=goodput,
-                    share=share,
-                    demand=obs.demand,
+                    reasons.probe(s.current, config, why, gain, s.seen),
+                    goodput=s.goodput,
+                    share=s.share,
+                    demand=s.obs.demand,
                     probe=True,
                 )
+        return None
+
+    def _dead_band(self, s: _Step, top: Scored, gain: float) -> Decision:
+        """Hold: the best candidate's gain is within the dead band and no probe applies."""
+        inherited = self._inherited()
+        band = self.params.inherited_band if inherited else self.params.dead_band
         return self._hold(
-            now, "hold", reasons.dead_band(current, top, gain, band, inherited, seen), goodput, share
+            s.now,
+            "hold",
+            reasons.dead_band(s.current, top, gain, band, inherited, s.seen),
+            s.goodput,
+            s.share,
         )
 
     # -- helpers -----------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ class SeqDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
     kv_transfer_params: dict[str, Any] | None = (
         None  # a prefill engine's finished request: where its KV waits
     )
+    embedding: list[float] | None = None  # a finished pooling request's (SamplingParams.pooling)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):

@@ -45,6 +45,7 @@ class RequestState:
     num_cached_tokens: int = 0
     prompt_logprobs: list[PositionLogprobs | None] | None = None
     kv_transfer_params: dict[str, Any] | None = None
+    embedding: list[float] | None = None
 
     @property
     def finished(self) -> bool:
@@ -107,6 +108,8 @@ class OutputProcessor:
                 ]
             if d.kv_transfer_params is not None:
                 req.kv_transfer_params = d.kv_transfer_params
+            if d.embedding is not None:
+                req.embedding = d.embedding
             if d.new_token_ids and req.metrics.first_token_time is None:
                 req.metrics.first_token_time = now
             if self._append(req, sample, d) and d.finish_reason is None:
@@ -170,4 +173,5 @@ class OutputProcessor:
             req.metrics,
             req.prompt_logprobs,
             req.kv_transfer_params,
+            req.embedding,
         )

@@ -208,6 +208,8 @@ class EngineCore:
                 delta.prompt_logprobs, prompt_lps = prompt_lps, None
             if out.finished and out.kv_transfer_params is not None:
                 delta.kv_transfer_params = out.kv_transfer_params
+            if out.finished and out.embedding is not None:
+                delta.embedding = out.embedding
             sent[c.index] = -1 if c.finish_reason is not None else done + len(new)
             deltas.append(delta)
         if out.finished:

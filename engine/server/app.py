@@ -12,10 +12,11 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from specfleet.engine.core.client import EngineCoreClient
 
-from . import admin, api, tokens_api
+from . import admin, api, embeddings, tokens_api
 from .chat import ChatOptions
 from .errors import error_response, install_error_handlers
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .pooler import PoolerConfig
 from .request_ids import RequestIdHeader
 from .state import ServerState, get_state
 
@@ -30,6 +31,7 @@ def build_state(
     admin_token: str | None = None,
     admin_port: int | None = None,
     chat: ChatOptions | None = None,
+    pooler: PoolerConfig | None = None,
 ) -> ServerState:
     """The routes' state around a started engine core."""
     info = client.info
@@ -47,6 +49,7 @@ def build_state(
         admin_token=token,
         admin_port=admin_port,
         chat=chat or ChatOptions(),
+        pooler=pooler or PoolerConfig(),
     )
 
 
@@ -98,6 +101,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.add_middleware(RequestIdHeader)
     app.include_router(api.router)
     app.include_router(tokens_api.router)
+    app.include_router(embeddings.router)
     app.include_router(admin.router)
 
     @app.get("/health")

@@ -19,6 +19,7 @@ from specfleet.engine.config import EngineConfig
 from .admin import live_config_from_file, token_from_env
 from .app import build_state, create_app
 from .chat import ChatOptions
+from .pooler import PoolerConfig
 from .state import ServerState
 
 logger = logging.getLogger("specfleet.engine.server")
@@ -69,6 +70,13 @@ def build_parser() -> argparse.ArgumentParser:
         "operator's NAME-tuned ConfigMap, the tuner's config in force)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        "--pooler-config",
+        "--override-pooler-config",
+        default=None,
+        help='/v1/embeddings\' pooling as vLLM spells it, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
+        "(default: LAST, normalised, as vLLM's embed runner for decoder models)",
+    )
     add_chat_args(p)
     return p
 
@@ -236,6 +244,7 @@ def main(argv: list[str] | None = None) -> int:
                 config = live_config_from_file(config, args.live_config_file)
             admin_token = token_from_env()  # a bad token file fails now, not after minutes of loading
             chat = chat_options(args)
+            pooler = PoolerConfig.from_json(args.pooler_config)
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -260,6 +269,7 @@ def main(argv: list[str] | None = None) -> int:
         admin_token=admin_token,
         admin_port=args.admin_port,
         chat=chat,
+        pooler=pooler,
     )
     app = create_app(state)
     uv_config = uvicorn.Config(

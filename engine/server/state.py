@@ -12,6 +12,7 @@ from specfleet.engine.core.client import EngineCoreClient
 from .chat import ChatOptions
 from .errors import APIError
 from .metrics import ServerMetrics
+from .pooler import PoolerConfig
 
 DRAIN_RETRY_AFTER_S = 5
 
@@ -27,6 +28,7 @@ class ServerState:
     admin_token: str | None = None
     admin_port: int | None = None  # the admin API's own port (None: served beside the OpenAI API)
     chat: ChatOptions = field(default_factory=ChatOptions)  # chat template, tool and reasoning parsers
+    pooler: PoolerConfig = field(default_factory=PoolerConfig)  # /v1/embeddings' pooling (--pooler-config)
     ready: bool = False
     stopping: bool = False  # SIGTERM seen: /ready fails (the endpoint goes), requests are still served
     draining: bool = False  # after the shutdown delay: new requests get 503, in-flight ones finish

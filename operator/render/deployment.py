@@ -252,6 +252,38 @@ def _pod_spec(
     """The engine pod; `role` with spec.disaggregation, `extra_env` for a multi-node group's rendezvous."""
     spec = isvc.spec
     image = config.image_for(spec.resources.gpus, spec.engine.image)
+    model, draft = _sources(spec, config, image)
+    pod: dict[str, Any] = {
+        "automountServiceAccountToken": spec.pod.automount_service_account_token,
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS_USER,
+            "runAsGroup": RUN_AS_USER,
+            "fsGroup": RUN_AS_USER,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_engine_container(isvc, image, model, draft, role, extra_env or [])],
+        "volumes": [
+            *_volumes(spec, isvc.name, role),
+            *model.volumes,
+            *draft.volumes,
+            *(dict(v) for v in spec.pod.volumes),
+        ],
+    }
+    init = [*model.init_containers, *draft.init_containers]
+    if init:
+        pod["initContainers"] = init
+    pod.update(pod_passthrough(spec))
+    return pod
+
+
+def _sources(
+    spec: InferenceServiceSpec, config: OperatorConfig, image: str
+) -> tuple[ResolvedSource, ResolvedSource]:
+    """The model's source resolved to what the pod mounts and downloads, and the draft model's (an empty
+    one without a draft model)."""
     download = DownloadSettings(
         image=config.model_downloader_image or image,
         image_pull_policy=spec.engine.image_pull_policy,
@@ -262,26 +294,28 @@ def _pod_spec(
     )
     model = resolve_source(spec.model.source, "model", download)
     draft_model = spec.speculative.draft_model
-    draft = resolve_source(draft_model.source, "draft", download) if draft_model else ResolvedSource("")
-    container = {
+    return model, resolve_source(draft_model.source, "draft", download) if draft_model else ResolvedSource("")
+
+
+def _engine_container(
+    isvc: InferenceService,
+    image: str,
+    model: ResolvedSource,
+    draft: ResolvedSource,
+    role: str | None,
+    extra_env: list[dict[str, Any]],
+) -> dict[str, Any]:
+    """The engine's container: its command line, ports, env, resources, probes and mounts."""
+    spec = isvc.spec
+    draft_uri = draft.engine_uri if spec.speculative.draft_model else None
+    return {
         "name": ENGINE_CONTAINER,
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.engine"],
-        "args": _with_live_config(
-            engine_args(spec, model.engine_uri, draft.engine_uri if draft_model else None, role), spec, role
-        ),
-        "ports": [
-            {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
-            # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
-            {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
-            *(
-                [{"name": "kv", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}]
-                if role == "prefill"
-                else []
-            ),
-        ],
-        "env": _env(isvc, role, extra_env or []),
+        "args": _with_live_config(engine_args(spec, model.engine_uri, draft_uri, role), spec, role),
+        "ports": _engine_ports(role),
+        "env": _env(isvc, role, extra_env),
         **({"envFrom": [dict(e) for e in spec.pod.env_from]} if spec.pod.env_from else {}),
         "resources": _resources(spec, _sum_quantities([model.ephemeral_storage, draft.ephemeral_storage])),
         **_probes(spec),
@@ -303,30 +337,20 @@ def _pod_spec(
             *(dict(m) for m in spec.pod.volume_mounts),
         ],
     }
-    pod: dict[str, Any] = {
-        "automountServiceAccountToken": spec.pod.automount_service_account_token,
-        "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": termination_grace_seconds(spec),
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS_USER,
-            "runAsGroup": RUN_AS_USER,
-            "fsGroup": RUN_AS_USER,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
-        "containers": [container],
-        "volumes": [
-            *_volumes(spec, isvc.name, role),
-            *model.volumes,
-            *draft.volumes,
-            *(dict(v) for v in spec.pod.volumes),
-        ],
-    }
-    init = [*model.init_containers, *draft.init_containers]
-    if init:
-        pod["initContainers"] = init
-    pod.update(pod_passthrough(spec))
-    return pod
+
+
+def _engine_ports(role: str | None) -> list[dict[str, Any]]:
+    """HTTP, admin and, on a prefill pod, the KV transfer port."""
+    return [
+        {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
+        # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
+        {"name": "admin", "containerPort": ADMIN_PORT, "protocol": "TCP"},
+        *(
+            [{"name": "kv", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}]
+            if role == "prefill"
+            else []
+        ),
+    ]
 
 
 def pod_passthrough(spec: InferenceServiceSpec) -> dict[str, Any]:

@@ -89,6 +89,15 @@ class Engine:
         # the request defaults --generation-config puts in force (vLLM's default sampling params)
         self.sampling_defaults = dict(loaded.sampling_defaults)
         draft = load_draft(config, loaded)
+        num_blocks = self._build_core(config, loaded, draft)
+        self._build_speculation(config, loaded, draft, num_blocks)
+        self._build_kv_connector(config)
+        self._build_requests(config, text_cursor)
+        self._log_ready(config, num_blocks, draft is not None)
+
+    def _build_core(self, config: EngineConfig, loaded: LoadedModel, draft: LoadedModel | None) -> int:
+        """The KV cache sized for the model (and draft), its block manager, the model runner and the
+        scheduler; returns the number of KV blocks."""
         models = [loaded.model] + ([draft.model] if draft else [])
         num_blocks = kv_cache_blocks(config, models, self.max_model_len, loaded.model.device)
         self.kv = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -103,6 +112,12 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
         )
+        return num_blocks
+
+    def _build_speculation(
+        self, config: EngineConfig, loaded: LoadedModel, draft: LoadedModel | None, num_blocks: int
+    ) -> None:
+        """The speculative proposer (None without a method) and the shadow drafts."""
         self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
@@ -116,6 +131,9 @@ class Engine:
             if spec is not None and spec.shadow_drafts
             else None
         )
+
+    def _build_kv_connector(self, config: EngineConfig) -> None:
+        """The KV transfer connector of a disaggregated prefill or decode engine (None otherwise)."""
         self.kv_connector: KVConnector | None = None
         if config.kv_role is not None:
             self.kv_connector = KVConnector(
@@ -128,6 +146,10 @@ class Engine:
                 config.kv_transfer_timeout_s,
             )
             self.scheduler.on_finish = self._on_finish
+
+    def _build_requests(self, config: EngineConfig, text_cursor: Callable[[], TextCursor] | None) -> None:
+        """What serves requests around the runner: structured output, stop checks, stats, the live config,
+        the request table and the pipeline's in-flight micro-batches."""
         self.structured = StructuredOutputManager(
             self.tokenizer, self.runner.vocab_size, self.eos_token_ids, config.max_num_speculative_tokens
         )
@@ -146,11 +168,13 @@ class Engine:
         )
         self._in_flight: deque[tuple[SchedulerOutput, InFlight]] = deque()
         self._grammar_failed: list[Sequence] = []  # ended by a failed compile, reported by _postprocess
+
+    def _log_ready(self, config: EngineConfig, num_blocks: int, has_draft: bool) -> None:
         log.info(
             "event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
             self.model_name,
             num_blocks,
-            num_blocks if draft else 0,
+            num_blocks if has_draft else 0,
             config.block_size,
             self.max_model_len,
             self.runner.attn.name,

@@ -74,8 +74,8 @@ class BlockManager:
     def lookup_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the sequence's leading full blocks; the last token is never cached
         (its logits are needed), so at most (num_tokens - 1) // block_size blocks."""
-        if not self.enable_prefix_caching or seq.params.pooling == "MEAN":
-            return []  # MEAN pools every prompt row, so none may come from the cache (as vLLM)
+        if not self.enable_prefix_caching:
+            return []
         hits, parent = [], None
         for i in range((seq.num_tokens - 1) // self.block_size):
             key = self._key(seq, i, parent)

@@ -195,6 +195,11 @@ class SamplingParams:
         return self.uses_penalties or bool(self.bad_words)
 
     @property
+    def reads_every_prompt_row(self) -> bool:
+        """Prompt logprobs and MEAN pooling read each prompt position's output: no prefix-cache hits."""
+        return self.prompt_logprobs is not None or self.pooling == "MEAN"
+
+    @property
     def uses_bias(self) -> bool:
         """A fixed additive mask on the logits: logit_bias or allowed_token_ids."""
         return bool(self.logit_bias) or self.allowed_token_ids is not None

@@ -184,8 +184,8 @@ class Scheduler:
             ):
                 skipped.append(self.waiting.popleft())  # let the sibling compute the shared prompt first
                 continue
-            if seq.params.prompt_logprobs is not None:
-                hits = []  # every prompt position must run to yield its logits (vLLM skips the cache too)
+            if seq.params.reads_every_prompt_row:
+                hits = []  # every prompt position must run (vLLM skips the cache for these too)
             else:
                 hits = self.kv.lookup_prefix(seq)
                 if parent is not None and parent.status is Status.RUNNING:

@@ -65,3 +65,15 @@ def test_bad_pooling_params_name_the_field(kwargs, needle):
     with pytest.raises(ParameterError, match=needle) as info:
         SamplingParams(**kwargs)
     assert info.value.param == "pooling"
+
+
+def test_a_pooling_request_gets_no_proposals(make_tiny, reference):
+    """A 17-token prompt in 16-token chunks: its last chunk is one token, so it leaves prefill before the
+    step that ends it and the n-gram proposer finds the repeated pattern, but its max_tokens=1 leaves no
+    room for a proposal (drafts there would be computed and thrown away)."""
+    llm = make_tiny(max_num_batched_tokens=16, speculative_method="ngram", num_speculative_tokens=4)
+    prompt = [5, 6, 7, 8] * 4 + [5]
+    out = _run(llm, "LAST", [prompt])[0]
+    torch.testing.assert_close(torch.tensor(out.embedding), reference(prompt, "LAST"), atol=TOL, rtol=0)
+    assert llm.engine.stats.num_draft_tokens == 0
+    assert llm.engine.kv_blocks_in_use() == 0

@@ -148,3 +148,13 @@ def test_a_bad_pooler_config_names_the_key(flag, needle):
     with pytest.raises(ValueError, match="--pooler-config") as info:
         PoolerConfig.from_json(flag)
     assert needle in str(info.value)
+
+
+@pytest.mark.parametrize("flag", ["--pooler-config", "--override-pooler-config"])
+def test_serve_takes_both_flag_spellings_and_refuses_a_bad_config_before_loading(flag, capsys):
+    from specfleet.engine.server.cli import build_parser, main
+
+    args = build_parser().parse_args([flag, '{"pooling_type": "MEAN"}'])
+    assert PoolerConfig.from_json(args.pooler_config) == PoolerConfig("MEAN")
+    assert main([flag, '{"pooling_type": "CLS"}']) == 2
+    assert "--pooler-config: pooling_type='CLS'" in capsys.readouterr().err

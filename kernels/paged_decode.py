@@ -55,6 +55,10 @@ def _paged_decode_kernel(
     UPCAST: tl.constexpr,  # do the dots in fp32 (the interpreter's bf16 dot is wrong)
     PRECISION: tl.constexpr,  # tl.dot input precision: "ieee" for fp32 inputs (no TF32 rounding)
 ):
+    """One (sequence, KV head, context split) program: all of its query heads' rows against the split's
+    context tiles, online softmax. Kept long because a Triton kernel is one compiled body: its 28 arguments
+    are one per line with their shapes, and a helper @triton.jit function would hide the tile loop's
+    loads from the reader without saving any code."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -171,6 +175,10 @@ def paged_decode_attention(
     num_splits: int | None = None,  # None: pick from the device and the shapes
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Decode attention over the paged KV cache: checks the arguments, picks the block sizes and the
+    context splits, launches the kernel and, with splits, the merge. Kept long because the two launches
+    pass each pointer, stride and block size one per line (about half of its lines), in the order of the
+    kernel's signature, so that a reader can check them side by side."""
     num_heads, num_kv_heads, head_dim = check_paged_args(
         query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out
     )

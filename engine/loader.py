@@ -68,13 +68,7 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     dtype = pick_dtype(config.dtype, device)
     hf_config = load_hf_config(resolved.path)
     tokenizer = load_tokenizer(resolved.path)
-    context = hf_config.max_position_embeddings
-    window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
-        context = min(context, window)  # attention here is full: stay where that is exact
-    max_model_len = config.max_model_len or context
-    if max_model_len > context:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
+    max_model_len = _max_model_len(config, hf_config)
     quantization = checkpoint_quantization(config.quantization, hf_config, resolved.path)
     on_cuda_ok = quantization in ("awq", "gptq") and device.type == "cuda"
     if quantization and not on_cuda_ok and (device.type != "cpu" or dtype != torch.float32):
@@ -90,25 +84,7 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     split = ("tensor", tp) if tp > 1 else ("pipeline", pp) if pp > 1 else None
     if split is not None:
-        if tp > 1 and quantization not in (None, "int8"):  # an AWQ/GPTQ checkpoint's own is only known here
-            raise ValueError(
-                f"tensor_parallel_size={tp}: quantization={quantization!r} packs weights in blocks "
-                "along the input dimension with per-block scales, which are not sliced by head or "
-                "MLP row; split it with pipeline_parallel_size instead (whole layers per stage), "
-                "or use quantization='int8'"
-            )
-        if quantization not in (None, "int8") and config.quantized_activations != "int8":
-            # The stage workers build their layers with the default activation path.
-            raise ValueError(
-                f"quantized_activations={config.quantized_activations!r}: split engines run "
-                f"{quantization} weights with int8 activations only; use tensor_parallel_size=1 "
-                "and pipeline_parallel_size=1 for the exact float32 path"
-            )
-        if not issubclass(cls, LlamaModel):
-            raise ValueError(
-                f"{split[0]}_parallel_size={split[1]}: architecture {hf_config.architectures} "
-                "cannot be split yet"
-            )
+        _check_split_support(config, quantization, cls, hf_config.architectures, split)
         _check_split(hf_config, tp, pp)
         from specfleet.engine.distributed.workers import SplitModel
 
@@ -143,6 +119,47 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
         eos_ids(resolved.path, hf_config, tokenizer, generation),
         sampling_defaults(resolved.path, config.generation_config, generation),
     )
+
+
+def _max_model_len(config: EngineConfig, hf_config) -> int:
+    """--max-model-len, or the model's context; refused past that context."""
+    context = hf_config.max_position_embeddings
+    window = getattr(hf_config, "sliding_window", None)
+    if window and getattr(hf_config, "use_sliding_window", True):
+        context = min(context, window)  # attention here is full: stay where that is exact
+    max_model_len = config.max_model_len or context
+    if max_model_len > context:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
+    return max_model_len
+
+
+def _check_split_support(
+    config: EngineConfig,
+    quantization: str | None,
+    cls: type,
+    architectures: list[str],
+    split: tuple[str, int],
+) -> None:
+    """Refuse a tensor- or pipeline-parallel engine over what the split workers cannot run."""
+    tp = config.tensor_parallel_size
+    if tp > 1 and quantization not in (None, "int8"):  # an AWQ/GPTQ checkpoint's own is only known here
+        raise ValueError(
+            f"tensor_parallel_size={tp}: quantization={quantization!r} packs weights in blocks "
+            "along the input dimension with per-block scales, which are not sliced by head or "
+            "MLP row; split it with pipeline_parallel_size instead (whole layers per stage), "
+            "or use quantization='int8'"
+        )
+    if quantization not in (None, "int8") and config.quantized_activations != "int8":
+        # The stage workers build their layers with the default activation path.
+        raise ValueError(
+            f"quantized_activations={config.quantized_activations!r}: split engines run "
+            f"{quantization} weights with int8 activations only; use tensor_parallel_size=1 "
+            "and pipeline_parallel_size=1 for the exact float32 path"
+        )
+    if not issubclass(cls, LlamaModel):
+        raise ValueError(
+            f"{split[0]}_parallel_size={split[1]}: architecture {architectures} cannot be split yet"
+        )
 
 
 def _resolve(config: EngineConfig):

@@ -15,6 +15,7 @@ from specfleet.engine.spec_decode.methods import (
     METHODS,
     NONE,
     SPECULATIVE_METHODS,
+    SpeculativeMethod,
     method,
     methods_with_draft_model,
 )
@@ -162,6 +163,21 @@ class EngineConfig:
     )
 
     def __post_init__(self) -> None:
+        self._check_sizes()
+        spec = self._check_speculation()
+        self._check_parallel()
+        self._check_kv_transfer()
+        if self.draft_quantization and not (spec is not None and spec.needs_draft_model):
+            raise ValueError(
+                f"draft_quantization needs speculative_method={_any_of(methods_with_draft_model())}"
+            )
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(
+                f"attention_backend={self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
+            )
+
+    def _check_sizes(self) -> None:
+        """Block, batch and context sizes against their ranges and limits."""
         positive = ("block_size", "max_num_seqs", "max_num_batched_tokens")
         for name in positive:
             value = getattr(self, name)
@@ -187,6 +203,9 @@ class EngineConfig:
                 f"max_num_batched_tokens={self.max_num_batched_tokens} exceeds "
                 f"max_num_batched_tokens_limit={self.batched_tokens_limit}"
             )
+
+    def _check_speculation(self) -> SpeculativeMethod | None:
+        """The speculative method and its token counts; returns the method (None: no speculation)."""
         spec = method(self.speculative_method)  # refuses an unknown name, listing the known ones
         if spec is not None and spec.needs_draft_model and not self.draft_model:
             raise ValueError(f"speculative_method={spec.name!r} needs draft_model (a model source URI)")
@@ -210,6 +229,10 @@ class EngineConfig:
                 f"prompt_lookup_min={self.prompt_lookup_min} and prompt_lookup_max={self.prompt_lookup_max} "
                 "must satisfy 1 <= min <= max"
             )
+        return spec
+
+    def _check_parallel(self) -> None:
+        """Tensor and pipeline sizes, and the quantizations they and the engine can run."""
         tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         for name, size in (("tensor_parallel_size", tp), ("pipeline_parallel_size", pp)):
             if size < 1:
@@ -227,6 +250,10 @@ class EngineConfig:
         ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {allowed}")
+
+    def _check_kv_transfer(self) -> None:
+        """The KV connector's role, port and timeout of a disaggregated engine."""
+        tp, pp = self.tensor_parallel_size, self.pipeline_parallel_size
         if self.kv_role not in (None, *KV_ROLES):
             raise ValueError(f"kv_role={self.kv_role!r} is not one of {KV_ROLES}")
         if self.kv_role is not None and (tp > 1 or pp > 1):
@@ -238,14 +265,6 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be between 0 and 65535")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
-        if self.draft_quantization and not (spec is not None and spec.needs_draft_model):
-            raise ValueError(
-                f"draft_quantization needs speculative_method={_any_of(methods_with_draft_model())}"
-            )
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(
-                f"attention_backend={self.attention_backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
-            )
 
     @property
     def seqs_limit(self) -> int:

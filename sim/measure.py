@@ -9,15 +9,21 @@ is read from the engine's scheduler and `StepStats`, and `profile.fit` turns the
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specfleet.engine.config import SPECULATIVE_METHODS
 
 from .profile import StepPoint, fit_error, fitted_profile
+
+if TYPE_CHECKING:
+    from specfleet.engine.llm_engine import Engine
 
 
 @dataclass(frozen=True)
@@ -93,14 +99,22 @@ def measure(
     engine.add_request("warm-up", [100, 101, 102, 103], warm)  # kernels build on first use: not timed
     while engine.has_unfinished_requests():
         engine.step()
+    ids = itertools.count(1)  # request ids, and the salt of each request's prompt
+    points = _decode_points(engine, grid, ids, progress) + _prefill_points(engine, grid, ids, progress)
+    return points, engine.kv.num_blocks
+
+
+def _prompt(vocab: int, length: int, salt: int) -> list[int]:
+    # a repeating pattern, so that an n-gram proposer finds matches as it does on copied text
+    return [(salt * 7919 + (i % 23) * 31) % (vocab - 10) + 5 for i in range(length)]
+
+
+def _decode_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bool) -> list[StepPoint]:
+    """One point per (k, context, batch) of the grid: the median decode step of that many requests."""
+    from specfleet.engine.sampling_params import SamplingParams
+
     vocab = engine.runner.vocab_size
     points: list[StepPoint] = []
-    n = 0
-
-    def prompt(length: int, salt: int) -> list[int]:
-        # a repeating pattern, so that an n-gram proposer finds matches as it does on copied text
-        return [(salt * 7919 + (i % 23) * 31) % (vocab - 10) + 5 for i in range(length)]
-
     for k in grid.ks:
         engine.update_config(num_speculative_tokens=k)
         for context in grid.contexts:
@@ -110,8 +124,8 @@ def measure(
                     max_tokens=(grid.steps + 2) * (k + 1) + 8, temperature=0.0, ignore_eos=True
                 )
                 for _ in range(batch):
-                    n += 1
-                    engine.add_request(f"p{n}", prompt(context, n), params)
+                    n = next(ids)
+                    engine.add_request(f"p{n}", _prompt(vocab, context, n), params)
                 while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
                     engine.step()
                 engine.step()  # the first decode step after prefill: proposals start here
@@ -136,11 +150,22 @@ def measure(
                         flush=True,
                     )
         engine.update_config(num_speculative_tokens=0)
+    return points
+
+
+def _prefill_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bool) -> list[StepPoint]:
+    """One point per prefill length of the grid: the median step that prefills one such prompt."""
+    from specfleet.engine.sampling_params import SamplingParams
+
+    vocab = engine.runner.vocab_size
+    points: list[StepPoint] = []
     for length in grid.prefills:
         timed = []
         for _ in range(max(1, grid.steps // 2)):
-            n += 1
-            engine.add_request(f"p{n}", prompt(length, n), SamplingParams(max_tokens=1, temperature=0.0))
+            n = next(ids)
+            engine.add_request(
+                f"p{n}", _prompt(vocab, length, n), SamplingParams(max_tokens=1, temperature=0.0)
+            )
             timed.append(_timed(engine))
             while engine.has_unfinished_requests():
                 engine.step()
@@ -158,7 +183,7 @@ def measure(
             print(
                 f"profile: prefill {length}: {points[-1].seconds * 1000:.1f} ms", file=sys.stderr, flush=True
             )
-    return points, engine.kv.num_blocks
+    return points
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -358,6 +358,42 @@ def decisions(ticks: list[Any]) -> list[str]:
     return [t.decision.config.short() for t in ticks if t.decision.changed and t.decision.config]
 
 
+async def _simulate(
+    c: Config,
+    isvc: Any,
+    p: Profile,
+    args: argparse.Namespace,
+    requests: list[Any],
+    acceptance: tuple[float, ...],
+) -> tuple[dict[str, float], Any, SimFleet]:
+    """The trace through a simulated fleet of `p`: its figures in the real run's units, the run, the fleet."""
+    sim_fleet = SimFleet(
+        isvc, p, tune=c.tune, interval_s=args.interval, window_s=args.window, accepted_per_pos=acceptance
+    )
+    run = await asyncio.to_thread(sim_fleet.run, requests)  # its tuner needs an event loop of its own
+    s = sim_summarize(run, p, {})
+    return (
+        {
+            "throughput": s["output_throughput"],
+            "ttft_p50": s["p50_ttft_ms"] / 1000,
+            "ttft_p95": s["p95_ttft_ms"] / 1000,
+            "tpot_p50": s["p50_tpot_ms"] / 1000,
+            "tpot_p95": s["p95_tpot_ms"] / 1000,
+            "requests": s["completed"],
+        },
+        run,
+        sim_fleet,
+    )
+
+
+def _errors(sim: dict[str, float], real: dict[str, float]) -> dict[str, float]:
+    """The simulation's error against the real run, in percent of the real figure."""
+    return {
+        f"{m}_error_pct": round(100 * abs(sim[m] - real[m]) / real[m], 1)
+        for m in ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
+    }
+
+
 async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> dict[str, Any]:
     requests = list(c.workload.requests())
     isvc = load_inference_service(isvc_doc(c, args.interval))
@@ -394,48 +430,23 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         startup_s=startup_s,
     )
 
-    async def simulate(p: Profile) -> tuple[dict[str, float], Any, SimFleet]:
-        sim_fleet = SimFleet(
-            isvc, p, tune=c.tune, interval_s=args.interval, window_s=args.window, accepted_per_pos=acceptance
-        )
-        run = await asyncio.to_thread(sim_fleet.run, requests)  # its tuner needs an event loop of its own
-        s = sim_summarize(run, p, {})
-        return (
-            {
-                "throughput": s["output_throughput"],
-                "ttft_p50": s["p50_ttft_ms"] / 1000,
-                "ttft_p95": s["p95_ttft_ms"] / 1000,
-                "tpot_p50": s["p50_tpot_ms"] / 1000,
-                "tpot_p95": s["p95_tpot_ms"] / 1000,
-                "requests": s["completed"],
-            },
-            run,
-            sim_fleet,
-        )
-
-    def errors_of(sim: dict[str, float]) -> dict[str, float]:
-        return {
-            f"{m}_error_pct": round(100 * abs(sim[m] - real[m]) / real[m], 1)
-            for m in ("throughput", "ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95")
-        }
-
     # As measured: the profile from the start of the bench, which saw other neighbours on a shared machine.
-    raw_sim, raw_run, raw_fleet = await simulate(tuned)
+    raw_sim, raw_run, raw_fleet = await _simulate(c, isvc, tuned, args, requests, acceptance)
     # Calibrated: the profile's model costs rescaled by how much slower (or faster) the real engines' own
     # `Engine.step()` ran in this run than the profile predicts for the work their steps held (/metrics:
     # steps, their seconds, sequences, prompt and draft tokens), relative to the same ratio in the
     # simulation: the machine's speed during the run, measured by the engine, not fitted to the latencies
     # being compared.
     factor = real_steps.speed(tuned) / sim_mix(raw_fleet).speed(tuned)
-    sim, run, _ = await simulate(rescaled(tuned, factor))
-    errors = errors_of(sim)
+    sim, run, _ = await _simulate(c, isvc, rescaled(tuned, factor), args, requests, acceptance)
+    errors = _errors(sim, real)
     result = {
         "config": c.name,
         "requests": len(requests),
         "real": real,
         "sim": sim,
         **errors,
-        "uncalibrated": {"sim": raw_sim, **errors_of(raw_sim)},
+        "uncalibrated": {"sim": raw_sim, **_errors(raw_sim, real)},
         "real_step_ms": round(1000 * real_steps.seconds / max(real_steps.steps, 1), 1),
         "profile_scale": round(factor, 3),
         "startup_s": round(startup_s, 1),
@@ -454,7 +465,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         f"bench sim {c.name}: "
         + " ".join(f"{k}={v}" for k, v in errors.items())
         + f" (profile x{factor:.2f}; uncalibrated: "
-        + " ".join(f"{k}={v}" for k, v in errors_of(raw_sim).items())
+        + " ".join(f"{k}={v}" for k, v in _errors(raw_sim, real).items())
         + ")",
         flush=True,
     )

@@ -237,6 +237,58 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _search(
+    args: argparse.Namespace,
+    profiles: dict[int, Profile],
+    ks: list[int],
+    requests: list[SimRequest],
+    slo: dict[str, float],
+) -> list[Found]:
+    """Every (tp, k, seqs, tokens) of the grid that meets the SLO, each with its fewest replicas."""
+    found: list[Found] = []
+    for tp, profile in profiles.items():
+        for k in ks:
+            for seqs in args.seqs:
+                for tokens in args.tokens:
+                    if tokens < seqs:
+                        continue
+                    f = fewest_replicas(
+                        profile,
+                        args.model,
+                        Candidate(k, seqs, tokens, tp),
+                        args.method,
+                        requests,
+                        slo,
+                        args.max_replicas,
+                        args.max_model_len,
+                        not args.exact,
+                        _log,
+                    )
+                    if f is not None:
+                        found.append(f)
+    return found
+
+
+def _figures(f: Found) -> dict[str, Any]:
+    """A found config's figures as the plan prints them."""
+    s = f.summary
+    return {
+        "config": f.candidate.short(),
+        "replicas": f.replicas,
+        "gpus": f.replicas * f.candidate.tp,
+        "gpu_hours": round(f.gpu_seconds / 3600, 3),
+        "ttft_p95_ms": round(s["p95_ttft_ms"], 1),
+        "tpot_p95_ms": round(s["p95_tpot_ms"] or 0.0, 2),
+        "throughput_tok_s": round(s["output_throughput"], 1),
+        "slo_attainment": round(s["slo_attainment"], 3),
+        "profile": s["profile"]["name"],
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -268,32 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     if profiles[tps[0]].estimate:
         print(f"note: profile {base.name} is an ESTIMATE ({base.notes})", file=sys.stderr)
 
-    def log(line: str) -> None:
-        print(line, file=sys.stderr, flush=True)
-
-    log(f"plan: searching tp={tps} k={ks} seqs={args.seqs} tokens={args.tokens}")
-    found: list[Found] = []
-    for tp in tps:
-        profile = profiles[tp]
-        for k in ks:
-            for seqs in args.seqs:
-                for tokens in args.tokens:
-                    if tokens < seqs:
-                        continue
-                    f = fewest_replicas(
-                        profile,
-                        args.model,
-                        Candidate(k, seqs, tokens, tp),
-                        args.method,
-                        requests,
-                        slo,
-                        args.max_replicas,
-                        args.max_model_len,
-                        not args.exact,
-                        log,
-                    )
-                    if f is not None:
-                        found.append(f)
+    _log(f"plan: searching tp={tps} k={ks} seqs={args.seqs} tokens={args.tokens}")
+    found = _search(args, profiles, ks, requests, slo)
     if not found:
         print(
             f"specfleet plan: no config meets {args.slo} within {args.max_replicas} replicas", file=sys.stderr
@@ -318,23 +346,9 @@ def main(argv: list[str] | None = None) -> int:
         + (" (estimate)" if best.summary["profile"]["estimate"] else ""),
     )
 
-    def figures(f: Found) -> dict[str, Any]:
-        s = f.summary
-        return {
-            "config": f.candidate.short(),
-            "replicas": f.replicas,
-            "gpus": f.replicas * f.candidate.tp,
-            "gpu_hours": round(f.gpu_seconds / 3600, 3),
-            "ttft_p95_ms": round(s["p95_ttft_ms"], 1),
-            "tpot_p95_ms": round(s["p95_tpot_ms"] or 0.0, 2),
-            "throughput_tok_s": round(s["output_throughput"], 1),
-            "slo_attainment": round(s["slo_attainment"], 3),
-            "profile": s["profile"]["name"],
-        }
-
     result = {
-        "best": figures(best),
-        "runner_up": figures(runner) if runner else None,
+        "best": _figures(best),
+        "runner_up": _figures(runner) if runner else None,
         "equivalents": [f.candidate.short() for f in equivalents],
         "yaml": args.out,
         "sim_out": str(sim_out),

@@ -109,7 +109,7 @@ def method_kwargs(draft_model: str, draft_quantization: str) -> dict[str, dict[s
     return methods
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfleet bench spec", description=__doc__)
     parser.add_argument("--model", default="bundled://smollm2-135m-instruct")
     parser.add_argument(
@@ -137,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
         help="sweeps over k per cell, alternating the order of k (medians are reported)",
     )
     parser.add_argument("--out", default="bench/results/spec.json")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     ks = [int(k) for k in args.ks.split(",")]
     workloads = {"grounded": grounded_prompts(), "chat": chat_prompts()}
     methods = method_kwargs(args.draft_model, args.draft_quantization)
@@ -182,34 +186,12 @@ def main(argv: list[str] | None = None) -> int:
         k0.append(run(ngram_k0, sample, 0, 1, args.max_tokens, args.ignore_eos)["tok_s_per_request"])
     del plain, ngram_k0
 
-    def speedup(method: str, workload: str, conc: int) -> float | None:
-        sel = [
-            r
-            for r in rows
-            if r["method"] == method and r["workload"] == workload and r["concurrency"] == conc
-        ]
-        if not sel:
-            return None
-        zero = next(r for r in sel if r["k"] == 0)["tok_s_per_request"]
-        return max(r["tok_s_per_request"] for r in sel) / zero
-
-    def acceptance(method: str, workload: str) -> float | None:
-        vals = [
-            r["acceptance_rate"]
-            for r in rows
-            if r["method"] == method
-            and r["workload"] == workload
-            and r["acceptance_rate"] is not None
-            and r["concurrency"] == 1
-        ]
-        return statistics.median(vals) if vals else None
-
     result = {
-        **{f"{m}_{w}_speedup": speedup(m, w, 1) for m in METHODS for w in workloads},
+        **{f"{m}_{w}_speedup": _speedup(rows, m, w, 1) for m in METHODS for w in workloads},
         "high_load_speedup": max(
-            filter(None, [speedup(m, w, args.high_concurrency) for m in methods for w in workloads])
+            filter(None, [_speedup(rows, m, w, args.high_concurrency) for m in methods for w in workloads])
         ),
-        "acceptance_rate": {f"{m}_{w}": acceptance(m, w) for m in methods for w in workloads},
+        "acceptance_rate": {f"{m}_{w}": _acceptance(rows, m, w) for m in methods for w in workloads},
         "k0_overhead_pct": 100.0 * (statistics.median(base) / statistics.median(k0) - 1),
         "rows": rows,
     }
@@ -219,6 +201,30 @@ def main(argv: list[str] | None = None) -> int:
     plot(rows, ks, out.with_suffix(".png"))
     print(json.dumps(result))
     return 0
+
+
+def _speedup(rows: list[dict], method: str, workload: str, conc: int) -> float | None:
+    """The best k's tokens per second per request over k=0's, for one method, workload and concurrency."""
+    sel = [
+        r for r in rows if r["method"] == method and r["workload"] == workload and r["concurrency"] == conc
+    ]
+    if not sel:
+        return None
+    zero = next(r for r in sel if r["k"] == 0)["tok_s_per_request"]
+    return max(r["tok_s_per_request"] for r in sel) / zero
+
+
+def _acceptance(rows: list[dict], method: str, workload: str) -> float | None:
+    """The median acceptance rate of one method on one workload at concurrency 1."""
+    vals = [
+        r["acceptance_rate"]
+        for r in rows
+        if r["method"] == method
+        and r["workload"] == workload
+        and r["acceptance_rate"] is not None
+        and r["concurrency"] == 1
+    ]
+    return statistics.median(vals) if vals else None
 
 
 def plot(rows: list[dict], ks: list[int], path: Path) -> None:

@@ -194,7 +194,7 @@ def bench_server(
         log.close()
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="specfleet bench llamacpp", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--quick", action="store_true", help="fewer prompts per concurrency (2 rounds, at least 4)"
@@ -226,6 +226,11 @@ def main(argv: list[str] | None = None) -> int:
         help="measure this running llama-server instead of starting bench/anchors/llama_server.sh",
     )
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     configs = args.configs.split(",")
     unknown = [c for c in configs if c not in CONFIGS]

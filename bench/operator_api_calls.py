@@ -129,78 +129,117 @@ def measure(services: int = 200, interval: float = 4.0, ticks: int = 2) -> dict[
             _wait("a timer reconcile of each after Ready", each_reconciled(1, Counter(reconciles)), 600)
             figures["converge"] = {"api_calls": len(_api_calls(fake.requests)), "seconds": _secs(started)}
 
-            mark, since, started = len(fake.requests), Counter(reconciles), time.monotonic()
-            first = len(per_reconcile)
-            _wait(
-                f"{ticks} timer reconciles of each", each_reconciled(ticks, since), 60 + 3 * ticks * interval
+            figures["steady"] = _steady(fake, reconciles, per_reconcile, each_reconciled, ticks, interval)
+            figures["resync"] = _resync(
+                fake, reconciles, per_reconcile, registries[0], production, interval, services
             )
-            window = fake.requests[mark:]
-            count = sum((reconciles - since).values())
-            figures["steady"] = {
-                "reconciles": count,
-                "api_calls": len(_api_calls(window)),
-                "api_calls_per_reconcile": round(len(_api_calls(window)) / count, 4),
-                "most_api_calls_in_one_reconcile": max(per_reconcile[first:], default=0),
-                "seconds": _secs(started),
-                "by_verb": _by_verb(window),
-            }
-
-            registry = registries[0]
-            if registry is None:  # an operator without the memory (before it) re-applies every pass
-                figures["resync"] = {"api_calls": 0, "api_calls_per_service": 0.0}
-            else:
-                period = production.resync_interval_seconds
-                mark, since, started = len(fake.requests), Counter(reconciles), time.monotonic()
-                first, aged_at = len(per_reconcile), time.monotonic()
-                for memory in registry.memories():  # as if the resync period had passed
-                    for applied in memory.applied.values():
-                        applied.at -= period
-                for group_version, (served, at) in list(registry.apis.items()):
-                    registry.apis[group_version] = (served, at - period)
-
-                def renewed() -> bool:
-                    return all(a.at >= aged_at for m in registry.memories() for a in m.applied.values())
-
-                _wait("every child re-applied once", renewed, 60 + 40 * interval)
-                window = fake.requests[mark:]
-                count = sum((reconciles - since).values())
-                figures["resync"] = {
-                    "reconciles": count,
-                    "api_calls": len(_api_calls(window)),
-                    "api_calls_per_service": round(len(_api_calls(window)) / services, 2),
-                    "api_calls_per_reconcile": round(len(_api_calls(window)) / max(count, 1), 4),
-                    "most_api_calls_in_one_reconcile": max(per_reconcile[first:], default=0),
-                    "seconds": _secs(started),
-                    "by_verb": _by_verb(window),
-                }
-
-            changed = names[0]
-            mark, since, started = len(fake.requests), Counter(reconciles), time.monotonic()
-            isvc = fake.get(*ISVC, NS, changed)
-            assert isvc is not None
-            isvc["spec"]["batching"]["maxNumSeqs"] = 12
-            fake.put(*ISVC, NS, isvc)
-            _wait("the new template", lambda: "--max-num-seqs=12" in _args(fake, changed), 60)
-            report_rollout(fake, NS, changed)
-            _wait("Ready at the new generation", lambda: _observed(fake, changed), 60)
-            _wait("two timer reconciles of each", each_reconciled(2, since), 60 + 6 * interval)
-            window = fake.requests[mark:]
-            figures["change"] = {
-                "api_calls": len(_api_calls(window)),
-                "seconds": _secs(started),
-                "by_verb": _by_verb(window),
-            }
+            figures["change"] = _change(fake, names[0], reconciles, each_reconciled, interval)
         if runner.exception is not None:
             raise RuntimeError(runner.output[-4000:]) from runner.exception
     finally:
         setattr(handlers, "converge", converge)  # noqa: B010
         fake.stop()
 
+    figures["production"] = _production(production, services, figures)
+    return figures
+
+
+def _steady(
+    fake: Any,
+    reconciles: Counter[str],
+    per_reconcile: list[int],
+    each_reconciled: Callable[[int, Counter[str]], Callable[[], bool]],
+    ticks: int,
+    interval: float,
+) -> dict[str, Any]:
+    """The steady phase: `ticks` timer reconciles of each converged service, nothing changed."""
+    mark, since, started = len(fake.requests), Counter(reconciles), time.monotonic()
+    first = len(per_reconcile)
+    _wait(f"{ticks} timer reconciles of each", each_reconciled(ticks, since), 60 + 3 * ticks * interval)
+    window = fake.requests[mark:]
+    count = sum((reconciles - since).values())
+    return {
+        "reconciles": count,
+        "api_calls": len(_api_calls(window)),
+        "api_calls_per_reconcile": round(len(_api_calls(window)) / count, 4),
+        "most_api_calls_in_one_reconcile": max(per_reconcile[first:], default=0),
+        "seconds": _secs(started),
+        "by_verb": _by_verb(window),
+    }
+
+
+def _resync(
+    fake: Any,
+    reconciles: Counter[str],
+    per_reconcile: list[int],
+    registry: Any,
+    production: Any,
+    interval: float,
+    services: int,
+) -> dict[str, Any]:
+    """The resync phase: every applied child aged past the resync period, until each is re-applied."""
+    if registry is None:  # an operator without the memory (before it) re-applies every pass
+        return {"api_calls": 0, "api_calls_per_service": 0.0}
+    period = production.resync_interval_seconds
+    mark, since, started = len(fake.requests), Counter(reconciles), time.monotonic()
+    first, aged_at = len(per_reconcile), time.monotonic()
+    for memory in registry.memories():  # as if the resync period had passed
+        for applied in memory.applied.values():
+            applied.at -= period
+    for group_version, (served, at) in list(registry.apis.items()):
+        registry.apis[group_version] = (served, at - period)
+
+    def renewed() -> bool:
+        return all(a.at >= aged_at for m in registry.memories() for a in m.applied.values())
+
+    _wait("every child re-applied once", renewed, 60 + 40 * interval)
+    window = fake.requests[mark:]
+    count = sum((reconciles - since).values())
+    return {
+        "reconciles": count,
+        "api_calls": len(_api_calls(window)),
+        "api_calls_per_service": round(len(_api_calls(window)) / services, 2),
+        "api_calls_per_reconcile": round(len(_api_calls(window)) / max(count, 1), 4),
+        "most_api_calls_in_one_reconcile": max(per_reconcile[first:], default=0),
+        "seconds": _secs(started),
+        "by_verb": _by_verb(window),
+    }
+
+
+def _change(
+    fake: Any,
+    changed: str,
+    reconciles: Counter[str],
+    each_reconciled: Callable[[int, Counter[str]], Callable[[], bool]],
+    interval: float,
+) -> dict[str, Any]:
+    """The change phase: one service's spec changed, until it is Ready at the new generation."""
+    from rollouts import report_rollout
+
+    mark, since, started = len(fake.requests), Counter(reconciles), time.monotonic()
+    isvc = fake.get(*ISVC, NS, changed)
+    assert isvc is not None
+    isvc["spec"]["batching"]["maxNumSeqs"] = 12
+    fake.put(*ISVC, NS, isvc)
+    _wait("the new template", lambda: "--max-num-seqs=12" in _args(fake, changed), 60)
+    report_rollout(fake, NS, changed)
+    _wait("Ready at the new generation", lambda: _observed(fake, changed), 60)
+    _wait("two timer reconciles of each", each_reconciled(2, since), 60 + 6 * interval)
+    window = fake.requests[mark:]
+    return {
+        "api_calls": len(_api_calls(window)),
+        "seconds": _secs(started),
+        "by_verb": _by_verb(window),
+    }
+
+
+def _production(production: Any, services: int, figures: dict[str, Any]) -> dict[str, Any]:
+    """The steady API call rate at the production timer and resync intervals."""
     per_reconcile = figures["steady"]["api_calls_per_reconcile"]
     # an operator from before the memory has no resync (every pass re-applied everything): the bench
     # measures it too, for the comparison in docs/operator.md
     resync_s = getattr(production, "resync_interval_seconds", None)
-    figures["production"] = {
+    return {
         "timer_interval_s": production.reconcile_interval_seconds,
         "resync_interval_s": resync_s,
         "steady_api_calls_per_s": round(
@@ -209,7 +248,6 @@ def measure(services: int = 200, interval: float = 4.0, ticks: int = 2) -> dict[
             3,
         ),
     }
-    return figures
 
 
 def _names(path: str, name: str) -> bool:

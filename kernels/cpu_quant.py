@@ -1,0 +1,253 @@
+"""Block-quantized weights (GGUF / AWQ / GPTQ) in the native kernels' panel layouts, and `QuantLinear`
+over them."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from specfleet.kernels.cpu_build import PANEL, _check, _lib_or_raise, _rows, num_threads
+from specfleet.kernels.cpu_dense import LinearDesc, _pad, pack_panels
+from specfleet.kernels.quantized import QuantTensor
+
+ACTIVATIONS = ("int8", "float32")
+QBLOCK = 32  # the int8 activation path quantizes x per 32 values (GGUF's Q8_0/Q8_1 block)
+
+
+def _scale_panels(q: QuantTensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    # Scales and mins as halfs when that is exact (GGUF's d and m are fp16 in the file): 1 bit per weight
+    # instead of 2 at groups of 32; otherwise (Q4_K's d * sc, AWQ/GPTQ's -z * s) float32.
+    dtype = (
+        torch.float16
+        if all(t is None or torch.equal(t.half().float(), t) for t in (q.scales, q.mins))
+        else torch.float32
+    )
+    scales = pack_panels(q.scales.t().to(dtype))  # padding columns get scale 0, so they add nothing
+    mins = None if q.mins is None else pack_panels(q.mins.t().to(dtype))
+    return scales, mins
+
+
+@dataclass(frozen=True)
+class QuantPanels:
+    """A `QuantTensor` in one of the kernels' panel layouts. `high`: for 5-bit codes, the fifth bits
+    (`fifth_bit_plane`) beside the nibble panels in `codes`, which then hold the low 4 bits; else None."""
+
+    codes: torch.Tensor
+    high: torch.Tensor | None
+    scales: torch.Tensor
+    mins: torch.Tensor | None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.high, self.scales, self.mins) if t is not None)
+
+
+def fifth_bit_plane(lo: torch.Tensor, hi: torch.Tensor, unit: int) -> torch.Tensor:
+    """The fifth bits of 5-bit codes laid out as nibble bytes: `lo` holds the codes whose low 4 bits go into
+    each byte's low nibble, `hi` those of its high nibble, both in the bytes' order. Per `unit` bytes (the
+    kernel's vector: 16 on the float path, 64 on the dot path) and per pair of units: a little-endian bit
+    mask of unit 0's low nibbles, one of its high nibbles, then unit 1's two (native.cpp, "5-bit codes").
+    Flat uint8, one bit per code."""
+    bits = torch.stack([lo.reshape(-1, 2, unit) >> 4, hi.reshape(-1, 2, unit) >> 4], dim=2)
+    weights = torch.tensor([1 << i for i in range(8)], dtype=torch.uint8)
+    return (bits.reshape(-1, 8) * weights).sum(dim=1, dtype=torch.uint8)
+
+
+def _nibble_bytes(
+    lo: torch.Tensor, hi: torch.Tensor, bits: int, unit: int
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Bytes holding `lo` in their low nibbles and `hi` in their high ones, and for 5-bit codes their plane."""
+    if bits == 4:
+        return (lo | (hi << 4)).contiguous(), None
+    return ((lo & 0x0F) | ((hi & 0x0F) << 4)).contiguous(), fifth_bit_plane(lo, hi, unit)
+
+
+# The float path reads 16 nibble bytes (16 columns of a row pair) per vector, the dot path 64 (16 columns x
+# 4 rows); each 5-bit plane is laid out per such unit.
+FLOAT_UNIT, DOT_UNIT = 16, 64
+
+
+def pack_quant_panels(q: QuantTensor) -> QuantPanels:
+    """Codes, scales and mins in the float kernel's panels: 32 output columns per panel, each a sequential
+    stream. 4- and 5-bit codes: byte (k / 2, c) holds row k's code (its low 4 bits) in its low nibble, row
+    k + 1's in its high; a 5-bit weight's plane then has [panel][K / 2][2 (columns 0-15, 16-31)][2 (low,
+    high nibbles)][2 bytes]."""
+    codes = pack_panels(q.codes.t())  # [panels, K, 32], padding columns get code 0
+    high = None
+    if q.bits in (4, 5):
+        codes, high = _nibble_bytes(codes[:, 0::2], codes[:, 1::2], q.bits, FLOAT_UNIT)
+        if high is not None:
+            high = high.view(codes.shape[0], -1, 2, 2, FLOAT_UNIT // 8)
+    return QuantPanels(codes, high, *_scale_panels(q))
+
+
+def pack_dot_panels(q: QuantTensor) -> QuantPanels:
+    """Codes in the int8-activation kernel's panels (native.cpp, "dot panels"): per 32-column panel and
+    chunk of input rows (8 for 4- and 5-bit, 4 for 8-bit), [half][column 0..15][i 0..3], so that one 64-byte
+    load is 16 columns x 4 rows. 4-bit: row k0 + i in the low nibble, k0 + 4 + i in the high; 5-bit: their
+    low 4 bits so, and a plane [panel][K / 8][2 (half)][2 (low, high nibbles)][8 bytes]; 8-bit: code + 128."""
+    n, k = q.shape
+    panels = -(-n // PANEL)
+    codes = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
+    codes[:n] = q.codes.view(torch.uint8) if q.bits == 8 else q.codes
+    high = None
+    if q.bits == 8:
+        codes[:n] ^= 0x80  # two's complement int8 -> code + 128 as uint8
+        codes = codes.view(panels, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
+    else:
+        c = codes.view(panels, 2, 16, k // 8, 2, 4)  # [..., lo/hi half of the 8 rows, i]
+        lo, hi = (c[:, :, :, :, j].permute(0, 3, 1, 2, 4).contiguous() for j in (0, 1))
+        codes, high = _nibble_bytes(lo, hi, q.bits, DOT_UNIT)
+        if high is not None:
+            high = high.view(panels, -1, 2, 2, DOT_UNIT // 8)
+    return QuantPanels(codes, high, *_scale_panels(q))
+
+
+def dot_supported(q: QuantTensor) -> bool:
+    """Whether the int8-activation kernel takes this weight: groups and rows in whole 32-blocks."""
+    return q.group_size % QBLOCK == 0 and q.shape[1] % QBLOCK == 0
+
+
+class QuantLinear:
+    """``x @ W.T (+ bias) (+ residual)`` for a grouped-quantized weight (`QuantTensor`): GGUF Q4_0,
+    Q4_1, Q4_K, Q5_0, Q5_1, Q5_K, Q6_K, Q8_0, AWQ, GPTQ. The codes stay packed (5-bit ones as nibbles plus a
+    plane of fifth bits, 6-bit ones as int8).
+
+    ``activations="int8"`` (default where the weight's groups are whole 32-blocks): each call quantizes x
+    per row and 32-block to int8 (max-abs / 127, as llama.cpp's Q8_0/Q8_1) and runs integer dot products
+    with the codes (`vpdpbusd`), scaling once per block. ``"float32"``: x stays float32 and the kernel
+    dequantizes the codes in registers; exact up to float rounding (the tests' and the quality oracle's
+    path). docs/kernels.md has the measured cost and quality of each."""
+
+    def __init__(self, weight: QuantTensor, bias: torch.Tensor | None = None, activations: str = "int8"):
+        if activations not in ACTIVATIONS:
+            raise ValueError(f"activations={activations!r} is not one of {ACTIVATIONS}")
+        self._lib = _lib_or_raise()
+        self.out_features, self.in_features = weight.shape
+        self.group_size, self.bits, self.fmt = weight.group_size, weight.bits, weight.fmt
+        self.activations = activations if dot_supported(weight) else "float32"
+        # One call shape for the three kernels: (x, rows, K, ldx, codes, scales, mins, half, group, N, bias,
+        # residual, ldr, y, ldy, threads); the int8-activation kernel also takes the code width after ldx,
+        # and the nibble kernels the 5-bit plane (or null) after the codes.
+        self._kernel: Callable[..., None]
+        packed = pack_dot_panels(weight) if self.activations == "int8" else pack_quant_panels(weight)
+        self.codes, self.high, self.scales, self.mins = packed.codes, packed.high, packed.scales, packed.mins
+        self.packed_nbytes = packed.nbytes
+        high = None if self.high is None else self.high.data_ptr()
+        nibbles = weight.bits in (4, 5)
+        if self.activations == "int8":
+            qdot = self._lib.sf_linear_qdot
+            self._kernel = lambda x, rows, k, ldx, codes, *rest: qdot(
+                x, rows, k, ldx, int(nibbles), codes, high, *rest
+            )
+        elif nibbles:
+            q4 = self._lib.sf_linear_q4
+            self._kernel = lambda x, rows, k, ldx, codes, *rest: q4(x, rows, k, ldx, codes, high, *rest)
+        else:
+            self._kernel = self._lib.sf_linear_q8g
+        self.perm = weight.perm
+        self.bias = None
+        if bias is not None:
+            _check("bias", bias, dim=1)
+            self.bias = _pad(bias, self.out_features)
+
+    def weight_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows ``index`` of the weight, [len(index), K] float32, read back from the packed panels: equal to
+        ``QuantTensor.select_rows(index).dequantize()``. A tied embedding looks its rows up here, so the
+        model holds the table once, in the head's layout."""
+        if self.perm is not None:
+            raise ValueError(f"{self.fmt}: an act-order weight's rows are not read back")
+        index = index.to(torch.int64)
+        panel, col = index // PANEL, index % PANEL
+        k, rows = self.in_features, index.shape[0]
+        if self.activations == "int8":  # dot panels [panel, K / chunk, half, 16, 4] (pack_dot_panels)
+            b = self.codes[panel, :, col // 16, col % 16, :]  # [rows, K / chunk, 4]
+            if self.bits == 8:
+                codes = (b ^ 0x80).view(torch.int8).reshape(rows, k)
+            else:  # low nibble: row k0 + i, high: k0 + 4 + i
+                codes = torch.stack([b & 0x0F, b >> 4], dim=2).reshape(rows, k)
+        else:  # float panels [panel, K (or K / 2 for nibbles), 32] (pack_quant_panels)
+            b = self.codes[panel, :, col]
+            codes = b if self.bits == 8 else torch.stack([b & 0x0F, b >> 4], dim=2).reshape(rows, k)
+        if self.high is not None:
+            codes = codes | (self._fifth_bits(panel, col) << 4)
+        g = self.group_size
+        w = codes.float() * self.scales[panel, :, col].float().repeat_interleave(g, dim=1)
+        if self.mins is not None:
+            w += self.mins[panel, :, col].float().repeat_interleave(g, dim=1)
+        return w
+
+    def _fifth_bits(self, panel: torch.Tensor, col: torch.Tensor) -> torch.Tensor:
+        """The fifth bits of columns (panel, col) from the plane [panel, K / chunk, half, low/high nibble,
+        unit / 8 bytes], [len(col), K] uint8 in the input's order (as the nibbles are read back)."""
+        assert self.high is not None
+        plane = self.high[panel, :, col // 16]  # [rows, K / chunk, 2, unit / 8]
+        unit = plane.shape[-1] * 8
+        shifts = torch.arange(8, dtype=torch.uint8)
+        bits = ((plane.unsqueeze(-1) >> shifts) & 1).flatten(-2)  # [rows, K / chunk, 2, unit]
+        per = unit // 16  # rows of one column per nibble half: 1 on the float path, 4 on the dot path
+        at = ((col % 16) * per).unsqueeze(1) + torch.arange(per)  # [rows, per]
+        picked = torch.take_along_dim(bits, at[:, None, None, :], dim=3)  # [rows, K / chunk, 2, per]
+        return picked.reshape(col.shape[0], self.in_features)
+
+    def descriptor(self) -> LinearDesc | None:
+        """This linear for sf_decode_layers; None for an act-order weight (its input is permuted first)."""
+        if self.perm is not None:
+            return None
+        dot = self.activations == "int8"
+        nibbles = self.bits in (4, 5)
+        return LinearDesc(
+            kind=4 if dot else 2 if nibbles else 3,
+            q4=int(nibbles),
+            half_scales=int(self.scales.dtype == torch.float16),
+            codes=self.codes.data_ptr(),
+            scale=self.scales.data_ptr(),
+            mins=None if self.mins is None else self.mins.data_ptr(),
+            high=None if self.high is None else self.high.data_ptr(),
+            bias=None if self.bias is None else self.bias.data_ptr(),
+            K=self.in_features,
+            N=self.out_features,
+            G=self.group_size,
+        )
+
+    def __call__(self, x: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        if self.perm is not None:
+            x = x.index_select(1, self.perm)
+        rows = x.shape[0]
+        ldx = _rows("x", x, self.in_features)
+        ldr = 0
+        if residual is not None:
+            ldr = _rows("residual", residual, self.out_features)
+            if residual.shape[0] != rows:
+                raise ValueError(f"residual has {residual.shape[0]} rows, x has {rows}")
+        y = torch.empty(rows, self.out_features)
+        mins = None if self.mins is None else self.mins.data_ptr()
+        half = int(self.scales.dtype == torch.float16)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        res = None if residual is None else residual.data_ptr()
+        self._kernel(
+            x.data_ptr(),
+            rows,
+            self.in_features,
+            ldx,
+            self.codes.data_ptr(),
+            self.scales.data_ptr(),
+            mins,
+            half,
+            self.group_size,
+            self.out_features,
+            bias,
+            res,
+            ldr,
+            y.data_ptr(),
+            self.out_features,
+            num_threads(),
+        )
+        return y
+
+
+def dot_backend() -> str:
+    """The instructions the integer dot products compiled to: "avx512-vnni", "avx512bw", "avx-vnni",
+    "avx2" (maddubs; all four vectorized) or "portable" (element by element: correct, slow)."""
+    return str(_lib_or_raise().sf_dot_backend().decode())

@@ -27,6 +27,10 @@ from specfleet.operator.inference_service import (
 from specfleet.router.gateway import Gateway, serve_gateway
 from specfleet.router.gateway_discovery import DEFAULT_INTERVAL_S
 from specfleet.router.policies import POLICIES
+from specfleet.router.tenant_gate import TenantGate
+from specfleet.router.tenant_setup import add_tenant_flags, build_gate
+from specfleet.router.tenants import InvalidTenants
+from specfleet.router.tracing import ENDPOINT_FLAG, traces_endpoint
 from specfleet.tuner.loop import Tick
 
 from .cores import CorePool
@@ -53,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_INTERVAL_S,
         help="with several -f: seconds between two reads of the files' routing.weight and routing.aliases",
     )
+    add_tenant_flags(p, cluster=False)  # --tenants FILE puts the gateway in front, even of one service
     p.add_argument("--host", default="127.0.0.1", help="address of the OpenAI endpoint")
     p.add_argument("--port", type=int, default=8000, help="port of the OpenAI endpoint (0: any free port)")
     p.add_argument(
@@ -94,6 +99,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="pin each engine to N cores of its own and N threads, as the kubelet's static CPU manager "
         "does (default: every engine on every core)",
+    )
+    p.add_argument(
+        ENDPOINT_FLAG,
+        default=None,
+        metavar="URL",
+        help="send the router's and the engines' request spans to this OTLP/HTTP collector (e.g. "
+        "http://localhost:4318); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT",
     )
     p.add_argument(
         "--engine-arg",
@@ -260,10 +272,16 @@ async def follow_files(
 
 
 async def run_gateway(
-    fleets: list[LocalFleet], files: list[str], host: str, port: int, interval_s: float
+    fleets: list[LocalFleet],
+    files: list[str],
+    host: str,
+    port: int,
+    interval_s: float,
+    tenants: TenantGate | None = None,
 ) -> int:
-    """Several fleets behind one gateway on host:port."""
-    gateway = Gateway()
+    """Several fleets (or one, with tenants) behind one gateway on host:port."""
+    gateway = Gateway(tenants=tenants)
+    gateway.tracer = fleets[0].router.tracer  # its spans leave with the first service's router's
     runner: web.AppRunner | None = None
     tasks: list[asyncio.Task[None]] = []
 
@@ -306,7 +324,7 @@ async def run_gateway(
 def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> list[LocalFleet]:
     """One local fleet per service, from the command line; with several (a gateway in front), each router on
     a port of its own and each fleet's lines labelled with its service."""
-    several = len(services) > 1
+    several = len(services) > 1 or bool(args.tenants)  # a gateway in front
     fleets = []
     for isvc in services:
         say = say_for(service_key(isvc) if several else None)
@@ -326,6 +344,7 @@ def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> 
                 freeze_file=Path(args.freeze_file) if args.freeze_file else None,
                 cpus_per_engine=args.cpus_per_engine,
                 say=say,
+                otlp_traces_endpoint=args.traces,
             )
         )
     return fleets
@@ -346,9 +365,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"specfleet up: --cpus-per-engine: {error}", file=sys.stderr)
         return 2
+    try:
+        args.traces = traces_endpoint(args.otlp_traces_endpoint)
+    except ValueError as error:
+        print(f"specfleet up: {error}", file=sys.stderr)
+        return 2
+    try:
+        gate, _ = build_gate(args)
+    except (InvalidTenants, OSError, ValueError) as error:
+        print(f"specfleet up: {error}", file=sys.stderr)
+        return 2
     fleets = build_fleets(args, services)
-    if len(fleets) > 1:
-        return asyncio.run(run_gateway(fleets, args.file, args.host, args.port, args.discovery_interval))
+    if len(fleets) > 1 or gate is not None:
+        return asyncio.run(
+            run_gateway(fleets, args.file, args.host, args.port, args.discovery_interval, gate)
+        )
     return asyncio.run(run(fleets[0]))
 
 

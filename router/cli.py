@@ -17,6 +17,8 @@ from .policies import DEFAULT_POLICY, POLICIES, make_policy
 from .prefix import BlockHasher, stable_hash
 from .proxy import Router, serve
 from .shutdown import Drainable, drain
+from .tenant_setup import add_tenant_flags, build_gate
+from .tracing import ENDPOINT_FLAG, RouterTracer, traces_endpoint
 
 
 def add_gateway_flags(p: argparse.ArgumentParser, where: argparse._MutuallyExclusiveGroup) -> None:
@@ -47,6 +49,7 @@ def add_gateway_flags(p: argparse.ArgumentParser, where: argparse._MutuallyExclu
         help="with --gateway: seconds between two lists of the InferenceServices (a weight change takes "
         "effect within one)",
     )
+    add_tenant_flags(p)  # with --gateway: API keys, quotas, priorities (router/tenant_setup.py)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -123,7 +126,21 @@ def build_parser() -> argparse.ArgumentParser:
         "served (clients routed before the endpoint was removed), before they get 503",
     )
     p.add_argument("--log-level", default="INFO")
+    p.add_argument(
+        ENDPOINT_FLAG,
+        default=None,
+        metavar="URL",
+        help="send each request's spans (routing, the hops to the engines) to this OTLP/HTTP collector, "
+        "e.g. http://otel-collector:4318; default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
+        "OTEL_EXPORTER_OTLP_ENDPOINT, else no traces (docs/router.md, Traces)",
+    )
     return p
+
+
+def build_tracer(args: argparse.Namespace) -> RouterTracer | None:
+    """The router's spans when the flag or the OTEL_EXPORTER_OTLP_* variables name a collector, else None."""
+    endpoint = traces_endpoint(args.otlp_traces_endpoint)
+    return RouterTracer.from_endpoint(endpoint) if endpoint else None
 
 
 def load_encoder(path: str):  # returns a text -> ids function
@@ -160,7 +177,9 @@ async def run_gateway(args: argparse.Namespace) -> int:
         raise ValueError(f"--discovery-interval={args.discovery_interval} must be > 0")
     if args.all_namespaces and args.gateway_namespace:
         raise ValueError("--all-namespaces and --gateway-namespace exclude each other")
-    gateway = Gateway(args.session_header or None)
+    gate, tenant_jobs = build_gate(args)
+    gateway = Gateway(args.session_header or None, gate)
+    gateway.tracer = build_tracer(args)
     namespaces = (
         None if args.all_namespaces else args.gateway_namespace or [InferenceServiceDiscovery.own_namespace()]
     )
@@ -172,7 +191,7 @@ async def run_gateway(args: argparse.Namespace) -> int:
         interval_s=args.discovery_interval,
         max_retries=args.max_retries,
     )
-    task = asyncio.create_task(discovery.run())
+    tasks = [asyncio.create_task(job) for job in [discovery.run(), *tenant_jobs]]
     runner = await serve_gateway(gateway, args.host, args.port)
     logging.getLogger("specfleet.router").info(
         "event=listening host=%s port=%d gateway=true namespaces=%s selector=%r",
@@ -182,9 +201,12 @@ async def run_gateway(args: argparse.Namespace) -> int:
         args.selector,
     )
     await _until_signalled(gateway, args)
-    task.cancel()
-    await asyncio.gather(task, return_exceptions=True)  # its watches stop, removed services' routers close
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)  # its watches stop, removed services' routers close
     await runner.cleanup()
+    if gateway.tracer is not None:
+        gateway.tracer.shutdown()
     return 0
 
 
@@ -204,7 +226,10 @@ async def _until_signalled(target: Drainable, args: argparse.Namespace) -> None:
 async def run(args: argparse.Namespace) -> int:
     if args.gateway:
         return await run_gateway(args)
+    if args.tenants or args.tenant_selector or args.redis_url:
+        raise ValueError("--tenants, --tenant-selector and --redis-url are the gateway's: add --gateway")
     router = build_router(args)
+    router.tracer = build_tracer(args)
 
     if args.prefill_service and not args.service:
         raise ValueError("--prefill-service needs --service (the decode engines' Service)")
@@ -237,6 +262,8 @@ async def run(args: argparse.Namespace) -> int:
     for task in tasks:  # discovery ran through the drain: streams may still have needed a new engine
         task.cancel()
     await runner.cleanup()
+    if router.tracer is not None:
+        router.tracer.shutdown()
     return 0
 
 

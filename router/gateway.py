@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -33,12 +33,16 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
 from .proxy import MAX_BODY_BYTES, Router, start_app
+from .tracing import SERVICE_KEY, RouterTracer
 from .weights import Candidate, WeightedSplit
+
+if TYPE_CHECKING:
+    from .tenant_gate import TenantGate
 
 logger = logging.getLogger("specfleet.router.gateway")
 
 SERVICE_HEADER = "x-specfleet-service"
-_SERVICE_KEY = web.RequestKey("specfleet_service", str)  # the request's slot for the service that answered
+_SERVICE_KEY = SERVICE_KEY  # the request's slot for the service that answered (its span reads it too)
 # How long the name a service's engines serve (their `/v1/models`) is trusted before it is asked again: a
 # model change rolls the engines over minutes, and one GET per service per 30 s costs nothing.
 SERVED_NAME_TTL_S = 30.0
@@ -67,14 +71,18 @@ def _error(status: int, message: str, kind: str, code: str | None, param: str | 
 class Gateway:
     """The services the gateway may send to, by key; the model table and the weighted split over them."""
 
-    def __init__(self, session_header: str | None = "x-session-id") -> None:
+    def __init__(
+        self, session_header: str | None = "x-session-id", tenants: TenantGate | None = None
+    ) -> None:
         self.services: dict[str, Service] = {}
+        self.tenants = tenants  # API keys, quotas and priorities (router/tenant_gate.py); None: open to all
         self.session_header = session_header
         self.split = WeightedSplit()
         self.synced = False  # discovery reported at least once
         self._stopping = False
         self._draining = False
         self.started = int(time.time())
+        self.tracer: RouterTracer | None = None  # request spans (router/tracing.py), given to every router
 
     # ---- the set of services (discovery calls these) -------------------------------------------------
     def upsert(self, key: str, names: Iterable[str], weight: int, router: Router) -> Service:
@@ -84,6 +92,7 @@ class Gateway:
         if service is None or service.router is not router:
             service = Service(key, tuple(names), weight, router)
             router.stopping, router.draining = self._stopping, self._draining
+            router.tracer = router.tracer or self.tracer
             self.services[key] = service
         else:
             service.names, service.weight = tuple(names), weight
@@ -152,6 +161,11 @@ class Gateway:
         )
 
     async def forward(self, request: web.Request) -> web.StreamResponse:
+        if self.tracer is not None:  # the request's SERVER span, which the service's router joins
+            return await self.tracer.serve(request, lambda: self._forward(request))
+        return await self._forward(request)
+
+    async def _forward(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()  # aiohttp keeps it: the service's router reads the same bytes
         try:
             parsed = json.loads(body) if body else None
@@ -183,6 +197,9 @@ class Gateway:
             )
         request[_SERVICE_KEY] = service.key
         served = await self.served_name(service)
+        if self.tenants is not None and isinstance(parsed, dict):
+            body_for_engine = {**parsed, "model": served or model}
+            return await self.tenants.forward(request, body_for_engine, model, service.router)
         if served is not None and served != model and isinstance(parsed, dict):
             # the engine answers only to the name it serves
             body = json.dumps({**parsed, "model": served}).encode()
@@ -255,6 +272,8 @@ def create_gateway_app(gateway: Gateway) -> web.Application:
     app = web.Application(client_max_size=MAX_BODY_BYTES)
     registry = CollectorRegistry()
     registry.register(_ServicesCollector(gateway))
+    if gateway.tenants is not None:
+        gateway.tenants.install(app, registry)
 
     async def health(_: web.Request) -> web.Response:
         return web.json_response({"status": "ok"})

@@ -15,12 +15,13 @@
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 from aiohttp import web
@@ -31,6 +32,10 @@ from .endpoints import EndpointSet
 from .metrics import RouterMetrics
 from .policies import Choice, RouteRequest, RoutingPolicy
 from .prefix import BlockHasher
+from .usage_tap import UsageTap
+
+if TYPE_CHECKING:
+    from .tracing import RouterTracer
 
 logger = logging.getLogger("specfleet.router")
 
@@ -50,6 +55,9 @@ RETRYABLE_STATUS = (502, 503, 504)  # the engine is going away, overloaded, or n
 # The largest request body forwarded: a 128k-token prompt as JSON is ~1 MB, with images or token-id lists
 # a few times that; aiohttp's default (1 MiB) would refuse long prompts.
 MAX_BODY_BYTES = 64 * 1024 * 1024
+# Set on a request by the gateway's tenant gate (router/tenant_gate.py): every chunk of the engine's answer
+# passes through it on the way out, so that the tenant is charged the usage the engine reported.
+RESPONSE_TAP = web.RequestKey("specfleet_response_tap", UsageTap)
 
 
 def prompt_text(body: Any) -> tuple[str, list[int] | None]:
@@ -108,6 +116,7 @@ class Router:
     on_queue: Callable[[int], None] | None = (
         None  # called with the queue's length when a request starts waiting
     )
+    tracer: RouterTracer | None = None  # request spans (router/tracing.py); None: traces off
 
     def __post_init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -184,6 +193,8 @@ class Router:
             parsed = json.loads(body) if body else None
         except ValueError:
             parsed = None
+        if self.tracer is not None:
+            self.tracer.note_body(parsed)
         text, ids = prompt_text(parsed)
         salt = parsed.get("cache_salt") if isinstance(parsed, dict) else None
         if ids is not None and self.hasher.encode is not None:
@@ -210,7 +221,10 @@ class Router:
             return _error(503, "the router is stopping; retry against another endpoint", 5)
         self._in_flight += 1
         try:
-            return await self._route(request, await request.read() if body is None else body)
+            content = await request.read() if body is None else body
+            if self.tracer is not None:
+                return await self.tracer.serve(request, lambda: self._route(request, content))
+            return await self._route(request, content)
         finally:
             self._in_flight -= 1
 
@@ -227,10 +241,14 @@ class Router:
             # Shielded from the handler's cancellation: a client that leaves while the prefill engine works
             # would otherwise lose the answer that names the hold the engine has just made, and the blocks
             # would wait out the hold's timeout; the prefill finishes and its hold is released instead.
+            def run_prefill(hop_headers: dict[str, str]) -> Any:
+                path = request.match_info["path"]
+                return disaggregation.prefill(self.client(), self.endpoints, path, pd_body, hop_headers)
+
             prefilling = asyncio.ensure_future(
-                disaggregation.prefill(
-                    self.client(), self.endpoints, request.match_info["path"], pd_body, headers
-                )
+                run_prefill(headers)
+                if self.tracer is None
+                else self.tracer.hop("prefill_request", headers, run_prefill, {})
             )
             try:
                 held = await asyncio.shield(prefilling)
@@ -266,16 +284,29 @@ class Router:
         last_error = ""
         started = time.monotonic()
         for attempt in range(self.max_retries + 1):
+            choosing = time.monotonic()
             choice = self._choose(route, tried)
             if choice is None and attempt == 0 and await self._wait_for_endpoint():
                 choice = self._choose(route, tried)
+            if self.tracer is not None:
+                self.tracer.routed(choosing, choice, self.policy.name, attempt)
             if choice is None:
                 break
             url = choice.url
             tried.add(url)
             self.endpoints.acquire(url)
             try:
-                outcome = await self._send(request, url, body, headers, choice, attempt, started)
+                if self.tracer is None:
+                    outcome = await self._send(request, url, body, headers, choice, attempt, started)
+                else:
+                    outcome = await self.tracer.hop(
+                        "engine_request",
+                        headers,
+                        functools.partial(
+                            self._send, request, url, body, choice=choice, attempt=attempt, started=started
+                        ),
+                        {"specfleet.engine": url, "specfleet.route.attempt": attempt},
+                    )
             except _RetryableFailure as failure:
                 last_error = str(failure)
                 self.metrics.retries.labels(url).inc()
@@ -323,8 +354,11 @@ class Router:
             )
             try:
                 await out.prepare(request)
+                tap = request.get(RESPONSE_TAP)
                 async for chunk in upstream.content.iter_any():
-                    await out.write(chunk)
+                    await out.write(chunk if tap is None else tap.feed(chunk))
+                if tap is not None:
+                    await out.write(tap.flush())
                 await out.write_eof()
             except asyncio.CancelledError:  # aiohttp cancels the handler when its client leaves
                 outcome = "disconnected"
@@ -335,6 +369,8 @@ class Router:
                 outcome = "broken"
                 logger.warning("event=broken engine=%s error=%r", url, f"{type(error).__name__}: {error}")
             finally:
+                if self.tracer is not None:
+                    self.tracer.answered(upstream.status, outcome, upstream.headers)
                 self.metrics.requests.labels(url, outcome).inc()
                 self.metrics.prefix_match.observe(choice.match_blocks * self.hasher.block_size)
                 logger.info(

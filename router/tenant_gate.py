@@ -1,0 +1,207 @@
+"""The gateway's tenant gate: every `/v1/...` request shows an API key, stays within its tenant's models and
+quotas, and reaches the engine with its tenant's priority.
+
+In order, for one request:
+1. the key (`Authorization: Bearer KEY`) names a tenant, else 401 `invalid_api_key` (every path under
+   /v1, `/v1/models` included; /health, /ready and /metrics stay open);
+2. the model is one the tenant may call, else 403 `model_not_allowed` listing those it may;
+3. the request is charged one request and its estimated tokens (`estimate_tokens`), else 429 with
+   `Retry-After` (or 429 `tokens_exceed_limit`, without it, when the estimate exceeds the whole limit);
+4. the body the engine gets carries `priority` from the tenant's class (tenants.PRIORITY_CLASSES; a
+   client's own `priority` is replaced), and a stream asks for `stream_options.include_usage`;
+5. at the end the tenant is charged the engine's reported usage instead of the estimate (usage_tap.py); an
+   answer without usage keeps the estimate charged, an error answer without usage is refunded.
+Every response carries OpenAI's `x-ratelimit-*` headers for the tenant's limits. The metrics count
+requests and tokens by tenant and result, the tenant being one of the configured names or `unknown`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+from prometheus_client import CollectorRegistry, Counter
+
+from .proxy import RESPONSE_TAP, Router, prompt_text
+from .quota import Limiter, LocalLimiter, Verdict
+from .tenants import UNKNOWN_TENANT, Tenant, TenantTable
+from .usage_tap import UsageTap
+
+logger = logging.getLogger("specfleet.router.tenants")
+
+TENANT_KEY = web.RequestKey("specfleet_tenant", Tenant)
+_HEADERS_KEY = web.RequestKey("specfleet_ratelimit_headers", dict)
+# Without the model's tokenizer a prompt is estimated at 4 bytes of UTF-8 per token: the usual figure for
+# English with BPE vocabularies (OpenAI's tokenizer guide says ~4 characters); the end of the request
+# charges the engine's real count, so the estimate only decides admission.
+BYTES_PER_TOKEN = 4
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+def _error(
+    status: int, message: str, kind: str, code: str, param: str | None = None, **headers: str
+) -> web.Response:
+    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
+    return web.json_response(body, status=status, headers=headers or None)
+
+
+def estimate_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | None) -> int:
+    """The tokens a request may use: its prompt's (by the model's tokenizer when the router has it, else
+    BYTES_PER_TOKEN) plus `max_tokens` (or `max_completion_tokens`) for each of its `n` choices."""
+    prompt = body.get("prompt")
+    texts: list[str] = []
+    ids = 0
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        texts = list(prompt)  # a batch of prompts: each one is prefilled
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
+        ids = sum(len(p) for p in prompt)
+    else:
+        text, token_ids = prompt_text(body)
+        texts, ids = [text], len(token_ids or [])
+    for text in texts:
+        ids += len(encode(text)) if encode is not None else math.ceil(len(text.encode()) / BYTES_PER_TOKEN)
+    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    n = body.get("n")
+    choices = n if isinstance(n, int) and n > 0 else 1
+    return ids + (limit * choices if isinstance(limit, int) and limit > 0 else 0)
+
+
+class TenantMetrics:
+    def __init__(self) -> None:
+        # result: ok (admitted), unauthorized (401), forbidden (403), rate_limited (429), too_large (429
+        # without Retry-After); tenant: a configured tenant's name, or `unknown` for a missing or wrong key.
+        self.requests = Counter(
+            "specfleet_gateway_tenant_requests",
+            "Requests by tenant and result",
+            ["tenant", "result"],
+            registry=None,
+        )
+        # ok: the tokens charged at the end (the engine's usage, else the estimate); the others: the estimate
+        # of the requests refused.
+        self.tokens = Counter(
+            "specfleet_gateway_tenant_tokens",
+            "Tokens (prompt and completion) by tenant and result",
+            ["tenant", "result"],
+            registry=None,
+        )
+
+    def register(self, registry: CollectorRegistry) -> None:
+        registry.register(self.requests)
+        registry.register(self.tokens)
+
+
+class TenantGate:
+    def __init__(self, table: TenantTable, limiter: Limiter | None = None) -> None:
+        self.table = table
+        self.limiter: Limiter = limiter or LocalLimiter()
+        self.metrics = TenantMetrics()
+        self._settling: set[asyncio.Task[None]] = set()
+
+    def install(self, app: web.Application, registry: CollectorRegistry) -> None:
+        """The gate on the gateway's app: the key check before every handler, the headers on every answer."""
+        app.middlewares.append(self.authenticate)
+        app.on_response_prepare.append(self._add_headers)
+        self.metrics.register(registry)
+
+    @web.middleware
+    async def authenticate(
+        self, request: web.Request, handler: Callable[[web.Request], Awaitable[web.StreamResponse]]
+    ) -> web.StreamResponse:
+        if request.path in OPEN_PATHS:
+            return await handler(request)
+        auth = request.headers.get("Authorization", "")
+        scheme, _, key = auth.partition(" ")
+        tenant = self.table.find(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
+        if tenant is None:
+            self.metrics.requests.labels(UNKNOWN_TENANT, "unauthorized").inc()
+            said = "an unknown API key" if auth else "no API key"
+            return _error(
+                401,
+                f"the request has {said}: send `Authorization: Bearer KEY` with a key the gateway's tenants list",
+                "invalid_request_error",
+                "invalid_api_key",
+            )
+        request[TENANT_KEY] = tenant
+        return await handler(request)
+
+    async def _add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
+        for name, value in request.get(_HEADERS_KEY, {}).items():
+            response.headers[name] = value
+
+    async def forward(
+        self, request: web.Request, body: dict[str, Any], model: str, router: Router
+    ) -> web.StreamResponse:
+        """One request through the gate to `router`; `body` already names the model the engine serves."""
+        tenant = request[TENANT_KEY]
+        if not tenant.allows(model):
+            self.metrics.requests.labels(tenant.name, "forbidden").inc()
+            return _error(
+                403,
+                f"tenant {tenant.name} may not call `{model}`; it may call {', '.join(sorted(tenant.models))}",
+                "invalid_request_error",
+                "model_not_allowed",
+                "model",
+            )
+        tokens = estimate_tokens(body, router.hasher.encode)
+        verdict, ticket = await self.limiter.admit(tenant, tokens)
+        if not verdict.allowed:
+            return self._refused(tenant, verdict, tokens)
+        self.metrics.requests.labels(tenant.name, "ok").inc()
+        request[_HEADERS_KEY] = verdict.headers()
+        tap = self._rewrite(body, tenant)
+        request[RESPONSE_TAP] = tap
+        try:
+            response = await router.forward(request, json.dumps(body).encode())
+        except BaseException:  # the client left (cancelled): settle without holding up the cancellation
+            task = asyncio.get_running_loop().create_task(self._settle(tenant, ticket, tokens, tap, None))
+            self._settling.add(task)
+            task.add_done_callback(self._settling.discard)
+            raise
+        await self._settle(tenant, ticket, tokens, tap, response.status)
+        return response
+
+    def _refused(self, tenant: Tenant, verdict: Verdict, tokens: int) -> web.Response:
+        result = "too_large" if verdict.too_large else "rate_limited"
+        self.metrics.requests.labels(tenant.name, result).inc()
+        self.metrics.tokens.labels(tenant.name, result).inc(tokens)
+        logger.info("event=tenant_refused tenant=%s result=%s tokens=%d", tenant.name, result, tokens)
+        if verdict.too_large:
+            message = (
+                f"the request may use {tokens} tokens (its prompt and max_tokens), more than tenant "
+                f"{tenant.name}'s limit of {tenant.tpm} tokens per minute; send a shorter prompt or a smaller "
+                "max_tokens"
+            )
+            return _error(429, message, "tokens", "tokens_exceed_limit", "max_tokens", **verdict.headers())
+        return _error(
+            429,
+            f"tenant {tenant.name} is over its limit of {tenant.rpm or 'unlimited'} requests and "
+            f"{tenant.tpm or 'unlimited'} tokens per minute; retry after {verdict.headers()['Retry-After']} s",
+            "requests",
+            "rate_limit_exceeded",
+            **verdict.headers(),
+        )
+
+    @staticmethod
+    def _rewrite(body: dict[str, Any], tenant: Tenant) -> UsageTap:
+        """The tenant's priority into the body, usage asked of a stream; the tap that reads the usage back."""
+        body["priority"] = tenant.priority
+        stream = body.get("stream") is True
+        options = body.get("stream_options")
+        asked = isinstance(options, dict) and options.get("include_usage") is True
+        if stream and not asked:
+            body["stream_options"] = {**(options if isinstance(options, dict) else {}), "include_usage": True}
+        return UsageTap(stream, strip=stream and not asked)
+
+    async def _settle(
+        self, tenant: Tenant, ticket: object, charged: int, tap: UsageTap, status: int | None
+    ) -> None:
+        used = tap.total_tokens()
+        if used is None:
+            used = 0 if status is not None and status >= 400 else charged  # an error answer used nothing
+        await self.limiter.settle(tenant, ticket, used - charged)
+        self.metrics.tokens.labels(tenant.name, "ok").inc(used)

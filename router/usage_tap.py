@@ -1,0 +1,76 @@
+"""Reads the engine's `usage` off a response on its way to the client (proxy.py feeds it every chunk).
+
+A whole JSON answer is kept (up to MAX_KEPT_BYTES) and its `usage` read at the end. A stream is cut into
+Server-Sent Events; the one that carries a `usage` object is read, and when the client did not ask for it
+(the gateway added `stream_options.include_usage` for its own accounting) that event is dropped and the
+`"usage":null` the engine puts in every other chunk is taken out, so the client sees the stream it asked
+for. Bytes after the last complete event wait for the next chunk or `flush`.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+# A non-streamed answer longer than this is passed on without reading its usage (the estimate stays
+# charged): 8 MiB is a 2M-token answer as JSON, far past any context.
+MAX_KEPT_BYTES = 8 * 1024 * 1024
+_NULL_USAGE = b',"usage":null'  # the engine's compact JSON (engine/server/serving.py sse)
+
+
+class UsageTap:
+    def __init__(self, stream: bool, strip: bool) -> None:
+        self.stream = stream
+        self.strip = strip  # drop the usage event: the client did not ask for it
+        self.usage: dict[str, Any] | None = None
+        self._kept = bytearray()
+
+    def feed(self, chunk: bytes) -> bytes:
+        if not self.stream:
+            if len(self._kept) + len(chunk) <= MAX_KEPT_BYTES:
+                self._kept += chunk
+            return chunk
+        self._kept += chunk
+        end = self._kept.rfind(b"\n\n")
+        if end < 0:
+            return b""
+        events = bytes(self._kept[: end + 2])
+        del self._kept[: end + 2]
+        return b"".join(self._event(e + b"\n\n") for e in events.split(b"\n\n")[:-1])
+
+    def _event(self, event: bytes) -> bytes:
+        if b'"usage"' not in event:
+            return event
+        if event.startswith(b"data: {"):
+            try:
+                data = json.loads(event[6:])
+            except ValueError:
+                return event
+            if isinstance(data, dict) and isinstance(data.get("usage"), dict):
+                self.usage = data["usage"]
+                if self.strip and not data.get("choices"):
+                    return b""
+        return event.replace(_NULL_USAGE, b"") if self.strip else event
+
+    def flush(self) -> bytes:
+        """What is left at the end: a stream's unterminated tail as it came; a whole answer's usage is read."""
+        rest = bytes(self._kept)
+        self._kept.clear()
+        if self.stream:
+            return rest
+        try:
+            data = json.loads(rest)
+        except ValueError:
+            return b""
+        if isinstance(data, dict) and isinstance(data.get("usage"), dict):
+            self.usage = data["usage"]
+        return b""
+
+    def total_tokens(self) -> int | None:
+        if self.usage is None:
+            return None
+        total = self.usage.get("total_tokens")
+        if isinstance(total, int):
+            return total
+        parts = [self.usage.get("prompt_tokens"), self.usage.get("completion_tokens")]
+        return sum(p for p in parts if isinstance(p, int)) if any(isinstance(p, int) for p in parts) else None

@@ -632,6 +632,8 @@ class Engine:
                 continue
             if req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = seq.first_scheduled_time
+            if seq.kv_transfer is not None:
+                req.metrics.kv_transfer = seq.kv_transfer
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 req.metrics.first_token_time = req.metrics.first_token_time or now

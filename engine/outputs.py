@@ -71,9 +71,24 @@ class RequestOutput:
 
 
 @dataclass
+class KVTransferMetrics:
+    """A decode engine's pull of a remote prefill's KV blocks (engine/kv_transfer/), for the request's
+    trace: times are `time.monotonic()` in the engine core (one clock per host)."""
+
+    start: float  # the pull began (its blocks allocated)
+    end: float  # its blocks were written, or it failed
+    blocks_loaded: int  # blocks that came over the wire
+    blocks_skipped: int  # blocks the decode engine's own prefix cache held
+    bytes: int
+    fallback: bool  # the pull failed: the prompt was recomputed here
+    peer: str  # the prefill engine's KV address, host:port
+
+
+@dataclass
 class RequestMetrics:
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    kv_transfer: KVTransferMetrics | None = None  # a remote-prefilled request's pull

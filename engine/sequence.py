@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from specfleet.engine.outputs import KVTransferMetrics
 from specfleet.engine.sampling_params import SamplingParams
 
 
@@ -51,6 +52,7 @@ class Sequence:
     # a pooling request's [hidden] float32 state: the sum over the prompt rows computed so far (MEAN) or
     # the last prompt row (LAST), then the embedding once the prompt is done (model_runner.py)
     pooled: Any = None
+    kv_transfer: KVTransferMetrics | None = None  # a remote-prefilled sequence's pull (kv_transfer/)
 
     @property
     def num_tokens(self) -> int:

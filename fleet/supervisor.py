@@ -35,6 +35,7 @@ from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import service_policy
 from specfleet.router.prefix import BlockHasher, stable_hash
 from specfleet.router.proxy import Router, serve
+from specfleet.router.tracing import ENDPOINT_FLAG, RouterTracer
 from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
 from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
 
@@ -117,6 +118,8 @@ class LocalFleet:
     # each engine pinned to this many cores of its own (cores.py); None: every engine on every core
     cpus_per_engine: int | None = None
     say: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
+    # where the router's and the engines' spans go (engine/tracing.py traces_endpoint); None: no traces
+    otlp_traces_endpoint: str | None = None
     engines: list[EngineProcess] = field(default_factory=list)
     admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
     ticks: list[Tick] = field(default_factory=list)
@@ -131,6 +134,8 @@ class LocalFleet:
             session_header=routing.session_header or None,
             queue_timeout_s=float(routing.queue_timeout_seconds),
         )
+        if self.otlp_traces_endpoint:
+            self.router.tracer = RouterTracer.from_endpoint(self.otlp_traces_endpoint)
         self.tuner: ServiceTuner | None = None
         self.replica_policy: ReplicaPolicy | None = None
         self.replica_decisions: list[ReplicaDecision] = []
@@ -186,6 +191,8 @@ class LocalFleet:
         index = max((e.index for e in self.engines), default=-1) + 1
         port, admin_port = free_port(), free_port()
         extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
+        if self.otlp_traces_endpoint:
+            extra.append(f"{ENDPOINT_FLAG}={self.otlp_traces_endpoint}")
         if role != "prefill":
             extra.append(f"--live-config-file={self.live_config_file}")
         command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
@@ -499,4 +506,6 @@ class LocalFleet:
             await self._runner.cleanup()
         if self.tuner is not None:
             await self.tuner.close()
+        if self.router.tracer is not None:
+            self.router.tracer.shutdown()
         return codes

@@ -107,6 +107,7 @@ class EngineCoreClient:
         self.config = config
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.metrics: Any = None  # ServerMetrics, set by the server
+        self.tracer: Any = None  # engine/server/tracing.py's RequestTracer when traces are on
         self.max_waiting = 512
         self.on_dead: list[Callable[[str], None]] = []
         self.streams: dict[str, Any] = {}  # event loop only: requests not yet finished
@@ -294,8 +295,11 @@ class EngineCoreClient:
         prompt: str | list[int],
         params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
+        *,
+        trace: Any = None,
     ) -> Any:
-        """Submit a request; returns its RequestStream once the core accepted it. ValueError for bad input."""
+        """Submit a request; returns its RequestStream once the core accepted it. ValueError for bad input.
+        `trace`: the request's RequestTrace (engine/server/tracing.py), its span made when it finishes."""
         from specfleet.engine.server.streams import RequestStream
 
         if self.dead is not None:
@@ -315,6 +319,7 @@ class EngineCoreClient:
         stream = RequestStream(
             request_id, params.n, self._loop, on_close=self.abort, on_finish=self._finished
         )
+        stream.trace = trace
         self.streams[request_id] = stream
         self._pending_adds[request_id] = stream
         self.processor.add(request_id, text, ids, params, stream.arrival)
@@ -384,6 +389,11 @@ class EngineCoreClient:
                 tpot=stream.tpot,
             )
         logger.info(" ".join(f"{k}={v}" for k, v in record.items()))
+        if self.tracer is not None and stream.trace is not None:
+            try:
+                self.tracer.record(stream)
+            except Exception:  # a trace must never take serving down
+                logger.exception("event=trace_failed request_id=%s", stream.request_id)
 
     # ---- the core's reports -----------------------------------------------------------------------
     async def _read(self) -> None:

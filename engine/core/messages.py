@@ -12,6 +12,7 @@ import enum
 from typing import Any
 
 import msgspec
+from specfleet.engine.outputs import KVTransferMetrics
 from specfleet.engine.stats import EngineStats
 
 
@@ -75,6 +76,7 @@ class SeqDelta(msgspec.Struct, array_like=True, gc=False, omit_defaults=True):
         None  # a prefill engine's finished request: where its KV waits
     )
     embedding: list[float] | None = None  # a finished pooling request's (SamplingParams.pooling)
+    kv_transfer: KVTransferMetrics | None = None  # once, a remote-prefilled request's pull (its trace)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):

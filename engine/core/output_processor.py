@@ -100,6 +100,8 @@ class OutputProcessor:
             touched[req.request_id] = req
             if d.first_scheduled_time is not None and req.metrics.first_scheduled_time is None:
                 req.metrics.first_scheduled_time = d.first_scheduled_time
+            if d.kv_transfer is not None:
+                req.metrics.kv_transfer = d.kv_transfer
             if d.num_cached_tokens:
                 req.num_cached_tokens = d.num_cached_tokens
             if d.prompt_logprobs is not None:

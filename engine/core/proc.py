@@ -204,6 +204,7 @@ class EngineCore:
                 delta.num_cached_tokens = out.num_cached_tokens
                 if out.metrics is not None:
                     delta.first_scheduled_time = out.metrics.first_scheduled_time
+                    delta.kv_transfer = out.metrics.kv_transfer
             if prompt_lps is not None:
                 delta.prompt_logprobs, prompt_lps = prompt_lps, None
             if out.finished and out.kv_transfer_params is not None:

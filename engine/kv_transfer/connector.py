@@ -29,6 +29,7 @@ from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.kv_transfer.base import KVTransferError, KVTransferParams
 from specfleet.engine.kv_transfer.blocks import KVCaches, bytes_per_token
 from specfleet.engine.kv_transfer.zmq_transport import KVConsumer, KVProducer
+from specfleet.engine.outputs import KVTransferMetrics
 from specfleet.engine.scheduler import Scheduler
 from specfleet.engine.sequence import Sequence, Status
 
@@ -61,8 +62,23 @@ class _Pull:
     block_ids: list[int]  # local blocks the pulled ones go to
     deadline: float
     start: float = field(default_factory=time.perf_counter)
+    began: float = field(default_factory=time.monotonic)  # the request's trace (KVTransferMetrics)
     data: torch.Tensor | None = None
     error: BaseException | None = None
+
+
+def _timing(pull: _Pull, fallback: bool) -> KVTransferMetrics:
+    """What the request's trace says of its pull (engine/server/tracing.py: the kv_transfer span)."""
+    data = pull.data
+    return KVTransferMetrics(
+        pull.began,
+        time.monotonic(),
+        0 if fallback else len(pull.block_ids),
+        pull.num_hits,
+        0 if fallback or data is None else data.numel() * data.element_size(),
+        fallback,
+        f"{pull.params.remote_host}:{pull.params.remote_port}",
+    )
 
 
 class KVConnector:
@@ -181,22 +197,26 @@ class KVConnector:
             if seq.is_finished:  # ended while it waited (a stop string in the first token's text)
                 continue
             if pull.error is not None:
-                self._fall_back(seq, pull.error)
+                self._fall_back(seq, pull.error, pull)
                 continue
             try:
                 self.consumer.write(pull.block_ids, pull.data, time.perf_counter() - pull.start)
                 self._loaded(seq, pull.params, pull.num_hits, len(pull.block_ids))
+                seq.kv_transfer = _timing(pull, False)
             except Exception as exc:
-                self._fall_back(seq, exc)
+                self._fall_back(seq, exc, pull)
         now = time.monotonic()
         for pull in [p for p in self._pulls.values() if p.deadline <= now]:
             del self._pulls[pull.seq.seq_id]
             if not pull.seq.is_finished:
-                self._fall_back(pull.seq, KVTransferError("the pull's worker did not return by its deadline"))
+                error = KVTransferError("the pull's worker did not return by its deadline")
+                self._fall_back(pull.seq, error, pull)
         self.stats.waiting_for_remote_kvs = len(self._pulls)
 
-    def _fall_back(self, seq: Sequence, exc: BaseException) -> None:
+    def _fall_back(self, seq: Sequence, exc: BaseException, pull: _Pull | None = None) -> None:
         """The prompt is recomputed here: free what the pull had, queue the sequence for a local prefill."""
+        if pull is not None:
+            seq.kv_transfer = _timing(pull, True)
         log.warning(
             "event=kv_pull_failed request_id=%s fallback=recompute error=%s",
             seq.request_id,

@@ -14,7 +14,7 @@ from specfleet.engine.core.client import EngineDeadError, EngineInternalError, Q
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
-from . import chat, serving
+from . import chat, serving, tracing
 from .errors import APIError, error_body
 from .lenient import shown_name
 from .protocol import ALL_LOGPROBS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -139,6 +139,7 @@ async def _submit(
     params: SamplingParams,
     prompt_param: str,
     kv_transfer_params: dict[str, Any] | None = None,
+    trace: tracing.RequestTrace | None = None,
 ) -> list[RequestStream]:
     if kv_transfer_params and len(prompts) != 1:
         raise APIError(
@@ -160,7 +161,9 @@ async def _submit(
     streams: list[RequestStream] = []
     try:
         for rid, prompt in zip(ids, prompts, strict=True):
-            streams.append(await state.async_engine.generate(rid, prompt, params, kv_transfer_params))
+            streams.append(
+                await state.async_engine.generate(rid, prompt, params, kv_transfer_params, trace=trace)
+            )
     except EngineDeadError as exc:
         _close(streams)
         raise engine_dead(exc) from exc
@@ -386,7 +389,10 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     params = _sampling_params(state, body, [len(p) if isinstance(p, list) else None for p in prompts])
     rid = f"cmpl-{request_id(request, body.request_id)}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    streams = await _submit(state, ids, prompts, params, "prompt", body.kv_transfer_params)
+    trace = tracing.start(
+        state.async_engine.tracer, request.headers, "text_completion", params, body.kv_transfer_params
+    )
+    streams = await _submit(state, ids, prompts, params, "prompt", body.kv_transfer_params, trace)
     if body.stream and not body.scoring:
         return _streaming_response(
             _stream_body(
@@ -442,7 +448,8 @@ async def create_chat_completion(
     chat.apply(plan, params, rendered, state.tokenizer)
     shape = chat.ChatShape(plan) if plan.shaped else None
     rid = f"chatcmpl-{request_id(request, body.request_id)}"
-    streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params)
+    trace = tracing.start(state.async_engine.tracer, request.headers, "chat", params, body.kv_transfer_params)
+    streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params, trace)
     num_logprobs = body.num_logprobs()
     echo = chat.echo_prefix(body)
     if body.stream:

@@ -19,6 +19,7 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .pooler import PoolerConfig
 from .request_ids import RequestIdHeader
 from .state import ServerState, get_state
+from .tracing import RequestTracer
 
 logger = logging.getLogger("specfleet.engine.server")
 
@@ -32,13 +33,17 @@ def build_state(
     admin_port: int | None = None,
     chat: ChatOptions | None = None,
     pooler: PoolerConfig | None = None,
+    otlp_traces_endpoint: str | None = None,
 ) -> ServerState:
-    """The routes' state around a started engine core."""
+    """The routes' state around a started engine core; with `otlp_traces_endpoint` (engine/tracing.py's
+    `traces_endpoint`), every request's span tree goes there (engine/server/tracing.py)."""
     info = client.info
     model_name = served_model_name or info.model_name
     metrics = ServerMetrics(model_name)
     token = admin_token if admin_token is not None else admin.token_from_env()
     client.metrics, client.max_waiting = metrics, max_waiting
+    if otlp_traces_endpoint:
+        client.tracer = RequestTracer.from_endpoint(otlp_traces_endpoint, model_name, client.config.kv_role)
     return ServerState(
         async_engine=client,
         metrics=metrics,
@@ -87,6 +92,8 @@ def create_app(state: ServerState) -> FastAPI:
             state.ready = False
             state.async_engine.abort_all()
             state.async_engine.stop()
+            if state.async_engine.tracer is not None:  # the spans of the last requests leave now
+                state.async_engine.tracer.shutdown()
 
     app = FastAPI(
         title="specfleet engine",

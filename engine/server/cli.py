@@ -13,6 +13,7 @@ from types import FrameType
 from typing import Any
 
 import uvicorn
+from specfleet.engine import tracing
 from specfleet.engine.args import add_engine_args, engine_config_kwargs
 from specfleet.engine.config import EngineConfig
 
@@ -70,6 +71,14 @@ def build_parser() -> argparse.ArgumentParser:
         "operator's NAME-tuned ConfigMap, the tuner's config in force)",
     )
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    p.add_argument(
+        tracing.ENDPOINT_FLAG,
+        default=None,
+        metavar="URL",
+        help="send each request's spans (queue, prefill, decode, KV transfer) to this OTLP/HTTP collector, "
+        "e.g. http://otel-collector:4318 (/v1/traces is added to a bare address); default: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, else no traces",
+    )
     p.add_argument(
         "--pooler-config",
         "--override-pooler-config",
@@ -245,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
             admin_token = token_from_env()  # a bad token file fails now, not after minutes of loading
             chat = chat_options(args)
             pooler = PoolerConfig.from_json(args.pooler_config)
+            traces = tracing.traces_endpoint(args.otlp_traces_endpoint)
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -270,6 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         admin_port=args.admin_port,
         chat=chat,
         pooler=pooler,
+        otlp_traces_endpoint=traces,
     )
     app = create_app(state)
     uv_config = uvicorn.Config(

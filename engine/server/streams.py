@@ -52,6 +52,7 @@ class RequestStream:
         self.closed = False
         self.finished = False
         self.last: RequestOutput | None = None
+        self.trace: Any = None  # its RequestTrace when traces are on (engine/server/tracing.py)
 
     # ---- called on the loop by the engine thread --------------------------------------------------
     def accept(self) -> None:

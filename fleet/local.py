@@ -30,7 +30,7 @@ from specfleet.router.policies import POLICIES
 from specfleet.router.tenant_gate import TenantGate
 from specfleet.router.tenant_setup import add_tenant_flags, build_gate
 from specfleet.router.tenants import InvalidTenants
-from specfleet.router.tracing import ENDPOINT_FLAG, traces_endpoint
+from specfleet.router.tracing import add_trace_flag, traces_endpoint
 from specfleet.tuner.loop import Tick
 
 from .cores import CorePool
@@ -100,13 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="pin each engine to N cores of its own and N threads, as the kubelet's static CPU manager "
         "does (default: every engine on every core)",
     )
-    p.add_argument(
-        ENDPOINT_FLAG,
-        default=None,
-        metavar="URL",
-        help="send the router's and the engines' request spans to this OTLP/HTTP collector (e.g. "
-        "http://localhost:4318); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT",
-    )
+    add_trace_flag(p, "the router's and the engines' request spans")
     p.add_argument(
         "--engine-arg",
         action="append",

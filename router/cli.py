@@ -18,7 +18,7 @@ from .prefix import BlockHasher, stable_hash
 from .proxy import Router, serve
 from .shutdown import Drainable, drain
 from .tenant_setup import add_tenant_flags, build_gate
-from .tracing import ENDPOINT_FLAG, RouterTracer, traces_endpoint
+from .tracing import RouterTracer, add_trace_flag, traces_endpoint
 
 
 def add_gateway_flags(p: argparse.ArgumentParser, where: argparse._MutuallyExclusiveGroup) -> None:
@@ -126,14 +126,7 @@ def build_parser() -> argparse.ArgumentParser:
         "served (clients routed before the endpoint was removed), before they get 503",
     )
     p.add_argument("--log-level", default="INFO")
-    p.add_argument(
-        ENDPOINT_FLAG,
-        default=None,
-        metavar="URL",
-        help="send each request's spans (routing, the hops to the engines) to this OTLP/HTTP collector, "
-        "e.g. http://otel-collector:4318; default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or "
-        "OTEL_EXPORTER_OTLP_ENDPOINT, else no traces (docs/router.md, Traces)",
-    )
+    add_trace_flag(p, "each request's spans (routing, the hops to the engines)")
     return p
 
 

@@ -17,6 +17,7 @@ untouched, so an engine that traces still joins the client's trace.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
@@ -39,7 +40,19 @@ TENANT_KEY = web.RequestKey("specfleet_tenant", str)
 
 _CONTEXT_HEADERS = ("traceparent", "tracestate")  # the client's, replaced by the hop's own
 T = TypeVar("T")
-__all__ = ["ENDPOINT_FLAG", "SERVICE_KEY", "TENANT_KEY", "RouterTracer", "traces_endpoint"]
+__all__ = ["ENDPOINT_FLAG", "SERVICE_KEY", "TENANT_KEY", "RouterTracer", "add_trace_flag", "traces_endpoint"]
+
+
+def add_trace_flag(p: argparse.ArgumentParser, spans: str) -> None:
+    """`--otlp-traces-endpoint` on a command that runs a router (`specfleet router`, `specfleet up`)."""
+    p.add_argument(
+        ENDPOINT_FLAG,
+        default=None,
+        metavar="URL",
+        help=f"send {spans} to this OTLP/HTTP collector, e.g. http://otel-collector:4318 (/v1/traces is added "
+        "to a bare address); default: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or OTEL_EXPORTER_OTLP_ENDPOINT, "
+        "else no traces (docs/router.md, Traces)",
+    )
 
 
 class RouterTracer:

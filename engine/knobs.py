@@ -4,7 +4,7 @@ Everything that names a knob is derived from this declaration: the engine's limi
 and the simulated engine's (`live_limits`, `live_refusal`; `sim/engine.py`),
 the admin API's body and validation (`server/protocol.py`, `server/admin.py`), the config gauges (`server/metrics.py`), the
 tuner's `TunedConfig`, `TuneBounds` and `LiveSettings` (`tuner/types.py`), its two readers (PromQL
-in `sources.py`, the direct scrape in `snapshot.py`), the CRD's `autotune.bounds` (`operator/spec.py`),
+in `sources.py`, the direct scrape in `snapshot.py`), the CRD's `autotune.bounds` (`operator/spec/autotune.py`),
 and the flags of the engines that the operator and `specfleet up` start: each searched knob's start value
 (`operator/render/deployment.py`) and its ceiling (`fleet/supervisor.py`).
 `tests/test_knobs.py` walks the declaration and checks that each of them knows every knob.

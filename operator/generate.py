@@ -5,7 +5,7 @@
 
 The sources, each written once:
 
-- the pydantic models (operator/spec.py, operator/status.py): the CRD in crds/, the kustomize base's copy
+- the pydantic models (operator/spec/, operator/status.py): the CRD in crds/, the kustomize base's copy
   (kustomize reads no file outside its folder) and the chart's templates/crd.yaml (operator/crd.py);
 - deploy/monitoring/*: the chart's files/ (Helm reads no file outside the chart);
 - examples/*.yaml: the InferenceService each kustomize overlay applies (OVERLAY_EXAMPLES);

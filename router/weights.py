@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 
 from .prefix import stable_hash
 
-# routing.weight's default and bounds (operator/spec.py takes them from here): 100 leaves room for a 1%
+# routing.weight's default and bounds (operator/spec/routing.py takes them from here): 100 leaves room for a 1%
 # canary in whole numbers; 1000 for 0.1%.
 DEFAULT_WEIGHT = 100
 MAX_WEIGHT = 1000

@@ -41,6 +41,7 @@ BENCHES = {
         "joint config + replica tuning against the best static, per replica-s",
     ),
     "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
+    "router": ("specfleet.bench.router_cost", "the router's own cost per streamed request, against nginx"),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}
 

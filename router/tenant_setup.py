@@ -12,6 +12,7 @@ With neither --tenants nor --tenant-selector the gateway is open to anonymous ca
 from __future__ import annotations
 
 import argparse
+import os
 from collections.abc import Coroutine
 from pathlib import Path
 from typing import Any
@@ -21,6 +22,9 @@ from .quota import Limiter, LocalLimiter
 from .tenant_discovery import SecretTenants, replica_counter
 from .tenant_gate import TenantGate
 from .tenants import TenantTable, load_tenants_file
+
+# The Redis URL from the environment: the chart sets it from a Secret when the URL holds a password.
+REDIS_URL_ENV = "SPECFLEET_REDIS_URL"
 
 
 def add_tenant_flags(p: argparse.ArgumentParser, cluster: bool = True) -> None:
@@ -33,9 +37,10 @@ def add_tenant_flags(p: argparse.ArgumentParser, cluster: bool = True) -> None:
     )
     p.add_argument(
         "--redis-url",
-        default=None,
+        default=os.environ.get(REDIS_URL_ENV) or None,
         help="keep the tenants' request and token counts in this Redis (redis://host:6379/0): exact limits "
-        "across gateway replicas; without it each replica keeps its own buckets, each limit / --replicas",
+        f"across gateway replicas (default: ${REDIS_URL_ENV}); without it each replica keeps its own "
+        "buckets, each limit / --replicas",
     )
     p.add_argument(
         "--replicas",

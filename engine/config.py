@@ -26,6 +26,7 @@ __all__ = [
     "KV_ROLES",
     "QUANTIZATIONS",
     "QUANTIZED_ACTIVATIONS",
+    "SCHEDULING_POLICIES",
     "SPECULATIVE_METHODS",
     "EngineConfig",
     "LiveConfig",
@@ -47,6 +48,9 @@ ATTENTION_BACKENDS = ("auto", "torch", "native", "triton")
 # Prefill/decode disaggregation (engine/kv_transfer/): a prefill engine holds each prompt's KV blocks for
 # a decode engine, which pulls them.
 KV_ROLES = ("prefill", "decode")
+# The order of the waiting queue and of preemption (request_queue.py holds each policy's queue).
+FCFS, PRIORITY = "fcfs", "priority"
+SCHEDULING_POLICIES = (FCFS, PRIORITY)
 
 
 def _any_of(names: Iterable[str]) -> str:
@@ -82,6 +86,15 @@ class EngineConfig:
     )
     max_num_batched_tokens_limit: int | None = _opt(
         None, "ceiling for the live max_num_batched_tokens (default: max(max_num_batched_tokens, 8192))"
+    )
+    # vLLM's default, fcfs: no request can hold others back. priority lets a caller's class (the router
+    # sets it from the tenant's) jump the queue and preempt lower classes when the cache is full.
+    scheduling_policy: str = _opt(
+        FCFS,
+        "fcfs (first come, first served) or priority: waiting requests by their priority field (lower "
+        "first, ties by arrival), and a request outranking running ones preempts the lowest of them when "
+        "the KV cache or max_num_seqs is full",
+        choices=SCHEDULING_POLICIES,
     )
     attention_backend: str = _opt(
         "auto", "attention kernels (auto: triton on CUDA, native on CPU)", choices=ATTENTION_BACKENDS
@@ -170,6 +183,10 @@ class EngineConfig:
         if self.draft_quantization and not (spec is not None and spec.needs_draft_model):
             raise ValueError(
                 f"draft_quantization needs speculative_method={_any_of(methods_with_draft_model())}"
+            )
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise ValueError(
+                f"scheduling_policy={self.scheduling_policy!r} is not one of {', '.join(SCHEDULING_POLICIES)}"
             )
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(

@@ -80,9 +80,11 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One result per prompt, in order. A prompt is text, token ids, or a dict with `prompt` or
-        `prompt_token_ids` (vLLM's TextPrompt / TokensPrompt)."""
+        `prompt_token_ids` (vLLM's TextPrompt / TokensPrompt). `priority`, one per prompt (vLLM's), needs
+        `scheduling_policy="priority"` unless all are 0: lower runs first."""
         one = isinstance(prompts, (str, Mapping)) or (bool(prompts) and isinstance(prompts[0], int))
         batch = cast("Sequence[Prompt]", [prompts] if one else prompts)
         prompts = [_prompt(p) for p in batch]
@@ -94,11 +96,14 @@ class LLM:
         )
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts")
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params_list):
+            for prompt, p, rank in zip(prompts, params_list, priorities):
                 ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p)
+                self.engine.add_request(ids[-1], prompt, p, priority=rank)
         except ValueError:
             for request_id in ids:
                 self.engine.abort(request_id)

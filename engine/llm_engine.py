@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from specfleet.engine.block_manager import BlockManager
-from specfleet.engine.config import EngineConfig, LiveConfig, check_live
+from specfleet.engine.config import PRIORITY, EngineConfig, LiveConfig, check_live
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams, encode_logprob
@@ -23,6 +23,7 @@ from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
 from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
+from specfleet.engine.request_queue import MAX_PRIORITY, MIN_PRIORITY
 from specfleet.engine.sampler import sample_seed
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.scheduler import Scheduler, SchedulerOutput
@@ -110,7 +111,11 @@ class Engine:
             config.seed,
         )
         self.scheduler = Scheduler(
-            self.kv, config.max_num_seqs, config.max_num_batched_tokens, self.max_model_len
+            self.kv,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            self.max_model_len,
+            config.scheduling_policy,
         )
         return num_blocks
 
@@ -222,11 +227,14 @@ class Engine:
         prompt: str | list[int],
         params: SamplingParams | None = None,
         kv_transfer_params: dict | None = None,
+        priority: int = 0,
     ) -> None:
         """`kv_transfer_params` (disaggregation, in vLLM's spelling): {"do_remote_decode": true} on a prefill
         engine holds the prompt's KV for a decode engine and returns where in the output's
-        `kv_transfer_params`; those params given to a decode engine load that KV and continue the stream."""
+        `kv_transfer_params`; those params given to a decode engine load that KV and continue the stream.
+        `priority` (vLLM's): lower runs first under `--scheduling-policy priority`; else only 0."""
         params = params or SamplingParams()
+        self._check_priority(priority)
         remote = self._remote_params(kv_transfer_params, params)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
@@ -250,7 +258,9 @@ class Engine:
         detoks: list[IncrementalDetokenizer | TextCursor] = []
         for index in range(params.n):
             tokens = list(ids) + ([remote.first_token_id] if isinstance(remote, KVTransferParams) else [])
-            seq = Sequence(next(self._seq_ids), request_id, index, tokens, len(ids), params)
+            seq = Sequence(
+                next(self._seq_ids), request_id, index, tokens, len(ids), params, priority=priority
+            )
             if params.seed is not None:
                 seq.seed = sample_seed(params.seed, index)
             seq.parent = seqs[0] if seqs else None
@@ -366,6 +376,22 @@ class Engine:
                 if ids and ids not in variants:
                     variants.append(ids)
         return variants
+
+    def _check_priority(self, priority: int) -> None:
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ParameterError("priority", f"priority={priority!r} must be an integer")
+        if not MIN_PRIORITY <= priority <= MAX_PRIORITY:
+            raise ParameterError(
+                "priority", f"priority={priority} must be between {MIN_PRIORITY} and {MAX_PRIORITY}"
+            )
+        if priority and self.config.scheduling_policy != PRIORITY:
+            # vLLM's words, which clients match on to drop the field and retry
+            raise ParameterError(
+                "priority",
+                f"Got priority {priority} but Priority scheduling is not enabled: this engine schedules "
+                f"first come, first served (--scheduling-policy {self.config.scheduling_policy}); start it "
+                "with --scheduling-policy priority, or leave priority out or send 0",
+            )
 
     def _check_request(self, ids: list[int], params: SamplingParams) -> None:
         if not ids:

@@ -1,10 +1,13 @@
 """The scheduler: every sequence's computed tokens catch up with its tokens, within one budget per step.
 
 No prefill or decode phase: a step gives each running sequence what it still lacks (the rest of a
-prompt chunk, one new token, or one token plus k speculative ones), then admits waiting sequences FCFS
-while the token budget, `max_num_seqs` and free KV blocks allow. When blocks run out, the most recently
-arrived running sequence is preempted by recompute: its blocks are freed and it goes back to the front
-of the queue, keeping its output, and its prompt and output are recomputed later (mostly prefix hits).
+prompt chunk, one new token, or one token plus k speculative ones), then admits waiting sequences in the
+policy's order (request_queue.py: first come, first served, or by priority) while the token budget,
+`max_num_seqs` and free KV blocks allow. When blocks run out, the running list's tail (fcfs: the latest
+admitted; priority: the lowest-priority latest arrival) is preempted by recompute: its blocks are freed and
+it goes back to the waiting queue, keeping its output, and its prompt and output are recomputed later
+(mostly prefix hits). Under the priority policy a waiting sequence that outranks running ones also preempts
+them, lowest first, when the cache or `max_num_seqs` leaves it no room.
 A sequence that is alone and still cannot get a block (a cache smaller than its context, which the engine
 refuses at start) first loses its proposals and then finishes with "length": nothing queued may wait on
 it forever. A structured sequence whose grammar is still compiling (`seq.grammar_pending`, vLLM's
@@ -15,12 +18,13 @@ from the runner with no token (its grammar allowed none) ends with "abort".
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from specfleet.engine.block_manager import BlockManager
+from specfleet.engine.config import FCFS, PRIORITY
+from specfleet.engine.request_queue import insert_running, outranks, waiting_queue
 from specfleet.engine.sequence import Sequence, Status
 
 if TYPE_CHECKING:
@@ -53,9 +57,15 @@ class SchedulerOutput:
 
 class Scheduler:
     def __init__(
-        self, block_manager: BlockManager, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+        self,
+        block_manager: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        policy: str = FCFS,
     ):
         self.kv = block_manager
+        self.policy = policy
         self.max_num_seqs = max_num_seqs
         # Micro-batches in flight at once (pipeline parallelism with overlap; 1 otherwise): each takes up
         # to max_num_seqs sequences, so overlap adds concurrency instead of splitting one batch (a decode
@@ -63,7 +73,7 @@ class Scheduler:
         self.micro_batches = 1
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = waiting_queue(policy)
         self.running: list[Sequence] = []
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0
@@ -73,7 +83,7 @@ class Scheduler:
 
     # -- queue -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+        self.waiting.add(seq)
 
     def add_running(self, seq: Sequence, num_cached: int) -> None:
         """A sequence whose blocks and computed tokens came from elsewhere (a KV connector's load)."""
@@ -82,7 +92,7 @@ class Scheduler:
         seq.status = Status.RUNNING
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.monotonic()
-        self.running.append(seq)
+        insert_running(self.running, seq, self.policy)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -93,10 +103,10 @@ class Scheduler:
         unqueue then, and its blocks are returned all the same."""
         if seq.status is Status.FINISHED:
             return
-        for queue in (self.running, self.waiting):
-            if seq in queue:
-                queue.remove(seq)
-                break
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
         if self.on_finish is not None:
             self.on_finish(seq, reason)
         self.kv.free_seq(seq)
@@ -136,7 +146,7 @@ class Scheduler:
             i += 1
 
         if not out.num_preemptions and not stalled:
-            budget = self._admit_waiting(out, budget, room)
+            budget = self._admit_waiting(out, budget, room, busy)
         out.num_batched_tokens = self.max_num_batched_tokens - budget
         return out
 
@@ -168,13 +178,15 @@ class Scheduler:
             return 0
         return num_new
 
-    def _admit_waiting(self, out: SchedulerOutput, budget: int, room: int) -> int:
+    def _admit_waiting(
+        self, out: SchedulerOutput, budget: int, room: int, busy: frozenset[int] = frozenset()
+    ) -> int:
         skipped: list[Sequence] = []
         limit = self.max_num_seqs * self.micro_batches
-        while self.waiting and budget > 0 and room > 0 and len(self.running) < limit:
-            seq = self.waiting[0]
+        while self.waiting and budget > 0:
+            seq = self.waiting.peek()
             if seq.grammar_pending:  # its grammar compiles off the step (vLLM's WAITING_FOR_FSM)
-                skipped.append(self.waiting.popleft())
+                skipped.append(self.waiting.pop())
                 continue
             parent = seq.parent
             if (
@@ -182,7 +194,14 @@ class Scheduler:
                 and not parent.is_finished
                 and parent.num_computed_tokens < parent.num_prompt_tokens
             ):
-                skipped.append(self.waiting.popleft())  # let the sibling compute the shared prompt first
+                skipped.append(self.waiting.pop())  # let the sibling compute the shared prompt first
+                continue
+            if room <= 0 or len(self.running) >= limit:
+                # max_num_seqs is reached (not just this micro-batch): a sequence it outranks makes room
+                freed = self._displace(seq, out, busy) if len(self.running) >= limit else None
+                if freed is None:
+                    break
+                budget, room = budget + max(freed, 0), room + (freed >= 0)
                 continue
             if seq.params.reads_every_prompt_row:
                 hits = []  # every prompt position must run (vLLM skips the cache for these too)
@@ -194,13 +213,18 @@ class Scheduler:
             cached = len(hits) * self.kv.block_size
             num_new = min(seq.num_tokens - cached, budget)
             if self.kv.blocks_for(cached + num_new) > self.kv.num_blocks:  # grew past the cache: never fits
+                self.waiting.pop()
                 self.finish(seq, "length")
                 out.finished.append(seq)
                 continue
             if not self.kv.can_allocate(seq, cached + num_new, hits):
-                break
+                freed = self._displace(seq, out, busy)
+                if freed is None:
+                    break
+                budget, room = budget + max(freed, 0), room + (freed >= 0)
+                continue
             self.kv.allocate(seq, cached + num_new, hits)
-            self.waiting.popleft()
+            self.waiting.pop()
             seq.num_computed_tokens = cached
             self.prefix_queries += seq.num_tokens
             self.prefix_hits += cached
@@ -210,12 +234,31 @@ class Scheduler:
                 # The prompt's cached tokens, once, as vLLM reports them: a preempted sequence readmitted
                 # later finds its output's blocks cached too, which are not the prompt's.
                 seq.num_cached_tokens = min(cached, seq.num_prompt_tokens)
-            self.running.append(seq)
+            insert_running(self.running, seq, self.policy)
             out.scheduled.append(self._scheduled(out, seq, num_new))
             budget -= num_new
             room -= 1
-        self.waiting.extendleft(reversed(skipped))
+        self.waiting.put_back(skipped)
         return budget
+
+    def _displace(self, head: Sequence, out: SchedulerOutput, busy: frozenset[int]) -> int | None:
+        """Priority policy: preempt the lowest-priority running sequence (not in flight) that `head`
+        outranks, so that `head` may be admitted. Returns the tokens its undone schedule gives back to
+        this step's budget (-1: it was not scheduled this step, so it gives back no room either); None when
+        no running sequence can be displaced (fcfs never displaces)."""
+        if self.policy != PRIORITY:
+            return None
+        victim = next((s for s in reversed(self.running) if s.seq_id not in busy and outranks(head, s)), None)
+        if victim is None:
+            return None
+        item = next((item for item in out.scheduled if item.seq is victim), None)
+        if item is not None:  # scheduled earlier in this step: undo it (vLLM does the same)
+            out.scheduled.remove(item)
+            end = victim.num_computed_tokens + item.num_new_tokens
+            out.num_prompt_tokens -= max(0, min(end, victim.num_prompt_tokens) - victim.num_computed_tokens)
+        self._preempt(victim)
+        out.num_preemptions += 1
+        return item.num_new_tokens if item is not None else -1
 
     def _scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> ScheduledSeq:
         end = seq.num_computed_tokens + num_new
@@ -242,7 +285,7 @@ class Scheduler:
         seq.num_computed_tokens = 0
         seq.spec_token_ids, seq.spec_probs = [], None
         seq.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.add_preempted(seq)
 
     # -- after the model ran ---------------------------------------------------------------------------
     def update(

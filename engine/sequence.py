@@ -29,6 +29,7 @@ class Sequence:
     num_prompt_tokens: int
     params: SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # the request's; lower runs first under --scheduling-policy priority (request_queue.py)
     status: Status = Status.WAITING
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache

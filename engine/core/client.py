@@ -295,10 +295,12 @@ class EngineCoreClient:
         prompt: str | list[int],
         params: SamplingParams,
         kv_transfer_params: dict[str, Any] | None = None,
+        priority: int = 0,
         *,
         trace: Any = None,
     ) -> Any:
-        """Submit a request; returns its RequestStream once the core accepted it. ValueError for bad input.
+        """Submit a request; returns its RequestStream once the core accepted it. ValueError for bad input
+        (a `priority` the core's scheduling policy refuses is a ParameterError naming it).
         `trace`: the request's RequestTrace (engine/server/tracing.py), its span made when it finishes."""
         from specfleet.engine.server.streams import RequestStream
 
@@ -323,7 +325,9 @@ class EngineCoreClient:
         self.streams[request_id] = stream
         self._pending_adds[request_id] = stream
         self.processor.add(request_id, text, ids, params, stream.arrival)
-        self._send(RequestType.ADD, AddRequest(request_id, ids, pickle.dumps(params), kv_transfer_params))
+        self._send(
+            RequestType.ADD, AddRequest(request_id, ids, pickle.dumps(params), kv_transfer_params, priority)
+        )
         try:
             await asyncio.shield(stream.accepted)
         except asyncio.CancelledError:

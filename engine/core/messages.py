@@ -30,6 +30,7 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
     kv_transfer_params: dict[str, Any] | None = (
         None  # disaggregation (engine/kv_transfer/), as sent by the client
     )
+    priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):

@@ -88,7 +88,9 @@ class EngineCore:
         params = pickle.loads(msg.params)
         self._new_cursors.clear()
         try:
-            self.engine.add_request(msg.request_id, msg.prompt_token_ids, params, msg.kv_transfer_params)
+            self.engine.add_request(
+                msg.request_id, msg.prompt_token_ids, params, msg.kv_transfer_params, msg.priority
+            )
         except ParameterError as exc:
             return AddResult(msg.request_id, str(exc), exc.param, exc.code)
         except ValueError as exc:

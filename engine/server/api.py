@@ -139,6 +139,7 @@ async def _submit(
     params: SamplingParams,
     prompt_param: str,
     kv_transfer_params: dict[str, Any] | None = None,
+    priority: int = 0,
     trace: tracing.RequestTrace | None = None,
 ) -> list[RequestStream]:
     if kv_transfer_params and len(prompts) != 1:
@@ -162,7 +163,9 @@ async def _submit(
     try:
         for rid, prompt in zip(ids, prompts, strict=True):
             streams.append(
-                await state.async_engine.generate(rid, prompt, params, kv_transfer_params, trace=trace)
+                await state.async_engine.generate(
+                    rid, prompt, params, kv_transfer_params, priority, trace=trace
+                )
             )
     except EngineDeadError as exc:
         _close(streams)
@@ -392,7 +395,9 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     trace = tracing.start(
         state.async_engine.tracer, request.headers, "text_completion", params, body.kv_transfer_params
     )
-    streams = await _submit(state, ids, prompts, params, "prompt", body.kv_transfer_params, trace)
+    streams = await _submit(
+        state, ids, prompts, params, "prompt", body.kv_transfer_params, body.priority, trace
+    )
     if body.stream and not body.scoring:
         return _streaming_response(
             _stream_body(
@@ -449,7 +454,9 @@ async def create_chat_completion(
     shape = chat.ChatShape(plan) if plan.shaped else None
     rid = f"chatcmpl-{request_id(request, body.request_id)}"
     trace = tracing.start(state.async_engine.tracer, request.headers, "chat", params, body.kv_transfer_params)
-    streams = await _submit(state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params, trace)
+    streams = await _submit(
+        state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params, body.priority, trace
+    )
     num_logprobs = body.num_logprobs()
     echo = chat.echo_prefix(body)
     if body.stream:

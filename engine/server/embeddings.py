@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field
+from specfleet.engine.request_queue import MAX_PRIORITY, MIN_PRIORITY
 from specfleet.engine.sampling_params import SamplingParams
 
 from .api import _collect, _submit
@@ -38,6 +39,8 @@ class EmbeddingRequest(LenientModel):
     dimensions: int | None = None
     user: str | None = None
     add_special_tokens: bool = True  # vLLM's extra field: BOS before a text input, as completions
+    # vLLM's: lower runs first under --scheduling-policy priority; other policies take only 0
+    priority: int = Field(default=0, ge=MIN_PRIORITY, le=MAX_PRIORITY)
 
 
 def _prompts(state: ServerState, body: EmbeddingRequest) -> list[list[int]]:
@@ -98,7 +101,7 @@ async def create_embedding(body: EmbeddingRequest, request: Request) -> dict[str
     params = SamplingParams(max_tokens=1, pooling=pooler.pooling_type, pooling_normalize=pooler.normalize)
     rid = f"embd-{request_id(request, None)}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    finals = await _collect(request, await _submit(state, ids, prompts, params, "input"))
+    finals = await _collect(request, await _submit(state, ids, prompts, params, "input", None, body.priority))
     data = []
     for i, final in enumerate(finals):
         if final.embedding is None:

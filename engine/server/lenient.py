@@ -22,10 +22,6 @@ REFUSED_UNLESS_DEFAULT: dict[str, tuple[Any, str]] = {
     "use_beam_search": (False, "beam search is not implemented"),
     "logits_processors": (None, "custom logits processors are not loaded by this server"),
     "prompt_embeds": (None, "prompt embeddings are not accepted; send text or token ids"),
-    "priority": (
-        0,
-        "requests are scheduled first come, first served (vLLM refuses it too without priority scheduling)",
-    ),
     "max_repetition_pattern_size": (0, "repetition-pattern stopping is not implemented"),
     "min_repetition_pattern_size": (0, "repetition-pattern stopping is not implemented"),
     "repetition_min_count": (0, "repetition-pattern stopping is not implemented"),

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 from specfleet.engine.knobs import KNOBS, SERVICE_KNOBS
+from specfleet.engine.request_queue import MAX_PRIORITY, MIN_PRIORITY
 from specfleet.engine.sampling_params import GENERATION_DEFAULT_FIELDS, ParameterError, SamplingParams
 from specfleet.engine.structured_output.request_fields import spec_from_request
 
@@ -90,6 +91,12 @@ class SamplingFields(LenientModel):
         default=None,
         min_length=1,
         description="vLLM's prefix-cache salt: cached blocks are reused only by requests with the same salt",
+    )
+    priority: int = Field(
+        default=0,
+        ge=MIN_PRIORITY,
+        le=MAX_PRIORITY,
+        description="vLLM's: lower runs first under --scheduling-policy priority; other policies take only 0",
     )
 
     @field_validator("logit_bias")

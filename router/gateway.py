@@ -172,6 +172,8 @@ class Gateway:
         except ValueError:
             parsed = None
         model = parsed.get("model") if isinstance(parsed, dict) else None
+        if self.tracer is not None:
+            self.tracer.note_body(parsed)
         if not isinstance(model, str) or not model:
             return _error(
                 400,

@@ -27,6 +27,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
+from . import tracing
 from .proxy import RESPONSE_TAP, Router, prompt_text
 from .quota import Limiter, LocalLimiter, Verdict
 from .tenants import UNKNOWN_TENANT, Tenant, TenantTable
@@ -127,6 +128,7 @@ class TenantGate:
                 "invalid_api_key",
             )
         request[TENANT_KEY] = tenant
+        request[tracing.TENANT_KEY] = tenant.name  # the request's span carries it (router/tracing.py)
         return await handler(request)
 
     async def _add_headers(self, request: web.Request, response: web.StreamResponse) -> None:

@@ -34,7 +34,7 @@ logger = logging.getLogger("specfleet.router")
 SERVICE_NAME = "specfleet-router"
 _SPAN_KEY = web.RequestKey("specfleet_span", object)  # the request's SERVER span, once made
 # The hooks other parts of the router fill in for the SERVER span, read when the request ends: the gateway
-# sets the InferenceService that answered, the gateway's tenant gate the tenant's name.
+# sets the InferenceService that answered, the gateway's tenant gate (tenant_gate.py) the tenant's name.
 SERVICE_KEY = web.RequestKey("specfleet_service", str)
 TENANT_KEY = web.RequestKey("specfleet_tenant", str)
 
@@ -92,13 +92,16 @@ class RouterTracer:
             return response
 
     def note_body(self, body: Any) -> None:
-        """What the request asked for, on the current (SERVER) span: the body as the router parsed it."""
+        """What the request asked for, on the current (SERVER) span: the body as the gateway, then the
+        service's router parsed it. The first `model` is the client's; a different one after it is the name
+        the gateway rewrote it to, the one the engines serve."""
         if not isinstance(body, dict):
             return
         span = trace.get_current_span()
         model = body.get("model")
         if isinstance(model, str):
-            span.set_attribute(tracing.REQUEST_MODEL, model)
+            asked = (getattr(span, "attributes", None) or {}).get(tracing.REQUEST_MODEL)
+            span.set_attribute(tracing.REQUEST_MODEL if asked is None else tracing.RESPONSE_MODEL, model)
         span.set_attribute("specfleet.stream", bool(body.get("stream")))
 
     def routed(self, started: float, choice: Choice | None, policy: str, attempt: int) -> None:

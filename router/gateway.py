@@ -236,15 +236,20 @@ class Gateway:
             "services": [{"service": s.key, "weight": s.weight} for s in services],
         }
 
-    async def list_models(self, _: web.Request) -> web.Response:
+    def visible(self, request: web.Request) -> dict[str, list[Service]]:
+        """The model table as the caller may see it: with tenants, only its models."""
         table = self.models()
+        return table if self.tenants is None else self.tenants.visible(request, table)
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        table = self.visible(request)
         return web.json_response(
             {"object": "list", "data": [self.model_card(n, s) for n, s in sorted(table.items())]}
         )
 
     async def get_model(self, request: web.Request) -> web.Response:
         name = request.match_info["name"]
-        services = self.models().get(name)
+        services = self.visible(request).get(name)
         if services is None:
             return self.model_not_found(name)
         return web.json_response(self.model_card(name, services))

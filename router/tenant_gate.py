@@ -22,7 +22,7 @@ import json
 import logging
 import math
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
@@ -42,6 +42,7 @@ _HEADERS_KEY = web.RequestKey("specfleet_ratelimit_headers", dict)
 # charges the engine's real count, so the estimate only decides admission.
 BYTES_PER_TOKEN = 4
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+T = TypeVar("T")
 
 
 def _error(
@@ -130,6 +131,12 @@ class TenantGate:
         request[TENANT_KEY] = tenant
         request[tracing.TENANT_KEY] = tenant.name  # the request's span carries it (router/tracing.py)
         return await handler(request)
+
+    @staticmethod
+    def visible(request: web.Request, table: dict[str, T]) -> dict[str, T]:
+        """The part of a model table the request's tenant may call (`/v1/models` lists only that)."""
+        tenant = request[TENANT_KEY]
+        return {name: entry for name, entry in table.items() if tenant.allows(name)}
 
     async def _add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
         for name, value in request.get(_HEADERS_KEY, {}).items():

@@ -130,6 +130,10 @@ def test_keys_models_and_priority() -> None:
         assert not sent(engine)
 
         a = client(url, "team-a")
+        assert [m.id for m in (await a.models.list()).data] == ["alpha"]  # only its models
+        assert [m.id for m in (await client(url, "batch").models.list()).data] == ["alpha", "beta"]
+        with pytest.raises(openai.NotFoundError):
+            await a.models.retrieve("beta")
         with pytest.raises(openai.PermissionDeniedError) as other:
             await a.completions.create(model="beta", prompt="x", max_tokens=1)
         assert (

@@ -25,7 +25,7 @@ log = logging.getLogger("specfleet.kernels.cpu_native")  # the name the kernels 
 SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 7
+ABI_VERSION = 8
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -78,7 +78,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_abi_version.restype = i32
     lib.sf_linear_f32.argtypes = [p, i64, i64, i64, p, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_i8.argtypes = [p, i64, i64, i64, p, p, i64, p, p, i64, p, i64, i32]
-    lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
+    lib.sf_linear_q4.argtypes = [p, i64, i64, i64, p, p, i32, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_q8g.argtypes = [p, i64, i64, i64, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_linear_qdot.argtypes = [p, i64, i64, i64, i32, p, p, p, p, i32, i64, i64, p, p, i64, p, i64, i32]
     lib.sf_dot_backend.restype = ctypes.c_char_p

@@ -36,8 +36,8 @@ class LinearDesc(ctypes.Structure):
 
     _fields_ = [
         ("kind", ctypes.c_int32),
-        ("q4", ctypes.c_int32),
-        ("half_scales", ctypes.c_int32),
+        ("bits", ctypes.c_int32),
+        ("scale_kind", ctypes.c_int32),
         ("reserved", ctypes.c_int32),
         ("codes", ctypes.c_void_p),
         ("scale", ctypes.c_void_p),

@@ -17,9 +17,11 @@ Layouts (llama.cpp ggml-common.h; gguf-py quants.py is the reference the tests c
        (last). Per 128 values: ql[0:32] low nibbles, ql[32:64] low, ql[0:32] high, ql[32:64] high, each
        with qh[l] bits 0-1, 2-3, 4-5, 6-7 on top; W = d * sc_s * (q - 32) per sub-block s of 16 values:
        int8 codes q - 32, groups of 16, scale d * sc_s.
-The 5-bit types decode to 5-bit codes (the kernels keep them as nibbles plus a plane of fifth bits); Q6_K
-keeps one int8 code per value (the 8-bit kernels run it). Every form decodes exactly: each scale and min is
-the same float32 product the reference dequantizer forms (Q5_0's -16 d is a power-of-two multiple of d).
+The 5-bit types decode to 5-bit codes and Q6_K to 6-bit codes q with min -32 d sc (the kernels keep them as
+nibbles plus one or two planes of high bits). The K types also keep their scales' two levels (`SuperScales`:
+the integer sc and m per group, the halfs d and dmin per 256 values), which the kernels stream instead of a
+float per group. Every form decodes exactly: each scale and min is the same float32 product the reference
+dequantizer forms (Q5_0's -16 d and Q6_K's -32 d sc are power-of-two multiples).
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from dataclasses import replace
 
 import numpy as np
 import torch
-from specfleet.kernels.quantized import QuantTensor
+from specfleet.kernels.quantized import QuantTensor, SuperScales
 
 BLOCK_BYTES = {
     "Q4_0": (32, 18),
@@ -61,10 +63,6 @@ def _fifth_bits_32(qh: np.ndarray) -> np.ndarray:
     return ((word >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8)
 
 
-def _int8(codes: np.ndarray, offset: int) -> torch.Tensor:
-    return torch.from_numpy((codes.astype(np.int16) - offset).astype(np.int8))
-
-
 def decode(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantTensor:
     """raw: [N, bytes per row] uint8 as gguf's reader returns it; shape: (N, K) in torch order."""
     if type_name not in BLOCK_BYTES:
@@ -84,15 +82,31 @@ def decode(raw: np.ndarray, type_name: str, shape: tuple[int, int]) -> QuantTens
     # Row by row-chunk into preallocated tensors: the decoders' numpy temporaries (about 10 bytes a value for
     # Q6_K: nibbles, bit fields, an int16 widening) stay those of one chunk, not of a whole vocabulary table.
     first = _decode_rows(raw[:rows], type_name, rows, k)
-    codes = torch.empty((n, k), dtype=first.codes.dtype)
-    scales = torch.empty((n, first.scales.shape[1]), dtype=torch.float32)
-    mins = None if first.mins is None else torch.empty_like(scales)
+    whole = replace(
+        first,
+        codes=_rows_like(first.codes, n),
+        scales=_rows_like(first.scales, n),
+        mins=None if first.mins is None else _rows_like(first.mins, n),
+        two_level=None if first.two_level is None else first.two_level.map(lambda t: _rows_like(t, n)),
+    )
     for at in range(0, n, rows):
         part = first if at == 0 else _decode_rows(raw[at : at + rows], type_name, min(rows, n - at), k)
-        codes[at : at + rows], scales[at : at + rows] = part.codes, part.scales
-        if mins is not None and part.mins is not None:
-            mins[at : at + rows] = part.mins
-    return replace(first, codes=codes, scales=scales, mins=mins)
+        whole.codes[at : at + rows], whole.scales[at : at + rows] = part.codes, part.scales
+        if whole.mins is not None and part.mins is not None:
+            whole.mins[at : at + rows] = part.mins
+        if whole.two_level is not None and part.two_level is not None:
+            _copy_rows(whole.two_level, part.two_level, at)
+    return whole
+
+
+def _rows_like(t: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.empty((n, *t.shape[1:]), dtype=t.dtype)
+
+
+def _copy_rows(dst: SuperScales, src: SuperScales, at: int) -> None:
+    for a, b in ((dst.sc, src.sc), (dst.d, src.d), (dst.m, src.m), (dst.dmin, src.dmin)):
+        if a is not None and b is not None and not (a is dst.m and dst.m is dst.sc):
+            a[at : at + b.shape[0]] = b
 
 
 def _decode_rows(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantTensor:
@@ -126,18 +140,24 @@ def _decode_rows(raw: np.ndarray, type_name: str, n: int, k: int) -> QuantTensor
             f"gguf:{type_name}",
         )
     # Q4_K
-    d = _f16(blocks[..., 0:2])
-    dmin = _f16(blocks[..., 2:4])
-    sc, mn = q4k_scale_min(blocks[..., 4:16])
     qs = blocks[..., 16:].reshape(n, k // 256, 4, 32)
-    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(
-        n, k
-    )  # chunk c: sub-blocks 2c (low), 2c + 1 (high)
-    scales = (d * sc.astype(np.float32)).reshape(n, k // 32)
-    mins = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
-    return QuantTensor(
-        torch.from_numpy(codes), torch.from_numpy(scales), torch.from_numpy(mins), 32, 4, "gguf:Q4_K"
+    codes = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, k)  # chunk c: sub-blocks 2c (low), 2c + 1
+    return _k_quant(codes, blocks, 4, "gguf:Q4_K")
+
+
+def _k_quant(codes: np.ndarray, blocks: np.ndarray, bits: int, fmt: str) -> QuantTensor:
+    """Q4_K or Q5_K codes [N, K] with their blocks' two-level scales and mins (bytes 0-15 of each block)."""
+    n, k = codes.shape
+    sc, mn = q4k_scale_min(blocks[..., 4:16])
+    two = SuperScales(
+        torch.from_numpy(sc.reshape(n, k // 32).astype(np.int8)),
+        torch.from_numpy(np.ascontiguousarray(blocks[..., 0:2]).view(np.float16).reshape(n, k // 256)),
+        torch.from_numpy(mn.reshape(n, k // 32).astype(np.int8)),
+        -torch.from_numpy(np.ascontiguousarray(blocks[..., 2:4]).view(np.float16).reshape(n, k // 256)),
     )
+    mins = two.mins(32)
+    assert mins is not None
+    return QuantTensor(torch.from_numpy(codes), two.scales(32), mins, 32, bits, fmt, two_level=two)
 
 
 def q4k_scale_min(packed: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -163,31 +183,29 @@ def _decode_5_6(blocks: np.ndarray, type_name: str, n: int, k: int) -> QuantTens
         )
     nb = k // 256
     if type_name == "Q5_K":
-        d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])
-        sc, mn = q4k_scale_min(blocks[..., 4:16])
         qh = blocks[..., 16:48]  # [n, nb, 32]
         qs = blocks[..., 48:].reshape(n, nb, 4, 32)
         low = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(n, nb, 8, 32)
         high = (qh[:, :, None, :] >> np.arange(8, dtype=np.uint8)[:, None]) & 1  # sub-block i: bit i
-        scales = (d * sc.astype(np.float32)).reshape(n, k // 32)
-        mins = -(dmin * mn.astype(np.float32)).reshape(n, k // 32)
-        return QuantTensor(
-            torch.from_numpy((low | (high << 4)).reshape(n, k)),
-            torch.from_numpy(scales),
-            torch.from_numpy(mins),
-            32,
-            5,
-            fmt,
-        )
-    # Q6_K
+        return _k_quant((low | (high << 4)).reshape(n, k), blocks, 5, fmt)
+    return _q6_k(blocks, n, k)
+
+
+def _q6_k(blocks: np.ndarray, n: int, k: int) -> QuantTensor:
+    """Q6_K blocks -> 6-bit codes q with scale d sc and min -32 d sc, and their two levels."""
+    nb, fmt = k // 256, "gguf:Q6_K"
     ql = blocks[..., :128].reshape(n, nb, 2, 64)
     low = np.stack([ql & 0x0F, ql >> 4], axis=3).reshape(n, nb, 2, 4, 32)  # [half][nibble][l < 32][32]
     qh = blocks[..., 128:192].reshape(n, nb, 2, 1, 32)
     high = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8)[:, None]) & 3  # [half][chunk][32]
-    d = _f16(blocks[..., 208:210])  # [n, nb, 1]
-    scales = (d * np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)).reshape(
-        n, k // 16
-    )
-    return QuantTensor(
-        _int8((low | (high << 4)).reshape(n, k), 32), torch.from_numpy(scales), None, 16, 8, fmt
-    )
+    codes = torch.from_numpy((low | (high << 4)).reshape(n, k))
+    sc = torch.from_numpy(np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).reshape(n, k // 16))
+    d = torch.from_numpy(np.ascontiguousarray(blocks[..., 208:210]).view(np.float16).reshape(n, nb))
+    offset = d * -32  # W = d sc (q - 32) = q * (d sc) + (-32 d) sc: exact unless -32 d overflows a half
+    if torch.isfinite(offset).all():
+        two = SuperScales(sc, d, sc, offset)
+        mins = two.mins(16)
+        assert mins is not None
+        return QuantTensor(codes, two.scales(16), mins, 16, 6, fmt, two_level=two)
+    scales = d.float().repeat_interleave(16, dim=1) * sc.float()
+    return QuantTensor(codes, scales, scales * -32, 16, 6, fmt)

@@ -8,9 +8,9 @@
 //     each thread streams its panels front to back; up to 8 rows share every weight load.
 //   - sf_linear_i8: the same over int8 weights with one scale per output column (a quantized draft
 //     model reads a quarter of the bytes); x and the accumulation stay float32.
-//   - sf_linear_q4 / sf_linear_q8g: grouped weight-only quantization (GGUF Q4_0/Q4_1/Q4_K/Q8_0, AWQ,
-//     GPTQ, all repacked to one layout): 4-bit or int8 codes in the same panels, a scale and a min per
-//     (group of input rows, output column), dequantized in registers; x stays float32.
+//   - sf_linear_q4 / sf_linear_q8g: grouped weight-only quantization (GGUF Q4_0/Q4_1/Q4_K/Q5_*/Q6_K/Q8_0,
+//     AWQ, GPTQ, all repacked to one layout): 4-, 5-, 6-bit or int8 codes in the same panels, a scale and a
+//     min per (group of input rows, output column), dequantized in registers; x stays float32.
 //   - sf_linear_qdot: the same weights with x quantized to int8 per 32 values first, then integer dot
 //     products (vpdpbusd) and one scale per block, as llama.cpp's CPU path (see dot_linear).
 //   - sf_paged_attention_f32: causal attention of short queries (decode, speculative verification)
@@ -445,33 +445,86 @@ void linear(const float* x, int64_t M, int64_t K, int64_t ldx, const W* panels, 
 }
 
 
+// ---- Per-group scales and mins of the grouped-quantized kernels ---------------------------------------
+// Flat: per panel [K / G][32] float32 or IEEE halfs. TwoLevel (GGUF's K-quants, sf_two_level): per panel an
+// int8 factor per group [K / G][32] and a half per 256-value super-block [K / 256][32], multiplied as they are
+// read: float(d) * float(sc) is the same float32 product the reference dequantizer forms, so nothing rounds,
+// and a 4-bit weight streams 4.625 bits per value instead of 6.
+template <typename T>
+struct Flat {
+  const T* p;
+  explicit operator bool() const { return p != nullptr; }
+  Flat panel(int64_t i, int64_t groups) const { return {p ? p + i * groups * kPanel : nullptr}; }
+  v16 at(int64_t g, int h) const { return load(p + g * kPanel + 16 * h); }
+};
+
+struct TwoLevel {
+  const int8_t* sub;
+  const uint16_t* super;
+  int64_t per;  // groups per super-block
+  explicit operator bool() const { return sub != nullptr; }
+  TwoLevel panel(int64_t i, int64_t groups) const {
+    return sub ? TwoLevel{sub + i * groups * kPanel, super + i * (groups / per) * kPanel, per} : *this;
+  }
+  v16 at(int64_t g, int h) const { return load(sub + g * kPanel + 16 * h) * load(super + g / per * kPanel + 16 * h); }
+};
+
+constexpr int64_t kSuperBlock = 256;  // values per K-quant super-block
+
+// What the scale pointer of a scale_kind 2 weight points to (kernels/cpu_quant.py: _TwoLevel). m may be sc
+// itself (Q6_K's offset -32 d sc is dmin * sc with dmin = -32 d).
+struct sf_two_level {
+  const int8_t* sc;  // [panels][K / G][32]
+  const uint16_t* d;  // [panels][K / 256][32]
+  const int8_t* m;  // [panels][K / G][32], or null
+  const uint16_t* dmin;  // [panels][K / 256][32], or null
+};
+
+// Calls f(scales, mins) with the readers of scale_kind: 0 float32, 1 IEEE halfs (GGUF's own fp16 d and m), 2
+// two-level (`scale` points to an sf_two_level; `mins` is non-null when the weight has offsets).
+template <typename F>
+void with_scales(const void* scale, const void* mins, int kind, int64_t G, F&& f) {
+  if (kind == 2) {
+    const auto* t = static_cast<const sf_two_level*>(scale);
+    const int64_t per = kSuperBlock / G;
+    return f(TwoLevel{t->sc, t->d, per}, TwoLevel{mins ? t->m : nullptr, t->dmin, per});
+  }
+  if (kind == 1)
+    return f(Flat<uint16_t>{static_cast<const uint16_t*>(scale)}, Flat<uint16_t>{static_cast<const uint16_t*>(mins)});
+  f(Flat<float>{static_cast<const float*>(scale)}, Flat<float>{static_cast<const float*>(mins)});
+}
+
 // R rows of x against one grouped-quantized panel. Q4: codes are [K / 2][32] bytes, byte (k / 2, c)
 // holding column c of row k in its low nibble and of row k + 1 in its high nibble; otherwise int8
-// [K][32]. Q5 (with Q4): the nibbles are the low 4 bits of 5-bit codes and `high` holds their fifth bits,
-// 8 bytes per 32 nibble bytes (masks of bytes 0-15's low nibbles, their high nibbles, then bytes 16-31's).
-// scale and mins are [K / G][32]: W[k, c] = code * scale[k / G, c] (+ mins[k / G, c]).
-template <int R, bool Q4, bool Q5, typename S>
+// [K][32]. HB high planes (with Q4): the nibbles are the low 4 bits of 5-bit (HB 1) or 6-bit (HB 2) codes;
+// `high` holds their fifth bits, 8 bytes per 32 nibble bytes (masks of bytes 0-15's low nibbles, their high
+// nibbles, then bytes 16-31's), and `high + plane` their sixth bits in the same layout.
+// scales and mins per group (Flat or TwoLevel): W[k, c] = code * scale[k / G, c] (+ mins[k / G, c]).
+template <int R, bool Q4, int HB, typename S>
 inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* codes, const uint8_t* high,
-                         const S* scale,
-                         const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
-                         int64_t ldy, int cols) {
+                         int64_t plane, S scale, S mins, int64_t G, const float* bias, const float* res, int64_t ldr,
+                         float* y, int64_t ldy, int cols) {
   v16 a0[R], a1[R];
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
   for (int64_t g0 = 0; g0 < K; g0 += G) {
-    const v16 s0 = load(scale), s1 = load(scale + 16);
-    const v16 m0 = mins ? load(mins) : splat(0.0f), m1 = mins ? load(mins + 16) : splat(0.0f);
-    scale += kPanel;
-    if (mins) mins += kPanel;
+    const v16 s0 = scale.at(g0 / G, 0), s1 = scale.at(g0 / G, 1);
+    const v16 m0 = mins ? mins.at(g0 / G, 0) : splat(0.0f), m1 = mins ? mins.at(g0 / G, 1) : splat(0.0f);
     if constexpr (Q4) {
       const uint8_t* c = static_cast<const uint8_t*>(codes) + g0 / 2 * kPanel;
       for (int64_t k = g0; k < g0 + G; k += 2, c += kPanel) {
         v16 w0, w1, v0, v1;  // w: row k, v: row k + 1; 0: columns 0-15, 1: columns 16-31
         load_nibbles(c, w0, v0);
         load_nibbles(c + 16, w1, v1);
-        if constexpr (Q5) {
+        if constexpr (HB >= 1) {
           const uint8_t* h = high + k * 4;  // 8 plane bytes per row pair
           w0 += fifth_bit_floats(load_u16(h)), v0 += fifth_bit_floats(load_u16(h + 2));
           w1 += fifth_bit_floats(load_u16(h + 4)), v1 += fifth_bit_floats(load_u16(h + 6));
+        }
+        if constexpr (HB == 2) {  // the sixth bits: 32 where set, twice the fifth bit's 16
+          const uint8_t* h = high + plane + k * 4;
+          const v16 b0 = fifth_bit_floats(load_u16(h)), c0 = fifth_bit_floats(load_u16(h + 2));
+          const v16 b1 = fifth_bit_floats(load_u16(h + 4)), c1 = fifth_bit_floats(load_u16(h + 6));
+          w0 += b0 + b0, v0 += c0 + c0, w1 += b1 + b1, v1 += c1 + c1;
         }
         w0 = w0 * s0 + m0, w1 = w1 * s1 + m1, v0 = v0 * s0 + m0, v1 = v1 * s1 + m1;
 #pragma GCC unroll 8
@@ -498,38 +551,38 @@ inline void qlinear_tile(const float* x, int64_t ldx, int64_t K, const void* cod
   store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
 }
 
-template <bool Q4, bool Q5, typename S, int R = kRows>
+template <bool Q4, int HB, typename S, int R = kRows>
 inline void qlinear_rows(int rows, const float* x, int64_t ldx, int64_t K, const void* codes, const uint8_t* high,
-                         const S* scale, const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr,
+                         int64_t plane, S scale, S mins, int64_t G, const float* bias, const float* res, int64_t ldr,
                          float* y, int64_t ldy, int cols) {
   if constexpr (R > 0) {
     if (rows == R)
-      return qlinear_tile<R, Q4, Q5, S>(x, ldx, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy, cols);
-    return qlinear_rows<Q4, Q5, S, R - 1>(rows, x, ldx, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy,
-                                          cols);
+      return qlinear_tile<R, Q4, HB, S>(x, ldx, K, codes, high, plane, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return qlinear_rows<Q4, HB, S, R - 1>(rows, x, ldx, K, codes, high, plane, scale, mins, G, bias, res, ldr, y,
+                                          ldy, cols);
   }
 }
 
-// high: Q5's fifth-bit plane, K * 4 bytes per panel (null otherwise).
-template <bool Q4, bool Q5, typename S>
-void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* codes, const uint8_t* high,
-             const S* scale,
-             const S* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
-             int64_t ldy, int threads) {
+// high: the planes of the high bits of 5- or 6-bit codes (HB of them, each K * 4 bytes per panel, the
+// sixth-bit plane after the fifth-bit one), null for HB 0.
+template <bool Q4, int HB, typename S>
+void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* codes, const uint8_t* high, S scale,
+             S mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy,
+             int threads) {
   const int64_t np = (N + kPanel - 1) / kPanel, groups = K / G;
   const int64_t panel_bytes = Q4 ? K / 2 * kPanel : K * kPanel;
+  const int64_t plane = np * K * 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t p = 0; p < np; ++p) {
     const void* c = static_cast<const uint8_t*>(codes) + p * panel_bytes;
-    const uint8_t* h = Q5 ? high + p * K * 4 : nullptr;
+    const uint8_t* h = HB ? high + p * K * 4 : nullptr;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
-    const S* s = scale + p * groups * kPanel;
-    const S* mn = mins ? mins + p * groups * kPanel : nullptr;
+    const S s = scale.panel(p, groups), mn = mins.panel(p, groups);
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kRows, M - m0));
-      qlinear_rows<Q4, Q5, S>(rows, x + m0 * ldx, ldx, K, c, h, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
-                       y + m0 * ldy + p * kPanel, ldy, cols);
+      qlinear_rows<Q4, HB, S>(rows, x + m0 * ldx, ldx, K, c, h, plane, s, mn, G, b,
+                              res ? res + m0 * ldr + p * kPanel : nullptr, ldr, y + m0 * ldy + p * kPanel, ldy, cols);
     }
   }
 }
@@ -550,6 +603,7 @@ void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* code
 //          load is then 16 columns x 4 rows per nibble half: exactly vpdpbusd's 16 lanes x 4 bytes.
 //   5-bit: the 4-bit layout's nibbles hold the low 4 bits; a plane holds the fifth bits, per 8 input rows 32
 //          bytes: the 64-bit masks of bytes 0-63's low nibbles, their high nibbles, bytes 64-127's low, high.
+//   6-bit: as 5-bit, and a second plane in the same layout holds the sixth bits.
 //   8-bit: per 4 input rows, 128 bytes = [h][c][i] = code(k0+i, 16h+c) + 128 (vpdpbusd's weight operand
 //          is unsigned; the 128 * sum(xq) it adds is subtracted per block).
 // Scales and mins: [K/G][32] per panel as for the float path; G a multiple of 32.
@@ -591,21 +645,22 @@ struct QuantizedRows {
 };
 
 // maddubs (AVX512BW, AVX2) sums into int16 lanes: 5-bit pairs reach 31 * 127 * 2 = 7874, so a block's 8
-// steps (62992) would overflow; Q5 widens after each 8 rows (2 steps, 15748) instead of once per block.
+// steps (62992) would overflow; 5- and 6-bit codes widen after each 8 rows (2 steps: 15748, and 32004 for
+// 6-bit pairs of 63 * 127 * 2) instead of once per block.
 constexpr bool kSum4Narrow = !std::is_same_v<Sum4, i16>;
 
-template <int R, bool Q4, bool Q5, typename S>
-inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, const S* scale,
-                     const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
-                     int64_t ldy, int cols) {
+template <int R, bool Q4, int HB, typename S>
+inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, int64_t plane, S scale,
+                     S mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy,
+                     int cols) {
   const int64_t nb = K / kQBlock, per_group = G / kQBlock;
   v16 a0[R], a1[R], s0{}, s1{}, m0{}, m1{};
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
   for (int64_t b = 0; b < nb; ++b) {
     if (b % per_group == 0) {
       const int64_t g = b / per_group;
-      s0 = load(scale + g * kPanel), s1 = load(scale + g * kPanel + 16);
-      if (mins) m0 = load(mins + g * kPanel), m1 = load(mins + g * kPanel + 16);
+      s0 = scale.at(g, 0), s1 = scale.at(g, 1);
+      if (mins) m0 = mins.at(g, 0), m1 = mins.at(g, 1);
     }
     i16 i0[R], i1[R];
     if constexpr (Q4) {
@@ -616,10 +671,16 @@ inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const uin
       for (int j = 0; j < kQBlock / 8; ++j, c += 128) {
         const u8x64 raw0 = load_bytes(c), raw1 = load_bytes(c + 64);
         u8x64 lo0 = raw0 & 0x0F, hi0 = raw0 >> 4, lo1 = raw1 & 0x0F, hi1 = raw1 >> 4;
-        if constexpr (Q5) {
+        if constexpr (HB >= 1) {
           const uint8_t* h = high + (b * (kQBlock / 8) + j) * 32;
           lo0 += fifth_bit_bytes(load_u64(h)), hi0 += fifth_bit_bytes(load_u64(h + 8));
           lo1 += fifth_bit_bytes(load_u64(h + 16)), hi1 += fifth_bit_bytes(load_u64(h + 24));
+        }
+        if constexpr (HB == 2) {  // the sixth bits: 32 where set
+          const uint8_t* h = high + plane + (b * (kQBlock / 8) + j) * 32;
+          const u8x64 b0 = fifth_bit_bytes(load_u64(h)), c0 = fifth_bit_bytes(load_u64(h + 8));
+          const u8x64 b1 = fifth_bit_bytes(load_u64(h + 16)), c1 = fifth_bit_bytes(load_u64(h + 24));
+          lo0 += b0 + b0, hi0 += c0 + c0, lo1 += b1 + b1, hi1 += c1 + c1;
         }
 #pragma GCC unroll 4
         for (int r = 0; r < R; ++r) {
@@ -628,7 +689,7 @@ inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const uin
           p0[r] = dot4(dot4(p0[r], lo0, xa), hi0, xb);
           p1[r] = dot4(dot4(p1[r], lo1, xa), hi1, xb);
         }
-        if constexpr (Q5 && kSum4Narrow) {
+        if constexpr (HB >= 1 && kSum4Narrow) {
           for (int r = 0; r < R; ++r) i0[r] += sum4(p0[r]), i1[r] += sum4(p1[r]), p0[r] = p1[r] = Sum4{};
         }
       }
@@ -668,20 +729,20 @@ inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const uin
   store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
 }
 
-template <bool Q4, bool Q5, typename S, int R = kDotRows>
-inline void dot_rows(int rows, QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, const S* scale,
-                     const S* mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
+template <bool Q4, int HB, typename S, int R = kDotRows>
+inline void dot_rows(int rows, QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, int64_t plane,
+                     S scale, S mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
                      int64_t ldy, int cols) {
   if constexpr (R > 0) {
-    if (rows == R) return dot_tile<R, Q4, Q5, S>(x, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy, cols);
-    return dot_rows<Q4, Q5, S, R - 1>(rows, x, K, codes, high, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    if (rows == R)
+      return dot_tile<R, Q4, HB, S>(x, K, codes, high, plane, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return dot_rows<Q4, HB, S, R - 1>(rows, x, K, codes, high, plane, scale, mins, G, bias, res, ldr, y, ldy, cols);
   }
 }
 
-template <bool Q4, bool Q5, typename S>
+template <bool Q4, int HB, typename S>
 void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const uint8_t* high,
-                const S* scale,
-                const S* mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+                S scale, S mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
                 int64_t ldy, int threads) {
   // Scratch for the quantized rows, reused across calls (the engine calls from one thread at a time).
   thread_local std::vector<int8_t> xq;
@@ -701,38 +762,48 @@ void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t
     quantize_row(x + m * ldx, K, q + m * K, d + m * nb, sum + m * nb, qsum + m * nb);
   const int64_t np = (N + kPanel - 1) / kPanel, groups = K / G;
   const int64_t panel_bytes = Q4 ? K / 2 * kPanel : K * kPanel;
+  const int64_t plane = np * K * 4;
 #pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t p = 0; p < np; ++p) {
     const uint8_t* c = codes + p * panel_bytes;
-    const uint8_t* h = Q5 ? high + p * K * 4 : nullptr;
+    const uint8_t* h = HB ? high + p * K * 4 : nullptr;
     const int cols = static_cast<int>(std::min<int64_t>(kPanel, N - p * kPanel));
-    const S* s = scale + p * groups * kPanel;
-    const S* mn = mins ? mins + p * groups * kPanel : nullptr;
+    const S s = scale.panel(p, groups), mn = mins.panel(p, groups);
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kDotRows, M - m0));
       const QuantizedRows xr{q + m0 * K, d + m0 * nb, sum + m0 * nb, qsum + m0 * nb};
-      dot_rows<Q4, Q5, S>(rows, xr, K, c, h, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
-                      y + m0 * ldy + p * kPanel, ldy, cols);
+      dot_rows<Q4, HB, S>(rows, xr, K, c, h, plane, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
+                          y + m0 * ldy + p * kPanel, ldy, cols);
     }
   }
 }
 
-// sf_linear_qdot's dispatch on the code width.
-template <typename S>
-void qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int q4, const uint8_t* codes, const uint8_t* high,
-          const S* s, const S* m, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
-          int64_t ldy, int threads) {
-  if (q4 && high) return dot_linear<true, true>(x, M, K, ldx, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
-  if (q4) return dot_linear<true, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
-  dot_linear<false, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+// Dispatch on the code width (4, 5, 6: nibbles and 0-2 planes of high bits; 8: int8 codes) for the float
+// path (qlinear) or the int8-activation path (dot_linear).
+template <bool Dot, typename S>
+void grouped(const float* x, int64_t M, int64_t K, int64_t ldx, int bits, const void* codes, const uint8_t* high,
+             S s, S m, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
+             int64_t ldy, int threads) {
+  const auto* c = static_cast<const uint8_t*>(codes);
+  if constexpr (Dot) {
+    if (bits == 6) return dot_linear<true, 2>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    if (bits == 5) return dot_linear<true, 1>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    if (bits == 4) return dot_linear<true, 0>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    dot_linear<false, 0>(x, M, K, ldx, c, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  } else {
+    if (bits == 6) return qlinear<true, 2>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    if (bits == 5) return qlinear<true, 1>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    if (bits == 4) return qlinear<true, 0>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    qlinear<false, 0>(x, M, K, ldx, c, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  }
 }
 
 }  // namespace
 
 extern "C" {
 
-int sf_abi_version() { return 7; }
+int sf_abi_version() { return 8; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -746,47 +817,37 @@ void sf_linear_i8(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_
   linear(x, M, K, ldx, panels, scale, N, bias, res, ldr, y, ldy, threads);
 }
 
-// As sf_linear_f32 over 4-bit codes in groups of G input rows (G even, K a multiple of G):
-// W[k, n] = code[k, n] * scale[k / G, n] + mins[k / G, n]; layout in qlinear_tile. With `high` (else
-// null), 5-bit codes: the nibbles are their low 4 bits and `high` their fifth-bit plane. scale and mins are
-// float32, or IEEE halfs when half_scales (GGUF's own fp16 d and m: a bit per weight less to stream).
+// As sf_linear_f32 over 4-, 5- or 6-bit codes (`bits`) in groups of G input rows (G even, K a multiple of G):
+// W[k, n] = code[k, n] * scale[k / G, n] + mins[k / G, n]; layout in qlinear_tile. 5- and 6-bit codes: the
+// nibbles are their low 4 bits and `high` their planes of high bits (null for 4-bit). scale_kind: how scale
+// and mins are stored (with_scales): float32, IEEE halfs (GGUF's own fp16 d and m: a bit per weight less to
+// stream), or two-level (GGUF's K-quants).
 void sf_linear_q4(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const uint8_t* high,
-                  const void* scale, const void* mins, int half_scales, int64_t G, int64_t N, const float* bias,
-                  const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
-  if (half_scales) {
-    const auto* s = static_cast<const uint16_t*>(scale);
-    const auto* m = static_cast<const uint16_t*>(mins);
-    if (high) return qlinear<true, true>(x, M, K, ldx, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
-    return qlinear<true, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
-  }
-  const auto* s = static_cast<const float*>(scale);
-  const auto* m = static_cast<const float*>(mins);
-  if (high) return qlinear<true, true>(x, M, K, ldx, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
-  qlinear<true, false>(x, M, K, ldx, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+                  int bits, const void* scale, const void* mins, int scale_kind, int64_t G, int64_t N,
+                  const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
+  with_scales(scale, mins, scale_kind, G, [&](auto s, auto m) {
+    grouped<false>(x, M, K, ldx, bits, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  });
 }
 
 // The same over int8 codes (GGUF Q8_0): W[k, n] = code[k, n] * scale[k / G, n] (+ mins[k / G, n]).
 void sf_linear_q8g(const float* x, int64_t M, int64_t K, int64_t ldx, const int8_t* codes, const void* scale,
-                   const void* mins, int half_scales, int64_t G, int64_t N, const float* bias, const float* res,
+                   const void* mins, int scale_kind, int64_t G, int64_t N, const float* bias, const float* res,
                    int64_t ldr, float* y, int64_t ldy, int threads) {
-  if (half_scales)
-    return qlinear<false, false>(x, M, K, ldx, codes, nullptr, static_cast<const uint16_t*>(scale),
-                                 static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
-  qlinear<false, false>(x, M, K, ldx, codes, nullptr, static_cast<const float*>(scale),
-                        static_cast<const float*>(mins), G, N, bias, res, ldr, y, ldy, threads);
+  with_scales(scale, mins, scale_kind, G, [&](auto s, auto m) {
+    grouped<false>(x, M, K, ldx, 8, codes, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  });
 }
 
 // As sf_linear_q4 / sf_linear_q8g with x quantized to int8 per 32-block first (see dot_linear): codes in
-// the dot panels' layout, K and G multiples of 32. q4: nibble codes (5-bit with the plane `high`, else
-// 4-bit); otherwise 8-bit codes stored + 128.
-void sf_linear_qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int q4, const uint8_t* codes,
-                    const uint8_t* high, const void* scale, const void* mins, int half_scales, int64_t G, int64_t N,
+// the dot panels' layout, K and G multiples of 32. bits 4-6: nibble codes (5- and 6-bit with the planes
+// `high`); 8: 8-bit codes stored + 128.
+void sf_linear_qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int bits, const uint8_t* codes,
+                    const uint8_t* high, const void* scale, const void* mins, int scale_kind, int64_t G, int64_t N,
                     const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {
-  if (half_scales)
-    return qdot(x, M, K, ldx, q4, codes, high, static_cast<const uint16_t*>(scale),
-                static_cast<const uint16_t*>(mins), G, N, bias, res, ldr, y, ldy, threads);
-  qdot(x, M, K, ldx, q4, codes, high, static_cast<const float*>(scale), static_cast<const float*>(mins), G, N, bias,
-       res, ldr, y, ldy, threads);
+  with_scales(scale, mins, scale_kind, G, [&](auto s, auto m) {
+    grouped<true>(x, M, K, ldx, bits, codes, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+  });
 }
 
 // Which instructions the integer dot products (dot4/dot8 above) compiled to, for logs and benchmarks.
@@ -920,14 +981,14 @@ void sf_paged_attention_f32(const float* q, int64_t ldq, const float* k_cache, c
 // roll(x, D/2) * sin added with one rounding, as torch's addcmul does with its fused multiply-add), so the
 // two paths agree bit for bit.
 struct sf_linear_desc {
-  int32_t kind;  // 0 float32 panels, 1 int8 panels, 2 4-bit float-act, 3 8-bit float-act, 4 int8-act dot
-  int32_t q4;  // kind 4: nibble codes (else 8-bit)
-  int32_t half_scales;  // kinds 2-4: scales/mins are IEEE halfs
+  int32_t kind;  // 0 float32 panels, 1 int8 panels, 2 4-6-bit float-act, 3 8-bit float-act, 4 int8-act dot
+  int32_t bits;  // kinds 2 and 4: the code width (4, 5, 6; 8 for kind 4's int8 codes)
+  int32_t scale_kind;  // kinds 2-4: scales/mins float32 (0), IEEE halfs (1) or two-level (2, sf_two_level)
   int32_t reserved;
   const void* codes;  // panels (kinds 0-1) or codes
   const void* scale;  // kind 1: per-column scale; kinds 2-4: per-group scales
   const void* mins;  // kinds 2-4: per-group mins or null
-  const uint8_t* high;  // kinds 2 and 4 (nibbles): the fifth-bit plane of 5-bit codes, or null for 4-bit
+  const uint8_t* high;  // kinds 2 and 4 (nibbles): the high-bit planes of 5- and 6-bit codes, or null
   const float* bias;  // padded to the panels, or null
   int64_t K, N, G;
 };
@@ -959,14 +1020,14 @@ void run_linear(const sf_linear_desc& L, const float* x, int64_t M, int64_t ldx,
       return linear(x, M, L.K, ldx, static_cast<const int8_t*>(L.codes), static_cast<const float*>(L.scale), L.N,
                     L.bias, res, ldr, y, ldy, threads);
     case 2:
-      return sf_linear_q4(x, M, L.K, ldx, static_cast<const uint8_t*>(L.codes), L.high, L.scale, L.mins, L.half_scales,
-                          L.G, L.N, L.bias, res, ldr, y, ldy, threads);
+      return sf_linear_q4(x, M, L.K, ldx, static_cast<const uint8_t*>(L.codes), L.high, L.bits, L.scale, L.mins,
+                          L.scale_kind, L.G, L.N, L.bias, res, ldr, y, ldy, threads);
     case 3:
-      return sf_linear_q8g(x, M, L.K, ldx, static_cast<const int8_t*>(L.codes), L.scale, L.mins, L.half_scales,
+      return sf_linear_q8g(x, M, L.K, ldx, static_cast<const int8_t*>(L.codes), L.scale, L.mins, L.scale_kind,
                            L.G, L.N, L.bias, res, ldr, y, ldy, threads);
     default:
-      return sf_linear_qdot(x, M, L.K, ldx, L.q4, static_cast<const uint8_t*>(L.codes), L.high, L.scale, L.mins,
-                            L.half_scales, L.G, L.N, L.bias, res, ldr, y, ldy, threads);
+      return sf_linear_qdot(x, M, L.K, ldx, L.bits, static_cast<const uint8_t*>(L.codes), L.high, L.scale, L.mins,
+                            L.scale_kind, L.G, L.N, L.bias, res, ldr, y, ldy, threads);
   }
 }
 

@@ -10,9 +10,11 @@ import copy
 import pytest
 import torch
 from helpers import tiny_config, tiny_state
+from specfleet.bench.gpu.quant_packers import pack_q4_k, pack_q6_k
 from specfleet.engine.attention.base import AttentionMetadata
 from specfleet.engine.attention.native_backend import NativeAttentionBackend
 from specfleet.engine.models.llama import LlamaModel
+from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels import cpu_native
 from specfleet.kernels.quantized import QuantTensor
 
@@ -124,6 +126,41 @@ FORMS = ("float32", "int8", "q4-int8", "q4-float32", "q8-int8", "q8-float32")
 def test_decode_layers_equal_the_per_layer_path(arch: str, form: str) -> None:
     model = _model(arch, form)
     # decode rows, a verification of 3 rows, and a padding row after them
+    fused, layered, fc, lc = _both_paths(model, query_lens=[1, 3, 1], seq_lens=[5, 9, 13], padding=1)
+    real = fused.shape[0] - 1
+    assert torch.equal(fused[:real], layered[:real])
+    for (fk, fv), (lk, lv) in zip(fc, lc, strict=True):
+        assert torch.equal(fk, lk) and torch.equal(fv, lv)
+
+
+def _k_quant_model(activations: str) -> LlamaModel:
+    """A Q4_K_M-like mix from llama.cpp's own block layouts: Q4_K projections, Q6_K v and down, so the fused
+    q/k/v holds 6-bit codes in groups of 16 and every K-quant keeps its two-level scales."""
+    config = tiny_config(
+        "llama",
+        vocab_size=256,
+        hidden_size=256,  # K-quant rows are whole 256-value super-blocks
+        intermediate_size=256,
+        num_hidden_layers=LAYERS,
+        max_position_embeddings=128,
+    )
+    state = tiny_state(config, std=0.2)
+    for name, w in list(state.items()):
+        if any(p in name for p in PROJECTIONS) and name.endswith("weight"):
+            six = "v_proj" in name or "down_proj" in name
+            raw = (pack_q6_k if six else pack_q4_k)(w.numpy())
+            state[name] = decode(raw, "Q6_K" if six else "Q4_K", tuple(w.shape))
+    return LlamaModel(
+        config, state, torch.float32, torch.device("cpu"), quantize="gguf", activations=activations
+    )
+
+
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+def test_decode_layers_run_k_quants_as_packed(activations: str) -> None:
+    model = _k_quant_model(activations)
+    layer = model.layers[0]
+    assert (layer.qkv.bits, layer.gate_up.bits, layer.down.bits) == (6, 4, 6)
+    assert all(lin.two_level is not None for lin in (layer.qkv, layer.o, layer.gate_up, layer.down))
     fused, layered, fc, lc = _both_paths(model, query_lens=[1, 3, 1], seq_lens=[5, 9, 13], padding=1)
     real = fused.shape[0] - 1
     assert torch.equal(fused[:real], layered[:real])

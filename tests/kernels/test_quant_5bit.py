@@ -68,7 +68,8 @@ def _gguf_part(name: str, w: np.ndarray) -> tuple[QuantTensor, torch.Tensor]:
         (("Q5_K", "Q8_0", "Q5_K"), 512, 8, False),
         (("Q4_0", "Q5_0"), 576, 5, False),  # 4-bit codes are 5-bit codes as they are
         (("Q4_K", "Q5_1", "Q8_0"), 512, 8, False),
-        (("Q4_K", "Q4_K", "Q6_K"), 512, 8, False),  # a 2048-wide Q4_K_M's q, k, v: groups of 16, float path
+        # a 2048-wide Q4_K_M's q, k, v: 6-bit codes (Q6_K's q with offset -32 d sc), groups of 16, float path
+        (("Q4_K", "Q4_K", "Q6_K"), 512, 6, False),
     ],
 )
 @pytest.mark.parametrize("activations", ["int8", "float32"])

@@ -15,6 +15,7 @@ from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k, pa
 from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels import cpu_native
+from specfleet.kernels.cpu_quant import TWO_LEVEL_SCALES
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not cpu_native.available(), reason="native kernels did not build")
@@ -62,8 +63,12 @@ def test_gguf_types_match_gguf_dequantize(type_name: str, shape: tuple[int, int]
     assert q.dequantize().equal(reference)  # the decoded codes, scales and mins are exact
     assert (q.dequantize() - torch.from_numpy(w)).abs().max() < 0.3  # and they are a quantization of w
     _check_linear(q, reference, rows)
-    # GGUF's fp16 d and m stream as halfs; the K types' d * sc products need float32 to stay exact
-    assert (cpu_native.QuantLinear(q).scales.dtype == torch.float16) == (not type_name.endswith("_K"))
+    # GGUF's fp16 d and m stream as halfs; the K types' d * sc products as their two levels (exact)
+    layer = cpu_native.QuantLinear(q)
+    if type_name.endswith("_K"):
+        assert layer.scale_kind == TWO_LEVEL_SCALES and layer.two_level is not None
+    else:
+        assert layer.scales is not None and layer.scales.dtype == torch.float16
 
 
 HALF_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q8_0": [0], "Q4_K": [0, 2], "Q5_0": [0], "Q5_1": [0, 2]}

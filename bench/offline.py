@@ -95,13 +95,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-seqs", type=int, default=64)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--skip-hf", action="store_true", help="engine only (no ratios)")
+    parser.add_argument(
+        "--quantization", default=None, help="as `serve --quantization` (gguf: a GGUF file's own blocks)"
+    )
     parser.add_argument("--out", default="bench/results/offline.json")
     args = parser.parse_args(argv)
 
     requests = workload(args.num_prompts)
     single = [(workload(1, seed=1)[0][0][:64], args.single_stream_tokens)]
     llm = LLM(
-        model=args.model, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens
+        model=args.model,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        quantization=args.quantization,
     )
     run_engine(llm, [(p[:32], 8) for p, _ in requests[:4]])  # warm up
     llm.engine.stats.peak_kv_slots_allocated = llm.engine.stats.peak_kv_slots_used = 0
@@ -111,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     single_s, single_tokens = run_engine(llm, single)
     result = {
         "model": args.model,
+        "quantization": args.quantization,
         "threads": torch.get_num_threads(),
         "num_prompts": args.num_prompts,
         "engine_tok_s": engine_tokens / engine_s,

@@ -42,6 +42,10 @@ _HEADERS_KEY = web.RequestKey("specfleet_ratelimit_headers", dict)
 # charges the engine's real count, so the estimate only decides admission.
 BYTES_PER_TOKEN = 4
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+# The engine's routes that take `priority` (and, the first two, `stream_options`); other bodies (tokenize,
+# detokenize) go on with only their model rewritten.
+PRIORITY_PATHS = frozenset({"completions", "chat/completions", "embeddings"})
+STREAM_PATHS = frozenset({"completions", "chat/completions"})
 T = TypeVar("T")
 
 
@@ -55,13 +59,15 @@ def _error(
 def estimate_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | None) -> int:
     """The tokens a request may use: its prompt's (by the model's tokenizer when the router has it, else
     BYTES_PER_TOKEN) plus `max_tokens` (or `max_completion_tokens`) for each of its `n` choices."""
-    prompt = body.get("prompt")
+    prompt = body.get("prompt", body.get("input"))  # `input`: embeddings
     texts: list[str] = []
     ids = 0
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
         texts = list(prompt)  # a batch of prompts: each one is prefilled
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         ids = sum(len(p) for p in prompt)
+    elif isinstance(prompt, str):
+        texts = [prompt]
     else:
         text, token_ids = prompt_text(body)
         texts, ids = [text], len(token_ids or [])
@@ -162,7 +168,7 @@ class TenantGate:
             return self._refused(tenant, verdict, tokens)
         self.metrics.requests.labels(tenant.name, "ok").inc()
         request[_HEADERS_KEY] = verdict.headers()
-        tap = self._rewrite(body, tenant)
+        tap = self._rewrite(body, tenant, request.match_info.get("path", ""))
         request[RESPONSE_TAP] = tap
         try:
             response = await router.forward(request, json.dumps(body).encode())
@@ -196,10 +202,11 @@ class TenantGate:
         )
 
     @staticmethod
-    def _rewrite(body: dict[str, Any], tenant: Tenant) -> UsageTap:
+    def _rewrite(body: dict[str, Any], tenant: Tenant, path: str) -> UsageTap:
         """The tenant's priority into the body, usage asked of a stream; the tap that reads the usage back."""
-        body["priority"] = tenant.priority
-        stream = body.get("stream") is True
+        if path in PRIORITY_PATHS:
+            body["priority"] = tenant.priority
+        stream = body.get("stream") is True and path in STREAM_PATHS
         options = body.get("stream_options")
         asked = isinstance(options, dict) and options.get("include_usage") is True
         if stream and not asked:

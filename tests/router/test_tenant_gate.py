@@ -146,15 +146,21 @@ def test_keys_models_and_priority() -> None:
         assert answer.usage is not None and answer.usage.total_tokens == PROMPT_TOKENS + 2
         await client(url, "batch").completions.create(model="beta", prompt="x", max_tokens=1)
         assert [b["priority"] for b in sent(engine)] == [-10, 10]  # the class's, not the client's 99
+        auth = {"Authorization": f"Bearer {KEYS['team-a']}"}
+        async with aiohttp.ClientSession() as http:  # a route without `priority` gets none
+            async with http.post(
+                f"{url}/v1/tokenize", json={"model": "alpha", "prompt": "x"}, headers=auth
+            ) as r:
+                assert r.status == 200
+        assert sent(engine)[-1] == {"model": "engine-a", "prompt": "x"}
 
         text = await metrics(url)
         assert 'specfleet_gateway_tenant_requests_total{result="unauthorized",tenant="unknown"} 3.0' in text
         assert 'specfleet_gateway_tenant_requests_total{result="forbidden",tenant="team-a"} 1.0' in text
-        assert 'specfleet_gateway_tenant_requests_total{result="ok",tenant="team-a"} 1.0' in text
-        assert (
-            f'specfleet_gateway_tenant_tokens_total{{result="ok",tenant="team-a"}} {PROMPT_TOKENS + 2}.0'
-            in text
-        )
+        assert 'specfleet_gateway_tenant_requests_total{result="ok",tenant="team-a"} 2.0' in text
+        # the completion's usage and the tokenize answer's (the stand-in reports usage for any body: 1 token)
+        charged = (PROMPT_TOKENS + 2) + (PROMPT_TOKENS + 1)
+        assert f'specfleet_gateway_tenant_tokens_total{{result="ok",tenant="team-a"}} {charged}.0' in text
 
     run_gate(gate, test)
 

@@ -160,6 +160,8 @@ def test_the_estimate_counts_the_prompt_and_max_tokens_per_choice() -> None:
     assert estimate_tokens({"prompt": ["abcd", "abcd"]}, None) == 2
     assert estimate_tokens({"prompt": [1, 2, 3], "max_completion_tokens": 4}, None) == 7
     assert estimate_tokens({"prompt": [[1, 2], [3]]}, None) == 3
+    assert estimate_tokens({"input": ["abcd", "abcdefgh"]}, None) == 3  # embeddings
+    assert estimate_tokens({"input": "abcd"}, None) == 1
     words = estimate_tokens({"prompt": "one two three"}, lambda text: text.split())  # the router's tokenizer
     assert words == 3
     chat = {"messages": [{"role": "user", "content": "héllo"}], "max_tokens": 1}

@@ -35,7 +35,7 @@ from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import service_policy
 from specfleet.router.prefix import BlockHasher, stable_hash
 from specfleet.router.proxy import Router, serve
-from specfleet.router.tracing import ENDPOINT_FLAG, RouterTracer
+from specfleet.router.tracing import ENDPOINT_FLAG, RouterTracer, traces_endpoint
 from specfleet.tuner.loop import ServiceTuner, Tick, build_tuner, replica_params
 from specfleet.tuner.policy.replicas import ReplicaDecision, ReplicaPolicy
 
@@ -134,6 +134,9 @@ class LocalFleet:
             session_header=routing.session_header or None,
             queue_timeout_s=float(routing.queue_timeout_seconds),
         )
+        if not self.otlp_traces_endpoint and spec.observability.otlp_traces_endpoint:
+            # the YAML's collector, as the pods get it (the command line and OTEL_* take precedence)
+            self.otlp_traces_endpoint = traces_endpoint(spec.observability.otlp_traces_endpoint)
         if self.otlp_traces_endpoint:
             self.router.tracer = RouterTracer.from_endpoint(self.otlp_traces_endpoint)
         self.tuner: ServiceTuner | None = None

@@ -120,6 +120,8 @@ def engine_args(
             args += ["--draft-quantization", spec.speculative.draft_model.quantization]
     if not spec.engine.prefix_caching:
         args.append("--no-prefix-caching")
+    if spec.observability.otlp_traces_endpoint:
+        args += ["--otlp-traces-endpoint", spec.observability.otlp_traces_endpoint]
     return args + role_args(role) + list(spec.engine.extra_args)
 
 

@@ -96,6 +96,11 @@ def router_args(isvc: InferenceService) -> list[str]:
         str(SHUTDOWN_DELAY_SECONDS),
         "--drain-timeout",
         str(spec.engine.drain_timeout_seconds),
+        *(
+            ["--otlp-traces-endpoint", spec.observability.otlp_traces_endpoint]
+            if spec.observability.otlp_traces_endpoint
+            else []
+        ),
     ]
 
 

@@ -19,6 +19,7 @@ One module per section of the spec, each importable from here:
 - `autotune.py`: `slo` and `autotune` (bounds and pins generated from the knob declaration)
 - `routing.py`: `routing`, with the router pods' placement
 - `autoscaling.py`: `autoscaling`
+- `observability.py`: `observability` (where request traces go)
 - `service.py`: `InferenceServiceSpec`, the rules that span sections
 """
 
@@ -64,6 +65,10 @@ from .model import (
     ModelCacheSpec,
     ModelSource,
     ModelSpec,
+)
+from .observability import (
+    OTLP_ENDPOINT_PATTERN,
+    ObservabilitySpec,
 )
 from .placement import (
     NODE_SELECTOR_KEYS,
@@ -138,6 +143,8 @@ __all__ = [
     "ModelSpec",
     "NODES_SPLIT",
     "NODE_SELECTOR_KEYS",
+    "OTLP_ENDPOINT_PATTERN",
+    "ObservabilitySpec",
     "OptionalName",
     "POSITIVE_QUANTITY_PATTERN",
     "PodTemplateSpec",

@@ -14,6 +14,7 @@ from .disaggregation import DisaggregationSpec
 from .engine import NODES_SPLIT, BatchingSpec, EngineSpec
 from .fields import _default_obj, _Spec, cel
 from .model import ModelSpec
+from .observability import ObservabilitySpec
 from .placement import ResourcesSpec, SchedulingSpec
 from .pod import PodTemplateSpec
 from .rollout import RolloutSpec
@@ -125,6 +126,7 @@ class InferenceServiceSpec(_Spec):
     autotune: AutotuneSpec = _default_obj(AutotuneSpec)
     routing: RoutingSpec = _default_obj(RoutingSpec)
     autoscaling: AutoscalingSpec = _default_obj(AutoscalingSpec)
+    observability: ObservabilitySpec = _default_obj(ObservabilitySpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:

@@ -32,6 +32,7 @@ from .endpoints import EndpointSet
 from .metrics import RouterMetrics
 from .policies import Choice, RouteRequest, RoutingPolicy
 from .prefix import BlockHasher
+from .upstream import EngineBroken, EnginePool, EngineUnreachable
 from .usage_tap import UsageTap
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ class Router:
 
     def __post_init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
+        self.engines = EnginePool()  # the forwarded requests' connections (router/upstream.py)
         self._changed = asyncio.Event()
         self._waiting = 0
         self.cold_start_s: float | None = None  # the last scale from zero: the first queued request's wait
@@ -185,6 +187,7 @@ class Router:
         return self._session
 
     async def close(self) -> None:
+        self.engines.close()
         if self._session is not None:
             await self._session.close()
 
@@ -336,14 +339,21 @@ class Router:
         attempt: int,
         started: float,
     ) -> web.StreamResponse:
-        target = f"{url}{request.rel_url}"
         try:
-            upstream = await self.client().request(request.method, target, data=body or None, headers=headers)
-        except (aiohttp.ClientError, TimeoutError, OSError) as error:
-            raise _RetryableFailure(f"{type(error).__name__}: {error}") from error
+            upstream = await self.engines.request(
+                url,
+                request.method,
+                str(request.rel_url),
+                headers,
+                body,
+                self.connect_timeout_s,
+                self.request_timeout_s,
+            )
+        except EngineUnreachable as error:
+            raise _RetryableFailure(str(error)) from error
         try:
             if upstream.status in RETRYABLE_STATUS and attempt < self.max_retries:
-                text = (await upstream.read())[:300].decode(errors="replace")
+                text = (await upstream.read(300)).decode(errors="replace")
                 raise _RetryableFailure(f"engine answered {upstream.status}: {text}")
             out = web.StreamResponse(
                 status=upstream.status,
@@ -355,17 +365,20 @@ class Router:
             try:
                 await out.prepare(request)
                 tap = request.get(RESPONSE_TAP)
-                async for chunk in upstream.content.iter_any():
-                    await out.write(chunk if tap is None else tap.feed(chunk))
-                if tap is not None:
-                    await out.write(tap.flush())
-                await out.write_eof()
+                last = b""  # the body's last bytes go out with the stream's end, in one write
+                async for chunk in upstream.chunks():
+                    chunk = chunk if tap is None else tap.feed(chunk)
+                    if upstream.ended:
+                        last = chunk
+                    else:
+                        await out.write(chunk)
+                await out.write_eof(last if tap is None else last + tap.flush())
             except asyncio.CancelledError:  # aiohttp cancels the handler when its client leaves
                 outcome = "disconnected"
                 raise
             except ConnectionResetError:  # or a write finds the client's transport already closing
                 outcome = "disconnected"  # nothing to tell it; raising would only log a handler error
-            except (aiohttp.ClientError, TimeoutError) as error:  # the engine failed mid-stream: no retry
+            except (EngineBroken, TimeoutError) as error:  # the engine failed mid-stream: no retry
                 outcome = "broken"
                 logger.warning("event=broken engine=%s error=%r", url, f"{type(error).__name__}: {error}")
             finally:

@@ -759,6 +759,7 @@ class Engine:
             num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=self.kv.usage(),
             num_preemptions=sched.num_preemptions,
+            num_priority_preemptions=sched.num_priority_preemptions,
             prompt_tokens=sched.num_prompt_tokens,
             generation_tokens=sum(n for _, n in changed),
             num_drafts=spec.num_drafts,

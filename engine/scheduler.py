@@ -44,6 +44,7 @@ class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     num_batched_tokens: int = 0
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0  # of those, running sequences displaced by a higher-priority arrival
     num_prompt_tokens: int = 0  # prompt tokens computed this step (prefill work)
     finished: list[Sequence] = field(default_factory=list)  # ended by the scheduler ("length": no room)
     # [num_sample_rows, ceil(vocab / 32)] int32 allowed tokens, num_spec_tokens + 1 rows per sampling item;
@@ -258,6 +259,7 @@ class Scheduler:
             out.num_prompt_tokens -= max(0, min(end, victim.num_prompt_tokens) - victim.num_computed_tokens)
         self._preempt(victim)
         out.num_preemptions += 1
+        out.num_priority_preemptions += 1
         return item.num_new_tokens if item is not None else -1
 
     def _scheduled(self, out: SchedulerOutput, seq: Sequence, num_new: int) -> ScheduledSeq:

@@ -16,6 +16,7 @@ class StepStats:
     num_waiting: int = 0
     kv_cache_usage: float = 0.0  # fraction of KV blocks referenced
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0  # of those, displaced by a higher-priority arrival (request_queue.py)
     prompt_tokens: int = 0  # prompt tokens computed this step
     generation_tokens: int = 0  # tokens emitted this step
     num_drafts: int = 0
@@ -32,6 +33,7 @@ class EngineStats:
     prompt_tokens: int = 0
     generation_tokens: int = 0
     num_preemptions: int = 0
+    num_priority_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of those, tokens found
     num_drafts: int = 0
@@ -52,6 +54,7 @@ class EngineStats:
         self.prompt_tokens += step.prompt_tokens
         self.generation_tokens += step.generation_tokens
         self.num_preemptions += step.num_preemptions
+        self.num_priority_preemptions += step.num_priority_preemptions
         self.num_drafts += step.num_drafts
         self.num_draft_tokens += step.num_draft_tokens
         self.num_accepted_tokens += step.num_accepted_tokens

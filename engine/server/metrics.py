@@ -72,6 +72,10 @@ _COUNTERS = {  # name without _total -> (help, EngineStats attribute)
     "specfleet_prompt_tokens": ("Prompt tokens computed", "prompt_tokens"),
     "specfleet_generation_tokens": ("Generated tokens", "generation_tokens"),
     "specfleet_num_preemptions": ("Requests preempted (recompute)", "num_preemptions"),
+    "specfleet_num_priority_preemptions": (
+        "Of those, running requests displaced by a waiting one of higher priority (--scheduling-policy priority)",
+        "num_priority_preemptions",
+    ),
     "specfleet_prefix_cache_queries": ("Prompt tokens looked up in the prefix cache", "prefix_cache_queries"),
     "specfleet_prefix_cache_hits": ("Prompt tokens found in the prefix cache", "prefix_cache_hits"),
     "specfleet_spec_decode_drafts": ("Speculative drafts verified", "num_drafts"),

@@ -82,7 +82,7 @@ def test_under_kv_pressure_the_lowest_priority_latest_arrival_is_preempted() -> 
     sched = _sched(PRIORITY, num_blocks=7)
     seqs = _fill(sched, [0, 3, 3, 1])  # each holds 1 block (4 prompt tokens), token 5 needs a 2nd
     out = sched.schedule()
-    assert out.num_preemptions == 1
+    assert out.num_preemptions == 1 and out.num_priority_preemptions == 0  # the cache's, not an arrival's
     assert seqs[2].status is Status.WAITING and seqs[2].num_preemptions == 1  # priority 3, the later one
     assert all(s.status is Status.RUNNING for s in (seqs[0], seqs[1], seqs[3]))
     assert _ids(sched.running) == [0, 3, 1]  # kept in (priority, arrival) order: the tail goes first
@@ -124,7 +124,7 @@ def test_admission_displaces_a_victim_already_scheduled_this_step_and_gives_its_
     assert low[1].status is Status.WAITING and low[0].status is Status.RUNNING
     assert low[1] not in [item.seq for item in out.scheduled]  # its decode, scheduled first, was undone
     assert out.num_batched_tokens == sum(item.num_new_tokens for item in out.scheduled) == 1 + 16
-    assert out.num_prompt_tokens == 16 and out.num_preemptions == 1
+    assert out.num_prompt_tokens == 16 and out.num_preemptions == out.num_priority_preemptions == 1
     _run(sched, out)
 
 
@@ -236,3 +236,21 @@ def test_the_policy_is_an_engine_flag_and_an_unknown_one_is_refused() -> None:
         parser.parse_args(["--scheduling-policy", "lifo"])
     with pytest.raises(ValueError, match="scheduling_policy='lifo' is not one of fcfs, priority"):
         EngineConfig(scheduling_policy="lifo")
+
+
+@pytest.mark.slow
+def test_llm_generate_takes_one_priority_per_prompt(tiny_llama: str) -> None:
+    from specfleet.engine import LLM
+
+    greedy = SamplingParams(max_tokens=2, temperature=0, ignore_eos=True)
+    prompts = [[5, 6, 7], [8, 9, 10], [11, 12, 13]]
+    llm = LLM(model=tiny_llama, max_num_seqs=1, max_model_len=64, scheduling_policy=PRIORITY)
+    outs = llm.generate(prompts, greedy, priority=[2, 0, 1])
+    started = [out.metrics.first_scheduled_time for out in outs if out.metrics is not None]
+    assert sorted(range(3), key=lambda i: started[i]) == [1, 2, 0]  # one at a time, lowest value first
+    with pytest.raises(ValueError, match="got 1 priorities for 3 prompts"):
+        llm.generate(prompts, greedy, priority=[1])
+    fcfs = LLM(model=tiny_llama, max_model_len=64)
+    with pytest.raises(ParameterError, match="Priority scheduling is not enabled"):
+        fcfs.generate(prompts, greedy, priority=[0, 0, 4])
+    assert fcfs.engine.kv_blocks_in_use() == 0 and not fcfs.engine.has_unfinished_requests()

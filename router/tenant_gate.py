@@ -114,7 +114,15 @@ class TenantGate:
         """The gate on the gateway's app: the key check before every handler, the headers on every answer."""
         app.middlewares.append(self.authenticate)
         app.on_response_prepare.append(self._add_headers)
+        app.on_cleanup.append(self._close)
         self.metrics.register(registry)
+
+    async def _close(self, _: web.Application) -> None:
+        """The settlements still running finish, then the limiter's connections (Redis) close."""
+        await asyncio.gather(*self._settling, return_exceptions=True)
+        close = getattr(self.limiter, "close", None)
+        if close is not None:
+            await close()
 
     @web.middleware
     async def authenticate(

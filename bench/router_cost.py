@@ -363,6 +363,15 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def use_uvloop() -> None:
+    """uvloop for this process's loop when installed (the router's, too: router/cli.py)."""
+    try:
+        import uvloop
+    except ImportError:
+        return
+    asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     for name in ("requests", "rounds"):
@@ -378,6 +387,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    use_uvloop()  # the load generator and the fake engine as cheap as they can be
     result = stoppable.run(bench(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

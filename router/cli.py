@@ -7,6 +7,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
@@ -260,11 +261,23 @@ async def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def event_loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop's loop when it is installed (the operator image has it): its I/O and callbacks run in C,
+    where asyncio's own loop was a large part of the router's CPU per streamed request (`specfleet bench
+    router`, docs/results/2026-12-03-bench-router.md); None (asyncio's loop) otherwise."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
-        return asyncio.run(run(args))
+        with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+            return runner.run(run(args))
     except (ValueError, OSError, KeyError) as error:
         print(f"specfleet router: {error}", file=sys.stderr)
         return 2

@@ -139,39 +139,74 @@ FLOAT_UNIT, DOT_UNIT = 16, 64
 
 def pack_quant_panels(q: QuantTensor) -> QuantPanels:
     """Codes, scales and mins in the float kernel's panels: 32 output columns per panel, each a sequential
-    stream. 4- and 5-bit codes: byte (k / 2, c) holds row k's code (its low 4 bits) in its low nibble, row
-    k + 1's in its high; a 5-bit weight's plane then has [panel][K / 2][2 (columns 0-15, 16-31)][2 (low,
-    high nibbles)][2 bytes]."""
-    codes = pack_panels(q.codes.t())  # [panels, K, 32], padding columns get code 0
-    high = None
-    if q.bits < 8:
-        codes, high = _nibble_bytes(codes[:, 0::2], codes[:, 1::2], q.bits, FLOAT_UNIT)
-        if high is not None:
-            high = high.view(-1, codes.shape[0], codes.shape[1], 2, 2, FLOAT_UNIT // 8)
-    return QuantPanels(codes, high, *_scale_panels(q))
+    stream. 4- to 6-bit codes: byte (k / 2, c) holds row k's code (its low 4 bits) in its low nibble, row
+    k + 1's in its high; a 5- or 6-bit weight's planes then have [panel][K / 2][2 (columns 0-15, 16-31)][2
+    (low, high nibbles)][2 bytes]."""
+    return QuantPanels(*_by_panels(q, _float_rows), *_scale_panels(q))
+
+
+def _float_rows(codes: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    panels = pack_panels(codes.t())  # [panels, K, 32], padding columns get code 0
+    if bits == 8:
+        return panels, None
+    nibbles, high = _nibble_bytes(panels[:, 0::2], panels[:, 1::2], bits, FLOAT_UNIT)
+    if high is None:
+        return nibbles, None
+    return nibbles, high.view(-1, nibbles.shape[0], nibbles.shape[1], 2, 2, FLOAT_UNIT // 8)
 
 
 def pack_dot_panels(q: QuantTensor) -> QuantPanels:
     """Codes in the int8-activation kernel's panels (native.cpp, "dot panels"): per 32-column panel and
-    chunk of input rows (8 for 4- and 5-bit, 4 for 8-bit), [half][column 0..15][i 0..3], so that one 64-byte
+    chunk of input rows (8 for 4- to 6-bit, 4 for 8-bit), [half][column 0..15][i 0..3], so that one 64-byte
     load is 16 columns x 4 rows. 4-bit: row k0 + i in the low nibble, k0 + 4 + i in the high; 5- and 6-bit:
     their low 4 bits so, and a plane per high bit [panel][K / 8][2 (half)][2 (low, high nibbles)][8 bytes];
     8-bit: code + 128."""
-    n, k = q.shape
+    return QuantPanels(*_by_panels(q, _dot_rows), *_scale_panels(q))
+
+
+def _dot_rows(rows: torch.Tensor, bits: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    n, k = rows.shape
     panels = -(-n // PANEL)
     codes = torch.zeros(panels * PANEL, k, dtype=torch.uint8)
-    codes[:n] = q.codes.view(torch.uint8) if q.bits == 8 else q.codes
-    high = None
-    if q.bits == 8:
+    codes[:n] = rows.view(torch.uint8) if bits == 8 else rows
+    if bits == 8:
         codes[:n] ^= 0x80  # two's complement int8 -> code + 128 as uint8
-        codes = codes.view(panels, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous()
-    else:
-        c = codes.view(panels, 2, 16, k // 8, 2, 4)  # [..., lo/hi half of the 8 rows, i]
-        lo, hi = (c[:, :, :, :, j].permute(0, 3, 1, 2, 4).contiguous() for j in (0, 1))
-        codes, high = _nibble_bytes(lo, hi, q.bits, DOT_UNIT)
-        if high is not None:
-            high = high.view(-1, panels, k // 8, 2, 2, DOT_UNIT // 8)
-    return QuantPanels(codes, high, *_scale_panels(q))
+        return codes.view(panels, 2, 16, k // 4, 4).permute(0, 3, 1, 2, 4).contiguous(), None
+    c = codes.view(panels, 2, 16, k // 8, 2, 4)  # [..., lo/hi half of the 8 rows, i]
+    lo, hi = (c[:, :, :, :, j].permute(0, 3, 1, 2, 4).contiguous() for j in (0, 1))
+    del codes, c
+    nibbles, high = _nibble_bytes(lo, hi, bits, DOT_UNIT)
+    return nibbles, None if high is None else high.view(-1, panels, k // 8, 2, 2, DOT_UNIT // 8)
+
+
+# Code values packed at a time: the packing's temporaries (a padded copy, the two nibble halves, the bit
+# planes' byte-per-bit intermediates: about 6 bytes a value for 6-bit codes) stay near 12 MB for a chunk of 2M,
+# where a 0.8B model's fused gate/up (23M values) took about 100 MB above its packed size at once.
+PACK_VALUES = 1 << 21
+
+
+def _by_panels(
+    q: QuantTensor, pack_rows: Callable[[torch.Tensor, int], tuple[torch.Tensor, torch.Tensor | None]]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`pack_rows` over chunks of whole panels of the codes, into one output (panels are independent:
+    [panel, ...] codes and [plane, panel, ...] high-bit planes)."""
+    n, k = q.shape
+    panels = -(-n // PANEL)
+    step = max(1, PACK_VALUES // (PANEL * k))  # panels per chunk
+    if step >= panels:
+        return pack_rows(q.codes, q.bits)
+    codes: torch.Tensor | None = None
+    high: torch.Tensor | None = None
+    for p0 in range(0, panels, step):
+        c, h = pack_rows(q.codes[p0 * PANEL : (p0 + step) * PANEL], q.bits)
+        if codes is None:
+            codes = torch.empty((panels, *c.shape[1:]), dtype=c.dtype)
+            high = None if h is None else torch.empty((h.shape[0], panels, *h.shape[2:]), dtype=h.dtype)
+        codes[p0 : p0 + step] = c
+        if high is not None and h is not None:
+            high[:, p0 : p0 + step] = h
+    assert codes is not None
+    return codes, high
 
 
 def dot_supported(q: QuantTensor) -> bool:

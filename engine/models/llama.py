@@ -245,7 +245,7 @@ class LlamaModel:
         for i in range(args.num_layers):
             prefix = f"layers.{i}."
             layer = [k for k in names if k.startswith(prefix)]
-            self.layers.append(LlamaLayer(args, {k[len(prefix) :]: take(k) for k in layer}, ops))
+            self.layers.append(LlamaLayer(args, _TakenWhenAsked(layer, prefix, take), ops))
         cos, sin = rope_tables(config, args.head_dim, args.max_position)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
@@ -326,3 +326,26 @@ class LlamaModel:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [n, hidden] -> [n, vocab] float32
         return self.lm_head(self.ops.rms_norm(hidden, self.norm, self.args.rms_norm_eps)).float()
+
+
+class _TakenWhenAsked(Mapping[str, "torch.Tensor | QuantTensor"]):
+    """One layer's weights by their names within the layer, each taken from the model's state only when the
+    layer asks for it. With a lazy state (a GGUF file: gguf_file.GGUFState decodes a tensor when it is read)
+    the layer decodes and packs one fused group (q/k/v, o, gate/up, down) before it reads the next, so loading
+    holds one group's decoded codes rather than a whole layer's (45M one-byte codes in a 0.8B model's layer)."""
+
+    def __init__(self, names: list[str], prefix: str, take: Callable[[str], torch.Tensor | QuantTensor]):
+        self._names = {k[len(prefix) :]: k for k in names}
+        self._take = take
+
+    def __getitem__(self, name: str) -> torch.Tensor | QuantTensor:
+        return self._take(self._names[name])
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names  # without reading the tensor
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)

@@ -163,12 +163,13 @@ def test_gguf_q5_q6_model_loads_lazily_and_matches_its_dequantized_weights(
 
 
 @pytest.mark.parametrize("activations", ["float32", "int8"])
-def test_gguf_loads_one_layer_at_a_time_and_keeps_the_embedding_quantized(
+def test_gguf_loads_one_fused_group_at_a_time_and_keeps_the_embedding_quantized(
     tmp_path: Path, bundled_path: Path, monkeypatch: pytest.MonkeyPatch, activations: str
 ) -> None:
-    """The memory property of --quantization gguf, structurally: the model asks for a layer's tensors only
-    once every earlier layer's decoded tensors are gone (held: the packed model plus one layer), and a tied
-    quantized embedding lives once, in the head's packed panels (no float32 table of vocab rows)."""
+    """The memory property of --quantization gguf, structurally: the model asks for a fused group's tensors
+    (q/k/v, o, gate/up, down) only once every other group's decoded tensors are gone (held: the packed model
+    plus one group's decoded codes), and a tied quantized embedding lives once, in the head's packed panels
+    (no float32 table of vocab rows)."""
     import weakref
 
     from specfleet.engine.models.llama import LlamaModel
@@ -176,16 +177,20 @@ def test_gguf_loads_one_layer_at_a_time_and_keeps_the_embedding_quantized(
 
     config, path, ref = _write_files(tmp_path, bundled_path, tied=True)
     state = GGUFState(path, config)
-    handed: list[tuple[int, weakref.ref]] = []  # (layer, a decoded projection handed out)
+    handed: list[tuple[int, str, weakref.ref]] = []  # (layer, group, a decoded projection handed out)
+    groups = {"q_proj": "qkv", "k_proj": "qkv", "v_proj": "qkv", "gate_proj": "gate_up", "up_proj": "gate_up"}
 
     class Watched(dict):
         def __getitem__(self, name: str):
-            layer = int(name.split(".")[1]) if name.startswith("layers.") else -1
-            alive = [n for n, r in handed if r() is not None and -1 < n < layer]
-            assert not alive, f"{name} asked for while layers {alive} are still decoded"
+            parts = name.split(".")
+            layer, group = (
+                (int(parts[1]), groups.get(parts[3], parts[3])) if parts[0] == "layers" else (-1, "")
+            )
+            alive = [(n, g) for n, g, r in handed if r() is not None and n > -1 and (n, g) != (layer, group)]
+            assert not alive, f"{name} asked for while {alive} are still decoded"
             value = state[name]
             if isinstance(value, QuantTensor):  # decoded codes (float norms are the model's own, kept)
-                handed.append((layer, weakref.ref(value)))
+                handed.append((layer, group, weakref.ref(value)))
             return value
 
     model = LlamaModel(
@@ -196,7 +201,7 @@ def test_gguf_loads_one_layer_at_a_time_and_keeps_the_embedding_quantized(
         quantize="gguf",
         activations=activations,
     )
-    assert sorted({n for n, _ in handed}) == [-1, 0, 1]
+    assert sorted({n for n, _, _ in handed}) == [-1, 0, 1]
     assert model.embed is None and isinstance(model.lm_head, cpu_native.QuantLinear)
     tensors = [t for t in vars(model).values() if isinstance(t, torch.Tensor)]
     assert not [t for t in tensors if t.dtype == torch.float32 and t.shape[0] == config.vocab_size]

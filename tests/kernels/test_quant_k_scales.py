@@ -10,7 +10,7 @@ import pytest
 import torch
 from specfleet.bench.gpu.quant_packers import pack_q4_k, pack_q5_k, pack_q6_k
 from specfleet.engine.quant.gguf_blocks import BLOCK_BYTES, decode
-from specfleet.kernels import cpu_native
+from specfleet.kernels import cpu_native, cpu_quant
 from specfleet.kernels.cpu_quant import TWO_LEVEL_SCALES
 from specfleet.kernels.quantized import QuantTensor, SuperScales
 
@@ -68,3 +68,32 @@ def test_extreme_6_bit_codes(activations: str, code: int, two_level: bool) -> No
     exact = x @ ref.t()
     torch.testing.assert_close(layer(x), exact, rtol=1e-4, atol=1e-3)  # float32 sums of 512 terms
     assert torch.equal(layer.weight_rows(torch.tensor([0, 5, 36])), ref[[0, 5, 36]])
+
+
+@pytest.mark.parametrize("bits", [4, 5, 6, 8])
+@pytest.mark.parametrize("activations", ["int8", "float32"])
+def test_packing_by_panel_chunks_equals_packing_whole(
+    bits: int, activations: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A weight larger than one packing step (cpu_quant.PACK_VALUES) packs chunk by chunk of whole panels
+    into the same bytes as at once; the last chunk ends inside a panel."""
+    n, k = 100, 256
+    g = torch.Generator().manual_seed(bits)
+    if bits == 8:
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    else:
+        codes = torch.randint(0, 1 << bits, (n, k), generator=g, dtype=torch.uint8)
+    q = QuantTensor(
+        codes, torch.rand(n, k // 32, generator=g), torch.rand(n, k // 32, generator=g), 32, bits, "t"
+    )
+    whole = cpu_native.QuantLinear(q, activations=activations)
+    monkeypatch.setattr(
+        cpu_quant, "PACK_VALUES", 32 * k * 2
+    )  # two panels a chunk: 4 chunks, the last partial
+    chunked = cpu_native.QuantLinear(q, activations=activations)
+    assert torch.equal(chunked.codes, whole.codes)
+    assert (chunked.high is None) == (whole.high is None) == (bits in (4, 8))
+    if whole.high is not None and chunked.high is not None:
+        assert torch.equal(chunked.high, whole.high)
+    x = torch.randn(3, k, generator=g)
+    assert torch.equal(chunked(x), whole(x))

@@ -21,8 +21,8 @@ Three ratios to the file's size, each net of the KV cache:
   ratio_above_runtime  (peak - runtime - KV) / file: the model and its tokenizer
   ratio_model          (peak - runtime - tokenizer - KV) / file: the weights as loaded and served, with the
                        step's activations and logits
-and the weights alone: ratio_packed_weights, the bytes of every packed linear's tensors (codes, 5-bit
-planes, scales, mins, biases; the head included) over the file's.
+and the weights alone: ratio_packed_weights, the bytes of every packed linear's tensors (codes, high-bit
+planes, scales and mins or their two levels, biases; the head included) over the file's.
 Prints one JSON object.
 """
 
@@ -69,7 +69,13 @@ out = llm.generate(["The capital of France is"] * args["requests"],
                    SamplingParams(temperature=0, max_tokens=args["max_tokens"], ignore_eos=True))
 kv = sum(k.nbytes + v.nbytes for k, v in llm.engine.runner.kv_caches)
 linears = [o for o in gc.get_objects() if isinstance(o, (cpu_native.QuantLinear, cpu_native.PackedLinear))]
-tensors = {t.data_ptr(): t.nbytes for o in linears for t in vars(o).values() if isinstance(t, torch.Tensor)}
+def parts(o):  # a linear's tensors, with a K-quant's two-level scale panels (cpu_quant.TwoLevelPanels)
+    for t in vars(o).values():
+        if isinstance(t, torch.Tensor):
+            yield t
+        elif hasattr(t, "tensors"):
+            yield from t.tensors()
+tensors = {t.data_ptr(): t.nbytes for o in linears for t in parts(o)}
 print(json.dumps({"runtime_rss_bytes": runtime, "runtime_peak_rss_bytes": runtime_peak,
                   "tokenizer_rss_bytes": with_tokenizer - runtime, "after_load_rss_bytes": loaded,
                   "load_peak_rss_bytes": load_peak, "peak_rss_bytes": peak(), "kv_cache_bytes": kv,

@@ -99,7 +99,9 @@ def test_nginx_proxies_as_the_router_buffers() -> None:
 @pytest.mark.skipif(shutil.which("/usr/sbin/nginx") is None, reason="Debian's nginx is not installed")
 def test_the_bench_runs_end_to_end_and_ends_with_the_ratios(tmp_path: Path) -> None:
     out = tmp_path / "bench-router.json"
+    router_src = str(Path(__file__).parents[2] / "router")  # the launcher for another version, on this one
     argv = ["--requests", "20", "--rounds", "2", "--ladder", "1,2", "--seconds", "0.3", "--out", str(out)]
+    argv += ["--router-src", router_src]
     proc = subprocess.run(
         [sys.executable, "-m", "specfleet.cli.main", "bench", "router", *argv],
         capture_output=True,
@@ -111,7 +113,8 @@ def test_the_bench_runs_end_to_end_and_ends_with_the_ratios(tmp_path: Path) -> N
     assert summary["added_p50_ratio_vs_nginx"] > 0 and summary["request_rate_ratio_vs_nginx"] > 0
     for target in ("direct", "nginx", "router"):
         assert summary[target]["max_rps"] > 0 and summary[target]["latency_p50_ms"] > 0
-    assert summary["router"]["cpu_us_per_request"] > 0
+    assert summary["router"]["cpu_us_per_request"] > 0 and summary["cpu_per_request_ratio_vs_nginx"] > 0
+    assert summary["workload"]["router_src"] == router_src
     assert json.loads(out.read_text())["rates"]["router"][-1]["concurrency"] == 2
     assert out.with_suffix(".png").stat().st_size > 0
 
@@ -121,3 +124,5 @@ def test_bad_arguments_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None
         main(["--ladder", "4,0"])
     assert exit_.value.code == 2 and "--ladder='4,0'" in capsys.readouterr().err
     assert main(["--seconds", "0"]) == 2 and "--seconds=0.0 must be > 0" in capsys.readouterr().err
+    assert main(["--router-src", "/nonexistent"]) == 2
+    assert "--router-src=/nonexistent holds no router" in capsys.readouterr().err

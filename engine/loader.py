@@ -96,6 +96,7 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
             device,
             quantization=quantization,
             gguf=str(resolved.gguf) if resolved.gguf else None,
+            max_model_len=max_model_len,
         )
     else:
         model = cls(
@@ -105,6 +106,7 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
             device,
             quantize=quantization,
             activations=config.quantized_activations,
+            max_model_len=max_model_len,
         )
     # The last layers' and the head's load temporaries are freed but, below live memory, stay resident
     # (12 MB after SmolLM2's Q4_K_M, 22 MB after its Q4_1; engine/heap.py): give them back before the KV

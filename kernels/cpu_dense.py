@@ -60,6 +60,8 @@ class _LayerDesc(ctypes.Structure):
         ("post_norm", ctypes.c_void_p),
         ("k_cache", ctypes.c_void_p),
         ("v_cache", ctypes.c_void_p),
+        ("q_norm", ctypes.c_void_p),
+        ("k_norm", ctypes.c_void_p),
     ]
 
 
@@ -86,6 +88,8 @@ class DecodeLayerWeights:
     down: LinearDesc
     input_norm: torch.Tensor  # [hidden] float32, contiguous
     post_norm: torch.Tensor
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMSNorm of q before rotary (Qwen3)
+    k_norm: torch.Tensor | None = None  # [head_dim]: the same for k; given with q_norm
 
 
 class DecodeLayers:
@@ -115,6 +119,13 @@ class DecodeLayers:
         self.hidden, self.heads, self.kv_heads, self.head_dim = first.qkv.K, heads, kv_heads, head_dim
         if first.qkv.N != (heads + 2 * kv_heads) * head_dim:
             raise ValueError(f"q/k/v has {first.qkv.N} outputs, not (heads + 2 kv_heads) * head_dim")
+        for i, w in enumerate(layers):
+            norms = (w.q_norm, w.k_norm)
+            if any(n is not None for n in norms) and not all(
+                n is not None and n.shape == (head_dim,) and n.dtype == torch.float32 and n.is_contiguous()
+                for n in norms
+            ):
+                raise ValueError(f"layer {i}: q_norm and k_norm must both be contiguous float32 [{head_dim}]")
         self._model = _ModelDesc(self.hidden, heads, kv_heads, head_dim, first.down.K, block_size, eps, scale)
         self._layers = (_LayerDesc * len(layers))(
             *(
@@ -127,6 +138,8 @@ class DecodeLayers:
                     w.post_norm.data_ptr(),
                     k.data_ptr(),
                     v.data_ptr(),
+                    None if w.q_norm is None else w.q_norm.data_ptr(),
+                    None if w.k_norm is None else w.k_norm.data_ptr(),
                 )
                 for w, (k, v) in zip(layers, kv_caches, strict=True)
             )

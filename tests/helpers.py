@@ -166,13 +166,16 @@ _TINY_ARCHITECTURES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM"),
 }
 
 
 def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
     """The transformers config of a tiny `kind` model (llama, mistral without a sliding window, qwen2 with
-    q/k/v bias): 2 layers, hidden 64, MLP 128, 4 attention heads over 2 KV heads (head dim 16), the bundled
-    tokenizer's vocab of 49152, 256 positions, untied embeddings; `overrides` replace or add fields."""
+    q/k/v bias, qwen3 with q/k norms and head_dim 32, phi3 with fused projections): 2 layers, hidden 64,
+    MLP 128, 4 attention heads over 2 KV heads (head dim 16, qwen3's 32), the bundled tokenizer's vocab of
+    49152, 256 positions, untied embeddings; `overrides` replace or add fields."""
     import transformers
 
     config_class, architecture = _TINY_ARCHITECTURES[kind]
@@ -189,6 +192,8 @@ def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
     )
     if kind == "mistral":
         fields["sliding_window"] = None
+    if kind == "qwen3":
+        fields["head_dim"] = 32  # Qwen3's head_dim is its own field, here not hidden / heads
     fields["architectures"] = [architecture]
     return getattr(transformers, config_class)(**{**fields, **overrides})
 

@@ -56,13 +56,24 @@ class StageLlama(ShardedLlama):
         group: RankGroup,
         native: bool | None = None,
         quantize: str | None = None,
+        max_model_len: int | None = None,
     ):
         full = LlamaArgs.from_hf(hf_config)
         self.stage, self.stages = group.stage, group.stages
         self.layer_range = layers = stage_layers(full.num_layers, group.stages, group.stage)
         local = copy.deepcopy(hf_config)
         local.num_hidden_layers = len(layers)
-        super().__init__(local, stage_state(state, layers), dtype, device, group, native, quantize)
+        state = dict(self.llama_state(hf_config, state))  # Llama's names, which stage_state renumbers
+        super().__init__(
+            local,
+            stage_state(state, layers),
+            dtype,
+            device,
+            group,
+            native,
+            quantize,
+            max_model_len=max_model_len,
+        )
         if self.stage != 0:
             self.lm_head = None  # logits are computed on stage 0
 

@@ -9,6 +9,7 @@ cache holds only the rank's KV heads. Activations between layers are whole on ev
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import replace
 
 import torch
@@ -34,6 +35,15 @@ def rank_config(hf_config, p: ShardPlan):
     return local
 
 
+@functools.cache
+def split_class(base: type[ShardedLlama], model: type[LlamaModel]) -> type[ShardedLlama]:
+    """`base` (ShardedLlama or StageLlama) over an architecture's model class: the split model's
+    constructor runs the architecture's (its layer class, checkpoint names, rotary tables)."""
+    if model is LlamaModel:
+        return base
+    return type(f"{base.__name__}[{model.__name__}]", (base, model), {})
+
+
 class ShardedLlama(LlamaModel):
     """A LlamaModel over one rank's slice; `args.vocab_size` is the whole vocabulary (logits are gathered)."""
 
@@ -46,8 +56,10 @@ class ShardedLlama(LlamaModel):
         group: RankGroup,
         native: bool | None = None,
         quantize: str | None = None,
+        max_model_len: int | None = None,
     ):
         self.plan = p = shard_plan(hf_config, group.tp_size, group.tp_rank)
+        state = dict(self.llama_state(hf_config, state))  # Llama's names, which shard_state slices
         self.split_tensors = group.tp_size > 1  # one rank per stage: the layers run whole, no collectives
         if self.split_tensors and quantize not in (None, "int8"):
             raise ValueError(
@@ -56,7 +68,9 @@ class ShardedLlama(LlamaModel):
             )
         head_dim = LlamaArgs.from_hf(hf_config).head_dim
         local = shard_state(state, p, head_dim) if self.split_tensors else state
-        super().__init__(rank_config(hf_config, p), local, dtype, device, native, quantize)
+        super().__init__(
+            rank_config(hf_config, p), local, dtype, device, native, quantize, max_model_len=max_model_len
+        )
         self.group = group
         self.vocab_size = hf_config.vocab_size
         self.args = replace(self.args, vocab_size=self.vocab_size)  # the runner sees gathered logits

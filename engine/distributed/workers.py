@@ -45,7 +45,7 @@ from specfleet.engine.attention.registry import get_attention_backend
 from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.distributed.comm import GroupAddress, RankGroup, backend_for
 from specfleet.engine.distributed.pipeline import StageLlama
-from specfleet.engine.distributed.sharded_llama import ShardedLlama
+from specfleet.engine.distributed.sharded_llama import ShardedLlama, split_class
 
 log = logging.getLogger("specfleet.engine.distributed")
 
@@ -110,16 +110,19 @@ def _load_part(
     native: bool | None,
     quantization: str | None,
     gguf: str | None,
+    max_model_len: int | None = None,
 ) -> ShardedLlama | StageLlama:
-    """The rank's part of the checkpoint: a tensor-parallel slice, a pipeline stage, or a stage's slice."""
+    """The rank's part of the checkpoint: a tensor-parallel slice, a pipeline stage, or a stage's slice, of
+    the architecture's own model class (split_class)."""
     from pathlib import Path
 
     from specfleet.engine.checkpoint import checkpoint_state, load_hf_config
+    from specfleet.engine.models import model_class
 
     path, hf_config = Path(model_path), load_hf_config(Path(model_path))
     state = checkpoint_state(path, Path(gguf) if gguf else None, hf_config, quantization)
-    cls = StageLlama if group.stages > 1 else ShardedLlama
-    return cls(hf_config, state, dtype, device, group, native, quantization)
+    cls = split_class(StageLlama if group.stages > 1 else ShardedLlama, model_class(hf_config.architectures))
+    return cls(hf_config, state, dtype, device, group, native, quantization, max_model_len=max_model_len)
 
 
 def _worker_main(
@@ -131,6 +134,7 @@ def _worker_main(
     native: bool | None,
     quantization: str | None,
     gguf: str | None,
+    max_model_len: int | None,
     conn: multiprocessing.connection.Connection,
 ) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank{rank} %(levelname)s %(message)s")
@@ -140,7 +144,7 @@ def _worker_main(
         torch.cuda.set_device(device)
     conn.send(("joining", rank))
     group = RankGroup(address, rank)
-    model = _load_part(model_path, dtype, device, group, native, quantization, gguf)
+    model = _load_part(model_path, dtype, device, group, native, quantization, gguf, max_model_len)
     conn.send(("ready", rank))
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
     attn = None
@@ -217,6 +221,7 @@ class SplitModel:
         native: bool | None = None,
         quantization: str | None = None,
         gguf: str | None = None,
+        max_model_len: int | None = None,
     ):
         size = tp * pp
         _refuse_while_bootstrapping()
@@ -237,7 +242,18 @@ class SplitModel:
                 target=_worker_main,
                 name=f"specfleet-tp-rank{rank}",
                 daemon=True,
-                args=(rank, address, model_path, dtype, device.type, native, quantization, gguf, theirs),
+                args=(
+                    rank,
+                    address,
+                    model_path,
+                    dtype,
+                    device.type,
+                    native,
+                    quantization,
+                    gguf,
+                    max_model_len,
+                    theirs,
+                ),
             )
             proc.start()
             theirs.close()
@@ -252,7 +268,9 @@ class SplitModel:
                 self.group = RankGroup(address, 0)
             except RuntimeError as exc:  # the rendezvous timed out: a worker died after saying it joins
                 raise WorkerDied(self._death(f"the process group did not form: {exc}")) from exc
-            self.local = _load_part(model_path, dtype, device, self.group, native, quantization, gguf)
+            self.local = _load_part(
+                model_path, dtype, device, self.group, native, quantization, gguf, max_model_len
+            )
             self._await_workers("ready", "loading its part of the model")
         except BaseException:
             self._stop_workers(grace_s=0)  # the others wait in the rendezvous or load: nothing to finish

@@ -11,6 +11,8 @@ ARCHITECTURES: dict[str, str] = {
     "LlamaForCausalLM": "specfleet.engine.models.llama:LlamaModel",
     "MistralForCausalLM": "specfleet.engine.models.llama:LlamaModel",
     "Qwen2ForCausalLM": "specfleet.engine.models.llama:LlamaModel",  # q/k/v bias: LlamaModel reads model_type
+    "Qwen3ForCausalLM": "specfleet.engine.models.qwen3:Qwen3Model",
+    "Phi3ForCausalLM": "specfleet.engine.models.phi3:Phi3Model",
 }
 
 

@@ -171,6 +171,10 @@ class LlamaLayer:
             return None
         return cpu_native.DecodeLayerWeights(qkv, o, gate_up, down, self.input_norm, self.post_norm)
 
+    def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:  # [tokens, heads + kv_heads, head_dim]
+        """q and k before rotary: as they come out of the projection here (Qwen3 normalizes them)."""
+        return qk
+
     def _row_parallel(self, linear, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
         if self.reduce is None:
             return linear(x, residual=residual)
@@ -180,7 +184,7 @@ class LlamaLayer:
         a, ops = self.args, self.ops
         tokens = x.shape[0]
         qkv = self.qkv(ops.rms_norm(x, self.input_norm, a.rms_norm_eps))
-        qk = qkv[:, : self.qk_size].view(tokens, a.num_heads + a.num_kv_heads, a.head_dim)
+        qk = self.norm_qk(qkv[:, : self.qk_size].view(tokens, a.num_heads + a.num_kv_heads, a.head_dim))
         qk = torch.addcmul(qk * cos, qk.roll(a.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         v = qkv[:, self.qk_size :].view(tokens, a.num_kv_heads, a.head_dim)
@@ -202,7 +206,28 @@ def _dense(state: Mapping[str, torch.Tensor | QuantTensor], name: str) -> torch.
 
 
 class LlamaModel:
-    """Plain tensors, no nn.Module: weights are loaded once and never trained."""
+    """Plain tensors, no nn.Module: weights are loaded once and never trained.
+
+    An architecture that differs from Llama in a few places subclasses this with its own `layer_class`,
+    `llama_state` (its checkpoint's tensors under Llama's names) or `rope_tables`; everything else (the
+    paged KV cache, the native decode layers, tensor and pipeline parallelism) is shared."""
+
+    layer_class: type[LlamaLayer] = LlamaLayer
+    architecture = "LlamaForCausalLM"  # the name errors give (Mistral and Qwen2 share the class)
+    # quantization -> why this architecture refuses it, said at start
+    refused_quantization: Mapping[str, str] = {}
+
+    @classmethod
+    def llama_state(
+        cls, config, state: Mapping[str, torch.Tensor | QuantTensor]
+    ) -> Mapping[str, torch.Tensor | QuantTensor]:
+        """The checkpoint's tensors under Llama's names and layouts; idempotent (split workers call it before
+        slicing the state, then the constructor again)."""
+        return state
+
+    def rope_tables(self, config) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, [positions, head_dim]."""
+        return rope_tables(config, self.args.head_dim, self.args.max_position)
 
     def __init__(
         self,
@@ -213,8 +238,16 @@ class LlamaModel:
         native: bool | None = None,
         quantize: str | None = None,
         activations: str = "int8",
+        max_model_len: int | None = None,
     ):
+        if quantize is not None and quantize in self.refused_quantization:
+            raise ValueError(
+                f"quantization={quantize!r} is not supported for {self.architecture}: "
+                f"{self.refused_quantization[quantize]}"
+            )
         self.args = args = LlamaArgs.from_hf(config)
+        self.max_model_len = max_model_len or args.max_position  # the engine's context (loader.py)
+        state = self.llama_state(config, state)
         self.ops = ops = Ops(dtype, device, native, quantize, activations)
         # Names without the `model.` prefix -> the state's own. The state may be lazy (a GGUF file read tensor
         # by tensor, gguf_file.GGUFState): each tensor is taken when its layer is built and dropped once the
@@ -245,8 +278,8 @@ class LlamaModel:
         for i in range(args.num_layers):
             prefix = f"layers.{i}."
             layer = [k for k in names if k.startswith(prefix)]
-            self.layers.append(LlamaLayer(args, _TakenWhenAsked(layer, prefix, take), ops))
-        cos, sin = rope_tables(config, args.head_dim, args.max_position)
+            self.layers.append(self.layer_class(args, _TakenWhenAsked(layer, prefix, take), ops))
+        cos, sin = self.rope_tables(config)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
         self._fused: tuple[int, cpu_native.DecodeLayers | None] | None = None  # (KV cache pointer, layers)

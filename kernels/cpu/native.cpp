@@ -999,6 +999,8 @@ struct sf_layer_desc {
   const float* post_norm;
   float* k_cache;  // [blocks, BS, KVH, D]
   float* v_cache;
+  const float* q_norm;  // [D]: RMSNorm of each q head before rotary (Qwen3), or null
+  const float* k_norm;  // [D]: the same for each k head; set together with q_norm
 };
 
 struct sf_model_desc {
@@ -1074,6 +1076,13 @@ void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64
     const sf_layer_desc& L = layers[l];
     sf_rms_norm_f32(x, T, H, L.input_norm, m->eps, h.data());
     run_linear(L.qkv, h.data(), T, H, nullptr, 0, qkv.data(), qkv_w, threads);
+    if (L.q_norm != nullptr) {  // in place, row by row: the kernel reads a row whole before writing it
+      for (int64_t t = 0; t < T; ++t) {
+        float* row = qkv.data() + t * qkv_w;
+        sf_rms_norm_f32(row, NH, D, L.q_norm, m->eps, row);
+        sf_rms_norm_f32(row + NH * D, KVH, D, L.k_norm, m->eps, row + NH * D);
+      }
+    }
     rotate(qkv.data(), T, qkv_w, NH + KVH, D, positions, cos, sin);
     for (int64_t t = 0; t < T; ++t) {
       if (slots[t] < 0) continue;

@@ -133,6 +133,22 @@ def test_decode_layers_equal_the_per_layer_path(arch: str, form: str) -> None:
         assert torch.equal(fk, lk) and torch.equal(fv, lv)
 
 
+@pytest.mark.parametrize("form", ["float32", "int8"])
+def test_qwen3_q_and_k_norms_run_inside_the_decode_layers(form: str) -> None:
+    from specfleet.engine.models.qwen3 import Qwen3Model
+
+    config = _config("qwen3")
+    quantize = "int8" if form == "int8" else None
+    model = Qwen3Model(
+        config, tiny_state(config, std=0.2), torch.float32, torch.device("cpu"), quantize=quantize
+    )
+    fused, layered, fc, lc = _both_paths(model, query_lens=[1, 3, 1], seq_lens=[5, 9, 13], padding=1)
+    real = fused.shape[0] - 1
+    assert torch.equal(fused[:real], layered[:real])
+    for (fk, fv), (lk, lv) in zip(fc, lc, strict=True):
+        assert torch.equal(fk, lk) and torch.equal(fv, lv)
+
+
 def _k_quant_model(activations: str) -> LlamaModel:
     """A Q4_K_M-like mix from llama.cpp's own block layouts: Q4_K projections, Q6_K v and down, so the fused
     q/k/v holds 6-bit codes in groups of 16 and every K-quant keeps its two-level scales."""

@@ -155,7 +155,9 @@ def _same(a, b):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("kind", "size"), [("llama", 2), ("qwen2", 2), ("mistral", 4)])
+@pytest.mark.parametrize(
+    ("kind", "size"), [("llama", 2), ("qwen2", 2), ("mistral", 4), ("qwen3", 2), ("phi3", 2)]
+)
 def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tmp_path, bundled_path):
     # 4 query heads, 2 KV heads: TP=4 replicates each KV head on two ranks; a vocabulary of 49157 is not a
     # multiple of 2 or 4, so the last vocab shard is padded; llama ties the embeddings, the others do not.

@@ -33,7 +33,9 @@ def test_unknown_names_are_refused_with_the_known_ones():
 
 
 def test_registered_architectures_load_the_llama_family_class():
-    assert all(model_class([name]) is LlamaModel for name in ARCHITECTURES)
+    assert all(issubclass(model_class([name]), LlamaModel) for name in ARCHITECTURES)
+    for name in ARCHITECTURES:  # each names itself in errors; the ones on LlamaModel as Llama's family
+        assert model_class([name]).architecture in (name, "LlamaForCausalLM")
     assert get_attention_backend("torch", torch.device("cpu")).name == "torch"
 
 

@@ -1,0 +1,149 @@
+"""Phi-3 and Phi-4 (Phi3ForCausalLM): Llama's layer with fused checkpoint tensors, LongRoPE and partial rotary.
+
+- The checkpoint fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; they are split at load into
+  Llama's names (LlamaLayer fuses them again, in the same order), so the layer, the native decode layers,
+  int8 and tensor parallelism run Llama's code unchanged.
+- Partial rotary (`partial_rotary_factor`, Phi-4-mini's 0.75): transformers rotates the first `rotary_dim`
+  values of each head, pairing i with i + rotary_dim/2, and passes the rest. The rows of q_proj and k_proj
+  are permuted within each head at load so those pairs sit at i and i + head_dim/2, where Llama's
+  roll-by-half rotary pairs them; the passed values get cos 1 and sin 0. q and k are permuted alike, so
+  their dot products, and so attention, are those of the unpermuted model; v is not touched.
+- LongRoPE ("longrope", formerly "su"): transformers rotates with `short_factor` while a sequence fits in
+  `original_max_position_embeddings`, and re-prefills it with `long_factor` once it grows past that. The
+  engine picks one table for every sequence when it starts: the short factors when its context
+  (max_model_len) fits the original window, so that every sequence is exact, and the long factors when it
+  does not, exact for every sequence longer than the window. cos and sin carry transformers' attention
+  factor, sqrt(1 + ln(max_position / original) / ln(original)).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+from specfleet.engine.models.llama import LlamaArgs, LlamaModel
+from specfleet.kernels.quantized import QuantTensor
+
+_PACKED = ("gguf", "awq", "gptq")  # formats whose weights stay packed in blocks
+
+
+def _rope_parameters(config) -> dict:
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    rope_type = str(params.get("rope_type", params.get("type", "default")))
+    params["rope_type"] = "longrope" if rope_type == "su" else rope_type
+    return params
+
+
+def rotary_dim(config, head_dim: int) -> int:
+    """How many values of each head rotate (transformers: int(head_dim * partial_rotary_factor))."""
+    factor = _rope_parameters(config).get("partial_rotary_factor")
+    if factor is None:
+        factor = getattr(config, "partial_rotary_factor", None) or 1.0
+    dim = int(head_dim * factor)
+    if dim % 2 or dim < 2 or (head_dim - dim) % 2:
+        raise ValueError(
+            f"partial_rotary_factor={factor}: rotary_dim {dim} of head_dim {head_dim} must be even, "
+            "with an even number of values left unrotated"
+        )
+    return dim
+
+
+def head_permutation(head_dim: int, rot: int) -> torch.Tensor:
+    """perm[new] = old: the pairs (i, i + rot/2) of the rotated values moved to (i, i + head_dim/2), the
+    unrotated values split between the two halves after them."""
+    half, rhalf, rest = head_dim // 2, rot // 2, (head_dim - rot) // 2
+    first = list(range(rhalf)) + list(range(rot, rot + rest))
+    second = list(range(rhalf, rot)) + list(range(rot + rest, head_dim))
+    assert len(first) == len(second) == half
+    return torch.tensor(first + second)
+
+
+def _permute_heads(weight: torch.Tensor, perm: torch.Tensor, head_dim: int) -> torch.Tensor:
+    rows, cols = weight.shape
+    return weight.view(rows // head_dim, head_dim, cols)[:, perm].reshape(rows, cols)
+
+
+def inverse_frequencies(config, rot: int, long: bool) -> tuple[torch.Tensor, float]:
+    """transformers' inverse frequencies over the `rot` rotated values and its cos/sin scaling factor."""
+    params = _rope_parameters(config)
+    exponents = torch.arange(0, rot, 2, dtype=torch.int64).float() / rot
+    if params["rope_type"] == "default":
+        return 1.0 / (params["rope_theta"] ** exponents), 1.0
+    if params["rope_type"] != "longrope":
+        raise ValueError(
+            f"Phi3ForCausalLM: rope type {params['rope_type']!r} is not supported; "
+            "supported: default, longrope (su)"
+        )
+    original = params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+    factor = params.get("factor") or config.max_position_embeddings / original
+    attention = params.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    ext = torch.tensor(params["long_factor" if long else "short_factor"], dtype=torch.float32)
+    if ext.numel() != rot // 2:
+        which = "long_factor" if long else "short_factor"
+        raise ValueError(f"rope_scaling.{which} has {ext.numel()} entries; rotary_dim {rot} needs {rot // 2}")
+    return 1.0 / (ext * params["rope_theta"] ** exponents), float(attention)
+
+
+def original_window(config) -> int | None:
+    """LongRoPE's original context (short factors inside it), or None without LongRoPE."""
+    params = _rope_parameters(config)
+    if params["rope_type"] != "longrope":
+        return None
+    return params.get("original_max_position_embeddings") or config.original_max_position_embeddings
+
+
+class Phi3Model(LlamaModel):
+    architecture = "Phi3ForCausalLM"
+    refused_quantization = dict.fromkeys(
+        _PACKED,
+        "its fused qkv_proj and gate_up_proj are split at load, and packed blocks are not split here; "
+        "serve the float checkpoint, with quantization='int8' for 8-bit weights",
+    )
+
+    @classmethod
+    def llama_state(
+        cls, config, state: Mapping[str, torch.Tensor | QuantTensor]
+    ) -> Mapping[str, torch.Tensor | QuantTensor]:
+        if not any(k.endswith("qkv_proj.weight") or k.endswith("gate_up_proj.weight") for k in state):
+            return state  # already under Llama's names (a split worker's slice)
+        a = LlamaArgs.from_hf(config)
+        perm = head_permutation(a.head_dim, rotary_dim(config, a.head_dim))
+        sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
+        out: dict[str, torch.Tensor | QuantTensor] = {}
+        for name, w in state.items():
+            if not (name.endswith("self_attn.qkv_proj.weight") or name.endswith("mlp.gate_up_proj.weight")):
+                out[name] = w
+            elif isinstance(w, QuantTensor):
+                raise ValueError(
+                    f"{name}: a quantized fused tensor ({w.fmt}) is not split for Phi3ForCausalLM"
+                )
+            elif name.endswith("self_attn.qkv_proj.weight"):
+                base = name.removesuffix("qkv_proj.weight")
+                q, k, v = torch.split(w, sizes)
+                out[f"{base}q_proj.weight"] = _permute_heads(q, perm, a.head_dim)
+                out[f"{base}k_proj.weight"] = _permute_heads(k, perm, a.head_dim)
+                out[f"{base}v_proj.weight"] = v
+            else:
+                base = name.removesuffix("gate_up_proj.weight")
+                out[f"{base}gate_proj.weight"], out[f"{base}up_proj.weight"] = w.chunk(2, dim=0)
+        return out
+
+    def rope_tables(self, config) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sign-folded sin, [positions, head_dim], in the permuted head layout (llama_state)."""
+        a, window = self.args, original_window(config)
+        rot = rotary_dim(config, a.head_dim)
+        inv_freq, scaling = inverse_frequencies(
+            config, rot, long=window is not None and self.max_model_len > window
+        )
+        freqs = torch.outer(torch.arange(a.max_position, dtype=torch.float32), inv_freq)
+        cos_rot, sin_rot = freqs.cos() * scaling, freqs.sin() * scaling  # [positions, rot / 2]
+        pad = (a.head_dim - rot) // 2
+        ones, zeros = torch.ones(a.max_position, pad), torch.zeros(a.max_position, pad)
+        cos = torch.cat((cos_rot, ones, cos_rot, ones), dim=-1)
+        # rotate_half(x) * sin == roll(x, head_dim / 2) * cat(-sin, sin) in the permuted layout
+        sin = torch.cat((-sin_rot, zeros, sin_rot, zeros), dim=-1)
+        return cos, sin

@@ -170,10 +170,13 @@ def test_a_preempted_sequence_resumes_ahead_of_later_arrivals_of_its_priority() 
     max_seqs=st.integers(1, 6),
     budget=st.integers(4, 40),
     jobs=st.lists(st.tuples(st.integers(1, 14), st.integers(-2, 2)), min_size=1, max_size=10),
+    spec=st.integers(0, 3),
 )
 def test_priority_scheduling_keeps_the_cache_consistent_and_finishes_everyone(
-    seed: int, num_blocks: int, max_seqs: int, budget: int, jobs: list[tuple[int, int]]
+    seed: int, num_blocks: int, max_seqs: int, budget: int, jobs: list[tuple[int, int]], spec: int
 ) -> None:
+    """Random arrivals of random priorities, with speculative proposals: blocks stay consistent, the
+    running list stays in key order, and everyone finishes with every block returned."""
     rng = random.Random(seed)
     kv = BlockManager(num_blocks, BS, enable_prefix_caching=True)
     sched = Scheduler(kv, max_seqs, budget, 32, PRIORITY)
@@ -187,11 +190,18 @@ def test_priority_scheduling_keeps_the_cache_consistent_and_finishes_everyone(
             sched.add(pending.pop(0))
         if not sched.has_unfinished() and not pending:
             break
+        for seq in sched.running:
+            if not seq.in_prefill:
+                seq.spec_token_ids = [rng.randrange(4) for _ in range(spec)]
         out = sched.schedule()
         assert len(out.scheduled) <= max_seqs
         assert out.num_batched_tokens == sum(i.num_new_tokens for i in out.scheduled) <= budget
         assert all(item.seq.status is Status.RUNNING for item in out.scheduled)
-        _run(sched, out)
+        sampled = []  # accepted proposals (a random prefix) and one token of the target's
+        for item in out.scheduled:
+            accepted = item.seq.spec_token_ids[: rng.randint(0, item.num_spec_tokens)]
+            sampled.append(accepted + [rng.randrange(4)] if item.sample else [])
+        sched.update(out, sampled)
         for seq in list(sched.running):
             if seq.num_output_tokens >= seq.params.max_tokens:
                 sched.finish(seq, "length")

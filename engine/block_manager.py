@@ -19,8 +19,9 @@ from specfleet.engine.sequence import Sequence
 KV_DEBUG = os.environ.get("SPECFLEET_KV_DEBUG", "") not in ("", "0")
 
 
-# A cached block's key: (parent block's hash or None, the block's tokens, cache_salt on the first block)
-BlockKey = tuple[int | None, tuple[int, ...], str | None]
+# A cached block's key: (parent block's hash or None, the block's tokens, cache_salt on the first block;
+# with a LoRA adapter, (cache_salt, the adapter's (name, digest)) there instead)
+BlockKey = tuple[int | None, tuple[int, ...], object]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -68,7 +69,9 @@ class BlockManager:
         """Block `index`'s key: its parent's hash and its tokens; the first block also carries the
         request's cache_salt, which the chain passes on to every later block."""
         bs = self.block_size
-        salt = seq.params.cache_salt if index == 0 else None
+        salt: object = seq.params.cache_salt if index == 0 else None
+        if index == 0 and seq.lora is not None:  # an adapter's K/V differ from the base's and other adapters'
+            salt = (salt, seq.lora.cache_key)
         return parent, tuple(seq.token_ids[index * bs : (index + 1) * bs]), salt
 
     def lookup_prefix(self, seq: Sequence) -> list[int]:

@@ -175,11 +175,23 @@ class EngineConfig:
         60.0, "seconds a prefill engine holds KV blocks for a decoder, and a decoder waits for them"
     )
 
+    # LoRA (engine/lora/). vLLM's flags; its --max-lora-rank default is 16, ours 64 so that the common
+    # fine-tunes (ranks 8 to 64) load without a flag; the adapters' memory is their own size, not the limit.
+    enable_lora: bool = _opt(False, "serve LoRA adapters (requests name one in `model`)")
+    # vLLM's default: 1. Each adapter in a step costs two small matmuls per projection and layer, so the
+    # distinct adapters of one batch are capped; a request for another waits until one of them drains.
+    max_loras: int = _opt(1, "LoRA adapters one step may mix (a request for another waits)")
+    max_lora_rank: int = _opt(64, "highest LoRA rank an adapter may have")
+    max_cpu_loras: int | None = _opt(
+        None, "LoRA adapters kept in host memory, least recently used evicted (default: max_loras)"
+    )
+
     def __post_init__(self) -> None:
         self._check_sizes()
         spec = self._check_speculation()
         self._check_parallel()
         self._check_kv_transfer()
+        self._check_lora()
         if self.draft_quantization and not (spec is not None and spec.needs_draft_model):
             raise ValueError(
                 f"draft_quantization needs speculative_method={_any_of(methods_with_draft_model())}"
@@ -282,6 +294,23 @@ class EngineConfig:
             raise ValueError(f"kv_transfer_port={self.kv_transfer_port} must be between 0 and 65535")
         if not self.kv_transfer_timeout_s > 0:
             raise ValueError(f"kv_transfer_timeout_s={self.kv_transfer_timeout_s} must be > 0")
+
+    def _check_lora(self) -> None:
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an integer >= 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+        if self.enable_lora and (self.tensor_parallel_size > 1 or self.pipeline_parallel_size > 1):
+            raise ValueError(
+                "enable_lora with tensor_parallel_size or pipeline_parallel_size > 1: adapters are applied "
+                "in one process's layers only; serve LoRA on an unsplit engine"
+            )
+
+    @property
+    def cpu_loras(self) -> int:
+        return self.max_cpu_loras or self.max_loras
 
     @property
     def seqs_limit(self) -> int:

@@ -81,10 +81,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        lora_name: str | Sequence[str | None] | None = None,
     ) -> list[RequestOutput]:
         """One result per prompt, in order. A prompt is text, token ids, or a dict with `prompt` or
         `prompt_token_ids` (vLLM's TextPrompt / TokensPrompt). `priority`, one per prompt (vLLM's), needs
-        `scheduling_policy="priority"` unless all are 0: lower runs first."""
+        `scheduling_policy="priority"` unless all are 0: lower runs first. `lora_name`: a loaded LoRA
+        adapter for every prompt, or one per prompt (None: the base), with `enable_lora=True`."""
         one = isinstance(prompts, (str, Mapping)) or (bool(prompts) and isinstance(prompts[0], int))
         batch = cast("Sequence[Prompt]", [prompts] if one else prompts)
         prompts = [_prompt(p) for p in batch]
@@ -99,11 +101,16 @@ class LLM:
         priorities = [0] * len(prompts) if priority is None else list(priority)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
+        loras = (
+            [lora_name] * len(prompts) if lora_name is None or isinstance(lora_name, str) else list(lora_name)
+        )
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p, rank in zip(prompts, params_list, priorities):
+            for prompt, p, rank, lora in zip(prompts, params_list, priorities, loras):
                 ids.append(f"offline-{next(self._ids)}")
-                self.engine.add_request(ids[-1], prompt, p, priority=rank)
+                self.engine.add_request(ids[-1], prompt, p, priority=rank, lora_name=lora)
         except ValueError:
             for request_id in ids:
                 self.engine.abort(request_id)

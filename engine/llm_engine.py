@@ -21,7 +21,10 @@ from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_transfer.base import KVTransferParams, encode_logprob
 from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
+from specfleet.engine.lora.adapter import LoraAdapter, LoraError, ModelShape
+from specfleet.engine.lora.manager import LoraManager
 from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
+from specfleet.engine.models.llama import LlamaModel
 from specfleet.engine.outputs import CompletionOutput, PositionLogprobs, RequestMetrics, RequestOutput
 from specfleet.engine.request_queue import MAX_PRIORITY, MIN_PRIORITY
 from specfleet.engine.sampler import sample_seed
@@ -91,6 +94,7 @@ class Engine:
         self.sampling_defaults = dict(loaded.sampling_defaults)
         draft = load_draft(config, loaded)
         num_blocks = self._build_core(config, loaded, draft)
+        self.lora = self._build_lora(config, loaded)
         self._build_speculation(config, loaded, draft, num_blocks)
         self._build_kv_connector(config)
         self._build_requests(config, text_cursor)
@@ -118,6 +122,48 @@ class Engine:
             config.scheduling_policy,
         )
         return num_blocks
+
+    def _build_lora(self, config: EngineConfig, loaded: LoadedModel) -> LoraManager | None:
+        """The adapters' manager of a LoRA engine (None without --enable-lora); the target's runner applies
+        them and the scheduler caps the adapters a step mixes."""
+        if not config.enable_lora:
+            return None
+        model = loaded.model
+        relaid = any("llama_state" in vars(cls) for cls in type(model).__mro__ if cls is not LlamaModel)
+        if not isinstance(model, LlamaModel) or relaid:
+            raise ValueError(
+                f"enable_lora: LoRA is not supported for {type(model).__name__} yet (its checkpoint's "
+                "projections are re-laid out at load, and an adapter's would need the same)"
+            )
+        self.runner.use_lora = True
+        self.scheduler.max_loras = config.max_loras
+        return LoraManager(
+            ModelShape.of(model.args), self.model_name, config.max_lora_rank, config.cpu_loras, model.dtype
+        )
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoraAdapter:
+        """Serve adapter `lora_name` from the PEFT folder `lora_path` (again, if loaded: requests in flight
+        finish on the weights they started with). Raises LoraError (a ValueError) naming what is wrong."""
+        return self._lora_manager().load(lora_name, lora_path)
+
+    def unload_lora_adapter(self, lora_name: str) -> None:
+        """Stop serving `lora_name`: new requests for it are refused; those in flight finish on it."""
+        self._lora_manager().unload(lora_name)
+
+    def lora_adapters(self) -> dict[str, str]:
+        """name -> path of the adapters served (empty without --enable-lora)."""
+        return self.lora.names() if self.lora is not None else {}
+
+    def lora_requests_info(self) -> tuple[list[str], list[str]]:
+        """(adapters with running requests, adapters with waiting ones): vLLM's lora_requests_info labels."""
+        running = {s.lora.name for s in self.scheduler.running if s.lora is not None}
+        waiting = {s.lora.name for s in self.scheduler.waiting if s.lora is not None}
+        return sorted(running), sorted(waiting)
+
+    def _lora_manager(self) -> LoraManager:
+        if self.lora is None:
+            raise LoraError("LoRA adapters need an engine started with --enable-lora")
+        return self.lora
 
     def _build_speculation(
         self, config: EngineConfig, loaded: LoadedModel, draft: LoadedModel | None, num_blocks: int
@@ -228,13 +274,21 @@ class Engine:
         params: SamplingParams | None = None,
         kv_transfer_params: dict | None = None,
         priority: int = 0,
+        lora_name: str | None = None,
     ) -> None:
-        """`kv_transfer_params` (disaggregation, in vLLM's spelling): {"do_remote_decode": true} on a prefill
+        """`lora_name`: run the request on that loaded LoRA adapter (None: the base model).
+        `kv_transfer_params` (disaggregation, in vLLM's spelling): {"do_remote_decode": true} on a prefill
         engine holds the prompt's KV for a decode engine and returns where in the output's
         `kv_transfer_params`; those params given to a decode engine load that KV and continue the stream.
         `priority` (vLLM's): lower runs first under `--scheduling-policy priority`; else only 0."""
         params = params or SamplingParams()
         self._check_priority(priority)
+        adapter = None
+        if lora_name is not None:
+            try:
+                adapter = self._lora_manager().get(lora_name)
+            except LoraError as exc:
+                raise ParameterError("model", str(exc)) from exc
         remote = self._remote_params(kv_transfer_params, params)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")
@@ -263,6 +317,7 @@ class Engine:
             )
             if params.seed is not None:
                 seq.seed = sample_seed(params.seed, index)
+            seq.lora = adapter
             seq.parent = seqs[0] if seqs else None
             seqs.append(seq)
             detoks.append(

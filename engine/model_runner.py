@@ -10,6 +10,7 @@ import torch
 from specfleet.engine.attention.base import AttentionMetadata
 from specfleet.engine.attention.registry import get_attention_backend
 from specfleet.engine.input_buffers import StepBuffers
+from specfleet.engine.lora.batch import LoraBatch
 from specfleet.engine.models.llama import LlamaModel
 from specfleet.engine.outputs import PositionLogprobs
 from specfleet.engine.sampler import (
@@ -133,6 +134,9 @@ class ModelRunner:
         # A step's inputs are read until it is collected: one set per micro-batch in flight, and one for
         # the step being prepared.
         self.buffers = StepBuffers(model.device, ring=self.pipeline_depth + 1)
+        # Run each sequence's LoRA adapter (the target model of a LoRA engine). A draft model's runner
+        # leaves it off: the draft proposes without the adapter, and verification applies it.
+        self.use_lora = False
 
     @property
     def pipeline_depth(self) -> int:
@@ -315,6 +319,9 @@ class ModelRunner:
             seq_lens_cpu=slens,
             block_size=bs,
         )
+        if self.use_lora:
+            spans = [(item.seq.lora, start, n) for item, start, n in zip(items, token_starts, qlens)]
+            meta.lora = LoraBatch.build(spans, len(ids), self.model.device)
         self.attn.prepare(meta)
         return BatchInputs(t.input_ids, t.positions, meta, sample_rows, sample_counts, token_starts)
 

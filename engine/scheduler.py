@@ -81,6 +81,9 @@ class Scheduler:
         self.on_release: Callable[[Sequence], None] | None = None  # a proposer forgets the sequence
         # Before a finished sequence's blocks are freed (a KV connector may hold them): (seq, reason).
         self.on_finish: Callable[[Sequence, str], None] | None = None
+        # LoRA: distinct adapters the running sequences may hold (None: no adapters); a waiting sequence
+        # whose adapter would exceed it is passed over until one of them drains (vLLM's max_loras).
+        self.max_loras: int | None = None
 
     # -- queue -------------------------------------------------------------------------------------
     def add(self, seq: Sequence) -> None:
@@ -186,7 +189,7 @@ class Scheduler:
         limit = self.max_num_seqs * self.micro_batches
         while self.waiting and budget > 0:
             seq = self.waiting.peek()
-            if seq.grammar_pending:  # its grammar compiles off the step (vLLM's WAITING_FOR_FSM)
+            if seq.grammar_pending or not self._lora_fits(seq):  # grammar: vLLM's WAITING_FOR_FSM
                 skipped.append(self.waiting.pop())
                 continue
             parent = seq.parent
@@ -241,6 +244,13 @@ class Scheduler:
             room -= 1
         self.waiting.put_back(skipped)
         return budget
+
+    def _lora_fits(self, seq: Sequence) -> bool:
+        """Admitting `seq` keeps the running sequences within `max_loras` distinct adapters."""
+        if seq.lora is None or self.max_loras is None:
+            return True
+        active = {s.lora for s in self.running if s.lora is not None}
+        return seq.lora in active or len(active) < self.max_loras
 
     def _displace(self, head: Sequence, out: SchedulerOutput, busy: frozenset[int]) -> int | None:
         """Priority policy: preempt the lowest-priority running sequence (not in flight) that `head`

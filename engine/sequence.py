@@ -54,6 +54,8 @@ class Sequence:
     # the last prompt row (LAST), then the embedding once the prompt is done (model_runner.py)
     pooled: Any = None
     kv_transfer: KVTransferMetrics | None = None  # a remote-prefilled sequence's pull (kv_transfer/)
+    # the LoRA adapter the request names (engine/lora LoraAdapter), held until it finishes; None: the base
+    lora: Any = None
 
     @property
     def num_tokens(self) -> int:

@@ -31,6 +31,9 @@ class AttentionMetadata:
     block_size: int
     # What a backend precomputes once per step in `prepare` and reuses in every layer.
     backend_state: Any = field(default=None)
+    # The step's LoRA rows and adapters (engine/lora LoraBatch) that the model's projections add; None when
+    # no scheduled sequence has an adapter (the model then runs as the base, fused decode path included).
+    lora: Any = field(default=None)
 
     @property
     def num_seqs(self) -> int:

@@ -160,6 +160,7 @@ class LlamaLayer:
         # rank that `owns_residual`.
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.owns_residual = True
+        self.index = 0  # the layer's position in the model: which of a LoRA adapter's layers it adds
 
     def decode_weights(self) -> cpu_native.DecodeLayerWeights | None:
         """This layer for cpu_native.DecodeLayers, or None when one of its linears has no native form."""
@@ -183,16 +184,23 @@ class LlamaLayer:
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn: AttentionBackend):
         a, ops = self.args, self.ops
         tokens = x.shape[0]
-        qkv = self.qkv(ops.rms_norm(x, self.input_norm, a.rms_norm_eps))
+        lora = meta.lora  # the step's adapters (engine/lora/batch.py), None for a base-only step
+        h = ops.rms_norm(x, self.input_norm, a.rms_norm_eps)
+        qkv = self.qkv(h) if lora is None else lora.add(self.qkv(h), h, self.index, "qkv")
         qk = self.norm_qk(qkv[:, : self.qk_size].view(tokens, a.num_heads + a.num_kv_heads, a.head_dim))
         qk = torch.addcmul(qk * cos, qk.roll(a.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         v = qkv[:, self.qk_size :].view(tokens, a.num_kv_heads, a.head_dim)
         attn.write_kv(k, v, k_cache, v_cache, meta)
         o = attn.forward(q, k_cache, v_cache, meta, self.scale)
-        x = self._row_parallel(self.o, o.reshape(tokens, -1), x)
-        h = self.gate_up(ops.rms_norm(x, self.post_norm, a.rms_norm_eps))
-        return self._row_parallel(self.down, ops.silu_mul(h), x)
+        o = o.reshape(tokens, -1)
+        y = self._row_parallel(self.o, o, x)
+        x = y if lora is None else lora.add(y, o, self.index, "o")
+        h = ops.rms_norm(x, self.post_norm, a.rms_norm_eps)
+        h = self.gate_up(h) if lora is None else lora.add(self.gate_up(h), h, self.index, "gate_up")
+        act = ops.silu_mul(h)
+        y = self._row_parallel(self.down, act, x)
+        return y if lora is None else lora.add(y, act, self.index, "down")
 
 
 def _dense(state: Mapping[str, torch.Tensor | QuantTensor], name: str) -> torch.Tensor:
@@ -279,6 +287,7 @@ class LlamaModel:
             prefix = f"layers.{i}."
             layer = [k for k in names if k.startswith(prefix)]
             self.layers.append(self.layer_class(args, _TakenWhenAsked(layer, prefix, take), ops))
+            self.layers[-1].index = i
         cos, sin = self.rope_tables(config)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
@@ -320,6 +329,7 @@ class LlamaModel:
         state = getattr(meta, "backend_state", None)
         if (
             attn.name != "native"
+            or getattr(meta, "lora", None) is not None  # a step with adapters runs the per-layer path
             or getattr(state, "longs", True)
             or getattr(state, "short_seqs", None) is None
         ):

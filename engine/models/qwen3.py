@@ -39,5 +39,10 @@ class Qwen3Model(LlamaModel):
     architecture = "Qwen3ForCausalLM"
     refused_quantization = {
         "gguf": "the GGUF reader does not map attn_q_norm/attn_k_norm yet; serve the float checkpoint, "
-        "with quantization='int8' for 8-bit weights"
+        "with quantization='int8' for 8-bit weights",
+        **dict.fromkeys(
+            ("awq", "gptq"),
+            "not yet checked against transformers on this architecture; serve the float checkpoint, "
+            "with quantization='int8' for 8-bit weights",
+        ),
     }

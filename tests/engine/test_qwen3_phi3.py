@@ -198,6 +198,7 @@ def test_longrope_factors_match_transformers(window, tmp_path_factory, bundled_p
         ("Phi3ForCausalLM", "gguf", "fused qkv_proj and gate_up_proj"),
         ("Phi3ForCausalLM", "awq", "fused qkv_proj and gate_up_proj"),
         ("Qwen3ForCausalLM", "gguf", "attn_q_norm"),
+        ("Qwen3ForCausalLM", "gptq", "not yet checked against transformers"),
     ],
 )
 def test_unsupported_quantization_is_refused_naming_it_and_the_architecture(

@@ -7,6 +7,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from specfleet.engine.block_manager import BlockManager
+from specfleet.engine.config import SCHEDULING_POLICIES
 from specfleet.engine.sampling_params import SamplingParams
 from specfleet.engine.scheduler import Scheduler
 from specfleet.engine.sequence import Sequence
@@ -139,9 +140,10 @@ def test_trim_frees_rejected_tail_blocks():
     budget=st.integers(4, 40),
     prompts=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=20), min_size=1, max_size=8),
     spec=st.integers(0, 3),
+    policy=st.sampled_from(SCHEDULING_POLICIES),
 )
 def test_pipelined_micro_batches_never_touch_sequences_in_flight(
-    seed, depth, num_blocks, max_seqs, budget, prompts, spec
+    seed, depth, num_blocks, max_seqs, budget, prompts, spec, policy
 ):
     # The engine's pipelined step, without a model: up to `depth` micro-batches in flight, the oldest
     # completed each step. A sequence in flight is never scheduled again, preempted or given new blocks
@@ -150,10 +152,12 @@ def test_pipelined_micro_batches_never_touch_sequences_in_flight(
 
     rng = random.Random(seed)
     kv = BlockManager(num_blocks, BS, enable_prefix_caching=True)
-    sched = Scheduler(kv, max_seqs, budget, max_model_len=64)
+    sched = Scheduler(kv, max_seqs, budget, max_model_len=64, policy=policy)
     sched.micro_batches = depth
     for i, p in enumerate(prompts):
-        sched.add(Sequence(i, f"r{i}", 0, list(p), len(p), SamplingParams(max_tokens=rng.randint(1, 12))))
+        params = SamplingParams(max_tokens=rng.randint(1, 12))
+        # under the priority policy, random priorities: a displacement must pass over sequences in flight
+        sched.add(Sequence(i, f"r{i}", 0, list(p), len(p), params, priority=rng.randint(-2, 2)))
     flight: deque = deque()
     for _ in range(800):
         if not sched.has_unfinished() and not flight:

@@ -40,6 +40,7 @@ OPERATOR_FLAGS: tuple[str, ...] = (
     "--draft-model",
     "--draft-quantization",
     "--no-prefix-caching",
+    "--scheduling-policy",
     "--kv-role",
     "--kv-transfer-host",
     "--kv-transfer-port",

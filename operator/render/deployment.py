@@ -13,6 +13,7 @@ import math
 from typing import Any
 
 from specfleet.engine.args import flag_args
+from specfleet.engine.config import FCFS
 
 from ..config import OperatorConfig
 from ..inference_service import InferenceService
@@ -120,6 +121,8 @@ def engine_args(
             args += ["--draft-quantization", spec.speculative.draft_model.quantization]
     if not spec.engine.prefix_caching:
         args.append("--no-prefix-caching")
+    if spec.engine.scheduling_policy != FCFS:  # the default is left out: existing pods keep their command
+        args += ["--scheduling-policy", spec.engine.scheduling_policy]
     if spec.observability.otlp_traces_endpoint:
         args += ["--otlp-traces-endpoint", spec.observability.otlp_traces_endpoint]
     return args + role_args(role) + list(spec.engine.extra_args)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Annotated, Literal
 
 from pydantic import AfterValidator, ConfigDict, Field
+from specfleet.engine.config import FCFS, SCHEDULING_POLICIES
 
 from ..engine_flags import RESERVED_ARG_PATTERN, RESERVED_ARGS_MESSAGE, reserved_args
 from .fields import _Spec, cel
@@ -40,6 +41,12 @@ class EngineSpec(_Spec):
     block_size: Literal[8, 16, 32, 64, 128] = Field(16, description="KV cache block size in tokens.")
     kv_cache_memory_fraction: float = Field(0.9, ge=0.05, le=0.99)
     prefix_caching: bool = True
+    scheduling_policy: Literal[SCHEDULING_POLICIES] = Field(  # type: ignore[valid-type]
+        FCFS,
+        description="The engine's --scheduling-policy: fcfs, or priority (requests run by their priority "
+        "field, lower first, as vLLM; a request outranking running ones preempts the lowest of them when "
+        "the KV cache or maxNumSeqs is full). Under fcfs a request with a non-zero priority is a 400.",
+    )
     tensor_parallel_size: int = Field(
         1,
         ge=1,

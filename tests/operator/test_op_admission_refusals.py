@@ -263,7 +263,12 @@ def test_the_reserved_engine_flags_are_those_the_renderer_writes() -> None:
     everything = _with(
         {
             "spec.model.quantization": "int8",
-            "spec.engine": {"tensorParallelSize": 2, "pipelineParallelSize": 2, "prefixCaching": False},
+            "spec.engine": {
+                "tensorParallelSize": 2,
+                "pipelineParallelSize": 2,
+                "prefixCaching": False,
+                "schedulingPolicy": "priority",
+            },
             "spec.resources.gpus": 4,
             "spec.speculative": {
                 "method": "draft",

@@ -219,6 +219,17 @@ def test_disable_by_batch_size_reaches_the_engine_command_line() -> None:
     assert "--speculative-disable-by-batch-size" not in engine(render_deployment(off, CONFIG))["args"]
 
 
+def test_the_scheduling_policy_reaches_the_engine_flags() -> None:
+    isvc = isvc_from("smollm2-cpu.yaml", engine__schedulingPolicy="priority")
+    args = engine(render_deployment(isvc, CONFIG))["args"]
+    assert flag(args, "--scheduling-policy") == "priority"
+    assert engine_config_kwargs(build_parser().parse_args(args))["scheduling_policy"] == "priority"
+    default = engine(render_deployment(isvc_from("smollm2-cpu.yaml"), CONFIG))["args"]
+    assert "--scheduling-policy" not in default  # fcfs, the engine's default: the command line is unchanged
+    with pytest.raises(ValueError, match="schedulingPolicy"):
+        isvc_from("smollm2-cpu.yaml", engine__schedulingPolicy="lifo")
+
+
 def test_zero_replicas_and_edge_settings() -> None:
     isvc = isvc_from(
         "smollm2-cpu.yaml", replicas=0, engine__prefixCaching=False, engine__extraArgs=["--seed", "7"]

@@ -160,6 +160,30 @@ class Engine:
         waiting = {s.lora.name for s in self.scheduler.waiting if s.lora is not None}
         return sorted(running), sorted(waiting)
 
+    def lora_state(self) -> dict[str, Any]:
+        """What the server reports: adapters served (name -> path), those with running and waiting
+        requests, and the load and eviction counts with each load's seconds since the last call."""
+        running, waiting = self.lora_requests_info()
+        if self.lora is None:
+            return {
+                "adapters": {},
+                "running": running,
+                "waiting": waiting,
+                "loads": 0,
+                "evictions": 0,
+                "load_s": [],
+            }
+        stats = self.lora.stats
+        load_s, stats.load_seconds = stats.load_seconds, []
+        return {
+            "adapters": self.lora.names(),
+            "running": running,
+            "waiting": waiting,
+            "loads": stats.loads,
+            "evictions": stats.evictions,
+            "load_s": load_s,
+        }
+
     def _lora_manager(self) -> LoraManager:
         if self.lora is None:
             raise LoraError("LoRA adapters need an engine started with --enable-lora")

@@ -298,6 +298,7 @@ class EngineCoreClient:
         priority: int = 0,
         *,
         trace: Any = None,
+        lora_name: str | None = None,
     ) -> Any:
         """Submit a request; returns its RequestStream once the core accepted it. ValueError for bad input
         (a `priority` the core's scheduling policy refuses is a ParameterError naming it).
@@ -326,7 +327,8 @@ class EngineCoreClient:
         self._pending_adds[request_id] = stream
         self.processor.add(request_id, text, ids, params, stream.arrival)
         self._send(
-            RequestType.ADD, AddRequest(request_id, ids, pickle.dumps(params), kv_transfer_params, priority)
+            RequestType.ADD,
+            AddRequest(request_id, ids, pickle.dumps(params), kv_transfer_params, priority, lora_name),
         )
         try:
             await asyncio.shield(stream.accepted)
@@ -351,7 +353,7 @@ class EngineCoreClient:
         for request_id in list(self.streams):
             self.abort(request_id)
 
-    async def call(self, method: str, **kwargs: int) -> Any:
+    async def call(self, method: str, **kwargs: int | str) -> Any:
         """Run one of the core's UTILITIES between its steps and return the result."""
         if self.dead is not None:
             raise EngineDeadError(self.dead)
@@ -361,7 +363,7 @@ class EngineCoreClient:
         self._send(RequestType.UTILITY, UtilityCall(call_id, method, kwargs))
         return await future
 
-    def call_sync(self, method: str, timeout: float = 30.0, **kwargs: int) -> Any:
+    def call_sync(self, method: str, timeout: float = 30.0, **kwargs: int | str) -> Any:
         """`call` from another thread than the event loop's."""
         assert self._loop is not None
         return asyncio.run_coroutine_threadsafe(self.call(method, **kwargs), self._loop).result(timeout)

@@ -31,6 +31,7 @@ class AddRequest(msgspec.Struct, array_like=True, gc=False):
         None  # disaggregation (engine/kv_transfer/), as sent by the client
     )
     priority: int = 0  # vLLM's: lower runs first under --scheduling-policy priority
+    lora_name: str | None = None  # the LoRA adapter the request's `model` names (None: the base)
 
 
 class Abort(msgspec.Struct, array_like=True, gc=False):
@@ -46,7 +47,7 @@ class FinishSequence(msgspec.Struct, array_like=True, gc=False):
 class UtilityCall(msgspec.Struct, array_like=True, gc=False):
     call_id: int
     method: str  # a name in `proc.UTILITIES`
-    kwargs: dict[str, int] = {}
+    kwargs: dict[str, int | str] = {}
 
 
 class Logprobs(msgspec.Struct, array_like=True, gc=False):

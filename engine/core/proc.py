@@ -66,7 +66,24 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     "stats": lambda engine: engine.stats,
     # disaggregation: the KV connector's counters (None without a kv_role)
     "kv_transfer_stats": lambda engine: engine.kv_connector.stats if engine.kv_connector else None,
+    # LoRA (engine/lora/): a bad adapter is a ParameterError naming the field, the server's 400
+    "load_lora_adapter": lambda engine, lora_name, lora_path: _lora_call(
+        "lora_path", lambda: engine.load_lora_adapter(lora_name, lora_path).digest
+    ),
+    "unload_lora_adapter": lambda engine, lora_name: _lora_call(
+        "lora_name", lambda: engine.unload_lora_adapter(lora_name)
+    ),
+    "lora_state": lambda engine: engine.lora_state(),
 }
+
+
+def _lora_call(param: str, call: Callable[[], Any]) -> Any:
+    from specfleet.engine.lora.adapter import LoraError
+
+    try:
+        return call()
+    except LoraError as exc:
+        raise ParameterError(param, str(exc)) from None
 
 
 def encode_logprobs(lp: PositionLogprobs) -> Logprobs:
@@ -89,7 +106,12 @@ class EngineCore:
         self._new_cursors.clear()
         try:
             self.engine.add_request(
-                msg.request_id, msg.prompt_token_ids, params, msg.kv_transfer_params, msg.priority
+                msg.request_id,
+                msg.prompt_token_ids,
+                params,
+                msg.kv_transfer_params,
+                msg.priority,
+                lora_name=msg.lora_name,
             )
         except ParameterError as exc:
             return AddResult(msg.request_id, str(exc), exc.param, exc.code)

@@ -99,7 +99,7 @@ def _problem(error: Any) -> str:
     return f"{field}={error.get('input')!r}: {why}" if field else why
 
 
-def _authorize(state: ServerState, request: Request) -> None:
+def authorize(state: ServerState, request: Request) -> None:
     if not state.admin_token:
         raise APIError(
             403,
@@ -126,14 +126,14 @@ async def _config(state: ServerState) -> dict[str, Any]:
 @router.get("/config")
 async def get_config(request: Request) -> dict[str, Any]:
     state = get_state(request)
-    _authorize(state, request)
+    authorize(state, request)
     return await _config(state)
 
 
 @router.patch("/config")
 async def patch_config(body: AdminConfigPatch, request: Request) -> dict[str, Any]:
     state = get_state(request)
-    _authorize(state, request)
+    authorize(state, request)
     changes = body.changes()
     before = await _config(state)
     try:

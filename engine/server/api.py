@@ -141,6 +141,7 @@ async def _submit(
     kv_transfer_params: dict[str, Any] | None = None,
     priority: int = 0,
     trace: tracing.RequestTrace | None = None,
+    lora_name: str | None = None,
 ) -> list[RequestStream]:
     if kv_transfer_params and len(prompts) != 1:
         raise APIError(
@@ -164,7 +165,7 @@ async def _submit(
         for rid, prompt in zip(ids, prompts, strict=True):
             streams.append(
                 await state.async_engine.generate(
-                    rid, prompt, params, kv_transfer_params, priority, trace=trace
+                    rid, prompt, params, kv_transfer_params, priority, trace=trace, lora_name=lora_name
                 )
             )
     except EngineDeadError as exc:
@@ -382,7 +383,7 @@ def _streaming_response(body: AsyncIterator[str]) -> StreamingResponse:
 async def create_completion(body: CompletionRequest, request: Request) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     state.check_accepting()
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     _check_fields(state, body, "/v1/completions")
     prompts = body.prompts()
     if not body.add_special_tokens:  # the engine would add BOS to text; token ids go in as they are
@@ -396,7 +397,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         state.async_engine.tracer, request.headers, "text_completion", params, body.kv_transfer_params
     )
     streams = await _submit(
-        state, ids, prompts, params, "prompt", body.kv_transfer_params, body.priority, trace
+        state, ids, prompts, params, "prompt", body.kv_transfer_params, body.priority, trace, lora
     )
     if body.stream and not body.scoring:
         return _streaming_response(
@@ -444,7 +445,7 @@ async def create_chat_completion(
 ) -> JSONResponse | StreamingResponse:
     state = get_state(request)
     state.check_accepting()
-    state.check_model(body.model)
+    lora = state.check_model(body.model)
     _check_fields(state, body, "/v1/chat/completions")
     plan = chat.plan(state.chat, body)  # tools and reasoning: checked before the template renders them
     rendered = chat.render(state.chat, state.tokenizer, body, plan)
@@ -455,7 +456,7 @@ async def create_chat_completion(
     rid = f"chatcmpl-{request_id(request, body.request_id)}"
     trace = tracing.start(state.async_engine.tracer, request.headers, "chat", params, body.kv_transfer_params)
     streams = await _submit(
-        state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params, body.priority, trace
+        state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params, body.priority, trace, lora
     )
     num_logprobs = body.num_logprobs()
     echo = chat.echo_prefix(body)
@@ -534,6 +535,18 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "created": int(state.started),
                 "owned_by": "specfleet",
                 "max_model_len": state.max_model_len,
-            }
+            },
+            *(  # LoRA adapters as vLLM lists them: parent is the base model, root the adapter's path
+                {
+                    "id": name,
+                    "object": "model",
+                    "created": int(state.started),
+                    "owned_by": "specfleet",
+                    "parent": state.model_name,
+                    "root": path,
+                    "max_model_len": state.max_model_len,
+                }
+                for name, path in state.lora_adapters.items()
+            ),
         ],
     }

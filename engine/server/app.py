@@ -12,9 +12,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from specfleet.engine.core.client import EngineCoreClient
 
-from . import admin, api, embeddings, tokens_api
+from . import admin, api, embeddings, lora_api, tokens_api
 from .chat import ChatOptions
 from .errors import error_response, install_error_handlers
+from .lora_metrics import LoraMetrics
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .pooler import PoolerConfig
 from .request_ids import RequestIdHeader
@@ -70,7 +71,8 @@ class AdminPortSplit:
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] == "http":
             on_admin_port = (scope.get("server") or (None, None))[1] == self.admin_port
-            if scope["path"].startswith("/admin") != on_admin_port:
+            admin_path = scope["path"].startswith("/admin") or scope["path"] in lora_api.PATHS
+            if admin_path != on_admin_port:
                 where = "the API port" if on_admin_port else f"the admin port {self.admin_port}"
                 response = error_response(404, f"{scope['path']} is served on {where}", code="wrong_port")
                 await response(scope, receive, send)
@@ -78,12 +80,16 @@ class AdminPortSplit:
         await self.app(scope, receive, send)
 
 
-def create_app(state: ServerState) -> FastAPI:
-    """An app around a started engine core: its reader starts with the app; the core stops with it."""
+def create_app(state: ServerState, lora_modules: dict[str, str] | None = None) -> FastAPI:
+    """An app around a started engine core: its reader starts with the app; the core stops with it.
+    `lora_modules` (name -> path, `--lora-modules`) are loaded before the app reports ready."""
+    lora_modules = lora_modules or {}
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         state.async_engine.start(asyncio.get_running_loop())
+        for name, path in lora_modules.items():  # --lora-modules: served from the start, or no start
+            await lora_api.load(state, name, path)
         state.ready = True
         logger.info("event=ready model=%s max_model_len=%d", state.model_name, state.max_model_len)
         try:
@@ -110,6 +116,7 @@ def create_app(state: ServerState) -> FastAPI:
     app.include_router(tokens_api.router)
     app.include_router(embeddings.router)
     app.include_router(admin.router)
+    app.include_router(lora_api.router)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -124,8 +131,17 @@ def create_app(state: ServerState) -> FastAPI:
         reason = "engine_core_dead" if not alive else "draining" if s.stopping or s.draining else "loading"
         return JSONResponse({"ready": False, "reason": reason}, status_code=503, headers={"Retry-After": "5"})
 
+    lora = (
+        LoraMetrics(state.metrics.registry, state.model_name, state.async_engine.config.max_loras)
+        if state.async_engine.config.enable_lora
+        else None
+    )
+
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:
-        return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+        s = get_state(request)
+        if lora is not None and s.async_engine.dead is None:
+            lora.update(await s.async_engine.call("lora_state"))
+        return Response(s.metrics.render(), media_type=CONTENT_TYPE)
 
     return app

@@ -20,6 +20,7 @@ from specfleet.engine.config import EngineConfig
 from .admin import live_config_from_file, token_from_env
 from .app import build_state, create_app
 from .chat import ChatOptions
+from .lora_api import parse_lora_modules
 from .pooler import PoolerConfig
 from .state import ServerState
 
@@ -34,6 +35,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_engine_args(p)
     p.add_argument("--served-model-name", default=None, help="name in the API (default: the model's)")
+    p.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=[],
+        metavar="NAME=PATH",
+        help="LoRA adapters served from the start (with --enable-lora): name=path, or JSON "
+        '\'{"name": ..., "path": ..., "base_model_name": ...}\'; requests name one in `model`',
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument(
@@ -255,6 +264,8 @@ def main(argv: list[str] | None = None) -> int:
             chat = chat_options(args)
             pooler = PoolerConfig.from_json(args.pooler_config)
             traces = tracing.traces_endpoint(args.otlp_traces_endpoint)
+            if args.lora_modules and not config.enable_lora:
+                raise ValueError("--lora-modules needs --enable-lora")
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -282,7 +293,13 @@ def main(argv: list[str] | None = None) -> int:
         pooler=pooler,
         otlp_traces_endpoint=traces,
     )
-    app = create_app(state)
+    try:
+        lora_modules = parse_lora_modules(args.lora_modules, state.model_name)
+    except ValueError as exc:
+        print(f"specfleet serve: {exc}", file=sys.stderr)
+        client.stop()
+        return 2
+    app = create_app(state, lora_modules)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

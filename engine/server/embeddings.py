@@ -87,7 +87,10 @@ def _encoded(values: list[float], fmt: str) -> list[float] | str:
 async def create_embedding(body: EmbeddingRequest, request: Request) -> dict[str, Any]:
     state = get_state(request)
     state.check_accepting()
-    state.check_model(body.model)
+    if state.check_model(body.model) is not None:
+        raise APIError(
+            400, f"model={body.model!r} is a LoRA adapter: /v1/embeddings pools the base model only", "model"
+        )
     if body.dimensions is not None:
         raise APIError(
             400,

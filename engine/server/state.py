@@ -33,6 +33,7 @@ class ServerState:
     stopping: bool = False  # SIGTERM seen: /ready fails (the endpoint goes), requests are still served
     draining: bool = False  # after the shutdown delay: new requests get 503, in-flight ones finish
     started: float = field(default_factory=time.time)
+    lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> path
 
     @property
     def engine(self) -> Any:
@@ -60,14 +61,19 @@ class ServerState:
                 headers={"Retry-After": str(DRAIN_RETRY_AFTER_S)},
             )
 
-    def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
-            raise APIError(
-                404,
-                f"model '{model}' does not exist; this server serves '{self.model_name}'",
-                param="model",
-                code="model_not_found",
-            )
+    def check_model(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's `model` names (None: the base model); 404 for any other name."""
+        if model is None or model == self.model_name:
+            return None
+        if model in self.lora_adapters:
+            return model
+        adapters = "".join(f", '{name}'" for name in self.lora_adapters)
+        raise APIError(
+            404,
+            f"model '{model}' does not exist; this server serves '{self.model_name}'{adapters}",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def get_state(request: Request) -> ServerState:

@@ -184,6 +184,15 @@ class Engine:
             "load_s": load_s,
         }
 
+    def _lora_for(self, lora_name: str | None) -> LoraAdapter | None:
+        """The adapter a request names (None: the base); a ParameterError on `model` for an unknown one."""
+        if lora_name is None:
+            return None
+        try:
+            return self._lora_manager().get(lora_name)
+        except LoraError as exc:
+            raise ParameterError("model", str(exc)) from exc
+
     def _lora_manager(self) -> LoraManager:
         if self.lora is None:
             raise LoraError("LoRA adapters need an engine started with --enable-lora")
@@ -307,12 +316,7 @@ class Engine:
         `priority` (vLLM's): lower runs first under `--scheduling-policy priority`; else only 0."""
         params = params or SamplingParams()
         self._check_priority(priority)
-        adapter = None
-        if lora_name is not None:
-            try:
-                adapter = self._lora_manager().get(lora_name)
-            except LoraError as exc:
-                raise ParameterError("model", str(exc)) from exc
+        adapter = self._lora_for(lora_name)
         remote = self._remote_params(kv_transfer_params, params)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already in use")

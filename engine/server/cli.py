@@ -243,6 +243,15 @@ def _configure_logging(level: str) -> None:
     )
 
 
+def _app(state: ServerState, lora_modules: list[str]) -> Any:
+    """The app, or None when a --lora-modules value is wrong (said on stderr)."""
+    try:
+        return create_app(state, parse_lora_modules(lora_modules, state.model_name))
+    except ValueError as exc:
+        print(f"specfleet serve: {exc}", file=sys.stderr)
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
@@ -293,13 +302,10 @@ def main(argv: list[str] | None = None) -> int:
         pooler=pooler,
         otlp_traces_endpoint=traces,
     )
-    try:
-        lora_modules = parse_lora_modules(args.lora_modules, state.model_name)
-    except ValueError as exc:
-        print(f"specfleet serve: {exc}", file=sys.stderr)
+    app = _app(state, args.lora_modules)
+    if app is None:
         client.stop()
         return 2
-    app = create_app(state, lora_modules)
     uv_config = uvicorn.Config(
         app,
         host=args.host,

@@ -170,3 +170,19 @@ def test_unknown_adapter_and_lora_off_are_refused(tiny_llama, adapters):
     plain = LLM(model=tiny_llama, block_size=4, max_model_len=128)
     with pytest.raises(ParameterError, match="--enable-lora"):
         plain.generate([PROMPTS[0]], GREEDY, lora_name="qv")
+
+
+def test_draft_model_speculation_with_adapters_is_exact(tiny_llama, adapters, references):
+    """The draft (here the base checkpoint itself) proposes without the adapter; verification runs with it,
+    so each adapter's greedy tokens are still PEFT's, and the draft's runner never applies an adapter."""
+    llm = _lora_llm(
+        tiny_llama, adapters, speculative_method="draft", draft_model=tiny_llama, num_speculative_tokens=3
+    )
+    names: list[str | None] = [None, *ADAPTERS]
+    results = llm.generate([PROMPTS[1]] * len(names), GREEDY, lora_name=names)
+    assert _tokens(results) == [references[n][1] for n in names]
+    from specfleet.engine.spec_decode.draft import DraftModelProposer
+
+    proposer = llm.engine.proposer
+    assert isinstance(proposer, DraftModelProposer)
+    assert llm.engine.runner.use_lora and not proposer.runner.use_lora

@@ -87,6 +87,8 @@ class CoreInfo:
         self.model_name, self.max_model_len = ready.model_name, ready.max_model_len
         self.vocab_size, self.eos_token_ids = ready.vocab_size, set(ready.eos_token_ids)
         self.sampling_defaults = dict(ready.sampling_defaults)  # what a request leaves out samples with
+        self.kv_block_size, self.num_kv_blocks = ready.kv_block_size, ready.num_kv_blocks
+        self.enable_prefix_caching = ready.enable_prefix_caching
         self.tokenizer = tokenizer
 
     def apply_chat_template(self, messages: list[dict], **controls: Any) -> list[int]:

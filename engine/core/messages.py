@@ -89,6 +89,9 @@ class Ready(msgspec.Struct, tag="ready", array_like=True, gc=False):
     live: dict[str, int]
     pid: int
     sampling_defaults: dict[str, Any] = {}  # the request defaults in force (--generation-config)
+    kv_block_size: int = 0  # tokens per KV block (the model-server protocol's BlockSize)
+    num_kv_blocks: int = 0  # KV blocks the cache holds (NumGPUBlocks)
+    enable_prefix_caching: bool = True
 
 
 # AddResult.code of an add_request that raised something else than a ParameterError or ValueError: the

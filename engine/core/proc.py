@@ -271,6 +271,9 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
                     engine.live_config().as_dict(),
                     os.getpid(),
                     engine.sampling_defaults,
+                    engine.kv.block_size,
+                    engine.kv.num_blocks,
+                    engine.kv.enable_prefix_caching,
                 )
             )
         )

@@ -41,6 +41,7 @@ def build_state(
     info = client.info
     model_name = served_model_name or info.model_name
     metrics = ServerMetrics(model_name)
+    metrics.protocol.set_cache_config(info.kv_block_size, info.num_kv_blocks, info.enable_prefix_caching)
     token = admin_token if admin_token is not None else admin.token_from_env()
     client.metrics, client.max_waiting = metrics, max_waiting
     if otlp_traces_endpoint:

@@ -11,6 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from specfleet.engine.knobs import KNOBS, LiveConfig
 from specfleet.engine.stats import EngineStats
 
+from .protocol_metrics import ProtocolMetrics
+
 __all__ = ["CONTENT_TYPE", "ServerMetrics"]
 
 LATENCY_BUCKETS = (
@@ -134,6 +136,7 @@ class ServerMetrics:
         self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("specfleet_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
+        self.protocol = ProtocolMetrics(r, model_name)  # the same gauges under the names an EPP reads
         self.live = {knob.name: gauge(knob.gauge, knob.help) for knob in KNOBS}  # one gauge per live knob
         self.counters = {
             attr: Counter(name, doc, label, registry=r) for name, (doc, attr) in _COUNTERS.items()
@@ -194,9 +197,13 @@ class ServerMetrics:
             self.step_duration.labels(m).observe(step.duration_s)
             if step.batch_size:
                 self.batch_size.labels(m).observe(step.batch_size)
-        self.running.labels(m).set(step.num_running if stepped else 0)
-        self.waiting.labels(m).set((step.num_waiting if stepped else 0) + extra_waiting)
-        self.kv_usage.labels(m).set(step.kv_cache_usage if kv_usage is None else kv_usage)
+        running = step.num_running if stepped else 0
+        waiting = (step.num_waiting if stepped else 0) + extra_waiting
+        usage = step.kv_cache_usage if kv_usage is None else kv_usage
+        self.running.labels(m).set(running)
+        self.waiting.labels(m).set(waiting)
+        self.kv_usage.labels(m).set(usage)
+        self.protocol.observe(running, waiting, usage)
         for attr, counter in self.counters.items():
             total = int(getattr(stats, attr, 0) or 0)
             if total > self._seen[attr]:

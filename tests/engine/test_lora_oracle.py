@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import TOKENIZER_FILES, tiny_config, write_tiny_checkpoint
 from lora_helpers import merged_greedy, save_random_adapter
 from specfleet.engine import LLM, SamplingParams
 from specfleet.engine.errors import ParameterError
@@ -186,3 +187,41 @@ def test_draft_model_speculation_with_adapters_is_exact(tiny_llama, adapters, re
     proposer = llm.engine.proposer
     assert isinstance(proposer, DraftModelProposer)
     assert llm.engine.runner.use_lora and not proposer.runner.use_lora
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
+def test_other_architectures_equal_peft_merged(kind, bundled_path, tmp_path):
+    """The same oracle on each other architecture LoRA serves (q/k/v bias, q/k norms, Mistral): two
+    adapters and the base in one batch."""
+    from transformers import AutoModelForCausalLM
+
+    config = tiny_config(kind, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    path = write_tiny_checkpoint(
+        tmp_path / kind, config, std=0.2, tokenizer_from=bundled_path, tokenizer_files=TOKENIZER_FILES
+    )
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    folders = {
+        name: save_random_adapter(base, tmp_path / name, seed=seed, **ADAPTERS[name])
+        for seed, name in enumerate(("all", "k-up"))
+    }
+    llm = LLM(model=f"file://{path}", block_size=4, max_model_len=128, enable_lora=True, max_loras=2)
+    for name, folder in folders.items():
+        llm.engine.load_lora_adapter(name, str(folder))
+    names: list[str | None] = [None, *folders]
+    results = llm.generate([PROMPTS[1]] * len(names), GREEDY, lora_name=names)
+    wants = {
+        n: merged_greedy(str(path), folders[n] if n else None, [PROMPTS[1]], NEW_TOKENS)[0] for n in names
+    }
+    assert wants["all"] != wants[None] and wants["k-up"] != wants[None]  # the adapters do change the tokens
+    for name, tokens in zip(names, _tokens(results)):
+        assert tokens == wants[name], f"{kind} adapter {name}"
+
+
+def test_phi3_refuses_lora_at_start(bundled_path, tmp_path):
+
+    config = tiny_config("phi3", max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
+    path = write_tiny_checkpoint(
+        tmp_path / "phi3", config, tokenizer_from=bundled_path, tokenizer_files=TOKENIZER_FILES
+    )
+    with pytest.raises(ValueError, match="LoRA is not supported for Phi3Model yet"):
+        LLM(model=f"file://{path}", max_model_len=128, enable_lora=True)

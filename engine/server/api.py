@@ -307,9 +307,10 @@ async def _stream_body(
     continuous_usage: bool = False,
     echo: bool = False,
     shape: chat.ChatShape | None = None,
+    model: str | None = None,  # the name the request used: the served model's, or a LoRA adapter's
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
-    created, model = int(time.time()), state.model_name
+    created, model = int(time.time()), model or state.model_name
     text = serving.TokenText(state.tokenizer)
     cursors = serving.StreamState()
     finals: dict[int, RequestOutput] = {}
@@ -411,6 +412,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
                 body.logprobs,
                 body.continuous_usage,
                 body.echo,
+                model=lora,
             )
         )
     finals = await _collect(request, streams)
@@ -419,7 +421,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
         "id": rid,
         "object": "text_completion",
         "created": int(time.time()),
-        "model": state.model_name,
+        "model": lora or state.model_name,
         "choices": serving.completion_choices(
             finals, body.n, body.logprobs is not None, text, body.echo, body.scoring
         ),
@@ -471,13 +473,14 @@ async def create_chat_completion(
             num_logprobs,
             body.continuous_usage,
             shape=shape,
+            model=lora,
         )
         if echo:
             first = _chunk(
                 "chat.completion.chunk",
                 rid,
                 int(time.time()),
-                state.model_name,
+                lora or state.model_name,
                 chat.echo_delta(echo, body.n),
                 body.include_usage,
             )
@@ -492,7 +495,7 @@ async def create_chat_completion(
             "id": rid,
             "object": "chat.completion",
             "created": int(time.time()),
-            "model": state.model_name,
+            "model": lora or state.model_name,
             "choices": chat.echoed(
                 chat.choices(shape, serving.chat_choices(finals[0], num_logprobs, text), finals[0]), echo
             ),

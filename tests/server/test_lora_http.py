@@ -83,6 +83,7 @@ def _complete(served: dict, model: str, max_tokens: int = NEW_TOKENS) -> str:
     out = _client(served).completions.create(
         model=model, prompt=PROMPT, max_tokens=max_tokens, temperature=0, extra_body={"ignore_eos": True}
     )
+    assert out.model == model  # the response names what the request asked for, as vLLM's
     return out.choices[0].text
 
 
@@ -106,6 +107,10 @@ def test_adapter_by_name_equals_peft_merged(served, tiny_llama, adapters):
     base = _complete(served, "tiny")
     assert base == _merged_text(tiny_llama, None)
     assert base != _complete(served, "a")
+    chat = _client(served).chat.completions.create(
+        model="a", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0
+    )
+    assert chat.model == "a" and chat.usage is not None and chat.usage.completion_tokens > 0
 
 
 def test_models_lists_adapters_with_parent_and_root(served, adapters):
@@ -183,6 +188,7 @@ def test_unload_lets_streams_in_flight_finish(served, adapters):
             extra_body={"ignore_eos": True},
         ):
             started.set()
+            assert chunk.model == "c"
             tokens.append(chunk.choices[0].text)
             if chunk.choices[0].finish_reason:
                 finish.append(chunk.choices[0].finish_reason)

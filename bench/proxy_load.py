@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from typing import cast
 
 CHUNKS = 64  # events per streamed response (issue 39: "streams 64 chunks"); the last is `data: [DONE]`
 EVENT = {
@@ -61,8 +62,7 @@ class Upstream(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
 
     def data_received(self, data: bytes) -> None:
         assert self.transport is not None
@@ -151,8 +151,7 @@ class _ClientProtocol(asyncio.Protocol):
         self.done: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
 
     def data_received(self, data: bytes) -> None:
         try:

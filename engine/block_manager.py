@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 
+from specfleet.engine.kv_events import MEDIUM_GPU, BlockRemoved, BlockStored, salt_digest
 from specfleet.engine.sequence import Sequence
 
 # SPECFLEET_KV_DEBUG=1 records, for every slot, which token prefix its K/V was computed from, and checks
@@ -49,6 +50,8 @@ class BlockManager:
         self._hashes: dict[int, list[int]] = {}
         self.debug = debug
         self._slot_prefix: dict[int, int] = {}  # debug: slot -> hash of the token prefix its K/V encodes
+        # KV events (engine/kv_events.py) since the last `take_events`; None: not recorded (the default)
+        self.events: list[BlockStored | BlockRemoved] | None = None
 
     # -- queries ---------------------------------------------------------------------------------
     @property
@@ -151,6 +154,7 @@ class BlockManager:
         bs = self.block_size
         full = min(seq.num_computed_tokens, seq.num_tokens, len(seq.block_table) * bs) // bs
         hashes = self._hashes.setdefault(seq.seq_id, [])
+        stored: list[int] = []  # indexes of the blocks registered now, for the KV events
         for i in range(len(hashes), full):
             block = seq.block_table[i]
             key = self._key(seq, i, hashes[-1] if hashes else None)
@@ -162,6 +166,44 @@ class BlockManager:
             if self.block_hash[block] is None and h not in self.hash_to_block:
                 self.block_hash[block], self.block_key[block] = h, key
                 self.hash_to_block[h] = block
+                stored.append(i)
+        if self.events is not None and stored:
+            self._record_stored(seq, hashes, stored)
+
+    def _record_stored(self, seq: Sequence, hashes: list[int], stored: list[int]) -> None:
+        """One BlockStored per run of consecutive blocks registered together (vLLM batches them so)."""
+        assert self.events is not None
+        bs, salt = self.block_size, seq.params.cache_salt
+        runs: list[list[int]] = []
+        for i in stored:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+        for run in runs:
+            first = run[0]
+            extra = None
+            if first == 0 and isinstance(salt, str) and salt:
+                extra = [["cache_salt", salt_digest(salt)]] + [None] * (len(run) - 1)
+            self.events.append(
+                BlockStored(
+                    block_hashes=[hashes[i] for i in run],
+                    parent_block_hash=hashes[first - 1] if first else None,
+                    token_ids=list(seq.token_ids[first * bs : (run[-1] + 1) * bs]),
+                    block_size=bs,
+                    lora_id=None,
+                    medium=MEDIUM_GPU,
+                    lora_name=seq.lora.name if seq.lora is not None else None,
+                    extra_keys=extra,
+                )
+            )
+
+    def take_events(self) -> list[BlockStored | BlockRemoved]:
+        """The KV events recorded since the last call (empty when not recording)."""
+        if not self.events:
+            return []
+        events, self.events = self.events, []
+        return events
 
     def _check_block(self, seq: Sequence, index: int) -> None:
         bs = self.block_size
@@ -204,6 +246,8 @@ class BlockManager:
         if h is not None:  # evict: its content is about to be overwritten
             if self.hash_to_block.get(h) == block:
                 del self.hash_to_block[h]
+                if self.events is not None:
+                    self.events.append(BlockRemoved(block_hashes=[h], medium=MEDIUM_GPU))
             self.block_hash[block] = self.block_key[block] = None
         self.ref_counts[block] = 1
         return block

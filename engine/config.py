@@ -11,6 +11,7 @@ from typing import Any
 
 from specfleet.engine.errors import ParameterError
 from specfleet.engine.knobs import LiveConfig, live_limits, live_refusal
+from specfleet.engine.kv_events_config import KVEventsConfig
 from specfleet.engine.spec_decode.methods import (
     METHODS,
     NONE,
@@ -175,6 +176,12 @@ class EngineConfig:
         60.0, "seconds a prefill engine holds KV blocks for a decoder, and a decoder waits for them"
     )
 
+    kv_events_config: str | None = _opt(
+        None,
+        "KV cache events as vLLM's --kv-events-config JSON, e.g. "
+        '\'{"enable_kv_cache_events": true, "endpoint": "tcp://*:5557", "replay_endpoint": "tcp://*:5558"}\'',
+    )
+
     # LoRA (engine/lora/). vLLM's flags; its --max-lora-rank default is 16, ours 64 so that the common
     # fine-tunes (ranks 8 to 64) load without a flag; the adapters' memory is their own size, not the limit.
     enable_lora: bool = _opt(False, "serve LoRA adapters (requests name one in `model`)")
@@ -191,6 +198,8 @@ class EngineConfig:
         spec = self._check_speculation()
         self._check_parallel()
         self._check_kv_transfer()
+        if self.kv_events_config is not None:
+            KVEventsConfig.parse(self.kv_events_config)  # a ValueError naming the field
         self._check_lora()
         if self.draft_quantization and not (spec is not None and spec.needs_draft_model):
             raise ValueError(

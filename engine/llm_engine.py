@@ -18,6 +18,8 @@ from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import PRIORITY, EngineConfig, LiveConfig, check_live
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
 from specfleet.engine.knobs import KNOBS
+from specfleet.engine.kv_events import ZmqEventPublisher
+from specfleet.engine.kv_events_config import KVEventsConfig
 from specfleet.engine.kv_transfer.base import KVTransferParams, encode_logprob
 from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
@@ -97,6 +99,7 @@ class Engine:
         self.lora = self._build_lora(config, loaded)
         self._build_speculation(config, loaded, draft, num_blocks)
         self._build_kv_connector(config)
+        self._build_kv_events(config)
         self._build_requests(config, text_cursor)
         self._log_ready(config, num_blocks, draft is not None)
 
@@ -216,6 +219,21 @@ class Engine:
             else None
         )
 
+    def _build_kv_events(self, config: EngineConfig) -> None:
+        """`--kv-events-config`: the block manager records stored/removed blocks, a publisher thread sends
+        them (engine/kv_events.py); None without the flag."""
+        self.kv_events: ZmqEventPublisher | None = None
+        if config.kv_events_config is not None:
+            events = KVEventsConfig.parse(config.kv_events_config)
+            if events.publishes:
+                self.kv_events = ZmqEventPublisher(events)
+                self.kv.events = []
+                log.info(
+                    "event=kv_events_publishing endpoint=%s replay=%s",
+                    self.kv_events.endpoint,
+                    self.kv_events.replay_endpoint,
+                )
+
     def _build_kv_connector(self, config: EngineConfig) -> None:
         """The KV transfer connector of a disaggregated prefill or decode engine (None otherwise)."""
         self.kv_connector: KVConnector | None = None
@@ -281,6 +299,9 @@ class Engine:
         thread); idempotent."""
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+            self.kv_events = None
         while self._in_flight:  # let the stages finish what they hold before they are told to stop
             sched, flight = self._in_flight.popleft()
             try:
@@ -719,6 +740,8 @@ class Engine:
     def _postprocess(
         self, sched: SchedulerOutput, result: ModelRunnerOutput | None, changed: list[tuple[Sequence, int]]
     ) -> list[RequestOutput]:
+        if self.kv_events is not None and (events := self.kv.take_events()):
+            self.kv_events.publish(events)  # this step's blocks stored and evicted, one batch
         now = time.monotonic()
         decode = self.token_text
         lp_by_seq = {

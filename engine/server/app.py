@@ -18,6 +18,7 @@ from .errors import error_response, install_error_handlers
 from .lora_metrics import LoraMetrics
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .pooler import PoolerConfig
+from .protocol_metrics import ProtocolMetrics
 from .request_ids import RequestIdHeader
 from .state import ServerState, get_state
 from .tracing import RequestTracer
@@ -41,7 +42,8 @@ def build_state(
     info = client.info
     model_name = served_model_name or info.model_name
     metrics = ServerMetrics(model_name)
-    metrics.protocol.set_cache_config(info.kv_block_size, info.num_kv_blocks, info.enable_prefix_caching)
+    protocol = metrics.protocol = ProtocolMetrics(metrics.registry, model_name)
+    protocol.set_cache_config(info.kv_block_size, info.num_kv_blocks, info.enable_prefix_caching)
     token = admin_token if admin_token is not None else admin.token_from_env()
     client.metrics, client.max_waiting = metrics, max_waiting
     if otlp_traces_endpoint:

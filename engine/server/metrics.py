@@ -105,6 +105,10 @@ _PER_POSITION = {  # name without _total -> (help, EngineStats attribute: a list
 
 
 class ServerMetrics:
+    # The same gauges under the names an endpoint picker reads (GIE's model-server protocol); the server
+    # adds them (build_state), a ServerMetrics of its own (the router's tests) goes without.
+    protocol: ProtocolMetrics | None = None
+
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
         self.registry = registry or CollectorRegistry()
@@ -136,7 +140,6 @@ class ServerMetrics:
         self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("specfleet_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
-        self.protocol = ProtocolMetrics(r, model_name)  # the same gauges under the names an EPP reads
         self.live = {knob.name: gauge(knob.gauge, knob.help) for knob in KNOBS}  # one gauge per live knob
         self.counters = {
             attr: Counter(name, doc, label, registry=r) for name, (doc, attr) in _COUNTERS.items()
@@ -203,7 +206,8 @@ class ServerMetrics:
         self.running.labels(m).set(running)
         self.waiting.labels(m).set(waiting)
         self.kv_usage.labels(m).set(usage)
-        self.protocol.observe(running, waiting, usage)
+        if self.protocol is not None:
+            self.protocol.observe(running, waiting, usage)
         for attr, counter in self.counters.items():
             total = int(getattr(stats, attr, 0) or 0)
             if total > self._seen[attr]:

@@ -1,0 +1,185 @@
+"""KV events from the engine's block manager to the router's exact index, over real ZeroMQ sockets on
+loopback (no model: blocks are cached and evicted by hand, as the block manager's own tests do).
+
+The index must hold exactly the router-scheme hashes of the blocks the engine's prefix cache holds, after
+stores, evictions and a subscriber that joins late (its gap filled from the replay socket)."""
+
+from __future__ import annotations
+
+import time
+
+import msgspec
+import pytest
+import zmq
+from specfleet.engine.block_manager import BlockManager
+from specfleet.engine.kv_events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    ZmqEventPublisher,
+    salt_digest,
+)
+from specfleet.engine.kv_events_config import KVEventsConfig
+from specfleet.engine.sampling_params import SamplingParams
+from specfleet.engine.sequence import Sequence
+from specfleet.router.kv_index import ExactPrefixIndex
+from specfleet.router.kv_subscriber import KVEventSubscriber
+from specfleet.router.prefix import BlockHasher, chain_hashes, stable_hash, token_blocks
+
+BS = 4
+URL = "http://engine-a"
+SEED = stable_hash("bundled://tiny")
+
+
+def _prompt(i: int, blocks: int) -> list[int]:
+    return [1000 * (i + 1) + t for t in range(blocks * BS + 1)]  # distinct per prompt, a one-token tail
+
+
+def _cache(kv: BlockManager, seq_id: int, prompt: list[int], salt: str | None = None) -> None:
+    seq = Sequence(seq_id, f"r{seq_id}", 0, list(prompt), len(prompt), SamplingParams(cache_salt=salt))
+    kv.allocate(seq, len(prompt))
+    seq.num_computed_tokens = len(prompt)
+    kv.cache_full_blocks(seq)
+    kv.free_seq(seq)
+
+
+def _expected(kv: BlockManager, prompts: list[tuple[list[int], str | None]]) -> set[int]:
+    """The router-scheme hashes of the blocks the engine holds: per prompt its leading cached blocks (the
+    prompts share no block, so their count must add up to every block the engine holds)."""
+    hasher, out, total = BlockHasher(BS, None, SEED), set(), 0
+    for i, (prompt, salt) in enumerate(prompts):
+        probe = Sequence(10_000 + i, "probe", 0, list(prompt), len(prompt), SamplingParams(cache_salt=salt))
+        n = len(kv.lookup_prefix(probe))
+        out |= set(chain_hashes(token_blocks(prompt, BS), hasher.salted_seed(salt))[:n])
+        total += n
+    assert total == len(kv.hash_to_block)
+    return out
+
+
+def _wait_for(subscriber: KVEventSubscriber, url: str, batches: int, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        feed = subscriber.feeds.get(url)
+        if feed is not None and feed.next_seq is not None and feed.next_seq >= batches:
+            return
+        time.sleep(0.02)
+    raise AssertionError(
+        f"subscriber at {subscriber.feeds.get(url)} after {timeout}s, want {batches} batches"
+    )
+
+
+@pytest.fixture
+def publisher():
+    config = KVEventsConfig.parse(
+        '{"enable_kv_cache_events": true, "endpoint": "tcp://127.0.0.1:*", '
+        '"replay_endpoint": "tcp://127.0.0.1:*", "topic": "kv@engine-a"}'
+    )
+    pub = ZmqEventPublisher(config)
+    yield pub
+    pub.close()
+
+
+def _step(kv: BlockManager, pub: ZmqEventPublisher) -> None:
+    pub.publish(kv.take_events())
+
+
+def test_index_follows_stores_and_evictions_and_a_late_subscriber_replays(publisher) -> None:
+    kv = BlockManager(12, BS, debug=False)
+    kv.events = []
+    prompts: list[tuple[list[int], str | None]] = []
+    # published before any subscriber exists: only the replay socket can return these
+    for i in range(2):
+        prompts.append((_prompt(i, 2), None))
+        _cache(kv, i, prompts[-1][0])
+        _step(kv, publisher)
+    index = ExactPrefixIndex(SEED)
+    sub = KVEventSubscriber(index, topic="kv@engine-a")
+    try:
+        sub.add(URL, publisher.endpoint, publisher.replay_endpoint)
+        time.sleep(0.5)  # the SUB socket's connection (ZeroMQ's slow joiner); later batches go over PUB
+        # a salted prompt, then enough prompts that the 12-block cache evicts the oldest
+        prompts.append((_prompt(2, 2), "tenant-a"))
+        _cache(kv, 2, prompts[-1][0], "tenant-a")
+        _step(kv, publisher)
+        for i in range(3, 8):
+            prompts.append((_prompt(i, 2), None))
+            _cache(kv, i, prompts[-1][0])
+            _step(kv, publisher)
+        _wait_for(sub, URL, 8)
+        feed = sub.feeds[URL]
+        assert feed.gaps == 1 and feed.replayed >= 2 and feed.lost == 0, feed
+        with sub.lock:
+            held = index.hashes(URL)
+        expected = _expected(kv, prompts)
+        assert held == expected
+        assert len(expected) < 2 * len(prompts)  # evictions happened, and the index dropped those blocks
+        # the router's hashes of the salted prompt match only with the salt
+        salted = chain_hashes(
+            token_blocks(prompts[2][0], BS), BlockHasher(BS, None, SEED).salted_seed("tenant-a")
+        )
+        unsalted = chain_hashes(token_blocks(prompts[2][0], BS), SEED)
+        assert sub.match(URL, salted) == len(kv.lookup_prefix(_probe(prompts[2])))
+        assert sub.match(URL, unsalted) == 0
+        assert sub.match("http://publishes-nothing", unsalted) is None  # the estimate's case
+    finally:
+        sub.close()
+
+
+def _probe(prompt: tuple[list[int], str | None]) -> Sequence:
+    tokens, salt = prompt
+    return Sequence(99_999, "probe", 0, list(tokens), len(tokens), SamplingParams(cache_salt=salt))
+
+
+def test_the_wire_is_vllms_framing(publisher) -> None:
+    """(topic, 8-byte big-endian seq, msgpack array-encoded tagged structs), read with a plain SUB socket
+    and a decoder that knows only vLLM's field order."""
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"kv@")
+    sub.connect(publisher.endpoint)
+    try:
+        time.sleep(0.5)  # slow joiner
+        stored = BlockStored([11, 12], None, list(range(2 * BS)), BS, None, "GPU", None, None)
+        publisher.publish([stored, BlockRemoved([11], "GPU"), AllBlocksCleared()])
+        assert sub.poll(30_000)
+        topic, seq, payload = sub.recv_multipart()
+        assert topic == b"kv@engine-a" and seq == (0).to_bytes(8, "big")
+        raw = msgspec.msgpack.decode(payload)
+        ts, events, rank = raw
+        assert isinstance(ts, float) and rank == 0
+        assert events[0][:7] == ["BlockStored", [11, 12], None, list(range(2 * BS)), BS, None, "GPU"]
+        assert events[1] == ["BlockRemoved", [11], "GPU"] and events[2] == ["AllBlocksCleared"]
+        batch = msgspec.msgpack.Decoder(KVEventBatch).decode(payload)
+        assert [type(e).__name__ for e in batch.events] == ["BlockStored", "BlockRemoved", "AllBlocksCleared"]
+    finally:
+        sub.close(linger=0)
+
+
+def test_the_salt_digest_is_the_routers_stable_hash() -> None:
+    assert salt_digest("tenant-a") == stable_hash("tenant-a")
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("{", "kv_events_config is not JSON"),
+        ("[]", "must be a JSON object"),
+        ('{"enable_kv_cache_events": true, "port": 1}', "unknown fields ['port']"),
+        ('{"enable_kv_cache_events": true, "publisher": "kafka"}', "publisher='kafka'"),
+        ('{"enable_kv_cache_events": true, "buffer_steps": 0}', "buffer_steps=0 must be an integer >= 1"),
+        ('{"enable_kv_cache_events": true, "endpoint": "http://x:1"}', "endpoint='http://x:1'"),
+    ],
+)
+def test_a_bad_config_names_the_field(text: str, message: str) -> None:
+    with pytest.raises(ValueError, match="kv_events_config") as exc:
+        KVEventsConfig.parse(text)
+    assert message in str(exc.value)
+
+
+def test_events_are_off_by_default() -> None:
+    assert not KVEventsConfig().publishes
+    assert KVEventsConfig.parse('{"enable_kv_cache_events": true}').publisher == "zmq"
+    kv = BlockManager(4, BS, debug=False)
+    _cache(kv, 0, _prompt(0, 2))
+    assert kv.take_events() == []

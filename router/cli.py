@@ -14,7 +14,9 @@ from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
 from .gateway import Gateway, serve_gateway
 from .gateway_discovery import DEFAULT_INTERVAL_S, InferenceServiceDiscovery
-from .policies import DEFAULT_POLICY, POLICIES, make_policy
+from .kv_index import ExactPrefixIndex
+from .kv_subscriber import KVEventFeeds, KVEventSubscriber
+from .policies import DEFAULT_POLICY, POLICIES, PrefixAffinity, make_policy
 from .prefix import BlockHasher, stable_hash
 from .proxy import Router, serve
 from .shutdown import Drainable, drain
@@ -93,6 +95,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
     p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help="prefix policy: subscribe to every engine's KV events on this port (the engines' "
+        "--kv-events-config endpoint) and route on the exact index they give; needs --tokenizer",
+    )
+    p.add_argument(
+        "--kv-events-replay-port", type=int, default=0, help="the engines' KV events replay port (0: none)"
+    )
+    p.add_argument("--kv-events-topic", default="", help="the engines' KV events topic (prefix)")
+    p.add_argument(
         "--load-factor",
         type=float,
         default=1.25,
@@ -155,15 +168,36 @@ def build_router(args: argparse.Namespace) -> Router:
     options = {"load_factor": args.load_factor} if args.policy == "prefix" else {}
     encode = load_encoder(args.tokenizer) if args.tokenizer else None
     hasher = BlockHasher(args.block_size, encode, stable_hash(args.model) if args.model else 0)
-    return Router(
+    policy = make_policy(args.policy, **options)
+    router = Router(
         EndpointSet(),
-        make_policy(args.policy, **options),
+        policy,
         hasher,
         args.session_header or None,
         args.max_retries,
         args.queue_timeout,
         args.max_queue,
     )
+    if args.kv_events_port:
+        router.kv_feeds = kv_event_feeds(args, policy, hasher)
+    return router
+
+
+def kv_event_feeds(args: argparse.Namespace, policy: object, hasher: BlockHasher) -> KVEventFeeds:
+    """--kv-events-port: the subscriber whose exact index the prefix policy reads."""
+    if not isinstance(policy, PrefixAffinity):
+        raise ValueError(f"--kv-events-port needs --policy prefix, not {args.policy!r}")
+    if hasher.encode is None:
+        raise ValueError("--kv-events-port needs --tokenizer: the engines' events name token blocks")
+    for flag, port in (
+        ("--kv-events-port", args.kv_events_port),
+        ("--kv-events-replay-port", args.kv_events_replay_port),
+    ):
+        if not 0 <= port <= 65535:
+            raise ValueError(f"{flag}={port} must be between 0 and 65535")
+    subscriber = KVEventSubscriber(ExactPrefixIndex(hasher.seed), args.kv_events_topic)
+    policy.exact = subscriber.match
+    return KVEventFeeds(subscriber, args.kv_events_port, args.kv_events_replay_port or None)
 
 
 async def run_gateway(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ class ExactPrefixIndex:
         self._to_router: dict[str, dict[int, int]] = {}  # engine -> engine block hash -> router hash
         self._blocks: dict[str, dict[int, int]] = {}  # engine -> router hash -> engine blocks holding it
         self.skipped = 0  # stored blocks whose parent was unknown, or of a LoRA adapter
+        self.removed = 0  # blocks removed from the index (the engines evicted them)
 
     def tracks(self, url: str) -> bool:
         """Whether events from this engine arrived (else the router falls back to its estimate)."""
@@ -96,6 +97,7 @@ class ExactPrefixIndex:
             router_hash = to_router.pop(engine_hash, None)
             if router_hash is None:
                 continue
+            self.removed += 1
             left = blocks.get(router_hash, 0) - 1
             if left > 0:
                 blocks[router_hash] = left

@@ -15,9 +15,10 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import msgspec
 import zmq
@@ -47,6 +48,16 @@ class EngineFeed:
     socket: Any = field(default=None, repr=False)
 
 
+def event_endpoints(url: str, port: int, replay_port: int | None) -> tuple[str, str | None]:
+    """An engine's PUB and replay addresses from its HTTP address and the fleet's event ports (every engine
+    publishes on the same ports, as llm-d's `socketPort`)."""
+    host = urlsplit(url).hostname
+    if not host:
+        raise ValueError(f"engine url {url!r} has no host to derive its KV events endpoint from")
+    host = f"[{host}]" if ":" in host else host
+    return f"tcp://{host}:{port}", f"tcp://{host}:{replay_port}" if replay_port else None
+
+
 class KVEventSubscriber:
     def __init__(
         self, index: ExactPrefixIndex, topic: str = "", on_apply: Callable[[str], None] | None = None
@@ -61,12 +72,23 @@ class KVEventSubscriber:
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._thread = threading.Thread(target=self._run, name="kv-events-subscriber", daemon=True)
         self._running = True
+        self._subscribed: set[str] = set()  # urls given to add (the thread's `feeds` follow)
         self._thread.start()
 
     def add(self, url: str, endpoint: str, replay_endpoint: str | None = None) -> None:
+        self._subscribed.add(url)
         self._commands.put(("add", EngineFeed(url, endpoint, replay_endpoint)))
 
+    def sync(self, urls: Iterable[str], port: int, replay_port: int | None) -> None:
+        """Subscribe to each engine not yet subscribed, unsubscribe from those gone."""
+        wanted = set(urls)
+        for url in wanted - self._subscribed:
+            self.add(url, *event_endpoints(url, port, replay_port))
+        for url in self._subscribed - wanted:
+            self.remove(url)
+
     def remove(self, url: str) -> None:
+        self._subscribed.discard(url)
         self._commands.put(("remove", url))
 
     def close(self) -> None:
@@ -150,3 +172,15 @@ class KVEventSubscriber:
             sock.close(linger=0)
         feed.replayed += len(out)
         return out
+
+
+@dataclass
+class KVEventFeeds:
+    """The router's KV event subscriptions: every discovered engine on the fleet's event ports."""
+
+    subscriber: KVEventSubscriber
+    port: int
+    replay_port: int | None = None
+
+    def sync(self, urls: Iterable[str]) -> None:
+        self.subscriber.sync(urls, self.port, self.replay_port)

@@ -121,6 +121,9 @@ class PrefixAffinity:
                 f"prefix policy load_factor={self.load_factor} must be >= 1.0 (1.0: perfectly even)"
             )
         self.index = PrefixIndex(self.index_blocks)
+        # The exact index from the engines' KV events (router/kv_subscriber.py): a url -> match, or None
+        # for an engine that publishes none, whose match is then this router's estimate.
+        self.exact: Callable[[str, Sequence[int]], int | None] | None = None
         self._sessions: OrderedDict[str, str] = OrderedDict()
         self._ring_key: frozenset[str] = frozenset()
         self._ring: list[tuple[int, str]] = []
@@ -139,7 +142,7 @@ class PrefixAffinity:
             return None
         cap = load_cap(endpoints, self.load_factor)
         under = [e for e in endpoints if e.outstanding + 1 <= cap]
-        matches = {e.url: self.index.match(e.url, request.hashes) for e in endpoints}
+        matches = {e.url: self._match(e.url, request.hashes) for e in endpoints}
         if request.session is not None:
             url = self._sessions.get(request.session)
             if url is not None and any(e.url == url for e in under):
@@ -161,6 +164,10 @@ class PrefixAffinity:
             if url in allowed:
                 return Choice(url, "ring", 0)
         raise AssertionError("unreachable: the least loaded engine is always under the cap")
+
+    def _match(self, url: str, hashes: Sequence[int]) -> int:
+        exact = self.exact(url, hashes) if self.exact is not None else None
+        return self.index.match(url, hashes) if exact is None else exact
 
     def routed(self, request: RouteRequest, url: str) -> None:
         self.index.insert(url, request.hashes)

@@ -29,6 +29,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import disaggregation
 from .endpoints import EndpointSet
+from .kv_subscriber import KVEventFeeds
 from .metrics import RouterMetrics
 from .policies import Choice, RouteRequest, RoutingPolicy
 from .prefix import BlockHasher
@@ -118,6 +119,7 @@ class Router:
         None  # called with the queue's length when a request starts waiting
     )
     tracer: RouterTracer | None = None  # request spans (router/tracing.py); None: traces off
+    kv_feeds: KVEventFeeds | None = None  # the engines' KV events (router/kv_subscriber.py); None: off
 
     def __post_init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -143,6 +145,8 @@ class Router:
         for url in removed or []:
             self.policy.forget(url)
         self.synced = True
+        if self.kv_feeds is not None:
+            self.kv_feeds.sync(e.url for e in self.endpoints.all())
         self.metrics.observe_endpoints(self.endpoints)
         self._changed.set()
         self._changed = asyncio.Event()
@@ -188,6 +192,8 @@ class Router:
 
     async def close(self) -> None:
         self.engines.close()
+        if self.kv_feeds is not None:
+            self.kv_feeds.subscriber.close()
         if self._session is not None:
             await self._session.close()
 

@@ -183,3 +183,38 @@ def test_events_are_off_by_default() -> None:
     kv = BlockManager(4, BS, debug=False)
     _cache(kv, 0, _prompt(0, 2))
     assert kv.take_events() == []
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--kv-events-port", "5557"], "--kv-events-port needs --tokenizer"),
+        (["--kv-events-port", "5557", "--policy", "round-robin"], "needs --policy prefix"),
+    ],
+)
+def test_the_router_flag_says_what_it_needs(flags: list[str], message: str) -> None:
+    from specfleet.router import cli as router_cli
+
+    args = router_cli.build_parser().parse_args(["--endpoint", "http://127.0.0.1:1", *flags])
+    with pytest.raises(ValueError, match=message):
+        router_cli.build_router(args)
+
+
+def test_a_subscribed_engine_is_routed_on_its_events_and_another_on_the_estimate() -> None:
+    """The prefix policy reads the exact index for an engine that publishes, the LRU for one that does not."""
+    from specfleet.router.endpoints import Endpoint
+    from specfleet.router.policies import PrefixAffinity, RouteRequest
+
+    index = ExactPrefixIndex(SEED)
+    tokens = _prompt(0, 2)
+    index.apply(URL, [BlockStored([7, 8], None, tokens[: 2 * BS], BS, None, "GPU")])
+    index.apply(URL, [BlockRemoved([8], "GPU")])  # the engine evicted the second block
+    policy = PrefixAffinity()
+    policy.exact = lambda url, hashes: index.match(url, hashes) if index.tracks(url) else None
+    hashes = tuple(chain_hashes(token_blocks(tokens, BS), SEED))
+    policy.routed(RouteRequest(hashes), URL)  # the estimate alone would say both blocks are there
+    policy.routed(RouteRequest(hashes), "http://engine-b")
+    engines = [Endpoint(URL, ready=True), Endpoint("http://engine-b", ready=True)]
+    assert policy._match(URL, hashes) == 1
+    assert policy._match("http://engine-b", hashes) == 2
+    assert policy.choose(RouteRequest(hashes), engines).url == "http://engine-b"

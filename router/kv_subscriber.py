@@ -5,8 +5,9 @@ A batch's sequence number is the engine publisher's counter. The subscriber expe
 past it is a gap (the PUB socket drops what a slow subscriber cannot take, or the subscriber joined late),
 which it fills from the engine's replay socket (vLLM's protocol: send the first missing sequence number,
 receive `(seq, payload)` for each buffered batch from there, then `seq = -1`) before applying the batch; a
-batch before it was already applied and is dropped. The first batch from an engine asks for a replay from
-0, so a router that starts after its engines picks up what their buffers still hold.
+batch before it was already applied and is dropped. A new subscription first asks for a replay from 0,
+so a router that starts after its engines picks up what their buffers still hold without waiting for the
+next batch.
 """
 
 from __future__ import annotations
@@ -114,6 +115,7 @@ class KVEventSubscriber:
                     self.feeds[arg.url] = arg
                     by_socket[sock] = arg
                     poller.register(sock, zmq.POLLIN)
+                    self._catch_up(arg)
                 elif (feed := self.feeds.pop(arg, None)) is not None:
                     poller.unregister(feed.socket)
                     by_socket.pop(feed.socket, None)
@@ -138,6 +140,13 @@ class KVEventSubscriber:
             for missed_seq, missed_payload in missed:
                 self._apply(feed, missed_seq, missed_payload)
         self._apply(feed, seq, payload)
+
+    def _catch_up(self, feed: EngineFeed) -> None:
+        """A new subscription first replays what the engine's buffer holds, so the index does not wait for
+        the engine's next batch (an idle engine sends none) to learn what it cached before."""
+        for seq, payload in self._replay(feed, 0, 2**63):
+            if feed.next_seq is None or seq >= feed.next_seq:
+                self._apply(feed, seq, payload)
 
     def _apply(self, feed: EngineFeed, seq: int, payload: bytes) -> None:
         batch = self._decoder.decode(payload)

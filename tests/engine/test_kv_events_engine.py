@@ -63,7 +63,7 @@ def test_the_index_equals_the_engines_cache_through_evictions(make_tiny) -> None
             time.sleep(0.1)
         assert held == expected, (len(held), len(expected), sub.feeds[URL])
         feed = sub.feeds[URL]
-        assert feed.gaps >= 1 and feed.replayed >= 1 and feed.lost == 0, feed
+        assert feed.replayed >= 1 and feed.lost == 0, feed  # the first requests' batches, by replay
         assert index.removed > 0  # the small cache evicted, and those blocks left the index
         # the router's hashes of a prompt match exactly what the engine would reuse of it
         last = sequences[-1]

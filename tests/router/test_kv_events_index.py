@@ -108,7 +108,7 @@ def test_index_follows_stores_and_evictions_and_a_late_subscriber_replays(publis
             _step(kv, publisher)
         _wait_for(sub, URL, 8)
         feed = sub.feeds[URL]
-        assert feed.gaps == 1 and feed.replayed >= 2 and feed.lost == 0, feed
+        assert feed.replayed >= 2 and feed.lost == 0, feed  # the batches before it joined
         with sub.lock:
             held = index.hashes(URL)
         expected = _expected(kv, prompts)
@@ -218,3 +218,90 @@ def test_a_subscribed_engine_is_routed_on_its_events_and_another_on_the_estimate
     assert policy._match(URL, hashes) == 1
     assert policy._match("http://engine-b", hashes) == 2
     assert policy.choose(RouteRequest(hashes), engines).url == "http://engine-b"
+
+
+def test_the_router_subscribes_to_discovered_engines_and_drops_gone_ones(publisher) -> None:
+    """Discovery's endpoint changes drive the subscriptions: an engine that appears is subscribed at its
+    host on the fleet's event ports, one that leaves is unsubscribed and its index forgotten."""
+    from specfleet.router.endpoints import EndpointSet
+    from specfleet.router.kv_subscriber import KVEventFeeds
+    from specfleet.router.policies import PrefixAffinity
+    from specfleet.router.proxy import Router
+
+    port = int(publisher.endpoint.rsplit(":", 1)[1])
+    replay_port = int(publisher.replay_endpoint.rsplit(":", 1)[1])
+    url = "http://127.0.0.1:8000"
+    index = ExactPrefixIndex(SEED)
+    feeds = KVEventFeeds(KVEventSubscriber(index, topic="kv@"), port, replay_port)
+    router = Router(EndpointSet(), PrefixAffinity())
+    router.kv_feeds = feeds
+    try:
+        router.endpoints.replace({url: (True, False)})
+        router.endpoints_changed()
+        tokens = _prompt(0, 1)
+        publisher.publish([BlockStored([5], None, tokens[:BS], BS, None, "GPU")])
+        time.sleep(1.0)  # a batch that beat the SUB connection comes back by replay with the next one's gap
+        publisher.publish([])
+        _wait_for(feeds.subscriber, url, 2)
+        assert feeds.subscriber.match(url, chain_hashes(token_blocks(tokens, BS), SEED)) == 1
+        removed = router.endpoints.replace({})
+        router.endpoints_changed(removed)
+        deadline = time.monotonic() + 30
+        while url in feeds.subscriber.feeds and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert url not in feeds.subscriber.feeds and not index.tracks(url)
+    finally:
+        feeds.subscriber.close()
+
+
+def test_a_sequence_gap_is_filled_from_the_replay_socket() -> None:
+    """A PUB stream that skips batch 1 (what ZeroMQ does to a subscriber past its high-water mark): the
+    subscriber asks the replay socket from 1, as vLLM's protocol says, and applies 1 before 2."""
+    ctx = zmq.Context.instance()
+    pub, replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+    pub_port, replay_port = (
+        pub.bind_to_random_port("tcp://127.0.0.1"),
+        replay.bind_to_random_port("tcp://127.0.0.1"),
+    )
+    tokens = _prompt(0, 3)
+    payloads = [
+        msgspec.msgpack.encode(
+            KVEventBatch(
+                0.0, [BlockStored([i + 1], i or None, tokens[i * BS : (i + 1) * BS], BS, None, "GPU")], 0
+            )
+        )
+        for i in range(3)
+    ]
+    index = ExactPrefixIndex(SEED)
+    sub = KVEventSubscriber(index)
+    asked: list[int] = []
+    try:
+        sub.add(URL, f"tcp://127.0.0.1:{pub_port}", f"tcp://127.0.0.1:{replay_port}")
+        asked.append(_answer_replay(replay, payloads[:0]))  # the catch-up on subscribing: nothing yet
+        time.sleep(0.5)  # slow joiner
+        pub.send_multipart((b"", (0).to_bytes(8, "big"), payloads[0]))
+        _wait_for(sub, URL, 1)
+        pub.send_multipart((b"", (2).to_bytes(8, "big"), payloads[2]))  # batch 1 never arrives over PUB
+        asked.append(_answer_replay(replay, payloads, first=1))
+        _wait_for(sub, URL, 3)
+        assert asked == [0, 1]
+        feed = sub.feeds[URL]
+        assert (feed.gaps, feed.replayed, feed.lost) == (1, 1, 0)
+        assert sub.match(URL, chain_hashes(token_blocks(tokens, BS), SEED)) == 3  # block 2 placed after 1
+    finally:
+        sub.close()
+        pub.close(linger=0)
+        replay.close(linger=0)
+
+
+def _answer_replay(replay, payloads: list[bytes], first: int = 0) -> int:
+    """Serve one replay request as vLLM's publisher does; returns the sequence number asked from."""
+    assert replay.poll(30_000), "no replay request"
+    identity, empty, start = replay.recv_multipart()
+    assert empty == b"" and len(start) == 8
+    asked = int.from_bytes(start, "big")
+    for seq in range(asked, len(payloads)):
+        if seq >= first:
+            replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payloads[seq]))
+    replay.send_multipart((identity, b"", (-1).to_bytes(8, "big", signed=True), b""))
+    return asked

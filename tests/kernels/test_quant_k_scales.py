@@ -97,3 +97,19 @@ def test_packing_by_panel_chunks_equals_packing_whole(
         assert torch.equal(chunked.high, whole.high)
     x = torch.randn(3, k, generator=g)
     assert torch.equal(chunked(x), whole(x))
+
+
+@pytest.mark.parametrize("type_name", ["Q4_K", "Q6_K"])
+def test_reordered_rows_keep_their_two_levels(type_name: str) -> None:
+    """Undoing llama.cpp's q/k row permutation (`select_rows`) moves the two-level factors with the codes,
+    and Q6_K's offset stays the same tensor as its scales (no bytes of its own)."""
+    n, k = 40, 512
+    w = np.random.default_rng(9).normal(0, 0.5, size=(n, k)).astype(np.float32)
+    q = decode(PACKERS[type_name](w), type_name, (n, k))
+    index = torch.randperm(n, generator=torch.Generator().manual_seed(2))
+    moved = q.select_rows(index)
+    assert moved.two_level is not None
+    assert (moved.two_level.m is moved.two_level.sc) == (type_name == "Q6_K")
+    assert torch.equal(moved.dequantize(), q.dequantize()[index])
+    layer = cpu_native.QuantLinear(moved, activations="float32")
+    assert torch.equal(layer.weight_rows(torch.arange(n)), q.dequantize()[index])

@@ -55,6 +55,21 @@ def add_gateway_flags(p: argparse.ArgumentParser, where: argparse._MutuallyExclu
     add_tenant_flags(p)  # with --gateway: API keys, quotas, priorities (router/tenant_setup.py)
 
 
+def add_kv_events_flags(p: argparse.ArgumentParser) -> None:
+    """The engines' KV events, which give the prefix policy an exact index (router/kv_subscriber.py)."""
+    p.add_argument(
+        "--kv-events-port",
+        type=int,
+        default=0,
+        help="prefix policy: subscribe to every engine's KV events on this port (the engines' "
+        "--kv-events-config endpoint) and route on the exact index they give; needs --tokenizer",
+    )
+    p.add_argument(
+        "--kv-events-replay-port", type=int, default=0, help="the engines' KV events replay port (0: none)"
+    )
+    p.add_argument("--kv-events-topic", default="", help="the engines' KV events topic (prefix)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specfleet router",
@@ -94,17 +109,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as the engine does; without it, blocks of block-size x 4 characters",
     )
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
-    p.add_argument(
-        "--kv-events-port",
-        type=int,
-        default=0,
-        help="prefix policy: subscribe to every engine's KV events on this port (the engines' "
-        "--kv-events-config endpoint) and route on the exact index they give; needs --tokenizer",
-    )
-    p.add_argument(
-        "--kv-events-replay-port", type=int, default=0, help="the engines' KV events replay port (0: none)"
-    )
-    p.add_argument("--kv-events-topic", default="", help="the engines' KV events topic (prefix)")
+    add_kv_events_flags(p)
     p.add_argument(
         "--load-factor",
         type=float,

@@ -319,6 +319,7 @@ def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> 
     """One local fleet per service, from the command line; with several (a gateway in front), each router on
     a port of its own and each fleet's lines labelled with its service."""
     several = len(services) > 1 or bool(args.tenants)  # a gateway in front
+    traces = traces_endpoint(args.otlp_traces_endpoint)  # main() has refused a bad one by name already
     fleets = []
     for isvc in services:
         say = say_for(service_key(isvc) if several else None)
@@ -338,7 +339,7 @@ def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> 
                 freeze_file=Path(args.freeze_file) if args.freeze_file else None,
                 cpus_per_engine=args.cpus_per_engine,
                 say=say,
-                otlp_traces_endpoint=args.traces,
+                otlp_traces_endpoint=traces,
             )
         )
     return fleets
@@ -360,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specfleet up: --cpus-per-engine: {error}", file=sys.stderr)
         return 2
     try:
-        args.traces = traces_endpoint(args.otlp_traces_endpoint)
+        traces_endpoint(args.otlp_traces_endpoint)  # refused here, by name, before anything starts
     except ValueError as error:
         print(f"specfleet up: {error}", file=sys.stderr)
         return 2

@@ -25,7 +25,7 @@ log = logging.getLogger("specfleet.kernels.cpu_native")  # the name the kernels 
 SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 8
+ABI_VERSION = 9
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

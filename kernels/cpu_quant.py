@@ -210,8 +210,11 @@ def _by_panels(
 
 
 def dot_supported(q: QuantTensor) -> bool:
-    """Whether the int8-activation kernel takes this weight: groups and rows in whole 32-blocks."""
-    return q.group_size % QBLOCK == 0 and q.shape[1] % QBLOCK == 0
+    """Whether the int8-activation kernel takes this weight: rows in whole 32-blocks, and groups of whole
+    32-blocks or, for 4- to 6-bit codes, half of one (GGUF Q6_K's 16: each half of a block summed and scaled
+    on its own, native.cpp dot_tile)."""
+    halves = q.group_size == QBLOCK // 2 and q.bits < 8
+    return (q.group_size % QBLOCK == 0 or halves) and q.shape[1] % QBLOCK == 0
 
 
 class QuantLinear:

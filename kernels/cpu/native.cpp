@@ -615,7 +615,10 @@ void qlinear(const float* x, int64_t M, int64_t K, int64_t ldx, const void* code
 //   6-bit: as 5-bit, and a second plane in the same layout holds the sixth bits.
 //   8-bit: per 4 input rows, 128 bytes = [h][c][i] = code(k0+i, 16h+c) + 128 (vpdpbusd's weight operand
 //          is unsigned; the 128 * sum(xq) it adds is subtracted per block).
-// Scales and mins: [K/G][32] per panel as for the float path; G a multiple of 32.
+// Scales and mins: [K/G][32] per panel as for the float path; G a multiple of 32, or 16 for nibble codes
+// (GGUF Q6_K's int8 scale per 16 values): then a block's two halves (its rows 0-15 and 16-31, the first and
+// last two 8-row steps) keep integer sums of their own, each scaled by its group's factors, and their mins
+// apply to the float sums of x's halves, as llama.cpp's Q6_K dot product sums per 16 values.
 constexpr int kQBlock = 32;  // activation quantization block, as GGUF's Q8_0/Q8_1
 constexpr int kDotRows = 4;  // per row 2 int32 + 2 float accumulators; 4 rows + weights fit in 32 zmm
 
@@ -626,7 +629,8 @@ inline i16 splat4(const int8_t* p) {  // 4 int8 -> the same 32-bit word in all 1
 }
 
 // Row m of x -> xq [K] int8, and per 32-block: its scale xd, the float sum xs of x and the sum xqs of xq.
-void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xqs) {
+// Halves: xs per 16 values instead (two per block), for weights in groups of 16.
+void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, float* xs, int32_t* xqs, bool halves) {
   for (int64_t b = 0; b < K / kQBlock; ++b) {
     const float* xb = x + b * kQBlock;
     const v16 v0 = load(xb), v1 = load(xb + 16);
@@ -641,7 +645,10 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, float* xs, i
       qsum += q;
     }
     xd[b] = d;
-    xs[b] = hsum(v0 + v1);
+    if (halves)
+      xs[2 * b] = hsum(v0), xs[2 * b + 1] = hsum(v1);
+    else
+      xs[b] = hsum(v0 + v1);
     xqs[b] = qsum;
   }
 }
@@ -649,7 +656,7 @@ void quantize_row(const float* x, int64_t K, int8_t* xq, float* xd, float* xs, i
 struct QuantizedRows {
   const int8_t* xq;  // [M][K]
   const float* xd;   // [M][K / 32] scales
-  const float* xs;   // [M][K / 32] float sums of x (for the mins)
+  const float* xs;   // [M][K / 32] float sums of x (for the mins), [M][K / 16] for groups of 16
   const int32_t* xqs;  // [M][K / 32] sums of xq (for the 8-bit codes' +128)
 };
 
@@ -658,98 +665,118 @@ struct QuantizedRows {
 // 6-bit pairs of 63 * 127 * 2) instead of once per block.
 constexpr bool kSum4Narrow = !std::is_same_v<Sum4, i16>;
 
-template <int R, bool Q4, int HB, typename S>
+// Integer sums of R rows against the 8-row steps j0..j1-1 of one 32-block of nibble codes: `c` the block's
+// codes, `h` its fifth-bit plane (and h + plane its sixth bits), `xq` the rows' int8 values from the block's
+// start; i0 gets columns 0-15, i1 columns 16-31.
+template <int R, int HB>
+inline void nibble_sums(const int8_t* xq, int64_t K, const uint8_t* c, const uint8_t* h, int64_t plane, int j0,
+                        int j1, i16* i0, i16* i1) {
+  Sum4 p0[R], p1[R];
+  for (int r = 0; r < R; ++r) p0[r] = p1[r] = Sum4{}, i0[r] = i1[r] = i16{};
+#pragma GCC unroll 4
+  for (int j = j0; j < j1; ++j) {
+    const u8x64 raw0 = load_bytes(c + j * 128), raw1 = load_bytes(c + j * 128 + 64);
+    u8x64 lo0 = raw0 & 0x0F, hi0 = raw0 >> 4, lo1 = raw1 & 0x0F, hi1 = raw1 >> 4;
+    if constexpr (HB >= 1) {
+      const uint8_t* f = h + j * 32;
+      lo0 += fifth_bit_bytes(load_u64(f)), hi0 += fifth_bit_bytes(load_u64(f + 8));
+      lo1 += fifth_bit_bytes(load_u64(f + 16)), hi1 += fifth_bit_bytes(load_u64(f + 24));
+    }
+    if constexpr (HB == 2) {  // the sixth bits: 32 where set
+      const uint8_t* f = h + plane + j * 32;
+      const u8x64 b0 = fifth_bit_bytes(load_u64(f)), c0 = fifth_bit_bytes(load_u64(f + 8));
+      const u8x64 b1 = fifth_bit_bytes(load_u64(f + 16)), c1 = fifth_bit_bytes(load_u64(f + 24));
+      lo0 += b0 + b0, hi0 += c0 + c0, lo1 += b1 + b1, hi1 += c1 + c1;
+    }
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const int8_t* xr = xq + r * K + j * 8;
+      const i16 xa = splat4(xr), xb = splat4(xr + 4);
+      p0[r] = dot4(dot4(p0[r], lo0, xa), hi0, xb);
+      p1[r] = dot4(dot4(p1[r], lo1, xa), hi1, xb);
+    }
+    if constexpr (HB >= 1 && kSum4Narrow) {
+      for (int r = 0; r < R; ++r) i0[r] += sum4(p0[r]), i1[r] += sum4(p1[r]), p0[r] = p1[r] = Sum4{};
+    }
+  }
+  for (int r = 0; r < R; ++r) i0[r] += sum4(p0[r]), i1[r] += sum4(p1[r]);
+}
+
+// The same for one 32-block of 8-bit codes (8 steps of 4 rows), net of the +128 the codes are stored with.
+template <int R>
+inline void byte_sums(QuantizedRows x, int64_t K, int64_t nb, int64_t b, const uint8_t* c, i16* i0, i16* i1) {
+  for (int r = 0; r < R; ++r) i0[r] = i1[r] = i16{};
+#pragma GCC unroll 8
+  for (int j = 0; j < kQBlock / 4; ++j, c += 128) {
+    const u8x64 w0 = load_bytes(c), w1 = load_bytes(c + 64);
+#pragma GCC unroll 4
+    for (int r = 0; r < R; ++r) {
+      const i16 xa = splat4(x.xq + r * K + b * kQBlock + j * 4);
+      i0[r] = dot8(i0[r], w0, xa);
+      i1[r] = dot8(i1[r], w1, xa);
+    }
+  }
+  if constexpr (kDot8Offset) {
+    for (int r = 0; r < R; ++r) {
+      const int32_t off = 128 * x.xqs[r * nb + b];
+      i0[r] -= off;
+      i1[r] -= off;
+    }
+  }
+}
+
+// Parts: groups per 32-block, 1 (G a multiple of 32) or 2 (G 16, nibble codes only: each half of the block
+// is summed and scaled on its own).
+template <int R, bool Q4, int HB, int Parts, typename S>
 inline void dot_tile(QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, int64_t plane, S scale,
                      S mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy,
                      int cols) {
-  const int64_t nb = K / kQBlock, per_group = G / kQBlock;
+  static_assert(Parts == 1 || (Parts == 2 && Q4), "groups of 16 take nibble codes");
+  constexpr int kSteps = Q4 ? kQBlock / 8 : kQBlock / 4;  // 128-byte steps per block
+  const int64_t nb = K / kQBlock, per_group = Parts == 1 ? G / kQBlock : 1;
   v16 a0[R], a1[R], s0{}, s1{}, m0{}, m1{};
   for (int r = 0; r < R; ++r) a0[r] = a1[r] = splat(0.0f);
   for (int64_t b = 0; b < nb; ++b) {
-    if (b % per_group == 0) {
-      const int64_t g = b / per_group;
-      s0 = scale.at(g, 0), s1 = scale.at(g, 1);
-      if (mins) m0 = mins.at(g, 0), m1 = mins.at(g, 1);
-    }
-    i16 i0[R], i1[R];
-    if constexpr (Q4) {
-      Sum4 p0[R], p1[R];
-      for (int r = 0; r < R; ++r) p0[r] = p1[r] = Sum4{}, i0[r] = i1[r] = i16{};
-      const uint8_t* c = codes + b * (kQBlock / 8) * 128;
-#pragma GCC unroll 4
-      for (int j = 0; j < kQBlock / 8; ++j, c += 128) {
-        const u8x64 raw0 = load_bytes(c), raw1 = load_bytes(c + 64);
-        u8x64 lo0 = raw0 & 0x0F, hi0 = raw0 >> 4, lo1 = raw1 & 0x0F, hi1 = raw1 >> 4;
-        if constexpr (HB >= 1) {
-          const uint8_t* h = high + (b * (kQBlock / 8) + j) * 32;
-          lo0 += fifth_bit_bytes(load_u64(h)), hi0 += fifth_bit_bytes(load_u64(h + 8));
-          lo1 += fifth_bit_bytes(load_u64(h + 16)), hi1 += fifth_bit_bytes(load_u64(h + 24));
-        }
-        if constexpr (HB == 2) {  // the sixth bits: 32 where set
-          const uint8_t* h = high + plane + (b * (kQBlock / 8) + j) * 32;
-          const u8x64 b0 = fifth_bit_bytes(load_u64(h)), c0 = fifth_bit_bytes(load_u64(h + 8));
-          const u8x64 b1 = fifth_bit_bytes(load_u64(h + 16)), c1 = fifth_bit_bytes(load_u64(h + 24));
-          lo0 += b0 + b0, hi0 += c0 + c0, lo1 += b1 + b1, hi1 += c1 + c1;
-        }
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const int8_t* xr = x.xq + r * K + b * kQBlock + j * 8;
-          const i16 xa = splat4(xr), xb = splat4(xr + 4);
-          p0[r] = dot4(dot4(p0[r], lo0, xa), hi0, xb);
-          p1[r] = dot4(dot4(p1[r], lo1, xa), hi1, xb);
-        }
-        if constexpr (HB >= 1 && kSum4Narrow) {
-          for (int r = 0; r < R; ++r) i0[r] += sum4(p0[r]), i1[r] += sum4(p1[r]), p0[r] = p1[r] = Sum4{};
-        }
+    for (int part = 0; part < Parts; ++part) {
+      if (Parts == 2 || b % per_group == 0) {
+        const int64_t g = Parts == 2 ? 2 * b + part : b / per_group;
+        s0 = scale.at(g, 0), s1 = scale.at(g, 1);
+        if (mins) m0 = mins.at(g, 0), m1 = mins.at(g, 1);
       }
-      for (int r = 0; r < R; ++r) i0[r] += sum4(p0[r]), i1[r] += sum4(p1[r]);
-    } else {
-      for (int r = 0; r < R; ++r) i0[r] = i1[r] = i16{};
-      const uint8_t* c = codes + b * (kQBlock / 4) * 128;
-#pragma GCC unroll 8
-      for (int j = 0; j < kQBlock / 4; ++j, c += 128) {
-        const u8x64 w0 = load_bytes(c), w1 = load_bytes(c + 64);
-#pragma GCC unroll 4
-        for (int r = 0; r < R; ++r) {
-          const i16 xa = splat4(x.xq + r * K + b * kQBlock + j * 4);
-          i0[r] = dot8(i0[r], w0, xa);
-          i1[r] = dot8(i1[r], w1, xa);
+      i16 i0[R], i1[R];
+      if constexpr (Q4)
+        nibble_sums<R, HB>(x.xq + b * kQBlock, K, codes + b * kSteps * 128, HB ? high + b * kSteps * 32 : nullptr,
+                           plane, part * kSteps / Parts, (part + 1) * kSteps / Parts, i0, i1);
+      else
+        byte_sums<R>(x, K, nb, b, codes + b * kSteps * 128, i0, i1);
+      for (int r = 0; r < R; ++r) {
+        const float d = x.xd[r * nb + b];
+        a0[r] += to_float(i0[r]) * (s0 * d);
+        a1[r] += to_float(i1[r]) * (s1 * d);
+        if (mins) {
+          const float sx = x.xs[(r * nb + b) * Parts + part];
+          a0[r] += m0 * sx;
+          a1[r] += m1 * sx;
         }
-      }
-      if constexpr (kDot8Offset) {
-        for (int r = 0; r < R; ++r) {
-          const int32_t off = 128 * x.xqs[r * nb + b];
-          i0[r] -= off;
-          i1[r] -= off;
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      const float d = x.xd[r * nb + b];
-      a0[r] += to_float(i0[r]) * (s0 * d);
-      a1[r] += to_float(i1[r]) * (s1 * d);
-      if (mins) {
-        const float sx = x.xs[r * nb + b];
-        a0[r] += m0 * sx;
-        a1[r] += m1 * sx;
       }
     }
   }
   store_tile<R>(a0, a1, nullptr, bias, res, ldr, y, ldy, cols);
 }
 
-template <bool Q4, int HB, typename S, int R = kDotRows>
+template <bool Q4, int HB, int Parts, typename S, int R = kDotRows>
 inline void dot_rows(int rows, QuantizedRows x, int64_t K, const uint8_t* codes, const uint8_t* high, int64_t plane,
                      S scale, S mins, int64_t G, const float* bias, const float* res, int64_t ldr, float* y,
                      int64_t ldy, int cols) {
   if constexpr (R > 0) {
     if (rows == R)
-      return dot_tile<R, Q4, HB, S>(x, K, codes, high, plane, scale, mins, G, bias, res, ldr, y, ldy, cols);
-    return dot_rows<Q4, HB, S, R - 1>(rows, x, K, codes, high, plane, scale, mins, G, bias, res, ldr, y, ldy, cols);
+      return dot_tile<R, Q4, HB, Parts, S>(x, K, codes, high, plane, scale, mins, G, bias, res, ldr, y, ldy, cols);
+    return dot_rows<Q4, HB, Parts, S, R - 1>(rows, x, K, codes, high, plane, scale, mins, G, bias, res, ldr, y, ldy,
+                                             cols);
   }
 }
 
-template <bool Q4, int HB, typename S>
+template <bool Q4, int HB, int Parts, typename S>
 void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t* codes, const uint8_t* high,
                 S scale, S mins, int64_t G, int64_t N, const float* bias, const float* res, int64_t ldr, float* y,
                 int64_t ldy, int threads) {
@@ -760,7 +787,7 @@ void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t
   const int64_t nb = K / kQBlock;
   xq.resize(M * K);
   xd.resize(M * nb);
-  xs.resize(M * nb);
+  xs.resize(M * nb * Parts);
   xqs.resize(M * nb);
   // Plain pointers into the scratch: inside the parallel region each thread would see its own (empty)
   // thread_local vectors.
@@ -768,7 +795,7 @@ void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t
   float *d = xd.data(), *sum = xs.data();
   int32_t* qsum = xqs.data();
   for (int64_t m = 0; m < M; ++m)
-    quantize_row(x + m * ldx, K, q + m * K, d + m * nb, sum + m * nb, qsum + m * nb);
+    quantize_row(x + m * ldx, K, q + m * K, d + m * nb, sum + m * nb * Parts, qsum + m * nb, Parts == 2);
   const int64_t np = (N + kPanel - 1) / kPanel, groups = K / G;
   const int64_t panel_bytes = Q4 ? K / 2 * kPanel : K * kPanel;
   const int64_t plane = np * K * 4;
@@ -781,9 +808,9 @@ void dot_linear(const float* x, int64_t M, int64_t K, int64_t ldx, const uint8_t
     const float* b = bias ? bias + p * kPanel : nullptr;
     for (int64_t m0 = 0; m0 < M; m0 += kDotRows) {
       const int rows = static_cast<int>(std::min<int64_t>(kDotRows, M - m0));
-      const QuantizedRows xr{q + m0 * K, d + m0 * nb, sum + m0 * nb, qsum + m0 * nb};
-      dot_rows<Q4, HB, S>(rows, xr, K, c, h, plane, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr, ldr,
-                          y + m0 * ldy + p * kPanel, ldy, cols);
+      const QuantizedRows xr{q + m0 * K, d + m0 * nb, sum + m0 * nb * Parts, qsum + m0 * nb};
+      dot_rows<Q4, HB, Parts, S>(rows, xr, K, c, h, plane, s, mn, G, b, res ? res + m0 * ldr + p * kPanel : nullptr,
+                                 ldr, y + m0 * ldy + p * kPanel, ldy, cols);
     }
   }
 }
@@ -796,10 +823,15 @@ void grouped(const float* x, int64_t M, int64_t K, int64_t ldx, int bits, const 
              int64_t ldy, int threads) {
   const auto* c = static_cast<const uint8_t*>(codes);
   if constexpr (Dot) {
-    if (bits == 6) return dot_linear<true, 2>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
-    if (bits == 5) return dot_linear<true, 1>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
-    if (bits == 4) return dot_linear<true, 0>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
-    dot_linear<false, 0>(x, M, K, ldx, c, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    if (G == 16) {  // Q6_K's groups (and parts widened to its 6-bit codes): two per 32-block
+      if (bits == 6) return dot_linear<true, 2, 2>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+      if (bits == 5) return dot_linear<true, 1, 2>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+      return dot_linear<true, 0, 2>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    }
+    if (bits == 6) return dot_linear<true, 2, 1>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    if (bits == 5) return dot_linear<true, 1, 1>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    if (bits == 4) return dot_linear<true, 0, 1>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
+    dot_linear<false, 0, 1>(x, M, K, ldx, c, nullptr, s, m, G, N, bias, res, ldr, y, ldy, threads);
   } else {
     if (bits == 6) return qlinear<true, 2>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
     if (bits == 5) return qlinear<true, 1>(x, M, K, ldx, c, high, s, m, G, N, bias, res, ldr, y, ldy, threads);
@@ -812,7 +844,7 @@ void grouped(const float* x, int64_t M, int64_t K, int64_t ldx, int bits, const 
 
 extern "C" {
 
-int sf_abi_version() { return 8; }
+int sf_abi_version() { return 9; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -849,8 +881,8 @@ void sf_linear_q8g(const float* x, int64_t M, int64_t K, int64_t ldx, const int8
 }
 
 // As sf_linear_q4 / sf_linear_q8g with x quantized to int8 per 32-block first (see dot_linear): codes in
-// the dot panels' layout, K and G multiples of 32. bits 4-6: nibble codes (5- and 6-bit with the planes
-// `high`); 8: 8-bit codes stored + 128.
+// the dot panels' layout, K a multiple of 32, G a multiple of 32 or (bits 4-6) 16. bits 4-6: nibble codes
+// (5- and 6-bit with the planes `high`); 8: 8-bit codes stored + 128.
 void sf_linear_qdot(const float* x, int64_t M, int64_t K, int64_t ldx, int bits, const uint8_t* codes,
                     const uint8_t* high, const void* scale, const void* mins, int scale_kind, int64_t G, int64_t N,
                     const float* bias, const float* res, int64_t ldr, float* y, int64_t ldy, int threads) {

@@ -68,7 +68,7 @@ def _gguf_part(name: str, w: np.ndarray) -> tuple[QuantTensor, torch.Tensor]:
         (("Q5_K", "Q8_0", "Q5_K"), 512, 8, False),
         (("Q4_0", "Q5_0"), 576, 5, False),  # 4-bit codes are 5-bit codes as they are
         (("Q4_K", "Q5_1", "Q8_0"), 512, 8, False),
-        # a 2048-wide Q4_K_M's q, k, v: 6-bit codes (Q6_K's q with offset -32 d sc), groups of 16, float path
+        # a 2048-wide Q4_K_M's q, k, v: 6-bit codes (Q6_K's q with offset -32 d sc), groups of 16
         (("Q4_K", "Q4_K", "Q6_K"), 512, 6, False),
     ],
 )
@@ -93,8 +93,7 @@ def test_mixed_width_parts_fuse_exactly(
     assert torch.equal(fused.dequantize(), ref)
     x = torch.from_numpy(rng.normal(0, 1, size=(7, k)).astype(np.float32))
     layer = cpu_native.QuantLinear(fused, activations=activations)
-    # groups of 16 (Q6_K's) are not whole 32-blocks: that weight runs on the float path (dot_supported)
-    assert layer.activations == (activations if fused.group_size % 32 == 0 else "float32")
+    assert layer.activations == activations  # Q6_K's groups of 16 too: two per activation block
     got, exact = layer(x), x @ ref.t()
     if activations == "float32":
         torch.testing.assert_close(got, exact, rtol=1e-4, atol=1e-3)

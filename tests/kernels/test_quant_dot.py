@@ -10,7 +10,8 @@ Two oracles per case:
 - exact: the float matmul on x itself. The only extra error is the activation rounding, at most half a step
   per value: |y - x W^T| <= sum_k |W[n, k]| * d(k) / 2 (plus float rounding). The test checks that bound.
 Shapes are odd where the kernel tiles: rows 1, 3, 5, 11 (one to three 4-row tiles, with remainders),
-outputs not multiples of 32, inputs of several 32-blocks and groups spanning several blocks (AWQ g64/g128).
+outputs not multiples of 32, inputs of several 32-blocks, groups spanning several blocks (AWQ g64/g128) and
+groups of half a block (Q6_K's 16, whose min term then takes x's float sum per 16 values).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k, pack_q5_k
+from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq, pack_q4_k, pack_q5_k, pack_q6_k
 from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.engine.quant.gguf_blocks import decode
 from specfleet.kernels import cpu_native
@@ -69,7 +70,7 @@ def _check(q: QuantTensor, reference_weight: torch.Tensor, rows: int, seed: int 
 def _gguf(type_name: str, shape: tuple[int, int], seed: int = 1) -> tuple[QuantTensor, torch.Tensor]:
     w = np.random.default_rng(seed).normal(0, 0.5, size=shape).astype(np.float32)
     qtype = gguf.GGMLQuantizationType[type_name]
-    packers = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k}  # gguf-py has no quantizer for these
+    packers = {"Q4_K": pack_q4_k, "Q5_K": pack_q5_k, "Q6_K": pack_q6_k}  # gguf-py has no quantizer for these
     raw = packers[type_name](w) if type_name in packers else gguf.quants.quantize(w, qtype)
     return decode(raw, type_name, shape), torch.from_numpy(
         gguf.quants.dequantize(raw, qtype).astype(np.float32)
@@ -87,6 +88,8 @@ def _gguf(type_name: str, shape: tuple[int, int], seed: int = 1) -> tuple[QuantT
         ("Q5_0", (100, 576)),
         ("Q5_1", (7, 96)),
         ("Q5_K", (37, 512)),
+        ("Q6_K", (37, 512)),  # groups of 16: two scales and two mins per activation block
+        ("Q6_K", (45, 1536)),  # SmolLM2's ffn_down rows
     ],
 )
 @pytest.mark.parametrize("rows", [1, 3, 5, 11])
@@ -126,13 +129,31 @@ def test_zero_rows_and_extreme_codes() -> None:
     torch.testing.assert_close(got[1], torch.ones(32) + x[1] @ q.dequantize().t(), rtol=1e-5, atol=1e-2)
 
 
-def test_groups_smaller_than_a_block_keep_the_float_path() -> None:
-    codes = torch.randint(0, 16, (8, 48), dtype=torch.uint8)
-    q = QuantTensor(codes, torch.rand(8, 3), None, 16, 4, "test")
+@pytest.mark.parametrize(
+    ("k", "group", "bits", "activations"),
+    [
+        (64, 16, 4, "int8"),  # two groups per activation block, each half summed and scaled on its own
+        (48, 16, 4, "float32"),  # rows not in whole 32-blocks
+        (64, 16, 8, "float32"),  # 8-bit codes take 4 rows a step: groups of 16 only for nibble codes
+        (64, 8, 4, "float32"),  # groups of 8: four per block
+    ],
+)
+def test_which_small_groups_take_int8_activations(k: int, group: int, bits: int, activations: str) -> None:
+    g = torch.Generator().manual_seed(k + group + bits)
+    if bits == 8:
+        codes = torch.randint(-127, 128, (40, k), generator=g, dtype=torch.int8)
+    else:
+        codes = torch.randint(0, 16, (40, k), generator=g, dtype=torch.uint8)
+    scales = torch.rand(40, k // group, generator=g)
+    mins = None if bits == 8 else -torch.rand(40, k // group, generator=g)
+    q = QuantTensor(codes, scales, mins, group, bits, "test")
     layer = cpu_native.QuantLinear(q)
-    assert layer.activations == "float32"  # 16-value groups do not fill an activation block
-    x = torch.randn(3, 48)
-    torch.testing.assert_close(layer(x), x @ q.dequantize().t(), rtol=1e-4, atol=1e-3)
+    assert layer.activations == activations
+    x = torch.randn(5, k, generator=g)
+    if activations == "float32":
+        torch.testing.assert_close(layer(x), x @ q.dequantize().t(), rtol=1e-4, atol=1e-3)
+    else:
+        _check(q, q.dequantize(), rows=5)
 
 
 def test_float32_activations_stay_selectable_and_exact() -> None:

@@ -39,27 +39,30 @@ def test_k_quants_pack_near_their_file_size(type_name: str, bits_per_value: floa
     assert layer.packed_nbytes <= n * k * file_bits / 8 * 1.03  # 4.625 / 4.5, the largest ratio of the three
 
 
-def _six_bit_weight(code: int, n: int, k: int, two_level: bool) -> tuple[QuantTensor, torch.Tensor]:
+def _six_bit_weight(
+    code: int, n: int, k: int, two_level: bool, group: int = 32
+) -> tuple[QuantTensor, torch.Tensor]:
     g = torch.Generator().manual_seed(code)
     codes = torch.full((n, k), code, dtype=torch.uint8)
-    sc = torch.randint(-63, 64, (n, k // 32), generator=g, dtype=torch.int8)
+    sc = torch.randint(-63, 64, (n, k // group), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // 256, generator=g) * 0.01).half()
     two = SuperScales(sc, d, sc, d * -32)  # Q6_K's form: W = d sc (q - 32)
-    scales, mins = two.scales(32), two.mins(32)
+    scales, mins = two.scales(group), two.mins(group)
     assert mins is not None
-    q = QuantTensor(codes, scales, mins, 32, 6, "test:6-bit", two_level=two if two_level else None)
+    q = QuantTensor(codes, scales, mins, group, 6, "test:6-bit", two_level=two if two_level else None)
     return q, q.dequantize()
 
 
+@pytest.mark.parametrize("group", [16, 32])  # Q6_K's own 16: two groups in each activation block
 @pytest.mark.parametrize("two_level", [True, False])
 @pytest.mark.parametrize("activations", ["int8", "float32"])
 @pytest.mark.parametrize("code", [0, 15, 16, 31, 32, 47, 48, 63])
-def test_extreme_6_bit_codes(activations: str, code: int, two_level: bool) -> None:
+def test_extreme_6_bit_codes(activations: str, code: int, two_level: bool, group: int) -> None:
     """Every code one value (0 and 63, the range's ends; either side of the fifth and sixth bits) against x at
     its int8 extremes: 63 gives the largest integer sums the dot path forms (the maddubs backends widen
     after each 8 rows: 4 * 63 * 127 = 32004 < 32767)."""
     n, k = 37, 512  # odd rows: the last panel is padded
-    q, ref = _six_bit_weight(code, n, k, two_level)
+    q, ref = _six_bit_weight(code, n, k, two_level, group)
     layer = cpu_native.QuantLinear(q, activations=activations)
     assert layer.activations == activations
     x = torch.where(torch.arange(k) % 2 == 0, 1.0, -1.0).repeat(3, 1)  # quantizes to +-127 exactly

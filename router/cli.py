@@ -9,6 +9,7 @@ import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
@@ -18,7 +19,7 @@ from .kv_index import ExactPrefixIndex
 from .kv_subscriber import KVEventFeeds, KVEventSubscriber
 from .policies import DEFAULT_POLICY, POLICIES, PrefixAffinity, make_policy
 from .prefix import BlockHasher, stable_hash
-from .proxy import Router, serve
+from .proxy import CLEANUP_GRACE_SECONDS, Router, serve
 from .shutdown import Drainable, drain
 from .tenant_setup import add_tenant_flags, build_gate
 from .tracing import RouterTracer, add_trace_flag, traces_endpoint
@@ -70,6 +71,17 @@ def add_kv_events_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-events-topic", default="", help="the engines' KV events topic (prefix)")
 
 
+def add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
+    """The router as a Gateway API InferencePool's endpoint picker (router/endpoint_picker.py)."""
+    p.add_argument(
+        "--ext-proc-port",
+        type=int,
+        default=0,
+        help="also serve as an InferencePool's endpoint picker: Envoy's ext_proc and gRPC health on this "
+        "port (the Gateway API Inference Extension's default: 9002; 0: off; docs/router.md)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specfleet router",
@@ -110,6 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
     add_kv_events_flags(p)
+    add_endpoint_picker_flags(p)
     p.add_argument(
         "--load-factor",
         type=float,
@@ -256,6 +269,18 @@ async def _until_signalled(target: Drainable, args: argparse.Namespace) -> None:
     await drain(target, args.shutdown_delay, args.drain_timeout, forced)
 
 
+async def start_endpoint_picker(router: Router, args: argparse.Namespace) -> Any:
+    """--ext-proc-port: the EPP's gRPC server (imported only then: grpc and Envoy's protos load in seconds)."""
+    if not args.ext_proc_port:
+        return None
+    if not 0 < args.ext_proc_port <= 65535:
+        raise ValueError(f"--ext-proc-port={args.ext_proc_port} must be between 1 and 65535")
+    from .ext_proc_server import serve_endpoint_picker
+
+    server, _ = await serve_endpoint_picker(router, args.host, args.ext_proc_port)
+    return server
+
+
 async def run(args: argparse.Namespace) -> int:
     if args.gateway:
         return await run_gateway(args)
@@ -291,9 +316,12 @@ async def run(args: argparse.Namespace) -> int:
     logging.getLogger("specfleet.router").info(
         "event=listening host=%s port=%d policy=%s", args.host, args.port, args.policy
     )
+    picker = await start_endpoint_picker(router, args)
     await _until_signalled(router, args)
     for task in tasks:  # discovery ran through the drain: streams may still have needed a new engine
         task.cancel()
+    if picker is not None:
+        await picker.stop(CLEANUP_GRACE_SECONDS)
     await runner.cleanup()
     if router.tracer is not None:
         router.tracer.shutdown()

@@ -31,6 +31,7 @@ import httpx
 from aiohttp import web
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
+from specfleet.router.adapters import AdapterTable
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import service_policy
 from specfleet.router.prefix import BlockHasher, stable_hash
@@ -67,7 +68,7 @@ def local_engine_command(
                 f"{name}={source!r} cannot run locally: use bundled://, file:///ABS/PATH or hf://"
             )
     draft = spec.speculative.draft_model.source if spec.speculative.draft_model else None
-    args = engine_args(spec, spec.model.source, draft)
+    args = engine_args(spec, spec.model.source, draft) + local_lora_modules(isvc)
     args[args.index("--port") + 1] = str(port)
     at = args.index("--admin-port")
     if admin_port is None:
@@ -79,6 +80,19 @@ def local_engine_command(
         del args[at : at + 2]
     args += ["--host", "127.0.0.1"]
     return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
+
+
+def local_lora_modules(isvc: InferenceService) -> list[str]:
+    """spec.adapters as `--lora-modules name=path` (the engine loads them before it reports ready): local
+    folders only (file:///ABS/PATH); a pvc:// or hf:// adapter is the cluster's to fetch."""
+    modules = []
+    for adapter in isvc.spec.adapters:
+        if not adapter.source.startswith("file://"):
+            raise ValueError(
+                f"adapters[{adapter.name}].source={adapter.source!r} cannot run locally: use file:///ABS/PATH"
+            )
+        modules.append(f"{adapter.name}={adapter.source.removeprefix('file://')}")
+    return ["--lora-modules", *modules] if modules else []  # one flag: it takes every value (nargs="+")
 
 
 def local_tokenizer(source: str) -> Callable[[str], list[int]] | None:
@@ -134,6 +148,8 @@ class LocalFleet:
             session_header=routing.session_header or None,
             queue_timeout_s=float(routing.queue_timeout_seconds),
         )
+        if spec.adapters:
+            self.router.adapters = AdapterTable()
         if not self.otlp_traces_endpoint and spec.observability.otlp_traces_endpoint:
             # the YAML's collector, as the pods get it (the command line and OTEL_* take precedence)
             self.otlp_traces_endpoint = traces_endpoint(spec.observability.otlp_traces_endpoint)

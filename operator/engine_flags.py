@@ -45,6 +45,9 @@ OPERATOR_FLAGS: tuple[str, ...] = (
     "--kv-transfer-host",
     "--kv-transfer-port",
     "--live-config-file",
+    "--enable-lora",
+    "--max-loras",
+    "--max-lora-rank",
 )
 
 

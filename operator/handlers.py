@@ -288,3 +288,38 @@ async def forget_metrics(type: str, meta: kopf.Meta, **_: Any) -> None:
     """A deleted service's series go (the watch's DELETED event: no finalizer needed)."""
     if type == "DELETED":
         metrics.forget(meta["namespace"], meta["name"], meta.get("uid"))
+
+
+# Adapters (operator/adapters.py): a pod that turned ready is served its adapters within one tick; each tick
+# asks every ready engine's /v1/models once, a cheap call.
+ADAPTER_SYNC_SECONDS = 10.0
+
+
+def adapters_listed(spec: kopf.Spec, status: kopf.Status, **_: Any) -> bool:
+    """Adapters to serve, or a status.adapters to clear."""
+    return bool(spec.get("adapters")) or "adapters" in status
+
+
+@kopf.timer(GROUP, VERSION, PLURAL, interval=ADAPTER_SYNC_SECONDS, when=adapters_listed, sharp=False)
+async def sync_adapters(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
+    import httpx
+
+    from .adapters import ADAPTERS_FIELD_MANAGER, ready_engine_pods
+    from .adapters import sync_adapters as converge_adapters
+    from .inference_service import InvalidInferenceService, parse_inference_service
+
+    meta = body["metadata"]
+    namespace, name = meta["namespace"], meta["name"]
+    try:
+        isvc = parse_inference_service(body, f"{namespace}/{name}")
+    except InvalidInferenceService:
+        return  # the reconcile reports it
+    client = kube_client(memo)
+    update: dict[str, Any] | None = {}  # no adapters: this manager's fields removed
+    if isvc.spec.adapters:
+        pods = await ready_engine_pods(client, namespace, name)
+        async with httpx.AsyncClient(timeout=30.0) as http:
+            status = dict(body.get("status") or {})
+            update = await converge_adapters(client, http, isvc, status, timestamp(), pods)
+    if update is not None:
+        await client.apply_status(namespace, name, update, ADAPTERS_FIELD_MANAGER)

@@ -2,7 +2,8 @@
 
 The operator's reconcile owns `observedGeneration`, `conditions` of type Ready/Progressing/Degraded,
 `replicas`, `readyReplicas`, `selector` and `endpoint`; the tuner owns `status.tuning`, the `Tuned`
-condition and, with autoscaling on, `status.autoscaling`. Unknown condition types are kept as they are by whoever writes the list.
+condition and, with autoscaling on, `status.autoscaling`; the adapter sync (operator/adapters.py)
+`status.adapters` and the `AdaptersReady` condition. Unknown condition types are kept as they are by whoever writes the list.
 """
 
 from __future__ import annotations
@@ -120,6 +121,18 @@ else:
     )
 
 
+class AdapterFailure(_Status):
+    name: str = Field(max_length=63)
+    message: str = Field("", max_length=1024, description="The engine's answer to the load.")
+
+
+class PodAdapters(_Status):
+    pod: str = Field(max_length=253)
+    loaded: list[str] = Field(default_factory=list, max_length=64, description="Adapters the engine serves.")
+    failed: list[AdapterFailure] = Field(default_factory=list, max_length=64)
+    error: str | None = Field(None, max_length=1024, description="The engine could not be asked.")
+
+
 class InferenceServiceStatus(_Status):
     observed_generation: int | None = None
     conditions: list[Condition] = Field(
@@ -133,3 +146,8 @@ class InferenceServiceStatus(_Status):
     endpoint: str | None = None
     tuning: TuningStatus | None = None
     autoscaling: AutoscalingStatus | None = None
+    adapters: list[PodAdapters] | None = Field(
+        None,
+        max_length=1000,
+        description="Per ready engine pod, the LoRA adapters it serves (spec.adapters).",
+    )

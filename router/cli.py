@@ -11,6 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from .adapters import AdapterTable
 from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
 from .gateway import Gateway, serve_gateway
@@ -57,7 +58,14 @@ def add_gateway_flags(p: argparse.ArgumentParser, where: argparse._MutuallyExclu
 
 
 def add_kv_events_flags(p: argparse.ArgumentParser) -> None:
-    """The engines' KV events, which give the prefix policy an exact index (router/kv_subscriber.py)."""
+    """The engines' KV events, which give the prefix policy an exact index (router/kv_subscriber.py), and
+    the engines' LoRA adapters, which give adapter requests their affinity (router/adapters.py)."""
+    p.add_argument(
+        "--adapter-affinity",
+        action="store_true",
+        help="read each engine's LoRA adapters (/v1/models, vllm:lora_requests_info) every second and send "
+        "a request naming one to an engine where it is active, else one with a free adapter slot",
+    )
     p.add_argument(
         "--kv-events-port",
         type=int,
@@ -198,6 +206,8 @@ def build_router(args: argparse.Namespace) -> Router:
     )
     if args.kv_events_port:
         router.kv_feeds = kv_event_feeds(args, policy, hasher)
+    if args.adapter_affinity:
+        router.adapters = AdapterTable()
     return router
 
 

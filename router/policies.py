@@ -24,6 +24,7 @@ from .prefix import PrefixIndex, stable_hash
 class RouteRequest:
     hashes: tuple[int, ...] = ()  # chained block hashes of the prompt (prefix.BlockHasher)
     session: str | None = None  # the session-affinity header's value, if any
+    adapter: str | None = None  # the LoRA adapter `model` names (router/adapters.py), None for the base
 
 
 @dataclass(frozen=True)
@@ -142,7 +143,8 @@ class PrefixAffinity:
             return None
         cap = load_cap(endpoints, self.load_factor)
         under = [e for e in endpoints if e.outstanding + 1 <= cap]
-        matches = {e.url: self._match(e.url, request.hashes) for e in endpoints}
+        exact = request.adapter is None  # the engines' KV events publish no adapter's blocks
+        matches = {e.url: self._match(e.url, request.hashes, exact) for e in endpoints}
         if request.session is not None:
             url = self._sessions.get(request.session)
             if url is not None and any(e.url == url for e in under):
@@ -165,8 +167,8 @@ class PrefixAffinity:
                 return Choice(url, "ring", 0)
         raise AssertionError("unreachable: the least loaded engine is always under the cap")
 
-    def _match(self, url: str, hashes: Sequence[int]) -> int:
-        exact = self.exact(url, hashes) if self.exact is not None else None
+    def _match(self, url: str, hashes: Sequence[int], use_exact: bool = True) -> int:
+        exact = self.exact(url, hashes) if self.exact is not None and use_exact else None
         return self.index.match(url, hashes) if exact is None else exact
 
     def routed(self, request: RouteRequest, url: str) -> None:

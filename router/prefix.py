@@ -69,16 +69,18 @@ class BlockHasher:
     def unit(self) -> str:
         return "tokens" if self.encode is not None else "chars"
 
-    def salted_seed(self, cache_salt: object = None) -> int:
+    def salted_seed(self, cache_salt: object = None, adapter: str | None = None) -> int:
         """The chain's seed for a request: with a `cache_salt` (a non-empty string, as the engine takes it)
         the salt goes into the first block's hash, as in the engine, so two tenants' prompts never count
-        as each other's cached prefix; anything else is the engine's 400 and changes nothing here."""
+        as each other's cached prefix; anything else is the engine's 400 and changes nothing here. A LoRA
+        adapter's name goes in too: its blocks never match the base's or another adapter's."""
+        seed = self.seed
         if isinstance(cache_salt, str) and cache_salt:
-            return hash((self.seed, stable_hash(cache_salt)))
-        return self.seed
+            seed = hash((seed, stable_hash(cache_salt)))
+        return seed if adapter is None else hash((seed, stable_hash(f"lora:{adapter}")))
 
-    def hashes(self, text: str, cache_salt: object = None) -> list[int]:
-        seed = self.salted_seed(cache_salt)
+    def hashes(self, text: str, cache_salt: object = None, adapter: str | None = None) -> list[int]:
+        seed = self.salted_seed(cache_salt, adapter)
         if self.encode is not None:
             return chain_hashes(token_blocks(self.encode(text), self.block_size), seed)
         return chain_hashes(char_blocks(text, self.block_size * CHARS_PER_TOKEN), seed)

@@ -28,6 +28,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import disaggregation
+from .adapters import AdapterTable
 from .endpoints import EndpointSet
 from .kv_subscriber import KVEventFeeds
 from .metrics import RouterMetrics
@@ -60,6 +61,7 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 # Set on a request by the gateway's tenant gate (router/tenant_gate.py): every chunk of the engine's answer
 # passes through it on the way out, so that the tenant is charged the usage the engine reported.
 RESPONSE_TAP = web.RequestKey("specfleet_response_tap", UsageTap)
+ADAPTER_POLL = web.AppKey("specfleet_adapter_poll", asyncio.Future)
 
 
 def prompt_text(body: Any) -> tuple[str, list[int] | None]:
@@ -120,6 +122,7 @@ class Router:
     )
     tracer: RouterTracer | None = None  # request spans (router/tracing.py); None: traces off
     kv_feeds: KVEventFeeds | None = None  # the engines' KV events (router/kv_subscriber.py); None: off
+    adapters: AdapterTable | None = None  # LoRA adapter affinity (router/adapters.py); None: off
 
     def __post_init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -206,17 +209,22 @@ class Router:
             self.tracer.note_body(parsed)
         text, ids = prompt_text(parsed)
         salt = parsed.get("cache_salt") if isinstance(parsed, dict) else None
+        model = parsed.get("model") if isinstance(parsed, dict) else None
+        adapter = model if self.adapters is not None and self.adapters.known(model) else None
         if ids is not None and self.hasher.encode is not None:
             from .prefix import chain_hashes, token_blocks
 
-            hashes = chain_hashes(token_blocks(ids, self.hasher.block_size), self.hasher.salted_seed(salt))
+            seed = self.hasher.salted_seed(salt, adapter)
+            hashes = chain_hashes(token_blocks(ids, self.hasher.block_size), seed)
         else:
-            hashes = self.hasher.hashes(text, salt) if text else []
+            hashes = self.hasher.hashes(text, salt, adapter) if text else []
         session = headers.get(self.session_header) if self.session_header else None
-        return RouteRequest(tuple(hashes), session)
+        return RouteRequest(tuple(hashes), session, adapter)
 
     def _choose(self, request: RouteRequest, tried: set[str]) -> Choice | None:
         candidates = [e for e in self.endpoints.routable() if e.url not in tried]
+        if request.adapter is not None and self.adapters is not None:
+            candidates = self.adapters.candidates(request.adapter, candidates)
         choice = self.policy.choose(request, candidates)
         if choice is not None:
             self.policy.routed(request, choice.url)  # before the send: the next decision sees this one
@@ -446,7 +454,13 @@ def create_app(router: Router) -> web.Application:
             body=generate_latest(router.metrics.registry), headers={"Content-Type": CONTENT_TYPE_LATEST}
         )
 
-    async def on_cleanup(_: web.Application) -> None:
+    async def on_startup(app: web.Application) -> None:
+        if router.adapters is not None:
+            app[ADAPTER_POLL] = asyncio.ensure_future(router.adapters.run(router.endpoints))
+
+    async def on_cleanup(app: web.Application) -> None:
+        if ADAPTER_POLL in app:
+            app[ADAPTER_POLL].cancel()
         await router.close()
 
     async def close_when_stopping(_: web.Request, response: web.StreamResponse) -> None:
@@ -460,6 +474,7 @@ def create_app(router: Router) -> web.Application:
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
     app.router.add_route("*", "/v1/{path:.*}", router.forward)
+    app.on_startup.append(on_startup)
     app.on_cleanup.append(on_cleanup)
     app.on_response_prepare.append(close_when_stopping)
     return app

@@ -36,6 +36,7 @@ from ..resources import (
     tuned_config_name,
 )
 from ..spec import InferenceServiceSpec
+from .adapters import lora_args, with_adapters
 from .common import child_metadata
 from .model_source import DownloadSettings, ResolvedSource, parse_quantity, resolve_source
 
@@ -125,6 +126,7 @@ def engine_args(
         args += ["--scheduling-policy", spec.engine.scheduling_policy]
     if spec.observability.otlp_traces_endpoint:
         args += ["--otlp-traces-endpoint", spec.observability.otlp_traces_endpoint]
+    args += lora_args(spec)
     return args + role_args(role) + list(spec.engine.extra_args)
 
 
@@ -297,7 +299,7 @@ def _sources(
         cache_claim=spec.model.cache.claim_name,
         size_limit=spec.model.cache.size_limit,
     )
-    model = resolve_source(spec.model.source, "model", download)
+    model = with_adapters(resolve_source(spec.model.source, "model", download), spec, download)
     draft_model = spec.speculative.draft_model
     return model, resolve_source(draft_model.source, "draft", download) if draft_model else ResolvedSource("")
 

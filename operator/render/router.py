@@ -101,6 +101,7 @@ def router_args(isvc: InferenceService) -> list[str]:
             if spec.observability.otlp_traces_endpoint
             else []
         ),
+        *(["--adapter-affinity"] if spec.adapters else []),
     ]
 
 

@@ -20,9 +20,15 @@ One module per section of the spec, each importable from here:
 - `routing.py`: `routing`, with the router pods' placement
 - `autoscaling.py`: `autoscaling`
 - `observability.py`: `observability` (where request traces go)
+- `adapters.py`: `adapters` and `lora` (LoRA adapters on the model)
 - `service.py`: `InferenceServiceSpec`, the rules that span sections
 """
 
+from .adapters import (
+    ADAPTER_SOURCE_PATTERN,
+    AdapterSpec,
+    LoraSpec,
+)
 from .autoscaling import (
     AutoscalingSpec,
 )
@@ -110,6 +116,9 @@ from .speculative import (
 )
 
 __all__ = [
+    "ADAPTER_SOURCE_PATTERN",
+    "AdapterSpec",
+    "LoraSpec",
     "ALIASES_UNIQUE",
     "AutoscalingSpec",
     "AutotuneBounds",

@@ -8,6 +8,7 @@ from typing import Any
 from pydantic import ConfigDict, Field, model_validator
 from specfleet.engine.knobs import REPLICAS, SEARCHED, Knob, camel
 
+from .adapters import MAX_ADAPTERS, AdapterSpec, LoraSpec, adapter_rules, check_adapters
 from .autoscaling import AutoscalingSpec
 from .autotune import AutotuneSpec, SLOSpec
 from .disaggregation import DisaggregationSpec
@@ -105,6 +106,7 @@ class InferenceServiceSpec(_Spec):
                     )
                     for path, b in _TUNED
                 ],
+                *adapter_rules(),
             ]
         }
     )
@@ -127,6 +129,12 @@ class InferenceServiceSpec(_Spec):
     routing: RoutingSpec = _default_obj(RoutingSpec)
     autoscaling: AutoscalingSpec = _default_obj(AutoscalingSpec)
     observability: ObservabilitySpec = _default_obj(ObservabilitySpec)
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters on the model, each named by a request's `model` (docs/operator.md).",
+    )
+    lora: LoraSpec = _default_obj(LoraSpec)
 
     @model_validator(mode="after")
     def _cross_field(self) -> InferenceServiceSpec:
@@ -154,6 +162,7 @@ class InferenceServiceSpec(_Spec):
                 f"resources.gpus={gpus} with tensorParallelSize={tp}, pipelineParallelSize={pp}, "
                 f"nodes={nodes}: {GPUS_PER_SPLIT}"
             )
+        check_adapters(self.adapters, self.lora, tp, pp)
         if self.model.quantization not in ("none", "int8") and tp > 1:
             raise ValueError(f"model.quantization={self.model.quantization}: {QUANTIZED_SPLIT}")
         if self.disaggregation is not None:

@@ -278,7 +278,8 @@ def test_the_reserved_engine_flags_are_those_the_renderer_writes() -> None:
         }
     )
     written: set[str] = set()
-    for doc in (everything, _with({"spec.disaggregation": {}})):
+    adapters = _with({"spec.adapters": [{"name": "sql", "source": "file:///adapters/sql"}]})
+    for doc in (everything, _with({"spec.disaggregation": {}}), adapters):
         isvc = load_inference_service(doc)
         for workload in render_engine_workloads(isvc):
             pod = workload["spec"]["template"]["spec"]

@@ -202,6 +202,23 @@ INVALID = {
         {"spec.disaggregation": {"prefill": {"replicas": 0}}},
         "replicas",
     ),
+    "adapter named twice": (
+        {"spec.adapters": [{"name": "sql", "source": "file:///a"}, {"name": "sql", "source": "file:///b"}]},
+        "each name at most once",
+    ),
+    "adapter rank above maxLoraRank": (
+        {"spec.adapters": [{"name": "sql", "source": "file:///a", "rank": 128}]},
+        "maxLoraRank",
+    ),
+    "adapters on a split model": (
+        {
+            "spec.adapters": [{"name": "sql", "source": "file:///a"}],
+            "spec.engine.tensorParallelSize": 2,
+            "spec.resources.gpus": 2,
+        },
+        "adapters need engine.tensorParallelSize",
+    ),
+    "adapter from bundled://": ({"spec.adapters": [{"name": "sql", "source": "bundled://x"}]}, "source"),
     "nodes without pipeline stages": ({"spec.engine.nodes": 2}, "engine.nodes > 1 spreads pipeline stages"),
     "nodes not dividing the stages": (
         {"spec.engine.nodes": 2, "spec.engine.pipelineParallelSize": 3, "spec.resources.gpus": 0},

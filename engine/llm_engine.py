@@ -132,6 +132,10 @@ class Engine:
         if not config.enable_lora:
             return None
         model = loaded.model
+        why = getattr(model, "lora_refused", None)
+        if why:
+            name = getattr(model, "architecture", type(model).__name__)
+            raise ValueError(f"enable_lora: LoRA is not supported for {name}: {why}")
         relaid = any("llama_state" in vars(cls) for cls in type(model).__mro__ if cls is not LlamaModel)
         if not isinstance(model, LlamaModel) or relaid:
             raise ValueError(

@@ -68,7 +68,8 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     dtype = pick_dtype(config.dtype, device)
     hf_config = load_hf_config(resolved.path)
     tokenizer = load_tokenizer(resolved.path)
-    max_model_len = _max_model_len(config, hf_config)
+    cls = model_class(hf_config.architectures)
+    max_model_len = _max_model_len(config, hf_config, getattr(cls, "has_sliding_window", False))
     quantization = checkpoint_quantization(config.quantization, hf_config, resolved.path)
     on_cuda_ok = quantization in ("awq", "gptq") and device.type == "cuda"
     if quantization and not on_cuda_ok and (device.type != "cpu" or dtype != torch.float32):
@@ -80,7 +81,6 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
         raise ValueError(
             f"quantization='gguf' needs a GGUF model (a .gguf file or bundled://), not {config.model!r}"
         )
-    cls = model_class(hf_config.architectures)
     tp, pp = config.tensor_parallel_size, config.pipeline_parallel_size
     split = ("tensor", tp) if tp > 1 else ("pipeline", pp) if pp > 1 else None
     if split is not None:
@@ -123,11 +123,12 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
     )
 
 
-def _max_model_len(config: EngineConfig, hf_config) -> int:
-    """--max-model-len, or the model's context; refused past that context."""
+def _max_model_len(config: EngineConfig, hf_config, sliding: bool = False) -> int:
+    """--max-model-len, or the model's context; refused past that context. `sliding`: the model runs its
+    sliding-window layers as such (Gemma), so its whole context is exact."""
     context = hf_config.max_position_embeddings
     window = getattr(hf_config, "sliding_window", None)
-    if window and getattr(hf_config, "use_sliding_window", True):
+    if window and not sliding and getattr(hf_config, "use_sliding_window", True):
         context = min(context, window)  # attention here is full: stay where that is exact
     max_model_len = config.max_model_len or context
     if max_model_len > context:
@@ -158,6 +159,9 @@ def _check_split_support(
             f"{quantization} weights with int8 activations only; use tensor_parallel_size=1 "
             "and pipeline_parallel_size=1 for the exact float32 path"
         )
+    why = getattr(cls, "split_refused", None)
+    if why:
+        raise ValueError(f"{split[0]}_parallel_size={split[1]}: architecture {architectures}: {why}")
     if not issubclass(cls, LlamaModel):
         raise ValueError(
             f"{split[0]}_parallel_size={split[1]}: architecture {architectures} cannot be split yet"

@@ -13,6 +13,8 @@ ARCHITECTURES: dict[str, str] = {
     "Qwen2ForCausalLM": "specfleet.engine.models.llama:LlamaModel",  # q/k/v bias: LlamaModel reads model_type
     "Qwen3ForCausalLM": "specfleet.engine.models.qwen3:Qwen3Model",
     "Phi3ForCausalLM": "specfleet.engine.models.phi3:Phi3Model",
+    "Gemma2ForCausalLM": "specfleet.engine.models.gemma:Gemma2Model",
+    "Gemma3ForCausalLM": "specfleet.engine.models.gemma:Gemma3Model",
 }
 
 

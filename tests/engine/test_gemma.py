@@ -1,0 +1,159 @@
+"""Gemma 2 (soft-capping, alternating sliding layers) and Gemma 3 (q/k norms, local and global RoPE bases,
+linear scaling on the global layers) against transformers on tiny random-weight checkpoints whose sliding
+window (5 tokens) is shorter than the prompts, so the window changes the tokens; and the features Gemma
+refuses, each by name."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import tiny_config, write_tiny_checkpoint
+from specfleet.engine import LLM, SamplingParams
+
+PROMPTS = [
+    [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000],
+    [42],
+    [3, 1, 4, 1, 5, 9, 2, 6],
+    [11, 12, 13, 14] * 5,
+]
+NEW = 20
+LOGPROB_ATOL = 1e-3  # float32 on both sides; different matmul orders differ in the last bits only
+# 4 layers of head_dim 16, a window of 5; the attention scale from query_pre_attn_scalar 24, not head_dim.
+COMMON = dict(num_hidden_layers=4, head_dim=16, sliding_window=5, query_pre_attn_scalar=24)
+CASES = {
+    "gemma2": ("gemma2", {}),  # layers 0 and 2 sliding; soft-capping 50 (attention) and 30 (final)
+    "gemma3": (
+        "gemma3",
+        dict(
+            layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+            rope_theta=1e6,  # the global layers', scaled linearly; the sliding ones rotate at base 10k
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        ),
+    ),
+}
+
+
+def _reference(model, prompts, new: int = NEW) -> tuple[list[list[int]], list[list[float]]]:
+    """transformers' greedy tokens and each chosen token's log-probability, one prompt at a time."""
+    model.generation_config.eos_token_id = None
+    tokens, logprobs = [], []
+    with torch.inference_mode():
+        for ids in prompts:
+            out = model.generate(
+                torch.tensor([ids]),
+                do_sample=False,
+                max_new_tokens=new,
+                min_new_tokens=new,
+                pad_token_id=0,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            chosen = out.sequences[0, len(ids) :]
+            logits = torch.cat(out.logits).float().log_softmax(-1)
+            tokens.append(chosen.tolist())
+            logprobs.append(logits.gather(1, chosen[:, None])[:, 0].tolist())
+    return tokens, logprobs
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def gemma(request, tmp_path_factory, bundled_path):
+    """(case, model URL, transformers' reference tokens and logprobs) for each case."""
+    from helpers import tiny_model
+
+    kind, extra = CASES[request.param]
+    config = tiny_config(kind, **COMMON, **extra)
+    path = tmp_path_factory.mktemp(request.param)
+    write_tiny_checkpoint(path, config, std=0.2, tokenizer_from=bundled_path)
+    model = tiny_model(config, std=0.2)
+    tokens, logprobs = _reference(model, PROMPTS)
+    # The first prompt, its continuation and the prompt again: n-gram lookup then has a match to propose
+    # from (the random model's own text rarely repeats).
+    echo = PROMPTS[0] + tokens[0] + PROMPTS[0]
+    echo_tokens, _ = _reference(model, [echo])
+    return request.param, f"file://{path}", tokens, logprobs, echo, echo_tokens[0]
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+@pytest.mark.slow
+def test_mixed_batch_with_preemption_and_chunked_prefill_matches_transformers(gemma):
+    _, url, ref_tokens, ref_logprobs, _, _ = gemma
+    # 14 blocks of 4 slots hold two of these sequences at once (the longest needs 10): the others are
+    # preempted and recomputed; a 16-token step budget splits the 19- and 20-token prompts into chunks that
+    # start inside the window of the chunk before.
+    llm = LLM(model=url, block_size=4, num_kv_blocks=14, max_model_len=56, max_num_batched_tokens=16)
+    params = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True, logprobs=0)
+    outs = [r.outputs[0] for r in llm.generate(PROMPTS, params)]
+    assert [o.token_ids for o in outs] == ref_tokens
+    for out, expected in zip(outs, ref_logprobs):
+        got = [next(iter(lp.values())).logprob for lp in out.logprobs]
+        assert torch.allclose(torch.tensor(got), torch.tensor(expected), atol=LOGPROB_ATOL)
+    assert llm.engine.stats.num_preemptions > 0
+    assert llm.engine.kv_blocks_in_use() == 0
+    assert len({tuple(t) for t in ref_tokens}) == len(ref_tokens)
+    llm.close()
+
+
+@pytest.mark.slow
+def test_prefix_cache_and_ngram_speculation_on_the_torch_backend(gemma):
+    """The torch attention backend writes the cache here (the test above ran the CPU default); the prefix
+    cache's blocks are read by a second request's sliding and full layers; n-gram proposals are verified
+    as rows of up to k + 1 queries under the window."""
+    _, url, ref_tokens, _, echo, echo_tokens = gemma
+    plain = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    llm = LLM(
+        model=url,
+        block_size=4,
+        attention_backend="torch",
+        speculative_method="ngram",
+        num_speculative_tokens=3,
+    )
+    assert _tokens(llm.generate([*PROMPTS, echo], plain)) == [*ref_tokens, echo_tokens]
+    again = llm.generate(PROMPTS[:1], plain)  # its full blocks are in the prefix cache now
+    assert again[0].num_cached_tokens >= 16 and _tokens(again) == ref_tokens[:1]
+    assert llm.engine.stats.num_draft_tokens > 0
+    llm.close()
+
+
+@pytest.mark.slow
+def test_lora_is_refused_at_start_naming_the_architecture(gemma):
+    url = gemma[1]
+    with pytest.raises(ValueError, match=r"enable_lora: LoRA is not supported for Gemma[23]ForCausalLM"):
+        LLM(model=url, block_size=4, enable_lora=True)
+
+
+@pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+@pytest.mark.parametrize("quantization", ["gguf", "awq", "gptq"])
+def test_packed_quantization_is_refused_naming_it_and_the_architecture(architecture, quantization):
+    from specfleet.engine.models import model_class
+
+    kind = "gemma2" if architecture.startswith("Gemma2") else "gemma3"
+    with pytest.raises(
+        ValueError, match=rf"quantization='{quantization}' is not supported for {architecture}"
+    ):
+        model_class([architecture])(
+            tiny_config(kind, **COMMON), {}, torch.float32, torch.device("cpu"), quantize=quantization
+        )
+
+
+def test_tensor_and_pipeline_parallelism_are_refused_naming_the_architecture():
+    from specfleet.engine.config import EngineConfig
+    from specfleet.engine.loader import _check_split_support
+    from specfleet.engine.models import model_class
+
+    cls = model_class(["Gemma3ForCausalLM"])
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: architecture \['Gemma3ForCausalLM'\]"):
+        _check_split_support(
+            EngineConfig(model="x", tensor_parallel_size=2), None, cls, ["Gemma3ForCausalLM"], ("tensor", 2)
+        )
+
+
+def test_layer_types_follow_the_config_and_transformers_defaults():
+    from specfleet.engine.models.gemma import FULL, SLIDING, layer_types
+
+    assert layer_types(tiny_config("gemma2", **COMMON)) == [SLIDING, FULL] * 2
+    six = tiny_config("gemma3", **{**COMMON, "num_hidden_layers": 6})
+    assert layer_types(six) == [SLIDING] * 5 + [FULL]  # 5:1, the sixth layer global
+    assert layer_types(tiny_config("gemma3", **{**COMMON, "sliding_window": None})) == [FULL] * 4

@@ -33,8 +33,9 @@ import json
 import os
 import statistics
 import subprocess
-import sys
 from pathlib import Path
+
+from specfleet.engine.python_child import python_command
 
 CHILD = r"""
 import gc, json, resource, sys
@@ -95,7 +96,7 @@ def measure(args: argparse.Namespace) -> dict:
         "max_tokens": args.max_tokens,
     }
     proc = subprocess.run(
-        [sys.executable, "-c", CHILD, json.dumps(params)],
+        python_command("-c", CHILD, json.dumps(params)),
         capture_output=True,
         text=True,
         env=os.environ.copy(),

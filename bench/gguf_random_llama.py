@@ -26,6 +26,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from specfleet.engine.python_child import python_command
+
 REPO = Path(__file__).resolve().parents[1]
 ANCHOR = REPO / "bench" / "anchors" / "llama_server.sh"
 log = logging.getLogger("specfleet.bench.gguf_random_llama")
@@ -101,16 +103,9 @@ def converter_env(src: Path) -> dict[str, str]:
     deps = src.parents[2] / "convert-deps"
     if not (deps / "sentencepiece").is_dir():
         subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "pip",
-                "install",
-                "-q",
-                "--target",
-                str(deps),
-                "sentencepiece>=0.1.98,<0.3.0",
-            ],
+            python_command(
+                "-m", "pip", "install", "-q", "--target", str(deps), "sentencepiece>=0.1.98,<0.3.0"
+            ),
             check=True,
         )
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(deps)])}

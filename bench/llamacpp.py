@@ -29,6 +29,7 @@ from typing import Any
 import httpx
 from specfleet.bench.prompts import chat_prompts, grounded_prompts
 from specfleet.bench.serve import BenchRequest, run, summarize
+from specfleet.engine.python_child import python_command
 from specfleet.fleet.supervisor import free_port
 
 BUNDLED = "bundled://smollm2-135m-instruct"
@@ -262,8 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     specfleet = {}
     for name in configs:
         port = free_port()
-        cmd = [
-            sys.executable,
+        cmd = python_command(
             "-m",
             "specfleet.engine",
             "--model",
@@ -275,7 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "--max-num-seqs",
             "32",
             *CONFIGS[name],
-        ]
+        )
         specfleet[name] = bench_server(
             name, cmd, "/ready", port, args.log_dir, args.quick, concurrency, args.prompts
         )

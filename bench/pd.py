@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 import numpy as np
+from specfleet.engine.python_child import python_command
 from specfleet.fleet.supervisor import free_port
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy
@@ -48,8 +49,7 @@ CHATS = [
 
 def _start_engine(model: str, role: str | None, log: Path, extra: list[str]) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    args = [
-        sys.executable,
+    args = python_command(
         "-m",
         "specfleet.engine",
         "--model",
@@ -62,7 +62,7 @@ def _start_engine(model: str, role: str | None, log: Path, extra: list[str]) -> 
         "0.5",
         *extra,
         *([f"--kv-role={role}"] if role else []),
-    ]
+    )
     # One thread per engine: both setups then use two cores, whatever the machine has.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     return subprocess.Popen(

@@ -41,6 +41,7 @@ from specfleet.bench.proxy_load import (
     sequential,
     start_upstream,
 )
+from specfleet.engine.python_child import python_command
 
 HOST = "127.0.0.1"
 TARGETS = ("direct", "nginx", "router")
@@ -174,8 +175,7 @@ class Proxies:
         )
         router_proc = self._spawn(
             "router",
-            [
-                sys.executable,
+            python_command(
                 *launch,
                 "--endpoint",
                 f"http://{HOST}:{self.upstream_port}",
@@ -183,7 +183,7 @@ class Proxies:
                 HOST,
                 "--port",
                 str(router_port),
-            ],
+            ),
         )
         return [Target("nginx", nginx_port, nginx_proc.pid), Target("router", router_port, router_proc.pid)]
 

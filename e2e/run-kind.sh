@@ -21,4 +21,5 @@ export SPECFLEET_ENGINE_CPU_IMAGE="${SPECFLEET_ENGINE_CPU_IMAGE:-specfleet/engin
 DOCKER_BUILDKIT=1 docker build -f operator/Dockerfile -t "$SPECFLEET_OPERATOR_IMAGE" .
 DOCKER_BUILDKIT=1 docker build -f engine/Dockerfile -t "$SPECFLEET_ENGINE_CPU_IMAGE" .
 kind load docker-image --name "$cluster" "$SPECFLEET_OPERATOR_IMAGE" "$SPECFLEET_ENGINE_CPU_IMAGE"
-exec "${PYTHON:-.venv/bin/python}" -m pytest e2e -v -p no:cacheprovider "$@"
+# -P: the repository root off sys.path, where ./kernels would shadow the kernels package transformers imports
+exec "${PYTHON:-.venv/bin/python}" -P -m pytest e2e -v -p no:cacheprovider "$@"

@@ -19,7 +19,6 @@ import json
 import os
 import secrets
 import socket
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
@@ -29,6 +28,7 @@ from typing import Any
 
 import httpx
 from aiohttp import web
+from specfleet.engine.python_child import python_command
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.adapters import AdapterTable
@@ -79,7 +79,7 @@ def local_engine_command(
         at = args.index("--kv-cache-memory-fraction")
         del args[at : at + 2]
     args += ["--host", "127.0.0.1"]
-    return [sys.executable, "-m", "specfleet.engine", *args, *(extra or [])]
+    return python_command("-m", "specfleet.engine", *args, *(extra or []))
 
 
 def local_lora_modules(isvc: InferenceService) -> list[str]:

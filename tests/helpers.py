@@ -11,7 +11,6 @@ import queue
 import shutil
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -19,6 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import httpx
+from specfleet.engine.python_child import python_command
 from specfleet.fleet.supervisor import free_port
 
 if TYPE_CHECKING:
@@ -147,7 +147,7 @@ def start_server(
     `log_path`; `env` is added to this process's environment. Killed if it never gets ready."""
     port = port or free_port()
     defaults = () if "--model" in args else SERVER_ARGS
-    cmd = [sys.executable, "-m", "specfleet.engine", *defaults, *args, "--port", str(port)]
+    cmd = python_command("-m", "specfleet.engine", *defaults, *args, "--port", str(port))
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
     url = f"http://127.0.0.1:{port}"
@@ -282,7 +282,7 @@ class OutputWatch:
     def start(cls, *args: str) -> OutputWatch:
         """`python ARGS` as a child (`-m specfleet.fleet.local ...`), its output watched."""
         proc = subprocess.Popen(
-            [sys.executable, *args],
+            python_command(*args),
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             env={**os.environ, "TOKENIZERS_PARALLELISM": "false"},

@@ -8,12 +8,12 @@ import contextlib
 import io
 import shutil
 import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
 import pytest
 import yaml
+from specfleet.engine.python_child import python_command
 from specfleet.operator import generate
 
 REPO = Path(__file__).resolve().parents[1]
@@ -31,7 +31,7 @@ def _check(root: Path) -> tuple[int, str]:
 def test_every_derived_file_is_up_to_date() -> None:
     """As .ci/check runs it: `python -m` from the repository root (where the folder operator/ sits)."""
     result = subprocess.run(
-        [sys.executable, "-m", "specfleet.operator.generate", "--check"],
+        python_command("-m", "specfleet.operator.generate", "--check"),
         capture_output=True,
         text=True,
         cwd=REPO,

@@ -11,7 +11,6 @@ import ast
 import asyncio
 import random
 import subprocess
-import sys
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -34,6 +33,7 @@ from specfleet.engine.knobs import (
     check_fields,
     get_knob,
 )
+from specfleet.engine.python_child import python_command
 from specfleet.operator.crd import model_schema
 from specfleet.operator.spec import AutotuneBounds, InferenceServiceSpec, knob_limits
 from specfleet.operator.status import TuningStatus
@@ -202,7 +202,8 @@ def test_engine_command_lines_set_every_searched_knob() -> None:
         return EngineConfig(**engine_config_kwargs(build_parser().parse_args(args)))
 
     pod = _pod_config(isvc)
-    local = parsed(local_engine_command(isvc, 9000)[3:])  # past `python -m specfleet.engine`
+    command = local_engine_command(isvc, 9000)
+    local = parsed(command[command.index("specfleet.engine") + 1 :])  # past `python -P -m specfleet.engine`
     default = EngineConfig(speculative_method="ngram")
     for knob in SEARCHED:
         assert getattr(pod, knob.name) == getattr(local, knob.name) == start[knob.name]
@@ -308,7 +309,7 @@ def test_the_operator_and_the_tuner_import_the_declaration_without_torch() -> No
         "specfleet.tuner.sources, specfleet.tuner.report; "
         "assert 'torch' not in sys.modules, 'torch was imported'"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(python_command("-c", code), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
 
 

@@ -35,6 +35,9 @@ CACHE="${SPECFLEET_LLAMA_CACHE:-$HOME/.cache/specfleet/llama.cpp}"
 JOBS="${LLAMA_BUILD_JOBS:-2}"
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 PYTHON="${PYTHON:-$REPO/.venv/bin/python}"
+# The working directory off sys.path, where a checkout's ./operator and ./kernels would shadow the standard
+# library's operator and the kernels package transformers imports (engine/python_child.py).
+export PYTHONSAFEPATH=1
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BIN="$SRC/build/bin/llama-server"
 

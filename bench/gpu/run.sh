@@ -11,6 +11,10 @@ REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
 export OUT="${OUT:-$(mktemp -d -t specfleet-gpu-XXXXXX)}"
 mkdir -p "$OUT"
 PY="${PYTHON:-python3}"
+# Every python below starts in the repository root: without the root on sys.path, where ./kernels would shadow
+# the kernels package transformers imports (engine/python_child.py). An environment variable, not -P, so that
+# an interpreter older than 3.11 still starts.
+export PYTHONSAFEPATH=1
 if [[ "${DRY_RUN:-0}" == "1" ]]; then
   export TRITON_INTERPRET=1
 fi

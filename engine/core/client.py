@@ -19,7 +19,6 @@ import logging
 import pickle
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -33,6 +32,7 @@ import zmq
 import zmq.asyncio
 from specfleet.engine.checkpoint import load_tokenizer
 from specfleet.engine.config import EngineConfig, LiveConfig
+from specfleet.engine.python_child import python_command
 from specfleet.engine.quant.gguf_source import resolve_source
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 from specfleet.engine.tokenizer import chat_prompt_ids
@@ -128,8 +128,7 @@ class EngineCoreClient:
         input_addr, output_addr = (f"ipc://{Path(self._dir.name) / name}" for name in ("input", "output"))
         self._input.bind(input_addr)
         self._output.bind(output_addr)
-        cmd = [
-            sys.executable,
+        cmd = python_command(
             "-m",
             "specfleet.engine.core.proc",
             "--input",
@@ -140,7 +139,7 @@ class EngineCoreClient:
             json.dumps(asdict(config)),
             "--log-level",
             log_level,
-        ]
+        )
         # Not a new session: on Linux each session is its own CPU autogroup, which would give the core a
         # separate CPU share from the server's (suspected, not shown, in the slowdown docs/engine_core.md
         # leaves open). The core ignores SIGINT, so the terminal's Ctrl-C stays the server's.

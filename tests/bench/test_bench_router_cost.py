@@ -8,7 +8,6 @@ import asyncio
 import json
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,6 +22,7 @@ from specfleet.bench.proxy_load import (
     start_upstream,
 )
 from specfleet.bench.router_cost import main, nginx_config
+from specfleet.engine.python_child import python_command
 
 HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
 
@@ -103,7 +103,7 @@ def test_the_bench_runs_end_to_end_and_ends_with_the_ratios(tmp_path: Path) -> N
     argv = ["--requests", "20", "--rounds", "2", "--ladder", "1,2", "--seconds", "0.3", "--out", str(out)]
     argv += ["--router-src", router_src]
     proc = subprocess.run(
-        [sys.executable, "-m", "specfleet.cli.main", "bench", "router", *argv],
+        python_command("-m", "specfleet.cli.main", "bench", "router", *argv),
         capture_output=True,
         text=True,
         timeout=300,

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 import textwrap
 
 import pytest
 from specfleet.bench import stoppable
+from specfleet.engine.python_child import python_command
 
 BENCH = textwrap.dedent(
     """
@@ -31,7 +31,7 @@ BENCH = textwrap.dedent(
 
 def test_sigterm_runs_the_cleanup_and_exits_143() -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-c", BENCH], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        python_command("-c", BENCH), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
     assert proc.stdout is not None
     assert proc.stdout.readline().strip() == "started"

@@ -22,6 +22,7 @@ import pytest
 from helpers import wait_for
 from specfleet.engine import model_source
 from specfleet.engine.cache_dir import CacheError, ensure_file, ensure_folder
+from specfleet.engine.python_child import python_command
 
 # Processes converting at once: the API server and the engine core of `specfleet serve`, plus the router's
 # tokenizer and a second engine of `specfleet up`: four covers the real cold start with one to spare.
@@ -80,7 +81,7 @@ def _child(tmp_path: Path, gguf: Path, go: Path, count: Path, convert_s: float) 
     script = tmp_path / "child.py"
     script.write_text(CHILD)
     return subprocess.Popen(
-        [sys.executable, str(script), str(gguf), str(go), str(count), str(convert_s)],
+        python_command(str(script), str(gguf), str(go), str(count), str(convert_s)),
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from specfleet.engine.python_child import python_command
 
 TRIMMED = r"""
 import ctypes, json, resource
@@ -44,7 +45,7 @@ print(json.dumps({"released_by_trim": trimmed(), "vocab": len(loaded.tokenizer)}
 
 
 def _released_by_trim(child: str, *args: str) -> int:
-    proc = subprocess.run([sys.executable, "-c", child, *args], capture_output=True, text=True)
+    proc = subprocess.run(python_command("-c", child, *args), capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-2000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["vocab"] == 49152

@@ -11,6 +11,7 @@ import torch
 from specfleet.engine.kv_transfer.blocks import read_blocks, write_blocks
 from specfleet.engine.kv_transfer.pair import generate_disaggregated
 from specfleet.engine.llm_engine import Engine
+from specfleet.engine.python_child import python_command
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
 BLOCK = 4
@@ -210,7 +211,6 @@ def test_decode_engine_killed_mid_pull_leaks_nothing_on_the_prefill_side(
     # then retried (a fresh prefill and a decoder in this process) and completes with the aggregated output.
     import json
     import subprocess
-    import sys
     import threading
 
     from specfleet.engine.kv_transfer import zmq_transport
@@ -234,15 +234,14 @@ def test_decode_engine_killed_mid_pull_leaks_nothing_on_the_prefill_side(
 
     monkeypatch.setattr(zmq_transport, "read_blocks", read_after_the_decoder_died)
     decoder = subprocess.Popen(
-        [
-            sys.executable,
+        python_command(
             "-c",
             DECODER,
             tiny_llama,
             json.dumps(prompt),
             json.dumps(params),
             json.dumps(COMMON),
-        ],
+        ),
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,6 +12,7 @@ import torch
 from helpers import tiny_config
 from specfleet.engine.checkpoint import ModelConfig, load_hf_config
 from specfleet.engine.models.llama import LlamaArgs, rope_tables
+from specfleet.engine.python_child import python_command
 from transformers import AutoConfig
 
 LLAMA3_ROPE = {
@@ -79,7 +79,7 @@ def test_a_cached_config_loads_without_transformers(tmp_path: Path, own_cache: P
         "print(json.dumps({'transformers': 'transformers' in sys.modules, 'config': c.to_dict()}))"
     )
     done = subprocess.run(
-        [sys.executable, "-c", probe],
+        python_command("-c", probe),
         capture_output=True,
         text=True,
         timeout=120,

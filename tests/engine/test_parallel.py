@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import multiprocessing
 import subprocess
-import sys
 from typing import Any, NamedTuple
 
 import pytest
@@ -16,6 +15,7 @@ from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.distributed.comm import COLLECTIVE_TIMEOUT_S
 from specfleet.engine.distributed.pipeline import stage_layers
 from specfleet.engine.distributed.sharding import plan, shard_state
+from specfleet.engine.python_child import python_command
 
 
 def test_a_size_that_does_not_divide_the_heads_is_refused_with_the_numbers():
@@ -210,7 +210,7 @@ def test_a_worker_that_dies_before_joining_the_group_is_worker_died_at_once(tmp_
         f"from specfleet.engine import LLM\nLLM(model={tiny_llama!r}, tensor_parallel_size=2)\n"
     )
     done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=COLLECTIVE_TIMEOUT_S * 0.75
+        python_command(str(script)), capture_output=True, text=True, timeout=COLLECTIVE_TIMEOUT_S * 0.75
     )
     assert done.returncode == 1, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]  # the exception the user sees last

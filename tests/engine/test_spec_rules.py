@@ -4,9 +4,9 @@ both call them, so their edges are pinned here without a model."""
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
+from specfleet.engine.python_child import python_command
 from specfleet.engine.spec_decode.rules import k_room, proposal_length, speculation_off
 
 
@@ -31,5 +31,5 @@ def test_the_k_room_keeps_the_bonus_token_inside_the_context_and_the_max_tokens(
 @pytest.mark.slow
 def test_the_rules_import_without_torch() -> None:
     code = "import sys, specfleet.engine.spec_decode.rules; assert 'torch' not in sys.modules, 'torch was imported'"
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = subprocess.run(python_command("-c", code), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr

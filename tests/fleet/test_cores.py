@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from specfleet.engine.python_child import python_command
 from specfleet.fleet.cores import CorePool
 from specfleet.fleet.engines import EngineProcess
 from specfleet.fleet.local import main as up_main
@@ -53,7 +53,7 @@ def test_a_pinned_process_runs_on_its_cores_with_as_many_threads(tmp_path: Path)
     engine = EngineProcess(
         0,
         0,
-        [sys.executable, "-c", f"import time; time.sleep(0.5); {probe}", str(report)],
+        python_command("-c", f"import time; time.sleep(0.5); {probe}", str(report)),
         dict(os.environ),
         tmp_path / "engine.log",
         cpus=frozenset({core}),
@@ -62,7 +62,7 @@ def test_a_pinned_process_runs_on_its_cores_with_as_many_threads(tmp_path: Path)
     assert engine.proc is not None
     assert engine.proc.wait(timeout=30) == 0, engine.tail()
     assert json.loads(report.read_text()) == {"cores": [core], "omp": "1"}
-    unpinned = EngineProcess(1, 0, [sys.executable, "-c", probe, str(report)], {}, tmp_path / "e1.log")
+    unpinned = EngineProcess(1, 0, python_command("-c", probe, str(report)), {}, tmp_path / "e1.log")
     unpinned.start()
     assert unpinned.proc is not None and unpinned.proc.wait(timeout=30) == 0
     assert json.loads(report.read_text()) == {"cores": sorted(os.sched_getaffinity(0)), "omp": None}

@@ -17,7 +17,6 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -28,6 +27,7 @@ import httpx
 import pytest
 import zmq
 from helpers import free_port, stream_completion, wait_http_ready
+from specfleet.engine.python_child import python_command
 
 pytestmark = pytest.mark.slow
 
@@ -62,7 +62,7 @@ ENGINE = (
 def _start(tmp_path: Path, model: str, role: str, *args: str) -> tuple[subprocess.Popen[bytes], str, Path]:
     """A `specfleet serve` process in a session of its own (so its engine core shares its signals)."""
     port, log = free_port(), tmp_path / f"{role}.log"
-    cmd = [sys.executable, "-m", "specfleet.engine", "--model", model, *ENGINE, "--kv-role", role, *args]
+    cmd = python_command("-m", "specfleet.engine", "--model", model, *ENGINE, "--kv-role", role, *args)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [*cmd, "--port", str(port)], stdout=out, stderr=subprocess.STDOUT, start_new_session=True

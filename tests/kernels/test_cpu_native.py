@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -13,6 +12,7 @@ from specfleet.bench.gpu.paged_cases import TOLERANCE, make_case
 from specfleet.engine.attention.native_backend import NativeAttentionBackend
 from specfleet.engine.attention.registry import get_attention_backend
 from specfleet.engine.attention.torch_backend import TorchAttentionBackend
+from specfleet.engine.python_child import python_command
 from specfleet.kernels import cpu_native
 
 pytestmark = pytest.mark.skipif(
@@ -191,7 +191,7 @@ def test_disabled_by_environment_falls_back_to_torch() -> None:
         "print(get_attention_backend('auto', torch.device('cpu')).name)"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code],
+        python_command("-c", code),
         env={**os.environ, "SPECFLEET_NATIVE": "0"},
         capture_output=True,
         text=True,

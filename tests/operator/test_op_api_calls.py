@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 
 import pytest
 from isvc_schema_tools import REPO
+from specfleet.engine.python_child import python_command
 
 SERVICES = 200
 STEADY_CALLS_PER_RECONCILE = 3  # the bound for a reconcile that changes nothing
@@ -20,7 +20,7 @@ STEADY_CALLS_PER_SECOND = 2.0  # the issue's goal for all 200 at the production 
 @pytest.mark.slow
 def test_200_services_cost_at_most_2_calls_per_second_in_steady_state() -> None:
     # a 4 s timer: 50 reconciles/s of ~5 ms each leaves the shared CPU room; counts do not depend on it
-    command = [sys.executable, "-m", "specfleet.bench.operator_api_calls", "--services", str(SERVICES)]
+    command = python_command("-m", "specfleet.bench.operator_api_calls", "--services", str(SERVICES))
     done = subprocess.run(
         [*command, "--interval", "4"], capture_output=True, text=True, timeout=1200, cwd=REPO, env=os.environ
     )

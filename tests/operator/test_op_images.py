@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 import tomllib
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -17,6 +16,7 @@ import pytest
 import yaml
 from dockerfile_replay import Replay, parse, replay, replayed_pip_args
 from isvc_schema_tools import REPO
+from specfleet.engine.python_child import python_command
 from specfleet.operator import load_inference_service
 from specfleet.operator.cli import OPERATOR_MODULES, OPTIONAL_MODULES
 from specfleet.operator.render.deployment import RUN_AS_USER, render_deployment
@@ -83,7 +83,7 @@ def test_operator_image_loads_every_handler_and_has_no_torch(replays: dict[str, 
     in_image = json.loads(probe.stdout)
     # The same probe in the test venv, where every extra is installed: the image must load the same handlers.
     here = subprocess.run(
-        [sys.executable, "-P", "-c", HANDLER_PROBE],
+        python_command("-c", HANDLER_PROBE),
         capture_output=True,
         text=True,
         cwd=image.venv,

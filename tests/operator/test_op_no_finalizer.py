@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,6 +21,7 @@ import yaml
 from fake_kube import FakeKube
 from helpers import wait_for
 from isvc_schema_tools import REPO
+from specfleet.engine.python_child import python_command
 from specfleet.operator.cli import OPERATOR_MODULES, OPTIONAL_MODULES
 
 NS = "team-a"  # the namespace tests/operator/conftest.py's double grants the chart's Role in
@@ -49,7 +49,7 @@ print(json.dumps({"loaded": loaded, "modules": modules, "requiring": requiring})
 
 @pytest.mark.slow
 def test_after_startup_no_handler_the_image_loads_requires_a_finalizer() -> None:
-    probe = subprocess.run([sys.executable, "-P", "-c", PROBE], capture_output=True, text=True, check=True)
+    probe = subprocess.run(python_command("-c", PROBE), capture_output=True, text=True, check=True)
     found = json.loads(probe.stdout)
     assert found["loaded"] == [*OPERATOR_MODULES, *OPTIONAL_MODULES]
     assert {"specfleet.operator.handlers", "specfleet.tuner.handlers"} <= set(found["modules"]), found
@@ -78,7 +78,7 @@ def test_the_entry_point_with_every_handler_never_writes_a_finalizer(
     log = tmp_path / "operator.log"
     with log.open("wb") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "specfleet.operator.cli", "--namespace", NS, "--standalone"],
+            python_command("-m", "specfleet.operator.cli", "--namespace", NS, "--standalone"),
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env,

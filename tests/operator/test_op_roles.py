@@ -9,7 +9,6 @@ import copy
 import functools
 import os
 import subprocess
-import sys
 from typing import Any
 
 import pytest
@@ -18,6 +17,7 @@ from fake_kube import FakeKube, Rbac
 from isvc_schema_tools import REPO, admission_errors, k8s_validate
 from kube_admission import apply_defaults, cel_errors, prune, schema_errors
 from rollouts import report_router_rolled_out
+from specfleet.engine.python_child import python_command
 from specfleet.engine.server.cli import build_parser, engine_config_kwargs
 from specfleet.operator import InferenceService, load_inference_service
 from specfleet.operator.conditions import Workload, deployment_conditions
@@ -440,7 +440,7 @@ def test_without_the_leader_worker_set_api_the_service_is_degraded_with_the_reas
 def test_the_engine_refuses_a_multi_node_group_with_a_message() -> None:
     """Until the engine joins ranks across pods, a LeaderWorkerSet's pods stop at once, saying why."""
     result = subprocess.run(
-        [sys.executable, "-m", "specfleet.engine", "--help"],
+        python_command("-m", "specfleet.engine", "--help"),
         capture_output=True,
         text=True,
         env={**os.environ, "SPECFLEET_NODES": "2"},

@@ -22,7 +22,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +30,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 from helpers import free_port
+from specfleet.engine.python_child import python_command
 
 pytestmark = pytest.mark.slow
 
@@ -88,7 +88,7 @@ class RouterProcess:
             str(DRAIN_TIMEOUT_SECONDS),
         ]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "specfleet.router", *args], env=os.environ.copy(), stderr=subprocess.PIPE
+            python_command("-m", "specfleet.router", *args), env=os.environ.copy(), stderr=subprocess.PIPE
         )
         return self
 

@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import httpx
 import pytest
 from helpers import free_port, start_server
+from specfleet.engine.python_child import python_command
 
 pytestmark = pytest.mark.slow
 TOKEN = "admin-port-test-token"
@@ -44,8 +44,7 @@ def test_admin_api_only_on_the_admin_port(tmp_path: Path) -> None:
 
 def test_admin_port_must_differ_from_the_api_port() -> None:
     result = subprocess.run(
-        [
-            sys.executable,
+        python_command(
             "-m",
             "specfleet.engine",
             "--model",
@@ -54,7 +53,7 @@ def test_admin_port_must_differ_from_the_api_port() -> None:
             "8000",
             "--admin-port",
             "8000",
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=120,

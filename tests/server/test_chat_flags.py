@@ -4,10 +4,10 @@ missing template file stops the start with a message naming the flag, before the
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from specfleet.engine.python_child import python_command
 from specfleet.engine.server.cli import build_parser, chat_options
 
 TEMPLATE = Path(__file__).parent.parent / "fixtures" / "chat_templates" / "chatml_tools.jinja"
@@ -50,14 +50,13 @@ def test_the_flags_make_the_servers_chat_options() -> None:
 )
 def test_a_bad_chat_flag_stops_the_start_naming_it(flags: list[str], message: str) -> None:
     proc = subprocess.run(
-        [
-            sys.executable,
+        python_command(
             "-m",
             "specfleet.engine.server.cli",
             "--model",
             "bundled://smollm2-135m-instruct",
             *flags,
-        ],
+        ),
         capture_output=True,
         text=True,
         timeout=120,

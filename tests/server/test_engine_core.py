@@ -15,6 +15,7 @@ from typing import Any
 import httpx
 import pytest
 from helpers import start_server
+from specfleet.engine.python_child import python_command
 
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen[bytes], str, Path]:
@@ -164,10 +165,9 @@ def test_ready_and_new_requests_answer_503_once_the_core_is_dead(serve_app: Any)
 
 def _loaded_after(imports: list[str], heavy: tuple[str, ...]) -> list[str]:
     """Which of the `heavy` modules a fresh interpreter has loaded after importing `imports`."""
-    import sys
 
     probe = f"import sys, {', '.join(imports)}; print(','.join(m for m in {heavy!r} if m in sys.modules))"
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=60)
+    done = subprocess.run(python_command("-c", probe), capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr[-2000:]
     return [m for m in done.stdout.strip().split(",") if m]
 

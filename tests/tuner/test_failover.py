@@ -11,7 +11,6 @@ import os
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import IO, Any
@@ -20,6 +19,7 @@ import httpx
 import pytest
 from fake_kube import FakeKube  # tests/ is on sys.path (rootdir conftest)
 from helpers import free_port, wait_for
+from specfleet.engine.python_child import python_command
 from specfleet.operator import load_inference_service
 
 from .cluster import (
@@ -60,7 +60,7 @@ class Replica:
         env = {**os.environ, "POD_NAMESPACE": LEASE_NS, "PYTHONUNBUFFERED": "1"}
         self.log: IO[bytes] = self.log_path.open("wb")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", RUN, port, *args], stdout=self.log, stderr=subprocess.STDOUT, env=env
+            python_command("-c", RUN, port, *args), stdout=self.log, stderr=subprocess.STDOUT, env=env
         )
 
     def text(self) -> str:

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import socket
 import subprocess
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -22,6 +21,7 @@ import httpx
 import pytest
 from fake_kube import FakeKube  # tests/ is on sys.path (rootdir conftest)
 from helpers import free_port, stop_process, wait_for, wait_http_ready
+from specfleet.engine.python_child import python_command
 
 from .cluster import ISVC, example_service, operator_args, put_pod, put_service
 
@@ -103,8 +103,7 @@ def test_a_queued_request_scales_from_zero_and_the_cold_start_is_reported(
     log = tmp_path / "router.log"
     with open(log, "wb") as out:
         router = subprocess.Popen(
-            [
-                sys.executable,
+            python_command(
                 "-m",
                 "specfleet.router",
                 "--port",
@@ -117,7 +116,7 @@ def test_a_queued_request_scales_from_zero_and_the_cold_start_is_reported(
                 "least-loaded",
                 "--queue-timeout",
                 "120",
-            ],
+            ),
             stdout=out,
             stderr=subprocess.STDOUT,
         )

@@ -23,6 +23,8 @@ import torch
 log = logging.getLogger("specfleet.kernels.cpu_native")  # the name the kernels have logged under
 
 SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
+# Compiled together into one library: the dense, quantized and attention kernels, and LoRA's gathered deltas.
+SOURCES = [SOURCE, SOURCE.with_name("lora.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
 ABI_VERSION = 9
@@ -52,7 +54,8 @@ def _build() -> Path:
     if compiler is None:
         raise RuntimeError("no C++ compiler (g++) on PATH")
     key = hashlib.sha256(
-        SOURCE.read_bytes() + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()
+        b"".join(source.read_bytes() for source in SOURCES)
+        + " ".join([compiler, *FLAGS, _cpu_flags()]).encode()
     ).hexdigest()
     target = _cache_dir() / key[:16] / "libspecfleet_cpu.so"
     if target.exists():
@@ -63,7 +66,9 @@ def _build() -> Path:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
     os.close(fd)
     try:
-        proc = subprocess.run([compiler, *FLAGS, str(SOURCE), "-o", tmp], capture_output=True, text=True)
+        proc = subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True
+        )
         if proc.returncode != 0:
             raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
         os.replace(tmp, target)
@@ -104,6 +109,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         i32,
     ]
     lib.sf_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, i64, p, i64, p, p, i32]
+    lib.sf_lora_add_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i32]
     for fn in (
         "sf_decode_layers",
         "sf_linear_f32",
@@ -114,6 +120,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sf_rms_norm_f32",
         "sf_silu_mul_f32",
         "sf_paged_attention_f32",
+        "sf_lora_add_f32",
     ):
         getattr(lib, fn).restype = None
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from specfleet.kernels.cpu_lora import LoraDesc, describe
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -81,6 +82,8 @@ class LoraWeights:
 
     a_t: torch.Tensor  # [in, sum of ranks]
     b_t: torch.Tensor  # [sum of ranks, fused out], scale folded in
+    cols: torch.Tensor  # [pieces, 2] int64: each piece's output columns (b_t's other columns are zero)
+    desc: LoraDesc | None = None  # the native kernel's descriptor (float32 weights), made once at load
 
 
 @dataclass(eq=False)
@@ -241,6 +244,7 @@ def _fuse(
     out_total = sum(out for _, out in dims)
     a_t = torch.empty(dims[0][0], len(found) * rank, dtype=dtype)
     b_t = torch.zeros(len(found) * rank, out_total, dtype=dtype)
+    cols = torch.empty(len(found), 2, dtype=torch.int64)
     for j, (module, index) in enumerate(found):
         ab = pieces[(layer, module)]
         if "A" not in ab or "B" not in ab:
@@ -256,7 +260,8 @@ def _fuse(
                 "(an adapter for another base model?)"
             )
         start = sum(out for _, out in dims[:index])
+        cols[j, 0], cols[j, 1] = start, start + fan_out
         a_t[:, j * rank : (j + 1) * rank].copy_(a.t())
         b_t[j * rank : (j + 1) * rank, start : start + fan_out].copy_(b.t())
     b_t.mul_(scale)
-    return LoraWeights(a_t, b_t)
+    return LoraWeights(a_t, b_t, cols, describe(a_t, b_t, rank, cols) if dtype == torch.float32 else None)

@@ -2,8 +2,10 @@
 
 In the spirit of Punica's shrink/expand: for each adapter in the step, its rows are gathered, shrunk to the
 adapter's rank (`x @ A^T`) and expanded into the projection's columns (`@ B^T`, scale folded in), then
-added back to those rows. Rows without an adapter are untouched, so a base-only batch pays nothing (the
-runner attaches no LoraBatch at all then, and the native fused decode path stays on).
+added back to those rows. On CPU with float32 weights one native call per projection does every adapter of
+the step (kernels/cpu_lora.py); otherwise its torch reference does, adapter by adapter. Rows without an
+adapter are untouched, so a base-only batch pays nothing (the runner attaches no LoraBatch at all then, and
+the native fused decode path stays on).
 """
 
 from __future__ import annotations
@@ -12,18 +14,14 @@ from dataclasses import dataclass
 
 import torch
 from specfleet.engine.lora.adapter import LoraAdapter
-
-
-@dataclass(frozen=True)
-class LoraGroup:
-    adapter: LoraAdapter
-    rows: torch.Tensor  # [n] int64 flat token rows of the step that run this adapter
-    all_rows: bool  # every row of the step: no gather or scatter needed
+from specfleet.kernels import cpu_build, cpu_lora
 
 
 @dataclass(frozen=True)
 class LoraBatch:
-    groups: tuple[LoraGroup, ...]
+    adapters: tuple[LoraAdapter, ...]  # one per row group, in the groups' order
+    groups: cpu_lora.RowGroups
+    native: bool  # the native kernel runs the deltas (CPU, float32, kernels built)
 
     @classmethod
     def build(
@@ -36,25 +34,23 @@ class LoraBatch:
                 by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + count))
         if not by_adapter:
             return None
-        groups = tuple(
-            LoraGroup(a, torch.tensor(rows, dtype=torch.int64, device=device), len(rows) == num_rows)
-            for a, rows in by_adapter.values()
-        )
-        return cls(groups)
-
-    @property
-    def adapters(self) -> list[LoraAdapter]:
-        return [g.adapter for g in self.groups]
+        adapters = tuple(a for a, _ in by_adapter.values())
+        groups = cpu_lora.RowGroups.of([rows for _, rows in by_adapter.values()])
+        native = device.type == "cpu" and cpu_build.available() and all(_described(a) for a in adapters)
+        if device.type != "cpu":
+            groups = cpu_lora.RowGroups(groups.rows.to(device), groups.starts)
+        return cls(adapters, groups, native)
 
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
         """y [rows, out] += each group's delta from x [rows, in] on projection `proj` of `layer`; returns y."""
-        for g in self.groups:
-            w = g.adapter.layers[layer].get(proj)
-            if w is None:
-                continue
-            if g.all_rows:
-                y.addmm_(x @ w.a_t.to(x.dtype), w.b_t.to(x.dtype))
-            else:
-                xs = x.index_select(0, g.rows)
-                y.index_add_(0, g.rows, (xs @ w.a_t.to(x.dtype)) @ w.b_t.to(x.dtype))
-        return y
+        weights = [a.layers[layer].get(proj) for a in self.adapters]
+        if self.native and x.dtype == torch.float32 and y.dtype == torch.float32:
+            return cpu_lora.lora_add(y, x, self.groups, [w.desc if w is not None else None for w in weights])
+        pairs = [(w.a_t, w.b_t) if w is not None else None for w in weights]
+        return cpu_lora.lora_add_reference(y, x, self.groups, pairs)
+
+
+def _described(adapter: LoraAdapter) -> bool:
+    """The adapter's weights have the native kernel's descriptors (all or none: float32 weights or not)."""
+    first = next(w for ws in adapter.layers for w in ws.values())
+    return first.desc is not None

@@ -153,6 +153,14 @@ class Engine:
         finish on the weights they started with). Raises LoraError (a ValueError) naming what is wrong."""
         return self._lora_manager().load(lora_name, lora_path)
 
+    def read_lora_adapter(self, lora_name: str, lora_path: str) -> tuple[LoraAdapter, float]:
+        """The first half of a load, safe on a worker thread while the engine steps: the files read and
+        checked (and the seconds that took); `register_lora_adapter` then serves it, between steps."""
+        return self._lora_manager().read(lora_name, lora_path)
+
+    def register_lora_adapter(self, adapter: LoraAdapter, seconds: float) -> LoraAdapter:
+        return self._lora_manager().register(adapter, seconds)
+
     def unload_lora_adapter(self, lora_name: str) -> None:
         """Stop serving `lora_name`: new requests for it are refused; those in flight finish on it."""
         self._lora_manager().unload(lora_name)

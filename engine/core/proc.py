@@ -26,7 +26,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import zmq
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.detokenizer import TextCursor
@@ -34,6 +33,7 @@ from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.outputs import PositionLogprobs, RequestOutput
 from specfleet.engine.sampling_params import ParameterError
 
+from .background_calls import POLL_S, BackgroundCalls, Split, reply
 from .messages import (
     ENCODER,
     INPUT_DECODERS,
@@ -67,13 +67,21 @@ UTILITIES: dict[str, Callable[..., Any]] = {
     # disaggregation: the KV connector's counters (None without a kv_role)
     "kv_transfer_stats": lambda engine: engine.kv_connector.stats if engine.kv_connector else None,
     # LoRA (engine/lora/): a bad adapter is a ParameterError naming the field, the server's 400
-    "load_lora_adapter": lambda engine, lora_name, lora_path: _lora_call(
-        "lora_path", lambda: engine.load_lora_adapter(lora_name, lora_path).digest
-    ),
     "unload_lora_adapter": lambda engine, lora_name: _lora_call(
         "lora_name", lambda: engine.unload_lora_adapter(lora_name)
     ),
     "lora_state": lambda engine: engine.lora_state(),
+}
+
+# What the server may call whose slow half runs on a worker thread while the core steps (background_calls).
+SPLIT_UTILITIES: dict[str, Split] = {
+    # an adapter's files are read off the loop, so a load never stalls the streams in flight
+    "load_lora_adapter": Split(
+        lambda engine, lora_name, lora_path: _lora_call(
+            "lora_path", lambda: engine.read_lora_adapter(lora_name, lora_path)
+        ),
+        lambda engine, read: _lora_call("lora_path", lambda: engine.register_lora_adapter(*read).digest),
+    ),
 }
 
 
@@ -99,6 +107,7 @@ class EngineCore:
         self._cursors: dict[str, list[TextCursor]] = {}
         self._sent: dict[str, list[int]] = {}  # request id -> output tokens sent per sample (-1: finished)
         self._prompt_sent: set[str] = set()
+        self.background = BackgroundCalls(engine)
 
     # -- inputs ------------------------------------------------------------------------------------
     def add(self, msg: AddRequest) -> AddResult:
@@ -142,16 +151,19 @@ class EngineCore:
             if all(n < 0 for n in sent):
                 self._forget(msg.request_id)
 
-    def utility(self, msg: UtilityCall) -> UtilityResult:
+    def utility(self, msg: UtilityCall) -> UtilityResult | None:
+        """The call's reply, or None for a split call: its reply comes from `background.done()` later."""
+        split = SPLIT_UTILITIES.get(msg.method)
+        if split is not None:
+            self.background.start(msg.call_id, split, msg.kwargs)
+            return None
         fn = UTILITIES.get(msg.method)
-        try:
-            if fn is None:
-                raise ValueError(f"unknown utility {msg.method!r}; known: {sorted(UTILITIES)}")
-            return UtilityResult(msg.call_id, msgspec.Raw(ENCODER.encode(fn(self.engine, **msg.kwargs))))
-        except ParameterError as exc:
-            return UtilityResult(msg.call_id, error=str(exc), param=exc.param, code=exc.code)
-        except Exception as exc:
-            return UtilityResult(msg.call_id, error=f"{type(exc).__name__}: {exc}")
+        if fn is None:
+            known = sorted([*UTILITIES, *SPLIT_UTILITIES])
+            return UtilityResult(
+                msg.call_id, error=f"ValueError: unknown utility {msg.method!r}; known: {known}"
+            )
+        return reply(msg.call_id, lambda: fn(self.engine, **msg.kwargs))
 
     def _forget(self, request_id: str) -> None:
         self._cursors.pop(request_id, None)
@@ -277,7 +289,10 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
                 )
             )
         )
-        _loop(core, inp, out, parent)
+        try:
+            _loop(core, inp, out, parent)
+        finally:
+            core.background.close()  # a read still blocked on its files is left behind, not waited for
     except BaseException as exc:
         if isinstance(exc, SystemExit) and not exc.code:
             return 0
@@ -313,11 +328,15 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
             timeout_s = BACKGROUND_WAIT_S
         else:  # idle, or stalled on nothing that moves by itself: until an input or the next heartbeat
             timeout_s = max(0.0, last_report + HEARTBEAT_S - time.monotonic())
+        if core.background.pending():
+            timeout_s = min(timeout_s, POLL_S)
         if timeout_s == 0.0 or inp.poll(int(timeout_s * 1000)):
-            replies = _drain(core, inp)
-            for reply in replies:
-                out.send(ENCODER.encode(reply))
+            for result in _drain(core, inp):
+                out.send(ENCODER.encode(result))
             stalled = False  # an input may have changed what can be scheduled
+        for result in core.background.done():  # between steps: a load's adapter is registered here
+            out.send(ENCODER.encode(result))
+            stalled = False
         if os.getppid() != parent:
             log.warning("event=engine_core_orphaned parent=%d: the server is gone, exiting", parent)
             return
@@ -357,7 +376,9 @@ def _drain(core: EngineCore, inp: zmq.Socket) -> list[Any]:
         elif kind == RequestType.FINISH_SEQ.value:
             core.finish_sequence(msg)
         else:
-            replies.append(core.utility(msg))
+            result = core.utility(msg)
+            if result is not None:
+                replies.append(result)
 
 
 def main(argv: list[str] | None = None) -> int:

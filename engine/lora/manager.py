@@ -50,21 +50,29 @@ class LoraManager:
 
     def load(self, name: str, path: str) -> LoraAdapter:
         """Read, check and register adapter `name` from `path` (a reload replaces the files it serves)."""
+        return self.register(*self.read(name, path))
+
+    def read(self, name: str, path: str) -> tuple[LoraAdapter, float]:
+        """The adapter's files read and checked, and the seconds that took; changes nothing here, so it may
+        run on a worker thread while the engine steps (the engine core does: a load never blocks streams)."""
         self.check_name(name)
         start = time.perf_counter()
         adapter = read_adapter(name, path, self.shape, self.max_rank, self.dtype)
-        elapsed = time.perf_counter() - start
+        return adapter, time.perf_counter() - start
+
+    def register(self, adapter: LoraAdapter, seconds: float) -> LoraAdapter:
+        """Serve a read adapter under its name (on the engine's thread, between steps)."""
         self.stats.loads += 1
-        self.stats.load_seconds.append(elapsed)
-        self.paths[name] = str(Path(str(path)))
+        self.stats.load_seconds.append(seconds)
+        self.paths[adapter.name] = str(Path(adapter.path))
         self._keep(adapter)
         log.info(
             "event=lora_loaded name=%s rank=%d digest=%s modules=%s ms=%.1f",
-            name,
+            adapter.name,
             adapter.rank,
             adapter.digest,
             ",".join(adapter.target_modules),
-            elapsed * 1000,
+            seconds * 1000,
         )
         return adapter
 

@@ -6,8 +6,10 @@ is wrong, unloading with a stream in flight lets it finish, and the LoRA metrics
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -208,6 +210,64 @@ def test_unload_lets_streams_in_flight_finish(served, adapters):
     assert finish == ["length"]
     with pytest.raises(openai.NotFoundError):
         _complete(served, "c")
+
+
+def _open_when_read(fifo: Path, timeout_s: float = 60):
+    """The FIFO opened for writing once a reader has it open (the engine's read of the adapter's file)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            fd = os.open(fifo, os.O_WRONLY | os.O_NONBLOCK)  # ENXIO while no reader has it open
+        except OSError:
+            assert time.monotonic() < deadline, "the engine never opened the adapter's file"
+            time.sleep(0.01)
+            continue
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "wb")
+
+
+def test_a_load_never_stalls_streams_in_flight(served, adapters, tmp_path):
+    """The adapter's weights come through a FIFO, as from a volume that answers slowly: its read waits on the
+    writer (opening the FIFO returns once the engine opened it to read), and streams of the base model keep
+    producing tokens all that time; then the load completes and serves the adapter."""
+    folder = tmp_path / "slow"
+    folder.mkdir()
+    shutil.copy(adapters["a"] / "adapter_config.json", folder)
+    fifo = folder / "adapter_model.safetensors"
+    os.mkfifo(fifo)
+    arrivals: list[float] = []
+    stop = threading.Event()
+
+    def streams() -> None:  # one stream after another until told to stop
+        while not stop.is_set():
+            for _ in _client(served).completions.create(
+                model="tiny", prompt=PROMPT, max_tokens=200, stream=True, extra_body={"ignore_eos": True}
+            ):
+                arrivals.append(time.monotonic())
+
+    streamer = threading.Thread(target=streams)
+    streamer.start()
+    loaded: list[httpx.Response] = []
+    body = {"lora_name": "slow", "lora_path": str(folder)}
+    loader = threading.Thread(target=lambda: loaded.append(_admin(served, "/v1/load_lora_adapter", body)))
+    try:
+        loader.start()
+        with _open_when_read(fifo) as writer:
+            opened = time.monotonic()
+            deadline = opened + 30
+            while sum(t > opened for t in arrivals) < 20 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            produced = sum(t > opened for t in arrivals)
+            assert loader.is_alive() and not loaded  # the load still waits on its file
+            writer.write((adapters["a"] / "adapter_model.safetensors").read_bytes())
+        assert produced >= 20, f"only {produced} tokens streamed while the adapter's file was being read"
+        loader.join(60)
+        assert loaded and loaded[0].status_code == 200, loaded
+    finally:
+        stop.set()
+        streamer.join(120)
+    assert _complete(served, "slow") == _complete(served, "a")  # the same weights, through the FIFO
+    assert _admin(served, "/v1/unload_lora_adapter", {"lora_name": "slow"}).status_code == 200
 
 
 def test_lora_metrics(served):

@@ -187,9 +187,17 @@ class Scheduler:
     ) -> int:
         skipped: list[Sequence] = []
         limit = self.max_num_seqs * self.micro_batches
+        lora_blocked = False  # a sequence was passed over for max_loras: later adapter sequences wait too
         while self.waiting and budget > 0:
             seq = self.waiting.peek()
-            if seq.grammar_pending or not self._lora_fits(seq):  # grammar: vLLM's WAITING_FOR_FSM
+            if seq.lora is not None and (lora_blocked or not self._lora_fits(seq)):
+                # Admitting later requests of the running adapters would keep them running for ever and the
+                # passed-over adapter waiting (starved): they wait, the running adapters drain, and the
+                # first adapter in the queue gets the freed slot. Base requests hold no slot and go on.
+                lora_blocked = True
+                skipped.append(self.waiting.pop())
+                continue
+            if seq.grammar_pending:  # vLLM's WAITING_FOR_FSM
                 skipped.append(self.waiting.pop())
                 continue
             parent = seq.parent

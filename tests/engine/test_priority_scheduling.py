@@ -264,3 +264,25 @@ def test_llm_generate_takes_one_priority_per_prompt(tiny_llama: str) -> None:
     with pytest.raises(ParameterError, match="Priority scheduling is not enabled"):
         fcfs.generate(prompts, greedy, priority=[0, 0, 4])
     assert fcfs.engine.kv_blocks_in_use() == 0 and not fcfs.engine.has_unfinished_requests()
+
+
+def test_max_loras_never_starves_an_adapter_behind_a_busy_one() -> None:
+    """max_loras=1 with adapter A busy: a request for B waits, but requests for A that came after it wait
+    behind it (they would otherwise keep A running for ever); base requests are not held up."""
+    sched = _sched(FCFS, num_blocks=64, max_num_seqs=8)
+    sched.max_loras = 1
+    adapters = ["A", "B", "A", None, "A"]  # engine/lora LoraAdapter objects; the scheduler only compares them
+    for i, lora in enumerate(adapters):
+        seq = _seq(i, 0, float(i), max_tokens=2)
+        seq.lora = lora
+        sched.add(seq)
+    admitted: list[list[int]] = []
+    while sched.has_unfinished():
+        out = sched.schedule()
+        admitted.append(sorted(item.seq.seq_id for item in out.scheduled if item.seq.num_computed_tokens == 0))
+        _run(sched, out)
+        for seq in list(sched.running):
+            if seq.num_output_tokens >= 2:
+                sched.finish(seq, "length")
+    firsts = [ids for ids in admitted if ids]
+    assert firsts == [[0, 3], [1], [2, 4]]  # A and the base; then B alone; then the later As

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 from specfleet.engine.knobs import METRIC_PREFIX, SEARCHED
@@ -42,6 +42,10 @@ CONFIG_GAUGES = tuple(knob.gauge[len(P) :] for knob in SEARCHED)
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", *CONFIG_GAUGES)
 
 
+# vLLM's LoRA gauge (labels max_lora, running_lora_adapters, waiting_lora_adapters), read into two gauges
+LORA_INFO, LORA_SLOTS, LORA_ADAPTERS = "vllm:lora_requests_info", "lora:slots", "lora:adapters"
+
+
 PerPosition = dict[str, dict[int, float]]  # family (PER_POSITION) -> draft position -> value
 
 
@@ -71,6 +75,10 @@ def parse_metrics(text: str, time: float) -> Snapshot:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
+            if name == LORA_INFO:  # one sample, refreshed each scrape (engine/server/lora_metrics.py)
+                names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+                snap.gauges[LORA_ADAPTERS] = float(len({n for n in names.split(",") if n}))
+                snap.gauges[LORA_SLOTS] = float(labels.get("max_lora") or 0)
             if not name.startswith(P):
                 continue
             short = name[len(P) :]
@@ -132,7 +140,8 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
         running += after.gauges.get(P + "num_requests_running", 0.0)
         waiting += after.gauges.get(P + "num_requests_waiting", 0.0)
         kv = max(kv, after.gauges.get(P + "kv_cache_usage_ratio", 0.0))
-    return build_observation(
+    lora = [a.gauges for _, a in pairs if LORA_SLOTS in a.gauges]
+    obs = build_observation(
         now,
         acc.rates,
         acc.per_pos,
@@ -144,6 +153,13 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
         kv,
         configs.pop() if len(configs) == 1 else None,
         len(pairs),
+    )
+    if not lora:
+        return obs
+    return replace(
+        obs,
+        lora_slots=sum(g[LORA_SLOTS] for g in lora) / len(lora),
+        lora_adapters=sum(g[LORA_ADAPTERS] for g in lora) / len(lora),
     )
 
 

@@ -159,6 +159,10 @@ class Observation:
     shadow_draft_rate: float | None = None  # of those, drafts found /s
     shadow_accepted_per_pos: tuple[float, ...] = ()
     error: str | None = None  # the source could not be read (Prometheus down, every pod unreachable)
+    # LoRA (vllm:lora_requests_info, per engine, mean over pods): adapter slots a step may mix (--max-loras)
+    # and adapters with requests running or waiting
+    lora_slots: float | None = None
+    lora_adapters: float | None = None
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -184,6 +188,15 @@ class Observation:
     def engines(self) -> int:
         """Engines the load is spread over (evenly: the router sends each request to the least busy)."""
         return max(self.pods, 1)
+
+    @property
+    def lora_runnable_share(self) -> float:
+        """Share of the demand the engines' adapter slots let into a batch: with more adapters in demand than
+        --max-loras, requests for the others wait for a slot whatever max_num_seqs is (adapters taken as
+        evenly loaded; base-model requests, which need no slot, are not told apart by the gauge)."""
+        if not self.lora_slots or not self.lora_adapters or self.lora_adapters <= self.lora_slots:
+            return 1.0
+        return self.lora_slots / self.lora_adapters
 
     @property
     def demand(self) -> float | None:

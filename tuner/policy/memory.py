@@ -75,7 +75,17 @@ class Memory:
                 per_pos, share, shadow = pos, seen_share, seen_shadow
                 break
         prefill = (obs.prompt_rate or 0.0) / obs.generation_rate if obs.generation_rate else 0.0
-        return LoadModel(obs.demand, per_pos, share, prefill, cost, obs.engines, params.model, shadow)
+        return LoadModel(
+            obs.demand,
+            per_pos,
+            share,
+            prefill,
+            cost,
+            obs.engines,
+            params.model,
+            shadow,
+            obs.lora_runnable_share,
+        )
 
     def model_at(self, obs: Observation, load: float, params: PolicyParams) -> LoadModel | None:
         """The model at `load` requests in the system, none waiting (a load the window has not seen yet)."""

@@ -165,10 +165,12 @@ class LoadModel:
     engines: int = 1  # the demand is spread over them evenly; the prediction is per engine
     params: ModelParams = DEFAULT
     shadow: bool = False  # per_pos and proposal_share are shadow drafts' (per lookup), not verified ones'
+    runnable_share: float = 1.0  # of the demand, what adapter slots admit (Observation.lora_runnable_share)
 
     def predict(self, config: TunedConfig) -> Prediction:
         k = config.num_speculative_tokens
-        batch = max(1.0, batch_per_engine(self.demand, self.engines, config.max_num_seqs))
+        runnable = self.demand * self.runnable_share  # max_num_seqs above it adds no sequence to a step
+        batch = max(1.0, batch_per_engine(runnable, self.engines, config.max_num_seqs))
         if k > 0 and self.shadow and self.per_pos:
             per_seq, p = shadow_steps(self.per_pos, self.proposal_share, k, self.params)
         else:
@@ -181,7 +183,11 @@ class LoadModel:
             batch * per_seq / step,
             step / per_seq,
             step,
-            max(0.0, per_engine(self.demand, self.engines) - config.max_num_seqs),
+            max(
+                0.0,
+                per_engine(self.demand, self.engines)
+                - min(config.max_num_seqs, per_engine(runnable, self.engines)),
+            ),
         )
 
 

@@ -29,6 +29,7 @@ from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rules import k_room, proposal_length, speculation_off
 from specfleet.tuner.policy.params import ModelParams
 
+from .lora import SimAdapters
 from .metrics import EngineMetrics, LogHistogram
 from .profile import Profile
 from .workload import OUTPUT_ID, SimRequest
@@ -105,6 +106,7 @@ class SimEngine:
         fast: bool = False,
         keep_itls: bool = False,
         itl_hist: LogHistogram | None = None,
+        adapters: SimAdapters | None = None,
     ) -> None:
         self.index = index
         self.profile = profile
@@ -113,6 +115,8 @@ class SimEngine:
         self.scheduler = Scheduler(
             self.kv, live.max_num_seqs, live.max_num_batched_tokens, limits.max_model_len
         )
+        self.adapters = adapters  # LoRA: --max-loras and the adapters' load time (sim/lora.py)
+        self.scheduler.max_loras = adapters.max_loras if adapters is not None else None
         self.live = live
         self.pending: dict[str, int] = {}
         self.limits = limits
@@ -144,6 +148,7 @@ class SimEngine:
             self.params,
             arrival_time=now,
         )
+        seq.lora = request.adapter
         record.engine_arrival_s = now
         self.records[seq.seq_id] = record
         self.targets[seq.seq_id] = min(
@@ -208,6 +213,8 @@ class SimEngine:
                 self.records[item.seq.seq_id].first_scheduled_s = now
         p = self.profile
         core = p.core_s(decode, prefill, context, proposals)
+        if self.adapters is not None:
+            core += self.adapters.step_load_s(item.seq.lora for item in sched.scheduled)
         d = p.period_s(core, self.server_free_s - now)
         durations, cores = [d], [core]
         server = p.server_s(streams)

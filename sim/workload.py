@@ -29,6 +29,7 @@ class SimRequest:
     output_tokens: int
     prefix_group: int | None = None
     prefix_tokens: int = 0  # leading prompt tokens shared with every request of the group
+    adapter: str | None = None  # the LoRA adapter the request names (sim/lora.py); None: the base model
 
     def __post_init__(self) -> None:
         if not (

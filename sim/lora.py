@@ -1,0 +1,46 @@
+"""LoRA adapters in a simulated engine: the engine's own admission rule and the cost of loading adapters.
+
+A request's adapter (`SimRequest.adapter`) rides on its sequence as the engine's does (`Sequence.lora`), so
+the real scheduler applies `--max-loras`: a waiting request whose adapter would make the running batch
+mix more adapters than that is passed over until one drains. A step that first runs an adapter the engine
+does not hold in host memory (its `--max-cpu-loras` LRU, default `max_loras`) is longer by the adapter's
+load time, which the engine spends between two steps (engine/lora: the read and checks of the files);
+measure it with the engine's `specfleet_lora_adapter_load_seconds`.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SimAdapters:
+    max_loras: int  # --max-loras: adapters one step may mix
+    load_s: float  # one adapter's load (the engine's specfleet_lora_adapter_load_seconds)
+    max_cpu_loras: int | None = None  # adapters kept in host memory (None: max_loras, the engine's default)
+    resident: OrderedDict[str, None] = field(default_factory=OrderedDict)  # least recently used first
+    loads: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_loras < 1:
+            raise ValueError(f"max_loras={self.max_loras} must be >= 1")
+        if self.load_s < 0:
+            raise ValueError(f"load_s={self.load_s} must be >= 0")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"max_cpu_loras={self.max_cpu_loras} must be >= max_loras={self.max_loras}")
+
+    def step_load_s(self, adapters: Iterable[object]) -> float:
+        """Seconds a step that runs `adapters` (None: the base) spends loading the ones not resident."""
+        seconds = 0.0
+        for name in sorted({str(a) for a in adapters if a is not None}):
+            if name in self.resident:
+                self.resident.move_to_end(name)
+                continue
+            self.resident[name] = None
+            self.loads += 1
+            seconds += self.load_s
+            while len(self.resident) > (self.max_cpu_loras or self.max_loras):
+                self.resident.popitem(last=False)
+        return seconds

@@ -27,6 +27,9 @@ KINDS: dict[str, tuple[str, str]] = {
     "PodDisruptionBudget": ("policy/v1", "poddisruptionbudgets"),
     "ServiceMonitor": ("monitoring.coreos.com/v1", "servicemonitors"),
     "NetworkPolicy": ("networking.k8s.io/v1", "networkpolicies"),
+    # routing.mode endpoint-picker (render/inference_pool.py)
+    "InferencePool": ("inference.networking.k8s.io/v1", "inferencepools"),
+    "HTTPRoute": ("gateway.networking.k8s.io/v1", "httproutes"),
     KIND: (API_VERSION, PLURAL),
 }
 

@@ -46,6 +46,7 @@ from .resources import (
     admin_secret_name,
     engine_workload_name,
     engines_service_name,
+    epp_service_name,
     router_name,
     tuned_config_name,
 )
@@ -454,7 +455,9 @@ class Reconciler:
             if applied is not None:
                 role = obj["metadata"]["labels"].get(LABEL_ROLE)
                 key = (
-                    "EnginesService" + (f"/{role}" if role else "")
+                    "EndpointPickerService"
+                    if obj["metadata"]["name"] == epp_service_name(isvc.name)
+                    else "EnginesService" + (f"/{role}" if role else "")
                     if obj["kind"] == "Service"
                     else f"Router{obj['kind']}"
                 )
@@ -464,6 +467,7 @@ class Reconciler:
             service = engines_service_name(isvc.name, role)
             if wanted and service not in keep:
                 await self._delete_owned("Service", isvc, events, service, "the engines' roles changed")
+        await self._delete_endpoint_picker(isvc, events, {(o["kind"], o["metadata"]["name"]) for o in wanted})
         if not wanted:
             name = router_name(isvc.name)
             services = [("Service", engines_service_name(isvc.name, role)) for role in (None, *ROLES)]
@@ -477,6 +481,26 @@ class Reconciler:
             ):
                 await self._delete_owned(kind, isvc, events, child, "routing is disabled")
         return router
+
+    async def _delete_endpoint_picker(
+        self, isvc: InferenceService, events: list[Event], wanted: set[tuple[str, str]]
+    ) -> None:
+        """The endpoint-picker children that routing.mode (or its gateway) no longer asks for. A cluster that
+        serves no InferencePool or HTTPRoute (404), or an operator without RBAC for them (403, a chart from
+        before they existed), has none of ours: nothing to delete."""
+        for kind, name in (
+            ("HTTPRoute", isvc.name),
+            ("InferencePool", isvc.name),
+            ("Service", epp_service_name(isvc.name)),
+        ):
+            if (kind, name) in wanted:
+                continue
+            try:
+                await self._delete_owned(kind, isvc, events, name, "routing.mode or its gateway changed")
+            except ApiError as error:
+                if error.status not in (403, 404):
+                    raise
+                self.memory.gone((kind, name))
 
     async def _delete_owned(
         self,

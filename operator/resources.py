@@ -51,6 +51,9 @@ RENDEZVOUS_PORT = 29500
 # Router pods carry this label and not LABEL_ISVC, so nothing that selects engines selects them.
 LABEL_ROUTER = f"{GROUP}/router"
 ROUTER_PORT = ENGINE_PORT  # clients keep the port they had before the router stood in front
+# routing.mode endpoint-picker: the router's ext_proc gRPC port (the Gateway API Inference Extension's
+# default EPP port, which InferencePool's endpointPickerRef names).
+EPP_PORT = 9002
 LABEL_NAME = "app.kubernetes.io/name"
 LABEL_INSTANCE = "app.kubernetes.io/instance"
 LABEL_COMPONENT = "app.kubernetes.io/component"
@@ -64,7 +67,15 @@ ADMIN_SUFFIX = "-admin"
 TUNED_SUFFIX = "-tuned"
 ROUTER_SUFFIX = "-router"
 ENGINES_SUFFIX = "-engines"
-CHILD_NAME_SUFFIXES = (ADMIN_SUFFIX, TUNED_SUFFIX, ROUTER_SUFFIX, ENGINES_SUFFIX, *(f"-{r}" for r in ROLES))
+EPP_SUFFIX = "-epp"
+CHILD_NAME_SUFFIXES = (
+    ADMIN_SUFFIX,
+    TUNED_SUFFIX,
+    ROUTER_SUFFIX,
+    ENGINES_SUFFIX,
+    EPP_SUFFIX,
+    *(f"-{r}" for r in ROLES),
+)
 DNS1035_LABEL_MAX = 63
 MAX_NAME_LENGTH = DNS1035_LABEL_MAX - max(len(s) for s in CHILD_NAME_SUFFIXES)
 LONGEST_CHILD_SUFFIX = max(CHILD_NAME_SUFFIXES, key=len)
@@ -72,6 +83,11 @@ LONGEST_CHILD_SUFFIX = max(CHILD_NAME_SUFFIXES, key=len)
 
 def admin_secret_name(isvc_name: str) -> str:
     return f"{isvc_name}{ADMIN_SUFFIX}"
+
+
+def epp_service_name(isvc_name: str) -> str:
+    """routing.mode endpoint-picker: the router pods' ext_proc Service, the InferencePool's endpointPickerRef."""
+    return f"{isvc_name}{EPP_SUFFIX}"
 
 
 def tuned_config_name(isvc_name: str) -> str:

@@ -13,6 +13,7 @@ from ..config import OperatorConfig
 from ..inference_service import InferenceService
 from ..resources import (
     ENGINE_PORT,
+    EPP_PORT,
     LABEL_ROLE,
     ROUTER_PORT,
     common_labels,
@@ -32,6 +33,7 @@ from .deployment import (
     pod_passthrough,
     termination_grace_seconds,
 )
+from .inference_pool import EPP_PORT_NAME, render_endpoint_picker_children
 from .slo import slo_service_labels
 
 # The router holds no model: a few hundred MB covers aiohttp, the prefix index (65,536 hashes per engine,
@@ -102,6 +104,7 @@ def router_args(isvc: InferenceService) -> list[str]:
             else []
         ),
         *(["--adapter-affinity"] if spec.adapters else []),
+        *(["--ext-proc-port", str(EPP_PORT)] if routing.mode == "endpoint-picker" else []),
     ]
 
 
@@ -135,7 +138,14 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
         "imagePullPolicy": isvc.spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.router"],
         "args": router_args(isvc),
-        "ports": [{"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"}],
+        "ports": [
+            {"name": "http", "containerPort": ROUTER_PORT, "protocol": "TCP"},
+            *(
+                [{"name": EPP_PORT_NAME, "containerPort": EPP_PORT, "protocol": "TCP"}]
+                if routing.mode == "endpoint-picker"
+                else []
+            ),
+        ],
         "readinessProbe": {"httpGet": http, "periodSeconds": 5, "failureThreshold": 2},
         "livenessProbe": {
             "httpGet": {"path": "/health", "port": "http"},
@@ -253,7 +263,8 @@ def render_router_pdb(isvc: InferenceService) -> dict[str, Any]:
 def render_router_children(
     isvc: InferenceService, config: OperatorConfig | None = None
 ) -> list[dict[str, Any]]:
-    """Everything routing adds, in apply order (RBAC before the pods that use it); [] when routing is off."""
+    """Everything routing adds, in apply order (RBAC before the pods that use it); [] when routing is off.
+    In endpoint-picker mode also the InferencePool, its picker's Service and the HTTPRoute (inference_pool.py)."""
     if not isvc.spec.routing.enabled:
         return []
     return [
@@ -261,4 +272,5 @@ def render_router_children(
         *engines_services(isvc),
         render_router_deployment(isvc, config),
         render_router_pdb(isvc),
+        *render_endpoint_picker_children(isvc),
     ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import Field, create_model, model_validator
+from pydantic import ConfigDict, Field, create_model, model_validator
 from pydantic.fields import FieldInfo
 from specfleet.router.policies import DEFAULT_POLICY, POLICIES
 from specfleet.router.weights import DEFAULT_WEIGHT, MAX_WEIGHT
@@ -54,6 +54,44 @@ else:
     )
 
 
+# `routing.mode`: the router serves clients itself (proxy), or a Gateway API gateway does and asks the router
+# which engine to send each request to (endpoint-picker: an InferencePool whose EPP the router is).
+ROUTING_MODES = ("proxy", "endpoint-picker")
+ENDPOINT_PICKER_ROUTING = (
+    "routing.mode endpoint-picker needs routing.enabled: the router is the endpoint picker"
+)
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS1123_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class GatewayRefSpec(_Spec):
+    """The Gateway (gateway.networking.k8s.io) the rendered HTTPRoute attaches to."""
+
+    name: str = Field(..., min_length=1, max_length=253, pattern=DNS1123_SUBDOMAIN)
+    namespace: str | None = Field(
+        None, max_length=63, pattern=DNS1123_LABEL, description="The Gateway's namespace; default: this one."
+    )
+    section_name: str | None = Field(
+        None, max_length=253, pattern=DNS1123_SUBDOMAIN, description="One listener of the Gateway, by name."
+    )
+
+
+class EndpointPickerSpec(_Spec):
+    """With routing.mode endpoint-picker: the InferencePool's endpoint picker reference and the route to it."""
+
+    failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        "FailClose",
+        description="What the gateway does when the endpoint picker does not answer: FailClose refuses the "
+        "request, FailOpen sends it to an engine of its own choosing (not every gateway supports FailOpen "
+        "with streamed bodies).",
+    )
+    gateway: GatewayRefSpec | None = Field(
+        None,
+        description="Render an HTTPRoute that sends this Gateway's requests (every path) to the "
+        "InferencePool; without it, route to the pool from an HTTPRoute of your own.",
+    )
+
+
 # A model name as clients write it in `model` (OpenAI's and Hugging Face's: `org/name`, `name:tag`, dots).
 MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._:/@+-]*$"
 MODEL_NAME_MAX = 128
@@ -62,11 +100,26 @@ _UNIQUE_ALIASES = "self.all(a, self.filter(b, b == a).size() == 1)"
 
 
 class RoutingSpec(_Spec):
+    model_config = ConfigDict(
+        json_schema_extra={
+            "x-kubernetes-validations": [
+                cel("self.mode != 'endpoint-picker' || self.enabled", ENDPOINT_PICKER_ROUTING),
+            ]
+        }
+    )
     enabled: bool = Field(
         True,
         description="Run the fleet router in front of the engines (the Service points at "
         "it; the engines get a headless Service). false: the Service spreads requests itself.",
     )
+    mode: Literal[ROUTING_MODES] = Field(  # type: ignore[valid-type]
+        "proxy",
+        description="proxy: clients reach the router through this service's Service. endpoint-picker: the "
+        "router is the endpoint picker of an InferencePool (Gateway API Inference Extension) that a "
+        "gateway routes to; the gateway sends each request to the engine the router picks "
+        "(docs/router.md, 'As a Gateway API endpoint picker').",
+    )
+    endpoint_picker: EndpointPickerSpec = _default_obj(EndpointPickerSpec)
     policy: Literal[tuple(POLICIES)] = Field(  # type: ignore[valid-type]
         DEFAULT_POLICY,
         description="prefix: the engine estimated to hold the longest prefix of the prompt, "
@@ -121,6 +174,12 @@ class RoutingSpec(_Spec):
         "services serving it (weight / sum of weights); 0 takes it out of the split. Requests with a session "
         "id stay on one service.",
     )
+
+    @model_validator(mode="after")
+    def _endpoint_picker_routing(self) -> RoutingSpec:
+        if self.mode == "endpoint-picker" and not self.enabled:
+            raise ValueError(f"routing.enabled=false: {ENDPOINT_PICKER_ROUTING}")
+        return self
 
     @model_validator(mode="after")
     def _unique_aliases(self) -> RoutingSpec:

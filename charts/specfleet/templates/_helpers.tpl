@@ -75,6 +75,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 - apiGroups: ["discovery.k8s.io"]
   resources: ["endpointslices"]
   verbs: ["get", "list", "watch"]
+# routing.mode endpoint-picker: the Gateway API Inference Extension's InferencePool and, with a gateway named,
+# an HTTPRoute (when their CRDs are installed), deleted when the mode changes.
+- apiGroups: ["inference.networking.k8s.io"]
+  resources: ["inferencepools"]
+  verbs: ["get", "create", "patch", "delete"]
+- apiGroups: ["gateway.networking.k8s.io"]
+  resources: ["httproutes"]
+  verbs: ["get", "create", "patch", "delete"]
 - apiGroups: ["policy"]
   resources: ["poddisruptionbudgets"]
   verbs: ["get", "list", "watch", "create", "patch", "delete"]

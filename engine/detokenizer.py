@@ -74,6 +74,13 @@ class IncrementalDetokenizer:
         return self.text[: max(0, len(self.text) - self.hold)]
 
 
+def replay(detok: IncrementalDetokenizer | TextCursor, token_ids: list[int], min_tokens: int) -> None:
+    """Grow `detok` through output tokens generated elsewhere (a resumed request's), one token at a time
+    as the engine that generated them did, so its text and held-back tail end where theirs did."""
+    for pos in range(len(token_ids)):
+        detok.update(token_ids[: pos + 1], pos + 1 > min_tokens)
+
+
 class TokenText:
     """Token id -> its text alone (logprobs' decoded_token), cached."""
 

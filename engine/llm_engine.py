@@ -16,7 +16,7 @@ from typing import Any
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import PRIORITY, EngineConfig, LiveConfig, check_live
-from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText
+from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText, replay
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_events import ZmqEventPublisher
 from specfleet.engine.kv_events_config import KVEventsConfig
@@ -371,8 +371,9 @@ class Engine:
             params.bad_words_token_ids = self._bad_words_token_ids(params.bad_words)
         seqs: list[Sequence] = []
         detoks: list[IncrementalDetokenizer | TextCursor] = []
+        resumed = list(params.resume_token_ids or [])  # generated on another engine: output, not prompt
         for index in range(params.n):
-            tokens = list(ids) + ([remote.first_token_id] if isinstance(remote, KVTransferParams) else [])
+            tokens = ids + resumed + ([remote.first_token_id] if isinstance(remote, KVTransferParams) else [])
             seq = Sequence(
                 next(self._seq_ids), request_id, index, tokens, len(ids), params, priority=priority
             )
@@ -392,6 +393,7 @@ class Engine:
                     params.skip_special_tokens,
                 )
             )
+            replay(detoks[-1], resumed, params.min_tokens)  # the resumed tokens' text, grown as it was
         if params.structured_outputs is not None:  # the prefill's first token must be the grammar's first
             first = "kv_transfer_params.first_token_id" if isinstance(remote, KVTransferParams) else None
             self.structured.attach(seqs, params.structured_outputs, first)
@@ -416,6 +418,10 @@ class Engine:
         """True: hold the KV for a decode engine; KVTransferParams: load it; False: neither."""
         if not data:
             return False
+        if params.resume_token_ids is not None:
+            raise ParameterError(
+                "kv_transfer_params", "kv_transfer_params cannot be combined with resume_token_ids"
+            )
         role = self.config.kv_role
         if data.get("do_remote_decode"):
             if role != "prefill":
@@ -519,6 +525,7 @@ class Engine:
             "stop_token_ids": params.stop_token_ids,
             "allowed_token_ids": params.allowed_token_ids or [],
             "logit_bias": list(params.logit_bias or {}),
+            "resume_token_ids": params.resume_token_ids or [],
         }
         for name, tokens in token_fields.items():
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
@@ -528,6 +535,13 @@ class Engine:
                 "prompt",
                 f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
                 "shorten the prompt so at least one token can be generated",
+                "context_length_exceeded",
+            )
+        if len(ids) + len(params.resume_token_ids or []) >= self.max_model_len:
+            raise ParameterError(
+                "resume_token_ids",
+                f"the prompt's {len(ids)} tokens and resume_token_ids' {len(params.resume_token_ids or [])} "
+                f"fill the model's context of {self.max_model_len}: nothing is left to generate",
                 "context_length_exceeded",
             )
         if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:

@@ -82,6 +82,11 @@ class SamplingParams:
     # runs its prefill and ends there, answering `RequestOutput.embedding` (its one sampled token unused)
     pooling: str | None = None
     pooling_normalize: bool = True
+    # Tokens this request already generated on another engine, whose stream the router resumes here
+    # (docs/router.md "Streams that survive their engine"): prefilled after the prompt and counted as
+    # output, so seeded draws, penalties, stop strings, min_tokens, max_tokens and usage go on from them as
+    # if this engine had generated them; they are not streamed again.
+    resume_token_ids: list[int] | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -178,6 +183,36 @@ class SamplingParams:
                 )
         if any(not s for s in self.stop):
             raise ParameterError("stop", "stop must not contain empty strings")
+        self._check_resume()
+
+    def _check_resume(self) -> None:
+        """What a resumed request may ask for: one sample, no logprobs (the first engine's are not here),
+        no grammar (its state at the resumed tokens is not rebuilt), room left to generate."""
+        resumed = self.resume_token_ids
+        if resumed is None:
+            return
+        if any(not isinstance(t, int) or t < 0 for t in resumed):
+            raise ParameterError("resume_token_ids", "resume_token_ids must be token ids >= 0")
+        refused = {
+            "n": self.n != 1,
+            "logprobs": self.logprobs is not None,
+            "prompt_logprobs": self.prompt_logprobs is not None,
+            "structured_outputs": self.structured_outputs is not None,
+            "pooling": self.pooling is not None,
+        }
+        for name, bad in refused.items():
+            if bad:
+                raise ParameterError(
+                    "resume_token_ids",
+                    "resume_token_ids needs n=1 and no logprobs, prompt_logprobs, structured output or "
+                    f"pooling; this request sets {name}",
+                )
+        if self.max_tokens is not None and len(resumed) >= self.max_tokens:
+            raise ParameterError(
+                "resume_token_ids",
+                f"resume_token_ids has {len(resumed)} tokens, max_tokens={self.max_tokens} leaves none to "
+                "generate",
+            )
 
     @property
     def greedy(self) -> bool:

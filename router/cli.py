@@ -90,6 +90,20 @@ def add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_retry_flags(p: argparse.ArgumentParser) -> None:
+    """What the router does when an engine fails: before the first byte (retry), or after it (resume)."""
+    p.add_argument(
+        "--max-retries", type=int, default=2, help="other engines tried after a failure before the first byte"
+    )
+    p.add_argument(
+        "--max-resumes",
+        type=int,
+        default=2,
+        help="times a stream cut after its first byte goes on from another engine, from the tokens "
+        "already sent (router/resume.py; 0: never)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="specfleet router",
@@ -141,9 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--session-header", default="x-session-id", help="session-affinity header ('' turns it off)"
     )
-    p.add_argument(
-        "--max-retries", type=int, default=2, help="other engines tried after a failure before the first byte"
-    )
+    add_retry_flags(p)
     p.add_argument(
         "--queue-timeout",
         type=float,
@@ -204,6 +216,9 @@ def build_router(args: argparse.Namespace) -> Router:
         args.queue_timeout,
         args.max_queue,
     )
+    if args.max_resumes < 0:
+        raise ValueError(f"--max-resumes={args.max_resumes} must be >= 0")
+    router.max_resumes = args.max_resumes
     if args.kv_events_port:
         router.kv_feeds = kv_event_feeds(args, policy, hasher)
     if args.adapter_affinity:

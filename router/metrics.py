@@ -25,6 +25,13 @@ class RouterMetrics:
             ["engine"],
             registry=r,
         )
+        self.resumed = Counter(
+            "specfleet_router_resumed_streams",
+            "Streams cut after their first byte (reason: broken connection, aborted by a draining engine, "
+            "engine_dead) that went on from another engine (router/resume.py)",
+            ["reason"],
+            registry=r,
+        )
         self.decisions = Counter(
             "specfleet_router_decisions",
             "Routing decisions by policy and reason",

@@ -27,14 +27,14 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from . import disaggregation
+from . import disaggregation, resume
 from .adapters import AdapterTable
 from .endpoints import EndpointSet
 from .kv_subscriber import KVEventFeeds
 from .metrics import RouterMetrics
 from .policies import Choice, RouteRequest, RoutingPolicy
 from .prefix import BlockHasher
-from .upstream import EngineBroken, EnginePool, EngineUnreachable
+from .upstream import EngineBroken, EnginePool, EngineResponse, EngineUnreachable
 from .usage_tap import UsageTap
 
 if TYPE_CHECKING:
@@ -61,6 +61,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 # Set on a request by the gateway's tenant gate (router/tenant_gate.py): every chunk of the engine's answer
 # passes through it on the way out, so that the tenant is charged the usage the engine reported.
 RESPONSE_TAP = web.RequestKey("specfleet_response_tap", UsageTap)
+# Set on a streamed request the router can resume on another engine if its own fails (router/resume.py)
+STREAM_RELAY = web.RequestKey("specfleet_stream_relay", resume.StreamRelay)
+NOT_RESUMABLE = web.RequestKey("specfleet_not_resumable", str)  # why a stream is not (router/resume.py)
 ADAPTER_POLL = web.AppKey("specfleet_adapter_poll", asyncio.Future)
 
 
@@ -122,6 +125,7 @@ class Router:
     )
     tracer: RouterTracer | None = None  # request spans (router/tracing.py); None: traces off
     kv_feeds: KVEventFeeds | None = None  # the engines' KV events (router/kv_subscriber.py); None: off
+    max_resumes: int = 2  # times a stream cut mid-way goes on from another engine (router/resume.py)
     adapters: AdapterTable | None = None  # LoRA adapter affinity (router/adapters.py); None: off
 
     def __post_init__(self) -> None:
@@ -300,6 +304,14 @@ class Router:
         tried: set[str] = set()
         last_error = ""
         started = time.monotonic()
+        parsed, why_not = resume.plan(
+            request.match_info.get("path", ""), request.method, body, self.max_resumes
+        )
+        if parsed is not None:
+            headers = {**headers, resume.TOKEN_IDS_HEADER: "1"}
+            request[STREAM_RELAY] = resume.StreamRelay(parsed, (route, tried, headers))
+        elif why_not is not None:
+            request[NOT_RESUMABLE] = why_not
         for attempt in range(self.max_retries + 1):
             choosing = time.monotonic()
             choice = self._choose(route, tried)
@@ -379,6 +391,11 @@ class Router:
             try:
                 await out.prepare(request)
                 tap = request.get(RESPONSE_TAP)
+                relay = request.get(STREAM_RELAY)
+                if relay is not None and upstream.status == 200:
+                    outcome = await resume.follow(self, request, out, upstream, relay, tap)
+                    await out.write_eof(b"" if tap is None else tap.flush())
+                    return out
                 last = b""  # the body's last bytes go out with the stream's end, in one write
                 async for chunk in upstream.chunks():
                     chunk = chunk if tap is None else tap.feed(chunk)
@@ -395,6 +412,7 @@ class Router:
             except (EngineBroken, TimeoutError) as error:  # the engine failed mid-stream: no retry
                 outcome = "broken"
                 logger.warning("event=broken engine=%s error=%r", url, f"{type(error).__name__}: {error}")
+                await _tell_broken(out, upstream, request.get(NOT_RESUMABLE))
             finally:
                 if self.tracer is not None:
                     self.tracer.answered(upstream.status, outcome, upstream.headers)
@@ -427,6 +445,18 @@ def _release_when_prefilled(prefilling: asyncio.Future[dict[str, Any] | None]) -
             "event=kv_release reason=client_gone_during_prefill transfer_id=%s", held.get("transfer_id")
         )
         asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
+
+
+async def _tell_broken(out: web.StreamResponse, upstream: EngineResponse, why_not: str | None) -> None:
+    """A stream the router could not resume ends with an error event saying why, not in silence."""
+    if why_not is None or not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+        return
+    try:
+        await out.write(
+            resume.error_event(f"the engine failed mid-stream and the stream cannot be resumed: {why_not}")
+        )
+    except ConnectionResetError:
+        pass
 
 
 class _RetryableFailure(Exception):

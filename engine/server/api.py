@@ -14,7 +14,7 @@ from specfleet.engine.core.client import EngineDeadError, EngineInternalError, Q
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
-from . import chat, serving, tracing
+from . import chat, resume, serving, tracing
 from .errors import APIError, error_body
 from .lenient import shown_name
 from .protocol import ALL_LOGPROBS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -308,11 +308,13 @@ async def _stream_body(
     echo: bool = False,
     shape: chat.ChatShape | None = None,
     model: str | None = None,  # the name the request used: the served model's, or a LoRA adapter's
+    resumed: resume.Resume | None = None,  # the request continues another engine's stream
+    token_ids: bool = False,  # each choice carries its new output token ids (server/resume.py)
 ) -> AsyncIterator[str]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     created, model = int(time.time()), model or state.model_name
     text = serving.TokenText(state.tokenizer)
-    cursors = serving.StreamState()
+    cursors = serving.StreamState(first=resumed.cursor if resumed is not None else None)
     finals: dict[int, RequestOutput] = {}
     try:
         async for p, output in _merge(streams):
@@ -320,7 +322,7 @@ async def _stream_body(
             choices = []
             for out in sorted(output.outputs, key=lambda o: o.index):
                 index = p * n + out.index
-                cursor = cursors.cursor(index)
+                cursor = cursors.cursor(index, output.prompt_token_ids)
                 choice = (
                     (shape.delta if shape is not None else serving.chat_delta)(
                         out, cursor, index, logprobs, text
@@ -336,6 +338,8 @@ async def _stream_body(
                     )
                 )
                 if choice is not None:
+                    if token_ids:
+                        resume.add_token_ids(choice, out, cursor)
                     choices.append(choice)
             if choices:
                 chunk = _chunk(kind, rid, created, model, choices, include_usage)
@@ -386,6 +390,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     state.check_accepting()
     lora = state.check_model(body.model)
     _check_fields(state, body, "/v1/completions")
+    resume.check(body)
     prompts = body.prompts()
     if not body.add_special_tokens:  # the engine would add BOS to text; token ids go in as they are
         prompts = [
@@ -413,6 +418,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
                 body.continuous_usage,
                 body.echo,
                 model=lora,
+                resumed=resume.Resume.of(state.tokenizer, params),
+                token_ids=resume.wants_token_ids(request.headers),
             )
         )
     finals = await _collect(request, streams)
@@ -455,6 +462,7 @@ async def create_chat_completion(
     params = _sampling_params(state, body, [len(prompt_ids)])
     chat.apply(plan, params, rendered, state.tokenizer)
     shape = chat.ChatShape(plan) if plan.shaped else None
+    resume.check(body, plan.shaped)
     rid = f"chatcmpl-{request_id(request, body.request_id)}"
     trace = tracing.start(state.async_engine.tracer, request.headers, "chat", params, body.kv_transfer_params)
     streams = await _submit(
@@ -474,8 +482,10 @@ async def create_chat_completion(
             body.continuous_usage,
             shape=shape,
             model=lora,
+            resumed=resume.Resume.of(state.tokenizer, params),
+            token_ids=resume.wants_token_ids(request.headers),
         )
-        if echo:
+        if echo and body.resume_token_ids is None:  # a resumed stream's client has had the echo
             first = _chunk(
                 "chat.completion.chunk",
                 rid,

@@ -118,6 +118,11 @@ class SamplingFields(LenientModel):
     # vLLM's disaggregation field (engine/kv_transfer/): {"do_remote_decode": true} to a prefill engine, or
     # the params its response returned, to a decode engine
     kv_transfer_params: dict[str, Any] | None = None
+    resume_token_ids: list[Annotated[int, Field(ge=0)]] | None = Field(
+        default=None,
+        description="specfleet's: tokens this request already streamed from another engine (the router "
+        "resumes a stream whose engine failed); generated on from them, counted as output, not sent again",
+    )
 
     @field_validator("stop")
     @classmethod
@@ -170,6 +175,7 @@ class SamplingFields(LenientModel):
             spaces_between_special_tokens=self.spaces_between_special_tokens,
             truncate_prompt_tokens=self.truncate_prompt_tokens,
             cache_salt=self.cache_salt,
+            resume_token_ids=self.resume_token_ids,
             prompt_logprobs=self.num_prompt_logprobs(),
             structured_outputs=spec_from_request(
                 response_format=getattr(self, "response_format", None),

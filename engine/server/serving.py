@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -100,14 +101,22 @@ class ChoiceCursor:
     text_offset: int = 0
     started: bool = False
     done: bool = False
+    num_tokens: int = 0  # output tokens whose text has been sent (the router's token ids: server/resume.py)
 
 
 @dataclass
 class StreamState:
     cursors: dict[int, ChoiceCursor] = field(default_factory=dict)
+    # a resumed stream's first cursor, from the prompt's token ids (server/resume.py); None: from the start
+    first: Callable[[list[int]], ChoiceCursor] | None = None
 
-    def cursor(self, index: int) -> ChoiceCursor:
-        return self.cursors.setdefault(index, ChoiceCursor())
+    def cursor(self, index: int, prompt_ids: list[int] | None = None) -> ChoiceCursor:
+        if index not in self.cursors:
+            first = self.first
+            self.cursors[index] = (
+                first(prompt_ids) if first is not None and prompt_ids is not None else ChoiceCursor()
+            )
+        return self.cursors[index]
 
 
 def completion_delta(

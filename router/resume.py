@@ -1,0 +1,297 @@
+"""Streams that survive their engine: a stream cut after its first byte goes on from another engine.
+
+A streamed completion or chat completion that can be resumed (`plan`) is sent with the engine's token-ids
+header, so every streamed choice carries the output token ids its text covers. `StreamRelay` passes the
+events on with those ids taken out and keeps them. When the engine's connection breaks before the
+stream's end, or the engine ends the choice with `finish_reason: "abort"` (it drained) or sends its
+`engine_dead` error, the relay drops what is left of that answer and the proxy sends the request again to
+another engine with `resume_token_ids`: the tokens the client already has. That engine prefills prompt +
+those tokens, counts them as output (seeded draws, penalties, stop strings, max_tokens and usage go on
+from them) and streams only what follows (engine/server/resume.py). Its chunks get the first engine's `id`
+and `created`, so the client reads one stream.
+
+Not resumable (cut as before, then told so in an error event): n > 1 or best_of > 1, logprobs (the first
+engine's are not replayed), echo, prompt_logprobs, a batch of prompts, tools and structured outputs (a
+grammar's or a tool parser's state at the cut is not rebuilt), and a disaggregated request (its decode
+engine holds the prompt's KV; `kv_transfer_params`).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import web
+
+from .upstream import EngineBroken, EngineResponse, EngineUnreachable
+
+if TYPE_CHECKING:
+    from .policies import RouteRequest
+    from .proxy import Router
+    from .usage_tap import UsageTap
+
+logger = logging.getLogger("specfleet.router")
+
+# The engine's opt-in to token ids on streamed choices (engine/server/resume.py declares the same name;
+# tests/router/test_resume.py holds the two equal: the router does not import the engine).
+TOKEN_IDS_HEADER = "x-specfleet-token-ids"
+RESUMABLE_PATHS = ("completions", "chat/completions")
+# Body fields whose presence (with a value other than these) makes a request not resumable
+REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "echo": (None, False),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "prompt_logprobs": (None,),
+    "tools": (None, []),
+    "response_format": (None, {"type": "text"}),
+    "guided_json": (None,),
+    "guided_regex": (None,),
+    "guided_choice": (None,),
+    "guided_grammar": (None,),
+    "structured_outputs": (None,),
+    "kv_transfer_params": (None,),
+    "resume_token_ids": (None,),
+}
+
+
+def plan(path: str, method: str, body: bytes, max_resumes: int) -> tuple[dict[str, Any] | None, str | None]:
+    """For a streamed generation request: its parsed body when the router can resume it, else why not
+    (`(None, None)` for any other request)."""
+    if method != "POST" or path not in RESUMABLE_PATHS or b'"stream"' not in body:
+        return None, None
+    try:
+        parsed = json.loads(body)
+    except ValueError:
+        return None, None
+    if not isinstance(parsed, dict) or parsed.get("stream") is not True:
+        return None, None
+    if max_resumes <= 0:
+        return None, "the router resumes no stream (--max-resumes 0)"
+    refused = not_resumable(parsed)
+    if refused is not None:
+        return None, f"a request with {refused}={json.dumps(parsed.get(refused))[:80]} is not resumable"
+    return parsed, None
+
+
+def not_resumable(body: dict[str, Any]) -> str | None:
+    """Why this request cannot be resumed (the field that prevents it), or None."""
+    for name, allowed in REFUSED_FIELDS.items():
+        if body.get(name) not in allowed:
+            return name
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) != 1:
+        return "prompt"  # a batch of prompts: one stream per prompt, interleaved
+    return None
+
+
+@dataclass
+class StreamRelay:
+    """One resumable stream's events on their way to the client, across the engines that serve it."""
+
+    body: dict[str, Any]  # the client's request
+    where: tuple[RouteRequest, set[str], dict[str, str]]  # its route, the engines tried, its headers
+    token_ids: list[int] = field(default_factory=list)  # output tokens whose text the client has
+    identity: dict[str, Any] | None = None  # the first engine's chunk `id` and `created`
+    forwarded: bool = False  # an event reached the client
+    finished: bool = False  # the choice's finish_reason (not "abort") reached the client
+    done: bool = False  # [DONE] reached the client
+    cut: str | None = None  # why the current engine's answer is being dropped
+    _kept: bytearray = field(default_factory=bytearray)
+
+    def feed(self, chunk: bytes) -> bytes:
+        """The complete events in `chunk` (with what an earlier one left) as the client gets them; a cut
+        (the engine aborted the choice or is dead) sets `cut` and drops the rest of this engine's answer."""
+        self._kept += chunk
+        end = self._kept.rfind(b"\n\n")
+        if end < 0 or self.cut is not None:
+            return b""
+        events = bytes(self._kept[: end + 2])
+        del self._kept[: end + 2]
+        out = []
+        for event in events.split(b"\n\n")[:-1]:
+            passed = self._event(event)
+            if self.cut is not None:
+                break
+            if passed is not None:
+                out.append(passed + b"\n\n")
+        return b"".join(out)
+
+    def _event(self, event: bytes) -> bytes | None:
+        if not event.startswith(b"data: {"):
+            self.done = self.done or event == b"data: [DONE]"
+            self.forwarded = True
+            return event
+        try:
+            data = json.loads(event[6:])
+        except ValueError:
+            return event
+        error = data.get("error")
+        if isinstance(error, dict) and "engine_dead" in (error.get("type"), error.get("code")):
+            self.cut = "engine_dead"
+            return None
+        choices = data.get("choices") or []
+        if any(c.get("finish_reason") == "abort" for c in choices if isinstance(c, dict)):
+            self.cut = "aborted"
+            return None
+        changed = False
+        for choice in choices:
+            if isinstance(choice, dict):
+                changed = changed or "token_ids" in choice
+                self.token_ids.extend(choice.pop("token_ids", None) or [])
+                self.finished = self.finished or choice.get("finish_reason") is not None
+        if self.identity is None:
+            self.identity = {k: data[k] for k in ("id", "created") if k in data}
+        elif any(data.get(k, v) != v for k, v in self.identity.items()):
+            data.update(self.identity)
+            changed = True
+        self.forwarded = True
+        if not changed:  # as the engine wrote it
+            return event
+        return b"data: " + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
+
+    def next_engine(self) -> None:
+        """The current engine's answer is over: what it left unsent is dropped, the next one starts clean."""
+        self._kept.clear()
+        self.cut = None
+
+    def resumed_body(self) -> bytes:
+        """The request for the next engine: the client's, going on after the tokens the client has (a
+        client that has seen no event gets the request as it sent it)."""
+        body = dict(self.body)
+        if self.forwarded:
+            body["resume_token_ids"] = list(self.token_ids)
+        return json.dumps(body).encode()
+
+
+def error_event(message: str) -> bytes:
+    """An SSE error event and [DONE]: the stream ends with a reason instead of silence."""
+    body = {"error": {"message": message, "type": "stream_broken", "param": None, "code": None}}
+    return b"data: " + json.dumps(body).encode() + b"\n\ndata: [DONE]\n\n"
+
+
+async def follow(
+    router: Router,
+    request: web.Request,
+    out: web.StreamResponse,
+    upstream: EngineResponse,
+    relay: StreamRelay,
+    tap: UsageTap | None,
+) -> str:
+    """Relay `upstream`'s stream to `out`, resuming it on other engines (at most `router.max_resumes`
+    times) when it is cut; returns the request's outcome. The first engine's response is the caller's to
+    close; the others are closed here."""
+    route, tried, headers = relay.where
+    url, engine, resumes = "", upstream, 0
+    try:
+        while True:
+            broken = await _pipe(engine, relay, out, tap)
+            if broken is None and relay.cut is None or relay.finished:
+                if not relay.done:
+                    await out.write(_feed(tap, b"data: [DONE]\n\n"))
+                return "ok"
+            reason = "broken" if relay.cut is None else relay.cut
+            logger.warning(
+                "event=stream_cut reason=%s tokens=%d error=%r", reason, len(relay.token_ids), broken
+            )
+            if resumes >= router.max_resumes:
+                await out.write(
+                    _feed(
+                        tap,
+                        error_event(
+                            f"the engine failed mid-stream ({reason}); resumed {resumes} times, the limit"
+                        ),
+                    )
+                )
+                return "broken"
+            if engine is not upstream:
+                engine.close()
+                router.endpoints.release(url)
+            relay.next_engine()
+            opened = await _reopen(router, request, relay, route, tried, headers)
+            if isinstance(opened, str):
+                await out.write(
+                    _feed(
+                        tap,
+                        error_event(
+                            f"the engine failed mid-stream ({reason}) and the stream could not be resumed: {opened}"
+                        ),
+                    )
+                )
+                url, engine = "", upstream
+                return "broken"
+            url, engine = opened
+            resumes += 1
+            router.metrics.resumed.labels(reason).inc()
+            logger.info(
+                "event=stream_resumed engine=%s reason=%s tokens=%d", url, reason, len(relay.token_ids)
+            )
+    finally:
+        if engine is not upstream:
+            engine.close()
+            router.endpoints.release(url)
+
+
+def _feed(tap: UsageTap | None, data: bytes) -> bytes:
+    return data if tap is None else tap.feed(data)
+
+
+async def _pipe(
+    engine: EngineResponse, relay: StreamRelay, out: web.StreamResponse, tap: UsageTap | None
+) -> str | None:
+    """One engine's answer to the client until it ends or is cut; the error that broke it, or None."""
+    try:
+        async for chunk in engine.chunks():
+            data = relay.feed(chunk)
+            if data:
+                await out.write(_feed(tap, data))
+            if relay.cut is not None:
+                return None
+    except EngineBroken as error:
+        return str(error)
+    return None
+
+
+async def _reopen(
+    router: Router,
+    request: web.Request,
+    relay: StreamRelay,
+    route: RouteRequest,
+    tried: set[str],
+    headers: dict[str, str],
+) -> tuple[str, EngineResponse] | str:
+    """The resumed request's answer from another engine (its URL is acquired), or why none gave one."""
+    body = relay.resumed_body()
+    why = "no other engine is ready"
+    for _ in range(router.max_retries + 1):
+        choice = router._choose(route, tried)
+        if choice is None:
+            return why
+        url = choice.url
+        tried.add(url)
+        router.endpoints.acquire(url)
+        try:
+            engine = await router.engines.request(
+                url,
+                "POST",
+                str(request.rel_url),
+                headers,
+                body,
+                router.connect_timeout_s,
+                router.request_timeout_s,
+            )
+        except EngineUnreachable as error:
+            router.endpoints.release(url)
+            why = f"{url}: {error}"
+            continue
+        if engine.status == 200:
+            return url, engine
+        why = f"{url} answered {engine.status}: {(await engine.read(300)).decode(errors='replace')}"
+        engine.close()
+        router.endpoints.release(url)
+        if engine.status not in (502, 503, 504):
+            return why
+    return why

@@ -118,6 +118,31 @@ def test_prefix_cache_and_ngram_speculation_on_the_torch_backend(gemma):
 
 
 @pytest.mark.slow
+def test_draft_speculation_and_a_prefill_decode_pair_match_transformers(gemma):
+    """The model as its own draft (every proposal accepted), and the KV of every layer sent from a prefill
+    engine to a decode engine."""
+    from specfleet.engine.kv_transfer.pair import generate_disaggregated
+    from specfleet.engine.llm_engine import Engine
+
+    _, url, ref_tokens, _, _, _ = gemma
+    plain = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+    draft = LLM(
+        model=url, block_size=4, speculative_method="draft", num_speculative_tokens=3, draft_model=url
+    )
+    assert _tokens(draft.generate(PROMPTS, plain)) == ref_tokens
+    stats = draft.engine.stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+    draft.close()
+    common = dict(model=url, block_size=4, num_kv_blocks=96, max_model_len=128)
+    prefill, decode = Engine(kv_role="prefill", **common), Engine(kv_role="decode", **common)
+    try:
+        assert _tokens(generate_disaggregated(prefill, decode, PROMPTS, plain)) == ref_tokens
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@pytest.mark.slow
 def test_lora_is_refused_at_start_naming_the_architecture(gemma):
     url = gemma[1]
     with pytest.raises(ValueError, match=r"enable_lora: LoRA is not supported for Gemma[23]ForCausalLM"):

@@ -1,10 +1,11 @@
 """The router as a Gateway API InferencePool's endpoint picker (EPP): an Envoy ext_proc gRPC server.
 
 The gateway (Envoy, or any gateway speaking ext_proc) streams each request's headers and body to the EPP;
-the EPP picks an engine with the router's own policy (prefix, load, session: router/policies.py) over the
-endpoints discovery found, and answers with the pick as the Gateway API Inference Extension's endpoint picker
-protocol specifies (its 004 proposal, v1.0.0): the header `x-gateway-destination-endpoint` and the same value
-under the dynamic metadata namespace `envoy.lb`, `ip:port` of the primary followed by ordered fallbacks. The
+the EPP picks an engine as the router's proxy does (adapter affinity, then the policy: prefix, load,
+session; router/policies.py) over the endpoints discovery found, and answers with the pick as the Gateway
+API Inference Extension's endpoint picker protocol specifies (its 004 proposal, v1.0.0): the header
+`x-gateway-destination-endpoint` and the same value under the dynamic metadata namespace `envoy.lb`,
+`ip:port` of the primary followed by ordered fallbacks. The
 gateway then sends the request itself; the EPP sees its response pass by (response headers and body phases),
 which ends the request's count on the engine that served it (`x-gateway-destination-endpoint-served`).
 
@@ -254,12 +255,13 @@ class Exchange:
         router = self.router
         if router.draining:  # as the proxy: after the shutdown delay new requests get 503
             return None, "the endpoint picker is stopping; retry against another endpoint"
-        candidates = router.endpoints.routable()
-        if not candidates:
+        ready = router.endpoints.routable()
+        if not ready:
             return None, "no engine of the pool is ready; retry shortly"
+        candidates = ready
         if self.subset is not None:
             allowed = set(self.subset)
-            candidates = [e for e in candidates if address(e.url) in allowed]
+            candidates = [e for e in ready if address(e.url) in allowed]
             if not candidates:
                 return (
                     None,
@@ -272,11 +274,11 @@ class Exchange:
                 session=self.headers.get(router.session_header) if router.session_header else None
             )
         )
-        choice = router.policy.choose(route, candidates)
+        # the proxy's own choice (adapter affinity, then the policy, which it tells), outside the subset
+        # hint's endpoints counted as already tried
+        choice = router._choose(route, {e.url for e in ready} - {e.url for e in candidates})
         if choice is None:
             return None, "no engine of the pool is ready; retry shortly"
-        router.policy.routed(route, choice.url)
-        router.metrics.decisions.labels(router.policy.name, choice.reason).inc()
         router.endpoints.acquire(choice.url)
         self.picked = choice.url
         logger.info(

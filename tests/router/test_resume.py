@@ -20,7 +20,8 @@ STREAM = {"prompt": "hi", "max_tokens": 8, "stream": True}
 
 
 def event(data: object) -> bytes:
-    return b"data: " + json.dumps(data).encode() + b"\n\n"
+    """An SSE event as the engine writes it (compact JSON: the relay's byte path reads that)."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
 
 
 def chunk(rid: str, text: str, ids: list[int], finish: str | None = None) -> bytes:

@@ -1,5 +1,5 @@
 """Streams that survive their engine, with real engines: two engines (the tiny llama) behind the router,
-32 concurrent streams (greedy, seeded, seeded with a presence penalty), one engine killed with SIGKILL
+32 concurrent streams (greedy, seeded, seeded with a presence penalty; completions and chat), one engine killed with SIGKILL
 once the streams are about a third of the way through. Every stream must read exactly as the same request
 read undisturbed, with one id and usage counted once (prompt: the client's prompt; completion: every
 token generated, on either engine)."""
@@ -37,9 +37,14 @@ def request(i: int) -> dict[str, Any]:
         {"temperature": 1.0, "seed": i},
         {"temperature": 0.9, "seed": i, "presence_penalty": 0.5},
     ][i % 3]
+    chat = i % 4 == 3  # a quarter are chat completions: the engine renders the same template again
     return {
         "model": "tiny",
-        "prompt": f"Story {i}: once upon a time",
+        **(
+            {"messages": [{"role": "user", "content": f"Story {i}: once upon a time"}]}
+            if chat
+            else {"prompt": f"Story {i}: once upon a time"}
+        ),
         "max_tokens": MAX_TOKENS,
         "ignore_eos": True,
         "stream": True,
@@ -50,7 +55,9 @@ def request(i: int) -> dict[str, Any]:
 
 async def read(client: aiohttp.ClientSession, url: str, i: int, progress: list[int]) -> dict[str, Any]:
     text, ids, finish, usage = "", set(), None, None
-    async with client.post(f"{url}/v1/completions", json=request(i)) as response:
+    body = request(i)
+    path = "chat/completions" if "messages" in body else "completions"
+    async with client.post(f"{url}/v1/{path}", json=body) as response:
         assert response.status == 200, await response.text()
         async for line in response.content:
             if not line.startswith(b"data: {"):
@@ -61,7 +68,7 @@ async def read(client: aiohttp.ClientSession, url: str, i: int, progress: list[i
             usage = data.get("usage") or usage
             for choice in data["choices"]:
                 assert "token_ids" not in choice  # the router's extension stays between it and the engine
-                text += choice["text"]
+                text += choice["delta"].get("content", "") if "delta" in choice else choice["text"]
                 finish = choice["finish_reason"] or finish
                 progress[i] += 1
     assert usage is not None

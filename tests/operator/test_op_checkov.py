@@ -110,6 +110,9 @@ def rendered_objects() -> dict[str, list[dict[str, Any]]]:
     assert config.network_policy, "the scan's chart values no longer turn the operator's NetworkPolicy on"
     docs = [(path.stem, yaml.safe_load(path.read_text())) for path in EXAMPLES]
     docs.append(("multinode", multinode_doc()))  # engine.nodes > 1: no example runs across pods yet
+    picker = yaml.safe_load((EXAMPLES[0].parent / "smollm2-cpu.yaml").read_text())  # routing.mode
+    picker["spec"]["routing"] = {"mode": "endpoint-picker", "endpointPicker": {"gateway": {"name": "gw"}}}
+    docs.append(("endpoint-picker", picker))
     files = {"chart.yaml": chart}
     for stem, doc in docs:
         doc["metadata"].update(namespace=USER_NAMESPACE, uid="uid-1234")

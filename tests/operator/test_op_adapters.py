@@ -1,17 +1,22 @@
 """spec.adapters: the pod renders the LoRA flags and the adapters' volumes, and the adapter sync loads and
 unloads them in running engines through the admin API, reporting status.adapters and AdaptersReady, against
-the Kubernetes API double (with the chart's RBAC). The engines are doubles of the server's LoRA protocol
-(docs/server.md: /v1/models with `parent`, load and unload on the admin port with the token); the server
-side is tested with real engines in tests/server."""
+the Kubernetes API double (with the chart's RBAC). The fast tests run doubles of the server's LoRA protocol
+(docs/server.md: /v1/models with `parent`, load and unload with the token) for two pods; the slow one runs
+the same passes against a real engine server."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
+import torch
 from fake_kube import FakeKube
+from helpers import start_server, stop_process
+from lora_helpers import save_random_adapter
 from specfleet.operator.adapters import ADAPTERS_FIELD_MANAGER, ready_engine_pods, sync_adapters
 from specfleet.operator.inference_service import parse_inference_service
 from specfleet.operator.kube import KubeClient
@@ -65,20 +70,24 @@ def _pod(fake: FakeKube, name: str, ip: str) -> None:
     fake.put("/api/v1", "pods", NS, pod)
 
 
-def _sync(fake: FakeKube, engines: dict[str, EngineDouble]) -> dict[str, Any]:
-    """One pass of the kopf timer's body; the service's status after it."""
+def _sync(fake: FakeKube, engines: dict[str, EngineDouble] | None = None, at: str = "") -> dict[str, Any]:
+    """One pass of the kopf timer's body, against the engine doubles by pod IP or, with `at`, every pod's
+    API and admin API at that real engine's URL; the service's status after it."""
 
     def route(request: httpx.Request) -> httpx.Response:
+        assert engines is not None
         return engines[request.url.host](request)
 
     async def run() -> None:
         client = KubeClient(fake.url)
+        transport = httpx.MockTransport(route) if engines is not None else None
         try:
             body = await client.get(f"{ISVC[0]}/namespaces/{NS}/{ISVC[1]}/smollm2")
             assert body is not None
             isvc = parse_inference_service(body, "smollm2")
-            pods = await ready_engine_pods(client, NS, "smollm2")
-            async with httpx.AsyncClient(transport=httpx.MockTransport(route)) as http:
+            ports = {"api": lambda ip: at, "admin": lambda ip: at} if at else {}
+            pods = await ready_engine_pods(client, NS, "smollm2", **ports)
+            async with httpx.AsyncClient(transport=transport, timeout=60.0) as http:
                 update = await sync_adapters(
                     client, http, isvc, body.get("status") or {}, "2026-12-03T00:00:00Z", pods
                 )
@@ -140,3 +149,35 @@ def test_the_sync_loads_unloads_and_reports_the_engines_refusal(fake_kube: FakeK
     assert ready["status"] == "False" and ready["reason"] == "AdapterLoadFailed"
     assert "pod smollm2-a: adapter bad: " + REFUSED in ready["message"]
     assert not fake_kube.answered(403)
+
+
+@pytest.mark.slow
+def test_the_sync_against_a_real_engine(fake_kube: FakeKube, tiny_llama: str, tmp_path: Path) -> None:
+    """The same passes against a real engine server (--enable-lora, the admin token): a load, the engine's
+    own refusal of a rank above --max-lora-rank in the condition, an unload."""
+    from transformers import AutoModelForCausalLM
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_llama.removeprefix("file://"), dtype=torch.float32)
+    good = save_random_adapter(base, tmp_path / "good", seed=1, r=8, lora_alpha=16, target_modules=["q_proj"])
+    big = save_random_adapter(base, tmp_path / "big", seed=2, r=32, lora_alpha=16, target_modules=["q_proj"])
+    create_isvc(fake_kube, adapters=[{"name": "good", "source": f"file://{good}"}], lora={"maxLoraRank": 16})
+    reconcile(fake_kube)
+    token = read_admin_token(fake_kube.get(*SECRET, NS, "smollm2-admin") or {})
+    _pod(fake_kube, "smollm2-a", "127.0.0.1")
+    proc, url = start_server(
+        tmp_path / "engine.log",
+        *("--model", tiny_llama, "--max-model-len", "256", "--kv-cache-gib", "0.1"),
+        *("--enable-lora", "--max-lora-rank", "16"),
+        env={"SPECFLEET_ADMIN_TOKEN": token},
+    )
+    try:
+        status = _sync(fake_kube, at=url)
+        assert status["adapters"] == [{"pod": "smollm2-a", "loaded": ["good"]}]
+        update_spec(fake_kube, adapters=[{"name": "big", "source": f"file://{big}"}])
+        status = _sync(fake_kube, at=url)
+        served = [m["id"] for m in httpx.get(f"{url}/v1/models", timeout=30).json()["data"]]
+        assert "good" not in served and "big" not in served
+        ready = {c["type"]: c for c in status["conditions"]}["AdaptersReady"]
+        assert ready["status"] == "False" and "rank" in ready["message"] and "16" in ready["message"], ready
+    finally:
+        stop_process(proc)

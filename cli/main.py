@@ -42,6 +42,7 @@ BENCHES = {
     ),
     "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
     "router": ("specfleet.bench.router_cost", "the router's own cost per streamed request, against nginx"),
+    "lora": ("specfleet.bench.lora", "many LoRA adapters in one batch vs the base and merged engines"),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.knobs import KNOBS, LiveConfig
+from specfleet.engine.spec_decode.methods import method
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.spec import InferenceServiceSpec
 from specfleet.router.endpoints import EndpointSet
@@ -190,6 +191,8 @@ class SimFleet:
             "block_size": spec.engine.block_size,
             "prefix_caching": spec.engine.prefix_caching,
             "accepted_per_pos": accepted_per_pos,
+            # the engine scores shadow drafts for the tuner while it verifies none (sim/shadow.py)
+            "shadow": bool((m := method(spec.speculative.method)) and m.shadow_drafts),
             "fast": fast,
             "keep_itls": keep_itls,
         }

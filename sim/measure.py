@@ -74,7 +74,12 @@ def _timed(engine) -> StepPoint:
     seconds = time.perf_counter() - start
     st = engine.stats.last_step
     return StepPoint(
-        st.num_scheduled_tokens - st.prompt_tokens, st.prompt_tokens, context, st.num_draft_tokens, seconds
+        st.num_scheduled_tokens - st.prompt_tokens,
+        st.prompt_tokens,
+        context,
+        st.num_draft_tokens,
+        seconds,
+        st.num_drafts,
     )
 
 
@@ -140,12 +145,14 @@ def _decode_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: boo
                         statistics.mean(p.context_tokens for p in timed),
                         statistics.mean(p.draft_tokens for p in timed),
                         mid,
+                        statistics.mean(p.verify_seqs for p in timed),
                     )
                 )
                 if progress:
                     print(
                         f"profile: k={k} context={context} batch={batch}: {mid * 1000:.1f} ms "
-                        f"({points[-1].decode_tokens:.0f} decode tokens)",
+                        f"({points[-1].decode_tokens:.0f} decode tokens, "
+                        f"{points[-1].verify_seqs:.1f} sequences verifying)",
                         file=sys.stderr,
                         flush=True,
                     )

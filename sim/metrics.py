@@ -49,6 +49,7 @@ class EngineMetrics:
     counters: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     requests: float = 0.0
     per_pos: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    shadow_per_pos: dict[int, float] = field(default_factory=dict)  # shadow drafts' (sim/shadow.py)
     histograms: dict[str, Histogram] = field(
         default_factory=lambda: {
             "time_to_first_token_seconds": Histogram(LATENCY_BUCKETS),
@@ -64,7 +65,8 @@ class EngineMetrics:
         snap = Snapshot(now)
         snap.counters.update(self.counters)
         snap.requests = self.requests
-        snap.per_pos[PER_POSITION[0]].update(self.per_pos)  # the simulator models verified drafts only
+        snap.per_pos[PER_POSITION[0]].update(self.per_pos)
+        snap.per_pos[PER_POSITION[1]].update(self.shadow_per_pos)
         for name, h in self.histograms.items():
             snap.buckets[name].update(h.cumulative())
             snap.sums[name] = h.sum

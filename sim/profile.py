@@ -1,14 +1,16 @@
 """Profiles: what one engine step costs, as a function of what the scheduler put in it.
 
     core_s = D(decode_tokens) + prefill_s_per_token * prefill_tokens + context_s_per_token * context_tokens
-             + draft_s_per_token * draft_tokens
+             + draft_s_per_token * draft_tokens + verify_s_per_seq * verify_seqs
     server_s = step_overhead_s + stream_overhead_s * streams
 
 `decode_tokens` are the tokens of sequences past their prompt (one each, plus k verified proposals),
 `D` a piecewise-linear curve through knots (the memory-bound floor, then the compute-bound slope: the
 knee the tuner's step-cost model fits as `c0`, `c1`), `prefill_tokens` prompt (or recomputed) tokens,
 `context_tokens` the KV tokens the batch attends to, `draft_tokens` proposals made this step (a draft
-model's cost; n-gram lookup is free). Like Vidur's execution-time predictor, one regression over a grid
+model's cost; n-gram lookup is free), `verify_seqs` the sequences that verify proposals in the step (each
+adds the rows of its proposals to the sampler's verification and its multi-token query to attention, a
+cost per sequence beyond its tokens' that `specfleet profile` measures at each k). Like Vidur's execution-time predictor, one regression over a grid
 measured on the engine itself; unlike it, at the whole-step level (the engine's own `Engine.step()` time,
 scheduling and sampling included), since the grid is measured with the engine.
 
@@ -49,6 +51,7 @@ class StepPoint:
     context_tokens: float
     draft_tokens: float
     seconds: float
+    verify_seqs: float = 0.0  # sequences that verified proposals in the step (0 in files before it was kept)
 
 
 @dataclass(frozen=True)
@@ -71,10 +74,14 @@ class Profile:
     prefill_s_per_token: float = 0.0
     context_s_per_token: float = 0.0
     draft_s_per_token: float = 0.0
+    verify_s_per_seq: float = 0.0  # per sequence verifying proposals, beyond its tokens' cost in D
     num_kv_blocks: int = 4096
     block_size: int = 16
     accepted_per_pos: tuple[float, ...] = ()  # P(position i accepted | a draft)
     proposal_share: float = 1.0  # share of decoding sequence-steps that get a proposal (n-gram: < 1)
+    # P(a proposal holds position i + 1 | it holds position i) below the k asked: an n-gram match can have
+    # fewer tokens after it than k (bench sim's copy workload: 3.0 tokens a draft at k = 4); 1: always k
+    proposal_continue: float = 1.0
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
     # The API server's work on each step's output (`server_s`), in its own process beside the core: it
     # overlaps the core's next step (`period_s`). Per step: the serving loop's work outside `Engine.step()`
@@ -103,6 +110,7 @@ class Profile:
                 self.prefill_s_per_token,
                 self.context_s_per_token,
                 self.draft_s_per_token,
+                self.verify_s_per_seq,
                 self.step_overhead_s,
                 self.stream_overhead_s,
                 self.request_overhead_s,
@@ -118,8 +126,14 @@ class Profile:
             raise ValueError(f"profile tp={self.tp!r} must be an integer >= 1")
         if not self.startup_s >= 0:
             raise ValueError(f"startup_s={self.startup_s} must be >= 0 seconds")
-        if any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos) or not 0.0 <= self.proposal_share <= 1.0:
-            raise ValueError("accepted_per_pos and proposal_share must lie in [0, 1]")
+        if (
+            any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos)
+            or not 0.0 <= self.proposal_share <= 1.0
+            or not 0.0 < self.proposal_continue <= 1.0
+        ):
+            raise ValueError(
+                "accepted_per_pos and proposal_share must lie in [0, 1], proposal_continue in (0, 1]"
+            )
 
     # -- the model ---------------------------------------------------------------------------------
     def decode_s(self, tokens: float) -> float:
@@ -137,6 +151,7 @@ class Profile:
         prefill_tokens: float = 0.0,
         context_tokens: float = 0.0,
         draft_tokens: float = 0.0,
+        verify_seqs: float = 0.0,
     ) -> float:
         """The engine core's seconds for one step (`Engine.step()`: scheduling, the model, sampling): what
         the engine's own step-duration histogram measures."""
@@ -145,6 +160,7 @@ class Profile:
             + self.prefill_s_per_token * prefill_tokens
             + self.context_s_per_token * context_tokens
             + self.draft_s_per_token * draft_tokens
+            + self.verify_s_per_seq * verify_seqs
         )
 
     def server_s(self, streams: float) -> float:
@@ -223,16 +239,36 @@ class Profile:
         return replace(self, **changes)
 
 
+def proposal_continue(mean_length: float, k: int) -> float:
+    """The `proposal_continue` q that gives proposals of at most `k` tokens a mean length of `mean_length`
+    (1 + q + ... + q^(k-1), a draft's length truncated geometrically): from an engine's draft tokens per
+    draft at that k."""
+    if k <= 1 or mean_length >= k:
+        return 1.0
+    lo, hi = 1e-6, 1.0
+    for _ in range(60):  # bisection to well below a counter's resolution
+        q = (lo + hi) / 2
+        lo, hi = (q, hi) if sum(q**i for i in range(k)) < mean_length else (lo, q)
+    return (lo + hi) / 2
+
+
 def fit(
     points: Sequence[StepPoint], knots: Sequence[float] = DEFAULT_KNOTS
-) -> tuple[tuple[tuple[float, float], ...], float, float, float]:
-    """Least squares of relative error over the points: knot values of D (hat basis) and the three per-token
-    costs, all kept >= 0 (a negative cost is dropped and the rest refitted). Knots beyond the largest measured
-    decode tokens are left out (no extrapolation from nothing)."""
+) -> tuple[tuple[tuple[float, float], ...], float, float, float, float]:
+    """Least squares of relative error over the points: knot values of D (hat basis), the three per-token
+    costs and the cost per verifying sequence, all kept >= 0 (a negative cost is dropped and the rest refitted). Knots beyond the largest measured
+    decode tokens are left out (no extrapolation from nothing), and so are knots no plain decode step (no
+    prompt chunk, no proposal) was measured at, where such steps exist: a knot between them would be set by
+    verification steps alone, which also carry the proposals' own cost (bench sim, 2026-12-03: a free knot
+    at 8 decode tokens took 182 ms from one k=4 step of 4 sequences, where the plain steps of 4 and 16
+    sequences took 70 and 154 ms)."""
     if not points:
         raise ValueError("no measured step to fit a profile to")
     top = max(p.decode_tokens for p in points)
-    used = [k for k in knots if k <= top] or [knots[0]]
+    plain = {
+        p.decode_tokens for p in points if p.decode_tokens and not p.prefill_tokens and not p.draft_tokens
+    }
+    used = [k for k in knots if k <= top and (not plain or k in plain)] or [knots[0]]
     if used[-1] < top:
         used.append(top)
     xs = np.array(used, dtype=float)
@@ -249,7 +285,10 @@ def fit(
         return row
 
     a = np.array(
-        [[*hat(p.decode_tokens), p.prefill_tokens, p.context_tokens, p.draft_tokens] for p in points]
+        [
+            [*hat(p.decode_tokens), p.prefill_tokens, p.context_tokens, p.draft_tokens, p.verify_seqs]
+            for p in points
+        ]
     )
     t = np.array([p.seconds for p in points])
     a, b = a / t[:, None], np.ones(len(t))
@@ -276,11 +315,12 @@ def fit(
                 ys[i] = float(np.interp(xs[i], xs[good], [ys[j] for j in good]))
     # the curve never falls with more tokens
     ys = list(np.maximum.accumulate(ys))
-    return tuple(zip(map(float, xs), ys)), float(coef[n]), float(coef[n + 1]), float(coef[n + 2])
+    knots_out = tuple(zip(map(float, xs), map(float, ys)))
+    return knots_out, float(coef[n]), float(coef[n + 1]), float(coef[n + 2]), float(coef[n + 3])
 
 
 def fitted_profile(name: str, points: Sequence[StepPoint], **fields) -> Profile:
-    knots, prefill, context, draft = fit(points)
+    knots, prefill, context, draft, verify = fit(points)
     return Profile(
         name=name,
         kind="measured",
@@ -289,6 +329,7 @@ def fitted_profile(name: str, points: Sequence[StepPoint], **fields) -> Profile:
         prefill_s_per_token=prefill,
         context_s_per_token=context,
         draft_s_per_token=draft,
+        verify_s_per_seq=verify,
         points=tuple(points),
         **fields,
     )
@@ -298,7 +339,10 @@ def fit_error(profile: Profile, points: Sequence[StepPoint] | None = None) -> di
     """Median and worst relative error of the profile on points (its own by default)."""
     pts = profile.points if points is None else points
     errs = [
-        abs(profile.core_s(p.decode_tokens, p.prefill_tokens, p.context_tokens, p.draft_tokens) - p.seconds)
+        abs(
+            profile.core_s(p.decode_tokens, p.prefill_tokens, p.context_tokens, p.draft_tokens, p.verify_seqs)
+            - p.seconds
+        )
         / p.seconds
         for p in pts
         if p.seconds > 0

@@ -7,6 +7,11 @@ Plain Python on purpose: the simulator imports this module and stays free of tor
 
 from __future__ import annotations
 
+# Shadow drafts' new lookups per step (spec_decode/shadow.py; the simulator's sim/shadow.py): 4 lookups cost
+# 20-40 us of numpy against a 20-200 ms CPU step, and even at 5 steps/s give ~150 scored drafts per 8 s
+# metrics window, enough to read acceptance to a few percent.
+LOOKUPS_PER_STEP = 4
+
 
 def speculation_off(running: int, waiting: int, max_num_seqs: int, guard: int) -> bool:
     """The batch guard (`speculative_disable_by_batch_size`, 0: never): whether the batch this step will run

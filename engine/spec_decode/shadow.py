@@ -18,10 +18,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.ngram import ngram_lookup
-
-# New lookups per step: 4 lookups cost 20-40 us of numpy against a 20-200 ms CPU step, and even at 5
-# steps/s give ~150 scored drafts per 8 s metrics window, enough to read acceptance to a few percent.
-LOOKUPS_PER_STEP = 4
+from specfleet.engine.spec_decode.rules import LOOKUPS_PER_STEP
 
 
 @dataclass

@@ -92,3 +92,33 @@ def test_profile_and_plan_offer_the_engines_speculative_methods():
     for parser in (measure.build_parser(), plan.build_parser()):
         (method,) = [a for a in parser._actions if a.dest == "method"]
         assert method.choices is SPECULATIVE_METHODS  # the one list, not a copy that can drift
+
+
+def test_fit_takes_verification_steps_apart_from_the_decode_curve():
+    """Verification steps (k = 2 and 4) between the plain steps' batches set the cost per verifying
+    sequence, not knots of their own (a free knot at 8 decode tokens once took 182 ms from one k = 4 step
+    where plain steps of 4 and 16 sequences took 70 and 154 ms)."""
+    truth = Profile(
+        "t", "measured", False, ((1, 0.046), (64, 0.487)), prefill_s_per_token=0.005, verify_s_per_seq=0.012
+    )
+    plain = [StepPoint(b, 0, 32 * b, 0, truth.core_s(b, 0, 32 * b)) for b in (1, 4, 16, 32)]
+    verifying = [
+        StepPoint(b + d, 0, 32 * b, d, truth.core_s(b + d, 0, 32 * b, d, v), v)
+        for b, v, d in ((4, 1, 2), (4, 3, 10), (16, 4, 12), (32, 8, 26))
+    ]
+    prefill = [StepPoint(0, n, 0, 0, truth.core_s(0, n)) for n in (32, 320)]
+    got = fitted_profile("fit", plain + verifying + prefill)
+    assert [k for k, _ in got.knots] == [1, 4, 16, 32, 58]
+    assert fit_error(got)["max_pct"] < 1.0
+    assert got.verify_s_per_seq == pytest.approx(0.012, rel=0.05)
+    assert got.decode_s(8) == pytest.approx(truth.decode_s(8), rel=0.02)
+
+
+def test_proposal_continue_gives_the_measured_draft_length():
+    from specfleet.sim.profile import proposal_continue
+
+    q = proposal_continue(3.04, 4)
+    assert sum(q**i for i in range(4)) == pytest.approx(3.04, rel=1e-6)
+    assert proposal_continue(4.0, 4) == proposal_continue(1.0, 1) == 1.0
+    with pytest.raises(ValueError, match="proposal_continue"):
+        Profile("x", "measured", False, ((1, 0.1),), proposal_continue=0.0)

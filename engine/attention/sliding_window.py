@@ -9,7 +9,8 @@ The paged KV layout and its writes are the backends' (attention/base.py); this m
 cache, so it runs under any backend (torch, native, triton) on any device. `plan` is computed once per step
 and window and shared by every layer of that kind: a sliding layer gathers only the keys inside its
 window (a decode step reads `window` keys however long the sequence), short queries (decode,
-verification) are batched into one padded call and long ones (prefill chunks) run one by one.
+verification) are batched into one padded call and long ones (prefill chunks) run one by one, in slices of
+`LONG_ROWS` rows.
 """
 
 from __future__ import annotations
@@ -39,32 +40,44 @@ class WindowPlan:
     groups: list[_Group]
 
 
+# A prefill chunk's rows are attended in slices of at most this many: the explicit scores of a soft-capped
+# layer are [heads, rows, keys] floats, so 512 rows over an 8k context hold 16 MB per head, not 256 MB; a
+# sliding layer's slice also reads only its own rows' window of keys.
+LONG_ROWS = 512
+
+
 def plan(meta: AttentionMetadata, window: int | None) -> WindowPlan:
     """What every layer with this `window` (None: full attention) reads and masks in this step."""
-    starts = [0]
-    for q in meta.query_lens_cpu:
-        starts.append(starts[-1] + q)
-    shorts = [b for b, q in enumerate(meta.query_lens_cpu) if 0 < q <= SHORT_QUERY_MAX]
-    longs = [[b] for b, q in enumerate(meta.query_lens_cpu) if q > SHORT_QUERY_MAX]
-    groups = [_group(meta, ids, starts, window) for ids in ([shorts] if shorts else []) + longs]
+    # (sequence, first flat row, query rows, context through the last of them) per query
+    shorts: list[tuple[int, int, int, int]] = []
+    longs: list[list[tuple[int, int, int, int]]] = []
+    row = 0
+    for b, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        if 0 < q <= SHORT_QUERY_MAX:
+            shorts.append((b, row, q, s))
+        for first in range(0, q, LONG_ROWS) if q > SHORT_QUERY_MAX else ():
+            rows = min(LONG_ROWS, q - first)
+            longs.append([(b, row + first, rows, s - q + first + rows)])
+        row += q
+    groups = [_group(meta, queries, window) for queries in ([shorts] if shorts else []) + longs]
     return WindowPlan(groups)
 
 
-def _group(meta: AttentionMetadata, ids: list[int], starts: list[int], window: int | None) -> _Group:
+def _group(meta: AttentionMetadata, queries: list[tuple[int, int, int, int]], window: int | None) -> _Group:
     device, bs = meta.slot_mapping.device, meta.block_size
-    qlens = [meta.query_lens_cpu[b] for b in ids]
-    slens = [meta.seq_lens_cpu[b] for b in ids]
-    # The first key any of a sequence's queries can see: position (s - q) for its first query, less the window.
+    qlens = [q for _, _, q, _ in queries]
+    slens = [s for _, _, _, s in queries]
+    # The first key any of a query's rows can see: position (s - q) for its first row, less the window.
     firsts = [0 if window is None else max(0, s - q + 1 - window) for q, s in zip(qlens, slens)]
     qmax, kmax = max(qlens), max(s - f for s, f in zip(slens, firsts))
     query_rows: list[int] = []
     out_src: list[int] = []
     out_dst: list[int] = []
     slots: list[torch.Tensor] = []
-    for n, (b, q, s, f) in enumerate(zip(ids, qlens, slens, firsts)):
-        query_rows.extend(starts[b] + min(r, q - 1) for r in range(qmax))
+    for n, ((b, start, q, s), f) in enumerate(zip(queries, firsts)):
+        query_rows.extend(start + min(r, q - 1) for r in range(qmax))
         out_src.extend(n * qmax + r for r in range(q))
-        out_dst.extend(range(starts[b], starts[b] + q))
+        out_dst.extend(range(start, start + q))
         positions = torch.arange(f, f + kmax, dtype=torch.int64).clamp_max(s - 1)
         table = meta.block_tables[b].to(torch.int64).cpu()
         slots.append(table[positions // bs] * bs + positions % bs)
@@ -81,7 +94,7 @@ def _group(meta: AttentionMetadata, ids: list[int], starts: list[int], window: i
     mask = (mask & (i < q_len)) | ((i >= q_len) & (key_pos == first))
     as_tensor = lambda xs: torch.tensor(xs, dtype=torch.int64, device=device)  # noqa: E731
     return _Group(
-        len(ids),
+        len(queries),
         qmax,
         kmax,
         as_tensor(query_rows),

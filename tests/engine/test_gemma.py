@@ -182,3 +182,48 @@ def test_layer_types_follow_the_config_and_transformers_defaults():
     six = tiny_config("gemma3", **{**COMMON, "num_hidden_layers": 6})
     assert layer_types(six) == [SLIDING] * 5 + [FULL]  # 5:1, the sixth layer global
     assert layer_types(tiny_config("gemma3", **{**COMMON, "sliding_window": None})) == [FULL] * 4
+
+
+@pytest.mark.parametrize("window", [None, 5])
+@pytest.mark.parametrize("softcap", [None, 2.0])
+def test_sliding_window_attention_equals_a_dense_reference(window, softcap, monkeypatch):
+    """Decode, verification and a prefill chunk after a cached prefix in one step, over blocks in shuffled
+    order, against masked attention written out in full; prefill rows in slices of 7 (LONG_ROWS)."""
+    from specfleet.engine.attention import sliding_window
+    from specfleet.engine.attention.base import AttentionMetadata
+
+    monkeypatch.setattr(sliding_window, "LONG_ROWS", 7)
+    torch.manual_seed(0)
+    bs, heads, kv_heads, dim, scale = 4, 4, 2, 8, 0.3
+    shapes = [(1, 13), (3, 10), (20, 25)]  # (query rows, context)
+    blocks = torch.randperm(24).to(torch.int32)
+    tables = torch.zeros(len(shapes), 8, dtype=torch.int32)
+    used = 0
+    for b, (_, s) in enumerate(shapes):
+        n = -(-s // bs)
+        tables[b, :n], used = blocks[used : used + n], used + n
+    k_cache, v_cache = torch.randn(24, bs, kv_heads, dim), torch.randn(24, bs, kv_heads, dim)
+    query = torch.randn(sum(q for q, _ in shapes), heads, dim)
+    meta = AttentionMetadata(
+        slot_mapping=torch.zeros(query.shape[0], dtype=torch.int64),
+        query_start_loc=torch.tensor([0, 1, 4, 24], dtype=torch.int32),
+        seq_lens=torch.tensor([s for _, s in shapes], dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=[q for q, _ in shapes],
+        seq_lens_cpu=[s for _, s in shapes],
+        block_size=bs,
+    )
+    got = sliding_window.attend(query, k_cache, v_cache, sliding_window.plan(meta, window), scale, softcap)
+    row = 0
+    for b, (q, s) in enumerate(shapes):
+        slots = (tables[b].long()[:, None] * bs + torch.arange(bs)).flatten()[:s]
+        k = k_cache.view(-1, kv_heads, dim)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
+        v = v_cache.view(-1, kv_heads, dim)[slots].repeat_interleave(2, dim=1).transpose(0, 1)
+        scores = query[row : row + q].transpose(0, 1) @ k.transpose(1, 2) * scale  # [heads, q, s]
+        if softcap is not None:
+            scores = torch.tanh(scores / softcap) * softcap
+        pos, key = torch.arange(s - q, s)[:, None], torch.arange(s)[None, :]
+        seen = (key <= pos) & ((key > pos - window) if window is not None else True)
+        expected = (scores.masked_fill(~seen, float("-inf")).softmax(-1) @ v).transpose(0, 1)
+        torch.testing.assert_close(got[row : row + q], expected, atol=1e-5, rtol=1e-5)
+        row += q

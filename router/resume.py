@@ -232,6 +232,7 @@ async def follow(
             if engine is not upstream:
                 engine.close()
                 router.endpoints.release(url)
+                engine = upstream  # nothing of this engine's is left to close
             relay.next_engine()
             opened = await _reopen(router, request, relay, route, tried, headers)
             if isinstance(opened, str):

@@ -71,17 +71,18 @@ def test_relay_cuts_on_the_engine_dead_error_and_resends_untouched_before_any_ev
     assert json.loads(relay.resumed_body()) == STREAM  # nothing reached the client: sent as it came
 
 
-def test_a_stream_cut_mid_way_goes_on_from_another_engine():
-    async def breaks(request: web.Request, engine: FakeEngine) -> web.StreamResponse:
-        assert request.headers[resume.TOKEN_IDS_HEADER] == "1"
-        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await out.prepare(request)
-        await out.write(chunk("a", "He", [5, 6]))
-        await asyncio.sleep(0.05)
-        assert request.transport is not None
-        request.transport.close()  # the engine dies mid-stream
-        return out
+async def breaks(request: web.Request, engine: FakeEngine) -> web.StreamResponse:
+    assert request.headers[resume.TOKEN_IDS_HEADER] == "1"
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    await out.write(chunk("a", "He", [5, 6]))
+    await asyncio.sleep(0.05)
+    assert request.transport is not None
+    request.transport.close()  # the engine dies mid-stream
+    return out
 
+
+def test_a_stream_cut_mid_way_goes_on_from_another_engine():
     async def goes_on(request: web.Request, engine: FakeEngine) -> web.StreamResponse:
         out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await out.prepare(request)
@@ -131,6 +132,28 @@ def test_a_stream_that_cannot_be_resumed_ends_with_an_error_saying_why():
                     body = await response.read()
             error = json.loads(body.split(b"\n\n")[1][6:])["error"]
             assert "cannot be resumed: a request with n=2 is not resumable" in error["message"]
+        finally:
+            await runner.cleanup()
+            await a.stop()
+
+    run(test)
+
+
+def test_a_stream_with_no_engine_left_to_go_on_ends_with_an_error_saying_so():
+    async def test() -> None:
+        a = await FakeEngine("a", breaks).start()
+        router, url, runner = await start_router([a.url])
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"{url}/v1/completions", json=STREAM) as response:
+                    body = (await response.read()).split(b"\n\n")
+            assert json.loads(body[0][6:])["choices"][0]["text"] == "He"
+            error = json.loads(body[1][6:])["error"]["message"]
+            assert (
+                error.endswith("could not be resumed: no other engine is ready")
+                and body[2] == b"data: [DONE]"
+            )
+            assert router.endpoints.all()[0].outstanding == 0
         finally:
             await runner.cleanup()
             await a.stop()

@@ -39,6 +39,7 @@ from specfleet.tuner.sources import ScrapeSource
 from specfleet.tuner.types import LiveSettings, Observation, TunedConfig
 
 from .engine import Limits, Record, SimEngine
+from .lora import SimAdapters
 from .metrics import LogHistogram
 from .profile import Profile
 from .workload import SimRequest
@@ -83,6 +84,12 @@ class SimSource(ScrapeSource):
 
     async def observe(self) -> Observation:
         return replace(await super().observe(), time=self.fleet.now)
+
+
+# An adapter's load (rank 16 on the bundled model): 261 ms, the median of the least loaded of three runs in
+# docs/results/2026-12-03-lora-load.md (the host's load swung it to 470 ms); pass the engine's own
+# specfleet_lora_adapter_load_seconds for another model.
+LORA_LOAD_S = 0.26
 
 
 def start_limits(spec: InferenceServiceSpec) -> Limits:
@@ -155,6 +162,7 @@ class SimFleet:
         autoscale: bool | None = None,
         startup_s: float | None = None,
         policy: str | None = None,
+        lora_load_s: float = LORA_LOAD_S,
     ) -> None:
         spec = isvc.spec
         self.isvc = isvc
@@ -187,6 +195,7 @@ class SimFleet:
             else 0,
         )
         self._rng = random.Random(seed)
+        self.lora_load_s = lora_load_s  # each engine's own adapter cache (sim/lora.py), with spec.adapters
         self._engine_args: dict[str, Any] = {
             "block_size": spec.engine.block_size,
             "prefix_caching": spec.engine.prefix_caching,
@@ -242,6 +251,9 @@ class SimFleet:
             self._limits,
             rng=random.Random(self._rng.random()),
             itl_hist=self.itl,
+            adapters=SimAdapters(self.isvc.spec.lora.max_loras, self.lora_load_s)
+            if self.isvc.spec.adapters
+            else None,
             **self._engine_args,
         )
         url = f"sim://engine-{index}"

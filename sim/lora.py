@@ -1,6 +1,7 @@
 """LoRA adapters in a simulated engine: the engine's own admission rule and the cost of loading adapters.
 
-A request's adapter (`SimRequest.adapter`) rides on its sequence as the engine's does (`Sequence.lora`), so
+A request's adapter (`SimRequest.adapter`) rides on its sequence as the engine's does (`Sequence.lora`,
+as a `SimLora`), so
 the real scheduler applies `--max-loras`: a waiting request whose adapter would make the running batch
 mix more adapters than that is passed over until one drains. A step that first runs an adapter the engine
 does not hold in host memory (its `--max-cpu-loras` LRU, default `max_loras`) is longer by the adapter's
@@ -13,6 +14,22 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SimLora:
+    """What the engine's scheduler and block manager read of a request's adapter (`Sequence.lora`): one
+    adapter per name (the scheduler counts distinct ones) and the prefix cache's key (LoraAdapter.cache_key;
+    the simulated adapters are never reloaded, so the name is enough)."""
+
+    name: str
+
+    @property
+    def cache_key(self) -> tuple[str, str]:
+        return (self.name, "")
+
+    def __str__(self) -> str:
+        return self.name
 
 
 @dataclass

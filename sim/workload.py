@@ -132,12 +132,15 @@ class Synthetic:
     prefix_tokens: int = 0
     prefix_share: float = 0.0
     seed: int = 0
+    adapters: int = 0  # requests spread evenly at random over this many LoRA adapters (0: the base model)
 
     def __post_init__(self) -> None:
         if not self.rates or self.rates[0][0] != 0.0:
             raise ValueError(f"rates={self.rates!r} must start at second 0")
         if any(r < 0 for _, r in self.rates) or any(b[0] <= a[0] for a, b in zip(self.rates, self.rates[1:])):
             raise ValueError(f"rates={self.rates!r}: rates must be >= 0 and start times increasing")
+        if self.adapters < 0:
+            raise ValueError(f"adapters={self.adapters} must be >= 0")
         if self.duration_s <= 0 or self.cv <= 0:
             raise ValueError(f"duration_s={self.duration_s} and cv={self.cv} must be > 0")
         if not 0.0 <= self.prefix_share <= 1.0 or (self.prefix_share and self.prefix_groups < 1):
@@ -172,7 +175,9 @@ class Synthetic:
                 group = rng.randrange(self.prefix_groups)
                 shared = min(self.prefix_tokens, prompt - 1)
                 prompt = max(prompt, shared + 1)
-            yield SimRequest(round(t, 6), prompt, self.output.draw(rng), group, shared)
+            output = self.output.draw(rng)
+            adapter = f"adapter-{rng.randrange(self.adapters)}" if self.adapters else None
+            yield SimRequest(round(t, 6), prompt, output, group, shared, adapter)
 
 
 def parse_lengths(text: str) -> Lengths:

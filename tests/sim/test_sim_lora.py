@@ -71,3 +71,39 @@ def test_a_host_cache_of_one_reloads_an_evicted_adapter() -> None:
     assert cache.step_load_s(["a"]) == LOAD_S
     with pytest.raises(ValueError, match="max_cpu_loras=1 must be >= max_loras=2"):
         SimAdapters(max_loras=2, load_s=0.1, max_cpu_loras=1)
+
+
+def test_a_fleet_with_fewer_adapter_slots_than_adapters_waits_for_them() -> None:
+    """spec.adapters and lora.maxLoras through SimFleet: requests over 8 adapters wait longer for their
+    first token with 1 slot than with 8, and every engine pays its own loads."""
+    from helpers import cpu_like_profile
+    from specfleet.sim.fleet import SimFleet
+    from specfleet.sim.workload import Lengths, Synthetic
+
+    workload = Synthetic(
+        rates=((0.0, 4.0),),
+        duration_s=20.0,
+        prompt=Lengths("fixed", 64, 64),
+        output=Lengths("fixed", 16, 16),
+        adapters=8,
+        seed=1,
+    )
+    requests = list(workload.requests())
+    assert {r.adapter for r in requests} == {f"adapter-{i}" for i in range(8)}
+
+    def ttft_p50(slots: int) -> float:
+        doc = {
+            "apiVersion": "serving.specfleet.io/v1alpha1",
+            "kind": "InferenceService",
+            "metadata": {"name": "lora"},
+            "spec": {
+                "model": {"source": "bundled://smollm2-135m-instruct", "maxModelLen": 512},
+                "adapters": [{"name": f"adapter-{i}", "source": f"file:///a/{i}"} for i in range(8)],
+                "lora": {"maxLoras": slots},
+            },
+        }
+        run = SimFleet(load_inference_service(doc), cpu_like_profile(num_kv_blocks=256)).run(requests)
+        waits = sorted((r.first_token_s or 0.0) - r.arrival_s for r in run.records)
+        return waits[len(waits) // 2]
+
+    assert ttft_p50(1) > 1.5 * ttft_p50(8)

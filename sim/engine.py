@@ -32,6 +32,7 @@ from specfleet.tuner.policy.params import ModelParams
 from .lora import SimAdapters, SimLora
 from .metrics import EngineMetrics, LogHistogram
 from .profile import Profile
+from .shadow import SimShadow
 from .workload import OUTPUT_ID, SimRequest
 
 PRIOR_ACCEPTANCE = ModelParams().prior_acceptance  # the tuner's prior, when neither profile nor workload says
@@ -107,6 +108,7 @@ class SimEngine:
         keep_itls: bool = False,
         itl_hist: LogHistogram | None = None,
         adapters: SimAdapters | None = None,
+        shadow: bool = False,
     ) -> None:
         self.index = index
         self.profile = profile
@@ -127,6 +129,17 @@ class SimEngine:
         self.metrics = EngineMetrics()
         acceptance = accepted_per_pos or profile.accepted_per_pos or PRIOR_ACCEPTANCE
         self.conditional = _conditional(acceptance)
+        # the same, given that the proposal holds the position (its length drawn in `_propose`): the measured
+        # per-position rates count a draft too short for a position as not accepting it
+        q = profile.proposal_continue
+        self.verified = [min(1.0, c / q) if i else c for i, c in enumerate(self.conditional)]
+        # the engine's shadow drafts, for a method that scores them (its own generator: the draws of
+        # verified drafts stay those of a fleet without them)
+        self.shadow = (
+            SimShadow(limits.max_k, self.conditional, profile.proposal_share, random.Random(rng.random()))
+            if shadow and limits.max_k
+            else None
+        )
         self.records: dict[int, Record] = {}  # seq_id -> its request's record, while in the engine
         self.targets: dict[int, int] = {}  # seq_id -> output length
         self.plan: Plan | None = None
@@ -198,12 +211,13 @@ class SimEngine:
             self._finish(seq, max(now, self.server_free_s), "length")  # after its tokens the server holds
         if sched.empty:
             return None
-        decode = prefill = context = streams = 0
+        decode = prefill = context = streams = verifying = 0
         for item in sched.scheduled:
             context += item.seq.num_computed_tokens
             streams += item.sample
             if item.sample and item.num_new_tokens == item.num_spec_tokens + 1:
                 decode += item.num_new_tokens
+                verifying += item.num_spec_tokens > 0
             else:
                 prefill += item.num_new_tokens
             if (
@@ -212,7 +226,7 @@ class SimEngine:
             ):
                 self.records[item.seq.seq_id].first_scheduled_s = now
         p = self.profile
-        core = p.core_s(decode, prefill, context, proposals)
+        core = p.core_s(decode, prefill, context, proposals, verifying)
         if self.adapters is not None:
             core += self.adapters.step_load_s(item.seq.lora for item in sched.scheduled)
         d = p.period_s(core, self.server_free_s - now)
@@ -475,28 +489,46 @@ class SimEngine:
         rules (`spec_decode/rules.py`: the batch guard, the k-room rule, the proposal length); the
         profile's proposal share decides which get any."""
         k_live = self.live.num_speculative_tokens
-        if not k_live:
-            return 0
         s = self.scheduler
         guard = self.live.speculative_disable_by_batch_size
-        if speculation_off(len(s.running), len(s.waiting), s.max_num_seqs, guard):
+        if not k_live or speculation_off(len(s.running), len(s.waiting), s.max_num_seqs, guard):
+            self._shadow_look()
             return 0
-        share = self.profile.proposal_share
-        total = 0
+        share, q = self.profile.proposal_share, self.profile.proposal_continue
+        total = eligible = 0
         max_len, ceiling, targets = self.limits.max_model_len, self.limits.max_k, self.targets
         for seq in s.running:
             if seq.in_prefill:
                 continue
             room = k_room(max_len, seq.num_tokens, targets[seq.seq_id] - seq.num_output_tokens)
             k = proposal_length(k_live, room, ceiling)
+            eligible += k > 0
             if k and (share >= 1.0 or self.rng.random() < share):
+                if q < 1.0:  # the lookup's match has fewer tokens after it than k
+                    n = 1
+                    while n < k and self.rng.random() < q:
+                        n += 1
+                    k = n
                 seq.spec_token_ids = [-1] * k
                 total += k
+        if not eligible:
+            self._shadow_look()
         return total
 
+    def _shadow_look(self) -> None:
+        """The engine's shadow lookups on a step that verifies no drafts (sim/shadow.py); fast mode's
+        planned runs make none (fewer lookups, the same acceptance in distribution)."""
+        shadow = self.shadow
+        if shadow is None:
+            return
+        shadow.look(self.scheduler.running)
+        c = self.metrics.counters
+        c["spec_decode_shadow_lookups"], c["spec_decode_shadow_drafts"] = shadow.lookups, shadow.drafts
+        self.metrics.shadow_per_pos.update(enumerate(shadow.accepted_per_pos))
+
     def _accepted(self, k: int) -> int:
-        n = 0
-        while n < k and self.rng.random() < self.conditional[min(n, len(self.conditional) - 1)]:
+        n, verified = 0, self.verified
+        while n < k and self.rng.random() < verified[min(n, len(verified) - 1)]:
             n += 1
         return n
 

@@ -6,7 +6,8 @@
 Every architecture gets the same hidden size, layers, MLP width (3x hidden), heads (hidden / 64 of 64, half
 as many KV heads), the bundled SmolLM2 tokenizer and its vocabulary of 49152, tied embeddings: a Llama, a
 Qwen3 (plus its q/k norms, 2 x 64 values a layer) and a Phi-3 (the same tensors, fused) of one parameter
-count. Weights are transformers' own initialization from a fixed seed, in float32.
+count; Gemma 2 and 3 with their extra norms, GeGLU and a sliding window of GEMMA_WINDOW on their
+sliding layers. Weights are transformers' own initialization from a fixed seed, in float32.
 """
 
 from __future__ import annotations
@@ -21,7 +22,12 @@ ARCHES = {
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
+# Gemma's sliding layers attend over this many tokens (the checkpoints ship 4096 and 1024, past the
+# contexts these benchmarks reach; a quarter of the 2048 positions makes the window count)
+GEMMA_WINDOW = 512
 HEAD_DIM = 64  # the head size of SmolLM2, Llama 3.2 1B and Qwen3's smaller models is 64 or 128
 
 
@@ -43,8 +49,9 @@ def config_for(arch: str, hidden: int, layers: int, vocab: int):
         max_position_embeddings=2048,
         rms_norm_eps=1e-5,
         tie_word_embeddings=True,
-        sliding_window=None,
+        sliding_window=GEMMA_WINDOW if arch.startswith("gemma") else None,
         architectures=[architecture],
+        **({"query_pre_attn_scalar": HEAD_DIM} if arch.startswith("gemma") else {}),
     )
 
 

@@ -159,3 +159,39 @@ def test_a_stream_with_no_engine_left_to_go_on_ends_with_an_error_saying_so():
             await a.stop()
 
     run(test)
+
+
+def test_a_stream_its_draining_engine_aborts_goes_on_from_another_engine():
+    async def aborts(request: web.Request, engine: FakeEngine) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)  # the drain timeout passed: the engine ends the choice and the stream
+        await out.write(chunk("a", "He", [5, 6]) + chunk("a", "", [], "abort") + b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def goes_on(request: web.Request, engine: FakeEngine) -> web.StreamResponse:
+        out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await out.prepare(request)
+        await out.write(chunk("b", "llo", [7], "length") + b"data: [DONE]\n\n")
+        await out.write_eof()
+        return out
+
+    async def test() -> None:
+        a = await FakeEngine("a", aborts).start()
+        b = await FakeEngine("b", goes_on).start()
+        router, url, runner = await start_router([a.url, b.url])
+        router.policy._next = sorted([a.url, b.url]).index(a.url)  # a first
+        try:
+            async with aiohttp.ClientSession() as client:
+                async with client.post(f"{url}/v1/completions", json=STREAM) as response:
+                    body = await response.read()
+            events = [json.loads(e[6:]) for e in body.split(b"\n\n") if e.startswith(b"data: {")]
+            assert [e["choices"][0]["finish_reason"] for e in events] == [None, "length"]  # no abort shown
+            assert body.count(b"[DONE]") == 1 and json.loads(b.requests[-1])["resume_token_ids"] == [5, 6]
+            assert router.metrics.resumed.labels("aborted")._value.get() == 1
+        finally:
+            await runner.cleanup()
+            await a.stop()
+            await b.stop()
+
+    run(test)

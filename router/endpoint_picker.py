@@ -38,7 +38,6 @@ from typing import TYPE_CHECKING, Any
 from envoy_data_plane.envoy.config.core.v3 import HeaderValue, HeaderValueOption, Metadata
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode
 from envoy_data_plane.envoy.service.ext_proc.v3 import (
-    BodyMutation,
     BodyResponse,
     CommonResponse,
     HeaderMutation,
@@ -47,12 +46,11 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     ImmediateResponse,
     ProcessingRequest,
     ProcessingResponse,
-    StreamedBodyResponse,
-    TrailersResponse,
 )
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Struct, Value
 
+from . import ext_proc_wire as wire
 from .policies import RouteRequest
 from .proxy import MAX_BODY_BYTES
 
@@ -110,6 +108,8 @@ def _metadata_value(metadata: Metadata | None, namespace: str, key: str) -> Any:
     return None if value is None else value.to_dict()
 
 
+# What the picker sends back: a message, or one already encoded (ext_proc_wire.py).
+Answer = ProcessingResponse | bytes
 # How the request's body reaches the EPP, from the filter's request body mode.
 DUPLEX_MODE, BUFFERED_MODE, HELD_MODE, HEADERS_MODE = "duplex", "buffered", "streamed-held", "headers-only"
 
@@ -128,25 +128,14 @@ def body_mode(config: Any) -> str:
     return HEADERS_MODE
 
 
-def _continue_body() -> ProcessingResponse:
-    return ProcessingResponse(request_body=BodyResponse(response=CommonResponse()))
+def _continue_body() -> Answer:
+    return wire.CONTINUE_REQUEST_BODY
 
 
-def _streamed_body(body: bytes) -> list[ProcessingResponse]:
+def _streamed_body(body: bytes) -> list[Answer]:
     """The request body back to the gateway unchanged, in chunks of at most CHUNK_BYTES (duplex mode)."""
     parts = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
-    return [
-        ProcessingResponse(
-            request_body=BodyResponse(
-                response=CommonResponse(
-                    body_mutation=BodyMutation(
-                        streamed_response=StreamedBodyResponse(body=part, end_of_stream=i == len(parts) - 1)
-                    )
-                )
-            )
-        )
-        for i, part in enumerate(parts)
-    ]
+    return [wire.streamed_body(wire.REQUEST_BODY, part, i == len(parts) - 1) for i, part in enumerate(parts)]
 
 
 @dataclass
@@ -163,7 +152,7 @@ class Exchange:
     picked: str | None = None  # the engine URL counted as serving this request
     decided: bool = False  # the pick (or a refusal) went out: a re-sent last chunk is not a new request
 
-    def handle(self, message: ProcessingRequest) -> list[ProcessingResponse]:
+    def handle(self, message: ProcessingRequest) -> list[Answer]:
         if message.protocol_config is not None:
             self.mode = body_mode(message.protocol_config)
             self.duplex_response = message.protocol_config.response_body_mode == DUPLEX
@@ -172,20 +161,20 @@ class Exchange:
         if message.request_body is not None:
             return self._request_body(message.request_body.body, message.request_body.end_of_stream)
         if message.request_trailers is not None:
-            return [ProcessingResponse(request_trailers=TrailersResponse())]
+            return [wire.CONTINUE_REQUEST_TRAILERS]
         if message.response_headers is not None:
             self._served(message.metadata_context)
             if message.response_headers.end_of_stream:
                 self.close()
-            return [ProcessingResponse(response_headers=HeadersResponse(response=CommonResponse()))]
+            return [wire.CONTINUE_RESPONSE_HEADERS]
         if message.response_body is not None:
             return self._response_body(message.response_body.body, message.response_body.end_of_stream)
         if message.response_trailers is not None:
             self.close()
-            return [ProcessingResponse(response_trailers=TrailersResponse())]
+            return [wire.CONTINUE_RESPONSE_TRAILERS]
         return []
 
-    def _request_headers(self, message: ProcessingRequest) -> list[ProcessingResponse]:
+    def _request_headers(self, message: ProcessingRequest) -> list[Answer]:
         headers: HttpHeaders = message.request_headers  # type: ignore[assignment]
         for h in headers.headers.headers if headers.headers is not None else []:
             self.headers[h.key.lower()] = h.raw_value.decode(errors="replace") if h.raw_value else h.value
@@ -194,10 +183,10 @@ class Exchange:
         if headers.end_of_stream or self.mode == HEADERS_MODE:
             return [self._decide(b"", "request_headers")]
         if self.mode == BUFFERED_MODE:  # Envoy holds the headers while it buffers the body
-            return [ProcessingResponse(request_headers=HeadersResponse(response=CommonResponse()))]
+            return [wire.CONTINUE_REQUEST_HEADERS]
         return []  # the answer waits for the body: the pick reads the prompt
 
-    def _request_body(self, chunk: bytes, end: bool) -> list[ProcessingResponse]:
+    def _request_body(self, chunk: bytes, end: bool) -> list[Answer]:
         if self.decided:  # headers-only, or Envoy sent the last chunk again (envoy #46237): no new pick
             return [] if self.mode == DUPLEX_MODE else [_continue_body()]
         self.body += chunk
@@ -218,19 +207,15 @@ class Exchange:
         if first.immediate_response is not None:
             return [first]
         if self.mode == HELD_MODE:  # every held chunk still needs its answer, after the headers'
-            return [first] + [_continue_body() for _ in range(self.held_chunks + 1)]
+            return [first, *(_continue_body() for _ in range(self.held_chunks + 1))]
         return [first, *_streamed_body(body)]
 
-    def _response_body(self, chunk: bytes, end: bool) -> list[ProcessingResponse]:
+    def _response_body(self, chunk: bytes, end: bool) -> list[Answer]:
         if end:
             self.close()
         if not self.duplex_response:
-            return [ProcessingResponse(response_body=BodyResponse(response=CommonResponse()))]
-        streamed = StreamedBodyResponse(body=chunk, end_of_stream=end)
-        mutation = BodyMutation(streamed_response=streamed)
-        return [
-            ProcessingResponse(response_body=BodyResponse(response=CommonResponse(body_mutation=mutation)))
-        ]
+            return [wire.CONTINUE_RESPONSE_BODY]
+        return [wire.streamed_body(wire.RESPONSE_BODY, chunk, end)]
 
     def _decide(self, body: bytes, phase: str) -> ProcessingResponse:
         """The pick for this request as the answer to `phase` (request_headers or request_body)."""

@@ -14,9 +14,9 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
 import grpc
-from envoy_data_plane.envoy.service.ext_proc.v3 import ProcessingRequest, ProcessingResponse
+from envoy_data_plane.envoy.service.ext_proc.v3 import ProcessingRequest
 
-from .endpoint_picker import EXT_PROC_SERVICE, Exchange
+from .endpoint_picker import EXT_PROC_SERVICE, Answer, Exchange
 
 if TYPE_CHECKING:
     from .proxy import Router
@@ -35,12 +35,14 @@ class EndpointPicker:
 
     async def process(
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[ProcessingResponse]:
+    ) -> AsyncIterator[Answer]:
         exchange = Exchange(self.router)
         try:
             async for message in requests:
                 for response in exchange.handle(message):
                     yield response
+                    if isinstance(response, bytes):
+                        continue
                     if (refused := response.immediate_response) is not None:
                         logger.info(
                             "event=epp_refused status=%s path=%s details=%s",
@@ -69,13 +71,18 @@ class EndpointPicker:
         process = grpc.stream_stream_rpc_method_handler(
             self.process,
             request_deserializer=ProcessingRequest.FromString,
-            response_serializer=ProcessingResponse.SerializeToString,
+            response_serializer=serialize,
         )
         check = grpc.unary_unary_rpc_method_handler(self.check)  # bytes in, bytes out
         return [
             grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": process}),
             grpc.method_handlers_generic_handler(HEALTH_SERVICE, {"Check": check}),
         ]
+
+
+def serialize(answer: Answer) -> bytes:
+    """A message's protobuf bytes; an answer already encoded (ext_proc_wire.py) goes as it is."""
+    return answer if isinstance(answer, bytes) else answer.SerializeToString()
 
 
 def health_service_name(request: bytes) -> str:

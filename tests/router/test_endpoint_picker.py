@@ -272,3 +272,23 @@ def test_refusals_name_why_and_health_follows_discovery():
         await stop(server, channel, discovery, engine)
 
     run(test)
+
+
+def test_hand_encoded_answers_are_what_the_message_classes_encode():
+    """The answers written as bytes (ext_proc_wire.py) against betterproto2's encoding of the same message."""
+    from envoy_data_plane.envoy.service.ext_proc.v3 import (
+        BodyMutation,
+        BodyResponse,
+        CommonResponse,
+        StreamedBodyResponse,
+    )
+    from specfleet.router import ext_proc_wire as wire
+
+    for phase, name in ((wire.REQUEST_BODY, "request_body"), (wire.RESPONSE_BODY, "response_body")):
+        for chunk, end in ((b"data: {}\n\n", False), (b"x" * 70_000, True), (b"", True), (b"", False)):
+            streamed = StreamedBodyResponse(body=chunk, end_of_stream=end)
+            mutation = BodyMutation(streamed_response=streamed)
+            message = ProcessingResponse(
+                **{name: BodyResponse(response=CommonResponse(body_mutation=mutation))}
+            )
+            assert wire.streamed_body(phase, chunk, end) == message.SerializeToString()

@@ -108,7 +108,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         p,
         i32,
     ]
-    lib.sf_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, i64, p, i64, p, p, i32]
+    lib.sf_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, i64, p, i64, p, p, i32, p]
     lib.sf_lora_add_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i32]
     for fn in (
         "sf_decode_layers",

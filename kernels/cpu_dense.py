@@ -157,6 +157,7 @@ class DecodeLayers:
         seqs: torch.Tensor,  # [n] int32
         query_start_loc: torch.Tensor,  # [seqs + 1] int32
         seq_lens: torch.Tensor,  # [seqs] int32
+        lora: ctypes.Structure | None = None,  # the step's adapters (cpu_lora.lora_step), rows < tokens
     ) -> torch.Tensor:
         tokens = x.shape[0]
         _check("x", x, dim=2)
@@ -198,6 +199,7 @@ class DecodeLayers:
             query_start_loc.data_ptr(),
             seq_lens.data_ptr(),
             num_threads(),
+            ctypes.byref(lora) if lora is not None else None,
         )
         return x
 

@@ -75,6 +75,33 @@ class RowGroups:
         return self.rows[int(self.starts[g]) : int(self.starts[g + 1])]
 
 
+class LoraStep(ctypes.Structure):
+    """sf_lora_step (kernels/cpu/native.cpp): a step's adapters for the fused decode layers (DecodeLayers)."""
+
+    _fields_ = [
+        ("groups", ctypes.c_int64),
+        ("group_start", ctypes.c_void_p),
+        ("rows", ctypes.c_void_p),
+        ("weights", ctypes.c_void_p),
+    ]
+    _keep: tuple[object, ...]  # what the pointers point into
+
+
+PROJECTIONS = ("qkv", "o", "gate_up", "down")  # the order of sf_lora_step's weights within a layer
+
+
+def lora_step(groups: RowGroups, weights: Sequence[Sequence[Sequence[LoraDesc | None]]]) -> LoraStep:
+    """weights[layer][projection, in PROJECTIONS' order][group]: the descriptors DecodeLayers adds."""
+    flat = [w for layer in weights for proj in layer for w in proj]
+    count = groups.starts.numel() - 1
+    if any(len(proj) != count for layer in weights for proj in layer) or any(len(la) != 4 for la in weights):
+        raise ValueError(f"weights must be [layers, {len(PROJECTIONS)}, {count} groups]")
+    pointers = (ctypes.c_void_p * len(flat))(*(ctypes.addressof(w) if w else None for w in flat))
+    step = LoraStep(count, groups.starts.data_ptr(), groups.rows.data_ptr(), ctypes.addressof(pointers))
+    step._keep = (groups, pointers, flat)
+    return step
+
+
 def lora_add(
     y: torch.Tensor, x: torch.Tensor, groups: RowGroups, weights: Sequence[LoraDesc | None]
 ) -> torch.Tensor:

@@ -41,6 +41,17 @@ class LoraBatch:
             groups = cpu_lora.RowGroups(groups.rows.to(device), groups.starts)
         return cls(adapters, groups, native)
 
+    def native_step(self, num_layers: int) -> cpu_lora.LoraStep | None:
+        """The step's adapters for the fused decode layers (every layer's four projections), or None when
+        the native kernel does not run them (the per-layer path then adds them)."""
+        if not self.native:
+            return None
+        weights = [
+            [[_desc(a, layer, proj) for a in self.adapters] for proj in cpu_lora.PROJECTIONS]
+            for layer in range(num_layers)
+        ]
+        return cpu_lora.lora_step(self.groups, weights)
+
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
         """y [rows, out] += each group's delta from x [rows, in] on projection `proj` of `layer`; returns y."""
         weights = [a.layers[layer].get(proj) for a in self.adapters]
@@ -48,6 +59,11 @@ class LoraBatch:
             return cpu_lora.lora_add(y, x, self.groups, [w.desc if w is not None else None for w in weights])
         pairs = [(w.a_t, w.b_t) if w is not None else None for w in weights]
         return cpu_lora.lora_add_reference(y, x, self.groups, pairs)
+
+
+def _desc(adapter: LoraAdapter, layer: int, proj: str) -> cpu_lora.LoraDesc | None:
+    w = adapter.layers[layer].get(proj)
+    return w.desc if w is not None else None
 
 
 def _described(adapter: LoraAdapter) -> bool:

@@ -151,8 +151,7 @@ class LlamaLayer:
             qkv_bias = torch.cat([_dense(weights, f"self_attn.{p}_proj.bias") for p in "qkv"], dim=0)
         self.qkv = ops.linear(cat_rows([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]), qkv_bias)
         self.o = ops.linear(weights["self_attn.o_proj.weight"])
-        self.gate_up = ops.linear(cat_rows([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
-        self.down = ops.linear(weights["mlp.down_proj.weight"])
+        self.init_mlp(weights, ops)
         self.qk_size = (args.num_heads + args.num_kv_heads) * args.head_dim
         self.scale = args.head_dim**-0.5
         # Tensor parallelism (engine/distributed): o and down then hold a slice of their input columns, so
@@ -161,6 +160,11 @@ class LlamaLayer:
         self.reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.owns_residual = True
         self.index = 0  # the layer's position in the model: which of a LoRA adapter's layers it adds
+
+    def init_mlp(self, weights: Mapping[str, torch.Tensor | QuantTensor], ops: Ops) -> None:
+        """The MLP's weights (a mixture-of-experts layer has its own: engine/models/moe.py)."""
+        self.gate_up = ops.linear(cat_rows([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
+        self.down = ops.linear(weights["mlp.down_proj.weight"])
 
     def decode_weights(self) -> cpu_native.DecodeLayerWeights | None:
         """This layer for cpu_native.DecodeLayers, or None when one of its linears has no native form."""
@@ -196,9 +200,11 @@ class LlamaLayer:
         o = o.reshape(tokens, -1)
         y = self._row_parallel(self.o, o, x)
         x = y if lora is None else lora.add(y, o, self.index, "o")
-        h = ops.rms_norm(x, self.post_norm, a.rms_norm_eps)
+        return self.mlp(ops.rms_norm(x, self.post_norm, a.rms_norm_eps), x, lora)
+
+    def mlp(self, h: torch.Tensor, x: torch.Tensor, lora) -> torch.Tensor:  # h: normed x; returns x + MLP(h)
         h = self.gate_up(h) if lora is None else lora.add(self.gate_up(h), h, self.index, "gate_up")
-        act = ops.silu_mul(h)
+        act = self.ops.silu_mul(h)
         y = self._row_parallel(self.down, act, x)
         return y if lora is None else lora.add(y, act, self.index, "down")
 
@@ -315,6 +321,7 @@ class LlamaModel:
                 state.short_seqs,
                 meta.query_start_loc,
                 meta.seq_lens,
+                lora=meta.lora.native_step(len(self.layers)) if getattr(meta, "lora", None) else None,
             )
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
@@ -329,7 +336,8 @@ class LlamaModel:
         state = getattr(meta, "backend_state", None)
         if (
             attn.name != "native"
-            or getattr(meta, "lora", None) is not None  # a step with adapters runs the per-layer path
+            # a step with adapters runs fused when the native kernel adds their deltas (LoraBatch.native)
+            or not getattr(getattr(meta, "lora", None), "native", True)
             or getattr(state, "longs", True)
             or getattr(state, "short_seqs", None) is None
         ):

@@ -1049,6 +1049,18 @@ struct sf_model_desc {
   float eps, scale;
 };
 
+// A step's LoRA adapters (kernels/cpu/lora.cpp, kernels/cpu_lora.py): each projection adds its adapters'
+// deltas right after its linear, as LlamaLayer.forward's per-layer path does with the same kernel.
+struct sf_lora_weights;
+void sf_lora_add_f32(const float* x, int64_t ldx, float* y, int64_t ldy, int64_t G, const int64_t* group_start,
+                     const int64_t* rows, const sf_lora_weights* const* w, int threads);
+struct sf_lora_step {
+  int64_t groups;
+  const int64_t* group_start;  // [groups + 1]
+  const int64_t* rows;  // [group_start[groups]]: each group's rows of the step
+  const sf_lora_weights* const* weights;  // [layers, 4 (qkv, o, gate_up, down), groups], null: untouched
+};
+
 }  // extern "C"
 
 namespace {
@@ -1104,7 +1116,8 @@ extern "C" {
 void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64_t num_layers, float* x,
                       int64_t T, const int64_t* positions, const float* cos, const float* sin, const int64_t* slots,
                       const int32_t* block_tables, int64_t bt_stride, const int32_t* seqs, int64_t nseqs,
-                      const int32_t* query_start, const int32_t* seq_lens, int threads) {
+                      const int32_t* query_start, const int32_t* seq_lens, int threads,
+                      const sf_lora_step* lora) {
   const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->intermediate;
   const int64_t qkv_w = (NH + 2 * KVH) * D;
   thread_local std::vector<float> h, qkv, att, gu, act;
@@ -1113,10 +1126,17 @@ void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64
   att.resize(T * NH * D);
   gu.resize(T * 2 * I);
   act.resize(T * I);
+  // y += the step's adapters' deltas of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
+  auto adapt = [&](int64_t l, int p, const float* in, int64_t ldin, float* y, int64_t ldy) {
+    if (lora == nullptr) return;
+    sf_lora_add_f32(in, ldin, y, ldy, lora->groups, lora->group_start, lora->rows,
+                    lora->weights + (l * 4 + p) * lora->groups, threads);
+  };
   for (int64_t l = 0; l < num_layers; ++l) {
     const sf_layer_desc& L = layers[l];
     sf_rms_norm_f32(x, T, H, L.input_norm, m->eps, h.data());
     run_linear(L.qkv, h.data(), T, H, nullptr, 0, qkv.data(), qkv_w, threads);
+    adapt(l, 0, h.data(), H, qkv.data(), qkv_w);
     if (L.q_norm != nullptr) {  // in place, row by row: the kernel reads a row whole before writing it
       for (int64_t t = 0; t < T; ++t) {
         float* row = qkv.data() + t * qkv_w;
@@ -1134,10 +1154,13 @@ void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64
     sf_paged_attention_f32(qkv.data(), qkv_w, L.k_cache, L.v_cache, block_tables, bt_stride, seqs, nseqs,
                            query_start, seq_lens, NH, KVH, D, m->block_size, m->scale, att.data(), threads);
     run_linear(L.o, att.data(), T, NH * D, x, H, x, H, threads);
+    adapt(l, 1, att.data(), NH * D, x, H);
     sf_rms_norm_f32(x, T, H, L.post_norm, m->eps, h.data());
     run_linear(L.gate_up, h.data(), T, H, nullptr, 0, gu.data(), 2 * I, threads);
+    adapt(l, 2, h.data(), H, gu.data(), 2 * I);
     sf_silu_mul_f32(gu.data(), T, I, act.data());
     run_linear(L.down, act.data(), T, I, x, H, x, H, threads);
+    adapt(l, 3, act.data(), I, x, H);
   }
 }
 

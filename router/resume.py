@@ -45,16 +45,12 @@ REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "echo": (None, False),
     "logprobs": (None, False),
     "top_logprobs": (None, 0),
-    "prompt_logprobs": (None,),
     "tools": (None, []),
     "response_format": (None, {"type": "text"}),
-    "guided_json": (None,),
-    "guided_regex": (None,),
-    "guided_choice": (None,),
-    "guided_grammar": (None,),
-    "structured_outputs": (None,),
-    "kv_transfer_params": (None,),
-    "resume_token_ids": (None,),
+    **dict.fromkeys(
+        ("prompt_logprobs", "guided_json", "guided_regex", "guided_choice", "guided_grammar"), (None,)
+    ),
+    **dict.fromkeys(("structured_outputs", "kv_transfer_params", "resume_token_ids"), (None,)),
 }
 
 
@@ -134,8 +130,14 @@ class StreamRelay:
             self.forwarded = True
             return event
         start = event.find(_TOKEN_IDS)
-        if start < 0 or self.identity is None or self.resumed or any(m in event for m in _SLOW_MARKERS):
+        slow = self.identity is None or self.resumed or any(m in event for m in _SLOW_MARKERS)
+        # no ids and not compact JSON (the markers read compact JSON only): parsed, to be sure of a cut
+        if slow or (start < 0 and b'": ' in event):
             return self._parsed(event)
+        if start < 0:  # no ids to take out (a usage chunk, or an engine that sends none): as it came
+            self.forwarded = True
+            self.finished = self.finished or _FINISHED in event
+            return event
         # The common event (the first engine's, one choice, nothing cut): its token ids cut out of the
         # engine's compact JSON by bytes, not parsed and written again. The key cannot occur inside a
         # string value, where JSON escapes the quotes.
@@ -215,36 +217,22 @@ async def follow(
                 if not relay.done:
                     await out.write(_feed(tap, b"data: [DONE]\n\n"))
                 return "ok"
-            reason = "broken" if relay.cut is None else relay.cut
+            reason = relay.cut or "broken"
             logger.warning(
                 "event=stream_cut reason=%s tokens=%d error=%r", reason, len(relay.token_ids), broken
             )
-            if resumes >= router.max_resumes:
-                await out.write(
-                    _feed(
-                        tap,
-                        error_event(
-                            f"the engine failed mid-stream ({reason}); resumed {resumes} times, the limit"
-                        ),
-                    )
-                )
-                return "broken"
             if engine is not upstream:
                 engine.close()
                 router.endpoints.release(url)
                 engine = upstream  # nothing of this engine's is left to close
-            relay.next_engine()
-            opened = await _reopen(router, request, relay, route, tried, headers)
+            opened = (
+                f"resumed {resumes} times, the limit (--max-resumes)"
+                if resumes >= router.max_resumes
+                else await _reopen(router, request, relay, route, tried, headers)
+            )
             if isinstance(opened, str):
-                await out.write(
-                    _feed(
-                        tap,
-                        error_event(
-                            f"the engine failed mid-stream ({reason}) and the stream could not be resumed: {opened}"
-                        ),
-                    )
-                )
-                url, engine = "", upstream
+                why = f"the engine failed mid-stream ({reason}) and the stream could not be resumed: {opened}"
+                await out.write(_feed(tap, error_event(why)))
                 return "broken"
             url, engine = opened
             resumes += 1
@@ -287,6 +275,7 @@ async def _reopen(
     headers: dict[str, str],
 ) -> tuple[str, EngineResponse] | str:
     """The resumed request's answer from another engine (its URL is acquired), or why none gave one."""
+    relay.next_engine()
     body = relay.resumed_body()
     why = "no other engine is ready"
     for _ in range(router.max_retries + 1):

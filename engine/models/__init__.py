@@ -15,6 +15,8 @@ ARCHITECTURES: dict[str, str] = {
     "Phi3ForCausalLM": "specfleet.engine.models.phi3:Phi3Model",
     "Gemma2ForCausalLM": "specfleet.engine.models.gemma:Gemma2Model",
     "Gemma3ForCausalLM": "specfleet.engine.models.gemma:Gemma3Model",
+    "MixtralForCausalLM": "specfleet.engine.models.moe:MixtralModel",
+    "Qwen3MoeForCausalLM": "specfleet.engine.models.moe:Qwen3MoeModel",
 }
 
 

@@ -414,8 +414,9 @@ def scale_note(real_speed: float, sim_speed: float) -> str:
         )
     if abs(sim_speed - 1) > SCALE_BAND:
         parts.append(
-            f"the simulated steps took {sim_speed:.2f}x the prediction at their own mean mix (the step cost "
-            "is not linear over the steps' spread: the mean step is not the step of the mean mix)"
+            f"the simulated steps took {sim_speed:.2f}x the prediction at their own mean mix (the prediction "
+            "leaves out the context the steps attended to, which /metrics does not export, and the mean step "
+            "is not the step of the mean mix where the curve bends)"
         )
     return "; ".join(parts) or "both within the band, their ratio outside it"
 

@@ -59,6 +59,14 @@ class Service:
     router: Router
     served: str | None = None  # the name its engines serve, as their /v1/models last said
     served_at: float = 0.0
+    # their --scheduling-policy, as the same /v1/models said (None: not said, e.g. no engine answered yet)
+    scheduling_policy: str | None = None
+
+    @property
+    def takes_priority(self) -> bool:
+        """Whether a tenant's `priority` may go to this service's engines: an fcfs engine answers 400 to a
+        nonzero one, so it gets none; an engine that did not say is sent it (vLLM's engines do not say)."""
+        return self.scheduling_policy != "fcfs"
 
 
 def _error(status: int, message: str, kind: str, code: str | None, param: str | None = None) -> web.Response:
@@ -201,7 +209,9 @@ class Gateway:
         served = await self.served_name(service)
         if self.tenants is not None and isinstance(parsed, dict):
             body_for_engine = {**parsed, "model": served or model}
-            return await self.tenants.forward(request, body_for_engine, model, service.router)
+            return await self.tenants.forward(
+                request, body_for_engine, model, service.router, service.takes_priority
+            )
         if served is not None and served != model and isinstance(parsed, dict):
             # the engine answers only to the name it serves
             body = json.dumps({**parsed, "model": served}).encode()
@@ -209,7 +219,8 @@ class Gateway:
 
     async def served_name(self, service: Service) -> str | None:
         """The model name the service's engines serve (they refuse any other), from one ready engine's
-        `/v1/models`, cached SERVED_NAME_TTL_S; None while no engine answers (the body goes as it is)."""
+        `/v1/models`, cached SERVED_NAME_TTL_S; None while no engine answers (the body goes as it is). The
+        same card gives the engines' scheduling policy (`Service.takes_priority`)."""
         if service.served is not None and time.monotonic() - service.served_at < SERVED_NAME_TTL_S:
             return service.served
         timeout = aiohttp.ClientTimeout(total=SERVED_NAME_TIMEOUT_S)
@@ -218,7 +229,10 @@ class Gateway:
                 async with service.router.client().get(f"{endpoint.url}/v1/models", timeout=timeout) as r:
                     if r.status != 200:
                         continue
-                    service.served = str((await r.json(content_type=None))["data"][0]["id"])
+                    card = (await r.json(content_type=None))["data"][0]
+                    service.served = str(card["id"])
+                    policy = card.get("scheduling_policy")
+                    service.scheduling_policy = policy if isinstance(policy, str) else None
                     service.served_at = time.monotonic()
                     return service.served
             except (aiohttp.ClientError, TimeoutError, ValueError, KeyError, IndexError, TypeError) as error:

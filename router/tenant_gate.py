@@ -8,7 +8,8 @@ In order, for one request:
 3. the request is charged one request and its estimated tokens (`estimate_tokens`), else 429 with
    `Retry-After` (or 429 `tokens_exceed_limit`, without it, when the estimate exceeds the whole limit);
 4. the body the engine gets carries `priority` from the tenant's class (tenants.PRIORITY_CLASSES; a
-   client's own `priority` is replaced), and a stream asks for `stream_options.include_usage`;
+   client's own `priority` is replaced; a service whose engines schedule fcfs gets none, since they refuse
+   it), and a stream asks for `stream_options.include_usage`;
 5. at the end the tenant is charged the engine's reported usage instead of the estimate (usage_tap.py); an
    answer without usage keeps the estimate charged, an error answer without usage is refunded.
 Every response carries OpenAI's `x-ratelimit-*` headers for the tenant's limits. The metrics count
@@ -157,9 +158,16 @@ class TenantGate:
             response.headers[name] = value
 
     async def forward(
-        self, request: web.Request, body: dict[str, Any], model: str, router: Router
+        self,
+        request: web.Request,
+        body: dict[str, Any],
+        model: str,
+        router: Router,
+        takes_priority: bool = True,
     ) -> web.StreamResponse:
-        """One request through the gate to `router`; `body` already names the model the engine serves."""
+        """One request through the gate to `router`; `body` already names the model the engine serves.
+        `takes_priority` False (an fcfs service): the body goes without `priority` (the tenant's or its
+        own)."""
         tenant = request[TENANT_KEY]
         if not tenant.allows(model):
             self.metrics.requests.labels(tenant.name, "forbidden").inc()
@@ -176,7 +184,7 @@ class TenantGate:
             return self._refused(tenant, verdict, tokens)
         self.metrics.requests.labels(tenant.name, "ok").inc()
         request[_HEADERS_KEY] = verdict.headers()
-        tap = self._rewrite(body, tenant, request.match_info.get("path", ""))
+        tap = self._rewrite(body, tenant, request.match_info.get("path", ""), takes_priority)
         request[RESPONSE_TAP] = tap
         try:
             response = await router.forward(request, json.dumps(body).encode())
@@ -210,10 +218,13 @@ class TenantGate:
         )
 
     @staticmethod
-    def _rewrite(body: dict[str, Any], tenant: Tenant, path: str) -> UsageTap:
+    def _rewrite(body: dict[str, Any], tenant: Tenant, path: str, takes_priority: bool = True) -> UsageTap:
         """The tenant's priority into the body, usage asked of a stream; the tap that reads the usage back."""
         if path in PRIORITY_PATHS:
-            body["priority"] = tenant.priority
+            if takes_priority:
+                body["priority"] = tenant.priority
+            else:  # an fcfs engine refuses any nonzero priority with a 400
+                body.pop("priority", None)
         stream = body.get("stream") is True and path in STREAM_PATHS
         options = body.get("stream_options")
         asked = isinstance(options, dict) and options.get("include_usage") is True

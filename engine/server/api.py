@@ -548,6 +548,7 @@ async def list_models(request: Request) -> dict[str, Any]:
                 "created": int(state.started),
                 "owned_by": "specfleet",
                 "max_model_len": state.max_model_len,
+                "scheduling_policy": state.scheduling_policy,  # specfleet's: whether `priority` is taken
             },
             *(  # LoRA adapters as vLLM lists them: parent is the base model, root the adapter's path
                 {

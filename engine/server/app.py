@@ -59,6 +59,7 @@ def build_state(
         admin_port=admin_port,
         chat=chat or ChatOptions(),
         pooler=pooler or PoolerConfig(),
+        scheduling_policy=client.config.scheduling_policy,
     )
 
 

@@ -34,6 +34,8 @@ class ServerState:
     draining: bool = False  # after the shutdown delay: new requests get 503, in-flight ones finish
     started: float = field(default_factory=time.time)
     lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> path
+    # --scheduling-policy, which /v1/models states: a gateway drops `priority` for an fcfs engine
+    scheduling_policy: str = "fcfs"
 
     @property
     def engine(self) -> Any:

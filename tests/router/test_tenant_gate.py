@@ -227,3 +227,41 @@ def test_over_quota_is_a_429_with_openai_headers() -> None:
         assert 'specfleet_gateway_tenant_requests_total{result="too_large",tenant="team-a"} 1.0' in text
 
     run_gate(gate, test)
+
+
+async def answer_like_an_fcfs_engine(request: web.Request, engine: FakeEngine) -> web.StreamResponse:
+    """An engine under `--scheduling-policy fcfs`: its `/v1/models` says so, and a nonzero `priority` is a
+    400 (engine/llm_engine.py's check)."""
+    if request.path == "/v1/models":
+        card = {"id": engine.name, "object": "model", "scheduling_policy": "fcfs"}
+        return web.json_response({"object": "list", "data": [card]})
+    if json.loads(await request.read()).get("priority", 0):
+        return web.json_response({"error": {"message": "priority under fcfs"}}, status=400)
+    return await answer_like_an_engine(request, engine)
+
+
+def test_a_service_that_schedules_fcfs_gets_no_priority() -> None:
+    async def main() -> None:
+        engine = await FakeEngine("engine-a", answer_like_an_fcfs_engine).start()
+        gateway = Gateway(tenants=TenantGate(tenants(batch={"priority": "batch"})))
+        gateway.upsert(
+            "team-a/alpha",
+            ["alpha"],
+            100,
+            Router(EndpointSet([engine.url], ready=True), make_policy("round-robin")),
+        )
+        gateway.synced = True
+        port = free_port()
+        runner = await serve_gateway(gateway, "127.0.0.1", port)
+        try:
+            batch = client(f"http://127.0.0.1:{port}", "batch")
+            answer = await batch.completions.create(
+                model="alpha", prompt="x", max_tokens=1, extra_body={"priority": 5}
+            )
+            assert answer.usage is not None  # a 200, where the tenant's priority 10 would be a 400
+            assert [b.get("priority") for b in sent(engine)] == [None]  # neither the class's nor the client's
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

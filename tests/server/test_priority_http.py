@@ -208,3 +208,5 @@ def _check_refusal(url: str) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "priority", resp.text
     ok = httpx.post(f"{url}/v1/completions", json={**body, "priority": 0}, timeout=60)
     assert ok.status_code == 200, ok.text
+    # and /v1/models says so, which is how the gateway knows to send such a service no priority
+    assert httpx.get(f"{url}/v1/models", timeout=60).json()["data"][0]["scheduling_policy"] == "fcfs"

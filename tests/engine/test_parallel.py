@@ -105,6 +105,20 @@ def _tiny(kind: str, tmp_path, bundled_path, vocab: int):
     return f"file://{write_tiny_checkpoint(tmp_path, config, std=0.2, tokenizer_from=bundled_path)}"
 
 
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory, bundled_path):
+    """`tiny_checkpoint(kind, vocab)`: `_tiny`'s model, written once for the module (the same seed gives the
+    same weights, and the engines only read it), so that it is written and converted once, not per test."""
+    made: dict[tuple[str, int], str] = {}
+
+    def get(kind: str, vocab: int) -> str:
+        if (kind, vocab) not in made:
+            made[kind, vocab] = _tiny(kind, tmp_path_factory.mktemp(f"{kind}-{vocab}"), bundled_path, vocab)
+        return made[kind, vocab]
+
+    return get
+
+
 PROMPTS = [
     [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000],
     [42],
@@ -148,6 +162,18 @@ def _run(
     )
 
 
+_UNSPLIT: dict[str, Run] = {}
+
+
+def _unsplit(model: str, prompts=PROMPTS, **kwargs) -> Run:
+    """`_run(model, 1, prompts, **kwargs)`, once per module for the same arguments: the one-process reference
+    two tests compare against (the int8 engine's, split by tensor and by pipeline)."""
+    key = repr((model, prompts, sorted(kwargs.items())))
+    if key not in _UNSPLIT:
+        _UNSPLIT[key] = _run(model, 1, prompts, **kwargs)
+    return _UNSPLIT[key]
+
+
 def _same(a, b):
     assert a[0] == b[0]
     for x, y in zip(a[1], b[1]):
@@ -158,10 +184,10 @@ def _same(a, b):
 @pytest.mark.parametrize(
     ("kind", "size"), [("llama", 2), ("qwen2", 2), ("mistral", 4), ("qwen3", 2), ("phi3", 2)]
 )
-def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tmp_path, bundled_path):
+def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tiny_checkpoint):
     # 4 query heads, 2 KV heads: TP=4 replicates each KV head on two ranks; a vocabulary of 49157 is not a
     # multiple of 2 or 4, so the last vocab shard is padded; llama ties the embeddings, the others do not.
-    model = _tiny(kind, tmp_path, bundled_path, vocab=49157)
+    model = tiny_checkpoint(kind, 49157)
     _same(_run(model, size), _run(model, 1))
 
 
@@ -184,8 +210,8 @@ def test_tp3_on_the_bundled_model_equals_tp1_with_speculation_and_prefix_hits():
 
 
 @pytest.mark.slow
-def test_a_dead_worker_fails_the_step_with_its_rank_and_exit_code(tmp_path, bundled_path):
-    llm = LLM(model=_tiny("llama", tmp_path, bundled_path, vocab=49152), block_size=4, tensor_parallel_size=2)
+def test_a_dead_worker_fails_the_step_with_its_rank_and_exit_code(tiny_checkpoint):
+    llm = LLM(model=tiny_checkpoint("llama", 49152), block_size=4, tensor_parallel_size=2)
     try:
         llm.generate([[1, 2, 3]], GREEDY)
         llm.engine.check_health()  # all ranks alive
@@ -257,20 +283,20 @@ def test_pp2_on_the_bundled_model_equals_pp1_with_speculation_and_prefix_hits():
 
 
 @pytest.mark.slow
-def test_pp2_equals_pp1_under_preemption(tmp_path, bundled_path):
+def test_pp2_equals_pp1_under_preemption(tiny_checkpoint):
     # 3 sequences of up to 35 tokens in blocks of 4 need 27 blocks; 14 force preemption by recompute
-    model = _tiny("qwen2", tmp_path, bundled_path, vocab=49152)
+    model = tiny_checkpoint("qwen2", 49152)
     tight = {"num_kv_blocks": 14, "max_model_len": 48, "max_num_seqs": 3}
     _same(_run(model, 2, split="pipeline", preempts=True, **tight), _run(model, 1, preempts=True, **tight))
 
 
 @pytest.mark.slow
 def test_pp2_keeps_two_micro_batches_in_flight_and_equals_pp1_with_speculation_under_preemption(
-    tmp_path, bundled_path
+    tiny_checkpoint,
 ):
     # Overlap (vLLM's virtual engines) splits the sequences over two micro-batches in flight at once: each
     # sequence's steps, proposals (n-gram) and preemptions must still match one process token for token.
-    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    model = tiny_checkpoint("llama", 49152)
     tight = {
         "num_kv_blocks": 14,
         "max_model_len": 48,
@@ -295,8 +321,8 @@ def test_pp2_keeps_two_micro_batches_in_flight_and_equals_pp1_with_speculation_u
 
 
 @pytest.mark.slow
-def test_pp2_without_overlap_runs_one_micro_batch_at_a_time(tmp_path, bundled_path):
-    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+def test_pp2_without_overlap_runs_one_micro_batch_at_a_time(tiny_checkpoint):
+    model = tiny_checkpoint("llama", 49152)
     llm = LLM(model=model, block_size=4, pipeline_parallel_size=2, pipeline_overlap=False)
     try:
         outs = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)]
@@ -307,10 +333,10 @@ def test_pp2_without_overlap_runs_one_micro_batch_at_a_time(tmp_path, bundled_pa
 
 
 @pytest.mark.slow
-def test_tp2_x_pp2_on_a_random_model_equals_one_process(tmp_path, bundled_path):
+def test_tp2_x_pp2_on_a_random_model_equals_one_process(tiny_checkpoint):
     # Four ranks: each of two stages holds one layer split over its two ranks (a vocabulary of 49157 pads
     # the last vocab shard); the stages overlap two micro-batches.
-    model = _tiny("qwen2", tmp_path, bundled_path, vocab=49157)
+    model = tiny_checkpoint("qwen2", 49157)
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 2}}
     prompts = PROMPTS + [[7, 8, 9, 7, 8, 9, 7, 8]]  # a repeating prompt: the n-gram proposer drafts
     split = _run(model, 2, prompts, pipeline_parallel_size=2, **ngram)
@@ -320,12 +346,12 @@ def test_tp2_x_pp2_on_a_random_model_equals_one_process(tmp_path, bundled_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)])
-def test_int8_split_equals_the_unsplit_int8_engine(tp, pp, tmp_path, bundled_path):
+def test_int8_split_equals_the_unsplit_int8_engine(tp, pp, tiny_checkpoint):
     # Each rank quantizes its part at load; a row-parallel slice keeps the whole weight's column scales, so
     # the ranks together hold exactly the unsplit int8 codes (only the order of the partial sums differs).
-    model = _tiny("llama", tmp_path, bundled_path, vocab=49152)
+    model = tiny_checkpoint("llama", 49152)
     _same(
-        _run(model, tp, pipeline_parallel_size=pp, quantization="int8"), _run(model, 1, quantization="int8")
+        _run(model, tp, pipeline_parallel_size=pp, quantization="int8"), _unsplit(model, quantization="int8")
     )
 
 

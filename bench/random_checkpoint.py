@@ -24,14 +24,18 @@ ARCHES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
 }
+# --arch mixtral: Mixtral's 8 experts, 2 active per token; a dense model of the same active parameters is
+# `--arch llama --intermediate` 2 x the expert width
+MOE_EXPERTS, MOE_TOP_K = 8, 2
 # Gemma's sliding layers attend over this many tokens (the checkpoints ship 4096 and 1024, past the
 # contexts these benchmarks reach; a quarter of the 2048 positions makes the window count)
 GEMMA_WINDOW = 512
 HEAD_DIM = 64  # the head size of SmolLM2, Llama 3.2 1B and Qwen3's smaller models is 64 or 128
 
 
-def config_for(arch: str, hidden: int, layers: int, vocab: int):
+def config_for(arch: str, hidden: int, layers: int, vocab: int, intermediate: int | None = None):
     import transformers
 
     if hidden % (2 * HEAD_DIM):
@@ -41,7 +45,7 @@ def config_for(arch: str, hidden: int, layers: int, vocab: int):
     return getattr(transformers, config_class)(
         vocab_size=vocab,
         hidden_size=hidden,
-        intermediate_size=3 * hidden,
+        intermediate_size=intermediate or 3 * hidden,
         num_hidden_layers=layers,
         num_attention_heads=heads,
         num_key_value_heads=heads // 2,
@@ -52,6 +56,7 @@ def config_for(arch: str, hidden: int, layers: int, vocab: int):
         sliding_window=GEMMA_WINDOW if arch.startswith("gemma") else None,
         architectures=[architecture],
         **({"query_pre_attn_scalar": HEAD_DIM} if arch.startswith("gemma") else {}),
+        **({"num_local_experts": MOE_EXPERTS, "num_experts_per_tok": MOE_TOP_K} if arch == "mixtral" else {}),
     )
 
 
@@ -60,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--arch", choices=sorted(ARCHES), required=True)
     parser.add_argument("--hidden", type=int, default=512)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--intermediate", type=int, help="MLP (or each expert's) width; default 3 x hidden")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
@@ -69,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     tokenizer = resolve_model("bundled://smollm2-135m-instruct").path
-    config = config_for(args.arch, args.hidden, args.layers, vocab=49152)
+    config = config_for(args.arch, args.hidden, args.layers, vocab=49152, intermediate=args.intermediate)
     torch.manual_seed(args.seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.save_pretrained(args.out)

@@ -41,8 +41,27 @@ class ModelShape:
     heads: int
     kv_heads: int
     head_dim: int
-    intermediate: int
+    intermediate: int  # a mixture of experts': each expert's
     bytes_per_param: float = 2.0
+    # A mixture of experts: `experts` in each MoE layer, `experts_per_token` routed to, `active_params` the
+    # parameters one token runs (0: a dense model, every parameter active).
+    experts: int = 0
+    experts_per_token: int = 0
+    active_params: float = 0.0
+
+    def weight_bytes_read(self, tokens: float) -> float:
+        """What a decode step of `tokens` reads: every dense weight, and of the experts' weights the share
+        routing reaches, assuming uniform routing: 1 - (1 - k/E)^tokens of the experts."""
+        if not self.experts:
+            return self.params * self.bytes_per_param
+        k, e = self.experts_per_token, self.experts
+        expert_params = (self.params - self.active_params) * e / (e - k)  # all experts, all layers
+        reached = 1.0 - (1.0 - k / e) ** tokens
+        return (self.params - expert_params + expert_params * reached) * self.bytes_per_param
+
+    @property
+    def flop_params(self) -> float:  # parameters each token multiplies: 2 FLOPs apiece
+        return self.active_params or self.params
 
     @property
     def kv_bytes_per_token(self) -> float:
@@ -80,6 +99,8 @@ MODELS = {
         ModelShape("llama3-70b", 70.6e9, 80, 8192, 64, 8, 128, 28672),
         ModelShape("qwen2.5-7b", 7.6e9, 28, 3584, 28, 4, 128, 18944),
         ModelShape("smollm2-135m", 135e6, 30, 576, 9, 3, 64, 1536),
+        # 48 layers of 128 experts of width 768, 8 routed per token: 30.5B parameters, 3.3B active
+        ModelShape("qwen3-30b-a3b", 30.5e9, 48, 2048, 32, 4, 128, 768, 2.0, 128, 8, 3.3e9),
     )
 }
 # The degrees the planner tries by default: engine.tensorParallelSize allows 1-8 (one 8-GPU node), and
@@ -140,7 +161,10 @@ def roofline_profile(
         )
 
     knots = tuple(
-        (float(d), max(weights / bw, 2 * m.params * d / fl) + allreduce(d) + step_overhead_s)
+        (
+            float(d),
+            max(m.weight_bytes_read(d) / bw, 2 * m.flop_params * d / fl) + allreduce(d) + step_overhead_s,
+        )
         for d in DEFAULT_KNOTS
     )
     return Profile(
@@ -148,7 +172,7 @@ def roofline_profile(
         kind="roofline",
         estimate=True,
         knots=knots,
-        prefill_s_per_token=2 * m.params / fl + allreduce(1),
+        prefill_s_per_token=2 * m.flop_params / fl + allreduce(1),
         context_s_per_token=kv_bytes / bw,
         num_kv_blocks=blocks,
         block_size=block_size,

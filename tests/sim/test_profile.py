@@ -122,3 +122,15 @@ def test_proposal_continue_gives_the_measured_draft_length():
     assert proposal_continue(4.0, 4) == proposal_continue(1.0, 1) == 1.0
     with pytest.raises(ValueError, match="proposal_continue"):
         Profile("x", "measured", False, ((1, 0.1),), proposal_continue=0.0)
+
+
+def test_roofline_moe_reads_the_experts_its_tokens_reach_and_multiplies_only_active_parameters():
+    """Qwen3-30B-A3B: one token reads the shared weights and 8 of 128 experts; a batch of 512 reaches
+    nearly all of them; prefill costs 2 FLOPs per active parameter, not per stored one."""
+    m = MODELS["qwen3-30b-a3b"]
+    assert m.weight_bytes_read(1) == pytest.approx(m.active_params * m.bytes_per_param, rel=1e-6)
+    assert m.weight_bytes_read(512) == pytest.approx(m.params * m.bytes_per_param, rel=1e-3)
+    p = roofline_profile("h100-sxm", "qwen3-30b-a3b")
+    floor = m.active_params * 2 / (HARDWARE["h100-sxm"].bandwidth_bytes_s * 0.8) + 0.004
+    assert p.decode_s(1) == pytest.approx(floor, rel=1e-6)  # ~6.5 ms: a 3B model's, not a 30B one's
+    assert p.prefill_s_per_token == pytest.approx(2 * m.active_params / (HARDWARE["h100-sxm"].flops * 0.6))

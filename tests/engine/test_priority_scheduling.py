@@ -279,7 +279,9 @@ def test_max_loras_never_starves_an_adapter_behind_a_busy_one() -> None:
     admitted: list[list[int]] = []
     while sched.has_unfinished():
         out = sched.schedule()
-        admitted.append(sorted(item.seq.seq_id for item in out.scheduled if item.seq.num_computed_tokens == 0))
+        admitted.append(
+            sorted(item.seq.seq_id for item in out.scheduled if item.seq.num_computed_tokens == 0)
+        )
         _run(sched, out)
         for seq in list(sched.running):
             if seq.num_output_tokens >= 2:

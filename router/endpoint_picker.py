@@ -261,7 +261,7 @@ class Exchange:
         )
         # the proxy's own choice (adapter affinity, then the policy, which it tells), outside the subset
         # hint's endpoints counted as already tried
-        choice = router._choose(route, {e.url for e in ready} - {e.url for e in candidates})
+        choice = router.choose(route, {e.url for e in ready} - {e.url for e in candidates})
         if choice is None:
             return None, "no engine of the pool is ready; retry shortly"
         router.endpoints.acquire(choice.url)

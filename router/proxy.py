@@ -225,7 +225,7 @@ class Router:
         session = headers.get(self.session_header) if self.session_header else None
         return RouteRequest(tuple(hashes), session, adapter)
 
-    def _choose(self, request: RouteRequest, tried: set[str]) -> Choice | None:
+    def choose(self, request: RouteRequest, tried: set[str]) -> Choice | None:
         candidates = [e for e in self.endpoints.routable() if e.url not in tried]
         if request.adapter is not None and self.adapters is not None:
             candidates = self.adapters.candidates(request.adapter, candidates)
@@ -314,9 +314,9 @@ class Router:
             request[NOT_RESUMABLE] = why_not
         for attempt in range(self.max_retries + 1):
             choosing = time.monotonic()
-            choice = self._choose(route, tried)
+            choice = self.choose(route, tried)
             if choice is None and attempt == 0 and await self._wait_for_endpoint():
-                choice = self._choose(route, tried)
+                choice = self.choose(route, tried)
             if self.tracer is not None:
                 self.tracer.routed(choosing, choice, self.policy.name, attempt)
             if choice is None:

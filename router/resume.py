@@ -21,15 +21,17 @@ from __future__ import annotations
 import json
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import web
 
 from .upstream import EngineBroken, EngineResponse, EngineUnreachable
 
 if TYPE_CHECKING:
-    from .policies import RouteRequest
-    from .proxy import Router
+    from .endpoints import EndpointSet
+    from .metrics import RouterMetrics
+    from .policies import Choice, RouteRequest
+    from .upstream import EnginePool
     from .usage_tap import UsageTap
 
 logger = logging.getLogger("specfleet.router")
@@ -38,6 +40,23 @@ logger = logging.getLogger("specfleet.router")
 # tests/router/test_resume.py holds the two equal: the router does not import the engine).
 TOKEN_IDS_HEADER = "x-specfleet-token-ids"
 RESUMABLE_PATHS = ("completions", "chat/completions")
+
+
+class Rerouter(Protocol):
+    """What resuming needs of the router (router/proxy.py's Router is one): its engines, its choice and
+    its limits. A protocol, so this module stands below the proxy that calls it."""
+
+    endpoints: EndpointSet
+    engines: EnginePool
+    metrics: RouterMetrics
+    max_resumes: int
+    max_retries: int
+    connect_timeout_s: float
+    request_timeout_s: float
+
+    def choose(self, request: RouteRequest, tried: set[str]) -> Choice | None: ...
+
+
 # Body fields whose presence (with a value other than these) makes a request not resumable
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
@@ -221,7 +240,7 @@ def error_event(message: str) -> bytes:
 
 
 async def follow(
-    router: Router,
+    router: Rerouter,
     request: web.Request,
     out: web.StreamResponse,
     upstream: EngineResponse,
@@ -290,7 +309,7 @@ async def _pipe(
 
 
 async def _reopen(
-    router: Router,
+    router: Rerouter,
     request: web.Request,
     relay: StreamRelay,
     route: RouteRequest,
@@ -302,7 +321,7 @@ async def _reopen(
     body = relay.resumed_body()
     why = "no other engine is ready"
     for _ in range(router.max_retries + 1):
-        choice = router._choose(route, tried)
+        choice = router.choose(route, tried)
         if choice is None:
             return why
         url = choice.url

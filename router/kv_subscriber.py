@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
@@ -82,10 +82,13 @@ class KVEventSubscriber:
 
     def sync(self, urls: Iterable[str], port: int, replay_port: int | None) -> None:
         """Subscribe to each engine not yet subscribed, unsubscribe from those gone."""
-        wanted = set(urls)
-        for url in wanted - self._subscribed:
-            self.add(url, *event_endpoints(url, port, replay_port))
-        for url in self._subscribed - wanted:
+        self.sync_to({url: event_endpoints(url, port, replay_port) for url in urls})
+
+    def sync_to(self, endpoints: Mapping[str, tuple[str, str | None]]) -> None:
+        """`sync` with each engine's own (PUB, replay) addresses, e.g. a local fleet's engines on one host."""
+        for url in endpoints.keys() - self._subscribed:
+            self.add(url, *endpoints[url])
+        for url in self._subscribed - endpoints.keys():
             self.remove(url)
 
     def remove(self, url: str) -> None:
@@ -185,11 +188,17 @@ class KVEventSubscriber:
 
 @dataclass
 class KVEventFeeds:
-    """The router's KV event subscriptions: every discovered engine on the fleet's event ports."""
+    """The router's KV event subscriptions: every discovered engine on the fleet's event ports, or, with
+    `addresses`, each engine on its own (a local fleet's engines share one host: `specfleet up`)."""
 
     subscriber: KVEventSubscriber
-    port: int
+    port: int = 0
     replay_port: int | None = None
+    # engine url -> its (PUB, replay) addresses; an engine not in it is not subscribed. None: the ports.
+    addresses: Mapping[str, tuple[str, str | None]] | None = None
 
     def sync(self, urls: Iterable[str]) -> None:
-        self.subscriber.sync(urls, self.port, self.replay_port)
+        if self.addresses is None:
+            self.subscriber.sync(urls, self.port, self.replay_port)
+        else:
+            self.subscriber.sync_to({u: self.addresses[u] for u in urls if u in self.addresses})

@@ -45,6 +45,16 @@ class RouterMetrics:
             registry=r,
             buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096),
         )
+        # The index's own hit rate, as the engines count theirs (specfleet_prefix_cache_hits / _queries):
+        # per routing decision the prompt's full blocks (`prompt`) and the leading ones the chosen engine
+        # is taken to hold (`matched`: the exact index's for an engine publishing KV events, else the
+        # estimate's; 0 under a policy that keeps no index).
+        self.prefix_blocks = Counter(
+            "specfleet_router_prefix_blocks",
+            "Prompt blocks routed (kind=prompt) and of those the chosen engine's index held (kind=matched)",
+            ["kind"],
+            registry=r,
+        )
         self.endpoints = Gauge(
             "specfleet_router_endpoints", "Engines known to the router by state", ["state"], registry=r
         )

@@ -233,6 +233,8 @@ class Router:
         if choice is not None:
             self.policy.routed(request, choice.url)  # before the send: the next decision sees this one
             self.metrics.decisions.labels(self.policy.name, choice.reason).inc()
+            self.metrics.prefix_blocks.labels("prompt").inc(len(request.hashes))
+            self.metrics.prefix_blocks.labels("matched").inc(choice.match_blocks)
         return choice
 
     async def forward(self, request: web.Request, body: bytes | None = None) -> web.StreamResponse:

@@ -254,6 +254,32 @@ def test_the_router_subscribes_to_discovered_engines_and_drops_gone_ones(publish
         feeds.subscriber.close()
 
 
+def test_feeds_with_addresses_subscribe_each_engine_at_its_own_sockets(publisher) -> None:
+    """A local fleet's engines share one host, each on sockets of its own (`specfleet up`): the feeds
+    subscribe an engine at the addresses noted for it and leave alone one that has none."""
+    from specfleet.router.kv_subscriber import KVEventFeeds
+
+    url, other = "http://127.0.0.1:8001", "http://127.0.0.1:8002"
+    index = ExactPrefixIndex(SEED)
+    feeds = KVEventFeeds(
+        KVEventSubscriber(index, topic="kv@"),
+        addresses={url: (publisher.endpoint, publisher.replay_endpoint)},
+    )
+    try:
+        feeds.sync([url, other])
+        tokens = _prompt(0, 1)
+        publisher.publish([BlockStored([5], None, tokens[:BS], BS, None, "GPU")])
+        time.sleep(1.0)  # a batch that beat the SUB connection comes back by replay with the next one's gap
+        publisher.publish([])
+        _wait_for(feeds.subscriber, url, 2)
+        assert feeds.subscriber.feeds[url].endpoint == publisher.endpoint
+        assert other not in feeds.subscriber.feeds
+        assert feeds.subscriber.match(url, chain_hashes(token_blocks(tokens, BS), SEED)) == 1
+        assert feeds.subscriber.match(other, chain_hashes(token_blocks(tokens, BS), SEED)) is None
+    finally:
+        feeds.subscriber.close()
+
+
 def test_a_sequence_gap_is_filled_from_the_replay_socket() -> None:
     """A PUB stream that skips batch 1 (what ZeroMQ does to a subscriber past its high-water mark): the
     subscriber asks the replay socket from 1, as vLLM's protocol says, and applies 1 before 2."""

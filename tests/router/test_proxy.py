@@ -257,6 +257,10 @@ def test_prefix_policy_keeps_a_tenant_on_one_engine_over_http():
             assert all(len(engines) == 1 for engines in seen.values()), seen
             assert 'specfleet_router_decisions_total{policy="prefix",reason="prefix"} 12.0' in text
             assert "specfleet_router_prefix_match_tokens_bucket" in text
+            # 16 prompts of 7 full 64-character blocks, all in the tenant's 480-character prefix: each
+            # tenant's first goes by the ring (no match), its next three match all 7 blocks
+            assert 'specfleet_router_prefix_blocks_total{kind="prompt"} 112.0' in text
+            assert 'specfleet_router_prefix_blocks_total{kind="matched"} 84.0' in text
         finally:
             await runner.cleanup()
             await a.stop()

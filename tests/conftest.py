@@ -17,6 +17,7 @@ import subprocess
 from collections.abc import Callable, Iterator
 
 import pytest
+from file_order import order_files
 from helpers import (
     TOKENIZER_FILES,
     free_port,
@@ -50,10 +51,21 @@ SLOW_FIXTURES = frozenset(
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    # xdist's loadfile scheduler sorts the files by their number of tests unless told not to, which put the
+    # longest files (one or two tests each) last; the order of the hook below is kept instead
+    # (tests/file_order.py says how the scheduler hands out files).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         if SLOW_FIXTURES.intersection(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.slow)
+    # The longest files first, so that CI's two workers end together (tests/file_order.py).
+    order = order_files((item.nodeid, item.get_closest_marker("slow") is not None) for item in items)
+    items[:] = [items[index] for index in order]
 
 
 @pytest.fixture(scope="session")

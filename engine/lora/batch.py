@@ -11,10 +11,15 @@ the native fused decode path stays on).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from specfleet.engine.lora.adapter import LoraAdapter
+from specfleet.engine.lora.stacked import STACKS, StackCache
 from specfleet.kernels import cpu_build, cpu_lora
+
+if TYPE_CHECKING:
+    from specfleet.kernels.lora_shrink_expand import LoraMapping
 
 
 @dataclass(frozen=True)
@@ -22,24 +27,47 @@ class LoraBatch:
     adapters: tuple[LoraAdapter, ...]  # one per row group, in the groups' order
     groups: cpu_lora.RowGroups
     native: bool  # the native kernel runs the deltas (CPU, float32, kernels built)
+    # the Triton kernels run them (CUDA; or CPU tensors through the interpreter, when built with triton=True)
+    mapping: LoraMapping | None = None
+    stacks: StackCache = STACKS
 
     @classmethod
     def build(
-        cls, spans: list[tuple[LoraAdapter | None, int, int]], num_rows: int, device: torch.device
+        cls,
+        spans: list[tuple[LoraAdapter | None, int, int]],
+        num_rows: int,
+        device: torch.device,
+        triton: bool | None = None,
     ) -> LoraBatch | None:
-        """spans: (adapter or None, first row, row count) per scheduled sequence. None: no adapter in the step."""
+        """spans: (adapter or None, first row, row count) per scheduled sequence. None: no adapter in the step.
+        triton: use the Triton kernels (default: on CUDA when triton is installed)."""
         by_adapter: dict[int, tuple[LoraAdapter, list[int]]] = {}
         for adapter, start, count in spans:
             if adapter is not None and count:
                 by_adapter.setdefault(id(adapter), (adapter, []))[1].extend(range(start, start + count))
         if not by_adapter:
             return None
-        adapters = tuple(a for a, _ in by_adapter.values())
-        groups = cpu_lora.RowGroups.of([rows for _, rows in by_adapter.values()])
-        native = device.type == "cpu" and cpu_build.available() and all(_described(a) for a in adapters)
+        if triton is None:
+            triton = device.type == "cuda" and _triton_installed()
+        entries = list(by_adapter.values())
+        if triton:  # a set of adapters in a stable order, so that its stacks are reused across steps
+            entries.sort(key=lambda e: (e[0].name, e[0].digest, id(e[0])))
+        adapters = tuple(a for a, _ in entries)
+        groups = cpu_lora.RowGroups.of([rows for _, rows in entries])
+        native = (
+            not triton
+            and device.type == "cpu"
+            and cpu_build.available()
+            and all(_described(a) for a in adapters)
+        )
         if device.type != "cpu":
             groups = cpu_lora.RowGroups(groups.rows.to(device), groups.starts)
-        return cls(adapters, groups, native)
+        mapping = None
+        if triton:
+            from specfleet.kernels.lora_shrink_expand import LoraMapping
+
+            mapping = LoraMapping.of_groups(groups.rows, groups.starts, num_rows)
+        return cls(adapters, groups, native, mapping)
 
     def native_step(self, num_layers: int) -> cpu_lora.LoraStep | None:
         """The step's adapters for the fused decode layers (every layer's four projections), or None when
@@ -55,15 +83,30 @@ class LoraBatch:
     def add(self, y: torch.Tensor, x: torch.Tensor, layer: int, proj: str) -> torch.Tensor:
         """y [rows, out] += each group's delta from x [rows, in] on projection `proj` of `layer`; returns y."""
         weights = [a.layers[layer].get(proj) for a in self.adapters]
+        if self.mapping is not None and any(w is not None for w in weights):
+            stacked = self.stacks.get(self.adapters, layer, proj, x.device, x.dtype)
+            if stacked is not None:
+                from specfleet.kernels.lora_shrink_expand import lora_expand, lora_shrink
+
+                s = lora_shrink(x, stacked.a, self.mapping)
+                return lora_expand(y, s, stacked.b, stacked.slice_starts, self.mapping)
         if self.native and x.dtype == torch.float32 and y.dtype == torch.float32:
             return cpu_lora.lora_add(y, x, self.groups, [w.desc if w is not None else None for w in weights])
-        pairs = [(w.a_t, w.b_t) if w is not None else None for w in weights]
+        pairs = [(w.a_t.to(x.device), w.b_t.to(x.device)) if w is not None else None for w in weights]
         return cpu_lora.lora_add_reference(y, x, self.groups, pairs)
 
 
 def _desc(adapter: LoraAdapter, layer: int, proj: str) -> cpu_lora.LoraDesc | None:
     w = adapter.layers[layer].get(proj)
     return w.desc if w is not None else None
+
+
+def _triton_installed() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _described(adapter: LoraAdapter) -> bool:

@@ -1,4 +1,5 @@
-"""The GPU check: kernel correctness on CUDA, copy and paged-decode bandwidth, whole-engine decode speed.
+"""The GPU check: kernel correctness on CUDA, copy and paged-decode bandwidth, the LoRA shrink/expand kernels,
+whole-engine decode speed.
 
 Writes ``$OUT/gpu.json`` after every section, so a run cut short still leaves what it measured. Each
 section fails soft: its error is recorded under ``errors`` and the next section runs. ``DRY_RUN=1`` runs
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import torch
 from specfleet.bench import kernels_bench
-from specfleet.bench.gpu import engine_decode, kernel_checks, quant_check
+from specfleet.bench.gpu import engine_decode, kernel_checks, lora_check, quant_check
 
 DRY_RUN = os.environ.get("DRY_RUN", "0") == "1"
 OUT = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="specfleet-gpu-"))
@@ -78,6 +79,11 @@ def _engine(report: dict, device: torch.device) -> None:
 def _quant_matmul(report: dict, device: torch.device) -> None:
     report["quant_matmul"] = quant_check.run(device, DRY_RUN, report.get("copy_bandwidth_gbs"))
     print(f"quant matmul: {report['quant_matmul']['passed']}/{report['quant_matmul']['cases']} passed")
+
+
+def _lora(report: dict, device: torch.device) -> None:
+    report["lora"] = lora_check.run(device, DRY_RUN)
+    print(f"lora shrink/expand: {report['lora']['passed']}/{report['lora']['cases']} passed")
 
 
 def _tp2(report: dict, device: torch.device) -> None:
@@ -141,6 +147,7 @@ def main() -> int:
     section("kernel_tests", _kernels)
     section("bandwidth", _bandwidth)
     section("quant_matmul", _quant_matmul)
+    section("lora", _lora)
     section("engine_decode", _engine)
     section("tp2_decode", _tp2)
     print(f"wrote {OUT / 'gpu.json'}; errors: {list(report['errors']) or 'none'}")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU check (issue 5): kernel tests on CUDA, paged-decode bandwidth, the 4-bit AWQ/GPTQ
-# dequantize-matmul (correctness and speed vs bf16, section quant_matmul), whole-engine decode tokens/s,
+# dequantize-matmul (correctness and speed vs bf16, section quant_matmul), the LoRA shrink/expand kernels
+# (correctness and time vs a torch gather-bmm, section lora), whole-engine decode tokens/s,
 # and the same decode at tensor_parallel_size=2 (section tp2_decode; `skipped` with fewer than 2 GPUs).
 # Installs nothing: needs python with torch, triton and transformers. Writes $OUT/gpu.json.
 #   bench/gpu/run.sh                 # on the GPU machine (about 3-5 minutes on an H200)

@@ -34,4 +34,6 @@ def test_dry_run_writes_every_figure(tmp_path: Path) -> None:
         assert key in report, key
     assert set(report["decode_tok_s"]) == {"1", "2"}
     assert report["quant_matmul"]["passed"] == report["quant_matmul"]["cases"] > 0
+    assert report["lora"]["passed"] == report["lora"]["cases"] > 0
+    assert report["lora"]["t16_h32_r16_loras2"]["triton_us"] > 0  # the dry run's tiny timed shape
     assert set(report["tp2_decode"]["decode_tok_s"]) == {"1", "2"}  # two CPU ranks over gloo

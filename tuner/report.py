@@ -11,6 +11,10 @@ from .loop import Tick
 from .policy.replicas import ReplicaDecision
 from .types import Decision, LiveSettings, TunedConfig
 
+# Adapters whose draft acceptance the status reason lists (by name): the reason stays a readable sentence
+# with --max-cpu-loras in the dozens; the rest are counted.
+MAX_ADAPTERS_SHOWN = 8
+
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 1)
@@ -32,8 +36,13 @@ def tuning_status(
         "goodput": None if d.observed_goodput is None else round(d.observed_goodput, 2),
         "requestRate": None if obs.request_rate is None else round(obs.request_rate, 3),
     }
+    reason = d.reason
+    if obs.lora_acceptance:  # the explanation names what the acceptance rate above is made of
+        shown = ", ".join(f"{name} {acc:.2f}" for name, acc in obs.lora_acceptance[:MAX_ADAPTERS_SHOWN])
+        more = len(obs.lora_acceptance) - MAX_ADAPTERS_SHOWN
+        reason += f"; draft acceptance by LoRA adapter: {shown}" + (f" (+{more} more)" if more > 0 else "")
     status: dict[str, Any] = {
-        "reason": d.reason[:4000],
+        "reason": reason[:4000],
         "lastDecisionTime": now
         if d.changed or "lastDecisionTime" not in previous
         else previous["lastDecisionTime"],

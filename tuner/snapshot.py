@@ -47,6 +47,8 @@ LORA_INFO, LORA_SLOTS, LORA_ADAPTERS = "vllm:lora_requests_info", "lora:slots", 
 
 
 PerPosition = dict[str, dict[int, float]]  # family (PER_POSITION) -> draft position -> value
+# per LoRA adapter (label `lora_name`, engine/server/lora_metrics.py): draft tokens, then accepted ones
+LORA_DRAFTS = ("lora_spec_decode_draft_tokens", "lora_spec_decode_accepted_tokens")
 
 
 @dataclass
@@ -61,6 +63,7 @@ class Snapshot:
     sums: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     gauges: dict[str, float] = field(default_factory=dict)
+    lora_drafts: dict[str, list[float]] = field(default_factory=dict)  # adapter -> [drafted, accepted]
 
     def config(self) -> TunedConfig | None:
         try:
@@ -84,6 +87,9 @@ def parse_metrics(text: str, time: float) -> Snapshot:
             short = name[len(P) :]
             if short.endswith("_total") and short[:-6] in COUNTERS:
                 snap.counters[short[:-6]] += value
+            elif short.endswith("_total") and short[:-6] in LORA_DRAFTS:
+                counts = snap.lora_drafts.setdefault(labels.get("lora_name", ""), [0.0, 0.0])
+                counts[LORA_DRAFTS.index(short[:-6])] += value
             elif short == "request_success_total":
                 snap.requests += value
             elif short.endswith("_total") and short[:-6] in PER_POSITION:
@@ -154,6 +160,9 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
         configs.pop() if len(configs) == 1 else None,
         len(pairs),
     )
+    acceptance = _lora_acceptance(pairs)
+    if acceptance:
+        obs = replace(obs, lora_acceptance=acceptance)
     if not lora:
         return obs
     return replace(
@@ -161,6 +170,20 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
         lora_slots=sum(g[LORA_SLOTS] for g in lora) / len(lora),
         lora_adapters=sum(g[LORA_ADAPTERS] for g in lora) / len(lora),
     )
+
+
+def _lora_acceptance(pairs: Sequence[tuple[Snapshot, Snapshot]]) -> tuple[tuple[str, float], ...]:
+    """Each adapter's accepted / drafted tokens over the window, pods summed; adapters without drafts left out."""
+    drafted: dict[str, float] = defaultdict(float)
+    accepted: dict[str, float] = defaultdict(float)
+    for before, after in pairs:
+        for name, (d, a) in after.lora_drafts.items():
+            d0, a0 = before.lora_drafts.get(name, (0.0, 0.0))
+            if d < d0:  # the pod restarted or the adapter was loaded again: its counters started over
+                d0 = a0 = 0.0
+            drafted[name] += d - d0
+            accepted[name] += a - a0
+    return tuple((name, accepted[name] / drafted[name]) for name in sorted(drafted) if drafted[name] > 0)
 
 
 def build_observation(

@@ -163,6 +163,10 @@ class Observation:
     # and adapters with requests running or waiting
     lora_slots: float | None = None
     lora_adapters: float | None = None
+    # Draft acceptance per served adapter over the window, (name, accepted / drafted) sorted by name: the
+    # draft runs without the adapter, so each adapter's requests accept a different share (engines'
+    # specfleet_lora_spec_decode_*_tokens_total, pods summed; adapters with no drafts left out)
+    lora_acceptance: tuple[tuple[str, float], ...] = ()
 
     @property
     def acceptance_rate(self) -> float | None:

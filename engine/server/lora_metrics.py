@@ -4,6 +4,12 @@ time. Read from the engine core (`lora_state`) when /metrics is scraped, into th
 vLLM encodes adapter activity in labels: one sample whose labels are `max_lora`, `running_lora_adapters`
 and `waiting_lora_adapters` (comma-joined names of adapters with requests in flight) and whose value is
 the wall-clock time it was taken; a reader takes the latest sample (the GIE endpoint picker does).
+
+With speculative decoding, the draft proposes without the adapter and the target verifies with it, so
+acceptance differs by adapter: `specfleet_lora_spec_decode_draft_tokens_total` and
+`..._accepted_tokens_total`, the per-adapter split of `specfleet_spec_decode_{draft,accepted}_tokens_total`,
+labelled `lora_name`. Only served adapters have series (bounded by what the operator loads); an unloaded
+adapter's series are removed, and a name loaded again starts from zero.
 """
 
 from __future__ import annotations
@@ -44,7 +50,21 @@ class LoraMetrics:
             registry=registry,
             buckets=LOAD_BUCKETS,
         )
+        spec_labels = ["model_name", "lora_name"]
+        self.draft_tokens = Counter(
+            "specfleet_lora_spec_decode_draft_tokens",
+            "Speculative tokens proposed to requests on a LoRA adapter (the draft runs without it)",
+            spec_labels,
+            registry=registry,
+        )
+        self.accepted_tokens = Counter(
+            "specfleet_lora_spec_decode_accepted_tokens",
+            "Speculative tokens accepted for requests on a LoRA adapter",
+            spec_labels,
+            registry=registry,
+        )
         self._loads = self._evictions = 0
+        self._drafts: dict[str, tuple[int, int]] = {}  # adapter -> the engine's totals at the last scrape
 
     def update(self, state: dict[str, Any]) -> None:
         """From the engine core's `lora_state`: the counters move by what changed since the last scrape."""
@@ -58,3 +78,18 @@ class LoraMetrics:
         self._loads, self._evictions = state["loads"], state["evictions"]
         for seconds in state["load_s"]:
             self.load_seconds.labels(m).observe(seconds)
+        self._update_drafts(state.get("drafts", {}))
+
+    def _update_drafts(self, drafts: dict[str, list[int]]) -> None:
+        m = self.model_name
+        for name in [n for n in self._drafts if n not in drafts]:  # unloaded: its series go with it
+            self.draft_tokens.remove(m, name)
+            self.accepted_tokens.remove(m, name)
+            del self._drafts[name]
+        for name, (drafted, accepted) in drafts.items():
+            seen_drafted, seen_accepted = self._drafts.get(name, (0, 0))
+            if drafted < seen_drafted:  # unloaded and loaded again between scrapes: counted from zero
+                seen_drafted = seen_accepted = 0
+            self.draft_tokens.labels(m, name).inc(drafted - seen_drafted)
+            self.accepted_tokens.labels(m, name).inc(accepted - seen_accepted)
+            self._drafts[name] = (drafted, accepted)

@@ -10,7 +10,11 @@ The two-engine fleets get `--kv-cache-gib` each; the one-engine reference gets t
 memory), so its hit rate is what the whole fleet's cache could hold with perfect locality. Every engine
 runs on one core of its own (`--cpus-per-engine 1`), as each replica of a GPU fleet has its own device.
 
-Writes JSON and a PNG next to it; the last stdout line is the JSON summary.
+`--phases eviction` (or `policies,eviction`) adds the eviction-pressure phase (bench/route_eviction.py):
+the prefix policy on a two-engine fleet whose KV cache is small against the tenants' system prompts, on the
+engines' KV events and then on the router's estimate, same requests; its figures go under `eviction`.
+
+Writes JSON (and, with the policies phase, a PNG) next to it; the last stdout line is the JSON summary.
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import random
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -26,44 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from specfleet.bench import stoppable
+from specfleet.bench import route_eviction, stoppable
+from specfleet.bench import route_workload as workload
+from specfleet.bench.route_workload import Turn, prefix_counters, stream_turn, system_prompt, warm_up
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.router.policies import POLICIES
 
-SUBJECTS = [
-    "billing",
-    "shipping",
-    "returns",
-    "warranty",
-    "accounts",
-    "security",
-    "installation",
-    "upgrades",
-    "refunds",
-    "loyalty points",
-    "gift cards",
-    "repairs",
-]
-QUESTIONS = [
-    "How do I start?",
-    "What does it cost?",
-    "How long does it take?",
-    "Can I cancel it?",
-    "Who do I contact if it fails?",
-    "Is there a limit?",
-    "What do I need to bring?",
-    "Can you summarise?",
-]
 REFERENCE = "one-engine"
-
-
-@dataclass
-class Turn:
-    ttft: float
-    e2e: float
-    output_tokens: int
-    ok: bool
+PHASES = ("policies", "eviction")
 
 
 @dataclass
@@ -75,90 +49,15 @@ class Run:
     decisions: dict[str, float] = field(default_factory=dict)
 
 
-def system_prompt(tenant: int, sentences: int) -> str:
-    """A tenant's own handbook: distinct from its first words on, deterministic."""
-    rng = random.Random(tenant)
-    company = f"Company {chr(65 + tenant)}{tenant * 7919 % 1000}"
-    lines = [f"You are the support assistant of {company}. Follow its handbook exactly."]
-    for i in range(sentences):
-        subject = rng.choice(SUBJECTS)
-        lines.append(
-            f"Rule {i + 1} of {company} on {subject}: handle case {rng.randint(100, 999)} within "
-            f"{rng.randint(2, 30)} days, refer to form {rng.choice('ABCDEFGH')}-{rng.randint(10, 99)}."
-        )
-    return " ".join(lines)
-
-
 def conversations(args: argparse.Namespace) -> list[tuple[int, list[str]]]:
-    """(tenant, user messages) per conversation, interleaved across tenants, deterministic."""
-    rng = random.Random(args.seed)
-    convs = [
-        (t, [rng.choice(QUESTIONS) + f" (ticket {rng.randint(1000, 9999)})" for _ in range(args.turns)])
-        for c in range(args.conversations)
-        for t in range(args.tenants)
-    ]
-    rng.shuffle(convs)
-    return convs
+    return workload.conversations(args.tenants, args.conversations, args.turns, args.seed)
 
 
 async def chat(
     client: httpx.AsyncClient, model: str, messages: list[dict[str, str]], max_tokens: int, session: str
 ) -> tuple[Turn, str]:
-    body = {
-        "model": model,
-        "messages": messages,
-        "max_tokens": max_tokens,
-        "temperature": 0.0,
-        "stream": True,
-        "stream_options": {"include_usage": True},
-    }
-    start, ttft, tokens = time.perf_counter(), 0.0, 0
-    text: list[str] = []
-    async with client.stream(
-        "POST", "/v1/chat/completions", json=body, headers={"x-session-id": session}
-    ) as r:
-        if r.status_code != 200:
-            return Turn(0.0, time.perf_counter() - start, 0, False), ""
-        async for line in r.aiter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            data = json.loads(line[6:])
-            for choice in data.get("choices") or []:
-                piece = (choice.get("delta") or {}).get("content") or ""
-                if piece and not text:
-                    ttft = time.perf_counter() - start
-                text.append(piece)
-            if data.get("usage"):
-                tokens = data["usage"].get("completion_tokens", 0)
-    return Turn(ttft, time.perf_counter() - start, tokens, bool(text)), "".join(text)
-
-
-def _counter(text: str, name: str) -> float:
-    total = 0.0
-    for line in text.splitlines():
-        if line.startswith(name) and not line.startswith(f"{name}_created") and " " in line:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
-async def prefix_counters(urls: list[str]) -> tuple[float, float]:
-    async with httpx.AsyncClient(timeout=10) as client:
-        texts = [(await client.get(f"{u}/metrics")).text for u in urls]
-    return (
-        sum(_counter(t, "specfleet_prefix_cache_hits") for t in texts),
-        sum(_counter(t, "specfleet_prefix_cache_queries") for t in texts),
-    )
-
-
-async def warm_up(urls: list[str]) -> None:
-    """One short request straight to each engine (not through the router, no tenant's prefix): the first
-    step of a fresh engine pays one-off costs that are no policy's doing."""
-    async with httpx.AsyncClient(timeout=300) as client:
-        for url in urls:
-            model = (await client.get(f"{url}/v1/models")).json()["data"][0]["id"]
-            await client.post(
-                f"{url}/v1/completions", json={"model": model, "prompt": "Warm up: 1 2 3 4", "max_tokens": 4}
-            )
+    body = {"model": model, "messages": messages, "max_tokens": max_tokens}
+    return await stream_turn(client, "/v1/chat/completions", body, session)
 
 
 async def run_config(args: argparse.Namespace, name: str, replicas: int, policy: str, kv_gib: float) -> Run:
@@ -226,6 +125,13 @@ def figures(run: Run) -> dict[str, float]:
 
 
 async def bench(args: argparse.Namespace) -> dict[str, Any]:
+    out = await policies_phase(args) if "policies" in args.phases else {}
+    if "eviction" in args.phases:
+        out["eviction"] = await route_eviction.eviction_phase(args, args.eviction_sizing)
+    return out
+
+
+async def policies_phase(args: argparse.Namespace) -> dict[str, Any]:
     configs = [(REFERENCE, 1, "least-loaded", 2 * args.kv_cache_gib)] if args.reference else []
     configs += [(p, 2, p, args.kv_cache_gib) for p in args.policies]
     order = configs + list(reversed(configs))[: len(configs) if args.repeats > 1 else 0]
@@ -341,6 +247,28 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-route.json")
+    p.add_argument(
+        "--phases",
+        type=lambda s: s.split(","),
+        default=["policies"],
+        help=f"comma-separated, from {', '.join(PHASES)}: the policies side by side, the eviction pressure",
+    )
+    # The eviction phase (bench/route_eviction.py). 128 blocks of 16 tokens hold four or five of the
+    # ~450-token system prompts per engine beside the two conversations it runs at once; two conversations
+    # in flight keep those within route_eviction.MAX_RUNNING_SHARE of it.
+    p.add_argument(
+        "--eviction-kv-blocks", type=int, default=128, help="eviction phase: KV cache blocks per engine"
+    )
+    p.add_argument(
+        "--eviction-pressure",
+        type=float,
+        default=2.0,
+        help="eviction phase: the tenants' system prompts over the fleet's KV cache (sets the tenants)",
+    )
+    p.add_argument("--eviction-conversations", type=int, default=2, help="eviction phase: per tenant")
+    p.add_argument(
+        "--eviction-concurrency", type=int, default=2, help="eviction phase: conversations in flight"
+    )
     return p
 
 
@@ -350,13 +278,24 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         print(f"specfleet bench route: unknown policies {unknown}; choose from {', '.join(POLICIES)}")
         return 2
+    unknown = [p for p in args.phases if p not in PHASES]
+    if unknown or not args.phases:
+        print(f"specfleet bench route: --phases {args.phases}: choose from {', '.join(PHASES)}")
+        return 2
     import yaml
 
     args.isvc = yaml.safe_load(Path(args.file).read_text())
+    if "eviction" in args.phases:  # sized before any engine starts: a flag it refuses fails at once
+        try:
+            args.eviction_sizing = route_eviction.plan(args)
+        except ValueError as error:
+            print(f"specfleet bench route: {error}")
+            return 2
     result = stoppable.run(bench(args))
     out = Path(args.out)
     out.write_text(json.dumps(result, indent=2))
-    plot(result, out.with_suffix(".png"))
+    if "policies" in args.phases:
+        plot(result, out.with_suffix(".png"))
     summary = {k: v for k, v in result.items() if k not in ("runs", "router_decisions")}
     print(json.dumps(summary))
     return 0

@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 from aiohttp import web
@@ -33,7 +33,9 @@ from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.adapters import AdapterTable
 from specfleet.router.endpoints import EndpointSet
-from specfleet.router.policies import service_policy
+from specfleet.router.kv_index import ExactPrefixIndex
+from specfleet.router.kv_subscriber import KVEventFeeds, KVEventSubscriber
+from specfleet.router.policies import PrefixAffinity, service_policy
 from specfleet.router.prefix import BlockHasher, stable_hash
 from specfleet.router.proxy import Router, serve
 from specfleet.router.tracing import ENDPOINT_FLAG, RouterTracer, traces_endpoint
@@ -134,6 +136,11 @@ class LocalFleet:
     say: Callable[[str], None] = field(default=lambda line: print(line, flush=True))
     # where the router's and the engines' spans go (engine/tracing.py traces_endpoint); None: no traces
     otlp_traces_endpoint: str | None = None
+    # The engines' KV events (engine/kv_events.py): "publish" has every engine publish on sockets of its
+    # own (ipc:// in the log folder: one host, so no shared port as in the cluster), "route" also has the
+    # router subscribe and the prefix policy route on the exact index (router/kv_subscriber.py); "off":
+    # neither. "publish" is the control of a comparison: the engines do the same work, the router estimates.
+    kv_events: Literal["off", "publish", "route"] = "off"
     engines: list[EngineProcess] = field(default_factory=list)
     admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
     ticks: list[Tick] = field(default_factory=list)
@@ -175,6 +182,14 @@ class LocalFleet:
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
         self._env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
         self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
+        self.kv_event_addresses: dict[str, tuple[str, str | None]] = {}  # engine url -> (PUB, replay)
+        if self.kv_events not in ("off", "publish", "route"):
+            raise ValueError(f"kv_events={self.kv_events!r} is not one of off, publish, route")
+        if self.kv_events == "route" and not isinstance(self.router.policy, PrefixAffinity):
+            raise ValueError(
+                f"kv_events='route' needs the prefix policy (the one that reads an index), not "
+                f"{self.router.policy.name!r}"
+            )
 
     @property
     def live_config_file(self) -> Path:
@@ -214,6 +229,10 @@ class LocalFleet:
             extra.append(f"{ENDPOINT_FLAG}={self.otlp_traces_endpoint}")
         if role != "prefill":
             extra.append(f"--live-config-file={self.live_config_file}")
+        sockets = self._kv_event_sockets(index) if self.kv_events != "off" else None
+        if sockets is not None:
+            events = {"enable_kv_cache_events": True, "endpoint": sockets[0], "replay_endpoint": sockets[1]}
+            extra.append(f"--kv-events-config={json.dumps(events)}")
         command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
         engine = EngineProcess(
             index,
@@ -226,10 +245,21 @@ class LocalFleet:
             cpus=self._take_cores(index),
         )
         self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
+        if sockets is not None:  # where the router's subscription finds it (kv_events="route")
+            self.kv_event_addresses[engine.url] = sockets
         self._start(engine)
         self.engines.append(engine)
         self.router.endpoints.set_state(engine.url, ready=False, draining=False, role=role)
         return engine
+
+    def _kv_event_sockets(self, index: int) -> tuple[str, str]:
+        """An engine's KV events PUB and replay sockets: ipc:// in the log folder (the engine binds them; a
+        restart binds the same ones)."""
+        assert self.log_dir is not None  # set in __post_init__
+        return (
+            f"ipc://{self.log_dir / f'engine-{index}-kv-pub.sock'}",
+            f"ipc://{self.log_dir / f'engine-{index}-kv-replay.sock'}",
+        )
 
     def _take_cores(self, index: int) -> frozenset[int] | None:
         if self.cpus_per_engine is None:
@@ -302,6 +332,8 @@ class LocalFleet:
         encode = local_tokenizer(spec.model.source)
         if encode is not None:
             self.router.hasher = BlockHasher(spec.engine.block_size, encode, self.router.hasher.seed)
+        if self.kv_events == "route":
+            self._subscribe_kv_events()
         self.port = self.port or free_port(self.host)
         if self.tuning or self.replica_policy is not None:  # before the router serves: its queue scales
             self.tuner = self.new_tuner()
@@ -311,6 +343,21 @@ class LocalFleet:
         self._spawn(self._watch_ready())
         if self.tuner is not None:
             self._spawn(self._tune_forever())
+
+    def _subscribe_kv_events(self) -> None:
+        """The router's subscriber on every engine's own sockets, read by the prefix policy (an engine
+        that published nothing yet is routed on the estimate meanwhile)."""
+        if self.router.hasher.encode is None:
+            for engine in self.engines:
+                engine.kill()
+            raise ValueError(
+                f"kv_events='route' needs the model's tokenizer.json (the events name token blocks); "
+                f"{self.isvc.spec.model.source!r} has none the router can read"
+            )
+        subscriber = KVEventSubscriber(ExactPrefixIndex(self.router.hasher.seed))
+        assert isinstance(self.router.policy, PrefixAffinity)  # checked in __post_init__
+        self.router.policy.exact = subscriber.match
+        self.router.kv_feeds = KVEventFeeds(subscriber, addresses=self.kv_event_addresses)
 
     def _spawn(self, work: Coroutine[Any, Any, None]) -> None:
         task = asyncio.create_task(work)
@@ -396,6 +443,9 @@ class LocalFleet:
                 self.cores.give_back(engine.cpus)
         else:
             self.router.endpoints.set_state(engine.url, ready=False, draining=False)
+        if self.router.kv_feeds is not None:
+            # its prefix cache and its event sequence are gone with it: the sync below subscribes afresh
+            self.router.kv_feeds.subscriber.remove(engine.url)
         self.router.endpoints_changed([engine.url])  # its prefix cache is gone with it
         if engine.retiring:
             self.say(f"[fleet] engine {engine.index} ({engine.url}) stopped ({describe_exit(code)})")

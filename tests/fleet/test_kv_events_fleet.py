@@ -1,0 +1,128 @@
+"""`specfleet up`'s fleet with the engines' KV events (LocalFleet `kv_events`): every engine publishes on
+sockets of its own, and with "route" the router's prefix policy reads the exact index they give. Real
+engines (a tiny random-weight llama with the bundled tokenizer), the real router, real ZeroMQ sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from specfleet.bench.route_workload import prefix_counters, system_prompt
+from specfleet.fleet.supervisor import LocalFleet
+from specfleet.operator.inference_service import load_inference_service
+from specfleet.router.policies import PrefixAffinity
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
+# 24 blocks of 16 tokens: one ~100-token prompt holds 7 of them, three other prompts of ~130 push it out
+NUM_KV_BLOCKS = 24
+
+
+def _fleet(source: str | None = None, **options: object) -> LocalFleet:
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    if source is not None:
+        doc["spec"]["model"]["source"] = source
+        doc["spec"]["model"]["maxModelLen"] = 512
+    doc["spec"]["replicas"] = 2
+    doc["spec"]["engine"]["drainTimeoutSeconds"] = 2
+    return LocalFleet(
+        load_inference_service(doc),
+        tune=False,
+        engine_extra_args=[f"--num-kv-blocks={NUM_KV_BLOCKS}"],
+        **options,
+    )
+
+
+def test_route_needs_the_prefix_policy_and_the_mode_is_one_of_three() -> None:
+    with pytest.raises(ValueError, match="kv_events='route' needs the prefix policy.*'round-robin'"):
+        _fleet(policy="round-robin", kv_events="route")
+    with pytest.raises(ValueError, match="kv_events='sideways' is not one of off, publish, route"):
+        _fleet(kv_events="sideways")
+
+
+def test_each_engine_publishes_on_ipc_sockets_of_its_own_in_the_log_folder() -> None:
+    fleet = _fleet(policy="prefix", kv_events="publish")
+    assert fleet._kv_event_sockets(1) == (
+        f"ipc://{fleet.log_dir}/engine-1-kv-pub.sock",
+        f"ipc://{fleet.log_dir}/engine-1-kv-replay.sock",
+    )
+    assert fleet._kv_event_sockets(0) != fleet._kv_event_sockets(1)
+
+
+async def _until(what: str, check, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+def _matched(fleet: LocalFleet) -> float:
+    return fleet.router.metrics.prefix_blocks.labels("matched")._value.get()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_the_router_predicts_the_engines_prefix_hits_through_an_eviction(tiny_llama: str) -> None:
+    """A prompt served once is matched in full on its engine; after that engine's cache evicts it (other
+    prompts sent to it directly), the router's index says so, where its estimate still holds it all: each
+    time the blocks the router predicted equal the tokens the engines found, over the block size."""
+
+    async def run() -> None:
+        pinned = 1 if len(os.sched_getaffinity(0)) >= 2 else None
+        fleet = _fleet(tiny_llama, policy="prefix", kv_events="route", cpus_per_engine=pinned)
+        await fleet.start(ready_timeout_s=120)
+        try:
+            assert fleet.router.kv_feeds is not None
+            subscriber = fleet.router.kv_feeds.subscriber
+            prompt = system_prompt(0, 3) + "\nUser: hi\nAssistant:"
+            hashes = fleet.router.hasher.hashes(prompt)
+            block_size = fleet.router.hasher.block_size
+            assert 5 <= len(hashes) <= 8, len(hashes)
+            # not a whole number of blocks: the engine then looks up every full block (it never caches the
+            # last prompt token, so a prompt of exactly n blocks can hit at most n - 1)
+            assert fleet.router.hasher.encode is not None
+            assert len(fleet.router.hasher.encode(prompt)) % block_size != 0
+            async with httpx.AsyncClient(base_url=fleet.url, timeout=60) as client:
+                model = (await client.get("/v1/models")).json()["data"][0]["id"]
+                body = {"model": model, "prompt": prompt, "max_tokens": 2}
+
+                async def routed_once() -> tuple[float, float]:
+                    """(blocks the router predicted, prompt tokens the engines found) for one request."""
+                    matched0, (hits0, _) = _matched(fleet), await prefix_counters(fleet.engine_urls)
+                    assert (await client.post("/v1/completions", json=body)).status_code == 200
+                    matched1, (hits1, _) = _matched(fleet), await prefix_counters(fleet.engine_urls)
+                    return matched1 - matched0, hits1 - hits0
+
+                assert await routed_once() == (0, 0)  # cold
+                await _until(
+                    "the engine's stored blocks in the router's index",
+                    lambda: any(subscriber.match(u, hashes) == len(hashes) for u in fleet.engine_urls),
+                )
+                home = next(u for u in fleet.engine_urls if subscriber.match(u, hashes) == len(hashes))
+                assert await routed_once() == (len(hashes), len(hashes) * block_size)
+                for tenant in (1, 2, 3):  # straight to its engine: the router sees none of them
+                    other = {"model": model, "prompt": system_prompt(tenant, 4), "max_tokens": 1}
+                    assert (await client.post(f"{home}/v1/completions", json=other)).status_code == 200
+                await _until(
+                    "the eviction in the router's index", lambda: subscriber.match(home, hashes) < len(hashes)
+                )
+                applied, deadline = -1, time.monotonic() + 30  # settled: a second without a new batch
+                while applied != (applied := sum(f.next_seq or 0 for f in subscriber.feeds.values())):
+                    assert time.monotonic() < deadline, "the engines' events never settled"
+                    await asyncio.sleep(1.0)
+                assert isinstance(fleet.router.policy, PrefixAffinity)
+                assert fleet.router.policy.index.match(home, hashes) == len(
+                    hashes
+                )  # the LRU of what was sent there sees no eviction
+                predicted = max(subscriber.match(u, hashes) or 0 for u in fleet.engine_urls)
+                assert predicted < len(hashes)
+                matched, hits = await routed_once()
+                assert (matched, hits) == (predicted, predicted * block_size)
+        finally:
+            await fleet.stop(drain_timeout_s=5)
+
+    asyncio.run(run())

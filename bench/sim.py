@@ -181,12 +181,39 @@ def figures(rows: list[dict[str, float]]) -> dict[str, float]:
     }
 
 
-async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float, float, str]:
+@dataclass(frozen=True)
+class Acceptance:
+    """What the real engines' /metrics said of the proposer on the trace, as the simulator takes it."""
+
+    per_pos: tuple[float, ...]  # P(position i accepted | a draft): simulated verified and shadow drafts
+    share: float  # verified drafts per sequence-step (the shadow's per lookup where none was verified)
+    length: float  # draft tokens per verified draft (shadow drafts' lengths are not exported: taken as full)
+    verified_k: int  # positions the verified drafts reached (0: none verified)
+    source: str  # "verified", "verified+shadow" (positions past verified_k from the shadow), "shadow" or ""
+    shadow_per_pos: tuple[float, ...] = ()  # the shadow drafts' own P(position i accepted | a draft)
+    shadow_share: float | None = None  # shadow lookups that found a draft (None: no lookup scored)
+
+
+def continued(verified: tuple[float, ...], shadow: tuple[float, ...]) -> tuple[float, ...]:
+    """The verified positions, continued past the k they were verified at by the shadow drafts' ratios
+    P(i accepted | i - 1 accepted) (scored up to the engine's ceiling for k while k was 0): what a larger
+    k would have accepted on this traffic, where extrapolating the last verified ratio guessed it (bench sim,
+    2026-12-06: verified 0.8, 0.775 at k = 2 went on at 0.97 a position, the shadow drafts' positions 3 and 4
+    fell to a tenth of that, and the simulated tuner chose k = 4 where the real one chose k = 2)."""
+    if not verified:
+        return shadow
+    out = list(verified)
+    for i in range(len(verified), len(shadow)):
+        out.append(out[-1] * shadow[i] / shadow[i - 1] if shadow[i - 1] > 0 else 0.0)
+    return tuple(out)
+
+
+async def scrape_acceptance(urls: list[str]) -> Acceptance:
     """Per-position acceptance, the share of decoding sequence-steps that got a proposal and the draft
-    tokens per draft, from /metrics: the verified drafts', or where none was verified (k stayed 0) the
-    engines' shadow drafts' (n-gram lookups scored while verifying none: the same proposer on the same
-    traffic, per lookup; their lengths are not exported, so taken as full), which the real tuner read; and
-    which of the two it is ("verified", "shadow", or "" for neither)."""
+    tokens per draft, from /metrics: the verified drafts', continued past their k by the engines' shadow
+    drafts (n-gram lookups scored while verifying none: the same proposer on the same traffic, per lookup),
+    or where none was verified (k stayed 0) the shadow drafts' alone; and the shadow drafts' own figures,
+    which the real tuner read while k was 0 and the simulated engines' shadow drafts report."""
     from specfleet.tuner.snapshot import PER_POSITION, parse_metrics
 
     drafts = draft_tokens = steps_seqs = shadow_drafts = lookups = 0.0
@@ -204,13 +231,27 @@ async def scrape_acceptance(urls: list[str]) -> tuple[tuple[float, ...], float, 
                 per_pos[pos] = per_pos.get(pos, 0.0) + v
             for pos, v in snap.per_pos[PER_POSITION[1]].items():
                 shadow_pos[pos] = shadow_pos.get(pos, 0.0) + v
-    if drafts:
-        positions = tuple(per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1))
-        return positions, min(1.0, drafts / max(steps_seqs, 1)), draft_tokens / drafts, "verified"
-    if shadow_drafts and shadow_pos:
-        positions = tuple(shadow_pos.get(i, 0.0) / shadow_drafts for i in range(max(shadow_pos) + 1))
-        return positions, min(1.0, shadow_drafts / max(lookups, 1)), float(len(positions)), "shadow"
-    return (), 1.0, 0.0, ""
+    shadow = (
+        tuple(shadow_pos.get(i, 0.0) / shadow_drafts for i in range(max(shadow_pos) + 1))
+        if shadow_drafts and shadow_pos
+        else ()
+    )
+    shadow_share = min(1.0, shadow_drafts / lookups) if lookups else None
+    if drafts and per_pos:
+        verified = tuple(per_pos.get(i, 0.0) / drafts for i in range(max(per_pos) + 1))
+        positions = continued(verified, shadow)
+        return Acceptance(
+            positions,
+            min(1.0, drafts / max(steps_seqs, 1)),
+            draft_tokens / drafts,
+            len(verified),
+            "verified+shadow" if len(positions) > len(verified) else "verified",
+            shadow,
+            shadow_share,
+        )
+    if shadow:
+        return Acceptance(shadow, shadow_share or 0.0, float(len(shadow)), 0, "shadow", shadow, shadow_share)
+    return Acceptance((), 1.0, 0.0, 0, "", shadow, shadow_share)
 
 
 @dataclass
@@ -373,6 +414,39 @@ def decisions(ticks: list[Any]) -> list[str]:
     return [t.decision.config.short() for t in ticks if t.decision.changed and t.decision.config]
 
 
+def _rounded(values: tuple[float, ...]) -> list[float]:
+    return [round(v, 3) for v in values]
+
+
+def tuner_trace(ticks: list[Any]) -> list[dict[str, Any]]:
+    """What each interval's policy was fed and what it decided, in either world (times from the first tick):
+    the figures a decision rests on (load, step, verified and shadow acceptance with their shares), so two
+    decision sequences that differ can be read side by side."""
+    if not ticks:
+        return []
+    t0 = ticks[0].observation.time
+    out = []
+    for t in ticks:
+        o = t.observation
+        out.append(
+            {
+                "t": round(o.time - t0, 1),
+                "config": o.config.short() if o.config else None,
+                "demand": None if o.demand is None else round(o.demand, 2),
+                "batch": None if o.batch_size is None else round(o.batch_size, 2),
+                "step_ms": None if o.step_duration_s is None else round(1000 * o.step_duration_s, 1),
+                "accepted_per_pos": _rounded(o.accepted_per_pos),
+                "proposal_share": None if o.proposal_share is None else round(o.proposal_share, 3),
+                "shadow_accepted_per_pos": _rounded(o.shadow_accepted_per_pos),
+                "shadow_share": None if o.shadow_share is None else round(o.shadow_share, 3),
+                "shadow_lookups_per_s": round(o.shadow_lookup_rate or 0.0, 1),
+                "kind": t.decision.kind,
+                "reason": t.decision.reason,
+            }
+        )
+    return out
+
+
 async def _simulate(
     c: Config,
     isvc: Any,
@@ -474,9 +548,10 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         # factors 0.61-0.92 on a quiet host, every calibrated figure worse than the uncalibrated one)
         before = await real_mix(fleet.engine_urls)
         rows = await replay(fleet.url, requests, c.copy)
-        acceptance, share, length, acceptance_from = await scrape_acceptance(fleet.engine_urls)
+        accepted = await scrape_acceptance(fleet.engine_urls)
         real_steps = (await real_mix(fleet.engine_urls)).since(before)
         real_decisions = decisions(fleet.ticks)
+        real_trace = tuner_trace(fleet.ticks)
     finally:
         await fleet.stop(drain_timeout_s=2)
     real = figures(rows)
@@ -484,10 +559,12 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         request_overhead_s=request_overhead,
         step_overhead_s=step_overhead,
         stream_overhead_s=stream_overhead,
-        proposal_share=share,
-        proposal_continue=proposal_continue(length, len(acceptance)),
+        proposal_share=accepted.share,
+        proposal_continue=proposal_continue(accepted.length, accepted.verified_k or len(accepted.per_pos)),
+        shadow_share=accepted.shadow_share,
         startup_s=startup_s,
     )
+    acceptance = accepted.per_pos
 
     # As measured: the profile from the start of the bench, which saw other neighbours on a shared machine.
     raw_sim, raw_run, raw_fleet = await _simulate(c, isvc, tuned, args, requests, acceptance)
@@ -508,14 +585,17 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
         "overhead_phases": seen,
         "acceptance": [round(a, 3) for a in acceptance],
-        "acceptance_from": acceptance_from,
-        "proposal_share": round(share, 3),
-        "draft_tokens_per_draft": round(length, 2),
+        "acceptance_from": accepted.source,
+        "proposal_share": round(accepted.share, 3),
+        "draft_tokens_per_draft": round(accepted.length, 2),
+        "shadow_acceptance": [round(a, 3) for a in accepted.shadow_per_pos],
+        "shadow_share": None if accepted.shadow_share is None else round(accepted.shadow_share, 3),
     }
     if c.tune:
         result["tuner_real"] = real_decisions
         result["tuner_sim"] = [d["config"] for d in run.decisions if d["config"]]
         result["tuner_same_sequence"] = result["tuner_real"] == result["tuner_sim"]
+        result["tuner_trace"] = {"real": real_trace, "sim": tuner_trace(run.ticks)}
     print(
         f"bench sim {c.name}: "
         + " ".join(f"{k}={v}" for k, v in errors.items())

@@ -134,9 +134,10 @@ class SimEngine:
         q = profile.proposal_continue
         self.verified = [min(1.0, c / q) if i else c for i, c in enumerate(self.conditional)]
         # the engine's shadow drafts, for a method that scores them (its own generator: the draws of
-        # verified drafts stay those of a fleet without them)
+        # verified drafts stay those of a fleet without them), finding a draft at the engine's per-lookup rate
+        shadow_share = profile.proposal_share if profile.shadow_share is None else profile.shadow_share
         self.shadow = (
-            SimShadow(limits.max_k, self.conditional, profile.proposal_share, random.Random(rng.random()))
+            SimShadow(limits.max_k, self.conditional, shadow_share, random.Random(rng.random()))
             if shadow and limits.max_k
             else None
         )

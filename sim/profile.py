@@ -82,6 +82,9 @@ class Profile:
     # P(a proposal holds position i + 1 | it holds position i) below the k asked: an n-gram match can have
     # fewer tokens after it than k (bench sim's copy workload: 3.0 tokens a draft at k = 4); 1: always k
     proposal_continue: float = 1.0
+    # share of the engine's shadow lookups (n-gram lookups scored while it verifies no drafts) that find a
+    # draft: per lookup, as the engine counts them, not per sequence-step; None: `proposal_share`
+    shadow_share: float | None = None
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
     # The API server's work on each step's output (`server_s`), in its own process beside the core: it
     # overlaps the core's next step (`period_s`). Per step: the serving loop's work outside `Engine.step()`
@@ -130,9 +133,10 @@ class Profile:
             any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos)
             or not 0.0 <= self.proposal_share <= 1.0
             or not 0.0 < self.proposal_continue <= 1.0
+            or (self.shadow_share is not None and not 0.0 <= self.shadow_share <= 1.0)
         ):
             raise ValueError(
-                "accepted_per_pos and proposal_share must lie in [0, 1], proposal_continue in (0, 1]"
+                "accepted_per_pos, proposal_share and shadow_share must lie in [0, 1], proposal_continue in (0, 1]"
             )
 
     # -- the model ---------------------------------------------------------------------------------

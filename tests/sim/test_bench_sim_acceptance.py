@@ -1,0 +1,143 @@
+"""bench sim's reading of the proposer from the real engines' /metrics, and what the simulated engines then
+report to the simulated tuner: the verified positions continued past their k by the shadow drafts' ratios,
+and the shadow drafts found at the engines' own per-lookup rate (issue 41: the two tuners decided k = 2
+and k = 4 on one workload when the simulator extrapolated the positions and diluted the shadow share)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from aiohttp import web
+from helpers import cpu_like_profile
+from specfleet.bench.sim import Acceptance, continued, scrape_acceptance
+from specfleet.operator import load_inference_service
+from specfleet.sim.fleet import SimFleet
+from specfleet.sim.workload import Lengths, Synthetic
+
+
+def test_verified_positions_go_on_at_the_shadow_drafts_ratios():
+    shadow = (0.9, 0.8, 0.08, 0.04)
+    out = continued((0.8, 0.775), shadow)
+    assert out[:2] == (0.8, 0.775)
+    # P(3 | 2) and P(4 | 3) of the shadow drafts: 0.1 and 0.5 (not the last verified ratio, 0.97)
+    assert out[2] == pytest.approx(0.0775) and out[3] == pytest.approx(0.03875)
+    assert continued((0.8, 0.775), ()) == (0.8, 0.775)  # no shadow drafts: nothing to continue with
+    assert continued((), shadow) == shadow  # none verified: the shadow drafts' own
+    assert continued((0.8,), (0.5, 0.0, 0.0)) == (0.8, 0.0, 0.0)  # a position never reached stays at 0
+
+
+def metrics_text(verified: list[float], drafts: float, shadow: list[float], shadow_drafts: float) -> str:
+    """An engine's /metrics as the engine's exposition names them (engine/server/metrics.py)."""
+    m = 'model_name="m"'
+    lines = [
+        f"specfleet_spec_decode_drafts_total{{{m}}} {drafts}",
+        f"specfleet_spec_decode_draft_tokens_total{{{m}}} {drafts * 1.9}",
+        f"specfleet_spec_decode_shadow_drafts_total{{{m}}} {shadow_drafts}",
+        f"specfleet_spec_decode_shadow_lookups_total{{{m}}} {shadow_drafts * 4}",
+        "specfleet_batch_size_bucket{" + m + ',le="+Inf"} 100',
+        f"specfleet_batch_size_sum{{{m}}} 1000",
+        f"specfleet_batch_size_count{{{m}}} 100",
+    ]
+    lines += [
+        f'specfleet_spec_decode_accepted_tokens_per_pos_total{{{m},position="{i}"}} {v}'
+        for i, v in enumerate(verified)
+    ]
+    lines += [
+        f'specfleet_spec_decode_shadow_accepted_tokens_per_pos_total{{{m},position="{i}"}} {v}'
+        for i, v in enumerate(shadow)
+    ]
+    return "\n".join(lines) + "\n"
+
+
+async def _scrape(texts: list[str]) -> Acceptance:
+    runners, urls = [], []
+    for text in texts:
+        app = web.Application()
+
+        async def handle(_: web.Request, body: str = text) -> web.Response:
+            return web.Response(text=body, content_type="text/plain")
+
+        app.router.add_get("/metrics", handle)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        runners.append(runner)
+        urls.append(f"http://127.0.0.1:{port}")
+    try:
+        return await scrape_acceptance(urls)
+    finally:
+        for runner in runners:
+            await runner.cleanup()
+
+
+def test_scrape_continues_verified_positions_with_the_shadow_and_keeps_the_per_lookup_share():
+    # two engines over real sockets, summed: 100 drafts verified at k = 2, 50 shadow drafts of 4 positions
+    # found by 200 lookups (while k was 0)
+    a = metrics_text([40, 38], 50, [22, 20, 2, 1], 25)
+    b = metrics_text([40, 39.5], 50, [23, 20, 3, 1], 25)
+    acc = asyncio.run(_scrape([a, b]))
+    assert acc.source == "verified+shadow" and acc.verified_k == 2
+    assert acc.per_pos[:2] == pytest.approx((0.8, 0.775))
+    assert acc.per_pos[2] == pytest.approx(0.775 * 5 / 40) and acc.per_pos[3] == pytest.approx(0.775 * 2 / 40)
+    assert acc.shadow_per_pos == pytest.approx((0.9, 0.8, 0.1, 0.04))
+    assert acc.shadow_share == pytest.approx(0.25)  # per lookup, as the engines count them
+    assert acc.share == pytest.approx(100 / 2000)  # verified drafts per sequence-step
+    assert acc.length == pytest.approx(1.9)
+    # none verified (k stayed 0): the shadow drafts' own figures
+    only = asyncio.run(_scrape([metrics_text([], 0, [22, 20, 2, 1], 25)]))
+    assert only.source == "shadow" and only.verified_k == 0
+    assert only.per_pos == pytest.approx((0.88, 0.8, 0.08, 0.04)) and only.share == pytest.approx(0.25)
+
+
+def test_simulated_shadow_drafts_report_the_engines_per_lookup_share_and_positions():
+    """With k = 0 the simulated engines' shadow counters, which the simulated tuner reads, hold the share and
+    positions bench sim measured on the real engines, not the verified drafts' per-step share."""
+    doc = {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
+            "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 512},
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 0},
+            "resources": {"gpus": 0},
+            "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
+        },
+    }
+    reqs = list(
+        Synthetic(
+            rates=((0.0, 3.0),),
+            duration_s=30,
+            prompt=Lengths("uniform", 16, 96),
+            output=Lengths("uniform", 32, 96),
+            seed=3,
+        ).requests()
+    )
+    per_pos = continued((0.8, 0.775), (0.9, 0.8, 0.08, 0.04))
+    profile = cpu_like_profile(num_kv_blocks=256).with_(proposal_share=0.03, shadow_share=0.4)
+    fleet = SimFleet(load_inference_service(doc), profile, accepted_per_pos=per_pos)
+    fleet.run(reqs)
+    snap = fleet.engines[0].snapshot(fleet.now)
+    lookups, found = snap.counters["spec_decode_shadow_lookups"], snap.counters["spec_decode_shadow_drafts"]
+    assert lookups > 500
+    assert found / lookups == pytest.approx(0.4, abs=0.05)  # not the per-step 0.03
+    shadow = [snap.per_pos["spec_decode_shadow_accepted_tokens_per_pos"][i] / found for i in range(4)]
+    # the positions past the verified k follow the shadow drafts' fall, not the last verified ratio (0.97)
+    assert shadow[0] == pytest.approx(0.8, abs=0.06) and shadow[1] == pytest.approx(0.775, abs=0.06)
+    assert shadow[2] < 0.15 and shadow[3] < 0.1
+    # without a shadow share of its own, the profile's proposal share, as before
+    fallback = SimFleet(
+        load_inference_service(doc), profile.with_(shadow_share=None), accepted_per_pos=per_pos
+    )
+    fallback.run(reqs)
+    snap = fallback.engines[0].snapshot(fallback.now)
+    share = snap.counters["spec_decode_shadow_drafts"] / snap.counters["spec_decode_shadow_lookups"]
+    assert share == pytest.approx(0.03, abs=0.02)
+
+
+def test_a_shadow_share_outside_0_1_is_refused_by_name():
+    with pytest.raises(ValueError, match="shadow_share"):
+        cpu_like_profile(num_kv_blocks=256).with_(shadow_share=1.5)

@@ -21,6 +21,7 @@ import random
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -264,6 +265,11 @@ class StepMix:
     prompt_tokens: float = 0.0  # prompt tokens computed
     draft_tokens: float = 0.0
     drafts: float = 0.0  # sequence-steps that verified proposals
+    # the engines' own view of their requests' first tokens (their API servers': from a request's arrival
+    # there), so that a client TTFT can be split into the engines' part and the path to and from them
+    requests: float = 0.0
+    ttft_seconds: float = 0.0
+    queue_seconds: float = 0.0  # arrival to first scheduling
 
     def add(self, counters: dict[str, float], sums: dict[str, float], counts: dict[str, float]) -> None:
         self.steps += counts.get("step_duration_seconds", 0.0)
@@ -272,6 +278,17 @@ class StepMix:
         self.prompt_tokens += counters.get("prompt_tokens", 0.0)
         self.draft_tokens += counters.get("spec_decode_draft_tokens", 0.0)
         self.drafts += counters.get("spec_decode_drafts", 0.0)
+        self.requests += counts.get("time_to_first_token_seconds", 0.0)
+        self.ttft_seconds += sums.get("time_to_first_token_seconds", 0.0)
+        self.queue_seconds += sums.get("request_queue_time_seconds", 0.0)
+
+    def ttft_ms(self) -> dict[str, float]:
+        """The engines' mean TTFT and queue time over the requests they finished."""
+        n = max(self.requests, 1.0)
+        return {
+            "engine_ttft_ms_mean": round(1000 * self.ttft_seconds / n, 1),
+            "engine_queue_ms_mean": round(1000 * self.queue_seconds / n, 1),
+        }
 
     def since(self, earlier: StepMix) -> StepMix:
         """The steps between two reads of the same engines."""
@@ -495,6 +512,11 @@ def scale_note(real_speed: float, sim_speed: float) -> str:
     return "; ".join(parts) or "both within the band, their ratio outside it"
 
 
+def _mean_ms(values: Iterable[float]) -> float:
+    seen = list(values)
+    return round(1000 * sum(seen) / max(len(seen), 1), 1)
+
+
 def _errors(sim: dict[str, float], real: dict[str, float]) -> dict[str, float]:
     """The simulation's error against the real run, in percent of the real figure."""
     return {
@@ -569,8 +591,9 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     # As measured: the profile from the start of the bench, which saw other neighbours on a shared machine.
     raw_sim, raw_run, raw_fleet = await _simulate(c, isvc, tuned, args, requests, acceptance)
     factor, scale = calibration(real_steps, sim_mix(raw_fleet), tuned)
-    sim, run, _ = await _simulate(c, isvc, rescaled(tuned, factor), args, requests, acceptance)
+    sim, run, calibrated = await _simulate(c, isvc, rescaled(tuned, factor), args, requests, acceptance)
     errors = _errors(sim, real)
+    sim_steps = sim_mix(calibrated)
     result = {
         "config": c.name,
         "requests": len(requests),
@@ -584,6 +607,17 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         "step_overhead_ms": round(step_overhead * 1000, 1),
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
         "overhead_phases": seen,
+        # where a TTFT went: the clients' mean against the engines' own (the rest is the HTTP path: client,
+        # router, the engines' API servers before the request reaches them)
+        "ttft_parts": {
+            "real": {"client_ttft_ms_mean": _mean_ms(r["ttft_s"] for r in rows), **real_steps.ttft_ms()},
+            "sim": {
+                "client_ttft_ms_mean": _mean_ms(
+                    x.first_token_s - x.arrival_s for x in run.records if x.first_token_s is not None
+                ),
+                **sim_steps.ttft_ms(),
+            },
+        },
         "acceptance": [round(a, 3) for a in acceptance],
         "acceptance_from": accepted.source,
         "proposal_share": round(accepted.share, 3),

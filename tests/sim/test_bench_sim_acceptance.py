@@ -141,3 +141,39 @@ def test_simulated_shadow_drafts_report_the_engines_per_lookup_share_and_positio
 def test_a_shadow_share_outside_0_1_is_refused_by_name():
     with pytest.raises(ValueError, match="shadow_share"):
         cpu_like_profile(num_kv_blocks=256).with_(shadow_share=1.5)
+
+
+def test_ttft_parts_split_the_clients_ttft_into_the_engines_and_the_path():
+    """bench sim's `ttft_parts`: the engines' own mean TTFT (their histograms) against the clients'; in the
+    simulation the difference is the profile's request overhead, which the engines never see."""
+    from specfleet.bench.sim import _mean_ms, sim_mix
+
+    doc = {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
+            "batching": {"maxNumSeqs": 8, "maxNumBatchedTokens": 512},
+            "resources": {"gpus": 0},
+            "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
+        },
+    }
+    reqs = list(
+        Synthetic(
+            rates=((0.0, 4.0),),
+            duration_s=10,
+            prompt=Lengths("uniform", 16, 96),
+            output=Lengths("uniform", 16, 64),
+            seed=2,
+        ).requests()
+    )
+    fleet = SimFleet(
+        load_inference_service(doc), cpu_like_profile(num_kv_blocks=256).with_(request_overhead_s=0.04)
+    )
+    run = fleet.run(reqs)
+    parts = sim_mix(fleet).ttft_ms()
+    client = _mean_ms(r.first_token_s - r.arrival_s for r in run.records if r.first_token_s is not None)
+    assert parts["engine_queue_ms_mean"] > 0  # 8 sequences at most: some wait
+    assert parts["engine_ttft_ms_mean"] > parts["engine_queue_ms_mean"]
+    assert client - parts["engine_ttft_ms_mean"] == pytest.approx(40.0, abs=0.3)

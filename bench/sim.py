@@ -554,6 +554,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         interval_s=args.interval,
         window_s=args.window,
         engine_extra_args=["--kv-cache-gib", str(KV_GIB), "--log-level", "warning"],
+        cpus_per_engine=args.cpus_per_engine,
     )
     started = time.perf_counter()
     await fleet.start()
@@ -680,6 +681,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     profile.save(Path(args.out_dir) / "sim-profile.json")  # at once: `--profile` reuses it if the run is cut
+    load_at_start = os.getloadavg()
     seconds = 20.0 if args.quick else args.seconds
     chosen = [c for c in configs(seconds) if not args.only or c.name in args.only]
     results = []
@@ -697,8 +699,35 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "tuner_decisions_sim": tuner["tuner_sim"] if tuner else None,
         "tuner_same_sequence": tuner["tuner_same_sequence"] if tuner else None,
         "uncalibrated": raw,
+        "host": host_record(args, load_at_start),
         "configs": results,
         "profile": profile.to_json(),
+    }
+
+
+def host_record(args: argparse.Namespace, load_at_start: tuple[float, float, float]) -> dict[str, Any]:
+    """The machine the figures come from: its CPU, the cores this process may use, how the engines held
+    them, and its load averages (1, 5, 15 min) when the configurations started and ended (the profile's
+    measurement before them): on a shared host, the neighbours' share of the cores."""
+    model = ""
+    try:
+        model = next(
+            (
+                line.split(":", 1)[1].strip()
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")
+            ),
+            "",
+        )
+    except OSError:
+        pass
+    return {
+        "cpu": model,
+        "cores": len(os.sched_getaffinity(0)),
+        "threads_per_engine": args.threads,
+        "cpus_per_engine": args.cpus_per_engine,
+        "load_average_start": [round(x, 2) for x in load_at_start],
+        "load_average_end": [round(x, 2) for x in os.getloadavg()],
     }
 
 
@@ -719,6 +748,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--profile", default=None, help="reuse this profile instead of measuring one (iteration only)"
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads per engine (and in the profile)")
+    p.add_argument(
+        "--cpus-per-engine",
+        type=int,
+        default=None,
+        help="pin each real engine to this many cores of its own (`specfleet up --cpus-per-engine`)",
+    )
     p.add_argument("--out-dir", default="bench/results")
     return p
 

@@ -177,3 +177,12 @@ def test_ttft_parts_split_the_clients_ttft_into_the_engines_and_the_path():
     assert parts["engine_queue_ms_mean"] > 0  # 8 sequences at most: some wait
     assert parts["engine_ttft_ms_mean"] > parts["engine_queue_ms_mean"]
     assert client - parts["engine_ttft_ms_mean"] == pytest.approx(40.0, abs=0.3)
+
+
+def test_bench_sim_records_the_host_it_ran_on():
+    from specfleet.bench.sim import build_parser, host_record
+
+    args = build_parser().parse_args(["--quick", "--cpus-per-engine", "1"])
+    host = host_record(args, (1.0, 2.0, 3.0))
+    assert host["cores"] >= 1 and host["cpus_per_engine"] == 1 and host["threads_per_engine"] == 1
+    assert host["load_average_start"] == [1.0, 2.0, 3.0] and len(host["load_average_end"]) == 3

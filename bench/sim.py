@@ -205,7 +205,12 @@ def continued(verified: tuple[float, ...], shadow: tuple[float, ...]) -> tuple[f
         return shadow
     out = list(verified)
     for i in range(len(verified), len(shadow)):
-        out.append(out[-1] * shadow[i] / shadow[i - 1] if shadow[i - 1] > 0 else 0.0)
+        if shadow[i - 1] > 0:
+            out.append(out[-1] * shadow[i] / shadow[i - 1])
+        elif out[-1] > 0:
+            break  # the shadow drafts never reached a position the verified ones did: no ratio to go on with
+        else:
+            out.append(0.0)
     return tuple(out)
 
 
@@ -544,13 +549,30 @@ def calibration(real: StepMix, sim: StepMix, profile: Profile) -> tuple[float, d
     }
 
 
+async def tick_with_the_trace(fleet: LocalFleet, interval_s: float, done: asyncio.Event) -> None:
+    """The real tuner's intervals at the trace's start and every `interval_s` after it, on a fixed schedule,
+    until the first one after the trace's last request finished (`done`): the simulated fleet's, whose
+    simulated time starts with the trace. The fleet's own loop ticked from whenever it happened to wake
+    (bench sim, 2026-12-06: 3 s into the trace, then 0.5 s later each interval), so the two tuners' windows
+    held different requests: the real one decided k = 4 at its second tick on a window the simulated one's
+    second tick had not reached (no request had finished), and the decisions parted there."""
+    t0 = time.perf_counter()
+    n = 0
+    while True:
+        await fleet.tick()
+        if done.is_set():
+            return
+        n += 1
+        await asyncio.sleep(max(0.0, t0 + n * interval_s - time.perf_counter()))
+
+
 async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> dict[str, Any]:
     requests = list(c.workload.requests())
     isvc = load_inference_service(isvc_doc(c, args.interval))
     fleet = LocalFleet(
         isvc,
         port=0,
-        tune=c.tune,
+        tune=False,  # the tuner of a tuned configuration starts with the trace, below
         interval_s=args.interval,
         window_s=args.window,
         engine_extra_args=["--kv-cache-gib", str(KV_GIB), "--log-level", "warning"],
@@ -563,14 +585,19 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         request_overhead, step_overhead, stream_overhead, seen = await overheads(
             fleet.url, fleet.engine_urls, profile
         )
-        if c.tune:  # a fresh tuner that starts with the trace (the first tick is the scrape base)
-            fleet.tuner = fleet.new_tuner()
-            fleet.ticks.clear()
         # the trace's steps only: the overhead phases' lone and burst steps (and the warm-up) are not in the
         # simulation, and counted in made the calibration compare a different mix (bench sim, 2026-12-03:
         # factors 0.61-0.92 on a quiet host, every calibrated figure worse than the uncalibrated one)
         before = await real_mix(fleet.engine_urls)
+        done = asyncio.Event()
+        ticker = None
+        if c.tune:  # a fresh tuner whose first tick (the scrape base) is the trace's start
+            fleet.tuner = fleet.new_tuner()
+            ticker = asyncio.create_task(tick_with_the_trace(fleet, args.interval, done))
         rows = await replay(fleet.url, requests, c.copy)
+        done.set()
+        if ticker is not None:
+            await ticker
         accepted = await scrape_acceptance(fleet.engine_urls)
         real_steps = (await real_mix(fleet.engine_urls)).since(before)
         real_decisions = decisions(fleet.ticks)

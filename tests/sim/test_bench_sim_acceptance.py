@@ -25,6 +25,9 @@ def test_verified_positions_go_on_at_the_shadow_drafts_ratios():
     assert continued((0.8, 0.775), ()) == (0.8, 0.775)  # no shadow drafts: nothing to continue with
     assert continued((), shadow) == shadow  # none verified: the shadow drafts' own
     assert continued((0.8,), (0.5, 0.0, 0.0)) == (0.8, 0.0, 0.0)  # a position never reached stays at 0
+    # shadow drafts that never got as far as the verified ones (bench sim's copy-1e-spec, 2026-12-06: eight
+    # positions of 0 at k = 4) give no ratio to continue with: the verified positions alone
+    assert continued((0.66, 0.52, 0.45, 0.39), (0.0,) * 8) == (0.66, 0.52, 0.45, 0.39)
 
 
 def metrics_text(verified: list[float], drafts: float, shadow: list[float], shadow_drafts: float) -> str:
@@ -186,3 +189,36 @@ def test_bench_sim_records_the_host_it_ran_on():
     host = host_record(args, (1.0, 2.0, 3.0))
     assert host["cores"] >= 1 and host["cpus_per_engine"] == 1 and host["threads_per_engine"] == 1
     assert host["load_average_start"] == [1.0, 2.0, 3.0] and len(host["load_average_end"]) == 3
+
+
+def test_the_real_tuner_ticks_with_the_trace_on_a_fixed_schedule():
+    """bench sim's real tuner: a tick at the trace's start and every interval after it, however long a tick
+    takes (no drift), until the first tick after the trace ended: the simulated tuner's schedule. The fleet
+    stands in for `LocalFleet`, of which only `tick` is called."""
+    import time
+
+    from specfleet.bench.sim import tick_with_the_trace
+
+    class Fleet:
+        def __init__(self) -> None:
+            self.times: list[float] = []
+
+        async def tick(self) -> None:
+            self.times.append(time.perf_counter())
+            await asyncio.sleep(0.03)  # a scrape of loaded engines takes a while
+
+    async def run() -> tuple[list[float], float]:
+        fleet, done = Fleet(), asyncio.Event()
+        start = time.perf_counter()
+        task = asyncio.create_task(tick_with_the_trace(fleet, 0.1, done))
+        await asyncio.sleep(0.35)  # the trace
+        done.set()
+        end = time.perf_counter()
+        await task
+        return [t - start for t in fleet.times], end - start
+
+    times, end = asyncio.run(run())
+    assert len(times) == 5  # at 0, 0.1, 0.2, 0.3 during the trace, and 0.4, the first after its end
+    for i, t in enumerate(times):
+        assert t == pytest.approx(0.1 * i, abs=0.025)  # the 0.03 s a tick takes does not add up
+    assert times[-1] >= end

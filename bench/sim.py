@@ -553,9 +553,9 @@ async def tick_with_the_trace(fleet: LocalFleet, interval_s: float, done: asynci
     """The real tuner's intervals at the trace's start and every `interval_s` after it, on a fixed schedule,
     until the first one after the trace's last request finished (`done`): the simulated fleet's, whose
     simulated time starts with the trace. The fleet's own loop ticked from whenever it happened to wake
-    (bench sim, 2026-12-06: 3 s into the trace, then 0.5 s later each interval), so the two tuners' windows
-    held different requests: the real one decided k = 4 at its second tick on a window the simulated one's
-    second tick had not reached (no request had finished), and the decisions parted there."""
+    (bench sim, 2026-12-06: over 1 s into the trace, then 0.4-0.5 s later each interval), so the two tuners'
+    windows held different requests: the real one decided k = 4 at its second tick, on a request that had
+    finished, where the simulated one's second tick came before the trace's first arrival (6.1 s)."""
     t0 = time.perf_counter()
     n = 0
     while True:

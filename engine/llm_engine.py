@@ -177,7 +177,8 @@ class Engine:
 
     def lora_state(self) -> dict[str, Any]:
         """What the server reports: adapters served (name -> path), those with running and waiting
-        requests, and the load and eviction counts with each load's seconds since the last call."""
+        requests, the load and eviction counts with each load's seconds since the last call, and each
+        served adapter's [draft tokens, accepted] totals (speculative decoding)."""
         running, waiting = self.lora_requests_info()
         if self.lora is None:
             return {
@@ -187,6 +188,7 @@ class Engine:
                 "loads": 0,
                 "evictions": 0,
                 "load_s": [],
+                "drafts": {},
             }
         stats = self.lora.stats
         load_s, stats.load_seconds = stats.load_seconds, []
@@ -197,6 +199,7 @@ class Engine:
             "loads": stats.loads,
             "evictions": stats.evictions,
             "load_s": load_s,
+            "drafts": {name: list(counts) for name, counts in stats.drafts.items()},
         }
 
     def _lora_for(self, lora_name: str | None) -> LoraAdapter | None:
@@ -899,6 +902,8 @@ class Engine:
             num_accepted_tokens=spec.num_accepted_tokens,
             accepted_per_pos=spec.accepted_per_pos,
         )
+        if self.lora is not None and spec.per_adapter:
+            self.lora.count_drafts(spec.per_adapter)
         self.stats.prefix_cache_queries = self.scheduler.prefix_queries
         self.stats.prefix_cache_hits = self.scheduler.prefix_hits
         if self.shadow is not None:

@@ -42,9 +42,14 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    per_adapter: dict[str, list[int]] = field(default_factory=dict)  # LoRA name -> [proposed, accepted]
 
-    def add(self, proposed: int, accepted: int) -> None:
+    def add(self, proposed: int, accepted: int, adapter: str | None = None) -> None:
         self.num_drafts += 1
+        if adapter is not None:
+            counts = self.per_adapter.setdefault(adapter, [0, 0])
+            counts[0] += proposed
+            counts[1] += accepted
         self.num_draft_tokens += proposed
         self.num_accepted_tokens += accepted
         while len(self.accepted_per_pos) < proposed:
@@ -428,7 +433,7 @@ class ModelRunner:
             sampled.append(r.tokens)
             logprobs.append(r.logprobs)
             if r.k and r.tokens:
-                spec_stats.add(r.k, len(r.tokens) - 1)
+                spec_stats.add(r.k, len(r.tokens) - 1, r.seq.lora.name if r.seq.lora is not None else None)
         return ModelRunnerOutput(sampled, logprobs, spec=spec_stats)
 
     def sampling_batch(

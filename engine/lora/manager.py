@@ -1,5 +1,6 @@
 """The engine's adapters: names the engine knows (and where their files are), the ones held in host memory
-(an LRU of at most `max_cpu_loras`), and their load and eviction counts.
+(an LRU of at most `max_cpu_loras`), their load and eviction counts, and each served adapter's speculative
+draft and accepted tokens (the draft proposes without the adapter, so its acceptance differs by adapter).
 
 A known adapter that was evicted is read again from its path on its next request. A request holds its
 adapter object until it finishes, so unloading or reloading a name never changes what an in-flight request
@@ -25,6 +26,8 @@ class LoraStats:
     loads: int = 0
     evictions: int = 0
     load_seconds: list[float] = field(default_factory=list)  # each load's time, drained by the metrics
+    # adapter name -> [draft tokens verified, of those accepted]: served adapters only, dropped on unload
+    drafts: dict[str, list[int]] = field(default_factory=dict)
 
 
 class LoraManager:
@@ -81,7 +84,17 @@ class LoraManager:
             raise LoraError(f"lora_name={name!r} is not loaded (loaded: {', '.join(self.paths) or 'none'})")
         del self.paths[name]
         self.resident.pop(name, None)
+        self.stats.drafts.pop(name, None)
         log.info("event=lora_unloaded name=%s", name)
+
+    def count_drafts(self, per_adapter: dict[str, list[int]]) -> None:
+        """Add a step's [draft tokens, accepted] per adapter name; requests still finishing on an adapter
+        unloaded meanwhile are not counted (its series is gone)."""
+        for name, (drafted, accepted) in per_adapter.items():
+            if name in self.paths:
+                total = self.stats.drafts.setdefault(name, [0, 0])
+                total[0] += drafted
+                total[1] += accepted
 
     def get(self, name: str) -> LoraAdapter:
         """The adapter a request names, read again from its path when the LRU evicted it."""

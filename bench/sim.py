@@ -500,13 +500,20 @@ async def _simulate(
 SCALE_BAND = 0.1  # a calibration factor further than this from 1 is explained in the output (issue 41)
 
 
-def scale_note(real_speed: float, sim_speed: float) -> str:
-    """Why the calibration factor left 1 +- SCALE_BAND: which world's steps left the profile's prediction."""
+def scale_note(real_speed: float, sim_speed: float, host_cpu: dict[str, float] | None = None) -> str:
+    """Why the calibration factor left 1 +- SCALE_BAND: which world's steps left the profile's prediction,
+    and what else kept the host's cores busy meanwhile (`HostCpu`)."""
     parts = []
     if abs(real_speed - 1) > SCALE_BAND:
+        others = (host_cpu or {}).get("others_cores")
+        seen = (
+            f": other processes kept {others:.2f} of the {len(os.sched_getaffinity(0))} cores busy during the trace"
+            if others is not None
+            else ""
+        )
         parts.append(
             f"the real engines' steps took {real_speed:.2f}x the profile's prediction for their work "
-            "(the machine's speed changed since the profile: other load on a shared host)"
+            f"(the machine's speed changed since the profile: other load on a shared host{seen})"
         )
     if abs(sim_speed - 1) > SCALE_BAND:
         parts.append(
@@ -530,7 +537,9 @@ def _errors(sim: dict[str, float], real: dict[str, float]) -> dict[str, float]:
     }
 
 
-def calibration(real: StepMix, sim: StepMix, profile: Profile) -> tuple[float, dict[str, Any]]:
+def calibration(
+    real: StepMix, sim: StepMix, profile: Profile, host_cpu: dict[str, float] | None = None
+) -> tuple[float, dict[str, Any]]:
     """The calibration factor and its record. Calibrated, the profile's model costs are rescaled by how
     much slower (or faster) the real engines' own `Engine.step()` ran over the trace than the profile
     predicts for the work their steps held (/metrics: steps, their seconds, sequences, prompt and draft
@@ -544,7 +553,9 @@ def calibration(real: StepMix, sim: StepMix, profile: Profile) -> tuple[float, d
         # each world's mean step over the profile's prediction at its mean mix, whose ratio is the factor
         "profile_scale_parts": {"real": round(real_speed, 3), "sim": round(sim_speed, 3)},
         **(
-            {} if abs(factor - 1) <= SCALE_BAND else {"profile_scale_note": scale_note(real_speed, sim_speed)}
+            {}
+            if abs(factor - 1) <= SCALE_BAND
+            else {"profile_scale_note": scale_note(real_speed, sim_speed, host_cpu)}
         ),
     }
 
@@ -589,12 +600,14 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         # simulation, and counted in made the calibration compare a different mix (bench sim, 2026-12-03:
         # factors 0.61-0.92 on a quiet host, every calibrated figure worse than the uncalibrated one)
         before = await real_mix(fleet.engine_urls)
+        cpu_before = HostCpu.read()
         done = asyncio.Event()
         ticker = None
         if c.tune:  # a fresh tuner whose first tick (the scrape base) is the trace's start
             fleet.tuner = fleet.new_tuner()
             ticker = asyncio.create_task(tick_with_the_trace(fleet, args.interval, done))
         rows = await replay(fleet.url, requests, c.copy)
+        host_cpu = cpu.since(cpu_before) if (cpu := HostCpu.read()) is not None else {}
         done.set()
         if ticker is not None:
             await ticker
@@ -618,7 +631,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
 
     # As measured: the profile from the start of the bench, which saw other neighbours on a shared machine.
     raw_sim, raw_run, raw_fleet = await _simulate(c, isvc, tuned, args, requests, acceptance)
-    factor, scale = calibration(real_steps, sim_mix(raw_fleet), tuned)
+    factor, scale = calibration(real_steps, sim_mix(raw_fleet), tuned, host_cpu)
     sim, run, calibrated = await _simulate(c, isvc, rescaled(tuned, factor), args, requests, acceptance)
     errors = _errors(sim, real)
     sim_steps = sim_mix(calibrated)
@@ -635,6 +648,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         "step_overhead_ms": round(step_overhead * 1000, 1),
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
         "overhead_phases": seen,
+        "host_cpu": host_cpu,  # over the trace: cores busy in all, the bench's (fleet, router, client), others'
         # where a TTFT went: the clients' mean against the engines' own (the rest is the HTTP path: client,
         # router, the engines' API servers before the request reaches them)
         "ttft_parts": {
@@ -730,6 +744,66 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "configs": results,
         "profile": profile.to_json(),
     }
+
+
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100  # /proc's unit of CPU time
+
+
+def _proc_stats() -> dict[int, tuple[int, float]]:
+    """Every process on the host: pid -> (parent pid, its user + system CPU seconds), from /proc."""
+    out: dict[int, tuple[int, float]] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # exited meanwhile
+        out[int(entry.name)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / CLOCK_TICKS)
+    return out
+
+
+@dataclass(frozen=True)
+class HostCpu:
+    """One read of the host's CPU seconds: busy in all, and of those the bench's own processes' (this one,
+    which runs the router, the client and the tuner, and every process below it: the engines' servers and
+    cores), so that what other processes took from the cores over a configuration is on record."""
+
+    wall: float
+    busy: float
+    ours: float
+
+    @classmethod
+    def read(cls) -> HostCpu | None:
+        try:
+            cpu = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+        except OSError:
+            return None  # not Linux: nothing to say
+        jiffies = [int(x) for x in cpu[:8]]
+        idle = jiffies[3] + jiffies[4]  # idle and iowait
+        stats = _proc_stats()
+        children: dict[int, list[int]] = {}
+        for pid, (parent, _) in stats.items():
+            children.setdefault(parent, []).append(pid)
+        ours, todo = 0.0, [os.getpid()]
+        while todo:
+            pid = todo.pop()
+            ours += stats.get(pid, (0, 0.0))[1]
+            todo += children.get(pid, [])
+        return cls(time.perf_counter(), (sum(jiffies) - idle) / CLOCK_TICKS, ours)
+
+    def since(self, earlier: HostCpu | None) -> dict[str, float]:
+        """Cores busy over the time between two reads (in all, the bench's, the others'): a neighbour's
+        share of a 2-core host shows as `others_cores` > 0, and slows the real engines' steps alone."""
+        if earlier is None:
+            return {}
+        wall = max(self.wall - earlier.wall, 1e-9)
+        busy, ours = (self.busy - earlier.busy) / wall, (self.ours - earlier.ours) / wall
+        return {
+            "busy_cores": round(busy, 2),
+            "bench_cores": round(ours, 2),
+            "others_cores": round(max(0.0, busy - ours), 2),
+        }
 
 
 def host_record(args: argparse.Namespace, load_at_start: tuple[float, float, float]) -> dict[str, Any]:

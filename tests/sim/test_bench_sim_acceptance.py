@@ -6,6 +6,7 @@ and k = 4 on one workload when the simulator extrapolated the positions and dilu
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 from aiohttp import web
@@ -195,8 +196,6 @@ def test_the_real_tuner_ticks_with_the_trace_on_a_fixed_schedule():
     """bench sim's real tuner: a tick at the trace's start and every interval after it, however long a tick
     takes (no drift), until the first tick after the trace ended: the simulated tuner's schedule. The fleet
     stands in for `LocalFleet`, of which only `tick` is called."""
-    import time
-
     from specfleet.bench.sim import tick_with_the_trace
 
     class Fleet:
@@ -222,3 +221,31 @@ def test_the_real_tuner_ticks_with_the_trace_on_a_fixed_schedule():
     for i, t in enumerate(times):
         assert t == pytest.approx(0.1 * i, abs=0.025)  # the 0.03 s a tick takes does not add up
     assert times[-1] >= end
+
+
+def test_host_cpu_counts_the_bench_and_its_children_apart_from_other_processes():
+    """`HostCpu`: a child of the bench (as the engines are) burning CPU counts as the bench's; the
+    difference from the host's busy time is the other processes'."""
+    import subprocess
+    import sys
+
+    from specfleet.bench.sim import HostCpu
+
+    before = HostCpu.read()
+    if before is None:
+        pytest.skip("no /proc on this host")
+    burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\nprint('burnt', flush=True)\ntime.sleep(30)"
+    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "burnt"
+        after = HostCpu.read()  # while the child lives: its CPU time is read from its /proc entry
+    finally:
+        child.kill()
+        child.wait()
+    assert after is not None
+    assert after.ours - before.ours >= 0.5  # the child's CPU seconds, and the interpreter's start
+    assert after.busy - before.busy >= after.ours - before.ours - 0.05  # the host saw them too
+    seen = after.since(before)
+    assert seen["others_cores"] == pytest.approx(
+        max(0.0, seen["busy_cores"] - seen["bench_cores"]), abs=0.011
+    )

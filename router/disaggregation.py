@@ -14,74 +14,48 @@ decode engine too. A client that leaves while the prefill runs, or a decode engi
 gets its hold released at once (not after the prefill engine's hold timeout). A decode engine whose pull
 fails recomputes the prompt itself.
 
-The hold release is the KV connector's own ZeroMQ request (engine/kv_transfer/wire.py: plain Python and
-pyzmq, no torch, the one module of the engine the router imports, and only here). pyzmq comes with the
-engine's install; a router without it logs and leaves the hold to its timeout.
+The leg itself (which requests it covers, the one-token request, reading the prefill engine's answer, the
+hold release) is engine/kv_transfer/prefill_leg.py, which a decode engine uses too when a gateway's endpoint
+picker names its prefill engine in `x-prefiller-host-port` (router/endpoint_picker.py,
+engine/server/remote_prefill.py); this module adds the router's part: choosing the prefill engine, trying
+the next, counting the leg on it. The release is the KV connector's own ZeroMQ request
+(engine/kv_transfer/wire.py: plain Python and pyzmq, no torch); pyzmq comes with the engine's install; a
+router without it logs and leaves the hold to its timeout.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any
 
 import aiohttp
+from specfleet.engine.kv_transfer.prefill_leg import (
+    GENERATE_PATHS,
+    PREFILLER_HEADER,
+    Refusal,
+    covered,
+    decode_body,
+    held_params,
+    parse,
+    prefill_body,
+    release,
+)
 
 from .endpoints import EndpointSet
 
+__all__ = [
+    "GENERATE_PATHS",
+    "PREFILLER_HEADER",
+    "Refusal",
+    "covered",
+    "decode_body",
+    "parse",
+    "prefill",
+    "prefill_body",
+    "release",
+]
+
 logger = logging.getLogger("specfleet.router")
-
-GENERATE_PATHS = ("completions", "chat/completions")
-RELEASE_TIMEOUT_S = 1.0  # a release is best effort: the prefill engine's hold timeout covers a lost one
-
-
-def covered(body: dict[str, Any]) -> bool:
-    """Requests the two-engine path serves; the rest run aggregated on a decode engine."""
-    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", 16 if "prompt" in body else None))
-    prompt = body.get("prompt")
-    many = isinstance(prompt, list) and prompt and not isinstance(prompt[0], int)
-    return (
-        body.get("n", 1) == 1
-        and (max_tokens is None or max_tokens >= 2)
-        and not many
-        and not body.get("kv_transfer_params")
-        and not body.get("echo")
-        and body.get("prompt_logprobs") is None
-    )
-
-
-def parse(path: str, method: str, content: bytes) -> dict[str, Any] | None:
-    """The request body when the two-engine path serves it, else None."""
-    if method != "POST" or path not in GENERATE_PATHS:
-        return None
-    try:
-        body = json.loads(content)
-    except ValueError:
-        return None  # the engine answers with the proper 400
-    return body if isinstance(body, dict) and covered(body) else None
-
-
-class Refusal(Exception):
-    """The prefill engine refused the request (a 4xx the client must see)."""
-
-    def __init__(self, status: int, content: bytes, content_type: str | None) -> None:
-        super().__init__(f"prefill engine answered {status}")
-        self.status, self.content, self.content_type = status, content, content_type
-
-
-def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
-    """The prefill leg: the same request for its first token only. `min_tokens` is clamped to that one
-    token (min_tokens >= 1 keeps the first token from being a stop token, as in the aggregated run; more
-    would be a 400 against max_tokens=1); the decode engine counts the first token toward the rest.
-    Everything else stays, logprobs included: the prefill engine returns the first token's logprobs in
-    its kv_transfer_params and the decode engine reports them, so the client gets one per token."""
-    one = {**body, "stream": False, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
-    one.pop("stream_options", None)
-    one.pop("max_completion_tokens", None)
-    min_tokens = body.get("min_tokens")
-    if isinstance(min_tokens, int) and not isinstance(min_tokens, bool) and min_tokens > 1:
-        one["min_tokens"] = 1
-    return one
 
 
 async def prefill(
@@ -108,33 +82,7 @@ async def prefill(
             continue  # that prefill engine is gone: the next one
         finally:
             endpoints.release(endpoint.url)
-        if 400 <= status < 500 and status not in (408, 429):
-            raise Refusal(status, content, content_type)
-        if status != 200:
-            continue
-        try:
-            params = json.loads(content).get("kv_transfer_params")
-        except (ValueError, AttributeError):
-            continue
-        return params if isinstance(params, dict) else None
+        params = held_params(status, content, content_type)  # Refusal: the client's answer
+        if params is not None or status == 200:  # a 200 without a hold: it ended on a stop token first
+            return params
     return None
-
-
-def decode_body(body: dict[str, Any], params: dict[str, Any]) -> bytes:
-    return json.dumps({**body, "kv_transfer_params": params}).encode()
-
-
-def release(params: dict[str, Any]) -> None:
-    """The decode engine will not take the KV (the client left, or the decode engine is gone): the prefill
-    engine drops its hold now."""
-    try:  # pyzmq: with the engine's install; the router's image has it only where disaggregation runs
-        from specfleet.engine.kv_transfer.wire import KVTransferParams, release_hold
-    except ImportError as error:
-        logger.warning("event=kv_release_skipped transfer_id=%s error=%r", params.get("transfer_id"), error)
-        return
-    try:
-        held = KVTransferParams.from_dict(params)
-    except (ValueError, TypeError) as error:
-        logger.warning("event=kv_release_failed transfer_id=%s error=%r", params.get("transfer_id"), error)
-        return
-    release_hold(held, RELEASE_TIMEOUT_S)

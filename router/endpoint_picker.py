@@ -23,8 +23,17 @@ may take the request (none ready, or none of the gateway's subset hint), 400 for
 object, 413 for a body over MAX_BODY_BYTES. The gRPC health service answers `liveness`, `readiness` and the
 ext_proc service's name (ready once discovery has reported and until SIGTERM): router/ext_proc_server.py.
 
-Not done here: a request that needs two engines (prefill then decode, router/disaggregation.py) is not
-split: the EPP picks among the decode (or aggregated) engines only; nor is the scale-from-zero queue.
+Prefill/decode disaggregation: the gateway sends a request to one endpoint, so the two hops the router's
+proxy makes itself (router/disaggregation.py) move to the decode engine, as llm-d does. When the pool has
+prefill engines (`Endpoint.role == "prefill"`) and the two-engine path covers the request, the EPP picks the
+decode engine (the destination, with its fallbacks) as above and a prefill engine (the fewest requests in
+flight, as the router's proxy picks), and names the prefill engine `ip:port` in the request header
+`x-prefiller-host-port`, llm-d's name, so that llm-d's routing sidecar beside a decode engine, or specfleet's
+engine started with `--accept-remote-prefill` (engine/server/remote_prefill.py), runs the prefill leg there
+and then decodes locally. Without a prefill engine (or for a request the path does not cover) the header is
+removed, so that no client names the host a decode engine sends its prompt to through the gateway.
+
+Not done here: the scale-from-zero queue.
 """
 
 from __future__ import annotations
@@ -35,7 +44,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from envoy_data_plane.envoy.config.core.v3 import HeaderValue, HeaderValueOption, Metadata
+from envoy_data_plane.envoy.config.core.v3 import (
+    HeaderValue,
+    HeaderValueOption,
+    HeaderValueOptionHeaderAppendAction,
+    Metadata,
+)
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode
 from envoy_data_plane.envoy.service.ext_proc.v3 import (
     BodyResponse,
@@ -50,6 +64,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Struct, Value
 
+from . import disaggregation
 from . import ext_proc_wire as wire
 from .policies import RouteRequest
 from .proxy import MAX_BODY_BYTES
@@ -71,6 +86,8 @@ DEFAULT_PORT = 9002  # the extension's default EPP port (InferencePool endpointP
 # EPP cuts at 62 KiB (pkg/common/envoy/chunking.go); the margin covers the message's framing.
 CHUNK_BYTES = 62 * 1024
 DUPLEX = ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED
+# llm-d's header naming the prefill engine a decode engine runs the prefill leg on (prefill_leg.py)
+PREFILLER_HEADER = disaggregation.PREFILLER_HEADER
 
 
 def address(url: str) -> str:
@@ -78,10 +95,22 @@ def address(url: str) -> str:
     return url.split("://", 1)[-1].rstrip("/")
 
 
-def _header_response(endpoints: str) -> tuple[CommonResponse, Struct]:
-    """The pick as the protocol wants it twice, identical: a request header and dynamic metadata."""
-    set_header = HeaderValueOption(header=HeaderValue(key=DESTINATION_KEY, raw_value=endpoints.encode()))
-    common = CommonResponse(header_mutation=HeaderMutation(set_headers=[set_header]), clear_route_cache=True)
+def _header_response(endpoints: str, prefiller: str | None) -> tuple[CommonResponse, Struct]:
+    """The pick as the protocol wants it twice, identical: a request header and dynamic metadata. With a
+    prefill engine, `x-prefiller-host-port` names it, replacing any the client sent; without one, a client's
+    is removed: only the picker names the host a decode engine sends the prompt to."""
+    set_headers = [HeaderValueOption(header=HeaderValue(key=DESTINATION_KEY, raw_value=endpoints.encode()))]
+    removed = [PREFILLER_HEADER]
+    if prefiller is not None:
+        set_headers.append(
+            HeaderValueOption(
+                header=HeaderValue(key=PREFILLER_HEADER, raw_value=prefiller.encode()),
+                append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+            )
+        )
+        removed = []
+    mutation = HeaderMutation(set_headers=set_headers, remove_headers=removed)
+    common = CommonResponse(header_mutation=mutation, clear_route_cache=True)
     lb = Struct(fields={DESTINATION_KEY: Value(string_value=endpoints)})
     return common, Struct(fields={DESTINATION_NAMESPACE: Value(struct_value=lb)})
 
@@ -150,6 +179,7 @@ class Exchange:
     held_chunks: int = 0  # body chunks not answered yet (streamed-held)
     subset: list[str] | None = None
     picked: str | None = None  # the engine URL counted as serving this request
+    prefiller: str | None = None  # the prefill engine's URL named to the decode engine, counted there too
     decided: bool = False  # the pick (or a refusal) went out: a re-sent last chunk is not a new request
 
     def handle(self, message: ProcessingRequest) -> list[Answer]:
@@ -230,7 +260,9 @@ class Exchange:
         endpoints, why = self.pick(body)
         if endpoints is None:
             return immediate(503, why)
-        common, metadata = _header_response(endpoints)
+        common, metadata = _header_response(
+            endpoints, None if self.prefiller is None else address(self.prefiller)
+        )
         if phase == "request_body":
             return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=metadata)
         return ProcessingResponse(request_headers=HeadersResponse(response=common), dynamic_metadata=metadata)
@@ -266,16 +298,33 @@ class Exchange:
             return None, "no engine of the pool is ready; retry shortly"
         router.endpoints.acquire(choice.url)
         self.picked = choice.url
+        self.prefiller = self._prefill_engine(body)
         logger.info(
-            "event=epp_pick engine=%s policy=%s reason=%s match_blocks=%d",
+            "event=epp_pick engine=%s policy=%s reason=%s match_blocks=%d prefill=%s",
             choice.url,
             router.policy.name,
             choice.reason,
             choice.match_blocks,
+            self.prefiller or "",
         )
         return ",".join(
             address(u) for u in [choice.url, *fallbacks(candidates, choice.url, router.max_retries)]
         ), (choice.reason)
+
+    def _prefill_engine(self, body: bytes) -> str | None:
+        """The prefill engine for a request the two-engine path covers (disaggregation.parse), when the pool
+        has one ready: the one with the fewest requests in flight, as the router's own orchestration picks.
+        The picker never sees the prefill leg end (the decode engine runs it), so the request counts there
+        until its response ends: an over-count of the leg's length that still spreads concurrent requests.
+        None: the decode engine runs the request aggregated."""
+        path = self.headers.get(":path", "").split("?", 1)[0].removeprefix("/v1/")
+        if not body or disaggregation.parse(path, self.headers.get(":method", "POST"), body) is None:
+            return None
+        engines = self.router.endpoints.prefill_routable()
+        if not engines:
+            return None
+        self.router.endpoints.acquire(engines[0].url)
+        return engines[0].url
 
     def _served(self, metadata: Metadata | None) -> None:
         """The gateway names the engine that answered (a fallback after a retry): count the request there."""
@@ -294,6 +343,9 @@ class Exchange:
         if self.picked is not None:
             self.router.endpoints.release(self.picked)
             self.picked = None
+        if self.prefiller is not None:
+            self.router.endpoints.release(self.prefiller)
+            self.prefiller = None
 
 
 def fallbacks(candidates: Sequence[Any], primary: str, count: int) -> list[str]:

@@ -14,7 +14,7 @@ from specfleet.engine.core.client import EngineDeadError, EngineInternalError, Q
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
-from . import chat, resume, serving, tracing
+from . import chat, remote_prefill, resume, serving, tracing
 from .errors import APIError, error_body
 from .lenient import shown_name
 from .protocol import ALL_LOGPROBS, MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest, SamplingFields
@@ -399,12 +399,11 @@ async def create_completion(body: CompletionRequest, request: Request) -> JSONRe
     params = _sampling_params(state, body, [len(p) if isinstance(p, list) else None for p in prompts])
     rid = f"cmpl-{request_id(request, body.request_id)}"
     ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
-    trace = tracing.start(
-        state.async_engine.tracer, request.headers, "text_completion", params, body.kv_transfer_params
-    )
-    streams = await _submit(
-        state, ids, prompts, params, "prompt", body.kv_transfer_params, body.priority, trace, lora
-    )
+    held = await remote_prefill.prefill(state.remote_prefill, request, "completions")
+    kv_params = held or body.kv_transfer_params
+    trace = tracing.start(state.async_engine.tracer, request.headers, "text_completion", params, kv_params)
+    with remote_prefill.released_unless_taken(held):
+        streams = await _submit(state, ids, prompts, params, "prompt", kv_params, body.priority, trace, lora)
     if body.stream and not body.scoring:
         return _streaming_response(
             _stream_body(
@@ -464,10 +463,13 @@ async def create_chat_completion(
     shape = chat.ChatShape(plan) if plan.shaped else None
     resume.check(body, plan.shaped)
     rid = f"chatcmpl-{request_id(request, body.request_id)}"
-    trace = tracing.start(state.async_engine.tracer, request.headers, "chat", params, body.kv_transfer_params)
-    streams = await _submit(
-        state, [rid], [prompt_ids], params, "messages", body.kv_transfer_params, body.priority, trace, lora
-    )
+    held = await remote_prefill.prefill(state.remote_prefill, request, "chat/completions")
+    kv_params = held or body.kv_transfer_params
+    trace = tracing.start(state.async_engine.tracer, request.headers, "chat", params, kv_params)
+    with remote_prefill.released_unless_taken(held):
+        streams = await _submit(
+            state, [rid], [prompt_ids], params, "messages", kv_params, body.priority, trace, lora
+        )
     num_logprobs = body.num_logprobs()
     echo = chat.echo_prefix(body)
     if body.stream:

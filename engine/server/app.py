@@ -19,6 +19,7 @@ from .lora_metrics import LoraMetrics
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .pooler import PoolerConfig
 from .protocol_metrics import ProtocolMetrics
+from .remote_prefill import RemotePrefill
 from .request_ids import RequestIdHeader
 from .state import ServerState, get_state
 from .tracing import RequestTracer
@@ -36,9 +37,12 @@ def build_state(
     chat: ChatOptions | None = None,
     pooler: PoolerConfig | None = None,
     otlp_traces_endpoint: str | None = None,
+    remote_prefill: RemotePrefill | None = None,
 ) -> ServerState:
     """The routes' state around a started engine core; with `otlp_traces_endpoint` (engine/tracing.py's
-    `traces_endpoint`), every request's span tree goes there (engine/server/tracing.py)."""
+    `traces_endpoint`), every request's span tree goes there (engine/server/tracing.py); with
+    `remote_prefill` (`--accept-remote-prefill`, a decode engine), a request's `x-prefiller-host-port` runs its
+    prefill on that engine (engine/server/remote_prefill.py)."""
     info = client.info
     model_name = served_model_name or info.model_name
     metrics = ServerMetrics(model_name)
@@ -60,6 +64,7 @@ def build_state(
         chat=chat or ChatOptions(),
         pooler=pooler or PoolerConfig(),
         scheduling_policy=client.config.scheduling_policy,
+        remote_prefill=remote_prefill,
     )
 
 
@@ -104,6 +109,8 @@ def create_app(state: ServerState, lora_modules: dict[str, str] | None = None) -
             state.async_engine.stop()
             if state.async_engine.tracer is not None:  # the spans of the last requests leave now
                 state.async_engine.tracer.shutdown()
+            if state.remote_prefill is not None:  # its connections to the prefill engines
+                await state.remote_prefill.aclose()
 
     app = FastAPI(
         title="specfleet engine",

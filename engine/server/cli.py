@@ -17,6 +17,7 @@ from specfleet.engine import tracing
 from specfleet.engine.args import add_engine_args, engine_config_kwargs
 from specfleet.engine.config import EngineConfig
 
+from . import remote_prefill
 from .admin import live_config_from_file, token_from_env
 from .app import build_state, create_app
 from .chat import ChatOptions
@@ -94,6 +95,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help='/v1/embeddings\' pooling as vLLM spells it, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
         "(default: LAST, normalised, as vLLM's embed runner for decoder models)",
+    )
+    p.add_argument(
+        remote_prefill.FLAG,
+        nargs="*",
+        default=None,
+        metavar="CIDR",
+        help="a decode engine (--kv-role decode) behind a gateway's endpoint picker: a request naming a prefill "
+        f"engine in {remote_prefill.HEADER} (host:port) runs its prefill there, then decodes here; with CIDRs, "
+        "only an IP address inside them is accepted; without the flag the header is ignored",
     )
     add_chat_args(p)
     return p
@@ -252,6 +262,20 @@ def _app(state: ServerState, lora_modules: list[str]) -> Any:
         return None
 
 
+def _remote_prefill(networks: list[str] | None, config: EngineConfig) -> remote_prefill.RemotePrefill | None:
+    """--accept-remote-prefill's setting; a ValueError when it is not a decode engine's or a CIDR is bad."""
+    if networks is None:
+        return None
+    if config.kv_role != "decode":
+        raise ValueError(
+            f"{remote_prefill.FLAG} needs --kv-role decode (the engine loads the prompt's KV from the prefill "
+            f"engine), got --kv-role {config.kv_role}"
+        )
+    return remote_prefill.RemotePrefill(
+        remote_prefill.parse_networks(networks), timeout_s=config.kv_transfer_timeout_s
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["serve"]:
@@ -275,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
             traces = tracing.traces_endpoint(args.otlp_traces_endpoint)
             if args.lora_modules and not config.enable_lora:
                 raise ValueError("--lora-modules needs --enable-lora")
+            accept = _remote_prefill(args.accept_remote_prefill, config)
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2
@@ -301,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
         chat=chat,
         pooler=pooler,
         otlp_traces_endpoint=traces,
+        remote_prefill=accept,
     )
     app = _app(state, args.lora_modules)
     if app is None:

@@ -13,6 +13,7 @@ from .chat import ChatOptions
 from .errors import APIError
 from .metrics import ServerMetrics
 from .pooler import PoolerConfig
+from .remote_prefill import RemotePrefill
 
 DRAIN_RETRY_AFTER_S = 5
 
@@ -36,6 +37,8 @@ class ServerState:
     lora_adapters: dict[str, str] = field(default_factory=dict)  # LoRA adapters served: name -> path
     # --scheduling-policy, which /v1/models states: a gateway drops `priority` for an fcfs engine
     scheduling_policy: str = "fcfs"
+    # --accept-remote-prefill: a request's x-prefiller-host-port runs its prefill there (remote_prefill.py)
+    remote_prefill: RemotePrefill | None = None
 
     @property
     def engine(self) -> Any:

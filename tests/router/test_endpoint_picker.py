@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import grpc
-from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue, Metadata
+from envoy_data_plane.envoy.config.core.v3 import (
+    HeaderMap,
+    HeaderValue,
+    HeaderValueOption,
+    HeaderValueOptionHeaderAppendAction,
+    Metadata,
+)
 from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode as Mode
 from envoy_data_plane.envoy.service.ext_proc.v3 import (
     HttpBody,
@@ -24,6 +30,7 @@ from specfleet.router.discovery import probe_forever
 from specfleet.router.endpoint_picker import (
     DESTINATION_KEY,
     EXT_PROC_SERVICE,
+    PREFILLER_HEADER,
     SERVED_KEY,
     SUBSET_KEY,
     address,
@@ -94,12 +101,14 @@ def headers(
     )
 
 
+def set_headers(response: ProcessingResponse) -> dict[str, HeaderValueOption]:
+    phase = response.request_headers or response.request_body
+    return {option.header.key: option for option in phase.response.header_mutation.set_headers}
+
+
 def picked(response: ProcessingResponse) -> str:
     """The pick, checked to be the same in the header and in the envoy.lb dynamic metadata."""
-    phase = response.request_headers or response.request_body
-    (option,) = phase.response.header_mutation.set_headers
-    assert option.header.key == DESTINATION_KEY
-    header = option.header.raw_value.decode()
+    header = set_headers(response)[DESTINATION_KEY].header.raw_value.decode()
     metadata = response.dynamic_metadata.fields["envoy.lb"].struct_value.fields[DESTINATION_KEY].string_value
     assert header == metadata
     return header
@@ -292,3 +301,62 @@ def test_hand_encoded_answers_are_what_the_message_classes_encode():
                 **{name: BodyResponse(response=CommonResponse(body_mutation=mutation))}
             )
             assert wire.streamed_body(phase, chunk, end) == message.SerializeToString()
+
+
+def test_prefill_engines_are_named_to_the_decode_engine_in_llm_ds_header():
+    """A pool with prefill engines: the destination and its fallbacks are decode engines only; a prefill
+    engine (the fewest requests in flight) is named in x-prefiller-host-port, overwriting a client's value,
+    and counted until the response ends; a request the two-engine path does not cover, or a pool whose
+    prefill engines are not ready, gets no such header and a client's is removed."""
+
+    async def test() -> None:
+        decode = [await FakeEngine(n).start() for n in ("decode-a", "decode-b")]
+        prefill = [await FakeEngine(n).start() for n in ("prefill-a", "prefill-b")]
+        router, server, channel, discovery = await start([e.url for e in decode + prefill], "least-loaded")
+        for engine in prefill:
+            router.endpoints.set_state(engine.url, role="prefill")
+        for engine in decode:
+            router.endpoints.set_state(engine.url, role="decode")
+        body = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 8}).encode()
+
+        async def exchange(content: bytes) -> tuple[Envoy, ProcessingResponse]:
+            envoy = Envoy(channel)  # a client that names a host of its own, which must not get through
+            assert await envoy.send(headers(**{PREFILLER_HEADER: "attacker.example:80"}), 0) == []
+            first, _echoed = await envoy.send(body_chunk(content, end=True), 2)
+            return envoy, first
+
+        envoys, prefillers = [], []
+        for _ in range(2):  # two requests in flight: the second prefill goes to the other prefill engine
+            envoy, first = await exchange(body)
+            assert set(picked(first).split(",")) == {address(e.url) for e in decode}
+            option = set_headers(first)[PREFILLER_HEADER]
+            assert option.append_action == HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+            prefillers.append(option.header.raw_value.decode())
+            envoys.append(envoy)
+        assert sorted(prefillers) == sorted(address(e.url) for e in prefill)
+        assert [router.endpoints.get(e.url).outstanding for e in prefill] == [1, 1]
+        for envoy in envoys:  # the responses end: the prefill engines' counts end with them
+            await envoy.send(ProcessingRequest(response_headers=HttpHeaders()), 1)
+            await envoy.send(ProcessingRequest(response_body=HttpBody(body=b"{}", end_of_stream=True)), 1)
+            await envoy.close()
+        assert [router.endpoints.get(e.url).outstanding for e in prefill + decode] == [0, 0, 0, 0]
+
+        two = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 8, "n": 2}).encode()
+        envoy, first = await exchange(two)  # n > 1: the decode engine runs it aggregated
+        phase = first.request_headers or first.request_body
+        assert PREFILLER_HEADER not in set_headers(first)
+        assert phase.response.header_mutation.remove_headers == [PREFILLER_HEADER]
+        await envoy.close()
+
+        discovery.cancel()
+        for engine in prefill:
+            router.endpoints.set_state(engine.url, ready=False)
+        envoy, first = await exchange(body)  # no prefill engine ready: aggregated on the decode engine
+        phase = first.request_headers or first.request_body
+        assert PREFILLER_HEADER not in set_headers(first)
+        assert phase.response.header_mutation.remove_headers == [PREFILLER_HEADER]
+        assert picked(first).split(",")[0] in {address(e.url) for e in decode}
+        await envoy.close()
+        await stop(server, channel, discovery, *decode, *prefill)
+
+    run(test)

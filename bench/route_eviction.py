@@ -79,6 +79,7 @@ def size_workload(
     longest_tokens: int,
     concurrency: int,
     pressure: float,
+    max_model_len: int,
     engines: int = ENGINES,
     load_factor: float = PrefixAffinity.load_factor,
 ) -> EvictionSizing:
@@ -87,6 +88,12 @@ def size_workload(
     crowd out the cached prefixes."""
     if kv_blocks < 1:
         raise ValueError(f"--eviction-kv-blocks={kv_blocks} must be >= 1")
+    if kv_blocks * block_size < max_model_len:  # the engine refuses to start on such a cache
+        raise ValueError(
+            f"--eviction-kv-blocks={kv_blocks} holds fewer tokens than one sequence of the "
+            f"InferenceService's maxModelLen={max_model_len}: give it >= {math.ceil(max_model_len / block_size)}"
+            " blocks or lower spec.model.maxModelLen"
+        )
     if concurrency < 1:
         raise ValueError(f"--eviction-concurrency={concurrency} must be >= 1")
     if not pressure > 1:
@@ -294,6 +301,7 @@ def plan(args: argparse.Namespace) -> EvictionSizing:
         longest_tokens=longest_tokens,
         concurrency=args.eviction_concurrency,
         pressure=args.eviction_pressure,
+        max_model_len=isvc.spec.model.max_model_len,
     )
 
 

@@ -27,6 +27,7 @@ def _sizing(**overrides: float) -> dict[str, float]:
         "longest_tokens": 560,
         "concurrency": 2,
         "pressure": 2.0,
+        "max_model_len": 2048,
     }
     return {**base, **overrides}
 
@@ -46,6 +47,7 @@ def test_the_tenants_system_prompts_fill_the_pressure_times_the_fleets_cache() -
         ({"pressure": 1.0}, r"--eviction-pressure=1.0 must be > 1"),
         ({"system_tokens": 15}, r"15-token system prompt, under one 16-token block"),
         ({"kv_blocks": 0}, r"--eviction-kv-blocks=0 must be >= 1"),
+        ({"kv_blocks": 127}, r"--eviction-kv-blocks=127 holds fewer .* maxModelLen=2048: give it >= 128"),
         ({"concurrency": 0}, r"--eviction-concurrency=0 must be >= 1"),
         # 4 in flight: up to ceil(1.25 * 4 / 2) = 3 conversations of 35 blocks = 105 > 0.75 * 128
         ({"concurrency": 4}, r"--eviction-kv-blocks=128: the 3 conversations .* 105 blocks.* >= 140 blocks"),

@@ -18,15 +18,17 @@ from specfleet.operator.inference_service import load_inference_service
 from specfleet.router.policies import PrefixAffinity
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
-# 24 blocks of 16 tokens: one ~100-token prompt holds 7 of them, three other prompts of ~130 push it out
+# 24 blocks of 16 tokens: one ~100-token prompt holds 7 of them, three other prompts of ~130 push it out;
+# the engine refuses a cache shorter than one sequence of max_model_len, hence 256 tokens (16 blocks)
 NUM_KV_BLOCKS = 24
+MAX_MODEL_LEN = 256
 
 
 def _fleet(source: str | None = None, **options: object) -> LocalFleet:
     doc = yaml.safe_load(EXAMPLE.read_text())
     if source is not None:
         doc["spec"]["model"]["source"] = source
-        doc["spec"]["model"]["maxModelLen"] = 512
+        doc["spec"]["model"]["maxModelLen"] = MAX_MODEL_LEN
     doc["spec"]["replicas"] = 2
     doc["spec"]["engine"]["drainTimeoutSeconds"] = 2
     return LocalFleet(

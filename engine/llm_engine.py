@@ -23,7 +23,7 @@ from specfleet.engine.kv_events_config import KVEventsConfig
 from specfleet.engine.kv_transfer.base import KVTransferParams, encode_logprob
 from specfleet.engine.kv_transfer.connector import KVConnector
 from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
-from specfleet.engine.lora.adapter import LoraAdapter, LoraError, ModelShape
+from specfleet.engine.lora.adapter import LoraAdapter, LoraError
 from specfleet.engine.lora.manager import LoraManager
 from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
 from specfleet.engine.models.llama import LlamaModel
@@ -132,20 +132,13 @@ class Engine:
         if not config.enable_lora:
             return None
         model = loaded.model
-        why = getattr(model, "lora_refused", None)
-        if why:
-            name = getattr(model, "architecture", type(model).__name__)
-            raise ValueError(f"enable_lora: LoRA is not supported for {name}: {why}")
-        relaid = any("llama_state" in vars(cls) for cls in type(model).__mro__ if cls is not LlamaModel)
-        if not isinstance(model, LlamaModel) or relaid:
-            raise ValueError(
-                f"enable_lora: LoRA is not supported for {type(model).__name__} yet (its checkpoint's "
-                "projections are re-laid out at load, and an adapter's would need the same)"
-            )
+        if not isinstance(model, LlamaModel):
+            raise ValueError(f"enable_lora: LoRA is not supported for {type(model).__name__}")
         self.runner.use_lora = True
         self.scheduler.max_loras = config.max_loras
+        # the model says which PEFT modules it has and how they lie on its fused projections
         return LoraManager(
-            ModelShape.of(model.args), self.model_name, config.max_lora_rank, config.cpu_loras, model.dtype
+            model.lora_shape(), self.model_name, config.max_lora_rank, config.cpu_loras, model.dtype
         )
 
     def load_lora_adapter(self, lora_name: str, lora_path: str) -> LoraAdapter:

@@ -170,14 +170,17 @@ _TINY_ARCHITECTURES = {
     "phi3": ("Phi3Config", "Phi3ForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen3moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
 def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
     """The transformers config of a tiny `kind` model (llama, mistral without a sliding window, qwen2 with
-    q/k/v bias, qwen3 with q/k norms and head_dim 32, phi3 with fused projections): 2 layers, hidden 64,
-    MLP 128, 4 attention heads over 2 KV heads (head dim 16, qwen3's 32), the bundled tokenizer's vocab of
-    49152, 256 positions, untied embeddings; `overrides` replace or add fields."""
+    q/k/v bias, qwen3 with q/k norms and head_dim 32, phi3 with fused projections, gemma2/gemma3 (give
+    head_dim), mixtral and qwen3moe with 4 experts, top 2, of MLP 64): 2 layers, hidden 64, MLP 128, 4
+    attention heads over 2 KV heads (head dim 16, qwen3's 32), the bundled tokenizer's vocab of 49152, 256
+    positions, untied embeddings; `overrides` replace or add fields."""
     import transformers
 
     config_class, architecture = _TINY_ARCHITECTURES[kind]
@@ -192,8 +195,12 @@ def tiny_config(kind: str = "llama", **overrides: Any) -> Any:
         rms_norm_eps=1e-6,
         tie_word_embeddings=False,
     )
-    if kind == "mistral":
+    if kind in ("mistral", "mixtral"):
         fields["sliding_window"] = None
+    if kind == "mixtral":  # 4 experts of MLP 64, top 2 (Mixtral's intermediate_size is each expert's)
+        fields.update(num_local_experts=4, num_experts_per_tok=2, intermediate_size=64)
+    if kind == "qwen3moe":
+        fields.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, head_dim=16)
     if kind == "qwen3":
         fields["head_dim"] = 32  # Qwen3's head_dim is its own field, here not hidden / heads
     fields["architectures"] = [architecture]

@@ -7,6 +7,13 @@ pieces on those are stacked: A's rows concatenated ([sum of ranks, in]) and B la
 fused output columns ([sum of ranks, fused out], zeros where a piece has no columns), with the scale folded
 into B. One shrink and one expand per fused projection then give every piece's delta in its own slice.
 
+Which PEFT modules an architecture has is its model's `lora_shape()` (ModelShape.targets): Llama's seven
+names by default; Phi-3's checkpoint fuses q/k/v and gate/up itself, so its adapters name `qkv_proj` and
+`gate_up_proj`, whose B already has the fused width (one piece covering all of the fused columns, reordered
+as the loader reorders the base's rows: ModelShape.qkv_columns). Mixture-of-experts models take adapters on
+their attention only: an adapter on their MLP (PEFT's `target_parameters` on transformers' fused 3-D expert
+weights, an older checkpoint's per-expert linears, the router) is refused naming the module.
+
 Plain checks with messages that name the file, the key and the limit: the server's 400 repeats them.
 """
 
@@ -16,6 +23,7 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,8 +44,17 @@ TARGETS: dict[str, tuple[str, int]] = {
     "up_proj": ("gate_up", 1),
     "down_proj": ("down", 0),
 }
+# An architecture's targets: PEFT module name -> (fused projection, its first piece, how many pieces it spans).
+Targets = Mapping[str, tuple[str, int, int]]
+LLAMA_TARGETS: Targets = {module: (fused, index, 1) for module, (fused, index) in TARGETS.items()}
+ATTENTION_TARGETS: Targets = {m: t for m, t in LLAMA_TARGETS.items() if t[0] in ("qkv", "o")}
+# Module names in a mixture-of-experts MLP: transformers' fused `experts` (PEFT's target_parameters), the
+# router `gate`, Mixtral's per-expert w1/w2/w3 in older checkpoints, and Llama's names (Qwen3-MoE's experts
+# in older checkpoints, its dense layers).
+_MOE_MLP = ("experts", "gate", "w1", "w2", "w3", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(
-    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])\.weight$"
+    r"^(?:base_model\.model\.)?(?:model\.)?layers\.(\d+)\.(self_attn|mlp|block_sparse_moe)\.([\w.]+?)"
+    r"\.lora_([AB])\.weight$"
 )
 
 
@@ -47,22 +64,41 @@ class LoraError(ValueError):
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What an adapter is checked against: the base's projection sizes and layer count."""
+    """What an adapter is checked against: the base's projection sizes and layer count, and the PEFT modules
+    its architecture has."""
 
     num_layers: int
     hidden_size: int
     intermediate_size: int
     q_size: int  # num_heads * head_dim
     kv_size: int  # num_kv_heads * head_dim
+    architecture: str = "LlamaForCausalLM"  # the name refusals give
+    targets: Targets = field(default_factory=lambda: dict(LLAMA_TARGETS))
+    mlp_refused: bool = False  # a mixture-of-experts model: adapters on its MLP are refused (attention only)
+    # The engine's fused q/k/v column j is the checkpoint's column qkv_columns[j] (Phi-3 permutes q and k
+    # within each head at load for partial rotary); None: the same order.
+    qkv_columns: torch.Tensor | None = field(default=None, compare=False)
 
     @classmethod
-    def of(cls, args: Any) -> ModelShape:
+    def of(cls, args: Any, architecture: str = "LlamaForCausalLM", **layout: Any) -> ModelShape:
+        """The shape of a model of LlamaArgs `args`; `layout`: targets, mlp_refused, qkv_columns."""
         return cls(
             args.num_layers,
             args.hidden_size,
             args.intermediate_size,
             args.num_heads * args.head_dim,
             args.num_kv_heads * args.head_dim,
+            architecture,
+            **layout,
+        )
+
+    def mlp_refusal(self, subject: str, layer: int | None = None) -> LoraError:
+        """The error for an adapter on a mixture-of-experts model's MLP; `subject` names what targets it."""
+        where = "" if layer is None else f" in layer {layer}"
+        return LoraError(
+            f"{subject}{where}: {self.architecture} takes adapters on its attention only "
+            f"({', '.join(self.targets)}), not on its MLP yet (the routed experts, the router, a dense "
+            "layer's MLP)"
         )
 
     def pieces(self, fused: str) -> list[tuple[int, int]]:
@@ -110,7 +146,7 @@ def read_adapter(
     """Load and check the adapter in folder `path` for a base of `shape`; raises LoraError naming the problem."""
     folder = Path(str(path).removeprefix("file://"))
     config, raw_config = _read_config(folder)
-    rank = _check_config(config, folder, max_rank)
+    rank = _check_config(config, folder, max_rank, shape)
     tensors, raw_weights = _read_weights(folder)
     alpha = float(config.get("lora_alpha", rank))
     scale = alpha / math.sqrt(rank) if config.get("use_rslora") else alpha / rank
@@ -121,11 +157,13 @@ def read_adapter(
             raise LoraError(
                 f"{folder / WEIGHTS_FILE}: tensor {key!r} is not a LoRA A/B weight of a layer's projection"
             )
-        layer, module, ab = int(match[1]), match[2], match[3]
-        if module not in TARGETS:
+        layer, part, module, ab = int(match[1]), match[2], match[3], match[4]
+        if shape.mlp_refused and part != "self_attn":
+            raise shape.mlp_refusal(f"adapter {name!r} targets {part}.{module}", layer)
+        if module not in shape.targets:
             raise LoraError(
                 f"adapter {name!r} targets {module!r}, which the model does not have "
-                f"(LoRA targets: {', '.join(TARGETS)})"
+                f"({shape.architecture}; LoRA targets: {', '.join(shape.targets)})"
             )
         if layer >= shape.num_layers:
             raise LoraError(
@@ -150,7 +188,7 @@ def read_adapter(
     finally:
         torch.set_num_threads(threads)
     digest = hashlib.sha256(raw_config + raw_weights).hexdigest()[:16]
-    modules = tuple(sorted({m for _, m in pieces}, key=list(TARGETS).index))
+    modules = tuple(sorted({m for _, m in pieces}, key=list(shape.targets).index))
     nbytes = sum(w.a_t.nbytes + w.b_t.nbytes for ws in layers for w in ws.values())
     return LoraAdapter(name, str(path), rank, scale, digest, modules, layers, nbytes)
 
@@ -176,11 +214,21 @@ def _read_config(folder: Path) -> tuple[dict[str, Any], bytes]:
     return config, raw
 
 
-def _check_config(config: dict[str, Any], folder: Path, max_rank: int) -> int:
+def _check_config(config: dict[str, Any], folder: Path, max_rank: int, shape: ModelShape) -> int:
     """The adapter's rank, after refusing what the engine does not run."""
     file = folder / CONFIG_FILE
     if config.get("peft_type", "LORA") != "LORA":
         raise LoraError(f"{file}: peft_type={config['peft_type']!r}, only 'LORA' is supported")
+    params = config.get("target_parameters")
+    if params:
+        # PEFT's LoRA on raw parameters: what it makes of MLP targets on transformers' fused 3-D expert weights
+        # (checked first: PEFT also writes a rank_pattern for them, which is not the reason to give)
+        if shape.mlp_refused:
+            raise shape.mlp_refusal(f"{file}: target_parameters {params!r} are the routed experts' weights")
+        raise LoraError(
+            f"{file}: target_parameters={params!r} is not supported: LoRA on parameters rather than on the "
+            f"modules {', '.join(shape.targets)}"
+        )
     rank = config.get("r")
     if not isinstance(rank, int) or rank < 1:
         raise LoraError(f"{file}: r={rank!r} must be an integer >= 1")
@@ -198,11 +246,14 @@ def _check_config(config: dict[str, Any], folder: Path, max_rank: int) -> int:
         raise LoraError(f"{file}: rank_pattern/alpha_pattern (per-module ranks) are not supported")
     targets = config.get("target_modules")
     if isinstance(targets, list):
-        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in TARGETS]
+        unknown = [t for t in targets if t.rsplit(".", 1)[-1] not in shape.targets]
+        mlp = [t for t in unknown if t.rsplit(".", 1)[-1] in _MOE_MLP]
+        if shape.mlp_refused and mlp:
+            raise shape.mlp_refusal(f"{file}: target_modules {mlp!r} are MLP modules")
         if unknown:
             raise LoraError(
                 f"{file}: target_modules {unknown!r} are modules the model does not have "
-                f"(LoRA targets: {', '.join(TARGETS)})"
+                f"({shape.architecture}; LoRA targets: {', '.join(shape.targets)})"
             )
     return rank
 
@@ -236,7 +287,7 @@ def _fuse(
 ) -> LoraWeights | None:
     """A fused projection's stacked A and block-diagonal B, or None when the adapter leaves it alone."""
     dims = shape.pieces(fused)
-    found = [(m, i) for m, (f, i) in TARGETS.items() if f == fused and (layer, m) in pieces]
+    found = [(m, i, n) for m, (f, i, n) in shape.targets.items() if f == fused and (layer, m) in pieces]
     if not found:
         return None
     # One allocation each for the stacked A and the block-diagonal B, filled in place: loading is a few
@@ -245,14 +296,14 @@ def _fuse(
     a_t = torch.empty(dims[0][0], len(found) * rank, dtype=dtype)
     b_t = torch.zeros(len(found) * rank, out_total, dtype=dtype)
     cols = torch.empty(len(found), 2, dtype=torch.int64)
-    for j, (module, index) in enumerate(found):
+    for j, (module, index, count) in enumerate(found):
         ab = pieces[(layer, module)]
         if "A" not in ab or "B" not in ab:
             raise LoraError(
                 f"adapter {name!r}: layer {layer} {module} has lora_{'A' if 'A' not in ab else 'B'} missing"
             )
         a, b = ab["A"], ab["B"]
-        fan_in, fan_out = dims[index]
+        fan_in, fan_out = dims[index][0], sum(out for _, out in dims[index : index + count])
         if tuple(a.shape) != (rank, fan_in) or tuple(b.shape) != (fan_out, rank):
             raise LoraError(
                 f"adapter {name!r}: layer {layer} {module} has lora_A {tuple(a.shape)} and lora_B "
@@ -263,5 +314,8 @@ def _fuse(
         cols[j, 0], cols[j, 1] = start, start + fan_out
         a_t[:, j * rank : (j + 1) * rank].copy_(a.t())
         b_t[j * rank : (j + 1) * rank, start : start + fan_out].copy_(b.t())
+    if fused == "qkv" and shape.qkv_columns is not None:
+        # the base's rows reordered at load: B's columns alike (within each piece, so `cols` still hold)
+        b_t = b_t[:, shape.qkv_columns].contiguous()
     b_t.mul_(scale)
     return LoraWeights(a_t, b_t, cols, describe(a_t, b_t, rank, cols) if dtype == torch.float32 else None)

@@ -15,8 +15,11 @@ What differs from Llama, each as transformers computes it:
 
 Attention runs in attention/sliding_window.py: each sliding layer reads only the keys inside its window.
 The KV cache still keeps every block of a sequence for every layer (full retention); the sliding layers'
-blocks that fall out of the window are not freed yet. Refused at start: LoRA, GGUF/AWQ/GPTQ checkpoints,
-tensor and pipeline parallelism (the loader and the engine name them).
+blocks that fall out of the window are not freed yet. Refused at start: GGUF/AWQ/GPTQ checkpoints, tensor
+and pipeline parallelism (the loader and the engine name them).
+
+LoRA adapters add to q/k/v, o and gate/up/down as in Llama (LlamaLayer's maths): each delta joins its
+projection's output, before the post-norms and the GeGLU that follow the projection.
 """
 
 from __future__ import annotations
@@ -104,17 +107,22 @@ class GemmaLayer(LlamaLayer):
     def forward_planned(self, x, cos, sin, k_cache, v_cache, meta, attn, step: sliding_window.WindowPlan):
         """forward with the step's plan for this layer's window, which the model shares across layers."""
         a, ops, tokens = self.args, self.ops, x.shape[0]
+        lora = meta.lora  # the step's adapters (engine/lora/batch.py), None for a base-only step
         h = ops.rms_norm(x, self.input_norm, a.rms_norm_eps)
-        qkv = self.qkv(h)
+        qkv = self.qkv(h) if lora is None else lora.add(self.qkv(h), h, self.index, "qkv")
         qk = self.norm_qk(qkv[:, : self.qk_size].view(tokens, a.num_heads + a.num_kv_heads, a.head_dim))
         qk = torch.addcmul(qk * cos, qk.roll(a.head_dim // 2, dims=-1), sin)
         q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         v = qkv[:, self.qk_size :].view(tokens, a.num_kv_heads, a.head_dim)
         attn.write_kv(k, v, k_cache, v_cache, meta)
-        o = sliding_window.attend(q, k_cache, v_cache, step, self.scale, self.softcap)
-        x = x + ops.rms_norm(self.o(o.reshape(tokens, -1)), self.post_norm, a.rms_norm_eps)
-        gate, up = self.gate_up(ops.rms_norm(x, self.pre_ff_norm, a.rms_norm_eps)).chunk(2, dim=-1)
-        y = self.down(F.gelu(gate, approximate="tanh") * up)
+        o = sliding_window.attend(q, k_cache, v_cache, step, self.scale, self.softcap).reshape(tokens, -1)
+        y = self.o(o) if lora is None else lora.add(self.o(o), o, self.index, "o")
+        x = x + ops.rms_norm(y, self.post_norm, a.rms_norm_eps)
+        h = ops.rms_norm(x, self.pre_ff_norm, a.rms_norm_eps)
+        gate_up = self.gate_up(h) if lora is None else lora.add(self.gate_up(h), h, self.index, "gate_up")
+        gate, up = gate_up.chunk(2, dim=-1)
+        act = F.gelu(gate, approximate="tanh") * up
+        y = self.down(act) if lora is None else lora.add(self.down(act), act, self.index, "down")
         return x + ops.rms_norm(y, self.post_ff_norm, a.rms_norm_eps)
 
 
@@ -141,7 +149,6 @@ class Gemma2Model(LlamaModel):
         "awq": _NOT_CHECKED,
         "gptq": _NOT_CHECKED,
     }
-    lora_refused = "adapters are not yet applied by the Gemma layers (post-norms, GeGLU)"
     split_refused = "its layers are not split yet"  # tensor and pipeline parallelism
     has_sliding_window = True  # the loader keeps the model's whole context (no clamp to the window)
     attn_softcap = True  # Gemma 2 soft-caps attention logits; Gemma 3 does not (transformers ignores it)

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from specfleet.engine.attention.base import AttentionBackend, AttentionMetadata
+from specfleet.engine.lora.adapter import ModelShape
 from specfleet.kernels import cpu_native
 from specfleet.kernels.quantized import QuantTensor, cat_rows
 
@@ -242,6 +243,11 @@ class LlamaModel:
     def rope_tables(self, config) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [positions, head_dim]."""
         return rope_tables(config, self.args.head_dim, self.args.max_position)
+
+    def lora_shape(self) -> ModelShape:
+        """What a PEFT adapter for this model is checked against and laid out by (engine/lora/adapter.py):
+        the projection sizes and the modules it may name (q/k/v/o and gate/up/down here)."""
+        return ModelShape.of(self.args, self.architecture)
 
     def __init__(
         self,

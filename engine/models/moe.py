@@ -5,6 +5,11 @@ float32, top k, renormalised always in Mixtral, when `norm_topk_prob` in Qwen3-M
 as grouped GEMMs, one matmul per expert over the rows routed to it (CPU: the native packed kernels per
 expert, so int8 expert weights come for free; CUDA: the Triton fused-MoE kernel over stacked weights).
 Qwen3-MoE keeps a dense MLP on its `mlp_only_layers` and on layers off its `decoder_sparse_step`.
+
+LoRA adapters add to the attention projections (q/k/v/o, Llama's maths). An adapter on the MLP is refused
+when it loads, naming the module: transformers 5 keeps the experts as fused 3-D parameters, which PEFT
+targets only as `target_parameters` (it turns MLP names into those, the dense layers' MLP included), and
+the experts do not add deltas here yet.
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 
 import torch
+from specfleet.engine.lora.adapter import ATTENTION_TARGETS, ModelShape
 from specfleet.engine.models.llama import LlamaLayer, LlamaModel, Ops, _dense
 from specfleet.engine.models.qwen3 import Qwen3Layer
 from specfleet.kernels import cpu_native
@@ -137,12 +143,15 @@ class MixtralModel(LlamaModel):
         "awq": _NOT_CHECKED,
         "gptq": _NOT_CHECKED,
     }
-    lora_refused = "adapters are not applied to the routed experts yet"
     split_refused = "experts are not split across ranks yet"  # tensor and pipeline parallelism
 
     @classmethod
     def llama_state(cls, config, state):
         return state if isinstance(state, _Renamed) else _Renamed(state)
+
+    def lora_shape(self) -> ModelShape:
+        """Adapters on the attention only (the module's docstring says why)."""
+        return ModelShape.of(self.args, self.architecture, targets=ATTENTION_TARGETS, mlp_refused=True)
 
     def __init__(self, config, state, dtype, device, native=None, quantize=None, activations="int8", **kw):
         routing = Routing.from_hf(config)

@@ -2,7 +2,9 @@
 
 - The checkpoint fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; they are split at load into
   Llama's names (LlamaLayer fuses them again, in the same order), so the layer, the native decode layers,
-  int8 and tensor parallelism run Llama's code unchanged.
+  int8 and tensor parallelism run Llama's code unchanged. LoRA adapters name the fused modules as PEFT does
+  (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`): each of `qkv_proj` and `gate_up_proj` is one piece
+  spanning the engine's fused projection, its B's q and k columns permuted as the base's rows are.
 - Partial rotary (`partial_rotary_factor`, Phi-4-mini's 0.75): transformers rotates the first `rotary_dim`
   values of each head, pairing i with i + rotary_dim/2, and passes the rest. The rows of q_proj and k_proj
   are permuted within each head at load so those pairs sit at i and i + head_dim/2, where Llama's
@@ -22,6 +24,7 @@ import math
 from collections.abc import Mapping
 
 import torch
+from specfleet.engine.lora.adapter import ModelShape
 from specfleet.engine.models.llama import LlamaArgs, LlamaModel
 from specfleet.kernels.quantized import QuantTensor
 
@@ -96,8 +99,18 @@ def original_window(config) -> int | None:
     return params.get("original_max_position_embeddings") or config.original_max_position_embeddings
 
 
+# PEFT's module names on Phi3ForCausalLM -> (the engine's fused projection, first piece, pieces spanned)
+LORA_TARGETS = {
+    "qkv_proj": ("qkv", 0, 3),
+    "o_proj": ("o", 0, 1),
+    "gate_up_proj": ("gate_up", 0, 2),
+    "down_proj": ("down", 0, 1),
+}
+
+
 class Phi3Model(LlamaModel):
     architecture = "Phi3ForCausalLM"
+    rotary: int  # values rotated per head: set by rope_tables (at construction), read by lora_shape
     refused_quantization = dict.fromkeys(
         _PACKED,
         "its fused qkv_proj and gate_up_proj are split at load, and packed blocks are not split here; "
@@ -132,10 +145,20 @@ class Phi3Model(LlamaModel):
                 out[f"{base}gate_proj.weight"], out[f"{base}up_proj.weight"] = w.chunk(2, dim=0)
         return out
 
+    def lora_shape(self) -> ModelShape:
+        """The fused modules PEFT names, and the fused q/k/v columns in the order llama_state put the rows."""
+        a = self.args
+        perm = head_permutation(a.head_dim, self.rotary)
+        q = (torch.arange(a.num_heads)[:, None] * a.head_dim + perm).flatten()
+        k = (torch.arange(a.num_kv_heads)[:, None] * a.head_dim + perm).flatten() + q.numel()
+        v = torch.arange(a.num_kv_heads * a.head_dim) + q.numel() + k.numel()
+        columns = torch.cat((q, k, v))
+        return ModelShape.of(a, self.architecture, targets=LORA_TARGETS, qkv_columns=columns)
+
     def rope_tables(self, config) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [positions, head_dim], in the permuted head layout (llama_state)."""
         a, window = self.args, original_window(config)
-        rot = rotary_dim(config, a.head_dim)
+        rot = self.rotary = rotary_dim(config, a.head_dim)
         inv_freq, scaling = inverse_frequencies(
             config, rot, long=window is not None and self.max_model_len > window
         )

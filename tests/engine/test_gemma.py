@@ -142,13 +142,6 @@ def test_draft_speculation_and_a_prefill_decode_pair_match_transformers(gemma):
         decode.close()
 
 
-@pytest.mark.slow
-def test_lora_is_refused_at_start_naming_the_architecture(gemma):
-    url = gemma[1]
-    with pytest.raises(ValueError, match=r"enable_lora: LoRA is not supported for Gemma[23]ForCausalLM"):
-        LLM(model=url, block_size=4, enable_lora=True)
-
-
 @pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
 @pytest.mark.parametrize("quantization", ["gguf", "awq", "gptq"])
 def test_packed_quantization_is_refused_naming_it_and_the_architecture(architecture, quantization):

@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_model
+from helpers import tiny_config, tiny_model, write_tiny_checkpoint
 from lora_helpers import save_random_adapter
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from specfleet.engine.lora.adapter import LoraError, ModelShape, read_adapter
 from specfleet.engine.lora.batch import LoraBatch
 from specfleet.engine.lora.manager import LoraManager
@@ -162,3 +162,84 @@ def test_manager_names_lru_and_digest(shape, good, tmp_path):
         lora.get("a")
     with pytest.raises(LoraError, match="lora_name='a' is not loaded \\(loaded: b\\)"):
         lora.unload("a")
+
+
+PHI3 = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]  # PEFT's module names on Phi3ForCausalLM
+
+
+def _peft_delta(module, x: torch.Tensor) -> torch.Tensor:
+    return module.lora_B["default"](module.lora_A["default"](x)) * module.scaling["default"]
+
+
+def test_phi3_fused_modules_equal_peft_in_the_engines_column_order(tmp_path):
+    """Phi-3's adapters name its checkpoint's fused qkv_proj and gate_up_proj: each is one piece spanning the
+    engine's fused projection, and with partial rotary the engine's q/k columns are the checkpoint's permuted
+    within each head (as the loader permutes the base's rows), so B's columns are permuted alike."""
+    from peft import PeftModel
+    from specfleet.engine.models.phi3 import Phi3Model
+
+    config = tiny_config(
+        "phi3", vocab_size=128, partial_rotary_factor=0.5, pad_token_id=0, bos_token_id=1, eos_token_id=2
+    )
+    state = {k: v.detach().clone() for k, v in tiny_model(config).state_dict().items()}
+    model = Phi3Model(config, state, torch.float32, torch.device("cpu"), native=False)
+    shape = model.lora_shape()
+    assert shape.qkv_columns is not None
+    relaid = Phi3Model.llama_state(config, state)  # the base's rows as the engine fuses them again
+    fused = torch.cat([relaid[f"model.layers.1.self_attn.{p}_proj.weight"] for p in "qkv"])
+    assert torch.equal(fused, state["model.layers.1.self_attn.qkv_proj.weight"][shape.qkv_columns])
+    assert not torch.equal(shape.qkv_columns, torch.arange(shape.qkv_columns.numel()))  # a real permutation
+
+    folder = save_random_adapter(tiny_model(config), tmp_path / "phi3", seed=5, r=8, target_modules=PHI3)
+    adapter = read_adapter("phi3", folder, shape, max_rank=64)
+    assert adapter.target_modules == tuple(PHI3)
+    layer = PeftModel.from_pretrained(tiny_model(config), folder).base_model.model.model.layers[1]
+    x = torch.randn(3, shape.hidden_size)
+    batch = LoraBatch.build([(adapter, 0, 3)], 3, torch.device("cpu"))
+    assert batch is not None
+    want = {
+        "qkv": _peft_delta(layer.self_attn.qkv_proj, x)[:, shape.qkv_columns],
+        "gate_up": _peft_delta(layer.mlp.gate_up_proj, x),
+    }
+    for proj, delta in want.items():
+        got = batch.add(torch.zeros_like(delta), x, 1, proj)
+        torch.testing.assert_close(got, delta, rtol=1e-5, atol=1e-6)
+    with pytest.raises(LoraError, match=r"target_modules \['q_proj'\] are modules the model does not have "):
+        read_adapter("q", _copy(folder, tmp_path / "q", target_modules=["q_proj"]), shape, max_rank=64)
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe"])
+def test_moe_adapters_on_the_mlp_are_refused_naming_the_module(kind, tmp_path):
+    """Attention-only on the MoE models: an older checkpoint's per-expert linears, the router and (Qwen3-MoE)
+    a dense layer's MLP are refused by their tensor's module, whatever the config lists; the attention loads."""
+    from specfleet.engine.models.moe import MixtralModel, Qwen3MoeModel
+
+    overrides = {"mlp_only_layers": [1]} if kind == "qwen3moe" else {}
+    config = tiny_config(kind, vocab_size=128, **overrides)
+    # the checkpoint's tensors (transformers saves the experts one by one; in memory they are fused 3-D)
+    state = load_file(write_tiny_checkpoint(tmp_path / "base", config) / "model.safetensors")
+    cls = MixtralModel if kind == "mixtral" else Qwen3MoeModel
+    shape = cls(config, state, torch.float32, torch.device("cpu"), native=False).lora_shape()
+    expert = "block_sparse_moe.experts.0.w1" if kind == "mixtral" else "mlp.experts.0.gate_proj"
+    for module, layer in [(expert, 0), ("mlp.gate", 0), ("mlp.down_proj", 1), ("self_attn.q_proj", 1)]:
+        folder = tmp_path / f"{module}-{layer}"
+        folder.mkdir()
+        (folder / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4}))
+        inside = shape.hidden_size if module != "mlp.down_proj" else shape.intermediate_size
+        prefix = f"base_model.model.model.layers.{layer}.{module}"
+        save_file(
+            {
+                f"{prefix}.lora_A.weight": torch.zeros(4, inside),
+                f"{prefix}.lora_B.weight": torch.zeros(64, 4),
+            },
+            folder / "adapter_model.safetensors",
+        )
+        if module == "self_attn.q_proj":
+            assert read_adapter("a", folder, shape, max_rank=8).target_modules == ("q_proj",)
+            continue
+        with pytest.raises(
+            LoraError,
+            match=rf"adapter 'a' targets {module} in layer {layer}: {cls.architecture} takes adapters on its "
+            r"attention only \(q_proj, k_proj, v_proj, o_proj\), not on its MLP",
+        ):
+            read_adapter("a", folder, shape, max_rank=8)

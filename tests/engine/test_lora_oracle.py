@@ -194,8 +194,8 @@ def test_draft_model_speculation_with_adapters_is_exact(tiny_llama, adapters, re
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
 def test_other_architectures_equal_peft_merged(kind, bundled_path, tmp_path):
-    """The same oracle on each other architecture LoRA serves (q/k/v bias, q/k norms, Mistral): two
-    adapters and the base in one batch."""
+    """The same oracle on the rest of Llama's family (q/k/v bias, q/k norms, Mistral): two adapters and the
+    base in one batch. Phi-3, Gemma and the MoE models: test_lora_architectures.py."""
     from transformers import AutoModelForCausalLM
 
     config = tiny_config(kind, max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
@@ -218,13 +218,3 @@ def test_other_architectures_equal_peft_merged(kind, bundled_path, tmp_path):
     assert wants["all"] != wants[None] and wants["k-up"] != wants[None]  # the adapters do change the tokens
     for name, tokens in zip(names, _tokens(results)):
         assert tokens == wants[name], f"{kind} adapter {name}"
-
-
-def test_phi3_refuses_lora_at_start(bundled_path, tmp_path):
-
-    config = tiny_config("phi3", max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-    path = write_tiny_checkpoint(
-        tmp_path / "phi3", config, tokenizer_from=bundled_path, tokenizer_files=TOKENIZER_FILES
-    )
-    with pytest.raises(ValueError, match="LoRA is not supported for Phi3Model yet"):
-        LLM(model=f"file://{path}", max_model_len=128, enable_lora=True)

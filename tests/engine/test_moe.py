@@ -130,7 +130,6 @@ def test_int8_experts_match_transformers_over_the_same_int8_weights(arch):
 @pytest.mark.parametrize(
     ("options", "message"),
     [
-        ({"enable_lora": True}, "LoRA is not supported for MixtralForCausalLM: adapters are not applied"),
         ({"tensor_parallel_size": 2}, "experts are not split across ranks yet"),
     ],
 )

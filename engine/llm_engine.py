@@ -22,7 +22,7 @@ from specfleet.engine.kv_events import ZmqEventPublisher
 from specfleet.engine.kv_events_config import KVEventsConfig
 from specfleet.engine.kv_transfer.base import KVTransferParams, encode_logprob
 from specfleet.engine.kv_transfer.connector import KVConnector
-from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model
+from specfleet.engine.loader import LoadedModel, kv_cache_blocks, load_model, sliding_layers
 from specfleet.engine.lora.adapter import LoraAdapter, LoraError
 from specfleet.engine.lora.manager import LoraManager
 from specfleet.engine.model_runner import InFlight, ModelRunner, ModelRunnerOutput, SpecStats
@@ -107,8 +107,17 @@ class Engine:
         """The KV cache sized for the model (and draft), its block manager, the model runner and the
         scheduler; returns the number of KV blocks."""
         models = [loaded.model] + ([draft.model] if draft else [])
-        num_blocks = kv_cache_blocks(config, models, self.max_model_len, loaded.model.device)
-        self.kv = BlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # Sliding-window layers keep only their window in a pool of their own; a disaggregated engine's KV
+        # connector moves every layer's blocks by one table, so there they keep the whole sequence.
+        sliding = sliding_layers(loaded.model, self.max_model_len) if config.kv_role is None else None
+        num_blocks = kv_cache_blocks(config, models, self.max_model_len, loaded.model.device, sliding=sliding)
+        self.kv = BlockManager(
+            num_blocks,
+            config.block_size,
+            config.enable_prefix_caching,
+            sliding_window=sliding.window if sliding else None,
+            num_sliding_blocks=sliding.num_blocks if sliding else 0,
+        )
         self.runner = ModelRunner(
             loaded.model,
             num_blocks,
@@ -116,6 +125,7 @@ class Engine:
             config.attention_backend,
             self.eos_token_ids,
             config.seed,
+            sliding=sliding,
         )
         self.scheduler = Scheduler(
             self.kv,
@@ -281,9 +291,11 @@ class Engine:
 
     def _log_ready(self, config: EngineConfig, num_blocks: int, has_draft: bool) -> None:
         log.info(
-            "event=engine_ready model=%s blocks=%d draft_blocks=%d block_size=%d max_model_len=%d backend=%s",
+            "event=engine_ready model=%s blocks=%d sliding_blocks=%d draft_blocks=%d block_size=%d "
+            "max_model_len=%d backend=%s",
             self.model_name,
             num_blocks,
+            self.kv.sliding.num_blocks - 1 if self.kv.sliding is not None else 0,
             num_blocks if has_draft else 0,
             config.block_size,
             self.max_model_len,
@@ -610,7 +622,8 @@ class Engine:
                 sched.finish(seq, "abort")
 
     def kv_blocks_in_use(self) -> int:
-        return self.kv.num_used_blocks  # referenced blocks; cached free ones are not in use
+        # referenced blocks, of both pools when sliding layers have their own; cached free ones are not in use
+        return self.kv.num_used_blocks + self.kv.num_used_sliding_blocks
 
     # -- live configuration -----------------------------------------------------------------------------
     def live_config(self) -> LiveConfig:

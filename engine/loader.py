@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import torch
+from specfleet.engine.block_manager import SlidingLayers
 from specfleet.engine.checkpoint import (
     checkpoint_quantization,
     checkpoint_state,
@@ -212,33 +213,88 @@ def kv_cache_blocks(
     max_model_len: int,
     device: torch.device,
     mem_get_info=None,
+    sliding: SlidingLayers | None = None,
 ) -> int:
     """Blocks for the KV caches of `models` (the target and, with a draft proposer, the draft: one block id
-    addresses a block in each cache, so both are budgeted together from one memory fraction).
+    addresses a block in each cache, so both are budgeted together from one memory fraction). With
+    `sliding`, the target's sliding-window layers have a pool of their own (`sliding.num_blocks`, set here)
+    and the blocks returned are the other layers'. A memory budget is split so that the sliding pool holds
+    the windows of as many sequences as the full layers' blocks hold at max_model_len (at most the live
+    max_num_seqs ceiling, beyond which the rest goes to the full layers): long contexts then run as many at
+    once in both pools, while short ones (within a window, which need as many sliding blocks as full ones)
+    are bounded by the sliding pool. `num_kv_blocks` fixes the full layers' blocks; the sliding pool then
+    holds the windows of the live limits.
 
     Refuses to start, as vLLM does, when the cache cannot hold one sequence of `max_model_len` tokens: such
     a sequence would otherwise preempt itself forever and block everything queued behind it."""
     per_block = sum(bytes_per_block(m, config.block_size) for m in models)
     per_seq = -(-max_model_len // config.block_size)
     useful = config.seqs_limit * per_seq + 1  # more blocks than every sequence at full length is waste
+    per_sliding, need = 0, 0
+    if sliding is not None:
+        per_sliding = (
+            bytes_per_block(models[0], config.block_size) * len(sliding.layers) // models[0].args.num_layers
+        )
+        per_block -= per_sliding
+        need = sliding_blocks_needed(config, sliding.window)
     if config.num_kv_blocks is not None:
         blocks, source = config.num_kv_blocks, f"num_kv_blocks={config.num_kv_blocks} (--num-kv-blocks)"
+        budget = None
     elif device.type == "cuda":
         free, total = (mem_get_info or torch.cuda.mem_get_info)(device)
-        budget = free - (1 - config.kv_cache_memory_fraction) * total
-        blocks = int(min(useful, max(0, budget) // per_block))
+        budget = max(0, free - (1 - config.kv_cache_memory_fraction) * total)
         source = (
             f"kv_cache_memory_fraction={config.kv_cache_memory_fraction} (--kv-cache-memory-fraction), "
-            f"{max(0, budget) / 2**30:.2f} GiB for {len(models)} cache(s)"
+            f"{budget / 2**30:.2f} GiB for {len(models)} cache(s)"
         )
     else:
         gib = config.kv_cache_gib if config.kv_cache_gib is not None else DEFAULT_CPU_KV_GIB
-        blocks = int(max(1, min(useful, gib * 2**30 // per_block)))
+        budget = gib * 2**30
         source = f"kv_cache_gib={gib} (--kv-cache-gib), {len(models)} cache(s)"
+    if budget is not None:
+        if sliding is not None:
+            need = _sliding_share(config, sliding.window, budget, per_seq * per_block, per_sliding)
+        # the sliding pool first (its null block included), the rest for the full layers
+        blocks = int(min(useful, (budget - (need + 1) * per_sliding) // per_block))
+        if blocks < need:  # too little for one sequence in both pools: equal counts, as full retention has
+            blocks = int(min(useful, (budget - per_sliding) // (per_block + per_sliding)))
+        if device.type != "cuda":
+            blocks = max(1, blocks)
     if blocks < per_seq:
         raise ValueError(
             f"the KV cache holds {blocks} blocks of {config.block_size} tokens ({blocks * config.block_size} tokens, "
             f"from {source}), fewer than one sequence of max_model_len={max_model_len} needs ({per_seq} blocks): "
             f"give the cache more memory or lower max_model_len (--max-model-len {blocks * config.block_size})"
         )
+    if sliding is not None:
+        sliding.num_blocks = min(blocks, need) + 1
     return blocks
+
+
+def sliding_layers(model: LlamaModel | SplitModel, max_model_len: int) -> SlidingLayers | None:
+    """The model's sliding-window layers (Gemma 2/3), or None: no such layers, or a window that a sequence
+    never outgrows (the pool would only duplicate the full one)."""
+    window = getattr(model, "window", None)
+    layers = frozenset(getattr(model, "sliding_layer_indices", lambda: ())())
+    if window is None or not layers or window >= max_model_len:
+        return None
+    return SlidingLayers(layers, window)
+
+
+def _sliding_share(config: EngineConfig, window: int, budget: float, seq_bytes: int, per_sliding: int) -> int:
+    """The sliding pool of a memory budget: the windows of as many sequences as the full layers then hold
+    at max_model_len (`seq_bytes` each), within the live max_num_seqs ceiling."""
+    fixed = sliding_blocks_needed(config, window, seqs=0) + 1  # one step's chunk, and the null block
+    per_window = sliding_blocks_needed(config, window, seqs=1) - fixed + 1
+    fit = int((budget - fixed * per_sliding) // (seq_bytes + per_window * per_sliding))
+    return sliding_blocks_needed(config, window, seqs=min(config.seqs_limit, max(1, fit)))
+
+
+def sliding_blocks_needed(config: EngineConfig, window: int, seqs: int | None = None) -> int:
+    """Sliding blocks that `seqs` sequences (default: as many as the live limits allow) hold at once: each
+    its window before its next query (blocks_for(window - 1) + 1 when the window starts inside a block) and
+    one more for a decode or verification step, plus one step's whole token budget of new tokens (a
+    prefill chunk)."""
+    per_seq = -(-(window - 1) // config.block_size) + 2
+    seqs = config.seqs_limit if seqs is None else seqs
+    return seqs * per_seq + -(-config.batched_tokens_limit // config.block_size)

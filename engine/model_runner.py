@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 from specfleet.engine.attention.base import AttentionMetadata
 from specfleet.engine.attention.registry import get_attention_backend
+from specfleet.engine.block_manager import SlidingLayers
 from specfleet.engine.input_buffers import StepBuffers
 from specfleet.engine.lora.batch import LoraBatch
 from specfleet.engine.models.llama import LlamaModel
@@ -120,25 +121,33 @@ class ModelRunner:
         attention_backend: str,
         eos_token_ids: set[int],
         seed: int,
+        sliding: SlidingLayers | None = None,
     ):
         self.model = model
         self.block_size = block_size
         self.attn = get_attention_backend(attention_backend, model.device, model.dtype)
         a = model.args
-        shape = (num_blocks, block_size, a.num_kv_heads, a.head_dim)
-        self.kv_caches = [
-            (
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
-                torch.zeros(shape, dtype=model.dtype, device=model.device),
+        # With `sliding`, those layers' caches are the sliding pool's blocks (block_manager.py), which each
+        # sequence's `sliding_table` addresses; the other layers' are the `num_blocks` of `block_table`.
+        self.sliding = sliding
+        sliding_layers = sliding.layers if sliding is not None else frozenset()
+        self.kv_caches = []
+        for layer in range(a.num_layers):
+            blocks = sliding.num_blocks if sliding is not None and layer in sliding_layers else num_blocks
+            shape = (blocks, block_size, a.num_kv_heads, a.head_dim)
+            self.kv_caches.append(
+                (
+                    torch.zeros(shape, dtype=model.dtype, device=model.device),
+                    torch.zeros(shape, dtype=model.dtype, device=model.device),
+                )
             )
-            for _ in range(a.num_layers)
-        ]
         self.eos_token_ids = eos_token_ids
         self.generator = torch.Generator(device=model.device).manual_seed(seed)
         self.vocab_size = a.vocab_size
         # A step's inputs are read until it is collected: one set per micro-batch in flight, and one for
         # the step being prepared.
         self.buffers = StepBuffers(model.device, ring=self.pipeline_depth + 1)
+        self.sliding_buffers = StepBuffers(model.device, ring=self.pipeline_depth + 1) if sliding else None
         # Run each sequence's LoRA adapter (the target model of a LoRA engine). A draft model's runner
         # leaves it off: the draft proposes without the adapter, and verification applies it.
         self.use_lora = False
@@ -328,7 +337,40 @@ class ModelRunner:
             spans = [(item.seq.lora, start, n) for item, start, n in zip(items, token_starts, qlens)]
             meta.lora = LoraBatch.build(spans, len(ids), self.model.device)
         self.attn.prepare(meta)
+        if self.sliding_buffers is not None:
+            meta.sliding = self._sliding_meta(items, meta, ids, positions)
         return BatchInputs(t.input_ids, t.positions, meta, sample_rows, sample_counts, token_starts)
+
+    def _sliding_meta(
+        self, items: list[ScheduledSeq], meta: AttentionMetadata, ids: list[int], positions: list[int]
+    ) -> AttentionMetadata:
+        """The step's slots and block tables in the sliding-window layers' pool (each sequence's
+        `sliding_table`); the queries, lengths and the backend's per-step state are the step's own."""
+        assert self.sliding_buffers is not None
+        bs = self.block_size
+        slots: list[int] = []
+        for item in items:
+            table, start = item.seq.sliding_table, item.seq.num_computed_tokens
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + item.num_new_tokens))
+        t = self.sliding_buffers.fill(
+            ids,
+            positions,
+            slots,
+            meta.query_lens_cpu,
+            meta.seq_lens_cpu,
+            [i.seq.sliding_table for i in items],
+        )
+        return AttentionMetadata(
+            slot_mapping=t.slot_mapping,
+            query_start_loc=meta.query_start_loc,
+            seq_lens=meta.seq_lens,
+            block_tables=t.block_tables,
+            query_lens_cpu=meta.query_lens_cpu,
+            seq_lens_cpu=meta.seq_lens_cpu,
+            block_size=bs,
+            backend_state=meta.backend_state,  # what write_kv reads of it: padding rows, the same here
+            lora=meta.lora,
+        )
 
     def _sample(self, sched: SchedulerOutput, logits: torch.Tensor) -> ModelRunnerOutput:
         """logits: [rows, vocab], num_spec + 1 consecutive rows per sampling sequence."""

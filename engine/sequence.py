@@ -34,6 +34,9 @@ class Sequence:
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     num_cached_tokens: int = 0  # prompt tokens that came from the prefix cache
     block_table: list[int] = field(default_factory=list)
+    # the sliding-window layers' blocks when they keep only their window (block_manager.py; NULL_BLOCK for
+    # the blocks that fell out of it); empty when every layer reads `block_table`
+    sliding_table: list[int] = field(default_factory=list)
     spec_token_ids: list[int] = field(default_factory=list)  # proposals to verify this step
     spec_probs: Any = None  # [k, vocab] the draft's distribution for them; None: point mass or greedy
     parent: Sequence | None = None  # n > 1: the sample whose prompt blocks this one shares

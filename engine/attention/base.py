@@ -34,6 +34,9 @@ class AttentionMetadata:
     # The step's LoRA rows and adapters (engine/lora LoraBatch) that the model's projections add; None when
     # no scheduled sequence has an adapter (the model then runs as the base, fused decode path included).
     lora: Any = field(default=None)
+    # The sliding-window layers' own slots and block tables when they keep only their window (a pool of
+    # their own, engine/block_manager.py); None: every layer reads these.
+    sliding: AttentionMetadata | None = field(default=None)
 
     @property
     def num_seqs(self) -> int:

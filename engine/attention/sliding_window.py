@@ -6,7 +6,9 @@ A sliding layer's query at position p sees keys at positions p - window < j <= p
 mask and the softmax, which SDPA cannot express: with a cap the scores are computed explicitly.
 
 The paged KV layout and its writes are the backends' (attention/base.py); this module only reads the
-cache, so it runs under any backend (torch, native, triton) on any device. `plan` is computed once per step
+cache, so it runs under any backend (torch, native, triton) on any device. A sliding layer whose cache
+keeps only its window (engine/block_manager.py) is planned over the sliding pool's tables
+(`meta.sliding`), whose entries before the window are the null block: no key there is ever gathered. `plan` is computed once per step
 and window and shared by every layer of that kind: a sliding layer gathers only the keys inside its
 window (a decode step reads `window` keys however long the sequence), short queries (decode,
 verification) are batched into one padded call and long ones (prefill chunks) run one by one, in slices of

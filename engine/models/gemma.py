@@ -14,8 +14,10 @@ What differs from Llama, each as transformers computes it:
   (`rope_local_base_freq`, 10k) and its full layers with `rope_theta` and the config's RoPE scaling.
 
 Attention runs in attention/sliding_window.py: each sliding layer reads only the keys inside its window.
-The KV cache still keeps every block of a sequence for every layer (full retention); the sliding layers'
-blocks that fall out of the window are not freed yet. Refused at start: GGUF/AWQ/GPTQ checkpoints, tensor
+The engine gives the sliding layers a KV pool of their own that keeps only each sequence's window
+(engine/block_manager.py: blocks older than it are freed after every step) and these layers read and write
+it through `meta.sliding`; the full layers keep the whole sequence.
+Refused at start: GGUF/AWQ/GPTQ checkpoints, tensor
 and pipeline parallelism (the loader and the engine name them).
 
 LoRA adapters add to q/k/v, o and gate/up/down as in Llama (LlamaLayer's maths): each delta joins its
@@ -101,6 +103,8 @@ class GemmaLayer(LlamaLayer):
         return None  # the fused native decode layers have neither the post norms nor GeGLU
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn: AttentionBackend):
+        if self.window is not None and meta.sliding is not None:
+            meta = meta.sliding  # this layer's cache is the sliding pool (engine/block_manager.py)
         step = sliding_window.plan(meta, self.window)
         return self.forward_planned(x, cos, sin, k_cache, v_cache, meta, attn, step)
 
@@ -191,15 +195,26 @@ class Gemma2Model(LlamaModel):
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, attn: AttentionBackend):
         x = self.embed_tokens(input_ids)
         layers = self.gemma_layers[: len(kv_caches)]
-        steps = {w: sliding_window.plan(meta, w) for w in {layer.window for layer in layers}}
+        # a sliding layer whose cache keeps only its window reads and writes the sliding pool's tables
+        metas = {
+            w: meta if w is None or meta.sliding is None else meta.sliding
+            for w in {la.window for la in layers}
+        }
+        steps = {w: sliding_window.plan(m, w) for w, m in metas.items()}
         rows = {
             kind: (cos.index_select(0, positions).unsqueeze(1), sin.index_select(0, positions).unsqueeze(1))
             for kind, (cos, sin) in self.ropes.items()
         }
         for layer, (k_cache, v_cache) in zip(layers, kv_caches):
             cos, sin = rows[layer.kind]
-            x = layer.forward_planned(x, cos, sin, k_cache, v_cache, meta, attn, steps[layer.window])
+            w = layer.window
+            x = layer.forward_planned(x, cos, sin, k_cache, v_cache, metas[w], attn, steps[w])
         return x
+
+    def sliding_layer_indices(self) -> list[int]:
+        """The layers that attend within a window: with a window shorter than the context, the engine gives
+        them a KV pool that keeps only the window (engine/block_manager.py)."""
+        return [i for i, layer in enumerate(self.gemma_layers) if layer.window is not None]
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return super().embed_tokens(input_ids) * self.normalizer

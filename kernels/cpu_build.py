@@ -8,6 +8,7 @@ is there, or ``SPECFLEET_NATIVE=0``, `library()` returns None and callers keep t
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -61,20 +62,27 @@ def _build() -> Path:
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Concurrent processes (several engines starting at once) each build to a temporary name and
-    # rename atomically, so no process ever loads a half-written library.
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-    os.close(fd)
-    try:
-        proc = subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True
-        )
-        if proc.returncode != 0:
-            raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # Several engines starting at once on a cold cache (`specfleet up`, a node's pods) build once: an
+    # exclusive flock beside the library lets one compile while the others wait and then find it made (the
+    # kernel drops the lock of a holder that dies). The build goes to a temporary name renamed onto the
+    # target, so no process ever loads a half-written library.
+    with open(target.parent / ".build.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if target.exists():
+            return target
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            log.info("event=native_build target=%s", target)
+            proc = subprocess.run(
+                [compiler, *FLAGS, *map(str, SOURCES), "-o", tmp], capture_output=True, text=True
+            )
+            if proc.returncode != 0:
+                raise RuntimeError(f"{compiler} failed: {proc.stderr.strip()[-2000:]}")
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 

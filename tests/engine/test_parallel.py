@@ -167,7 +167,8 @@ _UNSPLIT: dict[str, Run] = {}
 
 def _unsplit(model: str, prompts=PROMPTS, **kwargs) -> Run:
     """`_run(model, 1, prompts, **kwargs)`, once per module for the same arguments: the one-process reference
-    two tests compare against (the int8 engine's, split by tensor and by pipeline)."""
+    two tests compare against (the int8 engine's, split by tensor and by pipeline; the bundled model's, split
+    three ways by tensor and two by pipeline)."""
     key = repr((model, prompts, sorted(kwargs.items())))
     if key not in _UNSPLIT:
         _UNSPLIT[key] = _run(model, 1, prompts, **kwargs)
@@ -191,15 +192,20 @@ def test_tp_greedy_output_equals_tp1_on_random_models(kind, size, tiny_checkpoin
     _same(_run(model, size), _run(model, 1))
 
 
+# The bundled model's prompts for TP=3 and PP=2 (the TP=3 test says why these): one one-process reference run
+# serves both (`_unsplit`).
+BUNDLED_FIRST = ["The capital of France is the city of", "one two three one two three one two three one"]
+BUNDLED_AGAIN = ["The capital of France is the city of"]
+
+
 @pytest.mark.slow
 def test_tp3_on_the_bundled_model_equals_tp1_with_speculation_and_prefix_hits():
     # The second call repeats the first prompt: its full blocks come from the prefix cache, i.e. from every
     # rank's own KV cache (each holds its KV head), and the tokens after them must still be TP=1's. The
     # second prompt repeats itself, so the n-gram proposer has drafts to make.
-    first = ["The capital of France is the city of", "one two three one two three one two three one"]
-    again = ["The capital of France is the city of"]
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
-    one = _run("bundled://smollm2-135m-instruct", 1, first, then=again)
+    first, again = BUNDLED_FIRST, BUNDLED_AGAIN
+    one = _unsplit("bundled://smollm2-135m-instruct", first, then=again)
     plain = _run("bundled://smollm2-135m-instruct", 3, first, then=again)
     spec = _run("bundled://smollm2-135m-instruct", 3, first, then=again, **ngram)
     for run in (one, plain, spec):
@@ -276,10 +282,14 @@ def test_stages_are_equal_runs_of_layers():
 
 @pytest.mark.slow
 def test_pp2_on_the_bundled_model_equals_pp1_with_speculation_and_prefix_hits():
-    prompts = ["The capital of France is", "def fibonacci(n):", "The capital of France is"]
+    # the TP=3 test's prompts and one-process reference; here each stage's KV cache holds the prefix hits
     ngram = {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3}}
-    one = _run("bundled://smollm2-135m-instruct", 1, prompts)
-    _same(_run("bundled://smollm2-135m-instruct", 2, prompts, split="pipeline", **ngram), one)
+    one = _unsplit("bundled://smollm2-135m-instruct", BUNDLED_FIRST, then=BUNDLED_AGAIN)
+    split = _run(
+        "bundled://smollm2-135m-instruct", 2, BUNDLED_FIRST, split="pipeline", then=BUNDLED_AGAIN, **ngram
+    )
+    assert split.stats.prefix_cache_hits >= 4 and split.stats.num_drafts > 0
+    _same(split, one)
 
 
 @pytest.mark.slow

@@ -308,8 +308,16 @@ def plan(args: argparse.Namespace) -> EvictionSizing:
 async def eviction_phase(args: argparse.Namespace, sizing: EvictionSizing) -> dict[str, Any]:
     print(f"[bench route] eviction workload: {json.dumps(asdict(sizing))}", flush=True)
     convs = conversations(sizing.tenants, args.eviction_conversations, args.turns, args.seed)
-    events = await run_once(args, "route", convs)
-    estimate = await run_once(args, "publish", convs)
+    runs: dict[str, EvictionRun] = {}
+    modes: tuple[tuple[str, Literal["route", "publish"]], ...] = (
+        ("events", "route"),
+        ("estimate", "publish"),
+    )
+    for name, kv_events in modes:
+        runs[name] = await run_once(args, kv_events, convs)
+        figures = {k: _round(v) for k, v in run_figures(runs[name]).items()}
+        print(f"[bench route] eviction, {name}: {json.dumps(figures)}", flush=True)
+    events, estimate = runs["events"], runs["estimate"]
     out = eviction_figures(events, estimate)
     out["workload"] = {
         **asdict(sizing),

@@ -625,6 +625,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         proposal_share=accepted.share,
         proposal_continue=proposal_continue(accepted.length, accepted.verified_k or len(accepted.per_pos)),
         shadow_share=accepted.shadow_share,
+        shadow_accepted_per_pos=accepted.shadow_per_pos,
         startup_s=startup_s,
     )
     acceptance = accepted.per_pos

@@ -135,9 +135,16 @@ class SimEngine:
         self.verified = [min(1.0, c / q) if i else c for i, c in enumerate(self.conditional)]
         # the engine's shadow drafts, for a method that scores them (its own generator: the draws of
         # verified drafts stay those of a fleet without them), finding a draft at the engine's per-lookup rate
+        # and accepted as the engine's shadow drafts were, where measured (a handful of verified drafts must
+        # not stand for hundreds of shadow lookups)
         shadow_share = profile.proposal_share if profile.shadow_share is None else profile.shadow_share
+        shadow_conditional = (
+            _conditional(profile.shadow_accepted_per_pos)
+            if profile.shadow_accepted_per_pos
+            else self.conditional
+        )
         self.shadow = (
-            SimShadow(limits.max_k, self.conditional, shadow_share, random.Random(rng.random()))
+            SimShadow(limits.max_k, shadow_conditional, shadow_share, random.Random(rng.random()))
             if shadow and limits.max_k
             else None
         )

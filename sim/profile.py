@@ -85,6 +85,9 @@ class Profile:
     # share of the engine's shadow lookups (n-gram lookups scored while it verifies no drafts) that find a
     # draft: per lookup, as the engine counts them, not per sequence-step; None: `proposal_share`
     shadow_share: float | None = None
+    # P(position i accepted | a shadow draft), as the engine's shadow drafts report it (scored up to the
+    # ceiling for k, each to its lookup's length); (): the verified drafts' `accepted_per_pos`
+    shadow_accepted_per_pos: tuple[float, ...] = ()
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
     # The API server's work on each step's output (`server_s`), in its own process beside the core: it
     # overlaps the core's next step (`period_s`). Per step: the serving loop's work outside `Engine.step()`
@@ -130,13 +133,14 @@ class Profile:
         if not self.startup_s >= 0:
             raise ValueError(f"startup_s={self.startup_s} must be >= 0 seconds")
         if (
-            any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos)
+            any(not 0.0 <= a <= 1.0 for a in (*self.accepted_per_pos, *self.shadow_accepted_per_pos))
             or not 0.0 <= self.proposal_share <= 1.0
             or not 0.0 < self.proposal_continue <= 1.0
             or (self.shadow_share is not None and not 0.0 <= self.shadow_share <= 1.0)
         ):
             raise ValueError(
-                "accepted_per_pos, proposal_share and shadow_share must lie in [0, 1], proposal_continue in (0, 1]"
+                "accepted_per_pos, shadow_accepted_per_pos, proposal_share and shadow_share must lie in [0, 1], "
+                "proposal_continue in (0, 1]"
             )
 
     # -- the model ---------------------------------------------------------------------------------
@@ -226,6 +230,7 @@ class Profile:
             data["knots"] = tuple((float(a), float(b)) for a, b in data["knots"])
             data["points"] = tuple(StepPoint(**p) for p in data.get("points", ()))
             data["accepted_per_pos"] = tuple(float(a) for a in data.get("accepted_per_pos", ()))
+            data["shadow_accepted_per_pos"] = tuple(float(a) for a in data.get("shadow_accepted_per_pos", ()))
             if data.get("roofline") is not None:
                 data["roofline"] = RooflineInputs(**data["roofline"])
             return cls(**data)

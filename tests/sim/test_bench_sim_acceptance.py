@@ -142,9 +142,48 @@ def test_simulated_shadow_drafts_report_the_engines_per_lookup_share_and_positio
     assert share == pytest.approx(0.03, abs=0.02)
 
 
+def test_simulated_shadow_drafts_follow_the_engines_shadow_positions_over_a_few_verified_drafts():
+    """bench sim, 2026-12-06: the real tuner's k = 1 verified a handful of drafts, all accepted (1.0), where
+    hundreds of shadow lookups read 0.82 / 0.79 / 0.60 / 0.45; the simulated shadow drafts, drawn from the
+    verified figure, reported 1.0 at the first position and the simulated tuner chose k = 4 where the real
+    one chose k = 1. Given the engines' shadow positions, the simulated shadow drafts report those."""
+    doc = {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "t"},
+        "spec": {
+            "model": {"source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
+            "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 512},
+            "speculative": {"method": "ngram", "numSpeculativeTokens": 0},
+            "resources": {"gpus": 0},
+            "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
+        },
+    }
+    reqs = list(
+        Synthetic(
+            rates=((0.0, 3.0),),
+            duration_s=30,
+            prompt=Lengths("uniform", 16, 96),
+            output=Lengths("uniform", 32, 96),
+            seed=4,
+        ).requests()
+    )
+    shadow = (0.82, 0.79, 0.6, 0.45)
+    profile = cpu_like_profile(num_kv_blocks=256).with_(shadow_share=0.6, shadow_accepted_per_pos=shadow)
+    fleet = SimFleet(load_inference_service(doc), profile, accepted_per_pos=(1.0, 0.96, 0.7, 0.55))
+    fleet.run(reqs)
+    snap = fleet.engines[0].snapshot(fleet.now)
+    found = snap.counters["spec_decode_shadow_drafts"]
+    assert found > 300
+    seen = [snap.per_pos["spec_decode_shadow_accepted_tokens_per_pos"][i] / found for i in range(4)]
+    assert seen == pytest.approx(list(shadow), abs=0.06)
+
+
 def test_a_shadow_share_outside_0_1_is_refused_by_name():
     with pytest.raises(ValueError, match="shadow_share"):
         cpu_like_profile(num_kv_blocks=256).with_(shadow_share=1.5)
+    with pytest.raises(ValueError, match="shadow_accepted_per_pos"):
+        cpu_like_profile(num_kv_blocks=256).with_(shadow_accepted_per_pos=(0.5, 1.2))
 
 
 def test_ttft_parts_split_the_clients_ttft_into_the_engines_and_the_path():

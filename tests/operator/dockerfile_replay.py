@@ -14,7 +14,11 @@ never ignored in silence). Substitutions, each because the real thing cannot be 
 - the pod's /cache emptyDir is a folder inside the venv when the entry point runs;
 - pip's cache stays on and pip writes no .pyc files (`--no-compile`): the images set PIP_NO_CACHE_DIR=1 to
   keep layers small, here both keep CI fast (compiling torch's sources is most of its install time), and
-  neither changes what gets installed.
+  neither changes what gets installed;
+- the commands run in a replay may write .pyc files, though the images set PYTHONDONTWRITEBYTECODE=1: an
+  image's pip compiled its modules at install, which the replay skips, so the first command compiles what
+  it imports and keeps it, and the later ones load it as the image's would (instead of compiling torch's
+  sources again at each command).
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from pathlib import Path
 # Commands in RUN lines that shape the filesystem or the OS user, not the Python environment.
 SKIPPED = {"rm", "useradd", "mkdir", "chown", "chmod", "ln"}
 UNREACHABLE_PIP_OPTIONS = ("--index-url", "--extra-index-url")
-# ENV the replay replaces with its own: the venv's location, and pip's cache (see the module docstring).
-REPLACED_ENV = {"PATH", "VIRTUAL_ENV", "PIP_NO_CACHE_DIR"}
+# ENV the replay replaces with its own: the venv's location, pip's cache and the .pyc files (see the module
+# docstring).
+REPLACED_ENV = {"PATH", "VIRTUAL_ENV", "PIP_NO_CACHE_DIR", "PYTHONDONTWRITEBYTECODE"}
 
 
 @dataclass

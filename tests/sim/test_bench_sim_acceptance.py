@@ -266,15 +266,15 @@ def test_host_cpu_counts_the_bench_and_its_children_apart_from_other_processes()
     """`HostCpu`: a child of the bench (as the engines are) burning CPU counts as the bench's; the
     difference from the host's busy time is the other processes'."""
     import subprocess
-    import sys
 
     from specfleet.bench.sim import HostCpu
+    from specfleet.engine.python_child import python_command
 
     before = HostCpu.read()
     if before is None:
         pytest.skip("no /proc on this host")
     burn = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.5: pass\nprint('burnt', flush=True)\ntime.sleep(30)"
-    child = subprocess.Popen([sys.executable, "-c", burn], stdout=subprocess.PIPE, text=True)
+    child = subprocess.Popen(python_command("-c", burn), stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout is not None and child.stdout.readline().strip() == "burnt"
         after = HostCpu.read()  # while the child lives: its CPU time is read from its /proc entry

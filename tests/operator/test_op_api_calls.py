@@ -19,10 +19,13 @@ STEADY_CALLS_PER_SECOND = 2.0  # the issue's goal for all 200 at the production 
 
 @pytest.mark.slow
 def test_200_services_cost_at_most_2_calls_per_second_in_steady_state() -> None:
-    # a 4 s timer: 50 reconciles/s of ~5 ms each leaves the shared CPU room; counts do not depend on it
+    # A 2 s timer: 100 reconciles/s of ~5 ms each, half a core of the shared CPU. The counts do not depend
+    # on it (the same at 4 s, the bench's documented run: 0 calls a steady reconcile, 1802 in the resync,
+    # 15 for the change); the phases that wait on timer passes (two steady ticks, the resync's nine passes,
+    # the change's two) take half as long: 48 s for the bench instead of 82 s on the loaded 2-core host.
     command = python_command("-m", "specfleet.bench.operator_api_calls", "--services", str(SERVICES))
     done = subprocess.run(
-        [*command, "--interval", "4"], capture_output=True, text=True, timeout=1200, cwd=REPO, env=os.environ
+        [*command, "--interval", "2"], capture_output=True, text=True, timeout=1200, cwd=REPO, env=os.environ
     )
     assert done.returncode == 0, done.stderr[-4000:]
     figures = json.loads(done.stdout)

@@ -7,9 +7,9 @@ to a worker whenever it has two or fewer tests left. Two things decide the queue
 - the collection order, which `pytest_collection_modifyitems` (tests/conftest.py) may change: the workers
   collect, run the hooks, and send their lists to the controller, whose queue follows them;
 - `--loadscope-reorder`, on by default: before queueing, the scheduler sorts the units by their number of
-  tests, most first (a stable sort: collection order only between files of one count). Our longest files
-  hold one or two tests each (a cold start, the image replays, the operator at 200 services), so that sort
-  put them last, where one of them ran alone while the other worker had finished: the tail. tests/conftest.py
+  tests, most first (a stable sort: collection order only between files of one count). Several of our
+  longest files hold one or two tests (the cold start, the operator at 200 services, priority scheduling
+  through a server), so that sort put them last, where one of them ran alone while the other worker had finished: the tail. tests/conftest.py
   turns it off (`pytest_configure`), so the order here is the order the workers get.
 
 The longest files go first (LONGEST_FILES, from CI's figures), then the other files that hold slow tests
@@ -23,15 +23,16 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 # The files that ran longest in CI's last full run (pytest 1318 s on two workers, issue 35), longest first:
-# their tests' `--durations` summed. A file's place here only decides when it starts; a stale figure costs
-# balance, never a result. tests/test_file_order.py checks that each of them exists.
+# their tests' `--durations` summed, scaled by what the changes of 2026-12-06 saved where they were measured
+# alone (the cold start 214 -> 141 s, the operator at 200 services 82 -> 48 s; the Triton test, 107 -> 21 s,
+# left the list). A file's place here only decides when it starts: a stale figure costs balance, never a
+# result. tests/test_file_order.py checks that each of them exists.
 LONGEST_FILES = (
-    "tests/fleet/test_cold_start.py",  # 169 s: one test, a cold start of four processes
-    "tests/operator/test_op_images.py",  # 147 s + : three Dockerfile replays (pip into fresh venvs)
+    "tests/operator/test_op_images.py",  # 147 s +: three Dockerfile replays (pip into fresh venvs)
     "tests/engine/test_parallel.py",  # 115 s in its three longest tests, 20 more split engines
-    "tests/operator/test_op_api_calls.py",  # 105 s: one test, the operator at 200 services
+    "tests/fleet/test_cold_start.py",  # ~110 s (169 s before): one test, a cold start of four processes
     "tests/server/test_priority_http.py",  # 90 s: two tests, an engine each
-    "tests/kernels/test_engine_triton.py",  # 65 s: one test under Triton's interpreter
+    "tests/operator/test_op_api_calls.py",  # ~60 s (105 s before): one test, the operator at 200 services
     "tests/fleet/test_up_gateway.py",  # 46 s in two of its four tests
     "tests/fleet/test_supervision.py",  # 31 s in one of its two tests
 )

@@ -269,6 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--eviction-concurrency", type=int, default=2, help="eviction phase: conversations in flight"
     )
+    p.add_argument(
+        "--eviction-estimate-first",
+        action="store_true",
+        help="eviction phase: the estimate's run before the events' (a host whose load drifts favours one)",
+    )
     return p
 
 

@@ -313,7 +313,7 @@ async def eviction_phase(args: argparse.Namespace, sizing: EvictionSizing) -> di
         ("events", "route"),
         ("estimate", "publish"),
     )
-    for name, kv_events in modes:
+    for name, kv_events in reversed(modes) if args.eviction_estimate_first else modes:
         runs[name] = await run_once(args, kv_events, convs)
         figures = {k: _round(v) for k, v in run_figures(runs[name]).items()}
         print(f"[bench route] eviction, {name}: {json.dumps(figures)}", flush=True)

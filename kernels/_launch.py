@@ -60,12 +60,14 @@ class _InterpretedLaunch:
 
 def kernel_for(kernel: Any, device: torch.device) -> Any:
     """The launchable form of ``kernel`` for tensors on ``device``: ``kernel_for(k, dev)[grid](...)``."""
-    if device.type == "cuda" or isinstance(kernel, InterpretedFunction):
+    if device.type == "cuda":
         return kernel
     if device.type != "cpu":
         raise ValueError(
             f"device={device} is not supported: Triton kernels run on cuda (or cpu, interpreted)"
         )
+    # An InterpretedFunction too (its module was imported with TRITON_INTERPRET=1, triton itself without):
+    # triton.language's helpers are then compiled-only, so its launches need the swap as well.
     key = id(kernel)
     if key not in _interpreted:
         _interpreted[key] = _InterpretedLaunch(kernel)

@@ -577,9 +577,26 @@ async def tick_with_the_trace(fleet: LocalFleet, interval_s: float, done: asynci
         await asyncio.sleep(max(0.0, t0 + n * interval_s - time.perf_counter()))
 
 
-async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> dict[str, Any]:
-    requests = list(c.workload.requests())
-    isvc = load_inference_service(isvc_doc(c, args.interval))
+@dataclass
+class _RealRun:
+    """What one configuration's real fleet measured, for its simulation and its JSON."""
+
+    rows: list[dict[str, float]]
+    startup_s: float
+    overheads: tuple[float, float, float]  # request, step and stream overheads (s)
+    seen: dict[str, Any]  # the overhead phases' own figures
+    steps: StepMix  # the engines' steps over the trace
+    host_cpu: dict[str, float]
+    accepted: Acceptance
+    decisions: list[str]
+    trace: list[dict[str, Any]]
+
+
+async def _run_real(
+    c: Config, isvc: Any, requests: list[SimRequest], profile: Profile, args: argparse.Namespace
+) -> _RealRun:
+    """The configuration's trace on a real local fleet: its overheads, then the trace (with the tuner on a
+    fixed schedule from the trace's start when the configuration is tuned), then the engines' counters."""
     fleet = LocalFleet(
         isvc,
         port=0,
@@ -611,12 +628,29 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         done.set()
         if ticker is not None:
             await ticker
-        accepted = await scrape_acceptance(fleet.engine_urls)
-        real_steps = (await real_mix(fleet.engine_urls)).since(before)
-        real_decisions = decisions(fleet.ticks)
-        real_trace = tuner_trace(fleet.ticks)
+        return _RealRun(
+            rows=rows,
+            startup_s=startup_s,
+            overheads=(request_overhead, step_overhead, stream_overhead),
+            seen=seen,
+            accepted=await scrape_acceptance(fleet.engine_urls),
+            steps=(await real_mix(fleet.engine_urls)).since(before),
+            host_cpu=host_cpu,
+            decisions=decisions(fleet.ticks),
+            trace=tuner_trace(fleet.ticks),
+        )
     finally:
         await fleet.stop(drain_timeout_s=2)
+
+
+async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> dict[str, Any]:
+    requests = list(c.workload.requests())
+    isvc = load_inference_service(isvc_doc(c, args.interval))
+    measured = await _run_real(c, isvc, requests, profile, args)
+    rows, startup_s, seen, host_cpu = measured.rows, measured.startup_s, measured.seen, measured.host_cpu
+    request_overhead, step_overhead, stream_overhead = measured.overheads
+    accepted, real_steps = measured.accepted, measured.steps
+    real_decisions, real_trace = measured.decisions, measured.trace
     real = figures(rows)
     tuned = profile.with_(
         request_overhead_s=request_overhead,

@@ -223,7 +223,13 @@ class Router:
         else:
             hashes = self.hasher.hashes(text, salt, adapter) if text else []
         session = headers.get(self.session_header) if self.session_header else None
-        return RouteRequest(tuple(hashes), session, adapter)
+        # Only a prompt given as text or ids is hashed as the engine hashes it (by the model's tokenizer);
+        # chat messages are flattened by prompt_text, not by the model's chat template
+        chat = not (
+            isinstance(parsed, dict) and isinstance(parsed.get("prompt"), str | list) and parsed["prompt"]
+        )
+        engine_hashes = self.hasher.encode is not None and not chat
+        return RouteRequest(tuple(hashes), session, adapter, engine_hashes)
 
     def choose(self, request: RouteRequest, tried: set[str]) -> Choice | None:
         candidates = [e for e in self.endpoints.routable() if e.url not in tried]

@@ -6,6 +6,7 @@ stores, evictions and a subscriber that joins late (its gap filled from the repl
 
 from __future__ import annotations
 
+import json
 import time
 
 import msgspec
@@ -331,3 +332,39 @@ def _answer_replay(replay, payloads: list[bytes], first: int = 0) -> int:
             replay.send_multipart((identity, b"", seq.to_bytes(8, "big"), payloads[seq]))
     replay.send_multipart((identity, b"", (-1).to_bytes(8, "big", signed=True), b""))
     return asked
+
+
+def test_a_chat_prompt_is_matched_on_the_estimate_even_where_the_engine_publishes() -> None:
+    """A chat request's blocks are the router's flattening of its messages, not the model's chat template the
+    engine prefilled, so the engines' events can never name them: the policy matches it on the estimate
+    (an exact index would answer 0 for every engine). A completion's prompt is hashed by the model's
+    tokenizer as the engine hashes it, and is matched on the events."""
+    from specfleet.router.endpoints import EndpointSet
+    from specfleet.router.policies import PrefixAffinity
+    from specfleet.router.prefix import BlockHasher
+    from specfleet.router.proxy import Router
+
+    policy = PrefixAffinity()
+    asked: list[str] = []
+
+    def exact(url: str, hashes: object) -> int:  # an engine that publishes and holds none of these blocks
+        asked.append(url)
+        return 0
+
+    policy.exact = exact
+    router = Router(
+        EndpointSet(["http://a", "http://b"], ready=True),
+        policy,
+        hasher=BlockHasher(block_size=4, encode=lambda t: list(t.encode())),
+    )
+    text = "You are a support agent for ACME. " * 4
+    chat = router.route_request(json.dumps({"messages": [{"role": "user", "content": text}]}).encode(), {})
+    completion = router.route_request(json.dumps({"prompt": text}).encode(), {})
+    assert chat.hashes and not chat.engine_hashes and completion.engine_hashes
+    first = router.choose(chat, set())
+    assert first is not None and not asked  # the chat request never consulted the events
+    again = router.choose(chat, set())
+    assert again is not None and again.url == first.url and again.reason == "prefix"  # the estimate's match
+    assert again.match_blocks == len(chat.hashes)
+    router.choose(completion, set())
+    assert sorted(asked) == ["http://a", "http://b"]  # a completion is matched on the events

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from typing import Any
 
 import pytest
 from aiohttp import web
@@ -96,10 +97,9 @@ def test_scrape_continues_verified_positions_with_the_shadow_and_keeps_the_per_l
     assert only.per_pos == pytest.approx((0.88, 0.8, 0.08, 0.04)) and only.share == pytest.approx(0.25)
 
 
-def test_simulated_shadow_drafts_report_the_engines_per_lookup_share_and_positions():
-    """With k = 0 the simulated engines' shadow counters, which the simulated tuner reads, hold the share and
-    positions bench sim measured on the real engines, not the verified drafts' per-step share."""
-    doc = {
+def _ngram_k0_service() -> dict[str, Any]:
+    """An n-gram service at k = 0 (its engines make shadow lookups) on a CPU-like profile."""
+    return {
         "apiVersion": "serving.specfleet.io/v1alpha1",
         "kind": "InferenceService",
         "metadata": {"name": "t"},
@@ -111,15 +111,25 @@ def test_simulated_shadow_drafts_report_the_engines_per_lookup_share_and_positio
             "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
         },
     }
-    reqs = list(
-        Synthetic(
-            rates=((0.0, 3.0),),
-            duration_s=30,
-            prompt=Lengths("uniform", 16, 96),
-            output=Lengths("uniform", 32, 96),
-            seed=3,
-        ).requests()
+
+
+def _chat_trace(seed: int) -> list[Any]:
+    """30 s of 3 requests a second, 16-96 prompt tokens and 32-96 output tokens."""
+    workload = Synthetic(
+        rates=((0.0, 3.0),),
+        duration_s=30,
+        prompt=Lengths("uniform", 16, 96),
+        output=Lengths("uniform", 32, 96),
+        seed=seed,
     )
+    return list(workload.requests())
+
+
+def test_simulated_shadow_drafts_report_the_engines_per_lookup_share_and_positions():
+    """With k = 0 the simulated engines' shadow counters, which the simulated tuner reads, hold the share and
+    positions bench sim measured on the real engines, not the verified drafts' per-step share."""
+    doc = _ngram_k0_service()
+    reqs = _chat_trace(seed=3)
     per_pos = continued((0.8, 0.775), (0.9, 0.8, 0.08, 0.04))
     profile = cpu_like_profile(num_kv_blocks=256).with_(proposal_share=0.03, shadow_share=0.4)
     fleet = SimFleet(load_inference_service(doc), profile, accepted_per_pos=per_pos)
@@ -147,27 +157,8 @@ def test_simulated_shadow_drafts_follow_the_engines_shadow_positions_over_a_few_
     hundreds of shadow lookups read 0.82 / 0.79 / 0.60 / 0.45; the simulated shadow drafts, drawn from the
     verified figure, reported 1.0 at the first position and the simulated tuner chose k = 4 where the real
     one chose k = 1. Given the engines' shadow positions, the simulated shadow drafts report those."""
-    doc = {
-        "apiVersion": "serving.specfleet.io/v1alpha1",
-        "kind": "InferenceService",
-        "metadata": {"name": "t"},
-        "spec": {
-            "model": {"source": "bundled://smollm2-135m-instruct", "maxModelLen": 2048},
-            "batching": {"maxNumSeqs": 32, "maxNumBatchedTokens": 512},
-            "speculative": {"method": "ngram", "numSpeculativeTokens": 0},
-            "resources": {"gpus": 0},
-            "slo": {"ttftP95Ms": 2000, "tpotP95Ms": 200},
-        },
-    }
-    reqs = list(
-        Synthetic(
-            rates=((0.0, 3.0),),
-            duration_s=30,
-            prompt=Lengths("uniform", 16, 96),
-            output=Lengths("uniform", 32, 96),
-            seed=4,
-        ).requests()
-    )
+    doc = _ngram_k0_service()
+    reqs = _chat_trace(seed=4)
     shadow = (0.82, 0.79, 0.6, 0.45)
     profile = cpu_like_profile(num_kv_blocks=256).with_(shadow_share=0.6, shadow_accepted_per_pos=shadow)
     fleet = SimFleet(load_inference_service(doc), profile, accepted_per_pos=(1.0, 0.96, 0.7, 0.55))

@@ -9,24 +9,10 @@ and times that (its figures only show the keys are written).
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
-
 import torch
+from specfleet.bench.gpu.quant_check import seconds_per_call
 from specfleet.kernels.lora_reference import lora_expand_reference, lora_gather_bmm, lora_shrink_reference
 from specfleet.kernels.lora_shrink_expand import LoraMapping, lora_expand, lora_shrink
-
-
-def _time(fn: Callable[[], object], iters: int) -> float:
-    fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(iters):
-        fn()
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters
 
 
 def _inputs(tokens: int, hidden: int, widths: list[int], loras: int, rank: int, dtype, device, seed: int):
@@ -79,8 +65,8 @@ def run(device: torch.device, dry_run: bool) -> dict:
     def triton_step() -> None:
         lora_expand(out, lora_shrink(x, a, mapping), b, starts, mapping)
 
-    t_triton = _time(triton_step, iters)
-    t_torch = _time(lambda: lora_gather_bmm(out, x, a, b, starts, token_lora), iters)
+    t_triton = seconds_per_call(triton_step, iters)
+    t_torch = seconds_per_call(lambda: lora_gather_bmm(out, x, a, b, starts, token_lora), iters)
     report[f"t{tokens}_h{hidden}_r{rank}_loras{loras}"] = {
         "triton_us": round(t_triton * 1e6, 1),
         "gather_bmm_us": round(t_torch * 1e6, 1),

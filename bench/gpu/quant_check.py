@@ -8,6 +8,7 @@ of the device's measured copy bandwidth, and the time against torch's bf16 GEMV 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 from specfleet.bench.gpu.quant_packers import pack_awq, pack_gptq
@@ -15,7 +16,8 @@ from specfleet.engine.quant.awq_gptq import awq_weight, gptq_weight
 from specfleet.kernels.quant_matmul import TritonQuantLinear
 
 
-def _time(fn, iters: int) -> float:
+def seconds_per_call(fn: Callable[[], object], iters: int) -> float:
+    """Mean wall time of `fn` over `iters` calls after one warm-up, the device synchronised around them."""
     fn()
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -70,7 +72,10 @@ def run(device: torch.device, dry_run: bool, copy_gbs: float | None) -> dict:
         bytes_q4 = n * k // 2 + 2 * (k // group) * n * 2
         for m in (1, 16):
             x = torch.randn(m, k, device=device, dtype=dtype)
-            t_q4, t_bf16 = _time(lambda x=x: layer(x), 100), _time(lambda x=x: x @ dense, 100)
+            t_q4, t_bf16 = (
+                seconds_per_call(lambda x=x: layer(x), 100),
+                seconds_per_call(lambda x=x: x @ dense, 100),
+            )
             row = {
                 "q4_us": round(t_q4 * 1e6, 1),
                 "bf16_us": round(t_bf16 * 1e6, 1),

@@ -7,6 +7,7 @@ of the device's measured copy bandwidth, and the time against torch's bf16 GEMV 
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -73,8 +74,8 @@ def run(device: torch.device, dry_run: bool, copy_gbs: float | None) -> dict:
         for m in (1, 16):
             x = torch.randn(m, k, device=device, dtype=dtype)
             t_q4, t_bf16 = (
-                seconds_per_call(lambda x=x: layer(x), 100),
-                seconds_per_call(lambda x=x: x @ dense, 100),
+                seconds_per_call(functools.partial(layer, x), 100),
+                seconds_per_call(functools.partial(torch.matmul, x, dense), 100),
             )
             row = {
                 "q4_us": round(t_q4 * 1e6, 1),

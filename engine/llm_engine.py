@@ -231,7 +231,10 @@ class Engine:
         spec = method(config.speculative_method)
         self.shadow = (
             ShadowDrafts(
-                config.max_num_speculative_tokens, config.prompt_lookup_min, config.prompt_lookup_max
+                config.max_num_speculative_tokens,
+                config.prompt_lookup_min,
+                config.prompt_lookup_max,
+                self.max_model_len,
             )
             if spec is not None and spec.shadow_drafts
             else None

@@ -7,8 +7,14 @@ steps a few decoding sequences get one lookup each, and the draft it finds is sc
 the target then emits, one per step: position `i` counts as accepted when the draft's first `i + 1` tokens
 all came out. That is the acceptance a verified draft would have had, in distribution: the target accepts
 a point-mass draft token with the probability it would have sampled it. A lookup that finds nothing counts
-as a sequence-step without a proposal, as it would with speculation on. A sequence that ends or is
-preempted before its draft is scored drops it uncounted.
+as a sequence-step without a proposal, as it would with speculation on. A draft is as long as a verified
+one would be at that point (`rules.k_room`: the output left before `max_tokens`, the context left), so
+every draft can be scored in full: a draft longer than the tokens still to come was dropped when its
+sequence ended if it still matched and counted if it had failed, so near a sequence's end only the misses
+counted (bench sim, 2026-12-06: at k = 4 the lookups ran on sequences' last steps only, and all eight
+positions read 0 on prompts whose verified drafts accepted 0.66 at the first). A sequence with no room
+gets no lookup, as it gets no draft with speculation on. A sequence that ends early (EOS, a stop string)
+or is preempted before its draft is scored drops it uncounted.
 """
 
 from __future__ import annotations
@@ -18,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.ngram import ngram_lookup
-from specfleet.engine.spec_decode.rules import LOOKUPS_PER_STEP
+from specfleet.engine.spec_decode.rules import LOOKUPS_PER_STEP, k_room, proposal_length
 
 
 @dataclass
@@ -45,8 +51,11 @@ class _Pending:
 
 
 class ShadowDrafts:
-    def __init__(self, length: int, n_min: int, n_max: int, per_step: int = LOOKUPS_PER_STEP) -> None:
+    def __init__(
+        self, length: int, n_min: int, n_max: int, max_model_len: int, per_step: int = LOOKUPS_PER_STEP
+    ) -> None:
         self.length, self.n_min, self.n_max, self.per_step = length, n_min, n_max, per_step
+        self.max_model_len = max_model_len
         self.stats = ShadowStats(length)
         self._pending: dict[int, _Pending] = {}  # seq_id -> its draft being scored
 
@@ -60,11 +69,22 @@ class ShadowDrafts:
                 break
             if seq.seq_id in self._pending or seq.seq_id in busy or seq.in_prefill:
                 continue
-            if seq.params.depends_on_history or seq.grammar is not None:
+            params = seq.params
+            if (
+                params.depends_on_history
+                or seq.grammar is not None
+                or seq.num_output_tokens < params.min_tokens
+            ):
                 continue  # never drafted with speculation on either
+            left = None if params.max_tokens is None else params.max_tokens - seq.num_output_tokens
+            length = proposal_length(
+                self.length, k_room(self.max_model_len, seq.num_tokens, left), self.length
+            )
+            if not length:
+                continue  # no room for a draft: none with speculation on either
             looked += 1
             tokens = np.asarray(seq.token_ids, dtype=np.int64)
-            draft = ngram_lookup(tokens, self.length, self.n_min, self.n_max)
+            draft = ngram_lookup(tokens, length, self.n_min, self.n_max)
             if draft:
                 self._pending[seq.seq_id] = _Pending(seq.num_tokens, draft)
             else:

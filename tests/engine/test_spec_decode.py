@@ -100,22 +100,21 @@ def test_ngram_disable_by_batch_size(ngram_llm, reference):
 
 
 def replay_shadow(prompt_ids: list[int], output: list[int], length: int) -> tuple[int, int, list[int]]:
-    """The shadow drafts one sequence decoding alone gets, from its tokens: a lookup at every step it holds
-    no draft (the first once the prompt is in, the next after the draft's first differing token or its
-    last), scored against the tokens after it; one still open at the end is not counted."""
+    """The shadow drafts one sequence decoding alone gets, from its tokens (the output runs to max_tokens): a
+    lookup at every step it holds no draft (the first once the prompt is in, the next after the draft's
+    first differing token or its last), as long as a verified draft could be there (the k-room rule: the
+    output left, less the bonus token; none on the last step), scored against the tokens after it."""
     tokens = [*prompt_ids, *output]
     lookups = drafts = 0
     accepted = [0] * length
     pos = len(prompt_ids) + 1  # the prefill step emits the first token
-    while pos < len(tokens):
-        draft = ngram_lookup(np.asarray(tokens[:pos]), length, 1, 4)
+    while (room := len(tokens) - pos - 1) > 0:
+        draft = ngram_lookup(np.asarray(tokens[:pos]), min(length, room), 1, 4)
         if not draft:
             lookups, pos = lookups + 1, pos + 1
             continue
         emitted = tokens[pos : pos + len(draft)]
         matched = next((i for i, (d, t) in enumerate(zip(draft, emitted)) if d != t), len(emitted))
-        if matched == len(emitted) and matched < len(draft):
-            break  # the sequence ended with the draft still open
         lookups, drafts = lookups + 1, drafts + 1
         for i in range(matched):
             accepted[i] += 1

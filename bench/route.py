@@ -11,8 +11,9 @@ memory), so its hit rate is what the whole fleet's cache could hold with perfect
 runs on one core of its own (`--cpus-per-engine 1`), as each replica of a GPU fleet has its own device.
 
 `--phases eviction` (or `policies,eviction`) adds the eviction-pressure phase (bench/route_eviction.py):
-the prefix policy on a two-engine fleet whose KV cache is small against the tenants' system prompts, on the
-engines' KV events and then on the router's estimate, same requests; its figures go under `eviction`.
+the prefix policy on a two-engine fleet whose KV cache is small against the tenants' system prompts, in
+rounds that alternate the engines' KV events and the router's estimate (ABBA), same requests; its figures
+go under `eviction`.
 
 Writes JSON (and, with the policies phase, a PNG) next to it; the last stdout line is the JSON summary.
 """
@@ -253,27 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=["policies"],
         help=f"comma-separated, from {', '.join(PHASES)}: the policies side by side, the eviction pressure",
     )
-    # The eviction phase (bench/route_eviction.py). 128 blocks of 16 tokens hold four or five of the
-    # ~450-token system prompts per engine beside the two conversations it runs at once; two conversations
-    # in flight keep those within route_eviction.MAX_RUNNING_SHARE of it.
-    p.add_argument(
-        "--eviction-kv-blocks", type=int, default=128, help="eviction phase: KV cache blocks per engine"
-    )
-    p.add_argument(
-        "--eviction-pressure",
-        type=float,
-        default=2.0,
-        help="eviction phase: the tenants' system prompts over the fleet's KV cache (sets the tenants)",
-    )
-    p.add_argument("--eviction-conversations", type=int, default=2, help="eviction phase: per tenant")
-    p.add_argument(
-        "--eviction-concurrency", type=int, default=2, help="eviction phase: conversations in flight"
-    )
-    p.add_argument(
-        "--eviction-estimate-first",
-        action="store_true",
-        help="eviction phase: the estimate's run before the events' (a host whose load drifts favours one)",
-    )
+    route_eviction.add_flags(p)
     return p
 
 

@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from aiohttp import web
 from specfleet.engine.python_child import python_command
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.adapters import AdapterTable
 from specfleet.router.endpoints import EndpointSet
+from specfleet.router.front import Front
 from specfleet.router.kv_index import ExactPrefixIndex
 from specfleet.router.kv_subscriber import KVEventFeeds, KVEventSubscriber
 from specfleet.router.policies import PrefixAffinity, service_policy
@@ -174,7 +174,7 @@ class LocalFleet:
         self.cores = CorePool()
         if self.cpus_per_engine is not None:
             self.cores.check(self.cpus_per_engine)  # a count the machine lacks is refused before any start
-        self._runner: web.AppRunner | None = None
+        self._runner: Front | None = None  # the router's server (router/front.py)
         # its background work (supervision, probes, the tuner, each scale from zero): a task leaves the set
         # when it ends, so a long run that scales from zero often holds none that are done
         self._tasks: set[asyncio.Task[None]] = set()

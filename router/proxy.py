@@ -8,8 +8,13 @@
 - Bodies and Server-Sent Events are forwarded chunk by chunk as they arrive (no buffering).
 - With prefill engines in the set, a generation request first runs its prompt on a prefill engine and
   continues on a decode engine with the prompt's KV (router/disaggregation.py).
-- A client that disconnects cancels the handler (aiohttp's handler cancellation); the upstream connection
-  is closed with it, which the engine sees as a disconnect and aborts the request.
+- A client that disconnects cancels the handler (aiohttp's handler cancellation, or the raw front's
+  own); the upstream connection is closed with it, which the engine sees as a disconnect and aborts.
+- `serve` puts the raw front (router/front.py) on the port: it parses `/v1/...` requests itself and hands
+  them to `Router.forward` as `FrontRequest`s; /health, /ready, /metrics go to the aiohttp application
+  behind it. The gateway (router/gateway.py) calls `forward` with aiohttp's `web.Request`s; both work.
+- One INFO line per request that did not end "ok"; the ok ones at DEBUG, and one in
+  `ACCESS_LOG_SAMPLE` at INFO (formatting and writing the line was a tenth of the router's CPU).
 """
 
 from __future__ import annotations
@@ -18,18 +23,21 @@ import asyncio
 import functools
 import json
 import logging
+import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import disaggregation, resume
 from .adapters import AdapterTable
 from .endpoints import EndpointSet
+from .front import Front, FrontRequest, FrontResponse, start_front
 from .kv_subscriber import KVEventFeeds
 from .metrics import RouterMetrics
 from .policies import Choice, RouteRequest, RoutingPolicy
@@ -65,6 +73,12 @@ RESPONSE_TAP = web.RequestKey("specfleet_response_tap", UsageTap)
 STREAM_RELAY = web.RequestKey("specfleet_stream_relay", resume.StreamRelay)
 NOT_RESUMABLE = web.RequestKey("specfleet_not_resumable", str)  # why a stream is not (router/resume.py)
 ADAPTER_POLL = web.AppKey("specfleet_adapter_poll", asyncio.Future)
+# One request that ended "ok" in this many is logged at INFO (the rest at DEBUG): the line is what an
+# operator greps to see the router is routing, not an access log; every failure is still logged.
+ACCESS_LOG_SAMPLE = 100
+# A client's request as the proxy reads it: aiohttp's (the gateway's application) or the raw front's
+ClientRequest = web.Request | FrontRequest
+Answer = web.StreamResponse | FrontResponse
 
 
 def prompt_text(body: Any) -> tuple[str, list[int] | None]:
@@ -136,6 +150,7 @@ class Router:
         self.cold_start_s: float | None = None  # the last scale from zero: the first queued request's wait
         self.synced = False  # discovery reported at least once: before that, an empty set means "unknown"
         self._in_flight = 0
+        self._ok_count = 0  # requests that ended "ok": every ACCESS_LOG_SAMPLE-th is logged at INFO
 
     @property
     def in_flight(self) -> int:
@@ -243,7 +258,11 @@ class Router:
             self.metrics.prefix_blocks.labels("matched").inc(choice.match_blocks)
         return choice
 
-    async def forward(self, request: web.Request, body: bytes | None = None) -> web.StreamResponse:
+    @overload
+    async def forward(self, request: web.Request, body: bytes | None = None) -> web.StreamResponse: ...
+    @overload
+    async def forward(self, request: FrontRequest, body: bytes | None = None) -> Answer: ...
+    async def forward(self, request: ClientRequest, body: bytes | None = None) -> Answer:
         """Forward one client request; `body` replaces the request's own (the gateway rewrites `model`)."""
         if self.draining:
             self.metrics.requests.labels("", "unavailable").inc()
@@ -257,7 +276,7 @@ class Router:
         finally:
             self._in_flight -= 1
 
-    async def _route(self, request: web.Request, body: bytes) -> web.StreamResponse:
+    async def _route(self, request: ClientRequest, body: bytes) -> Answer:
         route = self.route_request(body, request.headers) if request.method == "POST" else RouteRequest()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         held: dict[str, Any] | None = None  # a prefill engine's hold on this prompt's KV blocks
@@ -307,8 +326,8 @@ class Router:
                 asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
 
     async def _forward(
-        self, request: web.Request, body: bytes, headers: dict[str, str], route: RouteRequest
-    ) -> web.StreamResponse:
+        self, request: ClientRequest, body: bytes, headers: dict[str, str], route: RouteRequest
+    ) -> Answer:
         tried: set[str] = set()
         last_error = ""
         started = time.monotonic()
@@ -365,14 +384,14 @@ class Router:
 
     async def _send(
         self,
-        request: web.Request,
+        request: ClientRequest,
         url: str,
         body: bytes,
         headers: dict[str, str],
         choice: Choice,
         attempt: int,
         started: float,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         try:
             upstream = await self.engines.request(
                 url,
@@ -389,19 +408,23 @@ class Router:
             if upstream.status in RETRYABLE_STATUS and attempt < self.max_retries:
                 text = (await upstream.read(300)).decode(errors="replace")
                 raise _RetryableFailure(f"engine answered {upstream.status}: {text}")
-            out = web.StreamResponse(
-                status=upstream.status,
-                headers={k: v for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS},
-            )
+            answer = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS]
+            out: Answer
+            if isinstance(request, FrontRequest):  # its head leaves with the first body piece
+                out = FrontResponse(request, upstream.status, answer)
+            else:
+                out = web.StreamResponse(status=upstream.status, headers=CIMultiDict(answer))
             outcome = (
                 "ok" if upstream.status < 400 else "client_error" if upstream.status < 500 else "engine_error"
             )
             try:
-                await out.prepare(request)
+                if isinstance(out, web.StreamResponse):
+                    assert isinstance(request, web.Request)
+                    await out.prepare(request)
                 tap = request.get(RESPONSE_TAP)
                 relay = request.get(STREAM_RELAY)
                 if relay is not None and upstream.status == 200:
-                    outcome = await resume.follow(self, request, out, upstream, relay, tap)
+                    outcome = await resume.follow(self, str(request.rel_url), out, upstream, relay, tap)
                     await out.write_eof(b"" if tap is None else tap.flush())
                     return out
                 last = b""  # the body's last bytes go out with the stream's end, in one write
@@ -426,7 +449,12 @@ class Router:
                     self.tracer.answered(upstream.status, outcome, upstream.headers)
                 self.metrics.requests.labels(url, outcome).inc()
                 self.metrics.prefix_match.observe(choice.match_blocks * self.hasher.block_size)
-                logger.info(
+                level = logging.INFO
+                if outcome == "ok":
+                    self._ok_count += 1
+                    level = logging.INFO if self._ok_count % ACCESS_LOG_SAMPLE == 1 else logging.DEBUG
+                logger.log(
+                    level,
                     "event=request engine=%s policy=%s reason=%s match_blocks=%d status=%d outcome=%s "
                     "attempt=%d ms=%.0f",
                     url,
@@ -455,7 +483,7 @@ def _release_when_prefilled(prefilling: asyncio.Future[dict[str, Any] | None]) -
         asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
 
 
-async def _tell_broken(out: web.StreamResponse, upstream: EngineResponse, why_not: str | None) -> None:
+async def _tell_broken(out: Answer, upstream: EngineResponse, why_not: str | None) -> None:
     """A stream the router could not resume ends with an error event saying why, not in silence."""
     if why_not is None or not upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
         return
@@ -523,14 +551,28 @@ def create_app(router: Router) -> web.Application:
 CLEANUP_GRACE_SECONDS = 0.5
 
 
-async def serve(router: Router, host: str, port: int) -> web.AppRunner:
-    """Start the router's server on the running loop; the caller keeps the runner and cleans it up."""
-    return await start_app(create_app(router), host, port)
+async def serve(router: Router, host: str, port: int) -> Front:
+    """Start the router's server on the running loop: the raw front (router/front.py) on host:port, its
+    application behind it on a loopback port; the caller keeps the front and cleans it up."""
+    app = create_app(router)
+    return await start_front(router, app, host, port, _start_app_on, MAX_BODY_BYTES, CLEANUP_GRACE_SECONDS)
 
 
 async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner:
     """Serve `app` (the router's or the gateway's) on host:port, cancelling a handler whose client left and
     giving requests CLEANUP_GRACE_SECONDS at cleanup; the caller keeps the runner and cleans it up."""
+    runner = await _runner(app)
+    await web.TCPSite(runner, host, port).start()
+    return runner
+
+
+async def _start_app_on(app: web.Application, sock: socket.socket) -> web.AppRunner:
+    runner = await _runner(app)
+    await web.SockSite(runner, sock).start()
+    return runner
+
+
+async def _runner(app: web.Application) -> web.AppRunner:
     runner = web.AppRunner(
         app,
         handler_cancellation=True,
@@ -538,5 +580,4 @@ async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner
         shutdown_timeout=CLEANUP_GRACE_SECONDS,
     )
     await runner.setup()
-    await web.TCPSite(runner, host, port).start()
     return runner

@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 SOURCES = [SOURCE, SOURCE.with_name("lora.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 9
+ABI_VERSION = 10
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -116,7 +116,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         p,
         i32,
     ]
-    lib.sf_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, i64, p, i64, p, p, i32, p]
+    lib.sf_decode_layers.argtypes = [p, p, i64, p, i64, p, p, p, p, p, i64, p, i64, p, p, p, p, i64, i32, p]
     lib.sf_lora_add_f32.argtypes = [p, i64, p, i64, i64, p, p, p, i32]
     for fn in (
         "sf_decode_layers",

@@ -62,6 +62,15 @@ class _LayerDesc(ctypes.Structure):
         ("v_cache", ctypes.c_void_p),
         ("q_norm", ctypes.c_void_p),
         ("k_norm", ctypes.c_void_p),
+        ("pre_ff_norm", ctypes.c_void_p),
+        ("post_ff_norm", ctypes.c_void_p),
+        ("cos", ctypes.c_void_p),
+        ("sin", ctypes.c_void_p),
+        ("gelu", ctypes.c_int32),
+        ("sliding", ctypes.c_int32),
+        ("window", ctypes.c_int64),
+        ("softcap", ctypes.c_float),
+        ("reserved", ctypes.c_float),
     ]
 
 
@@ -88,8 +97,16 @@ class DecodeLayerWeights:
     down: LinearDesc
     input_norm: torch.Tensor  # [hidden] float32, contiguous
     post_norm: torch.Tensor
-    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMSNorm of q before rotary (Qwen3)
+    q_norm: torch.Tensor | None = None  # [head_dim]: per-head RMSNorm of q before rotary (Qwen3, Gemma 3)
     k_norm: torch.Tensor | None = None  # [head_dim]: the same for k; given with q_norm
+    # Gemma's layer (engine/models/gemma.py). With the feed-forward norms given, post_norm normalizes the
+    # attention's output before its residual add, pre_ff_norm the MLP's input, post_ff_norm its output.
+    pre_ff_norm: torch.Tensor | None = None  # [hidden]
+    post_ff_norm: torch.Tensor | None = None  # [hidden]; given with pre_ff_norm
+    rope: tuple[torch.Tensor, torch.Tensor] | None = None  # this layer's own cos/sin, else the step's
+    gelu: bool = False  # GeGLU (tanh GELU of the gate times up) instead of SiLU
+    window: int | None = None  # a query sees its last `window` keys, in the step's sliding view if it has one
+    softcap: float | None = None  # attention scores become softcap * tanh(score / softcap)
 
 
 class DecodeLayers:
@@ -126,6 +143,9 @@ class DecodeLayers:
                 for n in norms
             ):
                 raise ValueError(f"layer {i}: q_norm and k_norm must both be contiguous float32 [{head_dim}]")
+            _check_gemma(i, w, self.hidden, head_dim)
+        # the fewest positions any layer's rotary table holds (the step's own is checked per call)
+        self._rope_rows = min((w.rope[0].shape[0] for w in layers if w.rope is not None), default=None)
         self._model = _ModelDesc(self.hidden, heads, kv_heads, head_dim, first.down.K, block_size, eps, scale)
         self._layers = (_LayerDesc * len(layers))(
             *(
@@ -140,6 +160,15 @@ class DecodeLayers:
                     v.data_ptr(),
                     None if w.q_norm is None else w.q_norm.data_ptr(),
                     None if w.k_norm is None else w.k_norm.data_ptr(),
+                    None if w.pre_ff_norm is None else w.pre_ff_norm.data_ptr(),
+                    None if w.post_ff_norm is None else w.post_ff_norm.data_ptr(),
+                    None if w.rope is None else w.rope[0].data_ptr(),
+                    None if w.rope is None else w.rope[1].data_ptr(),
+                    int(w.gelu),
+                    int(w.window is not None),
+                    w.window or 0,
+                    w.softcap or 0.0,
+                    0.0,
                 )
                 for w, (k, v) in zip(layers, kv_caches, strict=True)
             )
@@ -158,6 +187,7 @@ class DecodeLayers:
         query_start_loc: torch.Tensor,  # [seqs + 1] int32
         seq_lens: torch.Tensor,  # [seqs] int32
         lora: ctypes.Structure | None = None,  # the step's adapters (cpu_lora.lora_step), rows < tokens
+        sliding: tuple[torch.Tensor, torch.Tensor] | None = None,  # the windowed layers' slots and tables
     ) -> torch.Tensor:
         tokens = x.shape[0]
         _check("x", x, dim=2)
@@ -180,8 +210,20 @@ class DecodeLayers:
             raise ValueError(f"positions and slot_mapping need {tokens} entries (one per row of x)")
         if cos.shape != sin.shape or cos.shape[-1] != self.head_dim:
             raise ValueError(f"cos/sin must be [positions, {self.head_dim}], got {tuple(cos.shape)}")
-        if tokens and int(positions.max()) >= cos.shape[0]:
-            raise ValueError(f"a position is past the rotary table's {cos.shape[0]} entries")
+        rows = cos.shape[0] if self._rope_rows is None else min(cos.shape[0], self._rope_rows)
+        if tokens and int(positions.max()) >= rows:
+            raise ValueError(f"a position is past the rotary table's {rows} entries")
+        sliding_slots = sliding_tables = None
+        if sliding is not None:
+            sliding_slots, sliding_tables = sliding
+            _check("sliding slot_mapping", sliding_slots, torch.int64)
+            _check("sliding block_tables", sliding_tables, torch.int32, dim=2)
+            if sliding_slots.numel() != tokens or not sliding_slots.is_contiguous():
+                raise ValueError(f"sliding slot_mapping must be contiguous with {tokens} entries")
+            if sliding_tables.shape[0] != block_tables.shape[0] or sliding_tables.stride(1) != 1:
+                raise ValueError(
+                    f"sliding block_tables must have {block_tables.shape[0]} rows of contiguous entries"
+                )
         self._lib.sf_decode_layers(
             ctypes.byref(self._model),
             self._layers,
@@ -198,10 +240,34 @@ class DecodeLayers:
             seqs.numel(),
             query_start_loc.data_ptr(),
             seq_lens.data_ptr(),
+            None if sliding_slots is None else sliding_slots.data_ptr(),
+            None if sliding_tables is None else sliding_tables.data_ptr(),
+            0 if sliding_tables is None else sliding_tables.stride(0),
             num_threads(),
             ctypes.byref(lora) if lora is not None else None,
         )
         return x
+
+
+def _check_gemma(i: int, w: DecodeLayerWeights, hidden: int, head_dim: int) -> None:
+    """Gemma's per-layer tensors (DecodeLayerWeights) before their pointers are taken."""
+    ff = (w.pre_ff_norm, w.post_ff_norm)
+    if any(n is not None for n in ff) and not all(
+        n is not None and n.shape == (hidden,) and n.dtype == torch.float32 and n.is_contiguous() for n in ff
+    ):
+        raise ValueError(
+            f"layer {i}: pre_ff_norm and post_ff_norm must both be contiguous float32 [{hidden}]"
+        )
+    if w.rope is not None:
+        cos, sin = w.rope
+        for name, t in (("cos", cos), ("sin", sin)):
+            _check(f"layer {i} {name}", t, torch.float32, dim=2)
+            if not t.is_contiguous() or t.shape != cos.shape or t.shape[1] != head_dim:
+                raise ValueError(f"layer {i}: rope tables must be contiguous [positions, {head_dim}]")
+    if w.window is not None and w.window < 1:
+        raise ValueError(f"layer {i}: window must be >= 1, got {w.window}")
+    if w.softcap is not None and not w.softcap > 0:
+        raise ValueError(f"layer {i}: softcap must be > 0, got {w.softcap}")
 
 
 class PackedLinear:

@@ -13,7 +13,11 @@ What differs from Llama, each as transformers computes it:
   has five sliding layers per full one); Gemma 3's sliding layers rotate with their own base
   (`rope_local_base_freq`, 10k) and its full layers with `rope_theta` and the config's RoPE scaling.
 
-Attention runs in attention/sliding_window.py: each sliding layer reads only the keys inside its window.
+A decode step on the native CPU backend runs every layer in one native call (cpu_native.DecodeLayers, as
+Llama's do): the feed-forward norms, GeGLU, each layer's rotary tables, window and soft-cap are steps of
+sf_decode_layers (kernels/cpu/native.cpp), whose attention reads the paged cache in place from the first
+block inside the window. Other steps (prefill chunks, other backends) attend in attention/sliding_window.py:
+each sliding layer reads only the keys inside its window.
 The engine gives the sliding layers a KV pool of their own that keeps only each sequence's window
 (engine/block_manager.py: blocks older than it are freed after every step) and these layers read and write
 it through `meta.sliding`; the full layers keep the whole sequence.
@@ -27,12 +31,14 @@ projection's output, before the post-norms and the GeGLU that follow the project
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 from specfleet.engine.attention import sliding_window
 from specfleet.engine.attention.base import AttentionBackend, AttentionMetadata
 from specfleet.engine.models.llama import LlamaArgs, LlamaLayer, LlamaModel, Ops, _dense
+from specfleet.kernels import cpu_native
 from specfleet.kernels.quantized import QuantTensor
 
 SLIDING, FULL = "sliding_attention", "full_attention"
@@ -89,7 +95,7 @@ def rope_tables_for(config, layer_type: str, head_dim: int, positions: int):
 class GemmaLayer(LlamaLayer):
     def __init__(self, args: LlamaArgs, weights: Mapping[str, torch.Tensor | QuantTensor], ops: Ops):
         super().__init__(args, weights, ops)
-        one = lambda name: (1.0 + _dense(weights, name).float()).to(self.input_norm.dtype).contiguous()  # noqa: E731
+        one = lambda name: (1.0 + _dense(weights, name).float()).to(ops.dtype).contiguous()  # noqa: E731
         self.input_norm = one("input_layernorm.weight")
         self.post_norm = one("post_attention_layernorm.weight")  # on the attention's output
         self.pre_ff_norm = one("pre_feedforward_layernorm.weight")
@@ -98,9 +104,25 @@ class GemmaLayer(LlamaLayer):
         self.kind: str = FULL
         self.window: int | None = None
         self.softcap: float | None = None
+        self.rope: tuple[torch.Tensor, torch.Tensor] | None = None  # its kind's cos/sin tables (float32 CPU)
 
-    def decode_weights(self):
-        return None  # the fused native decode layers have neither the post norms nor GeGLU
+    def decode_weights(self) -> cpu_native.DecodeLayerWeights | None:
+        """This layer for the native decode layers: Llama's linears and norms plus the feed-forward norms,
+        GeGLU, its own rotary tables, window and soft-cap (and Gemma 3's q/k norms)."""
+        weights = super().decode_weights()
+        if weights is None:
+            return None
+        return replace(
+            weights,
+            pre_ff_norm=self.pre_ff_norm,
+            post_ff_norm=self.post_ff_norm,
+            rope=self.rope,
+            gelu=True,
+            window=self.window,
+            softcap=self.softcap,
+            q_norm=getattr(self, "q_norm", None),
+            k_norm=getattr(self, "k_norm", None),
+        )
 
     def forward(self, x, cos, sin, k_cache, v_cache, meta: AttentionMetadata, attn: AttentionBackend):
         if self.window is not None and meta.sliding is not None:
@@ -133,7 +155,7 @@ class GemmaLayer(LlamaLayer):
 class Gemma3Layer(GemmaLayer):
     def __init__(self, args: LlamaArgs, weights: Mapping[str, torch.Tensor | QuantTensor], ops: Ops):
         super().__init__(args, weights, ops)
-        one = lambda name: (1.0 + _dense(weights, name).float()).to(self.input_norm.dtype).contiguous()  # noqa: E731
+        one = lambda name: (1.0 + _dense(weights, name).float()).to(ops.dtype).contiguous()  # noqa: E731
         self.q_norm, self.k_norm = one("self_attn.q_norm.weight"), one("self_attn.k_norm.weight")
 
     def norm_qk(self, qk: torch.Tensor) -> torch.Tensor:  # [tokens, heads + kv_heads, head_dim]
@@ -184,7 +206,12 @@ class Gemma2Model(LlamaModel):
         self.ropes = {}
         for kind in set(types):
             cos, sin = rope_tables_for(config, kind, a.head_dim, a.max_position)
-            self.ropes[kind] = (cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype))
+            self.ropes[kind] = (
+                cos.to(device=device, dtype=dtype).contiguous(),
+                sin.to(device=device, dtype=dtype).contiguous(),
+            )
+        for layer in self.gemma_layers:
+            layer.rope = self.ropes[layer.kind]  # for the native decode layers (GemmaLayer.decode_weights)
         # transformers multiplies by sqrt(hidden) rounded to the activations' dtype
         self.normalizer = torch.tensor(a.hidden_size**0.5, dtype=dtype, device=device)
         self.norm = (1.0 + self.norm.float()).to(dtype).contiguous()
@@ -194,6 +221,9 @@ class Gemma2Model(LlamaModel):
 
     def forward(self, input_ids, positions, kv_caches, meta: AttentionMetadata, attn: AttentionBackend):
         x = self.embed_tokens(input_ids)
+        fused = self._decode_layers(kv_caches, meta, attn)  # a decode step: every layer in one native call
+        if fused is not None:
+            return self._forward_fused(fused, x, positions, meta)
         layers = self.gemma_layers[: len(kv_caches)]
         # a sliding layer whose cache keeps only its window reads and writes the sliding pool's tables
         metas = {

@@ -316,24 +316,36 @@ class LlamaModel:
         x = self.embed_tokens(input_ids)
         fused = self._decode_layers(kv_caches, meta, attn)
         if fused is not None:
-            state = meta.backend_state
-            return fused(
-                x,
-                positions,
-                self.cos,
-                self.sin,
-                meta.slot_mapping,
-                meta.block_tables,
-                state.short_seqs,
-                meta.query_start_loc,
-                meta.seq_lens,
-                lora=meta.lora.native_step(len(self.layers)) if getattr(meta, "lora", None) else None,
-            )
+            return self._forward_fused(fused, x, positions, meta)
         cos = self.cos.index_select(0, positions).unsqueeze(1)
         sin = self.sin.index_select(0, positions).unsqueeze(1)
         for layer, (k_cache, v_cache) in zip(self.layers, kv_caches):
             x = layer.forward(x, cos, sin, k_cache, v_cache, meta, attn)
         return x
+
+    def _forward_fused(
+        self,
+        fused: cpu_native.DecodeLayers,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """x through every layer in the one native call; windowed layers (Gemma's) read and write the step's
+        sliding view when the engine gives them a pool of their own (meta.sliding)."""
+        sliding = getattr(meta, "sliding", None)
+        return fused(
+            x,
+            positions,
+            self.cos,
+            self.sin,
+            meta.slot_mapping,
+            meta.block_tables,
+            meta.backend_state.short_seqs,
+            meta.query_start_loc,
+            meta.seq_lens,
+            lora=meta.lora.native_step(len(self.layers)) if getattr(meta, "lora", None) else None,
+            sliding=None if sliding is None else (sliding.slot_mapping, sliding.block_tables),
+        )
 
     def _decode_layers(self, kv_caches, meta: AttentionMetadata, attn: AttentionBackend):
         """The layers as one native call (cpu_native.DecodeLayers) for a step the native attention backend

@@ -840,11 +840,86 @@ void grouped(const float* x, int64_t M, int64_t K, int64_t ldx, int bits, const 
   }
 }
 
+// sf_paged_attention_f32 below, and the sliding-window and soft-capped attention of Gemma's layers in
+// sf_decode_layers: with window > 0 the query at position p sees keys p - window < j <= p only, and the
+// blocks wholly before its sequence's first visible key are never read (a sliding pool's table holds the
+// null block there, engine/block_manager.py); with softcap > 0 each scaled score s becomes
+// softcap * tanh(s / softcap) before the softmax (Gemma 2), as attention/sliding_window.py computes it.
+void paged_attention(const float* q, int64_t ldq, const float* k_cache, const float* v_cache,
+                     const int32_t* block_tables, int64_t bt_stride, const int32_t* seqs, int64_t nseqs,
+                     const int32_t* query_start, const int32_t* seq_lens, int64_t H, int64_t KVH, int64_t D,
+                     int64_t BS, float scale, int64_t window, float softcap, float* out, int threads) {
+  const int64_t G = H / KVH, DV = D / 16;
+#pragma omp parallel num_threads(threads) if (threads > 1)
+  {
+    std::vector<float> qbuf, acc, mx, den, s(BS + 16);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t item = 0; item < nseqs * KVH; ++item) {
+      const int64_t b = seqs[item / KVH], h = item % KVH;
+      const int64_t q0 = query_start[b], qlen = query_start[b + 1] - q0, slen = seq_lens[b];
+      const int64_t R = G * qlen;  // row r: query token r / G, head h * G + r % G
+      qbuf.resize(R * D);
+      acc.assign(R * D, 0.0f);
+      mx.assign(R, -INFINITY);
+      den.assign(R, 0.0f);
+      for (int64_t r = 0; r < R; ++r) {
+        const float* src = q + (q0 + r / G) * ldq + (h * G + r % G) * D;
+        for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
+      }
+      const int32_t* table = block_tables + b * bt_stride;
+      const int64_t first = window > 0 ? std::max<int64_t>(0, slen - qlen + 1 - window) : 0;
+      for (int64_t j = first / BS; j * BS < slen; ++j) {
+        const int64_t block = table[j], ntok = std::min(BS, slen - j * BS);
+        const float* kb = k_cache + (block * BS * KVH + h) * D;
+        const float* vb = v_cache + (block * BS * KVH + h) * D;
+        for (int64_t r = 0; r < R; ++r) {
+          const int64_t pos = slen - qlen + r / G;  // this row's position: it sees keys 0 ..= pos
+          const int64_t vis = std::min(ntok, pos - j * BS + 1);
+          const int64_t from = window > 0 ? std::max<int64_t>(0, pos - window + 1 - j * BS) : 0;
+          if (vis <= from) continue;
+          const float* qr = qbuf.data() + r * D;
+          float m_blk = -INFINITY;
+          for (int64_t t = from; t < vis; ++t) {
+            const float* kt = kb + t * KVH * D;
+            v16 a = load(qr) * load(kt);
+            for (int64_t c = 1; c < DV; ++c) a += load(qr + 16 * c) * load(kt + 16 * c);
+            s[t] = hsum(a);
+            if (softcap > 0.0f) s[t] = std::tanh(s[t] / softcap) * softcap;
+            m_blk = std::max(m_blk, s[t]);
+          }
+          const float m_new = std::max(mx[r], m_blk);
+          const float corr = std::exp(mx[r] - m_new);  // exp(-inf) = 0 on the first block
+          mx[r] = m_new;
+          float* ar = acc.data() + r * D;
+          float l = den[r] * corr;
+          for (int64_t c = 0; c < DV; ++c) store(ar + 16 * c, load(ar + 16 * c) * corr);
+          for (int64_t t = from; t < vis; t += 16) {
+            const v16 p = vexp(load(s.data() + t) - m_new);
+            const int64_t n = std::min<int64_t>(16, vis - t);
+            for (int64_t u = 0; u < n; ++u) {
+              const float pu = lane(p, u);
+              l += pu;
+              const float* vt = vb + (t + u) * KVH * D;
+              for (int64_t c = 0; c < DV; ++c) store(ar + 16 * c, load(ar + 16 * c) + pu * load(vt + 16 * c));
+            }
+          }
+          den[r] = l;
+        }
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* dst = out + ((q0 + r / G) * H + h * G + r % G) * D;
+        const float inv = 1.0f / den[r];
+        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
+      }
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
 
-int sf_abi_version() { return 9; }
+int sf_abi_version() { return 10; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -948,69 +1023,9 @@ void sf_paged_attention_f32(const float* q, int64_t ldq, const float* k_cache, c
                             const int32_t* block_tables, int64_t bt_stride, const int32_t* seqs, int64_t nseqs,
                             const int32_t* query_start, const int32_t* seq_lens, int64_t H, int64_t KVH,
                             int64_t D, int64_t BS, float scale, float* out, int threads) {
-  const int64_t G = H / KVH, DV = D / 16;
-#pragma omp parallel num_threads(threads) if (threads > 1)
-  {
-    std::vector<float> qbuf, acc, mx, den, s(BS + 16);
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t item = 0; item < nseqs * KVH; ++item) {
-      const int64_t b = seqs[item / KVH], h = item % KVH;
-      const int64_t q0 = query_start[b], qlen = query_start[b + 1] - q0, slen = seq_lens[b];
-      const int64_t R = G * qlen;  // row r: query token r / G, head h * G + r % G
-      qbuf.resize(R * D);
-      acc.assign(R * D, 0.0f);
-      mx.assign(R, -INFINITY);
-      den.assign(R, 0.0f);
-      for (int64_t r = 0; r < R; ++r) {
-        const float* src = q + (q0 + r / G) * ldq + (h * G + r % G) * D;
-        for (int64_t d = 0; d < D; ++d) qbuf[r * D + d] = src[d] * scale;
-      }
-      const int32_t* table = block_tables + b * bt_stride;
-      for (int64_t j = 0; j * BS < slen; ++j) {
-        const int64_t block = table[j], ntok = std::min(BS, slen - j * BS);
-        const float* kb = k_cache + (block * BS * KVH + h) * D;
-        const float* vb = v_cache + (block * BS * KVH + h) * D;
-        for (int64_t r = 0; r < R; ++r) {
-          const int64_t pos = slen - qlen + r / G;  // this row's position: it sees keys 0 ..= pos
-          const int64_t vis = std::min(ntok, pos - j * BS + 1);
-          if (vis <= 0) continue;
-          const float* qr = qbuf.data() + r * D;
-          float m_blk = -INFINITY;
-          for (int64_t t = 0; t < vis; ++t) {
-            const float* kt = kb + t * KVH * D;
-            v16 a = load(qr) * load(kt);
-            for (int64_t c = 1; c < DV; ++c) a += load(qr + 16 * c) * load(kt + 16 * c);
-            s[t] = hsum(a);
-            m_blk = std::max(m_blk, s[t]);
-          }
-          const float m_new = std::max(mx[r], m_blk);
-          const float corr = std::exp(mx[r] - m_new);  // exp(-inf) = 0 on the first block
-          mx[r] = m_new;
-          float* ar = acc.data() + r * D;
-          float l = den[r] * corr;
-          for (int64_t c = 0; c < DV; ++c) store(ar + 16 * c, load(ar + 16 * c) * corr);
-          for (int64_t t = 0; t < vis; t += 16) {
-            const v16 p = vexp(load(s.data() + t) - m_new);
-            const int64_t n = std::min<int64_t>(16, vis - t);
-            for (int64_t u = 0; u < n; ++u) {
-              const float pu = lane(p, u);
-              l += pu;
-              const float* vt = vb + (t + u) * KVH * D;
-              for (int64_t c = 0; c < DV; ++c) store(ar + 16 * c, load(ar + 16 * c) + pu * load(vt + 16 * c));
-            }
-          }
-          den[r] = l;
-        }
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        float* dst = out + ((q0 + r / G) * H + h * G + r % G) * D;
-        const float inv = 1.0f / den[r];
-        for (int64_t d = 0; d < D; ++d) dst[d] = acc[r * D + d] * inv;
-      }
-    }
-  }
+  paged_attention(q, ldq, k_cache, v_cache, block_tables, bt_stride, seqs, nseqs, query_start, seq_lens, H, KVH, D,
+                  BS, scale, 0, 0.0f, out, threads);
 }
-
 
 // ---- The decoder layers of a decode step in one call -------------------------------------------------
 //
@@ -1042,6 +1057,18 @@ struct sf_layer_desc {
   float* v_cache;
   const float* q_norm;  // [D]: RMSNorm of each q head before rotary (Qwen3), or null
   const float* k_norm;  // [D]: the same for each k head; set together with q_norm
+  // Gemma's layer (engine/models/gemma.py), all null or 0 for Llama's. With pre_ff_norm set, post_norm
+  // normalizes the attention's output before its residual add, pre_ff_norm the MLP's input and post_ff_norm
+  // the MLP's output before its residual add.
+  const float* pre_ff_norm;
+  const float* post_ff_norm;
+  const float* cos;  // this layer's rotary tables [max_position, D] (Gemma's local and global bases), or null
+  const float* sin;
+  int32_t gelu;  // 1: GeGLU, tanh-approximated GELU of the gate times up, instead of SiLU
+  int32_t sliding;  // 1: KV slots and block tables from the step's sliding view (the window's own pool)
+  int64_t window;  // > 0: a query sees the last `window` keys only
+  float softcap;  // > 0: attention scores soft-capped (Gemma 2)
+  float reserved;
 };
 
 struct sf_model_desc {
@@ -1086,6 +1113,34 @@ void run_linear(const sf_linear_desc& L, const float* x, int64_t M, int64_t ldx,
   }
 }
 
+// gate_up [M, 2I] -> y [M, I] = gelu_tanh(gate) * up, as torch's F.gelu(approximate="tanh"):
+// 0.5 g (1 + tanh(sqrt(2 / pi) (g + 0.044715 g^3))), tanh(z) as 1 - 2 / (exp(2z) + 1).
+void gelu_tanh_mul(const float* gate_up, int64_t M, int64_t I, float* y) {
+  const float beta = 0.7978845608028654f, kappa = 0.044715f;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* g = gate_up + m * 2 * I;
+    const float* u = g + I;
+    float* yr = y + m * I;
+    int64_t i = 0;
+    for (; i + 16 <= I; i += 16) {
+      const v16 gv = load(g + i);
+      const v16 z = splat(beta) * (gv + splat(kappa) * gv * gv * gv);
+      const v16 th = splat(1.0f) - splat(2.0f) / (vexp(z + z) + splat(1.0f));
+      store(yr + i, splat(0.5f) * gv * (splat(1.0f) + th) * load(u + i));
+    }
+    for (; i < I; ++i) {
+      const float z = beta * (g[i] + kappa * g[i] * g[i] * g[i]);
+      yr[i] = 0.5f * g[i] * (1.0f + std::tanh(z)) * u[i];
+    }
+  }
+}
+
+// x [M, D] += rms_norm(y, w): Gemma's post-norm of a sub-layer's output, then its residual add; `tmp` [M, D].
+void add_normed(float* x, const float* y, int64_t M, int64_t D, const float* w, float eps, float* tmp) {
+  sf_rms_norm_f32(y, M, D, w, eps, tmp);
+  for (int64_t i = 0; i < M * D; ++i) x[i] += tmp[i];
+}
+
 // Rotary on `heads` heads of D values starting at row (stride ld): v = v * cos + roll(v, D/2) * sin.
 void rotate(float* rows, int64_t T, int64_t ld, int64_t heads, int64_t D, const int64_t* positions,
             const float* cos, const float* sin) {
@@ -1112,28 +1167,35 @@ extern "C" {
 // Every layer over x [T, hidden] (updated in place) for a step whose sequences `seqs` all have short
 // queries: positions [T] (int64), cos/sin [max_position, D] (sin sign-folded, engine/models/llama.py),
 // slots [T] (int64, < 0: a padding row, not written), block_tables/query_start/seq_lens as for
-// sf_paged_attention_f32.
+// sf_paged_attention_f32. sliding_slots/sliding_tables: the same step's slots and tables in the sliding
+// layers' own pool, which the layers marked `sliding` read and write (null: those layers use slots and
+// block_tables too).
 void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64_t num_layers, float* x,
                       int64_t T, const int64_t* positions, const float* cos, const float* sin, const int64_t* slots,
                       const int32_t* block_tables, int64_t bt_stride, const int32_t* seqs, int64_t nseqs,
-                      const int32_t* query_start, const int32_t* seq_lens, int threads,
-                      const sf_lora_step* lora) {
+                      const int32_t* query_start, const int32_t* seq_lens, const int64_t* sliding_slots,
+                      const int32_t* sliding_tables, int64_t sliding_stride, int threads, const sf_lora_step* lora) {
   const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->intermediate;
   const int64_t qkv_w = (NH + 2 * KVH) * D;
-  thread_local std::vector<float> h, qkv, att, gu, act;
+  thread_local std::vector<float> h, y, qkv, att, gu, act;
   h.resize(T * H);
   qkv.resize(T * qkv_w);
   att.resize(T * NH * D);
   gu.resize(T * 2 * I);
   act.resize(T * I);
   // y += the step's adapters' deltas of projection p (0 qkv, 1 o, 2 gate_up, 3 down) of layer l
-  auto adapt = [&](int64_t l, int p, const float* in, int64_t ldin, float* y, int64_t ldy) {
+  auto adapt = [&](int64_t l, int p, const float* in, int64_t ldin, float* out, int64_t ldout) {
     if (lora == nullptr) return;
-    sf_lora_add_f32(in, ldin, y, ldy, lora->groups, lora->group_start, lora->rows,
+    sf_lora_add_f32(in, ldin, out, ldout, lora->groups, lora->group_start, lora->rows,
                     lora->weights + (l * 4 + p) * lora->groups, threads);
   };
   for (int64_t l = 0; l < num_layers; ++l) {
     const sf_layer_desc& L = layers[l];
+    const bool own_pool = L.sliding != 0 && sliding_slots != nullptr;
+    const int64_t* layer_slots = own_pool ? sliding_slots : slots;
+    const int32_t* tables = own_pool ? sliding_tables : block_tables;
+    const int64_t stride = own_pool ? sliding_stride : bt_stride;
+    const bool gemma = L.pre_ff_norm != nullptr;  // post-norms around attention and the MLP
     sf_rms_norm_f32(x, T, H, L.input_norm, m->eps, h.data());
     run_linear(L.qkv, h.data(), T, H, nullptr, 0, qkv.data(), qkv_w, threads);
     adapt(l, 0, h.data(), H, qkv.data(), qkv_w);
@@ -1144,23 +1206,42 @@ void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64
         sf_rms_norm_f32(row + NH * D, KVH, D, L.k_norm, m->eps, row + NH * D);
       }
     }
-    rotate(qkv.data(), T, qkv_w, NH + KVH, D, positions, cos, sin);
+    rotate(qkv.data(), T, qkv_w, NH + KVH, D, positions, L.cos != nullptr ? L.cos : cos,
+           L.sin != nullptr ? L.sin : sin);
     for (int64_t t = 0; t < T; ++t) {
-      if (slots[t] < 0) continue;
+      if (layer_slots[t] < 0) continue;
       const float* k = qkv.data() + t * qkv_w + NH * D;
-      std::copy(k, k + KVH * D, L.k_cache + slots[t] * KVH * D);
-      std::copy(k + KVH * D, k + 2 * KVH * D, L.v_cache + slots[t] * KVH * D);
+      std::copy(k, k + KVH * D, L.k_cache + layer_slots[t] * KVH * D);
+      std::copy(k + KVH * D, k + 2 * KVH * D, L.v_cache + layer_slots[t] * KVH * D);
     }
-    sf_paged_attention_f32(qkv.data(), qkv_w, L.k_cache, L.v_cache, block_tables, bt_stride, seqs, nseqs,
-                           query_start, seq_lens, NH, KVH, D, m->block_size, m->scale, att.data(), threads);
-    run_linear(L.o, att.data(), T, NH * D, x, H, x, H, threads);
-    adapt(l, 1, att.data(), NH * D, x, H);
-    sf_rms_norm_f32(x, T, H, L.post_norm, m->eps, h.data());
+    paged_attention(qkv.data(), qkv_w, L.k_cache, L.v_cache, tables, stride, seqs, nseqs, query_start, seq_lens, NH,
+                    KVH, D, m->block_size, m->scale, L.window, L.softcap, att.data(), threads);
+    if (gemma) {
+      y.resize(T * H);
+      run_linear(L.o, att.data(), T, NH * D, nullptr, 0, y.data(), H, threads);
+      adapt(l, 1, att.data(), NH * D, y.data(), H);
+      add_normed(x, y.data(), T, H, L.post_norm, m->eps, h.data());
+      sf_rms_norm_f32(x, T, H, L.pre_ff_norm, m->eps, h.data());
+    } else {
+      run_linear(L.o, att.data(), T, NH * D, x, H, x, H, threads);
+      adapt(l, 1, att.data(), NH * D, x, H);
+      sf_rms_norm_f32(x, T, H, L.post_norm, m->eps, h.data());
+    }
     run_linear(L.gate_up, h.data(), T, H, nullptr, 0, gu.data(), 2 * I, threads);
     adapt(l, 2, h.data(), H, gu.data(), 2 * I);
-    sf_silu_mul_f32(gu.data(), T, I, act.data());
-    run_linear(L.down, act.data(), T, I, x, H, x, H, threads);
-    adapt(l, 3, act.data(), I, x, H);
+    if (L.gelu != 0) {
+      gelu_tanh_mul(gu.data(), T, I, act.data());
+    } else {
+      sf_silu_mul_f32(gu.data(), T, I, act.data());
+    }
+    if (gemma) {
+      run_linear(L.down, act.data(), T, I, nullptr, 0, y.data(), H, threads);
+      adapt(l, 3, act.data(), I, y.data(), H);
+      add_normed(x, y.data(), T, H, L.post_ff_norm, m->eps, h.data());
+    } else {
+      run_linear(L.down, act.data(), T, I, x, H, x, H, threads);
+      adapt(l, 3, act.data(), I, x, H);
+    }
   }
 }
 

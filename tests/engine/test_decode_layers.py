@@ -208,3 +208,119 @@ def test_bad_inputs_are_refused_naming_the_tensor() -> None:
         fused(x, torch.tensor([10_000]), *args, *rest)
     with pytest.raises(ValueError, match=f"x must be contiguous \\[tokens, {HIDDEN}\\]"):
         fused(x[:, :64], positions, *args, *rest)
+
+
+def _gemma(kind: str, form: str):
+    """A Gemma of 4 layers (sliding ones with a 5-token window, the attention scale from
+    query_pre_attn_scalar 24; Gemma 2 soft-caps at 3, so the cap bends these scores; Gemma 3's global layer
+    rotates at its own base with linear scaling)."""
+    from specfleet.engine.models.gemma import Gemma2Model, Gemma3Model
+
+    extra: dict = {"attn_logit_softcapping": 3.0} if kind == "gemma2" else {}
+    if kind == "gemma3":
+        extra = dict(
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "sliding_attention"],
+            rope_theta=1e6,
+            rope_scaling={"rope_type": "linear", "factor": 4.0},
+        )
+    config = tiny_config(
+        kind,
+        vocab_size=256,
+        hidden_size=HIDDEN,
+        intermediate_size=INTER,
+        num_hidden_layers=4,
+        head_dim=32,
+        sliding_window=5,
+        query_pre_attn_scalar=24,
+        max_position_embeddings=128,
+        **extra,
+    )
+    model_class = Gemma2Model if kind == "gemma2" else Gemma3Model
+    return model_class(
+        config,
+        tiny_state(config, std=0.2),
+        torch.float32,
+        torch.device("cpu"),
+        quantize="int8" if form == "int8" else None,
+    )
+
+
+def _sliding_view(meta: AttentionMetadata, window: int) -> AttentionMetadata:
+    """The step's view of a sliding pool (engine/model_runner.py's _sliding_meta): sequence b's blocks in
+    reverse order at 1 + 4b.., its blocks wholly before the window the null block 0."""
+    tables, slots = [], []
+    for b, (q, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu)):
+        first = max(0, s - q + 1 - window) // BLOCK
+        tables.append([0 if j < first else 1 + 4 * b + 3 - j for j in range(4)])
+        slots += [tables[b][p // BLOCK] * BLOCK + p % BLOCK for p in range(s - q, s)]
+    slots += [-1] * (meta.slot_mapping.numel() - len(slots))
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=meta.query_start_loc,
+        seq_lens=meta.seq_lens,
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        query_lens_cpu=meta.query_lens_cpu,
+        seq_lens_cpu=meta.seq_lens_cpu,
+        block_size=BLOCK,
+        backend_state=meta.backend_state,
+    )
+
+
+@pytest.mark.parametrize("form", ["float32", "int8"])
+@pytest.mark.parametrize("kind", ["gemma2", "gemma3"])
+@pytest.mark.parametrize("own_pool", [False, True])
+def test_gemma_layers_run_inside_the_decode_layers(kind: str, form: str, own_pool: bool) -> None:
+    """Gemma's decode step in the one native call against its per-layer path (attention in
+    attention/sliding_window.py, itself tested against a dense reference): the windowed, soft-capped
+    attention, the post-norms, GeGLU and per-layer rotary agree to float32 rounding, and the first layer's
+    KV (before any attention) is the same bit for bit. With `own_pool` the sliding layers read and write a pool of their own whose null
+    block is NaN: a read of a block the window has passed would poison the output."""
+    model = _gemma(kind, form)
+    attn = NativeAttentionBackend()
+    ids, positions, meta = _step([1, 3, 1], [5, 9, 13], padding=1)
+    attn.prepare(meta)
+    sliding = set(model.sliding_layer_indices())
+    assert sliding and len(sliding) < len(model.layers)
+    fused_caches = _caches(model)
+    if own_pool:
+        meta.sliding = _sliding_view(meta, window=5)
+        for i in sliding:
+            k, v = _caches(model)[i]
+            k[0], v[0] = float("nan"), float("nan")
+            fused_caches[i] = (k, v)
+    layered_caches = copy.deepcopy(fused_caches)
+    fused = model.forward(ids, positions, fused_caches, meta, attn)
+    assert model._decode_layers(fused_caches, meta, attn) is not None, "the fused path was not taken"
+    per_layer = copy.copy(model)
+    per_layer._decode_layers = lambda *args: None
+    layered = per_layer.forward(ids, positions, layered_caches, meta, attn)
+    real = fused.shape[0] - 1
+    assert torch.isfinite(fused[:real]).all()
+    torch.testing.assert_close(fused[:real], layered[:real], rtol=1e-4, atol=1e-4)
+    for i, ((fk, fv), (lk, lv)) in enumerate(zip(fused_caches, layered_caches, strict=True)):
+        tol = 0 if i == 0 else 1e-4  # a later layer's input carries the attention's rounding
+        torch.testing.assert_close(fk, lk, rtol=tol, atol=tol, equal_nan=True)
+        torch.testing.assert_close(fv, lv, rtol=tol, atol=tol, equal_nan=True)
+
+
+def test_gemma_decode_layers_refuse_a_bad_window_and_rope_table() -> None:
+    from dataclasses import replace
+
+    model = _gemma("gemma2", "float32")
+    weights = [layer.decode_weights() for layer in model.layers]
+    assert all(w is not None for w in weights)
+    a = model.args
+    good = [w for w in weights if w is not None]
+    with pytest.raises(ValueError, match="layer 0: window must be >= 1"):
+        cpu_native.DecodeLayers(
+            [replace(good[0], window=0), *good[1:]], _caches(model), a.num_heads, 1e-6, 1.0
+        )
+    cos, sin = model.ropes["full_attention"]
+    with pytest.raises(ValueError, match="rope tables must be contiguous"):
+        cpu_native.DecodeLayers(
+            [replace(good[0], rope=(cos[:, :16], sin[:, :16])), *good[1:]],
+            _caches(model),
+            a.num_heads,
+            1e-6,
+            1.0,
+        )

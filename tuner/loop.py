@@ -124,6 +124,7 @@ class Tick:
     frozen_by: str | None = None  # who froze the tuner for this interval (None: tuning)
     transitions: tuple[str, ...] = ()  # of TRANSITIONS, entered at this interval
     replicas: ReplicaDecision | None = None  # the replica knob's decision at this interval (None: not on)
+    slo: SLO | None = None  # the targets the decision read goodput against (status reads adapters' by it)
 
 
 # What a tick can enter, in the order they are reported.
@@ -204,7 +205,8 @@ class ServiceTuner:
             decision = self.policy.freeze(obs, self.frozen_by)
             if was_frozen is None:
                 logger.info("event=tuner_frozen service=%s by=%r", self.name, self.frozen_by)
-            return Tick(decision, obs, None, None, self.frozen_by, () if was_frozen else ("frozen",))
+            entered = () if was_frozen else ("frozen",)
+            return Tick(decision, obs, None, None, self.frozen_by, entered, slo=self.policy.params.slo)
         transitions = ["resumed"] if was_frozen else []
         decision = self.policy.decide(obs)
         applied = None
@@ -237,7 +239,7 @@ class ServiceTuner:
         if static != self.static:
             transitions.append("static" if static else "recovered")
             self.static = static
-        return Tick(decision, obs, applied, guard, None, tuple(transitions))
+        return Tick(decision, obs, applied, guard, None, tuple(transitions), slo=self.policy.params.slo)
 
     async def interval(self, frozen_by: str | None = None) -> Tick:
         """One interval of joint tuning. While the replica knob can still add capacity, a TPOT over target

@@ -8,6 +8,7 @@ from specfleet.engine.knobs import REPLICAS, camel
 from specfleet.operator.conditions import Cond, condition_entries
 
 from .loop import Tick
+from .policy.model import adapter_goodput
 from .policy.replicas import ReplicaDecision
 from .types import Decision, LiveSettings, TunedConfig
 
@@ -18,6 +19,12 @@ MAX_ADAPTERS_SHOWN = 8
 
 def _ms(seconds: float | None) -> float | None:
     return None if seconds is None else round(seconds * 1000.0, 1)
+
+
+def _listed(items: list[str]) -> str:
+    """The first MAX_ADAPTERS_SHOWN items, the rest counted."""
+    more = len(items) - MAX_ADAPTERS_SHOWN
+    return ", ".join(items[:MAX_ADAPTERS_SHOWN]) + (f" (+{more} more)" if more > 0 else "")
 
 
 def tuning_status(
@@ -38,9 +45,14 @@ def tuning_status(
     }
     reason = d.reason
     if obs.lora_acceptance:  # the explanation names what the acceptance rate above is made of
-        shown = ", ".join(f"{name} {acc:.2f}" for name, acc in obs.lora_acceptance[:MAX_ADAPTERS_SHOWN])
-        more = len(obs.lora_acceptance) - MAX_ADAPTERS_SHOWN
-        reason += f"; draft acceptance by LoRA adapter: {shown}" + (f" (+{more} more)" if more > 0 else "")
+        reason += "; draft acceptance by LoRA adapter: " + _listed(
+            [f"{name} {acc:.2f}" for name, acc in obs.lora_acceptance]
+        )
+    goodput = adapter_goodput(obs, tick.slo) if tick.slo is not None else ()
+    if goodput:  # beside it, what each adapter's requests got: output tokens/s within the SLO
+        reason += "; goodput by LoRA adapter (SLO attainment): " + _listed(
+            [f"{g.name} {g.goodput:.1f} tok/s ({g.attainment:.0%})" for g in goodput]
+        )
     status: dict[str, Any] = {
         "reason": reason[:4000],
         "lastDecisionTime": now

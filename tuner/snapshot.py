@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specfleet.engine.knobs import METRIC_PREFIX, SEARCHED
 
 from .histogram import quantile, subtract, to_cdf
-from .types import Observation, TunedConfig
+from .types import AdapterRequests, Observation, TunedConfig
 
 P = METRIC_PREFIX
 COUNTERS = (
@@ -49,6 +49,10 @@ LORA_INFO, LORA_SLOTS, LORA_ADAPTERS = "vllm:lora_requests_info", "lora:slots", 
 PerPosition = dict[str, dict[int, float]]  # family (PER_POSITION) -> draft position -> value
 # per LoRA adapter (label `lora_name`, engine/server/lora_metrics.py): draft tokens, then accepted ones
 LORA_DRAFTS = ("lora_spec_decode_draft_tokens", "lora_spec_decode_accepted_tokens")
+# per LoRA adapter: its finished requests' output tokens, and their TTFT and TPOT histograms (goodput's inputs)
+LORA_TOKENS = "lora_generation_tokens"
+LORA_LATENCY = ("lora_time_to_first_token_seconds", "lora_time_per_output_token_seconds")
+PerAdapterBuckets = dict[str, dict[str, list[tuple[float, float]]]]  # histogram -> adapter -> (le, count)
 
 
 @dataclass
@@ -64,6 +68,11 @@ class Snapshot:
     counts: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     gauges: dict[str, float] = field(default_factory=dict)
     lora_drafts: dict[str, list[float]] = field(default_factory=dict)  # adapter -> [drafted, accepted]
+    lora_tokens: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # adapter -> tokens
+    # LORA_LATENCY histogram -> adapter -> le -> cumulative count
+    lora_buckets: dict[str, dict[str, dict[float, float]]] = field(
+        default_factory=lambda: defaultdict(lambda: defaultdict(lambda: defaultdict(float)))
+    )
 
     def config(self) -> TunedConfig | None:
         try:
@@ -79,9 +88,7 @@ def parse_metrics(text: str, time: float) -> Snapshot:
         for sample in family.samples:
             name, labels, value = sample.name, sample.labels, float(sample.value)
             if name == LORA_INFO:  # one sample, refreshed each scrape (engine/server/lora_metrics.py)
-                names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
-                snap.gauges[LORA_ADAPTERS] = float(len({n for n in names.split(",") if n}))
-                snap.gauges[LORA_SLOTS] = float(labels.get("max_lora") or 0)
+                snap.gauges.update(lora_info_gauges(labels))
             if not name.startswith(P):
                 continue
             short = name[len(P) :]
@@ -90,6 +97,10 @@ def parse_metrics(text: str, time: float) -> Snapshot:
             elif short.endswith("_total") and short[:-6] in LORA_DRAFTS:
                 counts = snap.lora_drafts.setdefault(labels.get("lora_name", ""), [0.0, 0.0])
                 counts[LORA_DRAFTS.index(short[:-6])] += value
+            elif short == LORA_TOKENS + "_total":
+                snap.lora_tokens[labels.get("lora_name", "")] += value
+            elif short.endswith("_bucket") and short[:-7] in LORA_LATENCY:
+                snap.lora_buckets[short[:-7]][labels.get("lora_name", "")][float(labels["le"])] += value
             elif short == "request_success_total":
                 snap.requests += value
             elif short.endswith("_total") and short[:-6] in PER_POSITION:
@@ -103,6 +114,16 @@ def parse_metrics(text: str, time: float) -> Snapshot:
             elif short in GAUGES:
                 snap.gauges[name] = snap.gauges.get(name, 0.0) + value
     return snap
+
+
+def lora_info_gauges(labels: dict[str, str]) -> dict[str, float]:
+    """One engine's vllm:lora_requests_info sample, by its labels: its adapter slots (--max-loras) and the
+    adapters with requests running or waiting on it."""
+    names = f"{labels.get('running_lora_adapters', '')},{labels.get('waiting_lora_adapters', '')}"
+    return {
+        LORA_ADAPTERS: float(len({n for n in names.split(",") if n})),
+        LORA_SLOTS: float(labels.get("max_lora") or 0),
+    }
 
 
 def _delta(after: float, before: float) -> float:
@@ -163,6 +184,9 @@ def observe_pairs(pairs: Sequence[tuple[Snapshot, Snapshot]], now: float) -> Obs
     acceptance = _lora_acceptance(pairs)
     if acceptance:
         obs = replace(obs, lora_acceptance=acceptance)
+    requests = _lora_requests(pairs)
+    if requests:
+        obs = replace(obs, lora_requests=requests)
     if not lora:
         return obs
     return replace(
@@ -183,7 +207,51 @@ def _lora_acceptance(pairs: Sequence[tuple[Snapshot, Snapshot]]) -> tuple[tuple[
                 d0 = a0 = 0.0
             drafted[name] += d - d0
             accepted[name] += a - a0
-    return tuple((name, accepted[name] / drafted[name]) for name in sorted(drafted) if drafted[name] > 0)
+    return acceptance_by_adapter(drafted, accepted)
+
+
+def _lora_requests(pairs: Sequence[tuple[Snapshot, Snapshot]]) -> tuple[AdapterRequests, ...]:
+    """Each adapter's finished requests over the window: token rates and histogram deltas, pods summed."""
+    tokens: dict[str, float] = defaultdict(float)
+    buckets: PerAdapterBuckets = {h: defaultdict(list) for h in LORA_LATENCY}
+    for before, after in pairs:
+        dt = max(after.time - before.time, 1e-6)
+        for name, value in after.lora_tokens.items():
+            tokens[name] += _delta(value, before.lora_tokens.get(name, 0.0)) / dt
+        for hist in LORA_LATENCY:
+            for name, counts in after.lora_buckets[hist].items():
+                delta = subtract(sorted(counts.items()), sorted(before.lora_buckets[hist][name].items()))
+                buckets[hist][name] = _add(buckets[hist][name], delta)
+    return adapter_requests(tokens, buckets)
+
+
+def _add(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    total = defaultdict(float, a)
+    for le, count in b:
+        total[le] += count
+    return sorted(total.items())
+
+
+def adapter_requests(tokens: dict[str, float], buckets: PerAdapterBuckets) -> tuple[AdapterRequests, ...]:
+    """Both sources' per-adapter request figures: output tokens/s and the TTFT and TPOT bucket counts (or
+    rates) of each adapter; adapters that finished no request in the window are left out."""
+    ttft, tpot = (buckets.get(h, {}) for h in LORA_LATENCY)
+    seen = []
+    for name in sorted(set(tokens) | set(ttft) | set(tpot)):
+        ttft_cdf, tpot_cdf = to_cdf(ttft.get(name, [])), to_cdf(tpot.get(name, []))
+        if ttft_cdf or tpot_cdf:
+            seen.append(AdapterRequests(name, tokens.get(name, 0.0), ttft_cdf, tpot_cdf))
+    return tuple(seen)
+
+
+def acceptance_by_adapter(
+    drafted: dict[str, float], accepted: dict[str, float]
+) -> tuple[tuple[str, float], ...]:
+    """Both sources' per-adapter acceptance: accepted / drafted tokens (or their rates), sorted by name;
+    adapters without drafts left out."""
+    return tuple(
+        (name, accepted.get(name, 0.0) / drafted[name]) for name in sorted(drafted) if drafted[name] > 0
+    )
 
 
 def build_observation(

@@ -10,6 +10,7 @@ import asyncio
 import math
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from typing import Any, Protocol
 
 import httpx
@@ -18,10 +19,20 @@ from specfleet.engine.knobs import SEARCHED
 from .snapshot import (
     COUNTERS,
     HISTOGRAMS,
+    LORA_ADAPTERS,
+    LORA_DRAFTS,
+    LORA_INFO,
+    LORA_LATENCY,
+    LORA_SLOTS,
+    LORA_TOKENS,
     PER_POSITION,
     P,
+    PerAdapterBuckets,
     Snapshot,
+    acceptance_by_adapter,
+    adapter_requests,
     build_observation,
+    lora_info_gauges,
     observe_pairs,
     parse_metrics,
 )
@@ -150,6 +161,13 @@ class PrometheusSource:
             q[f"count:{h}"] = self._rate(f"{P}{h}_count", w)
         for h in LATENCY:
             q[f"p95:{h}"] = f"histogram_quantile(0.95, sum by (le) (rate({P}{h}_bucket{{{s}}}[{w}])))"
+        # per LoRA adapter (label lora_name), summed over the service's pods: draft and accepted tokens, the
+        # finished requests' output tokens and latency buckets; and each pod's vllm:lora_requests_info sample
+        for family in (*LORA_DRAFTS, LORA_TOKENS):
+            q[f"lora:{family}"] = f"sum by (lora_name) (rate({P}{family}_total{{{s}}}[{w}]))"
+        for h in LORA_LATENCY:
+            q[f"lora:{h}"] = f"sum by (lora_name, le) (rate({P}{h}_bucket{{{s}}}[{w}]))"
+        q["lora:info"] = f"{LORA_INFO}{{{s}}}"
         q["running"] = f"sum({P}num_requests_running{{{s}}})"
         q["waiting"] = f"sum({P}num_requests_waiting{{{s}}})"
         q["kv"] = f"max({P}kv_cache_usage_ratio{{{s}}})"
@@ -233,6 +251,7 @@ class PrometheusSource:
             config,
             int(scalar("pods") or 0),
         )
+        obs = _with_lora(obs, results)
         # PromQL's own histogram_quantile is the figure operators see on dashboards: report it.
         return _with_p95(
             obs, scalar("p95:time_to_first_token_seconds"), scalar("p95:time_per_output_token_seconds")
@@ -242,9 +261,31 @@ class PrometheusSource:
         await self._client.aclose()
 
 
-def _with_p95(obs: Observation, ttft: float | None, tpot: float | None) -> Observation:
-    from dataclasses import replace
+def _with_lora(obs: Observation, results: dict[str, list[dict[str, Any]]]) -> Observation:
+    """The per-adapter figures from the `lora:*` queries' answers, as the scrape source reads them."""
 
+    def by_adapter(name: str) -> dict[str, float]:
+        rows = results[f"lora:{name}"]
+        return {r["metric"].get("lora_name", ""): float(r["value"][1]) for r in rows}
+
+    buckets: PerAdapterBuckets = {}
+    for h in LORA_LATENCY:
+        buckets[h] = {}
+        for r in results[f"lora:{h}"]:
+            le = float(r["metric"]["le"])
+            buckets[h].setdefault(r["metric"].get("lora_name", ""), []).append((le, float(r["value"][1])))
+    info = [lora_info_gauges(r["metric"]) for r in results["lora:info"]]
+    changes: dict[str, Any] = {
+        "lora_acceptance": acceptance_by_adapter(by_adapter(LORA_DRAFTS[0]), by_adapter(LORA_DRAFTS[1])),
+        "lora_requests": adapter_requests(by_adapter(LORA_TOKENS), buckets),
+    }
+    if info:  # a pod's one sample: its slots and the adapters in demand on it, mean over pods
+        changes["lora_slots"] = sum(g[LORA_SLOTS] for g in info) / len(info)
+        changes["lora_adapters"] = sum(g[LORA_ADAPTERS] for g in info) / len(info)
+    return replace(obs, **changes)
+
+
+def _with_p95(obs: Observation, ttft: float | None, tpot: float | None) -> Observation:
     return replace(
         obs,
         ttft_p95_s=ttft if ttft is not None else obs.ttft_p95_s,

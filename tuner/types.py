@@ -130,6 +130,18 @@ class SLO:
 
 
 @dataclass(frozen=True)
+class AdapterRequests:
+    """One served LoRA adapter's finished requests over the window, pods summed (the engines'
+    `specfleet_lora_generation_tokens_total` and per-adapter TTFT and TPOT histograms): its goodput's
+    inputs, read against the SLO as the service's own (`policy.model.adapter_goodput`)."""
+
+    name: str
+    generation_rate: float  # output tokens/s of its finished requests
+    ttft_cdf: Cdf
+    tpot_cdf: Cdf
+
+
+@dataclass(frozen=True)
 class Observation:
     """One service over one rate window ending at `time`. None means "not measurable in this window"."""
 
@@ -167,6 +179,8 @@ class Observation:
     # draft runs without the adapter, so each adapter's requests accept a different share (engines'
     # specfleet_lora_spec_decode_*_tokens_total, pods summed; adapters with no drafts left out)
     lora_acceptance: tuple[tuple[str, float], ...] = ()
+    # Finished requests per served adapter over the window, sorted by name (adapters with none left out)
+    lora_requests: tuple[AdapterRequests, ...] = ()
 
     @property
     def acceptance_rate(self) -> float | None:

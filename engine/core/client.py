@@ -324,6 +324,7 @@ class EngineCoreClient:
             request_id, params.n, self._loop, on_close=self.abort, on_finish=self._finished
         )
         stream.trace = trace
+        stream.lora_name = lora_name
         self.streams[request_id] = stream
         self._pending_adds[request_id] = stream
         self.processor.add(request_id, text, ids, params, stream.arrival)
@@ -394,6 +395,8 @@ class EngineCoreClient:
                 queue_time=stream.queue_time,
                 itls=stream.itls,
                 tpot=stream.tpot,
+                lora_name=stream.lora_name,
+                output_tokens=stream.completion_tokens,
             )
         logger.info(" ".join(f"{k}={v}" for k, v in record.items()))
         if self.tracer is not None and stream.trace is not None:

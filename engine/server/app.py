@@ -147,6 +147,8 @@ def create_app(state: ServerState, lora_modules: dict[str, str] | None = None) -
         if state.async_engine.config.enable_lora
         else None
     )
+    if lora is not None:
+        state.metrics.on_lora_request = lora.observe_request
 
     @app.get("/metrics")
     async def metrics(request: Request) -> Response:

@@ -8,8 +8,12 @@ the wall-clock time it was taken; a reader takes the latest sample (the GIE endp
 With speculative decoding, the draft proposes without the adapter and the target verifies with it, so
 acceptance differs by adapter: `specfleet_lora_spec_decode_draft_tokens_total` and
 `..._accepted_tokens_total`, the per-adapter split of `specfleet_spec_decode_{draft,accepted}_tokens_total`,
-labelled `lora_name`. Only served adapters have series (bounded by what the operator loads); an unloaded
-adapter's series are removed, and a name loaded again starts from zero.
+labelled `lora_name`. The tuner's goodput per adapter reads each adapter's finished requests:
+`specfleet_lora_generation_tokens_total` (their output tokens) and `specfleet_lora_time_to_first_token_seconds`
+and `specfleet_lora_time_per_output_token_seconds`, the engine-wide histograms' per-adapter split (same
+buckets), recorded when a request finishes. Only served adapters have series (bounded by what the operator
+loads: a request naming another is refused); an unloaded adapter's series are removed at the next scrape,
+and a name loaded again starts from zero.
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import time
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from .metrics import LATENCY_BUCKETS, TOKEN_LATENCY_BUCKETS
 
 # Adapter reads run from a millisecond (a small adapter in the page cache) to seconds (a large one on a
 # network volume): one bucket per doubling-ish, as the other latency histograms.
@@ -63,6 +69,27 @@ class LoraMetrics:
             spec_labels,
             registry=registry,
         )
+        self.generation_tokens = Counter(
+            "specfleet_lora_generation_tokens",
+            "Output tokens of finished requests on a LoRA adapter",
+            spec_labels,
+            registry=registry,
+        )
+        self.ttft = Histogram(
+            "specfleet_lora_time_to_first_token_seconds",
+            "Time to first token of requests on a LoRA adapter",
+            spec_labels,
+            registry=registry,
+            buckets=LATENCY_BUCKETS,
+        )
+        self.tpot = Histogram(
+            "specfleet_lora_time_per_output_token_seconds",
+            "Mean time per output token after the first, per request on a LoRA adapter",
+            spec_labels,
+            registry=registry,
+            buckets=TOKEN_LATENCY_BUCKETS,
+        )
+        self._requests: set[str] = set()  # adapters with request series
         self._loads = self._evictions = 0
         self._drafts: dict[str, tuple[int, int]] = {}  # adapter -> the engine's totals at the last scrape
 
@@ -79,6 +106,24 @@ class LoraMetrics:
         for seconds in state["load_s"]:
             self.load_seconds.labels(m).observe(seconds)
         self._update_drafts(state.get("drafts", {}))
+        served = state.get("adapters", {})
+        for name in [n for n in self._requests if n not in served]:  # unloaded: its series go with it
+            for metric in (self.generation_tokens, self.ttft, self.tpot):
+                metric.remove(m, name)
+            self._requests.discard(name)
+
+    def observe_request(self, lora_name: str, ttft: float | None, tpot: float | None, tokens: int) -> None:
+        """One finished request on `lora_name` (ServerMetrics.on_lora_request)."""
+        m = self.model_name
+        if lora_name not in self._requests:  # every series of the adapter exists from its first request
+            for metric in (self.generation_tokens, self.ttft, self.tpot):
+                metric.labels(m, lora_name)
+            self._requests.add(lora_name)
+        self.generation_tokens.labels(m, lora_name).inc(tokens)
+        if ttft is not None:
+            self.ttft.labels(m, lora_name).observe(ttft)
+        if tpot is not None:
+            self.tpot.labels(m, lora_name).observe(tpot)
 
     def _update_drafts(self, drafts: dict[str, list[int]]) -> None:
         m = self.model_name

@@ -6,6 +6,8 @@ front end's timestamps when a request finishes. prometheus-client is thread-safe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from specfleet.engine.knobs import KNOBS, LiveConfig
@@ -108,6 +110,9 @@ class ServerMetrics:
     # The same gauges under the names an endpoint picker reads (GIE's model-server protocol); the server
     # adds them (build_state), a ServerMetrics of its own (the router's tests) goes without.
     protocol: ProtocolMetrics | None = None
+    # A finished request's (adapter, TTFT, TPOT, output tokens) for the per-adapter series: the server sets
+    # it with --enable-lora (LoraMetrics.observe_request); without, requests on adapters count only here.
+    on_lora_request: Callable[[str, float | None, float | None, int], None] | None = None
 
     def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
         self.model_name = model_name
@@ -256,6 +261,8 @@ class ServerMetrics:
         queue_time: float | None,
         itls: list[float],
         tpot: float | None,
+        lora_name: str | None = None,
+        output_tokens: int = 0,
     ) -> None:
         m = self.model_name
         self.success.labels(m, finish_reason).inc()
@@ -268,6 +275,8 @@ class ServerMetrics:
             self.tpot.labels(m).observe(tpot)
         for gap in itls:
             self.itl.labels(m).observe(gap)
+        if lora_name is not None and self.on_lora_request is not None:
+            self.on_lora_request(lora_name, ttft, tpot, output_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -48,6 +48,7 @@ class RequestStream:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.completion_tokens = 0
+        self.lora_name: str | None = None  # the LoRA adapter the request runs on (None: the base model)
         self.max_sample_tokens = 0
         self.closed = False
         self.finished = False

@@ -8,7 +8,7 @@ from dataclasses import dataclass, replace
 from ..types import Decision, Observation, TunedConfig
 from . import reasons, shift
 from .candidates import Scored, best, candidates, fastest, queues, score
-from .load import batch_per_engine, per_engine, similar
+from .load import adapter_cap, batch_per_engine, per_engine, similar
 from .memory import Memory
 from .model import LoadModel, attainment, observed_goodput
 from .params import PolicyParams
@@ -247,6 +247,9 @@ class Policy:
             for c in candidates(current, obs, p.slo, p.bounds, p.limits)
             if c != current and not tabooed(c, obs.demand)
         ]
+        cap = adapter_cap(obs, current.max_num_seqs)
+        if cap is not None:  # requests waiting on an adapter slot would not run in a longer batch
+            allowed = [c for c in allowed if c.max_num_seqs <= cap]
         requests = per_engine(obs.demand or 0.0, obs.engines)
         left_to_replicas = self.replica_room and any(queues(c, current, requests) for c in allowed)
         if self.replica_room:
@@ -268,7 +271,7 @@ class Policy:
             tpot_over=obs.tpot_p95_s is not None and obs.tpot_p95_s > p.slo.tpot_p95_s,
             requests=requests,
             left_to_replicas=left_to_replicas,
-            seen=reasons.figures(obs, goodput, share),
+            seen=reasons.figures(obs, goodput, share) + reasons.adapter_slots(obs, cap),
         )
 
     def _nothing_to_choose(self, s: _Step) -> Decision | None:

@@ -7,6 +7,9 @@ evenly (least outstanding), so everything the step cost decides is per engine.
 
 from __future__ import annotations
 
+import math
+
+from ..types import Observation
 from .params import PolicyParams
 
 
@@ -18,6 +21,16 @@ def per_engine(load: float, engines: int) -> float:
 def batch_per_engine(load: float, engines: int, max_num_seqs: int) -> float:
     """Sequences in each engine's step at `load` requests in the system: the rest wait for a slot."""
     return min(per_engine(load, engines), float(max_num_seqs))
+
+
+def adapter_cap(obs: Observation, current_seqs: int) -> int | None:
+    """The most max_num_seqs the search may take while adapter slots bind (more adapters in demand per
+    engine than --max-loras): the requests per engine the slots let into a batch (`lora_runnable_share`),
+    rounded up, or the value in force if higher (the cap never lowers it). None: the slots do not bind."""
+    share = obs.lora_runnable_share
+    if share >= 1.0 or obs.demand is None:
+        return None
+    return max(current_seqs, math.ceil(per_engine(obs.demand * share, obs.engines)))
 
 
 def step_tokens(batch: float, k: int, proposal_share: float = 1.0) -> float:

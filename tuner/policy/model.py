@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..histogram import fraction_below
-from ..types import SLO, Observation, TunedConfig
+from ..types import SLO, Cdf, Observation, TunedConfig
 from .load import batch_per_engine, per_engine, step_tokens
 from .params import ModelParams
 
@@ -196,8 +196,14 @@ def attainment(obs: Observation, slo: SLO, tpot_scale: float = 1.0, ttft_scale: 
 
     Reads each target off the measured CDF at `target / scale` and assumes TTFT and TPOT independent.
     """
-    tpot = fraction_below(obs.tpot_cdf, slo.tpot_p95_s / tpot_scale)
-    ttft = fraction_below(obs.ttft_cdf, slo.ttft_p95_s / ttft_scale)
+    return _both(obs.ttft_cdf, obs.tpot_cdf, slo, tpot_scale, ttft_scale)
+
+
+def _both(
+    ttft_cdf: Cdf, tpot_cdf: Cdf, slo: SLO, tpot_scale: float = 1.0, ttft_scale: float = 1.0
+) -> float | None:
+    tpot = fraction_below(tpot_cdf, slo.tpot_p95_s / tpot_scale)
+    ttft = fraction_below(ttft_cdf, slo.ttft_p95_s / ttft_scale)
     if tpot is None and ttft is None:
         return None
     return (1.0 if tpot is None else tpot) * (1.0 if ttft is None else ttft)
@@ -209,3 +215,23 @@ def observed_goodput(obs: Observation, slo: SLO) -> float | None:
     if obs.generation_rate is None or share is None:
         return None
     return obs.generation_rate * share
+
+
+@dataclass(frozen=True)
+class AdapterGoodput:
+    name: str
+    goodput: float  # output tokens/s of the adapter's requests meeting the SLO
+    attainment: float  # estimated share of its requests meeting both targets
+
+
+def adapter_goodput(obs: Observation, slo: SLO) -> tuple[AdapterGoodput, ...]:
+    """`observed_goodput` per LoRA adapter, from each adapter's own TTFT and TPOT histograms and output
+    tokens (`Observation.lora_requests`): the service's SLO, read per adapter. An adapter whose requests
+    the draft model serves worse (it runs without the adapter, so fewer drafts are accepted) shows here
+    below the others at the same load."""
+    seen = []
+    for a in obs.lora_requests:
+        share = _both(a.ttft_cdf, a.tpot_cdf, slo)
+        if share is not None:
+            seen.append(AdapterGoodput(a.name, a.generation_rate * share, share))
+    return tuple(seen)

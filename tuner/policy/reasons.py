@@ -28,6 +28,17 @@ def figures(obs: Observation, goodput: float | None, share: float | None) -> str
     )
 
 
+def adapter_slots(obs: Observation, cap: int | None) -> str:
+    """The clause that says adapter slots bound the batch (`load.adapter_cap`); empty when they do not."""
+    if cap is None:
+        return ""
+    return (
+        f"; adapter slots bind: {obs.lora_adapters or 0:.1f} adapters in demand per engine for "
+        f"{obs.lora_slots or 0:.0f} slots (--max-loras), {obs.lora_runnable_share:.0%} of the requests can "
+        f"run, so max_num_seqs is searched up to {cap} only"
+    )
+
+
 def fail_static(why: str, held: TunedConfig | None) -> str:
     return why + (f"; holding {held.short()} (fail static)" if held is not None else "")
 

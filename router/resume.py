@@ -23,8 +23,6 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
-from aiohttp import web
-
 from .upstream import EngineBroken, EngineResponse, EngineUnreachable
 
 if TYPE_CHECKING:
@@ -55,6 +53,12 @@ class Rerouter(Protocol):
     request_timeout_s: float
 
     def choose(self, request: RouteRequest, tried: set[str]) -> Choice | None: ...
+
+
+class Writer(Protocol):
+    """Where the client's answer goes: aiohttp's `StreamResponse` or the raw front's (router/front.py)."""
+
+    async def write(self, data: bytes) -> None: ...
 
 
 # Body fields whose presence (with a value other than these) makes a request not resumable
@@ -241,13 +245,13 @@ def error_event(message: str) -> bytes:
 
 async def follow(
     router: Rerouter,
-    request: web.Request,
-    out: web.StreamResponse,
+    target: str,
+    out: Writer,
     upstream: EngineResponse,
     relay: StreamRelay,
     tap: UsageTap | None,
 ) -> str:
-    """Relay `upstream`'s stream to `out`, resuming it on other engines (at most `router.max_resumes`
+    """Relay `upstream`'s stream to `out`, resuming (the request sent again to `target`) it on other engines (at most `router.max_resumes`
     times) when it is cut; returns the request's outcome. The first engine's response is the caller's to
     close; the others are closed here."""
     route, tried, headers = relay.where
@@ -270,7 +274,7 @@ async def follow(
             opened = (
                 f"resumed {resumes} times, the limit (--max-resumes)"
                 if resumes >= router.max_resumes
-                else await _reopen(router, request, relay, route, tried, headers)
+                else await _reopen(router, target, relay, route, tried, headers)
             )
             if isinstance(opened, str):
                 why = f"the engine failed mid-stream ({reason}) and the stream could not be resumed: {opened}"
@@ -292,9 +296,7 @@ def _feed(tap: UsageTap | None, data: bytes) -> bytes:
     return data if tap is None else tap.feed(data)
 
 
-async def _pipe(
-    engine: EngineResponse, relay: StreamRelay, out: web.StreamResponse, tap: UsageTap | None
-) -> str | None:
+async def _pipe(engine: EngineResponse, relay: StreamRelay, out: Writer, tap: UsageTap | None) -> str | None:
     """One engine's answer to the client until it ends or is cut; the error that broke it, or None."""
     try:
         async for chunk in engine.chunks():
@@ -310,7 +312,7 @@ async def _pipe(
 
 async def _reopen(
     router: Rerouter,
-    request: web.Request,
+    target: str,
     relay: StreamRelay,
     route: RouteRequest,
     tried: set[str],
@@ -331,7 +333,7 @@ async def _reopen(
             engine = await router.engines.request(
                 url,
                 "POST",
-                str(request.rel_url),
+                target,
                 headers,
                 body,
                 router.connect_timeout_s,

@@ -21,7 +21,7 @@ import argparse
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from aiohttp import web
 from opentelemetry import trace
@@ -29,6 +29,9 @@ from specfleet.engine import tracing
 from specfleet.engine.tracing import ENDPOINT_FLAG, traces_endpoint
 
 from .policies import Choice
+
+if TYPE_CHECKING:
+    from .front import FrontRequest, FrontResponse
 
 logger = logging.getLogger("specfleet.router")
 SERVICE_NAME = "specfleet-router"
@@ -40,6 +43,8 @@ TENANT_KEY = web.RequestKey("specfleet_tenant", str)
 
 _CONTEXT_HEADERS = ("traceparent", "tracestate")  # the client's, replaced by the hop's own
 T = TypeVar("T")
+# The request's answer: aiohttp's, or the raw front's (router/front.py)
+R = TypeVar("R", bound="web.StreamResponse | FrontResponse")
 __all__ = ["ENDPOINT_FLAG", "SERVICE_KEY", "TENANT_KEY", "RouterTracer", "add_trace_flag", "traces_endpoint"]
 
 
@@ -66,9 +71,7 @@ class RouterTracer:
     def from_endpoint(cls, endpoint: str) -> RouterTracer:
         return cls(tracing.make_provider(endpoint, SERVICE_NAME))
 
-    async def serve(
-        self, request: web.Request, call: Callable[[], Awaitable[web.StreamResponse]]
-    ) -> web.StreamResponse:
+    async def serve(self, request: web.Request | FrontRequest, call: Callable[[], Awaitable[R]]) -> R:
         """`call()` inside the request's SERVER span; within one already made (the gateway's, then its
         service's router) it only calls."""
         if request.get(_SPAN_KEY) is not None:

@@ -11,7 +11,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from specfleet.engine.kv_transfer import prefill_signature
+
 from .adapters import AdapterTable
+from .chat_template import ChatTemplate
 from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
 from .gateway import Gateway, serve_gateway
@@ -88,6 +91,14 @@ def add_endpoint_picker_flags(p: argparse.ArgumentParser) -> None:
         help="also serve as an InferencePool's endpoint picker: Envoy's ext_proc and gRPC health on this "
         "port (the Gateway API Inference Extension's default: 9002; 0: off; docs/router.md)",
     )
+    p.add_argument(
+        prefill_signature.KEY_FILE_FLAG,
+        default=None,
+        metavar="PATH",
+        help=f"with --ext-proc-port: sign the prefill engine the picker names ({prefill_signature.HEADER}, "
+        "over it and the request body) with the key in this file, which the decode engines get as their "
+        f"{prefill_signature.KEY_FILE_FLAG} (docs/router.md, As a Gateway API endpoint picker)",
+    )
 
 
 def add_retry_flags(p: argparse.ArgumentParser) -> None:
@@ -140,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=None,
         help="a tokenizer.json (or a folder with one): hash token blocks "
-        "as the engine does; without it, blocks of block-size x 4 characters",
+        "as the engine does, chat requests through the model's chat template found beside it "
+        "(chat_template.jinja, tokenizer_config.json); without it, blocks of block-size x 4 characters",
     )
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
     add_kv_events_flags(p)
@@ -196,6 +208,18 @@ def load_encoder(path: str):  # returns a text -> ids function
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def load_chat_template(path: str) -> ChatTemplate | None:
+    """The model's chat template beside --tokenizer (in its folder, or the tokenizer.json's folder), so that
+    chat requests are hashed as the engine renders them; None (chat on the estimate) where there is none or
+    it does not compile (logged: the engines' chat endpoint answers 400 with it too)."""
+    file = Path(path)
+    try:
+        return ChatTemplate.load(file if file.is_dir() else file.parent)
+    except ValueError as exc:
+        logging.getLogger("specfleet.router").warning("event=chat_template_unusable error=%s", exc)
+        return None
+
+
 def build_router(args: argparse.Namespace) -> Router:
     if args.block_size < 1:
         raise ValueError(f"--block-size={args.block_size} must be >= 1")
@@ -216,6 +240,8 @@ def build_router(args: argparse.Namespace) -> Router:
         args.queue_timeout,
         args.max_queue,
     )
+    if encode is not None:
+        router.chat_template = load_chat_template(args.tokenizer)
     if args.max_resumes < 0:
         raise ValueError(f"--max-resumes={args.max_resumes} must be >= 0")
     router.max_resumes = args.max_resumes
@@ -294,7 +320,22 @@ async def _until_signalled(target: Drainable, args: argparse.Namespace) -> None:
     await drain(target, args.shutdown_delay, args.drain_timeout, forced)
 
 
-async def start_endpoint_picker(router: Router, args: argparse.Namespace) -> Any:
+def endpoint_picker_key(args: argparse.Namespace) -> bytes | None:
+    """--remote-prefill-key-file's key (read before discovery starts); a ValueError without --ext-proc-port
+    or for a missing, empty or short file."""
+    path = getattr(args, "remote_prefill_key_file", None)
+    if path is None:
+        return None
+    if not args.ext_proc_port:
+        raise ValueError(
+            f"{prefill_signature.KEY_FILE_FLAG} signs the endpoint picker's prefill header: add --ext-proc-port"
+        )
+    return prefill_signature.read_key(path)
+
+
+async def start_endpoint_picker(
+    router: Router, args: argparse.Namespace, prefill_key: bytes | None = None
+) -> Any:
     """--ext-proc-port: the EPP's gRPC server (imported only then: grpc and Envoy's protos load in seconds)."""
     if not args.ext_proc_port:
         return None
@@ -302,7 +343,7 @@ async def start_endpoint_picker(router: Router, args: argparse.Namespace) -> Any
         raise ValueError(f"--ext-proc-port={args.ext_proc_port} must be between 1 and 65535")
     from .ext_proc_server import serve_endpoint_picker
 
-    server, _ = await serve_endpoint_picker(router, args.host, args.ext_proc_port)
+    server, _ = await serve_endpoint_picker(router, args.host, args.ext_proc_port, prefill_key)
     return server
 
 
@@ -316,6 +357,7 @@ async def run(args: argparse.Namespace) -> int:
 
     if args.prefill_service and not args.service:
         raise ValueError("--prefill-service needs --service (the decode engines' Service)")
+    prefill_key = endpoint_picker_key(args)
     tasks: list[asyncio.Task[None]] = []
     if args.service:
         namespace = (
@@ -341,7 +383,7 @@ async def run(args: argparse.Namespace) -> int:
     logging.getLogger("specfleet.router").info(
         "event=listening host=%s port=%d policy=%s", args.host, args.port, args.policy
     )
-    picker = await start_endpoint_picker(router, args)
+    picker = await start_endpoint_picker(router, args, prefill_key)
     await _until_signalled(router, args)
     for task in tasks:  # discovery ran through the drain: streams may still have needed a new engine
         task.cancel()

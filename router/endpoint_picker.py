@@ -31,7 +31,12 @@ flight, as the router's proxy picks), and names the prefill engine `ip:port` in 
 `x-prefiller-host-port`, llm-d's name, so that llm-d's routing sidecar beside a decode engine, or specfleet's
 engine started with `--accept-remote-prefill` (engine/server/remote_prefill.py), runs the prefill leg there
 and then decodes locally. Without a prefill engine (or for a request the path does not cover) the header is
-removed, so that no client names the host a decode engine sends its prompt to through the gateway.
+removed, so that no client names the host a decode engine sends its prompt to through the gateway. With
+a shared key (`--remote-prefill-key-file`, the decode engines' too) the picker also signs the pair it sends
+on, the prefill engine's `ip:port` and the request body, in `x-specfleet-prefill-signature`
+(engine/kv_transfer/prefill_signature.py); a decode engine given the key honours only a signed header, so a
+client that reaches it past the gateway cannot name a host either. A client's signature header is always
+overwritten or removed.
 
 Not done here: the scale-from-zero queue.
 """
@@ -63,6 +68,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
 )
 from envoy_data_plane.envoy.type.v3 import HttpStatus, StatusCode
 from envoy_data_plane.google.protobuf import Struct, Value
+from specfleet.engine.kv_transfer import prefill_signature
 
 from . import disaggregation
 from . import ext_proc_wire as wire
@@ -88,6 +94,7 @@ CHUNK_BYTES = 62 * 1024
 DUPLEX = ProcessingModeBodySendMode.FULL_DUPLEX_STREAMED
 # llm-d's header naming the prefill engine a decode engine runs the prefill leg on (prefill_leg.py)
 PREFILLER_HEADER = disaggregation.PREFILLER_HEADER
+SIGNATURE_HEADER = prefill_signature.HEADER  # the picker's signature over that header and the body
 
 
 def address(url: str) -> str:
@@ -95,20 +102,28 @@ def address(url: str) -> str:
     return url.split("://", 1)[-1].rstrip("/")
 
 
-def _header_response(endpoints: str, prefiller: str | None) -> tuple[CommonResponse, Struct]:
+def _overwrite(key: str, value: str) -> HeaderValueOption:
+    return HeaderValueOption(
+        header=HeaderValue(key=key, raw_value=value.encode()),
+        append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
+    )
+
+
+def _header_response(
+    endpoints: str, prefiller: str | None, signature: str | None = None
+) -> tuple[CommonResponse, Struct]:
     """The pick as the protocol wants it twice, identical: a request header and dynamic metadata. With a
     prefill engine, `x-prefiller-host-port` names it, replacing any the client sent; without one, a client's
-    is removed: only the picker names the host a decode engine sends the prompt to."""
+    is removed: only the picker names the host a decode engine sends the prompt to. The same for the
+    signature over it (with a key): set over a client's, or removed."""
     set_headers = [HeaderValueOption(header=HeaderValue(key=DESTINATION_KEY, raw_value=endpoints.encode()))]
-    removed = [PREFILLER_HEADER]
+    removed = [PREFILLER_HEADER, SIGNATURE_HEADER]
     if prefiller is not None:
-        set_headers.append(
-            HeaderValueOption(
-                header=HeaderValue(key=PREFILLER_HEADER, raw_value=prefiller.encode()),
-                append_action=HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD,
-            )
-        )
-        removed = []
+        set_headers.append(_overwrite(PREFILLER_HEADER, prefiller))
+        removed.remove(PREFILLER_HEADER)
+    if prefiller is not None and signature is not None:
+        set_headers.append(_overwrite(SIGNATURE_HEADER, signature))
+        removed.remove(SIGNATURE_HEADER)
     mutation = HeaderMutation(set_headers=set_headers, remove_headers=removed)
     common = CommonResponse(header_mutation=mutation, clear_route_cache=True)
     lb = Struct(fields={DESTINATION_KEY: Value(string_value=endpoints)})
@@ -172,6 +187,7 @@ class Exchange:
     """One ext_proc stream: one HTTP request and its response as they pass through the gateway."""
 
     router: Router
+    prefill_key: bytes | None = None  # --remote-prefill-key-file: sign the prefill engine named (module doc)
     mode: str = DUPLEX_MODE  # the request body's (the inference extension's when the gateway names none)
     duplex_response: bool = True  # response chunks go back as streamed chunks
     headers: dict[str, str] = field(default_factory=dict)
@@ -260,9 +276,13 @@ class Exchange:
         endpoints, why = self.pick(body)
         if endpoints is None:
             return immediate(503, why)
-        common, metadata = _header_response(
-            endpoints, None if self.prefiller is None else address(self.prefiller)
+        prefiller = None if self.prefiller is None else address(self.prefiller)
+        signature = (
+            prefill_signature.sign(self.prefill_key, prefiller, body)
+            if prefiller is not None and self.prefill_key is not None
+            else None
         )
+        common, metadata = _header_response(endpoints, prefiller, signature)
         if phase == "request_body":
             return ProcessingResponse(request_body=BodyResponse(response=common), dynamic_metadata=metadata)
         return ProcessingResponse(request_headers=HeadersResponse(response=common), dynamic_metadata=metadata)

@@ -30,13 +30,14 @@ SERVING, NOT_SERVING = 1, 2  # grpc.health.v1.HealthCheckResponse.ServingStatus
 class EndpointPicker:
     """The gRPC side: the ext_proc stream and the health service, over one Router's endpoints and policy."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, prefill_key: bytes | None = None) -> None:
         self.router = router
+        self.prefill_key = prefill_key  # --remote-prefill-key-file: the prefill engine it names is signed
 
     async def process(
         self, requests: AsyncIterator[ProcessingRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[Answer]:
-        exchange = Exchange(self.router)
+        exchange = Exchange(self.router, self.prefill_key)
         try:
             async for message in requests:
                 for response in exchange.handle(message):
@@ -100,10 +101,13 @@ def health_service_name(request: bytes) -> str:
     return request[i : i + length].decode(errors="replace")
 
 
-async def serve_endpoint_picker(router: Router, host: str, port: int) -> tuple[grpc.aio.Server, int]:
-    """Start the EPP's gRPC server on the running loop; the server and the port it bound (for port 0)."""
+async def serve_endpoint_picker(
+    router: Router, host: str, port: int, prefill_key: bytes | None = None
+) -> tuple[grpc.aio.Server, int]:
+    """Start the EPP's gRPC server on the running loop; the server and the port it bound (for port 0). With
+    `prefill_key` the prefill engine it names is signed (engine/kv_transfer/prefill_signature.py)."""
     server = grpc.aio.server()
-    server.add_generic_rpc_handlers(EndpointPicker(router).handlers())
+    server.add_generic_rpc_handlers(EndpointPicker(router, prefill_key).handlers())
     bound = server.add_insecure_port(f"[{host}]:{port}" if ":" in host else f"{host}:{port}")
     await server.start()
     logger.info("event=listening epp=true host=%s port=%d", host, bound)

@@ -50,6 +50,8 @@ def build_state(
     protocol.set_cache_config(info.kv_block_size, info.num_kv_blocks, info.enable_prefix_caching)
     token = admin_token if admin_token is not None else admin.token_from_env()
     client.metrics, client.max_waiting = metrics, max_waiting
+    if remote_prefill is not None:  # its rejected signatures, counted beside the server's own series
+        remote_prefill.register_metrics(metrics.registry, model_name)
     if otlp_traces_endpoint:
         client.tracer = RequestTracer.from_endpoint(otlp_traces_endpoint, model_name, client.config.kv_role)
     return ServerState(

@@ -16,6 +16,7 @@ import uvicorn
 from specfleet.engine import tracing
 from specfleet.engine.args import add_engine_args, engine_config_kwargs
 from specfleet.engine.config import EngineConfig
+from specfleet.engine.kv_transfer import prefill_signature
 
 from . import remote_prefill
 from .admin import live_config_from_file, token_from_env
@@ -104,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="a decode engine (--kv-role decode) behind a gateway's endpoint picker: a request naming a prefill "
         f"engine in {remote_prefill.HEADER} (host:port) runs its prefill there, then decodes here; with CIDRs, "
         "only an IP address inside them is accepted; without the flag the header is ignored",
+    )
+    p.add_argument(
+        prefill_signature.KEY_FILE_FLAG,
+        default=None,
+        metavar="PATH",
+        help=f"a decode engine (--kv-role decode): accept {remote_prefill.HEADER} only with the endpoint "
+        f"picker's {prefill_signature.HEADER} made with the key in this file (the picker's own "
+        f"{prefill_signature.KEY_FILE_FLAG}); an unsigned or forged header is ignored and the request runs "
+        f"aggregated. Implies {remote_prefill.FLAG}; with CIDRs there too, both must hold",
     )
     add_chat_args(p)
     return p
@@ -262,17 +272,23 @@ def _app(state: ServerState, lora_modules: list[str]) -> Any:
         return None
 
 
-def _remote_prefill(networks: list[str] | None, config: EngineConfig) -> remote_prefill.RemotePrefill | None:
-    """--accept-remote-prefill's setting; a ValueError when it is not a decode engine's or a CIDR is bad."""
-    if networks is None:
+def _remote_prefill(
+    networks: list[str] | None, key_file: str | None, config: EngineConfig
+) -> remote_prefill.RemotePrefill | None:
+    """--accept-remote-prefill's and --remote-prefill-key-file's setting; a ValueError when it is not a
+    decode engine's, a CIDR is bad or the key file is missing, empty or short (before the model loads)."""
+    if networks is None and key_file is None:
         return None
     if config.kv_role != "decode":
+        flag = remote_prefill.FLAG if networks is not None else prefill_signature.KEY_FILE_FLAG
         raise ValueError(
-            f"{remote_prefill.FLAG} needs --kv-role decode (the engine loads the prompt's KV from the prefill "
+            f"{flag} needs --kv-role decode (the engine loads the prompt's KV from the prefill "
             f"engine), got --kv-role {config.kv_role}"
         )
     return remote_prefill.RemotePrefill(
-        remote_prefill.parse_networks(networks), timeout_s=config.kv_transfer_timeout_s
+        remote_prefill.parse_networks(networks or []),
+        timeout_s=config.kv_transfer_timeout_s,
+        key=None if key_file is None else prefill_signature.read_key(key_file),
     )
 
 
@@ -299,7 +315,7 @@ def main(argv: list[str] | None = None) -> int:
             traces = tracing.traces_endpoint(args.otlp_traces_endpoint)
             if args.lora_modules and not config.enable_lora:
                 raise ValueError("--lora-modules needs --enable-lora")
-            accept = _remote_prefill(args.accept_remote_prefill, config)
+            accept = _remote_prefill(args.accept_remote_prefill, args.remote_prefill_key_file, config)
         except ValueError as exc:
             print(f"specfleet serve: {exc}", file=sys.stderr)
             return 2

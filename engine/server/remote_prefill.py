@@ -26,6 +26,13 @@ address inside one of them (a DNS name is refused there: what it resolves to can
 and the connection). A value that fails is a 400 naming the header and the rule. The endpoint picker writes
 pod IPs, and removes a client's header when it names no prefill engine; the CIDRs keep a client that reaches
 the decode engine directly within the pool's network.
+
+With `--remote-prefill-key-file PATH` (which accepts the header on its own, as the operator renders it) the
+header counts only when the request also carries the endpoint picker's signature over it and the body
+(`x-specfleet-prefill-signature`, engine/kv_transfer/prefill_signature.py): a request whose signature is
+missing, malformed, older than its max age or made with another key runs aggregated here, nothing is sent
+to the named host, and `specfleet_remote_prefill_rejected_total{reason}` counts it (the first of each
+reason is logged as a warning). With CIDRs as well, a signed host must also be inside them.
 """
 
 from __future__ import annotations
@@ -42,7 +49,8 @@ from typing import Any
 
 import httpx
 from fastapi import Request
-from specfleet.engine.kv_transfer import prefill_leg
+from prometheus_client import CollectorRegistry, Counter
+from specfleet.engine.kv_transfer import prefill_leg, prefill_signature
 
 from .errors import APIError
 
@@ -83,7 +91,49 @@ class RemotePrefill:
 
     networks: tuple[Network, ...] = ()  # empty: any host the rules of the value allow
     timeout_s: float = 60.0  # the engine's kv_transfer_timeout_s: how long a decoder waits for the KV
+    key: bytes | None = field(default=None, repr=False)  # --remote-prefill-key-file: signed headers only
     _client: httpx.AsyncClient | None = field(default=None, init=False, repr=False)
+    _rejected: Counter | None = field(default=None, init=False, repr=False)
+    _model_name: str = field(default="", init=False, repr=False)
+    _rejections_logged: set[str] = field(default_factory=set, init=False, repr=False)
+
+    def register_metrics(self, registry: CollectorRegistry, model_name: str) -> None:
+        """`specfleet_remote_prefill_rejected_total{model_name, reason}` on the server's registry, each
+        reason's series there from the first scrape (with a key only: without one nothing is rejected)."""
+        if self.key is None:
+            return
+        self._model_name = model_name
+        self._rejected = Counter(
+            "specfleet_remote_prefill_rejected",
+            f"Requests whose {HEADER} was ignored (run aggregated) for want of a valid "
+            f"{prefill_signature.HEADER}, by reason: " + ", ".join(prefill_signature.REASONS),
+            ["model_name", "reason"],
+            registry=registry,
+        )
+        for reason in prefill_signature.REASONS:
+            self._rejected.labels(model_name, reason)
+
+    def signed(self, request: Request, value: str, body: bytes) -> bool:
+        """Whether the header may be honoured: no key, or the picker's signature over it and the body."""
+        if self.key is None:
+            return True
+        try:
+            prefill_signature.verify(self.key, request.headers.get(prefill_signature.HEADER), value, body)
+        except prefill_signature.Rejected as rejected:
+            if self._rejected is not None:
+                self._rejected.labels(self._model_name, rejected.reason).inc()
+            first = rejected.reason not in self._rejections_logged
+            self._rejections_logged.add(rejected.reason)
+            logger.log(
+                logging.WARNING if first else logging.DEBUG,
+                "event=remote_prefill_rejected reason=%s detail=%r header=%s outcome=aggregated%s",
+                rejected.reason,
+                str(rejected),
+                HEADER,
+                " (the first of this reason; the rest at debug level)" if first else "",
+            )
+            return False
+        return True
 
     def target(self, value: str) -> str:
         """`host:port` of the prefill engine, checked as the module says; APIError 400 otherwise."""
@@ -146,9 +196,12 @@ async def prefill(accept: RemotePrefill | None, request: Request, path: str) -> 
                 FLAG,
             )
         return None
+    raw = await request.body()
+    if not accept.signed(request, value.strip(), raw):
+        return None
     target = accept.target(value.strip())
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except ValueError:
         return None  # parsed once already by the route: not reached
     if not isinstance(body, dict) or not prefill_leg.covered(body):

@@ -10,6 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import grpc
+import pytest
 from envoy_data_plane.envoy.config.core.v3 import (
     HeaderMap,
     HeaderValue,
@@ -26,13 +27,16 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
     ProtocolConfiguration,
 )
 from envoy_data_plane.google.protobuf import ListValue, Struct, Value
+from specfleet.engine.kv_transfer import prefill_signature
 from specfleet.router.discovery import probe_forever
 from specfleet.router.endpoint_picker import (
     DESTINATION_KEY,
     EXT_PROC_SERVICE,
     PREFILLER_HEADER,
     SERVED_KEY,
+    SIGNATURE_HEADER,
     SUBSET_KEY,
+    _header_response,
     address,
 )
 from specfleet.router.endpoints import EndpointSet
@@ -115,7 +119,7 @@ def picked(response: ProcessingResponse) -> str:
 
 
 async def start(
-    urls: list[str], policy: str = "prefix"
+    urls: list[str], policy: str = "prefix", prefill_key: bytes | None = None
 ) -> tuple[Router, grpc.aio.Server, grpc.aio.Channel, asyncio.Task[None]]:
     router = Router(EndpointSet(), make_policy(policy), BlockHasher(16, None, 0), max_retries=1)
     found = asyncio.Event()
@@ -126,7 +130,7 @@ async def start(
 
     discovery = asyncio.create_task(probe_forever(urls, on_change, interval_s=0.2))
     await found.wait()
-    server, port = await serve_endpoint_picker(router, "127.0.0.1", 0)
+    server, port = await serve_endpoint_picker(router, "127.0.0.1", 0, prefill_key)
     return router, server, grpc.aio.insecure_channel(f"127.0.0.1:{port}"), discovery
 
 
@@ -307,12 +311,17 @@ def test_prefill_engines_are_named_to_the_decode_engine_in_llm_ds_header():
     """A pool with prefill engines: the destination and its fallbacks are decode engines only; a prefill
     engine (the fewest requests in flight) is named in x-prefiller-host-port, overwriting a client's value,
     and counted until the response ends; a request the two-engine path does not cover, or a pool whose
-    prefill engines are not ready, gets no such header and a client's is removed."""
+    prefill engines are not ready, gets no such header and a client's is removed. With a key, the named
+    engine and the body are signed in x-specfleet-prefill-signature, over a client's own value; without a
+    prefill engine, or without a key, a client's signature is removed."""
+    key = b"the picker's and decode engines' shared key"
 
     async def test() -> None:
         decode = [await FakeEngine(n).start() for n in ("decode-a", "decode-b")]
         prefill = [await FakeEngine(n).start() for n in ("prefill-a", "prefill-b")]
-        router, server, channel, discovery = await start([e.url for e in decode + prefill], "least-loaded")
+        router, server, channel, discovery = await start(
+            [e.url for e in decode + prefill], "least-loaded", key
+        )
         for engine in prefill:
             router.endpoints.set_state(engine.url, role="prefill")
         for engine in decode:
@@ -321,7 +330,8 @@ def test_prefill_engines_are_named_to_the_decode_engine_in_llm_ds_header():
 
         async def exchange(content: bytes) -> tuple[Envoy, ProcessingResponse]:
             envoy = Envoy(channel)  # a client that names a host of its own, which must not get through
-            assert await envoy.send(headers(**{PREFILLER_HEADER: "attacker.example:80"}), 0) == []
+            forged = {PREFILLER_HEADER: "attacker.example:80", SIGNATURE_HEADER: "v1:1:00"}
+            assert await envoy.send(headers(**forged), 0) == []
             first, _echoed = await envoy.send(body_chunk(content, end=True), 2)
             return envoy, first
 
@@ -332,6 +342,17 @@ def test_prefill_engines_are_named_to_the_decode_engine_in_llm_ds_header():
             option = set_headers(first)[PREFILLER_HEADER]
             assert option.append_action == HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
             prefillers.append(option.header.raw_value.decode())
+            signature = set_headers(first)[SIGNATURE_HEADER]
+            assert signature.append_action == HeaderValueOptionHeaderAppendAction.OVERWRITE_IF_EXISTS_OR_ADD
+            assert signature.header is not None
+            signed = signature.header.raw_value.decode()
+            prefill_signature.verify(key, signed, prefillers[-1], body)
+            with pytest.raises(prefill_signature.Rejected):  # it names that engine, not another
+                prefill_signature.verify(key, signed, "attacker.example:80", body)
+            phase = first.request_headers or first.request_body
+            assert phase is not None and phase.response is not None
+            assert phase.response.header_mutation is not None
+            assert phase.response.header_mutation.remove_headers == []
             envoys.append(envoy)
         assert sorted(prefillers) == sorted(address(e.url) for e in prefill)
         assert [router.endpoints.get(e.url).outstanding for e in prefill] == [1, 1]
@@ -344,8 +365,8 @@ def test_prefill_engines_are_named_to_the_decode_engine_in_llm_ds_header():
         two = json.dumps({"model": "m", "prompt": PROMPT, "max_tokens": 8, "n": 2}).encode()
         envoy, first = await exchange(two)  # n > 1: the decode engine runs it aggregated
         phase = first.request_headers or first.request_body
-        assert PREFILLER_HEADER not in set_headers(first)
-        assert phase.response.header_mutation.remove_headers == [PREFILLER_HEADER]
+        assert PREFILLER_HEADER not in set_headers(first) and SIGNATURE_HEADER not in set_headers(first)
+        assert phase.response.header_mutation.remove_headers == [PREFILLER_HEADER, SIGNATURE_HEADER]
         await envoy.close()
 
         discovery.cancel()
@@ -353,10 +374,27 @@ def test_prefill_engines_are_named_to_the_decode_engine_in_llm_ds_header():
             router.endpoints.set_state(engine.url, ready=False)
         envoy, first = await exchange(body)  # no prefill engine ready: aggregated on the decode engine
         phase = first.request_headers or first.request_body
-        assert PREFILLER_HEADER not in set_headers(first)
-        assert phase.response.header_mutation.remove_headers == [PREFILLER_HEADER]
+        assert PREFILLER_HEADER not in set_headers(first) and SIGNATURE_HEADER not in set_headers(first)
+        assert phase.response.header_mutation.remove_headers == [PREFILLER_HEADER, SIGNATURE_HEADER]
         assert picked(first).split(",")[0] in {address(e.url) for e in decode}
         await envoy.close()
         await stop(server, channel, discovery, *decode, *prefill)
 
     run(test)
+    # A picker without a key names the engine unsigned (llm-d's sidecar, or engines narrowed by CIDRs) and
+    # removes a client's signature all the same.
+    common, _ = _header_response("10.0.0.1:8000", "10.0.0.2:8000", None)
+    assert [o.header.key for o in common.header_mutation.set_headers] == [DESTINATION_KEY, PREFILLER_HEADER]
+    assert common.header_mutation.remove_headers == [SIGNATURE_HEADER]
+
+
+def test_the_pickers_key_file_needs_the_ext_proc_port_and_a_key(tmp_path, capsys):
+    """Refused before the router serves anything: a key without a picker to sign with, or no usable key."""
+    from specfleet.router.cli import main
+
+    (tmp_path / "key").write_text("a key of more than sixteen bytes\n")
+    assert main(["--endpoint", "http://127.0.0.1:1", "--remote-prefill-key-file", str(tmp_path / "key")]) == 2
+    assert "--remote-prefill-key-file signs the endpoint picker's prefill header" in capsys.readouterr().err
+    missing = ["--ext-proc-port", "9002", "--remote-prefill-key-file", str(tmp_path / "missing")]
+    assert main(["--endpoint", "http://127.0.0.1:1", *missing]) == 2
+    assert "cannot read the key" in capsys.readouterr().err

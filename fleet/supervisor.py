@@ -31,6 +31,7 @@ from specfleet.engine.python_child import python_command
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.adapters import AdapterTable
+from specfleet.router.chat_template import ChatTemplate
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.front import Front
 from specfleet.router.kv_index import ExactPrefixIndex
@@ -113,6 +114,17 @@ def local_tokenizer(source: str) -> Callable[[str], list[int]] | None:
     except (ImportError, ValueError, OSError, RuntimeError):
         return None
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
+
+
+def local_chat_template(source: str) -> ChatTemplate | None:
+    """The model's chat template beside that tokenizer, so that the router hashes chat requests as the
+    engines render them (router/chat_template.py); None (chat on the estimate) without one."""
+    try:
+        from specfleet.engine.model_source import resolve_model
+
+        return ChatTemplate.load(resolve_model(source).path)
+    except (ImportError, ValueError, OSError):
+        return None
 
 
 @dataclass
@@ -332,6 +344,7 @@ class LocalFleet:
         encode = local_tokenizer(spec.model.source)
         if encode is not None:
             self.router.hasher = BlockHasher(spec.engine.block_size, encode, self.router.hasher.seed)
+            self.router.chat_template = local_chat_template(spec.model.source)
         if self.kv_events == "route":
             self._subscribe_kv_events()
         self.port = self.port or free_port(self.host)

@@ -14,6 +14,7 @@ from typing import Any
 from specfleet.engine.kv_transfer import prefill_signature
 
 from .adapters import AdapterTable
+from .chat_template import ChatTemplate
 from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
 from .gateway import Gateway, serve_gateway
@@ -150,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer",
         default=None,
         help="a tokenizer.json (or a folder with one): hash token blocks "
-        "as the engine does; without it, blocks of block-size x 4 characters",
+        "as the engine does, chat requests through the model's chat template found beside it "
+        "(chat_template.jinja, tokenizer_config.json); without it, blocks of block-size x 4 characters",
     )
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
     add_kv_events_flags(p)
@@ -206,6 +208,18 @@ def load_encoder(path: str):  # returns a text -> ids function
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
+def load_chat_template(path: str) -> ChatTemplate | None:
+    """The model's chat template beside --tokenizer (in its folder, or the tokenizer.json's folder), so that
+    chat requests are hashed as the engine renders them; None (chat on the estimate) where there is none or
+    it does not compile (logged: the engines' chat endpoint answers 400 with it too)."""
+    file = Path(path)
+    try:
+        return ChatTemplate.load(file if file.is_dir() else file.parent)
+    except ValueError as exc:
+        logging.getLogger("specfleet.router").warning("event=chat_template_unusable error=%s", exc)
+        return None
+
+
 def build_router(args: argparse.Namespace) -> Router:
     if args.block_size < 1:
         raise ValueError(f"--block-size={args.block_size} must be >= 1")
@@ -226,6 +240,8 @@ def build_router(args: argparse.Namespace) -> Router:
         args.queue_timeout,
         args.max_queue,
     )
+    if encode is not None:
+        router.chat_template = load_chat_template(args.tokenizer)
     if args.max_resumes < 0:
         raise ValueError(f"--max-resumes={args.max_resumes} must be >= 0")
     router.max_resumes = args.max_resumes

@@ -55,6 +55,16 @@ class RouterMetrics:
             ["kind"],
             registry=r,
         )
+        # Chat requests by how their blocks were hashed (router/chat_template.py): `rendered` with the
+        # model's chat template as the engine renders them (matched on the engines' KV events where they
+        # publish), else the reason they were flattened and matched on the estimate (chat_template.REASONS)
+        self.chat_prompts = Counter(
+            "specfleet_router_chat_prompts",
+            "Chat requests hashed with the model's chat template (outcome=rendered) or on the estimate "
+            "(outcome: why the router could not render them as the engine does)",
+            ["outcome"],
+            registry=r,
+        )
         self.endpoints = Gauge(
             "specfleet_router_endpoints", "Engines known to the router by state", ["state"], registry=r
         )

@@ -25,9 +25,10 @@ class RouteRequest:
     hashes: tuple[int, ...] = ()  # chained block hashes of the prompt (prefix.BlockHasher)
     session: str | None = None  # the session-affinity header's value, if any
     adapter: str | None = None  # the LoRA adapter `model` names (router/adapters.py), None for the base
-    # The hashes are of the tokens the engine will prefill (a completion's prompt, by the model's
-    # tokenizer), so the engines' KV events can confirm them; False for chat messages, which the router
-    # flattens without the model's chat template: their blocks never equal the engine's
+    # The hashes are of the tokens the engine will prefill (a completion's prompt, or chat messages through
+    # the model's chat template, by the model's tokenizer), so the engines' KV events can confirm them;
+    # False for chat messages the router could not render as the engine does (router/chat_template.py),
+    # which it flattens instead: their blocks never equal the engine's
     engine_hashes: bool = True
 
 
@@ -148,7 +149,8 @@ class PrefixAffinity:
         cap = load_cap(endpoints, self.load_factor)
         under = [e for e in endpoints if e.outstanding + 1 <= cap]
         # the engines' KV events publish no adapter's blocks, and hash what the engine prefilled: a chat
-        # prompt's own rendering here never matches them, so it is matched on the estimate
+        # prompt the router flattened (no template to render it with) never matches them, so it is
+        # matched on the estimate
         exact = request.adapter is None and request.engine_hashes
         matches = {e.url: self._match(e.url, request.hashes, exact) for e in endpoints}
         if request.session is not None:

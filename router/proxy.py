@@ -36,6 +36,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from . import disaggregation, resume
 from .adapters import AdapterTable
+from .chat_template import ChatTemplate, Unrenderable
 from .endpoints import EndpointSet
 from .front import Front, FrontRequest, FrontResponse, start_front
 from .kv_subscriber import KVEventFeeds
@@ -141,6 +142,9 @@ class Router:
     kv_feeds: KVEventFeeds | None = None  # the engines' KV events (router/kv_subscriber.py); None: off
     max_resumes: int = 2  # times a stream cut mid-way goes on from another engine (router/resume.py)
     adapters: AdapterTable | None = None  # LoRA adapter affinity (router/adapters.py); None: off
+    # The model's chat template (router/chat_template.py): chat requests hashed as the engine renders them;
+    # None: chat requests are hashed on prompt_text's flattening and matched on the estimate
+    chat_template: ChatTemplate | None = None
 
     def __post_init__(self) -> None:
         self._session: aiohttp.ClientSession | None = None
@@ -230,6 +234,17 @@ class Router:
         salt = parsed.get("cache_salt") if isinstance(parsed, dict) else None
         model = parsed.get("model") if isinstance(parsed, dict) else None
         adapter = model if self.adapters is not None and self.adapters.known(model) else None
+        # A prompt given as text or ids is hashed as the engine hashes it (by the model's tokenizer); so are
+        # chat messages the model's chat template renders here as in the engine (render_chat); others are
+        # flattened by prompt_text and matched on the estimate (RouteRequest.engine_hashes)
+        chat = not (
+            isinstance(parsed, dict) and isinstance(parsed.get("prompt"), str | list) and parsed["prompt"]
+        )
+        engine_hashes = self.hasher.encode is not None and not chat
+        if chat and self.hasher.encode is not None and isinstance(parsed, dict) and "messages" in parsed:
+            rendered = self.render_chat(parsed)
+            if rendered is not None:
+                text, ids, engine_hashes = rendered, None, True
         if ids is not None and self.hasher.encode is not None:
             from .prefix import chain_hashes, token_blocks
 
@@ -238,13 +253,22 @@ class Router:
         else:
             hashes = self.hasher.hashes(text, salt, adapter) if text else []
         session = headers.get(self.session_header) if self.session_header else None
-        # Only a prompt given as text or ids is hashed as the engine hashes it (by the model's tokenizer);
-        # chat messages are flattened by prompt_text, not by the model's chat template
-        chat = not (
-            isinstance(parsed, dict) and isinstance(parsed.get("prompt"), str | list) and parsed["prompt"]
-        )
-        engine_hashes = self.hasher.encode is not None and not chat
         return RouteRequest(tuple(hashes), session, adapter, engine_hashes)
+
+    def render_chat(self, body: dict[str, Any]) -> str | None:
+        """A chat request's prompt text as the engine renders it, or None (with the reason counted in
+        specfleet_router_chat_prompts and logged at DEBUG) where the router cannot reproduce it."""
+        if self.chat_template is None:
+            self.metrics.chat_prompts.labels("no_template").inc()
+            return None
+        try:
+            text = self.chat_template.render(body)
+        except Unrenderable as exc:
+            self.metrics.chat_prompts.labels(exc.reason).inc()
+            logger.debug("event=chat_on_estimate reason=%s detail=%s", exc.reason, exc.detail[:200])
+            return None
+        self.metrics.chat_prompts.labels("rendered").inc()
+        return text
 
     def choose(self, request: RouteRequest, tried: set[str]) -> Choice | None:
         candidates = [e for e in self.endpoints.routable() if e.url not in tried]

@@ -334,11 +334,13 @@ def _answer_replay(replay, payloads: list[bytes], first: int = 0) -> int:
     return asked
 
 
-def test_a_chat_prompt_is_matched_on_the_estimate_even_where_the_engine_publishes() -> None:
-    """A chat request's blocks are the router's flattening of its messages, not the model's chat template the
-    engine prefilled, so the engines' events can never name them: the policy matches it on the estimate
-    (an exact index would answer 0 for every engine). A completion's prompt is hashed by the model's
-    tokenizer as the engine hashes it, and is matched on the events."""
+def test_a_chat_prompt_without_a_template_is_matched_on_the_estimate_even_where_the_engine_publishes() -> (
+    None
+):
+    """A router without the model's chat template hashes a chat request's flattening of its messages, not
+    what the engine prefilled, so the engines' events can never name them: the policy matches it on the
+    estimate (an exact index would answer 0 for every engine). A completion's prompt is hashed by the
+    model's tokenizer as the engine hashes it, and is matched on the events."""
     from specfleet.router.endpoints import EndpointSet
     from specfleet.router.policies import PrefixAffinity
     from specfleet.router.prefix import BlockHasher
@@ -368,3 +370,57 @@ def test_a_chat_prompt_is_matched_on_the_estimate_even_where_the_engine_publishe
     assert again.match_blocks == len(chat.hashes)
     router.choose(completion, set())
     assert sorted(asked) == ["http://a", "http://b"]  # a completion is matched on the events
+
+
+def test_a_chat_prompt_rendered_with_the_models_template_is_matched_on_the_events(bundled_path: str) -> None:
+    """With the model's chat template (router/chat_template.py) the router hashes a chat request as the
+    engine renders and tokenizes it, so on an engine whose events stored what the engine prefilled for that
+    request, the exact index matches every block of it (the other engine published nothing: estimate, 0). A
+    request the router cannot render (its own `chat_template`) is flattened and matched on the estimate."""
+    from pathlib import Path
+
+    from specfleet.engine.checkpoint import load_tokenizer
+    from specfleet.engine.server.chat import ChatOptions, render_with
+    from specfleet.engine.server.protocol import ChatCompletionRequest
+    from specfleet.router.chat_template import ChatTemplate
+    from specfleet.router.cli import load_encoder
+    from specfleet.router.endpoints import EndpointSet
+    from specfleet.router.policies import PrefixAffinity
+    from specfleet.router.proxy import Router
+
+    folder, block_size = Path(bundled_path), 16
+    body = {
+        "model": "smollm2",
+        "messages": [
+            {"role": "system", "content": "You are a support agent for ACME. Answer in one sentence. " * 3},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "My anvil "}, {"type": "text", "text": "fell."}],
+            },
+        ],
+    }
+    request = ChatCompletionRequest.model_validate(body)
+    prompt = render_with(ChatOptions(), load_tokenizer(folder), request, None).prompt_ids  # the engine's
+    assert len(prompt) % block_size != 0  # every full block is cached (the last token never is)
+    kv = BlockManager(64, block_size, debug=False)
+    kv.events = []
+    _cache(kv, 0, prompt)
+    index = ExactPrefixIndex(SEED)
+    index.apply(URL, kv.take_events())
+    policy = PrefixAffinity()
+    policy.exact = lambda url, hashes: index.match(url, hashes) if index.tracks(url) else None
+    router = Router(
+        EndpointSet([URL, "http://engine-b"], ready=True),
+        policy,
+        hasher=BlockHasher(block_size, load_encoder(str(folder)), SEED),
+    )
+    router.chat_template = ChatTemplate.load(folder)
+    route = router.route_request(json.dumps(body).encode(), {})
+    assert route.engine_hashes and len(route.hashes) == len(prompt) // block_size >= 3
+    choice = router.choose(route, set())
+    assert choice is not None and (choice.url, choice.reason) == (URL, "prefix")
+    assert choice.match_blocks == len(route.hashes)  # the exact index: nothing was routed there before
+    unrenderable = router.route_request(json.dumps({**body, "chat_template": "{{ messages }}"}).encode(), {})
+    assert unrenderable.hashes and not unrenderable.engine_hashes
+    chat_prompts = router.metrics.chat_prompts
+    assert [chat_prompts.labels(o)._value.get() for o in ("rendered", "request_template")] == [1, 1]

@@ -29,7 +29,7 @@ from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.rules import k_room, proposal_length, speculation_off
 from specfleet.tuner.policy.params import ModelParams
 
-from .lora import SimAdapters, SimLora
+from .lora import SimAdapters, SimLora, adapter_work
 from .metrics import EngineMetrics, LogHistogram
 from .profile import Profile
 from .shadow import SimShadow
@@ -237,6 +237,7 @@ class SimEngine:
         core = p.core_s(decode, prefill, context, proposals, verifying)
         if self.adapters is not None:
             core += self.adapters.step_load_s(item.seq.lora for item in sched.scheduled)
+            core += p.lora_s(*adapter_work((item.seq.lora, item.num_new_tokens) for item in sched.scheduled))
         d = p.period_s(core, self.server_free_s - now)
         durations, cores = [d], [core]
         server = p.server_s(streams)
@@ -325,6 +326,7 @@ class SimEngine:
         # step j reads j * batch more context tokens than the first: `core_s` is linear in context, and
         # `core_s(batch) + context_s_per_token * c` is `core_s(batch, 0, c)` to the last bit
         base, per_token, period = p.core_s(batch), p.context_s_per_token, p.period_s
+        base += p.lora_s(*adapter_work((q.lora, 1) for q in seqs))  # one token each, on its adapter
         out: list[float] = []
         cores: list[float] = []
         for j in range(steps):

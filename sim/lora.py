@@ -6,7 +6,9 @@ the real scheduler applies `--max-loras`: a waiting request whose adapter would 
 mix more adapters than that is passed over until one drains. A step that first runs an adapter the engine
 does not hold in host memory (its `--max-cpu-loras` LRU, default `max_loras`) is longer by the adapter's
 load time, which the engine spends between two steps (engine/lora: the read and checks of the files);
-measure it with the engine's `specfleet_lora_adapter_load_seconds`.
+measure it with the engine's `specfleet_lora_adapter_load_seconds`. A step whose sequences run on adapters is
+longer by what the profile measured them to add (`Profile.lora_s`, from `specfleet profile --lora-rank`):
+per token on an adapter and per distinct adapter in the step (`adapter_work`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,17 @@ class SimLora:
 
     def __str__(self) -> str:
         return self.name
+
+
+def adapter_work(work: Iterable[tuple[object, int]]) -> tuple[int, int]:
+    """(tokens on an adapter, distinct adapters) of a step, from each sequence's (adapter or None, tokens
+    in the step): what `Profile.lora_s` prices."""
+    tokens, names = 0, set()
+    for adapter, n in work:
+        if adapter is not None:
+            tokens += n
+            names.add(str(adapter))
+    return tokens, len(names)
 
 
 @dataclass

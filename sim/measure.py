@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from specfleet.engine.config import SPECULATIVE_METHODS
 
-from .profile import StepPoint, fit_error, fitted_profile
+from .profile import Profile, StepPoint, fit_error, fitted_profile
 
 if TYPE_CHECKING:
     from specfleet.engine.llm_engine import Engine
@@ -228,6 +228,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--roofline-model", default="llama3-8b", help="with --roofline: llama3-8b, llama3-70b, ..."
     )
     p.add_argument("--tp", type=int, default=1, help="with --roofline: tensor parallel degree")
+    p.add_argument(
+        "--lora-rank",
+        type=int,
+        default=0,
+        help="also measure what LoRA adapters of this rank add to a step (sim/lora_measure.py; 0: not)",
+    )
+    p.add_argument(
+        "--lora-adapters", type=int, default=8, help="with --lora-rank: the most adapters one step mixes"
+    )
+    p.add_argument(
+        "--lora-batches", type=int, nargs="+", default=None, help="with --lora-rank (default: --batches)"
+    )
     return p
 
 
@@ -251,6 +263,12 @@ def main(argv: list[str] | None = None) -> int:
             "specfleet profile: --batches, --contexts and --prefills must be >= 1, --ks >= 0", file=sys.stderr
         )
         return 2
+    if args.lora_rank < 0 or args.lora_adapters < 1 or any(b < 1 for b in args.lora_batches or ()):
+        print(
+            "specfleet profile: --lora-rank must be >= 0, --lora-adapters and --lora-batches >= 1",
+            file=sys.stderr,
+        )
+        return 2
     grid = Grid(tuple(args.batches), tuple(args.contexts), ks, tuple(args.prefills), args.steps)
     points, blocks = measure(
         args.model,
@@ -272,10 +290,32 @@ def main(argv: list[str] | None = None) -> int:
         model=args.model,
         notes=f"measured with method={args.method} quantization={args.quantization} on this machine",
     )
+    if args.lora_rank:
+        profile = with_lora(profile, args)
     profile.save(args.out)
     print(f"wrote {args.out}: {len(points)} points, fit error {fit_error(profile)}")
     print(json.dumps({"profile": profile.name, "points": len(points), **fit_error(profile)}))
     return 0
+
+
+def with_lora(profile: Profile, args: argparse.Namespace) -> Profile:
+    """The profile with the LoRA step cost measured at --lora-rank (sim/lora_measure.py)."""
+    from .lora_measure import fit_lora, measure_lora
+
+    rank = args.lora_rank
+    batches = args.lora_batches or args.batches
+    points = measure_lora(
+        args.model, rank, batches, args.lora_adapters, steps=args.steps, kv_gib=args.kv_cache_gib
+    )
+    per_token, per_adapter = fit_lora(points)
+    print(
+        f"profile: LoRA rank {rank}: {per_token * 1e3:.3f} ms per token on an adapter, "
+        f"{per_adapter * 1e3:.3f} ms per adapter in a step",
+        file=sys.stderr,
+    )
+    return profile.with_(
+        lora_s_per_token=per_token, lora_s_per_adapter=per_adapter, lora_rank=rank, lora_points=tuple(points)
+    )
 
 
 if __name__ == "__main__":

@@ -55,6 +55,15 @@ class StepPoint:
 
 
 @dataclass(frozen=True)
+class LoraPoint:
+    """One measured decode step with LoRA adapters (`specfleet profile --lora-rank`, sim/lora_measure.py)."""
+
+    adapters: int  # distinct adapters the step's sequences run on (0: every sequence on the base)
+    batch: int  # decoding sequences, all on an adapter when `adapters` > 0
+    seconds: float  # the median step
+
+
+@dataclass(frozen=True)
 class RooflineInputs:
     """What a roofline profile was derived from (table names and assumed shares), to derive it at another TP."""
 
@@ -104,6 +113,13 @@ class Profile:
     points: tuple[StepPoint, ...] = field(default=(), repr=False)
     tp: int = 1  # tensor-parallel ranks of the engine these costs are for (one GPU each)
     roofline: RooflineInputs | None = None  # a roofline profile's inputs (None: measured, or an older file)
+    # LoRA (`lora_s`): what a step's adapters add, per token of a sequence on an adapter and per distinct
+    # adapter in the step, at rank `lora_rank` (0: not measured, and a step's adapters cost nothing more;
+    # files before these fields load so), fitted from `lora_points`
+    lora_s_per_token: float = 0.0
+    lora_s_per_adapter: float = 0.0
+    lora_rank: int = 0
+    lora_points: tuple[LoraPoint, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.kind not in ("measured", "roofline"):
@@ -120,6 +136,9 @@ class Profile:
                 self.step_overhead_s,
                 self.stream_overhead_s,
                 self.request_overhead_s,
+                self.lora_s_per_token,
+                self.lora_s_per_adapter,
+                self.lora_rank,
             )
             < 0
         ):
@@ -171,6 +190,13 @@ class Profile:
             + self.verify_s_per_seq * verify_seqs
         )
 
+    def lora_s(self, tokens: float, adapters: int) -> float:
+        """The seconds a step's LoRA adapters add to its `core_s`: `tokens` of its sequences on an adapter (a
+        decode's one, a verification's k + 1, a prompt chunk's) over `adapters` distinct adapters."""
+        if adapters <= 0:
+            return 0.0
+        return self.lora_s_per_token * tokens + self.lora_s_per_adapter * adapters
+
     def server_s(self, streams: float) -> float:
         """The API server's seconds for one step's output: `step_overhead_s`, plus `stream_overhead_s` per
         sequence that emits a token in the step (its chunk detokenised, framed as SSE and written)."""
@@ -218,6 +244,7 @@ class Profile:
         out = asdict(self)
         out["knots"] = [list(k) for k in self.knots]
         out["points"] = [asdict(p) for p in self.points]
+        out["lora_points"] = [asdict(p) for p in self.lora_points]
         return out
 
     def save(self, path: str | Path) -> None:
@@ -229,6 +256,7 @@ class Profile:
         try:
             data["knots"] = tuple((float(a), float(b)) for a, b in data["knots"])
             data["points"] = tuple(StepPoint(**p) for p in data.get("points", ()))
+            data["lora_points"] = tuple(LoraPoint(**p) for p in data.get("lora_points", ()))
             data["accepted_per_pos"] = tuple(float(a) for a in data.get("accepted_per_pos", ()))
             data["shadow_accepted_per_pos"] = tuple(float(a) for a in data.get("shadow_accepted_per_pos", ()))
             if data.get("roofline") is not None:

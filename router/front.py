@@ -178,6 +178,7 @@ class FrontResponse:
         if self._head is not None:
             pieces.insert(0, self._head)
             self._head = None
+            self._conn.head_sent = True
         if pieces:
             await self._conn.send(pieces)
 
@@ -207,6 +208,7 @@ class _Connection(asyncio.Protocol):
         self.writable: asyncio.Future[None] | None = None  # set while the client's transport is full
         self.idle_timer: asyncio.TimerHandle | None = None
         self.refused = False
+        self.head_sent = False  # the answer being written has begun: an error can no longer replace it
         self.read_paused = False
         self.in_head = False  # a request's head has begun and not ended
         self.unparsed_head = 0  # bytes read since, with a head incomplete (httptools buffers a header)
@@ -362,6 +364,7 @@ class _Connection(asyncio.Protocol):
 
     async def _answer(self, request: FrontRequest) -> None:
         front = self.front
+        self.head_sent = False
         try:
             if request.path.startswith("/v1/"):
                 result = await front.router.forward(request)
@@ -371,6 +374,10 @@ class _Connection(asyncio.Protocol):
             raise
         except Exception:  # a bug: the client gets a 500 it can read, the log the traceback
             logger.exception("event=front_error method=%s path=%s", request.method, request.path)
+            if self.head_sent:  # too late for a 500: the client sees the answer cut, as from a broken engine
+                if self.transport is not None:
+                    self.transport.abort()
+                raise ConnectionResetError("the answer failed after its head") from None
             result = web.json_response(
                 {
                     "error": {
@@ -478,7 +485,10 @@ class Front:
             await asyncio.wait(tasks, timeout=self.grace_s)
         for conn in list(self.connections):
             if conn.transport is not None:
-                conn.transport.abort()
+                conn.transport.abort()  # connection_lost cancels its request's task
+        left = [t for t in tasks if not t.done()]
+        if left:  # their handlers unwind (engine connections dropped, slots released) before the pools close
+            await asyncio.wait(left, timeout=self.grace_s)
         self._back_pool.close()
         await self.back.cleanup()
 

@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import httptools
+from aiohttp import web
 from specfleet.router.front import MAX_HEAD_BYTES
 from specfleet.router.proxy import MAX_BODY_BYTES
 
@@ -227,6 +228,52 @@ def test_a_head_request_and_an_unknown_path_get_the_applications_answers():
             assert first.startswith(b"HTTP/1.1 200") and second.startswith(b"HTTP/1.1 200")  # HEAD: no body
         finally:
             writer.close()
+            await runner.cleanup()
+            await engine.stop()
+
+    run(test)
+
+
+STREAM_CAP = 64 * 1024 * 1024  # what the fast engine below writes at most, read or not
+WRITTEN = [0]  # what it wrote so far
+
+
+async def stream_fast(request: web.Request, engine: FakeEngine) -> web.StreamResponse:
+    """64 KiB events as fast as the router takes them, up to STREAM_CAP; the bytes written so far in
+    WRITTEN."""
+    out = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await out.prepare(request)
+    event = b"data: " + b"x" * (64 * 1024) + b"\n\n"
+    for _ in range(STREAM_CAP // len(event)):
+        await out.write(event)  # waits while the router does not read (aiohttp's drain)
+        WRITTEN[0] += len(event)
+    await out.write_eof()
+    return out
+
+
+def test_a_client_that_does_not_read_holds_the_engine_back():
+    """Backpressure: a client that stops reading fills its socket, the front's writes wait, the router stops
+    reading the engine, and the engine's writes wait in turn: what the engine wrote stalls far below what it
+    would write if the router buffered for the client."""
+
+    async def test() -> None:
+        WRITTEN[0] = 0
+        engine = await FakeEngine("fast", stream_fast).start()
+        router, url, runner = await start_router([engine.url])
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+        try:
+            writer.write(request(body=json.dumps({**BODY, "stream": True}).encode()))
+            await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # then the client reads no more
+            last, stalled = -1, False
+            for _ in range(50):
+                await asyncio.sleep(0.2)
+                if WRITTEN[0] == last:
+                    stalled = True
+                    break
+                last = WRITTEN[0]
+            assert stalled and 0 < WRITTEN[0] < STREAM_CAP // 2, WRITTEN[0]
+        finally:
+            writer.transport.abort()
             await runner.cleanup()
             await engine.stop()
 

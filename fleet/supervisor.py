@@ -14,6 +14,7 @@ its cold start (process start to first ready probe) is reported and kept in `sta
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import os
@@ -31,7 +32,7 @@ from specfleet.engine.python_child import python_command
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
 from specfleet.router.adapters import AdapterTable
-from specfleet.router.chat_template import ChatTemplate
+from specfleet.router.chat_template import ChatTemplate, add_engine_chat_flags
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.front import Front
 from specfleet.router.kv_index import ExactPrefixIndex
@@ -116,13 +117,17 @@ def local_tokenizer(source: str) -> Callable[[str], list[int]] | None:
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def local_chat_template(source: str) -> ChatTemplate | None:
-    """The model's chat template beside that tokenizer, so that the router hashes chat requests as the
-    engines render them (router/chat_template.py); None (chat on the estimate) without one."""
+def local_chat_template(source: str, engine_args: list[str]) -> ChatTemplate | None:
+    """The model's chat template beside that tokenizer, under the chat flags among the engines' arguments
+    (--chat-template, ...), so that the router hashes chat requests as the engines render them
+    (router/chat_template.py); None (chat on the estimate) without one."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_engine_chat_flags(parser)
+    flags, _ = parser.parse_known_args(engine_args)
     try:
         from specfleet.engine.model_source import resolve_model
 
-        return ChatTemplate.load(resolve_model(source).path)
+        return ChatTemplate.load(resolve_model(source).path, flags)
     except (ImportError, ValueError, OSError):
         return None
 
@@ -344,7 +349,8 @@ class LocalFleet:
         encode = local_tokenizer(spec.model.source)
         if encode is not None:
             self.router.hasher = BlockHasher(spec.engine.block_size, encode, self.router.hasher.seed)
-            self.router.chat_template = local_chat_template(spec.model.source)
+            engine_flags = [*spec.engine.extra_args, *self.engine_extra_args]
+            self.router.chat_template = local_chat_template(spec.model.source, engine_flags)
         if self.kv_events == "route":
             self._subscribe_kv_events()
         self.port = self.port or free_port(self.host)

@@ -20,6 +20,7 @@ install (the `engine` extra, where `tokenizers` is) declares it.
 
 from __future__ import annotations
 
+import argparse
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -79,6 +80,10 @@ class Unrenderable(Exception):
         self.detail = detail
 
 
+class TemplateUnusable(ValueError):
+    """The model's template does not compile: the engines' chat endpoint answers 400 with it too."""
+
+
 @dataclass(frozen=True)
 class ChatTemplate:
     """The model's chat template(s), compiled, and the special tokens its templates see.
@@ -97,20 +102,32 @@ class ChatTemplate:
         object.__setattr__(self, "_compiled", {n: env.from_string(t) for n, t in self.templates.items()})
 
     @classmethod
-    def load(cls, model_dir: str | Path) -> ChatTemplate | None:
+    def load(
+        cls, model_dir: str | Path, engine_flags: argparse.Namespace | None = None
+    ) -> ChatTemplate | None:
         """The template of a model folder as transformers loads it: chat_template.jinja (and
         additional_chat_templates/*.jinja) before tokenizer_config.json's `chat_template`; None if the
-        model has none. ValueError for a template jinja cannot compile, naming the file."""
+        model has none. `engine_flags` are the engines' chat flags (`add_engine_chat_flags`): their
+        --chat-template's file replaces the model's, as in the engine. ValueError for a template jinja cannot
+        compile (TemplateUnusable, naming the folder), and for a bad flag, naming it."""
         folder = Path(model_dir)
         config = _read_json(folder / "tokenizer_config.json")
+        flags = engine_flags if engine_flags is not None else argparse.Namespace()
+        default_kwargs = _default_kwargs(getattr(flags, "default_chat_template_kwargs", None))
+        exclude_tools_when_none = bool(getattr(flags, "exclude_tools_when_tool_choice_none", False))
         templates: dict[str, str] = {}
-        if (folder / "chat_template.jinja").is_file():
+        override = getattr(flags, "chat_template", None)
+        if override is not None:
+            if not Path(override).is_file():
+                raise ValueError(f"--chat-template {override!r} is not a file (a Jinja chat template)")
+            templates["default"] = Path(override).read_text(encoding="utf-8")
+        elif (folder / "chat_template.jinja").is_file():
             templates["default"] = (folder / "chat_template.jinja").read_text(encoding="utf-8")
         extra = folder / "additional_chat_templates"
-        if extra.is_dir():
+        if extra.is_dir() and override is None:
             for path in sorted(extra.glob("*.jinja")):
                 templates[path.name.removesuffix(".jinja")] = path.read_text(encoding="utf-8")
-        if not templates:
+        if not templates and override is None:
             entry = config.get("chat_template")
             if isinstance(entry, str):
                 templates["default"] = entry
@@ -119,9 +136,9 @@ class ChatTemplate:
         if not templates:
             return None
         try:
-            return cls(templates, special_tokens(folder, config))
+            return cls(templates, special_tokens(folder, config), default_kwargs, exclude_tools_when_none)
         except Exception as exc:  # jinja2's TemplateSyntaxError, or anything else the parser raises
-            raise ValueError(f"the chat template in {folder} does not compile: {exc}") from exc
+            raise TemplateUnusable(f"the chat template in {folder} does not compile: {exc}") from exc
 
     def render(self, body: Mapping[str, Any]) -> str:
         """The prompt text the engine's chat endpoint renders for this request body (already parsed JSON)."""
@@ -176,6 +193,40 @@ class ChatTemplate:
         if "default" in self.templates:
             return "default"
         raise Unrenderable("no_template", f"the model has templates {sorted(self.templates)} and no default")
+
+
+def add_engine_chat_flags(p: argparse.ArgumentParser) -> None:
+    """The engine server's flags that change what its chat template renders (engine/server/cli.py
+    `add_chat_args`: the same names and meanings); a router given the engines' values renders as they do."""
+    p.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="PATH",
+        help="the engines' --chat-template: a Jinja chat template file rendered instead of the model's",
+    )
+    p.add_argument(
+        "--default-chat-template-kwargs",
+        default=None,
+        metavar="JSON",
+        help="the engines' --default-chat-template-kwargs: keyword arguments every chat render gets",
+    )
+    p.add_argument(
+        "--exclude-tools-when-tool-choice-none",
+        action="store_true",
+        help='the engines\' flag of that name: tool_choice "none" renders the prompt without the tools',
+    )
+
+
+def _default_kwargs(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        kwargs = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--default-chat-template-kwargs is not JSON: {exc}") from None
+    if not isinstance(kwargs, dict):
+        raise ValueError("--default-chat-template-kwargs must be a JSON object")
+    return kwargs
 
 
 def special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:

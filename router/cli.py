@@ -14,7 +14,7 @@ from typing import Any
 from specfleet.engine.kv_transfer import prefill_signature
 
 from .adapters import AdapterTable
-from .chat_template import ChatTemplate
+from .chat_template import ChatTemplate, TemplateUnusable, add_engine_chat_flags
 from .discovery import EndpointSliceWatch, RoleStates, States, probe_forever
 from .endpoints import EndpointSet
 from .gateway import Gateway, serve_gateway
@@ -154,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
         "as the engine does, chat requests through the model's chat template found beside it "
         "(chat_template.jinja, tokenizer_config.json); without it, blocks of block-size x 4 characters",
     )
+    add_engine_chat_flags(p)
     p.add_argument("--block-size", type=int, default=16, help="the engines' KV block size in tokens")
     add_kv_events_flags(p)
     add_endpoint_picker_flags(p)
@@ -208,14 +209,15 @@ def load_encoder(path: str):  # returns a text -> ids function
     return lambda text: tokenizer.encode(text, add_special_tokens=False).ids
 
 
-def load_chat_template(path: str) -> ChatTemplate | None:
-    """The model's chat template beside --tokenizer (in its folder, or the tokenizer.json's folder), so that
-    chat requests are hashed as the engine renders them; None (chat on the estimate) where there is none or
-    it does not compile (logged: the engines' chat endpoint answers 400 with it too)."""
-    file = Path(path)
+def load_chat_template(args: argparse.Namespace) -> ChatTemplate | None:
+    """The model's chat template beside --tokenizer (in its folder, or the tokenizer.json's folder), under
+    the engines' chat flags, so that chat requests are hashed as the engines render them; None (chat on the
+    estimate) where there is none or it does not compile (logged: the engines' chat endpoint answers 400
+    with it too). A bad flag is a ValueError naming it, as the engine refuses it."""
+    file = Path(args.tokenizer)
     try:
-        return ChatTemplate.load(file if file.is_dir() else file.parent)
-    except ValueError as exc:
+        return ChatTemplate.load(file if file.is_dir() else file.parent, args)
+    except TemplateUnusable as exc:
         logging.getLogger("specfleet.router").warning("event=chat_template_unusable error=%s", exc)
         return None
 
@@ -241,7 +243,7 @@ def build_router(args: argparse.Namespace) -> Router:
         args.max_queue,
     )
     if encode is not None:
-        router.chat_template = load_chat_template(args.tokenizer)
+        router.chat_template = load_chat_template(args)
     if args.max_resumes < 0:
         raise ValueError(f"--max-resumes={args.max_resumes} must be >= 0")
     router.max_resumes = args.max_resumes

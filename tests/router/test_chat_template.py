@@ -343,3 +343,55 @@ def test_the_sandbox_holds() -> None:
     underscore = ChatTemplate({"default": "{% set ns = namespace(_x=1) %}{{ ns._x }}"})
     with pytest.raises(Unrenderable, match="SecurityError"):
         underscore.render({"messages": [{"role": "user", "content": "hi"}]})
+
+
+def test_the_engines_chat_flags_make_the_router_render_as_those_engines(
+    models: dict[str, Path], engines: dict[str, Engine], tmp_path: Path
+) -> None:
+    """A router given the engines' --chat-template, --default-chat-template-kwargs and
+    --exclude-tools-when-tool-choice-none (its own flags, or the engine arguments `specfleet up` starts its
+    engines with) renders what engines started with them render: the file instead of the model's template,
+    the default kwargs under the request's, the tools left out for tool_choice "none"."""
+    from specfleet.engine.server import chat
+    from specfleet.engine.server.protocol import ChatCompletionRequest
+    from specfleet.fleet.supervisor import local_chat_template
+    from specfleet.router import cli as router_cli
+
+    (tmp_path / "qwen.jinja").write_text(QWEN_STYLE)
+    flags = [
+        "--chat-template",
+        str(tmp_path / "qwen.jinja"),
+        "--default-chat-template-kwargs",
+        '{"enable_thinking": false}',
+        "--exclude-tools-when-tool-choice-none",
+    ]
+    options = chat.ChatOptions.from_flags(
+        chat_template=str(tmp_path / "qwen.jinja"),
+        default_chat_template_kwargs='{"enable_thinking": false}',
+        exclude_tools_when_tool_choice_none=True,
+    )
+    args = router_cli.build_parser().parse_args(
+        ["--endpoint", "http://x:1", "--tokenizer", str(models["smollm2"]), *flags]
+    )
+    router = router_cli.build_router(args)
+    fleet_template = local_chat_template(f"file://{models['smollm2']}", ["--max-model-len=512", *flags])
+    assert router.chat_template is not None and fleet_template is not None
+    smollm2 = engines["smollm2"]
+    for body in (REQUESTS["turns"], {**REQUESTS["tools"], "tool_choice": "none"}):
+        request = ChatCompletionRequest.model_validate({"model": "m", **body})
+        expected = chat.render(options, smollm2.tokenizer, request, chat.plan(options, request)).prompt_text
+        assert "<think>\n\n</think>" in expected and "<tools>" not in expected  # the flags at work
+        assert router.chat_template.render(body) == fleet_template.render(body) == expected
+    with pytest.raises(ValueError, match="--default-chat-template-kwargs must be a JSON object"):
+        router_cli.build_router(
+            router_cli.build_parser().parse_args(
+                [
+                    "--endpoint",
+                    "http://x:1",
+                    "--tokenizer",
+                    str(models["smollm2"]),
+                    "--default-chat-template-kwargs",
+                    "[1]",
+                ]
+            )
+        )

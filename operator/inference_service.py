@@ -76,6 +76,14 @@ class InferenceService(BaseModel):
         return disagg.prefill.replicas if role == "prefill" and disagg is not None else self.desired_replicas
 
     @property
+    def signs_prefill(self) -> bool:
+        """Whether the endpoint picker signs the prefill engine it names for the decode engines: roles behind
+        routing.mode endpoint-picker (docs/operator.md, "Prefill/decode disaggregation"); the Secret
+        `NAME-pd-key` then holds the key both mount."""
+        routing = self.spec.routing
+        return self.spec.disaggregation is not None and routing.enabled and routing.mode == "endpoint-picker"
+
+    @property
     def total_engines(self) -> int:
         return sum(self.role_replicas(role) for role in self.roles)
 

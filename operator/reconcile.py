@@ -30,6 +30,7 @@ from .render import (
     render_engine_workloads,
     render_network_policy,
     render_pdb,
+    render_prefill_key_secret,
     render_router_children,
     render_secret,
     render_service,
@@ -47,6 +48,7 @@ from .resources import (
     engine_workload_name,
     engines_service_name,
     epp_service_name,
+    prefill_key_secret_name,
     router_name,
     tuned_config_name,
 )
@@ -54,6 +56,7 @@ from .resources import (
 T = TypeVar("T")
 LWS_API = "leaderworkerset.x-k8s.io/v1"
 ADMIN_TOKEN = "admin-token"  # the Secret's memory entry: its data is never rewritten, only its ownership
+PREFILL_KEY = "pd-key"  # the same for the endpoint picker's signing key (spec.disaggregation behind it)
 CONFLICT_ATTEMPTS = 4
 WORKLOAD_KINDS = ("Deployment", "LeaderWorkerSet")
 
@@ -83,6 +86,25 @@ async def retry_on_conflict(action: Callable[[], Awaitable[T]], what: str) -> T:
                 raise
             await asyncio.sleep(0.05 * 2**attempt)
     raise AssertionError(f"unreachable: {what}")
+
+
+@dataclass(frozen=True)
+class GeneratedSecret:
+    """A Secret the operator generates once and never rewrites: its name, what it is for (in the conflict's
+    message), the conditions' reason when a Secret of that name is someone else's, its memory entry, and
+    how to render it with a fresh value."""
+
+    name: str
+    purpose: str
+    conflict_reason: str
+    entry: str
+    render: Callable[[], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class SecretConflict:
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -145,7 +167,9 @@ class Reconciler:
         events: list[Event] = []
         children: dict[str, dict[str, Any]] = {}
         refused: list[Refusal] = []
-        conflict = await self._converge_secret(isvc, events, refused)
+        conflict = await self._converge_secret(isvc, _admin_secret(isvc), events, refused)
+        if conflict is None:
+            conflict = await self._converge_prefill_key(isvc, events, refused)
         workloads, deployment_refused = await self._converge_workloads(
             isvc, conflict is None, children, events, refused
         )
@@ -264,20 +288,41 @@ class Reconciler:
                     await self._delete_owned(kind, isvc, events, name, "the engines' shape changed")
         return workloads, not_rolled_out
 
-    async def _converge_secret(
+    async def _converge_prefill_key(
         self, isvc: InferenceService, events: list[Event], refused: list[Refusal]
-    ) -> str | None:
-        """Create the admin token once; afterwards only make sure we own it. Its data is never rewritten.
+    ) -> SecretConflict | None:
+        """The endpoint picker's signing key (`NAME-pd-key`) while it signs for decode engines. Not deleted
+        when it no longer does (the operator's RBAC has no delete on Secrets, and no pod mounts it then): it
+        goes with the InferenceService, and a service that signs again finds the same key."""
+        if not isvc.signs_prefill:
+            return None
+        secret = GeneratedSecret(
+            prefill_key_secret_name(isvc.name),
+            "the endpoint picker's prefill signing key",
+            "PrefillKeySecretConflict",
+            PREFILL_KEY,
+            lambda: render_prefill_key_secret(isvc, new_admin_token()),
+        )
+        return await self._converge_secret(isvc, secret, events, refused)
+
+    async def _converge_secret(
+        self,
+        isvc: InferenceService,
+        wanted: GeneratedSecret,
+        events: list[Event],
+        refused: list[Refusal],
+    ) -> SecretConflict | None:
+        """Create the Secret once; afterwards only make sure we own it. Its data is never rewritten.
 
         A Secret of that name that specfleet did not create (without its labels) is never adopted: the
-        returned message names the conflict, and no pod is rolled out that would mount it."""
-        name = admin_secret_name(isvc.name)
+        returned conflict names it, and no pod is rolled out that would mount it."""
+        name = wanted.name
         path = object_path("Secret", isvc.namespace, name)
-        if self._skip(("Secret", name), ADMIN_TOKEN):
+        if self._skip(("Secret", name), wanted.entry):
             return None  # checked within the resync period: created by us, owned by this service
         existing = await self.client.get(path)
         if existing is None:
-            secret = render_secret(isvc, new_admin_token())
+            secret = wanted.render()
             try:
                 await retry_on_conflict(lambda: self.client.create(secret), "secret")
             except ApiError as error:
@@ -285,14 +330,15 @@ class Reconciler:
                     raise
                 refused.append(_refusal(secret, error))
                 return None
-            events.append(Event("Normal", "Created", f"created Secret {name} (admin token)"))
-            return None  # checked again next pass (its answer holds the token: not kept in memory)
+            events.append(Event("Normal", "Created", f"created Secret {name} ({wanted.purpose})"))
+            return None  # checked again next pass (its answer holds the value: not kept in memory)
         labels = existing["metadata"].get("labels") or {}
         if labels.get(LABEL_MANAGED_BY) != MANAGED_BY or labels.get(LABEL_ISVC) != isvc.name:
-            return (
+            return SecretConflict(
+                wanted.conflict_reason,
                 f"Secret {name} already exists and specfleet did not create it (it lacks the labels "
                 f"{LABEL_MANAGED_BY}={MANAGED_BY} and {LABEL_ISVC}={isvc.name}); the operator will not adopt "
-                f"it as the admin token. Rename or delete that Secret, or rename the InferenceService"
+                f"it as {wanted.purpose}. Rename or delete that Secret, or rename the InferenceService",
             )
         owners = existing["metadata"].get("ownerReferences") or []
         if not any(o.get("uid") == isvc.metadata.uid for o in owners):
@@ -302,7 +348,9 @@ class Reconciler:
         # the token is not kept in memory: only what the watch compares (our labels) and the version
         ours = {k: labels.get(k) for k in (LABEL_MANAGED_BY, LABEL_ISVC)}
         stub = {"metadata": {"labels": ours, "resourceVersion": existing["metadata"].get("resourceVersion")}}
-        self.memory.record(("Secret", name), ADMIN_TOKEN, stub, self._clock(), {"metadata": {"labels": ours}})
+        self.memory.record(
+            ("Secret", name), wanted.entry, stub, self._clock(), {"metadata": {"labels": ours}}
+        )
         return None
 
     async def _restore_tuned(
@@ -522,12 +570,22 @@ class Reconciler:
         self.memory.gone((kind, name))
 
 
+def _admin_secret(isvc: InferenceService) -> GeneratedSecret:
+    return GeneratedSecret(
+        admin_secret_name(isvc.name),
+        "the admin token",
+        "AdminSecretConflict",
+        ADMIN_TOKEN,
+        lambda: render_secret(isvc, new_admin_token()),
+    )
+
+
 def _refused_conditions(
-    conds: list[Cond], conflict: str | None, refused: list[Refusal], not_rolled_out: bool
+    conds: list[Cond], conflict: SecretConflict | None, refused: list[Refusal], not_rolled_out: bool
 ) -> list[Cond]:
     """Degraded=True with the server's words; Ready=False when the spec's pods cannot roll out."""
     if conflict is not None:
-        reason, message = "AdminSecretConflict", conflict
+        reason, message = conflict.reason, conflict.message
     else:
         statuses = {r.status for r in refused}
         reason = {frozenset({403}): "ChildForbidden", frozenset({422}): "ChildInvalid"}.get(

@@ -27,6 +27,12 @@ ADMIN_TOKEN_ENV = "SPECFLEET_ADMIN_TOKEN"
 # The engine reads its admin token from this file (the Secret mounted read-only), not from the environment.
 ADMIN_TOKEN_FILE_ENV = "SPECFLEET_ADMIN_TOKEN_FILE"
 ADMIN_TOKEN_DIR = "/var/run/secrets/specfleet/admin"
+# The key the endpoint picker signs the prefill engine it names with, and the decode engines check it with
+# (engine/kv_transfer/prefill_signature.py): its own Secret (NAME-pd-key), mounted read-only into the router
+# and decode pods only, never beside the admin token (the router must not hold the engines' admin token).
+PREFILL_KEY_KEY = "key"
+PREFILL_KEY_DIR = "/var/run/secrets/specfleet/pd-key"
+PREFILL_KEY_VOLUME = "pd-key"
 # The engine's caches (native kernels, converted models, HF, Triton) on the pod's writable emptyDir.
 CACHE_DIR = "/cache"
 # The `NAME-tuned` ConfigMap (the tuner's config in force), mounted here read-only: the engine starts on
@@ -68,8 +74,10 @@ TUNED_SUFFIX = "-tuned"
 ROUTER_SUFFIX = "-router"
 ENGINES_SUFFIX = "-engines"
 EPP_SUFFIX = "-epp"
+PD_KEY_SUFFIX = "-pd-key"
 CHILD_NAME_SUFFIXES = (
     ADMIN_SUFFIX,
+    PD_KEY_SUFFIX,
     TUNED_SUFFIX,
     ROUTER_SUFFIX,
     ENGINES_SUFFIX,
@@ -83,6 +91,11 @@ LONGEST_CHILD_SUFFIX = max(CHILD_NAME_SUFFIXES, key=len)
 
 def admin_secret_name(isvc_name: str) -> str:
     return f"{isvc_name}{ADMIN_SUFFIX}"
+
+
+def prefill_key_secret_name(isvc_name: str) -> str:
+    """spec.disaggregation behind routing.mode endpoint-picker: the endpoint picker's signing key."""
+    return f"{isvc_name}{PD_KEY_SUFFIX}"
 
 
 def epp_service_name(isvc_name: str) -> str:

@@ -9,7 +9,7 @@ from .router import (
     render_router_deployment,
     render_router_rbac,
 )
-from .secret import new_admin_token, read_admin_token, render_secret
+from .secret import new_admin_token, read_admin_token, render_prefill_key_secret, render_secret
 from .tuned import render_tuned_config
 from .workloads import render_engine_workloads, render_leader_worker_set
 
@@ -23,6 +23,7 @@ __all__ = [
     "render_leader_worker_set",
     "render_network_policy",
     "render_pdb",
+    "render_prefill_key_secret",
     "render_router_children",
     "render_router_deployment",
     "render_router_rbac",

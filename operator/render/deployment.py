@@ -14,6 +14,7 @@ from typing import Any
 
 from specfleet.engine.args import flag_args
 from specfleet.engine.config import FCFS
+from specfleet.engine.kv_transfer.prefill_signature import KEY_FILE_FLAG
 
 from ..config import OperatorConfig
 from ..inference_service import InferenceService
@@ -27,11 +28,15 @@ from ..resources import (
     ENGINE_PORT,
     KV_TRANSFER_PORT,
     LABEL_ROLE,
+    PREFILL_KEY_DIR,
+    PREFILL_KEY_KEY,
+    PREFILL_KEY_VOLUME,
     TUNED_CONFIG_DIR,
     TUNED_CONFIG_VOLUME,
     admin_secret_name,
     common_labels,
     engine_workload_name,
+    prefill_key_secret_name,
     role_selector_labels,
     tuned_config_name,
 )
@@ -153,6 +158,36 @@ def _with_live_config(args: list[str], spec: InferenceServiceSpec, role: str | N
     return [*args[:at], "--live-config-file", f"{TUNED_CONFIG_DIR}/{live_config_file(spec)}", *args[at:]]
 
 
+def signed_prefill(isvc: InferenceService, role: str | None) -> bool:
+    """A decode engine behind the endpoint picker: it honours x-prefiller-host-port only when the picker
+    signed it, with the key of the `NAME-pd-key` Secret it mounts (InferenceService.signs_prefill)."""
+    return role == "decode" and isvc.signs_prefill
+
+
+def prefill_key_volume(isvc: InferenceService) -> dict[str, Any]:
+    """The signing key as a read-only file (mode 0440, group fsGroup), as the admin token is."""
+    return {
+        "name": PREFILL_KEY_VOLUME,
+        "secret": {
+            "secretName": prefill_key_secret_name(isvc.name),
+            "defaultMode": 0o440,
+            "items": [{"key": PREFILL_KEY_KEY, "path": PREFILL_KEY_KEY}],
+        },
+    }
+
+
+PREFILL_KEY_MOUNT = {"name": PREFILL_KEY_VOLUME, "mountPath": PREFILL_KEY_DIR, "readOnly": True}
+PREFILL_KEY_ARGS = [KEY_FILE_FLAG, f"{PREFILL_KEY_DIR}/{PREFILL_KEY_KEY}"]
+
+
+def _with_prefill_key(args: list[str], isvc: InferenceService, role: str | None) -> list[str]:
+    """`--remote-prefill-key-file` on a signed decode engine, before the user's `engine.extraArgs`."""
+    if not signed_prefill(isvc, role):
+        return args
+    at = len(args) - len(isvc.spec.engine.extra_args)
+    return [*args[:at], *PREFILL_KEY_ARGS, *args[at:]]
+
+
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
     """preStop sleep + the engine's shutdown delay + its drain timeout + a margin (see the constants)."""
     return (
@@ -231,6 +266,10 @@ def _volumes(spec: InferenceServiceSpec, isvc_name: str, role: str | None) -> li
     ]
 
 
+def _signed_volumes(isvc: InferenceService, role: str | None) -> list[dict[str, Any]]:
+    return [prefill_key_volume(isvc)] if signed_prefill(isvc, role) else []
+
+
 def _env(isvc: InferenceService, role: str | None, extra: list[dict[str, Any]]) -> list[dict[str, Any]]:
     # the pod's own entries first: a `$(VAR)` reference resolves only to variables defined before it
     pod_ip = [{"name": POD_IP_ENV, "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}] if role else []
@@ -274,6 +313,7 @@ def _pod_spec(
         "containers": [_engine_container(isvc, image, model, draft, role, extra_env or [])],
         "volumes": [
             *_volumes(spec, isvc.name, role),
+            *_signed_volumes(isvc, role),
             *model.volumes,
             *draft.volumes,
             *(dict(v) for v in spec.pod.volumes),
@@ -320,7 +360,9 @@ def _engine_container(
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.engine"],
-        "args": _with_live_config(engine_args(spec, model.engine_uri, draft_uri, role), spec, role),
+        "args": _with_prefill_key(
+            _with_live_config(engine_args(spec, model.engine_uri, draft_uri, role), spec, role), isvc, role
+        ),
         "ports": _engine_ports(role),
         "env": _env(isvc, role, extra_env),
         **({"envFrom": [dict(e) for e in spec.pod.env_from]} if spec.pod.env_from else {}),
@@ -339,6 +381,7 @@ def _engine_container(
                 if tuned(role)
                 else []
             ),
+            *([PREFILL_KEY_MOUNT] if signed_prefill(isvc, role) else []),
             *model.mounts,
             *draft.mounts,
             *(dict(m) for m in spec.pod.volume_mounts),

@@ -27,10 +27,13 @@ from ..spec import RouterPodSpec
 from .common import owner_reference
 from .deployment import (
     CONTAINER_SECURITY_CONTEXT,
+    PREFILL_KEY_ARGS,
+    PREFILL_KEY_MOUNT,
     PRESTOP_SLEEP_SECONDS,
     RUN_AS_USER,
     SHUTDOWN_DELAY_SECONDS,
     pod_passthrough,
+    prefill_key_volume,
     termination_grace_seconds,
 )
 from .inference_pool import EPP_PORT_NAME, render_endpoint_picker_children
@@ -105,6 +108,8 @@ def router_args(isvc: InferenceService) -> list[str]:
         ),
         *(["--adapter-affinity"] if spec.adapters else []),
         *(["--ext-proc-port", str(EPP_PORT)] if routing.mode == "endpoint-picker" else []),
+        # the picker signs the prefill engine it names; the decode engines mount the same key
+        *(PREFILL_KEY_ARGS if isvc.signs_prefill else []),
     ]
 
 
@@ -157,6 +162,7 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
         # PRESTOP_SLEEP_SECONDS, for the same EndpointSlice propagation).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": CONTAINER_SECURITY_CONTEXT,
+        **({"volumeMounts": [PREFILL_KEY_MOUNT]} if isvc.signs_prefill else {}),
     }
     return {
         "apiVersion": "apps/v1",
@@ -182,9 +188,12 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
                         "runAsNonRoot": True,
                         "runAsUser": RUN_AS_USER,
                         "runAsGroup": RUN_AS_USER,
+                        # the key's file is group-readable (0440) by the pod's fsGroup, as on the engines
+                        **({"fsGroup": RUN_AS_USER} if isvc.signs_prefill else {}),
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
                     "containers": [container],
+                    **({"volumes": [prefill_key_volume(isvc)]} if isvc.signs_prefill else {}),
                     # preStop + shutdown delay + drain timeout + margin, as the engine's (router_args)
                     "terminationGracePeriodSeconds": termination_grace_seconds(isvc.spec),
                     **router_placement(isvc),

@@ -1,7 +1,9 @@
-"""The admin-token Secret the tuner authenticates to the engines' /admin/config with.
+"""The Secrets the operator generates: the admin token the tuner authenticates to the engines'
+/admin/config with, and (spec.disaggregation behind routing.mode endpoint-picker) the key the endpoint
+picker signs the prefill engine it names with (engine/kv_transfer/prefill_signature.py).
 
-The token is generated once, when the Secret does not exist yet, and never rotated by the reconcile:
-the Secret is immutable, and rendering takes the token as an argument so that this stays pure.
+Each is generated once, when the Secret does not exist yet, and never rotated by the reconcile: the Secret
+is immutable, and rendering takes the value as an argument so that this stays pure.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ import secrets
 from typing import Any
 
 from ..inference_service import InferenceService
-from ..resources import ADMIN_TOKEN_KEY, admin_secret_name
+from ..resources import ADMIN_TOKEN_KEY, PREFILL_KEY_KEY, admin_secret_name, prefill_key_secret_name
 from .common import child_metadata
 
 
@@ -29,6 +31,21 @@ def render_secret(isvc: InferenceService, token: str) -> dict[str, Any]:
         "type": "Opaque",
         "immutable": True,
         "data": {ADMIN_TOKEN_KEY: base64.b64encode(token.encode()).decode()},
+    }
+
+
+def render_prefill_key_secret(isvc: InferenceService, key: str) -> dict[str, Any]:
+    """`NAME-pd-key`: the endpoint picker's and the decode engines' shared key (a new_admin_token(): 32
+    random bytes, URL-safe base64), mounted by the router and decode pods only."""
+    if len(key) < 16:
+        raise ValueError(f"prefill signing key of {len(key)} characters is too short; use new_admin_token()")
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": child_metadata(isvc, prefill_key_secret_name(isvc.name)),
+        "type": "Opaque",
+        "immutable": True,
+        "data": {PREFILL_KEY_KEY: base64.b64encode(key.encode()).decode()},
     }
 
 

@@ -17,7 +17,7 @@ from specfleet.operator import InvalidInferenceService, load_inference_service
 from specfleet.operator.render import render_engine_workloads, render_router_children
 from specfleet.operator.resources import EPP_PORT
 from specfleet.router.cli import build_parser as router_parser
-from test_op_reconcile import CONFIG, ISVC, NS, SERVICE, reconcile
+from test_op_reconcile import CONFIG, DEPLOY, ISVC, NS, SECRET, SERVICE, reconcile
 
 CRDS = REPO / "tests" / "fixtures" / "crds"
 POOL = ("/apis/inference.networking.k8s.io/v1", "inferencepools")
@@ -123,5 +123,111 @@ def test_reconcile_applies_the_pool_and_removes_it_with_proxy_mode() -> None:
         assert fake.get(*POOL, NS, "smollm2") is None
         assert fake.get(*SERVICE, NS, "smollm2-epp") is None
         assert fake.get(*SERVICE, NS, "smollm2") is not None  # the router's own Service stays
+    finally:
+        fake.stop()
+
+
+# ---- prefill/decode roles behind the picker: the signing key ----------------------------------------------
+PD_KEY_FILE = "/var/run/secrets/specfleet/pd-key/key"
+
+
+def pd_doc(**routing: Any) -> dict[str, Any]:
+    d = yaml.safe_load((REPO / "examples" / "smollm2-cpu-pd.yaml").read_text())
+    d["metadata"] = {"name": "smollm2", "namespace": NS, "uid": "uid-1", "generation": 1}
+    d["spec"]["routing"] = {**d["spec"].get("routing", {}), **routing}
+    return d
+
+
+def key_mounts(pod: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """The pod's volumes of the NAME-pd-key Secret, and its first container's mounts of them."""
+    volumes = [v for v in pod.get("volumes", []) if v.get("secret", {}).get("secretName") == "smollm2-pd-key"]
+    names = {v["name"] for v in volumes}
+    return volumes, [m for m in pod["containers"][0].get("volumeMounts", []) if m["name"] in names]
+
+
+def test_roles_behind_the_picker_mount_the_signing_key_into_the_router_and_decode_pods() -> None:
+    from isvc_schema_tools import k8s_validate
+    from specfleet.engine.server.cli import build_parser as engine_parser
+
+    assert admission_errors(pd_doc(**PICKER)) == []
+    isvc = load_inference_service(pd_doc(**PICKER))
+    assert isvc.signs_prefill
+    prefill, decode = render_engine_workloads(isvc, CONFIG)
+    router = by_kind(render_router_children(isvc, CONFIG))["Deployment/smollm2-router"]
+    for deployment in (decode, router):
+        k8s_validate(deployment)
+        pod = deployment["spec"]["template"]["spec"]
+        (volume,), (mount,) = key_mounts(pod)
+        assert volume["secret"]["items"] == [{"key": "key", "path": "key"}]
+        assert volume["secret"]["defaultMode"] == 0o440 and pod["securityContext"]["fsGroup"] == 10000
+        assert mount["readOnly"] and f"{mount['mountPath']}/key" == PD_KEY_FILE
+    # the flags as each program parses them: the same file, the picker on its ext_proc port
+    engine_args = decode["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert engine_parser().parse_args(engine_args).remote_prefill_key_file == PD_KEY_FILE
+    router_args = router_parser().parse_args(router["spec"]["template"]["spec"]["containers"][0]["args"])
+    assert (router_args.remote_prefill_key_file, router_args.ext_proc_port) == (PD_KEY_FILE, EPP_PORT)
+    # the prefill engines send nothing anywhere: no key; nor does any pod outside roles behind the picker
+    prefill_pod = prefill["spec"]["template"]["spec"]
+    assert key_mounts(prefill_pod) == ([], [])
+    assert "--remote-prefill-key-file" not in prefill_pod["containers"][0]["args"]
+    for other in (load_inference_service(pd_doc()), load_inference_service(doc(**PICKER))):
+        assert not other.signs_prefill
+        children = [*render_engine_workloads(other, CONFIG), *render_router_children(other, CONFIG)]
+        for deployment in (c for c in children if c["kind"] == "Deployment"):
+            assert key_mounts(deployment["spec"]["template"]["spec"]) == ([], [])
+            assert (
+                "--remote-prefill-key-file"
+                not in deployment["spec"]["template"]["spec"]["containers"][0]["args"]
+            )
+
+
+def test_reconcile_creates_the_signing_key_once_and_never_adopts_a_users_secret(tmp_path) -> None:
+    import base64
+
+    from specfleet.engine.kv_transfer.prefill_signature import read_key
+
+    fake = FakeKube(
+        rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}}),
+        crds=(REPO / "crds" / "inferenceservice.yaml", CRDS / "gie-inferencepool.yaml"),
+    ).start()
+    try:
+        fake.put(*ISVC, NS, pd_doc(mode="endpoint-picker"))
+        outcome = reconcile(fake)
+        secret = fake.get(*SECRET, NS, "smollm2-pd-key")
+        assert secret is not None and secret["immutable"] is True
+        assert [o["uid"] for o in secret["metadata"]["ownerReferences"]] == [
+            fake.get(*ISVC, NS, "smollm2")["metadata"]["uid"]
+        ]
+        (tmp_path / "key").write_bytes(base64.b64decode(secret["data"]["key"]))
+        assert len(read_key(tmp_path / "key")) == 43  # what the engine and the router read at start
+        assert any(
+            e.message == "created Secret smollm2-pd-key (the endpoint picker's prefill signing key)"
+            for e in outcome.events
+        )
+        for _ in range(2):  # not rotated by later passes (a fresh operator's first pass included)
+            reconcile(fake)
+            again = fake.get(*SECRET, NS, "smollm2-pd-key")
+            assert again["data"] == secret["data"]
+            assert again["metadata"]["resourceVersion"] == secret["metadata"]["resourceVersion"]
+        assert fake.get(*DEPLOY, NS, "smollm2-decode") is not None
+    finally:
+        fake.stop()
+
+    fake = FakeKube(
+        rbac=Rbac.from_chart({"watch": {"namespaces": [NS]}}),
+        crds=(REPO / "crds" / "inferenceservice.yaml", CRDS / "gie-inferencepool.yaml"),
+    ).start()
+    try:  # a Secret of that name that specfleet did not create: no decode pod mounts it as the key
+        users = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "smollm2-pd-key"}, "data": {}}
+        fake.put(*SECRET, NS, users)
+        fake.put(*ISVC, NS, pd_doc(mode="endpoint-picker"))
+        reconcile(fake)
+        status = fake.get(*ISVC, NS, "smollm2")["status"]
+        degraded = next(c for c in status["conditions"] if c["type"] == "Degraded")
+        assert (degraded["status"], degraded["reason"]) == ("True", "PrefillKeySecretConflict")
+        assert "Secret smollm2-pd-key already exists" in degraded["message"]
+        assert "prefill signing key" in degraded["message"]
+        assert fake.get(*DEPLOY, NS, "smollm2-decode") is None
+        assert "ownerReferences" not in fake.get(*SECRET, NS, "smollm2-pd-key")["metadata"]
     finally:
         fake.stop()

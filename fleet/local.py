@@ -102,6 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_trace_flag(p, "the router's and the engines' request spans")
     p.add_argument(
+        "--ext-proc-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="with routing.mode endpoint-picker: the endpoint picker's Envoy ext_proc port (default: a free "
+        "one, printed; the cluster's is 9002); with several services each gets a free one",
+    )
+    p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -340,6 +348,7 @@ def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> 
                 cpus_per_engine=args.cpus_per_engine,
                 say=say,
                 otlp_traces_endpoint=traces,
+                ext_proc_port=0 if several else args.ext_proc_port,
             )
         )
     return fleets

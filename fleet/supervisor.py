@@ -9,6 +9,12 @@ port (`queued`, `scale`), so the replica knob runs here as in the cluster and th
 config in force (`LOG_DIR/live-config.json`, the engines' `--live-config-file`, written just before), and
 its cold start (process start to first ready probe) is reported and kept in `startups`.
 
+With `routing.mode: endpoint-picker` the router also serves as the endpoint picker (Envoy's ext_proc on
+`ext_proc_port`, as the cluster's router pods do), and for prefill/decode roles behind it the fleet does what
+the operator does with its `NAME-pd-key` Secret: a random key, in a file only this user reads in the log
+folder, that the picker signs the prefill engine it names with and the decode engines check
+(`--remote-prefill-key-file`, engine/kv_transfer/prefill_signature.py).
+
 `LocalFleet` is the programmatic form (tests and `specfleet bench tune|route` use it); `local.main` is the CLI.
 """
 
@@ -28,6 +34,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
+from specfleet.engine.kv_transfer.prefill_signature import KEY_FILE_FLAG
 from specfleet.engine.python_child import python_command
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
@@ -158,6 +165,8 @@ class LocalFleet:
     # router subscribe and the prefix policy route on the exact index (router/kv_subscriber.py); "off":
     # neither. "publish" is the control of a comparison: the engines do the same work, the router estimates.
     kv_events: Literal["off", "publish", "route"] = "off"
+    # routing.mode endpoint-picker: the picker's ext_proc port (0: a free one; the cluster's is 9002)
+    ext_proc_port: int = 0
     engines: list[EngineProcess] = field(default_factory=list)
     admin_urls: dict[str, str] = field(default_factory=dict)  # engine URL -> its admin API's URL (own port)
     ticks: list[Tick] = field(default_factory=list)
@@ -198,6 +207,15 @@ class LocalFleet:
         self._http: httpx.AsyncClient | None = None
         self.log_dir = self.log_dir or Path(tempfile.mkdtemp(prefix=f"specfleet-{self.isvc.name}-"))
         self._env = {**os.environ, "SPECFLEET_ADMIN_TOKEN": self.token, "TOKENIZERS_PARALLELISM": "false"}
+        self._picker: Any = None  # the endpoint picker's gRPC server (routing.mode endpoint-picker)
+        self.prefill_key: bytes | None = None  # the picker's and the decode engines' key (signs_prefill)
+        self.prefill_key_file: Path | None = None
+        if self.isvc.signs_prefill:
+            self.prefill_key = secrets.token_urlsafe(32).encode()  # as the operator's Secret holds
+            self.prefill_key_file = self.log_dir / "pd-key"
+            fd = os.open(self.prefill_key_file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            with os.fdopen(fd, "wb") as file:
+                file.write(self.prefill_key)
         self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
         self.kv_event_addresses: dict[str, tuple[str, str | None]] = {}  # engine url -> (PUB, replay)
         if self.kv_events not in ("off", "publish", "route"):
@@ -241,11 +259,7 @@ class LocalFleet:
         prefill's) start on its config in force (`--live-config-file`)."""
         index = max((e.index for e in self.engines), default=-1) + 1
         port, admin_port = free_port(), free_port()
-        extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
-        if self.otlp_traces_endpoint:
-            extra.append(f"{ENDPOINT_FLAG}={self.otlp_traces_endpoint}")
-        if role != "prefill":
-            extra.append(f"--live-config-file={self.live_config_file}")
+        extra = self.engine_flags(role)
         sockets = self._kv_event_sockets(index) if self.kv_events != "off" else None
         if sockets is not None:
             events = {"enable_kv_cache_events": True, "endpoint": sockets[0], "replay_endpoint": sockets[1]}
@@ -268,6 +282,18 @@ class LocalFleet:
         self.engines.append(engine)
         self.router.endpoints.set_state(engine.url, ready=False, draining=False, role=role)
         return engine
+
+    def engine_flags(self, role: str | None) -> list[str]:
+        """The flags the fleet adds to an engine of `role` beside the pod's command line (loopback ports and
+        KV event sockets aside): its role, traces, the tuner's config in force, the picker's key."""
+        extra = self.engine_extra_args + ([f"--kv-role={role}"] if role else [])
+        if self.otlp_traces_endpoint:
+            extra.append(f"{ENDPOINT_FLAG}={self.otlp_traces_endpoint}")
+        if role != "prefill":
+            extra.append(f"--live-config-file={self.live_config_file}")
+        if role == "decode" and self.prefill_key_file is not None:  # honours the picker's signed header only
+            extra.append(f"{KEY_FILE_FLAG}={self.prefill_key_file}")
+        return extra
 
     def _kv_event_sockets(self, index: int) -> tuple[str, str]:
         """An engine's KV events PUB and replay sockets: ipc:// in the log folder (the engine binds them; a
@@ -357,11 +383,24 @@ class LocalFleet:
         if self.tuning or self.replica_policy is not None:  # before the router serves: its queue scales
             self.tuner = self.new_tuner()
         self._runner = await serve(self.router, self.host, self.port)
+        if spec.routing.mode == "endpoint-picker":
+            await self._serve_endpoint_picker()
         self.router.endpoints_changed()
         self._spawn(self._supervise())
         self._spawn(self._watch_ready())
         if self.tuner is not None:
             self._spawn(self._tune_forever())
+
+    async def _serve_endpoint_picker(self) -> None:
+        """The router's ext_proc server on `ext_proc_port` (grpc and Envoy's protos imported only here),
+        signing with the fleet's key when the service has roles."""
+        from specfleet.router.ext_proc_server import serve_endpoint_picker
+
+        self._picker, self.ext_proc_port = await serve_endpoint_picker(
+            self.router, self.host, self.ext_proc_port, self.prefill_key
+        )
+        signed = " (the prefill engine it names signed for the decode engines)" if self.prefill_key else ""
+        self.say(f"[fleet] endpoint picker (Envoy ext_proc) on {self.host}:{self.ext_proc_port}{signed}")
 
     def _subscribe_kv_events(self) -> None:
         """The router's subscriber on every engine's own sockets, read by the prefix policy (an engine
@@ -592,6 +631,8 @@ class LocalFleet:
             )
         if self._runner is not None:
             await self._runner.cleanup()
+        if self._picker is not None:
+            await self._picker.stop(0)
         if self.tuner is not None:
             await self.tuner.close()
         if self.router.tracer is not None:

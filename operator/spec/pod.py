@@ -7,7 +7,7 @@ from typing import Any
 
 from pydantic import ConfigDict, Field, model_validator
 
-from ..resources import TUNED_CONFIG_DIR, TUNED_CONFIG_VOLUME
+from ..resources import PREFILL_KEY_DIR, PREFILL_KEY_VOLUME, TUNED_CONFIG_DIR, TUNED_CONFIG_VOLUME
 from .fields import OptionalName, _Spec, cel, upstream
 
 # Env variables, volumes and mount paths the operator renders itself: a pod-template entry may not reuse
@@ -28,13 +28,14 @@ RESERVED_ENV = (
     "MASTER_ADDR",
     "MASTER_PORT",
 )
-RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm", TUNED_CONFIG_VOLUME)
+RESERVED_VOLUMES = ("tmp", "cache", "admin-token", "dshm", TUNED_CONFIG_VOLUME, PREFILL_KEY_VOLUME)
 RESERVED_VOLUME_PREFIXES = ("model-", "draft-")
 RESERVED_MOUNT_PATHS = (
     "/tmp",
     "/cache",
     "/dev/shm",
     "/var/run/secrets/specfleet/admin",
+    PREFILL_KEY_DIR,
     TUNED_CONFIG_DIR,
     "/models/model",
     "/models/draft",

@@ -150,6 +150,14 @@ def test_roles_behind_the_picker_mount_the_signing_key_into_the_router_and_decod
     from specfleet.engine.server.cli import build_parser as engine_parser
 
     assert admission_errors(pd_doc(**PICKER)) == []
+    # the volume and the path are the operator's: a pod template may not take them
+    clash = pd_doc(**PICKER)
+    clash["spec"]["pod"] = {"volumes": [{"name": "pd-key", "emptyDir": {}}]}
+    assert any("pd-key" in e for e in admission_errors(clash))
+    clash["spec"]["pod"] = {
+        "volumeMounts": [{"name": "mine", "mountPath": "/var/run/secrets/specfleet/pd-key"}]
+    }
+    assert any("/var/run/secrets/specfleet/pd-key" in e for e in admission_errors(clash))
     isvc = load_inference_service(pd_doc(**PICKER))
     assert isvc.signs_prefill
     prefill, decode = render_engine_workloads(isvc, CONFIG)

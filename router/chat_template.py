@@ -170,6 +170,8 @@ class ChatTemplate:
         if reserved:
             raise Unrenderable("bad_request", f"chat_template_kwargs may not set {reserved[0]}")
         add_generation_prompt = kwargs.pop("add_generation_prompt", add_generation_prompt)
+        if continue_final and add_generation_prompt:  # set by a kwarg: transformers refuses it then
+            raise Unrenderable("bad_request", "continue_final_message with add_generation_prompt")
         name = self._pick(tools)
         if continue_final:
             messages = _tag_final_message(messages, self.templates[name])

@@ -293,15 +293,29 @@ def test_each_template_renders_something_of_its_own(engines: dict[str, Engine]) 
             "bad_request",
         ),
         ({"messages": [{"role": "narrator", "content": "hi"}]}, "bad_request"),
+        (  # the kwarg wins over the field, and transformers refuses the pair
+            {
+                "messages": CONVERSATION[:2],
+                "add_generation_prompt": False,
+                "continue_final_message": True,
+                "chat_template_kwargs": {"add_generation_prompt": True},
+            },
+            "bad_request",
+        ),
     ],
 )
 def test_what_the_router_cannot_render_it_says_why(
     engines: dict[str, Engine], change: dict, reason: str
 ) -> None:
+    """Each is hashed on the estimate; a request the router calls bad (or a request-level template, on a
+    server without --trust-request-chat-template) the engine refuses too: its blocks never reach a cache."""
     body = {**REQUESTS["turns"], **change}
     with pytest.raises(Unrenderable) as caught:
         engines["smollm2"].router(body)
     assert caught.value.reason == reason
+    if reason in ("bad_request", "request_template"):
+        with pytest.raises(Exception, match="continue_final_message|chat_template|validation error"):
+            engines["smollm2"].engine(body)
 
 
 def test_a_template_that_raises_is_the_engines_400_and_the_routers_template_error(

@@ -5,6 +5,7 @@ engines (a tiny random-weight llama with the bundled tokenizer), the real router
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import time
 from pathlib import Path
@@ -71,7 +72,9 @@ def _matched(fleet: LocalFleet) -> float:
 def test_the_router_predicts_the_engines_prefix_hits_through_an_eviction(tiny_llama: str) -> None:
     """A prompt served once is matched in full on its engine; after that engine's cache evicts it (other
     prompts sent to it directly), the router's index says so, where its estimate still holds it all: each
-    time the blocks the router predicted equal the tokens the engines found, over the block size."""
+    time the blocks the router predicted equal the tokens the engines found, over the block size. A chat
+    request too: the router renders it with the model's chat template as the engines do, so its second
+    run is matched on the events in full."""
 
     async def run() -> None:
         pinned = 1 if len(os.sched_getaffinity(0)) >= 2 else None
@@ -92,10 +95,12 @@ def test_the_router_predicts_the_engines_prefix_hits_through_an_eviction(tiny_ll
                 model = (await client.get("/v1/models")).json()["data"][0]["id"]
                 body = {"model": model, "prompt": prompt, "max_tokens": 2}
 
-                async def routed_once() -> tuple[float, float]:
+                async def routed_once(
+                    payload: dict = body, path: str = "/v1/completions"
+                ) -> tuple[float, float]:
                     """(blocks the router predicted, prompt tokens the engines found) for one request."""
                     matched0, (hits0, _) = _matched(fleet), await prefix_counters(fleet.engine_urls)
-                    assert (await client.post("/v1/completions", json=body)).status_code == 200
+                    assert (await client.post(path, json=payload)).status_code == 200
                     matched1, (hits1, _) = _matched(fleet), await prefix_counters(fleet.engine_urls)
                     return matched1 - matched0, hits1 - hits0
 
@@ -124,6 +129,30 @@ def test_the_router_predicts_the_engines_prefix_hits_through_an_eviction(tiny_ll
                 assert predicted < len(hashes)
                 matched, hits = await routed_once()
                 assert (matched, hits) == (predicted, predicted * block_size)
+                # A chat request: the router renders it with the model's chat template as the engines do
+                # (router/chat_template.py), so the events name its blocks and the exact index matches them
+                system = {"role": "system", "content": system_prompt(5, 2)}
+                chat = {
+                    "model": model,
+                    "messages": [system, {"role": "user", "content": "hi"}],
+                    "max_tokens": 2,
+                }
+                route = fleet.router.route_request(json.dumps(chat).encode(), {})
+                assert (
+                    fleet.router.chat_template is not None and route.engine_hashes and len(route.hashes) >= 3
+                )
+                assert (
+                    len(fleet.router.hasher.encode(fleet.router.chat_template.render(chat))) % block_size != 0
+                )
+                assert await routed_once(chat, "/v1/chat/completions") == (0, 0)  # cold
+                await _until(
+                    "the chat prompt's blocks in the router's index",
+                    lambda: any(
+                        subscriber.match(u, route.hashes) == len(route.hashes) for u in fleet.engine_urls
+                    ),
+                )
+                full = len(route.hashes)
+                assert await routed_once(chat, "/v1/chat/completions") == (full, full * block_size)
         finally:
             await fleet.stop(drain_timeout_s=5)
 

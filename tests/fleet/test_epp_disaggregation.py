@@ -3,7 +3,10 @@ played against as Envoy would) picks the decode engine and names a prefill engin
 the gateway's request, sent with that header to the decode engine (real uvicorn servers in front of real
 engine cores on the tiny llama, the bundled model's tokenizer), runs its prefill on the named engine and
 decodes with the pulled KV. The client sees the aggregated engine's greedy tokens; the prefill engine's
-counters show it computed the prompt, the decode engine's that it pulled the KV.
+counters show it computed the prompt, the decode engine's that it pulled the KV. The picker and the decode
+engine share a key, as the operator and `specfleet up` wire them: the picker signs the prefill engine and the
+body (x-specfleet-prefill-signature), and the same request with a client's own header, unsigned or signed
+with another key, runs aggregated and is counted as rejected.
 
 What is not modelled: Envoy itself (the EPP's answer is read and the request sent on by the test, as the
 gateway would send it), and pods on other hosts (all on loopback)."""
@@ -32,7 +35,7 @@ from envoy_data_plane.envoy.service.ext_proc.v3 import (
 from helpers import free_port, serve_in_thread
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.core.client import EngineCoreClient
-from specfleet.engine.kv_transfer import prefill_leg
+from specfleet.engine.kv_transfer import prefill_leg, prefill_signature
 from specfleet.engine.server import remote_prefill
 from specfleet.engine.server.remote_prefill import RemotePrefill, parse_networks
 from specfleet.router.endpoint_picker import DESTINATION_KEY, EXT_PROC_SERVICE, PREFILLER_HEADER, address
@@ -47,6 +50,8 @@ COMMON = dict(block_size=4, num_kv_blocks=128, max_num_batched_tokens=64)
 # The prefill engine takes shorter prompts than the decode engine: a prompt between the two is its refusal.
 PREFILL_MAX_LEN, DECODE_MAX_LEN = 128, 256
 GREEDY = {"temperature": 0.0, "max_tokens": 10, "ignore_eos": True}
+KEY = b"the picker's and the decode engines' key"  # what the operator's NAME-pd-key Secret holds
+SIGNATURE = prefill_signature.HEADER
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +64,7 @@ def pool(tiny_llama) -> Iterator[dict[str, Any]]:
         "aggregated": EngineConfig(model=tiny_llama, max_model_len=DECODE_MAX_LEN, **COMMON),  # the oracle
     }
     engines = {role: EngineCoreClient(config, log_level="warning") for role, config in configs.items()}
-    accept = RemotePrefill(parse_networks(["127.0.0.0/8"]), timeout_s=10.0)
+    accept = RemotePrefill(parse_networks(["127.0.0.0/8"]), timeout_s=10.0, key=KEY)
     servers, urls, states = [], {}, {}
     for role, engine in engines.items():
         states[role] = build_state(engine, remote_prefill=accept if role == "decode" else None)
@@ -76,13 +81,16 @@ def pool(tiny_llama) -> Iterator[dict[str, Any]]:
         engine.stop()
 
 
-async def epp_pick(urls: dict[str, str], path: str, body: dict[str, Any]) -> dict[str, str]:
-    """One request's ext_proc exchange (BUFFERED bodies) with the router's EPP over a pool of one prefill and
-    one decode engine: the request headers the EPP set, by name."""
+async def epp_pick(urls: dict[str, str], path: str, body: dict[str, Any]) -> tuple[dict[str, str], bytes]:
+    """One request's ext_proc exchange (BUFFERED bodies) with the router's EPP, which holds the decode
+    engine's key, over a pool of one prefill and one decode engine: the request headers the EPP set, by name,
+    and the body as the gateway sends it on (the bytes the signature covers)."""
     endpoints = EndpointSet()
     endpoints.set_state(urls["prefill"], ready=True, role="prefill")
     endpoints.set_state(urls["decode"], ready=True, role="decode")
-    server, port = await serve_endpoint_picker(Router(endpoints, make_policy("least-loaded")), "127.0.0.1", 0)
+    router = Router(endpoints, make_policy("least-loaded"))
+    server, port = await serve_endpoint_picker(router, "127.0.0.1", 0, prefill_key=KEY)
+    raw = json.dumps(body).encode()
     mode = ProtocolConfiguration(request_body_mode=Mode.BUFFERED, response_body_mode=Mode.BUFFERED)
     head = {":path": path, ":method": "POST", "content-type": "application/json"}
 
@@ -91,7 +99,7 @@ async def epp_pick(urls: dict[str, str], path: str, body: dict[str, Any]) -> dic
         yield ProcessingRequest(
             request_headers=HttpHeaders(headers=HeaderMap(headers=values)), protocol_config=mode
         )
-        yield ProcessingRequest(request_body=HttpBody(body=json.dumps(body).encode(), end_of_stream=True))
+        yield ProcessingRequest(request_body=HttpBody(body=raw, end_of_stream=True))
 
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
@@ -105,13 +113,24 @@ async def epp_pick(urls: dict[str, str], path: str, body: dict[str, Any]) -> dic
     finally:
         await server.stop(0)
     mutation = answers[1].request_body.response.header_mutation
-    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
+    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}, raw
 
 
 def counter(url: str, name: str) -> float:
     """A counter's total over its series, from the engine's /metrics as Prometheus scrapes it."""
     text = httpx.get(f"{url}/metrics", timeout=10).text
     return sum(float(v) for v in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def rejected(url: str, reason: str) -> float:
+    return sum(
+        float(v)
+        for v in re.findall(
+            rf'^specfleet_remote_prefill_rejected_total{{[^}}]*reason="{reason}"[^}}]*}} (\S+)$',
+            httpx.get(f"{url}/metrics", timeout=10).text,
+            re.MULTILINE,
+        )
+    )
 
 
 def transfers(pool: dict[str, Any]) -> int:
@@ -132,17 +151,16 @@ def wait_no_held_blocks(pool: dict[str, Any], timeout_s: float = 5.0) -> None:
 def test_the_epp_names_the_prefill_engine_and_the_decode_engine_runs_the_leg(pool):
     urls = pool["urls"]
     body = {"prompt": "The quick brown fox jumps over the lazy dog and", **GREEDY}
-    picked = asyncio.run(epp_pick(urls, "/v1/completions", body))
+    picked, raw = asyncio.run(epp_pick(urls, "/v1/completions", body))
     assert picked[DESTINATION_KEY] == address(urls["decode"])
     assert picked[PREFILLER_HEADER] == address(urls["prefill"])
+    prefill_signature.verify(KEY, picked[SIGNATURE], picked[PREFILLER_HEADER], raw)
 
     want = httpx.post(f"{urls['aggregated']}/v1/completions", json=body, timeout=60).json()
     prompt_tokens, pulls = counter(urls["prefill"], "specfleet_prompt_tokens_total"), transfers(pool)
-    got = httpx.post(  # what the gateway sends: the body, to the destination, with the EPP's header
-        f"http://{picked[DESTINATION_KEY]}/v1/completions",
-        json=body,
-        headers={PREFILLER_HEADER: picked[PREFILLER_HEADER]},
-        timeout=60,
+    sent = {"content-type": "application/json", **{k: picked[k] for k in (PREFILLER_HEADER, SIGNATURE)}}
+    got = httpx.post(  # what the gateway sends: the body, to the destination, with the EPP's headers
+        f"http://{picked[DESTINATION_KEY]}/v1/completions", content=raw, headers=sent, timeout=60
     )
     assert got.status_code == 200, got.text
     assert got.json()["choices"][0]["text"] == want["choices"][0]["text"]
@@ -156,15 +174,31 @@ def test_the_epp_names_the_prefill_engine_and_the_decode_engine_runs_the_leg(poo
     assert transfers(pool) == pulls + 1
     wait_no_held_blocks(pool)
 
+    # The same request reaching the decode engine with a client's own header (past the gateway): unsigned,
+    # signed with another key, or the picker's signature on another body: aggregated, the prefill engine idle.
+    prompt_tokens = counter(urls["prefill"], "specfleet_prompt_tokens_total")
+    before = {r: rejected(urls["decode"], r) for r in ("missing", "mismatch")}
+    other = json.dumps({**body, "prompt": "Another prompt entirely"}).encode()
+    guessed = prefill_signature.sign(b"a client's guess of the key", sent[PREFILLER_HEADER], raw)
+    copied = prefill_signature.sign(KEY, sent[PREFILLER_HEADER], other)  # the picker's, for another body
+    for headers in ({}, {SIGNATURE: guessed}, {SIGNATURE: copied}):
+        forged = {"content-type": "application/json", PREFILLER_HEADER: sent[PREFILLER_HEADER], **headers}
+        ran = httpx.post(f"{urls['decode']}/v1/completions", content=raw, headers=forged, timeout=60)
+        assert ran.status_code == 200 and ran.json()["choices"][0]["text"] == want["choices"][0]["text"]
+    assert counter(urls["prefill"], "specfleet_prompt_tokens_total") == prompt_tokens
+    assert transfers(pool) == pulls + 1
+    assert rejected(urls["decode"], "missing") - before["missing"] == 1
+    assert rejected(urls["decode"], "mismatch") - before["mismatch"] == 2
+
     # A streamed chat request through the same path: the same text as the aggregated engine's.
     chat = {"messages": [{"role": "user", "content": "Name three colours, please."}], **GREEDY}
-    picked = asyncio.run(epp_pick(urls, "/v1/chat/completions", chat))
+    picked, raw = asyncio.run(epp_pick(urls, "/v1/chat/completions", {**chat, "stream": True}))
     want_text = httpx.post(f"{urls['aggregated']}/v1/chat/completions", json=chat, timeout=60).json()
     with httpx.stream(
         "POST",
         f"http://{picked[DESTINATION_KEY]}/v1/chat/completions",
-        json={**chat, "stream": True},
-        headers={PREFILLER_HEADER: picked[PREFILLER_HEADER]},
+        content=raw,
+        headers={"content-type": "application/json", **{k: picked[k] for k in (PREFILLER_HEADER, SIGNATURE)}},
         timeout=60,
     ) as streamed:
         events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
@@ -183,8 +217,15 @@ def test_failures_run_aggregated_or_answer_with_the_reason(pool):
     pulls = transfers(pool)
 
     def send(url: str, value: str, request: dict[str, Any] = body) -> httpx.Response:
+        """As the picker would send it: the header signed with the key (the failures below are not the
+        signature's)."""
+        raw = json.dumps(request).encode()
+        signed = {PREFILLER_HEADER: value, SIGNATURE: prefill_signature.sign(KEY, value, raw)}
         return httpx.post(
-            f"{url}/v1/completions", json=request, headers={PREFILLER_HEADER: value}, timeout=60
+            f"{url}/v1/completions",
+            content=raw,
+            headers={"content-type": "application/json", **signed},
+            timeout=60,
         )
 
     # A prefill engine that is gone: the decode engine runs the request itself, as the router's path does.

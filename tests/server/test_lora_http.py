@@ -278,3 +278,10 @@ def test_lora_metrics(served):
     loads = [line for line in text.splitlines() if line.startswith("specfleet_lora_adapter_loads_total")]
     assert loads and float(loads[0].split()[-1]) >= 1
     assert "specfleet_lora_adapter_load_seconds_count" in text
+    # the request on adapter a, in its own series (the tuner's goodput per adapter reads them)
+    lines = dict(line.rsplit(" ", 1) for line in text.splitlines() if line and not line.startswith("#"))
+    labels = '{lora_name="a",model_name="tiny"}'
+    assert float(lines[f"specfleet_lora_generation_tokens_total{labels}"]) >= NEW_TOKENS
+    assert float(lines[f"specfleet_lora_time_to_first_token_seconds_count{labels}"]) >= 1
+    assert float(lines[f"specfleet_lora_time_per_output_token_seconds_count{labels}"]) >= 1
+    assert 'lora_name="b"' not in text  # b, unloaded by an earlier test (or never loaded): no series

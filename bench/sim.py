@@ -3,12 +3,14 @@
 For each configuration (1 and 2 engines, speculation off and on, light and heavy Poisson loads, a
 prefix-heavy and a chat workload, and a shifting load under the tuner) a real `specfleet up` fleet of the
 bundled model serves a trace (token-id prompts of the trace's lengths, `ignore_eos` so outputs have the
-trace's lengths), then the simulator runs the same trace with a profile measured at the start of this
-run, the speculative acceptance the real engines reported, and the request overhead measured on the real
-fleet. Prints per-config errors and one JSON line with the worst of each over the configurations.
+trace's lengths), then the simulator runs the same trace with a profile measured right before and right
+after that configuration's real run (`sim_profiles.py`), the speculative acceptance the real engines
+reported, and the request overhead measured on the real fleet. Prints per-config errors and one JSON line
+with the worst of each over the configurations.
 
-This machine is shared and noisy: the profile and the real runs see different neighbours, which is
-part of the error the figures report.
+This machine is shared and noisy: the host's speed moves between runs minutes apart, so each
+configuration is priced by the steps measured on both sides of its own run, and `profile_scale` (the real
+engines' steps against that profile) says how well it held.
 """
 
 from __future__ import annotations
@@ -28,11 +30,12 @@ from typing import Any
 
 import httpx
 from specfleet.bench import stoppable
+from specfleet.bench.sim_profiles import FULL_GRID, QUICK_GRID, ProfileSeries
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.sim.fleet import SimFleet
-from specfleet.sim.measure import Grid, measure
-from specfleet.sim.profile import Profile, fit_error, fitted_profile, proposal_continue
+from specfleet.sim.measure import Profiler
+from specfleet.sim.profile import Profile, proposal_continue
 from specfleet.sim.report import summarize as sim_summarize
 from specfleet.sim.workload import Lengths, SimRequest, Synthetic
 
@@ -364,15 +367,20 @@ async def overheads(
     each phase (5 lone requests one after another, then `BURST` at once) sets the clients' median TPOT
     against the engines' own mean `Engine.step()` and mean batch over the phase (their /metrics
     histograms: the machine's speed at that moment, not the profile's; with two engines the burst splits),
-    and `server_work` turns the two into per-step and per-stream costs. Per request: a lone request's TTFT
-    minus the prefill step and the server's work on the first token (HTTP, proxy, tokenizer; server work
-    hidden behind the core only delays each token, and lands here). Also returns what the phases measured."""
+    and `server_work` turns the two into per-step and per-stream costs. Per request: the median TTFT of 5
+    lone one-token requests (their only step the prefill) minus the engines' own mean step over them and
+    the server's work on the first token: the path outside the core (HTTP, router, the API server, the
+    request's and the first token's way between the server and the core; server work hidden behind the
+    core only delays each token, and lands here). The profile's prediction for that prefill stood in for the
+    engines' step before and was longer than the whole TTFT: the overhead read 0 in every configuration of
+    the 2026-12-06 quiet runs, and the simulated TTFTs lacked the path. Also returns what the phases
+    measured."""
 
-    async def one(client: httpx.AsyncClient, i: int) -> tuple[float, float]:
+    async def one(client: httpx.AsyncClient, i: int, max_tokens: int = 17) -> tuple[float, float]:
         body = {
             "model": "smollm2-135m-instruct",
             "prompt": [200 + i * 10 + j for j in range(8)],
-            "max_tokens": 17,
+            "max_tokens": max_tokens,
             "temperature": 0,
             "ignore_eos": True,
             "stream": True,
@@ -386,10 +394,12 @@ async def overheads(
                     first = time.perf_counter()
         end = time.perf_counter()
         first = first or end
-        return first - start, (end - first) / 16
+        return first - start, (end - first) / max(max_tokens - 1, 1)
 
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        before_first = await real_mix(engine_urls)
+        firsts = [await one(client, 200 + i, max_tokens=1) for i in range(5)]
         before = await real_mix(engine_urls)
         lone = [await one(client, i) for i in range(5)]
         between = await real_mix(engine_urls)
@@ -406,8 +416,14 @@ async def overheads(
     tpot1, core1, batch1 = lone_phase = phase(lone, between.since(before))
     tpotb, coreb, batchb = burst_phase = phase(list(burst), after.since(between))
     step, stream = server_work(lone_phase, burst_phase)
-    request = statistics.median(ttft for ttft, _ in lone) - profile.core_s(0, 8, 0) - (step + stream)
+    prefill = before.since(before_first)  # the one-token requests' steps: their prefills, one each
+    prefill_s = prefill.seconds / prefill.steps if prefill.steps else profile.core_s(0, 8, 0)
+    first_ttft = statistics.median(ttft for ttft, _ in firsts)
+    request = first_ttft - prefill_s - (step + stream)
     seen = {
+        "first_ttft_ms": round(first_ttft * 1000, 1),
+        "first_core_step_ms": round(prefill_s * 1000, 1),
+        "profile_first_step_ms": round(profile.core_s(0, 8, 0) * 1000, 1),
         "lone_tpot_ms": round(tpot1 * 1000, 1),
         "lone_core_step_ms": round(core1 * 1000, 1),
         "burst_tpot_ms": round(tpotb * 1000, 1),
@@ -643,10 +659,11 @@ async def _run_real(
         await fleet.stop(drain_timeout_s=2)
 
 
-async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> dict[str, Any]:
+async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace) -> dict[str, Any]:
     requests = list(c.workload.requests())
     isvc = load_inference_service(isvc_doc(c, args.interval))
-    measured = await _run_real(c, isvc, requests, profile, args)
+    measured = await _run_real(c, isvc, requests, series.before(), args)
+    profile, profile_record = series.around()  # measured again now: fitted to both sides of the run
     rows, startup_s, seen, host_cpu = measured.rows, measured.startup_s, measured.seen, measured.host_cpu
     request_overhead, step_overhead, stream_overhead = measured.overheads
     accepted, real_steps = measured.accepted, measured.steps
@@ -664,7 +681,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
     )
     acceptance = accepted.per_pos
 
-    # As measured: the profile from the start of the bench, which saw other neighbours on a shared machine.
+    # As measured: the profile of the steps timed right before and right after the real run.
     raw_sim, raw_run, raw_fleet = await _simulate(c, isvc, tuned, args, requests, acceptance)
     factor, scale = calibration(real_steps, sim_mix(raw_fleet), tuned, host_cpu)
     sim, run, calibrated = await _simulate(c, isvc, rescaled(tuned, factor), args, requests, acceptance)
@@ -678,6 +695,7 @@ async def run_config(c: Config, profile: Profile, args: argparse.Namespace) -> d
         **errors,
         "uncalibrated": {"sim": raw_sim, **_errors(raw_sim, real)},
         **scale,
+        "profile": profile_record,
         "startup_s": round(startup_s, 1),
         "request_overhead_ms": round(request_overhead * 1000, 1),
         "step_overhead_ms": round(step_overhead * 1000, 1),
@@ -725,36 +743,14 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(args.threads)
-    if args.profile:  # a profile from an earlier run (the default measures one now, as the figures assume)
-        profile = Profile.load(args.profile)
-    else:
-        # verification steps at the k the tuner may choose (its bounds here are 0-4), the quick grid at
-        # every other one
-        grid = (
-            Grid(batches=(1, 4, 16, 32), contexts=(32, 96), ks=(0, 2, 4), prefills=(32, 320), steps=3)
-            if args.quick
-            else Grid(
-                batches=(1, 2, 4, 8, 16, 32),
-                contexts=(32, 96),
-                ks=(0, 1, 2, 3, 4),
-                prefills=(32, 320),
-                steps=4,
-            )
-        )
-        started = time.perf_counter()
-        points, blocks = measure(MODEL, grid, "ngram", KV_GIB)
-        profile = fitted_profile(
-            "measured-bench-sim",
-            points,
-            num_kv_blocks=blocks,
-            block_size=16,
-            model=MODEL,
-            notes="measured by bench sim at its start",
-        )
-        print(
-            f"profile: {len(points)} points in {time.perf_counter() - started:.0f}s, fit {fit_error(profile)}",
-            flush=True,
-        )
+    series = ProfileSeries(MODEL, block_size=16)
+    if args.profile:  # a profile from an earlier run, for every configuration (iteration only)
+        series.fixed = Profile.load(args.profile)
+    else:  # measured now and again after every configuration (sim_profiles.py); verification at k = 4
+        series.grid = QUICK_GRID if args.quick else FULL_GRID
+        series.profiler = Profiler(MODEL, "ngram", max(series.grid.ks), KV_GIB)
+        series.measure()
+    profile = series.before()
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     profile.save(Path(args.out_dir) / "sim-profile.json")  # at once: `--profile` reuses it if the run is cut
     load_at_start = os.getloadavg()
@@ -763,7 +759,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     results = []
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     for c in chosen:  # each configuration's figures are kept as they come: a long run may be cut short
-        results.append(await run_config(c, profile, args))
+        results.append(await run_config(c, series, args))
         with open(Path(args.out_dir) / "sim-configs.jsonl", "a") as f:
             f.write(json.dumps(results[-1]) + "\n")
     worst = {key: max(r[key] for r in results) for key in results[0] if key.endswith("_error_pct")}
@@ -776,6 +772,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "tuner_same_sequence": tuner["tuner_same_sequence"] if tuner else None,
         "uncalibrated": raw,
         "host": host_record(args, load_at_start),
+        "profile_measure_s": [round(m.seconds, 1) for m in series.measurements],
         "configs": results,
         "profile": profile.to_json(),
     }

@@ -33,6 +33,12 @@ class Grid:
     ks: tuple[int, ...] = (0,)
     prefills: tuple[int, ...] = (32, 128, 512)
     steps: int = 5  # timed decode steps per point; the median is kept
+    # the decode points of one context from one set of requests (`_staircase_points`): the largest batch
+    # prefilled once, then cut down batch by batch, where each point otherwise prefills a batch of its own
+    staircase: bool = False
+    # with `staircase`: at each batch (k = 0) also the step that prefills a prompt of this many tokens beside
+    # the batch's decodes, as a request arriving at a busy engine is prefilled (0: none)
+    mixed_prefill: int = 0
 
 
 def _engine(
@@ -95,18 +101,51 @@ def measure(
     quantization: str | None = None,
 ) -> tuple[list[StepPoint], int]:
     """The measured points, and the engine's KV blocks (what a simulated engine gets)."""
-    from specfleet.engine.sampling_params import SamplingParams
-
-    engine = _engine(
+    profiler = Profiler(
         model, method, max(grid.ks), kv_gib, draft_model, draft_quantization, max_model_len, quantization
     )
-    warm = SamplingParams(max_tokens=4, ignore_eos=True)
-    engine.add_request("warm-up", [100, 101, 102, 103], warm)  # kernels build on first use: not timed
-    while engine.has_unfinished_requests():
-        engine.step()
-    ids = itertools.count(1)  # request ids, and the salt of each request's prompt
-    points = _decode_points(engine, grid, ids, progress) + _prefill_points(engine, grid, ids, progress)
-    return points, engine.kv.num_blocks
+    return profiler.points(grid, progress), profiler.num_kv_blocks
+
+
+class Profiler:
+    """An engine kept for measuring, so that the same grid can be measured again minutes later without
+    loading the model again: `bench sim` measures before every configuration's real run, since on a shared
+    host the machine's speed moves between a profile and the runs it prices (2026-12-06: a profile at the
+    start priced steps 1.2-1.5x slower than the engines ran minutes later)."""
+
+    def __init__(
+        self,
+        model: str,
+        method: str,
+        max_k: int,
+        kv_gib: float,
+        draft_model: str | None = None,
+        draft_quantization: str | None = None,
+        max_model_len: int = 1024,
+        quantization: str | None = None,
+    ) -> None:
+        from specfleet.engine.sampling_params import SamplingParams
+
+        self.engine = _engine(
+            model, method, max_k, kv_gib, draft_model, draft_quantization, max_model_len, quantization
+        )
+        warm = SamplingParams(max_tokens=4, ignore_eos=True)
+        self.engine.add_request("warm-up", [100, 101, 102, 103], warm)  # kernels build on first use: untimed
+        while self.engine.has_unfinished_requests():
+            self.engine.step()
+        self._ids = itertools.count(1)  # request ids, and the salt of each request's prompt
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.engine.kv.num_blocks
+
+    def points(self, grid: Grid, progress: bool = True) -> list[StepPoint]:
+        """The grid's decode points (one set of requests per context with `grid.staircase`), then its
+        prefill points."""
+        decode = _staircase_points if grid.staircase else _decode_points
+        return decode(self.engine, grid, self._ids, progress) + _prefill_points(
+            self.engine, grid, self._ids, progress
+        )
 
 
 def _prompt(vocab: int, length: int, salt: int) -> list[int]:
@@ -158,6 +197,87 @@ def _decode_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: boo
                     )
         engine.update_config(num_speculative_tokens=0)
     return points
+
+
+def _timed_point(engine: Engine, steps: int) -> StepPoint:
+    """The median of `steps` timed decode steps, each figure of the step's mix their mean."""
+    timed = [p for p in (_timed(engine) for _ in range(steps)) if p.decode_tokens > 0]
+    return StepPoint(
+        statistics.mean(p.decode_tokens for p in timed),
+        0.0,
+        statistics.mean(p.context_tokens for p in timed),
+        statistics.mean(p.draft_tokens for p in timed),
+        statistics.median(p.seconds for p in timed),
+        statistics.mean(p.verify_seqs for p in timed),
+    )
+
+
+def _staircase_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bool) -> list[StepPoint]:
+    """One point per (context, batch, k) of the grid, from one set of requests per context: the largest
+    batch prefilled once, timed at each k, then cut down to the next batch by aborting requests. The
+    per-point grid prefills every batch of its own (26 points in 80 s on the 2-core host, most of it
+    prompts); here the prompts are the largest batch's once per context. A point's context is the
+    requests' as timed (the prompt plus what they generated on the batches before), recorded as measured."""
+    from specfleet.engine.sampling_params import SamplingParams
+
+    vocab = engine.runner.vocab_size
+    batches = sorted(grid.batches, reverse=True)
+    # nobody may finish inside the staircase, however many proposals are accepted
+    budget = len(batches) * len(grid.ks) * (grid.steps + 1) * (max(grid.ks) + 1) + 8
+    params = SamplingParams(max_tokens=budget, temperature=0.0, ignore_eos=True)
+    points: list[StepPoint] = []
+    for context in grid.contexts:
+        names = []
+        for _ in range(batches[0]):
+            n = next(ids)
+            names.append(f"p{n}")
+            engine.add_request(names[-1], _prompt(vocab, context, n), params)
+        while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+        for batch in batches:
+            while len(names) > batch:
+                engine.abort(names.pop())
+            if grid.mixed_prefill:
+                points.append(_mixed_point(engine, grid, ids, vocab))
+            for k in grid.ks:
+                engine.update_config(num_speculative_tokens=k)
+                engine.step()  # the first step at this k: its proposals start here
+                points.append(_timed_point(engine, grid.steps))
+                if progress:
+                    print(
+                        f"profile: k={k} context={context} batch={batch}: {points[-1].seconds * 1000:.1f} ms "
+                        f"({points[-1].decode_tokens:.0f} decode tokens, {points[-1].context_tokens:.0f} "
+                        f"context, {points[-1].verify_seqs:.1f} sequences verifying)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+        for name in names:
+            engine.abort(name)
+        engine.update_config(num_speculative_tokens=0)
+    return points
+
+
+def _mixed_point(engine: Engine, grid: Grid, ids: Iterator[int], vocab: int) -> StepPoint:
+    """The median of `grid.steps` steps that each prefill a new `grid.mixed_prefill`-token prompt beside the
+    running batch's decodes (at k = 0); each new request is aborted after its step."""
+    from specfleet.engine.sampling_params import SamplingParams
+
+    engine.update_config(num_speculative_tokens=0)
+    timed = []
+    for _ in range(grid.steps):
+        n = next(ids)
+        engine.add_request(
+            f"m{n}", _prompt(vocab, grid.mixed_prefill, n), SamplingParams(max_tokens=4, temperature=0.0)
+        )
+        timed.append(_timed(engine))
+        engine.abort(f"m{n}")
+    return StepPoint(
+        statistics.mean(p.decode_tokens for p in timed),
+        statistics.mean(p.prefill_tokens for p in timed),
+        statistics.mean(p.context_tokens for p in timed),
+        0.0,
+        statistics.median(p.seconds for p in timed),
+    )
 
 
 def _prefill_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bool) -> list[StepPoint]:

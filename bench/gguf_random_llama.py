@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import shutil
 import subprocess
 import sys
@@ -26,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from specfleet.engine.python_child import python_command
+from specfleet.bench.llama_convert import converter_env
 
 REPO = Path(__file__).resolve().parents[1]
 ANCHOR = REPO / "bench" / "anchors" / "llama_server.sh"
@@ -94,21 +93,6 @@ def llama_cpp_source() -> Path:
     """The anchor's llama.cpp tree (llama_server.sh's pinned source), where convert_hf_to_gguf.py lives."""
     tree = subprocess.run(["bash", str(ANCHOR), "source"], check=True, capture_output=True, text=True)
     return Path(tree.stdout.strip().splitlines()[-1])
-
-
-def converter_env(src: Path) -> dict[str, str]:
-    """The environment convert_hf_to_gguf.py runs in: its own gguf-py, and sentencepiece (llama.cpp's
-    requirements-convert_legacy_llama.txt: the Llama converter imports it before it looks for a tokenizer.model)
-    installed once beside the anchor's source, never into the project's environment."""
-    deps = src.parents[2] / "convert-deps"
-    if not (deps / "sentencepiece").is_dir():
-        subprocess.run(
-            python_command(
-                "-m", "pip", "install", "-q", "--target", str(deps), "sentencepiece>=0.1.98,<0.3.0"
-            ),
-            check=True,
-        )
-    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(src / "gguf-py"), str(deps)])}
 
 
 def main(argv: list[str] | None = None) -> None:

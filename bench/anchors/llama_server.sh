@@ -5,7 +5,12 @@
 #   bench/anchors/llama_server.sh serve [PORT]     # build if needed, then serve the bundled GGUF (default 8088)
 #   bench/anchors/llama_server.sh path             # print the cached binary's path (build if needed)
 #   bench/anchors/llama_server.sh source           # print the llama.cpp source tree (convert_hf_to_gguf.py);
-#                                                  # builds llama-quantize alone if needed, not the server
+#                                                  # builds llama-quantize alone if needed, not the server,
+#                                                  # and installs the converter's sentencepiece beside it
+#   bench/anchors/llama_server.sh converter        # print the llama.cpp source tree for convert_hf_to_gguf.py
+#                                                  # alone (Python only, nothing compiled): fetches the sdist
+#                                                  # and the converter's sentencepiece when missing (.ci/setup
+#                                                  # runs it); LLAMA_OFFLINE=1: never fetch, exit 3 instead
 #   bench/anchors/llama_server.sh quantize IN OUT TYPE [ARGS...]
 #                                                  # llama-quantize (built alone if needed), e.g. the bundled
 #                                                  # Q4_1 file to Q4_K_M with --allow-requantize as ARGS
@@ -41,15 +46,14 @@ export PYTHONSAFEPATH=1
 SRC="$CACHE/llama_cpp_python-$VERSION/vendor/llama.cpp"
 BIN="$SRC/build/bin/llama-server"
 
-build() {  # `build force`: reconfigure and rebuild (incremental) even when the binary exists; $2: target
-    local target="${2:-llama-server}"
-    local bin="$SRC/build/bin/$target"
-    if [[ -x "$bin" && "${1:-}" != force ]]; then
-        return 0
-    fi
+fetch_source() {  # the sdist in the cache, unpacked; LLAMA_OFFLINE=1: exit 3 when it is not there
     mkdir -p "$CACHE"
     local sdist="$CACHE/llama_cpp_python-$VERSION.tar.gz"
-    if [[ ! -f "$sdist" ]]; then
+    if [[ ! -f "$sdist" && ! -d "$SRC" ]]; then
+        if [[ "${LLAMA_OFFLINE:-0}" == 1 ]]; then
+            echo "llama_server.sh: $sdist is missing (bench/anchors/llama_server.sh converter fetches it)" >&2
+            exit 3
+        fi
         # The source distribution (never a wheel) and nothing else: only llama.cpp's own sources are needed.
         # `--no-binary :all:` would also build pip's metadata backend (scikit-build-core) and its own build
         # tools from source, recursively; naming the one package keeps those as wheels.
@@ -57,8 +61,36 @@ build() {  # `build force`: reconfigure and rebuild (incremental) even when the 
             "llama-cpp-python==$VERSION" >&2
     fi
     if [[ ! -d "$SRC" ]]; then
-        tar -xzf "$sdist" -C "$CACHE"
+        # unpacked beside the sdist, then moved into place: a reader never sees half a tree
+        local tmp
+        tmp="$(mktemp -d "$CACHE/.unpack.XXXXXX")"
+        tar -xzf "$sdist" -C "$tmp"
+        mv -T "$tmp/llama_cpp_python-$VERSION" "$CACHE/llama_cpp_python-$VERSION" 2>/dev/null || true
+        rm -rf "$tmp"
     fi
+}
+
+converter_deps() {  # sentencepiece for convert_hf_to_gguf.py, beside the source, never in the project's venv
+    # The converter imports it before it looks for a tokenizer.model (requirements-convert_legacy_llama.txt),
+    # even for models that fall back to their tokenizer.json.
+    local deps="$CACHE/convert-deps"
+    if [[ ! -d "$deps/sentencepiece" ]]; then
+        if [[ "${LLAMA_OFFLINE:-0}" == 1 ]]; then
+            echo "llama_server.sh: $deps/sentencepiece is missing (bench/anchors/llama_server.sh converter installs it)" >&2
+            exit 3
+        fi
+        "$PYTHON" -m pip install -q --disable-pip-version-check --target "$deps" \
+            "sentencepiece>=0.1.98,<0.3.0" >&2
+    fi
+}
+
+build() {  # `build force`: reconfigure and rebuild (incremental) even when the binary exists; $2: target
+    local target="${2:-llama-server}"
+    local bin="$SRC/build/bin/$target"
+    if [[ -x "$bin" && "${1:-}" != force ]]; then
+        return 0
+    fi
+    fetch_source
     for tool in cmake c++; do
         command -v "$tool" >/dev/null || { echo "llama_server.sh: $tool is needed to build llama-server" >&2; exit 2; }
     done
@@ -103,6 +135,12 @@ case "$cmd" in
         ;;
     source)
         build "" llama-quantize
+        converter_deps
+        echo "$SRC"
+        ;;
+    converter)
+        fetch_source
+        converter_deps
         echo "$SRC"
         ;;
     quantize)
@@ -119,7 +157,7 @@ case "$cmd" in
         exec "$SRC/build/bin/llama-quantize" "$@" "$in" "$out" "$type"
         ;;
     *)
-        echo "usage: $0 {build|serve [PORT]|path|source|quantize IN OUT TYPE [ARGS...]}" >&2
+        echo "usage: $0 {build|serve [PORT]|path|source|converter|quantize IN OUT TYPE [ARGS...]}" >&2
         exit 2
         ;;
 esac

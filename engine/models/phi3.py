@@ -2,7 +2,8 @@
 
 - The checkpoint fuses q/k/v into `qkv_proj` and gate/up into `gate_up_proj`; they are split at load into
   Llama's names (LlamaLayer fuses them again, in the same order), so the layer, the native decode layers,
-  int8 and tensor parallelism run Llama's code unchanged. LoRA adapters name the fused modules as PEFT does
+  int8 and tensor parallelism run Llama's code unchanged. A GGUF's packed `attn_qkv` and `ffn_up` (gate and
+  up stacked, engine/quant/gguf_file.py) split the same way, by whole rows of blocks. LoRA adapters name the fused modules as PEFT does
   (`qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`): each of `qkv_proj` and `gate_up_proj` is one piece
   spanning the engine's fused projection, its B's q and k columns permuted as the base's rows are.
 - Partial rotary (`partial_rotary_factor`, Phi-4-mini's 0.75): transformers rotates the first `rotary_dim`
@@ -27,8 +28,6 @@ import torch
 from specfleet.engine.lora.adapter import ModelShape
 from specfleet.engine.models.llama import LlamaArgs, LlamaModel
 from specfleet.kernels.quantized import QuantTensor
-
-_PACKED = ("gguf", "awq", "gptq")  # formats whose weights stay packed in blocks
 
 
 def _rope_parameters(config) -> dict:
@@ -63,9 +62,23 @@ def head_permutation(head_dim: int, rot: int) -> torch.Tensor:
     return torch.tensor(first + second)
 
 
-def _permute_heads(weight: torch.Tensor, perm: torch.Tensor, head_dim: int) -> torch.Tensor:
-    rows, cols = weight.shape
-    return weight.view(rows // head_dim, head_dim, cols)[:, perm].reshape(rows, cols)
+def _rows(weight: torch.Tensor | QuantTensor, index: torch.Tensor) -> torch.Tensor | QuantTensor:
+    """The rows `index` of a weight, dense or packed (a GGUF's blocks run along a row: rows move whole)."""
+    return weight.select_rows(index) if isinstance(weight, QuantTensor) else weight[index]
+
+
+def _split(
+    weight: torch.Tensor | QuantTensor, sizes: list[int], head_dim: int, perm: torch.Tensor
+) -> list[torch.Tensor | QuantTensor]:
+    """A fused projection's pieces of `sizes` rows; with q/k/v's three, q and k heads permuted by `perm`."""
+    parts, start = [], 0
+    for i, size in enumerate(sizes):
+        index = torch.arange(start, start + size)
+        if len(sizes) == 3 and i < 2:  # q, k: each head's rows in the rotary layout (head_permutation)
+            index = index.view(-1, head_dim)[:, perm].reshape(-1)
+        parts.append(_rows(weight, index))
+        start += size
+    return parts
 
 
 def inverse_frequencies(config, rot: int, long: bool) -> tuple[torch.Tensor, float]:
@@ -112,9 +125,9 @@ class Phi3Model(LlamaModel):
     architecture = "Phi3ForCausalLM"
     rotary: int  # values rotated per head: set by rope_tables (at construction), read by lora_shape
     refused_quantization = dict.fromkeys(
-        _PACKED,
-        "its fused qkv_proj and gate_up_proj are split at load, and packed blocks are not split here; "
-        "serve the float checkpoint, with quantization='int8' for 8-bit weights",
+        ("awq", "gptq"),
+        "not yet checked against transformers on this architecture (its fused qkv_proj and gate_up_proj "
+        "are split at load); serve the float checkpoint, with quantization='int8' for 8-bit weights",
     )
 
     @classmethod
@@ -130,19 +143,19 @@ class Phi3Model(LlamaModel):
         for name, w in state.items():
             if not (name.endswith("self_attn.qkv_proj.weight") or name.endswith("mlp.gate_up_proj.weight")):
                 out[name] = w
-            elif isinstance(w, QuantTensor):
-                raise ValueError(
-                    f"{name}: a quantized fused tensor ({w.fmt}) is not split for Phi3ForCausalLM"
-                )
             elif name.endswith("self_attn.qkv_proj.weight"):
                 base = name.removesuffix("qkv_proj.weight")
-                q, k, v = torch.split(w, sizes)
-                out[f"{base}q_proj.weight"] = _permute_heads(q, perm, a.head_dim)
-                out[f"{base}k_proj.weight"] = _permute_heads(k, perm, a.head_dim)
-                out[f"{base}v_proj.weight"] = v
+                q, k, v = _split(w, sizes, a.head_dim, perm)
+                out[f"{base}q_proj.weight"], out[f"{base}k_proj.weight"], out[f"{base}v_proj.weight"] = (
+                    q,
+                    k,
+                    v,
+                )
             else:
                 base = name.removesuffix("gate_up_proj.weight")
-                out[f"{base}gate_proj.weight"], out[f"{base}up_proj.weight"] = w.chunk(2, dim=0)
+                half = w.shape[0] // 2
+                gate, up = _split(w, [half, half], a.head_dim, perm)
+                out[f"{base}gate_proj.weight"], out[f"{base}up_proj.weight"] = gate, up
         return out
 
     def lora_shape(self) -> ModelShape:

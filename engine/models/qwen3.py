@@ -37,12 +37,8 @@ class Qwen3Layer(LlamaLayer):
 class Qwen3Model(LlamaModel):
     layer_class = Qwen3Layer
     architecture = "Qwen3ForCausalLM"
-    refused_quantization = {
-        "gguf": "the GGUF reader does not map attn_q_norm/attn_k_norm yet; serve the float checkpoint, "
+    refused_quantization = dict.fromkeys(
+        ("awq", "gptq"),
+        "not yet checked against transformers on this architecture; serve the float checkpoint, "
         "with quantization='int8' for 8-bit weights",
-        **dict.fromkeys(
-            ("awq", "gptq"),
-            "not yet checked against transformers on this architecture; serve the float checkpoint, "
-            "with quantization='int8' for 8-bit weights",
-        ),
-    }
+    )

@@ -81,10 +81,87 @@ def _write_metadata(gguf: Path, folder: Path) -> None:
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    values = config.to_dict()
+    values = completed_config(gguf, config.to_dict())
     values.pop("quantization_config", None)
-    values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]]
+    values["architectures"] = [MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[values["model_type"]]]
     values["torch_dtype"] = values["dtype"] = "float32"
     (folder / "config.json").write_text(json.dumps(values, indent=2))
     GenerationConfig.from_model_config(config).save_pretrained(folder)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(folder)
+
+
+def completed_config(gguf: Path, values: dict) -> dict:
+    """transformers' config of a GGUF file with what its GGUF loader leaves out, from the file's own metadata
+    as llama.cpp's converter writes it:
+    - head_dim from ``attention.key_length`` (Qwen3's GGUF config keeps its class default, 128) and
+      Qwen3-MoE's expert width from ``expert_feed_forward_length`` (its class default is 768);
+    - Phi-3's partial rotary from ``rope.dimension_count`` and LongRoPE from the ``rope_factors_long`` and
+      ``rope_factors_short`` tensors with ``rope.scaling.original_context_length`` and ``attn_factor``;
+    - Gemma's soft-caps (``attn_logit_softcapping``, ``final_logit_softcapping``) and Gemma 3's sliding
+      layers' RoPE base (``rope.freq_base_swa``);
+    - Mixtral, which the converter writes as a ``llama`` file with ``expert_count``: a Mixtral config.
+    What the file does not carry stays transformers' default, as in transformers' own GGUF loader: Gemma's
+    ``query_pre_attn_scalar`` (256) and layer pattern (Gemma 2 alternating, Gemma 3 five sliding to one
+    full), Gemma 3's RoPE scaling, Qwen3-MoE's ``norm_topk_prob`` (llama.cpp always renormalises it)."""
+    from specfleet.engine.quant.gguf_file import read_float_tensor, scalar_metadata
+
+    meta = scalar_metadata(gguf)
+    arch = str(meta.get("general.architecture", ""))
+
+    def key(name: str):
+        return meta.get(f"{arch}.{name}")
+
+    out = dict(values)
+    key_length = key("attention.key_length")
+    if key_length is not None and "head_dim" in out:
+        out["head_dim"] = int(key_length)
+    expert_length = key("expert_feed_forward_length")
+    if expert_length is not None and "moe_intermediate_size" in out:
+        out["moe_intermediate_size"] = int(expert_length)
+    if arch == "phi3":
+        head_dim = out["hidden_size"] // out["num_attention_heads"]
+        rope_dims = key("rope.dimension_count")
+        if rope_dims is not None and int(rope_dims) < head_dim:
+            out["partial_rotary_factor"] = int(rope_dims) / head_dim
+        long, short = (read_float_tensor(gguf, f"rope_factors_{w}.weight") for w in ("long", "short"))
+        if long is not None and short is not None:
+            original = int(key("rope.scaling.original_context_length") or out["max_position_embeddings"])
+            rope = {
+                "rope_type": "longrope",
+                "rope_theta": float(key("rope.freq_base") or 10000.0),
+                "long_factor": long.tolist(),
+                "short_factor": short.tolist(),
+                "original_max_position_embeddings": original,
+            }
+            if key("rope.scaling.attn_factor") is not None:
+                rope["attention_factor"] = float(key("rope.scaling.attn_factor"))
+            if "partial_rotary_factor" in out:
+                rope["partial_rotary_factor"] = out["partial_rotary_factor"]
+            out["original_max_position_embeddings"] = original
+            out["rope_parameters"] = out["rope_scaling"] = rope
+    if arch in ("gemma2", "gemma3"):
+        for name in ("attn_logit_softcapping", "final_logit_softcapping"):
+            if key(name) is not None:
+                out[name] = float(key(name))
+        local = key("rope.freq_base_swa")
+        layered = out.get("rope_parameters")
+        if (
+            local is not None
+            and isinstance(layered, dict)
+            and isinstance(layered.get("sliding_attention"), dict)
+        ):
+            out["rope_parameters"] = {
+                **layered,
+                "sliding_attention": {**layered["sliding_attention"], "rope_theta": float(local)},
+            }
+    if arch == "llama" and int(key("expert_count") or 0) > 0:
+        from transformers import MixtralConfig
+
+        fields = set(MixtralConfig().to_dict())
+        mixtral = {k: v for k, v in out.items() if k in fields and k not in ("model_type", "architectures")}
+        mixtral.update(
+            num_local_experts=int(key("expert_count")), num_experts_per_tok=int(key("expert_used_count"))
+        )
+        mixtral["sliding_window"] = None
+        out = MixtralConfig(**mixtral).to_dict()
+    return out

@@ -195,9 +195,7 @@ def test_longrope_factors_match_transformers(window, tmp_path_factory, bundled_p
 @pytest.mark.parametrize(
     ("architecture", "quantization", "reason"),
     [
-        ("Phi3ForCausalLM", "gguf", "fused qkv_proj and gate_up_proj"),
         ("Phi3ForCausalLM", "awq", "fused qkv_proj and gate_up_proj"),
-        ("Qwen3ForCausalLM", "gguf", "attn_q_norm"),
         ("Qwen3ForCausalLM", "gptq", "not yet checked against transformers"),
     ],
 )

@@ -3,7 +3,8 @@
 A fake engine on loopback (bench/proxy_load.py) streams 64 SSE chunks as fast as it can. The same load goes
 to it direct (the zero baseline), through Debian's nginx as a reverse proxy (one worker, `proxy_buffering
 off`, HTTP/1.1 keep-alive to the upstream, an access log line per request as the router logs one) and
-through `specfleet router --endpoint` (its default policy, INFO log). Both proxies run on one core and the
+through `specfleet router --endpoint` (its default policy and log level: a line for one ok request in 100,
+router/proxy.py). Both proxies run on one core and the
 load generator with the fake engine on another, so "one core" is literal.
 
 - Added latency: requests one at a time on a keep-alive connection, the targets interleaved in rounds;
@@ -15,6 +16,7 @@ load generator with the fake engine on another, so "one core" is literal.
 
 Writes JSON and a PNG next to it; the last stdout line is the JSON summary, with
 `added_p50_ratio_vs_nginx` (goal <= 2) and `request_rate_ratio_vs_nginx` (goal >= 0.5).
+`specfleet bench router-profile` (bench/router_profile.py) says where the router's CPU goes.
 """
 
 from __future__ import annotations

@@ -42,6 +42,10 @@ BENCHES = {
     ),
     "sim": ("specfleet.bench.sim", "the simulator against real local fleets on the same workloads"),
     "router": ("specfleet.bench.router_cost", "the router's own cost per streamed request, against nginx"),
+    "router-profile": (
+        "specfleet.bench.router_profile",
+        "where the router's CPU goes per streamed request: cProfile by package and function",
+    ),
     "lora": ("specfleet.bench.lora", "many LoRA adapters in one batch vs the base and merged engines"),
     "gemma-kv": ("specfleet.bench.gemma_kv", "KV bytes per token of a Gemma 3 sequence at 8k vs all-global"),
 }

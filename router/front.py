@@ -204,7 +204,12 @@ class _Connection(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self.waiting: deque[FrontRequest | _Refused] = deque()
+        # One task per connection answers its requests in order and waits for the next one between them
+        # (a task per request cost more than the rest of the front's own work per request)
         self.task: asyncio.Task[None] | None = None
+        self.busy = False  # a request is being answered
+        self.next_request: asyncio.Future[None] | None = None  # set when a request arrives for the idle task
+        self.last_active = 0.0  # the loop's time of the last byte read or answer written
         self.writable: asyncio.Future[None] | None = None  # set while the client's transport is full
         self.idle_timer: asyncio.TimerHandle | None = None
         self.refused = False
@@ -226,14 +231,13 @@ class _Connection(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = cast(asyncio.Transport, transport)  # uvloop's transports are not subclasses
         self.front.connections.add(self)
-        self._arm_idle()
+        self.last_active = asyncio.get_running_loop().time()
+        self.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_TIMEOUT_S, self._idle)
 
     def data_received(self, data: bytes) -> None:
         if self.refused:
             return
-        if self.idle_timer is not None:
-            self.idle_timer.cancel()
-            self.idle_timer = None
+        self.last_active = self.front.loop.time()
         try:
             self.parser.feed_data(data)
             if self.in_head and not self.head_fresh:  # later reads while one head is still incomplete
@@ -299,7 +303,7 @@ class _Connection(asyncio.Protocol):
                 413, f"the request body ({length} bytes) exceeds {self.front.max_body_bytes} bytes"
             )
         expect = next((v for k, v in self.header_list if k.lower() == "expect"), None)
-        if expect is not None and expect.lower() == "100-continue" and self.task is None and not self.waiting:
+        if expect is not None and expect.lower() == "100-continue" and not self.busy and not self.waiting:
             assert self.transport is not None
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -336,13 +340,23 @@ class _Connection(asyncio.Protocol):
 
     def _start(self) -> None:
         if self.task is None:
-            self.task = asyncio.get_running_loop().create_task(self._answer_all())
+            self.task = self.front.loop.create_task(self._answer_all())
+        elif self.next_request is not None and not self.next_request.done():
+            self.next_request.set_result(None)
 
     def keeps_alive(self, request: FrontRequest) -> bool:
         return request.keep_alive and request.version == "1.1" and not self.front.router.stopping
 
     async def _answer_all(self) -> None:
-        while self.waiting and self.transport is not None:
+        loop = self.front.loop
+        while self.transport is not None:
+            if not self.waiting:
+                self.busy = False
+                self.last_active = loop.time()
+                self.next_request = loop.create_future()
+                await self.next_request  # connection_lost cancels the wait
+                continue
+            self.busy = True
             item = self.waiting.popleft()
             if self.read_paused and len(self.waiting) < MAX_PIPELINED:
                 self.read_paused = False
@@ -359,8 +373,7 @@ class _Connection(asyncio.Protocol):
                 if self.transport is not None:
                     self.transport.close()  # after what is buffered has been sent
                 break
-        self.task = None
-        self._arm_idle()
+        self.busy = False
 
     async def _answer(self, request: FrontRequest) -> None:
         front = self.front
@@ -418,16 +431,21 @@ class _Connection(asyncio.Protocol):
         if self.writable is not None and not self.writable.done():
             await self.writable  # the client reads slower than we write: wait, and so stop reading upstream
 
-    def _arm_idle(self) -> None:
-        if self.transport is not None and self.task is None:
-            self.idle_timer = asyncio.get_running_loop().call_later(KEEPALIVE_TIMEOUT_S, self._idle)
-
     def _idle(self) -> None:
-        if self.transport is not None and self.task is None and not self.waiting:
+        """The keep-alive timer: one per connection, set again for what is left of the timeout while the
+        connection was active (cheaper than a timer per request)."""
+        self.idle_timer = None
+        if self.transport is None:
+            return
+        quiet = self.front.loop.time() - self.last_active
+        if not self.busy and not self.waiting and quiet >= KEEPALIVE_TIMEOUT_S:
             self.transport.close()
+            return
+        wait = KEEPALIVE_TIMEOUT_S - quiet if not self.busy else KEEPALIVE_TIMEOUT_S
+        self.idle_timer = self.front.loop.call_later(max(wait, 1.0), self._idle)
 
     def close_idle(self) -> None:
-        if self.transport is not None and self.task is None:
+        if self.transport is not None and not self.busy:
             self.transport.close()
 
 
@@ -440,6 +458,7 @@ class Front:
     ) -> None:
         self.router = router
         self.grace_s = grace_s
+        self.loop = asyncio.get_running_loop()
         self.back = back
         self.back_url = back_url
         self.max_body_bytes = max_body_bytes
@@ -480,7 +499,7 @@ class Front:
             self.server.close()
         for conn in list(self.connections):
             conn.close_idle()
-        tasks = [c.task for c in self.connections if c.task is not None]
+        tasks = [c.task for c in self.connections if c.task is not None and c.busy]
         if tasks:
             await asyncio.wait(tasks, timeout=self.grace_s)
         for conn in list(self.connections):

@@ -21,8 +21,9 @@ each sliding layer reads only the keys inside its window.
 The engine gives the sliding layers a KV pool of their own that keeps only each sequence's window
 (engine/block_manager.py: blocks older than it are freed after every step) and these layers read and write
 it through `meta.sliding`; the full layers keep the whole sequence.
-Refused at start: GGUF/AWQ/GPTQ checkpoints, tensor
-and pipeline parallelism (the loader and the engine name them).
+Refused at start: AWQ/GPTQ checkpoints, tensor and pipeline parallelism (the loader and the engine name
+them). A GGUF file's norms are stored by llama.cpp's converter as `1 + w`; the reader gives back `w`
+(engine/quant/gguf_file.py) and the one is added here as for a Hugging Face checkpoint.
 
 LoRA adapters add to q/k/v, o and gate/up/down as in Llama (LlamaLayer's maths): each delta joins its
 projection's output, before the post-norms and the GeGLU that follow the projection.
@@ -169,12 +170,7 @@ class Gemma3Layer(GemmaLayer):
 class Gemma2Model(LlamaModel):
     layer_class: type[LlamaLayer] = GemmaLayer
     architecture = "Gemma2ForCausalLM"
-    refused_quantization = {
-        "gguf": "llama.cpp folds Gemma's (1 + w) into the GGUF norms and the reader does not map the "
-        "post-norms; serve the float checkpoint, with quantization='int8' for 8-bit weights",
-        "awq": _NOT_CHECKED,
-        "gptq": _NOT_CHECKED,
-    }
+    refused_quantization = {"awq": _NOT_CHECKED, "gptq": _NOT_CHECKED}
     split_refused = "its layers are not split yet"  # tensor and pipeline parallelism
     has_sliding_window = True  # the loader keeps the model's whole context (no clamp to the window)
     attn_softcap = True  # Gemma 2 soft-caps attention logits; Gemma 3 does not (transformers ignores it)

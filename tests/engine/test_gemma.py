@@ -143,7 +143,7 @@ def test_draft_speculation_and_a_prefill_decode_pair_match_transformers(gemma):
 
 
 @pytest.mark.parametrize("architecture", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
-@pytest.mark.parametrize("quantization", ["gguf", "awq", "gptq"])
+@pytest.mark.parametrize("quantization", ["awq", "gptq"])
 def test_packed_quantization_is_refused_naming_it_and_the_architecture(architecture, quantization):
     from specfleet.engine.models import model_class
 

@@ -31,6 +31,8 @@ class Decision:
     best_held: int  # the most blocks any engine really held
     cap_bound: bool  # an engine was over the load cap: the policy could not go everywhere
     differ: bool  # the exact index and the estimate pick different engines on this state
+    believed_engines: int = 0  # engines the estimate believes hold blocks of the prompt
+    holding_engines: int = 0  # engines that really hold some
 
 
 @dataclass
@@ -50,6 +52,11 @@ class DecisionLog:
             "stale_at_pick": sum(d.believed > d.held for d in ds),
             # the chosen engine held fewer of the prompt's blocks than another engine did
             "held_longer_elsewhere": sum(d.held < d.best_held for d in ds),
+            # the state the exact index is for: the estimate believes the prompt on several engines, and
+            # some of them evicted it while another still holds it
+            "believed_on_several_held_on_fewer": sum(
+                d.believed_engines > 1 and 0 < d.holding_engines < d.believed_engines for d in ds
+            ),
             "prompt_blocks": sum(d.prompt_blocks for d in ds),
             "held_blocks": sum(d.held for d in ds),
             "best_held_blocks": sum(d.best_held for d in ds),
@@ -80,6 +87,7 @@ class ShadowedPolicy:
         finally:
             self.policy.exact = routing
         held = {e.url: self.truth(e.url, request.hashes) or 0 for e in endpoints}
+        believed = [self.policy.index.match(e.url, request.hashes) for e in endpoints]
         cap = load_cap(endpoints, self.policy.load_factor)
         self.log.decisions.append(
             Decision(
@@ -91,6 +99,8 @@ class ShadowedPolicy:
                 best_held=max(held.values()),
                 cap_bound=any(e.outstanding + 1 > cap for e in endpoints),
                 differ=on_events is not None and on_estimate is not None and on_events.url != on_estimate.url,
+                believed_engines=sum(b > 0 for b in believed),
+                holding_engines=sum(h > 0 for h in held.values()),
             )
         )
         return choice

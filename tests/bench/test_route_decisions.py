@@ -46,6 +46,7 @@ def test_a_prefix_evicted_here_and_held_there_parts_the_picks() -> None:
     assert figures["picks_differ"] == figures["stale_at_pick"] == figures["held_longer_elsewhere"] == 1
     assert (figures["held_blocks"], figures["best_held_blocks"], figures["prompt_blocks"]) == (0, 27, 28)
     assert figures["cap_bound"] == 0 and figures["reasons"] == {"prefix": 1}
+    assert figures["believed_on_several_held_on_fewer"] == 1  # believed on A and B, held on B alone
     # on the events: the same state, B, which holds it
     events = PrefixAffinity()
     _estimate_on_both(events)
@@ -72,6 +73,7 @@ def test_the_shadow_changes_no_decision_and_logs_only_what_the_index_decides() -
         plain.routed(request, want.url)
         shadow.routed(request, got.url)
     assert len(shadow.log.decisions) == len(requests)
+    assert shadow.log.figures()["believed_on_several_held_on_fewer"] == 0  # no tenant was sent to both
     # the cap ceil(1.25 * (m + 1) / 2) excludes an engine only at (0, 3): 3 in flight, cap 3, B full
     assert shadow.log.figures()["cap_bound"] == 1
     # a chat request (hashed off the chat template) and a short prompt are not the index's to decide

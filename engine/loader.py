@@ -272,11 +272,12 @@ def kv_cache_blocks(
 
 
 def sliding_layers(model: LlamaModel | SplitModel, max_model_len: int) -> SlidingLayers | None:
-    """The model's sliding-window layers (Gemma 2/3), or None: no such layers, or a window that a sequence
-    never outgrows (the pool would only duplicate the full one)."""
+    """The model's sliding-window layers (Gemma 2/3), or None: no such layers, a window that a sequence
+    never outgrows (the pool would only duplicate the full one), or every layer sliding (a Gemma 3 of fewer
+    than six layers: the full pool would hold no layer to size it by, so all keep the whole sequence)."""
     window = getattr(model, "window", None)
     layers = frozenset(getattr(model, "sliding_layer_indices", lambda: ())())
-    if window is None or not layers or window >= max_model_len:
+    if window is None or not layers or window >= max_model_len or len(layers) >= model.args.num_layers:
         return None
     return SlidingLayers(layers, window)
 

@@ -195,6 +195,22 @@ def test_the_pools_share_the_memory_budget():
     assert sliding_blocks == full + 1 and full == (0.03 * 2**30 - 5 * per_layer) // (6 * per_layer)
 
 
+def test_a_gemma_whose_every_layer_slides_keeps_one_pool():
+    """A Gemma 3 of fewer than six layers slides on every layer: no full layer sizes a main pool, so there
+    is no second pool (every layer keeps the whole sequence; its attention still bounds the window) and the
+    cache is sized as for any model (a division by the full layers' zero bytes before)."""
+    from helpers import tiny_state
+    from specfleet.engine.loader import kv_cache_blocks, sliding_layers
+    from specfleet.engine.models.gemma import Gemma3Model
+
+    config = tiny_config("gemma3", num_hidden_layers=2, head_dim=16, sliding_window=5, vocab_size=256)
+    model = Gemma3Model(config, tiny_state(config), torch.float32, torch.device("cpu"))
+    assert model.sliding_layer_indices() == [0, 1]
+    assert sliding_layers(model, 64) is None
+    blocks = kv_cache_blocks(EngineConfig(model="x", kv_cache_gib=0.01), [model], 64, torch.device("cpu"))
+    assert blocks > 0
+
+
 # -- Gemma 2 and 3 engines past several windows, against transformers ---------------------------------
 
 WINDOW = 16

@@ -70,21 +70,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
 
+    params = write_checkpoint(args.arch, args.hidden, args.layers, args.out, args.intermediate, args.seed)
+    print(f"{args.arch}: {params / 1e6:.2f}M parameters -> {args.out}")
+    sys.stdout.flush()
+    return 0
+
+
+def write_checkpoint(
+    arch: str, hidden: int, layers: int, out: Path, intermediate: int | None = None, seed: int = 0
+) -> int:
+    """Writes the checkpoint (weights, config, the bundled tokenizer) to `out`; returns its parameter count."""
     import torch
     from specfleet.engine.model_source import resolve_model
     from transformers import AutoModelForCausalLM
 
     tokenizer = resolve_model("bundled://smollm2-135m-instruct").path
-    config = config_for(args.arch, args.hidden, args.layers, vocab=49152, intermediate=args.intermediate)
-    torch.manual_seed(args.seed)
+    config = config_for(arch, hidden, layers, vocab=49152, intermediate=intermediate)
+    torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    model.save_pretrained(args.out)
+    model.save_pretrained(out)
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(tokenizer / name, args.out / name)
-    params = sum(p.numel() for p in model.parameters())
-    print(f"{args.arch}: {params / 1e6:.2f}M parameters -> {args.out}")
-    sys.stdout.flush()
-    return 0
+        shutil.copy(tokenizer / name, out / name)
+    return sum(p.numel() for p in model.parameters())
 
 
 if __name__ == "__main__":

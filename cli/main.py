@@ -48,6 +48,10 @@ BENCHES = {
     ),
     "lora": ("specfleet.bench.lora", "many LoRA adapters in one batch vs the base and merged engines"),
     "gemma-kv": ("specfleet.bench.gemma_kv", "KV bytes per token of a Gemma 3 sequence at 8k vs all-global"),
+    "architectures": (
+        "specfleet.bench.architectures",
+        "decode tok/s of every architecture against Llama's at one parameter count, alternated",
+    ),
 }
 DRAFT = {"distill": ("specfleet.engine.spec_decode.distill", "distill a small draft model from the target")}
 

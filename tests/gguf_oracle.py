@@ -145,6 +145,20 @@ def reference(model: Any, prompts: list[list[int]] = PROMPTS, new: int = NEW):
     return tokens, logprobs
 
 
+def scored(model: Any, prompts: list[list[int]], continuations: list[list[int]]):
+    """transformers' log-probabilities of each given continuation token after its prefix, and of its own top
+    token there (teacher forcing: one forward pass per prompt)."""
+    import torch
+
+    given, best = [], []
+    with torch.inference_mode():
+        for ids, cont in zip(prompts, continuations):
+            logits = model(torch.tensor([ids + cont])).logits[0, len(ids) - 1 : -1].float().log_softmax(-1)
+            given.append(logits.gather(1, torch.tensor(cont)[:, None])[:, 0].tolist())
+            best.append(logits.max(-1).values.tolist())
+    return given, best
+
+
 def engine(gguf: Path, prompts: list[list[int]] = PROMPTS, new: int = NEW, **options: Any):
     """The engine's greedy tokens and chosen log-probabilities over the file, read with quantization="gguf"
     (native types stay quantized, float32 activations: the reference's dequantized weights times float32);

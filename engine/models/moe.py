@@ -3,7 +3,8 @@
 The router picks `top_k` of `num_experts` SwiGLU experts per token (kernels/moe_reference.route: softmax in
 float32, top k, renormalised always in Mixtral, when `norm_topk_prob` in Qwen3-MoE); the experts then run
 as grouped GEMMs, one matmul per expert over the rows routed to it (CPU: the native packed kernels per
-expert, so int8 expert weights come for free; CUDA: the Triton fused-MoE kernel over stacked weights).
+expert, so int8 and GGUF expert weights come for free; CUDA: the Triton fused-MoE kernel over stacked
+weights). A GGUF file's stacked `ffn_*_exps` are read one expert at a time (engine/quant/gguf_file.py).
 Qwen3-MoE keeps a dense MLP on its `mlp_only_layers` and on layers off its `decoder_sparse_step`.
 
 LoRA adapters add to the attention projections (q/k/v/o, Llama's maths). An adapter on the MLP is refused
@@ -137,12 +138,7 @@ _NOT_CHECKED = "not yet checked against transformers on expert weights; use quan
 class MixtralModel(LlamaModel):
     layer_class: type[LlamaLayer] = MoeLayer
     architecture = "MixtralForCausalLM"
-    refused_quantization = {
-        "gguf": "the GGUF reader does not map the stacked expert tensors (ffn_*_exps) yet; serve the float "
-        "checkpoint, with quantization='int8' for 8-bit expert weights",
-        "awq": _NOT_CHECKED,
-        "gptq": _NOT_CHECKED,
-    }
+    refused_quantization = {"awq": _NOT_CHECKED, "gptq": _NOT_CHECKED}
     split_refused = "experts are not split across ranks yet"  # tensor and pipeline parallelism
 
     @classmethod

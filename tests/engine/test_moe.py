@@ -141,7 +141,7 @@ def test_unsupported_features_are_refused_by_name(arch, options, message):
         LLM(model=url, block_size=4, **options)
 
 
-@pytest.mark.parametrize(("kind", "quantization"), [("mixtral", "gguf"), ("qwen3moe", "awq")])
+@pytest.mark.parametrize(("kind", "quantization"), [("mixtral", "gptq"), ("qwen3moe", "awq")])
 def test_unsupported_quantization_is_refused_naming_it_and_the_architecture(kind, quantization):
     from specfleet.engine.models import model_class
 

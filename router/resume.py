@@ -128,6 +128,9 @@ class StreamRelay:
     done: bool = False  # [DONE] reached the client
     cut: str | None = None  # why the current engine's answer is being dropped
     resumed: bool = False  # a later engine answers: its chunks take the first engine's identity
+    # The stream's first event is compact JSON (no `": `): one engine's serializer writes the rest alike, so
+    # the runs after it are not scanned for `": ` again (the markers below read compact JSON only)
+    compact: bool = False
     _kept: bytearray = field(default_factory=bytearray)
 
     def feed(self, chunk: bytes) -> bytes:
@@ -142,6 +145,7 @@ class StreamRelay:
         out = []
         if self.identity is None and events.startswith(b"data: {"):  # the stream's first event: parsed
             first, _, events = events.partition(b"\n\n")  # alone (it sets the identity), the rest at once
+            self.compact = b'": ' not in first
             passed = self._event(first)
             if self.cut is not None:
                 return b""
@@ -162,12 +166,12 @@ class StreamRelay:
         """Whether a run of whole events goes to the client untouched, decided over the run at once (a
         few byte scans instead of one pass per event): the first engine's, in compact JSON, with no token
         ids to take out and nothing the parsed path looks for (a cut, another choice)."""
-        if not events or self.identity is None or self.resumed or _TOKEN_IDS in events or b'": ' in events:
+        if not events or self.identity is None or self.resumed or not self.compact or _TOKEN_IDS in events:
             return False
-        # Each scan reads the whole run (about 2 ns a byte: a whole 64-event answer in one read took 7 scans,
-        # a third of the router's CPU per request in `specfleet bench router-profile`): an abort is a
-        # finish_reason, looked for only where a choice finished; [DONE] ends a stream, looked for inside
-        # the run only where the run does not end with it.
+        # Each scan reads the whole run, about 2 ns a byte (a 64-event answer of 10 KB in one read took 7
+        # scans, 10-30 us each, a third of the router's CPU per request in `specfleet bench router`): the
+        # JSON's form is read off the first event; an abort is a finish_reason, looked for only where a
+        # choice finished; [DONE] ends a stream, looked for inside the run only where it does not end it.
         finished = _FINISHED in events
         if (finished and _ABORTED in events) or any(m in events for m in _SLOW_MARKERS[1:]):
             return False

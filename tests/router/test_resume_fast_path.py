@@ -9,6 +9,7 @@ import json
 import random
 
 import pytest
+from specfleet.router.policies import RouteRequest
 from specfleet.router.resume import StreamRelay
 
 
@@ -45,7 +46,7 @@ def relay_all(pieces: list[bytes], fast: bool, monkeypatch: pytest.MonkeyPatch) 
     with monkeypatch.context() as patch:
         if not fast:
             patch.setattr(StreamRelay, "_as_they_came", lambda self, events: False)
-        relay = StreamRelay({"prompt": "p", "stream": True}, (None, set(), {}))  # type: ignore[arg-type]
+        relay = StreamRelay({"prompt": "p", "stream": True}, (RouteRequest(), set(), {}))
         out = b"".join(relay.feed(piece) for piece in pieces)
     return out, relay
 

@@ -35,12 +35,12 @@ from typing import Any
 from specfleet.bench import stoppable
 from specfleet.bench.proxy_load import Connection, completion_request, start_upstream
 from specfleet.bench.router_cost import (
+    CLOCK_TICKS,
     HOST,
     PROMPT,
     ROUTER_FROM_SOURCE,
     Proxies,
     Target,
-    cpu_seconds,
     free_port,
     pin_cores,
     use_uvloop,
@@ -69,6 +69,12 @@ runpy.run_module("specfleet.router", run_name="__main__")
 """
 WARMUP_PER_CONNECTION = 20  # requests on each connection before the measured load: pools, caches, JIT-free
 TOP_FUNCTIONS = 25
+
+
+def user_system_seconds(pid: int) -> tuple[float, float]:
+    """A process's user and system CPU seconds so far (/proc/PID/stat fields 14 and 15)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
 async def fixed_load(port: int, concurrency: int, requests: int, warm: Callable[[], None]) -> float:
@@ -186,15 +192,20 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
                 await wait_ready(target, proxies)
                 pid = target.pid
                 assert pid is not None
-                cpu = [0.0]
+                cpu = [(0.0, 0.0)]
 
-                def warm(pid: int = pid, profiled: bool = stats is not None, cpu: list[float] = cpu) -> None:
+                def warm(
+                    pid: int = pid, profiled: bool = stats is not None, cpu: list[tuple[float, float]] = cpu
+                ) -> None:
                     if profiled:
                         os.kill(pid, signal.SIGUSR1)
-                    cpu[0] = cpu_seconds(pid)
+                    cpu[0] = user_system_seconds(pid)
 
                 seconds = await fixed_load(target.port, args.concurrency, args.requests, warm)
-                used = cpu_seconds(pid) - cpu[0]
+                user, system = (
+                    after - before for after, before in zip(user_system_seconds(pid), cpu[0], strict=True)
+                )
+                used = user + system
                 if stats is not None:
                     os.kill(pid, signal.SIGUSR2)
                     await wait_for_file(stats)
@@ -203,6 +214,12 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
             row = {
                 "rps": round(args.requests / seconds, 1),
                 "cpu_us_per_request": round(1e6 * used / args.requests, 1),
+                "user_us_per_request": round(
+                    1e6 * user / args.requests, 1
+                ),  # the router's own code, in C too
+                "system_us_per_request": round(
+                    1e6 * system / args.requests, 1
+                ),  # the kernel: its socket calls
             }
             if stats is not None:
                 row.update(summarize_profile(stats, args.requests, args.router_src))
@@ -267,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         "concurrency": result["concurrency"],
         "requests": result["requests"],
         "cpu_us_per_request": result["plain"]["cpu_us_per_request"],
+        "user_us_per_request": result["plain"]["user_us_per_request"],
+        "system_us_per_request": result["plain"]["system_us_per_request"],
         "rps": result["plain"]["rps"],
         "profiled_us_per_request": result["profiled"]["profiled_us_per_request"],
     }

@@ -42,6 +42,9 @@ def test_the_profile_runs_end_to_end_on_the_router(tmp_path: Path) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     summary = json.loads(proc.stdout.strip().splitlines()[-1])
     assert summary["cpu_us_per_request"] > 0 and summary["rps"] > 0 and summary["requests"] == 200
+    assert summary["user_us_per_request"] + summary["system_us_per_request"] == pytest.approx(
+        summary["cpu_us_per_request"], abs=0.2
+    )
     profiled = json.loads(out.read_text())["profiled"]
     assert profiled["by_package_us_per_request"]["router/front.py"] > 0
     assert any("front.py" in row["function"] for row in profiled["top_functions"])

@@ -7,15 +7,22 @@ transformers' GGUF loader's greedy tokens with its log-probabilities, in f32 and
 A GGUF file does not carry Gemma's query_pre_attn_scalar or layer pattern: the checkpoints keep
 transformers' defaults for them (256; Gemma 2 alternating, Gemma 3 five sliding layers to one full), which
 is what a reader of the file, transformers' or the engine, assumes. The window (5 tokens) is short enough
-that the sliding layers drop keys in every prompt that is longer. Gemma 2's converter reads a sentencepiece
-tokenizer.model only: its checkpoint has one trained here, of 300 pieces in a vocabulary of 512; and it
-drops lm_head (Gemma 2 ties it to the embedding), so that checkpoint is tied."""
+that the sliding layers drop keys in every prompt that is longer. Gemma 2's converter drops lm_head (Gemma 2
+ties it to the embedding), so that checkpoint is tied."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gguf_oracle import convert, converter_source, engine, reference, transformers_gguf, write_checkpoint
+from gguf_oracle import (
+    VOCAB,
+    convert,
+    converter_source,
+    engine,
+    reference,
+    transformers_gguf,
+    write_checkpoint,
+)
 from helpers import tiny_config
 from specfleet.kernels import cpu_native
 
@@ -24,20 +31,12 @@ pytestmark = [
     pytest.mark.skipif(not cpu_native.available(), reason="native kernels did not build"),
 ]
 LOGPROB_ATOL = {"f32": 1e-3, "q8_0": 2e-3}  # as test_gguf_qwen3_phi3.py
-PROMPTS = [
-    [2, 5, 9, 200, 31, 7, 77, 100, 4, 4, 19, 23, 88, 90, 91, 92, 93, 500],
-    [42],
-    [2, 1, 4, 1, 5, 9, 2, 6],
-]
-# (tiny_config kind, overrides, tokenizer)
+# (tiny_config kind, overrides): both with the tests' own sentencepiece tokenizer (gguf_oracle.VOCAB)
 CASES = {
-    "gemma2": (
-        "gemma2",
-        dict(num_hidden_layers=4, head_dim=16, sliding_window=5, vocab_size=512, tie_word_embeddings=True),
-        "sentencepiece",
-    ),
-    "gemma3": ("gemma3", dict(num_hidden_layers=6, head_dim=16, sliding_window=5), "bundled"),
+    "gemma2": ("gemma2", dict(num_hidden_layers=4, tie_word_embeddings=True)),
+    "gemma3": ("gemma3", dict(num_hidden_layers=6)),
 }
+COMMON = dict(head_dim=16, sliding_window=5, vocab_size=VOCAB)
 
 
 @pytest.fixture(scope="module", params=[(case, t) for case in CASES for t in ("f32", "q8_0")], ids=str)
@@ -45,14 +44,14 @@ def converted(request, tmp_path_factory, bundled_path):
     """(outtype, the engine's tokens and logprobs, transformers' GGUF tokens and logprobs)."""
     case, outtype = request.param
     converter_source()  # skip (or fail under CI) before building anything
-    kind, overrides, tokenizer = CASES[case]
-    config = tiny_config(kind, **overrides)
+    kind, overrides = CASES[case]
+    config = tiny_config(kind, **COMMON, **overrides)
     folder = tmp_path_factory.mktemp(f"{case}-{outtype}")
-    gguf = convert(write_checkpoint(folder / "hf", config, bundled_path, tokenizer), folder, outtype)
+    gguf = convert(write_checkpoint(folder / "hf", config, bundled_path), folder, outtype)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECFLEET_CACHE", str(folder / "cache"))
-        got = engine(gguf, PROMPTS)
-    return outtype, got, reference(transformers_gguf(gguf, config), PROMPTS)
+        got = engine(gguf)
+    return outtype, got, reference(transformers_gguf(gguf, config))
 
 
 def test_converted_gguf_matches_transformers_gguf_loader(converted):

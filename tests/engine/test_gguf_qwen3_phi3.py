@@ -8,7 +8,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from gguf_oracle import convert, converter_source, engine, reference, transformers_gguf, write_checkpoint
+from gguf_oracle import (
+    VOCAB,
+    convert,
+    converter_source,
+    engine,
+    reference,
+    transformers_gguf,
+    write_checkpoint,
+)
 from helpers import tiny_config
 from specfleet.kernels import cpu_native
 
@@ -22,7 +30,7 @@ LOGPROB_ATOL = {"f32": 1e-3, "q8_0": 2e-3}
 # name -> (tiny_config kind, overrides, LLM options)
 CASES = {
     "qwen3": ("qwen3", {}, {}),
-    "phi3": ("phi3", {}, {}),
+    "phi3": ("phi3", dict(pad_token_id=0), {}),  # Phi3Config's default pad id, 32000, is past VOCAB
     # Phi-4-mini's partial rotary with LongRoPE: the converter writes the factors as rope_factors_long/short
     # tensors and the rotated width as rope.dimension_count. Every sequence here fits the original window,
     # where transformers rotates with the short factors, and so does the engine when its context does.
@@ -36,6 +44,7 @@ CASES = {
                 "long_factor": [3.0, 5.0, 7.0, 9.0],
             },
             original_max_position_embeddings=64,
+            pad_token_id=0,
         ),
         dict(max_model_len=64),
     ),
@@ -48,10 +57,9 @@ def converted(request, tmp_path_factory, bundled_path):
     case, outtype = request.param
     converter_source()  # skip (or fail under CI) before building anything
     kind, overrides, options = CASES[case]
-    config = tiny_config(kind, **overrides)
+    config = tiny_config(kind, vocab_size=VOCAB, **overrides)
     folder = tmp_path_factory.mktemp(f"{case}-{outtype}")
-    tokenizer = "gpt2" if kind == "phi3" else "bundled"
-    gguf = convert(write_checkpoint(folder / "hf", config, bundled_path, tokenizer), folder, outtype)
+    gguf = convert(write_checkpoint(folder / "hf", config, bundled_path), folder, outtype)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SPECFLEET_CACHE", str(folder / "cache"))
         got = engine(gguf, **options)

@@ -112,6 +112,57 @@ def original_window(config) -> int | None:
     return params.get("original_max_position_embeddings") or config.original_max_position_embeddings
 
 
+_FUSED = {
+    "self_attn.qkv_proj.weight": ("q_proj", "k_proj", "v_proj"),
+    "mlp.gate_up_proj.weight": ("gate_proj", "up_proj"),
+}
+
+
+class _SplitState(Mapping[str, "torch.Tensor | QuantTensor"]):
+    """The checkpoint under Llama's names, each fused tensor split when one of its pieces is asked for. The
+    state may be lazy (a GGUF file, gguf_file.GGUFState): the fused tensor is read once, its pieces kept
+    until the next fused tensor is read (the layer takes q, k, v, then gate, up, in turn)."""
+
+    def __init__(
+        self, state: Mapping[str, torch.Tensor | QuantTensor], sizes: list[int], head_dim: int, perm
+    ):
+        self._state, self._sizes, self._head_dim, self._perm = state, sizes, head_dim, perm
+        self._names: dict[str, tuple[str, int]] = {}  # name -> (the state's name, piece; -1: as is)
+        for name in state:
+            suffix = next((f for f in _FUSED if name.endswith(f)), None)
+            if suffix is None:
+                self._names[name] = (name, -1)
+                continue
+            base = name.removesuffix(suffix)
+            module = suffix.split(".")[0]
+            for i, piece in enumerate(_FUSED[suffix]):
+                self._names[f"{base}{module}.{piece}.weight"] = (name, i)
+        self._pieces: tuple[str, list[torch.Tensor | QuantTensor]] | None = None
+
+    def __getitem__(self, name: str) -> torch.Tensor | QuantTensor:
+        source, piece = self._names[name]
+        if piece < 0:
+            return self._state[source]
+        if self._pieces is None or self._pieces[0] != source:
+            self._pieces = None  # dropped before the next fused tensor is read
+            w = self._state[source]
+            if source.endswith("qkv_proj.weight"):
+                parts = _split(w, self._sizes, self._head_dim, self._perm)
+            else:
+                parts = _split(w, [w.shape[0] // 2] * 2, self._head_dim, self._perm)
+            self._pieces = (source, parts)
+        return self._pieces[1][piece]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._names  # without reading the tensor
+
+    def __iter__(self):
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
 # PEFT's module names on Phi3ForCausalLM -> (the engine's fused projection, first piece, pieces spanned)
 LORA_TARGETS = {
     "qkv_proj": ("qkv", 0, 3),
@@ -139,24 +190,7 @@ class Phi3Model(LlamaModel):
         a = LlamaArgs.from_hf(config)
         perm = head_permutation(a.head_dim, rotary_dim(config, a.head_dim))
         sizes = [a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim, a.num_kv_heads * a.head_dim]
-        out: dict[str, torch.Tensor | QuantTensor] = {}
-        for name, w in state.items():
-            if not (name.endswith("self_attn.qkv_proj.weight") or name.endswith("mlp.gate_up_proj.weight")):
-                out[name] = w
-            elif name.endswith("self_attn.qkv_proj.weight"):
-                base = name.removesuffix("qkv_proj.weight")
-                q, k, v = _split(w, sizes, a.head_dim, perm)
-                out[f"{base}q_proj.weight"], out[f"{base}k_proj.weight"], out[f"{base}v_proj.weight"] = (
-                    q,
-                    k,
-                    v,
-                )
-            else:
-                base = name.removesuffix("gate_up_proj.weight")
-                half = w.shape[0] // 2
-                gate, up = _split(w, [half, half], a.head_dim, perm)
-                out[f"{base}gate_proj.weight"], out[f"{base}up_proj.weight"] = gate, up
-        return out
+        return _SplitState(state, sizes, a.head_dim, perm)
 
     def lora_shape(self) -> ModelShape:
         """The fused modules PEFT names, and the fused q/k/v columns in the order llama_state put the rows."""

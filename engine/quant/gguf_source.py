@@ -22,6 +22,9 @@ from specfleet.engine.model_source import ResolvedModel
 log = logging.getLogger("specfleet.engine.loader")
 
 MARKER = "specfleet-gguf-metadata.json"  # written last: the folder is whole
+# Part of a metadata folder's key: raised when what is written changes (2: completed_config), so that a folder
+# written before is not read as this one.
+METADATA_VERSION = 2
 
 
 def gguf_file(source: str) -> tuple[Path, str] | None:
@@ -62,9 +65,10 @@ def resolve_source(source: str, quantization: str | None) -> ResolvedModel:
 
 def metadata_folder(gguf: Path) -> Path:
     """config.json, generation_config.json and the tokenizer of a GGUF file, made once across processes,
-    keyed by the file's identity; readers see all or none (cache_dir.py)."""
+    keyed by the file's identity and how the folder is written; readers see all or none (cache_dir.py)."""
     stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}".encode()).hexdigest()[:16]
+    identity = f"{gguf.resolve()}:{stat.st_size}:{int(stat.st_mtime)}:{METADATA_VERSION}"
+    key = hashlib.sha256(identity.encode()).hexdigest()[:16]
     target = model_source.cache_root() / "models" / f"{gguf.stem}-{key}-metadata"
 
     def write(folder: Path) -> None:

@@ -38,33 +38,7 @@ class RouterMetrics:
             ["policy", "reason"],
             registry=r,
         )
-        self.prefix_match = Histogram(
-            "specfleet_router_prefix_match_tokens",
-            "Estimated prompt tokens the chosen engine holds in its "
-            "prefix cache (the router's index, in blocks times block size)",
-            registry=r,
-            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096),
-        )
-        # The index's own hit rate, as the engines count theirs (specfleet_prefix_cache_hits / _queries):
-        # per routing decision the prompt's full blocks (`prompt`) and the leading ones the chosen engine
-        # is taken to hold (`matched`: the exact index's for an engine publishing KV events, else the
-        # estimate's; 0 under a policy that keeps no index).
-        self.prefix_blocks = Counter(
-            "specfleet_router_prefix_blocks",
-            "Prompt blocks routed (kind=prompt) and of those the chosen engine's index held (kind=matched)",
-            ["kind"],
-            registry=r,
-        )
-        # Chat requests by how their blocks were hashed (router/chat_template.py): `rendered` with the
-        # model's chat template as the engine renders them (matched on the engines' KV events where they
-        # publish), else the reason they were flattened and matched on the estimate (chat_template.REASONS)
-        self.chat_prompts = Counter(
-            "specfleet_router_chat_prompts",
-            "Chat requests hashed with the model's chat template (outcome=rendered) or on the estimate "
-            "(outcome: why the router could not render them as the engine does)",
-            ["outcome"],
-            registry=r,
-        )
+        self._add_prefix_metrics(r)
         self.endpoints = Gauge(
             "specfleet_router_endpoints", "Engines known to the router by state", ["state"], registry=r
         )
@@ -91,6 +65,36 @@ class RouterMetrics:
             "Time requests waited for a ready engine",
             registry=r,
             buckets=(0.1, 0.5, 1, 2, 5, 10, 30, 60, 120, 300),
+        )
+
+    def _add_prefix_metrics(self, r: CollectorRegistry) -> None:
+        """What the router's prefix index (estimate or exact) took each routed prompt to hold."""
+        self.prefix_match = Histogram(
+            "specfleet_router_prefix_match_tokens",
+            "Estimated prompt tokens the chosen engine holds in its "
+            "prefix cache (the router's index, in blocks times block size)",
+            registry=r,
+            buckets=(0, 16, 64, 128, 256, 512, 1024, 2048, 4096),
+        )
+        # The index's own hit rate, as the engines count theirs (specfleet_prefix_cache_hits / _queries):
+        # per routing decision the prompt's full blocks (`prompt`) and the leading ones the chosen engine
+        # is taken to hold (`matched`: the exact index's for an engine publishing KV events, else the
+        # estimate's; 0 under a policy that keeps no index).
+        self.prefix_blocks = Counter(
+            "specfleet_router_prefix_blocks",
+            "Prompt blocks routed (kind=prompt) and of those the chosen engine's index held (kind=matched)",
+            ["kind"],
+            registry=r,
+        )
+        # Chat requests by how their blocks were hashed (router/chat_template.py): `rendered` with the
+        # model's chat template as the engine renders them (matched on the engines' KV events where they
+        # publish), else the reason they were flattened and matched on the estimate (chat_template.REASONS)
+        self.chat_prompts = Counter(
+            "specfleet_router_chat_prompts",
+            "Chat requests hashed with the model's chat template (outcome=rendered) or on the estimate "
+            "(outcome: why the router could not render them as the engine does)",
+            ["outcome"],
+            registry=r,
         )
 
     def observe_endpoints(self, endpoints: EndpointSet) -> None:

@@ -469,30 +469,36 @@ class Router:
                 logger.warning("event=broken engine=%s error=%r", url, f"{type(error).__name__}: {error}")
                 await _tell_broken(out, upstream, request.get(NOT_RESUMABLE))
             finally:
-                if self.tracer is not None:
-                    self.tracer.answered(upstream.status, outcome, upstream.headers)
-                self.metrics.requests.labels(url, outcome).inc()
-                self.metrics.prefix_match.observe(choice.match_blocks * self.hasher.block_size)
-                level = logging.INFO
-                if outcome == "ok":
-                    self._ok_count += 1
-                    level = logging.INFO if self._ok_count % ACCESS_LOG_SAMPLE == 1 else logging.DEBUG
-                logger.log(
-                    level,
-                    "event=request engine=%s policy=%s reason=%s match_blocks=%d status=%d outcome=%s "
-                    "attempt=%d ms=%.0f",
-                    url,
-                    self.policy.name,
-                    choice.reason,
-                    choice.match_blocks,
-                    upstream.status,
-                    outcome,
-                    attempt,
-                    1000 * (time.monotonic() - started),
-                )
+                self._answered(url, upstream, outcome, choice, attempt, started)
             return out
         finally:
             upstream.close()  # on a client disconnect this drops the engine's connection: it aborts
+
+    def _answered(
+        self, url: str, upstream: EngineResponse, outcome: str, choice: Choice, attempt: int, started: float
+    ) -> None:
+        """A forwarded request's bookkeeping once its answer ended: trace, metrics and the access log line
+        (every outcome but `ok` at INFO; one `ok` in ACCESS_LOG_SAMPLE at INFO, the rest at DEBUG)."""
+        if self.tracer is not None:
+            self.tracer.answered(upstream.status, outcome, upstream.headers)
+        self.metrics.requests.labels(url, outcome).inc()
+        self.metrics.prefix_match.observe(choice.match_blocks * self.hasher.block_size)
+        level = logging.INFO
+        if outcome == "ok":
+            self._ok_count += 1
+            level = logging.INFO if self._ok_count % ACCESS_LOG_SAMPLE == 1 else logging.DEBUG
+        logger.log(
+            level,
+            "event=request engine=%s policy=%s reason=%s match_blocks=%d status=%d outcome=%s attempt=%d ms=%.0f",
+            url,
+            self.policy.name,
+            choice.reason,
+            choice.match_blocks,
+            upstream.status,
+            outcome,
+            attempt,
+            1000 * (time.monotonic() - started),
+        )
 
 
 def _release_when_prefilled(prefilling: asyncio.Future[dict[str, Any] | None]) -> None:

@@ -97,6 +97,13 @@ def build_parser() -> argparse.ArgumentParser:
         help='/v1/embeddings\' pooling as vLLM spells it, e.g. \'{"pooling_type": "MEAN", "normalize": true}\' '
         "(default: LAST, normalised, as vLLM's embed runner for decoder models)",
     )
+    add_remote_prefill_args(p)
+    add_chat_args(p)
+    return p
+
+
+def add_remote_prefill_args(p: argparse.ArgumentParser) -> None:
+    """A decode engine behind a gateway's endpoint picker (docs/server.md, P/D under the endpoint picker)."""
     p.add_argument(
         remote_prefill.FLAG,
         nargs="*",
@@ -115,8 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
         f"{prefill_signature.KEY_FILE_FLAG}); an unsigned or forged header is ignored and the request runs "
         f"aggregated. Implies {remote_prefill.FLAG}; with CIDRs there too, both must hold",
     )
-    add_chat_args(p)
-    return p
 
 
 def add_chat_args(p: argparse.ArgumentParser) -> None:

@@ -48,6 +48,7 @@ OPERATOR_FLAGS: tuple[str, ...] = (
     "--enable-lora",
     "--max-loras",
     "--max-lora-rank",
+    "--kv-events-config",  # routing.kvEvents: the router subscribes on the ports it names
 )
 
 

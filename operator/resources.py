@@ -49,6 +49,13 @@ ROLES = ("prefill", "decode")
 # from it and the router sends its hold releases to it. Not in any Service: peers dial the pod IP the
 # prefill engine names in its kv_transfer_params.
 KV_TRANSFER_PORT = 8002
+# The engines' KV events (routing.kvEvents, engine/kv_events.py): the ZeroMQ PUB socket on vLLM's default
+# port (and llm-d's socketPort) and the replay socket beside it, the same on every engine pod, so that the
+# router derives each discovered engine's sockets from its pod IP. Not in any Service.
+KV_EVENTS_PORT = 5557
+KV_EVENTS_REPLAY_PORT = 5558
+# The model's tokenizer files in the router pods (an emptyDir the router's init step fills; `--tokenizer`).
+TOKENIZER_DIR = "/var/lib/specfleet/tokenizer"
 # Multi-node engines (a LeaderWorkerSet): worker pods carry this label instead of LABEL_ISVC, so that what
 # selects engines (the Services, the PDB, the tuner's pod list, the ServiceMonitor) selects leaders only.
 LABEL_WORKER_OF = f"{GROUP}/worker-of"

@@ -26,6 +26,8 @@ from ..resources import (
     CACHE_DIR,
     ENGINE_CONTAINER,
     ENGINE_PORT,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
     KV_TRANSFER_PORT,
     LABEL_ROLE,
     PREFILL_KEY_DIR,
@@ -186,6 +188,32 @@ def _with_prefill_key(args: list[str], isvc: InferenceService, role: str | None)
         return args
     at = len(args) - len(isvc.spec.engine.extra_args)
     return [*args[:at], *PREFILL_KEY_ARGS, *args[at:]]
+
+
+KV_EVENTS_FLAG = "--kv-events-config"
+
+
+def kv_events_config() -> dict[str, Any]:
+    """vLLM's KVEventsConfig the engines publish with under routing.kvEvents: the PUB and replay sockets
+    bound on every address of the pod, on the same ports in every pod (the router derives them from the pod
+    IPs it discovers); the buffer, high-water mark and topic are vLLM's defaults."""
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{KV_EVENTS_PORT}",
+        "replay_endpoint": f"tcp://*:{KV_EVENTS_REPLAY_PORT}",
+    }
+
+
+def _with_kv_events(args: list[str], spec: InferenceServiceSpec) -> list[str]:
+    """`--kv-events-config` when the router routes on the engines' KV events, before `engine.extraArgs`.
+    Not in engine_args: the local fleet (`specfleet up`) runs every engine on one host and gives each
+    sockets of its own (fleet/supervisor.py)."""
+    if not spec.routing.routes_on_kv_events:
+        return args
+    at = len(args) - len(spec.engine.extra_args)
+    config = json.dumps(kv_events_config(), separators=(",", ":"))
+    return [*args[:at], KV_EVENTS_FLAG, config, *args[at:]]
 
 
 def termination_grace_seconds(spec: InferenceServiceSpec) -> int:
@@ -360,10 +388,15 @@ def _engine_container(
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.engine"],
-        "args": _with_prefill_key(
-            _with_live_config(engine_args(spec, model.engine_uri, draft_uri, role), spec, role), isvc, role
+        "args": _with_kv_events(
+            _with_prefill_key(
+                _with_live_config(engine_args(spec, model.engine_uri, draft_uri, role), spec, role),
+                isvc,
+                role,
+            ),
+            spec,
         ),
-        "ports": _engine_ports(role),
+        "ports": _engine_ports(role, spec.routing.routes_on_kv_events),
         "env": _env(isvc, role, extra_env),
         **({"envFrom": [dict(e) for e in spec.pod.env_from]} if spec.pod.env_from else {}),
         "resources": _resources(spec, _sum_quantities([model.ephemeral_storage, draft.ephemeral_storage])),
@@ -389,8 +422,8 @@ def _engine_container(
     }
 
 
-def _engine_ports(role: str | None) -> list[dict[str, Any]]:
-    """HTTP, admin and, on a prefill pod, the KV transfer port."""
+def _engine_ports(role: str | None, kv_events: bool) -> list[dict[str, Any]]:
+    """HTTP, admin, on a prefill pod the KV transfer port, and the KV events' sockets when they publish."""
     return [
         {"name": "http", "containerPort": ENGINE_PORT, "protocol": "TCP"},
         # not in the Service: the tuner reaches it on the pod IP (docs/operator.md, admin port)
@@ -398,6 +431,15 @@ def _engine_ports(role: str | None) -> list[dict[str, Any]]:
         *(
             [{"name": "kv", "containerPort": KV_TRANSFER_PORT, "protocol": "TCP"}]
             if role == "prefill"
+            else []
+        ),
+        # not in any Service either: the router subscribes to each engine pod on its IP
+        *(
+            [
+                {"name": "kv-events", "containerPort": KV_EVENTS_PORT, "protocol": "TCP"},
+                {"name": "kv-replay", "containerPort": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"},
+            ]
+            if kv_events
             else []
         ),
     ]

@@ -14,8 +14,11 @@ from ..inference_service import InferenceService
 from ..resources import (
     ENGINE_PORT,
     EPP_PORT,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
     LABEL_ROLE,
     ROUTER_PORT,
+    TOKENIZER_DIR,
     common_labels,
     engines_service_name,
     role_selector_labels,
@@ -38,6 +41,7 @@ from .deployment import (
 )
 from .inference_pool import EPP_PORT_NAME, render_endpoint_picker_children
 from .slo import slo_service_labels
+from .tokenizer import TOKENIZER_MOUNT, tokenizer_init_container, tokenizer_volumes
 
 # The router holds no model: a few hundred MB covers aiohttp, the prefix index (65,536 hashes per engine,
 # ~10 MB) and its buffers; one core forwards thousands of requests a second.
@@ -58,6 +62,22 @@ def _metadata(isvc: InferenceService, name: str, labels: dict[str, str]) -> dict
         "labels": labels,
         "ownerReferences": [owner_reference(isvc)],
     }
+
+
+def kv_events_args(isvc: InferenceService) -> list[str]:
+    """routing.kvEvents with the prefix policy: subscribe to every discovered engine's KV events on the
+    ports the engines publish on (deployment.py kv_events_config), read with the model's tokenizer the init
+    step copies (tokenizer.py)."""
+    if not isvc.spec.routing.routes_on_kv_events:
+        return []
+    return [
+        "--tokenizer",
+        TOKENIZER_DIR,
+        "--kv-events-port",
+        str(KV_EVENTS_PORT),
+        "--kv-events-replay-port",
+        str(KV_EVENTS_REPLAY_PORT),
+    ]
 
 
 def router_args(isvc: InferenceService) -> list[str]:
@@ -95,6 +115,7 @@ def router_args(isvc: InferenceService) -> list[str]:
         str(spec.engine.block_size),
         "--model",
         spec.model.source,
+        *kv_events_args(isvc),
         # the engine's termination sequence and timings (deployment.py): an in-flight stream gets as long
         # through a router restart as through an engine's
         "--shutdown-delay",
@@ -137,9 +158,16 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
     config = config or OperatorConfig()
     routing = isvc.spec.routing
     http = {"path": "/ready", "port": "http"}
+    image = routing.image or config.router_image
+    kv_events = routing.routes_on_kv_events
+    mounts = [*([TOKENIZER_MOUNT] if kv_events else []), *([PREFILL_KEY_MOUNT] if isvc.signs_prefill else [])]
+    volumes = [
+        *(tokenizer_volumes(isvc) if kv_events else []),
+        *([prefill_key_volume(isvc)] if isvc.signs_prefill else []),
+    ]
     container = {
         "name": "router",
-        "image": routing.image or config.router_image,
+        "image": image,
         "imagePullPolicy": isvc.spec.engine.image_pull_policy,
         "command": ["python", "-m", "specfleet.router"],
         "args": router_args(isvc),
@@ -162,7 +190,7 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
         # PRESTOP_SLEEP_SECONDS, for the same EndpointSlice propagation).
         "lifecycle": {"preStop": {"exec": {"command": ["sleep", str(PRESTOP_SLEEP_SECONDS)]}}},
         "securityContext": CONTAINER_SECURITY_CONTEXT,
-        **({"volumeMounts": [PREFILL_KEY_MOUNT]} if isvc.signs_prefill else {}),
+        **({"volumeMounts": mounts} if mounts else {}),
     }
     return {
         "apiVersion": "apps/v1",
@@ -192,8 +220,13 @@ def render_router_deployment(isvc: InferenceService, config: OperatorConfig | No
                         **({"fsGroup": RUN_AS_USER} if isvc.signs_prefill else {}),
                         "seccompProfile": {"type": "RuntimeDefault"},
                     },
+                    **(
+                        {"initContainers": [tokenizer_init_container(isvc, config, image)]}
+                        if kv_events
+                        else {}
+                    ),
                     "containers": [container],
-                    **({"volumes": [prefill_key_volume(isvc)]} if isvc.signs_prefill else {}),
+                    **({"volumes": volumes} if volumes else {}),
                     # preStop + shutdown delay + drain timeout + margin, as the engine's (router_args)
                     "terminationGracePeriodSeconds": termination_grace_seconds(isvc.spec),
                     **router_placement(isvc),

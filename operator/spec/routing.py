@@ -125,6 +125,13 @@ class RoutingSpec(_Spec):
         description="prefix: the engine estimated to hold the longest prefix of the prompt, "
         "bounded by load; least-loaded: fewest requests in flight; round-robin.",
     )
+    kv_events: bool = Field(
+        True,
+        description="prefix policy: the engines publish their KV cache events (vLLM's --kv-events-config) and "
+        "the router subscribes to each engine it discovers and routes on the blocks the engines hold, read "
+        "with the model's tokenizer (copied into the router pods at start); false: the router estimates "
+        "them from its own routing.",
+    )
     load_factor_percent: int = Field(
         125,
         ge=100,
@@ -174,6 +181,11 @@ class RoutingSpec(_Spec):
         "services serving it (weight / sum of weights); 0 takes it out of the split. Requests with a session "
         "id stay on one service.",
     )
+
+    @property
+    def routes_on_kv_events(self) -> bool:
+        """The engines publish KV events and the router routes on them (docs/router.md, the exact index)."""
+        return self.enabled and self.policy == "prefix" and self.kv_events
 
     @model_validator(mode="after")
     def _endpoint_picker_routing(self) -> RoutingSpec:

@@ -35,7 +35,7 @@ class FakeEnginePublisher:
     free one), a thread that answers replay requests from the batches published so far."""
 
     def __init__(self, host: str, port: int = 0, replay_port: int = 0) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self.pub, self.replay = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
         try:
             self.port = _bind(self.pub, host, port)
@@ -78,7 +78,7 @@ class FakeEnginePublisher:
         self.replay.close(linger=0)
 
 
-def _bind(sock: zmq.Socket, host: str, port: int) -> int:
+def _bind(sock: zmq.Socket[bytes], host: str, port: int) -> int:
     if port:
         sock.bind(f"tcp://{host}:{port}")
         return port

@@ -132,12 +132,21 @@ class FrontRequest:
 class FrontResponse:
     """The answer to one `FrontRequest`: the head waits for the first body piece and leaves with it."""
 
-    def __init__(self, request: FrontRequest, status: int, headers: Iterable[tuple[str, str]]) -> None:
+    def __init__(
+        self, request: FrontRequest, status: int, headers: Iterable[tuple[str, str]], framed: bool = False
+    ) -> None:
         self.status = status
         conn = self._conn = request.connection
         self.ended = False
         self._bodiless = request.method == "HEAD" or status in _NO_BODY_STATUS or status < 200
         self._chunked = request.version == "1.1" and not self._bodiless
+        # framed: the body is written with its chunked framing already on it (an engine's, passed through),
+        # its last chunk included; `unframe` goes back to framing what is written (an error event after a cut)
+        self.framed = framed
+        if framed and not self._chunked:
+            raise ValueError(
+                "a framed body needs a chunked answer (an HTTP/1.1 request, a status with a body)"
+            )
         close = not conn.keeps_alive(request)
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
         for name, value in headers:
@@ -162,15 +171,27 @@ class FrontResponse:
         if self.ended:
             return
         pieces = self._framed(data)
-        if self._chunked:
+        if self._chunked and not self.framed:
             pieces.append(b"0\r\n\r\n")
         self.ended = True
         await self._send(pieces)
 
+    def unframe(self) -> None:
+        """From now on what is written is framed here (the passed-through body ended between two chunks)."""
+        self.framed = False
+
+    def cut(self) -> None:
+        """End the answer without its end: the connection closes at once (a passed-through body broke in the
+        middle of a chunk, which no chunk of ours can follow), and the client reads it as incomplete."""
+        self.ended = True
+        transport = self._conn.transport
+        if transport is not None:
+            transport.abort()
+
     def _framed(self, data: bytes) -> list[bytes]:
         if not data or self._bodiless:
             return []
-        if not self._chunked:
+        if not self._chunked or self.framed:
             return [data]
         return [b"%x\r\n" % len(data), data, b"\r\n"]
 

@@ -37,6 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from . import disaggregation, resume
 from .adapters import AdapterTable
 from .chat_template import ChatTemplate, Unrenderable
+from .chunked import ChunkedTail
 from .endpoints import EndpointSet
 from .front import Front, FrontRequest, FrontResponse, start_front
 from .kv_subscriber import KVEventFeeds
@@ -416,6 +417,8 @@ class Router:
         attempt: int,
         started: float,
     ) -> Answer:
+        tap = request.get(RESPONSE_TAP)
+        relay = request.get(STREAM_RELAY)
         try:
             upstream = await self.engines.request(
                 url,
@@ -425,6 +428,7 @@ class Router:
                 body,
                 self.connect_timeout_s,
                 self.request_timeout_s,
+                raw=_passes_through(request, tap, relay),
             )
         except EngineUnreachable as error:
             raise _RetryableFailure(str(error)) from error
@@ -435,25 +439,29 @@ class Router:
             answer = [(k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_HEADERS]
             out: Answer
             if isinstance(request, FrontRequest):  # its head leaves with the first body piece
-                out = FrontResponse(request, upstream.status, answer)
+                out = FrontResponse(request, upstream.status, answer, upstream.framed)
             else:
                 out = web.StreamResponse(status=upstream.status, headers=CIMultiDict(answer))
             outcome = (
                 "ok" if upstream.status < 400 else "client_error" if upstream.status < 500 else "engine_error"
             )
+            tail: ChunkedTail | None = None
             try:
                 if isinstance(out, web.StreamResponse):
                     assert isinstance(request, web.Request)
                     await out.prepare(request)
-                tap = request.get(RESPONSE_TAP)
-                relay = request.get(STREAM_RELAY)
                 if relay is not None and upstream.status == 200:
                     outcome = await resume.follow(self, str(request.rel_url), out, upstream, relay, tap)
                     await out.write_eof(b"" if tap is None else tap.flush())
                     return out
+                # A passed-through body's framing is read only if it breaks (where it stopped)
+                tail = ChunkedTail() if upstream.framed else None
                 last = b""  # the body's last bytes go out with the stream's end, in one write
                 async for chunk in upstream.chunks():
-                    chunk = chunk if tap is None else tap.feed(chunk)
+                    if tap is not None:
+                        chunk = tap.feed(chunk)
+                    elif tail is not None:
+                        tail.add(chunk)
                     if upstream.ended:
                         last = chunk
                     else:
@@ -467,7 +475,8 @@ class Router:
             except (EngineBroken, TimeoutError) as error:  # the engine failed mid-stream: no retry
                 outcome = "broken"
                 logger.warning("event=broken engine=%s error=%r", url, f"{type(error).__name__}: {error}")
-                await _tell_broken(out, upstream, request.get(NOT_RESUMABLE))
+                if tail is None or _unframe(out, tail):
+                    await _tell_broken(out, upstream, request.get(NOT_RESUMABLE))
             finally:
                 self._answered(url, upstream, outcome, choice, attempt, started)
             return out
@@ -499,6 +508,34 @@ class Router:
             attempt,
             1000 * (time.monotonic() - started),
         )
+
+
+def _passes_through(request: ClientRequest, tap: UsageTap | None, relay: resume.StreamRelay | None) -> bool:
+    """Whether the engine's answer goes to the client as the engine framed it (upstream.py's raw
+    connections): nothing on the way reads its events. The ones that do: the stream relay (a resumable
+    stream's token ids and cuts, router/resume.py) and the gateway's usage tap (a tenant's usage,
+    router/usage_tap.py). The tracer reads the answer's status and headers only; a disaggregated request's
+    decode answer is relayed like any other (the prefill's answer comes over aiohttp's client). The front
+    answers over HTTP/1.1 in chunks (an HTTP/1.0 client gets the body unframed); aiohttp's server (the
+    gateway) frames what it is given."""
+    return (
+        tap is None
+        and relay is None
+        and isinstance(request, FrontRequest)
+        and request.version == "1.1"
+        and request.method != "HEAD"
+    )
+
+
+def _unframe(out: Answer, tail: ChunkedTail) -> bool:
+    """A passed-through body broke: whether the router may still write to it (it stopped between two
+    chunks, so what follows is framed here); else the client's connection is closed at once."""
+    if isinstance(out, FrontResponse) and out.framed and not tail.at_boundary():
+        out.cut()
+        return False
+    if isinstance(out, FrontResponse):
+        out.unframe()
+    return True
 
 
 def _release_when_prefilled(prefilling: asyncio.Future[dict[str, Any] | None]) -> None:

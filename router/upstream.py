@@ -11,6 +11,10 @@ the proxy wakes leaves as one write, so the router's cost follows its reads, not
 - Any failure before the response head (refused, reset, closed, timed out) is `EngineUnreachable`: the
   proxy may send the request to another engine. After the head, a failure is `EngineBroken`.
 - `close()` before the end drops the connection, which the engine sees as a disconnect and aborts.
+- A request sent with `raw=True` goes over a connection whose parser has no body callback: the body comes
+  out of `chunks()` as the engine framed it (chunked framing included), one piece per wake-up, with no
+  per-chunk work in Python; llhttp still checks the framing and finds the message's end. The proxy relays
+  such a body as it came when nothing reads its events (router/proxy.py).
 """
 
 from __future__ import annotations
@@ -18,11 +22,14 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from types import SimpleNamespace
 from typing import cast
 from urllib.parse import urlsplit
 
 import httptools
 from multidict import CIMultiDict
+
+from .chunked import dechunk
 
 # Idle connections older than this are not reused: uvicorn, the engine's server, closes them after 5 s
 # (its timeout_keep_alive default), and a request written onto one it is closing fails.
@@ -44,9 +51,17 @@ class EngineBroken(Exception):
 class _Connection(asyncio.Protocol):
     """One engine connection: the transport's and the parser's callbacks fill what the proxy reads."""
 
-    def __init__(self) -> None:
+    def __init__(self, raw: bool = False) -> None:
         self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
+        # raw: the body is kept as it arrives, framing and all; httptools calls back only for what it is given
+        # (it looks the callbacks up once), so a raw connection's parser gets no `on_body`
+        self.raw = raw
+        callbacks = SimpleNamespace(
+            on_header=self.on_header,
+            on_headers_complete=self.on_headers_complete,
+            on_message_complete=self.on_message_complete,
+        )
+        self.parser = httptools.HttpResponseParser(callbacks if raw else self)
         self.error: BaseException | None = None  # the connection is unusable: why
         self.idle_since = 0.0
         self.reset()
@@ -60,6 +75,7 @@ class _Connection(asyncio.Protocol):
         self.pieces: list[bytes] = []
         self.size = 0
         self.received = False  # any byte of this response
+        self.head_bytes = b""  # raw: the response head's bytes read so far, until its end is known
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
 
@@ -69,15 +85,35 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        in_body = self.head_done
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as error:
             self.fail(EngineBroken(f"the engine's response does not parse: {error}"))
             return
+        if self.raw:
+            if in_body:
+                self.pieces.append(data)
+                self.size += len(data)
+            else:
+                self.raw_head(data)
         if self.size > HIGH_WATER_BYTES and not self.complete and self.transport is not None:
             self.transport.pause_reading()
             self.paused = True
         self.wake()
+
+    def raw_head(self, data: bytes) -> None:
+        """A raw connection's read before the body began: what follows the head's end is body."""
+        if not self.head_done:
+            self.head_bytes += data
+            return
+        # The head ended in this read: at its first empty line (the request had no Expect, so no 1xx head)
+        head = self.head_bytes + data if self.head_bytes else data
+        self.head_bytes = b""
+        body = head[head.index(b"\r\n\r\n") + 4 :]
+        if body:
+            self.pieces.append(body)
+            self.size += len(body)
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.error is None:
@@ -138,6 +174,8 @@ class EngineResponse:
         self._pool, self._key, self._conn, self._timer = pool, key, conn, timer
         self.status = conn.status
         self.headers = CIMultiDict(conn.headers)
+        # the body comes out of chunks() with its chunked framing (a raw connection's chunked answer)
+        self.framed = conn.raw and "chunked" in self.headers.get("Transfer-Encoding", "").lower()
         if head_only:  # a HEAD response has no body whatever its Content-Length says: not reused after it
             conn.complete = True
             conn.error = ConnectionAbortedError("not reused after a HEAD request")
@@ -148,7 +186,8 @@ class EngineResponse:
         return self._conn.complete and not self._conn.pieces
 
     async def chunks(self) -> AsyncIterator[bytes]:
-        """The body as it arrives, decoded from its chunked framing, one piece per wake-up."""
+        """The body as it arrives, one piece per wake-up: decoded from its chunked framing, or with the
+        framing as the engine sent it where `framed`."""
         conn = self._conn
         while True:
             if conn.pieces:
@@ -170,9 +209,9 @@ class EngineResponse:
         out = b""
         async for piece in self.chunks():
             out += piece
-            if len(out) >= limit:
+            if len(dechunk(out) if self.framed else out) >= limit:
                 break
-        return out[:limit]
+        return (dechunk(out) if self.framed else out)[:limit]
 
     def close(self) -> None:
         self._timer.cancel()
@@ -187,15 +226,16 @@ class EnginePool:
     """Keep-alive connections per engine URL (`http://host:port`)."""
 
     def __init__(self) -> None:
-        self._idle: dict[str, list[_Connection]] = {}
+        # per engine URL and kind (raw or decoding: a parser's callbacks are fixed when it is made)
+        self._idle: dict[tuple[str, bool], list[_Connection]] = {}
         self._addresses: dict[str, tuple[str, int, bytes]] = {}
 
     def put(self, key: str, conn: _Connection) -> None:
         conn.idle_since = time.monotonic()
-        self._idle.setdefault(key, []).append(conn)
+        self._idle.setdefault((key, conn.raw), []).append(conn)
 
-    def _reusable(self, key: str) -> _Connection | None:
-        idle = self._idle.get(key)
+    def _reusable(self, key: str, raw: bool) -> _Connection | None:
+        idle = self._idle.get((key, raw))
         now = time.monotonic()
         while idle:
             conn = idle.pop()  # the most recently used: the least likely to be timing out
@@ -224,8 +264,10 @@ class EnginePool:
         body: bytes,
         connect_timeout_s: float,
         timeout_s: float,
+        raw: bool = False,
     ) -> EngineResponse:
-        """Send one request to the engine at `url` and wait for its response head."""
+        """Send one request to the engine at `url` and wait for its response head; `raw`: its body as the
+        engine framed it (EngineResponse.framed)."""
         host, port, netloc = self._address(url)
         lines = [f"{method} {target} HTTP/1.1\r\n".encode(), b"Host: " + netloc + b"\r\n"]
         for name, value in headers.items():
@@ -235,7 +277,7 @@ class EnginePool:
             lines.append(b"Content-Length: %d\r\n" % len(body))
         lines.append(b"\r\n")
         head = b"".join(lines)
-        conn = self._reusable(url)
+        conn = self._reusable(url, raw)
         if conn is not None:
             try:
                 return await self._exchange(url, conn, head, body, timeout_s, method == "HEAD")
@@ -246,7 +288,7 @@ class EnginePool:
         try:
             loop = asyncio.get_running_loop()
             _, fresh = await asyncio.wait_for(
-                loop.create_connection(_Connection, host, port), connect_timeout_s
+                loop.create_connection(lambda: _Connection(raw), host, port), connect_timeout_s
             )
         except (OSError, TimeoutError) as error:
             raise EngineUnreachable(f"{type(error).__name__}: {error}") from error

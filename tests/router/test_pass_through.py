@@ -195,16 +195,16 @@ def test_a_resumable_stream_after_passed_through_answers_resumes_token_for_token
         port = int(front_url.rsplit(":", 1)[1])
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
-            router.policy._next = sorted([a, b]).index(a)  # type: ignore[attr-defined]
+            router.policy._next = sorted([a, b]).index(a)
             await post(writer, NOT_RESUMABLE)
             await answer_head(reader)
             assert await chunked_body(reader) == BODY
-            router.policy._next = sorted([a, b]).index(a)  # type: ignore[attr-defined]
+            router.policy._next = sorted([a, b]).index(a)
             await post(writer, stream)
             await answer_head(reader)
             resumed = dechunk(await chunked_body(reader))
             # the undisturbed stream, from the second engine alone
-            router.policy._next = sorted([a, b]).index(b)  # type: ignore[attr-defined]
+            router.policy._next = sorted([a, b]).index(b)
             await post(writer, stream)
             await answer_head(reader)
             undisturbed = dechunk(await chunked_body(reader))

@@ -35,6 +35,7 @@ from specfleet.engine.scheduler import Scheduler, SchedulerOutput
 from specfleet.engine.sequence import Sequence
 from specfleet.engine.spec_decode.factory import build_proposer, load_draft
 from specfleet.engine.spec_decode.methods import method
+from specfleet.engine.spec_decode.request_classes import RequestClasses
 from specfleet.engine.spec_decode.rules import k_room, proposal_length, speculation_off
 from specfleet.engine.spec_decode.shadow import ShadowDrafts
 from specfleet.engine.stats import EngineStats, StepStats
@@ -226,6 +227,9 @@ class Engine:
         self.proposer = build_proposer(config, loaded, draft, num_blocks)
         if self.proposer is not None:
             self.scheduler.on_release = self.proposer.release
+        # speculation per request, by class of acceptance (spec_decode/request_classes.py): the simulator's
+        # per-request acceptance
+        self.request_classes = RequestClasses() if self.proposer is not None else None
         # n-gram lookups scored on steps that verify no drafts (spec_decode/shadow.py): the tuner's reading
         # of the traffic's acceptance while speculation is off, for the methods that declare it
         spec = method(config.speculative_method)
@@ -915,6 +919,9 @@ class Engine:
             self.lora.count_drafts(spec.per_adapter)
         self.stats.prefix_cache_queries = self.scheduler.prefix_queries
         self.stats.prefix_cache_hits = self.scheduler.prefix_hits
+        if self.request_classes is not None:
+            self.request_classes.observe(sched, changed)
+            self.stats.request_classes = self.request_classes.classes
         if self.shadow is not None:
             self.shadow.score([seq for seq, _ in changed])
             shadow = self.shadow.stats

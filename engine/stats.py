@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from specfleet.engine.spec_decode.request_classes import RequestCounts
+
 
 @dataclass
 class StepStats:
@@ -44,6 +46,9 @@ class EngineStats:
     shadow_lookups: int = 0
     shadow_drafts: int = 0
     shadow_accepted_per_pos: list[int] = field(default_factory=list)
+    # finished requests' speculation by class of acceptance (spec_decode/request_classes.py); empty without
+    # a speculative method
+    request_classes: list[RequestCounts] = field(default_factory=list)
     peak_kv_slots_allocated: int = 0  # slots in allocated blocks, at the peak
     peak_kv_slots_used: int = 0  # of those, slots holding a token, at the same moment
     peak_micro_batches_in_flight: int = 0  # pipeline parallelism: most micro-batches in the stages at once

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.knobs import LiveConfig, live_limits, live_refusal
@@ -132,7 +133,24 @@ class SimEngine:
         # the same, given that the proposal holds the position (its length drawn in `_propose`): the measured
         # per-position rates count a draft too short for a position as not accepting it
         q = profile.proposal_continue
-        self.verified = [min(1.0, c / q) if i else c for i, c in enumerate(self.conditional)]
+        self.verified = _verified(self.conditional, q)
+        self.default_spec = _Speculation(profile.proposal_share, q, self.verified)
+        # speculation per request: each request draws its class once (an acceptance given here stands for
+        # every request, as before classes were measured)
+        self.classes = (
+            [
+                _Speculation(
+                    c.share,
+                    c.proposal_continue,
+                    _verified(_conditional(c.accepted_per_pos), c.proposal_continue),
+                )
+                for c in profile.acceptance_classes
+            ]
+            if profile.acceptance_classes and not accepted_per_pos
+            else []
+        )
+        self.class_weights = [c.requests for c in profile.acceptance_classes]
+        self.spec: dict[int, _Speculation] = {}  # seq_id -> its request's class, when classes are drawn
         # the engine's shadow drafts, for a method that scores them (its own generator: the draws of
         # verified drafts stay those of a fleet without them), finding a draft at the engine's per-lookup rate
         # and accepted as the engine's shadow drafts were, where measured (a handful of verified drafts must
@@ -172,6 +190,8 @@ class SimEngine:
         seq.lora = SimLora(request.adapter) if request.adapter is not None else None
         record.engine_arrival_s = now
         self.records[seq.seq_id] = record
+        if self.classes:
+            self.spec[seq.seq_id] = self.rng.choices(self.classes, self.class_weights)[0]
         self.targets[seq.seq_id] = min(
             request.output_tokens, self.limits.max_model_len - request.prompt_tokens
         )
@@ -375,7 +395,9 @@ class SimEngine:
             if not item.sample:
                 sampled.append([])
                 continue
-            n = self._accepted(item.num_spec_tokens)
+            n = self._accepted(
+                item.num_spec_tokens, self.spec.get(item.seq.seq_id, self.default_spec).verified
+            )
             if item.num_spec_tokens:
                 drafts += 1
                 draft_tokens += item.num_spec_tokens
@@ -475,6 +497,7 @@ class SimEngine:
         self.scheduler.finish(seq, reason)
         rec = self.records.pop(seq.seq_id)
         self.targets.pop(seq.seq_id)
+        self.spec.pop(seq.seq_id, None)
         rec.finish_s, rec.finish_reason, rec.preemptions = now, reason, seq.num_preemptions
         rec.output_tokens = seq.num_output_tokens
         self.done.append(rec)
@@ -504,12 +527,13 @@ class SimEngine:
         if not k_live or speculation_off(len(s.running), len(s.waiting), s.max_num_seqs, guard):
             self._shadow_look()
             return 0
-        share, q = self.profile.proposal_share, self.profile.proposal_continue
         total = eligible = 0
         max_len, ceiling, targets = self.limits.max_model_len, self.limits.max_k, self.targets
+        spec, default = self.spec, self.default_spec
         for seq in s.running:
             if seq.in_prefill:
                 continue
+            share, q, _ = spec.get(seq.seq_id, default)
             room = k_room(max_len, seq.num_tokens, targets[seq.seq_id] - seq.num_output_tokens)
             k = proposal_length(k_live, room, ceiling)
             eligible += k > 0
@@ -536,8 +560,8 @@ class SimEngine:
         c["spec_decode_shadow_lookups"], c["spec_decode_shadow_drafts"] = shadow.lookups, shadow.drafts
         self.metrics.shadow_per_pos.update(enumerate(shadow.accepted_per_pos))
 
-    def _accepted(self, k: int) -> int:
-        n, verified = 0, self.verified
+    def _accepted(self, k: int, verified: list[float]) -> int:
+        n = 0
         while n < k and self.rng.random() < verified[min(n, len(verified) - 1)]:
             n += 1
         return n
@@ -545,6 +569,21 @@ class SimEngine:
     def snapshot(self, now: float):
         s = self.scheduler
         return self.metrics.snapshot(now, len(s.running), len(s.waiting), self.kv.usage(), self.live)
+
+
+class _Speculation(NamedTuple):
+    """How a request speculates: its proposal share, `proposal_continue` and P(position i accepted | it
+    holds position i and i - 1 was accepted)."""
+
+    share: float
+    proposal_continue: float
+    verified: list[float]
+
+
+def _verified(conditional: list[float], q: float) -> list[float]:
+    """The conditional acceptance given that the proposal holds the position (its length drawn in
+    `_propose`): the measured per-position rates count a draft too short for a position as not accepting it."""
+    return [min(1.0, c / q) if i else c for i, c in enumerate(conditional)]
 
 
 def _conditional(per_pos: tuple[float, ...]) -> list[float]:

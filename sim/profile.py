@@ -75,6 +75,45 @@ class RooflineInputs:
 
 
 @dataclass(frozen=True)
+class AcceptanceClass:
+    """Requests that accepted alike on the engine (one class of engine/spec_decode/request_classes.py): a
+    simulated request draws its class once, weighted by `requests`, and speculates by the class's figures."""
+
+    requests: float  # the class's weight: finished requests the engine counted in it
+    share: float  # drafts per decoding step of its requests
+    accepted_per_pos: tuple[float, ...]  # P(position i accepted | a draft) of its requests
+    proposal_continue: float = 1.0  # as `Profile.proposal_continue`, from its draft tokens per draft
+
+    def __post_init__(self) -> None:
+        if not self.requests > 0:
+            raise ValueError(f"acceptance class requests={self.requests!r} must be > 0")
+        if not 0.0 <= self.share <= 1.0 or any(not 0.0 <= a <= 1.0 for a in self.accepted_per_pos):
+            raise ValueError("acceptance class share and accepted_per_pos must lie in [0, 1]")
+        if not 0.0 < self.proposal_continue <= 1.0:
+            raise ValueError(f"acceptance class proposal_continue={self.proposal_continue} must be in (0, 1]")
+
+
+def acceptance_classes(
+    classes: Sequence[tuple[int, int, int, int, Sequence[int]]], k: int
+) -> tuple[AcceptanceClass, ...]:
+    """The simulator's classes from the engine's per-class counters (requests, decoding steps, drafts, draft
+    tokens, accepted tokens per position), drafted at most `k` tokens: classes with no request left out."""
+    out = []
+    for requests, steps, drafts, draft_tokens, per_pos in classes:
+        if not requests:
+            continue
+        out.append(
+            AcceptanceClass(
+                float(requests),
+                min(1.0, drafts / steps) if steps else 0.0,
+                tuple(n / drafts for n in per_pos) if drafts else (),
+                proposal_continue(draft_tokens / drafts, k) if drafts else 1.0,
+            )
+        )
+    return tuple(out)
+
+
+@dataclass(frozen=True)
 class Profile:
     name: str
     kind: str  # measured | roofline
@@ -97,6 +136,10 @@ class Profile:
     # P(position i accepted | a shadow draft), as the engine's shadow drafts report it (scored up to the
     # ceiling for k, each to its lookup's length); (): the verified drafts' `accepted_per_pos`
     shadow_accepted_per_pos: tuple[float, ...] = ()
+    # speculation per request (engine/spec_decode/request_classes.py): each simulated request draws one class
+    # and takes its share, proposal lengths and acceptance in place of the three above; (): every request
+    # the same (files before it load so)
+    acceptance_classes: tuple[AcceptanceClass, ...] = ()
     request_overhead_s: float = 0.0  # added to every request's TTFT and end (HTTP, proxy, tokenizer)
     # The API server's work on each step's output (`server_s`), in its own process beside the core: it
     # overlaps the core's next step (`period_s`). Per step: the serving loop's work outside `Engine.step()`
@@ -259,6 +302,12 @@ class Profile:
             data["lora_points"] = tuple(LoraPoint(**p) for p in data.get("lora_points", ()))
             data["accepted_per_pos"] = tuple(float(a) for a in data.get("accepted_per_pos", ()))
             data["shadow_accepted_per_pos"] = tuple(float(a) for a in data.get("shadow_accepted_per_pos", ()))
+            data["acceptance_classes"] = tuple(
+                AcceptanceClass(
+                    c["requests"], c["share"], tuple(c["accepted_per_pos"]), c["proposal_continue"]
+                )
+                for c in data.get("acceptance_classes", ())
+            )
             if data.get("roofline") is not None:
                 data["roofline"] = RooflineInputs(**data["roofline"])
             return cls(**data)

@@ -148,10 +148,16 @@ class Proxies:
     """nginx and the router as child processes pinned to `core`, stopped on exit."""
 
     def __init__(
-        self, tmp: Path, upstream_port: int, core: int | None, router_src: str | None = None
+        self,
+        tmp: Path,
+        upstream_port: int,
+        core: int | None,
+        router_src: str | None = None,
+        router_args: list[str] | None = None,
     ) -> None:
         self.tmp, self.upstream_port, self.core = tmp, upstream_port, core
         self.router_src = router_src
+        self.router_args = router_args or []  # more `specfleet router` flags (--max-resumes)
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
@@ -185,6 +191,7 @@ class Proxies:
                 HOST,
                 "--port",
                 str(router_port),
+                *self.router_args,
             ),
         )
         return [Target("nginx", nginx_port, nginx_proc.pid), Target("router", router_port, router_proc.pid)]
@@ -317,7 +324,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
     say(f"[bench router] {placement}")
     upstream, upstream_port = await start_upstream(HOST)
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-"))
-    proxies = Proxies(tmp, upstream_port, proxy_core, args.router_src)
+    proxies = Proxies(tmp, upstream_port, proxy_core, args.router_src, router_args(args.max_resumes))
     try:
         targets = [Target("direct", upstream_port), *proxies.start(args.nginx)]
         for t in targets[1:]:
@@ -341,6 +348,7 @@ async def bench(args: argparse.Namespace) -> dict[str, Any]:
         "seconds": args.seconds,
         "loop": type(asyncio.get_running_loop()).__module__,
         "router_src": args.router_src or "installed",
+        "max_resumes": args.max_resumes,
         "nice": args.nice,
     }
     return out
@@ -403,8 +411,25 @@ def build_parser() -> argparse.ArgumentParser:
         help="run the router from this router/ folder (another version: `git archive REV router | tar -x "
         "-C DIR/..`) instead of the installed one",
     )
+    add_max_resumes(p)
     p.add_argument("--out", default="bench-router.json")
     return p
+
+
+def add_max_resumes(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--max-resumes",
+        type=int,
+        default=None,
+        help="the router's --max-resumes (default: its own, 2). The bench's streams can be resumed, so the "
+        "router relays their events (router/resume.py); with 0 it passes the engine's bytes through as they "
+        "came (router/proxy.py), as nginx does",
+    )
+
+
+def router_args(max_resumes: int | None) -> list[str]:
+    """The `specfleet router` flags a run asks for beyond the endpoint and the port."""
+    return [] if max_resumes is None else ["--max-resumes", str(max_resumes)]
 
 
 def use_uvloop() -> None:
@@ -424,6 +449,9 @@ def main(argv: list[str] | None = None) -> int:
             return 2
     if args.seconds <= 0:
         print(f"specfleet bench router: --seconds={args.seconds} must be > 0", file=sys.stderr)
+        return 2
+    if args.max_resumes is not None and args.max_resumes < 0:
+        print(f"specfleet bench router: --max-resumes={args.max_resumes} must be >= 0", file=sys.stderr)
         return 2
     if args.router_src and not (Path(args.router_src) / "cli.py").is_file():
         print(

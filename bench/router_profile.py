@@ -41,8 +41,10 @@ from specfleet.bench.router_cost import (
     ROUTER_FROM_SOURCE,
     Proxies,
     Target,
+    add_max_resumes,
     free_port,
     pin_cores,
+    router_args,
     use_uvloop,
     wait_ready,
 )
@@ -110,6 +112,7 @@ def start_router(proxies: Proxies, upstream_port: int, stats: Path | None) -> Ta
     elif proxies.router_src:
         launch = ["-c", ROUTER_FROM_SOURCE, proxies.router_src]
     argv = [*launch, "--endpoint", f"http://{HOST}:{upstream_port}", "--host", HOST, "--port", str(port)]
+    argv += proxies.router_args
     proc = proxies._spawn("router", python_command(*argv))
     return Target("router", port, proc.pid)
 
@@ -183,10 +186,11 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
     tmp = Path(tempfile.mkdtemp(prefix="bench-router-profile-"))
     out: dict[str, Any] = {"placement": placement, "concurrency": args.concurrency, "requests": args.requests}
     out["router_src"] = args.router_src or "installed"
+    out["max_resumes"] = args.max_resumes
     try:
         for mode in ("plain", "profiled"):
             stats = tmp / "router.prof" if mode == "profiled" else None
-            proxies = Proxies(tmp, upstream_port, proxy_core, args.router_src)
+            proxies = Proxies(tmp, upstream_port, proxy_core, args.router_src, router_args(args.max_resumes))
             try:
                 target = start_router(proxies, upstream_port, stats)
                 await wait_ready(target, proxies)
@@ -256,6 +260,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="profile the router from this router/ folder (`git archive REV router | tar -x -C DIR/..`)",
     )
+    add_max_resumes(p)
     p.add_argument("--out", default="bench-router-profile.json")
     return p
 
@@ -269,6 +274,11 @@ def main(argv: list[str] | None = None) -> int:
                 file=sys.stderr,
             )
             return 2
+    if args.max_resumes is not None and args.max_resumes < 0:
+        print(
+            f"specfleet bench router-profile: --max-resumes={args.max_resumes} must be >= 0", file=sys.stderr
+        )
+        return 2
     if args.router_src and not (Path(args.router_src) / "cli.py").is_file():
         print(
             f"specfleet bench router-profile: --router-src={args.router_src} holds no router", file=sys.stderr
@@ -281,6 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     path.write_text(json.dumps(result, indent=2))
     summary = {
         "router_src": result["router_src"],
+        "max_resumes": result["max_resumes"],
         "concurrency": result["concurrency"],
         "requests": result["requests"],
         "cpu_us_per_request": result["plain"]["cpu_us_per_request"],

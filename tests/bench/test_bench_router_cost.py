@@ -124,5 +124,6 @@ def test_bad_arguments_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None
         main(["--ladder", "4,0"])
     assert exit_.value.code == 2 and "--ladder='4,0'" in capsys.readouterr().err
     assert main(["--seconds", "0"]) == 2 and "--seconds=0.0 must be > 0" in capsys.readouterr().err
+    assert main(["--max-resumes", "-1"]) == 2 and "--max-resumes=-1 must be >= 0" in capsys.readouterr().err
     assert main(["--router-src", "/nonexistent"]) == 2
     assert "--router-src=/nonexistent holds no router" in capsys.readouterr().err

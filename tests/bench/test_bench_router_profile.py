@@ -56,5 +56,6 @@ def test_the_profile_runs_end_to_end_on_the_router(tmp_path: Path) -> None:
 
 def test_bad_arguments_name_the_flag(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--concurrency", "0"]) == 2 and "--concurrency=0 must be >= 1" in capsys.readouterr().err
+    assert main(["--max-resumes", "-1"]) == 2 and "--max-resumes=-1 must be >= 0" in capsys.readouterr().err
     assert main(["--router-src", "/nonexistent"]) == 2
     assert "--router-src=/nonexistent holds no router" in capsys.readouterr().err

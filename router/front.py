@@ -5,7 +5,8 @@ router's CPU per streamed request and the largest part of what it added to one r
 (`specfleet bench router`, docs/results/2026-12-03-bench-router.md). Here an asyncio Protocol (on uvloop
 where the router runs) parses the client's requests with httptools (llhttp, in C), hands each `/v1/...` one
 to `Router.forward` as a `FrontRequest`, and writes the answer itself: the response head goes out with the
-first body piece in one `writelines` (no copy into one buffer), each later piece as one chunk.
+first body piece in one `writelines` (no copy into one buffer), each later piece as one chunk, or as it
+came where the body already carries the engine's chunked framing (`FrontResponse(framed=True)`).
 
 What the front does itself, as aiohttp's server did:
 - HTTP/1.1 keep-alive (an idle connection closes after `KEEPALIVE_TIMEOUT_S`), pipelined requests answered

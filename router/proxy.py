@@ -5,7 +5,10 @@
   nothing is retried (the client may already have acted on it).
 - No ready engine: the request waits up to `queue_timeout_s` in a bounded queue (scale from zero), then
   gets 503 with `Retry-After`.
-- Bodies and Server-Sent Events are forwarded chunk by chunk as they arrive (no buffering).
+- Bodies and Server-Sent Events are forwarded chunk by chunk as they arrive (no buffering). An answer
+  whose events nothing reads (`_passes_through`: no stream relay, no usage tap) goes out with the engine's
+  own chunked framing, one write per read and no Python call per chunk (router/upstream.py's raw
+  connections); its framing is read (router/chunked.py) only if it breaks.
 - With prefill engines in the set, a generation request first runs its prompt on a prefill engine and
   continues on a decode engine with the prompt's KV (router/disaggregation.py).
 - A client that disconnects cancels the handler (aiohttp's handler cancellation, or the raw front's

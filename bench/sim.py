@@ -35,7 +35,7 @@ from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
 from specfleet.sim.fleet import SimFleet
 from specfleet.sim.measure import Profiler
-from specfleet.sim.profile import Profile, proposal_continue
+from specfleet.sim.profile import AcceptanceClass, Profile, acceptance_classes, proposal_continue
 from specfleet.sim.report import summarize as sim_summarize
 from specfleet.sim.workload import Lengths, SimRequest, Synthetic
 
@@ -215,6 +215,43 @@ def continued(verified: tuple[float, ...], shadow: tuple[float, ...]) -> tuple[f
         else:
             out.append(0.0)
     return tuple(out)
+
+
+def request_classes(texts: Iterable[str], k: int) -> tuple[AcceptanceClass, ...]:
+    """The simulator's classes of acceptance from the engines' /metrics texts (their per-class counters,
+    engine/spec_decode/request_classes.py, summed over the engines), drafted at most `k` tokens: () where
+    no request finished into a class (speculation off, or an engine before the counters)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    from specfleet.engine.server.metrics import PER_CLASS_POSITION
+
+    fields = ("requests", "decode_steps", "drafts", "draft_tokens")
+    totals: dict[int, dict[str, float]] = {}
+    per_pos: dict[int, dict[int, float]] = {}
+    for text in texts:
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                name, labels = sample.name, sample.labels
+                if name == PER_CLASS_POSITION + "_total":
+                    pos = per_pos.setdefault(int(labels["class"]), {})
+                    pos[int(labels["position"])] = pos.get(int(labels["position"]), 0.0) + sample.value
+                elif name.startswith("specfleet_spec_decode_class_") and name.endswith("_total"):
+                    field = name[len("specfleet_spec_decode_class_") : -len("_total")]
+                    if field in fields:
+                        row = totals.setdefault(int(labels["class"]), dict.fromkeys(fields, 0.0))
+                        row[field] += sample.value
+    rows = []
+    for cls in sorted(totals):
+        row, pos = totals[cls], per_pos.get(cls, {})
+        accepted = [pos.get(i, 0.0) for i in range(max(pos) + 1)] if pos else []
+        rows.append((row["requests"], row["decode_steps"], row["drafts"], row["draft_tokens"], accepted))
+    return acceptance_classes(rows, k)
+
+
+async def scrape_request_classes(urls: list[str], k: int) -> tuple[AcceptanceClass, ...]:
+    """`request_classes` of the engines at `urls`."""
+    async with httpx.AsyncClient(timeout=10) as client:
+        texts = [(await client.get(f"{url}/metrics")).text for url in urls]
+    return request_classes(texts, k)
 
 
 async def scrape_acceptance(urls: list[str]) -> Acceptance:
@@ -604,6 +641,9 @@ class _RealRun:
     steps: StepMix  # the engines' steps over the trace
     host_cpu: dict[str, float]
     accepted: Acceptance
+    # the finished requests' classes of acceptance (a configuration whose k the tuner holds still): each
+    # simulated request draws one
+    classes: tuple[AcceptanceClass, ...]
     decisions: list[str]
     trace: list[dict[str, Any]]
 
@@ -650,6 +690,8 @@ async def _run_real(
             overheads=(request_overhead, step_overhead, stream_overhead),
             seen=seen,
             accepted=await scrape_acceptance(fleet.engine_urls),
+            # classes measured at one k: a tuned configuration's k moves, and its requests keep one distribution
+            classes=await scrape_request_classes(fleet.engine_urls, c.k) if c.k and not c.tune else (),
             steps=(await real_mix(fleet.engine_urls)).since(before),
             host_cpu=host_cpu,
             decisions=decisions(fleet.ticks),
@@ -679,7 +721,11 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         shadow_accepted_per_pos=accepted.shadow_per_pos,
         startup_s=startup_s,
     )
-    acceptance = accepted.per_pos
+    classes = measured.classes
+    if classes:
+        tuned = tuned.with_(acceptance_classes=classes, accepted_per_pos=accepted.per_pos)
+    # with classes the acceptance given to the fleet stays with the profile: a given one stands for every request
+    acceptance = () if classes else accepted.per_pos
 
     # As measured: the profile of the steps timed right before and right after the real run.
     raw_sim, raw_run, raw_fleet = await _simulate(c, isvc, tuned, args, requests, acceptance)
@@ -713,7 +759,16 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
                 **sim_steps.ttft_ms(),
             },
         },
-        "acceptance": [round(a, 3) for a in acceptance],
+        "acceptance": [round(a, 3) for a in accepted.per_pos],
+        "acceptance_classes": [
+            {
+                "requests": round(c.requests),
+                "share": round(c.share, 3),
+                "acceptance": [round(a, 3) for a in c.accepted_per_pos],
+                "proposal_continue": round(c.proposal_continue, 3),
+            }
+            for c in classes
+        ],
         "acceptance_from": accepted.source,
         "proposal_share": round(accepted.share, 3),
         "draft_tokens_per_draft": round(accepted.length, 2),

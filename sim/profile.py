@@ -94,7 +94,7 @@ class AcceptanceClass:
 
 
 def acceptance_classes(
-    classes: Sequence[tuple[int, int, int, int, Sequence[int]]], k: int
+    classes: Sequence[tuple[float, float, float, float, Sequence[float]]], k: int
 ) -> tuple[AcceptanceClass, ...]:
     """The simulator's classes from the engine's per-class counters (requests, decoding steps, drafts, draft
     tokens, accepted tokens per position), drafted at most `k` tokens: classes with no request left out."""

@@ -105,6 +105,22 @@ _PER_POSITION = {  # name without _total -> (help, EngineStats attribute: a list
     ),
 }
 
+# Finished requests' speculation by class of acceptance (engine/spec_decode/request_classes.py), label `class`:
+# 0 for a request that verified no draft, else 1 + the tenth of its draft tokens accepted (10: 0.9-1.0)
+_PER_CLASS = {  # name without _total -> (help, RequestCounts attribute)
+    "specfleet_spec_decode_class_requests": ("Finished requests by class of acceptance", "requests"),
+    "specfleet_spec_decode_class_decode_steps": (
+        "Their steps that sampled a token after the first, by class of acceptance",
+        "decode_steps",
+    ),
+    "specfleet_spec_decode_class_drafts": ("Their drafts verified, by class of acceptance", "drafts"),
+    "specfleet_spec_decode_class_draft_tokens": (
+        "Their draft tokens, by class of acceptance",
+        "draft_tokens",
+    ),
+}
+PER_CLASS_POSITION = "specfleet_spec_decode_class_accepted_tokens_per_pos"
+
 
 class ServerMetrics:
     # The same gauges under the names an endpoint picker reads (GIE's model-server protocol); the server
@@ -173,6 +189,19 @@ class ServerMetrics:
         }
         self._seen: dict[str, int] = {attr: 0 for attr in self.counters}
         self._seen_per_pos: dict[str, list[int]] = {attr: [] for attr in self.per_position}
+        self.per_class = {
+            attr: Counter(name, doc, ["model_name", "class"], registry=r)
+            for name, (doc, attr) in _PER_CLASS.items()
+        }
+        self.per_class_position = Counter(
+            PER_CLASS_POSITION,
+            "Their drafts whose first position + 1 tokens were accepted, by class of acceptance",
+            ["model_name", "class", "position"],
+            registry=r,
+        )
+        self._seen_class_requests = 0  # finished requests counted in a class: the classes move only with it
+        self._seen_class: dict[tuple[str, int], int] = {}
+        self._seen_class_pos: dict[tuple[int, int], int] = {}
         self._ignored_logged: set[str] = set()
         self._ignored_labels: set[str] = set()
         for reason in ("stop", "length", "abort"):
@@ -227,6 +256,29 @@ class ServerMetrics:
                 if total > seen[pos]:
                     counter.labels(m, str(pos)).inc(total - seen[pos])
                     seen[pos] = total
+        self._observe_classes(stats)
+
+    def _observe_classes(self, stats: EngineStats) -> None:
+        """The per-class counters, when a request finished into a class since the last step."""
+        finished = sum(c.requests for c in stats.request_classes)
+        if finished == self._seen_class_requests:
+            return
+        self._seen_class_requests = finished
+        m = self.model_name
+        for cls, counts in enumerate(stats.request_classes):
+            for attr, counter in self.per_class.items():
+                total, seen = getattr(counts, attr), self._seen_class.get((attr, cls), 0)
+                if total > seen:
+                    counter.labels(m, str(cls)).inc(total - seen)
+                    self._seen_class[(attr, cls)] = total
+            for pos, total in enumerate(counts.accepted_per_pos):
+                seen = self._seen_class_pos.setdefault((cls, pos), 0)
+                counter = self.per_class_position.labels(
+                    m, str(cls), str(pos)
+                )  # a position never accepted: 0
+                if total > seen:
+                    counter.inc(total - seen)
+                    self._seen_class_pos[(cls, pos)] = total
 
     def refuse(self, reason: str) -> None:
         """Count one request answered 429/503 before admission; `reason` is one of REFUSAL_REASONS."""

@@ -108,3 +108,23 @@ def test_promql_acceptance_rate_and_ttft_p95(
     rate = wait_for_value(prometheus, ACCEPTANCE, lambda v: math.isfinite(v))
     assert 0.0 <= rate <= 1.0
     assert query(prometheus, 'specfleet_num_speculative_tokens{model_name!=""}')
+
+
+def test_finished_requests_reach_their_class_of_acceptance(server: Any, client: Any, model_name: str) -> None:
+    """Through the engine core's stats and the server's /metrics (engine/spec_decode/request_classes.py):
+    each finished request that decoded is counted in one class, read back as bench sim reads it."""
+    from specfleet.bench.sim import request_classes
+
+    def counted() -> float:
+        return sum(c.requests for c in request_classes([httpx.get(f"{server.url}/metrics").text], 2))
+
+    before = counted()
+    repetitive = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,"  # n-gram drafts hit here
+    for prompt in (repetitive, "The quick brown fox jumps over"):
+        client.completions.create(model=model_name, prompt=prompt, max_tokens=12, temperature=0)
+    deadline = time.monotonic() + 10
+    while counted() < before + 2 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert counted() == before + 2
+    text = httpx.get(f"{server.url}/metrics").text
+    assert re.search(r'^specfleet_spec_decode_class_requests_total\{[^}]*class="', text, re.MULTILINE)

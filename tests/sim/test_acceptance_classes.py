@@ -127,3 +127,33 @@ def test_each_simulated_request_speculates_by_the_class_it_drew():
 def test_an_acceptance_given_for_the_run_stands_for_every_request():
     tpots = _tpots(BASE.with_(acceptance_classes=TWO), accepted_per_pos=(1.0, 1.0, 1.0, 1.0))
     assert max(tpots) < 0.02  # the profile's share 1 and the given acceptance: every request fast
+
+
+def test_the_classes_reach_bench_sim_through_the_servers_metrics():
+    """The engine's per-class counters through `ServerMetrics` and the Prometheus text, read back by bench
+    sim into the classes the profile takes: the same as from the counters directly."""
+    from prometheus_client import generate_latest
+    from specfleet.bench.sim import request_classes
+    from specfleet.engine.server.metrics import ServerMetrics
+    from specfleet.engine.spec_decode.request_classes import RequestCounts
+    from specfleet.engine.stats import EngineStats
+
+    counts = [RequestCounts() for _ in range(CLASSES + 1)]
+    counts[0] = RequestCounts(1, 9, 0, 0, 0, [])
+    counts[10] = RequestCounts(2, 12, 10, 36, 34, [10, 9, 8, 7])
+    stats = EngineStats(request_classes=counts)
+    metrics = ServerMetrics("m")
+    metrics.observe_step(stats, True)
+    counts[3].add(RequestCounts(1, 20, 4, 10, 3, [2, 1, 0, 0]))  # a third class, then a second step
+    metrics.observe_step(stats, True)
+    text = generate_latest(metrics.registry).decode()
+    want = acceptance_classes(
+        [(c.requests, c.decode_steps, c.drafts, c.draft_tokens, c.accepted_per_pos) for c in counts], 4
+    )
+    assert len(want) == 3
+    # two engines' texts sum
+    assert request_classes([text], 4) == want
+    doubled = request_classes([text, text], 4)
+    assert [c.requests for c in doubled] == [2 * c.requests for c in want]
+    assert [c.accepted_per_pos for c in doubled] == [c.accepted_per_pos for c in want]
+    assert request_classes([generate_latest(ServerMetrics("m").registry).decode()], 4) == ()

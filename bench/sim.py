@@ -33,9 +33,10 @@ from specfleet.bench import stoppable
 from specfleet.bench.sim_profiles import FULL_GRID, QUICK_GRID, ProfileSeries
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator import load_inference_service
+from specfleet.sim.acceptance import classes_from_metrics
 from specfleet.sim.fleet import SimFleet
 from specfleet.sim.measure import Profiler
-from specfleet.sim.profile import AcceptanceClass, Profile, acceptance_classes, proposal_continue
+from specfleet.sim.profile import AcceptanceClass, Profile, proposal_continue
 from specfleet.sim.report import summarize as sim_summarize
 from specfleet.sim.workload import Lengths, SimRequest, Synthetic
 
@@ -217,41 +218,11 @@ def continued(verified: tuple[float, ...], shadow: tuple[float, ...]) -> tuple[f
     return tuple(out)
 
 
-def request_classes(texts: Iterable[str], k: int) -> tuple[AcceptanceClass, ...]:
-    """The simulator's classes of acceptance from the engines' /metrics texts (their per-class counters,
-    engine/spec_decode/request_classes.py, summed over the engines), drafted at most `k` tokens: () where
-    no request finished into a class (speculation off, or an engine before the counters)."""
-    from prometheus_client.parser import text_string_to_metric_families
-    from specfleet.engine.server.metrics import PER_CLASS_POSITION
-
-    fields = ("requests", "decode_steps", "drafts", "draft_tokens")
-    totals: dict[int, dict[str, float]] = {}
-    per_pos: dict[int, dict[int, float]] = {}
-    for text in texts:
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                name, labels = sample.name, sample.labels
-                if name == PER_CLASS_POSITION + "_total":
-                    pos = per_pos.setdefault(int(labels["class"]), {})
-                    pos[int(labels["position"])] = pos.get(int(labels["position"]), 0.0) + sample.value
-                elif name.startswith("specfleet_spec_decode_class_") and name.endswith("_total"):
-                    field = name[len("specfleet_spec_decode_class_") : -len("_total")]
-                    if field in fields:
-                        row = totals.setdefault(int(labels["class"]), dict.fromkeys(fields, 0.0))
-                        row[field] += sample.value
-    rows = []
-    for cls in sorted(totals):
-        row, pos = totals[cls], per_pos.get(cls, {})
-        accepted = [pos.get(i, 0.0) for i in range(max(pos) + 1)] if pos else []
-        rows.append((row["requests"], row["decode_steps"], row["drafts"], row["draft_tokens"], accepted))
-    return acceptance_classes(rows, k)
-
-
 async def scrape_request_classes(urls: list[str], k: int) -> tuple[AcceptanceClass, ...]:
-    """`request_classes` of the engines at `urls`."""
+    """`sim.acceptance.classes_from_metrics` of the engines at `urls`."""
     async with httpx.AsyncClient(timeout=10) as client:
         texts = [(await client.get(f"{url}/metrics")).text for url in urls]
-    return request_classes(texts, k)
+    return classes_from_metrics(texts, k)
 
 
 async def scrape_acceptance(urls: list[str]) -> Acceptance:

@@ -10,6 +10,7 @@ from pathlib import Path
 from specfleet.operator.inference_service import InvalidInferenceService, load_inference_service
 from specfleet.router.policies import POLICIES
 
+from .acceptance import classes_from_metrics
 from .fleet import SimFleet
 from .profile import Profile
 from .report import summarize, write
@@ -99,6 +100,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--acceptance", default=None, help="P(position i accepted), comma-separated (default: the profile's)"
     )
     p.add_argument(
+        "--acceptance-from",
+        default=None,
+        metavar="FILE[,FILE...]",
+        help="engines' /metrics texts, saved (curl ENGINE/metrics > FILE): each simulated request draws its class "
+        "of acceptance from the finished requests they counted (in place of the profile's classes)",
+    )
+    p.add_argument(
         "--autoscale",
         dest="autoscale",
         action="store_true",
@@ -122,6 +130,19 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def with_classes_from(profile: Profile, files: str, k: int) -> Profile:
+    """The profile with the classes of acceptance counted in the saved /metrics texts `files` (comma-separated),
+    drafted at most `k` tokens; a text with none is refused (no request finished into a class there)."""
+    texts = [Path(f).read_text() for f in files.split(",")]
+    classes = classes_from_metrics(texts, k)
+    if not classes:
+        raise ValueError(
+            f"--acceptance-from {files}: no specfleet_spec_decode_class_* counters with a finished request "
+            "(an engine with speculation on, after some requests finished)"
+        )
+    return profile.with_(acceptance_classes=classes)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -129,6 +150,10 @@ def main(argv: list[str] | None = None) -> int:
         profile = load_profile(args.profile)
         requests = workload_from_args(args)
         acceptance = tuple(float(a) for a in args.acceptance.split(",")) if args.acceptance else ()
+        if args.acceptance_from:
+            profile = with_classes_from(
+                profile, args.acceptance_from, isvc.spec.speculative.num_speculative_tokens
+            )
         fleet = SimFleet(
             isvc,
             profile,

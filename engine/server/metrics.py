@@ -11,6 +11,7 @@ from collections.abc import Callable
 from prometheus_client import CONTENT_TYPE_LATEST as CONTENT_TYPE
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from specfleet.engine.knobs import KNOBS, LiveConfig
+from specfleet.engine.spec_decode.request_classes import METRIC_PREFIX
 from specfleet.engine.stats import EngineStats
 
 from .protocol_metrics import ProtocolMetrics
@@ -107,19 +108,13 @@ _PER_POSITION = {  # name without _total -> (help, EngineStats attribute: a list
 
 # Finished requests' speculation by class of acceptance (engine/spec_decode/request_classes.py), label `class`:
 # 0 for a request that verified no draft, else 1 + the tenth of its draft tokens accepted (10: 0.9-1.0)
-_PER_CLASS = {  # name without _total -> (help, RequestCounts attribute)
-    "specfleet_spec_decode_class_requests": ("Finished requests by class of acceptance", "requests"),
-    "specfleet_spec_decode_class_decode_steps": (
-        "Their steps that sampled a token after the first, by class of acceptance",
-        "decode_steps",
-    ),
-    "specfleet_spec_decode_class_drafts": ("Their drafts verified, by class of acceptance", "drafts"),
-    "specfleet_spec_decode_class_draft_tokens": (
-        "Their draft tokens, by class of acceptance",
-        "draft_tokens",
-    ),
+_PER_CLASS = {  # RequestCounts attribute (`COUNTED`, in its order) -> help
+    "requests": "Finished requests by class of acceptance",
+    "decode_steps": "Their steps that sampled a token after the first, by class of acceptance",
+    "drafts": "Their drafts verified, by class of acceptance",
+    "draft_tokens": "Their draft tokens, by class of acceptance",
 }
-PER_CLASS_POSITION = "specfleet_spec_decode_class_accepted_tokens_per_pos"
+PER_CLASS_POSITION = METRIC_PREFIX + "accepted_tokens_per_pos"
 
 
 class ServerMetrics:
@@ -190,8 +185,8 @@ class ServerMetrics:
         self._seen: dict[str, int] = {attr: 0 for attr in self.counters}
         self._seen_per_pos: dict[str, list[int]] = {attr: [] for attr in self.per_position}
         self.per_class = {
-            attr: Counter(name, doc, ["model_name", "class"], registry=r)
-            for name, (doc, attr) in _PER_CLASS.items()
+            attr: Counter(METRIC_PREFIX + attr, doc, ["model_name", "class"], registry=r)
+            for attr, doc in _PER_CLASS.items()
         }
         self.per_class_position = Counter(
             PER_CLASS_POSITION,

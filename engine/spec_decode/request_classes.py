@@ -28,6 +28,10 @@ if TYPE_CHECKING:
 # Buckets of the per-request acceptance (accepted / draft tokens): tenths, fine enough to keep the copy and
 # free-text requests of one workload apart and few enough for a labelled counter (11 series with class 0)
 CLASSES = 10
+# the server's counters of the classes (engine/server/metrics.py), labelled `class` (0 to CLASSES): this prefix,
+# then a `RequestCounts` field (`COUNTED`) and `_total`, or `accepted_tokens_per_pos` (labelled `position`)
+METRIC_PREFIX = "specfleet_spec_decode_class_"
+COUNTED = ("requests", "decode_steps", "drafts", "draft_tokens")
 
 
 @dataclass

@@ -113,10 +113,10 @@ def test_promql_acceptance_rate_and_ttft_p95(
 def test_finished_requests_reach_their_class_of_acceptance(server: Any, client: Any, model_name: str) -> None:
     """Through the engine core's stats and the server's /metrics (engine/spec_decode/request_classes.py):
     each finished request that decoded is counted in one class, read back as bench sim reads it."""
-    from specfleet.bench.sim import request_classes
+    from specfleet.sim.acceptance import classes_from_metrics
 
     def counted() -> float:
-        return sum(c.requests for c in request_classes([httpx.get(f"{server.url}/metrics").text], 2))
+        return sum(c.requests for c in classes_from_metrics([httpx.get(f"{server.url}/metrics").text], 2))
 
     before = counted()
     repetitive = "1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 1, 2, 3,"  # n-gram drafts hit here

@@ -133,10 +133,10 @@ def test_the_classes_reach_bench_sim_through_the_servers_metrics():
     """The engine's per-class counters through `ServerMetrics` and the Prometheus text, read back by bench
     sim into the classes the profile takes: the same as from the counters directly."""
     from prometheus_client import generate_latest
-    from specfleet.bench.sim import request_classes
     from specfleet.engine.server.metrics import ServerMetrics
     from specfleet.engine.spec_decode.request_classes import RequestCounts
     from specfleet.engine.stats import EngineStats
+    from specfleet.sim.acceptance import classes_from_metrics
 
     counts = [RequestCounts() for _ in range(CLASSES + 1)]
     counts[0] = RequestCounts(1, 9, 0, 0, 0, [])
@@ -152,8 +152,27 @@ def test_the_classes_reach_bench_sim_through_the_servers_metrics():
     )
     assert len(want) == 3
     # two engines' texts sum
-    assert request_classes([text], 4) == want
-    doubled = request_classes([text, text], 4)
+    assert classes_from_metrics([text], 4) == want
+    doubled = classes_from_metrics([text, text], 4)
     assert [c.requests for c in doubled] == [2 * c.requests for c in want]
     assert [c.accepted_per_pos for c in doubled] == [c.accepted_per_pos for c in want]
-    assert request_classes([generate_latest(ServerMetrics("m").registry).decode()], 4) == ()
+    assert classes_from_metrics([generate_latest(ServerMetrics("m").registry).decode()], 4) == ()
+
+
+def test_simulate_takes_the_classes_from_saved_metrics_and_refuses_a_text_without(tmp_path):
+    from prometheus_client import generate_latest
+    from specfleet.engine.server.metrics import ServerMetrics
+    from specfleet.engine.spec_decode.request_classes import RequestCounts
+    from specfleet.engine.stats import EngineStats
+    from specfleet.sim.cli import with_classes_from
+
+    counts = [RequestCounts() for _ in range(CLASSES + 1)]
+    counts[10] = RequestCounts(3, 12, 12, 48, 48, [12, 12, 12, 12])
+    metrics = ServerMetrics("m")
+    metrics.observe_step(EngineStats(request_classes=counts), True)
+    (tmp_path / "a.txt").write_bytes(generate_latest(metrics.registry))
+    (tmp_path / "empty.txt").write_bytes(generate_latest(ServerMetrics("m").registry))
+    got = with_classes_from(BASE, f"{tmp_path / 'a.txt'},{tmp_path / 'empty.txt'}", 4)
+    assert got.acceptance_classes == (AcceptanceClass(3.0, 1.0, (1.0, 1.0, 1.0, 1.0), 1.0),)
+    with pytest.raises(ValueError, match="acceptance-from .*no specfleet_spec_decode_class_"):
+        with_classes_from(BASE, str(tmp_path / "empty.txt"), 4)

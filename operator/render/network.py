@@ -9,6 +9,8 @@ from ..inference_service import InferenceService
 from ..resources import (
     ADMIN_PORT,
     ENGINE_PORT,
+    KV_EVENTS_PORT,
+    KV_EVENTS_REPLAY_PORT,
     KV_TRANSFER_PORT,
     LABEL_INSTANCE,
     LABEL_ROLE,
@@ -127,6 +129,20 @@ def render_network_policy(isvc: InferenceService, config: OperatorConfig) -> dic
                         }
                     ]
                     if isvc.spec.disaggregation
+                    else []
+                ),
+                # routing.kvEvents: the engines' KV events, subscribed to (and replayed) by this service's router
+                *(
+                    [
+                        {
+                            "from": [{"podSelector": {"matchLabels": router_selector_labels(isvc.name)}}],
+                            "ports": [
+                                {"port": KV_EVENTS_PORT, "protocol": "TCP"},
+                                {"port": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"},
+                            ],
+                        }
+                    ]
+                    if isvc.spec.routing.routes_on_kv_events
                     else []
                 ),
                 # a multi-node leader: its group's workers reach the rendezvous and the collectives' ports

@@ -156,8 +156,11 @@ def tokenizer_init_container(
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["python", "-c", COPY_SCRIPT, *argv, TOKENIZER_DIR],
         "env": env,
-        # copying a few files; a GGUF's tokenizer is read by transformers in a few seconds
-        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "2Gi"}},
+        # copying a few files; a GGUF's tokenizer is read by transformers in a few seconds on one core
+        "resources": {
+            "requests": {"cpu": "100m", "memory": "256Mi"},
+            "limits": {"cpu": "1", "memory": "2Gi"},
+        },
         "securityContext": CONTAINER_SECURITY_CONTEXT,
         "volumeMounts": mounts,
     }

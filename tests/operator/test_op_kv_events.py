@@ -210,3 +210,22 @@ def test_a_bundled_models_step_writes_the_tokenizer_its_gguf_carries(
     assert (tmp_path / "chat_template.jinja").is_file() or "chat_template" in json.loads(
         (tmp_path / "tokenizer_config.json").read_text()
     )
+
+
+def test_the_network_policy_lets_the_services_router_alone_reach_the_event_ports() -> None:
+    from specfleet.operator.render.network import render_network_policy
+
+    policy = render_network_policy(load_inference_service(doc()), CONFIG)
+    k8s_validate(policy)
+    ports = [{"port": KV_EVENTS_PORT, "protocol": "TCP"}, {"port": KV_EVENTS_REPLAY_PORT, "protocol": "TCP"}]
+    (rule,) = [r for r in policy["spec"]["ingress"] if r.get("ports") == ports]
+    (router,) = [
+        c for c in render_router_children(load_inference_service(doc()), CONFIG) if c["kind"] == "Deployment"
+    ]
+    (source,) = rule["from"]
+    assert (
+        source["podSelector"]["matchLabels"].items()
+        <= router["spec"]["template"]["metadata"]["labels"].items()
+    )
+    off = render_network_policy(load_inference_service(doc(kvEvents=False)), CONFIG)
+    assert not any(r.get("ports") == ports for r in off["spec"]["ingress"])

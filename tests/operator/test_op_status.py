@@ -275,7 +275,8 @@ def test_the_admin_api_has_its_own_port_which_the_service_does_not_expose() -> N
     container = render_deployment(isvc, CONFIG)["spec"]["template"]["spec"]["containers"][0]
     parsed = build_parser().parse_args(container["args"])  # the engine's own parser reads the pod's flags
     assert (parsed.host, parsed.port, parsed.admin_port) == ("0.0.0.0", ENGINE_PORT, ADMIN_PORT)
-    assert {p["name"]: p["containerPort"] for p in container["ports"]} == {
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert {k: v for k, v in ports.items() if not k.startswith("kv-")} == {
         "http": ENGINE_PORT,
         "admin": ADMIN_PORT,
     }
@@ -307,7 +308,8 @@ def test_network_policy_admits_only_the_operator_to_the_admin_port() -> None:
         policy = fake.get("/apis/networking.k8s.io/v1", "networkpolicies", NS, "smollm2")
         assert policy is not None and not fake.answered(403)
         k8s_validate({k: v for k, v in policy.items() if k != "status"} | {"metadata": {"name": "smollm2"}})
-        api_rule, admin_rule = policy["spec"]["ingress"]
+        # the third: the engines' KV events, for this service's router (routing.kvEvents, test_op_kv_events.py)
+        api_rule, admin_rule, _events_rule = policy["spec"]["ingress"]
         assert api_rule == {"ports": [{"port": ENGINE_PORT, "protocol": "TCP"}]}
         (source,) = admin_rule["from"]
         assert admin_rule["ports"] == [{"port": ADMIN_PORT, "protocol": "TCP"}]
@@ -371,4 +373,7 @@ def test_a_router_rollout_is_progressing_and_routing_off_leaves_it_out(fake_kube
     update_spec(fake_kube, routing={"enabled": False})
     reconcile(fake_kube)
     assert fake_kube.get(*DEPLOY, NS, "smollm2-router") is None
+    # without the router the engines stop publishing KV events (routing.kvEvents): their own rollout
+    set_deployment_status(fake_kube, ready=1)
+    reconcile(fake_kube)
     assert conditions(fake_kube)["Ready"] == ("True", "AllReplicasReady")

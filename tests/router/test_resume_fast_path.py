@@ -45,7 +45,7 @@ def stream(rng: random.Random) -> list[bytes]:
 def relay_all(pieces: list[bytes], fast: bool, monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, StreamRelay]:
     with monkeypatch.context() as patch:
         if not fast:
-            patch.setattr(StreamRelay, "_as_they_came", lambda self, events: False)
+            patch.setattr(StreamRelay, "_as_they_came", lambda self, events: None)
         relay = StreamRelay({"prompt": "p", "stream": True}, (RouteRequest(), set(), {}))
         out = b"".join(relay.feed(piece) for piece in pieces)
     return out, relay
@@ -67,3 +67,26 @@ def test_the_byte_path_passes_on_what_the_per_event_path_does(
         assert fast == slow
         for name in ("token_ids", "identity", "forwarded", "finished", "done", "cut"):
             assert getattr(fast_relay, name) == getattr(slow_relay, name), name
+
+
+def test_a_run_with_token_ids_takes_the_byte_path_and_its_ids_are_read_when_asked(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events = [
+        b'data: {"id":"c","created":1,"choices":[{"index":0,"text":"%d","finish_reason":null,'
+        b'"token_ids":[%d,%d]}]}\n\n' % (i, 2 * i, 2 * i + 1)
+        for i in range(20)
+    ]
+    per_event: list[bytes] = []
+    event = StreamRelay._event
+
+    def counted(self: StreamRelay, data: bytes) -> bytes | None:
+        per_event.append(data)
+        return event(self, data)
+
+    monkeypatch.setattr(StreamRelay, "_event", counted)
+    relay = StreamRelay({"prompt": "p", "stream": True}, (RouteRequest(), set(), {}))
+    out = relay.feed(b"".join(events) + b"data: [DONE]\n\n")
+    assert len(per_event) == 1  # the first event alone (it sets the identity); the other 19 in one run
+    assert relay._unread_ids and b"token_ids" not in out and out.count(b"\n\n") == 21
+    assert relay.token_ids == list(range(40)) and not relay._unread_ids and relay.done

@@ -41,7 +41,7 @@ from .deployment import (
 )
 from .inference_pool import EPP_PORT_NAME, render_endpoint_picker_children
 from .slo import slo_service_labels
-from .tokenizer import TOKENIZER_MOUNT, tokenizer_init_container, tokenizer_volumes
+from .tokenizer import TOKENIZER_MOUNT, engine_chat_args, tokenizer_init_container, tokenizer_volumes
 
 # The router holds no model: a few hundred MB covers aiohttp, the prefix index (65,536 hashes per engine,
 # ~10 MB) and its buffers; one core forwards thousands of requests a second.
@@ -73,6 +73,7 @@ def kv_events_args(isvc: InferenceService) -> list[str]:
     return [
         "--tokenizer",
         TOKENIZER_DIR,
+        *engine_chat_args(isvc),
         "--kv-events-port",
         str(KV_EVENTS_PORT),
         "--kv-events-replay-port",

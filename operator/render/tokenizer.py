@@ -14,12 +14,18 @@ Per model source, where the files come from and which image copies them:
   bundled model) carries its tokenizer inside, which transformers writes out as the engine's loader does.
 
 The step fails, naming the source, when the model has no tokenizer.json: the router would start without
-the tokenizer the engines' events need.
+the tokenizer the engines' events need. The engines' chat flags that change what they prefill for a chat
+request go to the router too (`engine_chat_args`); a `--chat-template` file the engines read from their own
+pod the router cannot read, so then the step leaves the model's template out and the router matches chat
+requests on its estimate (completions stay on the events) rather than on another template's tokens.
 """
 
 from __future__ import annotations
 
+import argparse
 from typing import Any
+
+from specfleet.router.chat_template import add_engine_chat_flags
 
 from ..config import OperatorConfig
 from ..inference_service import InferenceService
@@ -46,12 +52,14 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 EXTRA_TEMPLATES = "additional_chat_templates"
+# Set on the step when the engines run with their own --chat-template: the model's template is left out.
+NO_CHAT_TEMPLATE_ENV = "SPECFLEET_NO_CHAT_TEMPLATE"
 
 # argv: MODE ... DEST. copy SRC: the files SRC holds. gguf PATH|bundled://NAME: the tokenizer a GGUF carries.
 # hf REPO REV CACHE: the files downloaded into CACHE (skipped where there), then copied.
 COPY_SCRIPT = f"""\
-import shutil, sys
-FILES, EXTRA = {TOKENIZER_FILES!r}, {EXTRA_TEMPLATES!r}
+import json, os, shutil, sys
+FILES, EXTRA, NO_CHAT_TEMPLATE = {TOKENIZER_FILES!r}, {EXTRA_TEMPLATES!r}, {NO_CHAT_TEMPLATE_ENV!r}
 from pathlib import Path
 mode, *rest, dest = sys.argv[1:]
 dest = Path(dest)
@@ -82,8 +90,34 @@ if src != dest:
             shutil.copyfile(src / name, dest / name)
     if (src / EXTRA).is_dir():
         shutil.copytree(src / EXTRA, dest / EXTRA, dirs_exist_ok=True)
+if NO_CHAT_TEMPLATE in os.environ:  # the engines render another template, which the router cannot read
+    (dest / "chat_template.jinja").unlink(missing_ok=True)
+    shutil.rmtree(dest / EXTRA, ignore_errors=True)
+    config = dest / "tokenizer_config.json"
+    if config.is_file():
+        kept = {{k: v for k, v in json.loads(config.read_text()).items() if k != "chat_template"}}
+        config.write_text(json.dumps(kept))
 print(f"tokenizer from {{src}}: {{sorted(p.name for p in dest.iterdir())}}", flush=True)
 """
+
+
+def engine_chat_flags(isvc: InferenceService) -> argparse.Namespace:
+    """The engines' chat flags among `engine.extraArgs`, read as the engine server reads them."""
+    parser = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    add_engine_chat_flags(parser)
+    flags, _ = parser.parse_known_args(list(isvc.spec.engine.extra_args))
+    return flags
+
+
+def engine_chat_args(isvc: InferenceService) -> list[str]:
+    """The engines' chat flags the router takes (router/chat_template.py), so that it renders a chat request
+    as they do; not --chat-template, a file in the engine pod (the step drops the model's template then)."""
+    flags = engine_chat_flags(isvc)
+    kwargs = flags.default_chat_template_kwargs
+    return [
+        *(["--default-chat-template-kwargs", kwargs] if kwargs is not None else []),
+        *(["--exclude-tools-when-tool-choice-none"] if flags.exclude_tools_when_tool_choice_none else []),
+    ]
 
 
 def tokenizer_volumes(isvc: InferenceService) -> list[dict[str, Any]]:
@@ -125,6 +159,7 @@ def tokenizer_init_container(
         {"name": "HOME", "value": "/tmp"},
         {"name": "HF_HOME", "value": "/tmp/hf"},
         {"name": "HF_HUB_DISABLE_TELEMETRY", "value": "1"},
+        *([{"name": NO_CHAT_TEMPLATE_ENV, "value": "1"}] if engine_chat_flags(isvc).chat_template else []),
     ]
     if source.startswith("pvc://"):
         claim_path = f"{MODELS_ROOT}/model"

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -229,3 +230,44 @@ def test_the_network_policy_lets_the_services_router_alone_reach_the_event_ports
     )
     off = render_network_policy(load_inference_service(doc(kvEvents=False)), CONFIG)
     assert not any(r.get("ports") == ports for r in off["spec"]["ingress"])
+
+
+def test_the_engines_chat_flags_reach_the_router_and_their_own_template_leaves_it_on_the_estimate(
+    bundled_path: str, tmp_path: Path
+) -> None:
+    """The engines' chat flags change what they prefill for a chat request: the router takes them, as
+    `specfleet up`'s does. A --chat-template file lives in the engine pod, so the step leaves the model's
+    template out and the router, with no template, matches chat on its estimate instead of on tokens the
+    engines never prefilled."""
+    from specfleet.operator.render.tokenizer import NO_CHAT_TEMPLATE_ENV
+    from specfleet.router.chat_template import ChatTemplate
+
+    d = doc("pvc://models/smollm2")
+    kwargs = '{"enable_thinking": false}'
+    d["spec"]["engine"]["extraArgs"] = [
+        "--default-chat-template-kwargs",
+        kwargs,
+        "--exclude-tools-when-tool-choice-none",
+    ]
+    pod = router_pod(d)
+    args = router_cli.build_parser().parse_args(pod["containers"][0]["args"])
+    assert args.default_chat_template_kwargs == kwargs and args.exclude_tools_when_tool_choice_none
+    assert args.chat_template is None
+    assert NO_CHAT_TEMPLATE_ENV not in {e["name"] for e in pod["initContainers"][0]["env"]}
+
+    d["spec"]["engine"]["extraArgs"] = ["--chat-template", "/etc/templates/mine.jinja"]
+    pod = router_pod(d)
+    args = router_cli.build_parser().parse_args(pod["containers"][0]["args"])
+    assert args.chat_template is None and args.tokenizer == TOKENIZER_DIR
+    (init,) = pod["initContainers"]
+    env = {e["name"]: e["value"] for e in init["env"]}
+    assert env[NO_CHAT_TEMPLATE_ENV] == "1"
+    command = [*init["command"][1:]]
+    command[3], command[-1] = str(bundled_path), str(tmp_path)
+    done = subprocess.run(
+        python_command(*command), capture_output=True, text=True, timeout=60, env={**os.environ, **env}
+    )
+    assert done.returncode == 0, done.stderr
+    assert ChatTemplate.load(bundled_path) is not None  # the model has one ...
+    assert ChatTemplate.load(tmp_path) is None  # ... which the router's copy leaves out
+    assert router_cli.load_encoder(str(tmp_path))("Hello")  # the tokenizer itself is there

@@ -250,3 +250,30 @@ def test_the_tail_knows_where_a_body_stopped_however_it_was_read(monkeypatch):
                 )
     assert dechunk(BODY) == b"".join(EVENTS) + b"data: [DONE]\n\n"
     assert dechunk(BODY[:40]) == EVENTS[0][:23]  # a partial chunk: its data so far
+
+
+def test_a_chunked_503_read_for_the_retry_message_is_read_without_its_framing():
+    busy = (
+        b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: text/plain\r\nTransfer-Encoding: chunked\r\n\r\n"
+    )
+    engines = [
+        RawEngine(lambda n, body: ([busy, b"3\r\nbus\r\n", b"1;x=y\r\ny\r\n0\r\n\r\n"], False)) for _ in "ab"
+    ]
+
+    async def test() -> None:
+        urls = [await engine.start() for engine in engines]
+        _, front_url, runner = await start_router(urls)
+        reader, writer = await asyncio.open_connection("127.0.0.1", int(front_url.rsplit(":", 1)[1]))
+        try:
+            await post(writer, NOT_RESUMABLE)
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 502 ")
+            error = json.loads(dechunk(await chunked_body(reader)))["error"]["message"]
+            assert error.endswith("last error: engine answered 503: busy"), error
+        finally:
+            writer.close()
+            await runner.cleanup()
+            for engine in engines:
+                await engine.stop()
+
+    run(test)

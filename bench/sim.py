@@ -218,11 +218,10 @@ def continued(verified: tuple[float, ...], shadow: tuple[float, ...]) -> tuple[f
     return tuple(out)
 
 
-async def scrape_request_classes(urls: list[str], k: int) -> tuple[AcceptanceClass, ...]:
-    """`sim.acceptance.classes_from_metrics` of the engines at `urls`."""
+async def metrics_texts(urls: list[str]) -> list[str]:
+    """The engines' /metrics texts."""
     async with httpx.AsyncClient(timeout=10) as client:
-        texts = [(await client.get(f"{url}/metrics")).text for url in urls]
-    return classes_from_metrics(texts, k)
+        return [(await client.get(f"{url}/metrics")).text for url in urls]
 
 
 async def scrape_acceptance(urls: list[str]) -> Acceptance:
@@ -644,6 +643,7 @@ async def _run_real(
         # simulation, and counted in made the calibration compare a different mix (bench sim, 2026-12-03:
         # factors 0.61-0.92 on a quiet host, every calibrated figure worse than the uncalibrated one)
         before = await real_mix(fleet.engine_urls)
+        texts_before = await metrics_texts(fleet.engine_urls)  # the classes count the trace's requests only
         cpu_before = HostCpu.read()
         done = asyncio.Event()
         ticker = None
@@ -662,7 +662,9 @@ async def _run_real(
             seen=seen,
             accepted=await scrape_acceptance(fleet.engine_urls),
             # classes measured at one k: a tuned configuration's k moves, and its requests keep one distribution
-            classes=await scrape_request_classes(fleet.engine_urls, c.k) if c.k and not c.tune else (),
+            classes=classes_from_metrics(await metrics_texts(fleet.engine_urls), c.k, texts_before)
+            if c.k and not c.tune
+            else (),
             steps=(await real_mix(fleet.engine_urls)).since(before),
             host_cpu=host_cpu,
             decisions=decisions(fleet.ticks),

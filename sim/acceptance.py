@@ -16,9 +16,26 @@ from specfleet.engine.spec_decode.request_classes import COUNTED, METRIC_PREFIX
 from .profile import AcceptanceClass, acceptance_classes
 
 
-def classes_from_metrics(texts: Iterable[str], k: int) -> tuple[AcceptanceClass, ...]:
-    """The classes of the engines whose Prometheus texts are `texts`, drafted at most `k` tokens: () where no
-    request finished into a class (speculation off, or an engine from before the counters)."""
+def classes_from_metrics(
+    texts: Iterable[str], k: int, since: Iterable[str] = ()
+) -> tuple[AcceptanceClass, ...]:
+    """The classes of the engines whose Prometheus texts are `texts` (less what their texts `since`, an
+    earlier scrape, had counted: a trace's requests alone), drafted at most `k` tokens: () where no request
+    finished into a class (speculation off, or an engine from before the counters)."""
+    totals, per_pos = _counts(texts)
+    before, before_pos = _counts(since)
+    rows = []
+    for cls in sorted(totals):
+        row, pos = totals[cls], per_pos.get(cls, {})
+        was, was_pos = before.get(cls, dict.fromkeys(COUNTED, 0.0)), before_pos.get(cls, {})
+        accepted = [pos.get(i, 0.0) - was_pos.get(i, 0.0) for i in range(max(pos) + 1)] if pos else []
+        counted = [row[c] - was[c] for c in COUNTED]
+        rows.append((counted[0], counted[1], counted[2], counted[3], accepted))
+    return acceptance_classes(rows, k)
+
+
+def _counts(texts: Iterable[str]) -> tuple[dict[int, dict[str, float]], dict[int, dict[int, float]]]:
+    """Per class, the `COUNTED` counters and the accepted tokens per position, summed over the texts."""
     position = METRIC_PREFIX + "accepted_tokens_per_pos_total"
     totals: dict[int, dict[str, float]] = {}
     per_pos: dict[int, dict[int, float]] = {}
@@ -35,9 +52,4 @@ def classes_from_metrics(texts: Iterable[str], k: int) -> tuple[AcceptanceClass,
                     if counted in COUNTED:
                         row = totals.setdefault(int(labels["class"]), dict.fromkeys(COUNTED, 0.0))
                         row[counted] += sample.value
-    rows = []
-    for cls in sorted(totals):
-        row, pos = totals[cls], per_pos.get(cls, {})
-        accepted = [pos.get(i, 0.0) for i in range(max(pos) + 1)] if pos else []
-        rows.append((row["requests"], row["decode_steps"], row["drafts"], row["draft_tokens"], accepted))
-    return acceptance_classes(rows, k)
+    return totals, per_pos

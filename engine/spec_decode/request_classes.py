@@ -18,12 +18,38 @@ finishing (an abort) is not counted; a preemption's recompute is no end.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from specfleet.engine.scheduler import SchedulerOutput
-    from specfleet.engine.sequence import Sequence
+
+# What the classes read of the engine's sequences and scheduler output, as protocols: the server's metrics
+# import this module, and the operator theirs, which must not reach the engine's sequence (torch, through
+# structured outputs)
+class _Seq(Protocol):
+    @property
+    def seq_id(self) -> int: ...
+    @property
+    def finish_reason(self) -> str | None: ...
+    @property
+    def is_finished(self) -> bool: ...
+    @property
+    def num_output_tokens(self) -> int: ...
+
+
+class _Scheduled(Protocol):
+    @property
+    def seq(self) -> _Seq: ...
+    @property
+    def num_spec_tokens(self) -> int: ...
+    @property
+    def sample(self) -> bool: ...
+
+
+class _Step(Protocol):
+    @property
+    def scheduled(self) -> Sequence[_Scheduled]: ...
+
 
 # Buckets of the per-request acceptance (accepted / draft tokens): tenths, fine enough to keep the copy and
 # free-text requests of one workload apart and few enough for a labelled counter (11 series with class 0)
@@ -71,9 +97,9 @@ class RequestClasses:
     def __init__(self) -> None:
         self.classes = [RequestCounts() for _ in range(CLASSES + 1)]
         # seq_id -> the sequence and its counters, until it ends
-        self._running: dict[int, tuple[Sequence, RequestCounts]] = {}
+        self._running: dict[int, tuple[_Seq, RequestCounts]] = {}
 
-    def observe(self, sched: SchedulerOutput, changed: list[tuple[Sequence, int]]) -> None:
+    def observe(self, sched: _Step, changed: Sequence[tuple[_Seq, int]]) -> None:
         """A step's outcome: `changed` holds each sequence that gained tokens and how many. Sequences that
         ended since the last step are counted in their class (an abort is dropped uncounted)."""
         gained = {seq.seq_id: n for seq, n in changed}

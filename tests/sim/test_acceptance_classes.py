@@ -144,9 +144,13 @@ def test_the_classes_reach_bench_sim_through_the_servers_metrics():
     stats = EngineStats(request_classes=counts)
     metrics = ServerMetrics("m")
     metrics.observe_step(stats, True)
+    earlier = generate_latest(metrics.registry).decode()
     counts[3].add(RequestCounts(1, 20, 4, 10, 3, [2, 1, 0, 0]))  # a third class, then a second step
     metrics.observe_step(stats, True)
     text = generate_latest(metrics.registry).decode()
+    # what the second step added alone (bench sim: the trace's requests, not the overhead phases' before it)
+    since = classes_from_metrics([text], 4, [earlier])
+    assert since == (AcceptanceClass(1.0, 0.2, (0.5, 0.25, 0.0, 0.0), since[0].proposal_continue),)
     want = acceptance_classes(
         [(c.requests, c.decode_steps, c.drafts, c.draft_tokens, c.accepted_per_pos) for c in counts], 4
     )

@@ -177,6 +177,30 @@ class FrontResponse:
         self.ended = True
         await self._send(pieces)
 
+    def write_now(self, data: bytes) -> bool:
+        """Write `data` at once, from a protocol callback (upstream.py's pipe): whether the client's
+        transport is now full (the caller stops reading until `drained`). A client already gone gets
+        nothing: its task is being cancelled."""
+        conn = self._conn
+        if conn.transport is None:
+            return False
+        pieces = self._framed(data)
+        if self._head is not None:
+            pieces.insert(0, self._head)
+            self._head = None
+            conn.head_sent = True
+        if len(pieces) == 1:
+            conn.transport.write(pieces[0])
+        else:
+            conn.transport.writelines(pieces)
+        return conn.writable is not None and not conn.writable.done()
+
+    async def drained(self) -> None:
+        """Until the client's transport takes writes again."""
+        writable = self._conn.writable
+        if writable is not None and not writable.done():
+            await writable
+
     def unframe(self) -> None:
         """From now on what is written is framed here (the passed-through body ended between two chunks)."""
         self.framed = False

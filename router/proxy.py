@@ -459,6 +459,10 @@ class Router:
                     return out
                 # A passed-through body's framing is read only if it breaks (where it stopped)
                 tail = ChunkedTail() if upstream.framed else None
+                if tail is not None and tap is None and isinstance(out, FrontResponse):
+                    await upstream.pipe(functools.partial(_pass_on, tail, out), out.drained)
+                    await out.write_eof()
+                    return out
                 last = b""  # the body's last bytes go out with the stream's end, in one write
                 async for chunk in upstream.chunks():
                     if tap is not None:
@@ -528,6 +532,12 @@ def _passes_through(request: ClientRequest, tap: UsageTap | None, relay: resume.
         and request.version == "1.1"
         and request.method != "HEAD"
     )
+
+
+def _pass_on(tail: ChunkedTail, out: FrontResponse, data: bytes) -> bool:
+    """One read of a passed-through body to the client, from the engine connection's callback."""
+    tail.add(data)
+    return out.write_now(data)
 
 
 def _unframe(out: Answer, tail: ChunkedTail) -> bool:

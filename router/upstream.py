@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from types import SimpleNamespace
 from typing import cast
 from urllib.parse import urlsplit
@@ -76,6 +76,9 @@ class _Connection(asyncio.Protocol):
         self.size = 0
         self.received = False  # any byte of this response
         self.head_bytes = b""  # raw: the response head's bytes read so far, until its end is known
+        # raw, while EngineResponse.pipe runs: each read's body bytes go here from data_received, with no
+        # wake-up of the proxy's task; it answers whether the client is full (reading then pauses)
+        self.sink: Callable[[bytes], bool] | None = None
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
 
@@ -92,28 +95,31 @@ class _Connection(asyncio.Protocol):
             self.fail(EngineBroken(f"the engine's response does not parse: {error}"))
             return
         if self.raw:
-            if in_body:
-                self.pieces.append(data)
-                self.size += len(data)
-            else:
-                self.raw_head(data)
+            body = data if in_body else self.raw_head(data)
+            if body and self.sink is not None:
+                if self.sink(body) and not self.complete and self.transport is not None:
+                    self.transport.pause_reading()
+                    self.paused = True
+                if self.complete or self.paused:
+                    self.wake()
+                return
+            if body:
+                self.pieces.append(body)
+                self.size += len(body)
         if self.size > HIGH_WATER_BYTES and not self.complete and self.transport is not None:
             self.transport.pause_reading()
             self.paused = True
         self.wake()
 
-    def raw_head(self, data: bytes) -> None:
+    def raw_head(self, data: bytes) -> bytes:
         """A raw connection's read before the body began: what follows the head's end is body."""
         if not self.head_done:
             self.head_bytes += data
-            return
+            return b""
         # The head ended in this read: at its first empty line (the request had no Expect, so no 1xx head)
         head = self.head_bytes + data if self.head_bytes else data
         self.head_bytes = b""
-        body = head[head.index(b"\r\n\r\n") + 4 :]
-        if body:
-            self.pieces.append(body)
-            self.size += len(body)
+        return head[head.index(b"\r\n\r\n") + 4 :]
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self.error is None:
@@ -203,6 +209,35 @@ class EngineResponse:
                 )
             else:
                 await conn.changed()
+
+    async def pipe(self, sink: Callable[[bytes], bool], drained: Callable[[], Awaitable[None]]) -> None:
+        """A framed body to `sink` until its end: each read's bytes from the connection's own callback, with
+        no wake-up of this task per read (it wakes for the end, a failure, or a client that is full: then
+        reading waits for `drained`). `sink(data)` says whether the client is full."""
+        conn = self._conn
+        full = False
+        if conn.pieces:  # what arrived with the head
+            full = sink(conn.take())
+        conn.sink = sink
+        try:
+            while True:
+                if conn.complete and not conn.pieces:
+                    return
+                if conn.error is not None:
+                    error = conn.error
+                    raise (
+                        error
+                        if isinstance(error, TimeoutError)
+                        else EngineBroken(f"{type(error).__name__}: {error}")
+                    )
+                if full or conn.paused:
+                    await drained()
+                    full = False
+                    conn.take()  # nothing is kept while the sink is set: this resumes reading
+                    continue
+                await conn.changed()
+        finally:
+            conn.sink = None
 
     async def read(self, limit: int) -> bytes:
         """At most `limit` bytes of the body (the rest is not read: the connection is then dropped)."""

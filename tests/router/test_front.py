@@ -10,6 +10,7 @@ import asyncio
 import json
 
 import httptools
+import pytest
 from aiohttp import web
 from specfleet.router.front import MAX_HEAD_BYTES
 from specfleet.router.proxy import MAX_BODY_BYTES
@@ -251,10 +252,12 @@ async def stream_fast(request: web.Request, engine: FakeEngine) -> web.StreamRes
     return out
 
 
-def test_a_client_that_does_not_read_holds_the_engine_back():
+@pytest.mark.parametrize("extra", [{}, {"n": 2}], ids=["relayed", "passed-through"])
+def test_a_client_that_does_not_read_holds_the_engine_back(extra: dict[str, int]):
     """Backpressure: a client that stops reading fills its socket, the front's writes wait, the router stops
     reading the engine, and the engine's writes wait in turn: what the engine wrote stalls far below what it
-    would write if the router buffered for the client."""
+    would write if the router buffered for the client. Alike for a resumable stream (relayed event by event)
+    and one that is not (passed through as the engine framed it, from the engine connection's callback)."""
 
     async def test() -> None:
         WRITTEN[0] = 0
@@ -262,7 +265,7 @@ def test_a_client_that_does_not_read_holds_the_engine_back():
         router, url, runner = await start_router([engine.url])
         reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
         try:
-            writer.write(request(body=json.dumps({**BODY, "stream": True}).encode()))
+            writer.write(request(body=json.dumps({**BODY, "stream": True, **extra}).encode()))
             await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)  # then the client reads no more
             last, stalled = -1, False
             for _ in range(50):

@@ -14,7 +14,8 @@ the proxy wakes leaves as one write, so the router's cost follows its reads, not
 - A request sent with `raw=True` goes over a connection whose parser has no body callback: the body comes
   out of `chunks()` as the engine framed it (chunked framing included), one piece per wake-up, with no
   per-chunk work in Python; llhttp still checks the framing and finds the message's end. The proxy relays
-  such a body as it came when nothing reads its events (router/proxy.py).
+  such a body as it came when nothing reads its events (router/proxy.py), through `EngineResponse.pipe`:
+  each read goes to the client from `data_received` itself, without waking the proxy's task.
 """
 
 from __future__ import annotations

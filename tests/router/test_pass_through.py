@@ -163,8 +163,8 @@ def test_a_body_broken_between_chunks_ends_with_the_error_event_and_inside_one_w
 def model_answer(body: dict[str, object], cut_after: int | None) -> list[bytes]:
     """A stand-in engine's stream: output token i is " t<i>" (id 100 + i), going on after the request's
     resume_token_ids, with the token ids the router asked for; cut (no end) after `cut_after` events."""
-    done = list(body.get("resume_token_ids") or [])  # type: ignore[call-overload]
-    total = int(body["max_tokens"])  # type: ignore[call-overload]
+    done = list(body.get("resume_token_ids") or [])
+    total = int(body["max_tokens"])
     events = []
     for i in range(len(done), total):
         finish = "length" if i == total - 1 else None

@@ -674,6 +674,28 @@ async def _run_real(
         await fleet.stop(drain_timeout_s=2)
 
 
+def _acceptance_record(accepted: Acceptance, classes: tuple[AcceptanceClass, ...]) -> dict[str, Any]:
+    """The JSON's record of the speculation the real engines did: acceptance per position, per request class,
+    where it was read, the proposal share and the shadow drafts'."""
+    return {
+        "acceptance": [round(a, 3) for a in accepted.per_pos],
+        "acceptance_classes": [
+            {
+                "requests": round(c.requests),
+                "share": round(c.share, 3),
+                "acceptance": [round(a, 3) for a in c.accepted_per_pos],
+                "proposal_continue": round(c.proposal_continue, 3),
+            }
+            for c in classes
+        ],
+        "acceptance_from": accepted.source,
+        "proposal_share": round(accepted.share, 3),
+        "draft_tokens_per_draft": round(accepted.length, 2),
+        "shadow_acceptance": [round(a, 3) for a in accepted.shadow_per_pos],
+        "shadow_share": None if accepted.shadow_share is None else round(accepted.shadow_share, 3),
+    }
+
+
 async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace) -> dict[str, Any]:
     requests = list(c.workload.requests())
     isvc = load_inference_service(isvc_doc(c, args.interval))
@@ -732,21 +754,7 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
                 **sim_steps.ttft_ms(),
             },
         },
-        "acceptance": [round(a, 3) for a in accepted.per_pos],
-        "acceptance_classes": [
-            {
-                "requests": round(c.requests),
-                "share": round(c.share, 3),
-                "acceptance": [round(a, 3) for a in c.accepted_per_pos],
-                "proposal_continue": round(c.proposal_continue, 3),
-            }
-            for c in classes
-        ],
-        "acceptance_from": accepted.source,
-        "proposal_share": round(accepted.share, 3),
-        "draft_tokens_per_draft": round(accepted.length, 2),
-        "shadow_acceptance": [round(a, 3) for a in accepted.shadow_per_pos],
-        "shadow_share": None if accepted.shadow_share is None else round(accepted.shadow_share, 3),
+        **_acceptance_record(accepted, classes),
     }
     if c.tune:
         result["tuner_real"] = real_decisions

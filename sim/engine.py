@@ -93,6 +93,17 @@ class Plan:
         return self.start + sum(self.durations)
 
 
+def _class_speculation(profile: Profile) -> list[_Speculation]:
+    """The speculation of each class of request acceptance the profile measured (none: every request
+    speculates alike)."""
+    return [
+        _Speculation(
+            c.share, c.proposal_continue, _verified(_conditional(c.accepted_per_pos), c.proposal_continue)
+        )
+        for c in profile.acceptance_classes
+    ]
+
+
 class SimEngine:
     def __init__(
         self,
@@ -137,18 +148,7 @@ class SimEngine:
         self.default_spec = _Speculation(profile.proposal_share, q, self.verified)
         # speculation per request: each request draws its class once (an acceptance given here stands for
         # every request, as before classes were measured)
-        self.classes = (
-            [
-                _Speculation(
-                    c.share,
-                    c.proposal_continue,
-                    _verified(_conditional(c.accepted_per_pos), c.proposal_continue),
-                )
-                for c in profile.acceptance_classes
-            ]
-            if profile.acceptance_classes and not accepted_per_pos
-            else []
-        )
+        self.classes = _class_speculation(profile) if not accepted_per_pos else []
         self.class_weights = [c.requests for c in profile.acceptance_classes]
         self.spec: dict[int, _Speculation] = {}  # seq_id -> its request's class, when classes are drawn
         # the engine's shadow drafts, for a method that scores them (its own generator: the draws of

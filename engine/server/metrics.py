@@ -184,21 +184,14 @@ class ServerMetrics:
         }
         self._seen: dict[str, int] = {attr: 0 for attr in self.counters}
         self._seen_per_pos: dict[str, list[int]] = {attr: [] for attr in self.per_position}
-        self.per_class = {
-            attr: Counter(METRIC_PREFIX + attr, doc, ["model_name", "class"], registry=r)
-            for attr, doc in _PER_CLASS.items()
-        }
-        self.per_class_position = Counter(
-            PER_CLASS_POSITION,
-            "Their drafts whose first position + 1 tokens were accepted, by class of acceptance",
-            ["model_name", "class", "position"],
-            registry=r,
-        )
-        self._seen_class_requests = 0  # finished requests counted in a class: the classes move only with it
-        self._seen_class: dict[tuple[str, int], int] = {}
-        self._seen_class_pos: dict[tuple[int, int], int] = {}
+        self._add_class_counters(r)
         self._ignored_logged: set[str] = set()
         self._ignored_labels: set[str] = set()
+        self._create_series(model_name)
+
+    def _create_series(self, model_name: str) -> None:
+        """Every series exists from the first scrape (a rate over a series that appears late misses its first
+        increments)."""
         for reason in ("stop", "length", "abort"):
             self.success.labels(model_name, reason)
         for reason in REFUSAL_REASONS:
@@ -218,6 +211,23 @@ class ServerMetrics:
             *self.live.values(),
         ):
             metric.labels(model_name)  # every series exists from the first scrape
+
+    def _add_class_counters(self, r: CollectorRegistry) -> None:
+        """Speculation per class of request acceptance (engine/spec_decode/request_classes.py), and what of
+        the engine's cumulative class counts the series already carry."""
+        self.per_class = {
+            attr: Counter(METRIC_PREFIX + attr, doc, ["model_name", "class"], registry=r)
+            for attr, doc in _PER_CLASS.items()
+        }
+        self.per_class_position = Counter(
+            PER_CLASS_POSITION,
+            "Their drafts whose first position + 1 tokens were accepted, by class of acceptance",
+            ["model_name", "class", "position"],
+            registry=r,
+        )
+        self._seen_class_requests = 0  # finished requests counted in a class: the classes move only with it
+        self._seen_class: dict[tuple[str, int], int] = {}
+        self._seen_class_pos: dict[tuple[int, int], int] = {}
 
     def observe_step(
         self, stats: EngineStats, stepped: bool, extra_waiting: int = 0, kv_usage: float | None = None

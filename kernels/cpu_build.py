@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 SOURCES = [SOURCE, SOURCE.with_name("lora.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 10
+ABI_VERSION = 11
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None

@@ -71,6 +71,12 @@ class _LayerDesc(ctypes.Structure):
         ("window", ctypes.c_int64),
         ("softcap", ctypes.c_float),
         ("reserved", ctypes.c_float),
+        ("experts", ctypes.c_void_p),
+        ("router", LinearDesc),
+        ("num_experts", ctypes.c_int64),
+        ("top_k", ctypes.c_int64),
+        ("renormalize", ctypes.c_int32),
+        ("reserved2", ctypes.c_int32),
     ]
 
 
@@ -107,6 +113,12 @@ class DecodeLayerWeights:
     gelu: bool = False  # GeGLU (tanh GELU of the gate times up) instead of SiLU
     window: int | None = None  # a query sees its last `window` keys, in the step's sliding view if it has one
     softcap: float | None = None  # attention scores become softcap * tanh(score / softcap)
+    # A mixture-of-experts layer (engine/models/moe.py): each expert's (gate_up, down) and the float32 router
+    # [hidden -> experts]; gate_up and down above are then unused.
+    experts: tuple[tuple[LinearDesc, LinearDesc], ...] | None = None
+    router: LinearDesc | None = None
+    top_k: int = 0
+    renormalize: bool = False  # divide the top-k weights by their sum
 
 
 class DecodeLayers:
@@ -147,6 +159,7 @@ class DecodeLayers:
         # the fewest positions any layer's rotary table holds (the step's own is checked per call)
         self._rope_rows = min((w.rope[0].shape[0] for w in layers if w.rope is not None), default=None)
         self._model = _ModelDesc(self.hidden, heads, kv_heads, head_dim, first.down.K, block_size, eps, scale)
+        experts = [_experts(i, w, self.hidden) for i, w in enumerate(layers)]
         self._layers = (_LayerDesc * len(layers))(
             *(
                 _LayerDesc(
@@ -169,11 +182,17 @@ class DecodeLayers:
                     w.window or 0,
                     w.softcap or 0.0,
                     0.0,
+                    None if e is None else ctypes.addressof(e),
+                    w.router if w.router is not None else LinearDesc(),
+                    0 if w.experts is None else len(w.experts),
+                    w.top_k,
+                    int(w.renormalize),
+                    0,
                 )
-                for w, (k, v) in zip(layers, kv_caches, strict=True)
+                for w, e, (k, v) in zip(layers, experts, kv_caches, strict=True)
             )
         )
-        self._keep = (layers, kv_caches)  # the tensors behind the pointers
+        self._keep = (layers, kv_caches, experts)  # the tensors and arrays behind the pointers
 
     def __call__(
         self,
@@ -247,6 +266,23 @@ class DecodeLayers:
             ctypes.byref(lora) if lora is not None else None,
         )
         return x
+
+
+def _experts(i: int, w: DecodeLayerWeights, hidden: int) -> ctypes.Array[LinearDesc] | None:
+    """A mixture-of-experts layer's experts as sf_layer_desc.experts ([experts][gate_up, down]), checked."""
+    if w.experts is None:
+        return None
+    n = len(w.experts)
+    if w.router is None or w.router.K != hidden or w.router.N != n or w.router.kind != 0:
+        raise ValueError(f"layer {i}: the router must be a float32 [{hidden} -> {n}] linear")
+    if not 0 < w.top_k <= n:
+        raise ValueError(f"layer {i}: top_k={w.top_k} must be in 1..{n}")
+    for e, (gate_up, down) in enumerate(w.experts):
+        if gate_up.K != hidden or down.N != hidden or gate_up.N != 2 * down.K:
+            raise ValueError(
+                f"layer {i} expert {e}: gate_up must be [{hidden} -> 2I] and down [I -> {hidden}]"
+            )
+    return (LinearDesc * (2 * n))(*(d for pair in w.experts for d in pair))
 
 
 def _check_gemma(i: int, w: DecodeLayerWeights, hidden: int, head_dim: int) -> None:

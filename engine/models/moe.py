@@ -16,7 +16,7 @@ the experts do not add deltas here yet.
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from specfleet.engine.lora.adapter import ATTENTION_TARGETS, ModelShape
@@ -72,6 +72,9 @@ class MoeLayer(LlamaLayer):
         n = self.routing.num_experts
         if self.router.shape[1] != n:
             raise ValueError(f"{_ROUTER}: {self.router.shape[1]} experts, the config says {n}")
+        # On the native kernels the router is a float32 packed linear (never quantized), shared with the
+        # fused decode layers so both paths route from the same logits.
+        self.native_router = cpu_native.PackedLinear(self.router) if ops.native else None
         names = [[f"mlp.experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down")] for e in range(n)]
         self.stacked: tuple[torch.Tensor, torch.Tensor] | None = None
         if ops.device.type == "cuda" and not ops.quantize:  # the Triton kernel reads stacked weights
@@ -84,12 +87,46 @@ class MoeLayer(LlamaLayer):
         ]
 
     def decode_weights(self) -> cpu_native.DecodeLayerWeights | None:
-        return None  # the native decode layers have no expert MLP: the per-layer path runs
+        """The layer with its experts for the native decode layers (sf_decode_layers runs the routing and
+        the grouped experts as mlp below does), or None when a linear has no native form."""
+        if self.router is None:
+            return super().decode_weights()
+        if self.native_router is None or getattr(self, "experts", None) is None:
+            return None
+        qkv, o = (
+            lin.descriptor() if isinstance(lin, cpu_native.PackedLinear | cpu_native.QuantLinear) else None
+            for lin in (self.qkv, self.o)
+        )
+        experts = []
+        for expert in self.experts:
+            pair = tuple(
+                lin.descriptor()
+                if isinstance(lin, cpu_native.PackedLinear | cpu_native.QuantLinear)
+                else None
+                for lin in (expert.gate_up, expert.down)
+            )
+            if pair[0] is None or pair[1] is None:
+                return None
+            experts.append(pair)
+        if qkv is None or o is None:
+            return None
+        return cpu_native.DecodeLayerWeights(
+            qkv,
+            o,
+            *experts[0],
+            self.input_norm,
+            self.post_norm,
+            experts=tuple(experts),
+            router=self.native_router.descriptor(),
+            top_k=self.routing.top_k,
+            renormalize=self.routing.renormalize,
+        )
 
     def mlp(self, h: torch.Tensor, x: torch.Tensor, lora) -> torch.Tensor:
         if self.router is None:
             return super().mlp(h, x, lora)
-        weights, ids = route(h @ self.router, self.routing.top_k, self.routing.renormalize)
+        logits = h @ self.router if self.native_router is None else self.native_router(h)
+        weights, ids = route(logits, self.routing.top_k, self.routing.renormalize)
         if self.stacked is not None:
             from specfleet.kernels.fused_moe import fused_moe
 
@@ -99,6 +136,10 @@ class MoeLayer(LlamaLayer):
 
 class Qwen3MoeLayer(MoeLayer, Qwen3Layer):
     """Qwen3's q/k norms (Qwen3Layer.norm_qk) with the expert MLP."""
+
+    def decode_weights(self) -> cpu_native.DecodeLayerWeights | None:
+        weights = MoeLayer.decode_weights(self)  # a dense layer's already has the norms (Qwen3Layer's)
+        return None if weights is None else replace(weights, q_norm=self.q_norm, k_norm=self.k_norm)
 
 
 class _Renamed(Mapping[str, "torch.Tensor | QuantTensor"]):

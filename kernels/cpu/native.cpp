@@ -919,7 +919,7 @@ void paged_attention(const float* q, int64_t ldq, const float* k_cache, const fl
 
 extern "C" {
 
-int sf_abi_version() { return 10; }
+int sf_abi_version() { return 11; }
 
 // y [M, N] (ldy) = x [M, K] (ldx) @ W (+ bias) (+ res [M, N] (ldr)); W packed as panels (see linear).
 void sf_linear_f32(const float* x, int64_t M, int64_t K, int64_t ldx, const float* panels, int64_t N,
@@ -1069,6 +1069,16 @@ struct sf_layer_desc {
   int64_t window;  // > 0: a query sees the last `window` keys only
   float softcap;  // > 0: attention scores soft-capped (Gemma 2)
   float reserved;
+  // A mixture-of-experts layer (engine/models/moe.py), null for a dense MLP: `experts` [num_experts][2] (each
+  // expert's gate_up and down), `router` the float32 [hidden -> num_experts] gate. The MLP then runs as
+  // MoeLayer.mlp's per-layer path does: router logits, softmax, top k (renormalised when `renormalize`), each
+  // expert over its routed rows in expert order, its output times the routing weight summed into zeros, then
+  // added to x.
+  const sf_linear_desc* experts;
+  sf_linear_desc router;
+  int64_t num_experts, top_k;
+  int32_t renormalize;
+  int32_t reserved2;
 };
 
 struct sf_model_desc {
@@ -1160,6 +1170,73 @@ void rotate(float* rows, int64_t T, int64_t ld, int64_t heads, int64_t D, const 
   }
 }
 
+// x [T, H] += sum over k of w[t, k] * expert[ids[t, k]](h[t]) for a layer with `experts` (sf_layer_desc).
+void routed_experts(const sf_layer_desc& L, const float* h, float* x, int64_t T, int64_t H, int threads) {
+  const int64_t E = L.num_experts, K = L.top_k;
+  thread_local std::vector<float> logits, w, out, rows_in, gu, act, y;
+  thread_local std::vector<int64_t> ids, rows;
+  thread_local std::vector<float> scale;
+  logits.resize(T * E);
+  run_linear(L.router, h, T, H, nullptr, 0, logits.data(), E, threads);
+  w.resize(T * K);
+  ids.resize(T * K);
+  for (int64_t t = 0; t < T; ++t) {  // softmax in float32, then the top k (the lower id on a tie)
+    float* l = logits.data() + t * E;
+    float mx = l[0];
+    for (int64_t e = 1; e < E; ++e) mx = std::max(mx, l[e]);
+    float sum = 0.0f;
+    for (int64_t e = 0; e < E; ++e) sum += (l[e] = std::exp(l[e] - mx));
+    for (int64_t e = 0; e < E; ++e) l[e] /= sum;
+    float picked = 0.0f;
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        bool taken = false;
+        for (int64_t j = 0; j < k; ++j) taken = taken || ids[t * K + j] == e;
+        if (!taken && (best < 0 || l[e] > l[best])) best = e;
+      }
+      ids[t * K + k] = best;
+      w[t * K + k] = l[best];
+      picked += l[best];
+    }
+    if (L.renormalize != 0)
+      for (int64_t k = 0; k < K; ++k) w[t * K + k] /= picked;
+  }
+  out.assign(T * H, 0.0f);
+  rows_in.resize(T * H);
+  y.resize(T * H);
+  rows.resize(T);
+  scale.resize(T);
+  for (int64_t e = 0; e < E; ++e) {
+    int64_t n = 0;
+    for (int64_t i = 0; i < T * K; ++i) {
+      if (ids[i] != e) continue;
+      rows[n] = i / K;
+      scale[n] = w[i];
+      std::copy(h + rows[n] * H, h + (rows[n] + 1) * H, rows_in.data() + n * H);
+      ++n;
+    }
+    if (n == 0) continue;
+    const sf_linear_desc& G = L.experts[2 * e];
+    const sf_linear_desc& D = L.experts[2 * e + 1];
+    const int64_t I = D.K;
+    gu.resize(n * 2 * I);
+    act.resize(n * I);
+    run_linear(G, rows_in.data(), n, H, nullptr, 0, gu.data(), 2 * I, threads);
+    sf_silu_mul_f32(gu.data(), n, I, act.data());
+    run_linear(D, act.data(), n, I, nullptr, 0, y.data(), H, threads);
+    for (int64_t r = 0; r < n; ++r) {
+      float* o = out.data() + rows[r] * H;
+      const float* yr = y.data() + r * H;
+      for (int64_t c = 0; c < H; ++c) {
+        const volatile float p = yr[c] * scale[r];  // rounded before the add, as torch's two ops
+        o[c] += p;
+      }
+    }
+  }
+  for (int64_t i = 0; i < T * H; ++i) x[i] += out[i];
+}
+
 }  // namespace
 
 extern "C" {
@@ -1175,8 +1252,11 @@ void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64
                       const int32_t* block_tables, int64_t bt_stride, const int32_t* seqs, int64_t nseqs,
                       const int32_t* query_start, const int32_t* seq_lens, const int64_t* sliding_slots,
                       const int32_t* sliding_tables, int64_t sliding_stride, int threads, const sf_lora_step* lora) {
-  const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim, I = m->intermediate;
+  const int64_t H = m->hidden, NH = m->heads, KVH = m->kv_heads, D = m->head_dim;
   const int64_t qkv_w = (NH + 2 * KVH) * D;
+  int64_t I = m->intermediate;  // the widest dense MLP (Qwen3-MoE's dense layers may come after a sparse one)
+  for (int64_t l = 0; l < num_layers; ++l)
+    if (layers[l].experts == nullptr) I = std::max(I, layers[l].down.K);
   thread_local std::vector<float> h, y, qkv, att, gu, act;
   h.resize(T * H);
   qkv.resize(T * qkv_w);
@@ -1227,6 +1307,11 @@ void sf_decode_layers(const sf_model_desc* m, const sf_layer_desc* layers, int64
       adapt(l, 1, att.data(), NH * D, x, H);
       sf_rms_norm_f32(x, T, H, L.post_norm, m->eps, h.data());
     }
+    if (L.experts != nullptr) {  // adapters on the experts are refused when they load (moe.py)
+      routed_experts(L, h.data(), x, T, H, threads);
+      continue;
+    }
+    const int64_t I = L.down.K;
     run_linear(L.gate_up, h.data(), T, H, nullptr, 0, gu.data(), 2 * I, threads);
     adapt(l, 2, h.data(), H, gu.data(), 2 * I);
     if (L.gelu != 0) {

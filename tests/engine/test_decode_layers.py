@@ -9,7 +9,8 @@ import copy
 
 import pytest
 import torch
-from helpers import tiny_config, tiny_state
+from helpers import tiny_config, tiny_state, write_tiny_checkpoint
+from safetensors.torch import load_file
 from specfleet.bench.gpu.quant_packers import pack_q4_k, pack_q6_k
 from specfleet.engine.attention.base import AttentionMetadata
 from specfleet.engine.attention.native_backend import NativeAttentionBackend
@@ -324,3 +325,31 @@ def test_gemma_decode_layers_refuse_a_bad_window_and_rope_table() -> None:
             1e-6,
             1.0,
         )
+
+
+@pytest.mark.parametrize("form", ["float32", "int8"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen3moe", "qwen3moe-norm"])
+def test_moe_layers_run_inside_the_decode_layers(kind: str, form: str, tmp_path) -> None:
+    """Mixtral's and Qwen3-MoE's routed experts in the one native call: routing (softmax, top 2, renormalised
+    or not) and the grouped experts as MoeLayer.mlp computes them. Qwen3-MoE's layer 1 is dense, with an MLP
+    wider than the experts', after a sparse layer 0."""
+    from specfleet.engine.models.moe import MixtralModel, Qwen3MoeModel
+
+    arch = "mixtral" if kind == "mixtral" else "qwen3moe"
+    overrides = {} if kind == "mixtral" else {"mlp_only_layers": [1], "norm_topk_prob": kind.endswith("norm")}
+    config = tiny_config(arch, vocab_size=256, max_position_embeddings=128, **overrides)
+    cls = MixtralModel if kind == "mixtral" else Qwen3MoeModel
+    quantize = "int8" if form == "int8" else None
+    # the checkpoint's tensors: transformers saves the experts one by one (in memory they are fused 3-D)
+    state = load_file(write_tiny_checkpoint(tmp_path, config, std=0.2) / "model.safetensors")
+    model = cls(config, state, torch.float32, torch.device("cpu"), quantize=quantize)
+    # 6 decode and verification rows over 4 experts (top 2: some experts get several rows); the padding row
+    # routes too
+    fused, layered, fc, lc = _both_paths(model, query_lens=[1, 3, 1, 1], seq_lens=[5, 9, 13, 2], padding=1)
+    real = fused.shape[0] - 1
+    # the router's softmax is the native kernel's exp, not torch's: the routing weights may differ in their
+    # last bit, and with them the hidden states after a sparse layer (the experts chosen are the same)
+    torch.testing.assert_close(fused[:real], layered[:real], rtol=1e-5, atol=1e-6)
+    for (fk, fv), (lk, lv) in zip(fc, lc, strict=True):
+        torch.testing.assert_close(fk, lk, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(fv, lv, rtol=1e-5, atol=1e-6)

@@ -6,6 +6,10 @@ as grouped GEMMs, one matmul per expert over the rows routed to it (CPU: the nat
 expert, so int8 and GGUF expert weights come for free; CUDA: the Triton fused-MoE kernel over stacked
 weights). A GGUF file's stacked `ffn_*_exps` are read one expert at a time (engine/quant/gguf_file.py).
 Qwen3-MoE keeps a dense MLP on its `mlp_only_layers` and on layers off its `decoder_sparse_step`.
+A CPU decode step runs every layer, routing and experts included, in the one native call of the fused decode
+layers (cpu_native.DecodeLayers, MoeLayer.decode_weights): the same router linear, expert kernels and
+summation order as `MoeLayer.mlp`, only the router's softmax is the native kernel's own exp (its weights may
+differ from torch's in the last bit).
 
 LoRA adapters add to the attention projections (q/k/v/o, Llama's maths). An adapter on the MLP is refused
 when it loads, naming the module: transformers 5 keeps the experts as fused 3-D parameters, which PEFT

@@ -1035,7 +1035,8 @@ void sf_paged_attention_f32(const float* q, int64_t ldq, const float* k_cache, c
 // the same kernels as the per-op path (the same linears, rms_norm, silu_mul and paged attention), and
 // rotary and the KV write as LlamaLayer.forward does them in torch (x * cos rounded, then
 // roll(x, D/2) * sin added with one rounding, as torch's addcmul does with its fused multiply-add), so the
-// two paths agree bit for bit.
+// two paths agree bit for bit (a mixture-of-experts layer's routing weights excepted: its softmax is
+// std::exp, not torch's vectorised exp, so they may differ in the last bit).
 struct sf_linear_desc {
   int32_t kind;  // 0 float32 panels, 1 int8 panels, 2 4-6-bit float-act, 3 8-bit float-act, 4 int8-act dot
   int32_t bits;  // kinds 2 and 4: the code width (4, 5, 6; 8 for kind 4's int8 codes)

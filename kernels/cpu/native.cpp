@@ -1203,36 +1203,60 @@ void routed_experts(const sf_layer_desc& L, const float* h, float* x, int64_t T,
     if (L.renormalize != 0)
       for (int64_t k = 0; k < K; ++k) w[t * K + k] /= picked;
   }
-  out.assign(T * H, 0.0f);
-  rows_in.resize(T * H);
-  y.resize(T * H);
-  rows.resize(T);
-  scale.resize(T);
+  // The (token, slot) pairs grouped by expert, tokens ascending within each (a stable sort by expert).
+  std::vector<int64_t> first(E + 1, 0);
+  for (int64_t i = 0; i < T * K; ++i) ++first[ids[i] + 1];
+  for (int64_t e = 0; e < E; ++e) first[e + 1] += first[e];
+  rows.resize(T * K);
+  scale.resize(T * K);
+  rows_in.resize(T * K * H);
+  std::vector<int64_t> next(first.begin(), first.end() - 1);
+  int64_t I = 0;
+  bool panels = true;  // float32 or int8 panels: `linear`, which keeps no state between calls
   for (int64_t e = 0; e < E; ++e) {
-    int64_t n = 0;
-    for (int64_t i = 0; i < T * K; ++i) {
-      if (ids[i] != e) continue;
-      rows[n] = i / K;
-      scale[n] = w[i];
-      std::copy(h + rows[n] * H, h + (rows[n] + 1) * H, rows_in.data() + n * H);
-      ++n;
-    }
-    if (n == 0) continue;
+    I = std::max(I, L.experts[2 * e + 1].K);
+    panels = panels && L.experts[2 * e].kind <= 1 && L.experts[2 * e + 1].kind <= 1;
+  }
+  for (int64_t i = 0; i < T * K; ++i) {
+    const int64_t j = next[ids[i]]++;
+    rows[j] = i / K;
+    scale[j] = w[i];
+    std::copy(h + rows[j] * H, h + (rows[j] + 1) * H, rows_in.data() + j * H);
+  }
+  gu.resize(T * K * 2 * I);
+  act.resize(T * K * I);
+  y.resize(T * K * H);
+  // plain pointers: inside the parallel region a thread_local's name is that thread's own (empty) vector
+  float *gu_p = gu.data(), *act_p = act.data(), *y_p = y.data();
+  const float* in_p = rows_in.data();
+  const int64_t* first_p = first.data();
+  auto expert = [&](int64_t e, int inner) {
+    const int64_t n = first_p[e + 1] - first_p[e], j = first_p[e];
+    if (n == 0) return;
     const sf_linear_desc& G = L.experts[2 * e];
     const sf_linear_desc& D = L.experts[2 * e + 1];
-    const int64_t I = D.K;
-    gu.resize(n * 2 * I);
-    act.resize(n * I);
-    run_linear(G, rows_in.data(), n, H, nullptr, 0, gu.data(), 2 * I, threads);
-    sf_silu_mul_f32(gu.data(), n, I, act.data());
-    run_linear(D, act.data(), n, I, nullptr, 0, y.data(), H, threads);
-    for (int64_t r = 0; r < n; ++r) {
-      float* o = out.data() + rows[r] * H;
-      const float* yr = y.data() + r * H;
-      for (int64_t c = 0; c < H; ++c) {
-        const volatile float p = yr[c] * scale[r];  // rounded before the add, as torch's two ops
-        o[c] += p;
-      }
+    float* g = gu_p + j * 2 * I;
+    float* a = act_p + j * I;
+    run_linear(G, in_p + j * H, n, H, nullptr, 0, g, 2 * D.K, inner);
+    sf_silu_mul_f32(g, n, D.K, a);
+    run_linear(D, a, n, D.K, nullptr, 0, y_p + j * H, H, inner);
+  };
+  if (panels && threads > 1) {
+    // Each expert on one thread: a decode step's experts are a few rows each, and one parallel region per
+    // layer instead of two per expert spares the fork and join that a loaded host turns into waits for a
+    // descheduled thread. Each output column is the same kernel's whatever the thread count.
+#pragma omp parallel for num_threads(threads) schedule(dynamic, 1)
+    for (int64_t e = 0; e < E; ++e) expert(e, 1);
+  } else {
+    for (int64_t e = 0; e < E; ++e) expert(e, threads);
+  }
+  out.assign(T * H, 0.0f);
+  for (int64_t j = 0; j < T * K; ++j) {  // in expert order, as MoeLayer.mlp's index_add_ per expert
+    float* o = out.data() + rows[j] * H;
+    const float* yr = y.data() + j * H;
+    for (int64_t c = 0; c < H; ++c) {
+      const volatile float p = yr[c] * scale[j];  // rounded before the add, as torch's two ops
+      o[c] += p;
     }
   }
   for (int64_t i = 0; i < T * H; ++i) x[i] += out[i];

@@ -101,23 +101,24 @@ class MoeLayer(LlamaLayer):
             lin.descriptor() if isinstance(lin, cpu_native.PackedLinear | cpu_native.QuantLinear) else None
             for lin in (self.qkv, self.o)
         )
-        experts = []
+        experts: list[tuple[cpu_native.LinearDesc, cpu_native.LinearDesc]] = []
         for expert in self.experts:
-            pair = tuple(
+            gate_up, down = (
                 lin.descriptor()
                 if isinstance(lin, cpu_native.PackedLinear | cpu_native.QuantLinear)
                 else None
                 for lin in (expert.gate_up, expert.down)
             )
-            if pair[0] is None or pair[1] is None:
+            if gate_up is None or down is None:
                 return None
-            experts.append(pair)
+            experts.append((gate_up, down))
         if qkv is None or o is None:
             return None
         return cpu_native.DecodeLayerWeights(
             qkv,
             o,
-            *experts[0],
+            experts[0][0],
+            experts[0][1],
             self.input_norm,
             self.post_norm,
             experts=tuple(experts),

@@ -1,7 +1,8 @@
 """`specfleet bench route`: the routing policies side by side on a shared-prefix, multi-turn workload.
 
 Each policy in turn (and one engine serving everything, as the reference for prefix hits) gets a fresh
-local fleet (`specfleet up`'s, cold caches) and the same requests: `--tenants` tenants, each with its own
+local fleet (`specfleet up`'s, cold caches; the prefix policy on the engines' KV events, as routing.kvEvents
+defaults) and the same requests: `--tenants` tenants, each with its own
 long system prompt (a handbook of a few hundred tokens), `--conversations` chats per tenant of `--turns`
 turns that resend their whole history; closed loop at `--concurrency` conversations in flight, greedy,
 streaming chat completions. Per policy: prefix hit rate from the engines' own counters

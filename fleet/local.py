@@ -1,7 +1,8 @@
 """`specfleet up -f FILE.yaml [-f MORE.yaml ...] [--prometheus-url URL]`: run InferenceServices on this machine.
 
 Starts `spec.replicas` engine processes on loopback, the router in front (`spec.routing.policy`, or
-`--policy`), supervises the engines (an engine that exits is logged and restarted with backoff), the tuner when `spec.autotune.enabled` (or `--tune`), prints every tuner decision, and on
+`--policy`), the engines publishing their KV events and the router routing on them as routing.kvEvents says
+(or `--kv-events`), supervises the engines (an engine that exits is logged and restarted with backoff), the tuner when `spec.autotune.enabled` (or `--tune`), prints every tuner decision, and on
 Ctrl-C / SIGTERM drains and stops everything. With several files, each service is such a fleet with its
 router on a port of its own, and one gateway (router/gateway.py) on --port routes by the request's model,
 as `specfleet router --gateway` does in the cluster; the files' routing.weight and routing.aliases are
@@ -79,12 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--interval", type=float, default=None, help="tuning interval in seconds (default: the spec's)"
     )
     p.add_argument("--window", type=float, default=None, help="metrics rate window in seconds")
-    p.add_argument(
-        "--policy",
-        default=None,
-        choices=list(POLICIES),
-        help="routing policy (default: the spec's routing.policy)",
-    )
+    add_routing_flags(p)
     p.add_argument(
         "--freeze-file",
         default=None,
@@ -102,14 +98,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add_trace_flag(p, "the router's and the engines' request spans")
     p.add_argument(
-        "--ext-proc-port",
-        type=int,
-        default=0,
-        metavar="PORT",
-        help="with routing.mode endpoint-picker: the endpoint picker's Envoy ext_proc port (default: a free "
-        "one, printed; the cluster's is 9002); with several services each gets a free one",
-    )
-    p.add_argument(
         "--engine-arg",
         action="append",
         default=[],
@@ -117,6 +105,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="extra engine argument (repeatable), e.g. --engine-arg=--kv-cache-gib=0.5",
     )
     return p
+
+
+def add_routing_flags(p: argparse.ArgumentParser) -> None:
+    """The flags that override the YAML's spec.routing: its policy, the engines' KV events, the picker's port."""
+    p.add_argument(
+        "--policy",
+        default=None,
+        choices=list(POLICIES),
+        help="routing policy (default: the spec's routing.policy)",
+    )
+    p.add_argument(
+        "--kv-events",
+        default=None,
+        choices=["off", "publish", "route"],
+        help="the engines' KV events: route (they publish, the prefix policy routes on them), publish (they "
+        "publish, the router estimates), off (default: the spec's routing.kvEvents, route with the "
+        "prefix policy)",
+    )
+    p.add_argument(
+        "--ext-proc-port",
+        type=int,
+        default=0,
+        metavar="PORT",
+        help="with routing.mode endpoint-picker: the endpoint picker's Envoy ext_proc port (default: a free "
+        "one, printed; the cluster's is 9002); with several services each gets a free one",
+    )
 
 
 def say_for(label: str | None) -> Callable[[str], None]:
@@ -344,6 +358,7 @@ def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> 
                 engine_extra_args=list(args.engine_arg),
                 on_tick=functools.partial(print_tick, say=say),
                 policy=args.policy,
+                kv_events=args.kv_events,
                 freeze_file=Path(args.freeze_file) if args.freeze_file else None,
                 cpus_per_engine=args.cpus_per_engine,
                 say=say,

@@ -164,7 +164,10 @@ class LocalFleet:
     # own (ipc:// in the log folder: one host, so no shared port as in the cluster), "route" also has the
     # router subscribe and the prefix policy route on the exact index (router/kv_subscriber.py); "off":
     # neither. "publish" is the control of a comparison: the engines do the same work, the router estimates.
-    kv_events: Literal["off", "publish", "route"] = "off"
+    # None: as the operator reads routing.kvEvents ("route" with the router and the prefix policy, the
+    # default; "off" otherwise), and a model without a tokenizer.json the router can read then routes on
+    # the estimate with a line saying so, where an explicit "route" is refused (`specfleet up --kv-events`).
+    kv_events: Literal["off", "publish", "route"] | None = None
     # routing.mode endpoint-picker: the picker's ext_proc port (0: a free one; the cluster's is 9002)
     ext_proc_port: int = 0
     engines: list[EngineProcess] = field(default_factory=list)
@@ -218,6 +221,10 @@ class LocalFleet:
                 file.write(self.prefill_key)
         self.freeze_file = self.freeze_file or self.log_dir / "tuner-freeze"
         self.kv_event_addresses: dict[str, tuple[str, str | None]] = {}  # engine url -> (PUB, replay)
+        self._kv_events_from_spec = self.kv_events is None
+        if self.kv_events is None:  # the operator's routing.routes_on_kv_events, on the policy in force
+            on = routing.enabled and routing.kv_events and isinstance(self.router.policy, PrefixAffinity)
+            self.kv_events = "route" if on else "off"
         if self.kv_events not in ("off", "publish", "route"):
             raise ValueError(f"kv_events={self.kv_events!r} is not one of off, publish, route")
         if self.kv_events == "route" and not isinstance(self.router.policy, PrefixAffinity):
@@ -259,16 +266,10 @@ class LocalFleet:
         prefill's) start on its config in force (`--live-config-file`)."""
         index = max((e.index for e in self.engines), default=-1) + 1
         port, admin_port = free_port(), free_port()
-        extra = self.engine_flags(role)
-        sockets = self._kv_event_sockets(index) if self.kv_events != "off" else None
-        if sockets is not None:
-            events = {"enable_kv_cache_events": True, "endpoint": sockets[0], "replay_endpoint": sockets[1]}
-            extra.append(f"--kv-events-config={json.dumps(events)}")
-        command = local_engine_command(self.isvc, port, extra, admin_port=admin_port)
         engine = EngineProcess(
             index,
             port,
-            command,
+            self.engine_command(index, port, admin_port, role),
             self._env,
             self.log_dir / f"engine-{index}.log",  # type: ignore[operator]
             role=role,
@@ -276,12 +277,22 @@ class LocalFleet:
             cpus=self._take_cores(index),
         )
         self.admin_urls[engine.url] = f"http://127.0.0.1:{admin_port}"
-        if sockets is not None:  # where the router's subscription finds it (kv_events="route")
-            self.kv_event_addresses[engine.url] = sockets
+        if self.kv_events != "off":  # where the router's subscription finds it (kv_events="route")
+            self.kv_event_addresses[engine.url] = self._kv_event_sockets(index)
         self._start(engine)
         self.engines.append(engine)
         self.router.endpoints.set_state(engine.url, ready=False, draining=False, role=role)
         return engine
+
+    def engine_command(self, index: int, port: int, admin_port: int, role: str | None = None) -> list[str]:
+        """Engine `index`'s command line as the fleet starts it: the pod's on loopback ports, the fleet's
+        flags, and unless kv_events is "off" its own KV event sockets (`--kv-events-config`)."""
+        extra = self.engine_flags(role)
+        if self.kv_events != "off":
+            pub, replay = self._kv_event_sockets(index)
+            events = {"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay}
+            extra.append(f"--kv-events-config={json.dumps(events)}")
+        return local_engine_command(self.isvc, port, extra, admin_port=admin_port)
 
     def engine_flags(self, role: str | None) -> list[str]:
         """The flags the fleet adds to an engine of `role` beside the pod's command line (loopback ports and
@@ -377,8 +388,7 @@ class LocalFleet:
             self.router.hasher = BlockHasher(spec.engine.block_size, encode, self.router.hasher.seed)
             engine_flags = [*spec.engine.extra_args, *self.engine_extra_args]
             self.router.chat_template = local_chat_template(spec.model.source, engine_flags)
-        if self.kv_events == "route":
-            self._subscribe_kv_events()
+        self._subscribe_kv_events()
         self.port = self.port or free_port(self.host)
         if self.tuning or self.replica_policy is not None:  # before the router serves: its queue scales
             self.tuner = self.new_tuner()
@@ -404,7 +414,17 @@ class LocalFleet:
 
     def _subscribe_kv_events(self) -> None:
         """The router's subscriber on every engine's own sockets, read by the prefix policy (an engine
-        that published nothing yet is routed on the estimate meanwhile)."""
+        that published nothing yet is routed on the estimate meanwhile). Without the model's tokenizer the
+        events cannot be read: an explicit "route" is refused, routing.kvEvents' default routes on the
+        estimate (the engines publish to no one). Nothing unless kv_events is "route"."""
+        if self.kv_events != "route":
+            return
+        if self.router.hasher.encode is None and self._kv_events_from_spec:
+            self.say(
+                f"[fleet] routing.kvEvents: {self.isvc.spec.model.source!r} has no tokenizer.json the router "
+                "can read, so it routes on its estimate (routing.kvEvents: false stops the engines publishing)"
+            )
+            return
         if self.router.hasher.encode is None:
             for engine in self.engines:
                 engine.kill()

@@ -17,6 +17,7 @@ from specfleet.bench.route_workload import prefix_counters, system_prompt
 from specfleet.fleet.supervisor import LocalFleet
 from specfleet.operator.inference_service import load_inference_service
 from specfleet.router.policies import PrefixAffinity
+from specfleet.router.prefix import BlockHasher
 
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml"
 # 24 blocks of 16 tokens: one ~100-token prompt holds 7 of them, three other prompts of ~130 push it out;
@@ -38,6 +39,93 @@ def _fleet(source: str | None = None, **options: object) -> LocalFleet:
         engine_extra_args=[f"--num-kv-blocks={NUM_KV_BLOCKS}"],
         **options,
     )
+
+
+def _yaml_fleet(tmp_path: Path, routing: dict[str, object], **options: object) -> LocalFleet:
+    """The example's fleet with `routing` in its YAML, built as `specfleet up` builds it; no engine starts."""
+    doc = yaml.safe_load(EXAMPLE.read_text())
+    doc["spec"]["replicas"] = 2
+    doc["spec"]["routing"] = routing
+    fleet = LocalFleet(
+        load_inference_service(doc), tune=False, log_dir=tmp_path, say=lambda _: None, **options
+    )
+    # the engines' tokenizer, as start() installs it once they converted the model (characters here)
+    fleet.router.hasher = BlockHasher(16, lambda text: [ord(c) for c in text], fleet.router.hasher.seed)
+    return fleet
+
+
+def _plan(fleet: LocalFleet) -> list[list[str]]:
+    """Both engines' command lines as the fleet would start them, their addresses recorded as _new_engine
+    records them (no process starts), then the router wired as start() wires it once they are ready."""
+    commands = []
+    for index, port in enumerate((18101, 18102)):
+        commands.append(fleet.engine_command(index, port, port + 100))
+        if fleet.kv_events != "off":
+            fleet.kv_event_addresses[f"http://127.0.0.1:{port}"] = fleet._kv_event_sockets(index)
+    fleet._subscribe_kv_events()
+    return commands
+
+
+def _events_config(command: list[str]) -> dict[str, object] | None:
+    flags = [a for a in command if a.startswith("--kv-events-config")]
+    assert len(flags) <= 1, flags
+    return json.loads(flags[0].split("=", 1)[1]) if flags else None
+
+
+@pytest.mark.parametrize("routing", [{}, {"kvEvents": True}, {"policy": "prefix", "kvEvents": True}])
+def test_up_routes_on_kv_events_as_the_yaml_says_by_default(tmp_path: Path, routing: dict) -> None:
+    """routing.kvEvents, on by default with the prefix policy, as the operator reads it: every engine
+    publishes on sockets of its own and the router subscribes to each and routes on the exact index."""
+    fleet = _yaml_fleet(tmp_path, routing)
+    assert fleet.kv_events == "route"
+    commands = _plan(fleet)
+    configs = [_events_config(c) for c in commands]
+    assert configs == [
+        {"enable_kv_cache_events": True, "endpoint": pub, "replay_endpoint": replay}
+        for pub, replay in (fleet._kv_event_sockets(0), fleet._kv_event_sockets(1))
+    ]
+    feeds = fleet.router.kv_feeds
+    assert feeds is not None and dict(feeds.addresses or {}) == fleet.kv_event_addresses
+    assert len(fleet.kv_event_addresses) == 2
+    assert isinstance(fleet.router.policy, PrefixAffinity) and fleet.router.policy.exact is not None
+    feeds.subscriber.close()
+
+
+@pytest.mark.parametrize(
+    ("routing", "options"),
+    [
+        ({"kvEvents": False}, {}),
+        ({"policy": "least-loaded"}, {}),  # kvEvents is the prefix policy's, as in the operator
+        ({}, {"policy": "round-robin"}),  # `specfleet up --policy` overrides the YAML's policy
+        ({}, {"kv_events": "off"}),  # `specfleet up --kv-events off` overrides the YAML
+    ],
+)
+def test_up_without_kv_events_starts_no_publisher_and_no_subscription(
+    tmp_path: Path, routing: dict, options: dict
+) -> None:
+    fleet = _yaml_fleet(tmp_path, routing, **options)
+    assert fleet.kv_events == "off"
+    assert [_events_config(c) for c in _plan(fleet)] == [None, None]
+    assert fleet.kv_event_addresses == {} and fleet.router.kv_feeds is None
+
+
+def test_the_flag_overrides_the_yaml_and_an_explicit_route_needs_the_tokenizer(tmp_path: Path) -> None:
+    """`--kv-events publish` on a YAML with kvEvents false: the engines publish, the router estimates. Without
+    a tokenizer the router can read, the YAML's default routes on the estimate with a line saying so, where
+    `--kv-events route` is refused by name."""
+    fleet = _yaml_fleet(tmp_path / "publish", {"kvEvents": False}, kv_events="publish")
+    assert all(_events_config(c) is not None for c in _plan(fleet)) and fleet.router.kv_feeds is None
+    said: list[str] = []
+    fleet = _yaml_fleet(tmp_path / "default", {})
+    fleet.say, fleet.router.hasher = said.append, BlockHasher(16, None, 0)
+    _plan(fleet)
+    assert fleet.router.kv_feeds is None
+    assert len(said) == 1 and "no tokenizer.json" in said[0] and "routes on its estimate" in said[0]
+    fleet = _yaml_fleet(tmp_path / "explicit", {}, kv_events="route")
+    fleet.router.hasher = BlockHasher(16, None, 0)
+    with pytest.raises(ValueError, match="kv_events='route' needs the model's tokenizer.json"):
+        _plan(fleet)
+    assert fleet.router.kv_feeds is None
 
 
 def test_route_needs_the_prefix_policy_and_the_mode_is_one_of_three() -> None:
@@ -157,3 +245,14 @@ def test_the_router_predicts_the_engines_prefix_hits_through_an_eviction(tiny_ll
             await fleet.stop(drain_timeout_s=5)
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize(("flag", "expected"), [([], "route"), (["--kv-events", "publish"], "publish")])
+def test_up_command_line_passes_kv_events_through(tmp_path: Path, flag: list[str], expected: str) -> None:
+    """`specfleet up -f FILE` leaves the choice to the YAML (the example's default: route); `--kv-events`
+    overrides it."""
+    from specfleet.fleet.local import build_fleets, build_parser, load_services
+
+    args = build_parser().parse_args(["-f", str(EXAMPLE), *flag])
+    (fleet,) = build_fleets(args, load_services(args.file))
+    assert fleet.kv_events == expected

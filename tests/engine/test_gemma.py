@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_oracle import reference
 from helpers import tiny_config, write_tiny_checkpoint
 from specfleet.engine import LLM, SamplingParams
 
@@ -33,28 +34,6 @@ CASES = {
 }
 
 
-def _reference(model, prompts, new: int = NEW) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers' greedy tokens and each chosen token's log-probability, one prompt at a time."""
-    model.generation_config.eos_token_id = None
-    tokens, logprobs = [], []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                do_sample=False,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            chosen = out.sequences[0, len(ids) :]
-            logits = torch.cat(out.logits).float().log_softmax(-1)
-            tokens.append(chosen.tolist())
-            logprobs.append(logits.gather(1, chosen[:, None])[:, 0].tolist())
-    return tokens, logprobs
-
-
 @pytest.fixture(scope="module", params=list(CASES))
 def gemma(request, tmp_path_factory, bundled_path):
     """(case, model URL, transformers' reference tokens and logprobs) for each case."""
@@ -65,11 +44,11 @@ def gemma(request, tmp_path_factory, bundled_path):
     path = tmp_path_factory.mktemp(request.param)
     write_tiny_checkpoint(path, config, std=0.2, tokenizer_from=bundled_path)
     model = tiny_model(config, std=0.2)
-    tokens, logprobs = _reference(model, PROMPTS)
+    tokens, logprobs = reference(model, PROMPTS, NEW)
     # The first prompt, its continuation and the prompt again: n-gram lookup then has a match to propose
     # from (the random model's own text rarely repeats).
     echo = PROMPTS[0] + tokens[0] + PROMPTS[0]
-    echo_tokens, _ = _reference(model, [echo])
+    echo_tokens, _ = reference(model, [echo], NEW)
     return request.param, f"file://{path}", tokens, logprobs, echo, echo_tokens[0]
 
 

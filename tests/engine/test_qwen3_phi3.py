@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gguf_oracle import reference
 from helpers import tiny_config, write_tiny_checkpoint
 from specfleet.engine import LLM, SamplingParams
 from specfleet.kernels import cpu_native
@@ -31,28 +32,6 @@ LONGROPE = {
 }
 
 
-def _reference(model, prompts, new: int = NEW) -> tuple[list[list[int]], list[list[float]]]:
-    """transformers' greedy tokens and each chosen token's log-probability, one prompt at a time."""
-    model.generation_config.eos_token_id = None
-    tokens, logprobs = [], []
-    with torch.inference_mode():
-        for ids in prompts:
-            out = model.generate(
-                torch.tensor([ids]),
-                do_sample=False,
-                max_new_tokens=new,
-                min_new_tokens=new,
-                pad_token_id=0,
-                output_logits=True,
-                return_dict_in_generate=True,
-            )
-            chosen = out.sequences[0, len(ids) :]
-            logits = torch.cat(out.logits).float().log_softmax(-1)
-            tokens.append(chosen.tolist())
-            logprobs.append(logits.gather(1, chosen[:, None])[:, 0].tolist())
-    return tokens, logprobs
-
-
 def _checkpoint(case: str, tmp_path_factory, bundled_path, **overrides):
     from helpers import tiny_model
 
@@ -67,7 +46,7 @@ def _checkpoint(case: str, tmp_path_factory, bundled_path, **overrides):
 def arch(request, tmp_path_factory, bundled_path):
     """(case, model URL, transformers' reference tokens and logprobs) for each case."""
     url, model = _checkpoint(request.param, tmp_path_factory, bundled_path)
-    return request.param, url, *_reference(model, PROMPTS)
+    return request.param, url, *reference(model, PROMPTS, NEW)
 
 
 def _tokens(outs):
@@ -135,7 +114,7 @@ def test_int8_weights_match_transformers_over_the_same_int8_weights(arch, tmp_pa
                 w = module.weight
                 scale = w.abs().amax(dim=1, keepdim=True).clamp_min(1e-12) / 127.0
                 w.copy_(torch.round(w / scale).clamp(-127, 127) * scale)
-    ref_tokens, ref_logprobs = _reference(model, PROMPTS, 12)
+    ref_tokens, ref_logprobs = reference(model, PROMPTS, 12)
     llm = LLM(model=url, block_size=4, quantization="int8")
     assert all(layer.qkv.scale is not None for layer in llm.engine.runner.model.layers)  # int8 panels
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
@@ -178,7 +157,7 @@ def test_longrope_factors_match_transformers(window, tmp_path_factory, bundled_p
         prompts, new, max_model_len = [PROMPTS[0][:8], PROMPTS[2]], 20, 32  # 28 positions at most
     else:
         prompts, new, max_model_len = [PROMPTS[0] * 2, PROMPTS[3] * 2], 8, 256  # 38 and 40 positions up
-    ref_tokens, ref_logprobs = _reference(model, prompts, new)
+    ref_tokens, ref_logprobs = reference(model, prompts, new)
     llm = LLM(model=url, block_size=4, max_model_len=max_model_len)
     outs = [
         r.outputs[0]

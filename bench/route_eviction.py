@@ -364,48 +364,28 @@ async def run_once(args: argparse.Namespace, mode: Mode, convs: list[tuple[int, 
     return run
 
 
+# The phase's flags on `specfleet bench route`'s parser, as (--eviction-NAME, type, default, what it sets).
+# 144 blocks of 16 tokens hold five of the ~450-token system prompts per engine; four conversations in flight
+# (three on one engine at most under the load cap, of <= 34 blocks each at one turn) keep within
+# MAX_RUNNING_SHARE of it, and are the fewest with which the cap binds on two engines (with two, each engine
+# may always take both). 64 one-turn conversations a round take ~1 minute on two pinned cores; four rounds,
+# with each round's fleet start, stay within ~8 minutes. Zipf 1: the usual shape of multi-tenant traffic
+# (the top tenant ~1/4 of requests at ~22 tenants).
+FLAGS: tuple[tuple[str, type, int | float, str], ...] = (
+    ("kv-blocks", int, 144, "KV cache blocks per engine"),
+    ("pressure", float, 2.0, "the tenants' system prompts over the fleet's KV cache (sets the tenants)"),
+    ("conversations", int, 64, "conversations per round"),
+    ("turns", int, 1, "turns per conversation (a later turn follows its session in either mode)"),
+    ("skew", float, 1.0, "tenant popularity, Zipf exponent (0: every tenant equally popular)"),
+    ("concurrency", int, 4, "conversations in flight"),
+    ("rounds", int, 4, "rounds, alternating the modes ABBA from events, each on a fresh fleet"),
+)
+
+
 def add_flags(p: argparse.ArgumentParser) -> None:
-    """The phase's flags on `specfleet bench route`'s parser."""
-    # The eviction phase (bench/route_eviction.py). 144 blocks of 16 tokens hold five of the ~450-token
-    # system prompts per engine; four conversations in flight (three on one engine at most under the load
-    # cap, of <= 34 blocks each at one turn) keep within route_eviction.MAX_RUNNING_SHARE of it, and are
-    # the fewest with which the cap binds on two engines (with two, each engine may always take both).
-    p.add_argument(
-        "--eviction-kv-blocks", type=int, default=144, help="eviction phase: KV cache blocks per engine"
-    )
-    p.add_argument(
-        "--eviction-pressure",
-        type=float,
-        default=2.0,
-        help="eviction phase: the tenants' system prompts over the fleet's KV cache (sets the tenants)",
-    )
-    # 64 one-turn conversations a round take ~1 minute on two pinned cores; four rounds, with each round's
-    # fleet start, stay within ~8 minutes
-    p.add_argument(
-        "--eviction-conversations", type=int, default=64, help="eviction phase: conversations per round"
-    )
-    p.add_argument(
-        "--eviction-turns",
-        type=int,
-        default=1,
-        help="eviction phase: turns per conversation (a later turn follows its session in either mode)",
-    )
-    # Zipf 1: the usual shape of multi-tenant traffic (the top tenant ~1/4 of requests at ~22 tenants)
-    p.add_argument(
-        "--eviction-skew",
-        type=float,
-        default=1.0,
-        help="eviction phase: tenant popularity, Zipf exponent (0: every tenant equally popular)",
-    )
-    p.add_argument(
-        "--eviction-concurrency", type=int, default=4, help="eviction phase: conversations in flight"
-    )
-    p.add_argument(
-        "--eviction-rounds",
-        type=int,
-        default=4,
-        help="eviction phase: rounds, alternating the modes ABBA from events, each on a fresh fleet",
-    )
+    """The phase's flags (FLAGS) on `specfleet bench route`'s parser."""
+    for name, kind, default, what in FLAGS:
+        p.add_argument(f"--eviction-{name}", type=kind, default=default, help=f"eviction phase: {what}")
 
 
 def plan(args: argparse.Namespace) -> EvictionSizing:

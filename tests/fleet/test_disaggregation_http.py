@@ -14,11 +14,11 @@ from typing import Any
 
 import httpx
 import pytest
-from helpers import free_port, serve_in_thread, stream_completion
+from helpers import free_port, stream_completion
+from role_servers import pd_endpoints, served_roles
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.core.client import EngineCoreClient
 from specfleet.router import disaggregation
-from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy
 from specfleet.router.proxy import Router, serve
 
@@ -52,7 +52,7 @@ def _serve_router(router: Router) -> tuple[Any, str]:
 
 @pytest.fixture(scope="module")
 def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
-    from specfleet.engine.server.app import build_state, create_app
+    from specfleet.engine.server.app import build_state
 
     # Each server with its engine core in its own process, as `specfleet serve` runs them.
     engines = {
@@ -60,26 +60,13 @@ def fleet(tiny_llama) -> Iterator[dict[str, Any]]:
         for role in ("prefill", "decode")
     }
     engines["aggregated"] = EngineCoreClient(EngineConfig(model=tiny_llama, **COMMON), log_level="warning")
-    servers, urls, states = [], {}, {}
-    for role, engine in engines.items():
-        states[role] = build_state(engine)
-        server, thread, urls[role] = serve_in_thread(create_app(states[role]))
-        servers.append((server, thread))
-    for url in urls.values():
-        assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
-    endpoints = EndpointSet()
-    endpoints.set_state(urls["prefill"], ready=True, role="prefill")
-    endpoints.set_state(urls["decode"], ready=True, role="decode")
-    router = Router(endpoints, make_policy("least-loaded"), max_retries=0)
-    stop, urls["proxy"] = _serve_router(router)
-    yield {"urls": urls, "states": states, "engines": engines, "endpoints": endpoints}
-    stop()
-    for server, _ in servers:
-        server.should_exit = True
-    for _, thread in servers:
-        thread.join(10)
-    for engine in engines.values():
-        engine.stop()
+    states = {role: build_state(engine) for role, engine in engines.items()}
+    with served_roles(states, engines) as urls:
+        endpoints = pd_endpoints(urls)
+        router = Router(endpoints, make_policy("least-loaded"), max_retries=0)
+        stop, urls["proxy"] = _serve_router(router)
+        yield {"urls": urls, "states": states, "engines": engines, "endpoints": endpoints}
+        stop()
 
 
 def _blocks(state: Any) -> int:

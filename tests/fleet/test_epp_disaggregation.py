@@ -17,29 +17,20 @@ import asyncio
 import json
 import re
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import httpx
 import pytest
-from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue
-from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode as Mode
-from envoy_data_plane.envoy.service.ext_proc.v3 import (
-    HttpBody,
-    HttpHeaders,
-    ProcessingRequest,
-    ProcessingResponse,
-    ProtocolConfiguration,
-)
-from helpers import free_port, serve_in_thread
+from envoy_exchange import buffered_exchange
+from helpers import free_port
+from role_servers import pd_endpoints, served_roles
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.core.client import EngineCoreClient
 from specfleet.engine.kv_transfer import prefill_leg, prefill_signature
 from specfleet.engine.server import remote_prefill
 from specfleet.engine.server.remote_prefill import RemotePrefill, parse_networks
-from specfleet.router.endpoint_picker import DESTINATION_KEY, EXT_PROC_SERVICE, PREFILLER_HEADER, address
-from specfleet.router.endpoints import EndpointSet
+from specfleet.router.endpoint_picker import DESTINATION_KEY, PREFILLER_HEADER, address
 from specfleet.router.ext_proc_server import serve_endpoint_picker
 from specfleet.router.policies import make_policy
 from specfleet.router.proxy import Router
@@ -56,7 +47,7 @@ SIGNATURE = prefill_signature.HEADER
 
 @pytest.fixture(scope="module")
 def pool(tiny_llama) -> Iterator[dict[str, Any]]:
-    from specfleet.engine.server.app import build_state, create_app
+    from specfleet.engine.server.app import build_state
 
     configs = {
         "prefill": EngineConfig(model=tiny_llama, kv_role="prefill", max_model_len=PREFILL_MAX_LEN, **COMMON),
@@ -65,55 +56,25 @@ def pool(tiny_llama) -> Iterator[dict[str, Any]]:
     }
     engines = {role: EngineCoreClient(config, log_level="warning") for role, config in configs.items()}
     accept = RemotePrefill(parse_networks(["127.0.0.0/8"]), timeout_s=10.0, key=KEY)
-    servers, urls, states = [], {}, {}
-    for role, engine in engines.items():
-        states[role] = build_state(engine, remote_prefill=accept if role == "decode" else None)
-        server, thread, urls[role] = serve_in_thread(create_app(states[role]))
-        servers.append((server, thread))
-    for url in urls.values():
-        assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
-    yield {"urls": urls, "states": states, "engines": engines}
-    for server, _ in servers:
-        server.should_exit = True
-    for _, thread in servers:
-        thread.join(10)
-    for engine in engines.values():
-        engine.stop()
+    states = {
+        role: build_state(engine, remote_prefill=accept if role == "decode" else None)
+        for role, engine in engines.items()
+    }
+    with served_roles(states, engines) as urls:
+        yield {"urls": urls, "states": states, "engines": engines}
 
 
 async def epp_pick(urls: dict[str, str], path: str, body: dict[str, Any]) -> tuple[dict[str, str], bytes]:
     """One request's ext_proc exchange (BUFFERED bodies) with the router's EPP, which holds the decode
     engine's key, over a pool of one prefill and one decode engine: the request headers the EPP set, by name,
     and the body as the gateway sends it on (the bytes the signature covers)."""
-    endpoints = EndpointSet()
-    endpoints.set_state(urls["prefill"], ready=True, role="prefill")
-    endpoints.set_state(urls["decode"], ready=True, role="decode")
-    router = Router(endpoints, make_policy("least-loaded"))
+    router = Router(pd_endpoints(urls), make_policy("least-loaded"))
     server, port = await serve_endpoint_picker(router, "127.0.0.1", 0, prefill_key=KEY)
     raw = json.dumps(body).encode()
-    mode = ProtocolConfiguration(request_body_mode=Mode.BUFFERED, response_body_mode=Mode.BUFFERED)
-    head = {":path": path, ":method": "POST", "content-type": "application/json"}
-
-    async def messages() -> AsyncIterator[ProcessingRequest]:
-        values = [HeaderValue(key=k, raw_value=v.encode()) for k, v in head.items()]
-        yield ProcessingRequest(
-            request_headers=HttpHeaders(headers=HeaderMap(headers=values)), protocol_config=mode
-        )
-        yield ProcessingRequest(request_body=HttpBody(body=raw, end_of_stream=True))
-
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            call = channel.stream_stream(
-                f"/{EXT_PROC_SERVICE}/Process",
-                request_serializer=ProcessingRequest.SerializeToString,
-                response_deserializer=ProcessingResponse.FromString,
-            )(messages())
-            answers = [await asyncio.wait_for(call.read(), 10) for _ in range(2)]
-            call.cancel()
+        return await buffered_exchange(port, path, raw), raw
     finally:
         await server.stop(0)
-    mutation = answers[1].request_body.response.header_mutation
-    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}, raw
 
 
 def counter(url: str, name: str) -> float:

@@ -12,13 +12,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-import httpx
 import pytest
-from helpers import free_port, serve_in_thread
+from helpers import free_port
 from otlp_receiver import Receiver, Span, children, one, otlp_receiver
+from role_servers import pd_endpoints, served_roles
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.core.client import EngineCoreClient
-from specfleet.router.endpoints import EndpointSet
 from specfleet.router.policies import make_policy
 from specfleet.router.proxy import Router, serve
 from specfleet.router.tracing import RouterTracer
@@ -31,7 +30,7 @@ MAX_TOKENS = 6
 
 @pytest.fixture(scope="module")
 def traced(tiny_llama) -> Iterator[dict[str, Any]]:
-    from specfleet.engine.server.app import build_state, create_app
+    from specfleet.engine.server.app import build_state
 
     with otlp_receiver() as receiver:
         engines = {
@@ -40,36 +39,28 @@ def traced(tiny_llama) -> Iterator[dict[str, Any]]:
             )
             for role in ("prefill", "decode")
         }
-        servers, urls = [], {}
-        for role, engine in engines.items():
-            state = build_state(engine, otlp_traces_endpoint=f"{receiver.url}/v1/traces")
-            server, thread, urls[role] = serve_in_thread(create_app(state))
-            servers.append((server, thread))
-        for url in urls.values():
-            assert httpx.get(f"{url}/ready", timeout=10).status_code == 200
-        endpoints = EndpointSet()
-        endpoints.set_state(urls["prefill"], ready=True, role="prefill")
-        endpoints.set_state(urls["decode"], ready=True, role="decode")
-        tracer = RouterTracer.from_endpoint(f"{receiver.url}/v1/traces")
-        router = Router(endpoints, make_policy("least-loaded"), max_retries=0, tracer=tracer)
-        loop, port = asyncio.new_event_loop(), free_port()
-        thread = threading.Thread(target=loop.run_forever, daemon=True)
-        thread.start()
-        runner = asyncio.run_coroutine_threadsafe(serve(router, "127.0.0.1", port), loop).result(30)
-        loop.call_soon_threadsafe(router.endpoints_changed)
-        try:
-            yield {"receiver": receiver, "router": f"http://127.0.0.1:{port}", "engines": engines}
-        finally:
-            asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
-            loop.call_soon_threadsafe(loop.stop)
-            thread.join(10)
-            tracer.shutdown()
-            for server, _ in servers:
-                server.should_exit = True
-            for _, server_thread in servers:
-                server_thread.join(10)
-            for engine in engines.values():
-                engine.stop()
+        traces = f"{receiver.url}/v1/traces"
+        states = {role: build_state(engine, otlp_traces_endpoint=traces) for role, engine in engines.items()}
+        with served_roles(states, engines) as urls:
+            yield from _routed(receiver, urls, engines)
+
+
+def _routed(receiver: Any, urls: dict[str, str], engines: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The traced router in front of the served engines, on a loop of its own, until the module ends."""
+    tracer = RouterTracer.from_endpoint(f"{receiver.url}/v1/traces")
+    router = Router(pd_endpoints(urls), make_policy("least-loaded"), max_retries=0, tracer=tracer)
+    loop, port = asyncio.new_event_loop(), free_port()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    runner = asyncio.run_coroutine_threadsafe(serve(router, "127.0.0.1", port), loop).result(30)
+    loop.call_soon_threadsafe(router.endpoints_changed)
+    try:
+        yield {"receiver": receiver, "router": f"http://127.0.0.1:{port}", "engines": engines}
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(30)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        tracer.shutdown()
 
 
 def _tree_done(spans: list[Span]) -> bool:

@@ -13,26 +13,16 @@ import asyncio
 import copy
 import json
 import stat
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import yaml
-from envoy_data_plane.envoy.config.core.v3 import HeaderMap, HeaderValue
-from envoy_data_plane.envoy.extensions.filters.http.ext_proc.v3 import ProcessingModeBodySendMode as Mode
-from envoy_data_plane.envoy.service.ext_proc.v3 import (
-    HttpBody,
-    HttpHeaders,
-    ProcessingRequest,
-    ProcessingResponse,
-    ProtocolConfiguration,
-)
+from envoy_exchange import buffered_exchange
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.kv_transfer import prefill_signature
 from specfleet.engine.server.cli import _remote_prefill, build_parser
 from specfleet.fleet.supervisor import LocalFleet, local_engine_command
 from specfleet.operator import load_inference_service
-from specfleet.router.endpoint_picker import EXT_PROC_SERVICE, PREFILLER_HEADER, SIGNATURE_HEADER
+from specfleet.router.endpoint_picker import PREFILLER_HEADER, SIGNATURE_HEADER
 
 PD_EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu-pd.yaml"
 
@@ -49,29 +39,10 @@ async def signed_pick(fleet: LocalFleet, body: bytes) -> dict[str, str]:
     for url, role in (("http://127.0.0.1:18001", "prefill"), ("http://127.0.0.1:18002", "decode")):
         fleet.router.endpoints.set_state(url, ready=True, role=role)
     await fleet._serve_endpoint_picker()
-    mode = ProtocolConfiguration(request_body_mode=Mode.BUFFERED, response_body_mode=Mode.BUFFERED)
-    head = {":path": "/v1/completions", ":method": "POST", "content-type": "application/json"}
-
-    async def messages() -> AsyncIterator[ProcessingRequest]:
-        values = [HeaderValue(key=k, raw_value=v.encode()) for k, v in head.items()]
-        yield ProcessingRequest(
-            request_headers=HttpHeaders(headers=HeaderMap(headers=values)), protocol_config=mode
-        )
-        yield ProcessingRequest(request_body=HttpBody(body=body, end_of_stream=True))
-
     try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{fleet.ext_proc_port}") as channel:
-            call = channel.stream_stream(
-                f"/{EXT_PROC_SERVICE}/Process",
-                request_serializer=ProcessingRequest.SerializeToString,
-                response_deserializer=ProcessingResponse.FromString,
-            )(messages())
-            answers = [await asyncio.wait_for(call.read(), 10) for _ in range(2)]
-            call.cancel()
+        return await buffered_exchange(fleet.ext_proc_port, "/v1/completions", body)
     finally:
         await fleet._picker.stop(0)
-    mutation = answers[1].request_body.response.header_mutation
-    return {o.header.key: o.header.raw_value.decode() for o in mutation.set_headers}
 
 
 def test_up_hands_one_key_to_the_picker_and_the_decode_engines(tmp_path: Path) -> None:

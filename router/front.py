@@ -181,10 +181,23 @@ class FrontResponse:
         """Write `data` at once, from a protocol callback (upstream.py's pipe): whether the client's
         transport is now full (the caller stops reading until `drained`). A client already gone gets
         nothing: its task is being cancelled."""
+        return self._write_now(self._framed(data))
+
+    def end_now(self, data: bytes) -> None:
+        """`write_eof(data)` at once, from a protocol callback (the stream relay's: router/resume.py): the
+        body's last bytes and its end leave in one write."""
+        if self.ended:
+            return
+        pieces = self._framed(data)
+        if self._chunked and not self.framed:
+            pieces.append(b"0\r\n\r\n")
+        self.ended = True
+        self._write_now(pieces)
+
+    def _write_now(self, pieces: list[bytes]) -> bool:
         conn = self._conn
         if conn.transport is None:
             return False
-        pieces = self._framed(data)
         if self._head is not None:
             pieces.insert(0, self._head)
             self._head = None

@@ -228,10 +228,9 @@ class Router:
             await self._session.close()
 
     def route_request(self, body: bytes, headers: Any) -> RouteRequest:
-        try:
-            parsed = json.loads(body) if body else None
-        except ValueError:
-            parsed = None
+        return self._route_parsed(_parse(body), headers)
+
+    def _route_parsed(self, parsed: Any, headers: Any) -> RouteRequest:
         if self.tracer is not None:
             self.tracer.note_body(parsed)
         text, ids = prompt_text(parsed)
@@ -305,7 +304,8 @@ class Router:
             self._in_flight -= 1
 
     async def _route(self, request: ClientRequest, body: bytes) -> Answer:
-        route = self.route_request(body, request.headers) if request.method == "POST" else RouteRequest()
+        parsed = _parse(body) if request.method == "POST" else None
+        route = self._route_parsed(parsed, request.headers) if request.method == "POST" else RouteRequest()
         headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
         held: dict[str, Any] | None = None  # a prefill engine's hold on this prompt's KV blocks
         pd_body = (
@@ -339,12 +339,12 @@ class Router:
                     headers={"Content-Type": refusal.content_type or "application/json"},
                 )
             if held is not None:
-                body = disaggregation.decode_body(pd_body, held)
+                body, parsed = disaggregation.decode_body(pd_body, held), None
                 headers = {k: v for k, v in headers.items() if k.lower() != "content-type"}
                 headers["Content-Type"] = "application/json"
         delivered = False
         try:
-            response = await self._forward(request, body, headers, route)
+            response = await self._forward(request, body, headers, route, parsed)
             # a decode engine took the request: the hold is its to consume (a refusal leaves it unconsumed)
             delivered = response.status < 300
             return response
@@ -354,13 +354,15 @@ class Router:
                 asyncio.get_running_loop().run_in_executor(None, disaggregation.release, held)
 
     async def _forward(
-        self, request: ClientRequest, body: bytes, headers: dict[str, str], route: RouteRequest
+        self, request: ClientRequest, body: bytes, headers: dict[str, str], route: RouteRequest, parsed: Any
     ) -> Answer:
+        """Send the request to the engines the policy picks, retrying before the first byte; `parsed`: the
+        body as route_request read it (None: not parsed)."""
         tried: set[str] = set()
         last_error = ""
         started = time.monotonic()
         parsed, why_not = resume.plan(
-            request.match_info.get("path", ""), request.method, body, self.max_resumes
+            request.match_info.get("path", ""), request.method, body, self.max_resumes, parsed
         )
         if parsed is not None:
             headers = {**headers, resume.TOKEN_IDS_HEADER: "1"}
@@ -515,6 +517,14 @@ class Router:
             attempt,
             1000 * (time.monotonic() - started),
         )
+
+
+def _parse(body: bytes) -> Any:
+    """A request body's JSON (None when empty or not JSON), read once for routing and the stream relay."""
+    try:
+        return json.loads(body) if body else None
+    except ValueError:
+        return None
 
 
 def _passes_through(request: ClientRequest, tap: UsageTap | None, relay: resume.StreamRelay | None) -> bool:

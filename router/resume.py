@@ -10,6 +10,10 @@ those tokens, counts them as output (seeded draws, penalties, stop strings, max_
 from them) and streams only what follows (engine/server/resume.py). Its chunks get the first engine's `id`
 and `created`, so the client reads one stream.
 
+On the raw front (router/front.py) the relay runs in the engine connection's read callback, as a
+passed-through body does (`_RelayNow`, upstream.py's `EngineResponse.pipe`): the request's task wakes only
+for a cut, a full client or the answer's end, and `follow` resumes from there.
+
 Not resumable (cut as before, then told so in an error event): n > 1 or best_of > 1, logprobs (the first
 engine's are not replayed), echo, prompt_logprobs, a batch of prompts, tools and structured outputs (a
 grammar's or a tool parser's state at the cut is not rebuilt), and a disaggregated request (its decode
@@ -22,7 +26,7 @@ import json
 import logging
 import re
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from .upstream import EngineBroken, EngineResponse, EngineUnreachable
 
@@ -62,6 +66,17 @@ class Writer(Protocol):
     async def write(self, data: bytes) -> None: ...
 
 
+class ImmediateWriter(Writer, Protocol):
+    """A writer that also takes bytes at once from a callback (the raw front's `FrontResponse`): the relay
+    then runs in the engine connection's read callback (`_RelayNow`)."""
+
+    def write_now(self, data: bytes) -> bool: ...  # whether the client's transport is now full
+
+    def end_now(self, data: bytes) -> None: ...  # the answer's last bytes and its end
+
+    async def drained(self) -> None: ...
+
+
 # Body fields whose presence (with a value other than these) makes a request not resumable
 REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
@@ -81,7 +96,9 @@ REFUSED_FIELDS: dict[str, tuple[Any, ...]] = {
 # Events that take the parsed path: a cut (abort, engine dead) or several choices (n > 1 is not resumed, but
 # an engine answering one anyway must not be misread).
 _ABORTED = b'"finish_reason":"abort"'
-_SLOW_MARKERS = (_ABORTED, b'"engine_dead"', b'"index":1')
+_ENGINE_DEAD = b'"engine_dead"'
+_SECOND_CHOICE = b'"index":1'
+_SLOW_MARKERS = (_ABORTED, _ENGINE_DEAD, _SECOND_CHOICE)
 _FINISHED = b'"finish_reason":"'  # a string: the choice finished (null while it runs)
 _TOKEN_IDS = b',"token_ids":['
 # A choice's token ids as the engine's compact JSON writes them; the byte path cuts them out of a whole run
@@ -89,15 +106,19 @@ _TOKEN_IDS = b',"token_ids":['
 _TOKEN_IDS_FIELD = re.compile(rb',"token_ids":\[([0-9,]*)\]')
 
 
-def plan(path: str, method: str, body: bytes, max_resumes: int) -> tuple[dict[str, Any] | None, str | None]:
+def plan(
+    path: str, method: str, body: bytes, max_resumes: int, parsed: Any = None
+) -> tuple[dict[str, Any] | None, str | None]:
     """For a streamed generation request: its parsed body when the router can resume it, else why not
-    (`(None, None)` for any other request)."""
+    (`(None, None)` for any other request). `parsed`: the body as the caller already parsed it (read
+    only: the relay copies it for a resumed request), else it is parsed here."""
     if method != "POST" or path not in RESUMABLE_PATHS or b'"stream"' not in body:
         return None, None
-    try:
-        parsed = json.loads(body)
-    except ValueError:
-        return None, None
+    if parsed is None:
+        try:
+            parsed = json.loads(body)
+        except ValueError:
+            return None, None
     if not isinstance(parsed, dict) or parsed.get("stream") is not True:
         return None, None
     if max_resumes <= 0:
@@ -110,9 +131,10 @@ def plan(path: str, method: str, body: bytes, max_resumes: int) -> tuple[dict[st
 
 def not_resumable(body: dict[str, Any]) -> str | None:
     """Why this request cannot be resumed (the field that prevents it), or None."""
-    for name, allowed in REFUSED_FIELDS.items():
-        if body.get(name) not in allowed:
-            return name
+    if not body.keys().isdisjoint(REFUSED_FIELDS):  # (one set operation where none is there, the usual case)
+        for name, allowed in REFUSED_FIELDS.items():
+            if body.get(name) not in allowed:
+                return name
     prompt = body.get("prompt")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int) and len(prompt) != 1:
         return "prompt"  # a batch of prompts: one stream per prompt, interleaved
@@ -127,7 +149,10 @@ class StreamRelay:
     where: tuple[RouteRequest, set[str], dict[str, str]]  # its route, the engines tried, its headers
     _ids: list[int] = field(default_factory=list)  # output tokens whose text the client has (token_ids)
     _unread_ids: list[bytes] = field(default_factory=list)  # and after them, as the byte path cut them out
-    identity: dict[str, Any] | None = None  # the first engine's chunk `id` and `created`
+    # The stream's first event as it came: its `id` and `created` (`identity`) are read from it only when a
+    # later engine's chunks need them
+    _first: bytes = b""
+    _identity: dict[str, Any] | None = None
     forwarded: bool = False  # an event reached the client
     finished: bool = False  # the choice's finish_reason (not "abort") reached the client
     done: bool = False  # [DONE] reached the client
@@ -137,6 +162,18 @@ class StreamRelay:
     # the runs after it are not scanned for `": ` again (the markers below read compact JSON only)
     compact: bool = False
     _kept: bytearray = field(default_factory=bytearray)
+
+    @property
+    def identity(self) -> dict[str, Any] | None:
+        """The first engine's chunk `id` and `created` (None before its first event)."""
+        if self._identity is None and self._first:
+            try:
+                data = json.loads(self._first[6:])
+            except ValueError:
+                data = None
+            data = data if isinstance(data, dict) else {}
+            self._identity = {k: data[k] for k in ("id", "created") if k in data}
+        return self._identity
 
     @property
     def token_ids(self) -> list[int]:
@@ -150,25 +187,27 @@ class StreamRelay:
     def feed(self, chunk: bytes) -> bytes:
         """The complete events in `chunk` (with what an earlier one left) as the client gets them; a cut
         (the engine aborted the choice or is dead) sets `cut` and drops the rest of this engine's answer."""
-        self._kept += chunk
-        end = self._kept.rfind(b"\n\n")
-        if end < 0 or self.cut is not None:
+        if self.cut is not None:
             return b""
-        events = bytes(self._kept[: end + 2])
-        del self._kept[: end + 2]
-        out = []
-        if self.identity is None and events.startswith(b"data: {"):  # the stream's first event: parsed
-            first, _, events = events.partition(b"\n\n")  # alone (it sets the identity), the rest at once
-            self.compact = b'": ' not in first
-            passed = self._event(first)
-            if self.cut is not None:
-                return b""
-            if passed is not None:
-                out.append(passed + b"\n\n")
+        if self._kept:  # an event begun in an earlier read
+            self._kept += chunk
+            chunk = bytes(self._kept)
+            self._kept.clear()
+        end = chunk.rfind(b"\n\n") + 2
+        if end < 2:
+            self._kept += chunk
+            return b""
+        events = chunk
+        if end < len(chunk):  # the read ends inside an event: kept for the next one
+            self._kept += chunk[end:]
+            events = chunk[:end]
+        if not self._first and events.startswith(b"data: {"):  # the stream's first event: kept as it came
+            self._first = events[: events.index(b"\n\n")]
+            self.compact = b'": ' not in self._first
         passed = self._as_they_came(events)
         if passed is not None:
-            out.append(passed)
-            return b"".join(out)
+            return passed
+        out = []
         for event in events.split(b"\n\n")[:-1]:
             passed = self._event(event)
             if self.cut is not None:
@@ -182,14 +221,14 @@ class StreamRelay:
         instead of one pass per event), or None for the per-event path: the first engine's, in compact
         JSON, with nothing the parsed path looks for (a cut, another choice); its token ids cut out in one
         pass (the key cannot occur inside a string value, where JSON escapes the quotes)."""
-        if not events or self.identity is None or self.resumed or not self.compact:
+        if not events or self.resumed or not self.compact:
             return None
         # Each scan reads the whole run, about 2 ns a byte (a 64-event answer of 10 KB in one read took 7
         # scans, 10-30 us each, a third of the router's CPU per request in `specfleet bench router`): the
         # JSON's form is read off the first event; an abort is a finish_reason, looked for only where a
         # choice finished; [DONE] ends a stream, looked for inside the run only where it does not end it.
         finished = _FINISHED in events
-        if (finished and _ABORTED in events) or any(m in events for m in _SLOW_MARKERS[1:]):
+        if (finished and _ABORTED in events) or _ENGINE_DEAD in events or _SECOND_CHOICE in events:
             return None
         passed = events
         if _TOKEN_IDS in events:
@@ -213,7 +252,9 @@ class StreamRelay:
             self.forwarded = True
             return event
         start = event.find(_TOKEN_IDS)
-        slow = self.identity is None or self.resumed or any(m in event for m in _SLOW_MARKERS)
+        if not self._first:
+            self._first = event
+        slow = self.resumed or any(m in event for m in _SLOW_MARKERS)
         # no ids and not compact JSON (the markers read compact JSON only): parsed, to be sure of a cut
         if slow or (start < 0 and b'": ' in event):
             return self._parsed(event)
@@ -249,10 +290,9 @@ class StreamRelay:
                 changed = changed or "token_ids" in choice
                 self.token_ids.extend(choice.pop("token_ids", None) or [])
                 self.finished = self.finished or choice.get("finish_reason") is not None
-        if self.identity is None:
-            self.identity = {k: data[k] for k in ("id", "created") if k in data}
-        elif any(data.get(k, v) != v for k, v in self.identity.items()):
-            data.update(self.identity)
+        identity = self.identity if self.resumed else None  # the first engine's chunks keep their own
+        if identity and any(data.get(k, v) != v for k, v in identity.items()):
+            data.update(identity)
             changed = True
         self.forwarded = True
         if not changed:  # as the engine wrote it
@@ -335,6 +375,8 @@ def _feed(tap: UsageTap | None, data: bytes) -> bytes:
 
 async def _pipe(engine: EngineResponse, relay: StreamRelay, out: Writer, tap: UsageTap | None) -> str | None:
     """One engine's answer to the client until it ends or is cut; the error that broke it, or None."""
+    if hasattr(out, "write_now"):  # the raw front's answer (a Protocol's isinstance costs microseconds)
+        return await _pipe_now(engine, _RelayNow(engine, relay, cast(ImmediateWriter, out), tap))
     try:
         async for chunk in engine.chunks():
             data = relay.feed(chunk)
@@ -344,6 +386,55 @@ async def _pipe(engine: EngineResponse, relay: StreamRelay, out: Writer, tap: Us
                 return None
     except EngineBroken as error:
         return str(error)
+    return None
+
+
+class _RelayNow:
+    """A relay run from the engine connection's read callback (EngineResponse.pipe), as pass-through runs:
+    each read's events go through `StreamRelay.feed` and out to the client there, without waking the
+    request's task; it wakes for the answer's end, a cut, a failure or a full client, and the async
+    machinery above (`follow`) takes over from there."""
+
+    __slots__ = ("engine", "error", "out", "relay", "tap")
+
+    def __init__(
+        self, engine: EngineResponse, relay: StreamRelay, out: ImmediateWriter, tap: UsageTap | None
+    ) -> None:
+        self.engine, self.relay, self.out, self.tap = engine, relay, out, tap
+        self.error: Exception | None = None  # what the relay raised: re-raised on the task, not the callback
+
+    def __call__(self, data: bytes) -> bool:
+        """One read to the client; True: stop reading (a cut, an error, or the client is full)."""
+        if self.error is not None:
+            return True
+        relay = self.relay
+        try:
+            passed = relay.feed(data)
+            if self.engine.ended and relay.cut is None and self.tap is None:
+                # the engine's answer is whole: the client's ends in this write ([DONE] added as `follow`
+                # would), not in one more from the task
+                if not relay.done:
+                    passed += b"data: [DONE]\n\n"
+                    relay.done = True
+                self.out.end_now(passed)
+                return False
+            full = bool(passed) and self.out.write_now(_feed(self.tap, passed))
+        except Exception as error:  # not left to the transport's callback, which would only log it
+            self.error = error
+            return True
+        return full or relay.cut is not None
+
+    def stopped(self) -> bool:
+        return self.relay.cut is not None or self.error is not None
+
+
+async def _pipe_now(engine: EngineResponse, now: _RelayNow) -> str | None:
+    try:
+        await engine.pipe(now, now.out.drained, now.stopped)
+    except EngineBroken as error:
+        return str(error)
+    if now.error is not None:
+        raise now.error
     return None
 
 

@@ -15,7 +15,8 @@ the proxy wakes leaves as one write, so the router's cost follows its reads, not
   out of `chunks()` as the engine framed it (chunked framing included), one piece per wake-up, with no
   per-chunk work in Python; llhttp still checks the framing and finds the message's end. The proxy relays
   such a body as it came when nothing reads its events (router/proxy.py), through `EngineResponse.pipe`:
-  each read goes to the client from `data_received` itself, without waking the proxy's task.
+  each read goes to the client from `data_received` itself, without waking the proxy's task. The stream
+  relay (router/resume.py) pipes a decoding connection's body alike: each read's chunk data, joined.
 """
 
 from __future__ import annotations
@@ -55,14 +56,18 @@ class _Connection(asyncio.Protocol):
     def __init__(self, raw: bool = False) -> None:
         self.transport: asyncio.Transport | None = None
         # raw: the body is kept as it arrives, framing and all; httptools calls back only for what it is given
-        # (it looks the callbacks up once), so a raw connection's parser gets no `on_body`
+        # (it looks the callbacks up once), so a raw connection's parser gets no `on_body`, and a decoding
+        # one gets the list's own `append` (a C method: no Python frame for each of a stream's chunks)
         self.raw = raw
+        self.pieces: list[bytes] = []  # the same list for every response on this connection: see reset
         callbacks = SimpleNamespace(
             on_header=self.on_header,
             on_headers_complete=self.on_headers_complete,
             on_message_complete=self.on_message_complete,
         )
-        self.parser = httptools.HttpResponseParser(callbacks if raw else self)
+        if not raw:
+            callbacks.on_body = self.pieces.append
+        self.parser = httptools.HttpResponseParser(callbacks)
         self.error: BaseException | None = None  # the connection is unusable: why
         self.idle_since = 0.0
         self.reset()
@@ -73,8 +78,8 @@ class _Connection(asyncio.Protocol):
         self.head_done = False
         self.complete = False
         self.keep_alive = False
-        self.pieces: list[bytes] = []
-        self.size = 0
+        self.pieces.clear()  # cleared, not replaced: the parser appends to this list
+        self.size = 0  # body bytes kept in pieces (a decoding connection counts its reads: a bound above)
         self.received = False  # any byte of this response
         self.head_bytes = b""  # raw: the response head's bytes read so far, until its end is known
         # raw, while EngineResponse.pipe runs: each read's body bytes go here from data_received, with no
@@ -98,19 +103,33 @@ class _Connection(asyncio.Protocol):
         if self.raw:
             body = data if in_body else self.raw_head(data)
             if body and self.sink is not None:
-                if self.sink(body) and not self.complete and self.transport is not None:
-                    self.transport.pause_reading()
-                    self.paused = True
-                if self.complete or self.paused:
-                    self.wake()
+                self.to_sink(body)
                 return
             if body:
                 self.pieces.append(body)
                 self.size += len(body)
+        elif self.pieces:  # decoded: this read's chunks' data (the parser appended it)
+            if self.sink is not None:
+                pieces = self.pieces
+                body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                pieces.clear()
+                self.to_sink(body)
+                return
+            self.size += len(data)
         if self.size > HIGH_WATER_BYTES and not self.complete and self.transport is not None:
             self.transport.pause_reading()
             self.paused = True
         self.wake()
+
+    def to_sink(self, body: bytes) -> None:
+        """One read's body bytes to the sink (EngineResponse.pipe); the proxy's task wakes only for the
+        answer's end or a full sink (reading pauses until it drains)."""
+        assert self.sink is not None
+        if self.sink(body) and not self.complete and self.transport is not None:
+            self.transport.pause_reading()
+            self.paused = True
+        if self.complete or self.paused:
+            self.wake()
 
     def raw_head(self, data: bytes) -> bytes:
         """A raw connection's read before the body began: what follows the head's end is body."""
@@ -143,10 +162,6 @@ class _Connection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.status = self.parser.get_status_code()
         self.head_done = True
-
-    def on_body(self, body: bytes) -> None:
-        self.pieces.append(body)
-        self.size += len(body)
 
     def on_message_complete(self) -> None:
         self.complete = True
@@ -211,10 +226,16 @@ class EngineResponse:
             else:
                 await conn.changed()
 
-    async def pipe(self, sink: Callable[[bytes], bool], drained: Callable[[], Awaitable[None]]) -> None:
-        """A framed body to `sink` until its end: each read's bytes from the connection's own callback, with
-        no wake-up of this task per read (it wakes for the end, a failure, or a client that is full: then
-        reading waits for `drained`). `sink(data)` says whether the client is full."""
+    async def pipe(
+        self,
+        sink: Callable[[bytes], bool],
+        drained: Callable[[], Awaitable[None]],
+        stopped: Callable[[], bool] | None = None,
+    ) -> None:
+        """The body to `sink` until its end (as `chunks()` gives it: framed where `framed`): each read's bytes
+        from the connection's own callback, with no wake-up of this task per read (it wakes for the end, a
+        failure, or a sink that is full: then reading waits for `drained`). `sink(data)` says whether it is
+        full; one that wants no more (`stopped()`, asked when this task wakes) answers True to wake it."""
         conn = self._conn
         full = False
         if conn.pieces:  # what arrived with the head
@@ -222,6 +243,8 @@ class EngineResponse:
         conn.sink = sink
         try:
             while True:
+                if stopped is not None and stopped():
+                    return
                 if conn.complete and not conn.pieces:
                     return
                 if conn.error is not None:

@@ -151,19 +151,29 @@ def test_a_client_leaving_while_the_router_writes_is_a_disconnect_not_an_error(
     transport closing before the front's connection_lost cancels the request (under load the write comes
     first); here the client's transport is closed just before the router's second write, so that order is
     certain. The router counts a `disconnected`, drops the engine's connection, and logs no error (it
-    logged a traceback per stream that a closed-loop benchmark's window cut)."""
-    write = FrontResponse.write
+    logged a traceback per stream that a closed-loop benchmark's window cut). The stream is resumable, so
+    its events are written from the engine connection's callback (`write_now`); the task's own writes
+    (`write`) are closed alike."""
+    write, write_now = FrontResponse.write, FrontResponse.write_now
     writes: dict[int, int] = {}  # id of a response of the router -> chunks written so far
 
-    async def write_after_the_client_left(self: FrontResponse, data: bytes) -> None:
+    def leave_before_the_second(self: FrontResponse) -> None:
         writes[id(self)] = writes.get(id(self), 0) + 1
         if writes[id(self)] == 2:
             transport = self._conn.transport
             assert transport is not None
             transport.close()
+
+    async def write_after_the_client_left(self: FrontResponse, data: bytes) -> None:
+        leave_before_the_second(self)
         await write(self, data)
 
+    def write_now_after_the_client_left(self: FrontResponse, data: bytes) -> bool:
+        leave_before_the_second(self)
+        return write_now(self, data)
+
     monkeypatch.setattr(FrontResponse, "write", write_after_the_client_left)
+    monkeypatch.setattr(FrontResponse, "write_now", write_now_after_the_client_left)
 
     async def test() -> None:
         engine = await FakeEngine("forever", stream_forever).start()

@@ -87,6 +87,7 @@ def test_a_run_with_token_ids_takes_the_byte_path_and_its_ids_are_read_when_aske
     monkeypatch.setattr(StreamRelay, "_event", counted)
     relay = StreamRelay({"prompt": "p", "stream": True}, (RouteRequest(), set(), {}))
     out = relay.feed(b"".join(events) + b"data: [DONE]\n\n")
-    assert len(per_event) == 1  # the first event alone (it sets the identity); the other 19 in one run
+    assert per_event == []  # the first event too: its identity is read only if a resume needs it
+    assert relay._identity is None and relay.identity == {"id": "c", "created": 1}
     assert relay._unread_ids and b"token_ids" not in out and out.count(b"\n\n") == 21
     assert relay.token_ids == list(range(40)) and not relay._unread_ids and relay.done

@@ -28,7 +28,7 @@ SOURCE = Path(__file__).with_name("cpu") / "native.cpp"
 SOURCES = [SOURCE, SOURCE.with_name("lora.cpp")]
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c++17", "-fno-math-errno"]
 PANEL = 32
-ABI_VERSION = 11
+ABI_VERSION = 12
 
 _lock = threading.Lock()
 _lib: ctypes.CDLL | None = None
@@ -97,6 +97,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.sf_dot_backend.restype = ctypes.c_char_p
     lib.sf_rms_norm_f32.argtypes = [p, i64, i64, p, f32, p]
     lib.sf_silu_mul_f32.argtypes = [p, i64, i64, p]
+    lib.sf_softcap_f32.argtypes = [p, i64, f32, i32]
     lib.sf_paged_attention_f32.argtypes = [
         p,
         i64,
@@ -127,6 +128,7 @@ def _declare(lib: ctypes.CDLL) -> None:
         "sf_linear_qdot",
         "sf_rms_norm_f32",
         "sf_silu_mul_f32",
+        "sf_softcap_f32",
         "sf_paged_attention_f32",
         "sf_lora_add_f32",
     ):

@@ -5,7 +5,7 @@ The names callers use, gathered from the modules that hold them by concern:
 - `cpu_build`: the build, its cache and ABI check (`library`, `available`), the thread count;
 - `cpu_dense`: float32 / int8 weights in panels (`PackedLinear`) and the fused decode layers (`DecodeLayers`);
 - `cpu_quant`: block-quantized weights in panels (`QuantLinear`, `pack_quant_panels`, `pack_dot_panels`);
-- `cpu_ops`: single ops (`rms_norm`, `silu_mul`, `paged_attention`).
+- `cpu_ops`: single ops (`rms_norm`, `silu_mul`, `softcap_`, `paged_attention`).
 
 Every wrapper checks dtype, device, shape and contiguity before passing raw pointers on: a wrong
 tensor raises ValueError naming it instead of reading out of bounds.
@@ -32,7 +32,7 @@ from specfleet.kernels.cpu_dense import (
     int8_column_scale,
     pack_panels,
 )
-from specfleet.kernels.cpu_ops import paged_attention, rms_norm, silu_mul
+from specfleet.kernels.cpu_ops import paged_attention, rms_norm, silu_mul, softcap_
 from specfleet.kernels.cpu_quant import (
     ACTIVATIONS,
     QBLOCK,
@@ -73,4 +73,5 @@ __all__ = [
     "rms_norm",
     "set_num_threads",
     "silu_mul",
+    "softcap_",
 ]

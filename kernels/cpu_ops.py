@@ -1,4 +1,4 @@
-"""The native kernels' single ops: RMSNorm, SiLU-and-multiply, paged attention."""
+"""The native kernels' single ops: RMSNorm, SiLU-and-multiply, soft-capping, paged attention."""
 
 from __future__ import annotations
 
@@ -27,6 +27,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     y = torch.empty(rows, inter)
     _lib_or_raise().sf_silu_mul_f32(gate_up.data_ptr(), rows, inter, y.data_ptr())
     return y
+
+
+def softcap_(x: torch.Tensor, cap: float) -> torch.Tensor:
+    """x = cap * tanh(x / cap) in place (Gemma 2's final logit soft-cap), one pass over a contiguous x."""
+    _check("x", x)
+    if not x.is_contiguous():
+        raise ValueError(f"softcap_ needs a contiguous x, got strides {x.stride()}")
+    if not cap > 0:
+        raise ValueError(f"cap must be > 0, got {cap}")
+    _lib_or_raise().sf_softcap_f32(x.data_ptr(), x.numel(), cap, num_threads())
+    return x
 
 
 def paged_attention(

@@ -1,4 +1,5 @@
-"""Native CPU kernels against torch: the packed linear, RMSNorm, SiLU-and-multiply, paged attention."""
+"""Native CPU kernels against torch: the packed linear, RMSNorm, SiLU-and-multiply, soft-capping, paged
+attention."""
 
 from __future__ import annotations
 
@@ -97,6 +98,29 @@ def test_rms_norm_and_silu_mul_match_torch() -> None:
     torch.testing.assert_close(cpu_native.silu_mul(gate_up), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="gate_up must be contiguous"):
         cpu_native.silu_mul(torch.randn(2, 7))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_softcap_matches_torch_in_place(threads: int) -> None:
+    """cap * tanh(x / cap) over every regime of its tanh: the polynomial near 0 (values of 1e-6 keep their
+    relative precision), 1 - 2 / (exp(2z) + 1) beyond |z| = 0.625, saturation to +-cap, and a length that
+    is no multiple of 16 nor of the threads' chunks."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 49152 + 7, generator=gen) * 30
+    x[0, :100] *= 1e-7
+    x[1, :4] = torch.tensor([float("inf"), -float("inf"), 1e6, -1e6])
+    want = (torch.tanh(x.double() / 30.0) * 30.0).float()
+    cpu_native.set_num_threads(threads)
+    try:
+        got = cpu_native.softcap_(x, 30.0)
+    finally:
+        cpu_native.set_num_threads(torch.get_num_threads())
+    assert got.data_ptr() == x.data_ptr()  # in place
+    torch.testing.assert_close(got, want, atol=1e-12, rtol=4e-7)  # a few float32 ulps, near 0 too
+    with pytest.raises(ValueError, match="contiguous"):
+        cpu_native.softcap_(torch.randn(4, 6).t(), 30.0)
+    with pytest.raises(ValueError, match="cap must be > 0"):
+        cpu_native.softcap_(torch.randn(4), 0.0)
 
 
 STEPS = {

@@ -127,6 +127,7 @@ class ProfileSeries:
             "measure_s": [round(before.seconds, 1), round(after.seconds, 1)],
             "fit": fit_error(profile),
             "drift": drift(before.points, after.points),
+            "cpu": cpu_record(before.points + after.points),
             "knots_ms": [[round(d, 2), round(1000 * s, 2)] for d, s in profile.knots],
             "prefill_ms_per_token": round(1000 * profile.prefill_s_per_token, 3),
             "context_us_per_token": round(1e6 * profile.context_s_per_token, 2),
@@ -149,4 +150,31 @@ def drift(before: list[StepPoint], after: list[StepPoint]) -> dict[str, float]:
         "median_pct": round(100 * statistics.median(ratios), 1),
         "min_pct": round(100 * min(ratios), 1),
         "max_pct": round(100 * max(ratios), 1),
+    }
+
+
+def cpu_record(points: list[StepPoint]) -> dict[str, float]:
+    """How the measured steps' wall time stood against the CPU time that stepped them (issue 41), over the
+    points that kept it: the median and the highest wall / thread CPU (well above 1: the measuring thread
+    waited, descheduled or on other threads), the median process CPU / thread CPU (above 1: other threads
+    of the process worked meanwhile), and the median and highest cores other processes kept busy."""
+    timed = [p for p in points if p.cpu_s]
+    if not timed:
+        return {}
+    waits = [p.seconds / (p.cpu_s or 1.0) for p in timed]
+    others = [p.others_cores for p in timed if p.others_cores is not None]
+    return {
+        "wall_over_cpu_median": round(statistics.median(waits), 3),
+        "wall_over_cpu_max": round(max(waits), 3),
+        "process_over_thread_cpu_median": round(
+            statistics.median((p.process_cpu_s or 0.0) / (p.cpu_s or 1.0) for p in timed), 3
+        ),
+        **(
+            {
+                "others_cores_median": round(statistics.median(others), 2),
+                "others_cores_max": round(max(others), 2),
+            }
+            if others
+            else {}
+        ),
     }

@@ -4,6 +4,10 @@ For each point of the grid (decoding sequences B, context C, k) the engine is br
 decoding at about C tokens of context, then `Engine.step()` is timed over several steps; prefill points
 time one prompt chunk of each size. The per-step composition (decode, prompt, draft tokens; KV context)
 is read from the engine's scheduler and `StepStats`, and `profile.fit` turns the points into a profile.
+
+Beside each point's wall time the point keeps the CPU time of the thread that stepped the engine and of
+the whole process, and the cores other processes kept busy meanwhile (`StepPoint.cpu_s`, `process_cpu_s`,
+`others_cores`; sim/host_cpu.py), so a profile says whether its steps were slow or waited.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ import statistics
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from specfleet.engine.config import SPECULATIVE_METHODS
 
+from .host_cpu import Span
 from .profile import Profile, StepPoint, fit_error, fitted_profile
 
 if TYPE_CHECKING:
@@ -75,9 +80,11 @@ def _engine(
 def _timed(engine) -> StepPoint:
     running = engine.scheduler.running
     context = sum(s.num_computed_tokens for s in running)
+    cpu, process_cpu = time.thread_time(), time.process_time()
     start = time.perf_counter()
     engine.step()
     seconds = time.perf_counter() - start
+    cpu, process_cpu = time.thread_time() - cpu, time.process_time() - process_cpu
     st = engine.stats.last_step
     return StepPoint(
         st.num_scheduled_tokens - st.prompt_tokens,
@@ -86,6 +93,19 @@ def _timed(engine) -> StepPoint:
         st.num_draft_tokens,
         seconds,
         st.num_drafts,
+        cpu_s=cpu,
+        process_cpu_s=process_cpu,
+    )
+
+
+def _with_cpu(point: StepPoint, timed: list[StepPoint], span: Span) -> StepPoint:
+    """The point with its CPU fields from its timed steps (their median, as its `seconds`) and the cores
+    other processes kept busy over the span that timed them."""
+    return replace(
+        point,
+        cpu_s=statistics.median(p.cpu_s or 0.0 for p in timed),
+        process_cpu_s=statistics.median(p.process_cpu_s or 0.0 for p in timed),
+        others_cores=span.others_cores(),
     )
 
 
@@ -173,20 +193,20 @@ def _decode_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: boo
                 while any(s.in_prefill for s in engine.scheduler.running) or engine.scheduler.waiting:
                     engine.step()
                 engine.step()  # the first decode step after prefill: proposals start here
+                span = Span.start()
                 timed = [p for p in (_timed(engine) for _ in range(grid.steps)) if p.decode_tokens > 0]
+                mid = statistics.median(p.seconds for p in timed)
+                point = StepPoint(
+                    statistics.mean(p.decode_tokens for p in timed),
+                    0.0,
+                    statistics.mean(p.context_tokens for p in timed),
+                    statistics.mean(p.draft_tokens for p in timed),
+                    mid,
+                    statistics.mean(p.verify_seqs for p in timed),
+                )
+                points.append(_with_cpu(point, timed, span))
                 while engine.has_unfinished_requests():
                     engine.step()
-                mid = statistics.median(p.seconds for p in timed)
-                points.append(
-                    StepPoint(
-                        statistics.mean(p.decode_tokens for p in timed),
-                        0.0,
-                        statistics.mean(p.context_tokens for p in timed),
-                        statistics.mean(p.draft_tokens for p in timed),
-                        mid,
-                        statistics.mean(p.verify_seqs for p in timed),
-                    )
-                )
                 if progress:
                     print(
                         f"profile: k={k} context={context} batch={batch}: {mid * 1000:.1f} ms "
@@ -201,8 +221,9 @@ def _decode_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: boo
 
 def _timed_point(engine: Engine, steps: int) -> StepPoint:
     """The median of `steps` timed decode steps, each figure of the step's mix their mean."""
+    span = Span.start()
     timed = [p for p in (_timed(engine) for _ in range(steps)) if p.decode_tokens > 0]
-    return StepPoint(
+    point = StepPoint(
         statistics.mean(p.decode_tokens for p in timed),
         0.0,
         statistics.mean(p.context_tokens for p in timed),
@@ -210,6 +231,7 @@ def _timed_point(engine: Engine, steps: int) -> StepPoint:
         statistics.median(p.seconds for p in timed),
         statistics.mean(p.verify_seqs for p in timed),
     )
+    return _with_cpu(point, timed, span)
 
 
 def _staircase_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bool) -> list[StepPoint]:
@@ -264,6 +286,7 @@ def _mixed_point(engine: Engine, grid: Grid, ids: Iterator[int], vocab: int) -> 
 
     engine.update_config(num_speculative_tokens=0)
     timed = []
+    span = Span.start()
     for _ in range(grid.steps):
         n = next(ids)
         engine.add_request(
@@ -271,13 +294,14 @@ def _mixed_point(engine: Engine, grid: Grid, ids: Iterator[int], vocab: int) -> 
         )
         timed.append(_timed(engine))
         engine.abort(f"m{n}")
-    return StepPoint(
+    point = StepPoint(
         statistics.mean(p.decode_tokens for p in timed),
         statistics.mean(p.prefill_tokens for p in timed),
         statistics.mean(p.context_tokens for p in timed),
         0.0,
         statistics.median(p.seconds for p in timed),
     )
+    return _with_cpu(point, timed, span)
 
 
 def _prefill_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bool) -> list[StepPoint]:
@@ -288,6 +312,7 @@ def _prefill_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bo
     points: list[StepPoint] = []
     for length in grid.prefills:
         timed = []
+        span = Span.start()
         for _ in range(max(1, grid.steps // 2)):
             n = next(ids)
             engine.add_request(
@@ -297,15 +322,14 @@ def _prefill_points(engine: Engine, grid: Grid, ids: Iterator[int], progress: bo
             while engine.has_unfinished_requests():
                 engine.step()
         p = min(timed, key=lambda x: x.seconds)
-        points.append(
-            StepPoint(
-                p.decode_tokens,
-                p.prefill_tokens,
-                p.context_tokens,
-                0.0,
-                statistics.median(x.seconds for x in timed),
-            )
+        point = StepPoint(
+            p.decode_tokens,
+            p.prefill_tokens,
+            p.context_tokens,
+            0.0,
+            statistics.median(x.seconds for x in timed),
         )
+        points.append(_with_cpu(point, timed, span))
         if progress:
             print(
                 f"profile: prefill {length}: {points[-1].seconds * 1000:.1f} ms", file=sys.stderr, flush=True

@@ -52,6 +52,13 @@ class StepPoint:
     draft_tokens: float
     seconds: float
     verify_seqs: float = 0.0  # sequences that verified proposals in the step (0 in files before it was kept)
+    # what the measuring process did meanwhile (`specfleet profile`, sim/measure.py; None in files before it
+    # was kept, and in points not measured): the CPU time of the thread that ran `Engine.step()` and of the
+    # whole process, each the same statistic over the steps as `seconds`, and the cores other processes
+    # kept busy over the point's timed steps (sim/host_cpu.py): `seconds` well above `cpu_s` is waiting
+    cpu_s: float | None = None
+    process_cpu_s: float | None = None
+    others_cores: float | None = None
 
 
 @dataclass(frozen=True)

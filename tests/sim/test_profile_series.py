@@ -3,8 +3,14 @@ loaded (`sim.measure.Profiler`, the staircase grid), and the profile fitted to b
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import time
+from pathlib import Path
+
 import pytest
-from specfleet.bench.sim_profiles import ProfileSeries, drift
+from specfleet.bench.sim_profiles import ProfileSeries, cpu_record, drift
+from specfleet.sim.host_cpu import Span
 from specfleet.sim.measure import Grid, Profiler
 from specfleet.sim.profile import Profile, StepPoint
 
@@ -16,6 +22,60 @@ def test_drift_is_each_points_after_over_before():
     after = [StepPoint(1, 0, 32, 0, 0.030), StepPoint(32, 0, 1024, 0, 0.090)]
     assert drift(before, after) == {"median_pct": 20.0, "min_pct": -10.0, "max_pct": 50.0}
     assert drift([], []) == {}
+
+
+def test_the_cpu_record_reads_wall_against_the_cpu_that_stepped():
+    points = [
+        StepPoint(1, 0, 32, 0, 0.040, cpu_s=0.020, process_cpu_s=0.020, others_cores=0.5),
+        StepPoint(4, 0, 128, 0, 0.030, cpu_s=0.030, process_cpu_s=0.033, others_cores=0.0),
+        StepPoint(32, 0, 1024, 0, 0.100, cpu_s=0.080, process_cpu_s=0.080, others_cores=1.5),
+        StepPoint(8, 0, 64, 0, 0.050),  # a point from a file before the CPU fields: left out
+    ]
+    assert cpu_record(points) == {
+        "wall_over_cpu_median": 1.25,
+        "wall_over_cpu_max": 2.0,
+        "process_over_thread_cpu_median": 1.0,
+        "others_cores_median": 0.5,
+        "others_cores_max": 1.5,
+    }
+    assert cpu_record(points[3:]) == {}
+
+
+def test_a_profile_keeps_its_points_cpu_and_older_files_load_without_it(tmp_path):
+    point = StepPoint(1, 0, 32, 0, 0.040, cpu_s=0.020, process_cpu_s=0.021, others_cores=0.25)
+    profile = Profile("p", "measured", False, ((1, 0.04), (32, 0.1)), points=(point,))
+    profile.save(tmp_path / "p.json")
+    assert Profile.load(tmp_path / "p.json").points == (point,)
+    old = profile.to_json()
+    old["points"] = [
+        {k: v for k, v in p.items() if k not in ("cpu_s", "process_cpu_s", "others_cores")}
+        for p in old["points"]
+    ]
+    assert Profile.from_json(old).points[0].cpu_s is None
+
+
+@pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat")
+def test_a_span_counts_another_process_busy_and_not_its_own():
+    """A child spinning on a core while this process sleeps shows in `others_cores`; this process's own
+    work over a span does not (on this shared host others may add to the child, never take from it)."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
+    )
+    try:
+        time.sleep(0.3)  # the child has started spinning
+        span = Span.start()
+        time.sleep(0.6)
+        others = span.others_cores()
+    finally:
+        child.kill()
+        child.wait()
+    assert others is not None and others >= 0.5
+    span = Span.start()
+    end = time.process_time() + 0.3
+    while time.process_time() < end:
+        pass
+    mine = span.others_cores()
+    assert mine is not None and mine < others  # the spinning was this process's: not the others'
 
 
 def test_a_fixed_profile_prices_every_configuration_as_it_is():
@@ -50,9 +110,14 @@ def test_the_staircase_measures_every_point_of_the_grid_and_the_series_fits_both
     assert plain4.context_tokens > 4 * 24  # the requests as timed: the prompt and what they generated since
     assert (prefill.decode_tokens, prefill.prefill_tokens) == (0, 16)
     assert series.before().points == tuple(first.points)
+    for point in first.points:  # each point keeps the CPU that stepped it beside its wall time
+        assert point.cpu_s is not None and 0 < point.cpu_s <= point.seconds * 1.05
+        assert point.process_cpu_s is not None and point.process_cpu_s >= 0.9 * point.cpu_s
+        assert point.others_cores is None or point.others_cores >= 0
 
     profile, record = series.around()
     assert profile.points == tuple(first.points + series.measurements[1].points)
     assert record["points"] == 2 * len(first.points) and len(record["measure_s"]) == 2
     assert set(record["drift"]) == {"median_pct", "min_pct", "max_pct"}
+    assert record["cpu"]["wall_over_cpu_median"] >= 0.95
     assert series.before().points == tuple(series.measurements[1].points)  # the next configuration's before

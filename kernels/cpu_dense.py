@@ -8,16 +8,20 @@ from dataclasses import dataclass
 
 import torch
 from specfleet.kernels.cpu_build import PANEL, _check, _lib_or_raise, _rows, num_threads
+from specfleet.kernels.huge_pages import huge_page_zeros
 
 
 def pack_panels(weight_t: torch.Tensor) -> torch.Tensor:
     """[K, N] -> [ceil(N / 32), K, 32] contiguous, the last panel zero-padded: each panel is one
-    sequential stream for the kernel."""
+    sequential stream for the kernel, on transparent huge pages where the OS allows (kernels/huge_pages.py:
+    a step streams every weight once, and 4 KiB pages cost a TLB miss each 4 KiB)."""
     k, n = weight_t.shape
     panels = -(-n // PANEL)
     padded = torch.zeros(k, panels * PANEL, dtype=weight_t.dtype)
     padded[:, :n] = weight_t
-    return padded.view(k, panels, PANEL).transpose(0, 1).contiguous()
+    out = huge_page_zeros((panels, k, PANEL), weight_t.dtype)
+    out.copy_(padded.view(k, panels, PANEL).transpose(0, 1))
+    return out
 
 
 def _pad(v: torch.Tensor, n: int) -> torch.Tensor:

@@ -4,12 +4,12 @@ loaded (`sim.measure.Profiler`, the staircase grid), and the profile fitted to b
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 from specfleet.bench.sim_profiles import ProfileSeries, cpu_record, drift
+from specfleet.engine.python_child import python_command
 from specfleet.sim.host_cpu import Span
 from specfleet.sim.measure import Grid, Profiler
 from specfleet.sim.profile import Profile, StepPoint
@@ -59,7 +59,7 @@ def test_a_span_counts_another_process_busy_and_not_its_own():
     """A child spinning on a core while this process sleeps shows in `others_cores`; this process's own
     work over a span does not (on this shared host others may add to the child, never take from it)."""
     child = subprocess.Popen(
-        [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
+        python_command("-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass")
     )
     try:
         time.sleep(0.3)  # the child has started spinning

@@ -285,6 +285,13 @@ class StepMix:
     requests: float = 0.0
     ttft_seconds: float = 0.0
     queue_seconds: float = 0.0  # arrival to first scheduling
+    # of those steps, the ones that computed no prompt token (decode and verification only), as the engines
+    # export them apart (0 from an engine that does not: one calibration factor for every step then)
+    decode_steps: float = 0.0
+    decode_seconds: float = 0.0
+    decode_sequences: float = 0.0
+    decode_draft_tokens: float = 0.0
+    decode_drafts: float = 0.0
 
     def add(self, counters: dict[str, float], sums: dict[str, float], counts: dict[str, float]) -> None:
         self.steps += counts.get("step_duration_seconds", 0.0)
@@ -296,6 +303,33 @@ class StepMix:
         self.requests += counts.get("time_to_first_token_seconds", 0.0)
         self.ttft_seconds += sums.get("time_to_first_token_seconds", 0.0)
         self.queue_seconds += sums.get("request_queue_time_seconds", 0.0)
+        self.decode_steps += counts.get("decode_step_duration_seconds", 0.0)
+        self.decode_seconds += sums.get("decode_step_duration_seconds", 0.0)
+        self.decode_sequences += counters.get("decode_step_sequences", 0.0)
+        self.decode_draft_tokens += counters.get("decode_step_draft_tokens", 0.0)
+        self.decode_drafts += counters.get("decode_step_drafts", 0.0)
+
+    def decode(self) -> StepMix:
+        """The steps that computed no prompt token (none where the engines did not export them apart)."""
+        return StepMix(
+            self.decode_steps,
+            self.decode_seconds,
+            self.decode_sequences,
+            0.0,
+            self.decode_draft_tokens,
+            self.decode_drafts,
+        )
+
+    def prefill(self) -> StepMix:
+        """The steps that computed prompt tokens (every step where decode steps were not exported apart)."""
+        return StepMix(
+            self.steps - self.decode_steps,
+            self.seconds - self.decode_seconds,
+            self.sequences - self.decode_sequences,
+            self.prompt_tokens,
+            self.draft_tokens - self.decode_draft_tokens,
+            self.drafts - self.decode_drafts,
+        )
 
     def ttft_ms(self) -> dict[str, float]:
         """The engines' mean TTFT and queue time over the requests they finished."""
@@ -346,12 +380,14 @@ def sim_mix(fleet: SimFleet) -> StepMix:
     return mix
 
 
-def rescaled(profile: Profile, factor: float) -> Profile:
+def rescaled(profile: Profile, factor: float, prefill_factor: float | None = None) -> Profile:
     """The profile's model costs times `factor` (the machine ran that much slower or faster than when the
-    profile was measured); the serving overheads, measured in the run itself, unchanged."""
+    profile was measured), its per-prompt-token cost times `prefill_factor` (default `factor`); the serving
+    overheads, measured in the run itself, unchanged."""
     return profile.with_(
         knots=tuple((d, s * factor) for d, s in profile.knots),
-        prefill_s_per_token=profile.prefill_s_per_token * factor,
+        prefill_s_per_token=profile.prefill_s_per_token
+        * (factor if prefill_factor is None else prefill_factor),
         context_s_per_token=profile.context_s_per_token * factor,
         draft_s_per_token=profile.draft_s_per_token * factor,
         verify_s_per_seq=profile.verify_s_per_seq * factor,
@@ -562,17 +598,24 @@ def _errors(sim: dict[str, float], real: dict[str, float]) -> dict[str, float]:
 
 def calibration(
     real: StepMix, sim: StepMix, profile: Profile, host_cpu: dict[str, float] | None = None
-) -> tuple[float, dict[str, Any]]:
-    """The calibration factor and its record. Calibrated, the profile's model costs are rescaled by how
-    much slower (or faster) the real engines' own `Engine.step()` ran over the trace than the profile
-    predicts for the work their steps held (/metrics: steps, their seconds, sequences, prompt and draft
-    tokens, sequences verifying), relative to the same ratio in the simulation: the machine's speed during
-    the run, measured by the engine, not fitted to the latencies being compared."""
+) -> tuple[tuple[float, float], dict[str, Any]]:
+    """The calibration factors (the decode costs', the per-prompt-token cost's) and their record.
+    Calibrated, the profile's model costs are rescaled by how much slower (or faster) the real engines' own
+    `Engine.step()` ran over the trace than the profile predicts for the work their steps held (/metrics:
+    steps, their seconds, sequences, prompt and draft tokens, sequences verifying), relative to the same
+    ratio in the simulation: the machine's speed during the run, measured by the engine, not fitted to the
+    latencies being compared. The steps that computed no prompt token set the decode costs' factor, and
+    the ones that did the prompt token's, given the decode part of theirs at its own factor (`split_scale`):
+    one factor for both traded TTFT for TPOT where the profile priced decode 1.1-1.35x slower than the
+    engines ran it and prefill right (issue 41). `profile_scale` stays the one factor over every step."""
     real_speed, sim_speed = real.speed(profile), sim.speed(profile)
     factor = real_speed / sim_speed
-    return factor, {
+    decode, prefill = split_scale(real, sim, profile, factor)
+    return (decode, prefill), {
         "real_step_ms": round(1000 * real.seconds / max(real.steps, 1), 1),
         "profile_scale": round(factor, 3),
+        "profile_scale_decode": round(decode, 3),
+        "profile_scale_prefill": round(prefill, 3),
         # each world's mean step over the profile's prediction at its mean mix, whose ratio is the factor
         "profile_scale_parts": {"real": round(real_speed, 3), "sim": round(sim_speed, 3)},
         **(
@@ -724,8 +767,10 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
 
     # As measured: the profile of the steps timed right before and right after the real run.
     raw_sim, raw_run, raw_fleet = await _simulate(c, isvc, tuned, args, requests, acceptance)
-    factor, scale = calibration(real_steps, sim_mix(raw_fleet), tuned, host_cpu)
-    sim, run, calibrated = await _simulate(c, isvc, rescaled(tuned, factor), args, requests, acceptance)
+    (factor, prefill_factor), scale = calibration(real_steps, sim_mix(raw_fleet), tuned, host_cpu)
+    sim, run, calibrated = await _simulate(
+        c, isvc, rescaled(tuned, factor, prefill_factor), args, requests, acceptance
+    )
     errors = _errors(sim, real)
     sim_steps = sim_mix(calibrated)
     result = {
@@ -764,7 +809,7 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
     print(
         f"bench sim {c.name}: "
         + " ".join(f"{k}={v}" for k, v in errors.items())
-        + f" (profile x{factor:.2f}; uncalibrated: "
+        + f" (profile x{factor:.2f} decode, x{prefill_factor:.2f} prefill; uncalibrated: "
         + " ".join(f"{k}={v}" for k, v in _errors(raw_sim, real).items())
         + ")",
         flush=True,
@@ -941,3 +986,30 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def split_scale(real: StepMix, sim: StepMix, profile: Profile, factor: float) -> tuple[float, float]:
+    """The decode costs' factor from the steps that computed no prompt token (real over simulated, each
+    over the profile's prediction at its mean mix), and the prompt token's from the others: the factor that
+    brings the simulated prefill-bearing step at its mean mix to its own real-over-simulated ratio once its
+    decode part is at the decode factor. Where either world lacks one kind of step (an engine that did not
+    export decode steps apart), or the prefill-bearing steps predict no prompt cost, `factor` stands in."""
+    real_decode, sim_decode = real.decode(), sim.decode()
+    if not (real_decode.steps and sim_decode.steps):
+        return factor, factor
+    decode = real_decode.speed(profile) / sim_decode.speed(profile)
+    real_prefill, sim_prefill = real.prefill(), sim.prefill()
+    n = sim_prefill.steps
+    if not (real_prefill.steps >= 1 and n >= 1 and sim_prefill.prompt_tokens):
+        return decode, factor
+    whole = real_prefill.speed(profile) / sim_prefill.speed(profile)
+    d = sim_prefill.draft_tokens / n
+    total = profile.core_s(
+        sim_prefill.sequences / n + d, sim_prefill.prompt_tokens / n, 0.0, d, sim_prefill.drafts / n
+    )
+    prompt = profile.prefill_s_per_token * sim_prefill.prompt_tokens / n
+    if prompt <= 0:
+        return decode, factor
+    # whole * total = decode * (total - prompt) + prefill * prompt; a factor below a tenth of the whole's is
+    # a decode part priced above the whole step: kept at that floor rather than made negative
+    return decode, max(0.1 * whole, (whole * total - decode * (total - prompt)) / prompt)

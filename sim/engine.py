@@ -420,6 +420,11 @@ class SimEngine:
                 m.per_pos[i] += c
         m.histograms["step_duration_seconds"].observe(plan.cores[0])
         m.histograms["batch_size"].observe(len(sched.scheduled))
+        if sched.scheduled and not sched.num_prompt_tokens:  # a decode step: apart too, as the engine's
+            m.histograms["decode_step_duration_seconds"].observe(plan.cores[0])
+            m.counters["decode_step_sequences"] += len(sched.scheduled)
+            m.counters["decode_step_draft_tokens"] += draft_tokens
+            m.counters["decode_step_drafts"] += drafts
         self.steps += 1
         if len(plan.durations) > 1:
             self.fast_runs += 1
@@ -465,7 +470,10 @@ class SimEngine:
         # ITL percentiles, a step-duration bucket apart at most)
         mean = (end - start) / n
         # the step histogram holds the core's seconds, as the engine's own does (the same when none waited)
-        m.histograms["step_duration_seconds"].observe(mean if cores == durations else sum(cores) / n, n)
+        core = mean if cores == durations else sum(cores) / n
+        m.histograms["step_duration_seconds"].observe(core, n)
+        m.histograms["decode_step_duration_seconds"].observe(core, n)  # a run's steps are decode steps
+        m.counters["decode_step_sequences"] += batch * n
         self.itl_hist.observe(mean, batch * n)
         m.histograms["batch_size"].observe(batch, n)
         self.steps += n

@@ -57,6 +57,7 @@ class EngineMetrics:
             "e2e_request_latency_seconds": Histogram(LATENCY_BUCKETS),
             "request_queue_time_seconds": Histogram(LATENCY_BUCKETS),
             "step_duration_seconds": Histogram(STEP_BUCKETS),
+            "decode_step_duration_seconds": Histogram(STEP_BUCKETS),  # steps that computed no prompt token
             "batch_size": Histogram(BATCH_BUCKETS),
         }
     )

@@ -37,6 +37,12 @@ HISTOGRAMS = (
     "e2e_request_latency_seconds",
     "request_queue_time_seconds",
 )
+# the steps that computed no prompt token, apart (engine/server/metrics.py): parsed for bench sim's calibration
+# of decode and prefill steps each, not observed by the tuner (its queries stay as they were)
+DECODE_STEP_COUNTERS = ("decode_step_sequences", "decode_step_draft_tokens", "decode_step_drafts")
+DECODE_STEP_HISTOGRAM = "decode_step_duration_seconds"
+_PARSED_COUNTERS = (*COUNTERS, *DECODE_STEP_COUNTERS)
+_PARSED_HISTOGRAMS = (*HISTOGRAMS, DECODE_STEP_HISTOGRAM)
 # the load gauges, then the config gauge of every searched knob (the config in force)
 CONFIG_GAUGES = tuple(knob.gauge[len(P) :] for knob in SEARCHED)
 GAUGES = ("num_requests_running", "num_requests_waiting", "kv_cache_usage_ratio", *CONFIG_GAUGES)
@@ -92,7 +98,7 @@ def parse_metrics(text: str, time: float) -> Snapshot:
             if not name.startswith(P):
                 continue
             short = name[len(P) :]
-            if short.endswith("_total") and short[:-6] in COUNTERS:
+            if short.endswith("_total") and short[:-6] in _PARSED_COUNTERS:
                 snap.counters[short[:-6]] += value
             elif short.endswith("_total") and short[:-6] in LORA_DRAFTS:
                 counts = snap.lora_drafts.setdefault(labels.get("lora_name", ""), [0.0, 0.0])
@@ -105,11 +111,11 @@ def parse_metrics(text: str, time: float) -> Snapshot:
                 snap.requests += value
             elif short.endswith("_total") and short[:-6] in PER_POSITION:
                 snap.per_pos[short[:-6]][int(labels.get("position", "0"))] += value
-            elif short.endswith("_bucket") and short[:-7] in HISTOGRAMS:
+            elif short.endswith("_bucket") and short[:-7] in _PARSED_HISTOGRAMS:
                 snap.buckets[short[:-7]][float(labels["le"])] += value
-            elif short.endswith("_sum") and short[:-4] in HISTOGRAMS:
+            elif short.endswith("_sum") and short[:-4] in _PARSED_HISTOGRAMS:
                 snap.sums[short[:-4]] += value
-            elif short.endswith("_count") and short[:-6] in HISTOGRAMS:
+            elif short.endswith("_count") and short[:-6] in _PARSED_HISTOGRAMS:
                 snap.counts[short[:-6]] += value
             elif short in GAUGES:
                 snap.gauges[name] = snap.gauges.get(name, 0.0) + value

@@ -153,6 +153,21 @@ class ServerMetrics:
         )
         self.step_duration = hist("specfleet_step_duration_seconds", "Engine step duration", STEP_BUCKETS)
         self.batch_size = hist("specfleet_batch_size", "Sequences per engine step", BATCH_BUCKETS)
+        # the steps that computed no prompt token apart (decode and verification only), with what they held,
+        # so that a step's cost can be read for decode and for prefill apart: bench sim calibrates each
+        self.decode_step_duration = hist(
+            "specfleet_decode_step_duration_seconds",
+            "Engine step duration, of the steps that computed no prompt token",
+            STEP_BUCKETS,
+        )
+        self.decode_step_counters = {
+            attr: Counter("specfleet_decode_step_" + attr, doc, label, registry=r)
+            for attr, doc in (
+                ("sequences", "Sequences in the steps that computed no prompt token"),
+                ("draft_tokens", "Speculative tokens proposed in the steps that computed no prompt token"),
+                ("drafts", "Speculative drafts verified in the steps that computed no prompt token"),
+            )
+        }
         self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("specfleet_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
@@ -205,6 +220,8 @@ class ServerMetrics:
             self.queue_time,
             self.step_duration,
             self.batch_size,
+            self.decode_step_duration,
+            *self.decode_step_counters.values(),
             self.running,
             self.waiting,
             self.kv_usage,
@@ -239,6 +256,12 @@ class ServerMetrics:
             self.step_duration.labels(m).observe(step.duration_s)
             if step.batch_size:
                 self.batch_size.labels(m).observe(step.batch_size)
+            if step.batch_size and not step.prompt_tokens:
+                self.decode_step_duration.labels(m).observe(step.duration_s)
+                decode = self.decode_step_counters
+                decode["sequences"].labels(m).inc(step.batch_size)
+                decode["draft_tokens"].labels(m).inc(step.num_draft_tokens)
+                decode["drafts"].labels(m).inc(step.num_drafts)
         running = step.num_running if stepped else 0
         waiting = (step.num_waiting if stepped else 0) + extra_waiting
         usage = step.kv_cache_usage if kv_usage is None else kv_usage

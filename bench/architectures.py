@@ -9,6 +9,9 @@ active experts) into a temporary folder, loads each in an engine, warms each up,
 rounds; every round runs each architecture's c1 (one request) and c32 (`--concurrency` requests at once)
 decode, each round starting one architecture further down the list. Greedy, ignore_eos, prompts of
 `--prompt-tokens` random ids (new ones each round, the same for every architecture in a round).
+`--quantization int8` quantizes every engine's weights at load (Mixtral's experts as the dense MLPs): a
+c32 step streams every expert's weights, so MoE's cost against its dense twin depends on the bytes a
+weight takes.
 
 A decode rate is the tokens after each request's first over the time from the step that gave the first of
 them to the step that gave the last (the engine's own RequestMetrics): prefill is left out. Prints
@@ -108,6 +111,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
             model=f"file://{path}",
             max_num_seqs=max(args.concurrency, 1),
             kv_cache_gib=KV_CACHE_GIB,  # the model's own context (2048): Gemma's window (512) gets its pool
+            quantization=args.quantization,
         )
         _log(f"{arch}: {params[arch] / 1e6:.2f}M parameters, loaded")
     c1 = SamplingParams(temperature=0, max_tokens=args.c1_tokens, ignore_eos=True)
@@ -138,6 +142,7 @@ def run(args: argparse.Namespace, workdir: Path) -> dict:
         "c1_new_tokens": args.c1_tokens,
         "c32_new_tokens": args.c32_tokens,
         "c32_concurrency": args.concurrency,
+        "quantization": args.quantization,
         "params": params,
         **summarize(rates),
         "load_avg_1m": [load_start, os.getloadavg()[0]],
@@ -156,6 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=32, help="requests at once in the 'c32' runs")
     parser.add_argument("--archs", nargs="+", choices=ARCHES, default=list(ARCHES), metavar="ARCH")
     parser.add_argument("--workdir", type=Path, help="where the checkpoints go (default: a temporary folder)")
+    parser.add_argument(
+        "--quantization",
+        choices=("int8",),
+        help="every engine's weights quantized at load (default: float32, as the checkpoints are written)",
+    )
     args = parser.parse_args(argv)
     for name in ("rounds", "concurrency"):
         if getattr(args, name) < 1:

@@ -64,3 +64,28 @@ def test_one_run_prints_every_architectures_rates_and_ratios(tmp_path, capsys):
         assert moe == pytest.approx(medians["mixtral"][c] / medians["dense"][c])
     assert result["params"]["dense"] < result["params"]["mixtral"]  # the same active, not total, parameters
     assert set(result["goal"]["met"]) == {*AGAINST_LLAMA, "mixtral"}
+
+
+@pytest.mark.slow
+def test_int8_runs_every_engine_quantized(tmp_path, capsys, monkeypatch):
+    """`--quantization int8` reaches every engine (Mixtral's experts quantized as the dense MLPs) and the JSON
+    says so; another name is refused by the parser."""
+    from specfleet.engine import llm
+
+    configs = []
+    real = llm.engine_config_from_vllm_kwargs
+
+    def recording(model, kwargs):
+        configs.append(real(model, kwargs))
+        return configs[-1]
+
+    monkeypatch.setattr(llm, "engine_config_from_vllm_kwargs", recording)
+    argv = ["--hidden", "128", "--layers", "1", "--rounds", "1", "--c1-tokens", "3", "--c32-tokens", "3"]
+    argv += ["--concurrency", "4", "--archs", "mixtral", "dense", "--quantization", "int8"]
+    assert main([*argv, "--workdir", str(tmp_path)]) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["quantization"] == "int8" and result["moe_c32_ratio_vs_dense_active"] > 0
+    assert [c.quantization for c in configs] == ["int8", "int8"]
+    with pytest.raises(SystemExit):
+        main(["--quantization", "awq"])
+    assert "--quantization" in capsys.readouterr().err

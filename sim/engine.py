@@ -33,6 +33,7 @@ from specfleet.tuner.policy.params import ModelParams
 from .lora import SimAdapters, SimLora, adapter_work
 from .metrics import EngineMetrics, LogHistogram
 from .profile import Profile
+from .request_draws import ClassDeck, request_rng
 from .shadow import SimShadow
 from .workload import OUTPUT_ID, SimRequest
 
@@ -121,6 +122,7 @@ class SimEngine:
         itl_hist: LogHistogram | None = None,
         adapters: SimAdapters | None = None,
         shadow: bool = False,
+        draw_seed: int = 0,
     ) -> None:
         self.index = index
         self.profile = profile
@@ -146,11 +148,17 @@ class SimEngine:
         q = profile.proposal_continue
         self.verified = _verified(self.conditional, q)
         self.default_spec = _Speculation(profile.proposal_share, q, self.verified)
-        # speculation per request: each request draws its class once (an acceptance given here stands for
+        # speculation per request: each request is dealt its class once (an acceptance given here stands for
         # every request, as before classes were measured)
         self.classes = _class_speculation(profile) if not accepted_per_pos else []
-        self.class_weights = [c.requests for c in profile.acceptance_classes]
+        # each request's class and draws by its index and the fleet's seed, whenever its steps run
+        # (sim/request_draws.py)
+        self.draw_seed = draw_seed
+        self.deck = (
+            ClassDeck([c.requests for c in profile.acceptance_classes], draw_seed) if self.classes else None
+        )
         self.spec: dict[int, _Speculation] = {}  # seq_id -> its request's class, when classes are drawn
+        self.draws: dict[int, random.Random] = {}  # seq_id -> its request's generator, when k can be > 0
         # the engine's shadow drafts, for a method that scores them (its own generator: the draws of
         # verified drafts stay those of a fleet without them), finding a draft at the engine's per-lookup rate
         # and accepted as the engine's shadow drafts were, where measured (a handful of verified drafts must
@@ -190,8 +198,10 @@ class SimEngine:
         seq.lora = SimLora(request.adapter) if request.adapter is not None else None
         record.engine_arrival_s = now
         self.records[seq.seq_id] = record
-        if self.classes:
-            self.spec[seq.seq_id] = self.rng.choices(self.classes, self.class_weights)[0]
+        if self.deck is not None:
+            self.spec[seq.seq_id] = self.classes[self.deck.deal(record.index)]
+        if self.limits.max_k:
+            self.draws[seq.seq_id] = request_rng(self.draw_seed, record.index)
         self.targets[seq.seq_id] = min(
             request.output_tokens, self.limits.max_model_len - request.prompt_tokens
         )
@@ -396,7 +406,9 @@ class SimEngine:
                 sampled.append([])
                 continue
             n = self._accepted(
-                item.num_spec_tokens, self.spec.get(item.seq.seq_id, self.default_spec).verified
+                item.num_spec_tokens,
+                self.spec.get(item.seq.seq_id, self.default_spec).verified,
+                self.draws.get(item.seq.seq_id, self.rng),
             )
             if item.num_spec_tokens:
                 drafts += 1
@@ -506,6 +518,7 @@ class SimEngine:
         rec = self.records.pop(seq.seq_id)
         self.targets.pop(seq.seq_id)
         self.spec.pop(seq.seq_id, None)
+        self.draws.pop(seq.seq_id, None)
         rec.finish_s, rec.finish_reason, rec.preemptions = now, reason, seq.num_preemptions
         rec.output_tokens = seq.num_output_tokens
         self.done.append(rec)
@@ -537,7 +550,7 @@ class SimEngine:
             return 0
         total = eligible = 0
         max_len, ceiling, targets = self.limits.max_model_len, self.limits.max_k, self.targets
-        spec, default = self.spec, self.default_spec
+        spec, default, draws = self.spec, self.default_spec, self.draws
         for seq in s.running:
             if seq.in_prefill:
                 continue
@@ -545,10 +558,11 @@ class SimEngine:
             room = k_room(max_len, seq.num_tokens, targets[seq.seq_id] - seq.num_output_tokens)
             k = proposal_length(k_live, room, ceiling)
             eligible += k > 0
-            if k and (share >= 1.0 or self.rng.random() < share):
+            rng = draws.get(seq.seq_id, self.rng)
+            if k and (share >= 1.0 or rng.random() < share):
                 if q < 1.0:  # the lookup's match has fewer tokens after it than k
                     n = 1
-                    while n < k and self.rng.random() < q:
+                    while n < k and rng.random() < q:
                         n += 1
                     k = n
                 seq.spec_token_ids = [-1] * k
@@ -568,9 +582,10 @@ class SimEngine:
         c["spec_decode_shadow_lookups"], c["spec_decode_shadow_drafts"] = shadow.lookups, shadow.drafts
         self.metrics.shadow_per_pos.update(enumerate(shadow.accepted_per_pos))
 
-    def _accepted(self, k: int, verified: list[float]) -> int:
+    @staticmethod
+    def _accepted(k: int, verified: list[float], rng: random.Random) -> int:
         n = 0
-        while n < k and self.rng.random() < verified[min(n, len(verified) - 1)]:
+        while n < k and rng.random() < verified[min(n, len(verified) - 1)]:
             n += 1
         return n
 

@@ -47,6 +47,22 @@ from .workload import SimRequest
 ARRIVE, DELIVER, STEP, READY, TICK = 0, 1, 2, 3, 4  # same-time order: arrivals first, the tuner last
 
 
+def _engine_args(
+    spec: InferenceServiceSpec, accepted_per_pos: tuple[float, ...], fast: bool, keep_itls: bool, seed: int
+) -> dict[str, Any]:
+    """What each engine of a fleet is built with beside its profile, live settings, limits and generator."""
+    return {
+        "block_size": spec.engine.block_size,
+        "prefix_caching": spec.engine.prefix_caching,
+        "accepted_per_pos": accepted_per_pos,
+        # the engine scores shadow drafts for the tuner while it verifies none (sim/shadow.py)
+        "shadow": bool((m := method(spec.speculative.method)) and m.shadow_drafts),
+        "fast": fast,
+        "keep_itls": keep_itls,
+        "draw_seed": seed,  # each request's speculation draws (sim/request_draws.py)
+    }
+
+
 class SimActuator:
     """`AdminActuator.ensure` against simulated engines: unchanged, patched, or refused (past a ceiling)."""
 
@@ -196,15 +212,7 @@ class SimFleet:
         )
         self._rng = random.Random(seed)
         self.lora_load_s = lora_load_s  # each engine's own adapter cache (sim/lora.py), with spec.adapters
-        self._engine_args: dict[str, Any] = {
-            "block_size": spec.engine.block_size,
-            "prefix_caching": spec.engine.prefix_caching,
-            "accepted_per_pos": accepted_per_pos,
-            # the engine scores shadow drafts for the tuner while it verifies none (sim/shadow.py)
-            "shadow": bool((m := method(spec.speculative.method)) and m.shadow_drafts),
-            "fast": fast,
-            "keep_itls": keep_itls,
-        }
+        self._engine_args = _engine_args(spec, accepted_per_pos, fast, keep_itls, seed)
         self.engines: list[SimEngine] = []
         self.urls: list[str] = []
         self.by_url: dict[str, SimEngine] = {}

@@ -84,7 +84,8 @@ class RooflineInputs:
 @dataclass(frozen=True)
 class AcceptanceClass:
     """Requests that accepted alike on the engine (one class of engine/spec_decode/request_classes.py): a
-    simulated request draws its class once, weighted by `requests`, and speculates by the class's figures."""
+    simulated request is dealt its class once, each as often as its `requests` (sim/request_draws.py), and
+    speculates by the class's figures."""
 
     requests: float  # the class's weight: finished requests the engine counted in it
     share: float  # drafts per decoding step of its requests

@@ -119,9 +119,10 @@ def test_each_simulated_request_speculates_by_the_class_it_drew():
     # every request is wholly one class or the other, about half each
     assert len(fast) + len(slow) == len(tpots)
     assert 10 <= len(fast) <= 30, sorted(tpots)
-    # one distribution for all (the same mean acceptance) puts every request in between
+    # one distribution for all (the same mean acceptance) puts every request in between (or a little above
+    # the never-drafting class: a request whose drafts mostly failed paid their verification)
     mixed = _tpots(BASE.with_(proposal_share=0.5, accepted_per_pos=(0.5, 0.5, 0.5, 0.5)))
-    assert all(0.01 < t < 0.04 for t in mixed) and statistics.pstdev(mixed) < statistics.pstdev(tpots)
+    assert all(0.01 < t < 0.045 for t in mixed) and statistics.pstdev(mixed) < statistics.pstdev(tpots)
 
 
 def test_an_acceptance_given_for_the_run_stands_for_every_request():

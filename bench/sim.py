@@ -24,7 +24,7 @@ import statistics
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import astuple, dataclass, replace
+from dataclasses import asdict, astuple, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -358,6 +358,11 @@ class StepMix:
         d = self.draft_tokens / n
         predicted = profile.core_s(self.sequences / n + d, self.prompt_tokens / n, 0.0, d, self.drafts / n)
         return (self.seconds / n) / predicted if predicted > 0 else 1.0
+
+
+def step_mix_record(real: StepMix, sim: StepMix) -> dict[str, dict[str, float]]:
+    """Both worlds' step mixes for the JSON, every field (`StepMix(**record["real"])` reads one back)."""
+    return {"real": asdict(real), "sim": asdict(sim)}
 
 
 async def real_mix(urls: list[str]) -> StepMix:
@@ -796,6 +801,9 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         "step_overhead_ms": round(step_overhead * 1000, 1),
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
         "overhead_phases": seen,
+        # what calibration read: the real engines' steps and the uncalibrated simulation's (`StepMix`), so a
+        # saved run can be calibrated again offline in another form
+        "step_mix": step_mix_record(real_steps, sim_mix(raw_fleet)),
         "host_cpu": host_cpu,  # over the trace: cores busy in all, the bench's (fleet, router, client), others'
         # where a TTFT went: the clients' mean against the engines' own (the rest is the HTTP path: client,
         # router, the engines' API servers before the request reaches them)

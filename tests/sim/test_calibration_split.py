@@ -6,9 +6,11 @@ prefill right."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from helpers import cpu_like_profile
-from specfleet.bench.sim import StepMix, calibration, rescaled, sim_mix
+from specfleet.bench.sim import StepMix, calibration, rescaled, sim_mix, step_mix_record
 from specfleet.engine.server.metrics import ServerMetrics
 from specfleet.engine.stats import EngineStats, StepStats
 from specfleet.operator import load_inference_service
@@ -97,3 +99,13 @@ def test_without_decode_steps_apart_one_factor_prices_every_step():
     assert (
         decode == prefill == pytest.approx(record["profile_scale"], abs=1e-3) == pytest.approx(0.8, rel=0.01)
     )
+
+
+def test_the_step_mixes_are_kept_whole_and_calibrate_again_as_they_did():
+    """bench sim's JSON keeps both worlds' step mixes (issue 41: the saved runs held only the factors, so
+    copy-1e-spec's real decode steps could not be split into plain and verifying ones afterwards)."""
+    real, sim = sim_mix(_fleet(rescaled(PROFILE, 0.75, 1.0))), sim_mix(_fleet(PROFILE))
+    record = json.loads(json.dumps(step_mix_record(real, sim)))
+    back = StepMix(**record["real"]), StepMix(**record["sim"])
+    assert back == (real, sim) and back[0].decode_draft_tokens == real.decode_draft_tokens
+    assert calibration(*back, PROFILE)[0] == calibration(real, sim, PROFILE)[0]

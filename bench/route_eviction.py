@@ -9,13 +9,10 @@ multi-tenant traffic is): a popular tenant's requests, more than one engine may 
 `--eviction-concurrency` 4), spill to the other engine, so its prefix gets cached on both, and each engine
 then evicts it on its own schedule. That is the state the exact index is for: the estimate (per engine, an
 LRU of the blocks the router sent there, router/prefix.py, which sees no eviction) still believes both
-copies and breaks the tie on load; the index knows which engine still holds it. Commoner still (most
-requests find their prompt on no engine: the working set is twice the cache) is a tenant evicted from
-every engine: the estimate sends it to the engine it last went to however busy, while on the index the
-policy knows the miss and sends it to the less loaded engine (router/policies.py `known-miss`). With two
-requests in flight on two engines the cap never binds (ceil(1.25 x 2 / 2) = 2) and every tenant stays
-on its ring home in the estimate's rounds: the phase's earlier design (two in flight, every tenant
-equally popular, and before `known-miss`) sent every request to the same engine in both modes.
+copies and breaks the tie on load; the index knows which engine still holds it. With two requests in
+flight on two engines the cap never binds (ceil(1.25 x 2 / 2) = 2), every tenant stays on its ring home in
+both modes, and the modes cannot pick differently: the phase's earlier design (two in flight, every
+tenant equally popular) sent every request to the same engine in both modes.
 
 Rounds alternate the modes ABBA (`--eviction-rounds`, events first), each on a fresh fleet (cold caches)
 whose engines publish KV events and whose router subscribes in both modes (the same work both times): the

@@ -40,16 +40,7 @@ class Choice:
 
 
 RING_MASK = 2**64 - 1  # ring points are unsigned 64-bit; block hashes are signed
-REASONS = (
-    "round-robin",
-    "least-loaded",
-    "prefix",
-    "prefix-bounded",
-    "session",
-    "ring",
-    "known-miss",
-    "short-prompt",
-)
+REASONS = ("round-robin", "least-loaded", "prefix", "prefix-bounded", "session", "ring", "short-prompt")
 
 
 class RoutingPolicy(Protocol):
@@ -117,18 +108,9 @@ class PrefixAffinity:
 
     Decisions, in order: the session's engine if the request names a session and that engine is under
     the cap (`session`); else the engine under the cap with the longest match, ties to the less loaded
-    (`prefix`, or `prefix-bounded` when an engine with a longer match was over the cap); else, when the
-    exact index (the engines' KV events) answers for every engine and none holds any block of the prompt,
-    the least loaded engine, ties in the ring's order (`known-miss`); else, when no engine holds any block,
-    the ring's first engine under the cap from the first block's hash (`ring`); a prompt shorter than one
-    block goes to the least loaded (`short-prompt`).
-
-    Why a known miss balances on load: the ring gives a prompt a home that routers agree on without seeing
-    the engines, and that the estimate (which never sees an eviction) goes on believing. Once every engine
-    says it holds none of the prompt, each would prefill all of it alike, so the less loaded one answers
-    sooner, and the engine's events then say where it went, to every router, for the tenant's next
-    request. What it gives up: two requests of one evicted prompt sent before either is prefilled (its
-    blocks not yet published) may go to two engines and both prefill it, where the ring sends both to one.
+    (`prefix`, or `prefix-bounded` when an engine with a longer match was over the cap); else, when no
+    engine holds any block, the ring's first engine under the cap from the first block's hash (`ring`);
+    a prompt shorter than one block goes to the least loaded (`short-prompt`).
     """
 
     load_factor: float = 1.25  # KubeAI's default meanLoadFactor (125%); measured in docs/router.md
@@ -170,11 +152,7 @@ class PrefixAffinity:
         # prompt the router flattened (no template to render it with) never matches them, so it is
         # matched on the estimate
         exact = request.adapter is None and request.engine_hashes
-        known = {e.url: self._exact(e.url, request.hashes) if exact else None for e in endpoints}
-        matches = {
-            url: self.index.match(url, request.hashes) if held is None else held
-            for url, held in known.items()
-        }
+        matches = {e.url: self._match(e.url, request.hashes, exact) for e in endpoints}
         if request.session is not None:
             url = self._sessions.get(request.session)
             if url is not None and any(e.url == url for e in under):
@@ -188,32 +166,17 @@ class PrefixAffinity:
             return Choice(
                 best.url, "prefix" if matches[best.url] == longest else "prefix-bounded", matches[best.url]
             )
-        order = self._ring_order(request.hashes[0], endpoints, {e.url for e in under})
-        if all(held == 0 for held in known.values()):  # every engine's events: none of it, anywhere
-            loads = {e.url: e.outstanding for e in under}
-            return Choice(min(order, key=loads.__getitem__), "known-miss", 0)  # min keeps the first of ties
-        return Choice(order[0], "ring", 0)
-
-    def _ring_order(self, first: int, endpoints: Sequence[Endpoint], allowed: set[str]) -> list[str]:
-        """The allowed engines in the order the ring meets them from the prompt's first block hash."""
         ring = self._ring_for([e.url for e in endpoints])
-        start = bisect.bisect_left(ring, (first & RING_MASK, ""))
-        order: list[str] = []
+        allowed = {e.url for e in under}
+        start = bisect.bisect_left(ring, (request.hashes[0] & RING_MASK, ""))
         for i in range(len(ring)):
             url = ring[(start + i) % len(ring)][1]
-            if url in allowed and url not in order:
-                order.append(url)
-                if len(order) == len(allowed):
-                    break
-        assert order, "unreachable: the least loaded engine is always under the cap"
-        return order
-
-    def _exact(self, url: str, hashes: Sequence[int]) -> int | None:
-        """The engine's match from its KV events; None for an engine that publishes none, or no index."""
-        return None if self.exact is None else self.exact(url, hashes)
+            if url in allowed:
+                return Choice(url, "ring", 0)
+        raise AssertionError("unreachable: the least loaded engine is always under the cap")
 
     def _match(self, url: str, hashes: Sequence[int], use_exact: bool = True) -> int:
-        exact = self._exact(url, hashes) if use_exact else None
+        exact = self.exact(url, hashes) if self.exact is not None and use_exact else None
         return self.index.match(url, hashes) if exact is None else exact
 
     def routed(self, request: RouteRequest, url: str) -> None:

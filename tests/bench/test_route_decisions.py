@@ -60,32 +60,6 @@ def test_a_prefix_evicted_here_and_held_there_parts_the_picks() -> None:
     assert shadow.log.decisions[0].session == "conv-1"
 
 
-def test_a_prefix_evicted_everywhere_parts_the_picks_on_load() -> None:
-    """The commonest state under eviction pressure: the tenant's prompt was sent to its ring home only, and
-    every engine has evicted it since. The estimate still believes the home and goes there however loaded;
-    the exact index knows it is a miss on every engine and sends it to the less loaded one."""
-    table = {A: 0, B: 0}
-    request = RouteRequest(TENANT + (3,))
-    estimate = PrefixAffinity()
-    home = estimate.choose(RouteRequest(TENANT), _endpoints(0, 0))
-    assert home is not None and home.reason == "ring"
-    estimate.routed(RouteRequest(TENANT + (1,)), home.url)
-    loads = (1, 0) if home.url == A else (0, 1)  # the home is the busier engine
-    shadow = ShadowedPolicy(estimate, _held(table))
-    choice = shadow.choose(request, _endpoints(*loads))
-    assert choice is not None and (choice.url, choice.reason) == (home.url, "prefix")
-    figures = shadow.log.figures()
-    assert figures["picks_differ"] == figures["stale_at_pick"] == 1
-    assert figures["held_longer_elsewhere"] == figures["believed_on_several_held_on_fewer"] == 0
-    events = PrefixAffinity()
-    events.routed(RouteRequest(TENANT + (1,)), home.url)
-    events.exact = _held(table)
-    shadow = ShadowedPolicy(events, _held(table))
-    choice = shadow.choose(request, _endpoints(*loads))
-    assert choice is not None and choice.url != home.url and choice.reason == "known-miss"
-    assert shadow.log.figures()["picks_differ"] == 1 and shadow.log.figures()["stale_at_pick"] == 0
-
-
 def test_the_shadow_changes_no_decision_and_logs_only_what_the_index_decides() -> None:
     plain, shadowed = PrefixAffinity(), PrefixAffinity()
     shadow = ShadowedPolicy(shadowed, _held({A: 0, B: 0}))

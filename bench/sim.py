@@ -421,7 +421,7 @@ async def overheads(
     each phase (5 lone requests one after another, then `BURST` at once) sets the clients' median TPOT
     against the engines' own mean `Engine.step()` and mean batch over the phase (their /metrics
     histograms: the machine's speed at that moment, not the profile's; with two engines the burst splits),
-    and `server_work` turns the two into per-step and per-stream costs. Per request: the median TTFT of 5
+    and `server_work` turns the two into per-step and per-stream costs. Per request: the mean TTFT of 5
     lone one-token requests (their only step the prefill) minus the engines' own mean step over them and
     the server's work on the first token: the path outside the core (HTTP, router, the API server, the
     request's and the first token's way between the server and the core; server work hidden behind the
@@ -472,7 +472,9 @@ async def overheads(
     step, stream = server_work(lone_phase, burst_phase)
     prefill = before.since(before_first)  # the one-token requests' steps: their prefills, one each
     prefill_s = prefill.seconds / prefill.steps if prefill.steps else profile.core_s(0, 8, 0)
-    first_ttft = statistics.median(ttft for ttft, _ in firsts)
+    # the mean, as the steps' (each request's TTFT holds its own step; a median against a mean could fall
+    # below it when one prefill step stalled on a loaded host, and the path outside the core read negative)
+    first_ttft = statistics.fmean(ttft for ttft, _ in firsts)
     request = first_ttft - prefill_s - (step + stream)
     seen = {
         "first_ttft_ms": round(first_ttft * 1000, 1),

@@ -169,13 +169,8 @@ class FrontResponse:
             await self._send(self._framed(data))
 
     async def write_eof(self, data: bytes = b"") -> None:
-        if self.ended:
-            return
-        pieces = self._framed(data)
-        if self._chunked and not self.framed:
-            pieces.append(b"0\r\n\r\n")
-        self.ended = True
-        await self._send(pieces)
+        if not self.ended:
+            await self._send(self._ending(data))
 
     def write_now(self, data: bytes) -> bool:
         """Write `data` at once, from a protocol callback (upstream.py's pipe): whether the client's
@@ -186,13 +181,16 @@ class FrontResponse:
     def end_now(self, data: bytes) -> None:
         """`write_eof(data)` at once, from a protocol callback (the stream relay's: router/resume.py): the
         body's last bytes and its end leave in one write."""
-        if self.ended:
-            return
+        if not self.ended:
+            self._write_now(self._ending(data))
+
+    def _ending(self, data: bytes) -> list[bytes]:
+        """The body's last bytes and, where this side frames the chunks, the last chunk; the answer ends."""
         pieces = self._framed(data)
         if self._chunked and not self.framed:
             pieces.append(b"0\r\n\r\n")
         self.ended = True
-        self._write_now(pieces)
+        return pieces
 
     def _write_now(self, pieces: list[bytes]) -> bool:
         conn = self._conn

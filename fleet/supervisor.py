@@ -389,10 +389,12 @@ class LocalFleet:
             engine_flags = [*spec.engine.extra_args, *self.engine_extra_args]
             self.router.chat_template = local_chat_template(spec.model.source, engine_flags)
         self._subscribe_kv_events()
-        self.port = self.port or free_port(self.host)
         if self.tuning or self.replica_policy is not None:  # before the router serves: its queue scales
             self.tuner = self.new_tuner()
+        # port 0 is bound as such and the kernel's choice read back: a port picked free beforehand can be
+        # taken by another socket's ephemeral end before the router binds it (bench sim: EADDRINUSE)
         self._runner = await serve(self.router, self.host, self.port)
+        self.port = self._runner.port
         if spec.routing.mode == "endpoint-picker":
             await self._serve_endpoint_picker()
         self.router.endpoints_changed()

@@ -523,6 +523,12 @@ class Front:
         self.connections: set[_Connection] = set()
         self._back_pool = EnginePool()
 
+    @property
+    def port(self) -> int:
+        """The port the front listens on: the one asked for, or the one the kernel chose for port 0."""
+        assert self.server is not None and self.server.sockets, "the front is not serving"
+        return int(self.server.sockets[0].getsockname()[1])
+
     async def to_back(self, request: FrontRequest) -> FrontResponse | web.Response:
         """Relay a request the front does not serve itself to the aiohttp application behind it."""
         headers = {k: v for k, v in request.headers.items() if k.lower() not in _HOP_HEADERS}

@@ -35,9 +35,9 @@ async def start_router(
     urls: list[str], policy: str = "round-robin", **options: float
 ) -> tuple[Router, str, Front]:
     router = Router(EndpointSet(urls, ready=True), make_policy(policy), **options)
-    port = free_port()
-    runner = await serve(router, "127.0.0.1", port)
-    return router, f"http://127.0.0.1:{port}", runner
+    runner = await serve(router, "127.0.0.1", 0)  # the port the kernel chose, read back from the front
+    assert runner.port != 0
+    return router, f"http://127.0.0.1:{runner.port}", runner
 
 
 def test_prompt_text_of_completions_and_chat():

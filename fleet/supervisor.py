@@ -58,10 +58,35 @@ SUPERVISE_PERIOD_S = 0.2  # how soon an exited engine leaves routing (a poll of 
 READY_PERIOD_S = 0.5  # how often each running engine's /ready is probed
 
 
+# Where an engine's ports are drawn from: below the kernel's ephemeral range, from which every outgoing
+# connection takes its local port, so a port found free here is not taken by one before the engine binds it
+# (the router's own port is bound as 0 and read back instead: `start`).
+PORT_FLOOR = 20000
+PORT_TRIES = 64
+
+
+def ephemeral_floor() -> int:
+    """The lowest port the kernel gives outgoing connections (Linux's default 32768 where unreadable)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, for a process that binds it itself: drawn below the ephemeral range when
+    there is room there, else the kernel's choice."""
     with socket.socket() as s:
+        ceiling = ephemeral_floor()
+        for _ in range(PORT_TRIES if ceiling > PORT_FLOOR else 0):
+            port = secrets.randbelow(ceiling - PORT_FLOOR) + PORT_FLOOR
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
         s.bind((host, 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
 def local_engine_command(

@@ -298,6 +298,8 @@ class StepMix:
     decode_sequences: float = 0.0
     decode_draft_tokens: float = 0.0
     decode_drafts: float = 0.0
+    # the engine cores' seconds between back-to-back steps, outside them (`specfleet_step_gap_seconds`)
+    gap_seconds: float = 0.0
 
     def add(self, counters: dict[str, float], sums: dict[str, float], counts: dict[str, float]) -> None:
         self.steps += counts.get("step_duration_seconds", 0.0)
@@ -314,6 +316,7 @@ class StepMix:
         self.decode_sequences += counters.get("decode_step_sequences", 0.0)
         self.decode_draft_tokens += counters.get("decode_step_draft_tokens", 0.0)
         self.decode_drafts += counters.get("decode_step_drafts", 0.0)
+        self.gap_seconds += counters.get("step_gap_seconds", 0.0)
 
     def decode(self) -> StepMix:
         """The steps that computed no prompt token (none where the engines did not export them apart)."""
@@ -336,6 +339,10 @@ class StepMix:
             self.draft_tokens - self.decode_draft_tokens,
             self.drafts - self.decode_drafts,
         )
+
+    def gap_per_step(self) -> float:
+        """The engine cores' mean seconds between back-to-back steps (0 from engines that do not export it)."""
+        return self.gap_seconds / self.steps if self.steps else 0.0
 
     def ttft_ms(self) -> dict[str, float]:
         """The engines' mean TTFT and queue time over the requests they finished."""
@@ -774,6 +781,7 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         shadow_share=accepted.shadow_share,
         shadow_accepted_per_pos=accepted.shadow_per_pos,
         startup_s=startup_s,
+        step_gap_s=real_steps.gap_per_step(),
     )
     classes = measured.classes
     if classes:
@@ -802,6 +810,7 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         "request_overhead_ms": round(request_overhead * 1000, 1),
         "step_overhead_ms": round(step_overhead * 1000, 1),
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
+        "step_gap_ms": round(real_steps.gap_per_step() * 1000, 2),
         "overhead_phases": seen,
         # what calibration read: the real engines' steps and the uncalibrated simulation's (`StepMix`), so a
         # saved run can be calibrated again offline in another form

@@ -52,6 +52,10 @@ class EngineStats:
     peak_kv_slots_allocated: int = 0  # slots in allocated blocks, at the peak
     peak_kv_slots_used: int = 0  # of those, slots holding a token, at the same moment
     peak_micro_batches_in_flight: int = 0  # pipeline parallelism: most micro-batches in the stages at once
+    # the engine core's seconds between back-to-back steps, outside `Engine.step()`: taking inputs, building
+    # and sending a step's report, and waiting for a core where the host has fewer than its processes want
+    # (engine/core/proc.py); the simulator prices it per step (bench sim)
+    step_gap_s: float = 0.0
     last_step: StepStats = field(default_factory=StepStats)
 
     def add_step(self, step: StepStats) -> None:

@@ -41,7 +41,9 @@ HISTOGRAMS = (
 # of decode and prefill steps each, not observed by the tuner (its queries stay as they were)
 DECODE_STEP_COUNTERS = ("decode_step_sequences", "decode_step_draft_tokens", "decode_step_drafts")
 DECODE_STEP_HISTOGRAM = "decode_step_duration_seconds"
-_PARSED_COUNTERS = (*COUNTERS, *DECODE_STEP_COUNTERS)
+# the core loop's seconds between back-to-back steps (engine/stats.py `step_gap_s`): bench sim's too
+STEP_GAP_COUNTER = "step_gap_seconds"
+_PARSED_COUNTERS = (*COUNTERS, *DECODE_STEP_COUNTERS, STEP_GAP_COUNTER)
 _PARSED_HISTOGRAMS = (*HISTOGRAMS, DECODE_STEP_HISTOGRAM)
 # the load gauges, then the config gauge of every searched knob (the config in force)
 CONFIG_GAUGES = tuple(knob.gauge[len(P) :] for knob in SEARCHED)

@@ -320,6 +320,8 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
     engine = core.engine
     last_report = time.monotonic()
     stalled = False
+    # when the last step's `Engine.step()` returned, while work stayed unfinished since
+    gap_from: float | None = None
     while True:
         busy = engine.has_unfinished_requests()
         if busy and not stalled:
@@ -342,7 +344,13 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
             return
         heartbeat_due = time.monotonic() - last_report >= HEARTBEAT_S
         if engine.has_unfinished_requests():
+            started = time.perf_counter()
+            if gap_from is not None:
+                engine.stats.step_gap_s += max(0.0, started - gap_from)
             report = core.step()
+            # `Engine.step()` times itself from its start to its outputs; the rest of `core.step()` (the
+            # report's deltas) counts as the gap before the next step
+            gap_from = started + engine.stats.last_step.duration_s if report.stepped else None
             went_stalled = not report.stepped and not stalled
             stalled = not report.stepped
             news = report.stepped or report.deltas or report.aborted or report.error or went_stalled
@@ -353,6 +361,7 @@ def _loop(core: EngineCore, inp: zmq.Socket, out: zmq.Socket, parent: int) -> No
                 last_report = time.monotonic()
         else:
             stalled = False
+            gap_from = None
             engine.poll_kv_transfers()  # a finished hold's blocks come back while idle too
             if heartbeat_due or busy:
                 engine.check_health()  # a dead split-model worker: WorkerDied, the core exits

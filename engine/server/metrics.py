@@ -168,6 +168,15 @@ class ServerMetrics:
                 ("drafts", "Speculative drafts verified in the steps that computed no prompt token"),
             )
         }
+        # the core loop's time between back-to-back steps (EngineStats.step_gap_s): the serving path's share
+        # of a step's period on a host with fewer cores than its processes want
+        self.step_gap = Counter(
+            "specfleet_step_gap_seconds",
+            "Engine core seconds between back-to-back steps, outside the steps",
+            label,
+            registry=r,
+        )
+        self._seen_step_gap = 0.0
         self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("specfleet_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
@@ -222,6 +231,7 @@ class ServerMetrics:
             self.batch_size,
             self.decode_step_duration,
             *self.decode_step_counters.values(),
+            self.step_gap,
             self.running,
             self.waiting,
             self.kv_usage,
@@ -262,6 +272,9 @@ class ServerMetrics:
                 decode["sequences"].labels(m).inc(step.batch_size)
                 decode["draft_tokens"].labels(m).inc(step.num_draft_tokens)
                 decode["drafts"].labels(m).inc(step.num_drafts)
+        if stats.step_gap_s > self._seen_step_gap:
+            self.step_gap.labels(m).inc(stats.step_gap_s - self._seen_step_gap)
+            self._seen_step_gap = stats.step_gap_s
         running = step.num_running if stepped else 0
         waiting = (step.num_waiting if stepped else 0) + extra_waiting
         usage = step.kv_cache_usage if kv_usage is None else kv_usage

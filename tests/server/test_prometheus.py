@@ -128,3 +128,27 @@ def test_finished_requests_reach_their_class_of_acceptance(server: Any, client: 
     assert counted() == before + 2
     text = httpx.get(f"{server.url}/metrics").text
     assert re.search(r'^specfleet_spec_decode_class_requests_total\{[^}]*class="', text, re.MULTILINE)
+
+
+def test_the_core_loops_gap_between_back_to_back_steps_is_exported(
+    server: Any, client: Any, model_name: str
+) -> None:
+    """`specfleet_step_gap_seconds_total` (engine/core/proc.py): the core's seconds between back-to-back
+    steps, outside them, as bench sim prices them per step; it grows with decoding and stays a small share
+    of the steps' own seconds on an engine that has its host to itself."""
+    from specfleet.tuner.snapshot import parse_metrics
+
+    def read() -> tuple[float, float, float]:
+        snap = parse_metrics(httpx.get(f"{server.url}/metrics").text, 0.0)
+        steps = snap.counts.get("step_duration_seconds", 0.0)
+        return snap.counters.get("step_gap_seconds", 0.0), snap.sums.get("step_duration_seconds", 0.0), steps
+
+    gap0, seconds0, steps0 = read()
+    client.completions.create(model=model_name, prompt="Once upon a time", max_tokens=24, temperature=0)
+    gap1, seconds1, steps1 = read()
+    steps = steps1 - steps0
+    assert steps >= 20  # a prefill step, then one decode step per token: back to back
+    gap = gap1 - gap0
+    # between two steps the core builds and sends a report and drains its inputs: tens of microseconds on an
+    # idle core; a loop that counted nothing (or idle time as gap) fails one side
+    assert 0.0 < gap / steps < 0.5 * (seconds1 - seconds0) / steps

@@ -606,6 +606,10 @@ def scale_note(real_speed: float, sim_speed: float, host_cpu: dict[str, float] |
     return "; ".join(parts) or "both within the band, their ratio outside it"
 
 
+def _row(arrival_s: float, ttft_s: float, e2e_s: float, tokens: float) -> list[float]:
+    return [round(arrival_s, 4), round(ttft_s, 4), round(e2e_s, 4), tokens]
+
+
 def _mean_ms(values: Iterable[float]) -> float:
     seen = list(values)
     return round(1000 * sum(seen) / max(len(seen), 1), 1)
@@ -781,7 +785,6 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         shadow_share=accepted.shadow_share,
         shadow_accepted_per_pos=accepted.shadow_per_pos,
         startup_s=startup_s,
-        step_gap_s=real_steps.gap_per_step(),
     )
     classes = measured.classes
     if classes:
@@ -810,6 +813,10 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         "request_overhead_ms": round(request_overhead * 1000, 1),
         "step_overhead_ms": round(step_overhead * 1000, 1),
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
+        # the real engine cores' time between back-to-back steps (`specfleet_step_gap_seconds`), which the
+        # simulator does not price: on two engines sharing two cores with their servers it lengthens the real
+        # periods by ~3 ms a step, and requests reach the cores in clumps, batching prefills; priced alone it
+        # made the simulated TPOT worse (docs/results/2026-12-07-bench-sim.md)
         "step_gap_ms": round(real_steps.gap_per_step() * 1000, 2),
         "overhead_phases": seen,
         # what calibration read: the real engines' steps and the uncalibrated simulation's (`StepMix`), so a
@@ -828,6 +835,24 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
             },
         },
         **_acceptance_record(accepted, classes),
+        # each request in both worlds, in trace order: arrival, TTFT, e2e (s) and output tokens, for reading a
+        # percentile's error back to the requests behind it
+        "request_rows": {
+            "real": [
+                _row(r["arrival_s"], r["ttft_s"], r["e2e_s"], r["output_tokens"])
+                for r in sorted(rows, key=lambda r: r["arrival_s"])
+            ],
+            "sim": [
+                _row(
+                    x.arrival_s,
+                    (x.first_token_s or x.arrival_s) - x.arrival_s,
+                    x.finish_s - x.arrival_s,
+                    x.output_tokens,
+                )
+                for x in sorted(run.records, key=lambda x: x.index)
+                if x.finish_s is not None
+            ],
+        },
     }
     if c.tune:
         result["tuner_real"] = real_decisions

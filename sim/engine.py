@@ -4,9 +4,8 @@
 propose, schedule) and returns when the step ends, from the profile; `finish_step()` does what it does
 after (the scheduler's `update` with the sampled tokens, stop checks, statistics). A step's end is the
 two-stage pipeline of the engine core and the API server (`Profile.period_s`): the core's step, or the
-server's work on the previous step's output if that is longer, then the core loop's gap before its next
-step (`Profile.step_gap_s`); the step's tokens reach their clients when the server has sent them,
-`Profile.server_s` after the period's end (the real core sends them within its gap: up to a gap sooner). Sampled tokens come
+server's work on the previous step's output if that is longer; the step's tokens reach their clients
+when the server has sent them, `Profile.server_s` after the step's end. Sampled tokens come
 from the workload: a request ends with "length" at its output length; speculative proposals are accepted
 position by position with the profile's (or workload's) probabilities.
 
@@ -269,7 +268,7 @@ class SimEngine:
         if self.adapters is not None:
             core += self.adapters.step_load_s(item.seq.lora for item in sched.scheduled)
             core += p.lora_s(*adapter_work((item.seq.lora, item.num_new_tokens) for item in sched.scheduled))
-        d = p.period_s(core, self.server_free_s - now) + p.step_gap_s
+        d = p.period_s(core, self.server_free_s - now)
         durations, cores = [d], [core]
         server = p.server_s(streams)
         if self.fast and not prefill and not proposals and not sched.num_preemptions:
@@ -356,7 +355,7 @@ class SimEngine:
         server = p.server_s(batch)  # every sequence streams a token in every step of the run
         # step j reads j * batch more context tokens than the first: `core_s` is linear in context, and
         # `core_s(batch) + context_s_per_token * c` is `core_s(batch, 0, c)` to the last bit
-        base, per_token, period, gap = p.core_s(batch), p.context_s_per_token, p.period_s, p.step_gap_s
+        base, per_token, period = p.core_s(batch), p.context_s_per_token, p.period_s
         base += p.lora_s(*adapter_work((q.lora, 1) for q in seqs))  # one token each, on its adapter
         out: list[float] = []
         cores: list[float] = []
@@ -364,7 +363,7 @@ class SimEngine:
             if t >= horizon:
                 break
             core = base + per_token * (context + j * batch)
-            d = period(core, behind) + gap
+            d = period(core, behind)
             out.append(d)
             cores.append(core)
             t += d
@@ -432,7 +431,6 @@ class SimEngine:
             if c:
                 m.per_pos[i] += c
         m.histograms["step_duration_seconds"].observe(plan.cores[0])
-        m.counters["step_gap_seconds"] += self.profile.step_gap_s
         m.histograms["batch_size"].observe(len(sched.scheduled))
         if sched.scheduled and not sched.num_prompt_tokens:  # a decode step: apart too, as the engine's
             m.histograms["decode_step_duration_seconds"].observe(plan.cores[0])
@@ -488,7 +486,6 @@ class SimEngine:
         m.histograms["step_duration_seconds"].observe(core, n)
         m.histograms["decode_step_duration_seconds"].observe(core, n)  # a run's steps are decode steps
         m.counters["decode_step_sequences"] += batch * n
-        m.counters["step_gap_seconds"] += self.profile.step_gap_s * n
         self.itl_hist.observe(mean, batch * n)
         m.histograms["batch_size"].observe(batch, n)
         self.steps += n

@@ -155,11 +155,6 @@ class Profile:
     # per sequence that streams a token in a step: the per-chunk work (detokenise, the SSE chunk, the
     # HTTP write), which grows with the batch where the per-step work does not
     stream_overhead_s: float = 0.0
-    # the core loop's seconds between back-to-back steps, outside `Engine.step()` and in the core's own
-    # process (the step's report built and sent, inputs taken, a core waited for where the host has fewer
-    # than its processes want: `specfleet_step_gap_seconds`). It lengthens every step's period; 0 where the
-    # core has a core of its own (a GPU replica's host, one engine here: well under 1 ms a step)
-    step_gap_s: float = 0.0
     startup_s: float = (
         0.0  # a new replica's pod start to ready (process, imports, weights): autoscaling's delay
     )
@@ -191,7 +186,6 @@ class Profile:
                 self.verify_s_per_seq,
                 self.step_overhead_s,
                 self.stream_overhead_s,
-                self.step_gap_s,
                 self.request_overhead_s,
                 self.lora_s_per_token,
                 self.lora_s_per_adapter,

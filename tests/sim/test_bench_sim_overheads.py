@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from helpers import start_server, stop_process
-from specfleet.bench.sim import overheads
+from specfleet.bench.sim import overheads, real_mix
 from specfleet.sim.profile import Profile
 
 pytestmark = pytest.mark.slow
@@ -25,6 +25,7 @@ def test_the_request_overhead_is_the_path_outside_the_engines_step_whatever_the_
     proc, url = start_server(tmp_path / "server.log")
     try:
         request, _, _, seen = asyncio.run(overheads(url, [url], slow))
+        mix = asyncio.run(real_mix([url]))
     finally:
         stop_process(proc)
     assert seen["profile_first_step_ms"] == 9000.0  # 1 s for the step, 8 prompt tokens at 1 s
@@ -32,3 +33,6 @@ def test_the_request_overhead_is_the_path_outside_the_engines_step_whatever_the_
     assert 0 < request * 1000 < seen["first_ttft_ms"]
     # the TTFT less the engine's step, less the server's work on the first token where it showed (>= 0)
     assert request * 1000 <= seen["first_ttft_ms"] - seen["first_core_step_ms"] + 0.1  # the figures' rounding
+    # the engine core's time between back-to-back steps, as bench sim records it (`step_gap_ms`): the burst's
+    # decode steps ran back to back, and the core's loop between them is a sliver of a step
+    assert mix.steps > 0 and 0 < mix.gap_per_step() < 0.5 * mix.seconds / mix.steps

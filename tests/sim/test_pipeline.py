@@ -127,23 +127,3 @@ def test_bench_sim_reads_the_server_work_only_where_it_set_the_pace():
     assert server_work((0.021, 0.020, 1.0), (0.080, 0.040, 8.0)) == pytest.approx((0.0, 0.010))
     assert server_work((0.030, 0.020, 1.0), (0.041, 0.040, 8.0)) == pytest.approx((0.030, 0.0))
     assert server_work((0.020, 0.020, 1.0), (0.040, 0.040, 8.0)) == (0.0, 0.0)
-
-
-def test_the_core_loops_gap_lengthens_every_period_and_not_the_steps_histogram():
-    """`Profile.step_gap_s` (bench sim measures it from `specfleet_step_gap_seconds`): the core's own time
-    between steps, added to each period after the pipeline's; the step histogram keeps the core's step."""
-    p = PROFILE.with_(step_gap_s=0.005)
-    for fast in (False, True):
-        fleet = SimFleet(isvc(), p, fast=fast)
-        (r,) = fleet.run([SimRequest(1.0, 10, 11)]).records
-        # the prefill's period (40 ms and the gap), then ten decode periods of 20 + 5 ms
-        assert r.first_token_s - r.arrival_s == pytest.approx(0.040 + 0.005)
-        assert r.finish_s - r.first_token_s == pytest.approx(10 * 0.025)
-        assert step_histogram(fleet) == (pytest.approx(0.040 + 10 * 0.020), 11)
-        assert fleet.engines[0].metrics.counters["step_gap_seconds"] == pytest.approx(11 * 0.005)
-    # beside a server that sets the pace, the gap comes after it: 30 + 5 ms apart
-    paced = PROFILE.with_(step_overhead_s=0.030, step_gap_s=0.005)
-    (r,) = SimFleet(isvc(), paced).run([SimRequest(0.0, 10, 11)]).records
-    assert r.finish_s - r.first_token_s == pytest.approx(10 * 0.035)
-    with pytest.raises(ValueError, match="costs must be >= 0"):
-        PROFILE.with_(step_gap_s=-0.001)

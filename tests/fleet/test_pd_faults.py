@@ -3,7 +3,7 @@ processes (python -m specfleet.engine) for a prefill and a decode engine, severa
 engine the whole time, and requests whose KV waits on the prefill peer while that peer is hung (SIGSTOP of
 its process group: server and engine core), answers garbage, is sent garbage on its KV port, and is killed
 (SIGKILL). Throughout, the decode engine keeps stepping its streams, its step rate during each fault
-stays above half of its rate before (the pull waits off the engine thread and falls back to a local
+stays above a quarter of its rate before (the pull waits off the engine thread and falls back to a local
 prefill at `kv_transfer_timeout_s`), every request completes, and it exits only when told (SIGTERM: 0).
 
 Run with -s to see the figures: steps/s and generated tokens/s before and during each fault, read from
@@ -41,6 +41,11 @@ BASELINE_S = 3.0
 # The shortest window a fault's rate is read over (a fallback that is immediate ends the requests in
 # milliseconds): ~200 steps here, so that one slow step of a loaded machine does not decide the ratio.
 MIN_WINDOW_S = 2.0
+# The share of its step rate before that the decode engine keeps during each fault. An engine that waited on
+# its pulls stepped ~0 through them (two pulls of TIMEOUT_S each in a window of ~4 s); a loaded host alone
+# moved the rate to 0.46 of its own before (a CI rehearsal at load 7-9: 255.6 against 550.9 steps/s), so a
+# half failed on load, and a quarter tells the two apart.
+PACE_KEPT = 0.25
 ENGINE = (
     "--block-size",
     "4",
@@ -293,7 +298,9 @@ def test_decode_engine_keeps_its_pace_while_its_prefill_peer_fails(pair: dict[st
     assert remote_results == [(200, 8)] * (4 * PD_REQUESTS), remote_results
     assert results and all(r == (200, STREAM_TOKENS, "length") for r in results), results
     for name, (steps, _) in figures.items():
-        assert steps > base_steps / 2, f"{name}: {steps:.1f} steps/s, under half of {base_steps:.1f} before"
+        assert steps > base_steps * PACE_KEPT, (
+            f"{name}: {steps:.1f} steps/s, under {PACE_KEPT} of {base_steps:.1f} before"
+        )
     # 6 fallbacks: 2 hung, 2 garbage answers, 2 killed (2 x 3 warnings); garbage sent to the peer: none
     assert decode_log.read_text().count("event=kv_pull_failed") == 3 * PD_REQUESTS
     assert decode.poll() is None, "the decode engine exited without being told"

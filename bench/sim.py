@@ -766,6 +766,42 @@ def _acceptance_record(accepted: Acceptance, classes: tuple[AcceptanceClass, ...
     }
 
 
+def _request_records(
+    rows: list[dict[str, float]], run: Any, real_steps: StepMix, sim_steps: StepMix
+) -> dict[str, Any]:
+    """Where the requests' time went in both worlds: `ttft_parts`, the clients' mean TTFT against the engines'
+    own (the rest is the HTTP path: client, router, the engines' API servers before the request reaches
+    them), and `request_rows`, each request in trace order (arrival, TTFT, e2e in s, output tokens), for
+    reading a percentile's error back to the requests behind it."""
+    return {
+        "ttft_parts": {
+            "real": {"client_ttft_ms_mean": _mean_ms(r["ttft_s"] for r in rows), **real_steps.ttft_ms()},
+            "sim": {
+                "client_ttft_ms_mean": _mean_ms(
+                    x.first_token_s - x.arrival_s for x in run.records if x.first_token_s is not None
+                ),
+                **sim_steps.ttft_ms(),
+            },
+        },
+        "request_rows": {
+            "real": [
+                _row(r["arrival_s"], r["ttft_s"], r["e2e_s"], r["output_tokens"])
+                for r in sorted(rows, key=lambda r: r["arrival_s"])
+            ],
+            "sim": [
+                _row(
+                    x.arrival_s,
+                    (x.first_token_s or x.arrival_s) - x.arrival_s,
+                    x.finish_s - x.arrival_s,
+                    x.output_tokens,
+                )
+                for x in sorted(run.records, key=lambda x: x.index)
+                if x.finish_s is not None
+            ],
+        },
+    }
+
+
 async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace) -> dict[str, Any]:
     requests = list(c.workload.requests())
     isvc = load_inference_service(isvc_doc(c, args.interval))
@@ -799,7 +835,6 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         c, isvc, rescaled(tuned, factor, prefill_factor), args, requests, acceptance
     )
     errors = _errors(sim, real)
-    sim_steps = sim_mix(calibrated)
     result = {
         "config": c.name,
         "requests": len(requests),
@@ -813,46 +848,16 @@ async def run_config(c: Config, series: ProfileSeries, args: argparse.Namespace)
         "request_overhead_ms": round(request_overhead * 1000, 1),
         "step_overhead_ms": round(step_overhead * 1000, 1),
         "stream_overhead_ms": round(stream_overhead * 1000, 1),
-        # the real engine cores' time between back-to-back steps (`specfleet_step_gap_seconds`), which the
-        # simulator does not price: on two engines sharing two cores with their servers it lengthens the real
-        # periods by ~3 ms a step, and requests reach the cores in clumps, batching prefills; priced alone it
-        # made the simulated TPOT worse (docs/results/2026-12-07-bench-sim.md)
+        # the real engine cores' time between back-to-back steps (`specfleet_step_gap_seconds`), not priced: why
+        # in docs/results/2026-12-07-bench-sim.md
         "step_gap_ms": round(real_steps.gap_per_step() * 1000, 2),
         "overhead_phases": seen,
         # what calibration read: the real engines' steps and the uncalibrated simulation's (`StepMix`), so a
         # saved run can be calibrated again offline in another form
         "step_mix": step_mix_record(real_steps, sim_mix(raw_fleet)),
         "host_cpu": host_cpu,  # over the trace: cores busy in all, the bench's (fleet, router, client), others'
-        # where a TTFT went: the clients' mean against the engines' own (the rest is the HTTP path: client,
-        # router, the engines' API servers before the request reaches them)
-        "ttft_parts": {
-            "real": {"client_ttft_ms_mean": _mean_ms(r["ttft_s"] for r in rows), **real_steps.ttft_ms()},
-            "sim": {
-                "client_ttft_ms_mean": _mean_ms(
-                    x.first_token_s - x.arrival_s for x in run.records if x.first_token_s is not None
-                ),
-                **sim_steps.ttft_ms(),
-            },
-        },
         **_acceptance_record(accepted, classes),
-        # each request in both worlds, in trace order: arrival, TTFT, e2e (s) and output tokens, for reading a
-        # percentile's error back to the requests behind it
-        "request_rows": {
-            "real": [
-                _row(r["arrival_s"], r["ttft_s"], r["e2e_s"], r["output_tokens"])
-                for r in sorted(rows, key=lambda r: r["arrival_s"])
-            ],
-            "sim": [
-                _row(
-                    x.arrival_s,
-                    (x.first_token_s or x.arrival_s) - x.arrival_s,
-                    x.finish_s - x.arrival_s,
-                    x.output_tokens,
-                )
-                for x in sorted(run.records, key=lambda x: x.index)
-                if x.finish_s is not None
-            ],
-        },
+        **_request_records(rows, run, real_steps, sim_mix(calibrated)),
     }
     if c.tune:
         result["tuner_real"] = real_decisions

@@ -25,7 +25,6 @@ import asyncio
 import json
 import os
 import secrets
-import socket
 import tempfile
 import time
 from collections.abc import Callable, Coroutine
@@ -35,6 +34,7 @@ from typing import Any, Literal
 
 import httpx
 from specfleet.engine.kv_transfer.prefill_signature import KEY_FILE_FLAG
+from specfleet.engine.ports import free_port
 from specfleet.engine.python_child import python_command
 from specfleet.operator.inference_service import InferenceService
 from specfleet.operator.render.deployment import engine_args
@@ -56,37 +56,6 @@ from .engines import EngineProcess, Startup, describe_exit
 
 SUPERVISE_PERIOD_S = 0.2  # how soon an exited engine leaves routing (a poll of each process)
 READY_PERIOD_S = 0.5  # how often each running engine's /ready is probed
-
-
-# Where an engine's ports are drawn from: below the kernel's ephemeral range, from which every outgoing
-# connection takes its local port, so a port found free here is not taken by one before the engine binds it
-# (the router's own port is bound as 0 and read back instead: `start`).
-PORT_FLOOR = 20000
-PORT_TRIES = 64
-
-
-def ephemeral_floor() -> int:
-    """The lowest port the kernel gives outgoing connections (Linux's default 32768 where unreadable)."""
-    try:
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    except (OSError, ValueError, IndexError):
-        return 32768
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nothing listens on, for a process that binds it itself: drawn below the ephemeral range when
-    there is room there, else the kernel's choice."""
-    with socket.socket() as s:
-        ceiling = ephemeral_floor()
-        for _ in range(PORT_TRIES if ceiling > PORT_FLOOR else 0):
-            port = secrets.randbelow(ceiling - PORT_FLOOR) + PORT_FLOOR
-            try:
-                s.bind((host, port))
-            except OSError:
-                continue
-            return port
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def local_engine_command(

@@ -30,7 +30,6 @@ import logging
 import multiprocessing
 import multiprocessing.connection
 import os
-import socket
 import sys
 import tempfile
 import time
@@ -46,6 +45,7 @@ from specfleet.engine.distributed import WorkerDied
 from specfleet.engine.distributed.comm import GroupAddress, RankGroup, backend_for
 from specfleet.engine.distributed.pipeline import StageLlama
 from specfleet.engine.distributed.sharded_llama import ShardedLlama, split_class
+from specfleet.engine.ports import free_port
 
 log = logging.getLogger("specfleet.engine.distributed")
 
@@ -89,12 +89,6 @@ def _refuse_while_bootstrapping() -> None:
     except OSError:
         pass  # rank 0 then reports the bare exit code; this worker's stderr has the message below
     raise RuntimeError(_unguarded_main_message(script))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _threads_per_rank(size: int) -> int:
@@ -232,7 +226,7 @@ class SplitModel:
             )
         self.tp, self.pp = tp, pp
         self.split = "tensor" if pp == 1 else "pipeline" if tp == 1 else "tensor-and-pipeline"
-        address = GroupAddress("127.0.0.1", _free_port(), size, backend_for(device), tp)
+        address = GroupAddress("127.0.0.1", free_port(), size, backend_for(device), tp)
         ctx = mp.get_context("spawn")
         self._procs: list[Any] = []
         self._conns: list[multiprocessing.connection.Connection] = []

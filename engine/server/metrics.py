@@ -153,30 +153,7 @@ class ServerMetrics:
         )
         self.step_duration = hist("specfleet_step_duration_seconds", "Engine step duration", STEP_BUCKETS)
         self.batch_size = hist("specfleet_batch_size", "Sequences per engine step", BATCH_BUCKETS)
-        # the steps that computed no prompt token apart (decode and verification only), with what they held,
-        # so that a step's cost can be read for decode and for prefill apart: bench sim calibrates each
-        self.decode_step_duration = hist(
-            "specfleet_decode_step_duration_seconds",
-            "Engine step duration, of the steps that computed no prompt token",
-            STEP_BUCKETS,
-        )
-        self.decode_step_counters = {
-            attr: Counter("specfleet_decode_step_" + attr, doc, label, registry=r)
-            for attr, doc in (
-                ("sequences", "Sequences in the steps that computed no prompt token"),
-                ("draft_tokens", "Speculative tokens proposed in the steps that computed no prompt token"),
-                ("drafts", "Speculative drafts verified in the steps that computed no prompt token"),
-            )
-        }
-        # the core loop's time between back-to-back steps (EngineStats.step_gap_s): the serving path's share
-        # of a step's period on a host with fewer cores than its processes want
-        self.step_gap = Counter(
-            "specfleet_step_gap_seconds",
-            "Engine core seconds between back-to-back steps, outside the steps",
-            label,
-            registry=r,
-        )
-        self._seen_step_gap = 0.0
+        self._add_step_parts(r, label)
         self.running = gauge("specfleet_num_requests_running", "Requests in the running batch")
         self.waiting = gauge("specfleet_num_requests_waiting", "Requests waiting to be scheduled")
         self.kv_usage = gauge("specfleet_kv_cache_usage_ratio", "Fraction of KV cache blocks in use")
@@ -212,6 +189,35 @@ class ServerMetrics:
         self._ignored_logged: set[str] = set()
         self._ignored_labels: set[str] = set()
         self._create_series(model_name)
+
+    def _add_step_parts(self, r: CollectorRegistry, label: list[str]) -> None:
+        """The steps' parts bench sim reads apart. The steps that computed no prompt token (decode and
+        verification only), with what they held, so that a step's cost can be read for decode and for
+        prefill apart (bench sim calibrates each); and the core loop's time between back-to-back steps
+        (EngineStats.step_gap_s), the serving path's share of a step's period on a host with fewer cores
+        than its processes want."""
+        self.decode_step_duration = Histogram(
+            "specfleet_decode_step_duration_seconds",
+            "Engine step duration, of the steps that computed no prompt token",
+            label,
+            registry=r,
+            buckets=STEP_BUCKETS,
+        )
+        self.decode_step_counters = {
+            attr: Counter("specfleet_decode_step_" + attr, doc, label, registry=r)
+            for attr, doc in (
+                ("sequences", "Sequences in the steps that computed no prompt token"),
+                ("draft_tokens", "Speculative tokens proposed in the steps that computed no prompt token"),
+                ("drafts", "Speculative drafts verified in the steps that computed no prompt token"),
+            )
+        }
+        self.step_gap = Counter(
+            "specfleet_step_gap_seconds",
+            "Engine core seconds between back-to-back steps, outside the steps",
+            label,
+            registry=r,
+        )
+        self._seen_step_gap = 0.0
 
     def _create_series(self, model_name: str) -> None:
         """Every series exists from the first scrape (a rate over a series that appears late misses its first

@@ -1,11 +1,11 @@
-"""The fleet's engine ports: drawn below the kernel's ephemeral range, where no outgoing connection's local
+"""Ports for processes that bind them later (the fleet's engines, a process group's rendezvous): drawn below the kernel's ephemeral range, where no outgoing connection's local
 end can take one between the draw and the engine's bind."""
 
 from __future__ import annotations
 
 import socket
 
-from specfleet.fleet.supervisor import PORT_FLOOR, ephemeral_floor, free_port
+from specfleet.engine.ports import PORT_FLOOR, ephemeral_floor, free_port
 
 
 def test_a_free_port_is_below_the_ephemeral_range_and_bindable():

@@ -297,7 +297,9 @@ async def run_gateway(
 ) -> int:
     """Several fleets (or one, with tenants) behind one gateway on host:port."""
     gateway = Gateway(tenants=tenants)
-    gateway.tracer = fleets[0].router.tracer  # its spans leave with the first service's router's
+    gateway.tracer = fleets[
+        0
+    ].router.tracer  # the process's one tracer per collector, shared with the routers
     runner: web.AppRunner | None = None
     tasks: list[asyncio.Task[None]] = []
 

@@ -63,13 +63,28 @@ def add_trace_flag(p: argparse.ArgumentParser, spans: str) -> None:
 class RouterTracer:
     """Spans for one router process (its gateway and every service's Router share it)."""
 
+    # One tracer per collector in a process: `specfleet up -f a.yaml -f b.yaml` runs a Router per service
+    # beside the gateway, and the spans of one request (the gateway's SERVER span, the service's route and
+    # engine_request) must leave through one batch queue, in the order they ended; two providers would
+    # send a parent before its children, or its children a batch later.
+    _open: dict[str, RouterTracer] = {}
+
     def __init__(self, provider: Any) -> None:
         self.provider = provider
         self.tracer = provider.get_tracer("specfleet.router")
+        self._users = 1
+        self._endpoint: str | None = None
 
     @classmethod
     def from_endpoint(cls, endpoint: str) -> RouterTracer:
-        return cls(tracing.make_provider(endpoint, SERVICE_NAME))
+        """The process's tracer for `endpoint`, made on first use; each caller calls shutdown() once."""
+        shared = cls._open.get(endpoint)
+        if shared is not None:
+            shared._users += 1
+            return shared
+        made = cls._open[endpoint] = cls(tracing.make_provider(endpoint, SERVICE_NAME))
+        made._endpoint = endpoint
+        return made
 
     async def serve(self, request: web.Request | FrontRequest, call: Callable[[], Awaitable[R]]) -> R:
         """`call()` inside the request's SERVER span; within one already made (the gateway's, then its
@@ -166,7 +181,13 @@ class RouterTracer:
             span.set_attribute(tracing.RESPONSE_ID, engine_id)
 
     def shutdown(self) -> None:
-        """Flush the spans still batched and stop the exporter (the router's exit)."""
+        """Flush the spans still batched and stop the exporter, once its last user (from_endpoint) is done:
+        the services of one `specfleet up` stop one after another, and the last to stop still has spans."""
+        self._users -= 1
+        if self._users > 0:
+            return
+        if self._endpoint is not None:
+            RouterTracer._open.pop(self._endpoint, None)
         try:
             self.provider.shutdown()
         except Exception:  # a collector gone at exit must not turn a clean stop into a failure

@@ -122,3 +122,25 @@ def test_the_router_s_hop_replaces_the_client_s_context_with_its_own() -> None:
     (headers,) = sent
     assert [k for k in headers if k.lower() == "traceparent"] == ["traceparent"]
     assert headers["x-other"] == "1" and "00f067aa0ba902b7" not in headers["traceparent"]
+
+
+def test_the_routers_of_one_process_share_one_tracer_per_collector_until_the_last_stops() -> None:
+    """`specfleet up -f a.yaml -f b.yaml` runs the gateway and a Router per service in one process: a
+    request's SERVER span (the gateway's) and its route and engine_request spans (the service's) must leave
+    through one batch queue, and the first service to stop must not drop the spans of the ones still up."""
+    from otlp_receiver import otlp_receiver
+
+    with otlp_receiver() as receiver:
+        url = f"{receiver.url}/v1/traces"
+        first, second = RouterTracer.from_endpoint(url), RouterTracer.from_endpoint(url)
+        elsewhere = RouterTracer.from_endpoint(f"{receiver.url}/other/v1/traces")
+        assert first is second and elsewhere is not first
+        elsewhere.shutdown()
+        first.shutdown()  # one service stopped; the other still sends
+        second.tracer.start_span("after the first stopped").end()
+        second.shutdown()  # the last user: flushed and stopped
+        spans = receiver.wait_for(lambda s: any(x.name == "after the first stopped" for x in s), 10)
+        assert [s.service for s in spans] == ["specfleet-router"]
+        again = RouterTracer.from_endpoint(url)
+        assert again is not first  # a stopped provider is never handed out again
+        again.shutdown()

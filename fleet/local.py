@@ -297,9 +297,8 @@ async def run_gateway(
 ) -> int:
     """Several fleets (or one, with tenants) behind one gateway on host:port."""
     gateway = Gateway(tenants=tenants)
-    gateway.tracer = fleets[
-        0
-    ].router.tracer  # the process's one tracer per collector, shared with the routers
+    # the process's one tracer per collector (RouterTracer.from_endpoint), which the routers share
+    gateway.tracer = fleets[0].router.tracer
     runner: web.AppRunner | None = None
     tasks: list[asyncio.Task[None]] = []
 

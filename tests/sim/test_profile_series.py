@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from specfleet.bench.sim_profiles import ProfileSeries, cpu_record, drift
 from specfleet.engine.python_child import python_command
-from specfleet.sim.host_cpu import Span
+from specfleet.sim.host_cpu import CLOCK_TICKS, Span, host_busy_s
 from specfleet.sim.measure import Grid, Profiler
 from specfleet.sim.profile import Profile, StepPoint
 
@@ -54,28 +54,54 @@ def test_a_profile_keeps_its_points_cpu_and_older_files_load_without_it(tmp_path
     assert Profile.from_json(old).points[0].cpu_s is None
 
 
+def _cpu_s(pid: int) -> float:
+    """A process's CPU seconds (user and system, all threads) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+# /proc counts in clock ticks (10 ms here) and samples a process's CPU at them: a few ticks of slack for the
+# host's and each process's count over a span, far below the 0.3 s each case turns on
+SAMPLING_S = 0.05
+
+
 @pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat")
 def test_a_span_counts_another_process_busy_and_not_its_own():
     """A child spinning on a core while this process sleeps shows in `others_cores`; this process's own
-    work over a span does not (on this shared host others may add to the child, never take from it)."""
+    work over a span does not. Other processes on this shared host add to either span as they please, so
+    each case is held against what /proc says of the processes in it, not against the other span: the
+    child's own CPU time over the span is a floor for what the others did, and what the others did is at
+    most the host's busy time around the span less this process's CPU time inside it."""
     child = subprocess.Popen(
-        python_command("-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass")
+        python_command("-c", "import time\nend = time.time() + 60\nwhile time.time() < end: pass")
     )
     try:
-        time.sleep(0.3)  # the child has started spinning
         span = Span.start()
-        time.sleep(0.6)
+        spun = _cpu_s(child.pid)
+        deadline = time.monotonic() + 50
+        while _cpu_s(child.pid) - spun < 0.3:  # the child's 0.3 s of CPU, however long the host takes
+            assert time.monotonic() < deadline and child.poll() is None, "the child did not spin"
+            time.sleep(0.05)
+        spun = _cpu_s(child.pid) - spun
         others = span.others_cores()
+        outer = time.perf_counter() - span.wall  # the span's wall time or a little more
     finally:
         child.kill()
         child.wait()
-    assert others is not None and others >= 0.5
+    assert others is not None and others * outer >= spun - SAMPLING_S, (others, outer, spun)
+
+    busy = host_busy_s()
     span = Span.start()
-    end = time.process_time() + 0.3
-    while time.process_time() < end:
+    mine = time.process_time()
+    while time.process_time() - mine < 0.3:
         pass
-    mine = span.others_cores()
-    assert mine is not None and mine < others  # the spinning was this process's: not the others'
+    mine = time.process_time() - mine
+    inner = time.perf_counter() - span.wall  # the span's wall time or a little less
+    others = span.others_cores()
+    busy_after = host_busy_s()
+    assert busy is not None and busy_after is not None and others is not None
+    # counted as the others' work, this process's 0.3 s would put it above the host's busy time less them
+    assert others * inner <= busy_after - busy - mine + SAMPLING_S, (others, inner, busy_after - busy, mine)
 
 
 def test_a_fixed_profile_prices_every_configuration_as_it_is():

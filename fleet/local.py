@@ -349,7 +349,8 @@ def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> 
         fleets.append(
             LocalFleet(
                 isvc,
-                host=args.host,
+                # behind a gateway with tenants, a service's router on --host would take calls without a key
+                host="127.0.0.1" if args.tenants else args.host,
                 port=0 if several else args.port,
                 prometheus_url=args.prometheus_url,
                 prometheus_selector=args.prometheus_selector,

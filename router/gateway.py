@@ -154,15 +154,16 @@ class Gateway:
         return sum(s.router.in_flight for s in self.services.values())
 
     # ---- HTTP ---------------------------------------------------------------------------------------
-    def known(self) -> str:
-        names = sorted(self.models())
+    def known(self, request: web.Request) -> str:
+        """The model names the caller may see (with tenants, its tenant's only), for an error's message."""
+        names = sorted(self.visible(request))
         return ", ".join(names) if names else "none (no InferenceService discovered yet)"
 
-    def model_not_found(self, model: str) -> web.Response:
-        """OpenAI's 404 for a model nobody serves, listing the ones the gateway knows."""
+    def model_not_found(self, request: web.Request, model: str) -> web.Response:
+        """OpenAI's 404 for a model nobody serves, listing the ones the caller may see."""
         return _error(
             404,
-            f"The model `{model}` does not exist. Known models: {self.known()}.",
+            f"The model `{model}` does not exist. Known models: {self.known(request)}.",
             "invalid_request_error",
             "model_not_found",
             "model",
@@ -183,16 +184,17 @@ class Gateway:
         if self.tracer is not None:
             self.tracer.note_body(parsed)
         if not isinstance(model, str) or not model:
+            said = "has no `model`" if isinstance(parsed, dict) else "is not a JSON object"
             return _error(
                 400,
-                f"the gateway routes by the body's `model`: give one of {self.known()}",
+                f"the body {said}: the gateway routes by the body's `model`; give one of {self.known(request)}",
                 "invalid_request_error",
                 "model_required",
                 "model",
             )
         table = self.models()
         if model not in table:
-            return self.model_not_found(model)
+            return self.model_not_found(request, model)
         session = request.headers.get(self.session_header) if self.session_header else None
         if not session and isinstance(parsed, dict) and isinstance(parsed.get("user"), str):
             session = parsed["user"] or None
@@ -265,7 +267,7 @@ class Gateway:
         name = request.match_info["name"]
         services = self.visible(request).get(name)
         if services is None:
-            return self.model_not_found(name)
+            return self.model_not_found(request, name)
         return web.json_response(self.model_card(name, services))
 
 

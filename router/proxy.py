@@ -74,6 +74,9 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 # Set on a request by the gateway's tenant gate (router/tenant_gate.py): every chunk of the engine's answer
 # passes through it on the way out, so that the tenant is charged the usage the engine reported.
 RESPONSE_TAP = web.RequestKey("specfleet_response_tap", UsageTap)
+# Set by the tenant gate too: the client's `Authorization` holds its tenant key, the gateway's business
+# alone; it is not passed on, so no engine (its logs, a debug dump) ever holds a tenant's key.
+DROP_AUTHORIZATION = web.RequestKey("specfleet_drop_authorization", bool)
 # Set on a streamed request the router can resume on another engine if its own fails (router/resume.py)
 STREAM_RELAY = web.RequestKey("specfleet_stream_relay", resume.StreamRelay)
 NOT_RESUMABLE = web.RequestKey("specfleet_not_resumable", str)  # why a stream is not (router/resume.py)
@@ -110,8 +113,11 @@ def prompt_text(body: Any) -> tuple[str, list[int] | None]:
             if not isinstance(m, dict):
                 continue
             content = m.get("content")
-            if isinstance(content, list):  # content parts: the text ones
-                content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+            if isinstance(content, list):
+                # content parts: the text ones (a `text` that is no string is the engine's 400 to give)
+                content = "".join(
+                    t for p in content if isinstance(p, dict) and isinstance(t := p.get("text"), str)
+                )
             parts.append(f"{m.get('role', '')}\n{content if isinstance(content, str) else ''}\n")
         return "".join(parts), None
     return "", None
@@ -306,7 +312,8 @@ class Router:
     async def _route(self, request: ClientRequest, body: bytes) -> Answer:
         parsed = _parse(body) if request.method == "POST" else None
         route = self._route_parsed(parsed, request.headers) if request.method == "POST" else RouteRequest()
-        headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_HEADERS}
+        dropped = HOP_HEADERS | {"authorization"} if request.get(DROP_AUTHORIZATION) else HOP_HEADERS
+        headers = {k: v for k, v in request.headers.items() if k.lower() not in dropped}
         held: dict[str, Any] | None = None  # a prefill engine's hold on this prompt's KV blocks
         pd_body = (
             disaggregation.parse(request.match_info.get("path", ""), request.method, body)

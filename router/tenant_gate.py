@@ -5,13 +5,18 @@ In order, for one request:
 1. the key (`Authorization: Bearer KEY`) names a tenant, else 401 `invalid_api_key` (every path under
    /v1, `/v1/models` included; /health, /ready and /metrics stay open);
 2. the model is one the tenant may call, else 403 `model_not_allowed` listing those it may;
-3. the request is charged one request and its estimated tokens (`estimate_tokens`), else 429 with
-   `Retry-After` (or 429 `tokens_exceed_limit`, without it, when the estimate exceeds the whole limit);
-4. the body the engine gets carries `priority` from the tenant's class (tenants.PRIORITY_CLASSES; a
+3. the fields the accounting reads (`stream`, `n`, `max_tokens`, ...: TYPED_FIELDS) have their JSON
+   types, else 400 `invalid_type` naming the field (the engine would coerce what the gate misread);
+4. the request is charged one request and its estimated tokens (`estimate_tokens`), else 429 with
+   `Retry-After` (or 429 `tokens_exceed_limit`, without it and with `x-should-retry: false`, when the
+   estimate exceeds the whole limit);
+5. the body the engine gets carries `priority` from the tenant's class (tenants.PRIORITY_CLASSES; a
    client's own `priority` is replaced; a service whose engines schedule fcfs gets none, since they refuse
-   it), and a stream asks for `stream_options.include_usage`;
-5. at the end the tenant is charged the engine's reported usage instead of the estimate (usage_tap.py); an
-   answer without usage keeps the estimate charged, an error answer without usage is refunded.
+   it), a stream asks for `stream_options.include_usage`, and the client's `Authorization` (the tenant's
+   key) is not passed on;
+6. at the end the tenant is charged the engine's reported usage instead of the estimate (usage_tap.py); an
+   answer without usage keeps the estimate charged (or its prompt plus the text it streamed, when more:
+   a stream cut before its usage), an error answer without usage is refunded.
 Every response carries OpenAI's `x-ratelimit-*` headers for the tenant's limits. The metrics count
 requests and tokens by tenant and result, the tenant being one of the configured names or `unknown`.
 """
@@ -29,7 +34,7 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from . import tracing
-from .proxy import RESPONSE_TAP, Router, prompt_text
+from .proxy import DROP_AUTHORIZATION, RESPONSE_TAP, Router, prompt_text
 from .quota import Limiter, LocalLimiter, Verdict
 from .tenants import UNKNOWN_TENANT, Tenant, TenantTable
 from .usage_tap import UsageTap
@@ -47,6 +52,19 @@ OPEN_PATHS = ("/health", "/ready", "/metrics")
 # detokenize) go on with only their model rewritten.
 PRIORITY_PATHS = frozenset({"completions", "chat/completions", "embeddings"})
 STREAM_PATHS = frozenset({"completions", "chat/completions"})
+# The body fields the accounting reads, each with the JSON type it must have. The engine's schema coerces
+# (`"stream": "true"` streams, `"n": "4"` is 4), so a value the gate read otherwise than the engine does
+# would slip past the quota: a stream the gate took for a whole answer is not asked for its usage and is
+# charged only the estimate. OpenAI's API refuses such values too (400 `invalid_type`).
+TYPED_FIELDS: dict[str, type] = {
+    "stream": bool,
+    "stream_options": dict,
+    "n": int,
+    "best_of": int,
+    "max_tokens": int,
+    "max_completion_tokens": int,
+}
+JSON_TYPES: dict[type, str] = {bool: "a boolean", int: "an integer", dict: "an object"}
 T = TypeVar("T")
 
 
@@ -57,33 +75,61 @@ def _error(
     return web.json_response(body, status=status, headers=headers or None)
 
 
-def estimate_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | None) -> int:
-    """The tokens a request may use: its prompt's (by the model's tokenizer when the router has it, else
-    BYTES_PER_TOKEN) plus `max_tokens` (or `max_completion_tokens`) for each of its `n` choices."""
+def prompt_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | None) -> tuple[int, int]:
+    """The tokens of a request's prompts (by the model's tokenizer when the router has it, else
+    BYTES_PER_TOKEN) and how many prompts it has (a batch's each get `n` choices of `max_tokens`)."""
     prompt = body.get("prompt", body.get("input"))  # `input`: embeddings
     texts: list[str] = []
     ids = 0
+    prompts = 1
     if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        texts = list(prompt)  # a batch of prompts: each one is prefilled
+        texts, prompts = list(prompt), len(prompt)  # a batch of prompts: each one is prefilled
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
-        ids = sum(len(p) for p in prompt)
+        ids, prompts = sum(len(p) for p in prompt), len(prompt)
     elif isinstance(prompt, str):
         texts = [prompt]
     else:
         text, token_ids = prompt_text(body)
         texts, ids = [text], len(token_ids or [])
-    for text in texts:
-        ids += len(encode(text)) if encode is not None else math.ceil(len(text.encode()) / BYTES_PER_TOKEN)
-    limit = body.get("max_completion_tokens", body.get("max_tokens"))
+    return ids + sum(text_tokens(text, encode) for text in texts), prompts
+
+
+def text_tokens(text: str, encode: Callable[[str], list[int]] | None) -> int:
+    if not text:
+        return 0
+    return len(encode(text)) if encode is not None else math.ceil(len(text.encode()) / BYTES_PER_TOKEN)
+
+
+def estimate_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | None) -> int:
+    """The tokens a request may use: its prompts' (prompt_tokens) plus `max_tokens` (or
+    `max_completion_tokens`) for each of the `n` choices of each prompt."""
+    tokens, prompts = prompt_tokens(body, encode)
+    limit = body.get("max_completion_tokens")
+    if limit is None:  # the engine reads `max_tokens` when max_completion_tokens is absent or null
+        limit = body.get("max_tokens")
     n = body.get("n")
     choices = n if isinstance(n, int) and n > 0 else 1
-    return ids + (limit * choices if isinstance(limit, int) and limit > 0 else 0)
+    return tokens + (limit * choices * prompts if isinstance(limit, int) and limit > 0 else 0)
+
+
+def type_error(body: dict[str, Any]) -> tuple[str, str] | None:
+    """The first field the accounting reads whose value is not of its JSON type: (the field, why); None
+    when all are (or absent, or null: the engine's to judge)."""
+    fields = [(name, body[name], kind) for name, kind in TYPED_FIELDS.items() if name in body]
+    options = body.get("stream_options")
+    if isinstance(options, dict) and "include_usage" in options:
+        fields.append(("stream_options.include_usage", options["include_usage"], bool))
+    for name, value, kind in fields:
+        wrong = isinstance(value, bool) if kind is int else False  # JSON true is no integer
+        if value is not None and (wrong or not isinstance(value, kind)):
+            return name, f"`{name}` must be {JSON_TYPES[kind]}, not {json.dumps(value)[:40]}"
+    return None
 
 
 class TenantMetrics:
     def __init__(self) -> None:
-        # result: ok (admitted), unauthorized (401), forbidden (403), rate_limited (429), too_large (429
-        # without Retry-After); tenant: a configured tenant's name, or `unknown` for a missing or wrong key.
+        # result: ok (admitted), unauthorized (401), forbidden (403), invalid (400: a field of the wrong
+        # type), rate_limited (429), too_large (429 without Retry-After); tenant: a configured tenant's name, or `unknown` for a missing or wrong key.
         self.requests = Counter(
             "specfleet_gateway_tenant_requests",
             "Requests by tenant and result",
@@ -178,7 +224,12 @@ class TenantGate:
                 "model_not_allowed",
                 "model",
             )
-        tokens = estimate_tokens(body, router.hasher.encode)
+        wrong = type_error(body)
+        if wrong is not None:
+            self.metrics.requests.labels(tenant.name, "invalid").inc()
+            return _error(400, wrong[1], "invalid_request_error", "invalid_type", wrong[0])
+        encode = router.hasher.encode
+        tokens = estimate_tokens(body, encode)
         verdict, ticket = await self.limiter.admit(tenant, tokens)
         if not verdict.allowed:
             return self._refused(tenant, verdict, tokens)
@@ -186,14 +237,20 @@ class TenantGate:
         request[_HEADERS_KEY] = verdict.headers()
         tap = self._rewrite(body, tenant, request.match_info.get("path", ""), takes_priority)
         request[RESPONSE_TAP] = tap
+        request[DROP_AUTHORIZATION] = (
+            True  # the tenant's key is the gateway's alone: the engines never see it
+        )
+        # A stream cut before its usage (the client left) is charged at least its prompt and what it got
+        floor = prompt_tokens(body, encode)[0]
         try:
             response = await router.forward(request, json.dumps(body).encode())
         except BaseException:  # the client left (cancelled): settle without holding up the cancellation
-            task = asyncio.get_running_loop().create_task(self._settle(tenant, ticket, tokens, tap, None))
+            settling = self._settle(tenant, ticket, tokens, tap, None, floor, encode)
+            task = asyncio.get_running_loop().create_task(settling)
             self._settling.add(task)
             task.add_done_callback(self._settling.discard)
             raise
-        await self._settle(tenant, ticket, tokens, tap, response.status)
+        await self._settle(tenant, ticket, tokens, tap, response.status, floor, encode)
         return response
 
     def _refused(self, tenant: Tenant, verdict: Verdict, tokens: int) -> web.Response:
@@ -207,7 +264,9 @@ class TenantGate:
                 f"{tenant.name}'s limit of {tenant.tpm} tokens per minute; send a shorter prompt or a smaller "
                 "max_tokens"
             )
-            return _error(429, message, "tokens", "tokens_exceed_limit", "max_tokens", **verdict.headers())
+            # `x-should-retry: false`: the openai client would otherwise retry a request that can never fit
+            headers = {**verdict.headers(), "x-should-retry": "false"}
+            return _error(429, message, "tokens", "tokens_exceed_limit", "max_tokens", **headers)
         return _error(
             429,
             f"tenant {tenant.name} is over its limit of {tenant.rpm or 'unlimited'} requests and "
@@ -233,10 +292,22 @@ class TenantGate:
         return UsageTap(stream, strip=stream and not asked)
 
     async def _settle(
-        self, tenant: Tenant, ticket: object, charged: int, tap: UsageTap, status: int | None
+        self,
+        tenant: Tenant,
+        ticket: object,
+        charged: int,
+        tap: UsageTap,
+        status: int | None,
+        prompt: int = 0,
+        encode: Callable[[str], list[int]] | None = None,
     ) -> None:
+        """The tenant charged what the request used: the engine's usage; without it, nothing for an error
+        answer, else the estimate or, when more, the prompt plus the text streamed (a stream without
+        `max_tokens` that the client cut before its usage came)."""
         used = tap.total_tokens()
-        if used is None:
-            used = 0 if status is not None and status >= 400 else charged  # an error answer used nothing
+        if used is None and status is not None and status >= 400:
+            used = 0  # an error answer used nothing
+        elif used is None:
+            used = max(charged, prompt + text_tokens(tap.streamed_text(), encode))
         await self.limiter.settle(tenant, ticket, used - charged)
         self.metrics.tokens.labels(tenant.name, "ok").inc(used)

@@ -4,7 +4,8 @@ A whole JSON answer is kept (up to MAX_KEPT_BYTES) and its `usage` read at the e
 Server-Sent Events; the one that carries a `usage` object is read, and when the client did not ask for it
 (the gateway added `stream_options.include_usage` for its own accounting) that event is dropped and the
 `"usage":null` the engine puts in every other chunk is taken out, so the client sees the stream it asked
-for. Bytes after the last complete event wait for the next chunk or `flush`.
+for. Bytes after the last complete event wait for the next chunk or `flush`. The text a stream's choices
+carried is kept too (`streamed_text`): a stream cut before its usage (the client left) is charged by it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ class UsageTap:
         self.strip = strip  # drop the usage event: the client did not ask for it
         self.usage: dict[str, Any] | None = None
         self._kept = bytearray()
+        self._texts: list[str] = []  # the text of the stream's choices so far
 
     def feed(self, chunk: bytes) -> bytes:
         if not self.stream:
@@ -39,18 +41,39 @@ class UsageTap:
         return b"".join(self._event(e + b"\n\n") for e in events.split(b"\n\n")[:-1])
 
     def _event(self, event: bytes) -> bytes:
-        if b'"usage"' not in event:
+        if not event.startswith(b"data: {"):
             return event
-        if event.startswith(b"data: {"):
-            try:
-                data = json.loads(event[6:])
-            except ValueError:
-                return event
-            if isinstance(data, dict) and isinstance(data.get("usage"), dict):
-                self.usage = data["usage"]
-                if self.strip and not data.get("choices"):
-                    return b""
-        return event.replace(_NULL_USAGE, b"") if self.strip else event
+        try:
+            data = json.loads(event[6:])
+        except ValueError:
+            return event
+        if not isinstance(data, dict):
+            return event
+        self._keep_text(data.get("choices"))
+        if isinstance(data.get("usage"), dict):
+            self.usage = data["usage"]
+            if self.strip and not data.get("choices"):
+                return b""
+        return event.replace(_NULL_USAGE, b"") if self.strip and b'"usage"' in event else event
+
+    def _keep_text(self, choices: Any) -> None:
+        """The text of one event's choices: a completion's `text`, a chat delta's `content`,
+        `reasoning_content` and tool calls' `arguments`."""
+        for choice in choices if isinstance(choices, list) else ():
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta")
+            parts = [choice.get("text")]
+            if isinstance(delta, dict):
+                parts += [delta.get("content"), delta.get("reasoning_content")]
+                for call in delta.get("tool_calls") or ():
+                    function = call.get("function") if isinstance(call, dict) else None
+                    parts.append(function.get("arguments") if isinstance(function, dict) else None)
+            self._texts.extend(p for p in parts if isinstance(p, str) and p)
+
+    def streamed_text(self) -> str:
+        """The text the stream's choices carried so far ("" for a whole answer)."""
+        return "".join(self._texts)
 
     def flush(self) -> bytes:
         """What is left at the end: a stream's unterminated tail as it came; a whole answer's usage is read."""

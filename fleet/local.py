@@ -16,8 +16,9 @@ import asyncio
 import functools
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
+from typing import Any
 
 from aiohttp import web
 from specfleet.operator.inference_service import (
@@ -294,8 +295,10 @@ async def run_gateway(
     port: int,
     interval_s: float,
     tenants: TenantGate | None = None,
+    jobs: Sequence[Coroutine[Any, Any, None]] = (),
 ) -> int:
-    """Several fleets (or one, with tenants) behind one gateway on host:port."""
+    """Several fleets (or one, with tenants) behind one gateway on host:port; `jobs` (the tenants file's
+    reading, tenant_setup.build_gate) run from the gateway's start to its stop."""
     gateway = Gateway(tenants=tenants)
     # the process's one tracer per collector (RouterTracer.from_endpoint), which the routers share
     gateway.tracer = fleets[0].router.tracer
@@ -313,6 +316,7 @@ async def run_gateway(
         port = port or free_port(host)
         runner = await serve_gateway(gateway, host, port)
         tasks.append(asyncio.create_task(follow_files(gateway, files, fleets, interval_s)))
+        tasks.extend(asyncio.create_task(job) for job in jobs)
         print(
             f"serving {', '.join(sorted(gateway.models()))} at http://{host}:{port}/v1 (gateway over "
             f"{len(fleets)} services: "
@@ -335,7 +339,12 @@ async def run_gateway(
         if runner is not None:
             await runner.cleanup()
 
-    return await serve_fleets(fleets, started, stopped, stopping)
+    try:
+        return await serve_fleets(fleets, started, stopped, stopping)
+    finally:
+        if runner is None:  # never started: its jobs were never awaited
+            for job in jobs:
+                job.close()
 
 
 def build_fleets(args: argparse.Namespace, services: list[InferenceService]) -> list[LocalFleet]:
@@ -392,14 +401,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"specfleet up: {error}", file=sys.stderr)
         return 2
     try:
-        gate, _ = build_gate(args)
+        gate, jobs = build_gate(args)
     except (InvalidTenants, OSError, ValueError) as error:
         print(f"specfleet up: {error}", file=sys.stderr)
         return 2
     fleets = build_fleets(args, services)
     if len(fleets) > 1 or gate is not None:
         return asyncio.run(
-            run_gateway(fleets, args.file, args.host, args.port, args.discovery_interval, gate)
+            run_gateway(fleets, args.file, args.host, args.port, args.discovery_interval, gate, jobs)
         )
     return asyncio.run(run(fleets[0]))
 

@@ -1,4 +1,8 @@
-"""Where the gateway's tenants and its replica count come from in the cluster.
+"""Where the gateway's tenants and its replica count come from: a file, or in the cluster Secrets.
+
+`TenantsFile` reads the `--tenants` file again every interval: an edit applies within one interval (a key
+taken out stops working), and an edit that does not parse is reported, naming the field, while the tenants
+last read keep serving.
 
 `SecretTenants` lists the Secrets of one namespace (the gateway's own, by default) that match a label
 selector (`specfleet.dev/tenant=true` in the chart) every interval, as the gateway lists InferenceServices
@@ -20,13 +24,14 @@ import os
 import ssl
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 
 from .discovery import SERVICE_ACCOUNT, States
 from .quota import LocalLimiter
-from .tenants import InvalidTenants, Tenant, TenantTable, spec_from_secret_data
+from .tenants import InvalidTenants, Tenant, TenantTable, parse_tenants, spec_from_secret_data
 
 logger = logging.getLogger("specfleet.router.tenants")
 
@@ -123,6 +128,42 @@ class SecretTenants:
         self.table.replace(tenants)
         if set(self.table.names()) != before:
             logger.info("event=tenants tenants=%s", ",".join(self.table.names()))
+        if self.on_apply is not None:
+            self.on_apply()
+
+
+@dataclass
+class TenantsFile:
+    table: TenantTable
+    path: Path
+    interval_s: float = 5.0
+    last_text: str | None = None  # the text last applied, or last reported as invalid ("": unreadable)
+    on_apply: Callable[[], None] | None = None  # after each read that changed the table (tests wait on it)
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            self.check()
+
+    def check(self) -> None:
+        """The file read again; applied when it changed and parses."""
+        try:
+            text = self.path.read_text()
+        except OSError as error:
+            if self.last_text != "":  # reported once, until it is back
+                logger.warning("event=tenants_file_error file=%s error=%r", self.path, str(error))
+            self.last_text = ""
+            return
+        if text == self.last_text:
+            return
+        self.last_text = text
+        try:
+            tenants = parse_tenants(text, str(self.path))
+        except InvalidTenants as error:
+            logger.warning("event=tenants_file_invalid keeping=last_valid error=%r", str(error))
+            return
+        self.table.replace(tenants)
+        logger.info("event=tenants file=%s tenants=%s", self.path, ",".join(self.table.names()))
         if self.on_apply is not None:
             self.on_apply()
 

@@ -86,6 +86,8 @@ def prompt_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | Non
         texts, prompts = list(prompt), len(prompt)  # a batch of prompts: each one is prefilled
     elif isinstance(prompt, list) and prompt and all(isinstance(p, list) for p in prompt):
         ids, prompts = sum(len(p) for p in prompt), len(prompt)
+    elif isinstance(prompt, list) and all(isinstance(p, int) for p in prompt):
+        ids = len(prompt)  # one prompt as token ids (an embeddings `input` too)
     elif isinstance(prompt, str):
         texts = [prompt]
     else:

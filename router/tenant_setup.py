@@ -1,6 +1,7 @@
 """The gateway's tenant flags, and the gate built from them (`specfleet router --gateway`, `specfleet up`).
 
-- `--tenants FILE`: the tenants of a YAML file (tenants.load_tenants_file);
+- `--tenants FILE`: the tenants of a YAML file (tenants.parse_tenants), read again every
+  --discovery-interval (tenant_discovery.TenantsFile);
 - `--tenant-selector SEL`: in the cluster, the tenants of the Secrets matching SEL in `--tenant-namespace`
   (default: the gateway's own namespace), read again every --discovery-interval;
 - `--redis-url URL`: exact limits shared by every replica (redis_limits.py); without it each replica keeps
@@ -19,9 +20,9 @@ from typing import Any
 
 from .discovery import SERVICE_ACCOUNT, EndpointSliceWatch
 from .quota import Limiter, LocalLimiter
-from .tenant_discovery import SecretTenants, replica_counter
+from .tenant_discovery import SecretTenants, TenantsFile, replica_counter
 from .tenant_gate import TenantGate
-from .tenants import TenantTable, load_tenants_file
+from .tenants import TenantTable, parse_tenants
 
 # The Redis URL from the environment: the chart sets it from a Secret when the URL holds a password.
 REDIS_URL_ENV = "SPECFLEET_REDIS_URL"
@@ -33,7 +34,8 @@ def add_tenant_flags(p: argparse.ArgumentParser, cluster: bool = True) -> None:
         default=None,
         metavar="FILE",
         help="API keys, allowed models, quotas and priority classes of the gateway's tenants, from this YAML "
-        "file (docs/router.md, 'Tenants'); without it (or --tenant-selector) the gateway takes anonymous calls",
+        "file (docs/router.md, 'Tenants'), read again every --discovery-interval; without it (or "
+        "--tenant-selector) the gateway takes anonymous calls",
     )
     p.add_argument(
         "--redis-url",
@@ -77,7 +79,8 @@ def build_gate(args: argparse.Namespace) -> tuple[TenantGate | None, list[Corout
         if args.redis_url:
             raise ValueError("--redis-url needs tenants (--tenants or --tenant-selector) to count for")
         return None, []
-    table = TenantTable(load_tenants_file(args.tenants) if args.tenants else [])
+    text = Path(args.tenants).read_text() if args.tenants else None
+    table = TenantTable(parse_tenants(text, args.tenants) if text is not None else [])
     local = LocalLimiter(replicas=args.replicas)
     limiter: Limiter = local
     if args.redis_url:
@@ -87,9 +90,11 @@ def build_gate(args: argparse.Namespace) -> tuple[TenantGate | None, list[Corout
     jobs: list[Coroutine[Any, Any, None]] = []
     replica_service = getattr(args, "replica_service", None)
     own = Path(SERVICE_ACCOUNT / "namespace").read_text().strip() if selector or replica_service else ""
+    interval = getattr(args, "discovery_interval", 5.0)
+    if text is not None:  # an edit applies within one interval: a key taken out stops working
+        jobs.append(TenantsFile(table, Path(args.tenants), interval, text).run())
     if selector:
         namespace = str(args.tenant_namespace or own)
-        interval = getattr(args, "discovery_interval", 5.0)
         jobs.append(SecretTenants.in_cluster(table, namespace, selector=selector, interval_s=interval).run())
     if replica_service:
         jobs.append(EndpointSliceWatch.in_cluster(own, replica_service, replica_counter(local)).run())

@@ -148,13 +148,18 @@ def parse_specs(items: Any, where: str) -> list[TenantSpec]:
 
 def load_tenants_file(path: str | Path) -> list[Tenant]:
     """The tenants of a YAML file `{tenants: [{name, keys, models, rpm, tpm, priority}, ...]}`."""
+    return parse_tenants(Path(path).read_text(), str(path))
+
+
+def parse_tenants(text: str, where: str) -> list[Tenant]:
+    """The tenants of a tenants file's text (`where` names the file in the errors)."""
     try:
-        doc = yaml.safe_load(Path(path).read_text())
+        doc = yaml.safe_load(text)
     except yaml.YAMLError as error:
-        raise InvalidTenants(f"{path}: not YAML: {error}") from None
+        raise InvalidTenants(f"{where}: not YAML: {error}") from None
     if not isinstance(doc, dict) or "tenants" not in doc:
-        raise InvalidTenants(f"{path}: expected a mapping with a `tenants` list")
-    tenants = [Tenant.of(s) for s in parse_specs(doc["tenants"], str(path))]
+        raise InvalidTenants(f"{where}: expected a mapping with a `tenants` list")
+    tenants = [Tenant.of(s) for s in parse_specs(doc["tenants"], where)]
     TenantTable(tenants)  # refuses duplicates here, where the file can be named
     return tenants
 

@@ -72,6 +72,7 @@ def test_a_field_the_engine_would_coerce_is_a_400_naming_it() -> None:
 def test_a_batch_of_prompts_is_estimated_for_each_prompt() -> None:
     assert estimate_tokens({"prompt": ["abcd", "abcd", "abcd"], "max_tokens": 5, "n": 2}, None) == 3 + 30
     assert estimate_tokens({"prompt": [[1, 2], [3]], "max_tokens": 4}, None) == 3 + 8
+    assert estimate_tokens({"input": [1, 2, 3]}, None) == 3  # embeddings of token ids
     # max_completion_tokens null: the engine reads max_tokens, so does the estimate
     assert estimate_tokens({"prompt": "abcd", "max_completion_tokens": None, "max_tokens": 7}, None) == 8
     gate = TenantGate(tenants(**{"team-a": {"tpm": 100}}), LocalLimiter(clock=frozen))

@@ -20,6 +20,7 @@ import math
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit, urlunsplit
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -63,6 +64,15 @@ def key_of(tenant: Tenant) -> str:
     return f"specfleet:tenant:{{{tenant.name}}}"
 
 
+def redacted(url: str) -> str:
+    """The URL as the logs show it: its password (the chart takes the URL from a Secret for it) as `***`."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    host = parts.netloc.rpartition("@")[2]
+    return urlunsplit(parts._replace(netloc=f"{parts.username or ''}:***@{host}"))
+
+
 @dataclass
 class RedisLimiter:
     url: str
@@ -79,7 +89,9 @@ class RedisLimiter:
 
     def _lost(self, error: RedisError) -> None:
         if not self._down:
-            logger.warning("event=redis_unreachable url=%s error=%r fallback=local_buckets", self.url, error)
+            logger.warning(
+                "event=redis_unreachable url=%s error=%r fallback=local_buckets", redacted(self.url), error
+            )
         self._down = True
 
     async def admit(self, tenant: Tenant, tokens: int) -> tuple[Verdict, object]:
@@ -94,7 +106,7 @@ class RedisLimiter:
             self._lost(error)
             return self.fallback.check(tenant, tokens), None
         if self._down:
-            logger.info("event=redis_reachable url=%s", self.url)
+            logger.info("event=redis_reachable url=%s", redacted(self.url))
             self._down = False
         reset_s = int(ttl) / 1000
         full_r = tenant.rpm and int(r) + 1 > tenant.rpm

@@ -2,21 +2,25 @@
 field the engine would coerce (`"stream": 1`, `"n": "8"`) is a 400 naming it, not a stream the gate never
 asked usage of; a batch of prompts is estimated for every prompt; a stream the client cut before its usage
 is charged the text it got; the tenant's key never reaches an engine; errors name only the models the
-tenant may see; a request that can never fit tells the client not to retry; content parts whose `text`
-is no string are the engine's to judge, not a 500. The engines are stand-ins (tests/router/engines.py:
-real aiohttp servers) that answer as the engine does; what they do not model is generation itself.
+tenant may see; a request that can never fit tells the client not to retry; content parts whose `text` is
+no string are the engine's to judge, not a 500; the Redis URL's password stays out of the logs. The
+engines are stand-ins (tests/router/engines.py: real aiohttp servers) that answer as the engine does; what
+they do not model is generation itself.
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from typing import Any
 
 import aiohttp
 import pytest
 from aiohttp import web
+from helpers import free_port
 from specfleet.router.quota import LocalLimiter
+from specfleet.router.redis_limits import RedisLimiter, redacted
 from specfleet.router.tenant_gate import TenantGate, estimate_tokens
 
 from .engines import FakeEngine
@@ -209,3 +213,25 @@ def test_content_parts_whose_text_is_no_string_are_not_a_500() -> None:
         assert sent(engine)[-1]["messages"] == body["messages"]
 
     run_gate(gate, test)
+
+
+def test_the_redis_password_stays_out_of_the_logs(caplog: pytest.LogCaptureFixture) -> None:
+    """The chart takes `--redis-url` from a Secret because it may hold a password; the limiter's log line
+    when Redis is unreachable (a real refused connection here) names the URL with the password masked."""
+    assert redacted("redis://:s3cret-pw@redis:6379/0") == "redis://:***@redis:6379/0"
+    assert redacted("rediss://app:s3cret-pw@redis:6379") == "rediss://app:***@redis:6379"
+    assert redacted("redis://redis:6379/0") == "redis://redis:6379/0"
+    (team,) = tenants(**{"team-a": {"rpm": 5}}).tenants.values()
+
+    async def main() -> None:
+        limiter = RedisLimiter(f"redis://:s3cret-pw@127.0.0.1:{free_port()}/0")  # nothing listens there
+        try:
+            verdict, _ = await limiter.admit(team, 1)
+        finally:
+            await limiter.close()
+        assert verdict.allowed  # by the local buckets it fell back to
+
+    with caplog.at_level(logging.WARNING, logger="specfleet.router.tenants"):
+        asyncio.run(asyncio.wait_for(main(), timeout=30))
+    assert "event=redis_unreachable url=redis://:***@127.0.0.1:" in caplog.text
+    assert "s3cret-pw" not in caplog.text

@@ -38,6 +38,7 @@ import copy
 import itertools
 import json
 import threading
+import time
 import uuid
 from collections.abc import Coroutine, Iterable
 from dataclasses import dataclass, field
@@ -101,6 +102,7 @@ class Request:
     body: Any
     status: int = 0  # the code the fake answered
     query: dict[str, str] = field(default_factory=dict)
+    at: float = field(default_factory=time.monotonic)  # when the fake received it
 
 
 # ---- the server ----------------------------------------------------------------------------------------

@@ -119,6 +119,10 @@ def create_app(state: ServerState, lora_modules: dict[str, str] | None = None) -
         version="0.1.0",
         lifespan=lifespan,
         description="OpenAI-compatible completions and chat completions, metrics and admin API.",
+        # A path with a trailing slash is a 404, not Starlette's 307 to the slashless path: behind the router
+        # that redirect names the engine's own address, which a client then calls past the gateway (its
+        # keys and quotas) or, outside the cluster, cannot reach
+        redirect_slashes=False,
     )
     app.state.specfleet = state
     install_error_handlers(app)

@@ -216,7 +216,13 @@ def test_bad_input_gets_openai_error(
 
 
 @pytest.mark.parametrize(
-    ("method", "path", "status"), [("GET", "/v1/nope", 404), ("GET", "/v1/completions", 405)]
+    ("method", "path", "status"),
+    [
+        ("GET", "/v1/nope", 404),
+        ("GET", "/v1/completions", 405),
+        # not a 307 to the engine's own address, which a client behind the gateway would follow past it
+        ("POST", "/v1/chat/completions/", 404),
+    ],
 )
 def test_unknown_routes_get_error_body(server: Any, method: str, path: str, status: int) -> None:
     resp = httpx.request(method, f"{server.url}{path}")

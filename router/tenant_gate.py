@@ -103,15 +103,20 @@ def text_tokens(text: str, encode: Callable[[str], list[int]] | None) -> int:
 
 
 def estimate_tokens(body: dict[str, Any], encode: Callable[[str], list[int]] | None) -> int:
-    """The tokens a request may use: its prompts' (prompt_tokens) plus `max_tokens` (or
-    `max_completion_tokens`) for each of the `n` choices of each prompt."""
+    """The tokens a request may use: its prompts' (prompt_tokens) plus completion_tokens."""
     tokens, prompts = prompt_tokens(body, encode)
+    return tokens + completion_tokens(body, prompts)
+
+
+def completion_tokens(body: dict[str, Any], prompts: int) -> int:
+    """`max_tokens` (or `max_completion_tokens`) for each of the `n` choices of each of `prompts`; 0 when
+    the body sets no limit."""
     limit = body.get("max_completion_tokens")
     if limit is None:  # the engine reads `max_tokens` when max_completion_tokens is absent or null
         limit = body.get("max_tokens")
     n = body.get("n")
     choices = n if isinstance(n, int) and n > 0 else 1
-    return tokens + (limit * choices * prompts if isinstance(limit, int) and limit > 0 else 0)
+    return limit * choices * prompts if isinstance(limit, int) and limit > 0 else 0
 
 
 def type_error(body: dict[str, Any]) -> tuple[str, str] | None:
@@ -231,7 +236,9 @@ class TenantGate:
             self.metrics.requests.labels(tenant.name, "invalid").inc()
             return _error(400, wrong[1], "invalid_request_error", "invalid_type", wrong[0])
         encode = router.hasher.encode
-        tokens = estimate_tokens(body, encode)
+        # the prompt alone is also what a stream cut before its usage is charged at least (with its text)
+        floor, prompts = prompt_tokens(body, encode)
+        tokens = floor + completion_tokens(body, prompts)
         verdict, ticket = await self.limiter.admit(tenant, tokens)
         if not verdict.allowed:
             return self._refused(tenant, verdict, tokens)
@@ -239,11 +246,8 @@ class TenantGate:
         request[_HEADERS_KEY] = verdict.headers()
         tap = self._rewrite(body, tenant, request.match_info.get("path", ""), takes_priority)
         request[RESPONSE_TAP] = tap
-        request[DROP_AUTHORIZATION] = (
-            True  # the tenant's key is the gateway's alone: the engines never see it
-        )
-        # A stream cut before its usage (the client left) is charged at least its prompt and what it got
-        floor = prompt_tokens(body, encode)[0]
+        # the tenant's key is the gateway's alone: the engines never see it
+        request[DROP_AUTHORIZATION] = True
         try:
             response = await router.forward(request, json.dumps(body).encode())
         except BaseException:  # the client left (cancelled): settle without holding up the cancellation

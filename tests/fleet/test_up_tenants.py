@@ -1,13 +1,15 @@
 """`specfleet up -f svc.yaml --tenants tenants.yaml`: one InferenceService of real engines (the tiny llama,
 the bundled model's tokenizer and layout) behind the gateway with tenants, driven by the official openai
 client: a wrong key is a 401, a tenant's priority class reaches engines that schedule by priority, a stream
-is charged its usage without the client seeing it, and a tenant over its requests per minute gets a 429 with
-OpenAI's headers; SIGINT stops everything cleanly."""
+is charged its usage without the client seeing it, a tenant over its requests per minute gets a 429 with
+OpenAI's headers, and a key taken out of the tenants file stops working within one --discovery-interval;
+SIGINT stops everything cleanly."""
 
 from __future__ import annotations
 
 import copy
 import signal
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,8 @@ from helpers import OutputWatch, free_port
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 EXAMPLE = yaml.safe_load((Path(__file__).resolve().parents[2] / "examples" / "smollm2-cpu.yaml").read_text())
 KEYS = {"chat": "sk-chat-0123456789abcdef", "nightly": "sk-nightly-0123456789abcdef"}
+ROTATED = "sk-nightly-rotated-0123456789abcdef"
+INTERVAL_S = 0.5  # how often the tenants file is read again
 
 
 def service(source: str) -> dict[str, Any]:
@@ -59,6 +63,8 @@ def test_up_with_a_tenants_file_checks_keys_quotas_and_priorities(tiny_llama: st
         "--no-tune",
         "--engine-arg=--kv-cache-gib=0.05",
         "--engine-arg=--scheduling-policy=priority",
+        "--discovery-interval",
+        str(INTERVAL_S),
     )
     proc = out.proc
     try:
@@ -103,6 +109,19 @@ def test_up_with_a_tenants_file_checks_keys_quotas_and_priorities(tiny_llama: st
         assert (
             charged > used.total_tokens
         )  # the stream's usage too, read off the stream the client did not see
+
+        # the tenants file is read again: a key taken out is a 401 within one interval, its successor works
+        tenants["tenants"][1]["keys"] = [ROTATED]
+        (tmp_path / "tenants.yaml").write_text(yaml.safe_dump(tenants))
+        deadline = time.monotonic() + INTERVAL_S + 5
+        while True:
+            try:
+                nightly.models.list()
+            except openai.AuthenticationError:
+                break
+            assert time.monotonic() < deadline, "the revoked key still works"
+            time.sleep(0.1)
+        assert [m.id for m in client(ROTATED).models.list().data] == ["llm"]
 
         proc.send_signal(signal.SIGINT)
         out.wait_for("stopped; engine exit codes", 60)

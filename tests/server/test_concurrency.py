@@ -109,7 +109,9 @@ def test_disconnecting_clients_free_their_kv_blocks(server: Any, model_name: str
     server.wait_idle(timeout=30)
     assert server.kv_blocks_in_use() == 0
     assert _success_count(server, "abort") - aborted_before == 9
-    deadline = time.monotonic() + 5  # ... and /metrics shows the cache empty once the engine is idle
+    # ... and /metrics shows the cache empty once the engine is idle: at the idle core's next report (every
+    # second), which a loaded host may hold back for seconds
+    deadline = time.monotonic() + 30
     while _kv_usage(server) != 0.0:
         assert time.monotonic() < deadline, _kv_usage(server)
         time.sleep(0.1)

@@ -17,6 +17,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers import wait_for
 
 BUNDLED = "bundled://smollm2-135m-instruct"
 
@@ -89,6 +90,12 @@ def _long_requests(
     return plain_result, stream_result, started, [t1, t2]
 
 
+def _wait_both_in_the_core(client: Any) -> None:
+    """Until the plain request is in the core beside the stream: the stream's first token says nothing of the
+    other thread's request, which a loaded host may not have sent yet."""
+    wait_for("both requests in the engine core", lambda: client.num_in_flight == 2, timeout=60, interval=0.05)
+
+
 def _assert_engine_dead(plain: dict[str, Any], streamed: dict[str, Any], why: str) -> None:
     assert plain.get("status") == 503, plain
     assert plain["headers"].get("retry-after") == "5", plain["headers"]
@@ -106,7 +113,7 @@ def test_requests_in_flight_when_the_core_dies_get_503_with_retry_after(bundled_
     client, url, deaths = bundled_server
     plain, streamed, started, threads = _long_requests(url)
     assert started.wait(90), streamed
-    time.sleep(0.3)  # the plain request is admitted too (it went first)
+    _wait_both_in_the_core(client)
     os.kill(client.pid, signal.SIGKILL)
     for thread in threads:
         thread.join(60)
@@ -123,7 +130,7 @@ def test_a_hung_core_is_noticed_without_polling_ready(bundled_server: Any) -> No
     client, url, deaths = bundled_server
     plain, streamed, started, threads = _long_requests(url)
     assert started.wait(90), streamed
-    time.sleep(0.3)
+    _wait_both_in_the_core(client)
     os.kill(client.pid, signal.SIGSTOP)
     stopped_at = time.monotonic()
     for thread in threads:
@@ -178,18 +185,19 @@ def test_a_request_that_cannot_be_scheduled_does_not_spin_the_core(serve_app: An
                 resp=httpx.post(
                     f"{url}/v1/completions",
                     json={"prompt": list(range(200, 240)), "max_tokens": 4},
-                    timeout=5,
+                    timeout=10,  # past the window below, which a loaded host stretches
                 )
             )
         )
-        time.sleep(1.0)  # the request is in the core and cannot be scheduled
-        assert client.num_in_flight == 1
+        # the request is in the core and cannot be scheduled
+        wait_for("the request in the engine core", lambda: client.num_in_flight == 1, timeout=30)
         steps, cpu = _step_count(url), _cpu_seconds(client.pid)
         time.sleep(2.0)
         steps_after, cpu_after = _step_count(url), _cpu_seconds(client.pid)
+        assert client.num_in_flight == 1, waiting  # it waited all through the window
         assert steps_after == steps, f"{steps_after - steps} empty steps recorded as steps"
         assert cpu_after - cpu < 0.3, f"the core used {cpu_after - cpu:.2f} s of CPU in 2 s while waiting"
-        thread.join(10)
+        thread.join(15)
     finally:
         next(served, None)
 

@@ -195,6 +195,7 @@ class TenantGate:
                 f"the request has {said}: send `Authorization: Bearer KEY` with a key the gateway's tenants list",
                 "invalid_request_error",
                 "invalid_api_key",
+                **{"WWW-Authenticate": "Bearer"},  # RFC 6750: a 401 names the scheme it wants
             )
         request[TENANT_KEY] = tenant
         request[tracing.TENANT_KEY] = tenant.name  # the request's span carries it (router/tracing.py)

@@ -235,3 +235,15 @@ def test_the_redis_password_stays_out_of_the_logs(caplog: pytest.LogCaptureFixtu
         asyncio.run(asyncio.wait_for(main(), timeout=30))
     assert "event=redis_unreachable url=redis://:***@127.0.0.1:" in caplog.text
     assert "s3cret-pw" not in caplog.text
+
+
+def test_a_missing_or_wrong_key_is_a_401_naming_the_bearer_scheme() -> None:
+    gate = TenantGate(tenants(**{"team-a": {}}))
+
+    async def test(url: str, engine: FakeEngine) -> None:
+        with pytest.raises(openai.AuthenticationError) as wrong:
+            await client(url, None).completions.create(model="alpha", prompt="x", max_tokens=1)
+        assert wrong.value.response.headers["WWW-Authenticate"] == "Bearer"
+        assert wrong.value.body["code"] == "invalid_api_key" and not sent(engine)
+
+    run_gate(gate, test)

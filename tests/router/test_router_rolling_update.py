@@ -38,11 +38,16 @@ CHUNKS = 8
 CHUNK_SECONDS = 0.1
 STREAM_SECONDS = CHUNKS * CHUNK_SECONDS  # each stream is in flight this long: SIGTERMs land mid-stream
 FRONT_POLL_SECONDS = 0.1  # how soon the front sees a router's /ready fail
-# After SIGTERM the router serves new requests this long: 5 polls of the front, so none arrives after it
-# refuses (a cluster's propagation takes seconds: the operator renders 2 s after a 5 s preStop sleep).
-SHUTDOWN_DELAY_SECONDS = 5 * FRONT_POLL_SECONDS
+# After SIGTERM the router serves new requests this long, so none arrives after it refuses (a cluster's
+# propagation takes seconds: the operator renders 2 s after a 5 s preStop sleep): 20 polls of the front. The
+# front notices within a poll and a /ready round trip on a quiet host, but the routers and the front share a
+# loaded runner's cores with engines, where 5 polls (0.5 s) were a few late wake-ups from a failed request.
+SHUTDOWN_DELAY_SECONDS = 20 * FRONT_POLL_SECONDS
 DRAIN_TIMEOUT_SECONDS = 10  # far above STREAM_SECONDS: every stream finishes well inside it
 WORKERS = 6  # concurrent clients; half of their requests stream
+# How long a router process may take to answer /ready: its start (Python, aiohttp, the router's imports)
+# takes a few seconds on a quiet host and several times that on a loaded runner.
+ROUTER_START_S = 60.0
 
 
 async def fake_engine(request: web.Request) -> web.StreamResponse:
@@ -210,7 +215,7 @@ def test_a_rolling_update_of_the_router_under_load_fails_no_request() -> None:
             for name in ("a", "b"):
                 processes.append(RouterProcess(name, engine_url).start())
                 front.routers.append(processes[-1])
-            await wait_until("both routers ready", lambda: len(front.ready) == 2)
+            await wait_until("both routers ready", lambda: len(front.ready) == 2, ROUTER_START_S)
             workers = [asyncio.ensure_future(load.worker(i, stop)) for i in range(WORKERS)]
             await asyncio.sleep(2 * STREAM_SECONDS)
             loop = asyncio.get_running_loop()
@@ -220,7 +225,9 @@ def test_a_rolling_update_of_the_router_under_load_fails_no_request() -> None:
                 replacement = RouterProcess(new, engine_url).start()
                 processes.append(replacement)
                 front.routers.append(replacement)
-                await wait_until(f"router {new} ready", lambda r=replacement: r in front.ready)
+                await wait_until(
+                    f"router {new} ready", lambda r=replacement: r in front.ready, ROUTER_START_S
+                )
                 (leaving,) = [p for p in processes if p.name == old]
                 assert leaving.proc is not None
                 terminated[old] = loop.time()
@@ -247,4 +254,4 @@ def test_a_rolling_update_of_the_router_under_load_fails_no_request() -> None:
             across = [c for c in front.connections if c[0] == old and c[1] < at < c[2]]
             assert across, f"no request in flight on router {old} at its SIGTERM"
 
-    asyncio.run(asyncio.wait_for(scenario(), 60))
+    asyncio.run(asyncio.wait_for(scenario(), 4 * ROUTER_START_S))  # three waits for starts, and the rest

@@ -1,7 +1,7 @@
 -- Argo CD health check for serving.specfleet.io/InferenceService (Lua 5.1, as Argo CD's gopher-lua runs it).
 -- Installed as resource.customizations.health.serving.specfleet.io_InferenceService (see argocd-cm.yaml).
 -- Decides from the operator's own conditions (docs/operator.md, "The reconcile"):
---   Ready        True once the rollout is complete (AllReplicasReady); ScaledToZero when spec.replicas is 0
+--   Ready        True once the rollout is complete (AllReplicasReady); ScaledToZero at zero engines
 --   Progressing  True while a rollout runs (RollingOut, Creating)
 --   Degraded     True on InvalidSpec, ProgressDeadlineExceeded, ReplicaFailure, a refused child
 -- A status older than the spec (status.observedGeneration or Ready's observedGeneration below
@@ -70,20 +70,20 @@ if generation ~= nil and ready.observedGeneration ~= nil and ready.observedGener
   return hs
 end
 
-local replicas = 1
-if obj.spec ~= nil and obj.spec.replicas ~= nil then
-  replicas = obj.spec.replicas
-end
-if replicas == 0 or ready.reason == "ScaledToZero" then
-  hs.status = "Suspended"
-  hs.message = "Scaled to zero replicas: " .. describe(ready)
-  return hs
-end
-
+-- A rollout first: scaling down to zero is Progressing until the last engine pod is gone.
 local progressing = find(conditions, "Progressing")
 if progressing ~= nil and progressing.status == "True" then
   hs.status = "Progressing"
   hs.message = describe(progressing)
+  return hs
+end
+
+-- Zero engines is the operator's verdict (Ready=False/ScaledToZero), not spec.replicas: with autoscaling the
+-- count is the tuner's, clamped to minReplicas (spec.replicas 0 with minReplicas 1 runs one engine), and a
+-- tuner at minReplicas 0 scales a spec.replicas of 1 to zero.
+if ready.reason == "ScaledToZero" then
+  hs.status = "Suspended"
+  hs.message = "Scaled to zero replicas: " .. describe(ready)
   return hs
 end
 

@@ -9,6 +9,8 @@ from typing import Any
 import celpy
 import pytest
 import yaml
+from specfleet.operator.conditions import Workload, build_status
+from specfleet.operator.inference_service import parse_inference_service
 
 lua51 = pytest.importorskip("lupa.lua51", reason="lupa is a test extra: pip install -e '.[test]'")
 
@@ -115,3 +117,89 @@ def test_flux_health_expressions_agree_with_the_lua(case: dict[str, Any]) -> Non
         "Progressing": "InProgress",
     }[case["healthStatus"]["status"]]
     assert flux_health(obj) == expected
+
+
+def _operator_verdict(spec: dict[str, Any], deployment: dict[str, Any], tuned: int | None) -> dict[str, Any]:
+    """The InferenceService as the operator leaves it: its status from the operator's own build_status over
+    a Deployment the Deployment controller has observed (`tuned`: the tuner's status.autoscaling.replicas)."""
+    document: dict[str, Any] = {
+        "apiVersion": "serving.specfleet.io/v1alpha1",
+        "kind": "InferenceService",
+        "metadata": {"name": "chat", "namespace": "team-a", "generation": 2},
+        "spec": {"model": {"source": "bundled://smollm2-135m-instruct"}, **spec},
+    }
+    if tuned is not None:
+        document["status"] = {"autoscaling": {"replicas": tuned}}
+    isvc = parse_inference_service(document)
+    workload = Workload("chat", isvc.desired_replicas, {"metadata": {"generation": 7}, "status": deployment})
+    document["status"] = {
+        **document.get("status", {}),
+        **build_status(isvc, [workload], {}, "2026-12-07T00:00:00Z"),
+    }
+    return document
+
+
+def _pods(replicas: int, updated: int, ready: int) -> dict[str, Any]:
+    return {
+        "observedGeneration": 7,
+        "replicas": replicas,
+        "updatedReplicas": updated,
+        "availableReplicas": ready,
+        "readyReplicas": ready,
+    }
+
+
+AUTOSCALED: dict[str, Any] = {
+    "autotune": {"enabled": True},
+    "autoscaling": {"enabled": True, "maxReplicas": 3},
+}
+ROUTED: dict[str, Any] = {"routing": {"queueTimeoutSeconds": 30}}
+
+
+@pytest.mark.parametrize(
+    ("spec", "deployment", "tuned", "argocd", "flux"),
+    [
+        # spec.replicas 0 under the autoscaler's minReplicas 1: one engine serves
+        (
+            {"replicas": 0, **AUTOSCALED, "autoscaling": {**AUTOSCALED["autoscaling"], "minReplicas": 1}},
+            _pods(1, 1, 1),
+            None,
+            "Healthy",
+            "Current",
+        ),
+        # the same engine not ready yet: waiting, not parked
+        (
+            {"replicas": 0, **AUTOSCALED, "autoscaling": {**AUTOSCALED["autoscaling"], "minReplicas": 1}},
+            _pods(1, 1, 0),
+            None,
+            "Progressing",
+            "InProgress",
+        ),
+        # spec.replicas 0 while the last engines drain: a rollout still runs
+        ({"replicas": 0}, _pods(2, 0, 2), None, "Progressing", "InProgress"),
+        ({"replicas": 0}, _pods(0, 0, 0), None, "Suspended", "Current"),
+        # the tuner at minReplicas 0 took a spec.replicas of 1 to zero engines
+        (
+            {
+                "replicas": 1,
+                **ROUTED,
+                **AUTOSCALED,
+                "autoscaling": {**AUTOSCALED["autoscaling"], "minReplicas": 0},
+            },
+            _pods(0, 0, 0),
+            0,
+            "Suspended",
+            "Current",
+        ),
+    ],
+    ids=["autoscaled-from-0", "autoscaled-from-0-not-ready", "draining-to-0", "at-0", "tuner-at-0"],
+)
+def test_health_follows_the_operators_verdict_not_spec_replicas(
+    spec: dict[str, Any], deployment: dict[str, Any], tuned: int | None, argocd: str, flux: str
+) -> None:
+    """The engines the operator runs are `desired_replicas` (the tuner's count clamped to the autoscaling
+    bounds), not spec.replicas, and Ready=False/ScaledToZero says when there are none: the health check
+    reads that verdict, and reports a scale-down to zero as Progressing until its last pod is gone."""
+    obj = _operator_verdict(spec, deployment, tuned)
+    assert argocd_health(obj)["status"] == argocd, obj["status"]["conditions"]
+    assert flux_health(obj) == flux, obj["status"]["conditions"]

@@ -3,7 +3,8 @@ field the engine would coerce (`"stream": 1`, `"n": "8"`) is a 400 naming it, no
 asked usage of; a batch of prompts is estimated for every prompt; a stream the client cut before its usage
 is charged the text it got; the tenant's key never reaches an engine; errors name only the models the
 tenant may see; a request that can never fit tells the client not to retry; content parts whose `text` is
-no string are the engine's to judge, not a 500; the Redis URL's password stays out of the logs. The
+no string are the engine's to judge, not a 500; the Redis URL's password stays out of the logs; a service
+whose engines are all down is a 503 with `Retry-After` while the other serves (checked, unchanged). The
 engines are stand-ins (tests/router/engines.py: real aiohttp servers) that answer as the engine does; what
 they do not model is generation itself.
 """
@@ -19,6 +20,10 @@ import aiohttp
 import pytest
 from aiohttp import web
 from helpers import free_port
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.gateway import Gateway, serve_gateway
+from specfleet.router.policies import make_policy
+from specfleet.router.proxy import Router
 from specfleet.router.quota import LocalLimiter
 from specfleet.router.redis_limits import RedisLimiter, redacted
 from specfleet.router.tenant_gate import TenantGate, estimate_tokens
@@ -247,3 +252,44 @@ def test_a_missing_or_wrong_key_is_a_401_naming_the_bearer_scheme() -> None:
         assert wrong.value.body["code"] == "invalid_api_key" and not sent(engine)
 
     run_gate(gate, test)
+
+
+def test_a_service_whose_engines_are_all_down_is_a_503_and_the_other_serves() -> None:
+    """Checked, not changed: the down service's 503 carries `Retry-After` (the openai client waits that long
+    before its retries), its tokens are given back, and the other service answers as before."""
+    gate = TenantGate(tenants(**{"team-a": {"tpm": 1000}}), LocalLimiter(clock=frozen))
+
+    async def main() -> None:
+        engine = await FakeEngine("engine-a", answer_like_an_engine).start()
+        gateway = Gateway(tenants=gate)
+        down = Router(
+            EndpointSet([f"http://127.0.0.1:{free_port()}"], ready=False), make_policy("round-robin")
+        )
+        down.synced = True  # discovery has reported: no engine is ready
+        gateway.upsert(
+            "ns/alpha",
+            ["alpha"],
+            100,
+            Router(EndpointSet([engine.url], ready=True), make_policy("round-robin")),
+        )
+        gateway.upsert("ns/beta", ["beta"], 100, down)
+        gateway.synced = True
+        port = free_port()
+        runner = await serve_gateway(gateway, "127.0.0.1", port)
+        url = f"http://127.0.0.1:{port}"
+        try:
+            a = client(url, "team-a")
+            with pytest.raises(openai.InternalServerError) as unavailable:
+                await a.completions.create(model="beta", prompt="abcd", max_tokens=5)
+            assert unavailable.value.status_code == 503
+            assert int(unavailable.value.response.headers["Retry-After"]) >= 1
+            assert unavailable.value.body["type"] == "service_unavailable"
+            ok = await a.completions.with_raw_response.create(model="alpha", prompt="abcd", max_tokens=1)
+            assert ok.headers["x-specfleet-service"] == "ns/alpha"
+            # the 503's estimate (1 + 5) came back before this one's (1 + 1) was charged
+            assert ok.headers["x-ratelimit-remaining-tokens"] == str(1000 - 2)
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

@@ -246,6 +246,7 @@ class TenantGate:
         self.metrics.requests.labels(tenant.name, "ok").inc()
         request[_HEADERS_KEY] = verdict.headers()
         tap = self._rewrite(body, tenant, request.match_info.get("path", ""), takes_priority)
+        tap.keep_text = tap.stream and tokens == floor  # no max_tokens: the estimate holds no answer
         request[RESPONSE_TAP] = tap
         # the tenant's key is the gateway's alone: the engines never see it
         request[DROP_AUTHORIZATION] = True

@@ -4,8 +4,9 @@ A whole JSON answer is kept (up to MAX_KEPT_BYTES) and its `usage` read at the e
 Server-Sent Events; the one that carries a `usage` object is read, and when the client did not ask for it
 (the gateway added `stream_options.include_usage` for its own accounting) that event is dropped and the
 `"usage":null` the engine puts in every other chunk is taken out, so the client sees the stream it asked
-for. Bytes after the last complete event wait for the next chunk or `flush`. The text a stream's choices
-carried is kept too (`streamed_text`): a stream cut before its usage (the client left) is charged by it.
+for. Bytes after the last complete event wait for the next chunk or `flush`. With `keep_text` (a stream
+without `max_tokens`, whose estimate has no room for its answer) the text its choices carried is kept too
+(`streamed_text`): such a stream cut before its usage (the client left) is charged by it.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ _NULL_USAGE = b',"usage":null'  # the engine's compact JSON (engine/server/servi
 
 
 class UsageTap:
-    def __init__(self, stream: bool, strip: bool) -> None:
+    def __init__(self, stream: bool, strip: bool, keep_text: bool = False) -> None:
         self.stream = stream
         self.strip = strip  # drop the usage event: the client did not ask for it
+        # keep the choices' text (each event parsed): only where it can matter, a stream without max_tokens
+        self.keep_text = keep_text
         self.usage: dict[str, Any] | None = None
         self._kept = bytearray()
         self._texts: list[str] = []  # the text of the stream's choices so far
@@ -41,7 +44,7 @@ class UsageTap:
         return b"".join(self._event(e + b"\n\n") for e in events.split(b"\n\n")[:-1])
 
     def _event(self, event: bytes) -> bytes:
-        if not event.startswith(b"data: {"):
+        if not event.startswith(b"data: {") or not self.keep_text and b'"usage"' not in event:
             return event
         try:
             data = json.loads(event[6:])
@@ -49,7 +52,8 @@ class UsageTap:
             return event
         if not isinstance(data, dict):
             return event
-        self._keep_text(data.get("choices"))
+        if self.keep_text:
+            self._keep_text(data.get("choices"))
         if isinstance(data.get("usage"), dict):
             self.usage = data["usage"]
             if self.strip and not data.get("choices"):

@@ -150,3 +150,43 @@ def test_a_drifted_overlay_is_caught(tmp_path: Path) -> None:
     theirs = by_key([_drop_helm_labels(o) for o in helm_objects(None)])
     key = ("Role", NAMESPACE, f"{RELEASE}-operator")
     assert ours[key] != theirs[key]
+
+
+GITOPS = REPO / "deploy" / "gitops-examples"
+
+
+def _crd_from(source: str) -> dict[str, Any]:
+    """The CRD as a GitOps tool applies it: `kubectl kustomize` of a folder, or the chart rendered with the
+    values of the shipped Argo CD Application or Flux HelmRelease (`helm template`, as both tools do)."""
+    if source == "argocd-application":
+        values = yaml.safe_load((GITOPS / "argocd-application.yaml").read_text())["spec"]["source"]["helm"][
+            "valuesObject"
+        ]
+        objects = helm_objects(values)
+    elif source == "flux-helmrelease":
+        objects = helm_objects(
+            yaml.safe_load((GITOPS / "flux-helmrelease.yaml").read_text())["spec"]["values"]
+        )
+    else:
+        objects = kustomize(source)
+    (crd,) = [o for o in objects if o["kind"] == "CustomResourceDefinition"]
+    return crd
+
+
+@pytest.mark.parametrize("source", [*OVERLAYS, "argocd-application", "flux-helmrelease"])
+def test_no_gitops_tool_deletes_the_crd(source: str) -> None:
+    """Deleting the CRD deletes every InferenceService in the cluster. Argo CD reads Helm's keep policy as
+    Delete=false only, so `crds.install=false` (or a base dropped from Git) under the example's automated
+    prune would delete it, and Flux's kustomize-controller prunes it when its Kustomization is deleted.
+    Every copy a GitOps tool applies carries Argo CD's Prune=false,Delete=false and Flux's prune: disabled."""
+    annotations = _crd_from(source)["metadata"].get("annotations") or {}
+    options = {
+        name.strip(): value.strip()
+        for name, _, value in (
+            item.partition("=") for item in annotations.get("argocd.argoproj.io/sync-options", "").split(",")
+        )
+    }
+    assert (options.get("Prune"), options.get("Delete")) == ("false", "false"), annotations
+    assert annotations.get("kustomize.toolkit.fluxcd.io/prune") == "disabled", annotations
+    if source in ("argocd-application", "flux-helmrelease"):
+        assert annotations.get("helm.sh/resource-policy") == "keep", annotations

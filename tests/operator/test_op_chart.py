@@ -128,7 +128,8 @@ def test_chart_ships_the_crd_as_a_template_that_upgrades_and_lints_clean() -> No
     objects, _ = render(None)
     (crd,) = by_kind(objects, "CustomResourceDefinition")
     expected = yaml.safe_load(CRD_PATH.read_text())
-    assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep"}
+    gitops_keep = expected["metadata"].pop("annotations")  # the plain CRD keeps it from GitOps tools alone
+    assert crd["metadata"].pop("annotations") == {"helm.sh/resource-policy": "keep", **gitops_keep}
     assert crd == expected
     objects, _ = render({"crds": {"keep": False}})
     (crd,) = by_kind(objects, "CustomResourceDefinition")

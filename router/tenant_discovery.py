@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import hashlib
 import logging
 import os
 import ssl
@@ -137,7 +138,8 @@ class TenantsFile:
     table: TenantTable
     path: Path
     interval_s: float = 5.0
-    last_text: str | None = None  # the text last applied, or last reported as invalid ("": unreadable)
+    # sha256 of the text last applied or reported invalid (b"": unreadable): the text, keys and all, is not kept
+    seen: bytes | None = None
     on_apply: Callable[[], None] | None = None  # after each read that changed the table (tests wait on it)
 
     async def run(self) -> None:
@@ -150,13 +152,14 @@ class TenantsFile:
         try:
             text = self.path.read_text()
         except OSError as error:
-            if self.last_text != "":  # reported once, until it is back
+            if self.seen != b"":  # reported once, until it is back
                 logger.warning("event=tenants_file_error file=%s error=%r", self.path, str(error))
-            self.last_text = ""
+            self.seen = b""
             return
-        if text == self.last_text:
+        seen = hashlib.sha256(text.encode()).digest()
+        if seen == self.seen:
             return
-        self.last_text = text
+        self.seen = seen
         try:
             tenants = parse_tenants(text, str(self.path))
         except InvalidTenants as error:

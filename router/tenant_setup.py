@@ -13,6 +13,7 @@ With neither --tenants nor --tenant-selector the gateway is open to anonymous ca
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 from collections.abc import Coroutine
 from pathlib import Path
@@ -92,7 +93,8 @@ def build_gate(args: argparse.Namespace) -> tuple[TenantGate | None, list[Corout
     own = Path(SERVICE_ACCOUNT / "namespace").read_text().strip() if selector or replica_service else ""
     interval = getattr(args, "discovery_interval", 5.0)
     if text is not None:  # an edit applies within one interval: a key taken out stops working
-        jobs.append(TenantsFile(table, Path(args.tenants), interval, text).run())
+        seen = hashlib.sha256(text.encode()).digest()
+        jobs.append(TenantsFile(table, Path(args.tenants), interval, seen).run())
     if selector:
         namespace = str(args.tenant_namespace or own)
         jobs.append(SecretTenants.in_cluster(table, namespace, selector=selector, interval_s=interval).run())

@@ -155,8 +155,12 @@ def parse_tenants(text: str, where: str) -> list[Tenant]:
     """The tenants of a tenants file's text (`where` names the file in the errors)."""
     try:
         doc = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        raise InvalidTenants(f"{where}: not YAML: {error}") from None
+    except yaml.YAMLError as error:  # where and what, without the snippet of the file (its keys) it quotes
+        mark = getattr(error, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise InvalidTenants(
+            f"{where}: not YAML{at}: {getattr(error, 'problem', None) or 'unparsable'}"
+        ) from None
     if not isinstance(doc, dict) or "tenants" not in doc:
         raise InvalidTenants(f"{where}: expected a mapping with a `tenants` list")
     tenants = [Tenant.of(s) for s in parse_specs(doc["tenants"], where)]

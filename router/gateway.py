@@ -306,6 +306,8 @@ def create_gateway_app(gateway: Gateway) -> web.Application:
             return _error(503, "the gateway is stopping", "service_unavailable", None)
         if not gateway.synced:
             return _error(503, "discovery has not reported yet", "service_unavailable", None)
+        if gateway.tenants is not None:  # open to callers without a key: no model names (/v1/models has them)
+            return web.json_response({"status": "ready"})
         return web.json_response({"status": "ready", "models": sorted(gateway.models())})
 
     async def metrics(_: web.Request) -> web.Response:

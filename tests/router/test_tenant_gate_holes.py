@@ -195,6 +195,8 @@ def test_errors_name_only_the_models_the_tenant_may_call() -> None:
                 error = (await r.json())["error"]
         assert r.status == 400 and error["param"] == "model"
         assert "is not a JSON object" in error["message"] and "beta" not in error["message"]
+        async with aiohttp.ClientSession() as http, http.get(f"{url}/ready") as r:  # open: no key asked
+            assert r.status == 200 and await r.json() == {"status": "ready"}  # and no model names
 
     run_gate(gate, test)
 

@@ -229,7 +229,10 @@ def test_503_with_retry_after_when_nothing_is_ready_and_the_queue_from_zero():
                 # scale from zero: the request waits in the queue until an engine turns ready
                 router.queue_timeout_s = 10.0
                 pending = asyncio.create_task(client.post(f"{url}/v1/completions", json=BODY))
-                await asyncio.sleep(0.3)
+                for _ in range(200):  # until it reaches the router's queue: 10 s for a loaded host, not 0.3 s
+                    if router._waiting:
+                        break
+                    await asyncio.sleep(0.05)
                 assert router._waiting == 1 and not pending.done()
                 router.endpoints_changed(router.endpoints.replace({engine.url: (True, False)}))
                 r = await pending

@@ -119,6 +119,14 @@ def deployment_conditions(isvc: InferenceService, workloads: list[Workload]) -> 
     return [ready, progressing, combined(2, ("True", "False"))]
 
 
+def _zero_engines(isvc: InferenceService) -> str:
+    """Why no engine runs, as Argo CD and `kubectl get` show it: the spec, or with autoscaling the tuner
+    (spec.replicas is then its start value only)."""
+    if isvc.spec.autoscaling.enabled:
+        return "the tuner scaled to autoscaling.minReplicas 0; a request the router queues scales it up"
+    return "spec.replicas is 0; scale up to serve requests"
+
+
 def _workload_conditions(isvc: InferenceService, workload: Workload) -> list[Cond]:
     desired, deployment = workload.desired, workload.obj
     rollout = Rollout.of(desired, deployment)
@@ -134,7 +142,7 @@ def _workload_conditions(isvc: InferenceService, workload: Workload) -> list[Con
     counts = rollout.describe()
 
     if desired == 0:
-        ready_cond = Cond("Ready", "False", "ScaledToZero", "spec.replicas is 0; scale up to serve requests")
+        ready_cond = Cond("Ready", "False", "ScaledToZero", _zero_engines(isvc))
     elif not rollout.synced:
         ready_cond = Cond("Ready", "Unknown", "Pending", counts)
     elif rollout.complete:

@@ -201,5 +201,8 @@ def test_health_follows_the_operators_verdict_not_spec_replicas(
     bounds), not spec.replicas, and Ready=False/ScaledToZero says when there are none: the health check
     reads that verdict, and reports a scale-down to zero as Progressing until its last pod is gone."""
     obj = _operator_verdict(spec, deployment, tuned)
-    assert argocd_health(obj)["status"] == argocd, obj["status"]["conditions"]
+    health = argocd_health(obj)
+    assert health["status"] == argocd, obj["status"]["conditions"]
     assert flux_health(obj) == flux, obj["status"]["conditions"]
+    if argocd == "Suspended":  # the message names who scaled to zero: the spec, or the tuner
+        assert ("tuner" in health["message"]) == (tuned is not None), health["message"]

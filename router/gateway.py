@@ -195,6 +195,9 @@ class Gateway:
         table = self.models()
         if model not in table:
             return self.model_not_found(request, model)
+        refused = self.tenants.forbidden(request, model) if self.tenants is not None else None
+        if refused is not None:  # before the pick: a weight-0 name's 503 would name its services
+            return refused
         session = request.headers.get(self.session_header) if self.session_header else None
         if not session and isinstance(parsed, dict) and isinstance(parsed.get("user"), str):
             session = parsed["user"] or None

@@ -211,6 +211,21 @@ class TenantGate:
         for name, value in request.get(_HEADERS_KEY, {}).items():
             response.headers[name] = value
 
+    def forbidden(self, request: web.Request, model: str) -> web.Response | None:
+        """403 `model_not_allowed` when the request's tenant may not call `model` (the gateway asks before it
+        picks a service, so that nothing about the services behind the name answers first); None when it may."""
+        tenant = request[TENANT_KEY]
+        if tenant.allows(model):
+            return None
+        self.metrics.requests.labels(tenant.name, "forbidden").inc()
+        return _error(
+            403,
+            f"tenant {tenant.name} may not call `{model}`; it may call {', '.join(sorted(tenant.models))}",
+            "invalid_request_error",
+            "model_not_allowed",
+            "model",
+        )
+
     async def forward(
         self,
         request: web.Request,
@@ -223,15 +238,9 @@ class TenantGate:
         `takes_priority` False (an fcfs service): the body goes without `priority` (the tenant's or its
         own)."""
         tenant = request[TENANT_KEY]
-        if not tenant.allows(model):
-            self.metrics.requests.labels(tenant.name, "forbidden").inc()
-            return _error(
-                403,
-                f"tenant {tenant.name} may not call `{model}`; it may call {', '.join(sorted(tenant.models))}",
-                "invalid_request_error",
-                "model_not_allowed",
-                "model",
-            )
+        refused = self.forbidden(request, model)
+        if refused is not None:
+            return refused
         wrong = type_error(body)
         if wrong is not None:
             self.metrics.requests.labels(tenant.name, "invalid").inc()

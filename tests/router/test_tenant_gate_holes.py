@@ -295,3 +295,34 @@ def test_a_service_whose_engines_are_all_down_is_a_503_and_the_other_serves() ->
             await engine.stop()
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))
+
+
+def test_a_model_the_tenant_may_not_call_is_a_403_before_any_service_answers() -> None:
+    """The 403 comes before the service is picked: a name whose services all weigh 0 answered the tenant a
+    503 naming those services, and the gateway asked their engines' `/v1/models` for nothing."""
+    gate = TenantGate(tenants(**{"team-a": {"models": ["alpha"]}}))
+
+    async def test(url: str, engine: FakeEngine) -> None:
+        with pytest.raises(openai.PermissionDeniedError) as other:
+            await client(url, "team-a").completions.create(model="gamma", prompt="x", max_tokens=1)
+        assert other.value.body["code"] == "model_not_allowed" and "team-b" not in other.value.body["message"]
+        assert not engine.requests  # not even the served name's lookup
+
+    async def main() -> None:
+        engine = await FakeEngine("engine-a", answer_like_an_engine).start()
+        gateway = Gateway(tenants=gate)
+        router = Router(EndpointSet([engine.url], ready=True), make_policy("round-robin"))
+        gateway.upsert("team-a/alpha", ["alpha"], 100, router)
+        gateway.upsert(
+            "team-b/gamma", ["gamma"], 0, router
+        )  # out of the split: a 503 to those who may call it
+        gateway.synced = True
+        port = free_port()
+        runner = await serve_gateway(gateway, "127.0.0.1", port)
+        try:
+            await test(f"http://127.0.0.1:{port}", engine)
+        finally:
+            await runner.cleanup()
+            await engine.stop()
+
+    asyncio.run(asyncio.wait_for(main(), timeout=60))

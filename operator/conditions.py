@@ -82,6 +82,10 @@ class Rollout:
         if not self.synced:
             return "the Deployment controller has not observed the latest Deployment yet"
         old = self.replicas - self.updated
+        if old == 0 and self.replicas > self.desired:  # the same template, fewer pods: the extra ones stop
+            return (
+                f"scaling down to {self.desired} replicas: {self.replicas - self.desired} pod(s) left to stop"
+            )
         if self.updated < self.desired or old > 0:
             return (
                 f"rolling out a new pod template: {self.updated}/{self.desired} pods updated, "

@@ -176,7 +176,7 @@ ROUTED: dict[str, Any] = {"routing": {"queueTimeoutSeconds": 30}}
             "InProgress",
         ),
         # spec.replicas 0 while the last engines drain: a rollout still runs
-        ({"replicas": 0}, _pods(2, 0, 2), None, "Progressing", "InProgress"),
+        ({"replicas": 0}, _pods(2, 2, 2), None, "Progressing", "InProgress"),
         ({"replicas": 0}, _pods(0, 0, 0), None, "Suspended", "Current"),
         # the tuner at minReplicas 0 took a spec.replicas of 1 to zero engines
         (
@@ -206,3 +206,15 @@ def test_health_follows_the_operators_verdict_not_spec_replicas(
     assert flux_health(obj) == flux, obj["status"]["conditions"]
     if argocd == "Suspended":  # the message names who scaled to zero: the spec, or the tuner
         assert ("tuner" in health["message"]) == (tuned is not None), health["message"]
+
+
+def test_a_scale_down_says_what_is_left() -> None:
+    """Fewer pods of the same template: the message counts the pods left to stop (it said "2/0 replicas
+    available, all on the latest pod template" while two engines drained)."""
+    health = argocd_health(_operator_verdict({"replicas": 0}, _pods(2, 2, 2), None))
+    assert health == {
+        "status": "Progressing",
+        "message": "RollingOut: scaling down to 0 replicas: 2 pod(s) left to stop",
+    }
+    health = argocd_health(_operator_verdict({"replicas": 1}, _pods(3, 3, 3), None))
+    assert health["message"] == "RollingOut: scaling down to 1 replicas: 2 pod(s) left to stop"

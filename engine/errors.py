@@ -12,3 +12,18 @@ class ParameterError(ValueError):
     def __init__(self, param: str, message: str, code: str = "invalid_value") -> None:
         super().__init__(message)
         self.param, self.code = param, code
+
+
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's code for a request longer than the context
+
+
+def context_length_error(param: str, limit: int, detail: str) -> ParameterError:
+    """A request that does not fit the model's context of `limit` tokens, worded as OpenAI's and vLLM's 400
+    opens ("This model's maximum context length is N tokens. However, ..."): clients tell an overflow from
+    other 400s by that sentence, not by the code (LiteLLM raises ContextWindowExceededError, which its
+    context-window fallbacks act on, only for it). `detail` says what did not fit and what to shorten."""
+    return ParameterError(
+        param,
+        f"This model's maximum context length is {limit} tokens. However, {detail}",
+        CONTEXT_LENGTH_EXCEEDED,
+    )

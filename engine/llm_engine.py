@@ -17,6 +17,7 @@ from typing import Any
 from specfleet.engine.block_manager import BlockManager
 from specfleet.engine.config import PRIORITY, EngineConfig, LiveConfig, check_live
 from specfleet.engine.detokenizer import IncrementalDetokenizer, TextCursor, TokenText, replay
+from specfleet.engine.errors import context_length_error
 from specfleet.engine.knobs import KNOBS
 from specfleet.engine.kv_events import ZmqEventPublisher
 from specfleet.engine.kv_events_config import KVEventsConfig
@@ -545,26 +546,28 @@ class Engine:
         for name, tokens in token_fields.items():
             if any(not isinstance(t, int) or not 0 <= t < vocab for t in tokens):
                 raise ParameterError(name, f"{name} must be in [0, {vocab})")
-        if len(ids) >= self.max_model_len:
-            raise ParameterError(
+        limit = self.max_model_len
+        if len(ids) >= limit:
+            raise context_length_error(
                 "prompt",
-                f"prompt has {len(ids)} tokens, the model's context is {self.max_model_len}: "
-                "shorten the prompt so at least one token can be generated",
-                "context_length_exceeded",
+                limit,
+                f"your prompt has {len(ids)} tokens, which leaves no room for a generated token. "
+                "Please reduce the length of the prompt.",
             )
-        if len(ids) + len(params.resume_token_ids or []) >= self.max_model_len:
-            raise ParameterError(
+        resumed = len(params.resume_token_ids or [])
+        if len(ids) + resumed >= limit:
+            raise context_length_error(
                 "resume_token_ids",
-                f"the prompt's {len(ids)} tokens and resume_token_ids' {len(params.resume_token_ids or [])} "
-                f"fill the model's context of {self.max_model_len}: nothing is left to generate",
-                "context_length_exceeded",
+                limit,
+                f"the prompt's {len(ids)} tokens and resume_token_ids' {resumed} fill it: nothing is left to generate.",
             )
-        if params.max_tokens is not None and len(ids) + params.max_tokens > self.max_model_len:
-            raise ParameterError(
+        if params.max_tokens is not None and len(ids) + params.max_tokens > limit:
+            raise context_length_error(
                 "max_tokens",
-                f"max_tokens={params.max_tokens} exceeds the model's context of {self.max_model_len} tokens "
-                f"minus the prompt's {len(ids)}",
-                "context_length_exceeded",
+                limit,
+                f"you requested {len(ids) + params.max_tokens} tokens ({len(ids)} in the prompt, "
+                f"max_tokens={params.max_tokens} in the completion). Please reduce the length of the prompt "
+                "or max_tokens.",
             )
 
     def apply_chat_template(self, messages: list[dict], **controls: Any) -> list[int]:

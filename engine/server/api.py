@@ -1,4 +1,4 @@
-"""OpenAI routes: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models."""
+"""OpenAI routes: /v1/completions, /v1/chat/completions (JSON or SSE), /v1/models and /v1/models/{model}."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 from specfleet.engine.core.client import EngineDeadError, EngineInternalError, QueueFullError
+from specfleet.engine.errors import context_length_error
 from specfleet.engine.outputs import RequestOutput
 from specfleet.engine.sampling_params import ParameterError, SamplingParams
 
@@ -110,26 +111,40 @@ def _sampling_params(
         )
     limit = state.max_model_len
     chat = isinstance(body, ChatCompletionRequest)
+    what = "messages" if chat else "prompt"
     for length in prompt_lens:
         if length is not None and length >= limit:
-            what = "messages (with the chat template)" if chat else "prompt"
-            raise APIError(
-                400,
-                f"{what} has {length} tokens; the model's context is {limit} tokens and the "
-                "prompt must leave room for at least one generated token",
-                "messages" if chat else "prompt",
-                "context_length_exceeded",
+            shown = "your messages (with the chat template) have" if chat else "your prompt has"
+            raise _context_error(
+                context_length_error(
+                    what,
+                    limit,
+                    f"{shown} {length} tokens, which leaves no room for a generated token. "
+                    f"Please reduce the length of the {what}.",
+                )
             )
-        room = limit - (length or 0)
-        if params.max_tokens is not None and params.max_tokens > room:
-            used = f" minus the prompt's {length}" if length else ""
-            raise APIError(
-                400,
-                f"max_tokens={params.max_tokens} exceeds the model's context of {limit} tokens{used}",
-                "max_tokens",
-                "context_length_exceeded",
+        if params.max_tokens is not None and params.max_tokens > limit - (length or 0):
+            field, wanted = _max_tokens_field(body), params.max_tokens
+            asked = (
+                f"you requested {length + wanted} tokens ({length} in the {what}, {field}={wanted} in the "
+                f"completion). Please reduce the length of the {what} or {field}."
+                if length
+                else f"{field}={wanted} asks for more. Please reduce {field}."
             )
+            raise _context_error(context_length_error(field, limit, asked))
     return params
+
+
+def _context_error(exc: ParameterError) -> APIError:
+    return APIError(400, str(exc), exc.param, exc.code)
+
+
+def _max_tokens_field(body: SamplingFields) -> str:
+    """The field that set the completion's length, as the request spelled it (a chat request's
+    `max_completion_tokens` wins over its deprecated `max_tokens`)."""
+    if isinstance(body, ChatCompletionRequest) and body.max_completion_tokens is not None:
+        return "max_completion_tokens"
+    return "max_tokens"
 
 
 async def _submit(
@@ -538,31 +553,44 @@ def _kv_transfer(finals: list[RequestOutput]) -> dict[str, Any]:
     return {"kv_transfer_params": params} if params is not None else {}
 
 
+def _model_cards(state: ServerState) -> list[dict[str, Any]]:
+    """The base model's card, then each LoRA adapter's as vLLM lists them (parent: the base model, root: the
+    adapter's path)."""
+    base = {
+        "id": state.model_name,
+        "object": "model",
+        "created": int(state.started),
+        "owned_by": "specfleet",
+        "max_model_len": state.max_model_len,
+        "scheduling_policy": state.scheduling_policy,  # specfleet's: whether `priority` is taken
+    }
+    adapters = [
+        {
+            "id": name,
+            "object": "model",
+            "created": int(state.started),
+            "owned_by": "specfleet",
+            "parent": state.model_name,
+            "root": path,
+            "max_model_len": state.max_model_len,
+        }
+        for name, path in state.lora_adapters.items()
+    ]
+    return [base, *adapters]
+
+
 @router.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
+    return {"object": "list", "data": _model_cards(get_state(request))}
+
+
+@router.get("/v1/models/{model:path}")
+async def retrieve_model(request: Request, model: str) -> dict[str, Any]:
+    """OpenAI's retrieve (`client.models.retrieve(name)`), which vLLM does not serve: one card of
+    /v1/models, found by its id (a name with a slash arrives whole: the client sends it as %2F); any other
+    name is the 404 `model_not_found` a request naming it gets."""
     state = get_state(request)
-    return {
-        "object": "list",
-        "data": [
-            {
-                "id": state.model_name,
-                "object": "model",
-                "created": int(state.started),
-                "owned_by": "specfleet",
-                "max_model_len": state.max_model_len,
-                "scheduling_policy": state.scheduling_policy,  # specfleet's: whether `priority` is taken
-            },
-            *(  # LoRA adapters as vLLM lists them: parent is the base model, root the adapter's path
-                {
-                    "id": name,
-                    "object": "model",
-                    "created": int(state.started),
-                    "owned_by": "specfleet",
-                    "parent": state.model_name,
-                    "root": path,
-                    "max_model_len": state.max_model_len,
-                }
-                for name, path in state.lora_adapters.items()
-            ),
-        ],
-    }
+    cards = {card["id"]: card for card in _model_cards(state)}
+    if model not in cards:
+        state.check_model(model)  # the 404 that names the models served
+    return cards[model]

@@ -16,6 +16,7 @@ from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Request
 from pydantic import Field
+from specfleet.engine.errors import context_length_error
 from specfleet.engine.request_queue import MAX_PRIORITY, MIN_PRIORITY
 from specfleet.engine.sampling_params import SamplingParams
 
@@ -66,13 +67,13 @@ def _prompts(state: ServerState, body: EmbeddingRequest) -> list[list[int]]:
                 400, f"{where} holds token id {bad[0]}: ids must be in [0, {state.vocab_size})", "input"
             )
         if len(ids) >= state.max_model_len:
-            raise APIError(
-                400,
-                f"{where} has {len(ids)} tokens; the model's context is {state.max_model_len} tokens, and an "
-                f"embedding input may have at most {state.max_model_len - 1}",
+            exc = context_length_error(
                 "input",
-                "context_length_exceeded",
+                state.max_model_len,
+                f"{where} has {len(ids)} tokens, and an embedding input may have at most "
+                f"{state.max_model_len - 1}. Please reduce the length of the input.",
             )
+            raise APIError(400, str(exc), exc.param, exc.code)
         prompts.append(ids)
     return prompts
 

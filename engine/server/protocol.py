@@ -213,9 +213,17 @@ class CompletionRequest(SamplingFields):
     logprobs: int | None = Field(default=None, ge=ALL_LOGPROBS, le=MAX_LOGPROBS)
     echo: bool = Field(default=False, description="Return the prompt before the completion")
     best_of: int | None = Field(default=None, ge=1, le=MAX_N, description="Only best_of == n is supported")
-    suffix: None = Field(default=None, description="suffix is not supported")
+    suffix: str | None = Field(default=None, description="Refused: fill-in-the-middle is not implemented")
     add_special_tokens: bool = Field(default=True, description="Whether text prompts get BOS etc.")
     response_format: ResponseFormat | None = None
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: str | None) -> None:
+        """vLLM refuses it too; typed as a string so the 400 says why, not that a string is not null."""
+        if value is not None:
+            raise ValueError("suffix is not supported (no fill-in-the-middle here); leave it out")
+        return None
 
     @model_validator(mode="after")
     def _check_best_of(self) -> CompletionRequest:

@@ -107,7 +107,11 @@ def test_one_string_and_one_id_list_and_base64(served, reference):
     ("body", "param", "needle"),
     [
         ({"input": "hi", "dimensions": 8}, "dimensions", "dimensions=8 is not supported"),
-        ({"input": list(range(5, 5 + MAX_MODEL_LEN))}, "input", f"the model's context is {MAX_MODEL_LEN}"),
+        (
+            {"input": list(range(5, 5 + MAX_MODEL_LEN))},
+            "input",
+            f"maximum context length is {MAX_MODEL_LEN} tokens",
+        ),
         ({"input": [[1, 2], list(range(5, 5 + MAX_MODEL_LEN))]}, "input", "input[1] has 64 tokens"),
         ({"input": [1, 10**9]}, "input", "token id 1000000000"),
         ({"input": []}, "input", "must not be empty"),

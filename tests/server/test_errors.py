@@ -192,7 +192,7 @@ CASES: list[tuple[str, str, Any, int, str | None]] = [
         "/v1/chat/completions",
         {**CHAT, "max_completion_tokens": 100000},
         400,
-        "max_tokens",
+        "max_completion_tokens",  # the field the request sent, not its deprecated alias
     ),
 ]
 

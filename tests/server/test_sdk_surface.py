@@ -1,0 +1,83 @@
+"""What the SDKs do with the server's answers beyond a generated text, over a real socket: the official
+openai client's `models.retrieve` (OpenAI's GET /v1/models/{model}, which the client percent-encodes, so a
+name with a slash arrives as one path), the client's and LiteLLM's reading of a request longer than the
+context (LiteLLM's ContextWindowExceededError, which its context-window fallbacks act on, is raised only
+for OpenAI's wording), and the completions `suffix` the client offers, refused naming it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+# More tokens than the shared server's 1024-token context, however the template wraps them.
+TOO_LONG = "hello " * 1100
+
+
+def test_models_retrieve_finds_the_served_model_and_404s_any_other(client: Any, model_name: str) -> None:
+    import openai
+
+    card = client.models.retrieve(model_name)
+    assert (card.id, card.object, card.owned_by) == (model_name, "model", "specfleet")
+    assert card.model_dump() == client.models.list().data[0].model_dump()  # the list's card, field for field
+    for name in ("org/not-served", "gpt-4o"):
+        with pytest.raises(openai.NotFoundError) as missing:
+            client.models.retrieve(name)
+        assert (missing.value.code, missing.value.param) == ("model_not_found", "model")
+        assert f"model '{name}' does not exist" in missing.value.message
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": [{"role": "user", "content": TOO_LONG}], "max_tokens": 4}, "messages"),
+        (
+            {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 5000},
+            "max_completion_tokens",
+        ),
+        ({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 5000}, "max_tokens"),
+    ],
+)
+def test_a_request_past_the_context_reads_as_an_overflow(
+    client: Any, server: Any, model_name: str, monkeypatch: pytest.MonkeyPatch, body: dict, param: str
+) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=model_name, **body)
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", param)
+    assert refused.value.message.startswith(
+        "Error code: 400 - This model's maximum context length is 1024 tokens."
+    )
+    assert param in refused.value.message.split("However,")[1]
+
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of the price list at import
+    import litellm
+
+    with pytest.raises(litellm.ContextWindowExceededError):
+        litellm.completion(
+            model=f"openai/{model_name}", api_base=f"{server.url}/v1", api_key="unused", max_retries=0, **body
+        )
+    server.wait_idle()
+    assert server.kv_blocks_in_use() == 0
+
+
+def test_a_completion_prompt_past_the_context_reads_as_an_overflow(client: Any, model_name: str) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model_name, prompt=TOO_LONG, max_tokens=4)
+    assert (refused.value.code, refused.value.param) == ("context_length_exceeded", "prompt")
+    assert (
+        "This model's maximum context length is 1024 tokens. However, your prompt has"
+        in refused.value.message
+    )
+
+
+def test_completions_suffix_is_refused_naming_it(client: Any, model_name: str) -> None:
+    import openai
+
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model_name, prompt="def f(", suffix="return 1", max_tokens=4)
+    assert refused.value.param == "suffix"
+    assert "suffix is not supported" in refused.value.message

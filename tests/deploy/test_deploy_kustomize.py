@@ -36,7 +36,9 @@ pytestmark = pytest.mark.skipif(
 
 
 def kustomize(folder: str) -> list[dict[str, Any]]:
-    result = subprocess.run([KUBECTL, "kustomize", str(KUSTOMIZE / folder)], capture_output=True, text=True)
+    result = subprocess.run(
+        [str(KUBECTL), "kustomize", str(KUSTOMIZE / folder)], capture_output=True, text=True
+    )
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
@@ -144,7 +146,7 @@ def test_a_drifted_overlay_is_caught(tmp_path: Path) -> None:
     assert every in rbac.read_text()  # a rule to cut, else the comparison below proves nothing
     rbac.write_text(rbac.read_text().replace(every, 'verbs: ["get"]'))
     result = subprocess.run(
-        [KUBECTL, "kustomize", str(copy / "base")], capture_output=True, text=True, check=True
+        [str(KUBECTL), "kustomize", str(copy / "base")], capture_output=True, text=True, check=True
     )
     ours = by_key([o for o in yaml.safe_load_all(result.stdout) if o])
     theirs = by_key([_drop_helm_labels(o) for o in helm_objects(None)])

@@ -278,6 +278,8 @@ class ChatShape:
             log.exception("event=tool_parser_failed parser=%s", plan.tool_parser.name)
             return _Read(reasoning, answer, [])
         calls = [PartialCall(name, arguments, True) for name, arguments in parsed.calls]
+        if plan.tools.one_call:
+            calls = calls[:1]
         return _Read(reasoning, parsed.content if parsed.content or not calls else None, calls)
 
     def finish_reason(self, out: CompletionOutput, read: _Read) -> str | None:

@@ -7,7 +7,8 @@
   `parameters` schema; the whole output is that call's arguments.
 - `required`: the output is constrained to a JSON array of `{"name": ..., "parameters": ...}` objects, one
   `anyOf` branch per tool (vLLM's `get_json_schema_from_tools`); `parallel_tool_calls: false` caps it at one.
-- `auto`: free text, read by the tool-call parser named at start (tool_parsers.py).
+- `auto`: free text, read by the tool-call parser named at start (tool_parsers.py); with
+  `parallel_tool_calls: false` only the first call read is answered, as vLLM does.
 
 The output of a constrained choice is read with `required_calls`, which also reads a prefix of it, so that a
 stream sends each call's id and name as soon as they are known and then its arguments as they are written.
@@ -43,6 +44,9 @@ class ToolPlan:
     choice: str  # "none" | "auto" | "required" | "named"
     name: str | None = None  # the named function's name
     spec: StructuredOutputSpec | None = None
+    # parallel_tool_calls: false under auto: only the first call the parser reads is answered (vLLM #26233;
+    # the text is generated as the model writes it, the calls after the first are dropped)
+    one_call: bool = False
 
     @property
     def constrained(self) -> bool:
@@ -84,7 +88,7 @@ def plan_tools(
         return ToolPlan("required", None, StructuredOutputSpec.json_schema(schema, "tool_choice"))
     if tool_choice == "auto" and auto_parser is None:
         raise APIError(400, AUTO_FLAGS_MESSAGE, "tool_choice", "invalid_value")
-    return ToolPlan(tool_choice)
+    return ToolPlan(tool_choice, one_call=tool_choice == "auto" and parallel_tool_calls is False)
 
 
 def required_schema(tools: list[ChatTool], one_call: bool = False) -> dict[str, Any]:

@@ -208,6 +208,39 @@ def test_auto_reads_the_models_calls_and_gives_malformed_ones_back_as_content(cl
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == bad
 
 
+def test_auto_with_parallel_tool_calls_false_answers_the_first_call_only(client, tool_server) -> None:
+    """vLLM's reading of `parallel_tool_calls: false` under auto (the model is free to write two calls; the
+    answer has the first): LangGraph and the Agents SDK send it to run one tool per turn. The two calls are
+    forced with a regex, so the parser's input is known."""
+    two = (
+        '<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo", "days": 2}}</tool_call>\n'
+        '<tool_call>{"name": "get_time", "arguments": {"zone": "UTC"}}</tool_call>'
+    )
+    regex = "".join("\\" + ch if ch in "{}[]()" else ch for ch in two)
+    request = {
+        "model": tool_server.state.model_name,
+        "messages": ASK,
+        "tools": [WEATHER, TIME],
+        "tool_choice": "auto",
+        "extra_body": {"structured_outputs": {"regex": regex}},
+        **FAST,
+        "max_tokens": 120,  # both calls whole (about 60 tokens), so the first cannot be all there is
+    }
+
+    def names(message: Any) -> list[str]:
+        return [c.function.name for c in message.tool_calls or []]
+
+    both = client.chat.completions.create(**request).choices[0]
+    assert names(both.message) == ["get_weather", "get_time"]
+    one = client.chat.completions.create(parallel_tool_calls=False, **request).choices[0]
+    assert names(one.message) == ["get_weather"] and one.finish_reason == "tool_calls"
+    assert one.message.tool_calls[0].function.arguments == both.message.tool_calls[0].function.arguments
+    with client.chat.completions.stream(parallel_tool_calls=False, **request) as stream:
+        streamed = stream.get_final_completion().choices[0]  # the client's own accumulation of the deltas
+    assert names(streamed.message) == ["get_weather"] and streamed.finish_reason == "tool_calls"
+    assert (streamed.message.content or None) == one.message.content  # the text between the calls, if any
+
+
 def test_auto_without_a_parser_is_a_400_naming_the_flags(client, server) -> None:
     with pytest.raises(openai.BadRequestError) as err:
         client.chat.completions.create(model=server.state.model_name, messages=ASK, tools=[WEATHER], **FAST)

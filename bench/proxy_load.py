@@ -3,8 +3,9 @@ generator cheaper than the proxies it measures. Both are raw asyncio protocols (
 measured cost is the proxy's and not theirs.
 
 - `Upstream`: answers every `/v1/...` request with a prepared Server-Sent Events stream of `CHUNKS` chunked
-  events, one `write` each (one send each: an engine that emits tokens one at a time, without pausing), and
-  anything else (`/ready`, `/health`) with a small JSON 200. HTTP/1.1 keep-alive; request bodies must carry
+  events, one `write` each (one send each: an engine that emits tokens one at a time, without pausing),
+  `GET /v1/models` with its one model card (the gateway asks for the name the engine serves), and anything
+  else (`/ready`, `/health`) with a small JSON 200. HTTP/1.1 keep-alive; request bodies must carry
   Content-Length (every client here sends one).
 - `Connection`: one keep-alive client connection; `request()` sends one prepared request and returns its
   latency, from the write to the last byte of the response, after checking the status and that all
@@ -31,6 +32,11 @@ STREAM_HEAD = (
     b"Transfer-Encoding: chunked\r\n\r\n"
 )
 SMALL_200 = b'HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 15\r\n\r\n{"status":"ok"}'
+_MODELS = json.dumps({"object": "list", "data": [{"id": "bench", "object": "model"}]}).encode()
+MODELS_200 = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (
+    len(_MODELS),
+    _MODELS,
+)
 MAX_HEAD_BYTES = 64 * 1024  # a request head larger than this is not one of ours: the connection is closed
 
 
@@ -77,7 +83,10 @@ class Upstream(asyncio.Protocol):
             if len(self.buffer) < size:
                 return
             self.buffer = self.buffer[size:]
-            if head.split(b" ", 2)[1].startswith(b"/v1/"):
+            target = head.split(b" ", 2)[1]
+            if target == b"/v1/models":
+                self.transport.write(MODELS_200)
+            elif target.startswith(b"/v1/"):
                 self.transport.write(STREAM_HEAD)
                 for chunk in self.chunks:
                     self.transport.write(chunk)
@@ -93,12 +102,14 @@ async def start_upstream(host: str = "127.0.0.1", port: int = 0) -> tuple[asynci
     return server, server.sockets[0].getsockname()[1]
 
 
-def completion_request(host: str, port: int, prompt: str) -> bytes:
-    """A streamed completion request, as an OpenAI client sends it (the router hashes the prompt)."""
+def completion_request(host: str, port: int, prompt: str, api_key: str | None = None) -> bytes:
+    """A streamed completion request, as an OpenAI client sends it (the router hashes the prompt), with the
+    client's `Authorization` when it has a key."""
     body = json.dumps({"model": "bench", "prompt": prompt, "max_tokens": CHUNKS, "stream": True}).encode()
+    auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
     return (
         f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-        f"Accept: text/event-stream\r\nContent-Length: {len(body)}\r\n\r\n"
+        f"Accept: text/event-stream\r\n{auth}Content-Length: {len(body)}\r\n\r\n"
     ).encode() + body
 
 

@@ -55,7 +55,8 @@ PROMPT = "You are a helpful assistant. Answer briefly and cite the handbook. " *
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 # `--router-src DIR`: `specfleet router` with the package specfleet.router loaded from DIR (another
 # checkout's router/ folder, e.g. from `git archive REV router`), so one run compares two versions.
-ROUTER_FROM_SOURCE = """
+# `specfleet.router` from the folder the first argument names (`--router-src`), instead of the installed one
+LOAD_ROUTER_SOURCE = """
 import importlib.util, sys
 folder = sys.argv.pop(1)
 spec = importlib.util.spec_from_file_location(
@@ -64,9 +65,14 @@ spec = importlib.util.spec_from_file_location(
 module = importlib.util.module_from_spec(spec)
 sys.modules["specfleet.router"] = module
 spec.loader.exec_module(module)
+"""
+ROUTER_FROM_SOURCE = (
+    LOAD_ROUTER_SOURCE
+    + """
 from specfleet.router.cli import main
 sys.exit(main(sys.argv[1:]))
 """
+)
 
 
 def nginx_config(tmp: Path, port: int, upstream_port: int) -> str:

@@ -10,6 +10,11 @@ twice:
    function's own time per request, summed by package (the router's code, aiohttp, logging, asyncio,
    uvloop's and httptools' C methods, ...), and the functions that cost the most.
 
+`--gateway open|tenants` measures the gateway instead (`specfleet router --gateway`, or `specfleet up` over
+several services): one service named `bench` over the same fake engine; `tenants` adds the tenant gate (one
+tenant whose rpm and tpm limits are never reached, so every request is admitted, charged and settled, and
+each stream asked for its usage and read for it), the requests carrying its key.
+
 The CPU per request at a fixed concurrency moves less with other work on the host than the latencies and
 rates of the comparison with nginx do; cProfile's own overhead inflates the profiled figures (about 2x for
 code that makes many small calls), so compare profiles with profiles and plain CPU with plain CPU.
@@ -37,6 +42,7 @@ from specfleet.bench.proxy_load import Connection, completion_request, start_ups
 from specfleet.bench.router_cost import (
     CLOCK_TICKS,
     HOST,
+    LOAD_ROUTER_SOURCE,
     PROMPT,
     ROUTER_FROM_SOURCE,
     Proxies,
@@ -69,6 +75,43 @@ THIS_ROUTER = """
 import runpy
 runpy.run_module("specfleet.router", run_name="__main__")
 """
+# The gateway over the fake engine (`--gateway`): argv endpoint, host, port, and a tenants file or "".
+GATEWAY_MAIN = """
+import asyncio, logging, signal, sys
+from specfleet.router.cli import event_loop_factory
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.gateway import Gateway, serve_gateway
+from specfleet.router.policies import DEFAULT_POLICY, service_policy
+from specfleet.router.prefix import BlockHasher
+from specfleet.router.proxy import Router
+endpoint, host, port, tenants = sys.argv[1:5]
+
+async def main():
+    gate = None
+    if tenants:
+        from specfleet.router.tenant_gate import TenantGate
+        from specfleet.router.tenants import TenantTable, load_tenants_file
+        gate = TenantGate(TenantTable(load_tenants_file(tenants)))
+    gateway = Gateway(tenants=gate)
+    policy = service_policy(DEFAULT_POLICY, True, 125)
+    router = Router(EndpointSet([endpoint], ready=True), policy, BlockHasher(16), "x-session-id")
+    gateway.upsert("bench/bench", ["bench"], 100, router)
+    gateway.synced = True
+    server = await serve_gateway(gateway, host, int(port))
+    stop = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop.set)
+    await stop.wait()
+    await server.cleanup()
+
+logging.basicConfig(level="INFO")
+with asyncio.Runner(loop_factory=event_loop_factory()) as runner:
+    runner.run(main())
+"""
+# The tenant of `--gateway tenants`: limits far above what a run sends, so that every request is admitted
+BENCH_KEY = "bench-key-0123456789abcdef"
+BENCH_TENANTS = {
+    "tenants": [{"name": "bench", "keys": [BENCH_KEY], "models": ["bench"], "rpm": 10**9, "tpm": 10**12}]
+}
 WARMUP_PER_CONNECTION = 20  # requests on each connection before the measured load: pools, caches, JIT-free
 TOP_FUNCTIONS = 25
 
@@ -79,10 +122,12 @@ def user_system_seconds(pid: int) -> tuple[float, float]:
     return int(fields[11]) / CLOCK_TICKS, int(fields[12]) / CLOCK_TICKS
 
 
-async def fixed_load(port: int, concurrency: int, requests: int, warm: Callable[[], None]) -> float:
+async def fixed_load(
+    port: int, concurrency: int, requests: int, warm: Callable[[], None], api_key: str | None = None
+) -> float:
     """`requests` requests over `concurrency` keep-alive connections (each its share, one after the
     other); the seconds the measured part took, after a warm-up on each connection and then `warm()`."""
-    request = completion_request(HOST, port, PROMPT)
+    request = completion_request(HOST, port, PROMPT, api_key)
     conns = [Connection(HOST, port, request) for _ in range(concurrency)]
     share = [requests // concurrency + (1 if i < requests % concurrency else 0) for i in range(concurrency)]
 
@@ -101,9 +146,12 @@ async def fixed_load(port: int, concurrency: int, requests: int, warm: Callable[
             conn.close()
 
 
-def start_router(proxies: Proxies, upstream_port: int, stats: Path | None) -> Target:
-    """The router alone (no nginx), profiled when `stats` names where its cProfile stats go."""
+def start_router(proxies: Proxies, upstream_port: int, stats: Path | None, gateway: str = "none") -> Target:
+    """The router alone (no nginx), profiled when `stats` names where its cProfile stats go; with `gateway`
+    open or tenants, the gateway over one service instead."""
     port = free_port()
+    if gateway != "none":
+        return start_gateway(proxies, upstream_port, port, stats, gateway == "tenants")
     launch = ["-m", "specfleet.router"] if stats is None else []
     if stats is not None:
         launch = ["-c", PROFILED + (ROUTER_FROM_SOURCE if proxies.router_src else THIS_ROUTER), str(stats)]
@@ -114,6 +162,25 @@ def start_router(proxies: Proxies, upstream_port: int, stats: Path | None) -> Ta
     argv = [*launch, "--endpoint", f"http://{HOST}:{upstream_port}", "--host", HOST, "--port", str(port)]
     argv += proxies.router_args
     proc = proxies._spawn("router", python_command(*argv))
+    return Target("router", port, proc.pid)
+
+
+def start_gateway(
+    proxies: Proxies, upstream_port: int, port: int, stats: Path | None, tenants: bool
+) -> Target:
+    """GATEWAY_MAIN in a child, from `--router-src` when given, profiled when `stats` is given."""
+    code, argv = GATEWAY_MAIN, []
+    if proxies.router_src:
+        code, argv = LOAD_ROUTER_SOURCE + code, [proxies.router_src]
+    if stats is not None:
+        code, argv = PROFILED + code, [str(stats), *argv]
+    tenants_file = ""
+    if tenants:
+        path = proxies.tmp / "tenants.json"
+        path.write_text(json.dumps(BENCH_TENANTS))
+        tenants_file = str(path)
+    argv += [f"http://{HOST}:{upstream_port}", HOST, str(port), tenants_file]
+    proc = proxies._spawn("router", python_command("-c", code, *argv))
     return Target("router", port, proc.pid)
 
 
@@ -187,12 +254,13 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
     out: dict[str, Any] = {"placement": placement, "concurrency": args.concurrency, "requests": args.requests}
     out["router_src"] = args.router_src or "installed"
     out["max_resumes"] = args.max_resumes
+    out["gateway"] = args.gateway
     try:
         for mode in ("plain", "profiled"):
             stats = tmp / "router.prof" if mode == "profiled" else None
             proxies = Proxies(tmp, upstream_port, proxy_core, args.router_src, router_args(args.max_resumes))
             try:
-                target = start_router(proxies, upstream_port, stats)
+                target = start_router(proxies, upstream_port, stats, args.gateway)
                 await wait_ready(target, proxies)
                 pid = target.pid
                 assert pid is not None
@@ -205,7 +273,8 @@ async def profile(args: argparse.Namespace) -> dict[str, Any]:
                         os.kill(pid, signal.SIGUSR1)
                     cpu[0] = user_system_seconds(pid)
 
-                seconds = await fixed_load(target.port, args.concurrency, args.requests, warm)
+                key = BENCH_KEY if args.gateway == "tenants" else None
+                seconds = await fixed_load(target.port, args.concurrency, args.requests, warm, key)
                 user, system = (
                     after - before for after, before in zip(user_system_seconds(pid), cpu[0], strict=True)
                 )
@@ -261,6 +330,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="profile the router from this router/ folder (`git archive REV router | tar -x -C DIR/..`)",
     )
     add_max_resumes(p)
+    p.add_argument(
+        "--gateway",
+        choices=["none", "open", "tenants"],
+        default="none",
+        help="measure the gateway over one service instead of the router: open, or with the tenant gate",
+    )
     p.add_argument("--out", default="bench-router-profile.json")
     return p
 
@@ -292,6 +367,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = {
         "router_src": result["router_src"],
         "max_resumes": result["max_resumes"],
+        "gateway": result["gateway"],
         "concurrency": result["concurrency"],
         "requests": result["requests"],
         "cpu_us_per_request": result["plain"]["cpu_us_per_request"],

@@ -20,12 +20,12 @@ from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from pathlib import Path
 from typing import Any
 
-from aiohttp import web
 from specfleet.operator.inference_service import (
     InferenceService,
     InvalidInferenceService,
     load_inference_service,
 )
+from specfleet.router.front import Front
 from specfleet.router.gateway import Gateway, serve_gateway
 from specfleet.router.gateway_discovery import DEFAULT_INTERVAL_S
 from specfleet.router.policies import POLICIES
@@ -36,7 +36,7 @@ from specfleet.router.tracing import add_trace_flag, traces_endpoint
 from specfleet.tuner.loop import Tick
 
 from .cores import CorePool
-from .supervisor import LocalFleet, free_port
+from .supervisor import LocalFleet
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -302,7 +302,7 @@ async def run_gateway(
     gateway = Gateway(tenants=tenants)
     # the process's one tracer per collector (RouterTracer.from_endpoint), which the routers share
     gateway.tracer = fleets[0].router.tracer
-    runner: web.AppRunner | None = None
+    runner: Front | None = None
     tasks: list[asyncio.Task[None]] = []
 
     async def started() -> None:
@@ -313,8 +313,8 @@ async def run_gateway(
                 service_key(fleet.isvc), (fleet.isvc.name, *routing.aliases), routing.weight, fleet.router
             )
         gateway.synced = True
-        port = port or free_port(host)
         runner = await serve_gateway(gateway, host, port)
+        port = runner.port  # the one asked for, or the kernel's pick for 0 (no race with another socket)
         tasks.append(asyncio.create_task(follow_files(gateway, files, fleets, interval_s)))
         tasks.extend(asyncio.create_task(job) for job in jobs)
         print(

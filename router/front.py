@@ -45,6 +45,10 @@ from .upstream import EnginePool, EngineResponse, EngineUnreachable
 
 logger = logging.getLogger("specfleet.router")
 T = TypeVar("T")
+# Headers a hop before the router adds to whatever answers the request (the gateway's service that answered,
+# the tenant's rate limits): the front writes them into the head of every answer, the aiohttp applications
+# add them as the response is prepared (`add_response_headers`).
+RESPONSE_HEADERS = web.RequestKey("specfleet_response_headers", dict)
 
 # The request line and headers together: nginx's default large_client_header_buffers are 4 x 8 KiB and
 # aiohttp's were 8190 bytes a line; 16 KiB holds any OpenAI client's head with room for long API keys and
@@ -79,7 +83,7 @@ class Forwarder(Protocol):
 
     stopping: bool
 
-    def forward(self, request: Any, body: bytes | None = None) -> Awaitable[Any]: ...
+    def forward(self, request: FrontRequest) -> Awaitable[Any]: ...
 
 
 class FrontRequest:
@@ -123,6 +127,9 @@ class FrontRequest:
     def get(self, key: web.RequestKey[T]) -> T | None:
         return cast("T | None", self._values.get(key))
 
+    def __getitem__(self, key: web.RequestKey[T]) -> T:
+        return cast("T", self._values[key])
+
     def __setitem__(self, key: web.RequestKey[T], value: T) -> None:
         self._values[key] = value
 
@@ -152,6 +159,9 @@ class FrontResponse:
         lines = [f"HTTP/1.1 {status} {_REASONS.get(status, 'Unknown')}\r\n"]
         for name, value in headers:
             lines.append(f"{name}: {value}\r\n")
+        added = request._values.get(RESPONSE_HEADERS)
+        if added:
+            lines.extend(f"{name}: {value}\r\n" for name, value in added.items())
         if self._chunked:
             lines.append("Transfer-Encoding: chunked\r\n")
         if close:
@@ -238,6 +248,20 @@ class FrontResponse:
             self._conn.head_sent = True
         if pieces:
             await self._conn.send(pieces)
+
+
+def add_response_headers(request: web.Request | FrontRequest, headers: dict[str, str]) -> None:
+    """Headers for the answer to `request`, whoever writes it (RESPONSE_HEADERS)."""
+    added = request.get(RESPONSE_HEADERS)
+    if added is None:
+        request[RESPONSE_HEADERS] = added = {}
+    added.update(headers)
+
+
+async def write_response_headers(request: web.Request, response: web.StreamResponse) -> None:
+    """RESPONSE_HEADERS on an aiohttp application's answer (its `on_response_prepare` hook)."""
+    for name, value in request.get(RESPONSE_HEADERS, {}).items():
+        response.headers[name] = value
 
 
 class _Refused(Exception):

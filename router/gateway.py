@@ -24,7 +24,7 @@ import logging
 import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, overload
 
 import aiohttp
 from aiohttp import web
@@ -32,7 +32,8 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
 
-from .proxy import MAX_BODY_BYTES, Router, start_app
+from .front import Front, FrontRequest, add_response_headers, write_response_headers
+from .proxy import MAX_BODY_BYTES, Answer, ClientRequest, Router, serve_behind_front
 from .tracing import SERVICE_KEY, RouterTracer
 from .weights import Candidate, WeightedSplit
 
@@ -154,12 +155,12 @@ class Gateway:
         return sum(s.router.in_flight for s in self.services.values())
 
     # ---- HTTP ---------------------------------------------------------------------------------------
-    def known(self, request: web.Request) -> str:
+    def known(self, request: ClientRequest) -> str:
         """The model names the caller may see (with tenants, its tenant's only), for an error's message."""
         names = sorted(self.visible(request))
         return ", ".join(names) if names else "none (no InferenceService discovered yet)"
 
-    def model_not_found(self, request: web.Request, model: str) -> web.Response:
+    def model_not_found(self, request: ClientRequest, model: str) -> web.Response:
         """OpenAI's 404 for a model nobody serves, listing the ones the caller may see."""
         return _error(
             404,
@@ -169,12 +170,26 @@ class Gateway:
             "model",
         )
 
-    async def forward(self, request: web.Request) -> web.StreamResponse:
+    @overload
+    async def forward(self, request: web.Request) -> web.StreamResponse: ...
+    @overload
+    async def forward(self, request: FrontRequest) -> Answer: ...
+    async def forward(self, request: ClientRequest) -> Answer:
+        """Every `/v1/...` request, from the raw front or the aiohttp application: the tenant's key first
+        (a 401 before anything else, without a span), then the model list or the service's router."""
+        if self.tenants is not None:
+            refused = self.tenants.identify(request)
+            if refused is not None:
+                return refused
+        if request.method == "GET" and (
+            request.path == "/v1/models" or request.path.startswith("/v1/models/")
+        ):
+            return self.list_models(request) if request.path == "/v1/models" else self.get_model(request)
         if self.tracer is not None:  # the request's SERVER span, which the service's router joins
             return await self.tracer.serve(request, lambda: self._forward(request))
         return await self._forward(request)
 
-    async def _forward(self, request: web.Request) -> web.StreamResponse:
+    async def _forward(self, request: ClientRequest) -> Answer:
         body = await request.read()  # aiohttp keeps it: the service's router reads the same bytes
         try:
             parsed = json.loads(body) if body else None
@@ -211,6 +226,7 @@ class Gateway:
                 None,
             )
         request[_SERVICE_KEY] = service.key
+        add_response_headers(request, {SERVICE_HEADER: service.key})
         served = await self.served_name(service)
         if self.tenants is not None and isinstance(parsed, dict):
             body_for_engine = {**parsed, "model": served or model}
@@ -255,19 +271,21 @@ class Gateway:
             "services": [{"service": s.key, "weight": s.weight} for s in services],
         }
 
-    def visible(self, request: web.Request) -> dict[str, list[Service]]:
+    def visible(self, request: ClientRequest) -> dict[str, list[Service]]:
         """The model table as the caller may see it: with tenants, only its models."""
         table = self.models()
         return table if self.tenants is None else self.tenants.visible(request, table)
 
-    async def list_models(self, request: web.Request) -> web.Response:
+    def list_models(self, request: ClientRequest) -> web.Response:
+        """`GET /v1/models`: the models the caller may call."""
         table = self.visible(request)
         return web.json_response(
             {"object": "list", "data": [self.model_card(n, s) for n, s in sorted(table.items())]}
         )
 
-    async def get_model(self, request: web.Request) -> web.Response:
-        name = request.match_info["name"]
+    def get_model(self, request: ClientRequest) -> web.Response:
+        """`GET /v1/models/NAME` (a name may hold slashes: org/model)."""
+        name = request.path[len("/v1/models/") :]
         services = self.visible(request).get(name)
         if services is None:
             return self.model_not_found(request, name)
@@ -317,9 +335,7 @@ def create_gateway_app(gateway: Gateway) -> web.Application:
         return web.Response(body=generate_latest(registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def on_prepare(request: web.Request, response: web.StreamResponse) -> None:
-        key = request.get(_SERVICE_KEY)
-        if key is not None:
-            response.headers[SERVICE_HEADER] = key
+        await write_response_headers(request, response)
         if gateway.stopping:  # as the router does (proxy.py): a keep-alive client reconnects elsewhere
             response.force_close()
             response.headers["Connection"] = "close"
@@ -331,13 +347,14 @@ def create_gateway_app(gateway: Gateway) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    app.router.add_get("/v1/models", gateway.list_models)
-    app.router.add_get("/v1/models/{name:.+}", gateway.get_model)
+    # what the raw front hands the gateway itself (serve_gateway); here for an application served alone
     app.router.add_route("*", "/v1/{path:.*}", gateway.forward)
     app.on_response_prepare.append(on_prepare)
     app.on_cleanup.append(on_cleanup)
     return app
 
 
-async def serve_gateway(gateway: Gateway, host: str, port: int) -> web.AppRunner:
-    return await start_app(create_gateway_app(gateway), host, port)
+async def serve_gateway(gateway: Gateway, host: str, port: int) -> Front:
+    """The gateway on host:port (0: a port the kernel picks, `Front.port`): `/v1/...` on the router's raw
+    front (router/front.py), /health, /ready and /metrics on its application behind it."""
+    return await serve_behind_front(gateway, create_gateway_app(gateway), host, port)

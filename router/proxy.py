@@ -42,7 +42,7 @@ from .adapters import AdapterTable
 from .chat_template import ChatTemplate, Unrenderable
 from .chunked import ChunkedTail
 from .endpoints import EndpointSet
-from .front import Front, FrontRequest, FrontResponse, start_front
+from .front import Forwarder, Front, FrontRequest, FrontResponse, start_front
 from .kv_subscriber import KVEventFeeds
 from .metrics import RouterMetrics
 from .policies import Choice, RouteRequest, RoutingPolicy
@@ -651,16 +651,14 @@ CLEANUP_GRACE_SECONDS = 0.5
 async def serve(router: Router, host: str, port: int) -> Front:
     """Start the router's server on the running loop: the raw front (router/front.py) on host:port, its
     application behind it on a loopback port; the caller keeps the front and cleans it up."""
-    app = create_app(router)
-    return await start_front(router, app, host, port, _start_app_on, MAX_BODY_BYTES, CLEANUP_GRACE_SECONDS)
+    return await serve_behind_front(router, create_app(router), host, port)
 
 
-async def start_app(app: web.Application, host: str, port: int) -> web.AppRunner:
-    """Serve `app` (the router's or the gateway's) on host:port, cancelling a handler whose client left and
-    giving requests CLEANUP_GRACE_SECONDS at cleanup; the caller keeps the runner and cleans it up."""
-    runner = await _runner(app)
-    await web.TCPSite(runner, host, port).start()
-    return runner
+async def serve_behind_front(forwarder: Forwarder, app: web.Application, host: str, port: int) -> Front:
+    """The raw front on host:port handing `/v1/...` to `forwarder` (a Router, the gateway), `app` on a
+    loopback port behind it for the rest; handlers whose client left are cancelled, and requests get
+    CLEANUP_GRACE_SECONDS at cleanup. Port 0 takes one the kernel picks (`Front.port`)."""
+    return await start_front(forwarder, app, host, port, _start_app_on, MAX_BODY_BYTES, CLEANUP_GRACE_SECONDS)
 
 
 async def _start_app_on(app: web.Application, sock: socket.socket) -> web.AppRunner:

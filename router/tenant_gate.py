@@ -34,7 +34,8 @@ from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
 from . import tracing
-from .proxy import DROP_AUTHORIZATION, RESPONSE_TAP, Router, prompt_text
+from .front import add_response_headers
+from .proxy import DROP_AUTHORIZATION, RESPONSE_TAP, Answer, ClientRequest, Router, prompt_text
 from .quota import Limiter, LocalLimiter, Verdict
 from .tenants import UNKNOWN_TENANT, Tenant, TenantTable
 from .usage_tap import UsageTap
@@ -42,7 +43,6 @@ from .usage_tap import UsageTap
 logger = logging.getLogger("specfleet.router.tenants")
 
 TENANT_KEY = web.RequestKey("specfleet_tenant", Tenant)
-_HEADERS_KEY = web.RequestKey("specfleet_ratelimit_headers", dict)
 # Without the model's tokenizer a prompt is estimated at 4 bytes of UTF-8 per token: the usual figure for
 # English with BPE vocabularies (OpenAI's tokenizer guide says ~4 characters); the end of the request
 # charges the engine's real count, so the estimate only decides admission.
@@ -165,9 +165,9 @@ class TenantGate:
         self._settling: set[asyncio.Task[None]] = set()
 
     def install(self, app: web.Application, registry: CollectorRegistry) -> None:
-        """The gate on the gateway's app: the key check before every handler, the headers on every answer."""
+        """The gate on the gateway's application: the key check before every handler but the open ones (the
+        gateway checks the `/v1/...` requests the raw front hands it: Gateway.forward)."""
         app.middlewares.append(self.authenticate)
-        app.on_response_prepare.append(self._add_headers)
         app.on_cleanup.append(self._close)
         self.metrics.register(registry)
 
@@ -184,6 +184,14 @@ class TenantGate:
     ) -> web.StreamResponse:
         if request.path in OPEN_PATHS:
             return await handler(request)
+        refused = self.identify(request)
+        return refused if refused is not None else await handler(request)
+
+    def identify(self, request: ClientRequest) -> web.Response | None:
+        """The tenant whose key the request shows, kept on the request (TENANT_KEY, and the span's
+        tracing.TENANT_KEY); else the 401 to answer. A request already identified passes."""
+        if request.get(TENANT_KEY) is not None:
+            return None
         auth = request.headers.get("Authorization", "")
         scheme, _, key = auth.partition(" ")
         tenant = self.table.find(key.strip()) if scheme.lower() == "bearer" and key.strip() else None
@@ -199,19 +207,15 @@ class TenantGate:
             )
         request[TENANT_KEY] = tenant
         request[tracing.TENANT_KEY] = tenant.name  # the request's span carries it (router/tracing.py)
-        return await handler(request)
+        return None
 
     @staticmethod
-    def visible(request: web.Request, table: dict[str, T]) -> dict[str, T]:
+    def visible(request: ClientRequest, table: dict[str, T]) -> dict[str, T]:
         """The part of a model table the request's tenant may call (`/v1/models` lists only that)."""
         tenant = request[TENANT_KEY]
         return {name: entry for name, entry in table.items() if tenant.allows(name)}
 
-    async def _add_headers(self, request: web.Request, response: web.StreamResponse) -> None:
-        for name, value in request.get(_HEADERS_KEY, {}).items():
-            response.headers[name] = value
-
-    def forbidden(self, request: web.Request, model: str) -> web.Response | None:
+    def forbidden(self, request: ClientRequest, model: str) -> web.Response | None:
         """403 `model_not_allowed` when the request's tenant may not call `model` (the gateway asks before it
         picks a service, so that nothing about the services behind the name answers first); None when it may."""
         tenant = request[TENANT_KEY]
@@ -228,12 +232,12 @@ class TenantGate:
 
     async def forward(
         self,
-        request: web.Request,
+        request: ClientRequest,
         body: dict[str, Any],
         model: str,
         router: Router,
         takes_priority: bool = True,
-    ) -> web.StreamResponse:
+    ) -> Answer:
         """One request through the gate to `router`; `body` already names the model the engine serves.
         `takes_priority` False (an fcfs service): the body goes without `priority` (the tenant's or its
         own)."""
@@ -253,7 +257,7 @@ class TenantGate:
         if not verdict.allowed:
             return self._refused(tenant, verdict, tokens)
         self.metrics.requests.labels(tenant.name, "ok").inc()
-        request[_HEADERS_KEY] = verdict.headers()
+        add_response_headers(request, verdict.headers())
         tap = self._rewrite(body, tenant, request.match_info.get("path", ""), takes_priority)
         tap.keep_text = tap.stream and tokens == floor  # no max_tokens: the estimate holds no answer
         request[RESPONSE_TAP] = tap

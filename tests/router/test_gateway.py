@@ -1,7 +1,8 @@
 """`specfleet router --gateway` over real sockets: two real engines (the tiny llama, each serving under a name
 of its own) behind one gateway, driven by the official openai client. Routing by `model` (served name and
 aliases), `/v1/models` as the union, an unknown model's 404 listing the known ones, the canary split by
-weight (exact, by smooth weighted round robin), sticky sessions, and a weight change followed at once."""
+weight (exact, by smooth weighted round robin), sticky sessions, and a weight change followed at once; the
+`/v1` answers written by the router's raw front, the rest by the application behind it."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ from collections.abc import Awaitable, Callable
 
 import aiohttp
 import pytest
-from helpers import free_port
 from specfleet.router.endpoints import EndpointSet
 from specfleet.router.gateway import SERVICE_HEADER, Gateway, serve_gateway
 from specfleet.router.policies import service_policy
@@ -34,8 +34,8 @@ def service_router(url: str) -> Router:
 
 def run_gateway(gateway: Gateway, test: Callable[[openai.AsyncOpenAI], Awaitable[None]]) -> None:
     async def main() -> None:
-        port = free_port()
-        runner = await serve_gateway(gateway, "127.0.0.1", port)
+        runner = await serve_gateway(gateway, "127.0.0.1", 0)
+        port = runner.port  # the kernel's pick: no other socket can take it between a pick and a bind
         client = openai.AsyncOpenAI(
             base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=60
         )
@@ -163,5 +163,39 @@ def test_a_canary_without_ready_engines_does_not_take_its_share(engines: dict[st
         with pytest.raises(openai.BadRequestError) as no_model:
             await client.post("/completions", body={"prompt": "x"}, cast_to=object)
         assert isinstance(no_model.value.body, dict) and no_model.value.body["param"] == "model"
+
+    run_gateway(gateway, test)
+
+
+def test_v1_is_answered_by_the_raw_front_and_the_rest_by_the_application_behind_it(
+    engines: dict[str, str],
+) -> None:
+    """The gateway serves `/v1/...` on the router's raw front (router/front.py), as a service's router does:
+    its answers carry the service header and no aiohttp `Server` header; /health, /ready and /metrics are
+    relayed to the gateway's aiohttp application, whose answers do carry it. A name with a slash (an
+    `org/model` alias) is one model, and once the gateway stops, every answer closes its connection."""
+    gateway = Gateway()
+    gateway.upsert("team-a/alpha", ["alpha", "org/alpha"], 100, service_router(engines["engine-a"]))
+    gateway.synced = True
+
+    async def test(client: openai.AsyncOpenAI) -> None:
+        base = str(client.base_url).rstrip("/").removesuffix("/v1")
+        async with aiohttp.ClientSession() as http:
+            async with http.post(
+                f"{base}/v1/completions", json={"model": "org/alpha", "prompt": "x", "max_tokens": 1}
+            ) as answer:
+                assert answer.status == 200 and answer.headers[SERVICE_HEADER] == "team-a/alpha"
+                assert "aiohttp" not in answer.headers.get("Server", "")
+                assert (await answer.json())["model"] == "engine-a"
+            async with http.get(f"{base}/v1/models/org/alpha") as card:
+                assert card.status == 200 and (await card.json())["id"] == "org/alpha"
+                assert "aiohttp" not in card.headers.get("Server", "")
+            async with http.get(f"{base}/ready") as ready:
+                assert ready.status == 200 and "aiohttp" in ready.headers["Server"]
+            gateway.stopping = True
+            async with http.get(f"{base}/v1/models") as listed:
+                assert listed.status == 200 and listed.headers["Connection"] == "close"
+            async with http.get(f"{base}/ready") as stopping:
+                assert stopping.status == 503
 
     run_gateway(gateway, test)

@@ -11,8 +11,10 @@ When the pool has fewer free cores than asked, the engine shares the least-held 
 
 from __future__ import annotations
 
+import contextlib
 import os
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 
@@ -52,6 +54,20 @@ class CorePool:
             self.held[core] -= 1
 
 
-def pin(pid: int, cores: frozenset[int]) -> None:
-    """Pin a started process to `cores`: threads it starts later (torch's, the native kernels') inherit it."""
-    os.sched_setaffinity(pid, cores)
+@contextlib.contextmanager
+def spawned_on(cores: frozenset[int] | None) -> Iterator[None]:
+    """Processes this thread starts within it run on `cores` (None: as this thread does) from their first
+    instruction, and so do the threads they start (torch's, the native kernels'). A child takes the affinity
+    of the thread that forks it, and sched_setaffinity(0) sets the calling thread's alone, so no other
+    thread of this process moves. Pinning the child after its start raced it: whatever the child did before
+    the parent got round to it (a loaded host can keep a parent off the CPU that long), threads it started
+    included, ran on every core."""
+    if cores is None:
+        yield
+        return
+    own = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, own)

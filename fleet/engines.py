@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .cores import pin
+from .cores import spawned_on
 
 # Restart backoff, as the kubelet's CrashLoopBackOff but scaled to a laptop: the kubelet waits 10 s doubling
 # to 5 min; a local engine loads in 2-10 s, so 1 s doubling to 30 s keeps a crash loop from eating the
@@ -78,11 +78,10 @@ class EngineProcess:
         env = self.env if self.cpus is None else {**self.env, "OMP_NUM_THREADS": str(len(self.cpus))}
         log = open(self.log_path, "ab")
         try:
-            self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
+            with spawned_on(self.cpus):  # on its cores before it imports torch, which sizes its pool to them
+                self.proc = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=env)
         finally:
             log.close()
-        if self.cpus is not None:  # before the child imports torch, whose thread pool it then sizes
-            pin(self.proc.pid, self.cpus)
         self.started_at = time.monotonic()
         self.restart_at = None
         self.ready_at = None

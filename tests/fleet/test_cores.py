@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from specfleet.engine.python_child import python_command
@@ -42,8 +44,21 @@ def test_specfleet_up_refuses_more_cores_per_engine_than_the_machine_has(
     assert f"--cpus-per-engine: cpus per engine={too_many} must be in [1, " in capsys.readouterr().err
 
 
-def test_a_pinned_process_runs_on_its_cores_with_as_many_threads(tmp_path: Path) -> None:
-    core = min(os.sched_getaffinity(0))
+def test_a_pinned_process_runs_on_its_cores_with_as_many_threads(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From its first instruction: here the parent gets the CPU back only once its child has run to its end
+    (as a loaded host may keep it off for a while), so a child pinned after its start reads every core."""
+    real_popen = subprocess.Popen
+
+    def parent_off_the_cpu(*args: Any, **kwargs: Any) -> subprocess.Popen[bytes]:
+        child = real_popen(*args, **kwargs)
+        child.wait(30)
+        return child
+
+    monkeypatch.setattr(subprocess, "Popen", parent_off_the_cpu)
+    own = os.sched_getaffinity(0)
+    core = min(own)
     report = tmp_path / "report.json"
     probe = (
         "import json, os, sys; "
@@ -53,7 +68,7 @@ def test_a_pinned_process_runs_on_its_cores_with_as_many_threads(tmp_path: Path)
     engine = EngineProcess(
         0,
         0,
-        python_command("-c", f"import time; time.sleep(0.5); {probe}", str(report)),
+        python_command("-c", probe, str(report)),
         dict(os.environ),
         tmp_path / "engine.log",
         cpus=frozenset({core}),
@@ -62,6 +77,7 @@ def test_a_pinned_process_runs_on_its_cores_with_as_many_threads(tmp_path: Path)
     assert engine.proc is not None
     assert engine.proc.wait(timeout=30) == 0, engine.tail()
     assert json.loads(report.read_text()) == {"cores": [core], "omp": "1"}
+    assert os.sched_getaffinity(0) == own  # the thread that started it runs where it ran before
     unpinned = EngineProcess(1, 0, python_command("-c", probe, str(report)), {}, tmp_path / "e1.log")
     unpinned.start()
     assert unpinned.proc is not None and unpinned.proc.wait(timeout=30) == 0

@@ -61,7 +61,7 @@ def redis_url(tmp_path: Path) -> Iterator[str]:
             try:
                 redis.Redis(port=port, socket_timeout=1).ping()
                 break
-            except redis.ConnectionError:
+            except (redis.ConnectionError, redis.TimeoutError):  # not listening yet, or slow to answer
                 assert proc.poll() is None and time.monotonic() < deadline, "redis-server did not start"
                 time.sleep(0.1)
         yield f"redis://127.0.0.1:{port}/0"

@@ -256,7 +256,8 @@ def special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
 def template_messages(messages: Any) -> list[dict[str, Any]]:
     """The messages as the engine hands them to the template (protocol.ChatMessage.as_template_dict): text
     parts joined, developer as system, a missing content as "", name, tool_call_id and tool calls (their
-    JSON arguments parsed) where set. A message the engine refuses is Unrenderable("bad_request")."""
+    JSON arguments parsed) where set, an assistant turn's `reasoning` (or `reasoning_content`) under both
+    names. A message the engine refuses is Unrenderable("bad_request")."""
     if not isinstance(messages, list) or not messages:
         raise Unrenderable("bad_request", "messages must be a non-empty list")
     out = []
@@ -284,6 +285,12 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
             message["tool_call_id"] = call_id
         if calls:
             message["tool_calls"] = _tool_calls(calls, i)
+        said = (m.get("reasoning"), m.get("reasoning_content"))
+        if not all(v is None or isinstance(v, str) for v in said):
+            raise Unrenderable("bad_request", f"messages[{i}].reasoning or reasoning_content is not text")
+        reasoning = said[0] if said[0] is not None else said[1]
+        if m["role"] == "assistant" and reasoning is not None:
+            message["reasoning"] = message["reasoning_content"] = reasoning
         out.append(message)
     return out
 

@@ -273,6 +273,11 @@ class ChatMessage(LenientModel):
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
+    # an assistant turn's reasoning, sent back for the template (interleaved thinking: Qwen3's and
+    # DeepSeek's templates render it); vLLM reads `reasoning`, clients send either name (specfleet answers
+    # with both; the Agents SDK and Qwen's clients send `reasoning_content`)
+    reasoning: str | None = None
+    reasoning_content: str | None = None
 
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
@@ -286,6 +291,9 @@ class ChatMessage(LenientModel):
             message["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             message["tool_calls"] = template_tool_calls(self.tool_calls)
+        reasoning = self.reasoning if self.reasoning is not None else self.reasoning_content
+        if self.role == "assistant" and reasoning is not None:  # under both names, as vLLM hands it over
+            message["reasoning"] = message["reasoning_content"] = reasoning
         return message
 
 

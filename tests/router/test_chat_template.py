@@ -77,6 +77,7 @@ QWEN_STYLE = """{%- if tools %}
     {%- elif message.role == "assistant" %}
         {{- '<|im_start|>assistant\\n' }}
         {%- generation %}
+        {%- if message.reasoning_content %}{{- '<think>\\n' + message.reasoning_content + '\\n</think>\\n\\n' }}{%- endif %}
         {{- message.content }}
         {%- if message.tool_calls %}
             {%- for tool_call in message.tool_calls %}
@@ -165,6 +166,20 @@ REQUESTS: dict[str, dict[str, Any]] = {
         ],
         "tools": [WEATHER, ODD_TOOL],
         "tool_choice": "auto",
+    },
+    # an earlier turn's reasoning sent back (interleaved thinking), under either name
+    "reasoning_history": {
+        "messages": [
+            CONVERSATION[1],
+            {
+                "role": "assistant",
+                "content": "ACME sells anvils.",
+                "reasoning_content": "Recall the catalogue.",
+            },
+            {"role": "user", "content": "And rockets?"},
+            {"role": "assistant", "content": "Those too.", "reasoning": "Check the rockets page."},
+            {"role": "user", "content": "Thanks."},
+        ]
     },
     "kwargs_and_documents": {
         "messages": CONVERSATION[1:2],
@@ -255,6 +270,8 @@ def test_the_router_renders_and_tokenizes_a_chat_request_as_the_engine(
     assert len(ids) > 8  # a real prompt, not two empty renderings that agree
     if model == "llama3_style":
         assert ids[0] == 0  # the config's bos_token, written by the template
+    if request_name == "reasoning_history" and model == "qwen_style":  # its template renders it
+        assert "<think>\nRecall the catalogue.\n</think>" in text and "Check the rockets page." in text
     if request_name == "tools" and model in ("qwen_style", "two_templates"):
         # the tool_use template, with the tools in the engine's dump order (declared fields first)
         assert '{"type": "function", "function": {"name": "page_oncall", "description"' not in text

@@ -81,3 +81,36 @@ def test_completions_suffix_is_refused_naming_it(client: Any, model_name: str) -
         client.completions.create(model=model_name, prompt="def f(", suffix="return 1", max_tokens=4)
     assert refused.value.param == "suffix"
     assert "suffix is not supported" in refused.value.message
+
+
+def test_an_earlier_turns_reasoning_reaches_the_template(
+    client: Any, server: Any, model_name: str, tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An assistant turn sent back with its reasoning (the Agents SDK replays `reasoning_content` to
+    DeepSeek models, Qwen's clients do to Qwen3) reaches the template under both names, as vLLM hands it
+    over (interleaved thinking); a template that renders it makes the prompt longer by its tokens."""
+    from specfleet.engine.server.chat import ChatOptions
+
+    template = tmp_path / "thinking.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+        "{% if m.reasoning %}<think>{{ m.reasoning }}</think>{% endif %}{{ m.content }}<|im_end|>\n"
+        "{% endfor %}<|im_start|>assistant\n"
+    )
+    monkeypatch.setattr(server.state, "chat", ChatOptions.from_flags(chat_template=str(template)))
+
+    def prompt_tokens(**said: str) -> int:
+        messages = [
+            {"role": "user", "content": "hi"},
+            {"role": "assistant", "content": "hello", **said},
+            {"role": "user", "content": "bye"},
+        ]
+        answer = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
+        return int(answer.usage.prompt_tokens)
+
+    plain = prompt_tokens()
+    with_reasoning = prompt_tokens(reasoning_content="the user greets me")
+    # both names filled from either, so the second <think> block is there too
+    assert with_reasoning > plain + 8
+    assert prompt_tokens(reasoning="the user greets me") == with_reasoning

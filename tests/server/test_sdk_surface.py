@@ -114,3 +114,31 @@ def test_an_earlier_turns_reasoning_reaches_the_template(
     # both names filled from either, so the second <think> block is there too
     assert with_reasoning > plain + 8
     assert prompt_tokens(reasoning="the user greets me") == with_reasoning
+
+
+def test_the_client_retries_a_full_queue_after_its_retry_after(
+    client: Any, server: Any, model_name: str
+) -> None:
+    """A 429 `queue_full` says `Retry-After: 1`; the official client waits that long before its retry (its
+    own backoff would retry after 0.5 s at most), and the retry is served once the queue has room."""
+    import threading
+    import time
+
+    from specfleet.engine.server.api import QUEUE_RETRY_AFTER_S
+
+    engine = server.async_engine
+    room = engine.max_waiting
+    engine.max_waiting = 0  # every request is refused until the timer gives the room back
+    timer = threading.Timer(0.3, lambda: setattr(engine, "max_waiting", room))
+    timer.start()
+    try:
+        start = time.monotonic()
+        answer = client.with_options(max_retries=2).chat.completions.with_raw_response.create(
+            model=model_name, messages=[{"role": "user", "content": "hi"}], max_tokens=1
+        )
+        waited = time.monotonic() - start
+    finally:
+        timer.join()
+        engine.max_waiting = room
+    assert answer.http_response.status_code == 200 and answer.retries_taken == 1
+    assert waited >= QUEUE_RETRY_AFTER_S  # a lower bound: a loaded host only makes it longer

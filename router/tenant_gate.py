@@ -255,7 +255,7 @@ class TenantGate:
         tokens = floor + completion_tokens(body, prompts)
         verdict, ticket = await self.limiter.admit(tenant, tokens)
         if not verdict.allowed:
-            return self._refused(tenant, verdict, tokens)
+            return self._refused(tenant, verdict, tokens, floor, body)
         self.metrics.requests.labels(tenant.name, "ok").inc()
         add_response_headers(request, verdict.headers())
         tap = self._rewrite(body, tenant, request.match_info.get("path", ""), takes_priority)
@@ -274,20 +274,31 @@ class TenantGate:
         await self._settle(tenant, ticket, tokens, tap, response.status, floor, encode)
         return response
 
-    def _refused(self, tenant: Tenant, verdict: Verdict, tokens: int) -> web.Response:
+    def _refused(
+        self, tenant: Tenant, verdict: Verdict, tokens: int, prompt: int, body: dict[str, Any]
+    ) -> web.Response:
+        """The 429 of a request the tenant's limits refuse: over the limit now (retry after), or larger
+        than the whole limit (never: the field to shrink is named, the prompt's when it alone is too large)."""
         result = "too_large" if verdict.too_large else "rate_limited"
         self.metrics.requests.labels(tenant.name, result).inc()
         self.metrics.tokens.labels(tenant.name, result).inc(tokens)
         logger.info("event=tenant_refused tenant=%s result=%s tokens=%d", tenant.name, result, tokens)
         if verdict.too_large:
-            message = (
-                f"the request may use {tokens} tokens (its prompt and max_tokens), more than tenant "
-                f"{tenant.name}'s limit of {tenant.tpm} tokens per minute; send a shorter prompt or a smaller "
-                "max_tokens"
-            )
+            limit = f"tenant {tenant.name}'s limit of {tenant.tpm} tokens per minute"
+            if prompt > tenant.tpm:  # no max_tokens can make it fit
+                param = next((f for f in ("messages", "prompt", "input") if f in body), "prompt")
+                message = f"the prompt alone is {prompt} tokens, more than {limit}; send a shorter `{param}`"
+            else:
+                param = (
+                    "max_completion_tokens" if body.get("max_completion_tokens") is not None else "max_tokens"
+                )
+                message = (
+                    f"the request may use {tokens} tokens (its prompt and {param}), more than {limit}; "
+                    f"send a shorter prompt or a smaller {param}"
+                )
             # `x-should-retry: false`: the openai client would otherwise retry a request that can never fit
             headers = {**verdict.headers(), "x-should-retry": "false"}
-            return _error(429, message, "tokens", "tokens_exceed_limit", "max_tokens", **headers)
+            return _error(429, message, "tokens", "tokens_exceed_limit", param, **headers)
         return _error(
             429,
             f"tenant {tenant.name} is over its limit of {tenant.rpm or 'unlimited'} requests and "

@@ -104,9 +104,23 @@ def test_a_request_that_can_never_fit_tells_the_client_not_to_retry() -> None:
         with pytest.raises(openai.RateLimitError) as large:
             await retrying.completions.create(model="alpha", prompt="abcd", max_tokens=50)
         assert large.value.response.headers["x-should-retry"] == "false"
+        assert large.value.body["param"] == "max_tokens"  # the prompt fits: max_tokens is what to shrink
         assert 'specfleet_gateway_tenant_requests_total{result="too_large",tenant="team-a"} 1.0' in (
             await metrics(url)
         )
+        # a prompt too long by itself: no max_tokens can make it fit, and the field named is the prompt's
+        with pytest.raises(openai.RateLimitError) as long_prompt:
+            await retrying.chat.completions.create(
+                model="alpha", messages=[{"role": "user", "content": "word " * 40}], max_completion_tokens=1
+            )
+        assert long_prompt.value.body["param"] == "messages"
+        assert "the prompt alone is" in long_prompt.value.body["message"]
+        with pytest.raises(openai.RateLimitError) as completion:
+            await retrying.chat.completions.create(
+                model="alpha", messages=[{"role": "user", "content": "hi"}], max_completion_tokens=50
+            )
+        assert completion.value.body["param"] == "max_completion_tokens"
+        assert not sent(engine)
 
     run_gate(gate, test)
 

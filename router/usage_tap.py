@@ -41,6 +41,12 @@ class UsageTap:
             return b""
         events = bytes(self._kept[: end + 2])
         del self._kept[: end + 2]
+        if not self.keep_text:  # a run of events whose every usage is the engine's null needs no parse
+            usages = events.count(b'"usage"')
+            if usages == 0 or not self.strip and usages == events.count(_NULL_USAGE):
+                return events
+            if self.strip and usages == events.count(_NULL_USAGE):
+                return events.replace(_NULL_USAGE, b"")
         return b"".join(self._event(e + b"\n\n") for e in events.split(b"\n\n")[:-1])
 
     def _event(self, event: bytes) -> bytes:

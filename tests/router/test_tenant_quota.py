@@ -188,6 +188,23 @@ def test_the_tap_reads_a_streams_usage_and_strips_it_when_the_client_did_not_ask
     assert kept.feed(raw) + kept.flush() == raw and kept.total_tokens() == 5
 
 
+def test_the_tap_reads_the_usage_among_tokens_that_spell_it() -> None:
+    """A run of events whose every `"usage"` is the engine's null passes without a parse; a token whose text
+    is `usage` (or holds `"usage"`) is no usage, and the real usage event after it is still read."""
+    words = [b'"usage"', b"usage", b"a"]
+    events = [
+        b'data: {"choices":[{"text":%s}],"usage":null}\n\n' % json.dumps(w.decode()).encode() for w in words
+    ]
+    final = b'data: {"choices":[],"usage":{"prompt_tokens":3,"completion_tokens":3,"total_tokens":6}}\n\n'
+    raw = b"".join([*events, final, b"data: [DONE]\n\n"])
+    stripped = b"".join([e.replace(b',"usage":null', b"") for e in events] + [b"data: [DONE]\n\n"])
+    for cut in range(1, len(raw)):
+        tap = UsageTap(stream=True, strip=True)
+        assert tap.feed(raw[:cut]) + tap.feed(raw[cut:]) + tap.flush() == stripped and tap.total_tokens() == 6
+        kept = UsageTap(stream=True, strip=False)
+        assert kept.feed(raw[:cut]) + kept.feed(raw[cut:]) + kept.flush() == raw and kept.total_tokens() == 6
+
+
 def test_the_tap_reads_a_whole_answers_usage_and_passes_it_unchanged() -> None:
     body = json.dumps({"choices": [], "usage": {"prompt_tokens": 4, "completion_tokens": 6}}).encode()
     tap = UsageTap(stream=False, strip=False)

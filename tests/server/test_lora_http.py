@@ -120,6 +120,7 @@ def test_models_lists_adapters_with_parent_and_root(served, adapters):
     assert set(models) >= {"tiny", "a"}
     a = models["a"].model_dump()
     assert a["parent"] == "tiny" and a["root"] == str(adapters["a"])
+    assert _client(served).models.retrieve("a").model_dump() == a  # GET /v1/models/a: the same card
 
 
 def test_load_and_unload_over_the_admin_port(served, tiny_llama, adapters):

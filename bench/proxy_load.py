@@ -4,6 +4,8 @@ measured cost is the proxy's and not theirs.
 
 - `Upstream`: answers every `/v1/...` request with a prepared Server-Sent Events stream of `CHUNKS` chunked
   events, one `write` each (one send each: an engine that emits tokens one at a time, without pausing),
+  or, for a request that asks for `stream_options.include_usage` (the gateway's tenant gate does), with the
+  same events carrying `"usage":null` and a usage event before `[DONE]`, as the engine sends them;
   `GET /v1/models` with its one model card (the gateway asks for the name the engine serves), and anything
   else (`/ready`, `/health`) with a small JSON 200. HTTP/1.1 keep-alive; request bodies must carry
   Content-Length (every client here sends one).
@@ -40,9 +42,15 @@ MODELS_200 = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Leng
 MAX_HEAD_BYTES = 64 * 1024  # a request head larger than this is not one of ours: the connection is closed
 
 
-def sse_chunks(count: int = CHUNKS) -> list[bytes]:
-    """`count` HTTP chunks, each one SSE event (an OpenAI completion chunk; `[DONE]` last), and the end."""
-    events = [f"data: {json.dumps(EVENT, separators=(',', ':'))}\n\n".encode() for _ in range(count - 1)]
+def sse_chunks(count: int = CHUNKS, usage: bool = False) -> list[bytes]:
+    """`count` HTTP chunks, each one SSE event (an OpenAI completion chunk; `[DONE]` last), and the end;
+    with `usage`, every chunk says `"usage":null` and one more event before `[DONE]` carries the usage."""
+    event = {**EVENT, "usage": None} if usage else EVENT
+    events = [f"data: {json.dumps(event, separators=(',', ':'))}\n\n".encode() for _ in range(count - 1)]
+    if usage:
+        total = {"prompt_tokens": 8, "completion_tokens": count - 1, "total_tokens": count + 7}
+        last = {**EVENT, "choices": [], "usage": total}
+        events.append(f"data: {json.dumps(last, separators=(',', ':'))}\n\n".encode())
     events.append(b"data: [DONE]\n\n")
     return [b"%x\r\n%s\r\n" % (len(e), e) for e in events] + [b"0\r\n\r\n"]
 
@@ -62,8 +70,9 @@ def content_length(head: bytes) -> int:
 class Upstream(asyncio.Protocol):
     """One connection to the fake engine: parse request heads, answer each with the prepared response."""
 
-    def __init__(self, chunks: list[bytes]) -> None:
+    def __init__(self, chunks: list[bytes], usage_chunks: list[bytes]) -> None:
         self.chunks = chunks
+        self.usage_chunks = usage_chunks
         self.buffer = b""
         self.transport: asyncio.Transport | None = None
 
@@ -82,13 +91,14 @@ class Upstream(asyncio.Protocol):
                 return
             if len(self.buffer) < size:
                 return
-            self.buffer = self.buffer[size:]
+            body, self.buffer = self.buffer[end + 4 : size], self.buffer[size:]
             target = head.split(b" ", 2)[1]
             if target == b"/v1/models":
                 self.transport.write(MODELS_200)
             elif target.startswith(b"/v1/"):
                 self.transport.write(STREAM_HEAD)
-                for chunk in self.chunks:
+                asks = b'"include_usage":true' in body.replace(b" ", b"")
+                for chunk in self.usage_chunks if asks else self.chunks:
                     self.transport.write(chunk)
             else:
                 self.transport.write(SMALL_200)
@@ -97,8 +107,10 @@ class Upstream(asyncio.Protocol):
 
 
 async def start_upstream(host: str = "127.0.0.1", port: int = 0) -> tuple[asyncio.Server, int]:
-    chunks = sse_chunks()
-    server = await asyncio.get_running_loop().create_server(lambda: Upstream(chunks), host, port)
+    chunks, usage_chunks = sse_chunks(), sse_chunks(usage=True)
+    server = await asyncio.get_running_loop().create_server(
+        lambda: Upstream(chunks, usage_chunks), host, port
+    )
     return server, server.sockets[0].getsockname()[1]
 
 

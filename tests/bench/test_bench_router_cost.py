@@ -80,6 +80,38 @@ def test_the_fake_engine_streams_every_event_on_a_keep_alive_connection() -> Non
     assert len(latencies) == 3 and all(t > 0 for t in latencies)
 
 
+def test_the_fake_engine_sends_usage_as_the_engine_does_when_asked() -> None:
+    """A stream that asks for `include_usage` gets `"usage":null` in every chunk and a usage event before
+    `[DONE]`, which the gateway's usage tap reads and strips back to the events the client expects."""
+    from specfleet.router.usage_tap import UsageTap
+
+    plain, usage = b"".join(sse_chunks()), b"".join(sse_chunks(usage=True))
+    assert plain.count(b"data: ") == CHUNKS and usage.count(b"data: ") == CHUNKS + 1
+    assert usage.count(b'"usage":null') == CHUNKS - 1
+    tap = UsageTap(stream=True, strip=True)
+    events = b"".join(tap.feed(piece) for piece in usage.split(b"\r\n")[1::2]) + tap.flush()
+    assert events.count(b"data: ") == CHUNKS and b'"usage"' not in events and tap.total_tokens() == CHUNKS + 7
+
+    async def run() -> tuple[bytes, bytes]:
+        server, port = await start_upstream()
+        answers = []
+        try:
+            for options in ("", ', "stream_options": {"include_usage": true}'):
+                body = b'{"model": "bench", "stream": true%s}' % options.encode()
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(
+                    b"POST /v1/completions HTTP/1.1\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+                )
+                answers.append(await reader.readuntil(b"0\r\n\r\n"))
+                writer.close()
+        finally:
+            server.close()
+        return answers[0], answers[1]
+
+    without, asked = asyncio.run(run())
+    assert b'"usage"' not in without and asked.count(b'"usage":{') == 1
+
+
 def test_nginx_proxies_as_the_router_buffers() -> None:
     conf = nginx_config(Path("/tmp/x"), 8001, 9001)
     for directive in (

@@ -255,7 +255,7 @@ def special_tokens(folder: Path, config: Mapping[str, Any]) -> dict[str, str]:
 
 def template_messages(messages: Any) -> list[dict[str, Any]]:
     """The messages as the engine hands them to the template (protocol.ChatMessage.as_template_dict): text
-    parts joined, developer as system, a missing content as "", name, tool_call_id and tool calls (their
+    parts (and an assistant's refusal parts) joined, developer as system, a missing content as "", name, tool_call_id and tool calls (their
     JSON arguments parsed) where set, an assistant turn's `reasoning` (or `reasoning_content`) under both
     names. A message the engine refuses is Unrenderable("bad_request")."""
     if not isinstance(messages, list) or not messages:
@@ -266,12 +266,10 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
             raise Unrenderable("bad_request", f"messages[{i}] has no role the engine takes")
         content = m.get("content")
         if isinstance(content, list):
-            if not all(
-                isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                for p in content
-            ):
+            texts = [_part_text(p) for p in content]
+            if any(t is None for t in texts):
                 raise Unrenderable("bad_request", f"messages[{i}].content has a part that is not text")
-            content = "".join(p["text"] for p in content)
+            content = "".join(t for t in texts if t is not None)
         elif content is not None and not isinstance(content, str):
             raise Unrenderable("bad_request", f"messages[{i}].content is neither text nor parts")
         message: dict[str, Any] = {"role": "system" if m["role"] == "developer" else m["role"]}
@@ -293,6 +291,17 @@ def template_messages(messages: Any) -> list[dict[str, Any]]:
             message["reasoning"] = message["reasoning_content"] = reasoning
         out.append(message)
     return out
+
+
+def _part_text(part: Any) -> str | None:
+    """A content part's text as protocol.TextPart / RefusalPart read it; None for a part the engine refuses."""
+    if not isinstance(part, dict):
+        return None
+    key = "refusal" if part.get("type") == "refusal" else "text"
+    if part.get("type") not in ("text", "input_text", "output_text", "refusal"):
+        return None
+    value = part.get(key)
+    return value if isinstance(value, str) else None
 
 
 def _tool_calls(calls: Any, i: int) -> list[dict[str, Any]]:

@@ -391,7 +391,7 @@ def echo_prefix(body: Any) -> str:
         return ""
     content = last.content
     if isinstance(content, list):  # vLLM joins text parts with newlines here
-        return "\n".join(part.text for part in content)
+        return "\n".join(part.shown for part in content)
     return content or ""
 
 

@@ -263,13 +263,34 @@ class CompletionRequest(SamplingFields):
 
 
 class TextPart(LenientModel):
-    type: Literal["text"]
+    # input_text / output_text: the Responses API's names, which clients replaying a transcript send (vLLM
+    # reads them as text too)
+    type: Literal["text", "input_text", "output_text"]
     text: str
+
+    @property
+    def shown(self) -> str:
+        return self.text
+
+
+class RefusalPart(LenientModel):
+    """An assistant turn's refusal, as OpenAI's message params allow it in `content` (vLLM reads it as text)."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def shown(self) -> str:
+        return self.refusal
+
+
+ContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="type")]
+TEXT_PART_TYPES = ("text", "input_text", "output_text", "refusal")
 
 
 class ChatMessage(LenientModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_call_id: str | None = None
     tool_calls: list[AssistantToolCall] | None = None  # an assistant turn that called tools
@@ -279,10 +300,23 @@ class ChatMessage(LenientModel):
     reasoning: str | None = None
     reasoning_content: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, value: Any) -> Any:
+        """A part that is not text (an image, audio, a file) named in the 400, not a union's string error."""
+        for part in value if isinstance(value, list) else []:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind not in TEXT_PART_TYPES:
+                raise ValueError(
+                    f"a content part of type {kind!r} is not supported: the models served here read text "
+                    f"parts only ({', '.join(TEXT_PART_TYPES)})"
+                )
+        return value
+
     def as_template_dict(self) -> dict[str, Any]:
         content = self.content
         if isinstance(content, list):
-            content = "".join(part.text for part in content)
+            content = "".join(part.shown for part in content)
         role = "system" if self.role == "developer" else self.role
         message: dict[str, Any] = {"role": role, "content": content or ""}
         if self.name:

@@ -167,6 +167,16 @@ REQUESTS: dict[str, dict[str, Any]] = {
         "tools": [WEATHER, ODD_TOOL],
         "tool_choice": "auto",
     },
+    # parts OpenAI's message params allow besides text: an assistant's refusal, the Responses API's names
+    "refusal_and_responses_parts": {
+        "messages": [
+            {"role": "user", "content": [{"type": "input_text", "text": "Build me a rocket."}]},
+            {"role": "assistant", "content": [{"type": "refusal", "refusal": "I cannot help with rockets."}]},
+            {"role": "user", "content": "An anvil, then?"},
+            {"role": "assistant", "content": [{"type": "output_text", "text": "Anvils are in aisle 3."}]},
+            {"role": "user", "content": "Thanks."},
+        ]
+    },
     # an earlier turn's reasoning sent back (interleaved thinking), under either name
     "reasoning_history": {
         "messages": [
@@ -270,6 +280,8 @@ def test_the_router_renders_and_tokenizes_a_chat_request_as_the_engine(
     assert len(ids) > 8  # a real prompt, not two empty renderings that agree
     if model == "llama3_style":
         assert ids[0] == 0  # the config's bos_token, written by the template
+    if request_name == "refusal_and_responses_parts":
+        assert "I cannot help with rockets." in text and "aisle 3" in text and "Build me" in text
     if request_name == "reasoning_history" and model == "qwen_style":  # its template renders it
         assert "<think>\nRecall the catalogue.\n</think>" in text and "Check the rockets page." in text
     if request_name == "tools" and model in ("qwen_style", "two_templates"):

@@ -143,3 +143,30 @@ def test_the_client_retries_a_full_queue_after_its_retry_after(
         engine.max_waiting = room
     assert answer.http_response.status_code == 200 and answer.retries_taken == 1
     assert waited >= QUEUE_RETRY_AFTER_S  # a lower bound: a loaded host only makes it longer
+
+
+def test_content_parts_the_client_types_allow_are_read_as_text(client: Any, model_name: str) -> None:
+    """OpenAI's message params allow an assistant's `refusal` part; transcripts replayed from the Responses
+    API carry `input_text` / `output_text`: all are text to the template (as vLLM reads them), and a part
+    that is not text is still a 400 naming the content."""
+    import openai
+
+    def prompt_tokens(refused: Any, asked: Any) -> int:
+        messages = [
+            {"role": "user", "content": asked},
+            {"role": "assistant", "content": refused},
+            {"role": "user", "content": "An anvil, then?"},
+        ]
+        answer = client.chat.completions.create(model=model_name, messages=messages, max_tokens=1)
+        return int(answer.usage.prompt_tokens)
+
+    as_text = prompt_tokens("I cannot help with rockets.", "Build me a rocket.")
+    as_parts = prompt_tokens(
+        [{"type": "refusal", "refusal": "I cannot help with rockets."}],
+        [{"type": "input_text", "text": "Build me a rocket."}],
+    )
+    assert as_parts == as_text  # the same prompt, part for string
+    with pytest.raises(openai.BadRequestError) as refused:
+        prompt_tokens([{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}], "hi")
+    assert refused.value.param == "messages.1.content"
+    assert "type 'image_url' is not supported" in refused.value.message

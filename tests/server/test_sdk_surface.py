@@ -3,7 +3,8 @@ openai client's `models.retrieve` (OpenAI's GET /v1/models/{model}, which the cl
 name with a slash arrives as one path), the client's and LiteLLM's reading of a request longer than the
 context (LiteLLM's ContextWindowExceededError, which its context-window fallbacks act on, is raised only
 for OpenAI's wording), the completions `suffix` the client offers, refused naming it, an earlier turn's
-reasoning sent back to the template, and the client's retry of a 429 after the Retry-After it names."""
+reasoning sent back to the template, the content parts the client's types allow besides text, and the
+client's retry of a 429 after the Retry-After it names."""
 
 from __future__ import annotations
 

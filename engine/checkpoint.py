@@ -43,15 +43,39 @@ class ModelConfig(SimpleNamespace):
 def load_hf_config(path: Path) -> ModelConfig:
     """config.json as transformers normalizes it. The normalized form is kept under the cache root, keyed by
     the file's bytes and transformers' version, so later loads (each engine start, each tensor- or
-    pipeline-parallel worker) skip transformers' config classes, whose import took 2-6 s on one core."""
+    pipeline-parallel worker) skip transformers' config classes, whose import took 2-6 s on one core.
+
+    An unsupported `architectures` is refused from the file itself, before transformers reads it: a model
+    type transformers does not know, or one whose config is the repository's own code (`auto_map`:
+    InternLM2, ChatGLM), would otherwise fail inside transformers (or ask on a terminal whether to run
+    that code) without naming what this engine runs."""
+    _check_architectures(path, _raw_config(path).get("architectures"))
     config = ModelConfig(**_normalized_config(path))
-    archs = getattr(config, "architectures", None) or []
-    if not any(a in ARCHITECTURES for a in archs):
+    _check_architectures(path, getattr(config, "architectures", None) or config.model_type)
+    return config
+
+
+def _raw_config(path: Path) -> dict[str, Any]:
+    """config.json as the file holds it ({} when there is none or it is not a JSON object: transformers'
+    own reading then says what is wrong)."""
+    try:
+        values = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def _check_architectures(path: Path, archs: Any) -> None:
+    """Refuse a config none of whose `architectures` is registered (None: the file names none, so leave it
+    to the normalized config, which transformers may fill in)."""
+    if archs is None:
+        return
+    names = archs if isinstance(archs, list) else [archs]
+    if not any(a in ARCHITECTURES for a in names):
         raise ValueError(
-            f"model at {path}: architecture {archs or config.model_type!r} is not supported; "
+            f"model at {path}: config.json architectures={archs!r} is not supported; "
             f"supported: {', '.join(ARCHITECTURES)}"
         )
-    return config
 
 
 def _normalized_config(path: Path) -> dict[str, Any]:
@@ -93,10 +117,33 @@ def load_tokenizer(path: Path) -> Tokenizer:
     return tokenizer
 
 
+SHARD_INDEX = "model.safetensors.index.json"  # transformers' name for a sharded checkpoint's weight map
+
+
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files that hold the model's weights: those `model.safetensors.index.json` maps
+    weights to when the folder has one, else every *.safetensors. The index decides because Hub folders
+    can hold other weights beside the shards: Mistral's repositories also ship `consolidated.safetensors`,
+    the whole model again under mistral-inference's names, which read too would double load time and
+    memory."""
+    index = path / SHARD_INDEX
+    if not index.is_file():
+        return sorted(path.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"{index}: not a shard index with a weight_map object ({exc!r})") from exc
+    missing = [n for n in names if not (path / n).is_file()]
+    if missing:
+        raise ValueError(f"{index} maps weights to {missing}, which the folder does not hold")
+    return [path / n for n in names]
+
+
 def load_state_dict(path: Path) -> dict:
     from safetensors.torch import load_file
 
-    files = sorted(path.glob("*.safetensors"))
+    files = weight_files(path)
     if not files:
         raise ValueError(f"model at {path}: no *.safetensors weights found (convert .bin weights first)")
     state: dict = {}

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 from specfleet.engine.attention import sliding_window
 from specfleet.engine.attention.base import AttentionBackend, AttentionMetadata
-from specfleet.engine.models.llama import LlamaArgs, LlamaLayer, LlamaModel, Ops, _dense
+from specfleet.engine.models.llama import LlamaArgs, LlamaLayer, LlamaModel, Ops, _dense, rope_init_function
 from specfleet.kernels import cpu_native
 from specfleet.kernels.quantized import QuantTensor
 
@@ -86,11 +86,9 @@ def rope_tables_for(config, layer_type: str, head_dim: int, positions: int):
         theta = own.get("rope_theta", getattr(config, "rope_theta", 10000.0))
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         return _tables(inv_freq, 1.0, positions)
-    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
     hf = config.to_transformers() if hasattr(config, "to_transformers") else config
     kwargs = {"layer_type": layer_type} if nested else {}
-    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu", **kwargs)
+    inv_freq, scaling = rope_init_function(config, rope_type)(hf, "cpu", **kwargs)
     return _tables(inv_freq, scaling, positions)
 
 

@@ -57,8 +57,26 @@ class LlamaArgs:
         )
 
 
-def rope_tables(config, head_dim: int, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sign-folded sin tables, [max_position, head_dim], as transformers computes them."""
+def rope_init_function(config, rope_type: str) -> Callable[..., tuple[torch.Tensor, float]]:
+    """transformers' builder of a non-default RoPE's inverse frequencies (linear, dynamic, yarn, longrope,
+    llama3, ...). A type it has no builder for (a multimodal `mrope`, a typo) is refused at start, naming the
+    config field and the supported types, not a KeyError from inside the model's constructor."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(
+            f"architecture {getattr(config, 'architectures', None)}: rope_scaling rope_type={rope_type!r} is "
+            f"not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}"
+        )
+    return ROPE_INIT_FUNCTIONS[rope_type]
+
+
+def rope_tables(
+    config, head_dim: int, max_position: int, context: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sign-folded sin tables, [max_position, head_dim], as transformers computes them. `context`:
+    the engine's max_model_len; LongRoPE takes its long factors when that is past the original window
+    (transformers switches once a sequence is; one table serves every sequence here, as in vLLM)."""
     params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
     rope_type = str(params.get("rope_type", params.get("type", "default")))
     if rope_type == "default":
@@ -66,10 +84,10 @@ def rope_tables(config, head_dim: int, max_position: int) -> tuple[torch.Tensor,
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         scaling = 1.0
     else:
-        from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
-
+        init = rope_init_function(config, rope_type)
         hf = config.to_transformers() if hasattr(config, "to_transformers") else config  # a ModelConfig
-        inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](hf, "cpu")
+        kwargs = {"seq_len": context} if rope_type == "longrope" and context else {}
+        inv_freq, scaling = init(hf, "cpu", **kwargs)
     freqs = torch.outer(torch.arange(max_position, dtype=torch.float32), inv_freq.float())
     emb = torch.cat((freqs, freqs), dim=-1)
     cos, sin = emb.cos() * scaling, emb.sin() * scaling
@@ -242,7 +260,7 @@ class LlamaModel:
 
     def rope_tables(self, config) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sign-folded sin, [positions, head_dim]."""
-        return rope_tables(config, self.args.head_dim, self.args.max_position)
+        return rope_tables(config, self.args.head_dim, self.args.max_position, self.max_model_len)
 
     def lora_shape(self) -> ModelShape:
         """What a PEFT adapter for this model is checked against and laid out by (engine/lora/adapter.py):

@@ -1,0 +1,155 @@
+"""Checkpoints in the layouts the Hub publishes them, against transformers as the oracle: a sharded folder whose
+`model.safetensors.index.json` decides which files are weights (Mistral's repositories also ship
+`consolidated.safetensors`), LongRoPE on a Llama-family model past its original window, and what is refused at
+start with the field named: an `architectures` transformers cannot even read (a model type it does not know,
+a config that is the repository's own code) and a RoPE type no builder exists for.
+
+Tiny random checkpoints (2 layers, hidden 64, the bundled tokenizer) built here; greedy tokens compared token
+for token with transformers' `generate` on the same folder. What this does not model: the Hub's download
+itself (folders are local, as `hf://` reads them from the cache) and real sizes (a doubled 7B load is
+asserted here as the extra file's keys being read, not as memory).
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import copy_tokenizer, tiny_config, tiny_model
+from specfleet.engine import LLM, SamplingParams
+from specfleet.engine.checkpoint import SHARD_INDEX, load_hf_config, load_state_dict
+
+STEPS = 16
+
+
+def hf_greedy(path: Path, prompt: list[int]) -> list[int]:
+    """transformers' greedy continuation of `prompt` from the saved folder (eos ignored)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]),
+            do_sample=False,
+            max_new_tokens=STEPS,
+            min_new_tokens=STEPS,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+def engine_greedy(path: Path, prompt: list[int], **kwargs) -> list[int]:
+    llm = LLM(model=f"file://{path}", block_size=4, **kwargs)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+        return list(out[0].outputs[0].token_ids)
+    finally:
+        llm.close()
+
+
+def save(path: Path, kind: str, bundled_path: Path, **overrides) -> Path:
+    tiny_model(tiny_config(kind, **overrides), std=0.2).save_pretrained(path, max_shard_size="2MB")
+    copy_tokenizer(bundled_path, path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def mistral_hub_folder(bundled_path, tmp_path_factory) -> Path:
+    """A Mistral checkpoint as its Hub repositories lay it out: safetensors shards with their index, and
+    `consolidated.safetensors`, the same model under mistral-inference's names (`layers.0.attention.wq`,
+    `tok_embeddings`, `norm`, `output`), here with other values, so reading it shows."""
+    from safetensors.torch import save_file
+
+    path = save(tmp_path_factory.mktemp("mistral-hub"), "mistral", bundled_path)
+    assert len(json.loads((path / SHARD_INDEX).read_text())["weight_map"]) > 0
+    assert len(list(path.glob("model-*.safetensors"))) > 1
+    native = {
+        "tok_embeddings.weight": torch.randn(49152, 64),
+        "norm.weight": torch.full((64,), 3.0),  # the name the engine reads the final norm by, unprefixed
+        "output.weight": torch.randn(49152, 64),
+        "layers.0.attention.wq.weight": torch.randn(64, 64),
+    }
+    save_file(native, str(path / "consolidated.safetensors"))
+    return path
+
+
+def test_shard_index_decides_the_weight_files(mistral_hub_folder):
+    index = json.loads((mistral_hub_folder / SHARD_INDEX).read_text())["weight_map"]
+    assert set(load_state_dict(mistral_hub_folder)) == set(index)
+
+
+def test_mistral_hub_folder_matches_transformers(mistral_hub_folder):
+    prompt = [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 19, 23]
+    assert engine_greedy(mistral_hub_folder, prompt) == hf_greedy(mistral_hub_folder, prompt)
+
+
+def test_shard_index_naming_a_missing_shard_is_refused(tmp_path, bundled_path):
+    path = save(tmp_path, "llama", bundled_path)
+    next(path.glob("model-*.safetensors")).unlink()
+    with pytest.raises(ValueError, match=r"model\.safetensors\.index\.json maps weights to \['model-"):
+        load_state_dict(path)
+
+
+def test_llama_longrope_past_its_original_window_matches_transformers(tmp_path, bundled_path):
+    """LongRoPE's long factors once a sequence is past original_max_position_embeddings (16 here): the
+    engine's context (256) is, so its table takes them, as transformers does for this 20-token prompt."""
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0] * 8,
+        "long_factor": [1.0 + 0.5 * i for i in range(8)],
+        "original_max_position_embeddings": 16,
+    }
+    path = save(tmp_path, "llama", bundled_path, rope_scaling=rope)
+    prompt = [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 19, 23, 88, 90, 91, 92, 93, 5000, 42, 43]
+    assert engine_greedy(path, prompt) == hf_greedy(path, prompt)
+
+
+def with_config(source: Path, folder: Path, **fields) -> Path:
+    """A copy of `source` whose config.json also holds `fields`."""
+    shutil.copytree(source, folder)
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**config, **fields}))
+    return folder
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        # a model type transformers does not know (it would say to upgrade transformers)
+        {"architectures": ["FooForCausalLM"], "model_type": "foo"},
+        # a config that is the repository's own code (transformers would ask on a terminal to run it)
+        {
+            "architectures": ["InternLM2ForCausalLM"],
+            "model_type": "internlm2",
+            "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"},
+        },
+        # known to transformers, not run here
+        {"architectures": ["GPTNeoXForCausalLM"], "model_type": "gpt_neox"},
+    ],
+    ids=["unknown-model-type", "remote-code", "known-to-transformers"],
+)
+def test_unsupported_architecture_is_refused_naming_it(mistral_hub_folder, tmp_path, fields):
+    folder = with_config(mistral_hub_folder, tmp_path / "m", **fields)
+    name = fields["architectures"][0]
+    with pytest.raises(
+        ValueError, match=rf"architectures=\['{name}'\] is not supported; supported: .*LlamaForCausalLM"
+    ):
+        load_hf_config(folder)
+    with pytest.raises(ValueError, match=rf"architectures=\['{name}'\] is not supported"):
+        LLM(model=f"file://{folder}", block_size=4)
+
+
+@pytest.mark.parametrize("rope_type", ["mrope", "ntk-by-parts"])
+def test_unknown_rope_type_is_refused_naming_the_field(mistral_hub_folder, tmp_path, rope_type):
+    folder = with_config(
+        mistral_hub_folder, tmp_path / "m", rope_scaling={"rope_type": rope_type, "factor": 2.0}
+    )
+    with pytest.raises(
+        ValueError,
+        match=rf"rope_scaling rope_type='{rope_type}' is not supported; supported: default, linear",
+    ):
+        LLM(model=f"file://{folder}", block_size=4)

@@ -185,3 +185,70 @@ def test_engine_series_in_the_rules_exist() -> None:
     exported = {s.name for family in registry.collect() for s in family.samples}
     used = set(re.findall(r"(?<![\w:])(specfleet_(?!inferenceservice_|tuner_)\w+)", RULES.read_text()))
     assert used and used <= exported, used - exported
+
+
+def _scrape_labels(doc: dict[str, Any]) -> list[dict[str, str]]:
+    """The target labels the Prometheus Operator gives the engines of one InferenceService through the
+    ServiceMonitor the operator renders: one entry per Service it selects, `service` the Service's name and
+    `job` its `jobLabel` label (the Prometheus Operator's own relabeling; not run here: no cluster)."""
+    from specfleet.operator import load_inference_service
+    from specfleet.operator.render import render_service, render_servicemonitor
+    from specfleet.operator.render.router import engines_services
+
+    isvc = load_inference_service(doc)
+    monitor = render_servicemonitor(isvc)["spec"]
+    services = [render_service(isvc), *(engines_services(isvc) if isvc.spec.routing.enabled else [])]
+    selected = [
+        s["metadata"]
+        for s in services
+        if monitor["selector"]["matchLabels"].items() <= s["metadata"]["labels"].items()
+    ]
+    return [{"service": m["name"], "job": m["labels"][monitor["jobLabel"]]} for m in selected]
+
+
+@pytest.mark.parametrize(
+    ("example", "routing", "services"),
+    [
+        ("smollm2-cpu.yaml", True, ["smollm2-engines"]),
+        ("smollm2-cpu.yaml", False, ["smollm2"]),
+        ("smollm2-cpu-pd.yaml", True, ["smollm2-decode", "smollm2-prefill"]),
+    ],
+)
+def test_engine_alerts_carry_the_inferenceservice_name_whatever_service_was_scraped(
+    example: str, routing: bool, services: list[str]
+) -> None:
+    """Behind the router (the default) the engines' `service` label is `NAME-engines` (or one per role), not
+    the InferenceService: the engine rules keep `job`, which is its name in every mode, and the runbooks'
+    PromQL selects engine series by it (a `service="NAME"` there finds nothing behind the router)."""
+    doc = yaml.safe_load((REPO / "examples" / example).read_text())
+    doc["metadata"].update(name="smollm2", namespace="ns", uid="u")
+    doc["spec"].setdefault("routing", {})["enabled"] = routing
+    if example.endswith("-pd.yaml") and not routing:
+        pytest.skip("disaggregation needs the router")
+    scraped = _scrape_labels(doc)
+    assert sorted(s["service"] for s in scraped) == services
+    assert {s["job"] for s in scraped} == {"smollm2"}
+
+    for rule in rules():
+        groupings = re.findall(r"\b(?:by|on) \(([^)]*)\)", rule["expr"])
+        engine = re.search(r"(?<![\w:])specfleet_(?!inferenceservice_|tuner_)\w+", rule["expr"])
+        for labels in groupings if engine else []:
+            names = {n.strip() for n in labels.split(",")}
+            if "service" in names:
+                assert "job" in names, (rule.get("alert") or rule.get("record"), labels)
+
+
+def test_runbook_promql_selects_engine_series_by_job() -> None:
+    """Every PromQL selector in the runbooks and sre.md on an engine series or an engine recording rule
+    names the service as the ServiceMonitor labels it in every mode: `job="NAME"`."""
+    engine_series = (
+        r"(?<![\w:])(?:specfleet_(?!inferenceservice_|tuner_)\w+|namespace_service:\w+:\w+|up)\{([^}]*)\}"
+    )
+    checked = 0
+    for doc in (RUNBOOKS, REPO / "docs" / "sre.md"):
+        for matchers in re.findall(engine_series, doc.read_text()):
+            if 'namespace="NS"' not in matchers:
+                continue  # `specfleet_requests_refused_total{reason}`: a series' labels named in prose
+            checked += 1
+            assert 'service="NAME"' not in matchers and 'job="NAME"' in matchers, (doc.name, matchers)
+    assert checked >= 19  # the runbooks hold 19 such selectors today

@@ -252,3 +252,19 @@ def test_runbook_promql_selects_engine_series_by_job() -> None:
             checked += 1
             assert 'service="NAME"' not in matchers and 'job="NAME"' in matchers, (doc.name, matchers)
     assert checked >= 19  # the runbooks hold 19 such selectors today
+
+
+def test_the_degraded_runbook_covers_every_reason_the_operator_sets() -> None:
+    """SpecfleetInferenceServiceDegraded fires with the condition's `reason` label; its runbook section says
+    what to do for each reason the operator sets Degraded=True with (read from the operator's source: the
+    conditions it computes, the refused-child reasons and the generated Secrets' conflict reasons)."""
+    operator = REPO / "operator"
+    conditions, reconcile = (operator / "conditions.py").read_text(), (operator / "reconcile.py").read_text()
+    reasons = (
+        set(re.findall(r'Cond\(\s*"Degraded",\s*"True",\s*"(\w+)"', conditions))
+        | set(re.findall(r'"(Child(?:Forbidden|Invalid|Rejected))"', reconcile))
+        | set(re.findall(r'"(\w+SecretConflict)"', reconcile))
+    )
+    assert {"InvalidSpec", "ReplicaFailure", "ChildForbidden", "AdminSecretConflict"} <= reasons, reasons
+    section = RUNBOOKS.read_text().split("## SpecfleetInferenceServiceDegraded", 1)[1].split("\n## ", 1)[0]
+    assert {r for r in reasons if f"`{r}`" not in section} == set()

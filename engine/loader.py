@@ -23,7 +23,7 @@ from specfleet.engine.checkpoint import (
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.heap import release_free_memory
 from specfleet.engine.models import model_class
-from specfleet.engine.models.llama import LlamaArgs, LlamaModel
+from specfleet.engine.models.llama import LlamaArgs, LlamaModel, rope_context
 from specfleet.engine.tokenizer import Tokenizer
 
 if TYPE_CHECKING:  # torch.distributed and multiprocessing load only for a split model
@@ -127,13 +127,16 @@ def load_model(config: EngineConfig, device: torch.device | None = None) -> Load
 def _max_model_len(config: EngineConfig, hf_config, sliding: bool = False) -> int:
     """--max-model-len, or the model's context; refused past that context. `sliding`: the model runs its
     sliding-window layers as such (Gemma), so its whole context is exact."""
-    context = hf_config.max_position_embeddings
+    context, source = rope_context(hf_config)
     window = getattr(hf_config, "sliding_window", None)
-    if window and not sliding and getattr(hf_config, "use_sliding_window", True):
-        context = min(context, window)  # attention here is full: stay where that is exact
+    if window and not sliding and getattr(hf_config, "use_sliding_window", True) and window < context:
+        # attention here is full: stay where that is exact
+        context, source = window, f"sliding_window={window}, attention here is full"
     max_model_len = config.max_model_len or context
     if max_model_len > context:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context of {context} tokens")
+        raise ValueError(
+            f"max_model_len={max_model_len} exceeds the model's context of {context} tokens ({source})"
+        )
     return max_model_len
 
 

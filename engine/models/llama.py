@@ -51,10 +51,31 @@ class LlamaArgs:
             num_kv_heads=getattr(config, "num_key_value_heads", None) or num_heads,
             head_dim=head_dim,
             rms_norm_eps=config.rms_norm_eps,
-            max_position=config.max_position_embeddings,
+            max_position=rope_context(config)[0],
             tie_word_embeddings=bool(getattr(config, "tie_word_embeddings", False)),
             qkv_bias=config.model_type == "qwen2" or bool(getattr(config, "attention_bias", False)),
         )
+
+
+def rope_context(config) -> tuple[int, str]:
+    """The positions the model's RoPE runs (what its tables hold, the engine's longest max_model_len) and the
+    config fields that say so. `max_position_embeddings`; for YaRN, `original_max_position_embeddings *
+    factor` when that is more: the Qwen2.5 and Qwen3 model cards extend 32K to 128K by adding `rope_scaling
+    {type: yarn, factor: 4, original_max_position_embeddings: 32768}` and leave max_position_embeddings at
+    32768 (vLLM reads the same length). YaRN's frequencies do not depend on the length, so transformers runs
+    any length with them. Linear scaling keeps max_position_embeddings (Gemma 3's already counts its factor
+    of 8), and so does dynamic NTK, which transformers rescales once a sequence is past
+    max_position_embeddings: one table computed here cannot follow that."""
+    positions = int(config.max_position_embeddings)
+    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
+    if str(params.get("rope_type", params.get("type"))) == "yarn" and params.get("factor"):
+        original = int(params.get("original_max_position_embeddings") or positions)
+        scaled = int(original * float(params["factor"]))
+        if scaled > positions:
+            return scaled, (
+                f"rope_scaling yarn original_max_position_embeddings={original} x factor={params['factor']}"
+            )
+    return positions, f"max_position_embeddings={positions}"
 
 
 def rope_init_function(config, rope_type: str) -> Callable[..., tuple[torch.Tensor, float]]:

@@ -153,3 +153,28 @@ def test_unknown_rope_type_is_refused_naming_the_field(mistral_hub_folder, tmp_p
         match=rf"rope_scaling rope_type='{rope_type}' is not supported; supported: default, linear",
     ):
         LLM(model=f"file://{folder}", block_size=4)
+
+
+def test_yarn_extended_context_matches_transformers(tmp_path, bundled_path):
+    """Qwen2.5's way to 128K: `rope_scaling` yarn, factor 4 over original_max_position_embeddings, with
+    max_position_embeddings left at the original (32 here). The engine's context is 32 x 4 and a sequence
+    past 32 runs as transformers runs it, token for token; past 128 it is refused naming the fields."""
+    rope = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    path = save(tmp_path, "qwen2", bundled_path, max_position_embeddings=32, rope_scaling=rope)
+    prompt = [(7 * i + 3) % 5000 for i in range(40)]
+    assert engine_greedy(path, prompt, max_model_len=128) == hf_greedy(path, prompt)
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len=129 exceeds the model's context of 128 tokens \(rope_scaling yarn "
+        r"original_max_position_embeddings=32 x factor=4.0\)",
+    ):
+        LLM(model=f"file://{path}", block_size=4, max_model_len=129)
+
+
+def test_max_model_len_past_max_position_embeddings_is_refused_naming_it(tmp_path, bundled_path):
+    path = save(tmp_path, "llama", bundled_path, max_position_embeddings=64)
+    with pytest.raises(
+        ValueError,
+        match=r"max_model_len=65 exceeds the model's context of 64 tokens \(max_position_embeddings=64\)",
+    ):
+        LLM(model=f"file://{path}", block_size=4, max_model_len=65)

@@ -41,13 +41,36 @@ class UsageTap:
             return b""
         events = bytes(self._kept[: end + 2])
         del self._kept[: end + 2]
-        if not self.keep_text:  # a run of events whose every usage is the engine's null needs no parse
-            usages = events.count(b'"usage"')
-            if usages == 0 or not self.strip and usages == events.count(_NULL_USAGE):
-                return events
-            if self.strip and usages == events.count(_NULL_USAGE):
-                return events.replace(_NULL_USAGE, b"")
-        return b"".join(self._event(e + b"\n\n") for e in events.split(b"\n\n")[:-1])
+        if self.keep_text:  # every event's text is read
+            return b"".join(self._event(e + b"\n\n") for e in events.split(b"\n\n")[:-1])
+        return self._run(events)
+
+    def _run(self, events: bytes) -> bytes:
+        """A run of whole events, without a parse where every usage is the engine's null (the gateway asks
+        every tenant stream for its usage, so every chunk carries one): those are passed, or stripped, in
+        bulk; only an event with another `"usage"` (the usage itself, or a text that spells it) is parsed."""
+        if events.count(b'"usage"') == events.count(_NULL_USAGE):  # the common run: no usage in it yet
+            return self._nulls(events)
+        out = []
+        start = 0
+        at = events.find(b'"usage"')
+        while at >= 0:
+            if events.startswith(_NULL_USAGE, at - 1):
+                at = events.find(b'"usage"', at + len(_NULL_USAGE))
+                continue
+            before = events.rfind(b"\n\n", start, at)
+            begin = start if before < 0 else before + 2
+            end = events.find(b"\n\n", at) + 2  # a run ends with a whole event
+            out.append(self._nulls(events[start:begin]))
+            out.append(self._event(events[begin:end]))
+            start = end
+            at = events.find(b'"usage"', start)
+        out.append(self._nulls(events[start:]))
+        return b"".join(out)
+
+    def _nulls(self, events: bytes) -> bytes:
+        """Events whose every usage is null: as they came, or without it when the client did not ask."""
+        return events.replace(_NULL_USAGE, b"") if self.strip else events
 
     def _event(self, event: bytes) -> bytes:
         if not event.startswith(b"data: {") or not self.keep_text and b'"usage"' not in event:

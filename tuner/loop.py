@@ -209,6 +209,8 @@ class ServiceTuner:
             return Tick(decision, obs, None, None, self.frozen_by, entered, slo=self.policy.params.slo)
         transitions = ["resumed"] if was_frozen else []
         decision = self.policy.decide(obs)
+        if decision.kind == "missing" and not await self.endpoints():
+            decision = self.policy.no_engine(obs.time)  # scaled to zero or starting: nothing to observe
         applied = None
         desired = self.policy.current
         guard = self.policy.guard if self.policy.manages_guard else None

@@ -40,6 +40,7 @@ class PlantEngines:
     t: float = 0.0
     pushes: list[TunedConfig] = field(default_factory=list)
     down: bool = False  # the source cannot read the metrics
+    ready: bool = True  # the engine pod is ready (False: scaled to zero, or still starting)
 
     async def observe(self) -> Observation:
         self.t += INTERVAL
@@ -48,7 +49,7 @@ class PlantEngines:
         return self.plant.observe(self.t, self.running)
 
     async def endpoints(self) -> list[str]:
-        return [URL]
+        return [URL] if self.ready else []
 
     async def ensure(self, urls: list[str], settings: TunedConfig | LiveSettings) -> ApplyResult:
         config = settings.config if isinstance(settings, LiveSettings) else settings
@@ -178,6 +179,27 @@ def test_failing_static_and_recovering_are_reported_once_each() -> None:
     assert static[:2] == ("Warning", "TuningStatic") and "Prometheus unreachable" in static[2]
     assert "fail static" in static[2]
     assert transition_events(back[0])[0][:2] == ("Normal", "TuningRecovered")
+
+
+def test_no_ready_engine_is_idle_not_failing_static() -> None:
+    """Scaled to zero (or pods still starting) there is no engine series: the tuner holds as `Idle` and
+    counts no static interval, so SpecfleetTunerFailingStatic (`specfleet_tuner_static_intervals >= 10`)
+    does not fire on a service that is meant to run nothing. Engines that run but cannot be observed still
+    fail static."""
+    engines = PlantEngines(Plant(demand=1), TunedConfig(0, 16, 512))
+    tuner = loop(engines)
+    ticks(tuner, 2)
+    pushed = list(engines.pushes)
+    engines.down, engines.ready = True, False  # scaled to zero: Prometheus has no series for the service
+    zero = ticks(tuner, 12)
+    assert all(t.decision.kind == "idle" and t.transitions == () for t in zero), [t.decision for t in zero]
+    assert tuner.static_intervals == 0 and engines.pushes == pushed
+    condition = tuned_condition(zero[-1])
+    assert (condition.status, condition.reason) == ("True", "Idle")
+    assert "no engine is ready" in condition.message
+    engines.ready = True  # an engine is back but its series are not (a broken scrape): fail static
+    outage = ticks(tuner, 10)
+    assert outage[0].transitions == ("static",) and tuner.static_intervals == 10
 
 
 def test_specfleet_up_freezes_from_the_yaml_or_while_its_freeze_file_exists(tmp_path) -> None:

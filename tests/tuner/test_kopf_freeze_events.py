@@ -2,7 +2,8 @@
 real kopf timer under KopfRunner, the Kubernetes API faked at its edge (tests/fake_kube.py, an HTTP server
 that records the Events posted), one real engine process as the service's pod.
 
-Sequence: no ready pod (metrics missing: TuningStatic, a Warning), the pod turns ready (TuningRecovered),
+Sequence: no ready pod (nothing runs: Tuned=True/Idle, not failing static), a ready pod whose /metrics
+nobody answers (metrics missing: TuningStatic, a Warning), the pod reachable (TuningRecovered),
 `kubectl annotate ... specfleet.io/tuner-freeze=true` (TuningFrozen, status.tuning.frozenBy, Tuned=False
 Frozen; a config set by hand on the engine stays), the annotation removed (TuningResumed, the tuner's
 config pushed again). The fake runs no controllers and does not model Event aggregation (each post is one
@@ -48,7 +49,9 @@ def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
 
     host = aim_tuner_at(engine_url, monkeypatch)
     put_service(fake_kube, NS, example_service("frz", **AUTOTUNED_SPEC))
-    pod = put_pod(fake_kube, NS, "frz-0", {SERVICE_LABEL: "frz"}, host, ready=False)
+    # 127.0.0.2: no engine listens there (the test engine binds 127.0.0.1), as a ready pod the operator
+    # cannot scrape (a NetworkPolicy, a wrong port)
+    pod = put_pod(fake_kube, NS, "frz-0", {SERVICE_LABEL: "frz"}, "127.0.0.2", ready=False)
 
     def events() -> list[tuple[str, str, str]]:
         return [
@@ -79,11 +82,26 @@ def test_describe_shows_static_recovered_frozen_resumed_and_the_freeze_holds(
         fake_kube.put(*ISVC, NS, obj)
 
     with KopfRunner(operator_args(NS), timeout=150) as runner:
-        wait_for("TuningStatic while no pod is ready", lambda: "TuningStatic" in reasons(), timeout=40)
-        wait_for("Tuned=False/MetricsUnavailable", lambda: tuned().get("reason") == "MetricsUnavailable")
+        wait_for("Tuned=True/Idle while no pod is ready", lambda: tuned().get("reason") == "Idle", timeout=40)
+        assert "no engine is ready" in tuned()["message"] and "TuningStatic" not in reasons()
         pod["status"]["conditions"][0]["status"] = "True"
         fake_kube.put("/api/v1", "pods", NS, pod)
-        wait_for("TuningRecovered once the pod is ready", lambda: "TuningRecovered" in reasons(), timeout=40)
+        wait_for(
+            "TuningStatic while the ready pod is unreachable", lambda: "TuningStatic" in reasons(), timeout=40
+        )
+        # the pod answers nothing, so the push of the config in force fails too: ApplyFailed outranks it
+        wait_for(
+            "Tuned=False (MetricsUnavailable or ApplyFailed)",
+            lambda: (
+                (tuned().get("status"), tuned().get("reason"))
+                in {("False", "MetricsUnavailable"), ("False", "ApplyFailed")}
+            ),
+        )
+        pod["status"]["podIP"] = host
+        fake_kube.put("/api/v1", "pods", NS, pod)
+        wait_for(
+            "TuningRecovered once the pod is reachable", lambda: "TuningRecovered" in reasons(), timeout=40
+        )
         wait_for("the tuner's config pushed", lambda: k(engine_url) == 3, timeout=30)
 
         annotate("true")

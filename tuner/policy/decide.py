@@ -116,6 +116,12 @@ class Policy:
         self.last_change = obs.time
         return Decision(obs.time, None, reasons.frozen(by, self.current or obs.config), "frozen")
 
+    def no_engine(self, now: float) -> Decision:
+        """No engine is ready (scaled to zero, pods starting or Pending): its metrics are missing because
+        nothing runs, not because monitoring failed. Hold, idle, so that fail static (and the
+        SpecfleetTunerFailingStatic alert on its count) means engines that run but cannot be observed."""
+        return Decision(now, None, reasons.NO_ENGINE, "idle", changes_this_load=self.level.changes)
+
     def rejected(self, now: float, config: TunedConfig, error: str) -> Decision:
         """The engines refused `config` (a ceiling the bounds did not know): go back and never retry it."""
         previous = self.before_change if self.current == config else self.current

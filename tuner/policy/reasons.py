@@ -57,6 +57,10 @@ def no_observation(obs: Observation | None) -> str:
 
 UNKNOWN_CONFIG = "the config in force is unknown (no pod reported it)"
 IDLE = "no traffic in the window; nothing to tune on"
+NO_ENGINE = (
+    "no engine is ready (scaled to zero, or its pods are still starting): nothing to observe or tune; "
+    "holding the config"
+)
 METRICS_MISSING = "latency, throughput or queue metrics missing from the window"
 NO_STEP_COST = "no step duration or batch size in the window to model step cost"
 

@@ -134,17 +134,27 @@ class LocalLimiter:
     def _of(self, tenant: Tenant, now: float) -> _Buckets:
         b = self.buckets.get(tenant.name)
         if b is None or b.limits != (tenant.rpm, tenant.tpm):  # new, or its limits were edited
-            share = 1 / self.replicas
-            b = _Buckets(
-                Bucket(tenant.rpm * share, tenant.rpm * share, now) if tenant.rpm else None,
-                Bucket(tenant.tpm * share, tenant.tpm * share, now) if tenant.tpm else None,
+            b = self.buckets[tenant.name] = _Buckets(
+                self._carried(b.requests if b else None, tenant.rpm, now),
+                self._carried(b.tokens if b else None, tenant.tpm, now),
                 (tenant.rpm, tenant.tpm),
             )
-            self.buckets[tenant.name] = b
         for bucket in (b.requests, b.tokens):
             if bucket is not None:
                 bucket.refill(now)
         return b
+
+    def _carried(self, old: Bucket | None, limit: int, now: float) -> Bucket | None:
+        """This replica's bucket for a per-minute `limit` (None: no limit); after an edit of the limit what
+        the tenant used of the old one stays used, so that an edit (the tenants file read again) does not
+        hand out a full minute anew."""
+        if not limit:
+            return None
+        capacity = limit / self.replicas
+        if old is None:
+            return Bucket(capacity, capacity, now)
+        old.refill(now)
+        return Bucket(capacity, min(capacity, capacity - (old.capacity - old.level)), now)
 
     def check(self, tenant: Tenant, tokens: int) -> Verdict:
         """Admit (and charge) one request of `tokens` estimated tokens, or say why not and until when."""

@@ -119,6 +119,22 @@ def test_the_request_bucket_admits_its_limit_then_refills_one_per_interval() -> 
     assert limiter.check(t, 10).allowed
 
 
+def test_an_edit_of_the_limits_keeps_what_the_tenant_used() -> None:
+    """The tenants file read again with new limits: what the tenant used of the old ones stays used (an
+    edit does not hand out a full minute anew); a limit added where there was none starts full."""
+    clock = Clock()
+    limiter = LocalLimiter(clock=clock)
+    assert all(limiter.check(tenant(rpm=2), 100).allowed for _ in range(2))
+    raised = tenant(rpm=3, tpm=1000)
+    assert [limiter.check(raised, 100).allowed for _ in range(2)] == [True, False]  # 2 of 3 already used
+    assert limiter.check(raised, 0).remaining_tokens == 900
+    lowered = tenant(rpm=3, tpm=500)
+    verdict = limiter.check(lowered, 450)  # 100 of the tokens used: 400 left of 500
+    assert not verdict.allowed and not verdict.too_large
+    clock.now += WINDOW_S
+    assert limiter.check(lowered, 450).allowed  # refilled to the new limit
+
+
 def test_the_token_bucket_charges_the_estimate_and_settles_to_the_usage() -> None:
     clock = Clock()
     limiter = LocalLimiter(clock=clock)

@@ -268,3 +268,30 @@ def test_the_degraded_runbook_covers_every_reason_the_operator_sets() -> None:
     assert {"InvalidSpec", "ReplicaFailure", "ChildForbidden", "AdminSecretConflict"} <= reasons, reasons
     section = RUNBOOKS.read_text().split("## SpecfleetInferenceServiceDegraded", 1)[1].split("\n## ", 1)[0]
     assert {r for r in reasons if f"`{r}`" not in section} == set()
+
+
+def test_the_runbooks_pod_selectors_list_every_pod_the_operator_runs() -> None:
+    """`kubectl get pods -l ...=NAME` in the runbooks finds every pod template the operator renders for a
+    service, the router's included (its unready pods also make Ready=False/ReplicasNotReady), with routing
+    on, off and disaggregated; and no selector in them finds nothing."""
+    from specfleet.operator import load_inference_service
+    from specfleet.operator.render import render_engine_workloads, render_router_deployment
+
+    selectors = set(re.findall(r"kubectl get pods -n NS -l ([\w./-]+)=NAME", RUNBOOKS.read_text()))
+    used: set[str] = set()
+    for example, routing in (
+        ("smollm2-cpu.yaml", True),
+        ("smollm2-cpu.yaml", False),
+        ("smollm2-cpu-pd.yaml", True),
+    ):
+        doc = yaml.safe_load((REPO / "examples" / example).read_text())
+        doc["metadata"].update(name="name", namespace="ns", uid="u")
+        doc["spec"].setdefault("routing", {})["enabled"] = routing
+        isvc = load_inference_service(doc)
+        workloads = [*render_engine_workloads(isvc), *([render_router_deployment(isvc)] if routing else [])]
+        for workload in workloads:
+            labels = workload["spec"]["template"]["metadata"]["labels"]
+            found = {key for key in selectors if labels.get(key) == "name"}
+            assert found, (example, routing, workload["metadata"]["name"], sorted(selectors))
+            used |= found
+    assert used == selectors

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from specfleet.engine.cache_dir import CacheError, cache_root, ensure_file
+from specfleet.engine.errors import UnsupportedModel
 from specfleet.engine.heap import release_free_memory
 from specfleet.engine.models import ARCHITECTURES
 from specfleet.engine.sampling_params import GENERATION_DEFAULT_FIELDS, ParameterError, SamplingParams
@@ -72,7 +73,7 @@ def _check_architectures(path: Path, archs: Any) -> None:
         return
     names = archs if isinstance(archs, list) else [archs]
     if not any(a in ARCHITECTURES for a in names):
-        raise ValueError(
+        raise UnsupportedModel(
             f"model at {path}: config.json architectures={archs!r} is not supported; "
             f"supported: {', '.join(ARCHITECTURES)}"
         )
@@ -106,10 +107,13 @@ def _normalized_config(path: Path) -> dict[str, Any]:
 def load_tokenizer(path: Path) -> Tokenizer:
     """The folder's tokenizer. AutoTokenizer is handed the normalized config (`load_hf_config`'s cache):
     without it, it loads the config with transformers' own classes, whose import (torch.distributed,
-    accelerate, sympy) adds about 100 MB to every engine process's memory for nothing it keeps."""
+    accelerate, sympy) adds about 100 MB to every engine process's memory for nothing it keeps. An
+    unsupported `architectures` is refused here too, before transformers reads the config: the server loads
+    the tokenizer while its engine core loads the model, and transformers would ask a remote-code config's
+    question on the server's terminal."""
     from transformers import AutoTokenizer
 
-    config = ModelConfig(**_normalized_config(path)) if (path / "config.json").is_file() else None
+    config = load_hf_config(path) if (path / "config.json").is_file() else None
     tokenizer = AutoTokenizer.from_pretrained(path, config=config)
     # Parsing tokenizer.json frees more than the tokenizer keeps (SmolLM2's 49k-token BPE: 56 MB resident
     # after the load, 24 MB once the freed heap is returned); what glibc would keep stays with the system.

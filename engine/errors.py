@@ -1,6 +1,6 @@
 """The engine's error for bad request input, at the bottom of the engine's imports (plain Python): the
 sampling parameters, structured outputs and the live-config checks raise it, and the server turns it into
-a 400 that names the field."""
+a 400 that names the field. And its error for a checkpoint it cannot run (`UnsupportedModel`)."""
 
 from __future__ import annotations
 
@@ -27,3 +27,9 @@ def context_length_error(param: str, limit: int, detail: str) -> ParameterError:
         f"This model's maximum context length is {limit} tokens. However, {detail}",
         CONTEXT_LENGTH_EXCEEDED,
     )
+
+
+class UnsupportedModel(ValueError):
+    """A checkpoint this engine does not run (its config.json `architectures`, a RoPE type): the message
+    names the field and what is supported, so the engine core logs it at start without a traceback (the
+    stack says nothing the message does not)."""

@@ -30,6 +30,7 @@ import zmq
 from specfleet.engine.config import EngineConfig
 from specfleet.engine.detokenizer import TextCursor
 from specfleet.engine.distributed import WorkerDied
+from specfleet.engine.errors import UnsupportedModel
 from specfleet.engine.outputs import PositionLogprobs, RequestOutput
 from specfleet.engine.sampling_params import ParameterError
 
@@ -298,6 +299,8 @@ def serve(config: EngineConfig, input_addr: str, output_addr: str) -> int:
             return 0
         if isinstance(exc, WorkerDied):  # the message names the rank and its exit code; no traceback
             log.error("event=engine_worker_died %s; the engine core exits", exc)
+        elif isinstance(exc, UnsupportedModel):  # the message names the field and the supported values
+            log.error("event=engine_core_failed error=UnsupportedModel %s", exc)
         else:
             log.exception("event=engine_core_failed error=%s", type(exc).__name__)
         out.send(ENCODER.encode(Dead(f"{type(exc).__name__}: {exc}")))

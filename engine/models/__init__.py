@@ -28,6 +28,8 @@ def model_class(architectures: list[str]) -> type:
         if name in ARCHITECTURES:
             module, _, cls = ARCHITECTURES[name].partition(":")
             return getattr(importlib.import_module(module), cls)
-    raise ValueError(
+    from specfleet.engine.errors import UnsupportedModel
+
+    raise UnsupportedModel(
         f"architecture {architectures!r} is not supported; supported: {', '.join(ARCHITECTURES)}"
     )

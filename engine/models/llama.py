@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from specfleet.engine.attention.base import AttentionBackend, AttentionMetadata
+from specfleet.engine.errors import UnsupportedModel
 from specfleet.engine.lora.adapter import ModelShape
 from specfleet.kernels import cpu_native
 from specfleet.kernels.quantized import QuantTensor, cat_rows
@@ -85,7 +86,7 @@ def rope_init_function(config, rope_type: str) -> Callable[..., tuple[torch.Tens
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     if rope_type not in ROPE_INIT_FUNCTIONS:
-        raise ValueError(
+        raise UnsupportedModel(
             f"architecture {getattr(config, 'architectures', None)}: rope_scaling rope_type={rope_type!r} is "
             f"not supported; supported: default, {', '.join(ROPE_INIT_FUNCTIONS)}"
         )

@@ -15,6 +15,7 @@ prompt tokens and write other text.
 from __future__ import annotations
 
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,10 @@ import openai
 import pytest
 import torch
 from helpers import start_server, stop_process, tiny_config, tiny_model
+from specfleet.engine.python_child import python_command
+from specfleet.fleet.supervisor import free_port
 
-pytestmark = pytest.mark.slow  # a server process per template layout
+pytestmark = pytest.mark.slow  # a server process per test
 
 IM_END = 2  # the bundled tokenizer's <|im_end|>, an added special token
 # A template of the model's own (not the bundled tokenizer's): its system line shows in the prompt length and
@@ -108,3 +111,23 @@ def test_served_chat_uses_the_model_template_and_stops_at_any_eos(
     tokenizer = AutoTokenizer.from_pretrained(folder)
     # the eos token ends the run and is not part of the text (vLLM's behaviour)
     assert choice.message.content == tokenizer.decode(expected[:-1], skip_special_tokens=True)
+
+
+def test_serve_refuses_a_remote_code_architecture_in_one_line(tmp_path: Path) -> None:
+    """InternLM2's config.json names its own configuration code (`auto_map`): `specfleet serve` exits at
+    start with the architecture and the supported list, without a traceback and without transformers asking
+    on the terminal whether to run that code (the server reads the tokenizer while the core reads the model)."""
+    folder = tmp_path / "internlm2"
+    folder.mkdir()
+    config = {
+        "architectures": ["InternLM2ForCausalLM"],
+        "model_type": "internlm2",
+        "auto_map": {"AutoConfig": "configuration_internlm2.InternLM2Config"},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    cmd = python_command("-m", "specfleet.engine", "--model", f"file://{folder}", "--port", str(free_port()))
+    done = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output
+    assert "architectures=['InternLM2ForCausalLM'] is not supported; supported: LlamaForCausalLM" in output
+    assert "Traceback" not in output and "custom code" not in output, output

@@ -8,11 +8,19 @@ runs real engines for that); they only answer HTTP the way an engine can.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from aiohttp import web
-from helpers import free_port
+from specfleet.router.endpoints import EndpointSet
+from specfleet.router.gateway import Gateway, serve_gateway
+from specfleet.router.policies import make_policy
+from specfleet.router.proxy import Router
+
+if TYPE_CHECKING:
+    from specfleet.router.tenant_gate import TenantGate
 
 Behaviour = Callable[[web.Request, "FakeEngine"], Awaitable[web.StreamResponse]]
 
@@ -47,8 +55,8 @@ class FakeEngine:
         app.router.add_route("*", "/{tail:.*}", handle)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        self.port = free_port()
-        await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
+        await web.TCPSite(self._runner, "127.0.0.1", 0).start()
+        self.port = self._runner.addresses[0][1]  # the kernel's pick: no other socket can take it first
         return self
 
     async def stop(self) -> None:
@@ -86,3 +94,27 @@ async def break_after_first_byte(request: web.Request, engine: FakeEngine) -> we
     assert request.transport is not None
     request.transport.close()  # the engine dies mid-stream
     return out
+
+
+def engine_router(engine: FakeEngine) -> Router:
+    """A service's router over one stand-in engine (round robin: the tests are not about the policy)."""
+    return Router(EndpointSet([engine.url], ready=True), make_policy("round-robin"))
+
+
+@asynccontextmanager
+async def gateway_over(
+    engine: FakeEngine, services: Iterable[tuple[str, int]], tenants: TenantGate | None = None
+) -> AsyncIterator[str]:
+    """A gateway on a port the kernel picks, over `engine`'s router: one service per (`NAMESPACE/NAME`,
+    weight), served under NAME; its base URL while it serves. The engine is stopped with it."""
+    gateway = Gateway(tenants=tenants)
+    router = engine_router(engine)
+    for key, weight in services:
+        gateway.upsert(key, [key.split("/")[-1]], weight, router)
+    gateway.synced = True
+    front = await serve_gateway(gateway, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{front.port}"
+    finally:
+        await front.cleanup()
+        await engine.stop()

@@ -14,16 +14,11 @@ from typing import Any
 import aiohttp
 import pytest
 from aiohttp import web
-from helpers import free_port
-from specfleet.router.endpoints import EndpointSet
-from specfleet.router.gateway import Gateway, serve_gateway
-from specfleet.router.policies import make_policy
-from specfleet.router.proxy import Router
 from specfleet.router.quota import LocalLimiter
 from specfleet.router.tenant_gate import TenantGate
 from specfleet.router.tenants import Tenant, TenantSpec, TenantTable
 
-from .engines import FakeEngine
+from .engines import FakeEngine, gateway_over
 
 openai = pytest.importorskip("openai")
 
@@ -77,18 +72,8 @@ def tenants(**limits: dict[str, Any]) -> TenantTable:
 def run_gate(gate: TenantGate, test: Callable[[str, FakeEngine], Awaitable[None]]) -> None:
     async def main() -> None:
         engine = await FakeEngine("engine-a", answer_like_an_engine).start()
-        gateway = Gateway(tenants=gate)
-        router = Router(EndpointSet([engine.url], ready=True), make_policy("round-robin"))
-        gateway.upsert("team-a/alpha", ["alpha"], 100, router)
-        gateway.upsert("team-b/beta", ["beta"], 100, router)
-        gateway.synced = True
-        port = free_port()
-        runner = await serve_gateway(gateway, "127.0.0.1", port)
-        try:
-            await test(f"http://127.0.0.1:{port}", engine)
-        finally:
-            await runner.cleanup()
-            await engine.stop()
+        async with gateway_over(engine, [("team-a/alpha", 100), ("team-b/beta", 100)], gate) as url:
+            await test(url, engine)
 
     asyncio.run(asyncio.wait_for(main(), timeout=120))
 
@@ -243,25 +228,13 @@ async def answer_like_an_fcfs_engine(request: web.Request, engine: FakeEngine) -
 def test_a_service_that_schedules_fcfs_gets_no_priority() -> None:
     async def main() -> None:
         engine = await FakeEngine("engine-a", answer_like_an_fcfs_engine).start()
-        gateway = Gateway(tenants=TenantGate(tenants(batch={"priority": "batch"})))
-        gateway.upsert(
-            "team-a/alpha",
-            ["alpha"],
-            100,
-            Router(EndpointSet([engine.url], ready=True), make_policy("round-robin")),
-        )
-        gateway.synced = True
-        port = free_port()
-        runner = await serve_gateway(gateway, "127.0.0.1", port)
-        try:
-            batch = client(f"http://127.0.0.1:{port}", "batch")
+        gate = TenantGate(tenants(batch={"priority": "batch"}))
+        async with gateway_over(engine, [("team-a/alpha", 100)], gate) as url:
+            batch = client(url, "batch")
             answer = await batch.completions.create(
                 model="alpha", prompt="x", max_tokens=1, extra_body={"priority": 5}
             )
             assert answer.usage is not None  # a 200, where the tenant's priority 10 would be a 400
             assert [b.get("priority") for b in sent(engine)] == [None]  # neither the class's nor the client's
-        finally:
-            await runner.cleanup()
-            await engine.stop()
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))

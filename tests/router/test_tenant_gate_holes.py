@@ -28,7 +28,7 @@ from specfleet.router.quota import LocalLimiter
 from specfleet.router.redis_limits import RedisLimiter, redacted
 from specfleet.router.tenant_gate import TenantGate, estimate_tokens
 
-from .engines import FakeEngine
+from .engines import FakeEngine, gateway_over
 from .test_tenant_gate import KEYS, answer_like_an_engine, client, frozen, metrics, run_gate, sent, tenants
 
 openai = pytest.importorskip("openai")
@@ -324,19 +324,8 @@ def test_a_model_the_tenant_may_not_call_is_a_403_before_any_service_answers() -
 
     async def main() -> None:
         engine = await FakeEngine("engine-a", answer_like_an_engine).start()
-        gateway = Gateway(tenants=gate)
-        router = Router(EndpointSet([engine.url], ready=True), make_policy("round-robin"))
-        gateway.upsert("team-a/alpha", ["alpha"], 100, router)
-        gateway.upsert(
-            "team-b/gamma", ["gamma"], 0, router
-        )  # out of the split: a 503 to those who may call it
-        gateway.synced = True
-        port = free_port()
-        runner = await serve_gateway(gateway, "127.0.0.1", port)
-        try:
-            await test(f"http://127.0.0.1:{port}", engine)
-        finally:
-            await runner.cleanup()
-            await engine.stop()
+        # gamma weighs 0, out of the split: a 503 to those who may call it
+        async with gateway_over(engine, [("team-a/alpha", 100), ("team-b/gamma", 0)], gate) as url:
+            await test(url, engine)
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))

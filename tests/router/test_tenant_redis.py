@@ -16,16 +16,13 @@ from typing import Any
 import pytest
 import redis
 from helpers import free_port, stop_process
-from specfleet.router.endpoints import EndpointSet
 from specfleet.router.gateway import Gateway, serve_gateway
-from specfleet.router.policies import make_policy
-from specfleet.router.proxy import Router
 from specfleet.router.quota import LocalLimiter
 from specfleet.router.redis_limits import RedisLimiter, key_of
 from specfleet.router.tenant_gate import TenantGate
 from specfleet.router.tenants import Tenant, TenantSpec, TenantTable
 
-from .engines import FakeEngine
+from .engines import FakeEngine, engine_router
 from .test_tenant_gate import KEYS, PROMPT_TOKENS, answer_like_an_engine
 
 openai = pytest.importorskip("openai")
@@ -74,19 +71,14 @@ def team(**spec: Any) -> Tenant:
 
 
 async def gateways(engine: FakeEngine, limiters: list[Any], tenant: Tenant) -> list[tuple[str, Any]]:
-    """One gateway per limiter, each on a socket of its own: (URL, runner)."""
+    """One gateway per limiter, each on a socket of its own: (URL, its front)."""
     out = []
     for limiter in limiters:
         gateway = Gateway(tenants=TenantGate(TenantTable([tenant]), limiter))
-        gateway.upsert(
-            "team-a/alpha",
-            ["alpha"],
-            100,
-            Router(EndpointSet([engine.url], ready=True), make_policy("round-robin")),
-        )
+        gateway.upsert("team-a/alpha", ["alpha"], 100, engine_router(engine))
         gateway.synced = True
-        port = free_port()
-        out.append((f"http://127.0.0.1:{port}", await serve_gateway(gateway, "127.0.0.1", port)))
+        front = await serve_gateway(gateway, "127.0.0.1", 0)
+        out.append((f"http://127.0.0.1:{front.port}", front))
     return out
 
 

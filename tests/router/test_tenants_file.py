@@ -16,14 +16,9 @@ from pathlib import Path
 
 import pytest
 import yaml
-from helpers import free_port
-from specfleet.router.endpoints import EndpointSet
-from specfleet.router.gateway import Gateway, serve_gateway
-from specfleet.router.policies import make_policy
-from specfleet.router.proxy import Router
 from specfleet.router.tenant_setup import add_tenant_flags, build_gate
 
-from .engines import FakeEngine
+from .engines import FakeEngine, gateway_over
 from .test_tenant_gate import answer_like_an_engine
 
 openai = pytest.importorskip("openai")
@@ -71,18 +66,10 @@ def test_a_key_taken_out_of_the_file_stops_working_within_one_interval(
 
     async def main() -> None:
         engine = await FakeEngine("engine-a", answer_like_an_engine).start()
-        gateway = Gateway(tenants=gate)
-        gateway.upsert(
-            "ns/alpha",
-            ["alpha"],
-            100,
-            Router(EndpointSet([engine.url], ready=True), make_policy("round-robin")),
-        )
-        gateway.synced = True
-        port = free_port()
-        runner = await serve_gateway(gateway, "127.0.0.1", port)
-        tasks = [asyncio.create_task(job) for job in jobs]
-        url = f"http://127.0.0.1:{port}"
+        async with gateway_over(engine, [("ns/alpha", 100)], gate) as url:
+            await rotate(url, [asyncio.create_task(job) for job in jobs])
+
+    async def rotate(url: str, tasks: list[asyncio.Task[None]]) -> None:
         try:
             assert await answers(url, OLD) and not await answers(url, NEW)
             path.write_text(tenants_file(NEW))  # the rotation: the old key out, the new one in
@@ -104,7 +91,5 @@ def test_a_key_taken_out_of_the_file_stops_working_within_one_interval(
         finally:
             for task in tasks:
                 task.cancel()
-            await runner.cleanup()
-            await engine.stop()
 
     asyncio.run(asyncio.wait_for(main(), timeout=60))

@@ -1,5 +1,6 @@
 """The Grafana dashboard against real data: two engine processes under load, a real Prometheus scraping them
-with the labels a ServiceMonitor adds (namespace, service, pod) and evaluating prometheus-rules.yaml; every
+with the labels the operator's ServiceMonitor adds behind the router (namespace, service `chat-engines`, job
+`chat`: the InferenceService, pod) and evaluating prometheus-rules.yaml; every
 panel query, every template variable and the tuner-decision annotation return data through Prometheus'
 HTTP API. A dashboard whose queries silently return nothing is what this catches."""
 
@@ -25,7 +26,9 @@ from tuner.conftest import ADMIN_TOKEN, ENGINE_ARGS
 REPO = Path(__file__).resolve().parents[2]
 DASHBOARD = REPO / "deploy" / "monitoring" / "grafana-dashboard.json"
 RULES = REPO / "deploy" / "monitoring" / "prometheus-rules.yaml"
-LABELS = {"namespace": "demo", "service": "chat"}
+# as the Prometheus Operator labels the targets of the operator's ServiceMonitor behind the router (the default):
+# `service` is the engines' headless Service, `job` the InferenceService (the ServiceMonitor's jobLabel)
+LABELS = {"namespace": "demo", "service": "chat-engines", "job": "chat"}
 # Template variables -> what Grafana sends with "All" selected (regex-all), and a rate window that holds a
 # few of the 1 s scrapes.
 SUBSTITUTIONS = {
@@ -85,6 +88,10 @@ def test_dashboard_has_grafanas_required_structure() -> None:
     assert {"datasource", "namespace", "service", "pod"} <= set(variables)
     for name in ("namespace", "service", "pod"):
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    # "InferenceService" lists the `job` label, the InferenceService's name in every mode; the `service`
+    # label is the Service scraped (NAME-engines behind the router, NAME-prefill/-decode disaggregated)
+    assert variables["service"]["query"]["query"].endswith(", job)"), variables["service"]
+    assert all('job=~"$service"' in e and "service=~" not in e for _, e in panel_queries()), "select by job"
     for _, expr in panel_queries():
         if "namespace_service:" not in expr:  # recording rules are per service already
             for var in ("$namespace", "$service", "$pod"):
@@ -129,7 +136,8 @@ def _start_prometheus(tmp: Path, engines: list[str]) -> tuple[str, subprocess.Po
     # One static target per pod, labelled as the Prometheus Operator labels a ServiceMonitor's targets.
     targets = "".join(
         f"      - targets: ['{url.removeprefix('http://')}']\n"
-        f"        labels: {{namespace: {LABELS['namespace']}, service: {LABELS['service']}, pod: chat-{i}}}\n"
+        f"        labels: {{namespace: {LABELS['namespace']}, service: {LABELS['service']}, job: {LABELS['job']},"
+        f" pod: chat-{i}}}\n"
         for i, url in enumerate(engines)
     )
     (tmp / "prometheus.yml").write_text(
@@ -263,7 +271,11 @@ def test_every_panel_query_returns_data(prometheus: str) -> None:
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_template_variables_resolve_to_the_scraped_labels(prometheus: str) -> None:
-    expected = {"namespace": {"demo"}, "service": {"chat"}, "pod": {"chat-0", "chat-1"}}
+    expected = {
+        "namespace": {"demo"},
+        "job": {"chat"},
+        "pod": {"chat-0", "chat-1"},
+    }  # job: the InferenceService
     for variable in dashboard()["templating"]["list"]:
         if variable["type"] != "query":
             continue
@@ -287,3 +299,20 @@ def test_tuner_decisions_show_as_annotations(prometheus: str) -> None:
     # only from the change on (halfway through the load), not over the whole window
     first = min(float(t) for s in result for t, _ in s["values"])
     assert first > start + 10, (first - start, result)
+
+
+def test_panels_mixing_units_give_each_series_its_own() -> None:
+    """A panel whose series have different units (batch size, step seconds) overrides the seconds series'
+    unit, so a 50 ms step does not read as 0.05 sequences on the batch axis."""
+    for panel in dashboard()["panels"]:
+        legends = [t.get("legendFormat", "") for t in panel["targets"]]
+        default = panel["fieldConfig"]["defaults"].get("unit")
+        seconds = [legend for legend in legends if legend.endswith("(s)")]
+        if default == "s" or not seconds:
+            continue
+        overridden = {
+            o["matcher"]["options"]
+            for o in panel["fieldConfig"]["overrides"]
+            if {"id": "unit", "value": "s"} in o["properties"]
+        }
+        assert set(seconds) <= overridden, panel["title"]

@@ -73,7 +73,9 @@ def resolve_model(source: str) -> ResolvedModel:
         return ResolvedModel(source, _gguf_to_folder(path), path.stem, path)
     if not (path / "config.json").exists():
         raise ValueError(f"model={source!r}: {path} has no config.json (not a Hugging Face model folder)")
-    return ResolvedModel(source, path, path.name)
+    # hf://: the repository's name, as vLLM serves it; the folder is the cache's snapshot, named by its commit
+    name = rest.partition("@")[0] if scheme == "hf" else path.name
+    return ResolvedModel(source, path, name)
 
 
 def _bundled_gguf(name: str) -> Path:

@@ -178,3 +178,41 @@ def test_max_model_len_past_max_position_embeddings_is_refused_naming_it(tmp_pat
         match=r"max_model_len=65 exceeds the model's context of 64 tokens \(max_position_embeddings=64\)",
     ):
         LLM(model=f"file://{path}", block_size=4, max_model_len=65)
+
+
+def hf_cache_snapshot(cache: Path, repo: str, folder: Path, revision: str = "ab" * 20) -> None:
+    """`folder` laid out in `cache` as huggingface_hub's download leaves a repository: each file a blob named
+    by its hash, the snapshot folder of `revision` symbolic links to them, refs/main naming the revision."""
+    import hashlib
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    (root / "blobs").mkdir(parents=True)
+    (root / "refs").mkdir()
+    (root / "refs" / "main").write_text(revision)
+    snapshot = root / "snapshots" / revision
+    snapshot.mkdir(parents=True)
+    for file in folder.iterdir():
+        blob = hashlib.sha256(file.read_bytes()).hexdigest()
+        shutil.copy(file, root / "blobs" / blob)
+        (snapshot / file.name).symlink_to(Path("..", "..", "blobs", blob))
+
+
+def test_hf_cache_snapshot_serves_under_the_repository_name(mistral_hub_folder, tmp_path, monkeypatch):
+    """hf://org/name from the local cache (the snapshot's shards and index are links into blobs/): served as
+    `org/name`, as vLLM names it (it was the snapshot's commit hash), and token for token as transformers."""
+    import huggingface_hub.constants
+    from specfleet.engine.model_source import resolve_model
+
+    hf_cache_snapshot(tmp_path / "hub", "mistralai/Tiny-Mistral", mistral_hub_folder)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    resolved = resolve_model("hf://mistralai/Tiny-Mistral")
+    assert resolved.path.name == "ab" * 20 and (resolved.path / SHARD_INDEX).is_symlink()
+    assert resolved.name == "mistralai/Tiny-Mistral"
+    assert resolve_model(f"hf://mistralai/Tiny-Mistral@{'ab' * 20}").name == "mistralai/Tiny-Mistral"
+    prompt = [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 19, 23]
+    llm = LLM(model="hf://mistralai/Tiny-Mistral", block_size=4)
+    try:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=STEPS, ignore_eos=True))
+    finally:
+        llm.close()
+    assert list(out[0].outputs[0].token_ids) == hf_greedy(mistral_hub_folder, prompt)

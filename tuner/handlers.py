@@ -290,8 +290,23 @@ async def _report(
     change = event_for(tick.decision)
     for kind, reason, message in [*transition_events(tick), *([change] if change else [])]:
         post = kopf.warn if kind == "Warning" else kopf.info
-        post(body, reason=reason, message=message[:1000])
+        post(body, reason=reason, message=event_message(reason, message, meta["namespace"], meta["name"]))
     logger.debug("tuner tick: %s", tick.decision.reason)
+
+
+# The API server keeps an Event message to 1024 bytes; 1000 leaves room for multi-byte characters.
+EVENT_MESSAGE_MAX = 1000
+CHANGE_EVENTS = ("Tuned", "TuningReverted")  # the tuner changed what the engines run
+
+
+def event_message(reason: str, message: str, namespace: str, name: str) -> str:
+    """The Event's message: the decision's reason, and on a change the command that stops the tuner (the
+    incident switch, docs/sre.md), kept whole however long the reason, so that `kubectl describe isvc`
+    says what changed, why, and how to stop it."""
+    if reason not in CHANGE_EVENTS:
+        return message[:EVENT_MESSAGE_MAX]
+    hint = f" [to stop tuning: kubectl annotate isvc -n {namespace} {name} {FREEZE_ANNOTATION}=true]"
+    return message[: EVENT_MESSAGE_MAX - len(hint)] + hint
 
 
 async def publish_in_force(

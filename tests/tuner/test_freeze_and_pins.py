@@ -16,7 +16,7 @@ from specfleet.operator import load_inference_service
 from specfleet.tuner.actuator import ApplyResult
 from specfleet.tuner.loop import ServiceTuner, Tick, params_from_spec, spec_config
 from specfleet.tuner.policy import Policy, PolicyParams
-from specfleet.tuner.report import status_patch, transition_events, tuned_condition
+from specfleet.tuner.report import event_for, status_patch, transition_events, tuned_condition
 from specfleet.tuner.types import SLO, LiveSettings, Observation, TuneBounds, TunedConfig
 
 from .plant import Plant
@@ -222,3 +222,20 @@ def test_specfleet_up_freezes_from_the_yaml_or_while_its_freeze_file_exists(tmp_
     assert LocalFleet(load_inference_service(doc), log_dir=tmp_path).frozen_by == "spec.autotune.freeze"
     args = build_parser().parse_args(["-f", "x.yaml", "--freeze-file", str(tmp_path / "ice")])
     assert args.freeze_file == str(tmp_path / "ice")
+
+
+def test_the_events_of_a_change_say_how_to_stop_the_tuner() -> None:
+    """`kubectl describe isvc` shows what the tuner changed and why (the decision's reason), and on every
+    change the command that freezes it, whole even when a long reason fills the Event's message."""
+    from specfleet.tuner.handlers import EVENT_MESSAGE_MAX, event_message
+
+    engines = PlantEngines(Plant(demand=1), TunedConfig(0, 16, 512))
+    tuner = loop(engines)
+    change = next(t for t in ticks(tuner, 8) if t.decision.changed)  # low load: k goes up (test_policy.py)
+    kind, reason, why = event_for(change.decision) or ("", "", "")
+    command = "kubectl annotate isvc -n team-a chat specfleet.io/tuner-freeze=true"
+    assert (kind, reason) == ("Normal", "Tuned") and "k=" in why
+    assert event_message(reason, why, "team-a", "chat") == f"{why} [to stop tuning: {command}]"
+    long = event_message("TuningReverted", "x" * 2000, "team-a", "chat")
+    assert len(long) == EVENT_MESSAGE_MAX and long.endswith(f"[to stop tuning: {command}]")
+    assert event_message("TuningFrozen", "frozen by ...", "team-a", "chat") == "frozen by ..."

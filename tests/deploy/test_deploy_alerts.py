@@ -295,3 +295,39 @@ def test_the_runbooks_pod_selectors_list_every_pod_the_operator_runs() -> None:
             assert found, (example, routing, workload["metadata"]["name"], sorted(selectors))
             used |= found
     assert used == selectors
+
+
+def test_the_runbooks_read_the_leading_operators_log() -> None:
+    """The chart runs more than one operator replica and only the Lease holder reconciles and tunes, so
+    `kubectl logs deploy/...` (one replica, either) may show a standby that logs nothing of the service:
+    the runbooks take the pod from the Lease the chart names (release `specfleet`), whose holder identity is
+    the pod's name, then `_`."""
+    import socket
+
+    import helm_python as helm
+    from specfleet.operator.leadership import default_identity
+
+    with helm.Chart.load(REPO / "charts" / "specfleet") as chart:
+        rendered = chart.render(values=None, name="specfleet", namespace="specfleet-system", is_install=True)
+    (deployment,) = [
+        d
+        for path, text in rendered.items()
+        if not path.endswith("NOTES.txt")
+        for d in yaml.safe_load_all(text)
+        if d and d["kind"] == "Deployment" and d["metadata"]["name"] == "specfleet-operator"
+    ]
+    assert deployment["spec"]["replicas"] > 1
+    (args,) = [
+        c["args"] for c in deployment["spec"]["template"]["spec"]["containers"] if c["name"] == "operator"
+    ]
+    lease = next(a.split("=", 1)[1] for a in args if a.startswith("--leader-election-id="))
+    assert default_identity().split("_")[0] == socket.gethostname()
+
+    text = RUNBOOKS.read_text()
+    assert f"get lease {lease} -o jsonpath='{{.spec.holderIdentity}}' | cut -d_ -f1)" in text
+    assert not re.search(r"kubectl[^\n]*logs[^\n]*deploy/", text), (
+        "logs of a Deployment: either replica, maybe the standby"
+    )
+    assert re.findall(r"logs -n specfleet-system (\S+)", text) + re.findall(
+        r"specfleet-system logs (\S+)", text
+    )

@@ -331,3 +331,24 @@ def test_the_runbooks_read_the_leading_operators_log() -> None:
     assert re.findall(r"logs -n specfleet-system (\S+)", text) + re.findall(
         r"specfleet-system logs (\S+)", text
     )
+
+
+def test_every_field_the_sre_docs_name_is_in_the_crd() -> None:
+    """The `spec.`/`status.` paths the runbooks and sre.md tell the on-call to read or set exist in the CRD's
+    schema (a renamed field would leave a runbook step that `kubectl` refuses or that reads nothing)."""
+    schema = yaml.safe_load(CRD.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+    def exists(path: str) -> bool:
+        node = schema
+        for part in path.split("."):
+            node = (node.get("properties") or {}).get(part)
+            if node is None:
+                return False
+        return True
+
+    paths = {
+        path
+        for doc in (RUNBOOKS, REPO / "docs" / "sre.md")
+        for path in re.findall(r"`((?:spec|status)\.[\w.]+)`", doc.read_text())
+    }
+    assert len(paths) >= 15 and {p for p in paths if not exists(p)} == set()

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from specfleet.engine.errors import UnsupportedModel
 
 
 @dataclass(frozen=True)
@@ -101,12 +102,21 @@ def _vocab_rows(weight: torch.Tensor, p: ShardPlan) -> torch.Tensor:
     return torch.cat([rows, rows.new_zeros(pad, *rows.shape[1:])]) if pad else rows
 
 
+# Biases the split does not slice yet (o/down would be added once per rank, gate/up need the MLP's rows).
+ROW_PARALLEL_BIASES = tuple(f"{m}.bias" for m in ("o_proj", "gate_proj", "up_proj", "down_proj"))
+
+
 def shard_state(state: dict[str, torch.Tensor], p: ShardPlan, head_dim: int) -> dict[str, torch.Tensor]:
     """The rank's slice of a llama checkpoint's tensors (names as in the checkpoint, `model.` prefix or not);
     other tensors (norms) are replicated."""
     out: dict[str, torch.Tensor] = {}
     for name, w in state.items():
         short = name.removeprefix("model.")
+        if short.endswith(ROW_PARALLEL_BIASES):
+            raise UnsupportedModel(
+                f"tensor_parallel_size={p.size}: {name} (config.json attention_bias or mlp_bias): biases of "
+                "o_proj and the MLP are not split across ranks yet; use pipeline_parallel_size instead"
+            )
         if short.endswith("self_attn.q_proj.weight") or short.endswith("self_attn.q_proj.bias"):
             out[name] = _rows(w, p.heads, head_dim)
         elif any(short.endswith(f"self_attn.{x}_proj.{t}") for x in "kv" for t in ("weight", "bias")):

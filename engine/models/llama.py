@@ -191,7 +191,7 @@ class LlamaLayer:
         if args.qkv_bias:
             qkv_bias = torch.cat([_dense(weights, f"self_attn.{p}_proj.bias") for p in "qkv"], dim=0)
         self.qkv = ops.linear(cat_rows([weights[f"self_attn.{p}_proj.weight"] for p in "qkv"]), qkv_bias)
-        self.o = ops.linear(weights["self_attn.o_proj.weight"])
+        self.o = ops.linear(weights["self_attn.o_proj.weight"], _bias(weights, "self_attn.o_proj.bias"))
         self.init_mlp(weights, ops)
         self.qk_size = (args.num_heads + args.num_kv_heads) * args.head_dim
         self.scale = args.head_dim**-0.5
@@ -204,8 +204,13 @@ class LlamaLayer:
 
     def init_mlp(self, weights: Mapping[str, torch.Tensor | QuantTensor], ops: Ops) -> None:
         """The MLP's weights (a mixture-of-experts layer has its own: engine/models/moe.py)."""
-        self.gate_up = ops.linear(cat_rows([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]))
-        self.down = ops.linear(weights["mlp.down_proj.weight"])
+        gate_up_bias = None
+        if "mlp.gate_proj.bias" in weights:  # Llama's mlp_bias
+            gate_up_bias = torch.cat([_dense(weights, f"mlp.{p}_proj.bias") for p in ("gate", "up")], dim=0)
+        self.gate_up = ops.linear(
+            cat_rows([weights["mlp.gate_proj.weight"], weights["mlp.up_proj.weight"]]), gate_up_bias
+        )
+        self.down = ops.linear(weights["mlp.down_proj.weight"], _bias(weights, "mlp.down_proj.bias"))
 
     def decode_weights(self) -> cpu_native.DecodeLayerWeights | None:
         """This layer for cpu_native.DecodeLayers, or None when one of its linears has no native form."""
@@ -248,6 +253,13 @@ class LlamaLayer:
         act = self.ops.silu_mul(h)
         y = self._row_parallel(self.down, act, x)
         return y if lora is None else lora.add(y, act, self.index, "down")
+
+
+def _bias(weights: Mapping[str, torch.Tensor | QuantTensor], name: str) -> torch.Tensor | None:
+    """A projection's bias when the checkpoint has one: Llama's and Qwen3's `attention_bias` gives o_proj one
+    as well as q/k/v, Llama's `mlp_bias` the MLP's three (transformers adds them; dropped, greedy tokens
+    left transformers' from the first step)."""
+    return _dense(weights, name) if name in weights else None
 
 
 def _dense(state: Mapping[str, torch.Tensor | QuantTensor], name: str) -> torch.Tensor:

@@ -216,3 +216,27 @@ def test_hf_cache_snapshot_serves_under_the_repository_name(mistral_hub_folder, 
     finally:
         llm.close()
     assert list(out[0].outputs[0].token_ids) == hf_greedy(mistral_hub_folder, prompt)
+
+
+@pytest.mark.parametrize(
+    "kind, fields",
+    [("llama", {"attention_bias": True, "mlp_bias": True}), ("qwen3", {"attention_bias": True})],
+    ids=["llama-attention-and-mlp-bias", "qwen3-attention-bias"],
+)
+def test_projection_biases_match_transformers(tmp_path, bundled_path, kind, fields):
+    """`attention_bias` gives o_proj a bias as well as q/k/v, `mlp_bias` gate/up/down theirs: read and added
+    (prefill on the per-layer path, decode on the native fused layers), token for token as transformers."""
+    path = save(tmp_path, kind, bundled_path, **fields)
+    names = set(json.loads((path / SHARD_INDEX).read_text())["weight_map"])
+    assert "model.layers.0.self_attn.o_proj.bias" in names
+    assert ("model.layers.1.mlp.down_proj.bias" in names) == ("mlp_bias" in fields)
+    prompt = [1, 5, 9, 200, 31, 7, 77, 1000, 4, 4, 19, 23]
+    assert engine_greedy(path, prompt) == hf_greedy(path, prompt)
+
+
+def test_tensor_parallel_refuses_projection_biases_it_does_not_split():
+    from specfleet.engine.distributed.sharding import plan, shard_state
+
+    state = {"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2: model.layers.0.self_attn.o_proj.bias"):
+        shard_state(state, plan(4, 2, 128, 49152, size=2, rank=1), head_dim=16)

@@ -3,8 +3,8 @@
 The alerts about an InferenceService's state (deploy/monitoring/prometheus-rules.yaml: not ready, degraded,
 not reconciled, tuner failing static) read these series, so they need nothing but a scrape of the operator
 (`specfleet operator --metrics-port`, the chart's `monitoring.podMonitor`): no kube-state-metrics
-custom-resource config. Every series is labelled `namespace` and `service` (the InferenceService's name,
-which is also its engine Service's name), so it joins the engines' series.
+custom-resource config. Every series is labelled `namespace` and `service`, the InferenceService's name: the
+engines' `job` label (their `service` is the Service scraped, `NAME-engines` behind the router).
 
 The reconcile sets the generation before it starts and, once it wrote status, the observed generation (the
 generation that status describes: the Deployment controller has seen its rollout, docs/operator.md) and the

@@ -13,6 +13,7 @@ layer runs on torch ops.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -23,6 +24,8 @@ from specfleet.engine.errors import UnsupportedModel
 from specfleet.engine.lora.adapter import ModelShape
 from specfleet.kernels import cpu_native
 from specfleet.kernels.quantized import QuantTensor, cat_rows
+
+log = logging.getLogger("specfleet.engine.loader")
 
 
 @dataclass(frozen=True)
@@ -347,11 +350,21 @@ class LlamaModel:
             self._quant_embed = embed
         del embed, lm_head
         self.layers = []
+        unread: list[str] = []
         for i in range(args.num_layers):
             prefix = f"layers.{i}."
-            layer = [k for k in names if k.startswith(prefix)]
-            self.layers.append(self.layer_class(args, _TakenWhenAsked(layer, prefix, take), ops))
+            weights = _TakenWhenAsked([k for k in names if k.startswith(prefix)], prefix, take)
+            self.layers.append(self.layer_class(args, weights, ops))
             self.layers[-1].index = i
+            unread += weights.unread()
+        if unread:  # a tensor the layers do not read is a computation transformers does and this does not
+            log.warning(
+                "event=checkpoint_tensors_unread architecture=%s count=%d first=%s: the layers do not read "
+                "them, so outputs may differ from transformers'",
+                self.architecture,
+                len(unread),
+                unread[:6],
+            )
         cos, sin = self.rope_tables(config)
         self.cos, self.sin = cos.to(device=device, dtype=dtype), sin.to(device=device, dtype=dtype)
         self.dtype, self.device = dtype, device
@@ -458,9 +471,21 @@ class _TakenWhenAsked(Mapping[str, "torch.Tensor | QuantTensor"]):
     def __init__(self, names: list[str], prefix: str, take: Callable[[str], torch.Tensor | QuantTensor]):
         self._names = {k[len(prefix) :]: k for k in names}
         self._take = take
+        self.asked: set[str] = set()
 
     def __getitem__(self, name: str) -> torch.Tensor | QuantTensor:
+        self.asked.add(name)
         return self._take(self._names[name])
+
+    def unread(self) -> list[str]:
+        """The layer's checkpoint tensors it never asked for (model-wide names, without `model.`), less
+        RoPE's `inv_freq` buffers, which older Llama checkpoints carry and nothing reads (the tables are
+        computed)."""
+        return [
+            full
+            for name, full in self._names.items()
+            if name not in self.asked and not name.endswith("inv_freq")
+        ]
 
     def __contains__(self, name: object) -> bool:
         return name in self._names  # without reading the tensor

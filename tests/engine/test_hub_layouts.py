@@ -240,3 +240,25 @@ def test_tensor_parallel_refuses_projection_biases_it_does_not_split():
     state = {"model.layers.0.self_attn.o_proj.bias": torch.zeros(64)}
     with pytest.raises(ValueError, match=r"tensor_parallel_size=2: model.layers.0.self_attn.o_proj.bias"):
         shard_state(state, plan(4, 2, 128, 49152, size=2, rank=1), head_dim=16)
+
+
+def test_a_layer_tensor_the_model_does_not_read_is_logged(tmp_path, bundled_path, caplog):
+    """A checkpoint tensor inside a layer that the layer never reads (here a norm Gemma 2 has and Llama does
+    not) is named in a warning at load: a computation transformers would do and this engine would not, as
+    the o_proj and MLP biases were before they were read. Nothing is logged for a checkpoint read whole."""
+    from safetensors.torch import load_file, save_file
+
+    path = tmp_path / "llama"
+    tiny_model(tiny_config("llama"), std=0.2).save_pretrained(path)
+    copy_tokenizer(bundled_path, path)
+    with caplog.at_level("WARNING", logger="specfleet.engine.loader"):
+        LLM(model=f"file://{path}", block_size=4).close()
+    assert "checkpoint_tensors_unread" not in caplog.text
+    state = load_file(str(path / "model.safetensors"))
+    state["model.layers.1.post_feedforward_layernorm.weight"] = torch.ones(64)
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="specfleet.engine.loader"):
+        LLM(model=f"file://{path}", block_size=4).close()
+    assert "checkpoint_tensors_unread architecture=LlamaForCausalLM count=1" in caplog.text
+    assert "'layers.1.post_feedforward_layernorm.weight'" in caplog.text

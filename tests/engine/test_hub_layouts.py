@@ -1,8 +1,11 @@
 """Checkpoints in the layouts the Hub publishes them, against transformers as the oracle: a sharded folder whose
 `model.safetensors.index.json` decides which files are weights (Mistral's repositories also ship
-`consolidated.safetensors`), LongRoPE on a Llama-family model past its original window, and what is refused at
-start with the field named: an `architectures` transformers cannot even read (a model type it does not know,
-a config that is the repository's own code) and a RoPE type no builder exists for.
+`consolidated.safetensors`), the same folder from a Hugging Face cache (`hf://`, served as `org/name`),
+LongRoPE on a Llama-family model past its original window, YaRN's extended context (Qwen2.5's 128K recipe),
+o_proj and MLP biases (`attention_bias`, `mlp_bias`); what is refused at start with the field named: an
+`architectures` transformers cannot even read (a model type it does not know, a config that is the
+repository's own code), a RoPE type no builder exists for, a max_model_len past the context, biases tensor
+parallelism does not split; and the warning that names a layer tensor the model does not read.
 
 Tiny random checkpoints (2 layers, hidden 64, the bundled tokenizer) built here; greedy tokens compared token
 for token with transformers' `generate` on the same folder. What this does not model: the Hub's download

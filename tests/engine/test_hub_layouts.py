@@ -174,11 +174,21 @@ def test_yarn_extended_context_matches_transformers(tmp_path, bundled_path):
         LLM(model=f"file://{path}", block_size=4, max_model_len=129)
 
 
-def test_max_model_len_past_max_position_embeddings_is_refused_naming_it(tmp_path, bundled_path):
-    path = save(tmp_path, "llama", bundled_path, max_position_embeddings=64)
+@pytest.mark.parametrize(
+    "kind, fields, source",
+    [
+        ("llama", {"max_position_embeddings": 64}, r"max_position_embeddings=64"),
+        # Mistral 7B v0.1's window: attention here is full, so the context stops at the window
+        ("mistral", {"sliding_window": 64}, r"sliding_window=64, attention here is full"),
+    ],
+    ids=["max_position_embeddings", "sliding_window"],
+)
+def test_max_model_len_past_the_context_is_refused_naming_the_field(
+    tmp_path, bundled_path, kind, fields, source
+):
+    path = save(tmp_path, kind, bundled_path, **fields)
     with pytest.raises(
-        ValueError,
-        match=r"max_model_len=65 exceeds the model's context of 64 tokens \(max_position_embeddings=64\)",
+        ValueError, match=rf"max_model_len=65 exceeds the model's context of 64 tokens \({source}\)"
     ):
         LLM(model=f"file://{path}", block_size=4, max_model_len=65)
 
